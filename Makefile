@@ -1,0 +1,25 @@
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+
+.PHONY: setup demo test bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[test]'
+	touch $@
+
+demo: setup
+	$(BIN)/distsync compare --workload digits --solvers allreduce,ddp --workers 2 --out runs/demo
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/python benchmarks/allreduce_vs_ddp.py
+
+clean:
+	rm -rf $(VENV) runs build src/*.egg-info

@@ -1,0 +1,41 @@
+"""distsync: data-parallel PyTorch training with many synchronization solvers, compared.
+
+Attach a solver to your own loop (under torchrun)::
+
+    import distsync
+    comm = distsync.init_comm()
+    solver = distsync.make_solver("allreduce")
+    model = solver.attach(model, optimizer, comm)
+    for step, (x, y) in enumerate(loader):
+        with solver.step(step):
+            loss_fn(model(x), y).backward()
+    solver.close(); comm.close()
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from distsync.config import RunConfig
+from distsync.errors import CommError, ConfigError, DistsyncError, WorkerFailed
+from distsync.solvers import Solver, make_solver, register_solver, solver_names
+from distsync.workloads import Workload
+
+
+def init_comm(timeout_s: float = 60.0, roles: dict[str, int] | None = None, device: str = "auto"):
+    """Join the job that torchrun (or torch's elastic agent) started; return its Comm."""
+    import os
+
+    from distsync.comm import Comm
+    from distsync.runtime.process import pick_device
+    from distsync.runtime.roles import assign_roles
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    extra = sum((roles or {}).values())
+    return Comm.from_env(assign_roles(world - extra, roles or {}), timeout_s, pick_device(device))
+
+
+__all__ = [
+    "CommError", "ConfigError", "DistsyncError", "RunConfig", "Solver", "WorkerFailed", "Workload",
+    "init_comm", "make_solver", "register_solver", "solver_names", "__version__",
+]

@@ -1,0 +1,174 @@
+"""``distsync``: argument parsing, progress bars and tables; nothing else."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any, NoReturn
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from distsync.errors import DistsyncError
+
+console = Console(stderr=True)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, exit 2
+        self.exit(2, f"distsync: error: {message} (see {self.prog} --help)\n")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    from distsync.options import add_run_options
+
+    p = _Parser(prog="distsync", description="Train PyTorch models with distributed synchronization solvers and compare them.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    t = sub.add_parser("train", help="train with one solver")
+    t.add_argument("--solver", default="allreduce", help="solver name (see `distsync list`) or path/to/file.py:Class")
+    t.add_argument("--solver-option", "-o", action="append", metavar="KEY=VALUE", help="a solver option, repeatable")
+    add_run_options(t)
+
+    c = sub.add_parser("compare", help="run several solvers on the same work and write a report")
+    c.add_argument("--solvers", default="allreduce,ddp", help="comma-separated solver names (default: allreduce,ddp)")
+    c.add_argument("--solver-option", "-o", action="append", metavar="[SOLVER.]KEY=VALUE",
+                   help="a solver option; with SOLVER. for one solver only; repeatable")
+    add_run_options(c)
+
+    sub.add_parser("list", help="list solvers and workloads")
+    return p
+
+
+def _default_out(kind: str, workload: str, solver: str) -> Path:
+    tag = workload.replace("/", "_").replace(":", "_").replace(".py", "")
+    return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{kind}-{tag}-{solver}"
+
+
+def _progress() -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description:<12}"),
+        BarColumn(),
+        TextColumn("step {task.completed:>5.0f}/{task.total:.0f}"),
+        TextColumn("{task.fields[status]}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    )
+
+
+def _summary_table(summaries: list[dict[str, Any]]) -> Table:
+    from distsync.experiments.report import HEADERS, summary_rows
+
+    table = Table(title=f"{summaries[0]['workload']}, {summaries[0]['workers']} workers")
+    for h in HEADERS:
+        table.add_column(h, justify="left" if h == "solver" else "right", no_wrap=True)
+    for row in summary_rows(summaries):
+        table.add_row(*row)
+    return table
+
+
+def _run_with_progress(names: list[str], steps: int, run) -> Any:
+    with _progress() as bar:
+        tasks = {}
+
+        def on_start(name: str, cfg) -> None:
+            tasks[name] = bar.add_task(name, total=steps, status="starting")
+
+        def on_progress(name: str, data: dict[str, Any]) -> None:
+            status = f"loss {data['loss']:.4f}"
+            if data.get("metric") is not None:
+                status += f"  metric {data['metric']:.4f}"
+            bar.update(tasks[name], completed=data["step"], status=status)
+
+        return run(on_start, on_progress)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from distsync.config import parse_key_values
+    from distsync.options import config_from_args
+    from distsync.runtime import launch
+    from distsync.solvers import make_options, solver_class
+    from distsync.workloads import check_workload_spec, load_workload
+
+    opts = parse_key_values(args.solver_option)
+    make_options(solver_class(args.solver), opts)
+    cfg = config_from_args(args, args.solver, opts)
+    check_workload_spec(cfg.workload)
+    steps = cfg.steps or load_workload(cfg.workload).steps
+    out = Path(cfg.out) if cfg.out else _default_out("train", cfg.workload, cfg.solver)
+    cfg.out = str(out)
+
+    def run(on_start, on_progress):
+        on_start(cfg.solver, cfg)
+        return launch(cfg, out, lambda d: on_progress(cfg.solver, d))
+
+    summary = _run_with_progress([cfg.solver], steps, run)
+    Console().print(_summary_table([summary]))
+    console.print(f"run folder: {out}")
+    return 0
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from distsync.config import parse_key_values
+    from distsync.experiments import compare, split_solver_options
+    from distsync.options import config_from_args
+    from distsync.workloads import check_workload_spec, load_workload
+
+    solvers = [s.strip() for s in args.solvers.split(",") if s.strip()]
+    from distsync.solvers import solver_class
+
+    for s in solvers:
+        solver_class(s)
+    options = split_solver_options(solvers, parse_key_values(args.solver_option))
+    base = config_from_args(args, solvers[0] if solvers else "allreduce", {})
+    check_workload_spec(base.workload)
+    steps = base.steps or load_workload(base.workload).steps
+    out = Path(base.out) if base.out else _default_out("compare", base.workload, "-".join(solvers[:4]))
+
+    summaries = _run_with_progress(
+        solvers, steps,
+        lambda on_start, on_progress: compare(base, solvers, out, options, on_start, on_progress),
+    )
+    Console().print(_summary_table(summaries))
+    console.print(f"report: {out / 'report.md'}")
+    return 0
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    from distsync.solvers import solver_class, solver_names
+    from distsync.workloads import SHIPPED
+
+    out = Console()
+    table = Table(title="solvers")
+    table.add_column("name")
+    table.add_column("options")
+    for name in solver_names():
+        cls = solver_class(name)
+        import dataclasses
+
+        opts = ", ".join(f"{f.name}={f.default}" for f in dataclasses.fields(cls.Options)) or "-"
+        table.add_row(name, opts)
+    out.print(table)
+    out.print("workloads: " + ", ".join(SHIPPED) + ", or path/to/file.py:make_workload")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    handlers = {"train": _cmd_train, "compare": _cmd_compare, "list": _cmd_list}
+    try:
+        return handlers[args.command](args)
+    except DistsyncError as e:
+        console.print(f"distsync: error: {e}", markup=False, highlight=False, soft_wrap=True)
+        return 2
+    except KeyboardInterrupt:
+        console.print("distsync: interrupted", markup=False, highlight=False)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

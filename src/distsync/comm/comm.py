@@ -1,0 +1,187 @@
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from distsync.errors import CommError
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def ring_allreduce_bytes(nbytes: int, group_size: int) -> int:
+    """Bytes one rank sends in a ring all-reduce of ``nbytes``: 2 (p - 1) / p * nbytes."""
+    if group_size <= 1:
+        return 0
+    return (2 * (group_size - 1) * nbytes) // group_size
+
+
+def _cause(exc: BaseException, timeout_s: float) -> str:
+    text = str(exc)
+    low = text.lower()
+    if "monitoredbarrier" in low:
+        # gloo names the ranks that never arrived: keep its words.
+        return text.strip().splitlines()[0][:300]
+    if "timed out" in low or "timeout" in low:
+        return f"timed out after {timeout_s:g} s (a peer is stalled or has died)"
+    if any(s in low for s in ("connection reset", "connection closed", "broken pipe", "eof", "connection refused")):
+        return "a peer closed its connection (its process died or was stopped)"
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    return first[:300]
+
+
+class Pending:
+    """An asynchronous operation in flight; :meth:`wait` is bounded by the comm timeout."""
+
+    def __init__(self, comm: "Comm", work: Any, op: str):
+        self._comm = comm
+        self._work = work
+        self._op = op
+
+    def wait(self) -> None:
+        try:
+            self._work.wait(datetime.timedelta(seconds=self._comm.timeout_s))
+        except Exception as e:  # gloo raises RuntimeError / DistBackendError
+            raise self._comm.error(self._op, e) from None
+
+
+class Comm:
+    """A rank's view of the job: its rank and role, the workers' group, bounded operations.
+
+    Ranks ``0 .. num_workers - 1`` are workers; any further ranks play the roles a solver
+    asked for (servers, coordinators), in the order ``role_of`` gives.
+    """
+
+    def __init__(self, rank: int, world_size: int, role_of: Sequence[str], timeout_s: float, device: torch.device):
+        self.rank = rank
+        self.world_size = world_size
+        self.role_of = list(role_of)
+        self.timeout_s = float(timeout_s)
+        self.device = device
+        self.worker_ranks = [r for r, role in enumerate(self.role_of) if role == "worker"]
+        self.bytes_sent = 0
+        self._worker_group: Any = None
+
+    # ---- set-up -----------------------------------------------------------------------
+    @classmethod
+    def from_env(cls, role_of: Sequence[str], timeout_s: float, device: torch.device) -> "Comm":
+        """Join the process group that torch's launcher described in the environment."""
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        rank = int(os.environ.get("RANK", "-1"))
+        try:
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        except Exception as e:
+            raise CommError(f"rank {rank}: init_process_group ({backend}) failed: {_cause(e, timeout_s)}") from None
+        comm = cls(dist.get_rank(), dist.get_world_size(), role_of, timeout_s, device)
+        if len(comm.role_of) != comm.world_size:
+            raise CommError(
+                f"rank {comm.rank}: the job has {comm.world_size} processes but the solver's roles "
+                f"need {len(comm.role_of)} (workers + servers/coordinators)"
+            )
+        if len(comm.worker_ranks) < comm.world_size:
+            # Every rank must take part in creating a group, members or not.
+            comm._worker_group = comm._guard("new_group(workers)", dist.new_group, comm.worker_ranks)
+        return comm
+
+    def close(self) -> None:
+        """Leave the process group (idempotent); call before the process exits."""
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+    # ---- who am I ---------------------------------------------------------------------
+    @property
+    def role(self) -> str:
+        return self.role_of[self.rank]
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.worker_ranks)
+
+    @property
+    def worker_index(self) -> int:
+        """This worker's index among workers (0 .. num_workers - 1)."""
+        return self.worker_ranks.index(self.rank)
+
+    @property
+    def worker_group(self) -> Any:
+        """The group of worker ranks only (``None`` means the default group: no other roles)."""
+        return self._worker_group
+
+    def ranks_with_role(self, role: str) -> list[int]:
+        return [r for r, name in enumerate(self.role_of) if name == role]
+
+    def group_size(self, group: Any = None) -> int:
+        return dist.get_world_size(group) if group is not None else self.world_size
+
+    # ---- errors -----------------------------------------------------------------------
+    def error(self, op: str, exc: BaseException) -> CommError:
+        return CommError(f"rank {self.rank} ({self.role}): {op} failed: {_cause(exc, self.timeout_s)}")
+
+    def _guard(self, what: str, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except CommError:
+            raise
+        except Exception as e:
+            raise self.error(what, e) from None
+
+    def count_bytes(self, nbytes: int) -> None:
+        """Account for bytes sent on this rank's behalf by code outside this class (e.g. DDP)."""
+        self.bytes_sent += int(nbytes)
+
+    # ---- operations -------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", group: Any = None, async_op: bool = False):
+        """In-place all-reduce over ``group``; with ``async_op`` returns a :class:`Pending`."""
+        self.bytes_sent += ring_allreduce_bytes(tensor.numel() * tensor.element_size(), self.group_size(group))
+        work = self._guard("all_reduce", dist.all_reduce, tensor, op=_OPS[op], group=group, async_op=async_op)
+        return Pending(self, work, "all_reduce") if async_op else None
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Any = None) -> None:
+        if self.rank == src:
+            self.bytes_sent += tensor.numel() * tensor.element_size()
+        self._guard(f"broadcast(src={src})", dist.broadcast, tensor, src=src, group=group)
+
+    def send(self, tensor: torch.Tensor, dst: int, group: Any = None) -> None:
+        self.bytes_sent += tensor.numel() * tensor.element_size()
+        self._guard(f"send(to rank {dst})", dist.send, tensor, dst=dst, group=group)
+
+    def recv(self, tensor: torch.Tensor, src: int | None = None, group: Any = None) -> int:
+        """Receive into ``tensor``; with ``src=None`` from whoever sends first. Returns the sender."""
+        what = f"recv(from rank {src})" if src is not None else "recv(from any rank)"
+        return self._guard(what, dist.recv, tensor, src=src, group=group)
+
+    def barrier(self, group: Any = None) -> None:
+        if group is None and dist.get_backend() == "gloo":
+            # Names the ranks that did not arrive instead of just timing out.
+            self._guard(
+                "barrier", dist.monitored_barrier, timeout=datetime.timedelta(seconds=self.timeout_s), wait_all_ranks=True
+            )
+        else:
+            self._guard("barrier", dist.barrier, group=group)
+
+    def new_group(self, ranks: Sequence[int], members_only: bool = False) -> Any:
+        """A new group over ``ranks``. With ``members_only`` only its members call this."""
+        return self._guard(
+            f"new_group({list(ranks)})",
+            dist.new_group,
+            list(ranks),
+            timeout=datetime.timedelta(seconds=self.timeout_s),
+            use_local_synchronization=members_only,
+        )
+
+    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        """Gather a picklable object from every rank to ``dst`` (over the default group)."""
+        out = [None] * self.world_size if self.rank == dst else None
+        self._guard("gather_object", dist.gather_object, obj, out, dst=dst)
+        return out
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        box = [obj]
+        self._guard("broadcast_object", dist.broadcast_object_list, box, src=src)
+        return box[0]

@@ -1,0 +1,146 @@
+"""Typed run configuration, validated once at the edge.
+
+A :class:`RunConfig` holds everything needed to re-run a job; it is written to the run
+folder as ``config.json`` and read back by every worker process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from distsync.errors import ConfigError
+
+OPTIMIZERS = ("sgd", "adam")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def parse_slow(spec: str | None) -> dict[int, float]:
+    """Parse ``RANK:FACTOR[,RANK:FACTOR...]`` into ``{rank: factor}``.
+
+    FACTOR is how many times longer that worker's compute takes (>= 1).
+    """
+    if spec is None or spec.strip() == "":
+        return {}
+    slow: dict[int, float] = {}
+    for part in spec.split(","):
+        m = re.fullmatch(r"\s*(\d+)\s*:\s*([0-9]*\.?[0-9]+)\s*x?\s*", part)
+        if not m:
+            raise ConfigError(
+                f"bad --slow entry {part.strip()!r}: expected RANK:FACTOR, e.g. --slow 1:3 or --slow 0:2,3:1.5"
+            )
+        rank, factor = int(m.group(1)), float(m.group(2))
+        if factor < 1.0:
+            raise ConfigError(f"bad --slow entry {part.strip()!r}: FACTOR must be >= 1 (it stretches compute)")
+        if rank in slow:
+            raise ConfigError(f"bad --slow: rank {rank} is given twice")
+        slow[rank] = factor
+    return slow
+
+
+def parse_key_values(items: list[str] | None, what: str = "--solver-option") -> dict[str, str]:
+    """Parse repeated ``KEY=VALUE`` strings into a dict of strings."""
+    out: dict[str, str] = {}
+    for item in items or []:
+        if "=" not in item:
+            raise ConfigError(f"bad {what} {item!r}: expected KEY=VALUE")
+        key, value = item.split("=", 1)
+        key = key.strip().replace("-", "_")
+        if not key:
+            raise ConfigError(f"bad {what} {item!r}: empty KEY")
+        out[key] = value.strip()
+    return out
+
+
+@dataclass
+class RunConfig:
+    """One training job: workload, solver, cluster shape and budget.
+
+    Fields left ``None`` take the workload's defaults (see ``resolve``).
+    """
+
+    workload: str = "digits"
+    solver: str = "allreduce"
+    solver_options: dict[str, Any] = field(default_factory=dict)
+    workers: int = 2
+    steps: int | None = None
+    batch_size: int | None = None
+    lr: float | None = None
+    optimizer: str = "sgd"
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    seed: int = 0
+    slow: dict[int, float] = field(default_factory=dict)
+    eval_every: int | None = None
+    timeout_s: float = 60.0
+    intra_op_threads: int = 1
+    device: str = "auto"
+    master_port: int | None = None
+    out: str | None = None
+
+    def validate(self) -> "RunConfig":
+        """Check every field; raise :class:`ConfigError` with a one-line message."""
+        if not isinstance(self.workers, int) or self.workers < 1:
+            raise ConfigError(f"--workers must be an integer >= 1, got {self.workers!r}")
+        for name in ("steps", "batch_size", "eval_every"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
+        if self.lr is not None and not self.lr > 0:
+            raise ConfigError(f"--lr must be > 0, got {self.lr!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"unknown --optimizer {self.optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
+        if not 0.0 <= self.momentum < 1.0:
+            raise ConfigError(f"--momentum must be in [0, 1), got {self.momentum!r}")
+        if self.weight_decay < 0:
+            raise ConfigError(f"--weight-decay must be >= 0, got {self.weight_decay!r}")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"--timeout must be > 0 seconds, got {self.timeout_s!r}")
+        if not isinstance(self.intra_op_threads, int) or self.intra_op_threads < 1:
+            raise ConfigError(f"--intra-op-threads must be an integer >= 1, got {self.intra_op_threads!r}")
+        if self.device not in DEVICES:
+            raise ConfigError(f"unknown --device {self.device!r}; valid: {', '.join(DEVICES)}")
+        if self.master_port is not None and not 1 <= self.master_port <= 65535:
+            raise ConfigError(f"--master-port must be in 1..65535, got {self.master_port!r}")
+        for rank, factor in self.slow.items():
+            if not 0 <= rank < self.workers:
+                raise ConfigError(
+                    f"bad --slow: rank {rank} is not a worker (workers are ranks 0..{self.workers - 1})"
+                )
+            if factor < 1.0:
+                raise ConfigError(f"bad --slow: factor for rank {rank} must be >= 1, got {factor}")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["slow"] = {str(k): v for k, v in self.slow.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "RunConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"unknown config field(s): {', '.join(unknown)}")
+        d = dict(d)
+        d["slow"] = {int(k): float(v) for k, v in (d.get("slow") or {}).items()}
+        return cls(**d)
+
+    def write(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+
+    @classmethod
+    def read(cls, path: Path) -> "RunConfig":
+        try:
+            d = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"config file {path} is not valid JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise ConfigError(f"config file {path} must hold a JSON object")
+        return cls.from_dict(d).validate()

@@ -1,0 +1,162 @@
+"""report.md and its plots: metric against wall time, throughput, per-worker timelines."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from distsync.metrics import eval_curve  # noqa: E402
+
+PHASE_COLORS = {"compute": "#4C72B0", "comm": "#DD8452", "wait": "#C44E52"}
+
+
+def load_run(run_dir: Path) -> dict[str, Any]:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line]
+    return {"dir": run_dir, "summary": summary, "events": events}
+
+
+def _fmt(v: Any, spec: str = ".3g") -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def plot_metric(runs: list[dict[str, Any]], path: Path) -> None:
+    fig, (ax_m, ax_l) = plt.subplots(1, 2, figsize=(11, 4))
+    for run in runs:
+        s = run["summary"]
+        curve = eval_curve(run["events"])
+        ax_m.plot([p["t"] for p in curve], [p["metric"] for p in curve], marker="o", ms=3, label=s["solver"])
+        steps = sorted((e for e in run["events"] if e["kind"] == "step" and e["rank"] == 0), key=lambda e: e["t"])
+        ax_l.plot([e["t"] for e in steps], [e["loss"] for e in steps], lw=0.8, label=s["solver"])
+    target = runs[0]["summary"].get("target")
+    if target is not None:
+        ax_m.axhline(target, color="grey", ls="--", lw=1, label=f"target {target:g}")
+    ax_m.set_xlabel("wall time (s)")
+    ax_m.set_ylabel(runs[0]["summary"]["metric"] + " (mean over workers)")
+    ax_m.set_title("metric vs wall time")
+    ax_l.set_xlabel("wall time (s)")
+    ax_l.set_ylabel("training loss (worker 0)")
+    ax_l.set_yscale("log")
+    ax_l.set_title("training loss vs wall time")
+    for ax in (ax_m, ax_l):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_throughput(runs: list[dict[str, Any]], path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(max(4, 1.4 * len(runs) + 2), 3.5))
+    names = [r["summary"]["solver"] for r in runs]
+    values = [r["summary"]["throughput_samples_per_s"] for r in runs]
+    bars = ax.bar(names, values, color="#4C72B0")
+    for b, v in zip(bars, values):
+        ax.annotate(f"{v:,.0f}", (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("samples / s (all workers)")
+    ax.set_title("throughput")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_timeline(runs: list[dict[str, Any]], path: Path, window_s: float | None = None) -> None:
+    """Per solver, one row per worker: compute, communication and waiting, step by step.
+
+    Only the first ``window_s`` seconds are drawn (default: the shortest run's length,
+    capped at 1.5 s) so that individual steps stay visible.
+    """
+    walls = [r["summary"]["wall_time_s"] for r in runs]
+    window = window_s or min(1.5, min(walls) if walls else 1.5)
+    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 1.0 + 0.45 * sum(r["summary"]["workers"] for r in runs) + 0.6 * len(runs)),
+                             squeeze=False)
+    for ax, run in zip(axes[:, 0], runs):
+        s = run["summary"]
+        ranks = sorted({e["rank"] for e in run["events"] if e["kind"] == "step"})
+        for row, rank in enumerate(ranks):
+            segs: dict[str, list[tuple[float, float]]] = {p: [] for p in PHASE_COLORS}
+            for e in run["events"]:
+                if e["kind"] != "step" or e["rank"] != rank or e["t0"] > window:
+                    continue
+                t = e["t0"]
+                for phase in ("compute", "comm", "wait"):
+                    if e[phase] > 0:
+                        segs[phase].append((t, e[phase]))
+                        t += e[phase]
+            for phase, color in PHASE_COLORS.items():
+                ax.broken_barh(segs[phase], (row - 0.4, 0.8), facecolors=color, label=phase if row == 0 else None)
+        ax.set_yticks(range(len(ranks)), [f"worker {r}" for r in ranks])
+        ax.set_xlim(0, window)
+        ax.set_title(f"{s['solver']}: first {window:.2f} s", fontsize=9, loc="left")
+        ax.invert_yaxis()
+    axes[0, 0].legend(loc="upper right", fontsize=8, ncol=3)
+    axes[-1, 0].set_xlabel("wall time (s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def summary_rows(summaries: list[dict[str, Any]]) -> list[list[str]]:
+    """The comparison table: one row per solver (used by report.md and the console)."""
+    rows = []
+    for s in summaries:
+        share = s["phase_share"]
+        rows.append([
+            s["solver"],
+            f"{s['throughput_samples_per_s']:,.0f}",
+            _fmt(s["time_to_target_s"], ".2f"),
+            _fmt(s["final_metric"], ".4f"),
+            f"{s['wall_time_s']:.2f}",
+            f"{share['compute']:.0%}/{share['comm']:.0%}/{share['wait']:.0%}",
+            f"{s['bytes_sent'] / 2**20:,.1f}",
+        ])
+    return rows
+
+
+HEADERS = ["solver", "samples/s", "to target (s)", "final", "wall (s)", "compute/comm/wait", "MiB sent"]
+
+
+def write_report(out_dir: Path, run_dirs: list[Path]) -> Path:
+    runs = [load_run(d) for d in run_dirs]
+    plot_metric(runs, out_dir / "metric_vs_time.png")
+    plot_throughput(runs, out_dir / "throughput.png")
+    plot_timeline(runs, out_dir / "timeline.png")
+    first = runs[0]["summary"]
+    cfg = json.loads((run_dirs[0] / "config.json").read_text())
+    lines = [
+        f"# distsync compare: {first['workload']}, {first['workers']} workers",
+        "",
+        f"Metric: {first['metric']} ({'higher' if first['higher_is_better'] else 'lower'} is better), "
+        f"target {_fmt(first['target'], 'g')}. Steps per worker: {first['steps_per_worker']}. "
+        f"Slow workers: {first['slow'] or 'none'}. Seed: {cfg['seed']}.",
+        "",
+        "| " + " | ".join(HEADERS) + " |",
+        "|" + "---|" * len(HEADERS),
+    ]
+    lines += ["| " + " | ".join(r) + " |" for r in summary_rows([r["summary"] for r in runs])]
+    lines += [
+        "",
+        "Time to target counts training time only (evaluation pauses each worker's clock). "
+        "Waiting is time blocked on other workers (for all-reduce solvers: each step's exposed "
+        "communication beyond the fastest worker's). Bytes are what workers sent, counting an "
+        "all-reduce as a ring all-reduce.",
+        "",
+        "![metric vs wall time](metric_vs_time.png)",
+        "",
+        "![throughput](throughput.png)",
+        "",
+        "![per-worker timeline](timeline.png)",
+        "",
+        "Runs: " + ", ".join(f"[{d.name}]({d.name}/summary.json)" for d in run_dirs),
+        "",
+    ]
+    path = out_dir / "report.md"
+    path.write_text("\n".join(lines))
+    return path

@@ -1,0 +1,105 @@
+"""Turn the per-step events of every worker into a run's summary.
+
+Events are dicts. A step event: ``{"kind": "step", "rank", "step", "t0", "t", "loss",
+"samples", "compute", "comm", "wait", "bytes"}``; an eval event: ``{"kind": "eval", "rank",
+"step", "t", "metric", "loss"}``. Times are seconds on each worker's training clock, which
+starts at a common barrier and stops while that worker evaluates.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Iterable
+
+PHASES = ("compute", "comm", "wait")
+
+
+def split_collective_wait(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For solvers with one blocking collective per step: split exposed communication.
+
+    In a collective every worker leaves at about the same moment, so the worker that arrived
+    last saw only the transfer itself. Per step, the smallest exposed communication among
+    workers is counted as transfer for everyone, and each worker's excess over it as time
+    spent waiting for the slowest worker. Returns new event dicts.
+    """
+    by_step: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for e in events:
+        if e["kind"] == "step":
+            by_step[e["step"]].append(e)
+    out = []
+    floor = {s: min(e["comm"] for e in es) for s, es in by_step.items()}
+    for e in events:
+        if e["kind"] == "step":
+            e = dict(e)
+            excess = e["comm"] - floor[e["step"]]
+            e["comm"] -= excess
+            e["wait"] += excess
+        out.append(e)
+    return out
+
+
+def eval_curve(events: Iterable[dict[str, Any]]) -> list[dict[str, float]]:
+    """Per evaluated step: the mean metric over workers, at the latest worker's time."""
+    by_step: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for e in events:
+        if e["kind"] == "eval":
+            by_step[e["step"]].append(e)
+    curve = []
+    for step in sorted(by_step):
+        es = by_step[step]
+        curve.append(
+            {
+                "step": step,
+                "t": max(e["t"] for e in es),
+                "metric": sum(e["metric"] for e in es) / len(es),
+                "loss": sum(e["loss"] for e in es) / len(es),
+                "workers": len(es),
+            }
+        )
+    return curve
+
+
+def summarize(
+    events: list[dict[str, Any]],
+    *,
+    target: float | None,
+    higher_is_better: bool = True,
+) -> dict[str, Any]:
+    """Throughput (samples/s), time to target (s), final metric, bytes, phase totals."""
+    steps = [e for e in events if e["kind"] == "step"]
+    done = {e["rank"]: e["t"] for e in events if e["kind"] == "done"}
+    ranks = sorted({e["rank"] for e in steps})
+    wall = max(list(done.values()) + [e["t"] for e in steps] + [0.0])
+    samples = sum(e["samples"] for e in steps)
+    per_rank: dict[int, dict[str, float]] = {r: {p: 0.0 for p in PHASES} for r in ranks}
+    for e in steps:
+        for p in PHASES:
+            per_rank[e["rank"]][p] += e[p]
+    for r in ranks:
+        per_rank[r]["steps"] = sum(1 for e in steps if e["rank"] == r)
+        per_rank[r]["bytes"] = sum(e["bytes"] for e in steps if e["rank"] == r)
+    curve = eval_curve(events)
+    reached = None
+    if target is not None:
+        for point in curve:
+            ok = point["metric"] >= target if higher_is_better else point["metric"] <= target
+            if ok:
+                reached = point
+                break
+    totals = {p: sum(v[p] for v in per_rank.values()) for p in PHASES}
+    busy = sum(totals.values()) or 1.0
+    return {
+        "wall_time_s": wall,
+        "samples": samples,
+        "throughput_samples_per_s": samples / wall if wall > 0 else 0.0,
+        "steps_per_worker": max((v["steps"] for v in per_rank.values()), default=0),
+        "target": target,
+        "time_to_target_s": reached["t"] if reached else None,
+        "step_at_target": reached["step"] if reached else None,
+        "final_metric": curve[-1]["metric"] if curve else None,
+        "final_loss": curve[-1]["loss"] if curve else None,
+        "bytes_sent": sum(v["bytes"] for v in per_rank.values()),
+        "phase_seconds": totals,
+        "phase_share": {p: totals[p] / busy for p in PHASES},
+        "per_worker": {str(r): v for r, v in per_rank.items()},
+    }

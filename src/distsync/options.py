@@ -1,0 +1,59 @@
+"""Command-line options shared by ``distsync train/compare`` and ``python -m distsync.worker``."""
+
+from __future__ import annotations
+
+import argparse
+
+from distsync.config import RunConfig, parse_key_values, parse_slow
+
+
+def add_run_options(p: argparse.ArgumentParser, *, workers_default: int | None = 2) -> None:
+    g = p.add_argument_group("job")
+    g.add_argument("--workload", default="digits",
+                   help="digits | mnist | cnn | path/to/file.py:make_workload (default: digits)")
+    g.add_argument("--workers", type=int, default=workers_default, help="worker processes (default: 2)")
+    g.add_argument("--steps", type=int, help="steps per worker (default: the workload's)")
+    g.add_argument("--batch-size", type=int, help="samples per worker per step (default: the workload's)")
+    g.add_argument("--lr", type=float, help="learning rate (default: the workload's)")
+    g.add_argument("--optimizer", default="sgd", help="sgd | adam (default: sgd)")
+    g.add_argument("--momentum", type=float, default=0.0)
+    g.add_argument("--weight-decay", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--eval-every", type=int, help="evaluate every N steps (default: the workload's)")
+    g = p.add_argument_group("cluster")
+    g.add_argument("--slow", metavar="RANK:FACTOR[,...]",
+                   help="stretch these workers' compute FACTOR times (e.g. --slow 1:3)")
+    g.add_argument("--timeout", type=float, default=60.0, dest="timeout_s",
+                   help="seconds any blocking communication may take before the job fails (default: 60)")
+    g.add_argument("--intra-op-threads", type=int, default=1, help="torch threads per process (default: 1)")
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
+    g.add_argument("--master-port", type=int, help="rendezvous port (default: a free one)")
+    g.add_argument("--out", help="run folder (default: runs/<time>-<workload>-<solver>)")
+
+
+def config_from_args(args: argparse.Namespace, solver: str, solver_options: dict) -> RunConfig:
+    """A validated :class:`RunConfig` from parsed options."""
+    return RunConfig(
+        workload=args.workload,
+        solver=solver,
+        solver_options=solver_options,
+        workers=args.workers,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        optimizer=args.optimizer,
+        momentum=args.momentum,
+        weight_decay=args.weight_decay,
+        seed=args.seed,
+        slow=parse_slow(args.slow),
+        eval_every=args.eval_every,
+        timeout_s=args.timeout_s,
+        intra_op_threads=args.intra_op_threads,
+        device=args.device,
+        master_port=args.master_port,
+        out=args.out,
+    ).validate()
+
+
+def solver_options_from(items: list[str] | None) -> dict:
+    return parse_key_values(items)

@@ -1,0 +1,139 @@
+"""Start a job on this machine through torch's elastic agent (the engine behind torchrun).
+
+Each process runs ``python -m distsync.worker --config RUN_DIR/config.json``, the same
+entry point that ``torchrun`` uses across machines, so both paths run identical code.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import sys
+import threading
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+from distsync.config import RunConfig
+from distsync.errors import ConfigError, DistsyncError, WorkerFailed
+from distsync.runtime.roles import assign_roles
+from distsync.solvers import make_options, solver_class
+
+ProgressFn = Callable[[dict[str, Any]], None]
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _quiet_torch_logs() -> None:
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def _failure_message(failures: dict[int, Any], role_of: list[str]) -> str:
+    """One line naming the rank that failed first, skipping ranks the agent stopped after it."""
+
+    def describe(rank: int, f: Any) -> tuple[int, str]:
+        role = role_of[rank] if rank < len(role_of) else "process"
+        msg = f.message
+        if isinstance(msg, dict):
+            msg = msg.get("message", "")
+        msg = str(msg or "")
+        if f.signal_name() not in ("<N/A>", "") and f.exitcode < 0:
+            sig = f.signal_name()
+            if sig == "SIGTERM":
+                return 3, f"{role} rank {rank} was stopped (SIGTERM)"
+            return 0, f"{role} rank {rank} died (killed by {sig})"
+        if msg and "To enable traceback" not in msg:
+            text = msg.split(": ", 1)[1] if msg.split(": ", 1)[0].endswith(("Error", "Failed", "Exception")) else msg
+            text = text.strip().splitlines()[0]
+            if "rank" not in text:
+                text = f"{role} rank {rank}: {text}"
+            # A peer-lost or timeout error is a consequence of another rank's failure.
+            secondary = "closed its connection" in text or "timed out" in text or "failed to pass" in text
+            return (2 if secondary else 1), text
+        return 0, f"{role} rank {rank} died (exit code {f.exitcode})"
+
+    ranked = sorted((describe(r, f) + (r,) for r, f in failures.items()), key=lambda x: (x[0], x[2]))
+    return ranked[0][1]
+
+
+class _ProgressPoller(threading.Thread):
+    def __init__(self, path: Path, fn: ProgressFn):
+        super().__init__(name="distsync-progress", daemon=True)
+        self.path, self.fn = path, fn
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        last = None
+        while not self.stop.wait(0.2):
+            try:
+                data = json.loads(self.path.read_text())
+            except (OSError, ValueError):
+                continue
+            if data != last:
+                last = data
+                self.fn(data)
+
+
+def launch(cfg: RunConfig, run_dir: Path, on_progress: ProgressFn | None = None) -> dict[str, Any]:
+    """Run one job on this machine; return its summary. Raises :class:`DistsyncError`."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    cfg.validate()
+    cls = solver_class(cfg.solver)
+    solver = cls(make_options(cls, cfg.solver_options))
+    role_of = assign_roles(cfg.workers, solver.roles)
+    if cfg.master_port is not None and not port_is_free(cfg.master_port):
+        raise ConfigError(
+            f"port {cfg.master_port} on 127.0.0.1 is in use; pick another --master-port or leave it out to use a free one"
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg.write(run_dir / "config.json")
+    for stale in ("summary.json", "events.jsonl", "progress.json"):
+        (run_dir / stale).unlink(missing_ok=True)
+    _quiet_torch_logs()
+    lc = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=len(role_of),
+        run_id=f"distsync-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{cfg.master_port or 0}",
+        rdzv_configs={"timeout": int(max(30, cfg.timeout_s))},
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+        local_addr="127.0.0.1",
+        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=Std.ALL, tee=Std.NONE),
+        shutdown_timeout=5,
+    )
+    poller = _ProgressPoller(run_dir / "progress.json", on_progress) if on_progress else None
+    if poller:
+        poller.start()
+    args = ["-m", "distsync.worker", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)]
+    try:
+        elastic_launch(lc, sys.executable)(*args)
+    except ChildFailedError as e:
+        raise WorkerFailed(f"{cfg.solver}: {_failure_message(e.failures, role_of)} (logs: {run_dir / 'logs'})") from None
+    except DistsyncError:
+        raise
+    except Exception as e:  # rendezvous or agent failures
+        raise WorkerFailed(f"{cfg.solver}: the launcher failed: {type(e).__name__}: {e}") from None
+    finally:
+        if poller:
+            poller.stop.set()
+            poller.join(timeout=2)
+    summary_path = run_dir / "summary.json"
+    if not summary_path.exists():
+        raise WorkerFailed(f"{cfg.solver}: the job ended without writing {summary_path}")
+    return json.loads(summary_path.read_text())

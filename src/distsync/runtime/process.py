@@ -1,0 +1,77 @@
+"""What every process of a job runs, whichever launcher started it."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from distsync.comm import Comm
+from distsync.config import RunConfig
+from distsync.metrics import split_collective_wait, summarize
+from distsync.runtime.loop import Progress, train_worker
+from distsync.runtime.roles import assign_roles
+from distsync.solvers import make_options, solver_class
+from distsync.workloads import load_workload
+
+
+def pick_device(requested: str) -> torch.device:
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
+    return torch.device("cpu")
+
+
+def write_results(cfg: RunConfig, run_dir: Path, events: list[dict[str, Any]], solver, workload,
+                  stats: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0: events.jsonl and summary.json from every rank's events."""
+    if solver.collective_per_step:
+        events = split_collective_wait(events)
+    events.sort(key=lambda e: (e.get("t", 0.0), e["rank"]))
+    with open(run_dir / "events.jsonl", "w") as f:
+        for e in events:
+            f.write(json.dumps(e) + "\n")
+    summary = {
+        "solver": cfg.solver,
+        "workload": workload.name,
+        "workers": cfg.workers,
+        "metric": workload.metric_name,
+        "higher_is_better": workload.higher_is_better,
+        "slow": {str(k): v for k, v in cfg.slow.items()},
+        **summarize(events, target=workload.target, higher_is_better=workload.higher_is_better),
+        "solver_stats": stats,
+    }
+    tmp = run_dir / "summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    os.replace(tmp, run_dir / "summary.json")
+    return summary
+
+
+def run_process(cfg: RunConfig, run_dir: Path) -> None:
+    """Join the job, play this rank's role, and (rank 0) write the run's results."""
+    torch.set_num_threads(cfg.intra_op_threads)
+    device = pick_device(cfg.device)
+    cls = solver_class(cfg.solver)
+    solver = cls(make_options(cls, cfg.solver_options))
+    comm = Comm.from_env(assign_roles(cfg.workers, solver.roles), cfg.timeout_s, device)
+    try:
+        if comm.role == "worker":
+            workload = load_workload(cfg.workload)
+            progress = Progress(run_dir / "progress.json" if comm.rank == 0 else None,
+                                cfg.steps or workload.steps)
+            events = train_worker(cfg, workload, solver, comm, device, progress)
+        else:
+            workload = None
+            solver.serve(comm.role, comm)
+            events = []
+        gathered = comm.gather_object({"events": events, "role": comm.role, "stats": solver.stats()})
+        if comm.rank == 0:
+            all_events = [e for g in gathered for e in g["events"]]
+            stats = {str(r): g["stats"] for r, g in enumerate(gathered) if g["stats"]}
+            write_results(cfg, run_dir, all_events, solver, workload, stats)
+        comm.barrier()
+    finally:
+        comm.close()

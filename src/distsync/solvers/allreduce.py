@@ -1,0 +1,135 @@
+"""`allreduce`: bucketed gradient all-reduce that overlaps communication with backward.
+
+Synchronous data-parallel SGD, exactly: after every step each worker holds the mean of all
+workers' gradients, so with equal per-worker batches the update equals single-process SGD on
+the union of the batches. Gradients live in flat per-bucket buffers (``param.grad`` is a view
+into them, so nothing is copied before or after communication); a bucket's all-reduce starts
+from a gradient hook as soon as its last gradient is accumulated, while backward goes on
+with the layers below. Buckets start in one fixed order on every rank, as collectives must.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from distsync.solvers.base import Solver, register_solver
+
+
+@dataclass
+class AllReduceOptions:
+    """bucket_mb: largest bucket in MiB (smaller buckets start communicating earlier, larger
+    ones pay the per-message latency fewer times). overlap: start buckets during backward."""
+
+    bucket_mb: float = 25.0
+    overlap: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
+
+
+class _Bucket:
+    def __init__(self, params: list[nn.Parameter]):
+        self.params = params
+        total = sum(p.numel() for p in params)
+        self.flat = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
+        self.views: list[torch.Tensor] = []
+        offset = 0
+        for p in params:
+            self.views.append(self.flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        self.waiting_for = len(params)
+        self.pending = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.numel() * self.flat.element_size()
+
+
+def plan_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:
+    """Group parameters, in the order given, into buckets of at most ``cap_bytes``.
+
+    A parameter larger than the cap gets a bucket of its own; dtype or device changes start
+    a new bucket (a flat buffer holds one of each).
+    """
+    buckets: list[list[nn.Parameter]] = []
+    size = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        cur = buckets[-1] if buckets else None
+        if cur is None or size + nbytes > cap_bytes or p.dtype != cur[0].dtype or p.device != cur[0].device:
+            buckets.append([p])
+            size = nbytes
+        else:
+            cur.append(p)
+            size += nbytes
+    return buckets
+
+
+@register_solver
+class AllReduce(Solver):
+    name = "allreduce"
+    Options = AllReduceOptions
+    collective_per_step = True
+
+    def attach(self, model, optimizer, comm):
+        super().attach(model, optimizer, comm)
+        params = [p for p in model.parameters() if p.requires_grad]
+        # Backward produces gradients roughly from the last layer to the first.
+        cap = int(self.options.bucket_mb * 2**20)
+        self.buckets = [_Bucket(ps) for ps in plan_buckets(list(reversed(params)), cap)]
+        self._where: dict[nn.Parameter, tuple[_Bucket, int]] = {}
+        for b in self.buckets:
+            for i, p in enumerate(b.params):
+                self._where[p] = (b, i)
+                p.grad = b.views[i]
+                if self.options.overlap:
+                    p.register_post_accumulate_grad_hook(self._grad_ready)
+        self._next = 0  # index of the next bucket to launch
+        self._world = comm.num_workers
+        self._group = comm.worker_group
+        return model
+
+    def _adopt_grad(self, p: nn.Parameter, b: _Bucket, i: int) -> None:
+        # A loop that set grads to None (or replaced them) broke the view: copy back in.
+        view = b.views[i]
+        if p.grad is None:
+            view.zero_()
+        elif p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
+        p.grad = view
+
+    def _grad_ready(self, p: nn.Parameter) -> None:
+        b, i = self._where[p]
+        self._adopt_grad(p, b, i)
+        b.waiting_for -= 1
+        while self._next < len(self.buckets) and self.buckets[self._next].waiting_for == 0:
+            self._launch(self.buckets[self._next])
+
+    def _launch(self, b: _Bucket) -> None:
+        b.pending = self.comm.all_reduce(b.flat, group=self._group, async_op=True)
+        self._next += 1
+
+    def after_backward(self, step: int) -> None:
+        # Parameters that took no part in this step's graph contribute zeros, as on the others.
+        for b in self.buckets[self._next :]:
+            if b.waiting_for:
+                for i, p in enumerate(b.params):
+                    self._adopt_grad(p, b, i)
+                b.waiting_for = 0
+            self._launch(b)
+        for b in self.buckets:
+            b.pending.wait()
+            b.pending = None
+            b.flat.div_(self._world)
+            b.waiting_for = len(b.params)
+        self._next = 0
+
+    def zero_grad(self) -> None:
+        for b in self.buckets:
+            b.flat.zero_()
+            for p, view in zip(b.params, b.views):
+                p.grad = view

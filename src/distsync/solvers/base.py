@@ -1,0 +1,235 @@
+"""The Solver interface and the registry that maps ``--solver NAME`` onto a class.
+
+A solver is a small object whose hooks the training loop calls; it never launches
+processes, parses options or reads the environment. Everything it needs is handed in:
+the model, the optimizer and a :class:`~distsync.comm.Comm`.
+
+Order of the hooks on a worker, once per step::
+
+    before_step(step)      # e.g. pull fresh parameters from a server every n_fetch steps
+    forward, backward      # (the loop's work; gradient hooks may start communication)
+    after_backward(step)   # gradients ready: finish the all-reduce, or push to a server
+    update(step)           # default optimizer.step(); a PS solver lets the server apply it
+    after_update(step)     # elastic exchange every tau, gossip, Partial All-Reduce
+    zero_grad()
+
+Processes that are not workers (``roles``) run :meth:`serve` instead of the loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import importlib.util
+import sys
+import time
+import typing
+from pathlib import Path
+from typing import Any, ClassVar, Iterator
+
+import torch
+import torch.nn as nn
+
+from distsync.errors import ConfigError
+
+
+@dataclasses.dataclass
+class NoOptions:
+    """This solver has no options."""
+
+
+class PhaseClock:
+    """Per-step time accounting shared by the training loop and the solver.
+
+    The loop charges each hook's time to ``comm``; inside a hook, a solver moves time it
+    spent blocked on a peer (a lock, a slow worker, a server queue) to ``wait`` with
+    ``with clock.waiting(): ...``. Seconds, from ``time.perf_counter``.
+    """
+
+    def __init__(self) -> None:
+        self.waited = 0.0
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.waited += time.perf_counter() - t0
+
+    def take_wait(self) -> float:
+        w, self.waited = self.waited, 0.0
+        return w
+
+
+class Solver:
+    """Base class: synchronizes nothing; subclasses override the hooks they need."""
+
+    name: ClassVar[str] = ""
+    Options: ClassVar[type] = NoOptions
+    #: True when every worker blocks in one collective per step, so a worker's exposed
+    #: communication beyond the fastest worker's is time spent waiting for the slowest.
+    collective_per_step: ClassVar[bool] = False
+    #: Training threads per worker process (Hogwild-style solvers raise it).
+    threads_per_worker: ClassVar[int] = 1
+
+    def __init__(self, options: Any = None) -> None:
+        self.options = options if options is not None else self.Options()
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.comm: Any = None
+        self.clock = PhaseClock()
+
+    # ---- process layout -----------------------------------------------------------------
+    @property
+    def roles(self) -> dict[str, int]:
+        """Extra processes beside the workers, e.g. ``{"server": 2}``; ranks follow the workers."""
+        return {}
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Any) -> nn.Module:
+        """Bind to a model, optimizer and comm; return the module the loop should call."""
+        self.model, self.optimizer, self.comm = model, optimizer, comm
+        return model
+
+    def before_step(self, step: int) -> None:
+        pass
+
+    def after_backward(self, step: int) -> None:
+        pass
+
+    def update(self, step: int) -> None:
+        assert self.optimizer is not None, "attach() first"
+        self.optimizer.step()
+
+    def after_update(self, step: int) -> None:
+        pass
+
+    def zero_grad(self) -> None:
+        assert self.optimizer is not None, "attach() first"
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def eval_model(self) -> nn.Module:
+        """The model whose quality the run reports (a center copy for elastic solvers)."""
+        assert self.model is not None, "attach() first"
+        return self.model
+
+    def serve(self, role: str, comm: Any) -> None:
+        """The loop of a non-worker process (server, coordinator); return when workers are done."""
+        raise NotImplementedError(f"solver {self.name} declares role {role!r} but does not serve it")
+
+    def close(self) -> None:
+        """Final synchronization; stop and join any threads this solver started."""
+
+    def stats(self) -> dict[str, Any]:
+        """Solver-specific counters for summary.json (e.g. staleness, groups joined)."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    # ---- convenience for users' own loops -----------------------------------------------
+    @contextlib.contextmanager
+    def step(self, step: int) -> Iterator[None]:
+        """Wrap one step of your own loop: ``with solver.step(i): loss.backward()``."""
+        self.before_step(step)
+        yield
+        self.after_backward(step)
+        self.update(step)
+        self.after_update(step)
+        self.zero_grad()
+
+
+# ---- registry ---------------------------------------------------------------------------
+_REGISTRY: dict[str, type[Solver]] = {}
+
+
+def register_solver(cls: type[Solver]) -> type[Solver]:
+    """Class decorator: make ``cls`` available as ``--solver cls.name``."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} needs a non-empty `name`")
+    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+        raise ValueError(f"solver name {cls.name!r} is already registered by {_REGISTRY[cls.name].__name__}")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def solver_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def _import_path(spec: str) -> type[Solver]:
+    target, _, attr = spec.rpartition(":")
+    if target.endswith(".py"):
+        path = Path(target)
+        if not path.is_file():
+            raise ConfigError(f"solver file {target} does not exist")
+        name = f"distsync_user_solver_{abs(hash(str(path.resolve())))}"
+        mspec = importlib.util.spec_from_file_location(name, path)
+        assert mspec is not None and mspec.loader is not None
+        module = importlib.util.module_from_spec(mspec)
+        sys.modules[name] = module
+        mspec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(target)
+    cls = getattr(module, attr, None)
+    if not (isinstance(cls, type) and issubclass(cls, Solver)):
+        raise ConfigError(f"{spec} does not name a distsync Solver class")
+    return cls
+
+
+def solver_class(spec: str) -> type[Solver]:
+    """The class for a registry name, or for ``path/to/file.py:ClassName``."""
+    if spec in _REGISTRY:
+        return _REGISTRY[spec]
+    if ":" in spec:
+        return _import_path(spec)
+    raise ConfigError(f"unknown solver {spec!r}; valid: {', '.join(solver_names())}")
+
+
+def _coerce(value: Any, typ: Any, key: str, solver: str) -> Any:
+    if not isinstance(value, str):
+        return value
+    origin = typing.get_origin(typ)
+    if origin is typing.Union or str(origin) == "types.UnionType":
+        args = [a for a in typing.get_args(typ) if a is not type(None)]
+        if value.lower() == "none":
+            return None
+        typ = args[0]
+    try:
+        if typ is bool:
+            if value.lower() in ("1", "true", "yes", "on"):
+                return True
+            if value.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if typ in (int, float, str):
+            return typ(value)
+    except ValueError:
+        raise ConfigError(f"solver {solver}: option {key}={value!r} is not a valid {typ.__name__}") from None
+    return value
+
+
+def make_options(cls: type[Solver], raw: dict[str, Any]) -> Any:
+    """Build and validate ``cls.Options`` from ``{key: value}`` (strings are converted)."""
+    fields = {f.name: f for f in dataclasses.fields(cls.Options)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        valid = ", ".join(fields) or "none"
+        raise ConfigError(f"solver {cls.name}: unknown option(s) {', '.join(unknown)}; valid: {valid}")
+    hints = typing.get_type_hints(cls.Options)
+    values = {k: _coerce(v, hints.get(k, str), k, cls.name) for k, v in raw.items()}
+    try:
+        return cls.Options(**values)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"solver {cls.name}: {e}") from None
+
+
+def make_solver(spec: str, **options: Any) -> Solver:
+    """A solver by registry name (or import path) with its options, validated."""
+    cls = solver_class(spec)
+    return cls(make_options(cls, options))

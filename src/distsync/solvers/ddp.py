@@ -1,0 +1,50 @@
+"""`ddp`: PyTorch's DistributedDataParallel, the reference peer for `allreduce`.
+
+DDP finishes its all-reduce inside backward, so its exposed communication shows up in the
+compute phase of the timeline; bytes are counted as a ring all-reduce of the gradients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.nn.parallel import DistributedDataParallel
+
+from distsync.comm import ring_allreduce_bytes
+from distsync.solvers.base import Solver, register_solver
+
+
+@dataclass
+class DDPOptions:
+    """bucket_mb: DDP's bucket_cap_mb."""
+
+    bucket_mb: float = 25.0
+
+    def __post_init__(self) -> None:
+        if not self.bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
+
+
+@register_solver
+class DDP(Solver):
+    name = "ddp"
+    Options = DDPOptions
+    collective_per_step = True
+
+    def attach(self, model, optimizer, comm):
+        super().attach(model, optimizer, comm)
+        self.ddp = DistributedDataParallel(
+            model,
+            process_group=comm.worker_group,
+            bucket_cap_mb=self.options.bucket_mb,
+            gradient_as_bucket_view=True,
+        )
+        grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        self._bytes_per_step = ring_allreduce_bytes(grad_bytes, comm.num_workers)
+        return self.ddp
+
+    def after_backward(self, step: int) -> None:
+        self.comm.count_bytes(self._bytes_per_step)
+
+    def eval_model(self):
+        return self.ddp.module

@@ -1,0 +1,68 @@
+"""Entry point of every process of a job: ``python -m distsync.worker``.
+
+``distsync train`` starts it with ``--config RUN_DIR/config.json``. Across machines, start it
+with torchrun and the usual run options; the number of workers is the world size minus the
+solver's extra roles::
+
+    torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \\
+        -m distsync.worker --workload digits --solver allreduce --out runs/two-nodes
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from distsync.config import RunConfig
+from distsync.errors import ConfigError
+from distsync.options import add_run_options, config_from_args, solver_options_from
+
+
+def _config_from_torchrun(argv: list[str]) -> tuple[RunConfig, Path]:
+    from distsync.solvers import make_options, solver_class
+
+    p = argparse.ArgumentParser(prog="python -m distsync.worker")
+    p.add_argument("--solver", default="allreduce")
+    p.add_argument("--solver-option", "-o", action="append", metavar="KEY=VALUE")
+    add_run_options(p, workers_default=None)
+    args = p.parse_args(argv)
+    cls = solver_class(args.solver)
+    opts = solver_options_from(args.solver_option)
+    extra = sum(cls(make_options(cls, opts)).roles.values())
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    workers = world - extra
+    if args.workers is not None and args.workers != workers:
+        raise ConfigError(f"--workers {args.workers} does not match WORLD_SIZE {world} minus {extra} extra role(s)")
+    args.workers = workers
+    cfg = config_from_args(args, args.solver, opts)
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", time.strftime("%Y%m%d-%H%M%S"))
+    run_dir = Path(cfg.out or f"runs/{run_id}-{cfg.workload.replace('/', '_')}-{cfg.solver}")
+    if int(os.environ.get("RANK", "0")) == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        cfg.write(run_dir / "config.json")
+    return cfg, run_dir
+
+
+@record
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    from distsync.runtime.process import run_process
+
+    if "--config" in argv:
+        p = argparse.ArgumentParser(prog="python -m distsync.worker")
+        p.add_argument("--config", required=True)
+        p.add_argument("--run-dir", required=True)
+        args = p.parse_args(argv)
+        cfg, run_dir = RunConfig.read(Path(args.config)), Path(args.run_dir)
+    else:
+        cfg, run_dir = _config_from_torchrun(argv)
+    run_process(cfg, run_dir)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""Workloads: a model factory, data, a loss, a metric and its target.
+
+Shipped: ``digits``, ``mnist``, ``cnn``. A user workload is named by import path,
+``path/to/file.py:make_workload`` or ``package.module:make_workload``; the function takes no
+arguments and returns a :class:`Workload`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Callable
+
+from distsync.errors import ConfigError
+from distsync.workloads.base import ShardSampler, Workload, accuracy
+
+SHIPPED = ("digits", "mnist", "cnn")
+
+
+def _shipped(name: str) -> Callable[[], Workload]:
+    module = importlib.import_module(f"distsync.workloads.{name}")
+    return module.make_workload
+
+
+def _from_path(spec: str) -> Callable[[], Workload]:
+    target, _, func = spec.rpartition(":")
+    if not target or not func:
+        raise ConfigError(f"workload {spec!r}: expected path/to/file.py:function or package.module:function")
+    if target.endswith(".py"):
+        path = Path(target)
+        if not path.is_file():
+            raise ConfigError(f"workload file {target} does not exist")
+        mod_name = f"distsync_user_workload_{abs(hash(str(path.resolve())))}"
+        mod_spec = importlib.util.spec_from_file_location(mod_name, path)
+        assert mod_spec is not None and mod_spec.loader is not None
+        module = importlib.util.module_from_spec(mod_spec)
+        sys.modules[mod_name] = module
+        try:
+            mod_spec.loader.exec_module(module)
+        except Exception as e:
+            raise ConfigError(f"workload file {target} failed to import: {type(e).__name__}: {e}") from None
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as e:
+            raise ConfigError(f"workload module {target} cannot be imported: {e}") from None
+    fn = getattr(module, func, None)
+    if not callable(fn):
+        raise ConfigError(f"workload {target} does not define a function {func}()")
+    return fn
+
+
+def load_workload(spec: str) -> Workload:
+    """Build the workload named ``spec`` (a shipped name or an import path)."""
+    if spec in SHIPPED:
+        factory = _shipped(spec)
+    elif ":" in spec:
+        factory = _from_path(spec)
+    else:
+        raise ConfigError(
+            f"unknown workload {spec!r}; valid: {', '.join(SHIPPED)}, or path/to/file.py:make_workload"
+        )
+    try:
+        workload = factory()
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise ConfigError(f"workload {spec}: its factory raised {type(e).__name__}: {e}") from None
+    if not isinstance(workload, Workload):
+        raise ConfigError(f"workload {spec}: the factory returned {type(workload).__name__}, not a distsync Workload")
+    return workload
+
+
+def check_workload_spec(spec: str) -> None:
+    """Fail fast, in the launching process, on a workload name or path that cannot work."""
+    if spec in SHIPPED:
+        return
+    if ":" not in spec:
+        load_workload(spec)  # raises with the list of valid names
+    _from_path(spec)
+
+
+__all__ = ["Workload", "ShardSampler", "accuracy", "load_workload", "check_workload_spec", "SHIPPED"]

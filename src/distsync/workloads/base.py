@@ -1,0 +1,117 @@
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Union
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import Dataset, default_collate
+
+Data = Union[tuple[torch.Tensor, torch.Tensor], Dataset]
+
+
+def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> float:
+    """Share of rows whose arg-max equals the target class."""
+    return (outputs.argmax(dim=1) == targets).float().mean().item()
+
+
+@dataclass
+class Workload:
+    """A model factory, train and eval data, a loss, a metric and the metric's target.
+
+    ``train_data`` / ``eval_data`` are either a pair of tensors ``(inputs, targets)`` or any
+    map-style :class:`torch.utils.data.Dataset`. The batch size, learning rate, step budget
+    and evaluation interval are defaults that command-line options override.
+    """
+
+    name: str
+    make_model: Callable[[], nn.Module]
+    train_data: Data
+    eval_data: Data
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy
+    metric_fn: Callable[[torch.Tensor, torch.Tensor], float] = accuracy
+    metric_name: str = "accuracy"
+    target: float | None = None
+    higher_is_better: bool = True
+    batch_size: int = 32
+    lr: float = 0.1
+    steps: int = 200
+    eval_every: int = 20
+    description: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for which in ("train_data", "eval_data"):
+            data = getattr(self, which)
+            if isinstance(data, tuple):
+                if len(data) != 2 or len(data[0]) != len(data[1]):
+                    raise ValueError(f"workload {self.name}: {which} must be (inputs, targets) of equal length")
+
+    @property
+    def num_train(self) -> int:
+        return len(self.train_data[0]) if isinstance(self.train_data, tuple) else len(self.train_data)
+
+    def reached(self, metric: float) -> bool:
+        """Whether ``metric`` meets the target (respecting the metric's direction)."""
+        if self.target is None:
+            return False
+        return metric >= self.target if self.higher_is_better else metric <= self.target
+
+    @staticmethod
+    def take(data: Data, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows ``indices`` of ``data`` as a batch ``(inputs, targets)``."""
+        if isinstance(data, tuple):
+            return data[0][indices], data[1][indices]
+        return default_collate([data[int(i)] for i in indices])
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, device: torch.device, batch_size: int = 1024) -> dict[str, float]:
+        """Loss and metric of ``model`` on the whole eval set."""
+        was_training = model.training
+        model.eval()
+        n = len(self.eval_data[0]) if isinstance(self.eval_data, tuple) else len(self.eval_data)
+        outs, tgts = [], []
+        for start in range(0, n, batch_size):
+            x, y = self.take(self.eval_data, torch.arange(start, min(n, start + batch_size)))
+            outs.append(model(x.to(device)).float().cpu())
+            tgts.append(y)
+        model.train(was_training)
+        out, tgt = torch.cat(outs), torch.cat(tgts)
+        return {"metric": float(self.metric_fn(out, tgt)), "loss": float(self.loss_fn(out, tgt))}
+
+
+class ShardSampler:
+    """Deterministic mini-batches for one worker's shard of the training set.
+
+    The training set is permuted once by ``seed`` and dealt round-robin to ``num_shards``
+    workers; each epoch of a shard is reshuffled from ``(seed, shard, epoch)``. The indices
+    for a step depend on nothing else, so any process (or a test) can recompute them.
+    """
+
+    def __init__(self, num_items: int, num_shards: int, shard: int, batch_size: int, seed: int):
+        if not 0 <= shard < num_shards:
+            raise ValueError(f"shard {shard} out of range for {num_shards} shards")
+        order = np.random.default_rng([seed, 0x5EED]).permutation(num_items)
+        self.shard_items = torch.from_numpy(order[shard::num_shards].copy())
+        if len(self.shard_items) < batch_size:
+            raise ValueError(
+                f"each of {num_shards} workers gets {len(self.shard_items)} training items, "
+                f"fewer than the batch size {batch_size}"
+            )
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shard = shard
+        self.steps_per_epoch = len(self.shard_items) // batch_size
+        self._epoch = -1
+        self._perm: torch.Tensor | None = None
+
+    def indices(self, step: int) -> torch.Tensor:
+        epoch, pos = divmod(step, self.steps_per_epoch)
+        if epoch != self._epoch:
+            perm = np.random.default_rng([self.seed, self.shard, epoch]).permutation(len(self.shard_items))
+            self._perm = self.shard_items[torch.from_numpy(perm)]
+            self._epoch = epoch
+        assert self._perm is not None
+        return self._perm[pos * self.batch_size : (pos + 1) * self.batch_size]
