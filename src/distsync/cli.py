@@ -17,6 +17,12 @@ from distsync.errors import DistsyncError
 console = Console(stderr=True)
 
 
+def _stdout() -> Console:
+    # Tables stay readable when piped (rich assumes 80 columns off a terminal).
+    out = Console()
+    return out if out.is_terminal else Console(width=120)
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line, exit 2
         self.exit(2, f"distsync: error: {message} (see {self.prog} --help)\n")
@@ -57,6 +63,8 @@ def _progress() -> Progress:
         TimeElapsedColumn(),
         console=console,
         transient=False,
+        # Off a terminal (logs, CI, pipes) a bar is noise: the final table says it all.
+        disable=not console.is_terminal,
     )
 
 
@@ -107,7 +115,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return launch(cfg, out, lambda d: on_progress(cfg.solver, d))
 
     summary = _run_with_progress([cfg.solver], steps, run)
-    Console().print(_summary_table([summary]))
+    _stdout().print(_summary_table([summary]))
     console.print(f"run folder: {out}")
     return 0
 
@@ -133,7 +141,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         solvers, steps,
         lambda on_start, on_progress: compare(base, solvers, out, options, on_start, on_progress),
     )
-    Console().print(_summary_table(summaries))
+    _stdout().print(_summary_table(summaries))
     console.print(f"report: {out / 'report.md'}")
     return 0
 
@@ -142,7 +150,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
     from distsync.solvers import solver_class, solver_names
     from distsync.workloads import SHIPPED
 
-    out = Console()
+    out = _stdout()
     table = Table(title="solvers")
     table.add_column("name")
     table.add_column("options")

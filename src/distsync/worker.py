@@ -14,6 +14,7 @@ import argparse
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -65,4 +66,17 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # Leave without running C++ destructors: a gloo thread torn down at interpreter exit can
+    # abort the process ("terminate called without an active exception") after the work is
+    # done and the error file written, which would hide the real outcome.
+    code = 0
+    try:
+        main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -70,11 +70,14 @@ def plot_throughput(runs: list[dict[str, Any]], path: Path) -> None:
 def plot_timeline(runs: list[dict[str, Any]], path: Path, window_s: float | None = None) -> None:
     """Per solver, one row per worker: compute, communication and waiting, step by step.
 
-    Only the first ``window_s`` seconds are drawn (default: the shortest run's length,
-    capped at 1.5 s) so that individual steps stay visible.
+    Only the first ``window_s`` seconds are drawn (default: about 25 steps of the slowest
+    solver, within the shortest run) so that individual steps stay visible.
     """
-    walls = [r["summary"]["wall_time_s"] for r in runs]
-    window = window_s or min(1.5, min(walls) if walls else 1.5)
+    if window_s is None:
+        walls = [r["summary"]["wall_time_s"] for r in runs]
+        per_step = [r["summary"]["wall_time_s"] / max(1, r["summary"]["steps_per_worker"]) for r in runs]
+        window_s = min(min(walls), 25 * max(per_step))
+    window = max(window_s, 1e-3)
     fig, axes = plt.subplots(len(runs), 1, figsize=(11, 1.0 + 0.45 * sum(r["summary"]["workers"] for r in runs) + 0.6 * len(runs)),
                              squeeze=False)
     for ax, run in zip(axes[:, 0], runs):

@@ -67,7 +67,8 @@ def summarize(
 ) -> dict[str, Any]:
     """Throughput (samples/s), time to target (s), final metric, bytes, phase totals."""
     steps = [e for e in events if e["kind"] == "step"]
-    done = {e["rank"]: e["t"] for e in events if e["kind"] == "done"}
+    done_events = [e for e in events if e["kind"] == "done"]
+    done = {e["rank"]: e["t"] for e in done_events}
     ranks = sorted({e["rank"] for e in steps})
     wall = max(list(done.values()) + [e["t"] for e in steps] + [0.0])
     samples = sum(e["samples"] for e in steps)
@@ -98,7 +99,8 @@ def summarize(
         "step_at_target": reached["step"] if reached else None,
         "final_metric": curve[-1]["metric"] if curve else None,
         "final_loss": curve[-1]["loss"] if curve else None,
-        "bytes_sent": sum(v["bytes"] for v in per_rank.values()),
+        # bytes sent at close (a final synchronization) count too
+        "bytes_sent": sum(v["bytes"] for v in per_rank.values()) + sum(e.get("bytes", 0) for e in done_events),
         "phase_seconds": totals,
         "phase_share": {p: totals[p] / busy for p in PHASES},
         "per_worker": {str(r): v for r, v in per_rank.items()},

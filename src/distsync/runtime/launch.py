@@ -46,19 +46,21 @@ def _failure_message(failures: dict[int, Any], role_of: list[str]) -> str:
         if isinstance(msg, dict):
             msg = msg.get("message", "")
         msg = str(msg or "")
-        if f.signal_name() not in ("<N/A>", "") and f.exitcode < 0:
-            sig = f.signal_name()
-            if sig == "SIGTERM":
-                return 3, f"{role} rank {rank} was stopped (SIGTERM)"
-            return 0, f"{role} rank {rank} died (killed by {sig})"
-        if msg and "To enable traceback" not in msg:
-            text = msg.split(": ", 1)[1] if msg.split(": ", 1)[0].endswith(("Error", "Failed", "Exception")) else msg
+        sig = f.signal_name() if f.exitcode < 0 else ""
+        if msg and "To enable traceback" not in msg and not msg.startswith("Signal "):
+            # The process wrote its own error before it ended: that is the cause.
+            head, _, rest = msg.partition(": ")
+            text = rest if rest and head.endswith(("Error", "Failed", "Exception")) else msg
             text = text.strip().splitlines()[0]
             if "rank" not in text:
                 text = f"{role} rank {rank}: {text}"
             # A peer-lost or timeout error is a consequence of another rank's failure.
             secondary = "closed its connection" in text or "timed out" in text or "failed to pass" in text
             return (2 if secondary else 1), text
+        if sig == "SIGTERM":
+            return 3, f"{role} rank {rank} was stopped (SIGTERM)"
+        if sig:
+            return 0, f"{role} rank {rank} died (killed by {sig})"
         return 0, f"{role} rank {rank} died (exit code {f.exitcode})"
 
     ranked = sorted((describe(r, f) + (r,) for r, f in failures.items()), key=lambda x: (x[0], x[2]))

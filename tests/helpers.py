@@ -1,0 +1,127 @@
+"""Helpers for tests that run several real processes on gloo over 127.0.0.1."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parents[1]
+DISTSYNC = [sys.executable, "-m", "distsync.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn: Callable, rank: int, world: int, port: int, conn, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    import torch
+
+    torch.set_num_threads(1)
+    # Plain pickle: torch's multiprocessing reductions would share memory with a process
+    # that is about to exit.
+    try:
+        conn.send_bytes(pickle.dumps(("ok", fn(rank, world, *args))))
+    except BaseException as e:  # report, don't hang the parent
+        conn.send_bytes(pickle.dumps(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")))
+    finally:
+        conn.close()
+
+
+def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 50.0) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` in ``world`` spawned processes; return their results.
+
+    A process that fails raises here with its traceback; one that hangs past ``timeout``
+    seconds is killed and the test fails.
+    """
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    pipes, procs = [], []
+    for rank in range(world):
+        parent, child = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_child, args=(fn, rank, world, port, child, args), daemon=True)
+        p.start()
+        child.close()
+        pipes.append(parent)
+        procs.append(p)
+    results: list[Any] = [None] * world
+    errors = []
+    try:
+        for rank, pipe in enumerate(pipes):
+            if not pipe.poll(timeout):
+                raise TimeoutError(f"rank {rank} produced no result within {timeout} s (hang)")
+            status, value = pickle.loads(pipe.recv_bytes())
+            if status == "error":
+                errors.append(f"rank {rank}: {value}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return results
+
+
+def run_cli(*args: str, timeout: float = 55.0, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run ``distsync ARGS`` and return the finished process (text output)."""
+    return subprocess.run(DISTSYNC + list(args), capture_output=True, text=True, timeout=timeout, cwd=cwd or REPO)
+
+
+def children_of(pid: int) -> list[int]:
+    """All descendants of ``pid`` (from /proc)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    out, frontier = [], [pid]
+    while frontier:
+        cur = frontier.pop()
+        kids = [p for p, pp in parents.items() if pp == cur]
+        out += kids
+        frontier += kids
+    return out
+
+
+def env_of(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def kill_tree(pid: int) -> None:
+    for p in children_of(pid) + [pid]:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -1,0 +1,143 @@
+"""The command line: one-line errors with exit code 2, end-to-end runs, reports."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import DISTSYNC, REPO, alive, children_of, env_of, kill_tree, run_cli
+
+FIXTURES = REPO / "tests" / "fixtures"
+
+
+def _one_line_error(proc, expected):
+    assert proc.returncode == 2, proc.stderr
+    err = proc.stderr.strip()
+    assert "Traceback" not in err
+    assert "\n" not in err, f"not one line: {err!r}"
+    assert expected in err, err
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["train", "--solver", "nope"], "unknown solver 'nope'; valid: allreduce, ddp"),
+        (["train", "--workload", "nope"], "unknown workload 'nope'; valid: digits, mnist, cnn, or path/to/file.py:make_workload"),
+        (["train", "--workers", "0"], "--workers must be an integer >= 1, got 0"),
+        (["train", "--slow", "1:x"], "bad --slow entry '1:x': expected RANK:FACTOR"),
+        (["train", "--workers", "2", "--slow", "2:3"], "bad --slow: rank 2 is not a worker (workers are ranks 0..1)"),
+        (["train", "--workload", "tests/fixtures/tiny_workload.py:make_it"],
+         "workload tests/fixtures/tiny_workload.py does not define a function make_it()"),
+        (["train", "--workload", "tests/fixtures/absent.py:make_workload"],
+         "workload file tests/fixtures/absent.py does not exist"),
+        (["train", "--workload", "tests/fixtures/tiny_workload.py:not_a_workload"],
+         "the factory returned int, not a distsync Workload"),
+        (["train", "-o", "bucket_mb=-1"], "solver allreduce: bucket_mb must be > 0, got -1.0"),
+        (["train", "-o", "buckets=2"], "solver allreduce: unknown option(s) buckets; valid: bucket_mb, overlap"),
+        (["compare", "--solvers", "allreduce,nope"], "unknown solver 'nope'"),
+        (["train", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    ],
+)
+def test_bad_input_gives_one_line_and_exit_2(args, expected):
+    _one_line_error(run_cli(*args), expected)
+
+
+def test_port_in_use_is_named():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        proc = run_cli("train", "--master-port", str(port), "--steps", "5")
+    _one_line_error(proc, f"port {port} on 127.0.0.1 is in use")
+
+
+def test_nan_loss_stops_the_run_naming_step_and_worker(tmp_path):
+    proc = run_cli("train", "--lr", "1e12", "--steps", "50", "--out", str(tmp_path / "run"))
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "loss is nan at step" in proc.stderr or "loss is inf at step" in proc.stderr
+    assert "worker rank" in proc.stderr
+
+
+@pytest.mark.slow
+def test_killed_worker_ends_the_job_naming_rank_with_no_orphans(tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.Popen(DISTSYNC + ["train", "--steps", "1000000", "--workers", "2", "--out", str(run)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 40
+        while not (run / "progress.json").exists():
+            assert time.monotonic() < deadline, "the job never started training"
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.1)
+        family = children_of(proc.pid)
+        victim = [p for p in family if env_of(p).get("RANK") == "1"]
+        assert victim, "no process with RANK=1 among the job's processes"
+        os.kill(victim[0], signal.SIGKILL)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        kill_tree(proc.pid)
+    assert proc.returncode == 2
+    assert "worker rank 1 died (killed by SIGKILL)" in err, err
+    time.sleep(0.5)
+    assert [p for p in family if alive(p)] == []
+
+
+@pytest.mark.slow
+def test_compare_reaches_target_and_writes_report(tmp_path):
+    out = tmp_path / "cmp"
+    proc = run_cli("compare", "--workload", "digits", "--solvers", "allreduce,ddp", "--workers", "2", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    for solver in ("allreduce", "ddp"):
+        s = json.loads((out / solver / "summary.json").read_text())
+        assert s["time_to_target_s"] is not None and s["final_metric"] >= 0.95, s
+        assert s["samples"] == 2 * 300 * 32
+        assert s["bytes_sent"] > 0
+        config = json.loads((out / solver / "config.json").read_text())
+        assert config["solver"] == solver and config["workers"] == 2
+        events = [json.loads(l) for l in (out / solver / "events.jsonl").read_text().splitlines()]
+        assert {e["rank"] for e in events if e["kind"] == "step"} == {0, 1}
+    report = (out / "report.md").read_text()
+    for png in ("metric_vs_time.png", "throughput.png", "timeline.png"):
+        assert f"]({png})" in report
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| allreduce |" in report and "| ddp |" in report
+    assert "allreduce" in proc.stdout and "ddp" in proc.stdout  # the console table
+
+
+@pytest.mark.slow
+def test_slow_worker_is_stretched_and_others_wait(tmp_path):
+    out = tmp_path / "slow"
+    proc = run_cli("train", "--workers", "2", "--slow", "1:4", "--steps", "60", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    w = json.loads((out / "summary.json").read_text())["per_worker"]
+    assert w["1"]["compute"] > 2.5 * w["0"]["compute"], w
+    assert w["0"]["wait"] > 2 * w["1"]["wait"], w
+
+
+@pytest.mark.slow
+def test_user_workload_and_user_solver_with_a_server_role(tmp_path):
+    out = tmp_path / "probe"
+    proc = run_cli("train", "--workload", "tests/fixtures/tiny_workload.py:make_workload",
+                   "--solver", "tests/fixtures/probe_solver.py:ServerProbe", "--workers", "2", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    s = json.loads((out / "summary.json").read_text())
+    # rank 2 is the server; it heard every step of both workers
+    assert s["solver_stats"] == {"2": {"received": {"0": 80, "1": 80}}}
+    assert s["final_metric"] >= 0.9
+
+
+@pytest.mark.slow
+def test_worker_entry_point_runs_under_torchrun(tmp_path):
+    out = tmp_path / "tr"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "distsync.worker", "--workload", "digits", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=55)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["workers"] == 2 and s["time_to_target_s"] is not None

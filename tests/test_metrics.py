@@ -1,0 +1,46 @@
+import pytest
+
+from distsync.metrics import eval_curve, split_collective_wait, summarize
+
+
+def step(rank, s, t0, t, compute, comm, wait=0.0, samples=10, nbytes=100):
+    return {"kind": "step", "rank": rank, "step": s, "t0": t0, "t": t, "loss": 1.0, "samples": samples,
+            "compute": compute, "comm": comm, "wait": wait, "bytes": nbytes}
+
+
+def test_split_collective_wait_moves_excess_over_fastest_to_wait():
+    events = [step(0, 0, 0.0, 1.0, 0.2, 0.8), step(1, 0, 0.0, 1.0, 0.9, 0.1),
+              step(0, 1, 1.0, 2.0, 0.5, 0.5), step(1, 1, 1.0, 2.0, 0.6, 0.3, wait=0.1)]
+    out = split_collective_wait(events)
+    assert [(e["comm"], e["wait"]) for e in out] == [
+        (pytest.approx(0.1), pytest.approx(0.7)), (pytest.approx(0.1), pytest.approx(0.0)),
+        (pytest.approx(0.3), pytest.approx(0.2)), (pytest.approx(0.3), pytest.approx(0.1)),
+    ]
+    assert events[0]["comm"] == 0.8  # inputs untouched
+
+
+def test_summary_throughput_time_to_target_and_bytes():
+    events = [step(0, 0, 0.0, 1.0, 0.5, 0.5), step(1, 0, 0.0, 1.5, 1.0, 0.5),
+              step(0, 1, 1.0, 2.0, 0.5, 0.5), step(1, 1, 1.5, 3.0, 1.0, 0.5),
+              {"kind": "eval", "rank": 0, "step": 0, "t": 1.0, "metric": 0.8, "loss": 0.5},
+              {"kind": "eval", "rank": 1, "step": 0, "t": 1.5, "metric": 0.9, "loss": 0.3},
+              {"kind": "eval", "rank": 0, "step": 1, "t": 2.0, "metric": 0.95, "loss": 0.2},
+              {"kind": "eval", "rank": 1, "step": 1, "t": 3.0, "metric": 0.97, "loss": 0.1},
+              {"kind": "done", "rank": 1, "t": 4.0, "bytes": 50}]
+    s = summarize(events, target=0.85)
+    assert s["wall_time_s"] == 4.0
+    assert s["samples"] == 40
+    assert s["throughput_samples_per_s"] == pytest.approx(10.0)
+    # mean metric at step 0 is 0.85, reached at the later worker's time 1.5 s
+    assert s["time_to_target_s"] == 1.5 and s["step_at_target"] == 0
+    assert s["final_metric"] == pytest.approx(0.96)
+    assert s["bytes_sent"] == 450
+    assert s["phase_seconds"] == {"compute": 3.0, "comm": 2.0, "wait": 0.0}
+    assert summarize(events, target=0.99)["time_to_target_s"] is None
+
+
+def test_lower_is_better_target():
+    events = [{"kind": "eval", "rank": 0, "step": s, "t": float(s), "metric": m, "loss": m}
+              for s, m in enumerate([0.9, 0.8, 0.7])]
+    assert summarize(events, target=0.8, higher_is_better=False)["time_to_target_s"] == 1.0
+    assert [p["metric"] for p in eval_curve(events)] == [0.9, 0.8, 0.7]
