@@ -1,0 +1,75 @@
+"""Throughput of our `allreduce` against PyTorch DDP, side by side in one run.
+
+For each (workload, workers) row the two solvers run alternately, ``--rounds`` times each,
+on the same seed, data and step budget; the row reports the median throughput of each and
+the ratio ours / DDP (target: >= 1.0 on every row).
+
+    python benchmarks/allreduce_vs_ddp.py [--rounds 3] [--json benchmarks/results/allreduce_vs_ddp.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from distsync.config import RunConfig
+from distsync.errors import DistsyncError
+from distsync.runtime import launch
+
+ROWS = [("digits", 2, 300), ("digits", 4, 300), ("cnn", 2, 60), ("cnn", 4, 60)]
+SOLVERS = ("allreduce", "ddp")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--json", default="benchmarks/results/allreduce_vs_ddp.json")
+    p.add_argument("--rows", help="subset, e.g. digits:2,cnn:4")
+    p.add_argument("--extra", nargs="*", default=[], help="extra KEY=VALUE RunConfig fields (strings)")
+    args = p.parse_args()
+    rows = ROWS
+    if args.rows:
+        wanted = {tuple(r.split(":")) for r in args.rows.split(",")}
+        rows = [r for r in ROWS if (r[0], str(r[1])) in wanted]
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for workload, workers, steps in rows:
+            samples: dict[str, list[float]] = {s: [] for s in SOLVERS}
+            for rnd in range(args.rounds):
+                order = SOLVERS if rnd % 2 == 0 else SOLVERS[::-1]
+                for solver in order:
+                    cfg = RunConfig(workload=workload, solver=solver, workers=workers, steps=steps,
+                                    eval_every=10**6, seed=rnd)
+                    try:
+                        s = launch(cfg, Path(tmp) / f"{workload}-{workers}-{solver}-{rnd}")
+                    except DistsyncError as e:
+                        print(f"error: {e}", file=sys.stderr)
+                        return 2
+                    samples[solver].append(s["throughput_samples_per_s"])
+            med = {s: statistics.median(v) for s, v in samples.items()}
+            row = {"workload": workload, "workers": workers, "steps": steps, "rounds": args.rounds,
+                   "allreduce_samples_per_s": med["allreduce"], "ddp_samples_per_s": med["ddp"],
+                   "ratio": med["allreduce"] / med["ddp"], "all": samples}
+            results.append(row)
+            print(f"{workload:>7} x{workers}: allreduce {med['allreduce']:>9,.0f}  ddp {med['ddp']:>9,.0f}  "
+                  f"ratio {row['ratio']:.2f}", flush=True)
+    print()
+    print("| workload | workers | allreduce (samples/s) | ddp (samples/s) | ratio ours/DDP |")
+    print("|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['workload']} | {r['workers']} | {r['allreduce_samples_per_s']:,.0f} | "
+              f"{r['ddp_samples_per_s']:,.0f} | {r['ratio']:.2f} |")
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"when": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": results}, indent=2) + "\n")
+    print(f"\nwrote {out}")
+    return 0 if all(r["ratio"] >= 1.0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

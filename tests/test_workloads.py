@@ -1,0 +1,49 @@
+import pytest
+import torch
+
+from distsync.errors import ConfigError
+from distsync.workloads import ShardSampler, load_workload
+
+
+@pytest.mark.parametrize("name, n_train, n_eval, shape", [
+    ("digits", 1437, 360, (64,)),
+    ("mnist", 4000, 1000, (1, 28, 28)),
+    ("cnn", 4096, 512, (3, 32, 32)),
+])
+def test_shipped_workloads_shapes_and_untrained_accuracy(name, n_train, n_eval, shape):
+    w = load_workload(name)
+    assert w.num_train == n_train and len(w.eval_data[0]) == n_eval
+    assert tuple(w.train_data[0].shape[1:]) == shape
+    assert set(w.train_data[1].unique().tolist()) == set(range(10))
+    torch.manual_seed(0)
+    m = w.make_model()
+    assert m(w.train_data[0][:4]).shape == (4, 10)
+    # an untrained model is near chance, far from the target
+    assert w.evaluate(m, torch.device("cpu"))["metric"] < 0.4 < w.target
+
+
+def test_sampler_shards_are_disjoint_cover_and_deterministic():
+    samplers = [ShardSampler(103, 4, r, 5, seed=7) for r in range(4)]
+    shards = [set(s.shard_items.tolist()) for s in samplers]
+    assert sum(len(s) for s in shards) == 103 and set().union(*shards) == set(range(103))
+    for r, s in enumerate(samplers):
+        epoch0 = torch.cat([s.indices(i) for i in range(s.steps_per_epoch)])
+        assert len(set(epoch0.tolist())) == len(epoch0)  # no repeats inside an epoch
+        assert set(epoch0.tolist()) <= shards[r]
+        again = ShardSampler(103, 4, r, 5, seed=7)
+        assert torch.equal(again.indices(3), s.indices(3))
+        # the next epoch is reshuffled
+        assert not torch.equal(s.indices(0), s.indices(s.steps_per_epoch))
+    assert not torch.equal(ShardSampler(103, 4, 0, 5, seed=8).shard_items, samplers[0].shard_items)
+
+
+def test_sampler_refuses_shards_smaller_than_a_batch():
+    with pytest.raises(ValueError, match="fewer than the batch size 64"):
+        ShardSampler(100, 4, 0, 64, seed=0)
+
+
+def test_user_workload_by_path():
+    w = load_workload("tests/fixtures/tiny_workload.py:make_workload")
+    assert w.name == "tiny" and w.num_train == 500
+    with pytest.raises(ConfigError, match="does not define a function nope"):
+        load_workload("tests/fixtures/tiny_workload.py:nope")
