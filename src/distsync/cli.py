@@ -45,6 +45,14 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="a solver option; with SOLVER. for one solver only; repeatable")
     add_run_options(c)
 
+    lt = sub.add_parser("linktest", help="measure the bandwidth the (emulated) links deliver")
+    lt.add_argument("--link", metavar="BANDWIDTH[,LATENCY]", help="emulated link (default: loopback, unshaped)")
+    lt.add_argument("--workers", type=int, default=2)
+    lt.add_argument("--sizes", default="1,10", help="message sizes in MiB, comma-separated (default: 1,10)")
+    lt.add_argument("--repeats", type=int, default=3)
+    lt.add_argument("--timeout", type=float, default=60.0, dest="timeout_s")
+    lt.add_argument("--out", help="run folder (default: runs/<time>-linktest)")
+
     sub.add_parser("list", help="list solvers and workloads")
     return p
 
@@ -146,6 +154,39 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_linktest(args: argparse.Namespace) -> int:
+    from distsync.config import ConfigError, RunConfig, format_rate
+    from distsync.runtime import launch
+
+    try:
+        sizes = [float(x) for x in args.sizes.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"bad --sizes {args.sizes!r}: expected MiB numbers, e.g. 1,10") from None
+    if not sizes or min(sizes) <= 0:
+        raise ConfigError(f"bad --sizes {args.sizes!r}: sizes must be > 0")
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
+    cfg = RunConfig(workers=args.workers, link=args.link, timeout_s=args.timeout_s, task="linktest",
+                    task_options={"sizes_mb": sizes, "repeats": args.repeats}).validate()
+    if cfg.workers < 2:
+        raise ConfigError("linktest needs --workers >= 2")
+    out = Path(args.out) if args.out else Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-linktest"
+    result = launch(cfg, out)
+    rate = result["configured_bps"]
+    table = Table(title=f"linktest: {cfg.workers} workers, link {args.link or 'loopback (unshaped)'}")
+    for h in ("size (MiB)", "p2p (Mbit/s)", "all-reduce bus (Mbit/s)", "configured (Mbit/s)", "p2p / link", "all-reduce / link"):
+        table.add_column(h, justify="right", no_wrap=True)
+    for r in result["rows"]:
+        share = (lambda v: f"{v / rate:.0%}") if rate else (lambda v: "-")
+        table.add_row(f"{r['size_mb']:g}", f"{r['p2p_bps'] / 1e6:,.1f}", f"{r['allreduce_bus_bps'] / 1e6:,.1f}",
+                      f"{rate / 1e6:,.1f}" if rate else "-", share(r["p2p_bps"]), share(r["allreduce_bus_bps"]))
+    _stdout().print(table)
+    if rate:
+        console.print(f"configured {format_rate(rate)} per host and direction (latency: {result['latency_mode']})")
+    console.print(f"run folder: {out}")
+    return 0
+
+
 def _cmd_list(args: argparse.Namespace) -> int:
     from distsync.solvers import solver_class, solver_names
     from distsync.workloads import SHIPPED
@@ -165,9 +206,22 @@ def _cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quiet_native_logs() -> None:
+    # torch's C++ side logs connection retries to stderr; the launcher turns failures into
+    # one line of its own. Read once when torch is imported, so workers keep their logs.
+    import os
+
+    if "TORCH_CPP_LOG_LEVEL" not in os.environ:
+        os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+        import torch  # noqa: F401
+
+        del os.environ["TORCH_CPP_LOG_LEVEL"]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
-    handlers = {"train": _cmd_train, "compare": _cmd_compare, "list": _cmd_list}
+    _quiet_native_logs()
+    handlers = {"train": _cmd_train, "compare": _cmd_compare, "linktest": _cmd_linktest, "list": _cmd_list}
     try:
         return handlers[args.command](args)
     except DistsyncError as e:

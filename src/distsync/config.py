@@ -16,6 +16,10 @@ from typing import Any
 from distsync.errors import ConfigError
 
 OPTIMIZERS = ("sgd", "adam")
+TASKS = ("train", "linktest")
+_UNITS_BIT = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
+_UNITS_S = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
+
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -40,6 +44,45 @@ def parse_slow(spec: str | None) -> dict[int, float]:
             raise ConfigError(f"bad --slow: rank {rank} is given twice")
         slow[rank] = factor
     return slow
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """A host's link: bandwidth in bits per second (each direction), one-way latency in seconds."""
+
+    bandwidth_bps: float
+    latency_s: float = 0.0
+
+    @property
+    def text(self) -> str:
+        return f"{format_rate(self.bandwidth_bps)}" + (f",{self.latency_s * 1e3:g}ms" if self.latency_s else "")
+
+
+def format_rate(bps: float) -> str:
+    for unit, scale in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
+        if bps >= scale:
+            return f"{bps / scale:g}{unit}"
+    return f"{bps:g}bit"
+
+
+def parse_link(spec: str) -> LinkSpec:
+    """``BANDWIDTH[,LATENCY]``: e.g. ``200mbit``, ``1gbit,2ms``, ``500kbit,300us``."""
+    parts = [p.strip().lower() for p in spec.split(",")]
+    if not 1 <= len(parts) <= 2:
+        raise ConfigError(f"bad --link {spec!r}: expected BANDWIDTH[,LATENCY], e.g. 200mbit or 1gbit,2ms")
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*(bit|kbit|mbit|gbit|tbit)", parts[0])
+    if not m:
+        raise ConfigError(f"bad --link bandwidth {parts[0]!r}: expected a number with kbit, mbit or gbit, e.g. 200mbit")
+    bps = float(m.group(1)) * _UNITS_BIT[m.group(2)]
+    if bps < 8e3:
+        raise ConfigError(f"bad --link bandwidth {parts[0]!r}: at least 8kbit")
+    latency = 0.0
+    if len(parts) == 2:
+        m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*(s|ms|us)", parts[1])
+        if not m:
+            raise ConfigError(f"bad --link latency {parts[1]!r}: expected a number with s, ms or us, e.g. 2ms")
+        latency = float(m.group(1)) * _UNITS_S[m.group(2)]
+    return LinkSpec(bps, latency)
 
 
 def parse_key_values(items: list[str] | None, what: str = "--solver-option") -> dict[str, str]:
@@ -81,6 +124,13 @@ class RunConfig:
     device: str = "auto"
     master_port: int | None = None
     out: str | None = None
+    #: emulated link of every process, ``BANDWIDTH[,LATENCY]`` (see :func:`parse_link`)
+    link: str | None = None
+    #: how the link's latency was applied: "netem", "comm" (per operation in the comm
+    #: layer) or "none"; set by the launcher
+    link_latency_mode: str | None = None
+    task: str = "train"
+    task_options: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> "RunConfig":
         """Check every field; raise :class:`ConfigError` with a one-line message."""
@@ -106,6 +156,10 @@ class RunConfig:
             raise ConfigError(f"unknown --device {self.device!r}; valid: {', '.join(DEVICES)}")
         if self.master_port is not None and not 1 <= self.master_port <= 65535:
             raise ConfigError(f"--master-port must be in 1..65535, got {self.master_port!r}")
+        if self.link is not None:
+            parse_link(self.link)
+        if self.task not in TASKS:
+            raise ConfigError(f"unknown task {self.task!r}; valid: {', '.join(TASKS)}")
         for rank, factor in self.slow.items():
             if not 0 <= rank < self.workers:
                 raise ConfigError(

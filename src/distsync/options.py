@@ -23,6 +23,9 @@ def add_run_options(p: argparse.ArgumentParser, *, workers_default: int | None =
     g = p.add_argument_group("cluster")
     g.add_argument("--slow", metavar="RANK:FACTOR[,...]",
                    help="stretch these workers' compute FACTOR times (e.g. --slow 1:3)")
+    g.add_argument("--link", metavar="BANDWIDTH[,LATENCY]",
+                   help="emulate a cluster: every process on its own network host behind a link of this "
+                        "rate (e.g. 200mbit, 1gbit,2ms); needs root")
     g.add_argument("--timeout", type=float, default=60.0, dest="timeout_s",
                    help="seconds any blocking communication may take before the job fails (default: 60)")
     g.add_argument("--intra-op-threads", type=int, default=1, help="torch threads per process (default: 1)")
@@ -52,6 +55,7 @@ def config_from_args(args: argparse.Namespace, solver: str, solver_options: dict
         device=args.device,
         master_port=args.master_port,
         out=args.out,
+        link=args.link,
     ).validate()
 
 

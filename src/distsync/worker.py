@@ -17,11 +17,30 @@ import time
 import traceback
 from pathlib import Path
 
-from torch.distributed.elastic.multiprocessing.errors import record
 
-from distsync.config import RunConfig
-from distsync.errors import ConfigError
-from distsync.options import add_run_options, config_from_args, solver_options_from
+def _enter_netns(argv: list[str]) -> None:
+    """With ``--netns-prefix P``, re-execute this process inside namespace ``P<LOCAL_RANK>``.
+
+    ``exec`` keeps the process id, so torch's agent goes on supervising the same process.
+    """
+    if "--netns-prefix" not in argv or os.environ.get("DISTSYNC_NETNS"):
+        return
+    i = argv.index("--netns-prefix")
+    netns = argv[i + 1] + os.environ.get("LOCAL_RANK", "0")
+    rest = argv[:i] + argv[i + 2:]
+    env = dict(os.environ, DISTSYNC_NETNS=netns, GLOO_SOCKET_IFNAME="eth0")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execvpe("ip", ["ip", "netns", "exec", netns, sys.executable, "-m", "distsync.worker", *rest], env)
+
+
+_enter_netns(sys.argv[1:] if __name__ == "__main__" else [])
+
+from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
+
+from distsync.config import RunConfig  # noqa: E402
+from distsync.errors import ConfigError  # noqa: E402
+from distsync.options import add_run_options, config_from_args, solver_options_from  # noqa: E402
 
 
 def _config_from_torchrun(argv: list[str]) -> tuple[RunConfig, Path]:
@@ -58,6 +77,7 @@ def main(argv: list[str] | None = None) -> None:
         p = argparse.ArgumentParser(prog="python -m distsync.worker")
         p.add_argument("--config", required=True)
         p.add_argument("--run-dir", required=True)
+        p.add_argument("--netns-prefix")  # consumed before start-up when not yet inside
         args = p.parse_args(argv)
         cfg, run_dir = RunConfig.read(Path(args.config)), Path(args.run_dir)
     else:

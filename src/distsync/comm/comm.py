@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import datetime
+import math
 import os
+import time
 from typing import Any, Sequence
 
 import torch
@@ -34,18 +36,25 @@ def _cause(exc: BaseException, timeout_s: float) -> str:
 
 
 class Pending:
-    """An asynchronous operation in flight; :meth:`wait` is bounded by the comm timeout."""
+    """An asynchronous operation in flight; :meth:`wait` is bounded by the comm timeout.
 
-    def __init__(self, comm: "Comm", work: Any, op: str):
+    ``not_before`` (a ``time.perf_counter`` value) delays completion to emulate link latency.
+    """
+
+    def __init__(self, comm: "Comm", work: Any, op: str, not_before: float = 0.0):
         self._comm = comm
         self._work = work
         self._op = op
+        self._not_before = not_before
 
     def wait(self) -> None:
         try:
             self._work.wait(datetime.timedelta(seconds=self._comm.timeout_s))
         except Exception as e:  # gloo raises RuntimeError / DistBackendError
             raise self._comm.error(self._op, e) from None
+        remaining = self._not_before - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
 
 
 class Comm:
@@ -53,9 +62,16 @@ class Comm:
 
     Ranks ``0 .. num_workers - 1`` are workers; any further ranks play the roles a solver
     asked for (servers, coordinators), in the order ``role_of`` gives.
+
+    ``latency_s`` emulates a link's one-way latency where the kernel cannot (no netem): each
+    operation completes that many seconds later per sequential message round of its
+    algorithm (a ring all-reduce over p ranks has 2 (p - 1) rounds, a tree broadcast
+    ceil(log2 p), a receive one).
     """
 
-    def __init__(self, rank: int, world_size: int, role_of: Sequence[str], timeout_s: float, device: torch.device):
+    def __init__(self, rank: int, world_size: int, role_of: Sequence[str], timeout_s: float, device: torch.device,
+                 latency_s: float = 0.0):
+        self.latency_s = float(latency_s)
         self.rank = rank
         self.world_size = world_size
         self.role_of = list(role_of)
@@ -67,7 +83,8 @@ class Comm:
 
     # ---- set-up -----------------------------------------------------------------------
     @classmethod
-    def from_env(cls, role_of: Sequence[str], timeout_s: float, device: torch.device) -> "Comm":
+    def from_env(cls, role_of: Sequence[str], timeout_s: float, device: torch.device,
+                 latency_s: float = 0.0) -> "Comm":
         """Join the process group that torch's launcher described in the environment."""
         backend = "nccl" if device.type == "cuda" else "gloo"
         rank = int(os.environ.get("RANK", "-1"))
@@ -75,7 +92,7 @@ class Comm:
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
         except Exception as e:
             raise CommError(f"rank {rank}: init_process_group ({backend}) failed: {_cause(e, timeout_s)}") from None
-        comm = cls(dist.get_rank(), dist.get_world_size(), role_of, timeout_s, device)
+        comm = cls(dist.get_rank(), dist.get_world_size(), role_of, timeout_s, device, latency_s)
         if len(comm.role_of) != comm.world_size:
             raise CommError(
                 f"rank {comm.rank}: the job has {comm.world_size} processes but the solver's roles "
@@ -136,16 +153,28 @@ class Comm:
         self.bytes_sent += int(nbytes)
 
     # ---- operations -------------------------------------------------------------------
+    def _delay(self, rounds: int) -> None:
+        if self.latency_s > 0 and rounds > 0:
+            time.sleep(self.latency_s * rounds)
+
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", group: Any = None, async_op: bool = False):
         """In-place all-reduce over ``group``; with ``async_op`` returns a :class:`Pending`."""
-        self.bytes_sent += ring_allreduce_bytes(tensor.numel() * tensor.element_size(), self.group_size(group))
-        work = self._guard("all_reduce", dist.all_reduce, tensor, op=_OPS[op], group=group, async_op=async_op)
-        return Pending(self, work, "all_reduce") if async_op else None
+        size = self.group_size(group)
+        self.bytes_sent += ring_allreduce_bytes(tensor.numel() * tensor.element_size(), size)
+        rounds = 2 * (size - 1)
+        if async_op:
+            not_before = time.perf_counter() + self.latency_s * rounds
+            work = self._guard("all_reduce", dist.all_reduce, tensor, op=_OPS[op], group=group, async_op=True)
+            return Pending(self, work, "all_reduce", not_before)
+        self._guard("all_reduce", dist.all_reduce, tensor, op=_OPS[op], group=group)
+        self._delay(rounds)
+        return None
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Any = None) -> None:
         if self.rank == src:
             self.bytes_sent += tensor.numel() * tensor.element_size()
         self._guard(f"broadcast(src={src})", dist.broadcast, tensor, src=src, group=group)
+        self._delay(math.ceil(math.log2(max(1, self.group_size(group)))))
 
     def send(self, tensor: torch.Tensor, dst: int, group: Any = None) -> None:
         self.bytes_sent += tensor.numel() * tensor.element_size()
@@ -154,7 +183,9 @@ class Comm:
     def recv(self, tensor: torch.Tensor, src: int | None = None, group: Any = None) -> int:
         """Receive into ``tensor``; with ``src=None`` from whoever sends first. Returns the sender."""
         what = f"recv(from rank {src})" if src is not None else "recv(from any rank)"
-        return self._guard(what, dist.recv, tensor, src=src, group=group)
+        sender = self._guard(what, dist.recv, tensor, src=src, group=group)
+        self._delay(1)
+        return sender
 
     def barrier(self, group: Any = None) -> None:
         if group is None and dist.get_backend() == "gloo":

@@ -6,8 +6,10 @@ entry point that ``torchrun`` uses across machines, so both paths run identical 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import signal
 import socket
 import sys
 import threading
@@ -15,12 +17,19 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
-from distsync.config import RunConfig
+from distsync.config import RunConfig, parse_link
 from distsync.errors import ConfigError, DistsyncError, WorkerFailed
+from distsync.runtime.network import EmulatedNetwork
 from distsync.runtime.roles import assign_roles
 from distsync.solvers import make_options, solver_class
 
 ProgressFn = Callable[[dict[str, Any]], None]
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
@@ -85,23 +94,43 @@ class _ProgressPoller(threading.Thread):
                 self.fn(data)
 
 
-def launch(cfg: RunConfig, run_dir: Path, on_progress: ProgressFn | None = None) -> dict[str, Any]:
-    """Run one job on this machine; return its summary. Raises :class:`DistsyncError`."""
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+RESULT_FILES = {"train": "summary.json", "linktest": "linktest.json"}
 
+
+def launch(cfg: RunConfig, run_dir: Path, on_progress: ProgressFn | None = None) -> dict[str, Any]:
+    """Run one job on this machine; return its summary (or linktest result).
+
+    With ``cfg.link`` every process runs in its own network namespace behind a shaped link
+    (:class:`~distsync.runtime.network.EmulatedNetwork`), torn down however the job ends.
+    Raises :class:`DistsyncError` on bad input or a failed job.
+    """
     cfg.validate()
     cls = solver_class(cfg.solver)
     solver = cls(make_options(cls, cfg.solver_options))
     role_of = assign_roles(cfg.workers, solver.roles)
-    if cfg.master_port is not None and not port_is_free(cfg.master_port):
+    if cfg.link is None:
+        return _launch(cfg, run_dir, role_of, on_progress, None)
+    with EmulatedNetwork(len(role_of), parse_link(cfg.link)) as net:
+        cfg = dataclasses.replace(cfg, link_latency_mode=net.latency_mode)
+        return _launch(cfg, run_dir, role_of, on_progress, net)
+
+
+def _launch(cfg: RunConfig, run_dir: Path, role_of: list[str], on_progress: ProgressFn | None,
+            net: EmulatedNetwork | None) -> dict[str, Any]:
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    host = net.gateway_ip if net else "127.0.0.1"
+    if cfg.master_port is not None and not port_is_free(cfg.master_port, host):
         raise ConfigError(
-            f"port {cfg.master_port} on 127.0.0.1 is in use; pick another --master-port or leave it out to use a free one"
+            f"port {cfg.master_port} on {host} is in use; pick another --master-port or leave it out to use a free one"
         )
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg.write(run_dir / "config.json")
-    for stale in ("summary.json", "events.jsonl", "progress.json"):
+    result_path = run_dir / RESULT_FILES[cfg.task]
+    for stale in ("summary.json", "events.jsonl", "progress.json", "linktest.json"):
         (run_dir / stale).unlink(missing_ok=True)
     _quiet_torch_logs()
     lc = LaunchConfig(
@@ -110,12 +139,13 @@ def launch(cfg: RunConfig, run_dir: Path, on_progress: ProgressFn | None = None)
         nproc_per_node=len(role_of),
         run_id=f"distsync-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{cfg.master_port or 0}",
-        rdzv_configs={"timeout": int(max(30, cfg.timeout_s))},
+        rdzv_endpoint=f"{host}:{cfg.master_port or free_port(host)}",
+        # This process hosts the rendezvous store (its address may not be the hostname's).
+        rdzv_configs={"timeout": int(max(30, cfg.timeout_s)), "is_host": True},
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",
-        local_addr="127.0.0.1",
+        local_addr=host,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=Std.ALL, tee=Std.NONE),
         shutdown_timeout=5,
     )
@@ -123,10 +153,16 @@ def launch(cfg: RunConfig, run_dir: Path, on_progress: ProgressFn | None = None)
     if poller:
         poller.start()
     args = ["-m", "distsync.worker", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)]
+    if net:
+        args += ["--netns-prefix", net.netns_prefix]
     try:
         elastic_launch(lc, sys.executable)(*args)
     except ChildFailedError as e:
         raise WorkerFailed(f"{cfg.solver}: {_failure_message(e.failures, role_of)} (logs: {run_dir / 'logs'})") from None
+    except SignalException as e:
+        if e.sigval == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        raise WorkerFailed(f"{cfg.solver}: stopped by {e.sigval.name}") from None
     except DistsyncError:
         raise
     except Exception as e:  # rendezvous or agent failures
@@ -135,7 +171,6 @@ def launch(cfg: RunConfig, run_dir: Path, on_progress: ProgressFn | None = None)
         if poller:
             poller.stop.set()
             poller.join(timeout=2)
-    summary_path = run_dir / "summary.json"
-    if not summary_path.exists():
-        raise WorkerFailed(f"{cfg.solver}: the job ended without writing {summary_path}")
-    return json.loads(summary_path.read_text())
+    if not result_path.exists():
+        raise WorkerFailed(f"{cfg.solver}: the job ended without writing {result_path}")
+    return json.loads(result_path.read_text())

@@ -10,8 +10,9 @@ from typing import Any
 import torch
 
 from distsync.comm import Comm
-from distsync.config import RunConfig
+from distsync.config import RunConfig, parse_link
 from distsync.metrics import split_collective_wait, summarize
+from distsync.runtime.linktest import run_linktest
 from distsync.runtime.loop import Progress, train_worker
 from distsync.runtime.roles import assign_roles
 from distsync.solvers import make_options, solver_class
@@ -56,8 +57,13 @@ def run_process(cfg: RunConfig, run_dir: Path) -> None:
     device = pick_device(cfg.device)
     cls = solver_class(cfg.solver)
     solver = cls(make_options(cls, cfg.solver_options))
-    comm = Comm.from_env(assign_roles(cfg.workers, solver.roles), cfg.timeout_s, device)
+    latency = parse_link(cfg.link).latency_s if cfg.link and cfg.link_latency_mode == "comm" else 0.0
+    comm = Comm.from_env(assign_roles(cfg.workers, solver.roles), cfg.timeout_s, device, latency)
     try:
+        if cfg.task == "linktest":
+            run_linktest(cfg, comm, run_dir)
+            comm.barrier()
+            return
         if comm.role == "worker":
             workload = load_workload(cfg.workload)
             progress = Progress(run_dir / "progress.json" if comm.rank == 0 else None,
