@@ -20,6 +20,7 @@ import itertools
 import os
 import re
 import shutil
+import socket
 import subprocess
 from pathlib import Path
 from distsync.config import LinkSpec
@@ -42,14 +43,15 @@ def can_admin_network() -> str | None:
     """``None`` if this process may build namespaces and links, else why not (one line)."""
     if shutil.which("ip") is None or shutil.which("tc") is None:
         return "--link needs the `ip` and `tc` commands (Debian package iproute2); install it or leave out --link"
-    if os.geteuid() != 0:
-        try:
-            caps = int(re.search(r"CapEff:\s*([0-9a-f]+)", open("/proc/self/status").read()).group(1), 16)
-        except (OSError, AttributeError):
-            caps = 0
-        if not caps & (1 << 12) or not caps & (1 << 21):  # CAP_NET_ADMIN, CAP_SYS_ADMIN
-            return ("--link needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) to create network namespaces; "
-                    "run as root, or leave out --link to run on loopback")
+    # Capabilities, not the user id: root in a container may lack them, and a non-root
+    # process may hold them.
+    try:
+        caps = int(re.search(r"CapEff:\s*([0-9a-f]+)", Path("/proc/self/status").read_text()).group(1), 16)
+    except (OSError, AttributeError):
+        caps = (1 << 12) | (1 << 21) if os.geteuid() == 0 else 0
+    if not caps & (1 << 12) or not caps & (1 << 21):  # CAP_NET_ADMIN, CAP_SYS_ADMIN
+        return ("--link needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) to create network namespaces; "
+                "run as root, or leave out --link to run on loopback")
     return None
 
 
@@ -174,8 +176,10 @@ class EmulatedNetwork:
             ns, veth = self.netns(i), self.veth(i)
             _run("ip", "netns", "add", ns)
             self._built.append(f"netns:{ns}")
-            self._write_etc(ns)
+            self._write_etc(ns, i)
             _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            # Deleted explicitly: a namespace's own interfaces go away asynchronously.
+            self._built.append(f"link:{veth}")
             _run("ip", "link", "set", veth, "master", self.bridge)
             _run("ip", "link", "set", veth, "up")
             _run("ip", "-n", ns, "addr", "add", f"{self.host_ip(i)}/24", "dev", "eth0")
@@ -196,13 +200,15 @@ class EmulatedNetwork:
             _run("tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", *shape)
             _run("tc", "qdisc", "add", "dev", veth, "root", *shape)
 
-    def _write_etc(self, ns: str) -> None:
+    def _write_etc(self, ns: str, i: int) -> None:
         # Name lookups inside a namespace cannot reach the host's DNS server: without these
         # files every reverse lookup gloo and the store make waits for a resolver timeout.
+        # The machine's hostname names the emulated host's own address, as on a real one.
         etc = NETNS_ETC / ns
         etc.mkdir(parents=True, exist_ok=True)
         self._built.append(f"etc:{etc}")
-        lines = ["127.0.0.1 localhost", f"{self.gateway_ip} distsync-gateway"]
+        lines = ["127.0.0.1 localhost", f"{self.host_ip(i)} {socket.gethostname()}",
+                 f"{self.gateway_ip} distsync-gateway"]
         lines += [f"{self.host_ip(i)} distsync-host-{i}" for i in range(self.hosts)]
         (etc / "hosts").write_text("\n".join(lines) + "\n")
         (etc / "resolv.conf").write_text("options timeout:1 attempts:1\n")
@@ -223,7 +229,8 @@ class EmulatedNetwork:
         """Names of this network's namespaces and links that still exist (for checks)."""
         found = [n.split()[0] for n in _run("ip", "netns", "list", check=False).stdout.splitlines()
                  if n.startswith(self.netns_prefix)]
-        found += [str(d) for d in NETNS_ETC.glob(f"{self.netns_prefix}*")] if NETNS_ETC.is_dir() else []
+        if NETNS_ETC.is_dir():
+            found += [str(d) for d in NETNS_ETC.glob(f"{self.netns_prefix}*")]
         links = _run("ip", "-o", "link", "show", check=False).stdout
         found += [name for name in [self.bridge] + [self.veth(i) for i in range(self.hosts)]
                   if re.search(rf"\d+:\s+{name}[:@]", links)]
