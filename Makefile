@@ -13,13 +13,14 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	touch $@
 
 demo: setup
-	$(BIN)/distsync compare --workload digits --solvers allreduce,ddp --workers 2 --out runs/demo
+	$(BIN)/distsync compare --workload digits --solvers allreduce,ddp --workers 2 --slow 1:2 --out runs/demo
 
 test: setup
 	$(BIN)/python -m pytest -q
 
 bench: setup
 	$(BIN)/python benchmarks/allreduce_vs_ddp.py
+	$(BIN)/python benchmarks/link_efficiency.py
 
 clean:
 	rm -rf $(VENV) runs build src/*.egg-info

@@ -4,7 +4,7 @@ For each (workload, workers) row the two solvers run alternately, ``--rounds`` t
 on the same seed, data and step budget; the row reports the median throughput of each and
 the ratio ours / DDP (target: >= 1.0 on every row).
 
-    python benchmarks/allreduce_vs_ddp.py [--rounds 3] [--json benchmarks/results/allreduce_vs_ddp.json]
+    python benchmarks/allreduce_vs_ddp.py [--rounds 3] [--link 1gbit] [--json PATH]
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ SOLVERS = ("allreduce", "ddp")
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--json", default="benchmarks/results/allreduce_vs_ddp.json")
+    p.add_argument("--json", help="default: benchmarks/results/allreduce_vs_ddp[-LINK].json")
     p.add_argument("--rows", help="subset, e.g. digits:2,cnn:4")
-    p.add_argument("--extra", nargs="*", default=[], help="extra KEY=VALUE RunConfig fields (strings)")
+    p.add_argument("--link", help="emulated link for every worker, e.g. 1gbit (needs root)")
     args = p.parse_args()
     rows = ROWS
     if args.rows:
@@ -44,7 +44,7 @@ def main() -> int:
                 order = SOLVERS if rnd % 2 == 0 else SOLVERS[::-1]
                 for solver in order:
                     cfg = RunConfig(workload=workload, solver=solver, workers=workers, steps=steps,
-                                    eval_every=10**6, seed=rnd)
+                                    eval_every=10**6, seed=rnd, link=args.link)
                     try:
                         s = launch(cfg, Path(tmp) / f"{workload}-{workers}-{solver}-{rnd}")
                     except DistsyncError as e:
@@ -52,7 +52,7 @@ def main() -> int:
                         return 2
                     samples[solver].append(s["throughput_samples_per_s"])
             med = {s: statistics.median(v) for s, v in samples.items()}
-            row = {"workload": workload, "workers": workers, "steps": steps, "rounds": args.rounds,
+            row = {"workload": workload, "workers": workers, "steps": steps, "rounds": args.rounds, "link": args.link,
                    "allreduce_samples_per_s": med["allreduce"], "ddp_samples_per_s": med["ddp"],
                    "ratio": med["allreduce"] / med["ddp"], "all": samples}
             results.append(row)
@@ -64,7 +64,7 @@ def main() -> int:
     for r in results:
         print(f"| {r['workload']} | {r['workers']} | {r['allreduce_samples_per_s']:,.0f} | "
               f"{r['ddp_samples_per_s']:,.0f} | {r['ratio']:.2f} |")
-    out = Path(args.json)
+    out = Path(args.json or f"benchmarks/results/allreduce_vs_ddp{'-' + args.link if args.link else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"when": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": results}, indent=2) + "\n")
     print(f"\nwrote {out}")

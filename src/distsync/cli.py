@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from pathlib import Path
@@ -218,8 +219,14 @@ def _quiet_native_logs() -> None:
         del os.environ["TORCH_CPP_LOG_LEVEL"]
 
 
+def _terminate(signum, frame) -> NoReturn:
+    # SIGTERM unwinds like Ctrl-C, so emulated networks and worker processes are cleaned up.
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _terminate)
     _quiet_native_logs()
     handlers = {"train": _cmd_train, "compare": _cmd_compare, "linktest": _cmd_linktest, "list": _cmd_list}
     try:
