@@ -15,7 +15,7 @@ from typing import Any
 
 from distsync.errors import ConfigError
 
-OPTIMIZERS = ("sgd", "adam")
+OPTIMIZERS = ("sgd", "adam", "lars")
 TASKS = ("train", "linktest")
 _UNITS_BIT = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
 _UNITS_S = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
@@ -116,6 +116,10 @@ class RunConfig:
     optimizer: str = "sgd"
     momentum: float = 0.0
     weight_decay: float = 0.0
+    #: LARS trust coefficient (``--optimizer lars``)
+    lars_eta: float = 0.001
+    #: linear learning-rate warm-up, in steps (LARS, and servers that apply updates)
+    warmup_steps: int = 0
     seed: int = 0
     slow: dict[int, float] = field(default_factory=dict)
     eval_every: int | None = None
@@ -146,6 +150,10 @@ class RunConfig:
             raise ConfigError(f"unknown --optimizer {self.optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
         if not 0.0 <= self.momentum < 1.0:
             raise ConfigError(f"--momentum must be in [0, 1), got {self.momentum!r}")
+        if not self.lars_eta > 0:
+            raise ConfigError(f"--lars-eta must be > 0, got {self.lars_eta!r}")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ConfigError(f"--warmup-steps must be an integer >= 0, got {self.warmup_steps!r}")
         if self.weight_decay < 0:
             raise ConfigError(f"--weight-decay must be >= 0, got {self.weight_decay!r}")
         if not self.timeout_s > 0:

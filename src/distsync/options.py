@@ -15,9 +15,11 @@ def add_run_options(p: argparse.ArgumentParser, *, workers_default: int | None =
     g.add_argument("--steps", type=int, help="steps per worker (default: the workload's)")
     g.add_argument("--batch-size", type=int, help="samples per worker per step (default: the workload's)")
     g.add_argument("--lr", type=float, help="learning rate (default: the workload's)")
-    g.add_argument("--optimizer", default="sgd", help="sgd | adam (default: sgd)")
+    g.add_argument("--optimizer", default="sgd", help="sgd | adam | lars (default: sgd)")
     g.add_argument("--momentum", type=float, default=0.0)
     g.add_argument("--weight-decay", type=float, default=0.0)
+    g.add_argument("--lars-eta", type=float, default=0.001, help="LARS trust coefficient (default: 0.001)")
+    g.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up steps (default: 0)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--eval-every", type=int, help="evaluate every N steps (default: the workload's)")
     g = p.add_argument_group("cluster")
@@ -47,6 +49,8 @@ def config_from_args(args: argparse.Namespace, solver: str, solver_options: dict
         optimizer=args.optimizer,
         momentum=args.momentum,
         weight_decay=args.weight_decay,
+        lars_eta=args.lars_eta,
+        warmup_steps=args.warmup_steps,
         seed=args.seed,
         slow=parse_slow(args.slow),
         eval_every=args.eval_every,

@@ -176,14 +176,14 @@ class Comm:
         self._guard(f"broadcast(src={src})", dist.broadcast, tensor, src=src, group=group)
         self._delay(math.ceil(math.log2(max(1, self.group_size(group)))))
 
-    def send(self, tensor: torch.Tensor, dst: int, group: Any = None) -> None:
+    def send(self, tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> None:
         self.bytes_sent += tensor.numel() * tensor.element_size()
-        self._guard(f"send(to rank {dst})", dist.send, tensor, dst=dst, group=group)
+        self._guard(f"send(to rank {dst})", dist.send, tensor, dst=dst, group=group, tag=tag)
 
-    def recv(self, tensor: torch.Tensor, src: int | None = None, group: Any = None) -> int:
+    def recv(self, tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0) -> int:
         """Receive into ``tensor``; with ``src=None`` from whoever sends first. Returns the sender."""
         what = f"recv(from rank {src})" if src is not None else "recv(from any rank)"
-        sender = self._guard(what, dist.recv, tensor, src=src, group=group)
+        sender = self._guard(what, dist.recv, tensor, src=src, group=group, tag=tag)
         self._delay(1)
         return sender
 

@@ -148,7 +148,7 @@ def write_report(out_dir: Path, run_dirs: list[Path]) -> Path:
         "",
         "Time to target counts training time only (evaluation pauses each worker's clock). "
         "Waiting is time blocked on other workers (for all-reduce solvers: each step's exposed "
-        "communication beyond the fastest worker's). Bytes are what workers sent, counting an "
+        "communication beyond the fastest worker's). Bytes are what workers and servers sent, counting an "
         "all-reduce as a ring all-reduce.",
         "",
         "![metric vs wall time](metric_vs_time.png)",

@@ -14,6 +14,7 @@ import torch
 from distsync.config import RunConfig
 from distsync.errors import DistsyncError
 from distsync.runtime.stretch import ComputeStretch
+from distsync.solvers.lars import LARS
 from distsync.workloads import ShardSampler, Workload
 
 
@@ -43,6 +44,9 @@ class TrainClock:
 def make_optimizer(cfg: RunConfig, params, lr: float) -> torch.optim.Optimizer:
     if cfg.optimizer == "adam":
         return torch.optim.Adam(params, lr=lr, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "lars":
+        return LARS(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, eta=cfg.lars_eta,
+                    warmup_steps=cfg.warmup_steps)
     return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
 

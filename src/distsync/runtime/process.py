@@ -15,7 +15,7 @@ from distsync.metrics import split_collective_wait, summarize
 from distsync.runtime.linktest import run_linktest
 from distsync.runtime.loop import Progress, train_worker
 from distsync.runtime.roles import assign_roles
-from distsync.solvers import make_options, solver_class
+from distsync.solvers import ServeContext, make_options, solver_class
 from distsync.workloads import load_workload
 
 
@@ -26,8 +26,21 @@ def pick_device(requested: str) -> torch.device:
     return torch.device("cpu")
 
 
+def merge_staleness(stats: dict[str, Any]) -> dict[str, Any] | None:
+    """Staleness of every push, over all servers: histogram, mean and max (None if not counted)."""
+    hist: dict[int, int] = {}
+    for st in stats.values():
+        for k, v in (st.get("staleness") or {}).items():
+            hist[int(k)] = hist.get(int(k), 0) + v
+    if not hist:
+        return None
+    n = sum(hist.values())
+    return {"histogram": {str(k): hist[k] for k in sorted(hist)}, "pushes": n,
+            "mean": sum(k * v for k, v in hist.items()) / n, "max": max(hist)}
+
+
 def write_results(cfg: RunConfig, run_dir: Path, events: list[dict[str, Any]], solver, workload,
-                  stats: dict[str, Any]) -> dict[str, Any]:
+                  stats: dict[str, Any], bytes_by_other_roles: int = 0) -> dict[str, Any]:
     """Rank 0: events.jsonl and summary.json from every rank's events."""
     if solver.collective_per_step:
         events = split_collective_wait(events)
@@ -43,8 +56,11 @@ def write_results(cfg: RunConfig, run_dir: Path, events: list[dict[str, Any]], s
         "higher_is_better": workload.higher_is_better,
         "slow": {str(k): v for k, v in cfg.slow.items()},
         **summarize(events, target=workload.target, higher_is_better=workload.higher_is_better),
+        "bytes_sent_by_servers": bytes_by_other_roles,
+        "staleness": merge_staleness(stats),
         "solver_stats": stats,
     }
+    summary["bytes_sent"] += bytes_by_other_roles  # servers' replies cross the network too
     tmp = run_dir / "summary.json.tmp"
     tmp.write_text(json.dumps(summary, indent=2) + "\n")
     os.replace(tmp, run_dir / "summary.json")
@@ -70,14 +86,24 @@ def run_process(cfg: RunConfig, run_dir: Path) -> None:
                                 cfg.steps or workload.steps)
             events = train_worker(cfg, workload, solver, comm, device, progress)
         else:
-            workload = None
-            solver.serve(comm.role, comm)
+            workload = load_workload(cfg.workload)
+
+            def make_model():
+                torch.manual_seed(cfg.seed)  # the workers' initial model
+                return workload.make_model()
+
+            solver.serve(comm.role, comm, ServeContext(
+                make_model=make_model, lr=cfg.lr or workload.lr, momentum=cfg.momentum,
+                weight_decay=cfg.weight_decay, optimizer=cfg.optimizer, lars_eta=cfg.lars_eta,
+                warmup_steps=cfg.warmup_steps, steps=cfg.steps or workload.steps))
             events = []
-        gathered = comm.gather_object({"events": events, "role": comm.role, "stats": solver.stats()})
+        gathered = comm.gather_object({"events": events, "role": comm.role, "stats": solver.stats(),
+                                       "bytes": comm.bytes_sent})
         if comm.rank == 0:
             all_events = [e for g in gathered for e in g["events"]]
             stats = {str(r): g["stats"] for r, g in enumerate(gathered) if g["stats"]}
-            write_results(cfg, run_dir, all_events, solver, workload, stats)
+            others = sum(g["bytes"] for g in gathered if g["role"] != "worker")
+            write_results(cfg, run_dir, all_events, solver, workload, stats, others)
         comm.barrier()
     finally:
         comm.close()

@@ -3,6 +3,7 @@
 from distsync.solvers.base import (
     NoOptions,
     PhaseClock,
+    ServeContext,
     Solver,
     make_options,
     make_solver,
@@ -10,11 +11,12 @@ from distsync.solvers.base import (
     solver_class,
     solver_names,
 )
-from distsync.solvers import allreduce, ddp  # noqa: F401  (registers the solvers)
+from distsync.solvers import allreduce, ddp, elastic, parameter_server  # noqa: F401  (registers the solvers)
 
 __all__ = [
     "NoOptions",
     "PhaseClock",
+    "ServeContext",
     "Solver",
     "make_options",
     "make_solver",

@@ -26,7 +26,7 @@ import sys
 import time
 import typing
 from pathlib import Path
-from typing import Any, ClassVar, Iterator
+from typing import Any, Callable, ClassVar, Iterator
 
 import torch
 import torch.nn as nn
@@ -37,6 +37,21 @@ from distsync.errors import ConfigError
 @dataclasses.dataclass
 class NoOptions:
     """This solver has no options."""
+
+
+@dataclasses.dataclass
+class ServeContext:
+    """What a server or coordinator process is handed: the model's initial state (the same
+    seed as the workers') and the run's optimizer settings, for servers that apply updates."""
+
+    make_model: Callable[[], nn.Module]
+    lr: float
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    optimizer: str = "sgd"
+    lars_eta: float = 0.001
+    warmup_steps: int = 0
+    steps: int = 0
 
 
 class PhaseClock:
@@ -115,7 +130,7 @@ class Solver:
         assert self.model is not None, "attach() first"
         return self.model
 
-    def serve(self, role: str, comm: Any) -> None:
+    def serve(self, role: str, comm: Any, ctx: ServeContext) -> None:
         """The loop of a non-worker process (server, coordinator); return when workers are done."""
         raise NotImplementedError(f"solver {self.name} declares role {role!r} but does not serve it")
 

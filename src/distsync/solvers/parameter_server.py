@@ -1,0 +1,200 @@
+"""Parameter-server solvers: `sync-ps`, `async-ps` (Downpour / async SGD), `async-msgd`.
+
+The center model lives on ``servers`` server processes (sharded by whole tensors). Workers
+push gradients; servers apply them with the run's optimizer settings (SGD, momentum, LARS
+with warm-up) through :func:`distsync.solvers.rules.server_apply`.
+
+- ``sync-ps``: every step, every worker pushes; the server averages the gradients, steps
+  once and sends the new parameters back: synchronous SGD on the union of the batches.
+- ``async-ps``: each worker pulls the center every ``n_fetch`` steps and pushes its
+  gradients (summed over ``n_push`` steps) without waiting; the server applies each push on
+  arrival, first come first served. Staleness (server updates between a worker's pull and
+  its push) is counted per push.
+- ``async-msgd``: ``async-ps`` with momentum on the server (``momentum``, default 0.9).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from distsync.solvers.base import ServeContext, Solver, register_solver
+from distsync.solvers.ps import Layout, PSClient, Request, ServerShard
+from distsync.solvers.rules import server_apply, warmup_factor
+
+
+@dataclass
+class SyncPSOptions:
+    """servers: server processes the parameters are sharded over."""
+
+    servers: int = 1
+
+    def __post_init__(self) -> None:
+        if self.servers < 1:
+            raise ValueError(f"servers must be >= 1, got {self.servers}")
+
+
+@dataclass
+class AsyncPSOptions:
+    """servers: server processes; n_fetch: pull the center every n_fetch steps; n_push: push
+    gradients summed over n_push steps; momentum: server momentum (None: the run's --momentum)."""
+
+    servers: int = 1
+    n_fetch: int = 1
+    n_push: int = 1
+    momentum: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.servers < 1:
+            raise ValueError(f"servers must be >= 1, got {self.servers}")
+        if self.n_fetch < 1 or self.n_push < 1:
+            raise ValueError(f"n_fetch and n_push must be >= 1, got {self.n_fetch}, {self.n_push}")
+        if self.momentum is not None and not 0 <= self.momentum < 1:
+            raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
+
+
+@dataclass
+class AsyncMSGDOptions(AsyncPSOptions):
+    momentum: float | None = 0.9
+
+
+class ServerSolver(Solver):
+    """Shared parts of solvers whose center lives on server processes."""
+
+    lock_free = False
+
+    @property
+    def roles(self) -> dict[str, int]:
+        return {"server": self.options.servers}
+
+    def attach(self, model, optimizer, comm):
+        super().attach(model, optimizer, comm)
+        self.client = PSClient(comm, model, comm.ranks_with_role("server"))
+        self._center_model = None
+        return model
+
+    # ---- server side ------------------------------------------------------------------
+    def serve(self, role, comm, ctx: ServeContext) -> None:
+        self.ctx = ctx
+        params = list(ctx.make_model().parameters())
+        servers = comm.ranks_with_role("server")
+        layout = Layout.of(params, servers)
+        tensors = [params[i] for i in layout.shards[servers.index(comm.rank)]]
+        self.shard = ServerShard(comm, tensors, self.handle, lock=not self.lock_free)
+        self.run_server(self.shard)
+
+    def run_server(self, shard: ServerShard) -> None:
+        shard.serve_each_worker_in_a_thread()
+
+    def handle(self, shard: ServerShard, req: Request):
+        raise NotImplementedError
+
+    def stats(self):
+        return self.shard.stats() if hasattr(self, "shard") else {}
+
+    # ---- evaluation: the center -------------------------------------------------------
+    def center_model(self, step: int):
+        if self._center_model is None:
+            self._center_model = copy.deepcopy(self.model)
+        client = self.client
+        for view, vec in zip(client.layout.views(list(self._center_model.parameters())), client.pull(step)):
+            view.assign(vec)
+        return self._center_model
+
+
+class GradientServerSolver(ServerSolver):
+    """Servers that apply pushed gradients with the run's optimizer settings."""
+
+    def server_momentum(self) -> float:
+        m = getattr(self.options, "momentum", None)
+        return self.ctx.momentum if m is None else m
+
+    def apply_gradient(self, shard: ServerShard, grad: torch.Tensor) -> None:
+        ctx = self.ctx
+        mu = self.server_momentum()
+        if not hasattr(shard, "momentum_buffer"):
+            shard.momentum_buffer = torch.zeros_like(shard.center)
+        lr = ctx.lr * warmup_factor(shard.version, ctx.warmup_steps)
+        lars = ctx.lars_eta if ctx.optimizer == "lars" else None
+        for w, g, b in zip(shard.view.split(shard.center), shard.view.split(grad),
+                           shard.view.split(shard.momentum_buffer)):
+            server_apply(w, g, b, lr, mu, ctx.weight_decay, lars)
+        shard.version += 1
+
+
+@register_solver
+class SyncPS(GradientServerSolver):
+    name = "sync-ps"
+    Options = SyncPSOptions
+    collective_per_step = True
+
+    def run_server(self, shard):
+        def combine(shard, reqs):
+            grad = torch.stack([r.payload for r in reqs]).mean(dim=0)
+            self.apply_gradient(shard, grad)
+            return shard.center
+
+        shard.serve_rounds(combine)
+
+    def after_backward(self, step):
+        c = self.client
+        c.push(step, [v.flat_grad() for v in c.views])
+        for view, vec in zip(c.views, c.receive()):
+            view.assign(vec)
+
+    def update(self, step):
+        pass  # the server applied it
+
+    def close(self):
+        self.client.done()
+
+
+@register_solver
+class AsyncPS(GradientServerSolver):
+    name = "async-ps"
+    Options = AsyncPSOptions
+
+    def attach(self, model, optimizer, comm):
+        model = super().attach(model, optimizer, comm)
+        self._acc = [torch.zeros(v.numel) for v in self.client.views]
+        self._pending = 0
+        self._final = None
+        return model
+
+    def handle(self, shard, req):
+        shard.record_staleness(req)
+        self.apply_gradient(shard, req.payload)
+        return None
+
+    def before_step(self, step):
+        if step % self.options.n_fetch == 0:
+            self.client.pull_into_model(step)
+
+    def after_backward(self, step):
+        for acc, view in zip(self._acc, self.client.views):
+            acc.add_(view.flat_grad())
+        self._pending += 1
+        if self._pending == self.options.n_push:
+            self._push(step)
+
+    def _push(self, step):
+        self.client.push(step, self._acc)
+        self._acc = [torch.zeros_like(a) for a in self._acc]
+        self._pending = 0
+
+    def eval_model(self):
+        return self._final if self._final is not None else self.center_model(-1)
+
+    def close(self):
+        if self._pending:
+            self._push(-1)
+        self._final = self.center_model(-1)
+        self.client.done()
+
+
+@register_solver
+class AsyncMSGD(AsyncPS):
+    name = "async-msgd"
+    Options = AsyncMSGDOptions

@@ -1,0 +1,266 @@
+"""Parameter servers: the center model sharded over server processes, and the wire protocol.
+
+Layout: the model's parameter tensors are dealt to servers whole (largest first, to the
+least-loaded server), so layer-wise rules such as LARS see whole layers. Server ``s`` holds
+the center copy of its tensors, flattened.
+
+Protocol (torch.distributed point-to-point on the default group, one tag per message
+kind): a worker sends a header ``int64[op, step, version_seen]`` and, for pushes and
+exchanges, the flat payload of that server's tensors; a server answers a pull or an
+exchange with a header ``int64[version]`` and the flat center. A server serves every worker
+from its own thread (first come, first served), or in strict rank order (round robin), or
+in synchronous rounds; ``serve`` returns once every worker has said it is done.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from distsync.errors import ConfigError
+
+OP_PULL, OP_PUSH, OP_EXCHANGE, OP_DONE = 1, 2, 3, 4
+TAG_HEADER, TAG_PAYLOAD, TAG_REPLY_HEADER, TAG_REPLY = 11, 12, 13, 14
+
+
+def assign_shards(sizes: list[int], servers: int) -> list[list[int]]:
+    """Indices of tensors per server: largest first to the least-loaded, each list sorted."""
+    load = [0] * servers
+    shards: list[list[int]] = [[] for _ in range(servers)]
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        s = min(range(servers), key=lambda s: (load[s], s))
+        shards[s].append(i)
+        load[s] += sizes[i]
+    return [sorted(sh) for sh in shards]
+
+
+class ShardView:
+    """One server's tensors of a model: flatten them, write a flat vector back."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.tensors = tensors
+        self.numel = sum(t.numel() for t in tensors)
+
+    def flat(self) -> torch.Tensor:
+        return torch.cat([t.detach().reshape(-1) for t in self.tensors]) if self.tensors else torch.zeros(0)
+
+    def flat_grad(self) -> torch.Tensor:
+        return torch.cat([(t.grad if t.grad is not None else torch.zeros_like(t)).reshape(-1)
+                          for t in self.tensors]) if self.tensors else torch.zeros(0)
+
+    def assign(self, vec: torch.Tensor) -> None:
+        offset = 0
+        with torch.no_grad():
+            for t in self.tensors:
+                t.copy_(vec[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    def split(self, vec: torch.Tensor) -> list[torch.Tensor]:
+        """Views of ``vec`` shaped as this shard's tensors."""
+        out, offset = [], 0
+        for t in self.tensors:
+            out.append(vec[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+        return out
+
+
+@dataclass
+class Layout:
+    server_ranks: list[int]
+    shards: list[list[int]]
+
+    @classmethod
+    def of(cls, params: list[torch.Tensor], server_ranks: list[int]) -> "Layout":
+        if len(server_ranks) > len(params):
+            raise ConfigError(f"{len(server_ranks)} servers but the model has only {len(params)} parameter "
+                              f"tensors to shard (tensors are not split): use at most {len(params)} servers")
+        return cls(server_ranks, assign_shards([p.numel() for p in params], len(server_ranks)))
+
+    def views(self, params: list[torch.Tensor]) -> list[ShardView]:
+        return [ShardView([params[i] for i in shard]) for shard in self.shards]
+
+
+class PSClient:
+    """A worker's side of the protocol, over every server at once."""
+
+    def __init__(self, comm, model: nn.Module, server_ranks: list[int]):
+        self.comm = comm
+        self.params = [p for p in model.parameters()]
+        self.layout = Layout.of(self.params, server_ranks)
+        self.views = self.layout.views(self.params)
+        self.versions = [0] * len(server_ranks)
+
+    def _header(self, op: int, step: int, s: int) -> torch.Tensor:
+        return torch.tensor([op, step, self.versions[s]], dtype=torch.int64)
+
+    def _send_all(self, op: int, step: int, payloads: list[torch.Tensor] | None) -> None:
+        for s, rank in enumerate(self.layout.server_ranks):
+            self.comm.send(self._header(op, step, s), rank, tag=TAG_HEADER)
+            if payloads is not None:
+                self.comm.send(payloads[s], rank, tag=TAG_PAYLOAD)
+
+    def receive(self) -> list[torch.Tensor]:
+        out = []
+        for s, rank in enumerate(self.layout.server_ranks):
+            head = torch.zeros(1, dtype=torch.int64)
+            self.comm.recv(head, rank, tag=TAG_REPLY_HEADER)
+            self.versions[s] = int(head.item())
+            buf = torch.zeros(self.views[s].numel)
+            self.comm.recv(buf, rank, tag=TAG_REPLY)
+            out.append(buf)
+        return out
+
+    def pull(self, step: int) -> list[torch.Tensor]:
+        """The center, one flat tensor per server."""
+        self._send_all(OP_PULL, step, None)
+        return self.receive()
+
+    def pull_into_model(self, step: int) -> None:
+        for view, vec in zip(self.views, self.pull(step)):
+            view.assign(vec)
+
+    def push(self, step: int, payloads: list[torch.Tensor]) -> None:
+        self._send_all(OP_PUSH, step, payloads)
+
+    def exchange(self, step: int, payloads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Send this worker's values; get back the center as it was before the server applied them."""
+        self._send_all(OP_EXCHANGE, step, payloads)
+        return self.receive()
+
+    def done(self) -> None:
+        self._send_all(OP_DONE, -1, None)
+
+
+class Request:
+    __slots__ = ("worker", "op", "step", "version_seen", "payload")
+
+    def __init__(self, worker: int, op: int, step: int, version_seen: int, payload: torch.Tensor | None):
+        self.worker, self.op, self.step, self.version_seen, self.payload = worker, op, step, version_seen, payload
+
+
+class ServerShard:
+    """A server's center shard and its bookkeeping (version, staleness histogram).
+
+    ``handle(request)`` is the solver's rule; it returns the tensor to send back (for pulls
+    and exchanges) or ``None``. ``lock``: hold the server lock around ``handle`` (every
+    solver but the lock-free ones).
+    """
+
+    def __init__(self, comm, tensors: list[torch.Tensor], handle: Callable[["ServerShard", Request], Any],
+                 lock: bool = True):
+        self.comm = comm
+        self.view = ShardView(tensors)
+        self.center = self.view.flat().clone()
+        self.version = 0
+        self.staleness: Counter = Counter()
+        self.requests: Counter = Counter()
+        self.handle = handle
+        self._lock = threading.Lock() if lock else None
+        self._errors: list[BaseException] = []
+
+    def _receive(self, worker: int) -> Request:
+        head = torch.zeros(3, dtype=torch.int64)
+        self.comm.recv(head, worker, tag=TAG_HEADER)
+        op, step, seen = (int(v) for v in head.tolist())
+        payload = None
+        if op in (OP_PUSH, OP_EXCHANGE):
+            payload = torch.zeros(self.center.numel())
+            self.comm.recv(payload, worker, tag=TAG_PAYLOAD)
+        return Request(worker, op, step, seen, payload)
+
+    def _reply(self, worker: int, tensor: torch.Tensor, version: int) -> None:
+        self.comm.send(torch.tensor([version], dtype=torch.int64), worker, tag=TAG_REPLY_HEADER)
+        self.comm.send(tensor, worker, tag=TAG_REPLY)
+
+    def _process(self, req: Request) -> None:
+        self.requests[req.op] += 1
+        if req.op == OP_PULL:
+            with self._lock or _NoLock():
+                out, version = self.center.clone(), self.version
+            self._reply(req.worker, out, version)
+            return
+        if self._lock is not None:
+            with self._lock:
+                out = self.handle(self, req)
+                version = self.version
+        else:
+            out = self.handle(self, req)
+            version = self.version
+        if out is not None:
+            self._reply(req.worker, out, version)
+
+    def record_staleness(self, req: Request) -> None:
+        self.staleness[self.version - req.version_seen] += 1
+
+    def serve_each_worker_in_a_thread(self) -> None:
+        """First come, first served: one thread per worker, so none waits on another's turn."""
+
+        def loop(worker: int) -> None:
+            try:
+                while True:
+                    req = self._receive(worker)
+                    if req.op == OP_DONE:
+                        return
+                    self._process(req)
+            except BaseException as e:  # surfaced by the serving thread below
+                self._errors.append(e)
+
+        threads = [threading.Thread(target=loop, args=(w,), name=f"ps-worker{w}", daemon=True)
+                   for w in self.comm.worker_ranks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if self._errors:
+            raise self._errors[0]
+
+    def serve_round_robin(self) -> None:
+        """One request from each worker in turn, in rank order (original EASGD)."""
+        active = list(self.comm.worker_ranks)
+        while active:
+            for worker in list(active):
+                req = self._receive(worker)
+                if req.op == OP_DONE:
+                    active.remove(worker)
+                else:
+                    self._process(req)
+
+    def serve_rounds(self, combine: Callable[["ServerShard", list[Request]], torch.Tensor]) -> None:
+        """Synchronous rounds: one push from every worker, ``combine`` them, send all the result."""
+        while True:
+            reqs = [self._receive(w) for w in self.comm.worker_ranks]
+            ops = {r.op for r in reqs}
+            if ops == {OP_DONE}:
+                return
+            if OP_DONE in ops or len(ops) != 1:
+                raise RuntimeError(f"sync server got mixed requests {sorted(ops)} in one round")
+            if ops == {OP_PULL}:
+                for r in reqs:
+                    self._reply(r.worker, self.center, self.version)
+                continue
+            for r in reqs:
+                self.requests[r.op] += 1
+            out = combine(self, reqs)
+            for r in reqs:
+                self._reply(r.worker, out, self.version)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "updates": self.version,
+            "staleness": {str(k): v for k, v in sorted(self.staleness.items())},
+            "requests": {name: self.requests[op] for op, name in
+                         ((OP_PULL, "pull"), (OP_PUSH, "push"), (OP_EXCHANGE, "exchange"))},
+        }
+
+
+class _NoLock:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

@@ -1,0 +1,100 @@
+"""The solvers' update rules as pure functions on tensors.
+
+The real runtime and the simulator both call these, so the two cannot disagree. Every
+function updates its tensors in place (as an optimizer does) and returns what a caller
+needs to log or send.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def elastic_alpha(beta: float, workers: int) -> float:
+    """Moving rate alpha = beta / p (Zhang et al.: beta = p * alpha ~ 0.9 is stable)."""
+    return beta / workers
+
+
+def elastic_exchange(x: torch.Tensor, center: torch.Tensor, alpha: float) -> torch.Tensor:
+    """One elastic exchange between a worker and the center, in place; returns d.
+
+    d = alpha (x - center);  x <- x - d;  center <- center + d
+    """
+    d = (x - center).mul_(alpha)
+    x.sub_(d)
+    center.add_(d)
+    return d
+
+
+def elastic_pull(x: torch.Tensor, center_seen: torch.Tensor, alpha: float) -> torch.Tensor:
+    """The worker's half of an exchange against the center it was sent; returns d.
+
+    The server applies the other half, ``center += d``, with the same ``center_seen``.
+    """
+    d = (x - center_seen).mul_(alpha)
+    x.sub_(d)
+    return d
+
+
+def sync_elastic_update(x: torch.Tensor, center: torch.Tensor, sum_x: torch.Tensor, workers: int,
+                        alpha: float) -> None:
+    """Sync EASGD, every worker at once, in place (both from the old center).
+
+    x_i <- x_i - alpha (x_i - center);  center <- center + alpha (sum_i x_i - p center)
+    """
+    pull = (x - center).mul_(alpha)
+    center.add_((sum_x - center * workers).mul_(alpha))
+    x.sub_(pull)
+
+
+def sgd_apply(center: torch.Tensor, grad: torch.Tensor, lr: float) -> None:
+    """Downpour / async SGD on the server: center <- center - lr * grad."""
+    center.add_(grad, alpha=-lr)
+
+
+def momentum_apply(center: torch.Tensor, buf: torch.Tensor, grad: torch.Tensor, lr: float, mu: float) -> None:
+    """Server-side momentum SGD: buf <- mu * buf + grad;  center <- center - lr * buf."""
+    buf.mul_(mu).add_(grad)
+    center.add_(buf, alpha=-lr)
+
+
+def staleness(server_version: int, version_seen: int) -> int:
+    """Server updates applied between a worker's pull (``version_seen``) and its push."""
+    return server_version - version_seen
+
+
+def lars_trust_ratio(w: torch.Tensor, grad: torch.Tensor, eta: float, weight_decay: float) -> float:
+    """Layer-wise adaptive rate (You et al. 2017): eta ||w|| / (||grad|| + weight_decay ||w||).
+
+    1.0 where either norm is zero (a fresh bias, a layer without gradient), so such layers
+    take the plain step.
+    """
+    w_norm = float(w.norm())
+    g_norm = float(grad.norm())
+    if w_norm == 0.0 or g_norm == 0.0:
+        return 1.0
+    return eta * w_norm / (g_norm + weight_decay * w_norm)
+
+
+def warmup_factor(step: int, warmup_steps: int) -> float:
+    """Linear learning-rate warm-up: (step + 1) / warmup_steps for the first steps, then 1."""
+    if warmup_steps <= 0:
+        return 1.0
+    return min(1.0, (step + 1) / warmup_steps)
+
+
+def server_apply(w: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor | None, lr: float, momentum: float = 0.0,
+                 weight_decay: float = 0.0, lars_eta: float | None = None) -> None:
+    """A parameter server's update of one layer from a pushed gradient, in place.
+
+    g = grad + weight_decay * w, scaled by the LARS trust ratio when ``lars_eta`` is given;
+    then plain SGD (``momentum == 0``) or momentum SGD with ``buf``.
+    """
+    g = grad.add(w, alpha=weight_decay) if weight_decay else grad
+    if lars_eta is not None:
+        g = g * lars_trust_ratio(w, grad, lars_eta, weight_decay)
+    if momentum:
+        assert buf is not None, "momentum needs a buffer"
+        momentum_apply(w, buf, g, lr, momentum)
+    else:
+        sgd_apply(w, g, lr)

@@ -1,0 +1,84 @@
+"""The pure update rules against hand-computed numbers."""
+
+import pytest
+import torch
+
+from distsync.solvers.lars import LARS
+from distsync.solvers.ps import assign_shards
+from distsync.solvers.rules import (
+    elastic_alpha, elastic_exchange, elastic_pull, lars_trust_ratio, momentum_apply, server_apply, sgd_apply,
+    staleness, sync_elastic_update, warmup_factor,
+)
+
+T = lambda *v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
+
+
+def test_elastic_exchange():
+    x, c = T(1.0, 3.0), T(0.0, 1.0)
+    d = elastic_exchange(x, c, 0.25)
+    # d = 0.25 * (x - c) = (0.25, 0.5)
+    assert d.tolist() == [0.25, 0.5] and x.tolist() == [0.75, 2.5] and c.tolist() == [0.25, 1.5]
+
+
+def test_elastic_pull_is_the_workers_half():
+    x, seen = T(1.0, 3.0), T(0.0, 1.0)
+    d = elastic_pull(x, seen, 0.25)
+    assert d.tolist() == [0.25, 0.5] and x.tolist() == [0.75, 2.5] and seen.tolist() == [0.0, 1.0]
+
+
+def test_sync_elastic_update():
+    # p = 2, alpha = 0.1, center 1, x_0 = 3 (x_1 = 5, so sum = 8)
+    x, c = T(3.0), T(1.0)
+    sync_elastic_update(x, c, T(8.0), 2, 0.1)
+    assert x.item() == pytest.approx(3 - 0.1 * 2)          # 2.8
+    assert c.item() == pytest.approx(1 + 0.1 * (8 - 2))    # 1.6
+
+
+def test_alpha_from_beta():
+    assert elastic_alpha(0.9, 4) == pytest.approx(0.225)
+
+
+def test_server_sgd_and_momentum():
+    w = T(1.0, 2.0)
+    sgd_apply(w, T(0.5, -1.0), 0.1)
+    assert w.tolist() == pytest.approx([0.95, 2.1])
+    w, buf = T(1.0), T(2.0)
+    momentum_apply(w, buf, T(1.0), 0.1, 0.5)
+    assert buf.item() == 2.0 and w.item() == pytest.approx(0.8)  # buf = 0.5*2 + 1; w = 1 - 0.1*2
+
+
+def test_server_apply_weight_decay_and_lars():
+    w = T(3.0, 4.0)  # ||w|| = 5
+    g = T(0.0, 1.0)  # ||g|| = 1
+    # trust = 0.01 * 5 / (1 + 0.1 * 5) = 1/30; g' = (g + 0.1 w) * trust = (0.3, 1.4) / 30
+    server_apply(w, g, None, lr=1.0, weight_decay=0.1, lars_eta=0.01)
+    assert w.tolist() == pytest.approx([3 - 0.01, 4 - 1.4 / 30])
+    assert lars_trust_ratio(T(0.0), T(1.0), 0.01, 0.0) == 1.0
+
+
+def test_warmup_and_staleness():
+    assert [warmup_factor(s, 4) for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    assert warmup_factor(0, 0) == 1.0
+    assert staleness(7, 4) == 3
+
+
+def test_lars_optimizer_step_matches_hand_computation():
+    p = torch.nn.Parameter(torch.tensor([3.0, 4.0]))
+    opt = LARS([p], lr=2.0, momentum=0.5, eta=0.01, warmup_steps=2)
+    for expected_lr in (1.0, 2.0):  # warm-up: 2.0 * 1/2, then 2.0
+        p.grad = torch.tensor([0.0, 1.0])
+        w = p.detach().clone()
+        trust = 0.01 * float(w.norm()) / 1.0
+        opt.step()
+        if expected_lr == 1.0:
+            v = expected_lr * trust * torch.tensor([0.0, 1.0])
+            first_v = v
+            torch.testing.assert_close(p.detach(), w - v)
+        else:
+            v = 0.5 * first_v + expected_lr * trust * torch.tensor([0.0, 1.0])
+            torch.testing.assert_close(p.detach(), w - v)
+
+
+def test_assign_shards_balances_whole_tensors():
+    assert assign_shards([100, 10, 60, 50], 2) == [[0, 1], [2, 3]]  # 110 each
+    assert assign_shards([5, 5], 3) == [[0], [1], []]
