@@ -106,6 +106,30 @@ def plot_timeline(runs: list[dict[str, Any]], path: Path, window_s: float | None
     plt.close(fig)
 
 
+def plot_staleness(runs: list[dict[str, Any]], path: Path) -> bool:
+    """Histogram of push staleness per solver that counts it; False if none does."""
+    counted = [r for r in runs if r["summary"].get("staleness")]
+    if not counted:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    width = 0.8 / len(counted)
+    for i, run in enumerate(counted):
+        hist = {int(k): v for k, v in run["summary"]["staleness"]["histogram"].items()}
+        total = sum(hist.values())
+        xs = sorted(hist)
+        ax.bar([x + i * width for x in xs], [hist[x] / total for x in xs], width=width,
+               label=f"{run['summary']['solver']} (mean {run['summary']['staleness']['mean']:.2f})")
+    ax.set_xlabel("staleness (server updates between a worker's pull and its push)")
+    ax.set_ylabel("share of pushes")
+    ax.set_title("staleness")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def summary_rows(summaries: list[dict[str, Any]]) -> list[list[str]]:
     """The comparison table: one row per solver (used by report.md and the console)."""
     rows = []
@@ -131,6 +155,7 @@ def write_report(out_dir: Path, run_dirs: list[Path]) -> Path:
     plot_metric(runs, out_dir / "metric_vs_time.png")
     plot_throughput(runs, out_dir / "throughput.png")
     plot_timeline(runs, out_dir / "timeline.png")
+    has_staleness = plot_staleness(runs, out_dir / "staleness.png")
     first = runs[0]["summary"]
     cfg = json.loads((run_dirs[0] / "config.json").read_text())
     lines = [
@@ -157,6 +182,10 @@ def write_report(out_dir: Path, run_dirs: list[Path]) -> Path:
         "",
         "![per-worker timeline](timeline.png)",
         "",
+    ]
+    if has_staleness:
+        lines += ["![staleness](staleness.png)", ""]
+    lines += [
         "Runs: " + ", ".join(f"[{d.name}]({d.name}/summary.json)" for d in run_dirs),
         "",
     ]

@@ -1,6 +1,6 @@
 """Workloads: a model factory, data, a loss, a metric and its target.
 
-Shipped: ``digits``, ``mnist``, ``cnn``. A user workload is named by import path,
+Shipped: ``digits``, ``mnist``, ``cnn``, ``wide``. A user workload is named by import path,
 ``path/to/file.py:make_workload`` or ``package.module:make_workload``; the function takes no
 arguments and returns a :class:`Workload`.
 """
@@ -16,10 +16,12 @@ from typing import Callable
 from distsync.errors import ConfigError
 from distsync.workloads.base import ShardSampler, Workload, accuracy
 
-SHIPPED = ("digits", "mnist", "cnn")
+SHIPPED = ("digits", "mnist", "cnn", "wide")
 
 
 def _shipped(name: str) -> Callable[[], Workload]:
+    if name == "wide":
+        return importlib.import_module("distsync.workloads.digits").make_wide_workload
     module = importlib.import_module(f"distsync.workloads.{name}")
     return module.make_workload
 

@@ -14,6 +14,20 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
 
 
+def make_wide_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+
+
+def make_wide_workload() -> Workload:
+    """`wide`: the digits data with a 1.1M-parameter MLP: little compute per byte of model."""
+    w = make_workload()
+    w.name = "wide"
+    w.make_model = make_wide_model
+    w.lr = 0.1
+    w.description = "MLP 64-1024-1024-10 (1.1M parameters, 4.4 MB) on scikit-learn digits: communication-heavy"
+    return w
+
+
 def make_workload() -> Workload:
     x, y = load_digits(return_X_y=True)
     # The split is fixed (not the run's seed) so every run is scored on the same images.
