@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from distsync.solvers import solver_names
 from helpers import DISTSYNC, REPO, alive, children_of, env_of, kill_tree, run_cli
 
 FIXTURES = REPO / "tests" / "fixtures"
@@ -26,7 +27,7 @@ def _one_line_error(proc, expected):
 @pytest.mark.parametrize(
     "args, expected",
     [
-        (["train", "--solver", "nope"], "unknown solver 'nope'; valid: allreduce, ddp"),
+        (["train", "--solver", "nope"], "unknown solver 'nope'; valid: " + ", ".join(solver_names())),
         (["train", "--workload", "nope"], "unknown workload 'nope'; valid: digits, mnist, cnn, wide, or path/to/file.py:make_workload"),
         (["train", "--workers", "0"], "--workers must be an integer >= 1, got 0"),
         (["train", "--slow", "1:x"], "bad --slow entry '1:x': expected RANK:FACTOR"),

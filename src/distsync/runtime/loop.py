@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,16 @@ class TrainClock:
                 clock.paused += time.perf_counter() - self.t0
 
         return _Pause()
+
+
+def hogwild_replica(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` whose parameters share the original's storage (not its autograd
+    version counters), for one Hogwild thread."""
+    replica = copy.deepcopy(model)
+    with torch.no_grad():
+        for rp, p in zip(replica.parameters(), model.parameters()):
+            rp.set_(p.untyped_storage(), p.storage_offset(), p.size(), p.stride())
+    return replica
 
 
 def make_optimizer(cfg: RunConfig, params, lr: float) -> torch.optim.Optimizer:
@@ -80,18 +92,31 @@ def train_worker(cfg: RunConfig, workload: Workload, solver, comm, device: torch
     model = workload.make_model().to(device)
     optimizer = make_optimizer(cfg, model.parameters(), lr)
     run_model = solver.attach(model, optimizer, comm)
+    threads = solver.threads
+    if threads > 1 and steps % threads:
+        raise DistsyncError(f"--steps {steps} must be a multiple of the solver's {threads} threads")
     try:
-        sampler = ShardSampler(workload.num_train, comm.num_workers, comm.worker_index, batch_size, cfg.seed)
+        # Each Hogwild thread reads its own part of this worker's shard.
+        samplers = [ShardSampler(workload.num_train, comm.num_workers * threads, comm.worker_index * threads + t,
+                                 batch_size, cfg.seed) for t in range(threads)]
     except ValueError as e:
         raise DistsyncError(f"workload {workload.name}: {e}") from None
     torch.manual_seed(cfg.seed * 1000 + 17 + rank)  # per-worker randomness (dropout, ...)
-    stretch = ComputeStretch(cfg.slow.get(rank, 1.0))
+    stretches = [ComputeStretch(cfg.slow.get(rank, 1.0)) for _ in range(threads)]
     perf = time.perf_counter
     events: list[dict[str, Any]] = []
+    params = [p for p in model.parameters() if p.requires_grad]
+    books = threading.Lock()  # bytes accounting shared by threads
 
     comm.barrier(comm.worker_group)
     clock = TrainClock()
-    bytes_before = comm.bytes_sent
+    sent_so_far = [comm.bytes_sent]
+
+    def bytes_since_last() -> int:
+        with books:
+            sent = comm.bytes_sent - sent_so_far[0]
+            sent_so_far[0] = comm.bytes_sent
+        return sent
 
     def evaluate(step: int) -> float:
         with clock.pause():
@@ -99,56 +124,110 @@ def train_worker(cfg: RunConfig, workload: Workload, solver, comm, device: torch
         events.append({"kind": "eval", "rank": rank, "step": step, "t": clock.now(), **m})
         return m["metric"]
 
-    loss_v = float("nan")
-    for step in range(steps):
-        t0 = clock.now()
-        a = perf()
-        solver.before_step(step)
-        comm_s = perf() - a
+    last_loss = [float("nan")]
+    per_thread = steps // threads
+    eval_every_k = max(1, eval_every // threads)
+    # All threads stop at each evaluation; one of them evaluates while the clock is paused.
+    pending_eval: list[int] = []
+    rendezvous = threading.Barrier(threads, action=lambda: [evaluate(s) for s in pending_eval[:1]] and None)
 
-        x, y = workload.take(workload.train_data, sampler.indices(step))
-        x, y = x.to(device), y.to(device)
-        a = perf()
-        loss = workload.loss_fn(run_model(x), y)
-        fwd = perf() - a
-        stretch.after_forward(fwd)
-        b = perf()
-        loss.backward()
-        bwd = perf() - b
-        stretch.after_backward(bwd)
-        compute_s = perf() - a
+    def run(t: int) -> None:
+        stretch, sampler = stretches[t], samplers[t]
+        if threads > 1:
+            # Each thread runs its own replica of the module whose parameters are new tensor
+            # objects over the shared storage: updates by other threads race on the data
+            # (Hogwild) instead of tripping autograd's checks on a shared version counter.
+            replica = hogwild_replica(model)
+            thread_params = [p for p in replica.parameters() if p.requires_grad]
+        for k in range(per_thread):
+            step = k * threads + t
+            t0 = clock.now()
+            a = perf()
+            solver.before_step(step)
+            comm_s = perf() - a
 
-        a = perf()
-        solver.after_backward(step)
-        comm_s += perf() - a
-        a = perf()
-        solver.update(step)
-        compute_s += perf() - a
-        a = perf()
-        solver.after_update(step)
-        solver.zero_grad()
-        comm_s += perf() - a
-        wait_s = solver.clock.take_wait()
+            x, y = workload.take(workload.train_data, sampler.indices(k))
+            x, y = x.to(device), y.to(device)
+            a = perf()
+            out = run_model(x) if threads == 1 else replica(x)
+            loss = workload.loss_fn(out, y)
+            fwd = perf() - a
+            stretch.after_forward(fwd)
+            b = perf()
+            if threads == 1:
+                loss.backward()
+            else:
+                grads = torch.autograd.grad(loss, thread_params)
+            stretch.after_backward(perf() - b)
+            compute_s = perf() - a
 
-        loss_v = float(loss.detach())
-        if not math.isfinite(loss_v):
-            raise DistsyncError(f"worker rank {rank}: loss is {loss_v} at step {step}; stopping (try a lower --lr)")
-        sent = comm.bytes_sent - bytes_before
-        bytes_before = comm.bytes_sent
-        events.append({
-            "kind": "step", "rank": rank, "step": step, "t0": t0, "t": clock.now(), "loss": loss_v,
-            "samples": len(y), "compute": compute_s, "comm": max(0.0, comm_s - wait_s), "wait": wait_s,
-            "bytes": sent,
-        })
-        metric = None
-        if (step + 1) % eval_every == 0 and step + 1 < steps:
-            metric = evaluate(step)
-        progress.update(step + 1, loss_v, metric)
+            if threads == 1:
+                a = perf()
+                solver.after_backward(step)
+                comm_s += perf() - a
+                a = perf()
+                solver.update(step)
+                compute_s += perf() - a
+            else:
+                a = perf()
+                solver.hogwild_update(step, params, grads)
+                compute_s += perf() - a
+            a = perf()
+            solver.after_update(step)
+            if threads == 1:
+                solver.zero_grad()
+            comm_s += perf() - a
+            wait_s = solver.clock.take_wait()
+
+            loss_v = float(loss.detach())
+            if not math.isfinite(loss_v):
+                raise DistsyncError(f"worker rank {rank}: loss is {loss_v} at step {step}; stopping (try a lower --lr)")
+            last_loss[0] = loss_v
+            events.append({
+                "kind": "step", "rank": rank, "step": step, "t0": t0, "t": clock.now(), "loss": loss_v,
+                "samples": len(y), "compute": compute_s, "comm": max(0.0, comm_s - wait_s), "wait": wait_s,
+                "bytes": bytes_since_last(), "thread": t,
+            })
+            metric = None
+            done = (k + 1) * threads
+            if (k + 1) % eval_every_k == 0 and k + 1 < per_thread:
+                if threads == 1:
+                    metric = evaluate(step)
+                else:
+                    pending_eval[:] = [done - 1]
+                    rendezvous.wait()
+                    metric = events[-1]["metric"] if events[-1]["kind"] == "eval" else None
+            if t == 0:
+                progress.update(done, loss_v, metric)
+
+    if threads == 1:
+        run(0)
+    else:
+        errors: list[BaseException] = []
+
+        def guarded(t: int) -> None:
+            try:
+                run(t)
+            except threading.BrokenBarrierError:
+                pass
+            except BaseException as e:
+                errors.append(e)
+                rendezvous.abort()  # wake the others instead of leaving them at the barrier
+
+        workers = [threading.Thread(target=guarded, args=(t,), name=f"hogwild-{t}") for t in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        if errors:
+            raise errors[0]
+    loss_v = last_loss[0]
+    bytes_before = sent_so_far[0]
 
     a = perf()
     solver.close()  # a solver's final synchronization belongs to the run's time
     events.append({"kind": "done", "rank": rank, "t": clock.now(), "close_s": perf() - a,
-                   "slept_s": stretch.slept_s, "bytes": comm.bytes_sent - bytes_before})
+                   "slept_s": sum(st.slept_s for st in stretches), "bytes": comm.bytes_sent - bytes_before})
     final = evaluate(steps - 1)
     progress.update(steps, loss_v, final, force=True)
     return events

@@ -23,6 +23,7 @@ import dataclasses
 import importlib
 import importlib.util
 import sys
+import threading
 import time
 import typing
 from pathlib import Path
@@ -59,11 +60,12 @@ class PhaseClock:
 
     The loop charges each hook's time to ``comm``; inside a hook, a solver moves time it
     spent blocked on a peer (a lock, a slow worker, a server queue) to ``wait`` with
-    ``with clock.waiting(): ...``. Seconds, from ``time.perf_counter``.
+    ``with clock.waiting(): ...``. Seconds, from ``time.perf_counter``; kept per thread, so
+    Hogwild training threads each account for their own steps.
     """
 
     def __init__(self) -> None:
-        self.waited = 0.0
+        self._local = threading.local()
 
     @contextlib.contextmanager
     def waiting(self) -> Iterator[None]:
@@ -71,10 +73,11 @@ class PhaseClock:
         try:
             yield
         finally:
-            self.waited += time.perf_counter() - t0
+            self._local.waited = getattr(self._local, "waited", 0.0) + time.perf_counter() - t0
 
     def take_wait(self) -> float:
-        w, self.waited = self.waited, 0.0
+        w = getattr(self._local, "waited", 0.0)
+        self._local.waited = 0.0
         return w
 
 
@@ -86,8 +89,6 @@ class Solver:
     #: True when every worker blocks in one collective per step, so a worker's exposed
     #: communication beyond the fastest worker's is time spent waiting for the slowest.
     collective_per_step: ClassVar[bool] = False
-    #: Training threads per worker process (Hogwild-style solvers raise it).
-    threads_per_worker: ClassVar[int] = 1
 
     def __init__(self, options: Any = None) -> None:
         self.options = options if options is not None else self.Options()
@@ -101,6 +102,13 @@ class Solver:
     def roles(self) -> dict[str, int]:
         """Extra processes beside the workers, e.g. ``{"server": 2}``; ranks follow the workers."""
         return {}
+
+    @property
+    def threads(self) -> int:
+        """Training threads per worker on one shared model (Hogwild). With more than one,
+        the loop calls :meth:`hogwild_update` from each thread instead of ``after_backward``
+        and ``update``; ``before_step`` and ``after_update`` may then run concurrently."""
+        return 1
 
     # ---- lifecycle ----------------------------------------------------------------------
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Any) -> nn.Module:
@@ -120,6 +128,10 @@ class Solver:
 
     def after_update(self, step: int) -> None:
         pass
+
+    def hogwild_update(self, step: int, params: list[torch.Tensor], grads: tuple[torch.Tensor, ...]) -> None:
+        """A training thread's update with its own gradients, taking no lock (Hogwild)."""
+        raise NotImplementedError(f"solver {self.name} does not run Hogwild threads")
 
     def zero_grad(self) -> None:
         assert self.optimizer is not None, "attach() first"

@@ -26,7 +26,7 @@ import torch
 
 from distsync.errors import ConfigError
 from distsync.solvers.base import Solver, register_solver
-from distsync.solvers.parameter_server import ServerSolver
+from distsync.solvers.parameter_server import ServerSolver, hogwild_sgd
 from distsync.solvers.ps import Request, ServerShard
 from distsync.solvers.rules import elastic_alpha, elastic_exchange, elastic_pull, sync_elastic_update
 
@@ -65,6 +65,18 @@ class MomentumElasticOptions(ElasticOptions):
         super().__post_init__()
         if not 0 <= self.momentum < 1:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
+
+
+@dataclass
+class WildOptions(ElasticOptions):
+    """threads: Hogwild training threads per worker on its one model."""
+
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
 
 
 @dataclass
@@ -133,10 +145,11 @@ class _ElasticServerSolver(ServerSolver):
 
     def _exchange(self, step):
         c = self.client
-        mine = [v.flat() for v in c.views]
-        for view, x, seen in zip(c.views, mine, c.exchange(step, mine)):
-            elastic_pull(x, seen, self.alpha)
-            view.assign(x)
+        with self.client_lock:
+            mine = [v.flat() for v in c.views]
+            for view, x, seen in zip(c.views, mine, c.exchange(step, mine)):
+                elastic_pull(x, seen, self.alpha)
+                view.assign(x)
 
     def eval_model(self):
         return self._final if self._final is not None else self.center_model(-1)
@@ -177,7 +190,15 @@ class AsyncMEASGD(_ElasticServerSolver):
 @register_solver
 class EAWild(_ElasticServerSolver):
     name = "ea-wild"
+    Options = WildOptions
     lock_free = True
+
+    @property
+    def threads(self) -> int:
+        return self.options.threads
+
+    def hogwild_update(self, step, params, grads):
+        hogwild_sgd(params, grads, self.optimizer.param_groups[0]["lr"])
 
 
 @register_solver

@@ -16,6 +16,7 @@ with warm-up) through :func:`distsync.solvers.rules.server_apply`.
 from __future__ import annotations
 
 import copy
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +61,25 @@ class AsyncMSGDOptions(AsyncPSOptions):
     momentum: float | None = 0.9
 
 
+@dataclass
+class HogwildOptions(AsyncPSOptions):
+    """threads: Hogwild training threads per worker on its one model."""
+
+    threads: int = 2
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+
+
+def hogwild_sgd(params, grads, lr: float) -> None:
+    """Plain SGD written straight into shared parameters, with no lock (Niu et al. 2011)."""
+    with torch.no_grad():
+        for p, g in zip(params, grads):
+            p.add_(g, alpha=-lr)
+
+
 class ServerSolver(Solver):
     """Shared parts of solvers whose center lives on server processes."""
 
@@ -72,6 +92,8 @@ class ServerSolver(Solver):
     def attach(self, model, optimizer, comm):
         super().attach(model, optimizer, comm)
         self.client = PSClient(comm, model, comm.ranks_with_role("server"))
+        # Hogwild threads share one client: one conversation with the servers at a time.
+        self.client_lock = threading.Lock()
         self._center_model = None
         return model
 
@@ -99,7 +121,9 @@ class ServerSolver(Solver):
         if self._center_model is None:
             self._center_model = copy.deepcopy(self.model)
         client = self.client
-        for view, vec in zip(client.layout.views(list(self._center_model.parameters())), client.pull(step)):
+        with self.client_lock:
+            center = client.pull(step)
+        for view, vec in zip(client.layout.views(list(self._center_model.parameters())), center):
             view.assign(vec)
         return self._center_model
 
@@ -170,14 +194,19 @@ class AsyncPS(GradientServerSolver):
 
     def before_step(self, step):
         if step % self.options.n_fetch == 0:
-            self.client.pull_into_model(step)
+            with self.client_lock:
+                self.client.pull_into_model(step)
 
     def after_backward(self, step):
-        for acc, view in zip(self._acc, self.client.views):
-            acc.add_(view.flat_grad())
-        self._pending += 1
-        if self._pending == self.options.n_push:
-            self._push(step)
+        self._accumulate(step, [v.flat_grad() for v in self.client.views])
+
+    def _accumulate(self, step, flat_grads):
+        with self.client_lock:
+            for acc, g in zip(self._acc, flat_grads):
+                acc.add_(g)
+            self._pending += 1
+            if self._pending == self.options.n_push:
+                self._push(step)
 
     def _push(self, step):
         self.client.push(step, self._acc)
@@ -198,3 +227,22 @@ class AsyncPS(GradientServerSolver):
 class AsyncMSGD(AsyncPS):
     name = "async-msgd"
     Options = AsyncMSGDOptions
+
+
+@register_solver
+class Hogwild(AsyncPS):
+    """`hogwild`: Hogwild threads inside each worker, and across workers one shared model on
+    lock-free servers: async SGD whose server applies every push without a lock."""
+
+    name = "hogwild"
+    Options = HogwildOptions
+    lock_free = True
+
+    @property
+    def threads(self) -> int:
+        return self.options.threads
+
+    def hogwild_update(self, step, params, grads):
+        hogwild_sgd(params, grads, self.optimizer.param_groups[0]["lr"])
+        by_param = {id(p): g for p, g in zip(params, grads)}
+        self._accumulate(step, [torch.cat([by_param[id(t)].reshape(-1) for t in v.tensors]) for v in self.client.views])
