@@ -11,6 +11,7 @@ from helpers import run_cli
 SOLVERS = [
     ("sync-ps", []), ("async-ps", []), ("async-msgd", ["--lr", "0.02"]), ("easgd", []),
     ("async-easgd", []), ("async-measgd", ["--lr", "0.05"]), ("ea-wild", []), ("sync-easgd", []),
+    ("hogwild", []), ("ea-wild-threads", ["-o", "threads=2"]),
 ]
 
 
@@ -18,7 +19,7 @@ SOLVERS = [
 @pytest.mark.parametrize("solver, extra", SOLVERS, ids=[s for s, _ in SOLVERS])
 def test_every_solver_reaches_the_digits_target(tmp_path, solver, extra):
     out = tmp_path / solver
-    proc = run_cli("train", "--solver", solver, "--workers", "2", "--out", str(out), *extra)
+    proc = run_cli("train", "--solver", solver.replace("-threads", ""), "--workers", "2", "--out", str(out), *extra)
     assert proc.returncode == 0, proc.stderr
     s = json.loads((out / "summary.json").read_text())
     assert s["time_to_target_s"] is not None, (s["final_metric"], s["target"])
@@ -48,3 +49,13 @@ def test_ea_wild_lock_free_center_stress_never_deadlocks_and_loses_only_to_races
     assert server["updates"] <= 4 * 300
     # overlapping exchanges (counted) are the documented race; what they lost is tiny
     assert server["lost_update_share"] < 1e-3, server
+
+
+@pytest.mark.slow
+def test_lars_trains_a_large_batch_to_target(tmp_path):
+    out = tmp_path / "lars"
+    proc = run_cli("train", "--optimizer", "lars", "--lr", "10", "--momentum", "0.9", "--warmup-steps", "10",
+                   "--batch-size", "256", "--workers", "2", "--steps", "60", "--eval-every", "10", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    s = json.loads((out / "summary.json").read_text())
+    assert s["time_to_target_s"] is not None and s["samples"] == 2 * 60 * 256, s["final_metric"]

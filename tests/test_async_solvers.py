@@ -28,7 +28,7 @@ def _model():
     return make_model()
 
 
-def _run(rank, world, solver_name, options, workers, steps, momentum):
+def _run(rank, world, solver_name, options, workers, steps, momentum, optimizer="sgd"):
     from distsync.comm import Comm
     from distsync.runtime import assign_roles
     from distsync.solvers import ServeContext, make_solver
@@ -38,7 +38,8 @@ def _run(rank, world, solver_name, options, workers, steps, momentum):
     comm = Comm.from_env(assign_roles(workers, solver.roles), 30.0, torch.device("cpu"))
     w = _data()
     if comm.role != "worker":
-        solver.serve(comm.role, comm, ServeContext(make_model=_model, lr=LR, momentum=momentum))
+        solver.serve(comm.role, comm, ServeContext(make_model=_model, lr=LR, momentum=momentum, optimizer=optimizer,
+                                                   lars_eta=0.01))
         out = ("server", solver.stats())
     else:
         model = _model()
@@ -202,3 +203,21 @@ def test_sync_easgd_two_workers_equals_reference():
         _close(res[r][1], xs[r].state_dict())
         torch.testing.assert_close(torch.nn.utils.parameters_to_vector(list(res[r][2].values())), center,
                                    rtol=0, atol=1e-5)
+
+
+def test_sync_ps_with_lars_on_the_servers_equals_lars_large_batch():
+    from distsync.solvers.lars import LARS
+
+    steps = 4
+    w, batches = _batches(2, steps)
+    ref = _model()
+    opt = LARS(ref.parameters(), lr=LR, momentum=0.5, eta=0.01)
+    for step in range(steps):
+        x = torch.cat([batches[r][step][0] for r in range(2)])
+        y = torch.cat([batches[r][step][1] for r in range(2)])
+        opt.zero_grad()
+        w.loss_fn(ref(x), y).backward()
+        opt.step()
+    res = run_ranks(_run, 3, "sync-ps", {}, 2, steps, 0.5, "lars")
+    for _, state, _ in res[:2]:
+        _close(state, ref.state_dict())
