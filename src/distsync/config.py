@@ -122,6 +122,8 @@ class RunConfig:
     warmup_steps: int = 0
     seed: int = 0
     slow: dict[int, float] = field(default_factory=dict)
+    #: random per-step extra compute, up to this share of a step (every worker)
+    jitter: float = 0.0
     eval_every: int | None = None
     timeout_s: float = 60.0
     intra_op_threads: int = 1
@@ -164,6 +166,8 @@ class RunConfig:
             raise ConfigError(f"unknown --device {self.device!r}; valid: {', '.join(DEVICES)}")
         if self.master_port is not None and not 1 <= self.master_port <= 65535:
             raise ConfigError(f"--master-port must be in 1..65535, got {self.master_port!r}")
+        if not 0.0 <= self.jitter <= 10.0:
+            raise ConfigError(f"--jitter must be in [0, 10] (a share of each step's compute), got {self.jitter!r}")
         if self.link is not None:
             parse_link(self.link)
         if self.task not in TASKS:

@@ -25,6 +25,8 @@ def add_run_options(p: argparse.ArgumentParser, *, workers_default: int | None =
     g = p.add_argument_group("cluster")
     g.add_argument("--slow", metavar="RANK:FACTOR[,...]",
                    help="stretch these workers' compute FACTOR times (e.g. --slow 1:3)")
+    g.add_argument("--jitter", type=float, default=0.0,
+                   help="random per-step extra compute on every worker, up to this share of a step (e.g. 0.5)")
     g.add_argument("--link", metavar="BANDWIDTH[,LATENCY]",
                    help="emulate a cluster: every process on its own network host behind a link of this "
                         "rate (e.g. 200mbit, 1gbit,2ms); needs root")
@@ -53,6 +55,7 @@ def config_from_args(args: argparse.Namespace, solver: str, solver_options: dict
         warmup_steps=args.warmup_steps,
         seed=args.seed,
         slow=parse_slow(args.slow),
+        jitter=args.jitter,
         eval_every=args.eval_every,
         timeout_s=args.timeout_s,
         intra_op_threads=args.intra_op_threads,

@@ -80,6 +80,7 @@ class Comm:
         self.worker_ranks = [r for r, role in enumerate(self.role_of) if role == "worker"]
         self.bytes_sent = 0
         self._worker_group: Any = None
+        self._member_groups: dict[tuple[int, ...], Any] = {}
 
     # ---- set-up -----------------------------------------------------------------------
     @classmethod
@@ -205,6 +206,31 @@ class Comm:
             timeout=datetime.timedelta(seconds=self.timeout_s),
             use_local_synchronization=members_only,
         )
+
+    def create_groups(self, groups: Sequence[Sequence[int]]) -> None:
+        """Create process groups for :meth:`partial_all_reduce`, ahead of use.
+
+        Every rank of the job calls this with the same list, in the same order. (Groups that
+        only their members create, ``use_local_synchronization=True``, time out on torch
+        2.13's gloo when one rank's first such group is another's second, e.g. [0,1,2] then
+        [1,2,3] on 4 ranks; groups made by everyone in one order cannot.)
+        """
+        for members in groups:
+            key = tuple(sorted(members))
+            if key not in self._member_groups:
+                self._member_groups[key] = self.new_group(key)
+
+    def partial_all_reduce(self, tensor: torch.Tensor, members: Sequence[int]) -> None:
+        """Replace ``tensor`` by the mean of the members' tensors, a collective over ``members``
+        only: nobody else takes part. The group must come from :meth:`create_groups`."""
+        key = tuple(sorted(members))
+        if self.rank not in key:
+            raise ValueError(f"rank {self.rank} is not in group {list(key)}")
+        group = self._member_groups.get(key)
+        if group is None:
+            raise ValueError(f"group {list(key)} was not created ahead (create_groups)")
+        self.all_reduce(tensor, group=group)
+        tensor.div_(len(key))
 
     def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
         """Gather a picklable object from every rank to ``dst`` (over the default group)."""

@@ -102,7 +102,8 @@ def train_worker(cfg: RunConfig, workload: Workload, solver, comm, device: torch
     except ValueError as e:
         raise DistsyncError(f"workload {workload.name}: {e}") from None
     torch.manual_seed(cfg.seed * 1000 + 17 + rank)  # per-worker randomness (dropout, ...)
-    stretches = [ComputeStretch(cfg.slow.get(rank, 1.0)) for _ in range(threads)]
+    stretches = [ComputeStretch(cfg.slow.get(rank, 1.0), cfg.jitter, seed=cfg.seed * 7919 + rank * 31 + t)
+                 for t in range(threads)]
     perf = time.perf_counter
     events: list[dict[str, Any]] = []
     params = [p for p in model.parameters() if p.requires_grad]

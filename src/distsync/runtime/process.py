@@ -95,7 +95,7 @@ def run_process(cfg: RunConfig, run_dir: Path) -> None:
             solver.serve(comm.role, comm, ServeContext(
                 make_model=make_model, lr=cfg.lr or workload.lr, momentum=cfg.momentum,
                 weight_decay=cfg.weight_decay, optimizer=cfg.optimizer, lars_eta=cfg.lars_eta,
-                warmup_steps=cfg.warmup_steps, steps=cfg.steps or workload.steps))
+                warmup_steps=cfg.warmup_steps, steps=cfg.steps or workload.steps, seed=cfg.seed))
             events = []
         gathered = comm.gather_object({"events": events, "role": comm.role, "stats": solver.stats(),
                                        "bytes": comm.bytes_sent})

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import random
 import time
 
 
@@ -8,19 +9,23 @@ class ComputeStretch:
 
     The sleep falls between forward and backward, before any gradient is ready, so peers in
     a collective wait on this worker exactly as they would on a slower machine. Its length is
-    ``(factor - 1) * (this step's forward + the last measured backward)``.
+    ``(factor - 1 + jitter * u) * (this step's forward + the last measured backward)`` with
+    ``u`` uniform in [0, 1) drawn per step from ``seed`` (random per-step delays).
     """
 
-    def __init__(self, factor: float):
+    def __init__(self, factor: float, jitter: float = 0.0, seed: int = 0):
         self.factor = factor
+        self.jitter = jitter
+        self._rng = random.Random(seed)
         self._backward_s: float | None = None
         self.slept_s = 0.0
 
     def after_forward(self, forward_s: float) -> None:
-        if self.factor <= 1.0:
+        stretch = self.factor - 1.0 + (self.jitter * self._rng.random() if self.jitter else 0.0)
+        if stretch <= 0.0:
             return
         backward = self._backward_s if self._backward_s is not None else 2.0 * forward_s
-        extra = (self.factor - 1.0) * (forward_s + backward)
+        extra = stretch * (forward_s + backward)
         time.sleep(extra)
         self.slept_s += extra
 

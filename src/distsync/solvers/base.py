@@ -53,6 +53,7 @@ class ServeContext:
     lars_eta: float = 0.001
     warmup_steps: int = 0
     steps: int = 0
+    seed: int = 0
 
 
 class PhaseClock:

@@ -98,3 +98,15 @@ def server_apply(w: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor | None, 
         momentum_apply(w, buf, g, lr, momentum)
     else:
         sgd_apply(w, g, lr)
+
+
+def pairwise_average(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """AD-PSGD's atomic averaging: both become (x + y) / 2. Returns the average (in ``x``)."""
+    x.add_(y).mul_(0.5)
+    y.copy_(x)
+    return x
+
+
+def group_mean(total: torch.Tensor, size: int) -> torch.Tensor:
+    """Partial All-Reduce: the sum of a group's models divided by its size, in place."""
+    return total.div_(size)

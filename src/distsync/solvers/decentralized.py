@@ -1,0 +1,353 @@
+"""Decentralized solvers: `ad-psgd` (random pairwise averaging) and `ripples` (Partial All-Reduce).
+
+- ``ad-psgd`` (Lian et al. 2018): after each step's backward, an *active* worker averages
+  its model with a random *passive* one, atomically: both become (x_i + x_j) / 2; the
+  gradient, computed before the averaging, is applied after it. Workers are split into a
+  bipartite graph (even ranks active, odd passive) so no two workers wait on each other: a
+  passive worker answers from a background thread with its own process group while it
+  computes, and only actives start averagings.
+- ``ripples`` (Luo et al. 2020): after each step a worker joins a group of ``group_size``
+  workers and all members replace their models by the group mean, a collective over that
+  group only (:meth:`Comm.partial_all_reduce`). Groups come from a schedule:
+
+  * ``static``: a fixed repeating schedule of non-overlapping groups (Group Division), no
+    coordinator round trips;
+  * ``random``: a Group Generator (the coordinator process) draws random rounds of disjoint
+    groups in one global order and hands each worker ``buffer`` of its upcoming groups per
+    round trip (Group Buffer), so no two workers can wait on each other in opposite orders;
+  * ``smart``: heterogeneity-aware: the coordinator groups workers in the order they become
+    ready, ``group_size`` at a time; a worker left waiting ``max_wait_ms`` is grouped with
+    whoever is ready (or skips the round alone). A slow worker joins fewer groups and the
+    fast ones keep mixing among themselves without waiting on it.
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from distsync.solvers.base import Solver, register_solver
+from distsync.solvers.rules import pairwise_average
+from distsync.errors import ConfigError
+from distsync.solvers.schedules import bipartite_roles, possible_groups, random_round, static_schedule
+
+#: above this many workers, random and smart schedules would need too many process groups
+MAX_WORKERS_DYNAMIC = 12
+
+TAG_AVG_HEADER, TAG_AVG_MODEL, TAG_AVG_REPLY = 21, 22, 23
+TAG_COORD_REQ, TAG_COORD_REPLY = 31, 32
+OP_REQUEST, OP_DONE = 1, 2
+
+
+def _flat(params) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in params])
+
+
+def _assign(params, vec: torch.Tensor) -> None:
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            p.copy_(vec[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+
+@dataclass
+class ADPSGDOptions:
+    """seed: picks each active worker's partners."""
+
+    seed: int = 0
+
+
+@register_solver
+class ADPSGD(Solver):
+    name = "ad-psgd"
+    Options = ADPSGDOptions
+
+    def attach(self, model, optimizer, comm):
+        super().attach(model, optimizer, comm)
+        self.params = [p for p in model.parameters()]
+        actives, passives = bipartite_roles(comm.num_workers)
+        self.actives = [comm.worker_ranks[i] for i in actives]
+        self.passives = [comm.worker_ranks[i] for i in passives]
+        self.is_active = comm.rank in self.actives
+        # Averagings travel on their own group, so a passive answers from its own thread.
+        self.gossip = comm.new_group(comm.worker_ranks)
+        self.lock = threading.Lock()  # a passive's model: its update vs. an averaging
+        self.pending: torch.Tensor | None = None
+        self.rng = random.Random(self.options.seed * 7919 + comm.rank)
+        self.averaged = 0
+        self.answered = Counter()
+        self._error: list[BaseException] = []
+        self._thread = None
+        if not self.is_active and self.actives:
+            self._thread = threading.Thread(target=self._answer, name="ad-psgd-passive", daemon=True)
+            self._thread.start()
+        return model
+
+    def _answer(self) -> None:
+        open_actives = set(self.actives)
+        head = torch.zeros(1, dtype=torch.int64)
+        try:
+            while open_actives:
+                sender = self.comm.recv(head, None, group=self.gossip, tag=TAG_AVG_HEADER)
+                if int(head.item()) == OP_DONE:
+                    open_actives.discard(sender)
+                    continue
+                theirs = torch.zeros(sum(p.numel() for p in self.params))
+                self.comm.recv(theirs, sender, group=self.gossip, tag=TAG_AVG_MODEL)
+                with self.lock:
+                    # The training thread may be inside forward/backward: the average waits in
+                    # `pending` and replaces the model at its next update, before the gradient
+                    # (taken on the model before the averaging) is applied.
+                    mine = self.pending if self.pending is not None else _flat(self.params)
+                    pairwise_average(mine, theirs)
+                    self.pending = mine
+                self.comm.send(mine, sender, group=self.gossip, tag=TAG_AVG_REPLY)
+                self.answered[sender] += 1
+        except BaseException as e:  # raised on the training thread at its next step
+            self._error.append(e)
+
+    def after_backward(self, step):
+        if self._error:
+            raise self._error[0]
+        if not self.is_active or not self.passives:
+            return
+        partner = self.rng.choice(self.passives)
+        mine = _flat(self.params)
+        self.comm.send(torch.tensor([OP_REQUEST]), partner, group=self.gossip, tag=TAG_AVG_HEADER)
+        self.comm.send(mine, partner, group=self.gossip, tag=TAG_AVG_MODEL)
+        with self.clock.waiting():  # the partner answers between its own steps' work
+            self.comm.recv(mine, partner, group=self.gossip, tag=TAG_AVG_REPLY)
+        _assign(self.params, mine)
+        self.averaged += 1
+
+    def update(self, step):
+        with self.lock:
+            self._apply_pending()
+            self.optimizer.step()
+
+    def _apply_pending(self) -> None:
+        if self.pending is not None:
+            _assign(self.params, self.pending)
+            self.pending = None
+
+    def close(self):
+        if self.is_active:
+            for partner in self.passives:
+                self.comm.send(torch.tensor([OP_DONE]), partner, group=self.gossip, tag=TAG_AVG_HEADER)
+        elif self._thread is not None:
+            self._thread.join(timeout=self.comm.timeout_s)
+            if self._thread.is_alive():
+                raise RuntimeError(f"rank {self.comm.rank}: ad-psgd answering thread did not stop")
+            with self.lock:
+                self._apply_pending()
+        if self._error:
+            raise self._error[0]
+
+    def stats(self):
+        if self.model is None:
+            return {}
+        return {"averagings_started": self.averaged,
+                "averagings_answered": sum(self.answered.values())}
+
+
+@dataclass
+class RipplesOptions:
+    """group_size: workers per Partial All-Reduce; schedule: static | random | smart;
+    every: steps between Partial All-Reduces; buffer: groups per coordinator round trip
+    (random); max_wait_ms: longest a worker waits for partners (smart); seed: random groups."""
+
+    group_size: int = 3
+    schedule: str = "static"
+    every: int = 1
+    buffer: int = 16
+    max_wait_ms: float = 20.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.group_size < 2:
+            raise ValueError(f"group_size must be >= 2, got {self.group_size}")
+        if self.schedule not in ("static", "random", "smart"):
+            raise ValueError(f"schedule must be static, random or smart, got {self.schedule!r}")
+        if self.every < 1 or self.buffer < 1 or self.max_wait_ms <= 0:
+            raise ValueError("every and buffer must be >= 1, max_wait_ms > 0")
+
+
+@register_solver
+class Ripples(Solver):
+    name = "ripples"
+    Options = RipplesOptions
+
+    @property
+    def roles(self):
+        return {"coordinator": 1} if self.options.schedule != "static" else {}
+
+    # ---- worker -------------------------------------------------------------------------
+    def attach(self, model, optimizer, comm):
+        super().attach(model, optimizer, comm)
+        self.params = [p for p in model.parameters()]
+        self.k = min(self.options.group_size, comm.num_workers)
+        self.me = comm.worker_index
+        self.rounds = static_schedule(comm.num_workers, self.k) if comm.num_workers > 1 else [[(0,)]]
+        coordinators = comm.ranks_with_role("coordinator")
+        self.coordinator = coordinators[0] if coordinators else None
+        self._create_groups(comm)
+        self.upcoming: list[tuple[int, ...]] = []
+        self.round = 0
+        self.joined = 0
+        self.alone = 0
+        self.group_wait_s = 0.0
+        self.sizes: Counter = Counter()
+        return model
+
+    def _next_group(self, step: int) -> tuple[int, ...]:
+        if self.options.schedule == "static":
+            groups = self.rounds[self.round % len(self.rounds)]
+            self.round += 1
+            return next(g for g in groups if self.me in g)
+        t0 = time.perf_counter()
+        with self.clock.waiting():
+            if self.options.schedule == "random":
+                if not self.upcoming:
+                    self.comm.send(torch.tensor([OP_REQUEST, self.round], dtype=torch.int64), self.coordinator,
+                                   tag=TAG_COORD_REQ)
+                    got = torch.zeros(self.options.buffer, self.k, dtype=torch.int64)
+                    self.comm.recv(got, self.coordinator, tag=TAG_COORD_REPLY)
+                    self.upcoming = [tuple(int(v) for v in row if v >= 0) for row in got]
+                    self.round += len(self.upcoming)
+                group = self.upcoming.pop(0)
+            else:
+                self.comm.send(torch.tensor([OP_REQUEST, step], dtype=torch.int64), self.coordinator,
+                               tag=TAG_COORD_REQ)
+                got = torch.zeros(self.k, dtype=torch.int64)
+                self.comm.recv(got, self.coordinator, tag=TAG_COORD_REPLY)
+                group = tuple(int(v) for v in got if v >= 0)
+        self.group_wait_s += time.perf_counter() - t0
+        return group
+
+    def after_update(self, step):
+        if (step + 1) % self.options.every:
+            return
+        group = self._next_group(step)
+        self.sizes[len(group)] += 1
+        if len(group) < 2:
+            self.alone += 1
+            return
+        flat = _flat(self.params)
+        self.comm.partial_all_reduce(flat, [self.comm.worker_ranks[i] for i in group])
+        _assign(self.params, flat)
+        self.joined += 1
+
+    def close(self):
+        if self.coordinator is not None:
+            self.comm.send(torch.tensor([OP_DONE, -1], dtype=torch.int64), self.coordinator, tag=TAG_COORD_REQ)
+
+    def _create_groups(self, comm) -> None:
+        # Every rank, the coordinator included, creates the same groups in the same order.
+        w, k, schedule = comm.num_workers, min(self.options.group_size, comm.num_workers), self.options.schedule
+        if schedule != "static" and w > MAX_WORKERS_DYNAMIC:
+            raise ConfigError(f"ripples: schedule={schedule} supports up to {MAX_WORKERS_DYNAMIC} workers "
+                              f"(it creates a process group per possible group); use schedule=static")
+        comm.create_groups([[comm.worker_ranks[i] for i in g] for g in possible_groups(w, k, schedule)])
+
+    # ---- coordinator (Group Generator) -------------------------------------------------
+    def serve(self, role, comm, ctx):
+        self.k = min(self.options.group_size, comm.num_workers)
+        self._create_groups(comm)
+        self.formed: Counter = Counter()
+        self.skips = 0
+        if self.options.schedule == "random":
+            self._serve_random(comm, ctx)
+        else:
+            self._serve_smart(comm)
+
+    def _serve_random(self, comm, ctx):
+        rng = random.Random(self.options.seed * 1_000_003 + ctx.seed)
+        rounds: list[list[tuple[int, ...]]] = []
+        open_workers = set(comm.worker_ranks)
+        head = torch.zeros(2, dtype=torch.int64)
+        while open_workers:
+            sender = comm.recv(head, None, tag=TAG_COORD_REQ)
+            op, first = (int(v) for v in head)
+            if op == OP_DONE:
+                open_workers.discard(sender)
+                continue
+            me = comm.worker_ranks.index(sender)
+            while len(rounds) < first + self.options.buffer:
+                rounds.append(random_round(comm.num_workers, self.k, rng))
+                for g in rounds[-1]:
+                    self.formed[len(g)] += 1
+            out = torch.full((self.options.buffer, self.k), -1, dtype=torch.int64)
+            for i in range(self.options.buffer):
+                g = next(g for g in rounds[first + i] if me in g)
+                out[i, : len(g)] = torch.tensor(g)
+            comm.send(out, sender, tag=TAG_COORD_REPLY)
+
+    def _serve_smart(self, comm):
+        arrivals: queue.Queue = queue.Queue()
+        open_workers = set(comm.worker_ranks)
+
+        def receive() -> None:
+            head = torch.zeros(2, dtype=torch.int64)
+            try:
+                while True:
+                    sender = comm.recv(head, None, tag=TAG_COORD_REQ)
+                    arrivals.put((sender, int(head[0]), time.monotonic()))
+                    if int(head[0]) == OP_DONE:
+                        open_workers.discard(sender)
+                        if not open_workers:
+                            return
+            except BaseException as e:
+                arrivals.put(e)
+
+        receiver = threading.Thread(target=receive, name="ripples-coordinator", daemon=True)
+        receiver.start()
+        pending: list[tuple[int, float]] = []
+        done: set[int] = set()
+        max_wait = self.options.max_wait_ms / 1000
+        while len(done) < comm.num_workers or pending:
+            timeout = max_wait - (time.monotonic() - pending[0][1]) if pending else None
+            try:
+                item = arrivals.get(timeout=max(0.0, timeout) if timeout is not None else comm.timeout_s)
+            except queue.Empty:
+                item = None
+            if isinstance(item, BaseException):
+                raise item
+            if item is not None:
+                sender, op, t = item
+                if op == OP_DONE:
+                    done.add(sender)
+                else:
+                    pending.append((sender, t))
+            while len(pending) >= self.k:
+                self._form(comm, [r for r, _ in pending[: self.k]])
+                pending = pending[self.k :]
+            if pending and time.monotonic() - pending[0][1] >= max_wait:
+                # Nobody else is ready soon enough: group whoever is (or let one skip).
+                self._form(comm, [r for r, _ in pending])
+                pending = []
+        receiver.join(timeout=comm.timeout_s)
+
+    def _form(self, comm, ranks: list[int]) -> None:
+        group = sorted(comm.worker_ranks.index(r) for r in ranks)
+        self.formed[len(group)] += 1
+        if len(group) == 1:
+            self.skips += 1
+        out = torch.full((self.k,), -1, dtype=torch.int64)
+        out[: len(group)] = torch.tensor(group)
+        for r in ranks:
+            comm.send(out, r, tag=TAG_COORD_REPLY)
+
+    def stats(self):
+        if self.model is not None:
+            return {"groups_joined": self.joined, "rounds_alone": self.alone,
+                    "group_wait_s": self.group_wait_s, "group_sizes": {str(k): v for k, v in self.sizes.items()}}
+        if hasattr(self, "formed"):
+            return {"groups_formed": {str(k): v for k, v in sorted(self.formed.items())}, "skips": self.skips}
+        return {}
