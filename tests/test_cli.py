@@ -33,7 +33,7 @@ def _one_line_error(proc, expected):
         (["train", "--slow", "1:x"], "bad --slow entry '1:x': expected RANK:FACTOR"),
         (["train", "--workers", "2", "--slow", "2:3"], "bad --slow: rank 2 is not a worker (workers are ranks 0..1)"),
         (["train", "--workload", "tests/fixtures/tiny_workload.py:make_it"],
-         "workload tests/fixtures/tiny_workload.py does not define a function make_it()"),
+         "workload tests/fixtures/tiny_workload.py does not define make_it"),
         (["train", "--workload", "tests/fixtures/absent.py:make_workload"],
          "workload file tests/fixtures/absent.py does not exist"),
         (["train", "--workload", "tests/fixtures/tiny_workload.py:not_a_workload"],

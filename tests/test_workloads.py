@@ -45,5 +45,5 @@ def test_sampler_refuses_shards_smaller_than_a_batch():
 def test_user_workload_by_path():
     w = load_workload("tests/fixtures/tiny_workload.py:make_workload")
     assert w.name == "tiny" and w.num_train == 500
-    with pytest.raises(ConfigError, match="does not define a function nope"):
+    with pytest.raises(ConfigError, match="does not define nope"):
         load_workload("tests/fixtures/tiny_workload.py:nope")

@@ -20,19 +20,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
-import importlib.util
-import sys
 import threading
 import time
 import typing
-from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterator
 
 import torch
 import torch.nn as nn
 
 from distsync.errors import ConfigError
+from distsync.imports import load_attribute
 
 
 @dataclasses.dataclass
@@ -191,20 +188,7 @@ def solver_names() -> list[str]:
 
 
 def _import_path(spec: str) -> type[Solver]:
-    target, _, attr = spec.rpartition(":")
-    if target.endswith(".py"):
-        path = Path(target)
-        if not path.is_file():
-            raise ConfigError(f"solver file {target} does not exist")
-        name = f"distsync_user_solver_{abs(hash(str(path.resolve())))}"
-        mspec = importlib.util.spec_from_file_location(name, path)
-        assert mspec is not None and mspec.loader is not None
-        module = importlib.util.module_from_spec(mspec)
-        sys.modules[name] = module
-        mspec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(target)
-    cls = getattr(module, attr, None)
+    cls = load_attribute(spec, "solver")
     if not (isinstance(cls, type) and issubclass(cls, Solver)):
         raise ConfigError(f"{spec} does not name a distsync Solver class")
     return cls

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from distsync.solvers.base import Solver, register_solver
+from distsync.solvers.flat import FlatView
 from distsync.solvers.rules import pairwise_average
 from distsync.errors import ConfigError
 from distsync.solvers.schedules import bipartite_roles, possible_groups, random_round, static_schedule
@@ -43,18 +44,6 @@ MAX_WORKERS_DYNAMIC = 12
 TAG_AVG_HEADER, TAG_AVG_MODEL, TAG_AVG_REPLY = 21, 22, 23
 TAG_COORD_REQ, TAG_COORD_REPLY = 31, 32
 OP_REQUEST, OP_DONE = 1, 2
-
-
-def _flat(params) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in params])
-
-
-def _assign(params, vec: torch.Tensor) -> None:
-    offset = 0
-    with torch.no_grad():
-        for p in params:
-            p.copy_(vec[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
 
 
 @dataclass
@@ -71,7 +60,7 @@ class ADPSGD(Solver):
 
     def attach(self, model, optimizer, comm):
         super().attach(model, optimizer, comm)
-        self.params = [p for p in model.parameters()]
+        self.view = FlatView(list(model.parameters()))
         actives, passives = bipartite_roles(comm.num_workers)
         self.actives = [comm.worker_ranks[i] for i in actives]
         self.passives = [comm.worker_ranks[i] for i in passives]
@@ -99,13 +88,13 @@ class ADPSGD(Solver):
                 if int(head.item()) == OP_DONE:
                     open_actives.discard(sender)
                     continue
-                theirs = torch.zeros(sum(p.numel() for p in self.params))
+                theirs = torch.zeros(self.view.numel)
                 self.comm.recv(theirs, sender, group=self.gossip, tag=TAG_AVG_MODEL)
                 with self.lock:
                     # The training thread may be inside forward/backward: the average waits in
                     # `pending` and replaces the model at its next update, before the gradient
                     # (taken on the model before the averaging) is applied.
-                    mine = self.pending if self.pending is not None else _flat(self.params)
+                    mine = self.pending if self.pending is not None else self.view.flat()
                     pairwise_average(mine, theirs)
                     self.pending = mine
                 self.comm.send(mine, sender, group=self.gossip, tag=TAG_AVG_REPLY)
@@ -119,12 +108,12 @@ class ADPSGD(Solver):
         if not self.is_active or not self.passives:
             return
         partner = self.rng.choice(self.passives)
-        mine = _flat(self.params)
+        mine = self.view.flat()
         self.comm.send(torch.tensor([OP_REQUEST]), partner, group=self.gossip, tag=TAG_AVG_HEADER)
         self.comm.send(mine, partner, group=self.gossip, tag=TAG_AVG_MODEL)
         with self.clock.waiting():  # the partner answers between its own steps' work
             self.comm.recv(mine, partner, group=self.gossip, tag=TAG_AVG_REPLY)
-        _assign(self.params, mine)
+        self.view.assign(mine)
         self.averaged += 1
 
     def update(self, step):
@@ -134,7 +123,7 @@ class ADPSGD(Solver):
 
     def _apply_pending(self) -> None:
         if self.pending is not None:
-            _assign(self.params, self.pending)
+            self.view.assign(self.pending)
             self.pending = None
 
     def close(self):
@@ -191,7 +180,7 @@ class Ripples(Solver):
     # ---- worker -------------------------------------------------------------------------
     def attach(self, model, optimizer, comm):
         super().attach(model, optimizer, comm)
-        self.params = [p for p in model.parameters()]
+        self.view = FlatView(list(model.parameters()))
         self.k = min(self.options.group_size, comm.num_workers)
         self.me = comm.worker_index
         self.rounds = static_schedule(comm.num_workers, self.k) if comm.num_workers > 1 else [[(0,)]]
@@ -239,9 +228,9 @@ class Ripples(Solver):
         if len(group) < 2:
             self.alone += 1
             return
-        flat = _flat(self.params)
+        flat = self.view.flat()
         self.comm.partial_all_reduce(flat, [self.comm.worker_ranks[i] for i in group])
-        _assign(self.params, flat)
+        self.view.assign(flat)
         self.joined += 1
 
     def close(self):

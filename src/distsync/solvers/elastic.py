@@ -26,6 +26,7 @@ import torch
 
 from distsync.errors import ConfigError
 from distsync.solvers.base import Solver, register_solver
+from distsync.solvers.flat import FlatView
 from distsync.solvers.parameter_server import ServerSolver, hogwild_sgd
 from distsync.solvers.ps import Request, ServerShard
 from distsync.solvers.rules import elastic_alpha, elastic_exchange, elastic_pull, sync_elastic_update
@@ -218,18 +219,14 @@ class SyncEASGD(Solver):
     def after_update(self, step):
         if (step + 1) % self.options.tau != 0:
             return
-        params = [p.data for p in self.model.parameters()]
-        flat = torch.cat([p.reshape(-1) for p in params])
-        total = flat.clone()
+        mine, center = FlatView(list(self.model.parameters())), FlatView(list(self.center.parameters()))
+        x = mine.flat()
+        total = x.clone()
         self.comm.all_reduce(total, group=self.comm.worker_group)
-        center = torch.cat([p.reshape(-1) for p in self.center.parameters()])
-        sync_elastic_update(flat, center, total, self.comm.num_workers, self.alpha)
-        offset = 0
-        for p, c in zip(params, self.center.parameters()):
-            n = p.numel()
-            p.copy_(flat[offset : offset + n].view_as(p))
-            c.copy_(center[offset : offset + n].view_as(c))
-            offset += n
+        c = center.flat()
+        sync_elastic_update(x, c, total, self.comm.num_workers, self.alpha)
+        mine.assign(x)
+        center.assign(c)
 
     def eval_model(self):
         return self.center

@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from distsync.errors import ConfigError
+from distsync.solvers.flat import FlatView
 
 OP_PULL, OP_PUSH, OP_EXCHANGE, OP_DONE = 1, 2, 3, 4
 TAG_HEADER, TAG_PAYLOAD, TAG_REPLY_HEADER, TAG_REPLY = 11, 12, 13, 14
@@ -39,36 +40,6 @@ def assign_shards(sizes: list[int], servers: int) -> list[list[int]]:
     return [sorted(sh) for sh in shards]
 
 
-class ShardView:
-    """One server's tensors of a model: flatten them, write a flat vector back."""
-
-    def __init__(self, tensors: list[torch.Tensor]):
-        self.tensors = tensors
-        self.numel = sum(t.numel() for t in tensors)
-
-    def flat(self) -> torch.Tensor:
-        return torch.cat([t.detach().reshape(-1) for t in self.tensors]) if self.tensors else torch.zeros(0)
-
-    def flat_grad(self) -> torch.Tensor:
-        return torch.cat([(t.grad if t.grad is not None else torch.zeros_like(t)).reshape(-1)
-                          for t in self.tensors]) if self.tensors else torch.zeros(0)
-
-    def assign(self, vec: torch.Tensor) -> None:
-        offset = 0
-        with torch.no_grad():
-            for t in self.tensors:
-                t.copy_(vec[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
-
-    def split(self, vec: torch.Tensor) -> list[torch.Tensor]:
-        """Views of ``vec`` shaped as this shard's tensors."""
-        out, offset = [], 0
-        for t in self.tensors:
-            out.append(vec[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
-        return out
-
-
 @dataclass
 class Layout:
     server_ranks: list[int]
@@ -81,8 +52,8 @@ class Layout:
                               f"tensors to shard (tensors are not split): use at most {len(params)} servers")
         return cls(server_ranks, assign_shards([p.numel() for p in params], len(server_ranks)))
 
-    def views(self, params: list[torch.Tensor]) -> list[ShardView]:
-        return [ShardView([params[i] for i in shard]) for shard in self.shards]
+    def views(self, params: list[torch.Tensor]) -> list[FlatView]:
+        return [FlatView([params[i] for i in shard]) for shard in self.shards]
 
 
 class PSClient:
@@ -154,7 +125,7 @@ class ServerShard:
     def __init__(self, comm, tensors: list[torch.Tensor], handle: Callable[["ServerShard", Request], Any],
                  lock: bool = True):
         self.comm = comm
-        self.view = ShardView(tensors)
+        self.view = FlatView(tensors)
         self.center = self.view.flat().clone()
         self.version = 0
         self.staleness: Counter = Counter()

@@ -8,12 +8,10 @@ arguments and returns a :class:`Workload`.
 from __future__ import annotations
 
 import importlib
-import importlib.util
-import sys
-from pathlib import Path
 from typing import Callable
 
 from distsync.errors import ConfigError
+from distsync.imports import load_attribute
 from distsync.workloads.base import ShardSampler, Workload, accuracy
 
 SHIPPED = ("digits", "mnist", "cnn", "wide")
@@ -27,30 +25,9 @@ def _shipped(name: str) -> Callable[[], Workload]:
 
 
 def _from_path(spec: str) -> Callable[[], Workload]:
-    target, _, func = spec.rpartition(":")
-    if not target or not func:
-        raise ConfigError(f"workload {spec!r}: expected path/to/file.py:function or package.module:function")
-    if target.endswith(".py"):
-        path = Path(target)
-        if not path.is_file():
-            raise ConfigError(f"workload file {target} does not exist")
-        mod_name = f"distsync_user_workload_{abs(hash(str(path.resolve())))}"
-        mod_spec = importlib.util.spec_from_file_location(mod_name, path)
-        assert mod_spec is not None and mod_spec.loader is not None
-        module = importlib.util.module_from_spec(mod_spec)
-        sys.modules[mod_name] = module
-        try:
-            mod_spec.loader.exec_module(module)
-        except Exception as e:
-            raise ConfigError(f"workload file {target} failed to import: {type(e).__name__}: {e}") from None
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ImportError as e:
-            raise ConfigError(f"workload module {target} cannot be imported: {e}") from None
-    fn = getattr(module, func, None)
+    fn = load_attribute(spec, "workload")
     if not callable(fn):
-        raise ConfigError(f"workload {target} does not define a function {func}()")
+        raise ConfigError(f"workload {spec} is not a function")
     return fn
 
 

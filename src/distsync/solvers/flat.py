@@ -1,0 +1,35 @@
+"""A flat view over a list of tensors: the one place that packs a model into a vector."""
+
+from __future__ import annotations
+
+import torch
+
+
+class FlatView:
+    """Tensors (a model's parameters, or one server's share of them) as one flat vector."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.tensors = tensors
+        self.numel = sum(t.numel() for t in tensors)
+
+    def flat(self) -> torch.Tensor:
+        return torch.cat([t.detach().reshape(-1) for t in self.tensors]) if self.tensors else torch.zeros(0)
+
+    def flat_grad(self) -> torch.Tensor:
+        return torch.cat([(t.grad if t.grad is not None else torch.zeros_like(t)).reshape(-1)
+                          for t in self.tensors]) if self.tensors else torch.zeros(0)
+
+    def assign(self, vec: torch.Tensor) -> None:
+        offset = 0
+        with torch.no_grad():
+            for t in self.tensors:
+                t.copy_(vec[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    def split(self, vec: torch.Tensor) -> list[torch.Tensor]:
+        """Views of ``vec`` shaped as this shard's tensors."""
+        out, offset = [], 0
+        for t in self.tensors:
+            out.append(vec[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+        return out
