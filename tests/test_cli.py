@@ -41,6 +41,11 @@ def _one_line_error(proc, expected):
         (["train", "-o", "bucket_mb=-1"], "solver allreduce: bucket_mb must be > 0, got -1.0"),
         (["train", "-o", "buckets=2"], "solver allreduce: unknown option(s) buckets; valid: bucket_mb, overlap"),
         (["compare", "--solvers", "allreduce,nope"], "unknown solver 'nope'"),
+        (["train", "--solver", "allreduce", "--servers", "2"],
+         "solver allreduce: unknown option(s) servers; valid: bucket_mb, overlap"),
+        (["compare", "--solvers", "allreduce,ddp", "--threads", "2"], "option threads: none of allreduce, ddp has it"),
+        (["train", "--solver", "ripples", "--schedule", "best"],
+         "solver ripples: schedule must be static, random or smart, got 'best'"),
         (["train", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     ],
 )

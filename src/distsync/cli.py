@@ -54,8 +54,32 @@ def _build_parser() -> argparse.ArgumentParser:
     lt.add_argument("--timeout", type=float, default=60.0, dest="timeout_s")
     lt.add_argument("--out", help="run folder (default: runs/<time>-linktest)")
 
+    for sp in (t, c):
+        g = sp.add_argument_group("solver options (shortcuts for -o KEY=VALUE)")
+        for flag, help_text in SHORTCUTS.items():
+            g.add_argument(f"--{flag.replace('_', '-')}", dest=f"opt_{flag}", metavar="VALUE", help=help_text)
+
     sub.add_parser("list", help="list solvers and workloads")
     return p
+
+
+SHORTCUTS = {
+    "servers": "parameter servers to shard the center over (parameter-server and elastic solvers)",
+    "threads": "Hogwild training threads per worker (hogwild, ea-wild)",
+    "group_size": "workers per Partial All-Reduce (ripples)",
+    "schedule": "static | random | smart (ripples)",
+    "tau": "steps between elastic exchanges (elastic solvers)",
+}
+
+
+def _solver_option_items(args: argparse.Namespace) -> list[str]:
+    """-o items, with the shortcut flags added as KEY=VALUE."""
+    items = list(args.solver_option or [])
+    for key in SHORTCUTS:
+        value = getattr(args, f"opt_{key}", None)
+        if value is not None:
+            items.append(f"{key}={value}")
+    return items
 
 
 def _default_out(kind: str, workload: str, solver: str) -> Path:
@@ -111,7 +135,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from distsync.solvers import make_options, solver_class
     from distsync.workloads import check_workload_spec, load_workload
 
-    opts = parse_key_values(args.solver_option)
+    opts = parse_key_values(_solver_option_items(args))
     make_options(solver_class(args.solver), opts)
     cfg = config_from_args(args, args.solver, opts)
     check_workload_spec(cfg.workload)
@@ -140,7 +164,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
     for s in solvers:
         solver_class(s)
-    options = split_solver_options(solvers, parse_key_values(args.solver_option))
+    options = split_solver_options(solvers, parse_key_values(_solver_option_items(args)))
     base = config_from_args(args, solvers[0] if solvers else "allreduce", {})
     check_workload_spec(base.workload)
     steps = base.steps or load_workload(base.workload).steps
