@@ -44,3 +44,14 @@ def test_lower_is_better_target():
               for s, m in enumerate([0.9, 0.8, 0.7])]
     assert summarize(events, target=0.8, higher_is_better=False)["time_to_target_s"] == 1.0
     assert [p["metric"] for p in eval_curve(events)] == [0.9, 0.8, 0.7]
+
+
+def test_eval_curve_follows_time_when_workers_run_at_different_paces():
+    # worker 1 is slow: its evaluations come late; worker 0's newer model counts at once
+    events = [{"kind": "eval", "rank": 0, "step": 9, "t": 1.0, "metric": 0.5, "loss": 1.0},
+              {"kind": "eval", "rank": 1, "step": 9, "t": 3.0, "metric": 0.5, "loss": 1.0},
+              {"kind": "eval", "rank": 0, "step": 19, "t": 2.0, "metric": 0.9, "loss": 0.2},
+              {"kind": "eval", "rank": 0, "step": 29, "t": 3.5, "metric": 0.99, "loss": 0.1}]
+    curve = eval_curve(events)
+    assert [(p["t"], p["metric"]) for p in curve] == [(3.0, pytest.approx(0.7)), (3.5, pytest.approx(0.745))]
+    assert summarize(events, target=0.7)["time_to_target_s"] == 3.0

@@ -39,23 +39,29 @@ def split_collective_wait(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def eval_curve(events: Iterable[dict[str, Any]]) -> list[dict[str, float]]:
-    """Per evaluated step: the mean metric over workers, at the latest worker's time."""
-    by_step: dict[int, list[dict[str, Any]]] = defaultdict(list)
-    for e in events:
-        if e["kind"] == "eval":
-            by_step[e["step"]].append(e)
+    """The run's quality over time: after each evaluation (in time order, once every worker
+    has evaluated), the mean over workers of each one's latest metric and loss.
+
+    Synchronous workers evaluate together, so this is the mean at each evaluated step. When
+    workers run at different paces (asynchronous and decentralized solvers with a slow
+    worker), a fast worker's newer model counts as soon as it exists, and the slow one's
+    older evaluation counts until it has a newer one: the state of the job at that moment.
+    """
+    evals = sorted((e for e in events if e["kind"] == "eval"), key=lambda e: (e["t"], e["rank"]))
+    workers = {e["rank"] for e in evals}
+    latest: dict[int, dict[str, Any]] = {}
     curve = []
-    for step in sorted(by_step):
-        es = by_step[step]
-        curve.append(
-            {
-                "step": step,
-                "t": max(e["t"] for e in es),
-                "metric": sum(e["metric"] for e in es) / len(es),
-                "loss": sum(e["loss"] for e in es) / len(es),
-                "workers": len(es),
-            }
-        )
+    for e in evals:
+        latest[e["rank"]] = e
+        if len(latest) < len(workers):
+            continue
+        curve.append({
+            "step": e["step"],
+            "t": e["t"],
+            "metric": sum(x["metric"] for x in latest.values()) / len(latest),
+            "loss": sum(x["loss"] for x in latest.values()) / len(latest),
+            "workers": len(latest),
+        })
     return curve
 
 
