@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	touch $@
 
 demo: setup
-	$(BIN)/distsync compare --workload digits --solvers allreduce,ddp --workers 2 --slow 1:2 --out runs/demo
+	$(BIN)/distsync compare --workload digits --solvers allreduce,ea-wild,ripples --schedule smart --workers 4 --slow 1:3 --out runs/demo
 
 test: setup
 	$(BIN)/python -m pytest -q

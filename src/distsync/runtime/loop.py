@@ -175,9 +175,11 @@ def train_worker(cfg: RunConfig, workload: Workload, solver, comm, device: torch
                 compute_s += perf() - a
             a = perf()
             solver.after_update(step)
-            if threads == 1:
-                solver.zero_grad()
             comm_s += perf() - a
+            if threads == 1:
+                a = perf()
+                solver.zero_grad()
+                compute_s += perf() - a
             wait_s = solver.clock.take_wait()
 
             loss_v = float(loss.detach())

@@ -11,7 +11,7 @@ from distsync.solvers.base import (
     solver_class,
     solver_names,
 )
-from distsync.solvers import allreduce, ddp, decentralized, elastic, parameter_server  # noqa: F401  (registers)
+from distsync.solvers import allreduce, background, ddp, decentralized, elastic, parameter_server  # noqa: F401
 
 __all__ = [
     "NoOptions",

@@ -110,3 +110,24 @@ def pairwise_average(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def group_mean(total: torch.Tensor, size: int) -> torch.Tensor:
     """Partial All-Reduce: the sum of a group's models divided by its size, in place."""
     return total.div_(size)
+
+
+def bmuf_update(w: torch.Tensor, w_global: torch.Tensor, delta: torch.Tensor, mean_w: torch.Tensor,
+                block_lr: float, block_momentum: float, nesterov: bool = True) -> None:
+    """Blockwise model-update filtering (Chen & Huo 2016; fairseq's form), in place.
+
+    G = mean_w - w_global;  delta <- m * delta + zeta * G;  w_global <- w_global + delta;
+    w <- w_global + m * delta (Nesterov) or w_global.
+    """
+    g = mean_w - w_global
+    delta.mul_(block_momentum).add_(g, alpha=block_lr)
+    w_global.add_(delta)
+    w.copy_(w_global)
+    if nesterov:
+        w.add_(delta, alpha=block_momentum)
+
+
+def apply_correction(live: torch.Tensor, read: torch.Tensor, new: torch.Tensor) -> None:
+    """Write a background sync's result into a model that kept training meanwhile:
+    live <- live + (new - read), so the local steps taken since ``read`` are kept."""
+    live.add_(new - read)

@@ -1,0 +1,269 @@
+"""Background synchronization (ShadowSync, Zheng et al. 2020) and its foreground twins.
+
+A *shadow* thread per worker synchronizes the live model in a continuous loop, on its own
+process group, never on the training thread's critical path:
+
+- ``shadow-ma``: loop { w <- all-reduce-mean(w) };
+- ``shadow-bmuf``: loop { the BMUF rule on the all-reduce mean (block momentum) };
+- ``shadow-ea``: loop { elastic exchange with the center on a sync server }.
+
+The training thread keeps stepping while a sync is in flight, so a sync's result is written
+back as a correction, ``w <- w + (new - read)`` (:func:`rules.apply_correction`): local steps
+taken meanwhile are kept. Writes go through tensors of their own over the parameters'
+storage, so they race with the training thread on the data (as ShadowSync's Hogwild copy
+does) without tripping autograd. ``min_interval_ms`` spaces syncs out. On close the loop
+stops once every worker is done, and one final sync leaves every worker with the same model
+(the center, for ``shadow-ea``). ``stats`` reports syncs and syncs per training step.
+
+Foreground twins run the same rules on the training thread every ``every`` steps: ``ma``,
+``bmuf``, ``fr-easgd`` (elastic exchange with a sync server).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from distsync.solvers.base import Solver, register_solver
+from distsync.solvers.elastic import AsyncEASGD, ElasticOptions
+from distsync.solvers.flat import FlatView
+from distsync.solvers.rules import apply_correction, bmuf_update, elastic_pull
+
+
+def storage_aliases(params) -> list[torch.Tensor]:
+    """New tensor objects over the parameters' storage, with their own version counters."""
+    out = []
+    with torch.no_grad():
+        for p in params:
+            a = torch.empty(0, dtype=p.dtype, device=p.device)
+            a.set_(p.untyped_storage(), p.storage_offset(), p.size(), p.stride())
+            out.append(a)
+    return out
+
+
+@dataclass
+class AverageOptions:
+    """every: steps between syncs (foreground); min_interval_ms: least time between
+    background syncs."""
+
+    every: int = 4
+    min_interval_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.every < 1 or self.min_interval_ms < 0:
+            raise ValueError("every must be >= 1 and min_interval_ms >= 0")
+
+
+@dataclass
+class BMUFOptions(AverageOptions):
+    """block_lr (zeta), block_momentum (m; fairseq's default 0.875), nesterov."""
+
+    block_lr: float = 1.0
+    block_momentum: float = 0.875
+    nesterov: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.block_lr > 0 or not 0 <= self.block_momentum < 1:
+            raise ValueError("block_lr must be > 0 and block_momentum in [0, 1)")
+
+
+class _Averaging(Solver):
+    """Model averaging over all workers with an optional BMUF filter; foreground or shadow."""
+
+    background = False
+    collective_per_step = False
+
+    def attach(self, model, optimizer, comm):
+        super().attach(model, optimizer, comm)
+        self.view = FlatView(list(model.parameters()))
+        self.syncs = 0
+        self.steps_done = 0
+        if isinstance(self.options, BMUFOptions):
+            self.w_global = self.view.flat().clone()
+            self.delta = torch.zeros_like(self.w_global)
+        if self.background:
+            # The shadow thread's collectives run on a group of their own.
+            self.group = comm.new_group(comm.worker_ranks)
+            self.live = FlatView(storage_aliases(model.parameters()))
+            self._done = threading.Event()
+            self._errors: list[BaseException] = []
+            self._thread = threading.Thread(target=self._shadow_loop, name=f"shadow-{self.name}", daemon=True)
+            self._thread.start()
+        return model
+
+    def _combine(self, mean: torch.Tensor) -> torch.Tensor:
+        """The new model from the workers' mean: the mean itself, or BMUF's filter of it."""
+        if not isinstance(self.options, BMUFOptions):
+            return mean
+        new = torch.empty_like(mean)
+        o = self.options
+        bmuf_update(new, self.w_global, self.delta, mean, o.block_lr, o.block_momentum, o.nesterov)
+        return new
+
+    # ---- foreground -------------------------------------------------------------------
+    def after_update(self, step):
+        self.steps_done += 1
+        if self.background or (step + 1) % self.options.every:
+            return
+        mean = self.view.flat()
+        self.comm.all_reduce(mean, group=self.comm.worker_group)
+        mean.div_(self.comm.num_workers)
+        self.view.assign(self._combine(mean))
+        self.syncs += 1
+
+    # ---- background -------------------------------------------------------------------
+    def _shadow_loop(self) -> None:
+        n = self.comm.num_workers
+        try:
+            while True:
+                t0 = time.perf_counter()
+                read = self.live.flat().clone()
+                # One extra element: how many workers have finished training. All stop together.
+                msg = torch.cat([read, torch.tensor([1.0 if self._done.is_set() else 0.0])])
+                self.comm.all_reduce(msg, group=self.group)
+                mean = msg[:-1].div_(n)
+                new = self._combine(mean)
+                live = self.live.flat()
+                apply_correction(live, read, new)
+                self.live.assign(live)
+                self.syncs += 1
+                if msg[-1].item() >= n:
+                    return
+                pause = self.options.min_interval_ms / 1000 - (time.perf_counter() - t0)
+                if pause > 0:
+                    time.sleep(pause)
+        except BaseException as e:  # raised on the training thread by close()
+            self._errors.append(e)
+
+    def close(self):
+        if not self.background:
+            return
+        self._done.set()
+        self._thread.join(timeout=self.comm.timeout_s + 5)
+        if self._thread.is_alive():
+            raise RuntimeError(f"rank {self.comm.rank}: {self.name} shadow thread did not stop")
+        if self._errors:
+            raise self._errors[0]
+        # Final sync: every worker leaves with the mean of the final models.
+        final = self.view.flat()
+        self.comm.all_reduce(final, group=self.group)
+        self.view.assign(final.div_(self.comm.num_workers))
+
+    def stats(self):
+        if self.model is None:
+            return {}
+        return {"syncs": self.syncs, "syncs_per_step": self.syncs / max(1, self.steps_done)}
+
+
+@register_solver
+class ModelAveraging(_Averaging):
+    name = "ma"
+    Options = AverageOptions
+
+
+@register_solver
+class BMUF(_Averaging):
+    name = "bmuf"
+    Options = BMUFOptions
+
+
+@register_solver
+class ShadowMA(_Averaging):
+    name = "shadow-ma"
+    Options = AverageOptions
+    background = True
+
+
+@register_solver
+class ShadowBMUF(_Averaging):
+    name = "shadow-bmuf"
+    Options = BMUFOptions
+    background = True
+
+
+@dataclass
+class FrEASGDOptions(ElasticOptions):
+    """As the elastic solvers: exchange with the sync server every ``tau`` steps."""
+
+
+@register_solver
+class FrEASGD(AsyncEASGD):
+    """`fr-easgd`: ShadowSync's foreground EASGD: the elastic exchange with a sync server
+    every ``tau`` steps, on the training thread (the rule of `async-easgd`)."""
+
+    name = "fr-easgd"
+    Options = FrEASGDOptions
+
+
+@dataclass
+class ShadowEAOptions(ElasticOptions):
+    """min_interval_ms: least time between background exchanges."""
+
+    min_interval_ms: float = 0.0
+
+
+@register_solver
+class ShadowEA(AsyncEASGD):
+    """`shadow-ea`: the elastic exchange with the sync server in a loop on a shadow thread."""
+
+    name = "shadow-ea"
+    Options = ShadowEAOptions
+
+    def attach(self, model, optimizer, comm):
+        model = super().attach(model, optimizer, comm)
+        self.live_views = self.client.layout.views(storage_aliases(model.parameters()))
+        self.syncs = 0
+        self.steps_done = 0
+        self._done = threading.Event()
+        self._errors: list[BaseException] = []
+        self._thread = threading.Thread(target=self._shadow_loop, name="shadow-ea", daemon=True)
+        self._thread.start()
+        return model
+
+    def after_update(self, step):
+        self.steps_done += 1  # the shadow thread does the exchanges
+
+    def _shadow_loop(self) -> None:
+        try:
+            while not self._done.is_set():
+                t0 = time.perf_counter()
+                self._exchange_live(-1)
+                pause = self.options.min_interval_ms / 1000 - (time.perf_counter() - t0)
+                if pause > 0:
+                    time.sleep(pause)
+        except BaseException as e:
+            self._errors.append(e)
+
+    def _exchange_live(self, step: int) -> None:
+        c = self.client
+        with self.client_lock:
+            read = [v.flat().clone() for v in self.live_views]
+            centers = c.exchange(step, read)
+        for view, x, seen in zip(self.live_views, read, centers):
+            new = x.clone()
+            elastic_pull(new, seen, self.alpha)
+            live = view.flat()
+            apply_correction(live, x, new)
+            view.assign(live)
+        self.syncs += 1
+
+    def close(self):
+        self._done.set()
+        self._thread.join(timeout=self.comm.timeout_s + 5)
+        if self._thread.is_alive():
+            raise RuntimeError(f"rank {self.comm.rank}: shadow-ea thread did not stop")
+        if self._errors:
+            raise self._errors[0]
+        self._exchange_live(-1)  # final sync after the last training step
+        super().close()
+
+    def stats(self):
+        out = super().stats()
+        if self.model is not None:
+            out.update(syncs=self.syncs, syncs_per_step=self.syncs / max(1, self.steps_done))
+        return out

@@ -1,0 +1,116 @@
+"""Background (ShadowSync) solvers and their foreground twins."""
+
+import copy
+import json
+
+import pytest
+import torch
+
+from distsync.solvers.rules import apply_correction, bmuf_update
+from helpers import run_cli, run_ranks
+
+SEED, BATCH, LR = 6, 16, 0.2
+
+
+def test_bmuf_rule_by_hand():
+    w, wg, delta = torch.zeros(1), torch.tensor([1.0]), torch.tensor([0.5])
+    bmuf_update(w, wg, delta, torch.tensor([3.0]), block_lr=1.0, block_momentum=0.5, nesterov=True)
+    # G = 3 - 1 = 2; delta = 0.5*0.5 + 2 = 2.25; wg = 3.25; w = 3.25 + 0.5*2.25 = 4.375
+    assert delta.item() == 2.25 and wg.item() == 3.25 and w.item() == 4.375
+    w2, wg2, d2 = torch.zeros(1), torch.tensor([1.0]), torch.tensor([0.5])
+    bmuf_update(w2, wg2, d2, torch.tensor([3.0]), 1.0, 0.5, nesterov=False)
+    assert w2.item() == 3.25
+
+
+def test_correction_keeps_steps_taken_during_a_sync():
+    live, read, new = torch.tensor([5.0]), torch.tensor([4.0]), torch.tensor([2.0])
+    apply_correction(live, read, new)  # the training thread moved 4 -> 5 meanwhile
+    assert live.item() == 3.0
+
+
+def _rank(rank, world, solver, options, steps):
+    from distsync.comm import Comm
+    from distsync.solvers import make_solver
+    from distsync.workloads import ShardSampler, load_workload
+    from distsync.workloads.digits import make_model
+
+    comm = Comm.from_env(["worker"] * world, 20.0, torch.device("cpu"))
+    w = load_workload("digits")
+    torch.manual_seed(SEED)
+    model = make_model()
+    s = make_solver(solver, **options)
+    run = s.attach(model, torch.optim.SGD(model.parameters(), lr=LR), comm)
+    sampler = ShardSampler(w.num_train, world, rank, BATCH, SEED)
+    for step in range(steps):
+        x, y = w.take(w.train_data, sampler.indices(step))
+        with s.step(step):
+            w.loss_fn(run(x), y).backward()
+    s.close()
+    out = (copy.deepcopy(model.state_dict()), s.stats(), getattr(s, "_thread", None) is not None
+           and s._thread.is_alive())
+    comm.barrier()
+    comm.close()
+    return out
+
+
+def _reference(steps, every, bmuf=None):
+    from distsync.workloads import ShardSampler, load_workload
+    from distsync.workloads.digits import make_model
+
+    w = load_workload("digits")
+    models = []
+    for _ in range(2):
+        torch.manual_seed(SEED)
+        models.append(make_model())
+    samplers = [ShardSampler(w.num_train, 2, r, BATCH, SEED) for r in range(2)]
+    flat = lambda m: torch.nn.utils.parameters_to_vector(m.parameters()).detach()  # noqa: E731
+    wg, delta = flat(models[0]).clone(), torch.zeros_like(flat(models[0]))
+    for step in range(steps):
+        for m, s in zip(models, samplers):
+            x, y = w.take(w.train_data, s.indices(step))
+            m.zero_grad()
+            w.loss_fn(m(x), y).backward()
+            with torch.no_grad():
+                for p in m.parameters():
+                    p -= LR * p.grad
+        if (step + 1) % every == 0:
+            mean = (flat(models[0]) + flat(models[1])) / 2
+            new = mean
+            if bmuf:
+                new = torch.empty_like(mean)
+                bmuf_update(new, wg, delta, mean, *bmuf)
+            for m in models:
+                torch.nn.utils.vector_to_parameters(new.clone(), m.parameters())
+    return models[0].state_dict()
+
+
+@pytest.mark.parametrize("solver, bmuf", [("ma", None), ("bmuf", (1.0, 0.875, True))])
+def test_foreground_twins_equal_plain_pytorch(solver, bmuf):
+    steps, every = 6, 3
+    ref = _reference(steps, every, bmuf)
+    for state, stats, _ in run_ranks(_rank, 2, solver, {"every": every}, steps):
+        for k, v in ref.items():
+            torch.testing.assert_close(state[k], v, rtol=0, atol=1e-5)
+        assert stats["syncs"] == steps // every
+
+
+@pytest.mark.parametrize("solver", ["shadow-ma", "shadow-bmuf"])
+def test_shadow_thread_syncs_stops_and_leaves_equal_models(solver):
+    res = run_ranks(_rank, 2, solver, {}, 40)
+    (a, stats_a, alive_a), (b, stats_b, alive_b) = res
+    assert not alive_a and not alive_b  # joined on close
+    assert stats_a["syncs"] == stats_b["syncs"] > 0  # every sync is a collective of both
+    for k in a:  # the final sync after the last step
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("solver", ["shadow-ma", "shadow-bmuf", "shadow-ea", "ma", "bmuf", "fr-easgd"])
+def test_background_and_foreground_solvers_reach_the_digits_target(tmp_path, solver):
+    proc = run_cli("train", "--solver", solver, "--workers", "2", "--out", str(tmp_path / "r"))
+    assert proc.returncode == 0, proc.stderr
+    s = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert s["time_to_target_s"] is not None, s["final_metric"]
+    if solver.startswith("shadow"):
+        per_worker = [v for v in s["solver_stats"].values() if "syncs" in v]
+        assert len(per_worker) == 2 and all(v["syncs"] > 0 for v in per_worker)
