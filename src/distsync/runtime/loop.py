@@ -129,8 +129,12 @@ def train_worker(cfg: RunConfig, workload: Workload, solver, comm, device: torch
     per_thread = steps // threads
     eval_every_k = max(1, eval_every // threads)
     # All threads stop at each evaluation; one of them evaluates while the clock is paused.
-    pending_eval: list[int] = []
-    rendezvous = threading.Barrier(threads, action=lambda: [evaluate(s) for s in pending_eval[:1]] and None)
+    eval_at = {"step": -1, "metric": None}
+
+    def evaluate_together() -> None:  # run by one thread while all wait at the barrier
+        eval_at["metric"] = evaluate(eval_at["step"])
+
+    rendezvous = threading.Barrier(threads, action=evaluate_together)
 
     def run(t: int) -> None:
         stretch, sampler = stretches[t], samplers[t]
@@ -197,9 +201,9 @@ def train_worker(cfg: RunConfig, workload: Workload, solver, comm, device: torch
                 if threads == 1:
                     metric = evaluate(step)
                 else:
-                    pending_eval[:] = [done - 1]
+                    eval_at["step"] = done - 1
                     rendezvous.wait()
-                    metric = events[-1]["metric"] if events[-1]["kind"] == "eval" else None
+                    metric = eval_at["metric"]
             if t == 0:
                 progress.update(done, loss_v, metric)
 
