@@ -123,6 +123,7 @@ class _ElasticServerSolver(ServerSolver):
             if self._sum_d is None:
                 self._center0 = shard.center.clone()
                 self._sum_d = torch.zeros_like(shard.center, dtype=torch.float64)
+        shard.record_staleness(req)  # other exchanges since this worker's last one
         seen = shard.center.clone()
         d = elastic_exchange(req.payload, shard.center, self.alpha)
         shard.version += 1
