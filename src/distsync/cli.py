@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import sys
 import time
@@ -222,8 +223,6 @@ def _cmd_list(args: argparse.Namespace) -> int:
     table.add_column("options")
     for name in solver_names():
         cls = solver_class(name)
-        import dataclasses
-
         opts = ", ".join(f"{f.name}={f.default}" for f in dataclasses.fields(cls.Options)) or "-"
         table.add_row(name, opts)
     out.print(table)
