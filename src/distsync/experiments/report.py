@@ -22,6 +22,10 @@ def load_run(run_dir: Path) -> dict[str, Any]:
     return {"dir": run_dir, "summary": summary, "events": events}
 
 
+def _label(summary: dict[str, Any]) -> str:
+    return summary.get("label") or summary["solver"]
+
+
 def _fmt(v: Any, spec: str = ".3g") -> str:
     return "n/a" if v is None else format(v, spec)
 
@@ -31,9 +35,9 @@ def plot_metric(runs: list[dict[str, Any]], path: Path) -> None:
     for run in runs:
         s = run["summary"]
         curve = eval_curve(run["events"])
-        ax_m.plot([p["t"] for p in curve], [p["metric"] for p in curve], marker="o", ms=3, label=s["solver"])
+        ax_m.plot([p["t"] for p in curve], [p["metric"] for p in curve], marker="o", ms=3, label=_label(s))
         steps = sorted((e for e in run["events"] if e["kind"] == "step" and e["rank"] == 0), key=lambda e: e["t"])
-        ax_l.plot([e["t"] for e in steps], [e["loss"] for e in steps], lw=0.8, label=s["solver"])
+        ax_l.plot([e["t"] for e in steps], [e["loss"] for e in steps], lw=0.8, label=_label(s))
     target = runs[0]["summary"].get("target")
     if target is not None:
         ax_m.axhline(target, color="grey", ls="--", lw=1, label=f"target {target:g}")
@@ -54,7 +58,7 @@ def plot_metric(runs: list[dict[str, Any]], path: Path) -> None:
 
 def plot_throughput(runs: list[dict[str, Any]], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(max(4, 1.4 * len(runs) + 2), 3.5))
-    names = [r["summary"]["solver"] for r in runs]
+    names = [_label(r["summary"]) for r in runs]
     values = [r["summary"]["throughput_samples_per_s"] for r in runs]
     bars = ax.bar(names, values, color="#4C72B0")
     for b, v in zip(bars, values):
@@ -97,7 +101,7 @@ def plot_timeline(runs: list[dict[str, Any]], path: Path, window_s: float | None
                 ax.broken_barh(segs[phase], (row - 0.4, 0.8), facecolors=color, label=phase if row == 0 else None)
         ax.set_yticks(range(len(ranks)), [f"worker {r}" for r in ranks])
         ax.set_xlim(0, window)
-        ax.set_title(f"{s['solver']}: first {window:.2f} s", fontsize=9, loc="left")
+        ax.set_title(f"{_label(s)}: first {window:.2f} s", fontsize=9, loc="left")
         ax.invert_yaxis()
     axes[0, 0].legend(loc="upper right", fontsize=8, ncol=3)
     axes[-1, 0].set_xlabel("wall time (s)")
@@ -118,7 +122,7 @@ def plot_staleness(runs: list[dict[str, Any]], path: Path) -> bool:
         total = sum(hist.values())
         xs = sorted(hist)
         ax.bar([x + i * width for x in xs], [hist[x] / total for x in xs], width=width,
-               label=f"{run['summary']['solver']} (mean {run['summary']['staleness']['mean']:.2f})")
+               label=f"{_label(run['summary'])} (mean {run['summary']['staleness']['mean']:.2f})")
     ax.set_xlabel("staleness (server updates between a worker's pull and its push)")
     ax.set_ylabel("share of pushes")
     ax.set_title("staleness")
@@ -136,7 +140,7 @@ def summary_rows(summaries: list[dict[str, Any]]) -> list[list[str]]:
     for s in summaries:
         share = s["phase_share"]
         rows.append([
-            s["solver"],
+            _label(s),
             f"{s['throughput_samples_per_s']:,.0f}",
             _fmt(s["time_to_target_s"], ".2f"),
             _fmt(s["final_metric"], ".4f"),

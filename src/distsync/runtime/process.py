@@ -50,6 +50,9 @@ def write_results(cfg: RunConfig, run_dir: Path, events: list[dict[str, Any]], s
             f.write(json.dumps(e) + "\n")
     summary = {
         "solver": cfg.solver,
+        # the solver with the options it was given, to tell runs of one solver apart
+        "label": cfg.solver + ("(" + ",".join(f"{k}={v}" for k, v in sorted(cfg.solver_options.items())) + ")"
+                               if cfg.solver_options else ""),
         "workload": workload.name,
         "workers": cfg.workers,
         "metric": workload.metric_name,
