@@ -15,11 +15,19 @@ SEED, BATCH, LR = 6, 16, 0.2
 def test_bmuf_rule_by_hand():
     w, wg, delta = torch.zeros(1), torch.tensor([1.0]), torch.tensor([0.5])
     bmuf_update(w, wg, delta, torch.tensor([3.0]), block_lr=1.0, block_momentum=0.5, nesterov=True)
-    # G = 3 - 1 = 2; delta = 0.5*0.5 + 2 = 2.25; wg = 3.25; w = 3.25 + 0.5*2.25 = 4.375
-    assert delta.item() == 2.25 and wg.item() == 3.25 and w.item() == 4.375
+    # G = 3 - 1 = 2; delta = 0.5*0.5 + 2 = 2.25; start = 1 + 2.25 + 0.5*2.25 = 4.375 = w
+    assert delta.item() == 2.25 and wg.item() == 4.375 and w.item() == 4.375
     w2, wg2, d2 = torch.zeros(1), torch.tensor([1.0]), torch.tensor([0.5])
     bmuf_update(w2, wg2, d2, torch.tensor([3.0]), 1.0, 0.5, nesterov=False)
-    assert w2.item() == 3.25
+    assert w2.item() == wg2.item() == 3.25
+    # with no progress in a block, the step shrinks by m each time: no blow-up
+    w3, start, d3 = torch.zeros(1), torch.tensor([0.0]), torch.tensor([1.0])
+    steps = []
+    for _ in range(4):
+        before = start.clone()
+        bmuf_update(w3, start, d3, start.clone(), 1.0, 0.875, nesterov=True)
+        steps.append((start - before).item())
+    assert steps == pytest.approx([0.875 * 1.875 * 0.875 ** k for k in range(4)])
 
 
 def test_correction_keeps_steps_taken_during_a_sync():
@@ -84,7 +92,7 @@ def _reference(steps, every, bmuf=None):
     return models[0].state_dict()
 
 
-@pytest.mark.parametrize("solver, bmuf", [("ma", None), ("bmuf", (1.0, 0.875, True))])
+@pytest.mark.parametrize("solver, bmuf", [("ma", None), ("bmuf", (1.0, 0.5, True))])  # 0.5 = 1 - 1/p
 def test_foreground_twins_equal_plain_pytorch(solver, bmuf):
     steps, every = 6, 3
     ref = _reference(steps, every, bmuf)

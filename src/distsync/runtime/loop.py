@@ -16,6 +16,7 @@ import torch
 from distsync.config import RunConfig
 from distsync.errors import DistsyncError
 from distsync.runtime.stretch import ComputeStretch
+from distsync.solvers.flat import storage_aliases
 from distsync.solvers.lars import LARS
 from distsync.workloads import ShardSampler, Workload
 
@@ -48,8 +49,8 @@ def hogwild_replica(model: torch.nn.Module) -> torch.nn.Module:
     version counters), for one Hogwild thread."""
     replica = copy.deepcopy(model)
     with torch.no_grad():
-        for rp, p in zip(replica.parameters(), model.parameters()):
-            rp.set_(p.untyped_storage(), p.storage_offset(), p.size(), p.stride())
+        for rp, alias in zip(replica.parameters(), storage_aliases(model.parameters())):
+            rp.set_(alias)
     return replica
 
 

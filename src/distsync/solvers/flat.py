@@ -33,3 +33,14 @@ class FlatView:
             out.append(vec[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
         return out
+
+
+def storage_aliases(params) -> list[torch.Tensor]:
+    """New tensor objects over the parameters' storage, with their own version counters."""
+    out = []
+    with torch.no_grad():
+        for p in params:
+            a = torch.empty(0, dtype=p.dtype, device=p.device)
+            a.set_(p.untyped_storage(), p.storage_offset(), p.size(), p.stride())
+            out.append(a)
+    return out

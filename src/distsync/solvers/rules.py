@@ -112,19 +112,23 @@ def group_mean(total: torch.Tensor, size: int) -> torch.Tensor:
     return total.div_(size)
 
 
-def bmuf_update(w: torch.Tensor, w_global: torch.Tensor, delta: torch.Tensor, mean_w: torch.Tensor,
+def bmuf_update(w: torch.Tensor, w_start: torch.Tensor, delta: torch.Tensor, mean_w: torch.Tensor,
                 block_lr: float, block_momentum: float, nesterov: bool = True) -> None:
-    """Blockwise model-update filtering (Chen & Huo 2016; fairseq's form), in place.
+    """Blockwise model-update filtering (Chen & Huo 2016), in fairseq's form, in place.
 
-    G = mean_w - w_global;  delta <- m * delta + zeta * G;  w_global <- w_global + delta;
-    w <- w_global + m * delta (Nesterov) or w_global.
+    ``w_start`` is where the workers started the block. G = mean_w - w_start (the block's
+    progress); delta <- m * delta + zeta * G; w_start <- w_start + delta, plus m * delta with
+    Nesterov (the next block starts from the look-ahead point); w <- w_start.
+
+    Measuring G from the look-ahead start matters: measured from the point before it, the
+    look-ahead would count as progress again and delta would grow by (1 + zeta) m per block.
     """
-    g = mean_w - w_global
+    g = mean_w - w_start
     delta.mul_(block_momentum).add_(g, alpha=block_lr)
-    w_global.add_(delta)
-    w.copy_(w_global)
+    w_start.add_(delta)
     if nesterov:
-        w.add_(delta, alpha=block_momentum)
+        w_start.add_(delta, alpha=block_momentum)
+    w.copy_(w_start)
 
 
 def apply_correction(live: torch.Tensor, read: torch.Tensor, new: torch.Tensor) -> None:
