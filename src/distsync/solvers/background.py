@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from distsync.solvers.base import Solver, register_solver
+from distsync.solvers.base import Solver, join_background, register_solver
 from distsync.solvers.elastic import AsyncEASGD, ElasticOptions
 from distsync.solvers.flat import FlatView, storage_aliases
 from distsync.solvers.rules import apply_correction, bmuf_update, elastic_pull
@@ -140,11 +140,8 @@ class _Averaging(Solver):
         if not self.background:
             return
         self._done.set()
-        self._thread.join(timeout=self.comm.timeout_s + 5)
-        if self._thread.is_alive():
-            raise RuntimeError(f"rank {self.comm.rank}: {self.name} shadow thread did not stop")
-        if self._errors:
-            raise self._errors[0]
+        join_background(self._thread, self._errors, self.comm.timeout_s + 5,
+                        f"rank {self.comm.rank}: {self.name} shadow thread")
         # Final sync: every worker leaves with the mean of the final models.
         final = self.view.flat()
         self.comm.all_reduce(final, group=self.group)
@@ -250,11 +247,7 @@ class ShadowEA(AsyncEASGD):
 
     def close(self):
         self._done.set()
-        self._thread.join(timeout=self.comm.timeout_s + 5)
-        if self._thread.is_alive():
-            raise RuntimeError(f"rank {self.comm.rank}: shadow-ea thread did not stop")
-        if self._errors:
-            raise self._errors[0]
+        join_background(self._thread, self._errors, self.comm.timeout_s + 5, f"rank {self.comm.rank}: shadow-ea thread")
         self._exchange_live(-1)  # final sync after the last training step
         super().close()
 

@@ -169,6 +169,15 @@ class Solver:
         self.zero_grad()
 
 
+def join_background(thread: threading.Thread, errors: list[BaseException], timeout_s: float, what: str) -> None:
+    """Join a solver's background thread within ``timeout_s``; re-raise what it failed with."""
+    thread.join(timeout=timeout_s)
+    if thread.is_alive():
+        raise RuntimeError(f"{what} did not stop within {timeout_s:g} s")
+    if errors:
+        raise errors[0]
+
+
 # ---- registry ---------------------------------------------------------------------------
 _REGISTRY: dict[str, type[Solver]] = {}
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from distsync.solvers.base import Solver, register_solver
+from distsync.solvers.base import Solver, join_background, register_solver
 from distsync.solvers.flat import FlatView
 from distsync.solvers.rules import pairwise_average
 from distsync.errors import ConfigError
@@ -131,9 +131,8 @@ class ADPSGD(Solver):
             for partner in self.passives:
                 self.comm.send(torch.tensor([OP_DONE]), partner, group=self.gossip, tag=TAG_AVG_HEADER)
         elif self._thread is not None:
-            self._thread.join(timeout=self.comm.timeout_s)
-            if self._thread.is_alive():
-                raise RuntimeError(f"rank {self.comm.rank}: ad-psgd answering thread did not stop")
+            join_background(self._thread, self._error, self.comm.timeout_s,
+                            f"rank {self.comm.rank}: ad-psgd answering thread")
             with self.lock:
                 self._apply_pending()
         if self._error:
