@@ -65,6 +65,20 @@ def _batches(workers, steps):
     return w, [[w.take(w.train_data, s.indices(step)) for step in range(steps)] for s in samplers]
 
 
+def _large_batch_reference(steps, make_optimizer):
+    """One model trained on the union of both workers' batches, step by step."""
+    w, batches = _batches(2, steps)
+    ref = _model()
+    opt = make_optimizer(ref.parameters())
+    for step in range(steps):
+        x = torch.cat([batches[r][step][0] for r in range(2)])
+        y = torch.cat([batches[r][step][1] for r in range(2)])
+        opt.zero_grad()
+        w.loss_fn(ref(x), y).backward()
+        opt.step()
+    return ref
+
+
 def _grad(model, w, x, y):
     model.zero_grad()
     w.loss_fn(model(x), y).backward()
@@ -78,15 +92,7 @@ def _close(a, b):
 
 def test_sync_ps_with_two_servers_equals_large_batch_sgd():
     steps = 5
-    w, batches = _batches(2, steps)
-    ref = _model()
-    opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.5)
-    for step in range(steps):
-        x = torch.cat([batches[r][step][0] for r in range(2)])
-        y = torch.cat([batches[r][step][1] for r in range(2)])
-        opt.zero_grad()
-        w.loss_fn(ref(x), y).backward()
-        opt.step()
+    ref = _large_batch_reference(steps, lambda params: torch.optim.SGD(params, lr=LR, momentum=0.5))
     res = run_ranks(_run, 4, "sync-ps", {"servers": 2}, 2, steps, 0.5)
     assert [r[0] for r in res] == ["worker", "worker", "server", "server"]
     for kind, state, center in res[:2]:
@@ -209,15 +215,7 @@ def test_sync_ps_with_lars_on_the_servers_equals_lars_large_batch():
     from distsync.solvers.lars import LARS
 
     steps = 4
-    w, batches = _batches(2, steps)
-    ref = _model()
-    opt = LARS(ref.parameters(), lr=LR, momentum=0.5, eta=0.01)
-    for step in range(steps):
-        x = torch.cat([batches[r][step][0] for r in range(2)])
-        y = torch.cat([batches[r][step][1] for r in range(2)])
-        opt.zero_grad()
-        w.loss_fn(ref(x), y).backward()
-        opt.step()
+    ref = _large_batch_reference(steps, lambda params: LARS(params, lr=LR, momentum=0.5, eta=0.01))
     res = run_ranks(_run, 3, "sync-ps", {}, 2, steps, 0.5, "lars")
     for _, state, _ in res[:2]:
         _close(state, ref.state_dict())
