@@ -122,3 +122,55 @@ def test_background_and_foreground_solvers_reach_the_digits_target(tmp_path, sol
     if solver.startswith("shadow"):
         per_worker = [v for v in s["solver_stats"].values() if "syncs" in v]
         assert len(per_worker) == 2 and all(v["syncs"] > 0 for v in per_worker)
+
+
+def _last_step_rank(rank, world, solver_name, options, workers):
+    """Attach, let the shadow thread sync, take one "last step" (+0.1 * (rank + 1) on every
+    parameter) after it, then close: the final sync must carry that step."""
+    import time
+
+    from distsync.comm import Comm
+    from distsync.runtime import assign_roles
+    from distsync.solvers import ServeContext, make_solver
+    from distsync.workloads.digits import make_model
+
+    def model0():
+        torch.manual_seed(SEED)
+        return make_model()
+
+    solver = make_solver(solver_name, min_interval_ms=60_000, **options)
+    comm = Comm.from_env(assign_roles(workers, solver.roles), 20.0, torch.device("cpu"))
+    if comm.role != "worker":
+        solver.serve(comm.role, comm, ServeContext(make_model=model0, lr=LR))
+        out = None
+    else:
+        model = model0()
+        solver.attach(model, torch.optim.SGD(model.parameters(), lr=LR), comm)
+        time.sleep(0.3)  # the first sync happens now; the next not for a minute
+        with torch.no_grad():
+            for p in model.parameters():
+                p += 0.1 * (rank + 1)
+        t0 = time.perf_counter()
+        solver.close()
+        out = (copy.deepcopy(model.state_dict()), copy.deepcopy(solver.eval_model().state_dict()),
+               time.perf_counter() - t0)
+    comm.barrier()
+    comm.close()
+    return out
+
+
+def test_shadow_ma_final_sync_keeps_the_last_step_of_every_worker():
+    w0 = _reference(0, 1)
+    for state, _, close_s in run_ranks(_last_step_rank, 2, "shadow-ma", {}, 2):
+        for k, v in w0.items():
+            torch.testing.assert_close(state[k], v + 0.15, rtol=0, atol=1e-6)  # mean of +0.1 and +0.2
+        assert close_s < 10  # close() cut the minute's pause short
+
+
+def test_shadow_ea_final_exchange_takes_the_last_step_to_the_center():
+    w0 = _reference(0, 1)
+    (state, center, _), _ = run_ranks(_last_step_rank, 2, "shadow-ea", {"alpha": 0.5}, 1)
+    for k, v in w0.items():
+        # d = 0.5 * ((w0 + 0.1) - w0): the worker keeps w0 + 0.05 and so does the center
+        torch.testing.assert_close(state[k], v + 0.05, rtol=0, atol=1e-6)
+        torch.testing.assert_close(center[k], v + 0.05, rtol=0, atol=1e-6)

@@ -133,6 +133,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from distsync.config import parse_key_values
     from distsync.options import config_from_args
     from distsync.runtime import launch
+    from distsync.runtime.launch import with_workload_defaults
     from distsync.solvers import make_options, solver_class
     from distsync.workloads import check_workload_spec, load_workload
 
@@ -140,7 +141,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     make_options(solver_class(args.solver), opts)
     cfg = config_from_args(args, args.solver, opts)
     check_workload_spec(cfg.workload)
-    steps = cfg.steps or load_workload(cfg.workload).steps
+    workload = load_workload(cfg.workload, cfg.workload_options)
+    cfg = with_workload_defaults(cfg, workload)
+    steps = cfg.steps or workload.steps
     out = Path(cfg.out) if cfg.out else _default_out("train", cfg.workload, cfg.solver)
     cfg.out = str(out)
 
@@ -158,6 +161,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     from distsync.config import parse_key_values
     from distsync.experiments import compare, split_solver_options
     from distsync.options import config_from_args
+    from distsync.runtime.launch import with_workload_defaults
     from distsync.workloads import check_workload_spec, load_workload
 
     solvers = [s.strip() for s in args.solvers.split(",") if s.strip()]
@@ -168,7 +172,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     options = split_solver_options(solvers, parse_key_values(_solver_option_items(args)))
     base = config_from_args(args, solvers[0] if solvers else "allreduce", {})
     check_workload_spec(base.workload)
-    steps = base.steps or load_workload(base.workload).steps
+    workload = load_workload(base.workload, base.workload_options)
+    base = with_workload_defaults(base, workload)
+    steps = base.steps or workload.steps
     out = Path(base.out) if base.out else _default_out("compare", base.workload, "-".join(solvers[:4]))
 
     summaries = _run_with_progress(

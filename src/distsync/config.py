@@ -16,6 +16,7 @@ from typing import Any
 from distsync.errors import ConfigError
 
 OPTIMIZERS = ("sgd", "adam", "lars")
+EMBEDDING_OPTIMIZERS = ("adagrad", "sgd")
 TASKS = ("train", "linktest")
 _UNITS_BIT = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
 _UNITS_S = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
@@ -107,6 +108,8 @@ class RunConfig:
     """
 
     workload: str = "digits"
+    #: keyword arguments of the workload's factory, e.g. ``{"rows": 100000}`` for ``ctr``
+    workload_options: dict[str, Any] = field(default_factory=dict)
     solver: str = "allreduce"
     solver_options: dict[str, Any] = field(default_factory=dict)
     workers: int = 2
@@ -135,6 +138,12 @@ class RunConfig:
     #: how the link's latency was applied: "netem", "comm" (per operation in the comm
     #: layer) or "none"; set by the launcher
     link_latency_mode: str | None = None
+    #: processes holding the model's embedding tables (None: the workload's default)
+    embedding_servers: int | None = None
+    #: how embedding servers update rows: "adagrad" or "sgd"
+    embedding_optimizer: str = "adagrad"
+    #: their learning rate (None: the workload's)
+    embedding_lr: float | None = None
     task: str = "train"
     task_options: dict[str, Any] = field(default_factory=dict)
 
@@ -170,6 +179,14 @@ class RunConfig:
             raise ConfigError(f"--jitter must be in [0, 10] (a share of each step's compute), got {self.jitter!r}")
         if self.link is not None:
             parse_link(self.link)
+        if self.embedding_servers is not None and (not isinstance(self.embedding_servers, int)
+                                                   or self.embedding_servers < 0):
+            raise ConfigError(f"--embedding-servers must be an integer >= 0, got {self.embedding_servers!r}")
+        if self.embedding_optimizer not in EMBEDDING_OPTIMIZERS:
+            raise ConfigError(f"unknown --embedding-optimizer {self.embedding_optimizer!r}; "
+                              f"valid: {', '.join(EMBEDDING_OPTIMIZERS)}")
+        if self.embedding_lr is not None and not self.embedding_lr > 0:
+            raise ConfigError(f"--embedding-lr must be > 0, got {self.embedding_lr!r}")
         if self.task not in TASKS:
             raise ConfigError(f"unknown task {self.task!r}; valid: {', '.join(TASKS)}")
         for rank, factor in self.slow.items():

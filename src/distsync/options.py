@@ -11,6 +11,9 @@ def add_run_options(p: argparse.ArgumentParser, *, workers_default: int | None =
     g = p.add_argument_group("job")
     g.add_argument("--workload", default="digits",
                    help="digits | mnist | cnn | path/to/file.py:make_workload (default: digits)")
+    g.add_argument("--workload-option", "-w", action="append", metavar="KEY=VALUE",
+                   help="an option of the workload's factory, repeatable (e.g. -w rows=200000 for ctr)")
+    g.add_argument("--rows", type=int, help="embedding rows per table (ctr; shortcut for -w rows=N)")
     g.add_argument("--workers", type=int, default=workers_default, help="worker processes (default: 2)")
     g.add_argument("--steps", type=int, help="steps per worker (default: the workload's)")
     g.add_argument("--batch-size", type=int, help="samples per worker per step (default: the workload's)")
@@ -22,6 +25,11 @@ def add_run_options(p: argparse.ArgumentParser, *, workers_default: int | None =
     g.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up steps (default: 0)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--eval-every", type=int, help="evaluate every N steps (default: the workload's)")
+    g = p.add_argument_group("embedding tables (models with EmbeddingTables, e.g. ctr)")
+    g.add_argument("--embedding-servers", type=int,
+                   help="processes holding the tables, sharded row-wise (default: the workload's; 0: in each worker)")
+    g.add_argument("--embedding-optimizer", default="adagrad", help="adagrad | sgd (default: adagrad)")
+    g.add_argument("--embedding-lr", type=float, help="embedding servers' learning rate (default: the workload's)")
     g = p.add_argument_group("cluster")
     g.add_argument("--slow", metavar="RANK:FACTOR[,...]",
                    help="stretch these workers' compute FACTOR times (e.g. --slow 1:3)")
@@ -40,8 +48,15 @@ def add_run_options(p: argparse.ArgumentParser, *, workers_default: int | None =
 
 def config_from_args(args: argparse.Namespace, solver: str, solver_options: dict) -> RunConfig:
     """A validated :class:`RunConfig` from parsed options."""
+    workload_options = parse_key_values(args.workload_option, "--workload-option")
+    if args.rows is not None:
+        workload_options["rows"] = str(args.rows)
     return RunConfig(
         workload=args.workload,
+        workload_options=workload_options,
+        embedding_servers=args.embedding_servers,
+        embedding_optimizer=args.embedding_optimizer,
+        embedding_lr=args.embedding_lr,
         solver=solver,
         solver_options=solver_options,
         workers=args.workers,

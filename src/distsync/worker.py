@@ -44,6 +44,8 @@ from distsync.options import add_run_options, config_from_args, solver_options_f
 
 
 def _config_from_torchrun(argv: list[str]) -> tuple[RunConfig, Path]:
+    from distsync.runtime.launch import with_workload_defaults
+    from distsync.runtime.roles import job_roles
     from distsync.solvers import make_options, solver_class
 
     p = argparse.ArgumentParser(prog="python -m distsync.worker")
@@ -53,13 +55,16 @@ def _config_from_torchrun(argv: list[str]) -> tuple[RunConfig, Path]:
     args = p.parse_args(argv)
     cls = solver_class(args.solver)
     opts = solver_options_from(args.solver_option)
-    extra = sum(cls(make_options(cls, opts)).roles.values())
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    asked = args.workers
+    args.workers = world  # placeholder until the roles are known
+    cfg = with_workload_defaults(config_from_args(args, args.solver, opts))
+    extra = sum(job_roles(cfg, cls(make_options(cls, opts))).values())
     workers = world - extra
-    if args.workers is not None and args.workers != workers:
-        raise ConfigError(f"--workers {args.workers} does not match WORLD_SIZE {world} minus {extra} extra role(s)")
-    args.workers = workers
-    cfg = config_from_args(args, args.solver, opts)
+    if asked is not None and asked != workers:
+        raise ConfigError(f"--workers {asked} does not match WORLD_SIZE {world} minus {extra} extra role(s)")
+    cfg.workers = workers
+    cfg.validate()
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", time.strftime("%Y%m%d-%H%M%S"))
     run_dir = Path(cfg.out or f"runs/{run_id}-{cfg.workload.replace('/', '_')}-{cfg.solver}")
     if int(os.environ.get("RANK", "0")) == 0:

@@ -20,7 +20,7 @@ from typing import Any, Callable
 from distsync.config import RunConfig, parse_link
 from distsync.errors import ConfigError, DistsyncError, WorkerFailed
 from distsync.runtime.network import EmulatedNetwork
-from distsync.runtime.roles import assign_roles
+from distsync.runtime.roles import assign_roles, job_roles
 from distsync.solvers import make_options, solver_class
 
 ProgressFn = Callable[[dict[str, Any]], None]
@@ -94,6 +94,16 @@ class _ProgressPoller(threading.Thread):
                 self.fn(data)
 
 
+def with_workload_defaults(cfg: RunConfig, workload: Any = None) -> RunConfig:
+    """``cfg`` with what the workload decides when the user did not: its embedding servers."""
+    if cfg.embedding_servers is not None or cfg.task != "train":
+        return cfg if cfg.embedding_servers is not None else dataclasses.replace(cfg, embedding_servers=0)
+    from distsync.workloads import load_workload
+
+    workload = workload or load_workload(cfg.workload, cfg.workload_options)
+    return dataclasses.replace(cfg, embedding_servers=workload.embedding_servers)
+
+
 RESULT_FILES = {"train": "summary.json", "linktest": "linktest.json"}
 
 
@@ -104,10 +114,10 @@ def launch(cfg: RunConfig, run_dir: Path, on_progress: ProgressFn | None = None)
     (:class:`~distsync.runtime.network.EmulatedNetwork`), torn down however the job ends.
     Raises :class:`DistsyncError` on bad input or a failed job.
     """
-    cfg.validate()
+    cfg = with_workload_defaults(cfg.validate())
     cls = solver_class(cfg.solver)
     solver = cls(make_options(cls, cfg.solver_options))
-    role_of = assign_roles(cfg.workers, solver.roles)
+    role_of = assign_roles(cfg.workers, job_roles(cfg, solver))
     if cfg.link is None:
         return _launch(cfg, run_dir, role_of, on_progress, None)
     with EmulatedNetwork(len(role_of), parse_link(cfg.link)) as net:

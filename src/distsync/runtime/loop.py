@@ -15,10 +15,14 @@ import torch
 
 from distsync.config import RunConfig
 from distsync.errors import DistsyncError
+from distsync.runtime.roles import EMBEDDING_SERVER
 from distsync.runtime.stretch import ComputeStretch
 from distsync.solvers.flat import storage_aliases
 from distsync.solvers.lars import LARS
+from distsync.sparse import EmbeddingClient, RemoteTables, find_tables
+from distsync.sparse.tables import replace_module
 from distsync.workloads import ShardSampler, Workload
+from distsync.workloads.base import to_device
 
 
 class TrainClock:
@@ -91,6 +95,7 @@ def train_worker(cfg: RunConfig, workload: Workload, solver, comm, device: torch
 
     torch.manual_seed(cfg.seed)  # identical initial model on every worker
     model = workload.make_model().to(device)
+    remote = use_embedding_servers(model, comm, cfg, workload, solver.threads) if cfg.embedding_servers else None
     optimizer = make_optimizer(cfg, model.parameters(), lr)
     run_model = solver.attach(model, optimizer, comm)
     threads = solver.threads
@@ -139,6 +144,8 @@ def train_worker(cfg: RunConfig, workload: Workload, solver, comm, device: torch
 
     def run(t: int) -> None:
         stretch, sampler = stretches[t], samplers[t]
+        if remote is not None:
+            remote.channel = t  # this thread's own conversation with the embedding servers
         if threads > 1:
             # Each thread runs its own replica of the module whose parameters are new tensor
             # objects over the shared storage: updates by other threads race on the data
@@ -153,19 +160,29 @@ def train_worker(cfg: RunConfig, workload: Workload, solver, comm, device: torch
             comm_s = perf() - a
 
             x, y = workload.take(workload.train_data, sampler.indices(k))
-            x, y = x.to(device), y.to(device)
+            x, y = to_device(x, device), y.to(device)
+            if remote is not None:
+                remote.take_comm_s()  # (lookups made while evaluating are not this step's)
             a = perf()
             out = run_model(x) if threads == 1 else replica(x)
             loss = workload.loss_fn(out, y)
-            fwd = perf() - a
+            lookup_s = remote.take_comm_s() if remote is not None else 0.0
+            fwd = perf() - a - lookup_s
             stretch.after_forward(fwd)
             b = perf()
+            leaves = remote.leaves() if remote is not None else []
             if threads == 1:
                 loss.backward()
+                leaf_grads = [leaf.grad for leaf in leaves]
             else:
-                grads = torch.autograd.grad(loss, thread_params)
+                grads = torch.autograd.grad(loss, thread_params + leaves)
+                grads, leaf_grads = grads[:len(thread_params)], grads[len(thread_params):]
             stretch.after_backward(perf() - b)
-            compute_s = perf() - a
+            compute_s = perf() - a - lookup_s
+            comm_s += lookup_s
+            if remote is not None:
+                remote.push(list(leaf_grads))  # sparse gradients go to the embedding servers, no waiting
+                comm_s += remote.take_comm_s()
 
             if threads == 1:
                 a = perf()
@@ -237,5 +254,21 @@ def train_worker(cfg: RunConfig, workload: Workload, solver, comm, device: torch
     events.append({"kind": "done", "rank": rank, "t": clock.now(), "close_s": perf() - a,
                    "slept_s": sum(st.slept_s for st in stretches), "bytes": comm.bytes_sent - bytes_before})
     final = evaluate(steps - 1)
+    if remote is not None:
+        remote.close()
     progress.update(steps, loss_v, final, force=True)
     return events
+
+
+def use_embedding_servers(model: torch.nn.Module, comm, cfg: RunConfig, workload: Workload,
+                          channels: int) -> RemoteTables:
+    """Swap the model's EmbeddingTables for lookups on the job's embedding servers."""
+    found = find_tables(model)
+    if found is None:
+        raise DistsyncError(f"--embedding-servers {cfg.embedding_servers}: the {workload.name} model has no "
+                            f"EmbeddingTables to serve (use --embedding-servers 0)")
+    name, tables = found
+    client = EmbeddingClient(comm, comm.ranks_with_role(EMBEDDING_SERVER), tables.rows, tables.dim)
+    remote = RemoteTables(client, channels)
+    replace_module(model, name, remote)
+    return remote

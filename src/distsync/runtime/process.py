@@ -14,9 +14,11 @@ from distsync.config import RunConfig, parse_link
 from distsync.metrics import split_collective_wait, summarize
 from distsync.runtime.linktest import run_linktest
 from distsync.runtime.loop import Progress, train_worker
-from distsync.runtime.roles import assign_roles
+from distsync.runtime.roles import EMBEDDING_SERVER, assign_roles, job_roles
 from distsync.solvers import ServeContext, make_options, solver_class
-from distsync.workloads import load_workload
+from distsync.sparse import EmbeddingServer, find_tables
+from distsync.sparse.tables import replace_module
+from distsync.workloads import Workload, load_workload
 
 
 def pick_device(requested: str) -> torch.device:
@@ -39,6 +41,20 @@ def merge_staleness(stats: dict[str, Any]) -> dict[str, Any] | None:
             "mean": sum(k * v for k, v in hist.items()) / n, "max": max(hist)}
 
 
+def final_extra_metrics(events: list[dict[str, Any]], names: list[str]) -> dict[str, float]:
+    """``final_<name>``: the mean over workers of each worker's last evaluation of ``name``."""
+    last: dict[int, dict[str, Any]] = {}
+    for e in events:
+        if e["kind"] == "eval":
+            last[e["rank"]] = e
+    out = {}
+    for name in names:
+        values = [e[name] for e in last.values() if name in e]
+        if values:
+            out[f"final_{name}"] = sum(values) / len(values)
+    return out
+
+
 def write_results(cfg: RunConfig, run_dir: Path, events: list[dict[str, Any]], solver, workload,
                   stats: dict[str, Any], bytes_by_other_roles: int = 0) -> dict[str, Any]:
     """Rank 0: events.jsonl and summary.json from every rank's events."""
@@ -59,6 +75,7 @@ def write_results(cfg: RunConfig, run_dir: Path, events: list[dict[str, Any]], s
         "higher_is_better": workload.higher_is_better,
         "slow": {str(k): v for k, v in cfg.slow.items()},
         **summarize(events, target=workload.target, higher_is_better=workload.higher_is_better),
+        **final_extra_metrics(events, list(workload.extra_metrics)),
         "bytes_sent_by_servers": bytes_by_other_roles,
         "staleness": merge_staleness(stats),
         "solver_stats": stats,
@@ -70,6 +87,21 @@ def write_results(cfg: RunConfig, run_dir: Path, events: list[dict[str, Any]], s
     return summary
 
 
+def serve_embeddings(cfg: RunConfig, workload: Workload, comm: Comm, channels: int) -> dict[str, Any]:
+    """An embedding server's life: its rows of the initial tables, served until every
+    trainer thread is done; returns its counters."""
+    torch.manual_seed(cfg.seed)  # the workers' initial model, so the tables start as theirs would
+    found = find_tables(workload.make_model())
+    if found is None:
+        raise ValueError(f"the {workload.name} model has no EmbeddingTables to serve")
+    servers = comm.ranks_with_role(EMBEDDING_SERVER)
+    lr = cfg.embedding_lr or workload.embedding_lr or cfg.lr or workload.lr
+    server = EmbeddingServer(comm, list(found[1].weights), servers.index(comm.rank), len(servers),
+                             cfg.embedding_optimizer, lr)
+    server.serve(comm.worker_ranks, channels)
+    return server.stats()
+
+
 def run_process(cfg: RunConfig, run_dir: Path) -> None:
     """Join the job, play this rank's role, and (rank 0) write the run's results."""
     torch.set_num_threads(cfg.intra_op_threads)
@@ -77,30 +109,37 @@ def run_process(cfg: RunConfig, run_dir: Path) -> None:
     cls = solver_class(cfg.solver)
     solver = cls(make_options(cls, cfg.solver_options))
     latency = parse_link(cfg.link).latency_s if cfg.link and cfg.link_latency_mode == "comm" else 0.0
-    comm = Comm.from_env(assign_roles(cfg.workers, solver.roles), cfg.timeout_s, device, latency)
+    comm = Comm.from_env(assign_roles(cfg.workers, job_roles(cfg, solver)), cfg.timeout_s, device, latency)
     try:
         if cfg.task == "linktest":
             run_linktest(cfg, comm, run_dir)
             comm.barrier()
             return
+        workload = load_workload(cfg.workload, cfg.workload_options)
+        stats = None
         if comm.role == "worker":
-            workload = load_workload(cfg.workload)
             progress = Progress(run_dir / "progress.json" if comm.rank == 0 else None,
                                 cfg.steps or workload.steps)
             events = train_worker(cfg, workload, solver, comm, device, progress)
+        elif comm.role == EMBEDDING_SERVER:
+            stats = serve_embeddings(cfg, workload, comm, solver.threads)
+            events = []
         else:
-            workload = load_workload(cfg.workload)
-
             def make_model():
                 torch.manual_seed(cfg.seed)  # the workers' initial model
-                return workload.make_model()
+                model = workload.make_model()
+                found = find_tables(model) if cfg.embedding_servers else None
+                if found:  # the embedding servers hold the tables; this role sees the dense part
+                    replace_module(model, found[0], torch.nn.Identity())
+                return model
 
             solver.serve(comm.role, comm, ServeContext(
                 make_model=make_model, lr=cfg.lr or workload.lr, momentum=cfg.momentum,
                 weight_decay=cfg.weight_decay, optimizer=cfg.optimizer, lars_eta=cfg.lars_eta,
                 warmup_steps=cfg.warmup_steps, steps=cfg.steps or workload.steps, seed=cfg.seed))
             events = []
-        gathered = comm.gather_object({"events": events, "role": comm.role, "stats": solver.stats(),
+        gathered = comm.gather_object({"events": events, "role": comm.role,
+                                       "stats": stats if stats is not None else solver.stats(),
                                        "bytes": comm.bytes_sent})
         if comm.rank == 0:
             all_events = [e for g in gathered for e in g["events"]]

@@ -16,7 +16,11 @@ stops once every worker is done, and one final sync leaves every worker with the
 (the center, for ``shadow-ea``). ``stats`` reports syncs and syncs per training step.
 
 Foreground twins run the same rules on the training thread every ``every`` steps: ``ma``,
-``bmuf``, ``fr-easgd`` (elastic exchange with a sync server).
+``bmuf``, ``fr-easgd`` (elastic exchange with a sync server). ``local`` synchronizes nothing:
+the baseline a trainer's throughput is measured against.
+
+All of them take ``threads``: Hogwild training threads per worker on one shared copy of the
+dense parameters, each applying plain SGD without a lock.
 """
 
 from __future__ import annotations
@@ -24,11 +28,13 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from distsync.solvers.base import Solver, join_background, register_solver
-from distsync.solvers.elastic import AsyncEASGD, ElasticOptions
+from distsync.solvers.elastic import AsyncEASGD, WildOptions
+from distsync.solvers.parameter_server import hogwild_sgd
 from distsync.solvers.flat import FlatView, storage_aliases
 from distsync.solvers.rules import apply_correction, bmuf_update, elastic_pull
 
@@ -36,14 +42,15 @@ from distsync.solvers.rules import apply_correction, bmuf_update, elastic_pull
 @dataclass
 class AverageOptions:
     """every: steps between syncs (foreground); min_interval_ms: least time between
-    background syncs."""
+    background syncs; threads: Hogwild training threads per worker on its one model."""
 
     every: int = 4
     min_interval_ms: float = 0.0
+    threads: int = 1
 
     def __post_init__(self) -> None:
-        if self.every < 1 or self.min_interval_ms < 0:
-            raise ValueError("every must be >= 1 and min_interval_ms >= 0")
+        if self.every < 1 or self.min_interval_ms < 0 or self.threads < 1:
+            raise ValueError("every must be >= 1, min_interval_ms >= 0 and threads >= 1")
 
 
 @dataclass
@@ -67,7 +74,22 @@ class BMUFOptions(AverageOptions):
         return self.block_momentum if self.block_momentum is not None else 1.0 - 1.0 / workers
 
 
-class _Averaging(Solver):
+class _HogwildThreads:
+    """Solvers whose workers may run ``threads`` Hogwild training threads (option ``threads``):
+    each thread applies plain SGD to the shared parameters, taking no lock."""
+
+    options: Any
+    optimizer: Any
+
+    @property
+    def threads(self) -> int:
+        return self.options.threads
+
+    def hogwild_update(self, step, params, grads):
+        hogwild_sgd(params, grads, self.optimizer.param_groups[0]["lr"])
+
+
+class _Averaging(_HogwildThreads, Solver):
     """Model averaging over all workers with an optional BMUF filter; foreground or shadow."""
 
     background = False
@@ -78,6 +100,8 @@ class _Averaging(Solver):
         self.view = FlatView(list(model.parameters()))
         self.syncs = 0
         self.steps_done = 0
+        # Training threads of one worker take their foreground syncs one at a time.
+        self._fg_lock = threading.Lock()
         if isinstance(self.options, BMUFOptions):
             self.w_start = self.view.flat().clone()
             self.delta = torch.zeros_like(self.w_start)
@@ -103,14 +127,15 @@ class _Averaging(Solver):
 
     # ---- foreground -------------------------------------------------------------------
     def after_update(self, step):
-        self.steps_done += 1
-        if self.background or (step + 1) % self.options.every:
-            return
-        mean = self.view.flat()
-        self.comm.all_reduce(mean, group=self.comm.worker_group)
-        mean.div_(self.comm.num_workers)
-        self.view.assign(self._combine(mean))
-        self.syncs += 1
+        with self._fg_lock:
+            self.steps_done += 1
+            if self.background or (step + 1) % self.options.every:
+                return
+            mean = self.view.flat()
+            self.comm.all_reduce(mean, group=self.comm.worker_group)
+            mean.div_(self.comm.num_workers)
+            self.view.assign(self._combine(mean))
+            self.syncs += 1
 
     # ---- background -------------------------------------------------------------------
     def _shadow_loop(self) -> None:
@@ -132,7 +157,7 @@ class _Averaging(Solver):
                     return
                 pause = self.options.min_interval_ms / 1000 - (time.perf_counter() - t0)
                 if pause > 0:
-                    time.sleep(pause)
+                    self._done.wait(pause)  # close() cuts the pause short
         except BaseException as e:  # raised on the training thread by close()
             self._errors.append(e)
 
@@ -180,12 +205,13 @@ class ShadowBMUF(_Averaging):
 
 
 @dataclass
-class FrEASGDOptions(ElasticOptions):
-    """As the elastic solvers: exchange with the sync server every ``tau`` steps."""
+class FrEASGDOptions(WildOptions):
+    """As the elastic solvers: exchange with the sync server every ``tau`` steps; threads:
+    Hogwild training threads per worker."""
 
 
 @register_solver
-class FrEASGD(AsyncEASGD):
+class FrEASGD(_HogwildThreads, AsyncEASGD):
     """`fr-easgd`: ShadowSync's foreground EASGD: the elastic exchange with a sync server
     every ``tau`` steps, on the training thread (the rule of `async-easgd`)."""
 
@@ -194,14 +220,14 @@ class FrEASGD(AsyncEASGD):
 
 
 @dataclass
-class ShadowEAOptions(ElasticOptions):
+class ShadowEAOptions(WildOptions):
     """min_interval_ms: least time between background exchanges."""
 
     min_interval_ms: float = 0.0
 
 
 @register_solver
-class ShadowEA(AsyncEASGD):
+class ShadowEA(_HogwildThreads, AsyncEASGD):
     """`shadow-ea`: the elastic exchange with the sync server in a loop on a shadow thread."""
 
     name = "shadow-ea"
@@ -212,6 +238,7 @@ class ShadowEA(AsyncEASGD):
         self.live_views = self.client.layout.views(storage_aliases(model.parameters()))
         self.syncs = 0
         self.steps_done = 0
+        self._count_lock = threading.Lock()
         self._done = threading.Event()
         self._errors: list[BaseException] = []
         self._thread = threading.Thread(target=self._shadow_loop, name="shadow-ea", daemon=True)
@@ -219,7 +246,8 @@ class ShadowEA(AsyncEASGD):
         return model
 
     def after_update(self, step):
-        self.steps_done += 1  # the shadow thread does the exchanges
+        with self._count_lock:
+            self.steps_done += 1  # the shadow thread does the exchanges
 
     def _shadow_loop(self) -> None:
         try:
@@ -228,7 +256,7 @@ class ShadowEA(AsyncEASGD):
                 self._exchange_live(-1)
                 pause = self.options.min_interval_ms / 1000 - (time.perf_counter() - t0)
                 if pause > 0:
-                    time.sleep(pause)
+                    self._done.wait(pause)  # close() cuts the pause short
         except BaseException as e:
             self._errors.append(e)
 
@@ -256,3 +284,24 @@ class ShadowEA(AsyncEASGD):
         if self.model is not None:
             out.update(syncs=self.syncs, syncs_per_step=self.syncs / max(1, self.steps_done))
         return out
+
+
+@dataclass
+class LocalOptions:
+    """threads: Hogwild training threads per worker on its one model."""
+
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+
+
+@register_solver
+class Local(_HogwildThreads, Solver):
+    """`local`: no synchronization of the dense parameters at all; each worker trains its own
+    copy (embedding tables on embedding servers are still shared). The baseline that tells
+    what a synchronization costs a trainer."""
+
+    name = "local"
+    Options = LocalOptions

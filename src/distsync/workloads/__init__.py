@@ -1,20 +1,22 @@
 """Workloads: a model factory, data, a loss, a metric and its target.
 
-Shipped: ``digits``, ``mnist``, ``cnn``, ``wide``. A user workload is named by import path,
-``path/to/file.py:make_workload`` or ``package.module:make_workload``; the function takes no
-arguments and returns a :class:`Workload`.
+Shipped: ``digits``, ``mnist``, ``cnn``, ``wide``, ``ctr``. A user workload is named by import
+path, ``path/to/file.py:make_workload`` or ``package.module:make_workload``; the function
+returns a :class:`Workload`, and its keyword arguments are the workload's options
+(``--workload-option KEY=VALUE``).
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+import inspect
+from typing import Any, Callable
 
 from distsync.errors import ConfigError
 from distsync.imports import load_attribute
 from distsync.workloads.base import ShardSampler, Workload, accuracy
 
-SHIPPED = ("digits", "mnist", "cnn", "wide")
+SHIPPED = ("digits", "mnist", "cnn", "wide", "ctr")
 
 
 def _shipped(name: str) -> Callable[[], Workload]:
@@ -31,8 +33,43 @@ def _from_path(spec: str) -> Callable[[], Workload]:
     return fn
 
 
-def load_workload(spec: str) -> Workload:
-    """Build the workload named ``spec`` (a shipped name or an import path)."""
+def _options(spec: str, factory: Callable, raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` as the factory's keyword arguments, strings converted to the defaults' types."""
+    params = {name: p for name, p in inspect.signature(factory).parameters.items()
+              if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    unknown = sorted(set(raw) - set(params))
+    if unknown:
+        raise ConfigError(f"workload {spec}: unknown option(s) {', '.join(unknown)}; "
+                          f"valid: {', '.join(params) or 'none'}")
+    out = {}
+    for key, value in raw.items():
+        default = params[key].default
+        typ = type(default) if default is not inspect.Parameter.empty and default is not None else str
+        if isinstance(value, str) and typ in (int, float, bool):
+            value = _convert(spec, key, value, typ)
+        out[key] = value
+    return out
+
+
+def _convert(spec: str, key: str, value: str, typ: type) -> Any:
+    if typ is bool:
+        if value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return value.lower() in ("1", "true", "yes", "on")
+    else:
+        try:
+            number = float(value)  # also takes 1e6 for an int option
+            if typ is float:
+                return number
+            if number.is_integer():
+                return int(number)
+        except ValueError:
+            pass
+    raise ConfigError(f"workload {spec}: option {key}={value!r} is not a valid {typ.__name__}")
+
+
+def load_workload(spec: str, options: dict[str, Any] | None = None) -> Workload:
+    """Build the workload named ``spec`` (a shipped name or an import path), with ``options``
+    passed to its factory as keyword arguments."""
     if spec in SHIPPED:
         factory = _shipped(spec)
     elif ":" in spec:
@@ -41,8 +78,9 @@ def load_workload(spec: str) -> Workload:
         raise ConfigError(
             f"unknown workload {spec!r}; valid: {', '.join(SHIPPED)}, or path/to/file.py:make_workload"
         )
+    kwargs = _options(spec, factory, options or {})
     try:
-        workload = factory()
+        workload = factory(**kwargs)
     except ConfigError:
         raise
     except Exception as e:

@@ -9,7 +9,22 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import Dataset, default_collate
 
-Data = Union[tuple[torch.Tensor, torch.Tensor], Dataset]
+#: ``(inputs, targets)``, where inputs is a tensor or a tuple of tensors of equal length
+#: (e.g. dense features and categorical ids), or a map-style Dataset.
+Data = Union[tuple, Dataset]
+
+
+def _rows(inputs) -> int:
+    return len(inputs[0]) if isinstance(inputs, tuple) else len(inputs)
+
+
+def _index(inputs, indices: torch.Tensor):
+    return tuple(t[indices] for t in inputs) if isinstance(inputs, tuple) else inputs[indices]
+
+
+def to_device(inputs, device: torch.device):
+    """``inputs`` (a tensor or a tuple of tensors) on ``device``."""
+    return tuple(t.to(device) for t in inputs) if isinstance(inputs, tuple) else inputs.to(device)
 
 
 def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> float:
@@ -33,6 +48,8 @@ class Workload:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy
     metric_fn: Callable[[torch.Tensor, torch.Tensor], float] = accuracy
     metric_name: str = "accuracy"
+    #: more metrics reported at each evaluation, ``{name: fn(outputs, targets)}``
+    extra_metrics: dict[str, Callable[[torch.Tensor, torch.Tensor], float]] = field(default_factory=dict)
     target: float | None = None
     higher_is_better: bool = True
     batch_size: int = 32
@@ -40,18 +57,24 @@ class Workload:
     steps: int = 200
     eval_every: int = 20
     description: str = ""
+    #: embedding servers a run uses unless told (models with EmbeddingTables)
+    embedding_servers: int = 0
+    #: their learning rate unless told (default: the workload's ``lr``)
+    embedding_lr: float | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for which in ("train_data", "eval_data"):
             data = getattr(self, which)
             if isinstance(data, tuple):
-                if len(data) != 2 or len(data[0]) != len(data[1]):
+                parts = data[0] if len(data) == 2 and isinstance(data[0], tuple) else ()
+                if (len(data) != 2 or _rows(data[0]) != len(data[1])
+                        or any(len(t) != len(data[1]) for t in parts)):
                     raise ValueError(f"workload {self.name}: {which} must be (inputs, targets) of equal length")
 
     @property
     def num_train(self) -> int:
-        return len(self.train_data[0]) if isinstance(self.train_data, tuple) else len(self.train_data)
+        return len(self.train_data[1]) if isinstance(self.train_data, tuple) else len(self.train_data)
 
     def reached(self, metric: float) -> bool:
         """Whether ``metric`` meets the target (respecting the metric's direction)."""
@@ -60,10 +83,10 @@ class Workload:
         return metric >= self.target if self.higher_is_better else metric <= self.target
 
     @staticmethod
-    def take(data: Data, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def take(data: Data, indices: torch.Tensor) -> tuple:
         """The rows ``indices`` of ``data`` as a batch ``(inputs, targets)``."""
         if isinstance(data, tuple):
-            return data[0][indices], data[1][indices]
+            return _index(data[0], indices), data[1][indices]
         return default_collate([data[int(i)] for i in indices])
 
     @torch.no_grad()
@@ -71,15 +94,16 @@ class Workload:
         """Loss and metric of ``model`` on the whole eval set."""
         was_training = model.training
         model.eval()
-        n = len(self.eval_data[0]) if isinstance(self.eval_data, tuple) else len(self.eval_data)
+        n = len(self.eval_data[1]) if isinstance(self.eval_data, tuple) else len(self.eval_data)
         outs, tgts = [], []
         for start in range(0, n, batch_size):
             x, y = self.take(self.eval_data, torch.arange(start, min(n, start + batch_size)))
-            outs.append(model(x.to(device)).float().cpu())
+            outs.append(model(to_device(x, device)).float().cpu())
             tgts.append(y)
         model.train(was_training)
         out, tgt = torch.cat(outs), torch.cat(tgts)
-        return {"metric": float(self.metric_fn(out, tgt)), "loss": float(self.loss_fn(out, tgt))}
+        extra = {name: float(fn(out, tgt)) for name, fn in self.extra_metrics.items()}
+        return {"metric": float(self.metric_fn(out, tgt)), "loss": float(self.loss_fn(out, tgt)), **extra}
 
 
 class ShardSampler:

@@ -1,0 +1,283 @@
+"""Embedding servers: tables sharded row-wise, batched lookups, sparse asynchronous updates.
+
+Row ``i`` of every table lives on server ``i mod N`` at local row ``i div N`` (hot ids, which
+a power law scatters over the id space, spread evenly). Per step a trainer sends each server
+one lookup with the distinct ids it needs from that server, for all tables at once, and after
+backward one push with the summed gradient of each distinct row it touched: only touched rows
+travel. Servers apply pushes on arrival (sparse Adagrad or SGD), from all trainers, without
+waiting for anyone: the tables are trained asynchronously while the dense part is
+synchronized by the run's solver.
+
+Wire protocol (point-to-point on the default group). Each trainer thread talks on a channel
+of its own (4 tags), and a server serves every (trainer, channel) from a thread of its own,
+in order, so a trainer always sees its own pushes. Messages: header ``int64[op, n_0 ..
+n_{T-1}]`` (rows per table), then for lookups and pushes the local row indices
+``int64[sum n]``, then for pushes the gradients ``float32[sum n, dim]``; a lookup is answered
+with the rows ``float32[sum n, dim]``. ``OP_DONE`` ends a channel.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from distsync.sparse.tables import coalesce, sparse_adagrad_, sparse_sgd_
+
+OP_LOOKUP, OP_PUSH, OP_DONE = 1, 2, 3
+_TAG_BASE = 200
+OPTIMIZERS = ("adagrad", "sgd")
+
+
+def channel_tags(channel: int) -> tuple[int, int, int, int]:
+    """(header, ids, gradients, reply) tags of one trainer thread's channel."""
+    base = _TAG_BASE + 4 * channel
+    return base, base + 1, base + 2, base + 3
+
+
+class RowSharding:
+    """Which server holds a row, and where: row ``i`` -> server ``i % n``, local row ``i // n``."""
+
+    def __init__(self, servers: int):
+        if servers < 1:
+            raise ValueError(f"need at least one embedding server, got {servers}")
+        self.servers = servers
+
+    def owner(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids % self.servers
+
+    def local(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids // self.servers
+
+    def shard(self, table: torch.Tensor, server: int) -> torch.Tensor:
+        """Server ``server``'s rows of a full table, in local-row order."""
+        return table[server::self.servers].clone()
+
+    def split(self, ids: torch.Tensor) -> list[torch.Tensor]:
+        """For each server, the positions in ``ids`` it owns."""
+        owner = self.owner(ids)
+        return [torch.nonzero(owner == s, as_tuple=True)[0] for s in range(self.servers)]
+
+
+class EmbeddingClient:
+    """A trainer's side: batched lookups and sparse pushes to every embedding server."""
+
+    def __init__(self, comm, server_ranks: list[int], rows: list[int], dim: int):
+        self.comm = comm
+        self.server_ranks = list(server_ranks)
+        self.sharding = RowSharding(len(server_ranks))
+        self.rows = list(rows)
+        self.dim = dim
+        self.rows_sent = 0
+        self.rows_received = 0
+        self._count = threading.Lock()
+
+    def _requests(self, columns: list[torch.Tensor]):
+        """Per server: the header counts and the ids (global) it owns, table after table."""
+        parts = [self.sharding.split(col) for col in columns]
+        out = []
+        for s in range(self.sharding.servers):
+            picks = [p[s] for p in parts]
+            out.append(([len(p) for p in picks], picks))
+        return out
+
+    def lookup(self, ids: torch.Tensor, channel: int = 0) -> torch.Tensor:
+        """Rows for ``ids [B, T]`` as ``[B, T, dim]``: each distinct row is fetched once."""
+        head_tag, ids_tag, _, reply_tag = channel_tags(channel)
+        uniques, inverses = zip(*(torch.unique(ids[:, t], return_inverse=True) for t in range(ids.shape[1])))
+        requests = self._requests(list(uniques))
+        for s, (counts, picks) in enumerate(requests):
+            if not sum(counts):
+                continue  # nothing to ask this server for
+            rank = self.server_ranks[s]
+            self.comm.send(torch.tensor([OP_LOOKUP, *counts], dtype=torch.int64), rank, tag=head_tag)
+            local = torch.cat([self.sharding.local(u[p]) for u, p in zip(uniques, picks)])
+            self.comm.send(local, rank, tag=ids_tag)
+        rows = [torch.empty(len(u), self.dim) for u in uniques]
+        received = 0
+        for s, (counts, picks) in enumerate(requests):
+            if not sum(counts):
+                continue
+            buf = torch.empty(sum(counts), self.dim)
+            self.comm.recv(buf, self.server_ranks[s], tag=reply_tag)
+            received += len(buf)
+            for t, part in enumerate(torch.split(buf, counts)):
+                rows[t][picks[t]] = part
+        with self._count:
+            self.rows_received += received
+        return torch.stack([r[inv] for r, inv in zip(rows, inverses)], dim=1)
+
+    def push(self, ids: torch.Tensor, grads: torch.Tensor, channel: int = 0) -> None:
+        """Send the summed gradient of every distinct row in ``ids [B, T]`` (``grads [B, T, dim]``)
+        to its server; returns without waiting for the update."""
+        head_tag, ids_tag, grad_tag, _ = channel_tags(channel)
+        summed = [coalesce(ids[:, t], grads[:, t]) for t in range(ids.shape[1])]
+        requests = self._requests([u for u, _ in summed])
+        sent = 0
+        for s, (counts, picks) in enumerate(requests):
+            if not sum(counts):
+                continue
+            rank = self.server_ranks[s]
+            self.comm.send(torch.tensor([OP_PUSH, *counts], dtype=torch.int64), rank, tag=head_tag)
+            self.comm.send(torch.cat([self.sharding.local(u[p]) for (u, _), p in zip(summed, picks)]), rank,
+                           tag=ids_tag)
+            self.comm.send(torch.cat([g[p] for (_, g), p in zip(summed, picks)]).contiguous(), rank, tag=grad_tag)
+            sent += sum(counts)
+        with self._count:
+            self.rows_sent += sent
+
+    def done(self, channels: int) -> None:
+        """Close every channel on every server."""
+        for channel in range(channels):
+            head_tag = channel_tags(channel)[0]
+            for rank in self.server_ranks:
+                self.comm.send(torch.tensor([OP_DONE] + [0] * len(self.rows), dtype=torch.int64), rank, tag=head_tag)
+
+
+class EmbeddingServer:
+    """One server's rows of every table, their optimizer state, and its serving threads."""
+
+    def __init__(self, comm, tables: list[torch.Tensor], index: int, servers: int, optimizer: str = "adagrad",
+                 lr: float = 0.1, eps: float = 1e-10):
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"unknown embedding optimizer {optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
+        self.comm = comm
+        self.sharding = RowSharding(servers)
+        self.weights = [self.sharding.shard(t.detach(), index) for t in tables]
+        self.dim = tables[0].shape[1]
+        self.state = [torch.zeros_like(w) for w in self.weights] if optimizer == "adagrad" else None
+        self.optimizer, self.lr, self.eps = optimizer, lr, eps
+        self.locks = [threading.Lock() for _ in self.weights]
+        self.counts: Counter = Counter()
+        self._count = threading.Lock()
+        self.busy_s = 0.0
+
+    def lookup(self, counts: list[int], local: torch.Tensor) -> torch.Tensor:
+        out = []
+        for t, rows in enumerate(torch.split(local, counts)):
+            with self.locks[t]:
+                out.append(self.weights[t][rows])
+        return torch.cat(out)
+
+    def apply(self, counts: list[int], local: torch.Tensor, grads: torch.Tensor) -> None:
+        """Apply a push: rows within a push are distinct (the trainer summed duplicates)."""
+        for t, (rows, g) in enumerate(zip(torch.split(local, counts), torch.split(grads, counts))):
+            if len(rows) == 0:
+                continue
+            with self.locks[t]:
+                if self.state is not None:
+                    sparse_adagrad_(self.weights[t], self.state[t], rows, g, self.lr, self.eps)
+                else:
+                    sparse_sgd_(self.weights[t], rows, g, self.lr)
+
+    def _serve_channel(self, worker: int, channel: int, errors: list[BaseException]) -> None:
+        head_tag, ids_tag, grad_tag, reply_tag = channel_tags(channel)
+        tables = len(self.weights)
+        try:
+            while True:
+                head = torch.empty(1 + tables, dtype=torch.int64)
+                self.comm.recv(head, worker, tag=head_tag)
+                op, counts = int(head[0]), [int(c) for c in head[1:]]
+                if op == OP_DONE:
+                    return
+                local = torch.empty(sum(counts), dtype=torch.int64)
+                self.comm.recv(local, worker, tag=ids_tag)
+                if op == OP_LOOKUP:
+                    t0 = time.perf_counter()
+                    rows = self.lookup(counts, local)
+                    self._tally(t0, lookups=1, rows_looked_up=len(local))
+                    self.comm.send(rows, worker, tag=reply_tag)
+                elif op == OP_PUSH:
+                    grads = torch.empty(sum(counts), self.dim)
+                    self.comm.recv(grads, worker, tag=grad_tag)
+                    t0 = time.perf_counter()
+                    self.apply(counts, local, grads)
+                    self._tally(t0, pushes=1, rows_pushed=len(local))
+                else:
+                    raise RuntimeError(f"embedding server: unknown op {op} from rank {worker}")
+        except BaseException as e:  # surfaced by serve()
+            errors.append(e)
+
+    def _tally(self, t0: float, **counts: int) -> None:
+        with self._count:
+            self.busy_s += time.perf_counter() - t0
+            self.counts.update(counts)
+
+    def serve(self, workers: list[int], channels: int) -> None:
+        """Serve every trainer thread until each has closed its channel."""
+        errors: list[BaseException] = []
+        threads = [threading.Thread(target=self._serve_channel, args=(w, c, errors), daemon=True,
+                                    name=f"emb-{w}.{c}") for w in workers for c in range(channels)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+
+    def stats(self) -> dict[str, Any]:
+        return {"embedding_server": {**{k: int(v) for k, v in self.counts.items()}, "busy_s": self.busy_s,
+                                     "rows": sum(len(w) for w in self.weights)}}
+
+
+class RemoteTables(nn.Module):
+    """Stands in for a model's :class:`EmbeddingTables`: looks rows up on the embedding
+    servers; the loop pushes the rows' gradients with :meth:`push` after backward.
+
+    Shared by a trainer's Hogwild threads (copies of the model share this one object); each
+    thread's pending lookup, channel and time spent communicating are its own.
+    """
+
+    def __init__(self, client: EmbeddingClient, channels: int = 1):
+        super().__init__()
+        self.client = client
+        self.channels = channels
+        self._local = threading.local()
+
+    def __deepcopy__(self, memo):
+        return self
+
+    @property
+    def channel(self) -> int:
+        return getattr(self._local, "channel", 0)
+
+    @channel.setter
+    def channel(self, value: int) -> None:
+        self._local.channel = value
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        rows = self.client.lookup(ids.cpu(), self.channel).to(ids.device)
+        self._local.comm_s = getattr(self._local, "comm_s", 0.0) + time.perf_counter() - t0
+        if torch.is_grad_enabled():
+            rows.requires_grad_(True)
+            self._local.pending = (ids, rows)
+        return rows
+
+    def leaves(self) -> list[torch.Tensor]:
+        """This thread's looked-up rows that the last forward used (gradients wanted for them)."""
+        pending = getattr(self._local, "pending", None)
+        return [pending[1]] if pending is not None else []
+
+    def push(self, grads: list[torch.Tensor | None]) -> None:
+        """Send the gradients of :meth:`leaves` to the servers."""
+        pending = getattr(self._local, "pending", None)
+        self._local.pending = None
+        if pending is None or not grads or grads[0] is None:
+            return
+        t0 = time.perf_counter()
+        self.client.push(pending[0].cpu(), grads[0].cpu(), self.channel)
+        self._local.comm_s = getattr(self._local, "comm_s", 0.0) + time.perf_counter() - t0
+
+    def take_comm_s(self) -> float:
+        """Seconds this thread spent in lookups and pushes since the last call."""
+        s = getattr(self._local, "comm_s", 0.0)
+        self._local.comm_s = 0.0
+        return s
+
+    def close(self) -> None:
+        self.client.done(self.channels)
