@@ -1,0 +1,94 @@
+"""ShadowSync's scaling table on this machine: background against foreground synchronization.
+
+`ctr` (DLRM on generated click logs, tables on one embedding server) at 1 Gbit links, with
+1, 2 and 4 trainers: throughput (examples/s, total and per trainer) and final NE / AUC of
+`shadow-ea`, `shadow-ma`, `shadow-bmuf`, their foreground twins `fr-easgd`, `ma`, `bmuf`,
+`allreduce`, and `local` (no synchronization at all: what a trainer does alone). Every
+trainer takes the same number of steps, so more trainers see more of the logs (one pass).
+Targets: a shadow solver's per-trainer throughput >= 0.9x `local`'s with as many trainers;
+its NE within 1% of its foreground twin's, or better. Needs root (emulated links).
+
+    python benchmarks/shadowsync.py [--out benchmarks/results/shadowsync] [--link 1gbit]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from distsync.config import RunConfig
+from distsync.errors import DistsyncError
+from distsync.experiments import write_report
+from distsync.runtime import launch
+
+SOLVERS = ("local", "shadow-ea", "fr-easgd", "shadow-ma", "ma", "shadow-bmuf", "bmuf", "allreduce")
+TWINS = {"shadow-ea": "fr-easgd", "shadow-ma": "ma", "shadow-bmuf": "bmuf"}
+THREADED = {"local", "shadow-ea", "fr-easgd", "shadow-ma", "ma", "shadow-bmuf", "bmuf"}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="benchmarks/results/shadowsync")
+    p.add_argument("--link", default="1gbit")
+    p.add_argument("--trainers", default="1,2,4")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--threads", type=int, default=1, help="Hogwild threads per trainer (allreduce: always 1)")
+    args = p.parse_args()
+    out = Path(args.out)
+    trainers = [int(t) for t in args.trainers.split(",")]
+    results: dict[int, dict[str, dict]] = {}
+    for n in trainers:
+        dirs = []
+        for solver in SOLVERS:
+            opts = {"threads": args.threads} if solver in THREADED and args.threads > 1 else {}
+            cfg = RunConfig(workload="ctr", solver=solver, solver_options=opts, workers=n, steps=args.steps,
+                            link=args.link, eval_every=args.steps // 3, timeout_s=120)
+            run_dir = out / f"{n}-trainers" / solver
+            try:
+                s = launch(cfg, run_dir)
+            except DistsyncError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
+            dirs.append(run_dir)
+            results.setdefault(n, {})[solver] = s
+            print(f"{n} trainers {solver:<12} {s['throughput_samples_per_s']:>9,.0f} ex/s  NE {s['final_metric']:.4f}"
+                  f"  AUC {s['final_auc']:.4f}", flush=True)
+        write_report(out / f"{n}-trainers", dirs)
+
+    cores = os.cpu_count() or 1
+    print()
+    print(f"ctr, {args.steps} steps of 256 per trainer, {args.threads} thread(s) per trainer, {args.link} links, "
+          f"1 embedding server; {cores} CPU cores shared by all processes")
+    print()
+    print("| trainers | solver | examples/s (total) | per trainer | vs local | NE | AUC | syncs/step |")
+    print("|---|---|---|---|---|---|---|---|")
+    for n in trainers:
+        base = results[n]["local"]["throughput_samples_per_s"] / n
+        for solver in SOLVERS:
+            s = results[n][solver]
+            per = s["throughput_samples_per_s"] / n
+            syncs = [v["syncs_per_step"] for v in s["solver_stats"].values() if "syncs_per_step" in v]
+            sps = f"{sum(syncs) / len(syncs):.2f}" if syncs else "-"
+            shared = " (shares CPUs)" if n + 1 > cores else ""
+            print(f"| {n}{shared} | {solver} | {s['throughput_samples_per_s']:,.0f} | {per:,.0f} | {per / base:.2f}x | "
+                  f"{s['final_metric']:.4f} | {s['final_auc']:.4f} | {sps} |")
+    print()
+    checks = []
+    for n in trainers:
+        base = results[n]["local"]["throughput_samples_per_s"]
+        for shadow, twin in TWINS.items():
+            s, f = results[n][shadow], results[n][twin]
+            ratio = s["throughput_samples_per_s"] / base
+            checks.append((f"{n} trainers: {shadow} per-trainer throughput {ratio:.2f}x local (>= 0.9)", ratio >= 0.9))
+            rel = s["final_metric"] / f["final_metric"] - 1
+            checks.append((f"{n} trainers: {shadow} NE {s['final_metric']:.4f} vs {twin} {f['final_metric']:.4f} "
+                           f"({rel:+.1%}, <= +1%)", rel <= 0.01))
+    for text, ok in checks:
+        print(f"{'met   ' if ok else 'MISSED'} {text}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
