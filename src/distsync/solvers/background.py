@@ -140,6 +140,9 @@ class _Averaging(_HogwildThreads, Solver):
     # ---- background -------------------------------------------------------------------
     def _shadow_loop(self) -> None:
         n = self.comm.num_workers
+        if n == 1:  # nobody to average with: stay out of the training thread's way
+            self._done.wait()
+            return
         try:
             while True:
                 t0 = time.perf_counter()
