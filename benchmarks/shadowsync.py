@@ -4,7 +4,8 @@
 1, 2 and 4 trainers: throughput (examples/s, total and per trainer) and final NE / AUC of
 `shadow-ea`, `shadow-ma`, `shadow-bmuf`, their foreground twins `fr-easgd`, `ma`, `bmuf`,
 `allreduce`, and `local` (no synchronization at all: what a trainer does alone). Every
-trainer takes the same number of steps, so more trainers see more of the logs (one pass).
+trainer takes the same number of steps (600 of 256 examples), so more trainers see more of
+the logs (one pass; the logs are made long enough for the most trainers).
 Shadow solvers run twice: syncing continuously (`min_interval_ms=0`, the default) and at
 most every 10 ms (`--min-interval-ms`). Targets: a shadow solver's per-trainer throughput
 >= 0.9x `local`'s with as many trainers; its NE within 1% of its foreground twin's, or
@@ -45,19 +46,21 @@ def main() -> int:
     p.add_argument("--out", default="benchmarks/results/shadowsync")
     p.add_argument("--link", default="1gbit")
     p.add_argument("--trainers", default="1,2,4")
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=600)
     p.add_argument("--threads", type=int, default=1, help="Hogwild threads per trainer (allreduce: always 1)")
     p.add_argument("--min-interval-ms", default="0,10", help="shadow solvers' min_interval_ms values to run")
     args = p.parse_args()
     plan = runs([float(v) for v in args.min_interval_ms.split(",")])
     out = Path(args.out)
     trainers = [int(t) for t in args.trainers.split(",")]
+    # one pass: enough generated logs for the most trainers
+    logs = {"train": max(trainers) * args.steps * 256}
     results: dict[int, dict[str, dict]] = {}
     for n in trainers:
         dirs = []
         for name, solver, opts in plan:
             opts = dict(opts, **({"threads": args.threads} if solver in THREADED and args.threads > 1 else {}))
-            cfg = RunConfig(workload="ctr", solver=solver, solver_options=opts, workers=n, steps=args.steps,
+            cfg = RunConfig(workload="ctr", workload_options=logs, solver=solver, solver_options=opts, workers=n, steps=args.steps,
                             link=args.link, eval_every=args.steps // 3, timeout_s=120)
             run_dir = out / f"{n}-trainers" / name.replace(" >=", "-")
             try:

@@ -55,6 +55,14 @@ def _build_parser() -> argparse.ArgumentParser:
     lt.add_argument("--timeout", type=float, default=60.0, dest="timeout_s")
     lt.add_argument("--out", help="run folder (default: runs/<time>-linktest)")
 
+    x = sub.add_parser("crossover", help="run several jobs on the same workers: crossover against sequential and naive")
+    x.add_argument("jobs", metavar="JOBS.toml", help="a [crossover] table and [[job]] tables (see the README)")
+    x.add_argument("--policy", help="alternate | fcfs (default: the file's, else alternate)")
+    x.add_argument("--modes", help="comma-separated, of crossover, sequential, naive (default: all three)")
+    x.add_argument("--workers", type=int, help="workers (devices) every job runs on (default: the file's, else 2)")
+    x.add_argument("--link", metavar="BANDWIDTH[,LATENCY]", help="emulated link of every device (needs root)")
+    x.add_argument("--out", help="output folder (default: the file's, else runs/<time>-crossover)")
+
     for sp in (t, c):
         g = sp.add_argument_group("solver options (shortcuts for -o KEY=VALUE)")
         for flag, help_text in SHORTCUTS.items():
@@ -219,6 +227,38 @@ def _cmd_linktest(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_crossover(args: argparse.Namespace) -> int:
+    from distsync.experiments.crossover import load_plan, run_crossover
+    from distsync.workloads import check_workload_spec
+
+    plan = load_plan(Path(args.jobs), {"policy": args.policy, "modes": args.modes, "workers": args.workers,
+                                       "link": args.link, "out": args.out})
+    if args.out is None and plan.out == "runs/crossover":
+        plan.out = str(Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-crossover")
+    names = [j.name for j in plan.jobs]
+    for job in plan.jobs:
+        check_workload_spec(job.config.workload)
+
+    def finished(mode: str, job: str) -> None:
+        console.print(f"{mode}: job {job} finished", highlight=False)
+
+    result = run_crossover(plan, finished)
+    table = Table(title=f"crossover: {len(names)} jobs on {plan.workers} workers, policy {plan.policy}, "
+                        f"link {plan.link or 'unshaped'}")
+    for h in ["mode", "makespan (s)", "vs sequential"] + [f"{n} samples/s" for n in names] + ["max token wait (s)"]:
+        table.add_column(h, justify="left" if h == "mode" else "right", no_wrap=True)
+    seq = result["modes"].get("sequential", {}).get("makespan_s")
+    for mode, m in result["modes"].items():
+        waits = [r.get("token", {}).get("max_wait_s") for r in m["jobs"].values()]
+        waits = [w for w in waits if w is not None]
+        table.add_row(mode, f"{m['makespan_s']:.2f}", f"{m['makespan_s'] / seq:.2f}x" if seq else "-",
+                      *[f"{m['jobs'][n]['throughput_samples_per_s']:,.0f}" for n in names],
+                      f"{max(waits):.3f}" if waits else "-")
+    _stdout().print(table)
+    console.print(f"report: {Path(plan.out) / 'report.md'}")
+    return 0
+
+
 def _cmd_list(args: argparse.Namespace) -> int:
     from distsync.solvers import solver_class, solver_names
     from distsync.workloads import SHIPPED
@@ -257,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _terminate)
     _quiet_native_logs()
-    handlers = {"train": _cmd_train, "compare": _cmd_compare, "linktest": _cmd_linktest, "list": _cmd_list}
+    handlers = {"train": _cmd_train, "compare": _cmd_compare, "linktest": _cmd_linktest, "list": _cmd_list,
+                "crossover": _cmd_crossover}
     try:
         return handlers[args.command](args)
     except DistsyncError as e:

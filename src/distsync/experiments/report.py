@@ -196,3 +196,70 @@ def write_report(out_dir: Path, run_dirs: list[Path]) -> Path:
     path = out_dir / "report.md"
     path.write_text("\n".join(lines))
     return path
+
+
+def plot_device_timeline(token_file: Path, jobs: list[str], path: Path, window_s: float | None = None) -> None:
+    """Crossover: per device, which job computed when (the token's holds) and, between a
+    job's holds, its communication or waiting (a thin bar)."""
+    data = json.loads(token_file.read_text())
+    holds = data["timeline"]
+    if not holds:
+        return
+    devices = sorted({h["device"] for h in holds})
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    t_min = min(h["start"] for h in holds)
+    t_max = max(h["end"] for h in holds)
+    if window_s is None:
+        window_s = min(t_max - t_min, 40 * max(1e-3, sum(h["end"] - h["start"] for h in holds) / len(holds)))
+    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.9 * len(devices)))
+    for row, d in enumerate(devices):
+        for k, name in enumerate(jobs):
+            mine = [h for h in holds if h["device"] == d and h["job"] == k and h["start"] - t_min <= window_s]
+            ax.broken_barh([(h["start"] - t_min, h["end"] - h["start"]) for h in mine], (row - 0.4, 0.55),
+                           facecolors=colors[k % len(colors)], label=f"{name} computes" if row == 0 else None)
+            gaps = [(a["end"] - t_min, b["start"] - a["end"]) for a, b in zip(mine, mine[1:])]
+            ax.broken_barh(gaps, (row + 0.2 + 0.1 * k / max(1, len(jobs)), 0.08), facecolors=colors[k % len(colors)],
+                           alpha=0.5, label=f"{name} communicates / waits" if row == 0 else None)
+    ax.set_yticks(range(len(devices)), [f"device {d}" for d in devices])
+    ax.set_xlim(0, window_s)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds")
+    ax.set_title(f"crossover: who computes on each device (first {window_s:.2f} s)", fontsize=9, loc="left")
+    ax.legend(loc="upper right", fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_crossover_report(out_dir: Path, result: dict[str, Any], jobs: list[str]) -> Path:
+    """report.md of a crossover run: makespan per mode, per-job figures, the device timeline."""
+    modes = list(result["modes"])
+    lines = [f"# distsync crossover: {len(jobs)} jobs on {result['workers']} workers",
+             "", f"Policy: {result['policy']}. Link: {result['link'] or 'unshaped'}.", "",
+             "| mode | makespan (s) | vs sequential | " + " | ".join(f"{j}: samples/s, to target (s), max token wait (s)"
+                                                             for j in jobs) + " |",
+             "|---|---|---|" + "---|" * len(jobs)]
+    seq = result["modes"].get("sequential", {}).get("makespan_s")
+    for mode in modes:
+        m = result["modes"][mode]
+        cells = []
+        for j in jobs:
+            r = m["jobs"].get(j, {})
+            if r.get("failed"):
+                cells.append("failed")
+                continue
+            wait = r.get("token", {}).get("max_wait_s")
+            cells.append(f"{r['throughput_samples_per_s']:,.0f}, {_fmt(r['time_to_target_s'], '.2f')}, "
+                         f"{_fmt(wait, '.3f')}")
+        ms = m["makespan_s"]
+        ratio = f"{ms / seq:.2f}x" if ms and seq else "n/a"
+        lines.append(f"| {mode} | {_fmt(ms, '.2f')} | {ratio} | " + " | ".join(cells) + " |")
+    lines += ["", "Makespan: from the first job's start of training to the last job's end (sequential: the sum "
+              "of the jobs' training times). Each job's own run folder is under its mode's folder.", ""]
+    token_file = out_dir / "crossover" / "token.json"
+    if token_file.exists():
+        plot_device_timeline(token_file, jobs, out_dir / "device_timeline.png")
+        lines += ["![device timeline](device_timeline.png)", ""]
+    path = out_dir / "report.md"
+    path.write_text("\n".join(lines))
+    return path

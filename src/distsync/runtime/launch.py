@@ -140,7 +140,7 @@ def _launch(cfg: RunConfig, run_dir: Path, role_of: list[str], on_progress: Prog
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg.write(run_dir / "config.json")
     result_path = run_dir / RESULT_FILES[cfg.task]
-    for stale in ("summary.json", "events.jsonl", "progress.json", "linktest.json"):
+    for stale in ("summary.json", "events.jsonl", "progress.json", "linktest.json", "model.pt"):
         (run_dir / stale).unlink(missing_ok=True)
     _quiet_torch_logs()
     lc = LaunchConfig(

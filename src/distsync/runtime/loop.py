@@ -17,6 +17,7 @@ from distsync.config import RunConfig
 from distsync.errors import DistsyncError
 from distsync.runtime.roles import EMBEDDING_SERVER
 from distsync.runtime.stretch import ComputeStretch
+from distsync.runtime.token import TokenClient
 from distsync.solvers.flat import storage_aliases
 from distsync.solvers.lars import LARS
 from distsync.sparse import EmbeddingClient, RemoteTables, find_tables
@@ -85,8 +86,9 @@ class Progress:
 
 
 def train_worker(cfg: RunConfig, workload: Workload, solver, comm, device: torch.device,
-                 progress: Progress) -> list[dict[str, Any]]:
-    """Run ``cfg.steps`` steps on this worker; return its events."""
+                 progress: Progress, save_to: Path | None = None) -> list[dict[str, Any]]:
+    """Run ``cfg.steps`` steps on this worker; return its events. With ``save_to``, write the
+    final model's state (the one the run reports on) there."""
     steps = cfg.steps or workload.steps
     batch_size = cfg.batch_size or workload.batch_size
     eval_every = cfg.eval_every or workload.eval_every
@@ -99,6 +101,8 @@ def train_worker(cfg: RunConfig, workload: Workload, solver, comm, device: torch
     optimizer = make_optimizer(cfg, model.parameters(), lr)
     run_model = solver.attach(model, optimizer, comm)
     threads = solver.threads
+    if threads > 1 and cfg.crossover:
+        raise DistsyncError(f"crossover scheduling runs one training thread per worker; {solver.name} asks for {threads}")
     if threads > 1 and steps % threads:
         raise DistsyncError(f"--steps {steps} must be a multiple of the solver's {threads} threads")
     try:
@@ -115,8 +119,11 @@ def train_worker(cfg: RunConfig, workload: Workload, solver, comm, device: torch
     params = [p for p in model.parameters() if p.requires_grad]
     books = threading.Lock()  # bytes accounting shared by threads
 
+    gate = (TokenClient(cfg.crossover["address"], cfg.crossover["job"], comm.worker_index, cfg.timeout_s)
+            if cfg.crossover else None)
     comm.barrier(comm.worker_group)
     clock = TrainClock()
+    events.append({"kind": "start", "rank": rank, "unix": time.time()})
     sent_so_far = [comm.bytes_sent]
 
     def bytes_since_last() -> int:
@@ -127,7 +134,11 @@ def train_worker(cfg: RunConfig, workload: Workload, solver, comm, device: torch
 
     def evaluate(step: int) -> float:
         with clock.pause():
+            if gate is not None:
+                gate.acquire()  # evaluating is computing too
             m = workload.evaluate(solver.eval_model(), device)
+            if gate is not None:
+                gate.release()
         events.append({"kind": "eval", "rank": rank, "step": step, "t": clock.now(), **m})
         return m["metric"]
 
@@ -163,6 +174,7 @@ def train_worker(cfg: RunConfig, workload: Workload, solver, comm, device: torch
             x, y = to_device(x, device), y.to(device)
             if remote is not None:
                 remote.take_comm_s()  # (lookups made while evaluating are not this step's)
+            token_s = gate.acquire() if gate is not None else 0.0  # this device's compute token
             a = perf()
             out = run_model(x) if threads == 1 else replica(x)
             loss = workload.loss_fn(out, y)
@@ -179,6 +191,8 @@ def train_worker(cfg: RunConfig, workload: Workload, solver, comm, device: torch
                 grads, leaf_grads = grads[:len(thread_params)], grads[len(thread_params):]
             stretch.after_backward(perf() - b)
             compute_s = perf() - a - lookup_s
+            if gate is not None:
+                gate.release()  # communicating now: another job may compute
             comm_s += lookup_s
             if remote is not None:
                 remote.push(list(leaf_grads))  # sparse gradients go to the embedding servers, no waiting
@@ -202,7 +216,8 @@ def train_worker(cfg: RunConfig, workload: Workload, solver, comm, device: torch
                 a = perf()
                 solver.zero_grad()
                 compute_s += perf() - a
-            wait_s = solver.clock.take_wait()
+            solver_wait_s = solver.clock.take_wait()
+            wait_s = solver_wait_s + token_s
 
             loss_v = float(loss.detach())
             if not math.isfinite(loss_v):
@@ -210,8 +225,8 @@ def train_worker(cfg: RunConfig, workload: Workload, solver, comm, device: torch
             last_loss[0] = loss_v
             events.append({
                 "kind": "step", "rank": rank, "step": step, "t0": t0, "t": clock.now(), "loss": loss_v,
-                "samples": len(y), "compute": compute_s, "comm": max(0.0, comm_s - wait_s), "wait": wait_s,
-                "bytes": bytes_since_last(), "thread": t,
+                "samples": len(y), "compute": compute_s, "comm": max(0.0, comm_s - solver_wait_s), "wait": wait_s,
+                "bytes": bytes_since_last(), "thread": t, **({"token_wait": token_s} if gate else {}),
             })
             metric = None
             done = (k + 1) * threads
@@ -254,8 +269,14 @@ def train_worker(cfg: RunConfig, workload: Workload, solver, comm, device: torch
     events.append({"kind": "done", "rank": rank, "t": clock.now(), "close_s": perf() - a,
                    "slept_s": sum(st.slept_s for st in stretches), "bytes": comm.bytes_sent - bytes_before})
     final = evaluate(steps - 1)
+    if save_to is not None:
+        tmp = save_to.with_suffix(".tmp")
+        torch.save(solver.eval_model().state_dict(), tmp)
+        os.replace(tmp, save_to)
     if remote is not None:
         remote.close()
+    if gate is not None:
+        gate.close()
     progress.update(steps, loss_v, final, force=True)
     return events
 

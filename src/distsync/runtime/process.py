@@ -120,7 +120,8 @@ def run_process(cfg: RunConfig, run_dir: Path) -> None:
         if comm.role == "worker":
             progress = Progress(run_dir / "progress.json" if comm.rank == 0 else None,
                                 cfg.steps or workload.steps)
-            events = train_worker(cfg, workload, solver, comm, device, progress)
+            events = train_worker(cfg, workload, solver, comm, device, progress,
+                                  save_to=run_dir / "model.pt" if comm.rank == 0 else None)
         elif comm.role == EMBEDDING_SERVER:
             stats = serve_embeddings(cfg, workload, comm, solver.threads)
             events = []

@@ -1,0 +1,248 @@
+"""Crossover scheduling: several training jobs time-share the same workers.
+
+Worker ``i`` of every job runs on device ``i`` (with ``--link``, in host ``i``'s network
+namespace, behind one shared link). Three ways to run the same jobs:
+
+- ``crossover``: all jobs at once; a per-device compute token (:mod:`distsync.runtime.token`)
+  lets one job compute while the others communicate;
+- ``sequential``: the jobs one after the other, each alone on the devices;
+- ``naive``: all jobs at once with no coordination.
+
+Each job keeps its own processes, process groups, data, seed, optimizer and run folder
+(``OUT/<mode>/<job>/``). The makespan of a mode is the time from the first job's start of
+training to the last job's end (for ``sequential``, the sum of the jobs' training times).
+``OUT/crossover.json`` has per mode the makespan and per job its throughput and time to
+target; ``OUT/report.md`` the table and the device timeline of the crossover run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import tomllib
+from pathlib import Path
+from typing import Any, Callable
+
+from distsync.config import RunConfig, parse_link
+from distsync.errors import ConfigError, DistsyncError, WorkerFailed
+from distsync.runtime.launch import _launch, with_workload_defaults
+from distsync.runtime.network import EmulatedNetwork
+from distsync.runtime.roles import assign_roles, job_roles
+from distsync.runtime.token import POLICIES, TokenServer
+from distsync.solvers import make_options, solver_class
+
+MODES = ("crossover", "sequential", "naive")
+_JOB_KEYS = {f.name for f in dataclasses.fields(RunConfig)} - {"workers", "link", "out", "master_port", "crossover",
+                                                                 "task", "task_options", "link_latency_mode"}
+
+
+@dataclasses.dataclass
+class Job:
+    name: str
+    config: RunConfig
+
+
+@dataclasses.dataclass
+class CrossoverPlan:
+    jobs: list[Job]
+    workers: int = 2
+    policy: str = "alternate"
+    modes: tuple[str, ...] = MODES
+    link: str | None = None
+    out: str = "runs/crossover"
+
+
+def _check_plan(plan: CrossoverPlan) -> CrossoverPlan:
+    if len(plan.jobs) < 2:
+        raise ConfigError("crossover needs at least two [[job]] entries")
+    names = [j.name for j in plan.jobs]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"crossover: job names must differ, got {names}")
+    if plan.policy not in POLICIES:
+        raise ConfigError(f"unknown crossover policy {plan.policy!r}; valid: {', '.join(POLICIES)}")
+    bad = [m for m in plan.modes if m not in MODES]
+    if bad or not plan.modes:
+        raise ConfigError(f"unknown crossover mode(s) {', '.join(bad) or '(none given)'}; valid: {', '.join(MODES)}")
+    if plan.link is not None:
+        parse_link(plan.link)
+    for job in plan.jobs:
+        job.config.workers = plan.workers
+        job.config.link = plan.link
+        job.config.validate()
+        cls = solver_class(job.config.solver)
+        solver = cls(make_options(cls, job.config.solver_options))
+        if solver.threads > 1:
+            raise ConfigError(f"crossover: job {job.name}: one training thread per worker ({job.config.solver} "
+                              f"asks for {solver.threads})")
+    return plan
+
+
+def load_plan(path: Path, overrides: dict[str, Any] | None = None) -> CrossoverPlan:
+    """A plan from a TOML file: a ``[crossover]`` table (workers, policy, modes, link, out)
+    and ``[[job]]`` tables (name and any run option: workload, solver, steps, lr, seed, ...)."""
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"jobs file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"jobs file {path} is not valid TOML: {e}") from None
+    head = dict(data.get("crossover", {}))
+    head.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    unknown = sorted(set(head) - {"workers", "policy", "modes", "link", "out"})
+    if unknown:
+        raise ConfigError(f"jobs file {path}: unknown [crossover] key(s) {', '.join(unknown)}; "
+                          f"valid: workers, policy, modes, link, out")
+    jobs = []
+    for i, entry in enumerate(data.get("job", [])):
+        entry = dict(entry)
+        name = str(entry.pop("name", f"job{i}"))
+        bad = sorted(set(entry) - _JOB_KEYS)
+        if bad:
+            raise ConfigError(f"jobs file {path}: job {name}: unknown key(s) {', '.join(bad)}")
+        if "slow" in entry:
+            entry["slow"] = {int(k): float(v) for k, v in entry["slow"].items()}
+        try:
+            jobs.append(Job(name, RunConfig(**entry)))
+        except TypeError as e:
+            raise ConfigError(f"jobs file {path}: job {name}: {e}") from None
+    modes = head.get("modes", MODES)
+    if isinstance(modes, str):
+        modes = [m.strip() for m in modes.split(",") if m.strip()]
+    return _check_plan(CrossoverPlan(jobs=jobs, workers=int(head.get("workers", 2)),
+                                     policy=str(head.get("policy", "alternate")), modes=tuple(modes),
+                                     link=head.get("link"), out=str(head.get("out", "runs/crossover"))))
+
+
+def _job_span(run_dir: Path) -> tuple[float, float]:
+    """(unix start of training, seconds of training) of a finished job, from its rank 0."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    start = None
+    with open(run_dir / "events.jsonl") as f:
+        for line in f:
+            e = json.loads(line)
+            if e["kind"] == "start":
+                start = e["unix"] if start is None else min(start, e["unix"])
+    return (start or 0.0), summary["wall_time_s"]
+
+
+def _run_job(cfg: RunConfig, net: EmulatedNetwork | None) -> dict[str, Any]:
+    """One job on the shared devices (and network): its summary."""
+    if net:
+        cfg = dataclasses.replace(cfg, link_latency_mode=net.latency_mode)
+    return _launch(cfg, Path(cfg.out), _role_of(cfg), None, net)
+
+
+def _role_of(cfg: RunConfig) -> list[str]:
+    cls = solver_class(cfg.solver)
+    return assign_roles(cfg.workers, job_roles(cfg, cls(make_options(cls, cfg.solver_options))))
+
+
+def _run_together(plan: CrossoverPlan, mode: str, out: Path, net: EmulatedNetwork | None,
+                  on_job: Callable[[str, str], None] | None) -> tuple[dict[str, Any], dict[str, str], Any]:
+    """All jobs at once, each from a thread of this process (its own elastic agent)."""
+    host = net.gateway_ip if net else "127.0.0.1"
+    server = TokenServer(plan.workers, len(plan.jobs), plan.policy, host) if mode == "crossover" else None
+    results: dict[str, Any] = {}
+    errors: dict[str, str] = {}
+
+    def run(k: int, job: Job) -> None:
+        cfg = dataclasses.replace(job.config, out=str(out / job.name),
+                                  crossover={"address": server.address, "job": k} if server else None)
+        try:
+            results[job.name] = _run_job(cfg, net)
+        except DistsyncError as e:
+            errors[job.name] = str(e)
+        if on_job:
+            on_job(mode, job.name)
+
+    if server:
+        server.__enter__()
+    try:
+        threads = [threading.Thread(target=run, args=(k, job), name=f"crossover-{job.name}")
+                   for k, job in enumerate(plan.jobs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        if server:
+            server.__exit__(None, None, None)
+            server.write(out / "token.json")
+    return results, errors, server
+
+
+def run_crossover(plan: CrossoverPlan, on_job: Callable[[str, str], None] | None = None) -> dict[str, Any]:
+    """Run the plan's modes; write ``crossover.json`` and ``report.md``; return the results.
+
+    Raises :class:`WorkerFailed` naming the job(s) that failed, after the others finished.
+    """
+    _check_plan(plan)
+    plan.jobs = [Job(j.name, with_workload_defaults(j.config)) for j in plan.jobs]
+    out = Path(plan.out)
+    out.mkdir(parents=True, exist_ok=True)
+    hosts = max(len(_role_of(j.config)) for j in plan.jobs)
+    net = EmulatedNetwork(hosts, parse_link(plan.link)) if plan.link else None
+    report: dict[str, Any] = {"policy": plan.policy, "workers": plan.workers, "link": plan.link, "modes": {}}
+    failures: list[str] = []
+    if net:
+        net.__enter__()
+    try:
+        for mode in plan.modes:
+            mode_dir = out / mode
+            if mode == "sequential":
+                results, errors = {}, {}
+                for job in plan.jobs:
+                    try:
+                        results[job.name] = _run_job(dataclasses.replace(job.config, out=str(mode_dir / job.name)),
+                                                     net)
+                    except DistsyncError as e:
+                        errors[job.name] = str(e)
+                    if on_job:
+                        on_job(mode, job.name)
+                server = None
+            else:
+                results, errors, server = _run_together(plan, mode, mode_dir, net, on_job)
+            failures += [f"{mode}: job {name}: {msg}" for name, msg in errors.items()]
+            report["modes"][mode] = _mode_result(plan, mode, mode_dir, results, server)
+    finally:
+        if net:
+            net.__exit__(None, None, None)
+    (out / "crossover.json").write_text(json.dumps(report, indent=2) + "\n")
+    from distsync.experiments.report import write_crossover_report
+
+    write_crossover_report(out, report, [j.name for j in plan.jobs])
+    if failures:
+        raise WorkerFailed("; ".join(failures))
+    return report
+
+
+def _mode_result(plan: CrossoverPlan, mode: str, mode_dir: Path, results: dict[str, Any],
+                 server: TokenServer | None) -> dict[str, Any]:
+    jobs: dict[str, Any] = {}
+    spans = []
+    for job in plan.jobs:
+        s = results.get(job.name)
+        if s is None:
+            jobs[job.name] = {"failed": True}
+            continue
+        start, wall = _job_span(mode_dir / job.name)
+        spans.append((start, wall))
+        jobs[job.name] = {"throughput_samples_per_s": s["throughput_samples_per_s"], "wall_time_s": wall,
+                          "time_to_target_s": s["time_to_target_s"], "final_metric": s["final_metric"],
+                          "metric": s["metric"], "wait_s": s["phase_seconds"]["wait"]}
+    if mode == "sequential":
+        makespan = sum(w for _, w in spans)
+    else:
+        makespan = (max(a + w for a, w in spans) - min(a for a, _ in spans)) if spans else None
+    out: dict[str, Any] = {"makespan_s": makespan if len(spans) == len(plan.jobs) else None, "jobs": jobs}
+    if server is not None:
+        stats = server.stats()
+        for k, job in enumerate(plan.jobs):
+            per_device = [stats[d][str(k)] for d in stats]
+            jobs[job.name]["token"] = {
+                "max_wait_s": max(p["max_wait_s"] for p in per_device),
+                "total_wait_s": sum(p["total_wait_s"] for p in per_device),
+                "max_compute_s": max(p["max_compute_s"] for p in per_device),
+            }
+    return out

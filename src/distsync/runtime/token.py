@@ -1,0 +1,229 @@
+"""The per-device compute token of crossover scheduling.
+
+Several jobs share the same devices (worker ``i`` of every job runs on device ``i``). Before
+its forward and backward a job's worker asks for its device's token; when it enters
+communication it gives the token back, so another job computes while it communicates.
+
+:class:`ComputeToken` is one device's arbiter, with two policies:
+
+- ``alternate``: strict alternation in a fixed cycle of the jobs (CrossoverScheduler's
+  crossover): after job ``j`` computes, the turn passes to the next job in the cycle that is
+  still running, which may compute next even if another job asked first.
+- ``fcfs``: whoever asked first computes next (a FIFO queue).
+
+Both bound waiting: under ``fcfs`` a job waits at most for the jobs queued before it to
+compute once each; under ``alternate`` for each other job's turn once.
+
+:class:`TokenServer` serves the tokens of all devices over TCP from the launching process;
+workers talk to it with :class:`TokenClient` (a line protocol: ``A job device`` asks and is
+answered ``G`` when granted, ``R job device`` releases, ``L job device`` leaves for good). A
+job whose connection drops (its process died) leaves every device it was on, so the other
+jobs never wait for it.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import socketserver
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+POLICIES = ("alternate", "fcfs")
+
+
+class ComputeToken:
+    """Who computes on one device, among ``jobs``."""
+
+    def __init__(self, jobs: list[int], policy: str = "alternate", clock=time.perf_counter):
+        if policy not in POLICIES:
+            raise ValueError(f"unknown crossover policy {policy!r}; valid: {', '.join(POLICIES)}")
+        self.policy = policy
+        self.cycle = list(jobs)
+        self.active = set(jobs)
+        self.holder: int | None = None
+        self.turn = 0  # index into cycle (alternate)
+        self.queue: deque[int] = deque()  # (fcfs)
+        self.clock = clock
+        self._cond = threading.Condition()
+        self.waits: dict[int, list[float]] = {j: [] for j in jobs}
+        self.holds: list[tuple[int, float, float]] = []  # (job, granted, released)
+        self._granted_at = 0.0
+
+    def _may_take(self, job: int) -> bool:
+        if self.holder is not None:
+            return False
+        if self.policy == "fcfs":
+            return bool(self.queue) and self.queue[0] == job
+        return self.cycle[self.turn] == job
+
+    def _advance(self) -> None:
+        """Alternate: the turn passes to the next job in the cycle that is still running."""
+        if not self.active:
+            return
+        for _ in range(len(self.cycle)):
+            self.turn = (self.turn + 1) % len(self.cycle)
+            if self.cycle[self.turn] in self.active:
+                return
+
+    def acquire(self, job: int, timeout: float | None = None) -> float:
+        """Block until ``job`` holds the token; return the seconds it waited."""
+        with self._cond:
+            if job not in self.active:
+                raise ValueError(f"job {job} has left this device")
+            t0 = self.clock()
+            if self.policy == "fcfs":
+                self.queue.append(job)
+            if not self._cond.wait_for(lambda: self._may_take(job), timeout):
+                if self.policy == "fcfs":
+                    self.queue.remove(job)
+                raise TimeoutError(f"job {job} did not get the compute token within {timeout} s")
+            if self.policy == "fcfs":
+                self.queue.popleft()
+            self.holder = job
+            self._granted_at = self.clock()
+            waited = self._granted_at - t0
+            self.waits[job].append(waited)
+            return waited
+
+    def release(self, job: int) -> None:
+        with self._cond:
+            if self.holder != job:
+                return
+            self.holds.append((job, self._granted_at, self.clock()))
+            self.holder = None
+            if self.policy == "alternate":
+                self._advance()
+            self._cond.notify_all()
+
+    def leave(self, job: int) -> None:
+        """``job`` is done (or gone): it gives up the token and its turns."""
+        with self._cond:
+            if job not in self.active:
+                return
+            if self.holder == job:
+                self.holds.append((job, self._granted_at, self.clock()))
+                self.holder = None
+            self.active.discard(job)
+            if job in self.queue:
+                self.queue.remove(job)
+            if self.policy == "alternate" and self.cycle[self.turn] == job:
+                self._advance()
+            self._cond.notify_all()
+
+    def stats(self) -> dict[str, Any]:
+        with self._cond:
+            out = {}
+            for j in self.cycle:
+                holds = [b - a for job, a, b in self.holds if job == j]
+                out[str(j)] = {"grants": len(self.waits[j]), "max_wait_s": max(self.waits[j], default=0.0),
+                               "total_wait_s": sum(self.waits[j]), "max_compute_s": max(holds, default=0.0),
+                               "total_compute_s": sum(holds)}
+            return out
+
+
+class _Handler(socketserver.StreamRequestHandler):
+    def handle(self) -> None:
+        server: TokenServer = self.server.owner  # type: ignore[attr-defined]
+        seen: set[tuple[int, int]] = set()
+        try:
+            for raw in self.rfile:
+                parts = raw.decode().split()
+                if len(parts) != 3:
+                    return
+                op, job, device = parts[0], int(parts[1]), int(parts[2])
+                token = server.tokens[device]
+                seen.add((job, device))
+                if op == "A":
+                    token.acquire(job)
+                    self.wfile.write(b"G\n")
+                    self.wfile.flush()
+                elif op == "R":
+                    token.release(job)
+                elif op == "L":
+                    token.leave(job)
+                    seen.discard((job, device))
+        except (OSError, ValueError, IndexError):
+            pass
+        finally:
+            for job, device in seen:  # the connection dropped: that job is gone from the device
+                server.tokens[device].leave(job)
+
+
+class _TCPServer(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+class TokenServer:
+    """The tokens of ``devices`` devices shared by ``jobs`` jobs, served on ``host``."""
+
+    def __init__(self, devices: int, jobs: int, policy: str, host: str = "127.0.0.1"):
+        self.start_time = time.perf_counter()
+        self.tokens = [ComputeToken(list(range(jobs)), policy) for _ in range(devices)]
+        self._server = _TCPServer((host, 0), _Handler)
+        self._server.owner = self  # type: ignore[attr-defined]
+        self.address = f"{host}:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, name="crossover-token", daemon=True)
+
+    def __enter__(self) -> "TokenServer":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def timeline(self) -> list[dict[str, Any]]:
+        """Every compute phase: device, job, start and end (s since the server started)."""
+        out = []
+        for d, token in enumerate(self.tokens):
+            for job, a, b in token.holds:
+                out.append({"device": d, "job": job, "start": a - self.start_time, "end": b - self.start_time})
+        return sorted(out, key=lambda e: (e["start"], e["device"]))
+
+    def stats(self) -> dict[str, Any]:
+        return {str(d): t.stats() for d, t in enumerate(self.tokens)}
+
+    def write(self, path: Path) -> None:
+        path.write_text(json.dumps({"stats": self.stats(), "timeline": self.timeline()}, indent=1) + "\n")
+
+
+class TokenClient:
+    """A worker's side: ``acquire()`` before computing, ``release()`` when communicating."""
+
+    def __init__(self, address: str, job: int, device: int, timeout_s: float):
+        host, port = address.rsplit(":", 1)
+        self.job, self.device = job, device
+        self._sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+        self._file = self._sock.makefile("rwb")
+
+    def _send(self, op: str) -> None:
+        self._file.write(f"{op} {self.job} {self.device}\n".encode())
+        self._file.flush()
+
+    def acquire(self) -> float:
+        """Block until this job may compute on this device; return the seconds waited."""
+        t0 = time.perf_counter()
+        self._send("A")
+        try:
+            reply = self._file.readline()
+        except socket.timeout:
+            raise TimeoutError(f"job {self.job}: no compute token on device {self.device} within "
+                               f"{self._sock.gettimeout():g} s") from None
+        if reply.strip() != b"G":
+            raise ConnectionError(f"job {self.job}: the crossover token server closed the connection")
+        return time.perf_counter() - t0
+
+    def release(self) -> None:
+        self._send("R")
+
+    def close(self) -> None:
+        try:
+            self._send("L")
+        except OSError:
+            pass
+        self._sock.close()
