@@ -63,6 +63,28 @@ def _build_parser() -> argparse.ArgumentParser:
     x.add_argument("--link", metavar="BANDWIDTH[,LATENCY]", help="emulated link of every device (needs root)")
     x.add_argument("--out", help="output folder (default: the file's, else runs/<time>-crossover)")
 
+    sm = sub.add_parser("simulate", help="simulate solvers on many virtual workers (timing), or a real run")
+    sm.add_argument("--solvers", default="allreduce", help="comma-separated solver names (default: allreduce)")
+    sm.add_argument("--solver-option", "-o", action="append", metavar="[SOLVER.]KEY=VALUE",
+                    help="a solver option; with SOLVER. for one solver only; repeatable")
+    sm.add_argument("--workers", type=int, default=8)
+    sm.add_argument("--steps", type=int, default=100, help="steps per worker (default: 100)")
+    sm.add_argument("--batch-size", type=int, default=32, help="samples per worker per step (default: 32)")
+    sm.add_argument("--compute-ms", type=float, default=10.0, help="a normal worker's compute per step (default: 10)")
+    sm.add_argument("--model-mb", type=float, help="model size in MB (default: the --workload's)")
+    sm.add_argument("--workload", default="digits", help="whose model size to use (default: digits)")
+    sm.add_argument("--link", default="1gbit", metavar="BANDWIDTH[,LATENCY]", help="every host's link (default: 1gbit)")
+    sm.add_argument("--per-node", type=int, default=1, help="workers per node (default: 1)")
+    sm.add_argument("--intra-link", metavar="BANDWIDTH[,LATENCY]", help="link inside a node (default: --link)")
+    sm.add_argument("--algorithm", default="ring", help="all-reduce algorithm: ring | tree (default: ring)")
+    sm.add_argument("--slow", metavar="RANK:FACTOR[,...]", help="these workers compute FACTOR times slower")
+    sm.add_argument("--slow-fraction", type=float, default=0.0, help="share of workers (drawn from the seed) that are slow")
+    sm.add_argument("--slow-factor", type=float, default=3.0, help="how much slower they are (default: 3)")
+    sm.add_argument("--jitter", type=float, default=0.0, help="random per-step extra compute, up to this share")
+    sm.add_argument("--seed", type=int, default=0)
+    sm.add_argument("--calibrate", metavar="RUN_DIR", help="simulate this real run and compare with what it measured")
+    sm.add_argument("--json", action="store_true", help="print the results as JSON")
+
     for sp in (t, c):
         g = sp.add_argument_group("solver options (shortcuts for -o KEY=VALUE)")
         for flag, help_text in SHORTCUTS.items():
@@ -259,6 +281,69 @@ def _cmd_crossover(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    import json as _json
+
+    from distsync.config import ConfigError, parse_key_values, parse_link, parse_slow
+    from distsync.experiments import split_solver_options
+    from distsync.sim import Cluster, Link, Work, WorkerModel, calibrate, model_bytes, simulate
+
+    if args.calibrate:
+        r = calibrate(Path(args.calibrate))
+        if args.json:
+            print(_json.dumps(r, indent=2))
+            return 0
+        table = Table(title=f"simulated vs measured: {r['solver']} on {r['workload']}, {r['workers']} workers, "
+                            f"link {r['link']}")
+        for h in ("", "throughput (samples/s)", "time to target (s)"):
+            table.add_column(h, justify="right")
+        fmt = lambda v: "n/a" if v is None else f"{v:,.2f}"  # noqa: E731
+        table.add_row("measured", f"{r['measured_throughput']:,.0f}", fmt(r["measured_time_to_target_s"]))
+        table.add_row("simulated", f"{r['predicted_throughput']:,.0f}", fmt(r["predicted_time_to_target_s"]))
+        table.add_row("error", f"{r['throughput_error']:+.1%}", "")
+        _stdout().print(table)
+        console.print(f"compute per step {r['compute_per_step_s'] * 1e3:.2f} ms, model {r['model_bytes'] / 1e6:.3f} MB")
+        return 0
+    for name, v, lo in (("--workers", args.workers, 1), ("--steps", args.steps, 1), ("--batch-size", args.batch_size, 1),
+                        ("--per-node", args.per_node, 1)):
+        if v < lo:
+            raise ConfigError(f"{name} must be >= {lo}, got {v}")
+    solvers = [s.strip() for s in args.solvers.split(",") if s.strip()]
+    options = split_solver_options(solvers, parse_key_values(args.solver_option))
+    spec = parse_link(args.link)
+    intra = parse_link(args.intra_link) if args.intra_link else None
+    cluster = Cluster(args.workers, Link(spec.bandwidth_bps, spec.latency_s), per_node=args.per_node,
+                      intra=Link(intra.bandwidth_bps, intra.latency_s) if intra else None, algorithm=args.algorithm)
+    if args.compute_ms is None or not args.compute_ms > 0:
+        raise ConfigError(f"--compute-ms must be > 0, got {args.compute_ms}")
+    workers = WorkerModel(args.compute_ms / 1000, slow=parse_slow(args.slow), slow_fraction=args.slow_fraction,
+                          slow_factor=args.slow_factor, jitter=args.jitter, seed=args.seed)
+    nbytes = args.model_mb * 1e6 if args.model_mb is not None else model_bytes(args.workload)
+    work = Work(steps=args.steps, model_bytes=nbytes, batch_size=args.batch_size)
+    results = []
+    for name in solvers:
+        t0 = time.perf_counter()
+        res = simulate(name, options.get(name, {}), cluster, workers, work, seed=args.seed).summary()
+        res["sim_seconds"] = time.perf_counter() - t0
+        results.append(res)
+    if args.json:
+        print(_json.dumps(results, indent=2))
+        return 0
+    table = Table(title=f"simulated: {args.workers} workers, {args.compute_ms:g} ms compute per step, "
+                        f"model {nbytes / 1e6:.3g} MB, link {args.link}")
+    for h in ("solver", "samples/s", "virtual wall (s)", "compute/comm/wait", "staleness (mean)", "syncs/step",
+              "took (s)"):
+        table.add_column(h, justify="left" if h == "solver" else "right", no_wrap=True)
+    for r in results:
+        sh = r["phase_share"]
+        table.add_row(r["solver"], f"{r['throughput_samples_per_s']:,.0f}", f"{r['wall_time_s']:.3f}",
+                      f"{sh['compute']:.0%}/{sh['comm']:.0%}/{sh['wait']:.0%}",
+                      f"{r['staleness']['mean']:.2f}" if "staleness" in r else "-",
+                      f"{r['syncs_per_step']:.2f}" if "syncs_per_step" in r else "-", f"{r['sim_seconds']:.2f}")
+    _stdout().print(table)
+    return 0
+
+
 def _cmd_list(args: argparse.Namespace) -> int:
     from distsync.solvers import solver_class, solver_names
     from distsync.workloads import SHIPPED
@@ -298,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     _quiet_native_logs()
     handlers = {"train": _cmd_train, "compare": _cmd_compare, "linktest": _cmd_linktest, "list": _cmd_list,
-                "crossover": _cmd_crossover}
+                "crossover": _cmd_crossover, "simulate": _cmd_simulate}
     try:
         return handlers[args.command](args)
     except DistsyncError as e:

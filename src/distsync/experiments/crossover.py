@@ -230,7 +230,8 @@ def _mode_result(plan: CrossoverPlan, mode: str, mode_dir: Path, results: dict[s
         spans.append((start, wall))
         jobs[job.name] = {"throughput_samples_per_s": s["throughput_samples_per_s"], "wall_time_s": wall,
                           "time_to_target_s": s["time_to_target_s"], "final_metric": s["final_metric"],
-                          "metric": s["metric"], "wait_s": s["phase_seconds"]["wait"]}
+                          "metric": s["metric"], "wait_s": s["phase_seconds"]["wait"],
+                          "phase_share": s["phase_share"]}
     if mode == "sequential":
         makespan = sum(w for _, w in spans)
     else:

@@ -1,0 +1,14 @@
+"""The simulator: the same solvers on many virtual workers, in virtual time.
+
+``timing`` mode: no model math; throughput, idle time, staleness and syncs from a cluster
+model (links, all-reduce and server costs) and a worker model (compute per step, slow
+workers, jitter). ``calibrate`` simulates a real run from its own measurements.
+"""
+
+from distsync.sim.calibrate import calibrate, model_bytes
+from distsync.sim.cluster import Cluster, Link, WorkerModel, ring_allreduce_s, tree_allreduce_s
+from distsync.sim.engine import EventLoop, FifoLink
+from distsync.sim.timing import SimResult, Work, simulate
+
+__all__ = ["Cluster", "EventLoop", "FifoLink", "Link", "SimResult", "Work", "WorkerModel", "calibrate",
+           "model_bytes", "ring_allreduce_s", "simulate", "tree_allreduce_s"]

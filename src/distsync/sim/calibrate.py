@@ -1,0 +1,86 @@
+"""Simulate a real run from what it measured, and compare."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from distsync.config import RunConfig, parse_link
+from distsync.errors import ConfigError
+from distsync.sim.cluster import Cluster, Link, WorkerModel
+from distsync.sim.timing import Work, simulate
+
+
+def model_bytes(workload: str, options: dict[str, Any] | None = None) -> int:
+    """Bytes of a workload's model parameters (float32)."""
+    import torch
+
+    from distsync.workloads import load_workload
+
+    w = load_workload(workload, options or {})
+    torch.manual_seed(0)
+    return sum(p.numel() * p.element_size() for p in w.make_model().parameters())
+
+
+def calibrate(run_dir: Path, default_link: str = "10gbit") -> dict[str, Any]:
+    """Read ``run_dir``'s config and measurements (compute per step of its normal-speed
+    workers, model size, link), simulate the same run, and return predicted vs measured."""
+    run_dir = Path(run_dir)
+    try:
+        cfg = RunConfig.read(run_dir / "config.json")
+        measured = json.loads((run_dir / "summary.json").read_text())
+    except FileNotFoundError as e:
+        raise ConfigError(f"--calibrate {run_dir}: not a finished run folder ({Path(e.filename).name} missing)") from None
+    # A step's own work: its time minus communication and waiting (so loading the batch and
+    # other per-step overheads count as computation), per normal-speed worker.
+    own: dict[int, list[float]] = {}
+    comm_per_step: list[float] = []
+    with open(run_dir / "events.jsonl") as f:
+        for line in f:
+            e = json.loads(line)
+            if e["kind"] == "step":
+                own.setdefault(e["rank"], []).append(e["t"] - e["t0"] - e["comm"] - e["wait"])
+                comm_per_step.append(e["comm"])
+    normal = [statistics.mean(v) for r, v in own.items() if r not in cfg.slow]
+    if not normal:
+        normal = [statistics.mean(v) / cfg.slow[r] for r, v in own.items()]
+    # A --jitter run's steps include their mean stretch (jitter / 2 of a step).
+    compute = statistics.median(normal) / (1 + cfg.jitter / 2)
+    steps = measured["steps_per_worker"]
+    batch = round(measured["samples"] / max(1, steps * cfg.workers))
+    spec = parse_link(cfg.link or default_link)
+    workers = WorkerModel(compute, slow=dict(cfg.slow), jitter=cfg.jitter, seed=cfg.seed)
+    work = Work(steps=steps, model_bytes=model_bytes(cfg.workload, cfg.workload_options), batch_size=batch)
+
+    def run(latency: float):
+        cluster = Cluster(cfg.workers, Link(spec.bandwidth_bps, latency))
+        return simulate(cfg.solver, cfg.solver_options, cluster, workers, work, seed=cfg.seed)
+
+    # Per-message cost: the link's latency plus what the software stack adds per message,
+    # fitted so that the simulated communication per step matches the measured one (the
+    # simulated communication is linear in the latency).
+    measured_comm = statistics.mean(comm_per_step) if comm_per_step else 0.0
+    base, probe = run(spec.latency_s), run(spec.latency_s + 1e-3)
+    per_ms = (probe.comm_s.sum() - base.comm_s.sum()) / (cfg.workers * steps)
+    extra = (measured_comm - base.comm_s.sum() / (cfg.workers * steps)) / per_ms * 1e-3 if per_ms > 0 else 0.0
+    latency = spec.latency_s + max(0.0, extra)
+    sim = run(latency)
+    predicted = sim.summary()
+    out = {
+        "run": str(run_dir), "solver": measured.get("label", cfg.solver), "workload": cfg.workload,
+        "workers": cfg.workers, "link": cfg.link or f"{default_link} (assumed: unshaped run)",
+        "compute_per_step_s": compute, "model_bytes": work.model_bytes, "fitted_latency_s": latency,
+        "measured_comm_per_step_s": measured_comm,
+        "measured_throughput": measured["throughput_samples_per_s"],
+        "predicted_throughput": predicted["throughput_samples_per_s"],
+        "measured_time_to_target_s": measured.get("time_to_target_s"),
+        "predicted_time_to_target_s": None,
+    }
+    at = measured.get("step_at_target")
+    if at is not None:
+        # the same number of steps, at the simulated pace
+        out["predicted_time_to_target_s"] = sim.wall_s * (at + 1) / steps
+    out["throughput_error"] = out["predicted_throughput"] / out["measured_throughput"] - 1
+    return out

@@ -1,0 +1,134 @@
+"""The simulated cluster: links (the alpha-beta model), collectives' costs, and workers' pace.
+
+A message of ``n`` bytes over a link takes ``alpha + 8 n / beta`` seconds (latency ``alpha``,
+bandwidth ``beta`` bits/s per direction). A ring all-reduce over ``p`` ranks runs
+``2 (p - 1)`` rounds, each moving ``n / p`` bytes per rank; a tree all-reduce reduces and
+broadcasts the whole message over ``ceil(log2 p)`` levels each. With nodes of several
+workers, an all-reduce runs inside each node on the intra-node link, across nodes among one
+leader each, and is broadcast inside the node again. A server's link is shared: transfers to
+(and from) one server go one after another (:class:`FifoLink`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from distsync.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Link:
+    """Bandwidth in bits per second (each direction) and one-way latency in seconds."""
+
+    bandwidth_bps: float
+    latency_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth_bps > 0 or self.latency_s < 0:
+            raise ConfigError(f"a link needs bandwidth > 0 and latency >= 0, got {self.bandwidth_bps}, {self.latency_s}")
+
+    def transfer_s(self, nbytes: float) -> float:
+        """One message of ``nbytes``: latency plus serialization."""
+        return self.latency_s + 8.0 * nbytes / self.bandwidth_bps
+
+
+def ring_allreduce_s(link: Link, nbytes: float, p: int) -> float:
+    """``2 (p - 1)`` rounds of ``nbytes / p`` each (0 for one rank)."""
+    if p <= 1:
+        return 0.0
+    return 2 * (p - 1) * (link.latency_s + 8.0 * nbytes / (p * link.bandwidth_bps))
+
+
+def tree_allreduce_s(link: Link, nbytes: float, p: int) -> float:
+    """Reduce up and broadcast down a binary tree: ``2 ceil(log2 p)`` whole-message hops."""
+    if p <= 1:
+        return 0.0
+    return 2 * math.ceil(math.log2(p)) * link.transfer_s(nbytes)
+
+
+@dataclass
+class Cluster:
+    """``workers`` workers, ``per_node`` to a node (intra-node link ``intra``; between nodes
+    ``link``), and ``servers`` server hosts behind ``link`` each."""
+
+    workers: int
+    link: Link
+    per_node: int = 1
+    intra: Link | None = None
+    servers: int = 0
+    algorithm: str = "ring"
+
+    def __post_init__(self) -> None:
+        if self.workers < 1 or self.per_node < 1 or self.servers < 0:
+            raise ConfigError("a cluster needs workers >= 1, per_node >= 1 and servers >= 0")
+        if self.algorithm not in ("ring", "tree"):
+            raise ConfigError(f"unknown all-reduce algorithm {self.algorithm!r}; valid: ring, tree")
+
+    def _flat(self, link: Link, nbytes: float, p: int) -> float:
+        return ring_allreduce_s(link, nbytes, p) if self.algorithm == "ring" else tree_allreduce_s(link, nbytes, p)
+
+    def allreduce_s(self, nbytes: float, p: int | None = None) -> float:
+        """An all-reduce of ``nbytes`` over ``p`` workers (default: all), hierarchical across nodes."""
+        p = self.workers if p is None else p
+        if self.per_node <= 1 or p <= self.per_node:
+            link = self.intra if (self.per_node > 1 and self.intra is not None) else self.link
+            return self._flat(link, nbytes, p)
+        intra = self.intra or self.link
+        nodes = math.ceil(p / self.per_node)
+        local = min(p, self.per_node)
+        # reduce inside the node, all-reduce among node leaders, broadcast inside the node
+        return (ring_allreduce_s(intra, nbytes, local) / 2 + self._flat(self.link, nbytes, nodes)
+                + ring_allreduce_s(intra, nbytes, local) / 2)
+
+    def p2p_s(self, nbytes: float) -> float:
+        return self.link.transfer_s(nbytes)
+
+
+@dataclass
+class WorkerModel:
+    """How long a step's computation takes on each worker.
+
+    ``compute_s`` for a normal worker; ``slow`` maps ranks to factors, and/or
+    ``slow_fraction`` of the workers (drawn from the seed) run ``slow_factor`` times slower;
+    ``jitter`` adds, per step, a uniform extra of up to ``jitter x`` a normal step (as
+    ``--jitter``);
+    ``spread`` multiplies each step by a lognormal of that sigma.
+    """
+
+    compute_s: float
+    slow: dict[int, float] = field(default_factory=dict)
+    slow_fraction: float = 0.0
+    slow_factor: float = 1.0
+    jitter: float = 0.0
+    spread: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.compute_s > 0:
+            raise ConfigError(f"compute per step must be > 0 s, got {self.compute_s}")
+        if not 0 <= self.slow_fraction <= 1 or self.slow_factor < 1:
+            raise ConfigError("slow_fraction must be in [0, 1] and slow_factor >= 1")
+
+    def factors(self, n: int) -> np.ndarray:
+        f = np.ones(n)
+        k = int(round(self.slow_fraction * n))
+        if k:
+            f[np.random.default_rng([self.seed, 1]).choice(n, size=k, replace=False)] = self.slow_factor
+        for rank, factor in self.slow.items():
+            if rank < n:
+                f[rank] = factor
+        return f
+
+    def sample(self, n: int, steps: int) -> np.ndarray:
+        """Compute seconds, ``[steps, n]``."""
+        rng = np.random.default_rng([self.seed, 2])
+        stretch = np.broadcast_to(self.factors(n), (steps, n)).astype(np.float64)
+        if self.jitter > 0:  # as the runtime: (factor + jitter * u) times a step, u ~ U[0, 1)
+            stretch = stretch + self.jitter * rng.random(size=(steps, n))
+        out = self.compute_s * stretch
+        if self.spread > 0:
+            out *= rng.lognormal(0.0, self.spread, size=(steps, n))
+        return out

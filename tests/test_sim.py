@@ -1,0 +1,129 @@
+"""The simulator's timing mode against closed forms, and against a real run."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from distsync.errors import ConfigError
+from distsync.sim import Cluster, EventLoop, FifoLink, Link, Work, WorkerModel, ring_allreduce_s, simulate, tree_allreduce_s
+from helpers import run_cli
+
+GBIT = Link(1e9, 50e-6)
+
+
+def test_ring_and_tree_allreduce_closed_forms():
+    n = 4e6  # bytes
+    # 2 (p - 1) rounds of n / p bytes: 6 rounds of 1 MB at 1 Gbit (8 ms) plus 50 us each
+    assert ring_allreduce_s(GBIT, n, 4) == pytest.approx(6 * (50e-6 + 8 * 1e6 / 1e9))
+    assert ring_allreduce_s(GBIT, n, 1) == 0.0
+    # 2 ceil(log2 5) = 6 whole-message hops
+    assert tree_allreduce_s(GBIT, n, 5) == pytest.approx(6 * (50e-6 + 8 * 4e6 / 1e9))
+    # nodes: reduce inside (half a ring on the fast link), ring among 2 leaders, broadcast inside
+    fast = Link(100e9, 1e-6)
+    c = Cluster(8, GBIT, per_node=4, intra=fast)
+    assert c.allreduce_s(n) == pytest.approx(ring_allreduce_s(fast, n, 4) + ring_allreduce_s(GBIT, n, 2))
+
+
+def test_two_worker_sync_step_is_the_slower_compute_plus_the_allreduce():
+    cluster = Cluster(2, GBIT)
+    workers = WorkerModel(0.010, slow={1: 3.0})
+    res = simulate("allreduce", {}, cluster, workers, Work(steps=10, model_bytes=1e6, batch_size=32))
+    step = 0.030 + ring_allreduce_s(GBIT, 1e6, 2)
+    assert res.wall_s == pytest.approx(10 * step)
+    assert res.wait_s.tolist() == pytest.approx([10 * 0.020, 0.0])  # the fast worker waits for the slow one
+    assert res.throughput == pytest.approx(2 * 10 * 32 / (10 * step))
+
+
+def test_server_bandwidth_is_shared_by_the_workers():
+    # sync-ps: every worker's full gradient crosses one server link, in and out
+    cluster = Cluster(4, GBIT)
+    res = simulate("sync-ps", {"servers": 1}, cluster, WorkerModel(0.01), Work(steps=5, model_bytes=1e6))
+    one_way = 50e-6 + 8 * 4 * 1e6 / 1e9
+    assert res.wall_s == pytest.approx(5 * (0.01 + 2 * one_way))
+    # two servers halve what each link carries
+    res2 = simulate("sync-ps", {"servers": 2}, cluster, WorkerModel(0.01), Work(steps=5, model_bytes=1e6))
+    assert res2.wall_s == pytest.approx(5 * (0.01 + 2 * (50e-6 + 8 * 4 * 0.5e6 / 1e9)))
+
+
+def test_async_pushes_queue_at_the_server():
+    # 2 workers, compute 1 ms, a 1 MB push takes 8 ms on any link: the server link is the
+    # bottleneck, each push waits for the previous one; pulls reply the same way.
+    link = Link(1e9, 0.0)
+    res = simulate("async-ps", {"n_fetch": 1000, "n_push": 1}, Cluster(2, link), WorkerModel(0.001),
+                   Work(steps=3, model_bytes=1e6))
+    # worker pulls once at the start (two replies queue on the server's outbound link: 8 and
+    # 16 ms), then pushes every step (it is busy 8 ms sending each)
+    assert res.wall_s == pytest.approx(0.016 + 3 * (0.001 + 0.008))
+    assert sum(res.staleness.values()) == 6 and max(res.staleness) >= 1
+
+
+def test_fifo_link_and_event_loop_order():
+    link = FifoLink()
+    assert link.reserve(0.0, 2.0) == 2.0
+    assert link.reserve(1.0, 1.0) == 3.0  # queued behind the first
+    assert link.reserve(5.0, 1.0) == 6.0
+    loop, seen = EventLoop(), []
+    for t, name in ((2.0, "b"), (1.0, "a"), (2.0, "c")):
+        loop.at(t, seen.append, name)
+    assert loop.run() == 2.0 and seen == ["a", "b", "c"]  # ties in scheduling order
+
+
+@pytest.mark.parametrize("solver, options", [("ripples", {"schedule": "random"}), ("ripples", {"schedule": "smart"}),
+                                             ("ad-psgd", {}), ("async-ps", {}), ("ea-wild", {}), ("easgd", {})])
+def test_same_seed_same_result(solver, options):
+    def run():
+        w = WorkerModel(0.01, slow_fraction=0.25, slow_factor=3, jitter=0.5, seed=3)
+        return simulate(solver, options, Cluster(8, GBIT), w, Work(steps=20, model_bytes=2e5), seed=3)
+
+    a, b = run(), run()
+    assert a.wall_s == b.wall_s and np.array_equal(a.wait_s, b.wait_s)
+
+
+def test_decentralized_beats_allreduce_with_a_slow_worker_and_no_one_waits_on_easgd_round_robin_forever():
+    cluster, work = Cluster(8, GBIT), Work(steps=50, model_bytes=1e5)
+    slow = WorkerModel(0.01, slow={0: 3.0})
+    ar = simulate("allreduce", {}, cluster, slow, work)
+    smart = simulate("ripples", {"schedule": "smart"}, cluster, slow, work)
+    # every step of allreduce waits for the slow worker; smart groups let the fast ones go on
+    assert ar.wait_s[1:].mean() > 5 * smart.wait_s[1:].mean()
+    rr = simulate("easgd", {"tau": 1}, cluster, slow, work)
+    assert rr.wall_s >= ar.wall_s * 0.9  # round robin ties everyone to the slowest too
+
+
+def test_every_registered_solver_has_a_timing_model():
+    from distsync.solvers import solver_names
+
+    for name in solver_names():
+        res = simulate(name, {}, Cluster(4, GBIT), WorkerModel(0.01), Work(steps=8, model_bytes=1e5))
+        assert res.wall_s >= 8 * 0.01 and math.isfinite(res.throughput), name
+
+
+def test_bad_cluster_is_refused():
+    with pytest.raises(ConfigError, match="unknown all-reduce algorithm 'star'"):
+        Cluster(4, GBIT, algorithm="star")
+    proc = run_cli("simulate", "--workers", "0")
+    assert proc.returncode == 2 and "--workers must be >= 1" in proc.stderr
+
+
+def test_simulate_cli_at_scale(tmp_path):
+    proc = run_cli("simulate", "--solvers", "allreduce,ripples", "--workers", "2000", "--steps", "20",
+                   "--slow-fraction", "0.1", "--json")
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)
+    assert [r["solver"] for r in rows] == ["allreduce", "ripples"]
+    assert rows[1]["throughput_samples_per_s"] > rows[0]["throughput_samples_per_s"]
+
+
+def test_calibrate_predicts_a_real_run(tmp_path):
+    out = tmp_path / "r"
+    proc = run_cli("train", "--workers", "2", "--steps", "100", "--eval-every", "50", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    proc = run_cli("simulate", "--calibrate", str(out), "--json")
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout)
+    assert r["measured_throughput"] > 0 and r["predicted_throughput"] > 0
+    # compute per step and the per-message cost are fitted to the run: the pace follows
+    assert abs(r["throughput_error"]) < 0.25, r
+    assert r["fitted_latency_s"] > 0  # gloo on loopback costs something per message
