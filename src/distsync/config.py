@@ -144,7 +144,7 @@ class RunConfig:
     embedding_optimizer: str = "adagrad"
     #: their learning rate (None: the workload's)
     embedding_lr: float | None = None
-    #: set by ``distsync crossover``: ``{"address": HOST:PORT, "job": index}`` of the
+    #: set by ``distsync crossover``: ``{"address": UNIX_SOCKET_PATH, "job": index}`` of the
     #: compute-token server this job's workers ask before computing
     crossover: dict[str, Any] | None = None
     task: str = "train"

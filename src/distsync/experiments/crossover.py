@@ -141,8 +141,7 @@ def _role_of(cfg: RunConfig) -> list[str]:
 def _run_together(plan: CrossoverPlan, mode: str, out: Path, net: EmulatedNetwork | None,
                   on_job: Callable[[str, str], None] | None) -> tuple[dict[str, Any], dict[str, str], Any]:
     """All jobs at once, each from a thread of this process (its own elastic agent)."""
-    host = net.gateway_ip if net else "127.0.0.1"
-    server = TokenServer(plan.workers, len(plan.jobs), plan.policy, host) if mode == "crossover" else None
+    server = TokenServer(plan.workers, len(plan.jobs), plan.policy) if mode == "crossover" else None
     results: dict[str, Any] = {}
     errors: dict[str, str] = {}
 

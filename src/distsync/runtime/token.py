@@ -14,18 +14,23 @@ communication it gives the token back, so another job computes while it communic
 Both bound waiting: under ``fcfs`` a job waits at most for the jobs queued before it to
 compute once each; under ``alternate`` for each other job's turn once.
 
-:class:`TokenServer` serves the tokens of all devices over TCP from the launching process;
-workers talk to it with :class:`TokenClient` (a line protocol: ``A job device`` asks and is
-answered ``G`` when granted, ``R job device`` releases, ``L job device`` leaves for good). A
-job whose connection drops (its process died) leaves every device it was on, so the other
-jobs never wait for it.
+:class:`TokenServer` serves the tokens of all devices from the launching process over a
+Unix socket (a per-host resource: it is reached without crossing the emulated network, so a
+token request never queues behind another job's gradients on a shaped link); workers talk to
+it with :class:`TokenClient` (a line protocol: ``A job device`` asks and is answered ``G``
+when granted, ``R job device`` releases, ``L job device`` leaves for good). A job whose
+connection drops (its process died) leaves every device it was on, so the other jobs never
+wait for it.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import socket
 import socketserver
+import tempfile
 import threading
 import time
 from collections import deque
@@ -153,20 +158,22 @@ class _Handler(socketserver.StreamRequestHandler):
                 server.tokens[device].leave(job)
 
 
-class _TCPServer(socketserver.ThreadingTCPServer):
+class _UnixServer(socketserver.ThreadingUnixStreamServer):
     daemon_threads = True
-    allow_reuse_address = True
 
 
 class TokenServer:
-    """The tokens of ``devices`` devices shared by ``jobs`` jobs, served on ``host``."""
+    """The tokens of ``devices`` devices shared by ``jobs`` jobs, served on a Unix socket
+    (``address``) in a private temporary folder, removed on exit."""
 
-    def __init__(self, devices: int, jobs: int, policy: str, host: str = "127.0.0.1"):
+    def __init__(self, devices: int, jobs: int, policy: str):
         self.start_time = time.perf_counter()
         self.tokens = [ComputeToken(list(range(jobs)), policy) for _ in range(devices)]
-        self._server = _TCPServer((host, 0), _Handler)
+        self._dir = tempfile.mkdtemp(prefix="distsync-token-")
+        os.chmod(self._dir, 0o700)  # only this user's processes may take part
+        self.address = os.path.join(self._dir, "token.sock")
+        self._server = _UnixServer(self.address, _Handler)
         self._server.owner = self  # type: ignore[attr-defined]
-        self.address = f"{host}:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, name="crossover-token", daemon=True)
 
     def __enter__(self) -> "TokenServer":
@@ -176,6 +183,7 @@ class TokenServer:
     def __exit__(self, *exc) -> None:
         self._server.shutdown()
         self._server.server_close()
+        shutil.rmtree(self._dir, ignore_errors=True)
 
     def timeline(self) -> list[dict[str, Any]]:
         """Every compute phase: device, job, start and end (s since the server started)."""
@@ -196,9 +204,13 @@ class TokenClient:
     """A worker's side: ``acquire()`` before computing, ``release()`` when communicating."""
 
     def __init__(self, address: str, job: int, device: int, timeout_s: float):
-        host, port = address.rsplit(":", 1)
         self.job, self.device = job, device
-        self._sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(timeout_s)
+        try:
+            self._sock.connect(address)
+        except OSError as e:
+            raise ConnectionError(f"job {job}: cannot reach the crossover token server at {address}: {e}") from None
         self._file = self._sock.makefile("rwb")
 
     def _send(self, op: str) -> None:
