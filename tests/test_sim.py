@@ -127,3 +127,84 @@ def test_calibrate_predicts_a_real_run(tmp_path):
     # compute per step and the per-message cost are fitted to the run: the pace follows
     assert abs(r["throughput_error"]) < 0.25, r
     assert r["fitted_latency_s"] > 0  # gloo on loopback costs something per message
+
+
+# ---- train mode --------------------------------------------------------------------------
+SEED, BATCH, LR = 6, 16, 0.2
+
+
+def _real_rank(rank, world, solver, options, steps):
+    import copy
+
+    import torch
+
+    from distsync.comm import Comm
+    from distsync.solvers import make_solver
+    from distsync.workloads import ShardSampler, load_workload
+
+    comm = Comm.from_env(["worker"] * world, 20.0, torch.device("cpu"))
+    w = load_workload("digits")
+    torch.manual_seed(SEED)
+    model = w.make_model()
+    s = make_solver(solver, **options)
+    run = s.attach(model, torch.optim.SGD(model.parameters(), lr=LR), comm)
+    sampler = ShardSampler(w.num_train, world, rank, BATCH, SEED)
+    for step in range(steps):
+        x, y = w.take(w.train_data, sampler.indices(step))
+        with s.step(step):
+            w.loss_fn(run(x), y).backward()
+    s.close()
+    out = (copy.deepcopy(model.state_dict()), copy.deepcopy(s.eval_model().state_dict()))
+    comm.barrier()
+    comm.close()
+    return out
+
+
+@pytest.mark.parametrize("solver, options", [("allreduce", {}), ("sync-easgd", {"tau": 3, "alpha": 0.3})])
+def test_train_mode_reproduces_the_real_solver(solver, options):
+    import torch
+
+    from distsync.sim.train import simulate_training
+    from distsync.workloads import load_workload
+    from helpers import run_ranks
+
+    steps = 7
+    real = run_ranks(_real_rank, 2, solver, options, steps)
+    sim = simulate_training(solver, options, load_workload("digits"), 2, steps, batch_size=BATCH, lr=LR, seed=SEED,
+                            eval_every=steps)
+    for r, (state, _) in enumerate(real):
+        for name, value in state.items():
+            torch.testing.assert_close(sim.params[name][r], value, rtol=0, atol=1e-5)
+    assert len(sim.curve) == 1 and 0 < sim.curve[0]["metric"] <= 1
+
+
+def test_train_mode_at_256_workers_learns_and_refuses_async_solvers():
+    from distsync.sim.train import simulate_training
+    from distsync.workloads import load_workload
+
+    w = load_workload("digits")
+    res = simulate_training("ripples", {"schedule": "random", "group_size": 4}, w, 64, 30, batch_size=8,
+                            eval_every=15, wall_s=3.0)
+    assert [p["t"] for p in res.curve] == pytest.approx([1.5, 3.0])
+    assert res.curve[-1]["metric"] > 0.5  # 64 replicas, 30 steps of 8 images each, mixing in groups of 4
+    with pytest.raises(ConfigError, match="train mode has no rule order for 'async-ps'"):
+        simulate_training("async-ps", {}, w, 4, 2)
+
+
+def test_sweep_finds_a_winner_per_cell_and_writes_plots(tmp_path):
+    proc = run_cli("sweep", "--solvers", "allreduce,local", "--workers", "2,4", "--ratios", "0.5,5",
+                   "--slow-shares", "0,0.5", "--steps", "120", "--batch-size", "16", "--out", str(tmp_path / "s"))
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads((tmp_path / "s" / "sweep.json").read_text())
+    assert len(rows) == 2 * 2 * 2 * 2
+    for r in rows:  # time to target = steps to target x virtual time per step
+        if r["steps_to_target"]:
+            assert r["time_to_target_s"] > 0
+    # communication-bound (ratio 0.5): local never communicates, so per step it is faster
+    ar = next(r for r in rows if r["solver"] == "allreduce" and r["workers"] == 4 and r["ratio"] == 0.5
+              and r["slow_share"] == 0)
+    lo = next(r for r in rows if r["solver"] == "local" and r["workers"] == 4 and r["ratio"] == 0.5
+              and r["slow_share"] == 0)
+    assert lo["throughput"] > 2 * ar["throughput"]
+    assert (tmp_path / "s" / "scaling.png").exists() and (tmp_path / "s" / "winners.png").exists()
+    assert "fastest to target at 4 workers" in proc.stdout

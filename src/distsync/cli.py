@@ -82,8 +82,23 @@ def _build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--slow-factor", type=float, default=3.0, help="how much slower they are (default: 3)")
     sm.add_argument("--jitter", type=float, default=0.0, help="random per-step extra compute, up to this share")
     sm.add_argument("--seed", type=int, default=0)
+    sm.add_argument("--mode", default="timing", help="timing (no math) | train (real rules on stacked replicas of "
+                                                     "the --workload's model; metric against virtual time)")
+    sm.add_argument("--lr", type=float, help="train mode: learning rate (default: the workload's)")
+    sm.add_argument("--eval-every", type=int, help="train mode: evaluate every N steps (default: the workload's)")
     sm.add_argument("--calibrate", metavar="RUN_DIR", help="simulate this real run and compare with what it measured")
     sm.add_argument("--json", action="store_true", help="print the results as JSON")
+
+    sw = sub.add_parser("sweep", help="simulate a grid of workers x computation/communication x slow share")
+    sw.add_argument("--solvers", default="allreduce,ripples,ad-psgd,local",
+                    help="solvers with a train mode (default: allreduce,ripples,ad-psgd,local)")
+    sw.add_argument("--workers", default="4,16,64", help="comma-separated worker counts (default: 4,16,64)")
+    sw.add_argument("--ratios", default="0.3,1,3", help="computation/communication ratios (default: 0.3,1,3)")
+    sw.add_argument("--slow-shares", default="0,0.1,0.3", help="shares of 3x slow workers (default: 0,0.1,0.3)")
+    sw.add_argument("--workload", default="digits")
+    sw.add_argument("--steps", type=int, default=300)
+    sw.add_argument("--batch-size", type=int, default=8)
+    sw.add_argument("--out", help="output folder (default: runs/<time>-sweep)")
 
     for sp in (t, c):
         g = sp.add_argument_group("solver options (shortcuts for -o KEY=VALUE)")
@@ -320,10 +335,22 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
                           slow_factor=args.slow_factor, jitter=args.jitter, seed=args.seed)
     nbytes = args.model_mb * 1e6 if args.model_mb is not None else model_bytes(args.workload)
     work = Work(steps=args.steps, model_bytes=nbytes, batch_size=args.batch_size)
+    if args.mode not in ("timing", "train"):
+        raise ConfigError(f"unknown --mode {args.mode!r}; valid: timing, train")
     results = []
     for name in solvers:
         t0 = time.perf_counter()
         res = simulate(name, options.get(name, {}), cluster, workers, work, seed=args.seed).summary()
+        if args.mode == "train":
+            from distsync.sim.train import simulate_training
+            from distsync.workloads import load_workload
+
+            trained = simulate_training(name, options.get(name, {}), load_workload(args.workload), args.workers,
+                                        args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+                                        eval_every=args.eval_every, wall_s=res["wall_time_s"])
+            res["curve"] = trained.curve
+            res["final_metric"] = trained.curve[-1]["metric"]
+            res["time_to_target_s"] = trained.time_to_target_s
         res["sim_seconds"] = time.perf_counter() - t0
         results.append(res)
     if args.json:
@@ -331,16 +358,70 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         return 0
     table = Table(title=f"simulated: {args.workers} workers, {args.compute_ms:g} ms compute per step, "
                         f"model {nbytes / 1e6:.3g} MB, link {args.link}")
-    for h in ("solver", "samples/s", "virtual wall (s)", "compute/comm/wait", "staleness (mean)", "syncs/step",
-              "took (s)"):
+    heads = ["solver", "samples/s", "virtual wall (s)", "compute/comm/wait", "staleness (mean)", "syncs/step"]
+    if args.mode == "train":
+        heads += ["final metric", "to target (virtual s)"]
+    for h in heads + ["took (s)"]:
         table.add_column(h, justify="left" if h == "solver" else "right", no_wrap=True)
     for r in results:
         sh = r["phase_share"]
+        extra = []
+        if args.mode == "train":
+            ttt = r["time_to_target_s"]
+            extra = [f"{r['final_metric']:.4f}", "n/a" if ttt is None else f"{ttt:.3f}"]
         table.add_row(r["solver"], f"{r['throughput_samples_per_s']:,.0f}", f"{r['wall_time_s']:.3f}",
                       f"{sh['compute']:.0%}/{sh['comm']:.0%}/{sh['wait']:.0%}",
                       f"{r['staleness']['mean']:.2f}" if "staleness" in r else "-",
-                      f"{r['syncs_per_step']:.2f}" if "syncs_per_step" in r else "-", f"{r['sim_seconds']:.2f}")
+                      f"{r['syncs_per_step']:.2f}" if "syncs_per_step" in r else "-", *extra,
+                      f"{r['sim_seconds']:.2f}")
     _stdout().print(table)
+    return 0
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from distsync.config import ConfigError
+    from distsync.sim.sweep import run_sweep, winners
+
+    def numbers(text: str, what: str, kind=float) -> list:
+        try:
+            values = [kind(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            raise ConfigError(f"bad --{what} {text!r}: expected comma-separated numbers") from None
+        if not values:
+            raise ConfigError(f"--{what} is empty")
+        return values
+
+    workers = numbers(args.workers, "workers", int)
+    ratios = numbers(args.ratios, "ratios")
+    shares = numbers(args.slow_shares, "slow-shares")
+    if min(workers) < 1 or min(ratios) <= 0 or not all(0 <= s <= 1 for s in shares):
+        raise ConfigError("--workers must be >= 1, --ratios > 0 and --slow-shares in [0, 1]")
+    out = Path(args.out) if args.out else Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-sweep"
+    solvers = [s.strip() for s in args.solvers.split(",") if s.strip()]
+    rows = run_sweep(solvers, workers, ratios, shares, workload=args.workload, steps=args.steps,
+                     batch_size=args.batch_size, out=out)
+    table = Table(title=f"time to target (virtual s), {args.workload}, no slow workers, "
+                        f"computation/communication {ratios[len(ratios) // 2]:g}")
+    table.add_column("solver")
+    for n in workers:
+        table.add_column(f"{n} workers", justify="right")
+    for s in solvers:
+        cells = []
+        for n in workers:
+            r = next(r for r in rows if r["solver"] == s and r["workers"] == n and r["ratio"] == ratios[len(ratios) // 2]
+                     and r["slow_share"] == shares[0])
+            cells.append("not reached" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.3f}")
+        table.add_row(s, *cells)
+    _stdout().print(table)
+    win = winners(rows, workers[-1])
+    table = Table(title=f"fastest to target at {workers[-1]} workers")
+    table.add_column("slow share \\ comp/comm")
+    for r in ratios:
+        table.add_column(f"{r:g}", justify="center")
+    for sh in shares:
+        table.add_row(f"{sh:.0%}", *[win.get((r, sh)) or "none" for r in ratios])
+    _stdout().print(table)
+    console.print(f"plots and sweep.json: {out}")
     return 0
 
 
@@ -383,7 +464,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     _quiet_native_logs()
     handlers = {"train": _cmd_train, "compare": _cmd_compare, "linktest": _cmd_linktest, "list": _cmd_list,
-                "crossover": _cmd_crossover, "simulate": _cmd_simulate}
+                "crossover": _cmd_crossover, "simulate": _cmd_simulate,
+                "sweep": _cmd_sweep}
     try:
         return handlers[args.command](args)
     except DistsyncError as e:
