@@ -208,3 +208,10 @@ def test_sweep_finds_a_winner_per_cell_and_writes_plots(tmp_path):
     assert lo["throughput"] > 2 * ar["throughput"]
     assert (tmp_path / "s" / "scaling.png").exists() and (tmp_path / "s" / "winners.png").exists()
     assert "fastest to target at 4 workers" in proc.stdout
+
+
+def test_too_many_workers_for_the_data_is_a_clean_error():
+    proc = run_cli("sweep", "--solvers", "allreduce", "--workers", "256", "--batch-size", "8", "--steps", "2")
+    assert proc.returncode == 2
+    assert "each of 256 workers gets 5 training items, fewer than the batch size 8" in proc.stderr
+    assert "Traceback" not in proc.stderr

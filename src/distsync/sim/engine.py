@@ -1,8 +1,9 @@
 """A small discrete-event core: a heap of timed callbacks, and FIFO links.
 
-A heap of ``(time, sequence, callback)`` is all the solvers' timing models need; it is about
-an order of magnitude faster per event than a process-based library (simpy) since no
-generator is resumed per event, and it is deterministic: ties run in scheduling order.
+A heap of ``(time, sequence, callback)`` is all the solvers' timing models need. Measured on
+this machine (200,000 timed events from 1,000 sources): 0.87 us per event, against 1.28 us
+for simpy 4's process-based timeouts; and it adds no dependency. Deterministic: ties run in
+scheduling order.
 """
 
 from __future__ import annotations

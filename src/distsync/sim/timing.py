@@ -139,19 +139,24 @@ def _server_loop(name: str, cluster: Cluster, c: np.ndarray, work: Work, servers
         comm[w] += min(spent, round_trip)
         wait[w] += max(0.0, spent - round_trip)
 
-    def exchange(w: int, t: float, k: int) -> None:
-        arrive = max(srv.send_to(max(t, loop.now), ser, shard, lat), t + lat + ser(work.model_bytes))
-        staleness[srv.version[0] - seen[w]] += 1
-        srv.version[0] += 1
-        back = max(srv.send_back(arrive, ser, shard, lat), arrive + ser(work.model_bytes) + lat)
-        seen[w] = srv.version[0]
-        blocked(w, t, back)
-        loop.at(back, step, w, k + 1)
+    # Every transfer is booked on a server link by an event at the moment it starts, so the
+    # links serve transfers in the order of virtual time.
+    def exchange(w: int, t: float, k: int) -> None:  # at the send
+        arrive = max(srv.send_to(loop.now, ser, shard, lat), loop.now + lat + ser(work.model_bytes))
+        loop.at(arrive, exchanged, w, t, k)
         if round_robin:
             turn[0] = (turn[0] + 1) % n
             nxt = parked.pop(turn[0], None)
             if nxt is not None:
                 loop.at(max(nxt[0], arrive), exchange, turn[0], nxt[0], nxt[1])
+
+    def exchanged(w: int, t: float, k: int) -> None:  # the server applies it and replies
+        staleness[srv.version[0] - seen[w]] += 1
+        srv.version[0] += 1
+        seen[w] = srv.version[0]
+        back = max(srv.send_back(loop.now, ser, shard, lat), loop.now + ser(work.model_bytes) + lat)
+        blocked(w, t, back)
+        loop.at(back, step, w, k + 1)
 
     def step(w: int, k: int) -> None:
         t = loop.now
@@ -159,17 +164,28 @@ def _server_loop(name: str, cluster: Cluster, c: np.ndarray, work: Work, servers
             done_at[w] = t
             return
         if pull_every and k % pull_every == 0:
-            # a tiny request, then the parameters (the worker's own link takes all of them)
-            back = max(srv.send_back(t + lat, ser, shard, lat), t + 2 * lat + ser(work.model_bytes))
-            seen[w] = srv.version[0]
-            blocked(w, t, back)
-            t = back
-        t += c[k, w]
+            loop.at(t + lat, pull, w, k, t)  # a tiny request reaches the servers
+        else:
+            compute(w, k)
+
+    def pull(w: int, k: int, asked: float) -> None:  # the servers send the parameters back
+        back = max(srv.send_back(loop.now, ser, shard, lat), loop.now + lat + ser(work.model_bytes))
+        seen[w] = srv.version[0]
+        loop.at(back, pulled, w, k, asked)
+
+    def pulled(w: int, k: int, asked: float) -> None:
+        blocked(w, asked, loop.now)
+        compute(w, k)
+
+    def compute(w: int, k: int) -> None:
         comp[w] += c[k, w]
+        loop.at(loop.now + c[k, w], computed, w, k)
+
+    def computed(w: int, k: int) -> None:
+        t = loop.now
         if push_every and (k + 1) % push_every == 0:
-            srv.send_to(t, ser, shard, lat)  # no reply awaited
-            staleness[srv.version[0] - seen[w]] += 1
-            srv.version[0] += 1
+            arrive = srv.send_to(t, ser, shard, lat)  # no reply awaited
+            loop.at(arrive, pushed, w)
             comm[w] += ser(work.model_bytes)  # the worker's own link carries the whole push
             t += ser(work.model_bytes)
         if exchange_every and (k + 1) % exchange_every == 0:
@@ -180,10 +196,14 @@ def _server_loop(name: str, cluster: Cluster, c: np.ndarray, work: Work, servers
             return
         loop.at(t, step, w, k + 1)
 
+    def pushed(w: int) -> None:  # applied on arrival
+        staleness[srv.version[0] - seen[w]] += 1
+        srv.version[0] += 1
+
     for w in range(n):
         loop.at(0.0, step, w, 0)
-    wall = loop.run()
-    wall = float(max(wall, done_at.max()))
+    loop.run()
+    wall = float(done_at.max())  # when the last worker is done (pushes may still be queued then)
     if parked:
         raise RuntimeError(f"simulated {name}: workers {sorted(parked)} never got their turn")
     return SimResult(name, n, work.steps, work.batch_size, wall, comp, comm, wait, staleness, events=loop.events)

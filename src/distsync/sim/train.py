@@ -63,7 +63,10 @@ def simulate_training(solver: str, options: dict[str, Any], workload: Workload, 
     names = [n for n, _ in model.named_parameters()]
     stack = {n: p.detach().unsqueeze(0).repeat(workers, *([1] * p.dim())).clone()
              for n, p in model.named_parameters()}
-    samplers = [ShardSampler(workload.num_train, workers, r, batch_size, seed) for r in range(workers)]
+    try:
+        samplers = [ShardSampler(workload.num_train, workers, r, batch_size, seed) for r in range(workers)]
+    except ValueError as e:
+        raise ConfigError(f"train mode on {workload.name}: {e} (use a smaller --batch-size)") from None
 
     def loss(params, x, y):
         return workload.loss_fn(functional_call(model, params, (x,)), y)
