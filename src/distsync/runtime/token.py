@@ -12,7 +12,9 @@ communication it gives the token back, so another job computes while it communic
 - ``fcfs``: whoever asked first computes next (a FIFO queue).
 
 Both bound waiting: under ``fcfs`` a job waits at most for the jobs queued before it to
-compute once each; under ``alternate`` for each other job's turn once.
+compute once each; under ``alternate`` for each other job's turn once, which may include the
+end of that job's communication (``max_away_s``: the longest time from a job's release to
+its next request).
 
 :class:`TokenServer` serves the tokens of all devices from the launching process over a
 Unix socket (a per-host resource: it is reached without crossing the emulated network, so a
@@ -56,6 +58,8 @@ class ComputeToken:
         self._cond = threading.Condition()
         self.waits: dict[int, list[float]] = {j: [] for j in jobs}
         self.holds: list[tuple[int, float, float]] = []  # (job, granted, released)
+        self.away: dict[int, list[float]] = {j: [] for j in jobs}  # release -> next request: communicating
+        self._released_at: dict[int, float] = {}
         self._granted_at = 0.0
 
     def _may_take(self, job: int) -> bool:
@@ -80,6 +84,8 @@ class ComputeToken:
             if job not in self.active:
                 raise ValueError(f"job {job} has left this device")
             t0 = self.clock()
+            if job in self._released_at:
+                self.away[job].append(t0 - self._released_at.pop(job))
             if self.policy == "fcfs":
                 self.queue.append(job)
             if not self._cond.wait_for(lambda: self._may_take(job), timeout):
@@ -98,7 +104,9 @@ class ComputeToken:
         with self._cond:
             if self.holder != job:
                 return
-            self.holds.append((job, self._granted_at, self.clock()))
+            now = self.clock()
+            self.holds.append((job, self._granted_at, now))
+            self._released_at[job] = now
             self.holder = None
             if self.policy == "alternate":
                 self._advance()
@@ -126,7 +134,7 @@ class ComputeToken:
                 holds = [b - a for job, a, b in self.holds if job == j]
                 out[str(j)] = {"grants": len(self.waits[j]), "max_wait_s": max(self.waits[j], default=0.0),
                                "total_wait_s": sum(self.waits[j]), "max_compute_s": max(holds, default=0.0),
-                               "total_compute_s": sum(holds)}
+                               "total_compute_s": sum(holds), "max_away_s": max(self.away[j], default=0.0)}
             return out
 
 
