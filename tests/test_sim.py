@@ -215,3 +215,15 @@ def test_too_many_workers_for_the_data_is_a_clean_error():
     assert proc.returncode == 2
     assert "workers gets" in proc.stderr and "training items, fewer than the batch size 8" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_simulate_train_mode_cli_reports_metric_and_time_to_target():
+    proc = run_cli("simulate", "--mode", "train", "--solvers", "allreduce,local", "--workers", "4", "--steps", "150",
+                   "--batch-size", "16", "--eval-every", "25", "--json")
+    assert proc.returncode == 0, proc.stderr
+    ar, lo = json.loads(proc.stdout)
+    assert ar["final_metric"] > 0.9 and ar["time_to_target_s"] is not None
+    # points of the curve sit at virtual times of the timing model: step k ends at wall (k + 1) / steps
+    assert ar["curve"][0]["t"] == pytest.approx(ar["wall_time_s"] * 25 / 150)
+    proc = run_cli("simulate", "--mode", "dream")
+    assert proc.returncode == 2 and "unknown --mode 'dream'; valid: timing, train" in proc.stderr
