@@ -35,8 +35,9 @@ def test_fcfs_grants_in_order_of_asking():
 
 def test_alternate_is_strict_until_the_other_job_leaves():
     token = ComputeToken([0, 1], "alternate")
-    token.acquire(0)
-    token.release(0)
+    for job in (0, 1, 0):  # both have joined; after 0, it is 1's turn
+        token.acquire(job)
+        token.release(job)
     got = threading.Event()
     t = _in_thread(lambda: (token.acquire(0), got.set()))
     assert not got.wait(0.2)  # job 1's turn: job 0 may not compute twice in a row
@@ -51,6 +52,24 @@ def test_alternate_is_strict_until_the_other_job_leaves():
     token.release(0)
     token.acquire(0)
     assert token.holder == 0
+
+
+def test_alternate_does_not_wait_for_a_job_that_has_not_started():
+    token = ComputeToken([0, 1, 2], "alternate")
+    token.acquire(1)  # job 0 (first in the cycle) has not asked yet: job 1 goes
+    token.release(1)
+    token.acquire(2)
+    token.release(2)
+    token.acquire(1)  # job 0 is still absent and 2 just had its turn: 1 goes again
+    token.release(1)
+    got = threading.Event()
+    t = _in_thread(lambda: (token.acquire(1), got.set()))
+    assert not got.wait(0.2)  # now 2 has joined: it is 2's turn, strictly
+    token.acquire(2)
+    token.release(2)
+    assert got.wait(2)
+    token.release(1)
+    t.join(2)
 
 
 def test_a_job_that_leaves_while_holding_frees_the_device():

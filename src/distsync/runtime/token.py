@@ -8,7 +8,8 @@ communication it gives the token back, so another job computes while it communic
 
 - ``alternate``: strict alternation in a fixed cycle of the jobs (CrossoverScheduler's
   crossover): after job ``j`` computes, the turn passes to the next job in the cycle that is
-  still running, which may compute next even if another job asked first.
+  still running, which computes next even if another job asked first. A job joins the cycle
+  with its first request (jobs start at different moments) and leaves it when done.
 - ``fcfs``: whoever asked first computes next (a FIFO queue).
 
 Both bound waiting: under ``fcfs`` a job waits at most for the jobs queued before it to
@@ -51,6 +52,7 @@ class ComputeToken:
         self.policy = policy
         self.cycle = list(jobs)
         self.active = set(jobs)
+        self.joined: set[int] = set()  # jobs that have asked at least once
         self.holder: int | None = None
         self.turn = 0  # index into cycle (alternate)
         self.queue: deque[int] = deque()  # (fcfs)
@@ -67,16 +69,23 @@ class ComputeToken:
             return False
         if self.policy == "fcfs":
             return bool(self.queue) and self.queue[0] == job
-        return self.cycle[self.turn] == job
+        # nobody's turn (no other job in the cycle), or a job whose turn it is but that has not
+        # started yet (or has left): that holds nobody up
+        return self.turn < 0 or self.cycle[self.turn] == job or not self._in_rotation(self.cycle[self.turn])
+
+    def _in_rotation(self, job: int) -> bool:
+        return job in self.active and job in self.joined
 
     def _advance(self) -> None:
-        """Alternate: the turn passes to the next job in the cycle that is still running."""
-        if not self.active:
-            return
-        for _ in range(len(self.cycle)):
-            self.turn = (self.turn + 1) % len(self.cycle)
-            if self.cycle[self.turn] in self.active:
+        """Alternate: the turn passes to the next other job in the cycle that is running; with
+        none, to nobody (whoever asks first goes)."""
+        here = max(self.turn, 0)
+        for i in range(1, len(self.cycle)):
+            nxt = (here + i) % len(self.cycle)
+            if self._in_rotation(self.cycle[nxt]):
+                self.turn = nxt
                 return
+        self.turn = -1
 
     def acquire(self, job: int, timeout: float | None = None) -> float:
         """Block until ``job`` holds the token; return the seconds it waited."""
@@ -86,6 +95,7 @@ class ComputeToken:
             t0 = self.clock()
             if job in self._released_at:
                 self.away[job].append(t0 - self._released_at.pop(job))
+            self.joined.add(job)
             if self.policy == "fcfs":
                 self.queue.append(job)
             if not self._cond.wait_for(lambda: self._may_take(job), timeout):
@@ -94,6 +104,8 @@ class ComputeToken:
                 raise TimeoutError(f"job {job} did not get the compute token within {timeout} s")
             if self.policy == "fcfs":
                 self.queue.popleft()
+            else:
+                self.turn = self.cycle.index(job)  # (it may have gone ahead of a job not yet started)
             self.holder = job
             self._granted_at = self.clock()
             waited = self._granted_at - t0
@@ -123,7 +135,7 @@ class ComputeToken:
             self.active.discard(job)
             if job in self.queue:
                 self.queue.remove(job)
-            if self.policy == "alternate" and self.cycle[self.turn] == job:
+            if self.policy == "alternate" and self.turn >= 0 and self.cycle[self.turn] == job:
                 self._advance()
             self._cond.notify_all()
 
