@@ -125,3 +125,36 @@ def kill_tree(pid: int) -> None:
             os.kill(p, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def train_digits_rank(rank: int, world: int, solver: str, options: dict, steps: int, seed: int, batch: int,
+                      lr: float) -> dict[str, Any]:
+    """One worker of a real job on digits (plain SGD, the solver's ``step()`` hooks): the
+    final model's state, the solver's reported model and stats, and whether a background
+    thread of the solver is still alive. For :func:`run_ranks`."""
+    import copy
+
+    import torch
+
+    from distsync.comm import Comm
+    from distsync.solvers import make_solver
+    from distsync.workloads import ShardSampler, load_workload
+
+    comm = Comm.from_env(["worker"] * world, 20.0, torch.device("cpu"))
+    w = load_workload("digits")
+    torch.manual_seed(seed)
+    model = w.make_model()
+    s = make_solver(solver, **options)
+    run = s.attach(model, torch.optim.SGD(model.parameters(), lr=lr), comm)
+    sampler = ShardSampler(w.num_train, world, rank, batch, seed)
+    for step in range(steps):
+        x, y = w.take(w.train_data, sampler.indices(step))
+        with s.step(step):
+            w.loss_fn(run(x), y).backward()
+    s.close()
+    thread = getattr(s, "_thread", None)
+    out = {"state": copy.deepcopy(model.state_dict()), "eval_state": copy.deepcopy(s.eval_model().state_dict()),
+           "stats": s.stats(), "thread_alive": thread is not None and thread.is_alive()}
+    comm.barrier()
+    comm.close()
+    return out

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from distsync.solvers.rules import apply_correction, bmuf_update
-from helpers import run_cli, run_ranks
+from helpers import run_cli, run_ranks, train_digits_rank
 
 SEED, BATCH, LR = 6, 16, 0.2
 
@@ -37,28 +37,8 @@ def test_correction_keeps_steps_taken_during_a_sync():
 
 
 def _rank(rank, world, solver, options, steps):
-    from distsync.comm import Comm
-    from distsync.solvers import make_solver
-    from distsync.workloads import ShardSampler, load_workload
-    from distsync.workloads.digits import make_model
-
-    comm = Comm.from_env(["worker"] * world, 20.0, torch.device("cpu"))
-    w = load_workload("digits")
-    torch.manual_seed(SEED)
-    model = make_model()
-    s = make_solver(solver, **options)
-    run = s.attach(model, torch.optim.SGD(model.parameters(), lr=LR), comm)
-    sampler = ShardSampler(w.num_train, world, rank, BATCH, SEED)
-    for step in range(steps):
-        x, y = w.take(w.train_data, sampler.indices(step))
-        with s.step(step):
-            w.loss_fn(run(x), y).backward()
-    s.close()
-    out = (copy.deepcopy(model.state_dict()), s.stats(), getattr(s, "_thread", None) is not None
-           and s._thread.is_alive())
-    comm.barrier()
-    comm.close()
-    return out
+    r = train_digits_rank(rank, world, solver, options, steps, SEED, BATCH, LR)
+    return r["state"], r["stats"], r["thread_alive"]
 
 
 def _reference(steps, every, bmuf=None):

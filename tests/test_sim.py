@@ -133,47 +133,20 @@ def test_calibrate_predicts_a_real_run(tmp_path):
 SEED, BATCH, LR = 6, 16, 0.2
 
 
-def _real_rank(rank, world, solver, options, steps):
-    import copy
-
-    import torch
-
-    from distsync.comm import Comm
-    from distsync.solvers import make_solver
-    from distsync.workloads import ShardSampler, load_workload
-
-    comm = Comm.from_env(["worker"] * world, 20.0, torch.device("cpu"))
-    w = load_workload("digits")
-    torch.manual_seed(SEED)
-    model = w.make_model()
-    s = make_solver(solver, **options)
-    run = s.attach(model, torch.optim.SGD(model.parameters(), lr=LR), comm)
-    sampler = ShardSampler(w.num_train, world, rank, BATCH, SEED)
-    for step in range(steps):
-        x, y = w.take(w.train_data, sampler.indices(step))
-        with s.step(step):
-            w.loss_fn(run(x), y).backward()
-    s.close()
-    out = (copy.deepcopy(model.state_dict()), copy.deepcopy(s.eval_model().state_dict()))
-    comm.barrier()
-    comm.close()
-    return out
-
-
 @pytest.mark.parametrize("solver, options", [("allreduce", {}), ("sync-easgd", {"tau": 3, "alpha": 0.3})])
 def test_train_mode_reproduces_the_real_solver(solver, options):
     import torch
 
     from distsync.sim.train import simulate_training
     from distsync.workloads import load_workload
-    from helpers import run_ranks
+    from helpers import run_ranks, train_digits_rank
 
     steps = 7
-    real = run_ranks(_real_rank, 2, solver, options, steps)
+    real = run_ranks(train_digits_rank, 2, solver, options, steps, SEED, BATCH, LR)
     sim = simulate_training(solver, options, load_workload("digits"), 2, steps, batch_size=BATCH, lr=LR, seed=SEED,
                             eval_every=steps)
-    for r, (state, _) in enumerate(real):
-        for name, value in state.items():
+    for r, got in enumerate(real):
+        for name, value in got["state"].items():
             torch.testing.assert_close(sim.params[name][r], value, rtol=0, atol=1e-5)
     assert len(sim.curve) == 1 and 0 < sim.curve[0]["metric"] <= 1
 

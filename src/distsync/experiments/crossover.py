@@ -26,9 +26,8 @@ from typing import Any, Callable
 
 from distsync.config import RunConfig, parse_link
 from distsync.errors import ConfigError, DistsyncError, WorkerFailed
-from distsync.runtime.launch import _launch, with_workload_defaults
+from distsync.runtime.launch import _launch, role_layout, with_workload_defaults
 from distsync.runtime.network import EmulatedNetwork
-from distsync.runtime.roles import assign_roles, job_roles
 from distsync.runtime.token import POLICIES, TokenServer
 from distsync.solvers import make_options, solver_class
 
@@ -130,12 +129,7 @@ def _run_job(cfg: RunConfig, net: EmulatedNetwork | None) -> dict[str, Any]:
     """One job on the shared devices (and network): its summary."""
     if net:
         cfg = dataclasses.replace(cfg, link_latency_mode=net.latency_mode)
-    return _launch(cfg, Path(cfg.out), _role_of(cfg), None, net)
-
-
-def _role_of(cfg: RunConfig) -> list[str]:
-    cls = solver_class(cfg.solver)
-    return assign_roles(cfg.workers, job_roles(cfg, cls(make_options(cls, cfg.solver_options))))
+    return _launch(cfg, Path(cfg.out), role_layout(cfg), None, net)
 
 
 def _run_together(plan: CrossoverPlan, mode: str, out: Path, net: EmulatedNetwork | None,
@@ -180,7 +174,7 @@ def run_crossover(plan: CrossoverPlan, on_job: Callable[[str, str], None] | None
     plan.jobs = [Job(j.name, with_workload_defaults(j.config)) for j in plan.jobs]
     out = Path(plan.out)
     out.mkdir(parents=True, exist_ok=True)
-    hosts = max(len(_role_of(j.config)) for j in plan.jobs)
+    hosts = max(len(role_layout(j.config)) for j in plan.jobs)
     net = EmulatedNetwork(hosts, parse_link(plan.link)) if plan.link else None
     report: dict[str, Any] = {"policy": plan.policy, "workers": plan.workers, "link": plan.link, "modes": {}}
     failures: list[str] = []

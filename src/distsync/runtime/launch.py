@@ -94,6 +94,13 @@ class _ProgressPoller(threading.Thread):
                 self.fn(data)
 
 
+def role_layout(cfg: RunConfig) -> list[str]:
+    """The role of every process of the job ``cfg`` describes (workers, then the solver's
+    extra roles, then embedding servers); ``cfg.embedding_servers`` must be resolved."""
+    cls = solver_class(cfg.solver)
+    return assign_roles(cfg.workers, job_roles(cfg, cls(make_options(cls, cfg.solver_options))))
+
+
 def with_workload_defaults(cfg: RunConfig, workload: Any = None) -> RunConfig:
     """``cfg`` with what the workload decides when the user did not: its embedding servers."""
     if cfg.embedding_servers is not None or cfg.task != "train":
@@ -115,9 +122,7 @@ def launch(cfg: RunConfig, run_dir: Path, on_progress: ProgressFn | None = None)
     Raises :class:`DistsyncError` on bad input or a failed job.
     """
     cfg = with_workload_defaults(cfg.validate())
-    cls = solver_class(cfg.solver)
-    solver = cls(make_options(cls, cfg.solver_options))
-    role_of = assign_roles(cfg.workers, job_roles(cfg, solver))
+    role_of = role_layout(cfg)
     if cfg.link is None:
         return _launch(cfg, run_dir, role_of, on_progress, None)
     with EmulatedNetwork(len(role_of), parse_link(cfg.link)) as net:
