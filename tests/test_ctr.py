@@ -75,6 +75,7 @@ def _embedding_job(rank, world, servers):
         client = EmbeddingClient(comm, server_ranks, [6, 4], 2)
         every_row = torch.tensor([[i, i % 4] for i in range(6)])
         before = client.lookup(every_row)
+        comm.barrier(comm.worker_group)  # neither trainer pushes before both have looked
         # both trainers push row 3 of table 0; trainer 0 also row 2 of table 1, twice in one batch
         ids = torch.tensor([[3, 2], [3, 2]]) if comm.rank == 0 else torch.tensor([[3, 0]])
         grads = torch.zeros(len(ids), 2, 2)

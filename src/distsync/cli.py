@@ -25,13 +25,20 @@ def _stdout() -> Console:
     return out if out.is_terminal else Console(width=120)
 
 
+def _one_line(text: str) -> str:
+    """``text`` with line breaks and other control characters escaped, as ``repr`` would:
+    a message may quote the user's input (argparse's "unrecognized arguments: ..." does,
+    verbatim), and the promise is one line."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line, exit 2
-        self.exit(2, f"distsync: error: {message} (see {self.prog} --help)\n")
+        self.exit(2, f"distsync: error: {_one_line(message)} (see {self.prog} --help)\n")
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    from distsync.options import add_run_options
+    from distsync.options import add_run_options, finite_float
 
     p = _Parser(prog="distsync", description="Train PyTorch models with distributed synchronization solvers and compare them.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -39,6 +46,9 @@ def _build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train with one solver")
     t.add_argument("--solver", default="allreduce", help="solver name (see `distsync list`) or path/to/file.py:Class")
     t.add_argument("--solver-option", "-o", action="append", metavar="KEY=VALUE", help="a solver option, repeatable")
+    t.add_argument("--resume", metavar="RUN_DIR",
+                   help="continue the run in RUN_DIR from its last complete checkpoint, with its own config.json "
+                        "(--max-restarts and --fault given here apply too)")
     add_run_options(t)
 
     c = sub.add_parser("compare", help="run several solvers on the same work and write a report")
@@ -52,7 +62,7 @@ def _build_parser() -> argparse.ArgumentParser:
     lt.add_argument("--workers", type=int, default=2)
     lt.add_argument("--sizes", default="1,10", help="message sizes in MiB, comma-separated (default: 1,10)")
     lt.add_argument("--repeats", type=int, default=3)
-    lt.add_argument("--timeout", type=float, default=60.0, dest="timeout_s")
+    lt.add_argument("--timeout", type=finite_float, default=60.0, dest="timeout_s")
     lt.add_argument("--out", help="run folder (default: runs/<time>-linktest)")
 
     x = sub.add_parser("crossover", help="run several jobs on the same workers: crossover against sequential and naive")
@@ -70,21 +80,21 @@ def _build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--workers", type=int, default=8)
     sm.add_argument("--steps", type=int, default=100, help="steps per worker (default: 100)")
     sm.add_argument("--batch-size", type=int, default=32, help="samples per worker per step (default: 32)")
-    sm.add_argument("--compute-ms", type=float, default=10.0, help="a normal worker's compute per step (default: 10)")
-    sm.add_argument("--model-mb", type=float, help="model size in MB (default: the --workload's)")
+    sm.add_argument("--compute-ms", type=finite_float, default=10.0, help="a normal worker's compute per step (default: 10)")
+    sm.add_argument("--model-mb", type=finite_float, help="model size in MB (default: the --workload's)")
     sm.add_argument("--workload", default="digits", help="whose model size to use (default: digits)")
     sm.add_argument("--link", default="1gbit", metavar="BANDWIDTH[,LATENCY]", help="every host's link (default: 1gbit)")
     sm.add_argument("--per-node", type=int, default=1, help="workers per node (default: 1)")
     sm.add_argument("--intra-link", metavar="BANDWIDTH[,LATENCY]", help="link inside a node (default: --link)")
     sm.add_argument("--algorithm", default="ring", help="all-reduce algorithm: ring | tree (default: ring)")
     sm.add_argument("--slow", metavar="RANK:FACTOR[,...]", help="these workers compute FACTOR times slower")
-    sm.add_argument("--slow-fraction", type=float, default=0.0, help="share of workers (drawn from the seed) that are slow")
-    sm.add_argument("--slow-factor", type=float, default=3.0, help="how much slower they are (default: 3)")
-    sm.add_argument("--jitter", type=float, default=0.0, help="random per-step extra compute, up to this share")
+    sm.add_argument("--slow-fraction", type=finite_float, default=0.0, help="share of workers (drawn from the seed) that are slow")
+    sm.add_argument("--slow-factor", type=finite_float, default=3.0, help="how much slower they are (default: 3)")
+    sm.add_argument("--jitter", type=finite_float, default=0.0, help="random per-step extra compute, up to this share")
     sm.add_argument("--seed", type=int, default=0)
     sm.add_argument("--mode", default="timing", help="timing (no math) | train (real rules on stacked replicas of "
                                                      "the --workload's model; metric against virtual time)")
-    sm.add_argument("--lr", type=float, help="train mode: learning rate (default: the workload's)")
+    sm.add_argument("--lr", type=finite_float, help="train mode: learning rate (default: the workload's)")
     sm.add_argument("--eval-every", type=int, help="train mode: evaluate every N steps (default: the workload's)")
     sm.add_argument("--calibrate", metavar="RUN_DIR", help="simulate this real run and compare with what it measured")
     sm.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -182,9 +192,17 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from distsync.solvers import make_options, solver_class
     from distsync.workloads import check_workload_spec, load_workload
 
-    opts = parse_key_values(_solver_option_items(args))
-    make_options(solver_class(args.solver), opts)
-    cfg = config_from_args(args, args.solver, opts)
+    if args.resume:
+        from distsync.runtime.launch import resume_config
+
+        cfg = resume_config(Path(args.resume))
+        cfg.max_restarts = args.max_restarts if args.max_restarts is not None else cfg.max_restarts
+        cfg.faults = cfg.faults + list(args.faults or [])
+        cfg.validate()
+    else:
+        opts = parse_key_values(_solver_option_items(args))
+        make_options(solver_class(args.solver), opts)
+        cfg = config_from_args(args, args.solver, opts)
     check_workload_spec(cfg.workload)
     workload = load_workload(cfg.workload, cfg.workload_options)
     cfg = with_workload_defaults(cfg, workload)
@@ -469,7 +487,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return handlers[args.command](args)
     except DistsyncError as e:
-        console.print(f"distsync: error: {e}", markup=False, highlight=False, soft_wrap=True)
+        console.print(f"distsync: error: {_one_line(str(e))}", markup=False, highlight=False, emoji=False,
+                      soft_wrap=True)
         return 2
     except KeyboardInterrupt:
         console.print("distsync: interrupted", markup=False, highlight=False)

@@ -3,8 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 from distsync.config import RunConfig, parse_key_values, parse_slow
+
+
+def finite_float(text: str) -> float:
+    """argparse type for float options: ``float()`` also takes nan and inf, which range
+    checks such as ``lr > 0`` either miss or report as a puzzling "must be > 0, got nan"."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
 
 
 def add_run_options(p: argparse.ArgumentParser, *, workers_default: int | None = 2) -> None:
@@ -17,11 +30,11 @@ def add_run_options(p: argparse.ArgumentParser, *, workers_default: int | None =
     g.add_argument("--workers", type=int, default=workers_default, help="worker processes (default: 2)")
     g.add_argument("--steps", type=int, help="steps per worker (default: the workload's)")
     g.add_argument("--batch-size", type=int, help="samples per worker per step (default: the workload's)")
-    g.add_argument("--lr", type=float, help="learning rate (default: the workload's)")
+    g.add_argument("--lr", type=finite_float, help="learning rate (default: the workload's)")
     g.add_argument("--optimizer", default="sgd", help="sgd | adam | lars (default: sgd)")
-    g.add_argument("--momentum", type=float, default=0.0)
-    g.add_argument("--weight-decay", type=float, default=0.0)
-    g.add_argument("--lars-eta", type=float, default=0.001, help="LARS trust coefficient (default: 0.001)")
+    g.add_argument("--momentum", type=finite_float, default=0.0)
+    g.add_argument("--weight-decay", type=finite_float, default=0.0)
+    g.add_argument("--lars-eta", type=finite_float, default=0.001, help="LARS trust coefficient (default: 0.001)")
     g.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up steps (default: 0)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--eval-every", type=int, help="evaluate every N steps (default: the workload's)")
@@ -29,21 +42,29 @@ def add_run_options(p: argparse.ArgumentParser, *, workers_default: int | None =
     g.add_argument("--embedding-servers", type=int,
                    help="processes holding the tables, sharded row-wise (default: the workload's; 0: in each worker)")
     g.add_argument("--embedding-optimizer", default="adagrad", help="adagrad | sgd (default: adagrad)")
-    g.add_argument("--embedding-lr", type=float, help="embedding servers' learning rate (default: the workload's)")
+    g.add_argument("--embedding-lr", type=finite_float, help="embedding servers' learning rate (default: the workload's)")
     g = p.add_argument_group("cluster")
     g.add_argument("--slow", metavar="RANK:FACTOR[,...]",
                    help="stretch these workers' compute FACTOR times (e.g. --slow 1:3)")
-    g.add_argument("--jitter", type=float, default=0.0,
+    g.add_argument("--jitter", type=finite_float, default=0.0,
                    help="random per-step extra compute on every worker, up to this share of a step (e.g. 0.5)")
     g.add_argument("--link", metavar="BANDWIDTH[,LATENCY]",
                    help="emulate a cluster: every process on its own network host behind a link of this "
                         "rate (e.g. 200mbit, 1gbit,2ms); needs root")
-    g.add_argument("--timeout", type=float, default=60.0, dest="timeout_s",
+    g.add_argument("--timeout", type=finite_float, default=60.0, dest="timeout_s",
                    help="seconds any blocking communication may take before the job fails (default: 60)")
     g.add_argument("--intra-op-threads", type=int, default=1, help="torch threads per process (default: 1)")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
     g.add_argument("--master-port", type=int, help="rendezvous port (default: a free one)")
     g.add_argument("--out", help="run folder (default: runs/<time>-<workload>-<solver>)")
+    g = p.add_argument_group("reliability")
+    g.add_argument("--checkpoint-every", metavar="STEPS|SECONDSs",
+                   help="write a checkpoint every N steps (e.g. 50) or N seconds (e.g. 30s) into RUN/checkpoints")
+    g.add_argument("--max-restarts", type=int,
+                   help="restart the job from its last checkpoint up to N times after a process fails (default: 0)")
+    g.add_argument("--fault", action="append", metavar="SPEC", dest="faults",
+                   help="inject a fault, repeatable: kill:RANK@STEP, kill:server@STEP, stall:RANK@STEP:SECONDS, "
+                        "nan:RANK@STEP")
 
 
 def config_from_args(args: argparse.Namespace, solver: str, solver_options: dict) -> RunConfig:
@@ -78,6 +99,9 @@ def config_from_args(args: argparse.Namespace, solver: str, solver_options: dict
         master_port=args.master_port,
         out=args.out,
         link=args.link,
+        checkpoint_every=args.checkpoint_every,
+        max_restarts=args.max_restarts if args.max_restarts is not None else 0,
+        faults=list(args.faults or []),
     ).validate()
 
 

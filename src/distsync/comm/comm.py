@@ -35,6 +35,23 @@ def _cause(exc: BaseException, timeout_s: float) -> str:
     return first[:300]
 
 
+def _attempt_store(timeout_s: float) -> dict[str, Any]:
+    """Under torch's elastic agent: the agent's store, under a prefix of this attempt.
+
+    The agent keeps one store across restarts, so a restarted job would read the previous
+    attempt's addresses (gloo then connects to ports nobody listens on any more): each
+    attempt gets keys of its own. Elsewhere (plain ``env://``) torch's defaults apply.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    world = int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": dist.PrefixStore(f"distsync/attempt-{attempt}", store), "rank": int(os.environ["RANK"]),
+            "world_size": world}
+
+
 class Pending:
     """An asynchronous operation in flight; :meth:`wait` is bounded by the comm timeout.
 
@@ -90,7 +107,8 @@ class Comm:
         backend = "nccl" if device.type == "cuda" else "gloo"
         rank = int(os.environ.get("RANK", "-1"))
         try:
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+                                    **_attempt_store(timeout_s))
         except Exception as e:
             raise CommError(f"rank {rank}: init_process_group ({backend}) failed: {_cause(e, timeout_s)}") from None
         comm = cls(dist.get_rank(), dist.get_world_size(), role_of, timeout_s, device, latency_s)
@@ -237,6 +255,20 @@ class Comm:
         out = [None] * self.world_size if self.rank == dst else None
         self._guard("gather_object", dist.gather_object, obj, out, dst=dst)
         return out
+
+    # ---- the job's key-value store (small agreements without a collective) --------------
+    def _store(self):
+        return dist.distributed_c10d._get_default_store()
+
+    def store_set(self, key: str, value: str) -> None:
+        self._guard(f"store set {key}", self._store().set, key, value)
+
+    def store_check(self, key: str) -> bool:
+        """Whether ``key`` exists, without waiting."""
+        return bool(self._guard(f"store check {key}", self._store().check, [key]))
+
+    def store_get(self, key: str) -> str:
+        return self._guard(f"store get {key}", self._store().get, key).decode()
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         box = [obj]

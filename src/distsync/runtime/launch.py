@@ -19,7 +19,11 @@ from typing import Any, Callable
 
 from distsync.config import RunConfig, parse_link
 from distsync.errors import ConfigError, DistsyncError, WorkerFailed
+from distsync.runtime.bind import bind_listeners
+from distsync.runtime.checkpoint import CheckpointStore, fingerprint
+from distsync.runtime.checkpoint import clear as clear_checkpoints
 from distsync.runtime.network import EmulatedNetwork
+from distsync.runtime.process import CHECKPOINTS
 from distsync.runtime.roles import assign_roles, job_roles
 from distsync.solvers import make_options, solver_class
 
@@ -114,6 +118,24 @@ def with_workload_defaults(cfg: RunConfig, workload: Any = None) -> RunConfig:
 RESULT_FILES = {"train": "summary.json", "linktest": "linktest.json"}
 
 
+def check_resumable(cfg: RunConfig, run_dir: Path, role_of: list[str]) -> None:
+    """Refuse ``--resume`` (one line) when the run folder has no checkpoint this job can load."""
+    choice = CheckpointStore(run_dir / CHECKPOINTS, 0, role_of, fingerprint(cfg, role_of)).choose()
+    if choice.index is None:
+        why = f": {choice.refused[0]}" if choice.refused else ""
+        raise ConfigError(f"cannot resume {run_dir}: no complete checkpoint in {run_dir / CHECKPOINTS}{why}")
+
+
+def resume_config(run_dir: Path) -> RunConfig:
+    """The configuration of the run in ``run_dir``, set to resume from its last checkpoint."""
+    if not (run_dir / "config.json").is_file():
+        raise ConfigError(f"cannot resume {run_dir}: it has no config.json (not a distsync run folder)")
+    cfg = RunConfig.read(run_dir / "config.json")
+    if cfg.task != "train":
+        raise ConfigError(f"cannot resume {run_dir}: it is a {cfg.task} run, not training")
+    return dataclasses.replace(cfg, resume=True, out=str(run_dir), master_port=None, link_latency_mode=None)
+
+
 def launch(cfg: RunConfig, run_dir: Path, on_progress: ProgressFn | None = None) -> dict[str, Any]:
     """Run one job on this machine; return its summary (or linktest result).
 
@@ -143,11 +165,18 @@ def _launch(cfg: RunConfig, run_dir: Path, role_of: list[str], on_progress: Prog
             f"port {cfg.master_port} on {host} is in use; pick another --master-port or leave it out to use a free one"
         )
     run_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.resume:
+        check_resumable(cfg, run_dir, role_of)
+    else:  # a fresh run into an old folder starts with no checkpoints, faults or stop mark
+        clear_checkpoints(run_dir / CHECKPOINTS)
+        for stale in ("faults.jsonl", "stop.json"):
+            (run_dir / stale).unlink(missing_ok=True)
     cfg.write(run_dir / "config.json")
     result_path = run_dir / RESULT_FILES[cfg.task]
     for stale in ("summary.json", "events.jsonl", "progress.json", "linktest.json", "model.pt"):
         (run_dir / stale).unlink(missing_ok=True)
     _quiet_torch_logs()
+    bind_listeners(host)  # the stores and the workers' gloo listen on host only
     lc = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -157,7 +186,7 @@ def _launch(cfg: RunConfig, run_dir: Path, role_of: list[str], on_progress: Prog
         rdzv_endpoint=f"{host}:{cfg.master_port or free_port(host)}",
         # This process hosts the rendezvous store (its address may not be the hostname's).
         rdzv_configs={"timeout": int(max(30, cfg.timeout_s)), "is_host": True},
-        max_restarts=0,
+        max_restarts=cfg.max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
         local_addr=host,

@@ -15,6 +15,7 @@ import torch
 
 from distsync.config import RunConfig
 from distsync.errors import DistsyncError
+from distsync.runtime.recovery import WorkerRecovery, write_stop
 from distsync.runtime.roles import EMBEDDING_SERVER
 from distsync.runtime.stretch import ComputeStretch
 from distsync.runtime.token import TokenClient
@@ -27,14 +28,16 @@ from distsync.workloads.base import to_device
 
 
 class TrainClock:
-    """Seconds since the common start, not counting time this worker spent evaluating."""
+    """Seconds since the common start, not counting time this worker spent evaluating;
+    a resumed run's clock starts at ``start_at``."""
 
-    def __init__(self) -> None:
+    def __init__(self, start_at: float = 0.0) -> None:
         self.start = time.perf_counter()
         self.paused = 0.0
+        self.start_at = start_at
 
     def now(self) -> float:
-        return time.perf_counter() - self.start - self.paused
+        return time.perf_counter() - self.start - self.paused + self.start_at
 
     def pause(self):
         clock = self
@@ -86,9 +89,13 @@ class Progress:
 
 
 def train_worker(cfg: RunConfig, workload: Workload, solver, comm, device: torch.device,
-                 progress: Progress, save_to: Path | None = None) -> list[dict[str, Any]]:
+                 progress: Progress, save_to: Path | None = None,
+                 recovery: WorkerRecovery | None = None) -> list[dict[str, Any]]:
     """Run ``cfg.steps`` steps on this worker; return its events. With ``save_to``, write the
-    final model's state (the one the run reports on) there."""
+    final model's state (the one the run reports on) there. ``recovery``: checkpoints to
+    write and resume from, and faults to inject."""
+    recovery = recovery or WorkerRecovery()
+    restored = recovery.restored
     steps = cfg.steps or workload.steps
     batch_size = cfg.batch_size or workload.batch_size
     eval_every = cfg.eval_every or workload.eval_every
@@ -98,8 +105,13 @@ def train_worker(cfg: RunConfig, workload: Workload, solver, comm, device: torch
     torch.manual_seed(cfg.seed)  # identical initial model on every worker
     model = workload.make_model().to(device)
     remote = use_embedding_servers(model, comm, cfg, workload, solver.threads) if cfg.embedding_servers else None
+    if restored is not None:
+        model.load_state_dict(restored["model"])  # before attach: solvers copy the model there
     optimizer = make_optimizer(cfg, model.parameters(), lr)
     run_model = solver.attach(model, optimizer, comm)
+    if restored is not None:
+        optimizer.load_state_dict(restored["optimizer"])
+        solver.load_state_dict(restored["solver"])
     threads = solver.threads
     if threads > 1 and cfg.crossover:
         raise DistsyncError(f"crossover scheduling runs one training thread per worker; {solver.name} asks for {threads}")
@@ -116,14 +128,29 @@ def train_worker(cfg: RunConfig, workload: Workload, solver, comm, device: torch
                  for t in range(threads)]
     perf = time.perf_counter
     events: list[dict[str, Any]] = []
+    first_k, start_at = 0, 0.0
+    if restored is not None:
+        torch.set_rng_state(restored["rng"]["torch"])
+        for st, saved in zip(stretches, restored["rng"]["stretch"]):
+            st.load_state_dict(saved)
+        events = list(restored["events"])
+        first_k = int(restored["step"]) // threads
+        # After a failure the time since the checkpoint was lost to the job and counts; a
+        # run resumed by hand later goes on from the checkpoint's clock.
+        start_at = float(restored["clock"]) + (max(0.0, time.time() - float(restored["unix"]))
+                                               if recovery.after_failure else 0.0)
     params = [p for p in model.parameters() if p.requires_grad]
     books = threading.Lock()  # bytes accounting shared by threads
 
     gate = (TokenClient(cfg.crossover["address"], cfg.crossover["job"], comm.worker_index, cfg.timeout_s)
             if cfg.crossover else None)
     comm.barrier(comm.worker_group)
-    clock = TrainClock()
-    events.append({"kind": "start", "rank": rank, "unix": time.time()})
+    clock = TrainClock(start_at)
+    if restored is None:
+        events.append({"kind": "start", "rank": rank, "unix": time.time()})
+    else:
+        events.append({"kind": "resume", "rank": rank, "step": int(restored["step"]), "index": int(restored["index"]),
+                       "t": clock.now(), "unix": time.time(), "attempt": recovery.attempt})
     sent_so_far = [comm.bytes_sent]
 
     def bytes_since_last() -> int:
@@ -142,16 +169,37 @@ def train_worker(cfg: RunConfig, workload: Workload, solver, comm, device: torch
         events.append({"kind": "eval", "rank": rank, "step": step, "t": clock.now(), **m})
         return m["metric"]
 
-    last_loss = [float("nan")]
+    last_loss = [float(restored["last_loss"]) if restored is not None else float("nan")]
     per_thread = steps // threads
     eval_every_k = max(1, eval_every // threads)
-    # All threads stop at each evaluation; one of them evaluates while the clock is paused.
-    eval_at = {"step": -1, "metric": None}
+    policy = recovery.policy
 
-    def evaluate_together() -> None:  # run by one thread while all wait at the barrier
-        eval_at["metric"] = evaluate(eval_at["step"])
+    def checkpoint(done: int) -> None:
+        """After ``done`` steps: write this worker's part of a checkpoint if one is due."""
+        index = policy.due(done) if recovery.store is not None else None
+        if index is None:
+            return
+        a = perf()
+        solver.checkpoint_peers(index)  # servers write their part
+        if remote is not None:
+            remote.client.save(index)
+        state = {"index": index, "step": done, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                 "solver": solver.state_dict(),
+                 "rng": {"torch": torch.get_rng_state(), "stretch": [st.state_dict() for st in stretches]},
+                 "events": events, "clock": clock.now(), "unix": time.time(), "last_loss": last_loss[0]}
+        recovery.store.write(index, done, state)
+        events.append({"kind": "checkpoint", "rank": rank, "step": done - 1, "index": index, "t": clock.now(),
+                       "seconds": perf() - a})
 
-    rendezvous = threading.Barrier(threads, action=evaluate_together)
+    # All threads stop at each evaluation and checkpoint; one of them does it while the others wait.
+    eval_at = {"step": -1, "metric": None, "evaluate": False}
+
+    def at_rendezvous() -> None:  # run by one thread while all wait at the barrier
+        if eval_at["evaluate"]:
+            eval_at["metric"] = evaluate(eval_at["step"])
+        checkpoint(eval_at["step"] + 1)
+
+    rendezvous = threading.Barrier(threads, action=at_rendezvous)
 
     def run(t: int) -> None:
         stretch, sampler = stretches[t], samplers[t]
@@ -163,8 +211,9 @@ def train_worker(cfg: RunConfig, workload: Workload, solver, comm, device: torch
             # (Hogwild) instead of tripping autograd's checks on a shared version counter.
             replica = hogwild_replica(model)
             thread_params = [p for p in replica.parameters() if p.requires_grad]
-        for k in range(per_thread):
+        for k in range(first_k, per_thread):
             step = k * threads + t
+            poison = recovery.faults.at(step) if recovery.faults is not None else None
             t0 = clock.now()
             a = perf()
             solver.before_step(step)
@@ -178,6 +227,8 @@ def train_worker(cfg: RunConfig, workload: Workload, solver, comm, device: torch
             a = perf()
             out = run_model(x) if threads == 1 else replica(x)
             loss = workload.loss_fn(out, y)
+            if poison is not None:  # injected: this step's loss is NaN
+                loss = loss * float("nan")
             lookup_s = remote.take_comm_s() if remote is not None else 0.0
             fwd = perf() - a - lookup_s
             stretch.after_forward(fwd)
@@ -221,7 +272,10 @@ def train_worker(cfg: RunConfig, workload: Workload, solver, comm, device: torch
 
             loss_v = float(loss.detach())
             if not math.isfinite(loss_v):
-                raise DistsyncError(f"worker rank {rank}: loss is {loss_v} at step {step}; stopping (try a lower --lr)")
+                message = f"worker rank {rank}: loss is {loss_v} at step {step}; stopping (try a lower --lr)"
+                if recovery.run_dir is not None:
+                    write_stop(recovery.run_dir, message)  # a restart would not cure it
+                raise DistsyncError(message)
             last_loss[0] = loss_v
             events.append({
                 "kind": "step", "rank": rank, "step": step, "t0": t0, "t": clock.now(), "loss": loss_v,
@@ -230,13 +284,15 @@ def train_worker(cfg: RunConfig, workload: Workload, solver, comm, device: torch
             })
             metric = None
             done = (k + 1) * threads
-            if (k + 1) % eval_every_k == 0 and k + 1 < per_thread:
-                if threads == 1:
+            evaluate_now = (k + 1) % eval_every_k == 0 and k + 1 < per_thread
+            if threads == 1:
+                if evaluate_now:
                     metric = evaluate(step)
-                else:
-                    eval_at["step"] = done - 1
-                    rendezvous.wait()
-                    metric = eval_at["metric"]
+                checkpoint(done)
+            elif evaluate_now or policy.steps_due(done):
+                eval_at.update(step=done - 1, evaluate=evaluate_now)
+                rendezvous.wait()
+                metric = eval_at["metric"] if evaluate_now else None
             if t == 0:
                 progress.update(done, loss_v, metric)
 

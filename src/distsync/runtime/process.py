@@ -4,17 +4,25 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from distsync.comm import Comm
+from distsync.errors import ConfigError
+from distsync.runtime.checkpoint import STATEFUL_ROLES, CheckpointStore, fingerprint
+from distsync.runtime.recovery import (CheckpointPolicy, FaultInjector, WorkerRecovery, raise_if_stopped,
+                                       read_faults, restart_count, summarize_recovery)
 from distsync.config import RunConfig, parse_link
 from distsync.metrics import split_collective_wait, summarize
 from distsync.runtime.linktest import run_linktest
 from distsync.runtime.loop import Progress, train_worker
 from distsync.runtime.roles import EMBEDDING_SERVER, assign_roles, job_roles
+
+#: the run folder's subfolder of checkpoints
+CHECKPOINTS = "checkpoints"
 from distsync.solvers import ServeContext, make_options, solver_class
 from distsync.sparse import EmbeddingServer, find_tables
 from distsync.sparse.tables import replace_module
@@ -78,6 +86,7 @@ def write_results(cfg: RunConfig, run_dir: Path, events: list[dict[str, Any]], s
         **final_extra_metrics(events, list(workload.extra_metrics)),
         "bytes_sent_by_servers": bytes_by_other_roles,
         "staleness": merge_staleness(stats),
+        "recovery": summarize_recovery(events, read_faults(run_dir)),
         "solver_stats": stats,
     }
     summary["bytes_sent"] += bytes_by_other_roles  # servers' replies cross the network too
@@ -87,9 +96,10 @@ def write_results(cfg: RunConfig, run_dir: Path, events: list[dict[str, Any]], s
     return summary
 
 
-def serve_embeddings(cfg: RunConfig, workload: Workload, comm: Comm, channels: int) -> dict[str, Any]:
-    """An embedding server's life: its rows of the initial tables, served until every
-    trainer thread is done; returns its counters."""
+def serve_embeddings(cfg: RunConfig, workload: Workload, comm: Comm, channels: int,
+                     ctx: ServeContext | None = None) -> dict[str, Any]:
+    """An embedding server's life: its rows of the initial tables (or of the checkpoint the
+    job resumes from), served until every trainer thread is done; returns its counters."""
     torch.manual_seed(cfg.seed)  # the workers' initial model, so the tables start as theirs would
     found = find_tables(workload.make_model())
     if found is None:
@@ -98,8 +108,34 @@ def serve_embeddings(cfg: RunConfig, workload: Workload, comm: Comm, channels: i
     lr = cfg.embedding_lr or workload.embedding_lr or cfg.lr or workload.lr
     server = EmbeddingServer(comm, list(found[1].weights), servers.index(comm.rank), len(servers),
                              cfg.embedding_optimizer, lr)
+    if ctx is not None and ctx.restored is not None:
+        server.load_state_dict(ctx.restored)
+    if ctx is not None and ctx.save is not None:
+        server.on_save = lambda index: ctx.save(index, int(server.counts["pushes"]), server.state_dict())
     server.serve(comm.worker_ranks, channels)
     return server.stats()
+
+
+def recovery_for(cfg: RunConfig, run_dir: Path, comm: Comm) -> WorkerRecovery:
+    """This process's checkpoints, the state it resumes from and the faults aimed at it."""
+    raise_if_stopped(run_dir)
+    attempt = restart_count()
+    store = CheckpointStore(run_dir / CHECKPOINTS, comm.rank, comm.role_of, fingerprint(cfg, comm.role_of))
+    restored = None
+    if cfg.resume or attempt > 0:
+        choice = store.choose()
+        for why in choice.refused:
+            print(f"distsync: rank {comm.rank}: skipped {why}", file=sys.stderr, flush=True)
+        if choice.index is None and cfg.resume:
+            raise ConfigError(f"no complete checkpoint to resume from in {run_dir / CHECKPOINTS}"
+                              + (f" ({choice.refused[0]})" if choice.refused else ""))
+        store.forget_after(choice.index or 0)  # what a failed attempt left beyond it is stale
+        if choice.index is not None and comm.role in STATEFUL_ROLES:
+            restored = store.load(choice.index)
+    policy = CheckpointPolicy(cfg.checkpoint_every, comm, last_index=int(restored["index"]) if restored else 0)
+    return WorkerRecovery(store=store if policy.enabled else None, policy=policy,
+                          faults=FaultInjector(cfg.faults, run_dir, comm.rank, comm.role_of), restored=restored,
+                          run_dir=run_dir, after_failure=attempt > 0, attempt=attempt)
 
 
 def run_process(cfg: RunConfig, run_dir: Path) -> None:
@@ -116,14 +152,22 @@ def run_process(cfg: RunConfig, run_dir: Path) -> None:
             comm.barrier()
             return
         workload = load_workload(cfg.workload, cfg.workload_options)
+        recovery = recovery_for(cfg, run_dir, comm)
         stats = None
+
+        def save(index: int, step: int, state: dict) -> None:
+            recovery.store.write(index, step, {**state, "index": index})
+
+        served = dict(save=save if recovery.store is not None else None, restored=recovery.restored,
+                      on_request=recovery.faults.at if recovery.faults.pending else None)
         if comm.role == "worker":
             progress = Progress(run_dir / "progress.json" if comm.rank == 0 else None,
                                 cfg.steps or workload.steps)
             events = train_worker(cfg, workload, solver, comm, device, progress,
-                                  save_to=run_dir / "model.pt" if comm.rank == 0 else None)
+                                  save_to=run_dir / "model.pt" if comm.rank == 0 else None, recovery=recovery)
         elif comm.role == EMBEDDING_SERVER:
-            stats = serve_embeddings(cfg, workload, comm, solver.threads)
+            stats = serve_embeddings(cfg, workload, comm, solver.threads,
+                                     ServeContext(make_model=workload.make_model, lr=0.0, **served))
             events = []
         else:
             def make_model():
@@ -137,7 +181,7 @@ def run_process(cfg: RunConfig, run_dir: Path) -> None:
             solver.serve(comm.role, comm, ServeContext(
                 make_model=make_model, lr=cfg.lr or workload.lr, momentum=cfg.momentum,
                 weight_decay=cfg.weight_decay, optimizer=cfg.optimizer, lars_eta=cfg.lars_eta,
-                warmup_steps=cfg.warmup_steps, steps=cfg.steps or workload.steps, seed=cfg.seed))
+                warmup_steps=cfg.warmup_steps, steps=cfg.steps or workload.steps, seed=cfg.seed, **served))
             events = []
         gathered = comm.gather_object({"events": events, "role": comm.role,
                                        "stats": stats if stats is not None else solver.stats(),

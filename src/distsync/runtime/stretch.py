@@ -31,3 +31,11 @@ class ComputeStretch:
 
     def after_backward(self, backward_s: float) -> None:
         self._backward_s = backward_s
+
+    def state_dict(self) -> dict:
+        return {"rng": self._rng.getstate(), "backward_s": self._backward_s, "slept_s": self.slept_s}
+
+    def load_state_dict(self, state: dict) -> None:
+        version, internal, gauss = state["rng"]
+        self._rng.setstate((int(version), tuple(int(v) for v in internal), gauss))
+        self._backward_s, self.slept_s = state["backward_s"], float(state["slept_s"])

@@ -175,6 +175,18 @@ class _Averaging(_HogwildThreads, Solver):
         self.comm.all_reduce(final, group=self.group)
         self.view.assign(final.div_(self.comm.num_workers))
 
+    def state_dict(self):
+        state = {"syncs": self.syncs, "steps_done": self.steps_done}
+        if isinstance(self.options, BMUFOptions):
+            state.update(w_start=self.w_start.clone(), delta=self.delta.clone())
+        return state
+
+    def load_state_dict(self, state):
+        self.syncs, self.steps_done = int(state["syncs"]), int(state["steps_done"])
+        if isinstance(self.options, BMUFOptions):
+            self.w_start.copy_(state["w_start"])
+            self.delta.copy_(state["delta"])
+
     def stats(self):
         if self.model is None:
             return {}
@@ -275,6 +287,13 @@ class ShadowEA(_HogwildThreads, AsyncEASGD):
             apply_correction(live, x, new)
             view.assign(live)
         self.syncs += 1
+
+    def state_dict(self):
+        return {**super().state_dict(), "syncs": self.syncs, "steps_done": self.steps_done}
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        self.syncs, self.steps_done = int(state["syncs"]), int(state["steps_done"])
 
     def close(self):
         self._done.set()

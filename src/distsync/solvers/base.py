@@ -51,6 +51,12 @@ class ServeContext:
     warmup_steps: int = 0
     steps: int = 0
     seed: int = 0
+    #: ``save(index, step, state)`` writes this process's part of checkpoint ``index``
+    save: Callable[[int, int, dict], None] | None = None
+    #: this process's state from the checkpoint the job resumes from (None: a fresh start)
+    restored: dict | None = None
+    #: called with the step of each request a server receives (fault injection)
+    on_request: Callable[[int], None] | None = None
 
 
 class PhaseClock:
@@ -152,10 +158,16 @@ class Solver:
         return {}
 
     def state_dict(self) -> dict[str, Any]:
+        """This worker's solver state for a checkpoint (the model and optimizer are saved
+        by the loop): tensors, numbers, strings and containers of them only."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
+        """Restore :meth:`state_dict` after :meth:`attach`."""
+
+    def checkpoint_peers(self, index: int) -> None:
+        """Ask this solver's other processes (servers) to write their part of checkpoint
+        ``index``; called on every worker just before it writes its own."""
 
     # ---- convenience for users' own loops -----------------------------------------------
     @contextlib.contextmanager

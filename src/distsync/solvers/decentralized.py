@@ -46,6 +46,12 @@ TAG_COORD_REQ, TAG_COORD_REPLY = 31, 32
 OP_REQUEST, OP_DONE = 1, 2
 
 
+def _as_random_state(state) -> tuple:
+    """``random.Random.getstate()`` after a round trip through a checkpoint (lists become tuples)."""
+    version, internal, gauss = state
+    return int(version), tuple(int(v) for v in internal), gauss
+
+
 @dataclass
 class ADPSGDOptions:
     """seed: picks each active worker's partners."""
@@ -137,6 +143,16 @@ class ADPSGD(Solver):
                 self._apply_pending()
         if self._error:
             raise self._error[0]
+
+    def state_dict(self):
+        with self.lock:  # an average that arrived since the last update belongs to the model
+            self._apply_pending()
+        return {"rng": self.rng.getstate(), "averaged": self.averaged, "answered": dict(self.answered)}
+
+    def load_state_dict(self, state):
+        self.rng.setstate(_as_random_state(state["rng"]))
+        self.averaged = int(state["averaged"])
+        self.answered = Counter({int(k): v for k, v in state["answered"].items()})
 
     def stats(self):
         if self.model is None:
@@ -253,7 +269,7 @@ class Ripples(Solver):
         if self.options.schedule == "random":
             self._serve_random(comm, ctx)
         else:
-            self._serve_smart(comm)
+            self._serve_smart(comm, ctx)
 
     def _serve_random(self, comm, ctx):
         rng = random.Random(self.options.seed * 1_000_003 + ctx.seed)
@@ -263,6 +279,8 @@ class Ripples(Solver):
         while open_workers:
             sender = comm.recv(head, None, tag=TAG_COORD_REQ)
             op, first = (int(v) for v in head)
+            if ctx.on_request is not None and op != OP_DONE:
+                ctx.on_request(first)
             if op == OP_DONE:
                 open_workers.discard(sender)
                 continue
@@ -277,7 +295,7 @@ class Ripples(Solver):
                 out[i, : len(g)] = torch.tensor(g)
             comm.send(out, sender, tag=TAG_COORD_REPLY)
 
-    def _serve_smart(self, comm):
+    def _serve_smart(self, comm, ctx):
         arrivals: queue.Queue = queue.Queue()
         open_workers = set(comm.worker_ranks)
 
@@ -286,6 +304,8 @@ class Ripples(Solver):
             try:
                 while True:
                     sender = comm.recv(head, None, tag=TAG_COORD_REQ)
+                    if ctx.on_request is not None and int(head[0]) != OP_DONE:
+                        ctx.on_request(int(head[1]))
                     arrivals.put((sender, int(head[0]), time.monotonic()))
                     if int(head[0]) == OP_DONE:
                         open_workers.discard(sender)
@@ -331,6 +351,17 @@ class Ripples(Solver):
         out[: len(group)] = torch.tensor(group)
         for r in ranks:
             comm.send(out, r, tag=TAG_COORD_REPLY)
+
+    def state_dict(self):
+        return {"round": self.round, "upcoming": [list(g) for g in self.upcoming], "joined": self.joined,
+                "alone": self.alone, "group_wait_s": self.group_wait_s, "sizes": dict(self.sizes)}
+
+    def load_state_dict(self, state):
+        self.round = int(state["round"])
+        self.upcoming = [tuple(int(v) for v in g) for g in state["upcoming"]]
+        self.joined, self.alone = int(state["joined"]), int(state["alone"])
+        self.group_wait_s = float(state["group_wait_s"])
+        self.sizes = Counter({int(k): v for k, v in state["sizes"].items()})
 
     def stats(self):
         if self.model is not None:

@@ -132,6 +132,19 @@ class _ElasticServerSolver(ServerSolver):
             self._sum_d += d.double()
         return seen
 
+    def server_state_dict(self, shard):
+        state = super().server_state_dict(shard)
+        with self._book:
+            if self._sum_d is not None:
+                state.update(overlapping=self.overlapping, center0=self._center0.clone(), sum_d=self._sum_d.clone())
+        return state
+
+    def load_server_state(self, shard, state):
+        super().load_server_state(shard, state)
+        if "sum_d" in state:
+            self.overlapping = int(state["overlapping"])
+            self._center0, self._sum_d = state["center0"].clone(), state["sum_d"].clone()
+
     def stats(self):
         out = super().stats()
         if hasattr(self, "shard") and self._sum_d is not None:
@@ -228,6 +241,12 @@ class SyncEASGD(Solver):
         sync_elastic_update(x, c, total, self.comm.num_workers, self.alpha)
         mine.assign(x)
         center.assign(c)
+
+    def state_dict(self):
+        return {"center": self.center.state_dict()}
+
+    def load_state_dict(self, state):
+        self.center.load_state_dict(state["center"])
 
     def eval_model(self):
         return self.center

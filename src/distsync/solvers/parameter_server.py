@@ -104,14 +104,41 @@ class ServerSolver(Solver):
         servers = comm.ranks_with_role("server")
         layout = Layout.of(params, servers)
         tensors = [params[i] for i in layout.shards[servers.index(comm.rank)]]
-        self.shard = ServerShard(comm, tensors, self.handle, lock=not self.lock_free)
-        self.run_server(self.shard)
+        self.shard = shard = ServerShard(comm, tensors, self.handle, lock=not self.lock_free)
+        shard.on_request = ctx.on_request
+        if ctx.save is not None:
+            shard.on_save = lambda index: ctx.save(index, shard.version, self.server_state_dict(shard))
+        if ctx.restored is not None:
+            self.load_server_state(shard, ctx.restored)
+            shard.saved_index = int(ctx.restored.get("index", 0))
+        self.run_server(shard)
+
+    def server_state_dict(self, shard: ServerShard) -> dict:
+        state = shard.state_dict()
+        if hasattr(shard, "momentum_buffer"):
+            state["momentum_buffer"] = shard.momentum_buffer.clone()
+        return state
+
+    def load_server_state(self, shard: ServerShard, state: dict) -> None:
+        shard.load_state_dict(state)
+        if "momentum_buffer" in state:
+            shard.momentum_buffer = state["momentum_buffer"].clone()
 
     def run_server(self, shard: ServerShard) -> None:
         shard.serve_each_worker_in_a_thread()
 
     def handle(self, shard: ServerShard, req: Request):
         raise NotImplementedError
+
+    def checkpoint_peers(self, index):
+        with self.client_lock:
+            self.client.save(index)
+
+    def state_dict(self):
+        return {"versions": list(self.client.versions)}
+
+    def load_state_dict(self, state):
+        self.client.versions = [int(v) for v in state["versions"]]
 
     def stats(self):
         return self.shard.stats() if hasattr(self, "shard") else {}
@@ -212,6 +239,14 @@ class AsyncPS(GradientServerSolver):
         self.client.push(step, self._acc)
         self._acc = [torch.zeros_like(a) for a in self._acc]
         self._pending = 0
+
+    def state_dict(self):
+        return {**super().state_dict(), "acc": [a.clone() for a in self._acc], "pending": self._pending}
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        self._acc = [a.clone() for a in state["acc"]]
+        self._pending = int(state["pending"])
 
     def eval_model(self):
         return self._final if self._final is not None else self.center_model(-1)

@@ -10,6 +10,8 @@ exchanges, the flat payload of that server's tensors; a server answers a pull or
 exchange with a header ``int64[version]`` and the flat center. A server serves every worker
 from its own thread (first come, first served), or in strict rank order (round robin), or
 in synchronous rounds; ``serve`` returns once every worker has said it is done.
+``OP_SAVE`` (header ``[op, checkpoint index, version]``, no reply) asks a server to write
+its part of a checkpoint; the first worker to ask for an index triggers it.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch.nn as nn
 from distsync.errors import ConfigError
 from distsync.solvers.flat import FlatView
 
-OP_PULL, OP_PUSH, OP_EXCHANGE, OP_DONE = 1, 2, 3, 4
+OP_PULL, OP_PUSH, OP_EXCHANGE, OP_DONE, OP_SAVE = 1, 2, 3, 4, 5
 TAG_HEADER, TAG_PAYLOAD, TAG_REPLY_HEADER, TAG_REPLY = 11, 12, 13, 14
 
 
@@ -106,6 +108,10 @@ class PSClient:
     def done(self) -> None:
         self._send_all(OP_DONE, -1, None)
 
+    def save(self, index: int) -> None:
+        """Ask every server to write its part of checkpoint ``index`` (no reply)."""
+        self._send_all(OP_SAVE, index, None)
+
 
 class Request:
     __slots__ = ("worker", "op", "step", "version_seen", "payload")
@@ -133,11 +139,19 @@ class ServerShard:
         self.handle = handle
         self._lock = threading.Lock() if lock else None
         self._errors: list[BaseException] = []
+        #: called with each request's step before it is served (fault injection)
+        self.on_request: Callable[[int], None] | None = None
+        #: called with a checkpoint index to write this shard's state (at most once per index)
+        self.on_save: Callable[[int], None] | None = None
+        self.saved_index = 0
+        self._save_lock = threading.Lock()
 
     def _receive(self, worker: int) -> Request:
         head = torch.zeros(3, dtype=torch.int64)
         self.comm.recv(head, worker, tag=TAG_HEADER)
         op, step, seen = (int(v) for v in head.tolist())
+        if self.on_request is not None and op not in (OP_DONE, OP_SAVE):
+            self.on_request(step)
         payload = None
         if op in (OP_PUSH, OP_EXCHANGE):
             payload = torch.zeros(self.center.numel())
@@ -148,7 +162,19 @@ class ServerShard:
         self.comm.send(torch.tensor([version], dtype=torch.int64), worker, tag=TAG_REPLY_HEADER)
         self.comm.send(tensor, worker, tag=TAG_REPLY)
 
+    def save(self, index: int) -> None:
+        """Write this shard's part of checkpoint ``index`` unless it already has."""
+        with self._save_lock:
+            if index <= self.saved_index or self.on_save is None:
+                return
+            with self._lock or _NoLock():
+                self.on_save(index)
+            self.saved_index = index
+
     def _process(self, req: Request) -> None:
+        if req.op == OP_SAVE:
+            self.save(req.step)
+            return
         self.requests[req.op] += 1
         if req.op == OP_PULL:
             with self._lock or _NoLock():
@@ -208,6 +234,9 @@ class ServerShard:
             ops = {r.op for r in reqs}
             if ops == {OP_DONE}:
                 return
+            if ops == {OP_SAVE}:
+                self.save(reqs[0].step)
+                continue
             if OP_DONE in ops or len(ops) != 1:
                 raise RuntimeError(f"sync server got mixed requests {sorted(ops)} in one round")
             if ops == {OP_PULL}:
@@ -219,6 +248,16 @@ class ServerShard:
             out = combine(self, reqs)
             for r in reqs:
                 self._reply(r.worker, out, self.version)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"center": self.center.clone(), "version": self.version,
+                "staleness": dict(self.staleness), "requests": dict(self.requests)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.center.copy_(state["center"])
+        self.version = int(state["version"])
+        self.staleness = Counter(state["staleness"])
+        self.requests = Counter(state["requests"])
 
     def stats(self) -> dict[str, Any]:
         return {

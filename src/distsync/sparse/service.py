@@ -13,7 +13,9 @@ of its own (4 tags), and a server serves every (trainer, channel) from a thread 
 in order, so a trainer always sees its own pushes. Messages: header ``int64[op, n_0 ..
 n_{T-1}]`` (rows per table), then for lookups and pushes the local row indices
 ``int64[sum n]``, then for pushes the gradients ``float32[sum n, dim]``; a lookup is answered
-with the rows ``float32[sum n, dim]``. ``OP_DONE`` ends a channel.
+with the rows ``float32[sum n, dim]``. ``OP_DONE`` ends a channel. ``OP_SAVE`` (header
+``[op, checkpoint index, 0 ...]``) asks the server to write its rows and optimizer state
+into a checkpoint, once per index.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch.nn as nn
 
 from distsync.sparse.tables import coalesce, sparse_adagrad_, sparse_sgd_
 
-OP_LOOKUP, OP_PUSH, OP_DONE = 1, 2, 3
+OP_LOOKUP, OP_PUSH, OP_DONE, OP_SAVE = 1, 2, 3, 4
 _TAG_BASE = 200
 OPTIMIZERS = ("adagrad", "sgd")
 
@@ -130,6 +132,13 @@ class EmbeddingClient:
         with self._count:
             self.rows_sent += sent
 
+    def save(self, index: int, channel: int = 0) -> None:
+        """Ask every server to write its part of checkpoint ``index`` (no reply)."""
+        head_tag = channel_tags(channel)[0]
+        for rank in self.server_ranks:
+            self.comm.send(torch.tensor([OP_SAVE, index] + [0] * (len(self.rows) - 1), dtype=torch.int64), rank,
+                           tag=head_tag)
+
     def done(self, channels: int) -> None:
         """Close every channel on every server."""
         for channel in range(channels):
@@ -155,6 +164,37 @@ class EmbeddingServer:
         self.counts: Counter = Counter()
         self._count = threading.Lock()
         self.busy_s = 0.0
+        #: ``on_save(index)`` writes :meth:`state_dict` into checkpoint ``index``
+        self.on_save: Any = None
+        self.saved_index = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Rows and optimizer state, each table under its lock (pushes may be arriving)."""
+        weights, state = [], []
+        for t, lock in enumerate(self.locks):
+            with lock:
+                weights.append(self.weights[t].clone())
+                if self.state is not None:
+                    state.append(self.state[t].clone())
+        with self._count:
+            counts = dict(self.counts)
+        return {"weights": weights, "state": state, "counts": counts, "index": self.saved_index}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        for w, v in zip(self.weights, saved["weights"]):
+            w.copy_(v)
+        if self.state is not None:
+            for st, v in zip(self.state, saved["state"]):
+                st.copy_(v)
+        self.counts = Counter(saved["counts"])
+        self.saved_index = int(saved.get("index", 0))
+
+    def save(self, index: int) -> None:
+        with self._count:
+            if index <= self.saved_index or self.on_save is None:
+                return
+            self.saved_index = index
+        self.on_save(index)
 
     def lookup(self, counts: list[int], local: torch.Tensor) -> torch.Tensor:
         out = []
@@ -184,6 +224,9 @@ class EmbeddingServer:
                 op, counts = int(head[0]), [int(c) for c in head[1:]]
                 if op == OP_DONE:
                     return
+                if op == OP_SAVE:
+                    self.save(counts[0])
+                    continue
                 local = torch.empty(sum(counts), dtype=torch.int64)
                 self.comm.recv(local, worker, tag=ids_tag)
                 if op == OP_LOOKUP:

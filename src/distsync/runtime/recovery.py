@@ -1,0 +1,195 @@
+"""What a process needs to survive failures: when to checkpoint, injected faults, the stop mark.
+
+- :class:`CheckpointPolicy`: every N steps (each worker decides alone: checkpoint ``k`` is
+  taken after step ``k * N``), or every N seconds (worker 0's clock decides and announces
+  the step of the next checkpoint, a few steps ahead, in the job's key-value store; lockstep
+  workers all reach it together, a worker already past it checkpoints at once).
+- :class:`FaultInjector`: ``--fault`` specs for this process. A fault fires once per run:
+  it is appended to ``RUN/faults.jsonl`` before it acts, and a restarted process skips the
+  faults found there.
+- The stop mark (``RUN/stop.json``): an error that a restart cannot cure (a NaN loss) is
+  written there, and a restarted process ends with it at once instead of training again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from distsync.config import Fault, checkpoint_interval, parse_fault
+from distsync.runtime.checkpoint import CheckpointStore
+from distsync.errors import DistsyncError
+
+#: steps between worker 0 announcing a time-based checkpoint and the workers taking it
+ANNOUNCE_AHEAD = 3
+
+
+def restart_count() -> int:
+    """How many times torch's elastic agent has restarted this job (0: the first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+class CheckpointPolicy:
+    """Decides after which steps this worker writes a checkpoint, and its index."""
+
+    def __init__(self, every: Any, comm: Any = None, last_index: int = 0):
+        self.every_steps, self.every_s = checkpoint_interval(every)
+        self.comm = comm
+        self.index = last_index
+        self._announced_at: int | None = None
+        self._last = time.monotonic()
+
+    @property
+    def enabled(self) -> bool:
+        return self.every_steps is not None or self.every_s is not None
+
+    def steps_due(self, done: int) -> bool:
+        """Whether a step-based checkpoint falls after ``done`` steps."""
+        return self.every_steps is not None and done % self.every_steps == 0
+
+    def _key(self, index: int) -> str:
+        return f"distsync/checkpoint/{restart_count()}/{index}"
+
+    def due(self, done: int) -> int | None:
+        """After ``done`` steps: the index of the checkpoint to write now, or None."""
+        if self.every_steps is not None:
+            if done % self.every_steps:
+                return None
+            self.index = done // self.every_steps
+            return self.index
+        if self.every_s is None:
+            return None
+        key = self._key(self.index + 1)
+        if self._announced_at is None:
+            if self.comm.worker_index == 0 and time.monotonic() - self._last >= self.every_s:
+                self.comm.store_set(key, str(done + ANNOUNCE_AHEAD))
+            if self.comm.store_check(key):
+                self._announced_at = int(self.comm.store_get(key))
+        if self._announced_at is not None and done >= self._announced_at:
+            self._announced_at = None
+            self._last = time.monotonic()
+            self.index += 1
+            return self.index
+        return None
+
+
+class FaultInjector:
+    """The faults aimed at this process; :meth:`at` fires the ones due at a step."""
+
+    def __init__(self, specs: list[str], run_dir: Path, rank: int, role_of: list[str]):
+        self.log = Path(run_dir) / "faults.jsonl"
+        fired = set()
+        if self.log.exists():
+            for line in self.log.read_text().splitlines():
+                try:
+                    fired.add(json.loads(line)["spec"])
+                except (ValueError, KeyError, TypeError):
+                    pass  # a line cut short by a kill
+        self.rank = rank
+        self.role = role_of[rank]
+        self.pending: list[Fault] = []
+        for spec in specs:
+            f = parse_fault(spec)
+            mine = (f.target == rank and self.role == "worker") or (
+                isinstance(f.target, str) and f.target in role_of and role_of.index(f.target) == rank)
+            if mine and f.spec not in fired:
+                self.pending.append(f)
+
+    def _record(self, f: Fault, step: int) -> None:
+        line = json.dumps({"spec": f.spec, "kind": f.kind, "rank": self.rank, "role": self.role, "step": step,
+                           "target_step": f.step, "unix": time.time(), "attempt": restart_count()}) + "\n"
+        fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line.encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def at(self, step: int) -> Fault | None:
+        """Fire the faults due at ``step``: a kill ends this process (SIGKILL), a stall sleeps;
+        returns a NaN fault for the caller to apply to this step's loss."""
+        if not self.pending:
+            return None
+        nan = None
+        for f in [f for f in self.pending if step >= f.step]:
+            self.pending.remove(f)
+            self._record(f, step)
+            if f.kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif f.kind == "stall":
+                time.sleep(f.seconds)
+            else:
+                nan = f
+        return nan
+
+
+@dataclass
+class WorkerRecovery:
+    """A worker's share of the job's reliability: where its checkpoints go (``store`` None:
+    none are written), when, the state it resumes from, and the faults aimed at it."""
+
+    store: CheckpointStore | None = None
+    policy: CheckpointPolicy = field(default_factory=lambda: CheckpointPolicy(None))
+    faults: FaultInjector | None = None
+    restored: dict[str, Any] | None = None
+    run_dir: Path | None = None
+    #: resuming because a process failed (not by hand): the time lost counts as training time
+    after_failure: bool = False
+    attempt: int = 0
+
+
+def stop_mark(run_dir: Path) -> Path:
+    return Path(run_dir) / "stop.json"
+
+
+def write_stop(run_dir: Path, message: str) -> None:
+    tmp = stop_mark(run_dir).with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"message": message, "unix": time.time()}))
+    os.replace(tmp, stop_mark(run_dir))
+
+
+def raise_if_stopped(run_dir: Path) -> None:
+    """In a restarted job: end with the error that stopped an earlier attempt."""
+    mark = stop_mark(run_dir)
+    if restart_count() > 0 and mark.exists():
+        try:
+            message = json.loads(mark.read_text())["message"]
+        except (OSError, ValueError, KeyError, TypeError):
+            message = "an earlier attempt stopped the run"
+        raise DistsyncError(message)
+
+
+def read_faults(run_dir: Path) -> list[dict[str, Any]]:
+    log = Path(run_dir) / "faults.jsonl"
+    out = []
+    if log.exists():
+        for line in log.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+    return out
+
+
+def summarize_recovery(events: list[dict[str, Any]], faults: list[dict[str, Any]]) -> dict[str, Any]:
+    """Faults injected, and for each that killed a process: the step the job resumed from,
+    the steps lost (the fault's step minus it) and the seconds from the kill until training
+    resumed."""
+    resumes = sorted((e for e in events if e["kind"] == "resume"), key=lambda e: e["unix"])
+    out = []
+    for f in sorted(faults, key=lambda f: f["unix"]):
+        row = dict(f)
+        if f["kind"] == "kill":
+            after = [e for e in resumes if e["unix"] > f["unix"]]
+            if after:
+                first = min(after, key=lambda e: e["unix"])
+                row.update(resumed_from_step=first["step"], steps_lost=max(0, f["step"] - first["step"]),
+                           recovery_s=first["unix"] - f["unix"])
+        out.append(row)
+    return {"faults": out, "restarts": max([e.get("attempt", 0) for e in resumes] + [0]),
+            "resumes": len({(e.get("attempt"), e["unix"] // 1) for e in resumes if e["rank"] == 0})}
