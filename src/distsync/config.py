@@ -7,8 +7,12 @@ folder as ``config.json`` and read back by every worker process.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import math
 import re
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +26,97 @@ _UNITS_BIT = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
 _UNITS_S = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
 
 DEVICES = ("auto", "cpu", "cuda")
+#: the integers a JSON file round-trips exactly; also keeps ``seed * 1000 + rank`` (torch's
+#: per-worker seed) inside the 64 bits torch.manual_seed takes
+SEED_LIMIT = 2**53 - 1
+
+# What a value of each type looks like in a config file, for messages: (one, many).
+_NOUNS: dict[Any, tuple[str, str]] = {
+    int: ("an integer", "integers"),
+    float: ("a finite number", "finite numbers"),
+    str: ("a string", "strings"),
+    bool: ("true or false", "booleans"),
+    type(None): ("null", "nulls"),
+    Any: ("any value", "any values"),
+}
+
+
+def _is_union(hint: Any) -> bool:
+    return typing.get_origin(hint) in (typing.Union, types.UnionType)
+
+
+def describe_type(hint: Any, many: bool = False) -> str:
+    """``hint`` in words: ``int | None`` -> "an integer or null"."""
+    if hint in _NOUNS:
+        return _NOUNS[hint][many]
+    args = typing.get_args(hint)
+    if _is_union(hint):
+        parts = [describe_type(a, many) for a in args]
+        return ", ".join(parts[:-1]) + " or " + parts[-1]
+    origin = typing.get_origin(hint)
+    if origin in (list, tuple):
+        return ("lists" if many else "a list") + f" of {describe_type(args[0], True)}"
+    if origin is dict:
+        return (("objects" if many else "an object") +
+                f" mapping {describe_type(args[0], True)} to {describe_type(args[1], True)}")
+    return getattr(hint, "__name__", str(hint))
+
+
+def matches_type(value: Any, hint: Any) -> bool:
+    """Whether ``value`` (as parsed from JSON or TOML) is of type ``hint``. Stricter than
+    ``isinstance`` where files are sloppy: a bool is no number, a float must be finite."""
+    if hint is Any:
+        return True
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False
+        try:
+            return math.isfinite(value)
+        except OverflowError:  # an int beyond any float
+            return False
+    if _is_union(hint):
+        return any(matches_type(value, a) for a in typing.get_args(hint))
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (list, tuple):
+        # A file has only lists; a tuple field is filled from one.
+        return isinstance(value, (list, tuple)) and all(matches_type(v, args[0]) for v in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(matches_type(k, args[0]) and matches_type(v, args[1])
+                                               for k, v in value.items())
+    return isinstance(value, hint)
+
+
+@functools.cache
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def show(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters: one line, however long the input."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def show_names(names: Any) -> str:
+    """Comma-separated names; one that is not a plain name (empty, spaces, a line break, no
+    string) as its repr, so the message stays one line and shows where it starts and ends."""
+    return ", ".join(n if isinstance(n, str) and re.fullmatch(r"[\w.-]+", n) else show(n) for n in names)
+
+
+def check_field_types(cls: type, values: dict[str, Any], what: str = "config field") -> None:
+    """Raise :class:`ConfigError` naming the first of ``values`` whose value does not have
+    the type of ``cls``'s dataclass field of that name (names that are no field are skipped)."""
+    hints = _field_types(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in values and not matches_type(values[f.name], hints[f.name]):
+            raise ConfigError(f"{what} {f.name} must be {describe_type(hints[f.name])}, "
+                              f"got {show(values[f.name])}")
 
 
 def parse_slow(spec: str | None) -> dict[int, float]:
@@ -33,7 +128,8 @@ def parse_slow(spec: str | None) -> dict[int, float]:
         return {}
     slow: dict[int, float] = {}
     for part in spec.split(","):
-        m = re.fullmatch(r"\s*(\d+)\s*:\s*([0-9]*\.?[0-9]+)\s*x?\s*", part)
+        # RANK has at most 9 digits: int() refuses thousands with a ValueError.
+        m = re.fullmatch(r"\s*([0-9]{1,9})\s*:\s*([0-9]*\.?[0-9]+)\s*x?\s*", part)
         if not m:
             raise ConfigError(
                 f"bad --slow entry {part.strip()!r}: expected RANK:FACTOR, e.g. --slow 1:3 or --slow 0:2,3:1.5"
@@ -41,6 +137,8 @@ def parse_slow(spec: str | None) -> dict[int, float]:
         rank, factor = int(m.group(1)), float(m.group(2))
         if factor < 1.0:
             raise ConfigError(f"bad --slow entry {part.strip()!r}: FACTOR must be >= 1 (it stretches compute)")
+        if not math.isfinite(factor):  # hundreds of digits parse as inf
+            raise ConfigError(f"bad --slow entry {part.strip()!r}: FACTOR must be a finite number")
         if rank in slow:
             raise ConfigError(f"bad --slow: rank {rank} is given twice")
         slow[rank] = factor
@@ -75,6 +173,8 @@ def parse_link(spec: str) -> LinkSpec:
     if not m:
         raise ConfigError(f"bad --link bandwidth {parts[0]!r}: expected a number with kbit, mbit or gbit, e.g. 200mbit")
     bps = float(m.group(1)) * _UNITS_BIT[m.group(2)]
+    if not math.isfinite(bps):  # hundreds of digits parse as inf
+        raise ConfigError(f"bad --link bandwidth {parts[0]!r}: expected a finite number, e.g. 200mbit")
     if bps < 8e3:
         raise ConfigError(f"bad --link bandwidth {parts[0]!r}: at least 8kbit")
     latency = 0.0
@@ -83,6 +183,8 @@ def parse_link(spec: str) -> LinkSpec:
         if not m:
             raise ConfigError(f"bad --link latency {parts[1]!r}: expected a number with s, ms or us, e.g. 2ms")
         latency = float(m.group(1)) * _UNITS_S[m.group(2)]
+        if not math.isfinite(latency):
+            raise ConfigError(f"bad --link latency {parts[1]!r}: expected a finite number, e.g. 2ms")
     return LinkSpec(bps, latency)
 
 
@@ -96,8 +198,72 @@ def parse_key_values(items: list[str] | None, what: str = "--solver-option") -> 
         key = key.strip().replace("-", "_")
         if not key:
             raise ConfigError(f"bad {what} {item!r}: empty KEY")
+        # Keys name keyword arguments; a space or line break in one only garbles later messages.
+        if not key.isprintable() or any(c.isspace() for c in key):
+            raise ConfigError(f"bad {what} {item!r}: KEY must be a name without spaces, e.g. rows")
         out[key] = value.strip()
     return out
+
+
+FAULT_KINDS = ("kill", "stall", "nan")
+FAULT_ROLES = ("server", "coordinator", "embedding-server")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """An injected fault: ``kind`` (kill | stall | nan) hits ``target`` (a worker's rank, or the
+    first process of a role) when it reaches ``step``; a stall lasts ``seconds``."""
+
+    kind: str
+    target: int | str
+    step: int
+    seconds: float = 0.0
+    spec: str = ""
+
+
+def parse_fault(spec: str) -> Fault:
+    """``kill:RANK@STEP``, ``kill:server@STEP`` (also coordinator, embedding-server),
+    ``stall:RANK@STEP:SECONDS``, ``nan:RANK@STEP`` (the loss of that step becomes NaN)."""
+    if not isinstance(spec, str):
+        raise ConfigError(f"bad --fault {spec!r}: expected a string such as kill:1@40")
+    # ASCII: str.isdigit takes digits such as "²" that int() refuses; at most 18 digits, as
+    # int() refuses thousands.
+    m = re.fullmatch(r"\s*(\w+):([\w-]+)@([0-9]{1,18})(?::([0-9]*\.?[0-9]+))?\s*", spec, re.ASCII)
+    if not m or m.group(1) not in FAULT_KINDS:
+        raise ConfigError(f"bad --fault {spec!r}: expected kill:RANK@STEP, kill:server@STEP, "
+                          f"stall:RANK@STEP:SECONDS or nan:RANK@STEP")
+    kind, who, step, seconds = m.group(1), m.group(2), int(m.group(3)), m.group(4)
+    target: int | str = int(who) if who.isdigit() and len(who) <= 18 else who
+    if isinstance(target, str) and target not in FAULT_ROLES:
+        raise ConfigError(f"bad --fault {spec!r}: {who!r} is neither a worker rank nor one of {', '.join(FAULT_ROLES)}")
+    if (kind == "stall") != (seconds is not None):
+        raise ConfigError(f"bad --fault {spec!r}: " + ("a stall needs :SECONDS, e.g. stall:0@20:3" if kind == "stall"
+                                                      else f"{kind} takes no :SECONDS"))
+    if kind in ("stall", "nan") and not isinstance(target, int):
+        raise ConfigError(f"bad --fault {spec!r}: {kind} applies to a worker rank")
+    if seconds is not None and not math.isfinite(float(seconds)):
+        raise ConfigError(f"bad --fault {spec!r}: SECONDS must be a finite number, e.g. stall:0@20:3")
+    return Fault(kind, target, step, float(seconds or 0.0), spec.strip())
+
+
+def checkpoint_interval(value: Any) -> tuple[int | None, float | None]:
+    """``(steps, seconds)`` of ``--checkpoint-every``: ``50`` is every 50 steps, ``"30s"``
+    every 30 seconds; ``None`` never."""
+    if value is None:
+        return None, None
+    if isinstance(value, bool):
+        raise ConfigError(f"bad --checkpoint-every {value!r}: expected STEPS or SECONDS with s, e.g. 50 or 30s")
+    if isinstance(value, int):
+        if value < 1:
+            raise ConfigError(f"--checkpoint-every must be >= 1 step, got {value}")
+        return value, None
+    m = re.fullmatch(r"\s*([0-9]{1,18})\s*", value) if isinstance(value, str) else None
+    if m:
+        return checkpoint_interval(int(m.group(1)))
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*s\s*", value) if isinstance(value, str) else None
+    if not m or not 0 < float(m.group(1)) < math.inf:
+        raise ConfigError(f"bad --checkpoint-every {value!r}: expected STEPS or SECONDS with s, e.g. 50 or 30s")
+    return None, float(m.group(1))
 
 
 @dataclass
@@ -149,14 +315,25 @@ class RunConfig:
     crossover: dict[str, Any] | None = None
     task: str = "train"
     task_options: dict[str, Any] = field(default_factory=dict)
+    #: write a checkpoint every N steps (an int) or every N seconds (``"30s"``); None: never
+    checkpoint_every: int | str | None = None
+    #: how many times torch's elastic agent restarts the job (from its last checkpoint)
+    #: after a process fails; 0: the first failure ends the job
+    max_restarts: int = 0
+    #: continue from the run folder's last complete checkpoint (``distsync train --resume``)
+    resume: bool = False
+    #: injected faults, e.g. ``["kill:1@40", "kill:server@30", "stall:0@20:3"]`` (:func:`parse_fault`)
+    faults: list[str] = field(default_factory=list)
 
     def validate(self) -> "RunConfig":
         """Check every field; raise :class:`ConfigError` with a one-line message."""
-        if not isinstance(self.workers, int) or self.workers < 1:
+        # Types first (a config file may hold anything), so the checks below compare numbers.
+        check_field_types(type(self), vars(self))
+        if self.workers < 1:
             raise ConfigError(f"--workers must be an integer >= 1, got {self.workers!r}")
         for name in ("steps", "batch_size", "eval_every"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < 1):
+            if v is not None and v < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
         if self.lr is not None and not self.lr > 0:
             raise ConfigError(f"--lr must be > 0, got {self.lr!r}")
@@ -166,14 +343,16 @@ class RunConfig:
             raise ConfigError(f"--momentum must be in [0, 1), got {self.momentum!r}")
         if not self.lars_eta > 0:
             raise ConfigError(f"--lars-eta must be > 0, got {self.lars_eta!r}")
-        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+        if self.warmup_steps < 0:
             raise ConfigError(f"--warmup-steps must be an integer >= 0, got {self.warmup_steps!r}")
         if self.weight_decay < 0:
             raise ConfigError(f"--weight-decay must be >= 0, got {self.weight_decay!r}")
         if not self.timeout_s > 0:
             raise ConfigError(f"--timeout must be > 0 seconds, got {self.timeout_s!r}")
-        if not isinstance(self.intra_op_threads, int) or self.intra_op_threads < 1:
+        if self.intra_op_threads < 1:
             raise ConfigError(f"--intra-op-threads must be an integer >= 1, got {self.intra_op_threads!r}")
+        if not -SEED_LIMIT <= self.seed <= SEED_LIMIT:
+            raise ConfigError(f"--seed must be an integer in -{SEED_LIMIT}..{SEED_LIMIT}, got {self.seed!r}")
         if self.device not in DEVICES:
             raise ConfigError(f"unknown --device {self.device!r}; valid: {', '.join(DEVICES)}")
         if self.master_port is not None and not 1 <= self.master_port <= 65535:
@@ -182,8 +361,7 @@ class RunConfig:
             raise ConfigError(f"--jitter must be in [0, 10] (a share of each step's compute), got {self.jitter!r}")
         if self.link is not None:
             parse_link(self.link)
-        if self.embedding_servers is not None and (not isinstance(self.embedding_servers, int)
-                                                   or self.embedding_servers < 0):
+        if self.embedding_servers is not None and self.embedding_servers < 0:
             raise ConfigError(f"--embedding-servers must be an integer >= 0, got {self.embedding_servers!r}")
         if self.embedding_optimizer not in EMBEDDING_OPTIMIZERS:
             raise ConfigError(f"unknown --embedding-optimizer {self.embedding_optimizer!r}; "
@@ -192,6 +370,15 @@ class RunConfig:
             raise ConfigError(f"--embedding-lr must be > 0, got {self.embedding_lr!r}")
         if self.task not in TASKS:
             raise ConfigError(f"unknown task {self.task!r}; valid: {', '.join(TASKS)}")
+        checkpoint_interval(self.checkpoint_every)
+        if not 0 <= self.max_restarts <= 100:
+            raise ConfigError(f"--max-restarts must be an integer in 0..100, got {self.max_restarts!r}")
+        for spec in self.faults:
+            fault = parse_fault(spec)
+            if isinstance(fault.target, int) and not 0 <= fault.target < self.workers:
+                raise ConfigError(f"bad --fault {spec!r}: rank {fault.target} is not a worker "
+                                  f"(workers are ranks 0..{self.workers - 1}; use server, coordinator or "
+                                  f"embedding-server for the other roles)")
         for rank, factor in self.slow.items():
             if not 0 <= rank < self.workers:
                 raise ConfigError(
@@ -208,12 +395,18 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "RunConfig":
+        """A config from a parsed file's object; types and values are checked by :meth:`validate`."""
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
+        unknown = sorted(set(d) - known, key=str)
         if unknown:
-            raise ConfigError(f"unknown config field(s): {', '.join(unknown)}")
+            raise ConfigError(f"unknown config field(s): {show_names(unknown)}")
         d = dict(d)
-        d["slow"] = {int(k): float(v) for k, v in (d.get("slow") or {}).items()}
+        slow = {} if d.get("slow") is None else d["slow"]  # null: no slow workers, as before
+        if isinstance(slow, dict):
+            # JSON and TOML keys are strings: "1" is rank 1. Anything else is left for
+            # validate() to name.
+            d["slow"] = {int(k) if isinstance(k, str) and re.fullmatch(r"-?[0-9]{1,18}", k) else k:
+                         float(v) if matches_type(v, float) else v for k, v in slow.items()}
         return cls(**d)
 
     def write(self, path: Path) -> None:
@@ -225,8 +418,12 @@ class RunConfig:
             d = json.loads(Path(path).read_text())
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist") from None
-        except json.JSONDecodeError as e:
+        except OSError as e:
+            raise ConfigError(f"config file {path} cannot be read: {e.strerror}") from None
+        except ValueError as e:  # also bad UTF-8, and numbers of thousands of digits
             raise ConfigError(f"config file {path} is not valid JSON: {e}") from None
+        except RecursionError:
+            raise ConfigError(f"config file {path} is nested too deeply") from None
         if not isinstance(d, dict):
             raise ConfigError(f"config file {path} must hold a JSON object")
         return cls.from_dict(d).validate()

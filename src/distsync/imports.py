@@ -36,6 +36,8 @@ def load_attribute(spec: str, kind: str) -> Any:
             module = importlib.import_module(target)
         except ImportError as e:
             raise ConfigError(f"{kind} module {target} cannot be imported: {e}") from None
+        except Exception as e:  # a relative name (".x") is a TypeError; a module's own code may raise anything
+            raise ConfigError(f"{kind} module {target} cannot be imported: {type(e).__name__}: {e}") from None
     if not hasattr(module, attr):
         raise ConfigError(f"{kind} {target} does not define {attr}")
     return getattr(module, attr)

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import threading
 import tomllib
 from pathlib import Path
 from typing import Any, Callable
 
-from distsync.config import RunConfig, parse_link
+from distsync.config import RunConfig, check_field_types, parse_link, show, show_names
 from distsync.errors import ConfigError, DistsyncError, WorkerFailed
 from distsync.runtime.launch import _launch, role_layout, with_workload_defaults
 from distsync.runtime.network import EmulatedNetwork
@@ -32,6 +33,7 @@ from distsync.runtime.token import POLICIES, TokenServer
 from distsync.solvers import make_options, solver_class
 
 MODES = ("crossover", "sequential", "naive")
+_HEAD_KEYS = ("workers", "policy", "modes", "link", "out")
 _JOB_KEYS = {f.name for f in dataclasses.fields(RunConfig)} - {"workers", "link", "out", "master_port", "crossover",
                                                                  "task", "task_options", "link_latency_mode"}
 
@@ -58,17 +60,22 @@ def _check_plan(plan: CrossoverPlan) -> CrossoverPlan:
     names = [j.name for j in plan.jobs]
     if len(set(names)) != len(names):
         raise ConfigError(f"crossover: job names must differ, got {names}")
+    if plan.workers < 1:
+        raise ConfigError(f"crossover: workers must be an integer >= 1, got {plan.workers!r}")
     if plan.policy not in POLICIES:
         raise ConfigError(f"unknown crossover policy {plan.policy!r}; valid: {', '.join(POLICIES)}")
     bad = [m for m in plan.modes if m not in MODES]
     if bad or not plan.modes:
-        raise ConfigError(f"unknown crossover mode(s) {', '.join(bad) or '(none given)'}; valid: {', '.join(MODES)}")
+        raise ConfigError(f"unknown crossover mode(s) {show_names(bad) or '(none given)'}; valid: {', '.join(MODES)}")
     if plan.link is not None:
         parse_link(plan.link)
     for job in plan.jobs:
         job.config.workers = plan.workers
         job.config.link = plan.link
-        job.config.validate()
+        try:
+            job.config.validate()
+        except ConfigError as e:  # say which job
+            raise ConfigError(f"crossover: job {job.name}: {e}") from None
         cls = solver_class(job.config.solver)
         solver = cls(make_options(cls, job.config.solver_options))
         if solver.threads > 1:
@@ -79,38 +86,49 @@ def _check_plan(plan: CrossoverPlan) -> CrossoverPlan:
 
 def load_plan(path: Path, overrides: dict[str, Any] | None = None) -> CrossoverPlan:
     """A plan from a TOML file: a ``[crossover]`` table (workers, policy, modes, link, out)
-    and ``[[job]]`` tables (name and any run option: workload, solver, steps, lr, seed, ...)."""
+    and ``[[job]]`` tables (name and any run option: workload, solver, steps, lr, seed, ...).
+    Any content that is no such plan raises :class:`ConfigError` with a one-line message."""
     try:
         data = tomllib.loads(Path(path).read_text())
     except FileNotFoundError:
         raise ConfigError(f"jobs file {path} does not exist") from None
-    except tomllib.TOMLDecodeError as e:
+    except OSError as e:
+        raise ConfigError(f"jobs file {path} cannot be read: {e.strerror}") from None
+    except ValueError as e:  # TOMLDecodeError is one; so are bad UTF-8 and huge integers
         raise ConfigError(f"jobs file {path} is not valid TOML: {e}") from None
-    head = dict(data.get("crossover", {}))
-    head.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    unknown = sorted(set(head) - {"workers", "policy", "modes", "link", "out"})
+    except RecursionError:
+        raise ConfigError(f"jobs file {path} is nested too deeply") from None
+    where = f"jobs file {path}"
+    head = data.get("crossover", {})
+    if not isinstance(head, dict):
+        raise ConfigError(f"{where}: crossover must be a table ([crossover]), got {show(head)}")
+    head = {**head, **{k: v for k, v in (overrides or {}).items() if v is not None}}
+    unknown = sorted(set(head) - set(_HEAD_KEYS))
     if unknown:
-        raise ConfigError(f"jobs file {path}: unknown [crossover] key(s) {', '.join(unknown)}; "
-                          f"valid: workers, policy, modes, link, out")
+        raise ConfigError(f"{where}: unknown [crossover] key(s) {show_names(unknown)}; valid: {', '.join(_HEAD_KEYS)}")
+    if isinstance(head.get("modes"), str):  # "crossover,sequential" as on the command line
+        head["modes"] = [m.strip() for m in head["modes"].split(",") if m.strip()]
+    check_field_types(CrossoverPlan, head, f"{where}: [crossover] key")
+    entries = data.get("job", [])
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise ConfigError(f"{where}: job must be an array of tables (one [[job]] per job), got {show(entries)}")
     jobs = []
-    for i, entry in enumerate(data.get("job", [])):
+    for i, entry in enumerate(entries):
         entry = dict(entry)
-        name = str(entry.pop("name", f"job{i}"))
+        name = entry.pop("name", f"job{i}")
+        # The name is a folder under OUT/<mode>/ and a column of the report.
+        if not isinstance(name, str) or not re.fullmatch(r"[\w.-]+", name) or name in (".", ".."):
+            raise ConfigError(f"{where}: [[job]] number {i + 1}: name must be a string of letters, digits, '-', '_' "
+                              f"and '.' (it names the job's run folder), got {show(name)}")
         bad = sorted(set(entry) - _JOB_KEYS)
         if bad:
-            raise ConfigError(f"jobs file {path}: job {name}: unknown key(s) {', '.join(bad)}")
-        if "slow" in entry:
-            entry["slow"] = {int(k): float(v) for k, v in entry["slow"].items()}
-        try:
-            jobs.append(Job(name, RunConfig(**entry)))
-        except TypeError as e:
-            raise ConfigError(f"jobs file {path}: job {name}: {e}") from None
-    modes = head.get("modes", MODES)
-    if isinstance(modes, str):
-        modes = [m.strip() for m in modes.split(",") if m.strip()]
-    return _check_plan(CrossoverPlan(jobs=jobs, workers=int(head.get("workers", 2)),
-                                     policy=str(head.get("policy", "alternate")), modes=tuple(modes),
-                                     link=head.get("link"), out=str(head.get("out", "runs/crossover"))))
+            raise ConfigError(f"{where}: job {name}: unknown key(s) {show_names(bad)}")
+        config = RunConfig.from_dict(entry)
+        check_field_types(RunConfig, vars(config), f"{where}: job {name}: key")
+        jobs.append(Job(name, config))
+    return _check_plan(CrossoverPlan(jobs=jobs, workers=head.get("workers", 2),
+                                     policy=head.get("policy", "alternate"), modes=tuple(head.get("modes", MODES)),
+                                     link=head.get("link"), out=head.get("out", "runs/crossover")))
 
 
 def _job_span(run_dir: Path) -> tuple[float, float]:

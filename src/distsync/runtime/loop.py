@@ -148,9 +148,10 @@ def train_worker(cfg: RunConfig, workload: Workload, solver, comm, device: torch
     clock = TrainClock(start_at)
     if restored is None:
         events.append({"kind": "start", "rank": rank, "unix": time.time()})
-    else:
-        events.append({"kind": "resume", "rank": rank, "step": int(restored["step"]), "index": int(restored["index"]),
-                       "t": clock.now(), "unix": time.time(), "attempt": recovery.attempt})
+    if restored is not None or recovery.after_failure:  # a restart with no checkpoint starts over
+        events.append({"kind": "resume", "rank": rank, "step": int(restored["step"]) if restored else 0,
+                       "index": int(restored["index"]) if restored else 0, "t": clock.now(), "unix": time.time(),
+                       "attempt": recovery.attempt})
     sent_so_far = [comm.bytes_sent]
 
     def bytes_since_last() -> int:

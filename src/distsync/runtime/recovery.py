@@ -192,4 +192,4 @@ def summarize_recovery(events: list[dict[str, Any]], faults: list[dict[str, Any]
                            recovery_s=first["unix"] - f["unix"])
         out.append(row)
     return {"faults": out, "restarts": max([e.get("attempt", 0) for e in resumes] + [0]),
-            "resumes": len({(e.get("attempt"), e["unix"] // 1) for e in resumes if e["rank"] == 0})}
+            "resumed_from_steps": [e["step"] for e in resumes if e["rank"] == 0]}

@@ -19,6 +19,7 @@ Processes that are not workers (``roles``) run :meth:`serve` instead of the loop
 from __future__ import annotations
 
 import contextlib
+import math
 import dataclasses
 import threading
 import time
@@ -239,6 +240,8 @@ def _coerce(value: Any, typ: Any, key: str, solver: str) -> Any:
                 return True
             if value.lower() in ("0", "false", "no", "off"):
                 return False
+            raise ValueError(value)
+        if typ is float and not math.isfinite(float(value)):
             raise ValueError(value)
         if typ in (int, float, str):
             return typ(value)

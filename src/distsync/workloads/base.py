@@ -117,7 +117,10 @@ class ShardSampler:
     def __init__(self, num_items: int, num_shards: int, shard: int, batch_size: int, seed: int):
         if not 0 <= shard < num_shards:
             raise ValueError(f"shard {shard} out of range for {num_shards} shards")
-        order = np.random.default_rng([seed, 0x5EED]).permutation(num_items)
+        # numpy's seeds are non-negative; a negative --seed maps to its 64-bit two's complement
+        # (non-negative seeds, the only ones numpy took before, are unchanged).
+        self._entropy = seed % 2**64
+        order = np.random.default_rng([self._entropy, 0x5EED]).permutation(num_items)
         self.shard_items = torch.from_numpy(order[shard::num_shards].copy())
         if len(self.shard_items) < batch_size:
             raise ValueError(
@@ -134,7 +137,7 @@ class ShardSampler:
     def indices(self, step: int) -> torch.Tensor:
         epoch, pos = divmod(step, self.steps_per_epoch)
         if epoch != self._epoch:
-            perm = np.random.default_rng([self.seed, self.shard, epoch]).permutation(len(self.shard_items))
+            perm = np.random.default_rng([self._entropy, self.shard, epoch]).permutation(len(self.shard_items))
             self._perm = self.shard_items[torch.from_numpy(perm)]
             self._epoch = epoch
         assert self._perm is not None
