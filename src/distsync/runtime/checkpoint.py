@@ -1,9 +1,11 @@
 """Checkpoints: every stateful process's state, written atomically, chosen alike by all.
 
-Layout: ``RUN/checkpoints/ckpt-NNNNNN/rank-R.pt`` (the state, ``torch.save``) and beside it
-``rank-R.json`` (its step, size, SHA-256 and the job's fingerprint). Both are written to a
-temporary name, flushed to disk and renamed, the metadata last: a process killed while
-writing leaves at worst a temporary file, never a half-written checkpoint under the real name.
+Layout: ``RUN/checkpoints/ckpt-NNNNNN/rank-R.json`` (its step, data file, size, SHA-256 and
+the job's fingerprint) beside the data file it names, ``rank-R-<time>.pt`` (the state,
+``torch.save``). The data file is written under a name of its own and flushed to disk, then
+the metadata is written to a temporary name, flushed and renamed over ``rank-R.json``: that
+rename is the commit. A process killed at any point leaves the previous commit intact (a
+rewrite of the same checkpoint included), at worst beside an orphaned file.
 
 Checkpoint ``N`` is *complete* when every stateful rank (workers, parameter servers,
 embedding servers; not coordinators, whose state is regenerated from the seed) has written
@@ -11,8 +13,8 @@ its pair, each file matches its checksum, and each was written by this job (same
 solver, options, workers, roles, seed). Every process picks the newest complete checkpoint
 by reading the same files, so all of them resume from the same one without talking; a
 newer one that is incomplete, corrupt or from another job is skipped with the reason, and
-the previous one is used. Each rank keeps its files of the newest complete checkpoint and
-anything newer, and deletes older ones.
+the previous one is used. Each rank keeps its files of the two newest complete checkpoints
+and anything newer, and deletes older ones.
 
 States are loaded with ``torch.load(weights_only=True)``: tensors, numbers, strings, lists,
 tuples and dicts only, so a checkpoint cannot run code.
@@ -97,34 +99,42 @@ class CheckpointStore:
         """Write this rank's ``state`` as part of checkpoint ``index`` (taken at ``step``)."""
         d = self.folder(index)
         d.mkdir(parents=True, exist_ok=True)
-        data = d / f"rank-{self.rank}.pt"
+        data = d / f"rank-{self.rank}-{time.time_ns()}.pt"
         _fsync_write(data, lambda f: torch.save(state, f))
-        meta = {"index": index, "step": step, "rank": self.rank, "bytes": data.stat().st_size,
+        meta = {"index": index, "step": step, "rank": self.rank, "file": data.name, "bytes": data.stat().st_size,
                 "sha256": sha256_of(data), "job": self.job, "unix": time.time()}
         _fsync_write(d / f"rank-{self.rank}.json", lambda f: f.write(json.dumps(meta).encode()))
+        for old in d.glob(f"rank-{self.rank}-*.pt"):  # what the commit replaced
+            if old != data:
+                old.unlink(missing_ok=True)
         self._prune()
 
+    def _remove(self, index: int) -> None:
+        """Delete this rank's files of checkpoint ``index``."""
+        d = self.folder(index)
+        for path in [d / f"rank-{self.rank}.json", *d.glob(f"rank-{self.rank}-*.pt"), *d.glob(f".rank-{self.rank}*")]:
+            path.unlink(missing_ok=True)
+        try:
+            d.rmdir()  # the last rank to leave removes the folder
+        except OSError:
+            pass
+
     def _prune(self) -> None:
-        newest = self.choose().index
-        if newest is None:
+        """Keep the two newest complete checkpoints (one to fall back on, should the newest
+        turn out corrupt) and anything newer; delete this rank's files of older ones."""
+        complete = [i for i in reversed(self.indices()) if self.check(i) is None][:2]
+        if len(complete) < 2:
             return
         for index in self.indices():
-            if index < newest:
-                d = self.folder(index)
-                for name in (f"rank-{self.rank}.pt", f"rank-{self.rank}.json"):
-                    (d / name).unlink(missing_ok=True)
-                try:
-                    d.rmdir()  # the last rank to prune removes the folder
-                except OSError:
-                    pass
+            if index < complete[-1]:
+                self._remove(index)
 
     def forget_after(self, index: int) -> None:
         """Delete this rank's files of checkpoints newer than ``index`` (left by a failed
         attempt; the next ones written will take their place)."""
         for newer in self.indices():
             if newer > index:
-                for name in (f"rank-{self.rank}.json", f"rank-{self.rank}.pt"):
-                    (self.folder(newer) / name).unlink(missing_ok=True)
+                self._remove(newer)
 
     # ---- choosing and loading -----------------------------------------------------------
     def indices(self) -> list[int]:
@@ -136,19 +146,27 @@ class CheckpointStore:
         """Why checkpoint ``index`` cannot be loaded (None: it can)."""
         d = self.folder(index)
         for r in self.stateful:
-            meta_path, data = d / f"rank-{r}.json", d / f"rank-{r}.pt"
+            meta_path = d / f"rank-{r}.json"
             if not meta_path.exists():
                 return f"incomplete (rank {r} did not finish writing it)"
             try:
                 meta = json.loads(meta_path.read_text())
-                expected = str(meta["sha256"])
+                expected, data = str(meta["sha256"]), d / Path(str(meta["file"])).name
             except (OSError, ValueError, KeyError, TypeError):
                 return f"rank-{r}.json is unreadable"
             if meta.get("job") != self.job:
                 return f"written by a different job: {_differences(self.job, meta.get('job'))}"
-            if not data.exists() or sha256_of(data) != expected:
-                return f"rank-{r}.pt is corrupt (its checksum does not match)"
+            if not data.exists():
+                return f"rank {r}'s data file {data.name} is missing"
+            if sha256_of(data) != expected:
+                return f"rank {r}'s data is corrupt (its checksum does not match)"
         return None
+
+    def data_file(self, index: int, rank: int | None = None) -> Path:
+        """The data file that checkpoint ``index``'s metadata names for ``rank`` (default: this one)."""
+        d = self.folder(index)
+        meta = json.loads((d / f"rank-{self.rank if rank is None else rank}.json").read_text())
+        return d / Path(str(meta["file"])).name
 
     def choose(self) -> Choice:
         """The newest complete checkpoint; every rank reading the same folder picks the same."""
@@ -164,7 +182,7 @@ class CheckpointStore:
         return int(json.loads((self.folder(index) / f"rank-{self.rank}.json").read_text())["step"])
 
     def load(self, index: int) -> dict[str, Any]:
-        path = self.folder(index) / f"rank-{self.rank}.pt"
+        path = self.data_file(index)
         try:
             return torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # a file that passed its checksum but holds what we cannot read

@@ -1,0 +1,250 @@
+"""Checkpoints, resume, injected faults, restarts, NaN stops, stalls, and what is left behind."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from distsync.config import RunConfig
+from distsync.runtime.checkpoint import CheckpointStore, fingerprint
+from distsync.runtime.recovery import CheckpointPolicy, FaultInjector, summarize_recovery
+from helpers import REPO, children_of, run_cli
+
+ROLES = ["worker", "worker", "server"]
+
+
+def _store(root: Path, rank: int, cfg: RunConfig | None = None) -> CheckpointStore:
+    return CheckpointStore(root, rank, ROLES, fingerprint(cfg or RunConfig(solver="async-ps"), ROLES))
+
+
+def _write_all(root: Path, index: int, value: float) -> None:
+    for rank in range(len(ROLES)):
+        _store(root, rank).write(index, index * 10, {"x": torch.full((4,), value), "step": index * 10})
+
+
+def test_newest_complete_checkpoint_is_chosen_and_older_ones_pruned(tmp_path):
+    for index in (1, 2, 3):
+        _write_all(tmp_path, index, float(index))
+    _store(tmp_path, 0).write(4, 40, {"x": torch.zeros(4)})  # rank 1 and the server never wrote 4
+    choice = _store(tmp_path, 1).choose()
+    assert choice.index == 3
+    assert choice.refused == ["checkpoint ckpt-000004: incomplete (rank 1 did not finish writing it)"]
+    assert torch.equal(_store(tmp_path, 2).load(3)["x"], torch.full((4,), 3.0))
+    # A rank deletes its files of checkpoints older than the two newest complete ones when it
+    # writes: the server (last to write 3) and rank 0 (writing 4) have; rank 1 will next time.
+    assert sorted(p.name for p in (tmp_path / "ckpt-000001").glob("*.json")) == ["rank-1.json"]
+    assert len(list((tmp_path / "ckpt-000002").glob("*.json"))) == 3
+
+
+def test_corrupt_or_foreign_checkpoint_is_refused_and_the_previous_one_kept(tmp_path):
+    _write_all(tmp_path, 1, 1.0)
+    _write_all(tmp_path, 2, 2.0)
+    data = _store(tmp_path, 1).data_file(2)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    choice = _store(tmp_path, 0).choose()
+    assert choice.index == 1
+    assert choice.refused == ["checkpoint ckpt-000002: rank 1's data is corrupt (its checksum does not match)"]
+    other = _store(tmp_path, 0, RunConfig(solver="async-ps", workers=3)).choose()
+    assert other.index is None
+    assert other.refused[-1] == "checkpoint ckpt-000001: written by a different job: workers 2 (this job: 3)"
+
+
+_WRITER = """
+import sys, torch
+from distsync.runtime.checkpoint import CheckpointStore
+store = CheckpointStore(sys.argv[1], 0, ["worker"], {"job": 1})
+print("ready", flush=True)
+while True:
+    store.write(2, 20, {"x": torch.full((4_000_000,), 2.0)})
+"""
+
+
+def test_kill_9_while_writing_a_checkpoint_leaves_a_loadable_one(tmp_path):
+    store = CheckpointStore(tmp_path, 0, ["worker"], {"job": 1})
+    store.write(1, 10, {"x": torch.full((4_000_000,), 1.0)})
+    rng = random.Random(7)
+    for _ in range(3):
+        proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(rng.uniform(0.05, 0.6))  # somewhere inside a write of 16 MB (or between two)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        choice = store.choose()
+        assert choice.index in (1, 2)
+        state = store.load(choice.index)
+        assert torch.equal(state["x"], torch.full((4_000_000,), float(choice.index)))
+
+
+def test_faults_fire_once_per_run(tmp_path):
+    faults = FaultInjector(["stall:1@3:0.01", "stall:0@3:5"], tmp_path, 1, ["worker", "worker"])
+    assert [f.spec for f in faults.pending] == ["stall:1@3:0.01"]  # only this rank's
+    assert faults.at(2) is None and faults.pending
+    faults.at(3)
+    assert not faults.pending
+    fired = [json.loads(line) for line in (tmp_path / "faults.jsonl").read_text().splitlines()]
+    assert [(f["spec"], f["rank"], f["step"]) for f in fired] == [("stall:1@3:0.01", 1, 3)]
+    again = FaultInjector(["stall:1@3:0.01"], tmp_path, 1, ["worker", "worker"])  # a restarted process
+    assert again.pending == []
+    server = FaultInjector(["kill:server@5"], tmp_path, 2, ["worker", "worker", "server", "server"])
+    assert [f.spec for f in server.pending] == ["kill:server@5"]  # the first server only
+    assert FaultInjector(["kill:server@5"], tmp_path, 3, ["worker", "worker", "server", "server"]).pending == []
+
+
+def test_step_policy_and_recovery_figures():
+    policy = CheckpointPolicy(20)
+    assert [d for d in range(1, 101) if policy.due(d) is not None] == [20, 40, 60, 80, 100]
+    assert policy.index == 5
+    assert CheckpointPolicy(None).due(20) is None
+    events = [{"kind": "resume", "rank": r, "step": 40, "unix": 105.5, "attempt": 1} for r in (0, 1)]
+    faults = [{"spec": "kill:1@47", "kind": "kill", "rank": 1, "step": 47, "unix": 100.0},
+              {"spec": "stall:0@10:1", "kind": "stall", "rank": 0, "step": 10, "unix": 90.0}]
+    out = summarize_recovery(events, faults)
+    kill = next(f for f in out["faults"] if f["kind"] == "kill")
+    assert (kill["resumed_from_step"], kill["steps_lost"], kill["recovery_s"]) == (40, 7, 5.5)
+    assert out["restarts"] == 1 and out["resumed_from_steps"] == [40]
+
+
+# ---- real jobs --------------------------------------------------------------------------
+
+def _train(out: Path, *args: str, timeout: float = 55.0) -> subprocess.CompletedProcess:
+    return run_cli("train", "--workers", "2", "--out", str(out), *args, timeout=timeout)
+
+
+def _summary(out: Path) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+def _steps_of(out: Path, rank: int) -> list[int]:
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    return sorted(e["step"] for e in events if e["kind"] == "step" and e["rank"] == rank)
+
+
+FAMILIES = [  # (solver and options, the process to kill)
+    (["--solver", "allreduce"], "1"),
+    (["--solver", "sync-ps"], "server"),
+    (["--solver", "async-ps"], "1"),
+    (["--solver", "ea-wild", "--tau", "2"], "server"),
+    (["--solver", "ad-psgd"], "0"),  # the active worker: the passive runs ahead of it
+    (["--solver", "ripples", "--workers", "3", "--group-size", "2"], "2"),
+    (["--solver", "shadow-ma"], "1"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("solver, victim", FAMILIES, ids=[f[0][1] for f in FAMILIES])
+def test_killed_process_costs_at_most_the_checkpoint_interval(tmp_path, solver, victim):
+    every, steps = 20, 160
+    kill_at = random.Random(" ".join(solver)).randint(30, steps - 30)
+    common = ["--steps", str(steps), "--eval-every", "40", "--seed", "3", *solver]
+    ok = _train(tmp_path / "clean", *common)
+    assert ok.returncode == 0, ok.stderr
+    hit = _train(tmp_path / "fault", *common, "--checkpoint-every", str(every), "--max-restarts", "1",
+                 "--fault", f"kill:{victim}@{kill_at}")
+    assert hit.returncode == 0, hit.stderr
+    clean, fault = _summary(tmp_path / "clean"), _summary(tmp_path / "fault")
+    [record] = fault["recovery"]["faults"]
+    assert record["spec"] == f"kill:{victim}@{kill_at}" and fault["recovery"]["restarts"] == 1
+    assert 0 <= record["steps_lost"] <= every, record
+    assert abs(fault["final_metric"] - clean["final_metric"]) <= 0.02 * clean["final_metric"], (fault, clean)
+    workers = 3 if "ripples" in solver else 2
+    for rank in range(workers):  # every step taken once in the surviving history
+        assert _steps_of(tmp_path / "fault", rank) == list(range(steps))
+
+
+@pytest.mark.slow
+def test_resume_by_hand_after_a_failure_and_past_a_corrupt_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    failed = _train(run, "--steps", "100", "--checkpoint-every", "20", "--fault", "kill:1@57")
+    assert failed.returncode == 2
+    assert "worker rank 1 died (killed by SIGKILL)" in failed.stderr
+    cfg = RunConfig.read(run / "config.json")
+    newest = CheckpointStore(run / "checkpoints", 0, ["worker"] * 2, fingerprint(cfg, ["worker"] * 2)).data_file(2)
+    newest.write_bytes(newest.read_bytes()[:-100])  # cut short
+    resumed = run_cli("train", "--resume", str(run), timeout=55)
+    assert resumed.returncode == 0, resumed.stderr
+    summary = _summary(run)
+    assert summary["recovery"]["resumed_from_steps"] == [20]
+    assert _steps_of(run, 0) == list(range(100)) and _steps_of(run, 1) == list(range(100))
+    logs = "".join(p.read_text() for p in run.glob("logs/**/stderr.log"))
+    assert "skipped checkpoint ckpt-000002: rank 0's data is corrupt (its checksum does not match)" in logs
+
+
+def test_resume_without_a_checkpoint_is_refused_in_one_line(tmp_path):
+    proc = run_cli("train", "--resume", str(tmp_path))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert f"cannot resume {tmp_path}: it has no config.json (not a distsync run folder)" in proc.stderr
+    RunConfig(out=str(tmp_path)).write(tmp_path / "config.json")
+    proc = run_cli("train", "--resume", str(tmp_path))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert f"cannot resume {tmp_path}: no complete checkpoint in {tmp_path / 'checkpoints'}" in proc.stderr
+
+
+@pytest.mark.slow
+def test_nan_stops_the_run_even_with_restarts_and_keeps_the_last_good_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    proc = _train(run, "--steps", "100", "--checkpoint-every", "10", "--max-restarts", "2", "--fault", "nan:1@35")
+    assert proc.returncode == 2
+    assert "worker rank 1: loss is nan at step 35; stopping" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    cfg = RunConfig.read(run / "config.json")
+    store = CheckpointStore(run / "checkpoints", 1, ["worker", "worker"], fingerprint(cfg, ["worker", "worker"]))
+    choice = store.choose()
+    assert choice.index == 3  # taken after 30 steps, before the NaN
+    state = store.load(3)
+    assert state["step"] == 30 and all(torch.isfinite(v).all() for v in state["model"].values())
+    attempts = sorted(p.name for p in next(run.glob("logs/*")).iterdir())
+    assert attempts == ["attempt_0", "attempt_1", "attempt_2"]
+    for later in ("attempt_1", "attempt_2"):  # restarted processes stop at once: no step trained again
+        errors = json.loads((next(run.glob(f"logs/*/{later}/0/error.json"))).read_text())
+        assert "loss is nan at step 35" in json.dumps(errors)
+
+
+@pytest.mark.slow
+def test_a_stalled_worker_ends_the_job_naming_a_rank_or_is_restarted(tmp_path):
+    t0 = time.monotonic()
+    proc = _train(tmp_path / "a", "--steps", "200", "--timeout", "3", "--fault", "stall:1@30:30")
+    assert proc.returncode == 2
+    assert time.monotonic() - t0 < 30  # bounded by the timeout, not by the stall
+    assert "timed out after 3 s" in proc.stderr and "rank" in proc.stderr
+    proc = _train(tmp_path / "b", "--steps", "200", "--timeout", "3", "--fault", "stall:1@30:30",
+                  "--checkpoint-every", "20", "--max-restarts", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert _summary(tmp_path / "b")["recovery"]["resumed_from_steps"] == [20]
+
+
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.slow
+def test_nothing_is_left_behind_after_a_restart_or_a_failure(tmp_path):
+    from distsync.errors import WorkerFailed
+    from distsync.runtime import launch
+
+    def quiet_count():
+        time.sleep(0.5)
+        return (len(_open_fds()), {t.name for t in threading.enumerate()}, children_of(os.getpid()))
+
+    cfg = RunConfig(workers=2, steps=80, checkpoint_every=20, max_restarts=1, faults=["kill:1@30"])
+    launch(cfg, tmp_path / "warm")  # torch's first use opens what it keeps for the process
+    fds, threads, kids = quiet_count()
+    summary = launch(cfg, tmp_path / "restart")
+    assert summary["recovery"]["restarts"] == 1
+    with pytest.raises(WorkerFailed, match="worker rank 1 died"):
+        launch(RunConfig(workers=2, steps=80, faults=["kill:1@30"]), tmp_path / "fail")
+    after_fds, after_threads, after_kids = quiet_count()
+    assert after_kids == [] and kids == []
+    assert after_threads == threads
+    assert after_fds == fds
+    leftovers = [p for p in tmp_path.rglob("*.tmp")]
+    assert leftovers == []
