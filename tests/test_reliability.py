@@ -205,8 +205,8 @@ def test_nan_stops_the_run_even_with_restarts_and_keeps_the_last_good_checkpoint
     attempts = sorted(p.name for p in next(run.glob("logs/*")).iterdir())
     assert attempts == ["attempt_0", "attempt_1", "attempt_2"]
     for later in ("attempt_1", "attempt_2"):  # restarted processes stop at once: no step trained again
-        errors = json.loads((next(run.glob(f"logs/*/{later}/0/error.json"))).read_text())
-        assert "loss is nan at step 35" in json.dumps(errors)
+        errors = [p.read_text() for p in run.glob(f"logs/*/{later}/*/error.json")]
+        assert errors and all("loss is nan at step 35" in e for e in errors)
 
 
 @pytest.mark.slow
