@@ -3,7 +3,9 @@
 (1) For every registered solver, ``--runs`` runs of ``digits`` (2 workers, 120 steps, a
 checkpoint every 20 steps, up to 2 restarts, 10 s timeout), each with one random fault: a
 worker killed at a random step, the first server or coordinator killed (solvers that have
-one), or a worker stalled for up to 2 s. Each run is a `distsync train` process; one that
+one), or a worker stalled for up to 2 s. Solvers that survive a worker's death drop a killed
+worker other than rank 0 and train on; the others restart from the last checkpoint. Each run
+is a `distsync train` process; one that
 has not ended after 120 s counts as a hang and is killed. Per solver: faults injected, runs
 finished, median steps lost (the fault's step minus the step the job resumed from), the
 longest recovery (kill to training again), hangs, and lost updates: for solvers with
@@ -49,15 +51,15 @@ def random_fault(solver: str, rng: random.Random) -> str:
     return f"kill:{'server' if 'server' in roles else 'coordinator'}@{step}"
 
 
-def expected_updates(solver: str, workers: int) -> int | None:
+def expected_updates(solver: str, steps_done: list[int]) -> int | None:
+    """What the servers' update counts should be, given each worker's steps (None: no servers)."""
     s = make_solver(solver)
     if "server" not in s.roles:
         return None
     if solver == "sync-ps":
-        return STEPS
-    if hasattr(s.options, "tau"):
-        return workers * (STEPS // s.options.tau)
-    return workers * STEPS  # one push per worker step (n_push = 1)
+        return STEPS  # one update per round
+    tau = getattr(s.options, "tau", 1)  # an exchange every tau steps, else a push every step (n_push 1)
+    return sum(n // tau for n in steps_done)
 
 
 def one_run(solver: str, fault: str, out: Path) -> dict:
@@ -79,7 +81,10 @@ def one_run(solver: str, fault: str, out: Path) -> dict:
     fired = summary["recovery"]["faults"]
     row["steps_lost"] = [f["steps_lost"] for f in fired if "steps_lost" in f]
     row["recovery_s"] = [f["recovery_s"] for f in fired if "recovery_s" in f]
-    want = expected_updates(solver, 2)
+    dropped = summary["recovery"]["dropped"]
+    row["dropped"] = len(dropped)
+    gone = {d["rank"]: (d["last_step"] + 1 if d["last_step"] is not None else 0) for d in dropped}
+    want = expected_updates(solver, [gone.get(rank, STEPS) for rank in range(2)])
     if want is not None:
         counted = [st["updates"] for st in summary["solver_stats"].values() if "updates" in st]
         row["lost_updates"] = max(abs(want - c) for c in counted) if counted else None
@@ -158,9 +163,9 @@ def main() -> int:
     rng = random.Random(args.seed)
     solvers = args.solvers.split(",") if args.solvers else solver_names()
     table = []
-    print("| solver | faults injected | runs finished | median steps lost | max recovery (s) | hangs | "
-          "lost updates | faults |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| solver | faults injected | runs finished | workers dropped | median steps lost | max recovery (s) | "
+          "hangs | lost updates | faults |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for solver in solvers:
         rows = [one_run(solver, random_fault(solver, rng), out / solver / f"run{i}") for i in range(args.runs)]
         lost = [x for r in rows for x in r.get("steps_lost", [])]
@@ -170,7 +175,8 @@ def main() -> int:
                 "hangs": sum(r["hang"] for r in rows), "median_steps_lost": statistics.median(lost) if lost else None,
                 "max_recovery_s": max(recovery) if recovery else None, "lost_updates": max(updates) if updates else None}
         table.append(line)
-        cells = [solver, len(rows), line["finished"], fmt(line["median_steps_lost"], "{:g}"),
+        line["dropped"] = sum(r.get("dropped", 0) for r in rows)
+        cells = [solver, len(rows), line["finished"], line["dropped"], fmt(line["median_steps_lost"], "{:g}"),
                  fmt(line["max_recovery_s"], "{:.1f}"), line["hangs"], fmt(line["lost_updates"], "{}"),
                  ", ".join(r["fault"] for r in rows)]
         print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)

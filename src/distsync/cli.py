@@ -216,8 +216,22 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     summary = _run_with_progress([cfg.solver], steps, run)
     _stdout().print(_summary_table([summary]))
+    _print_recovery(summary)
     console.print(f"run folder: {out}")
     return 0
+
+
+def _print_recovery(summary: dict[str, Any]) -> None:
+    """One line per fault the run survived: dropped workers, restarts."""
+    rec = summary.get("recovery") or {}
+    for d in rec.get("dropped", []):
+        console.print(f"worker rank {d['rank']} died ({d['signal']}) after step {d.get('last_step')} and was "
+                      f"dropped; the other workers trained on", highlight=False, soft_wrap=True)
+    for f in rec.get("faults", []):
+        if "steps_lost" in f:
+            console.print(f"{f['role']} rank {f['rank']} was killed at step {f['step']}: restarted from step "
+                          f"{f['resumed_from_step']} ({f['steps_lost']} steps lost, {f['recovery_s']:.1f} s to "
+                          f"recover)", highlight=False, soft_wrap=True)
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:

@@ -199,6 +199,8 @@ def _launch(cfg: RunConfig, run_dir: Path, role_of: list[str], on_progress: Prog
     args = ["-m", "distsync.worker", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)]
     if net:
         args += ["--netns-prefix", net.netns_prefix]
+    if cfg.task == "train" and solver_class(cfg.solver).survives_worker_loss:
+        args += ["--supervise"]  # a dead worker is dropped, not the job (worker.py's _supervise)
     try:
         elastic_launch(lc, sys.executable)(*args)
     except ChildFailedError as e:

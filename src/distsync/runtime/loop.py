@@ -15,7 +15,7 @@ import torch
 
 from distsync.config import RunConfig
 from distsync.errors import DistsyncError
-from distsync.runtime.recovery import WorkerRecovery, write_stop
+from distsync.runtime.recovery import EventJournal, WorkerRecovery, write_stop
 from distsync.runtime.roles import EMBEDDING_SERVER
 from distsync.runtime.stretch import ComputeStretch
 from distsync.runtime.token import TokenClient
@@ -146,6 +146,8 @@ def train_worker(cfg: RunConfig, workload: Workload, solver, comm, device: torch
             if cfg.crossover else None)
     comm.barrier(comm.worker_group)
     clock = TrainClock(start_at)
+    if recovery.journal is not None:
+        events = EventJournal(recovery.journal, events)
     if restored is None:
         events.append({"kind": "start", "rank": rank, "unix": time.time()})
     if restored is not None or recovery.after_failure:  # a restart with no checkpoint starts over
@@ -187,7 +189,7 @@ def train_worker(cfg: RunConfig, workload: Workload, solver, comm, device: torch
         state = {"index": index, "step": done, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                  "solver": solver.state_dict(),
                  "rng": {"torch": torch.get_rng_state(), "stretch": [st.state_dict() for st in stretches]},
-                 "events": events, "clock": clock.now(), "unix": time.time(), "last_loss": last_loss[0]}
+                 "events": list(events), "clock": clock.now(), "unix": time.time(), "last_loss": last_loss[0]}
         recovery.store.write(index, done, state)
         events.append({"kind": "checkpoint", "rank": rank, "step": done - 1, "index": index, "t": clock.now(),
                        "seconds": perf() - a})
@@ -335,7 +337,9 @@ def train_worker(cfg: RunConfig, workload: Workload, solver, comm, device: torch
     if gate is not None:
         gate.close()
     progress.update(steps, loss_v, final, force=True)
-    return events
+    if isinstance(events, EventJournal):
+        events.close()
+    return list(events)
 
 
 def use_embedding_servers(model: torch.nn.Module, comm, cfg: RunConfig, workload: Workload,

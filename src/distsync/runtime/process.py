@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from distsync.comm import Comm
-from distsync.errors import ConfigError
+from distsync.errors import CommError, ConfigError
 from distsync.runtime.checkpoint import STATEFUL_ROLES, CheckpointStore, fingerprint
 from distsync.runtime.recovery import (CheckpointPolicy, FaultInjector, WorkerRecovery, raise_if_stopped,
                                        read_faults, restart_count, summarize_recovery)
@@ -63,8 +64,63 @@ def final_extra_metrics(events: list[dict[str, Any]], names: list[str]) -> dict[
     return out
 
 
+def supervised() -> bool:
+    """Whether this process runs under ``worker.py``'s supervising parent (a job that drops
+    dead workers instead of restarting)."""
+    return os.environ.get("DISTSYNC_SUPERVISED") == "1"
+
+
+def journal_path(run_dir: Path, rank: int) -> Path:
+    return run_dir / "journal" / f"rank-{rank}.jsonl"
+
+
+def dropped_mark(run_dir: Path, attempt: int, rank: int) -> dict[str, Any] | None:
+    mark = run_dir / "dropped" / f"attempt-{attempt}-rank-{rank}.json"
+    try:
+        return json.loads(mark.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def gather_through_store(comm: Comm, mine: dict[str, Any], run_dir: Path, attempt: int) -> list[dict] | None:
+    """Rank 0: every rank's results, a dropped worker's events from its journal. Each rank
+    waits at most the comm timeout for each other one."""
+    comm.store_set(f"distsync/results/{comm.rank}", json.dumps(mine))
+    if comm.rank != 0:
+        return None
+    out = []
+    for r in range(comm.world_size):
+        deadline = time.monotonic() + comm.timeout_s
+        while True:
+            if comm.store_check(f"distsync/results/{r}"):
+                out.append(json.loads(comm.store_get(f"distsync/results/{r}")))
+                break
+            mark = dropped_mark(run_dir, attempt, r)
+            if mark is not None:
+                events = []
+                if journal_path(run_dir, r).exists():
+                    for line in journal_path(run_dir, r).read_text().splitlines():
+                        try:
+                            events.append(json.loads(line))
+                        except ValueError:
+                            pass  # the line it was writing when it died
+                steps = [e["step"] for e in events if e["kind"] == "step"]
+                mark["last_step"] = max(steps) if steps else None
+                # Its steps count (work done); its evaluations do not: the run's final
+                # metric is the survivors' models'.
+                events = [e for e in events if e["kind"] != "eval"]
+                out.append({"events": events, "role": "worker", "stats": {}, "bytes": 0, "dropped": mark})
+                break
+            if time.monotonic() > deadline:
+                raise CommError(f"rank 0 (worker): rank {r} sent no results within {comm.timeout_s:g} s "
+                                f"(it is stalled or has died)")
+            time.sleep(0.05)
+    return out
+
+
 def write_results(cfg: RunConfig, run_dir: Path, events: list[dict[str, Any]], solver, workload,
-                  stats: dict[str, Any], bytes_by_other_roles: int = 0) -> dict[str, Any]:
+                  stats: dict[str, Any], bytes_by_other_roles: int = 0,
+                  dropped: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Rank 0: events.jsonl and summary.json from every rank's events."""
     if solver.collective_per_step:
         events = split_collective_wait(events)
@@ -86,7 +142,7 @@ def write_results(cfg: RunConfig, run_dir: Path, events: list[dict[str, Any]], s
         **final_extra_metrics(events, list(workload.extra_metrics)),
         "bytes_sent_by_servers": bytes_by_other_roles,
         "staleness": merge_staleness(stats),
-        "recovery": summarize_recovery(events, read_faults(run_dir)),
+        "recovery": summarize_recovery(events, read_faults(run_dir), dropped or []),
         "solver_stats": stats,
     }
     summary["bytes_sent"] += bytes_by_other_roles  # servers' replies cross the network too
@@ -110,6 +166,8 @@ def serve_embeddings(cfg: RunConfig, workload: Workload, comm: Comm, channels: i
                              cfg.embedding_optimizer, lr)
     if ctx is not None and ctx.restored is not None:
         server.load_state_dict(ctx.restored)
+    if ctx is not None:
+        server.drop_dead_workers = ctx.drop_dead_workers
     if ctx is not None and ctx.save is not None:
         server.on_save = lambda index: ctx.save(index, int(server.counts["pushes"]), server.state_dict())
     server.serve(comm.worker_ranks, channels)
@@ -135,7 +193,8 @@ def recovery_for(cfg: RunConfig, run_dir: Path, comm: Comm) -> WorkerRecovery:
     policy = CheckpointPolicy(cfg.checkpoint_every, comm, last_index=int(restored["index"]) if restored else 0)
     return WorkerRecovery(store=store if policy.enabled else None, policy=policy,
                           faults=FaultInjector(cfg.faults, run_dir, comm.rank, comm.role_of), restored=restored,
-                          run_dir=run_dir, after_failure=attempt > 0, attempt=attempt)
+                          run_dir=run_dir, after_failure=attempt > 0, attempt=attempt,
+                          journal=journal_path(run_dir, comm.rank) if supervised() and comm.role == "worker" else None)
 
 
 def run_process(cfg: RunConfig, run_dir: Path) -> None:
@@ -159,7 +218,8 @@ def run_process(cfg: RunConfig, run_dir: Path) -> None:
             recovery.store.write(index, step, {**state, "index": index})
 
         served = dict(save=save if recovery.store is not None else None, restored=recovery.restored,
-                      on_request=recovery.faults.at if recovery.faults.pending else None)
+                      on_request=recovery.faults.at if recovery.faults.pending else None,
+                      drop_dead_workers=supervised())
         if comm.role == "worker":
             progress = Progress(run_dir / "progress.json" if comm.rank == 0 else None,
                                 cfg.steps or workload.steps)
@@ -183,14 +243,19 @@ def run_process(cfg: RunConfig, run_dir: Path) -> None:
                 weight_decay=cfg.weight_decay, optimizer=cfg.optimizer, lars_eta=cfg.lars_eta,
                 warmup_steps=cfg.warmup_steps, steps=cfg.steps or workload.steps, seed=cfg.seed, **served))
             events = []
-        gathered = comm.gather_object({"events": events, "role": comm.role,
-                                       "stats": stats if stats is not None else solver.stats(),
-                                       "bytes": comm.bytes_sent})
+        mine = {"events": list(events), "role": comm.role, "stats": stats if stats is not None else solver.stats(),
+                "bytes": comm.bytes_sent}
+        if not supervised():
+            gathered = comm.gather_object(mine)
+        else:  # some workers may be gone: results travel through the store, dead ranks' from disk
+            gathered = gather_through_store(comm, mine, run_dir, recovery.attempt)
         if comm.rank == 0:
             all_events = [e for g in gathered for e in g["events"]]
             stats = {str(r): g["stats"] for r, g in enumerate(gathered) if g["stats"]}
             others = sum(g["bytes"] for g in gathered if g["role"] != "worker")
-            write_results(cfg, run_dir, all_events, solver, workload, stats, others)
-        comm.barrier()
+            write_results(cfg, run_dir, all_events, solver, workload, stats, others,
+                          dropped=[g["dropped"] for g in gathered if g.get("dropped")])
+        if not supervised():
+            comm.barrier()
     finally:
         comm.close()

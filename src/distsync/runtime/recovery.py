@@ -141,6 +141,8 @@ class WorkerRecovery:
     #: resuming because a process failed (not by hand): the time lost counts as training time
     after_failure: bool = False
     attempt: int = 0
+    #: where this worker writes its events as they happen (a job that drops dead workers)
+    journal: Path | None = None
 
 
 def stop_mark(run_dir: Path) -> Path:
@@ -176,15 +178,19 @@ def read_faults(run_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
-def summarize_recovery(events: list[dict[str, Any]], faults: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize_recovery(events: list[dict[str, Any]], faults: list[dict[str, Any]],
+                       dropped: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Faults injected, and for each that killed a process: the step the job resumed from,
     the steps lost (the fault's step minus it) and the seconds from the kill until training
-    resumed."""
+    resumed; or that the dead worker was dropped and the others trained on."""
     resumes = sorted((e for e in events if e["kind"] == "resume"), key=lambda e: e["unix"])
+    dropped = dropped or []
     out = []
     for f in sorted(faults, key=lambda f: f["unix"]):
         row = dict(f)
-        if f["kind"] == "kill":
+        if f["kind"] == "kill" and any(d["rank"] == f["rank"] and d["unix"] >= f["unix"] for d in dropped):
+            row["dropped"] = True
+        elif f["kind"] == "kill":
             after = [e for e in resumes if e["unix"] > f["unix"]]
             if after:
                 first = min(after, key=lambda e: e["unix"])
@@ -192,4 +198,25 @@ def summarize_recovery(events: list[dict[str, Any]], faults: list[dict[str, Any]
                            recovery_s=first["unix"] - f["unix"])
         out.append(row)
     return {"faults": out, "restarts": max([e.get("attempt", 0) for e in resumes] + [0]),
-            "resumed_from_steps": [e["step"] for e in resumes if e["rank"] == 0]}
+            "resumed_from_steps": [e["step"] for e in resumes if e["rank"] == 0], "dropped": dropped}
+
+
+class EventJournal(list):
+    """A worker's events, also written to a file as they happen (one write each, to the
+    kernel: a process killed outright loses none), so that a worker that dies leaves its
+    history behind."""
+
+    def __init__(self, path: Path, initial: list[dict[str, Any]]):
+        super().__init__()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "w")
+        self._file.writelines(json.dumps(e) + "\n" for e in initial)
+        super().extend(initial)
+
+    def append(self, event: dict[str, Any]) -> None:
+        super().append(event)
+        self._file.write(json.dumps(event) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()

@@ -58,6 +58,8 @@ class ServeContext:
     restored: dict | None = None
     #: called with the step of each request a server receives (fault injection)
     on_request: Callable[[int], None] | None = None
+    #: a worker whose process died is dropped and the others go on (``survives_worker_loss``)
+    drop_dead_workers: bool = False
 
 
 class PhaseClock:
@@ -94,6 +96,9 @@ class Solver:
     #: True when every worker blocks in one collective per step, so a worker's exposed
     #: communication beyond the fastest worker's is time spent waiting for the slowest.
     collective_per_step: ClassVar[bool] = False
+    #: True when the others can train on after a worker's process dies (its peers are
+    #: servers that serve each worker on its own): the job drops it instead of restarting
+    survives_worker_loss: ClassVar[bool] = False
 
     def __init__(self, options: Any = None) -> None:
         self.options = options if options is not None else self.Options()

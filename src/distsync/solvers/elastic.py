@@ -97,6 +97,7 @@ class SyncElasticOptions:
 
 class _ElasticServerSolver(ServerSolver):
     Options = ElasticOptions
+    survives_worker_loss = True  # first come, first served: nobody waits for a dead worker
 
     def attach(self, model, optimizer, comm):
         model = super().attach(model, optimizer, comm)
@@ -177,6 +178,7 @@ class _ElasticServerSolver(ServerSolver):
 @register_solver
 class EASGD(_ElasticServerSolver):
     name = "easgd"
+    survives_worker_loss = False  # the server waits for every worker's turn in rank order
 
     def run_server(self, shard):
         shard.serve_round_robin()

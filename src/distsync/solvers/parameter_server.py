@@ -106,6 +106,7 @@ class ServerSolver(Solver):
         tensors = [params[i] for i in layout.shards[servers.index(comm.rank)]]
         self.shard = shard = ServerShard(comm, tensors, self.handle, lock=not self.lock_free)
         shard.on_request = ctx.on_request
+        shard.drop_dead_workers = ctx.drop_dead_workers and self.survives_worker_loss
         if ctx.save is not None:
             shard.on_save = lambda index: ctx.save(index, shard.version, self.server_state_dict(shard))
         if ctx.restored is not None:
@@ -206,6 +207,7 @@ class SyncPS(GradientServerSolver):
 class AsyncPS(GradientServerSolver):
     name = "async-ps"
     Options = AsyncPSOptions
+    survives_worker_loss = True
 
     def attach(self, model, optimizer, comm):
         model = super().attach(model, optimizer, comm)

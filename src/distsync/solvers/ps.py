@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from distsync.errors import ConfigError
+from distsync.errors import CommError, ConfigError
 from distsync.solvers.flat import FlatView
 
 OP_PULL, OP_PUSH, OP_EXCHANGE, OP_DONE, OP_SAVE = 1, 2, 3, 4, 5
@@ -145,13 +145,20 @@ class ServerShard:
         self.on_save: Callable[[int], None] | None = None
         self.saved_index = 0
         self._save_lock = threading.Lock()
+        #: end a worker's conversation when its process dies, instead of failing the server
+        self.drop_dead_workers = False
+        #: workers whose process died, with the last step each asked about
+        self.dropped: dict[int, int] = {}
+        self._last_step: dict[int, int] = {}
 
     def _receive(self, worker: int) -> Request:
         head = torch.zeros(3, dtype=torch.int64)
         self.comm.recv(head, worker, tag=TAG_HEADER)
         op, step, seen = (int(v) for v in head.tolist())
-        if self.on_request is not None and op not in (OP_DONE, OP_SAVE):
-            self.on_request(step)
+        if op not in (OP_DONE, OP_SAVE):
+            self._last_step[worker] = step
+            if self.on_request is not None:
+                self.on_request(step)
         payload = None
         if op in (OP_PUSH, OP_EXCHANGE):
             payload = torch.zeros(self.center.numel())
@@ -204,6 +211,11 @@ class ServerShard:
                     if req.op == OP_DONE:
                         return
                     self._process(req)
+            except CommError as e:
+                if self.drop_dead_workers and "closed its connection" in str(e):
+                    self.dropped[worker] = self._last_step.get(worker, -1)  # the others train on
+                    return
+                self._errors.append(e)
             except BaseException as e:  # surfaced by the serving thread below
                 self._errors.append(e)
 
@@ -261,6 +273,7 @@ class ServerShard:
 
     def stats(self) -> dict[str, Any]:
         return {
+            **({"dropped_workers": {str(w): s for w, s in sorted(self.dropped.items())}} if self.dropped else {}),
             "updates": self.version,
             "staleness": {str(k): v for k, v in sorted(self.staleness.items())},
             "requests": {name: self.requests[op] for op, name in

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from distsync.errors import CommError
 from distsync.sparse.tables import coalesce, sparse_adagrad_, sparse_sgd_
 
 OP_LOOKUP, OP_PUSH, OP_DONE, OP_SAVE = 1, 2, 3, 4
@@ -167,6 +168,8 @@ class EmbeddingServer:
         #: ``on_save(index)`` writes :meth:`state_dict` into checkpoint ``index``
         self.on_save: Any = None
         self.saved_index = 0
+        #: a trainer whose process died ends its channels instead of failing the server
+        self.drop_dead_workers = False
 
     def state_dict(self) -> dict[str, Any]:
         """Rows and optimizer state, each table under its lock (pushes may be arriving)."""
@@ -242,6 +245,9 @@ class EmbeddingServer:
                     self._tally(t0, pushes=1, rows_pushed=len(local))
                 else:
                     raise RuntimeError(f"embedding server: unknown op {op} from rank {worker}")
+        except CommError as e:
+            if not (self.drop_dead_workers and "closed its connection" in str(e)):
+                errors.append(e)  # else a dead trainer's channel: the others go on
         except BaseException as e:  # surfaced by serve()
             errors.append(e)
 
