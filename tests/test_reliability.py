@@ -132,7 +132,7 @@ def _steps_of(out: Path, rank: int) -> list[int]:
 FAMILIES = [  # (solver and options, the process to kill)
     (["--solver", "allreduce"], "1"),
     (["--solver", "sync-ps"], "server"),
-    (["--solver", "async-ps"], "1"),
+    (["--solver", "async-ps"], "server"),  # (a dead async-ps worker is dropped: below)
     (["--solver", "ea-wild", "--tau", "2"], "server"),
     (["--solver", "ad-psgd"], "0"),  # the active worker: the passive runs ahead of it
     (["--solver", "ripples", "--workers", "3", "--group-size", "2"], "2"),
@@ -159,6 +159,35 @@ def test_killed_process_costs_at_most_the_checkpoint_interval(tmp_path, solver, 
     workers = 3 if "ripples" in solver else 2
     for rank in range(workers):  # every step taken once in the surviving history
         assert _steps_of(tmp_path / "fault", rank) == list(range(steps))
+
+
+@pytest.mark.slow
+def test_a_dead_worker_is_dropped_and_the_others_train_on(tmp_path):
+    common = ["--solver", "async-ps", "--workers", "3", "--steps", "150", "--seed", "2", "--eval-every", "50"]
+    ok = _train(tmp_path / "clean", *common)
+    assert ok.returncode == 0, ok.stderr
+    hit = _train(tmp_path / "fault", *common, "--fault", "kill:2@60")
+    assert hit.returncode == 0, hit.stderr
+    assert "worker rank 2 died (SIGKILL) after step 59 and was dropped; the other workers trained on" in hit.stderr
+    clean, fault = _summary(tmp_path / "clean"), _summary(tmp_path / "fault")
+    [dropped] = fault["recovery"]["dropped"]
+    assert (dropped["rank"], dropped["signal"], dropped["last_step"]) == (2, "SIGKILL", 59)
+    assert fault["recovery"]["restarts"] == 0 and fault["recovery"]["faults"][0]["dropped"] is True
+    server = fault["solver_stats"]["3"]
+    assert server["dropped_workers"] == {"2": 59}
+    assert server["updates"] == 2 * 150 + 60  # every push of every worker, the dead one's until it died
+    assert _steps_of(tmp_path / "fault", 2) == list(range(60))
+    assert _steps_of(tmp_path / "fault", 0) == _steps_of(tmp_path / "fault", 1) == list(range(150))
+    assert abs(fault["final_metric"] - clean["final_metric"]) <= 0.02 * clean["final_metric"], (fault, clean)
+
+
+@pytest.mark.slow
+def test_rank_0_of_a_dropping_solver_is_restarted_not_dropped(tmp_path):
+    proc = _train(tmp_path / "run", "--solver", "ea-wild", "--steps", "100", "--checkpoint-every", "20",
+                  "--max-restarts", "1", "--fault", "kill:0@50")
+    assert proc.returncode == 0, proc.stderr
+    recovery = _summary(tmp_path / "run")["recovery"]
+    assert recovery["dropped"] == [] and recovery["restarts"] == 1 and recovery["resumed_from_steps"] == [40]
 
 
 @pytest.mark.slow
@@ -242,6 +271,8 @@ def test_nothing_is_left_behind_after_a_restart_or_a_failure(tmp_path):
     assert summary["recovery"]["restarts"] == 1
     with pytest.raises(WorkerFailed, match="worker rank 1 died"):
         launch(RunConfig(workers=2, steps=80, faults=["kill:1@30"]), tmp_path / "fail")
+    dropped = launch(RunConfig(solver="async-ps", workers=3, steps=80, faults=["kill:2@30"]), tmp_path / "drop")
+    assert [d["rank"] for d in dropped["recovery"]["dropped"]] == [2]
     after_fds, after_threads, after_kids = quiet_count()
     assert after_kids == [] and kids == []
     assert after_threads == threads
