@@ -114,6 +114,37 @@ def test_step_policy_and_recovery_figures():
     assert out["restarts"] == 1 and out["resumed_from_steps"] == [40]
 
 
+class _FakeStoreComm:
+    """Two workers' views of one key-value store."""
+
+    def __init__(self, store: dict, worker_index: int):
+        self.store, self.worker_index = store, worker_index
+
+    def store_set(self, key, value):
+        self.store[key] = value
+
+    def store_check(self, key):
+        return key in self.store
+
+    def store_get(self, key):
+        return self.store[key]
+
+
+def test_time_policy_takes_worker_0s_announced_step_on_every_worker(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    store: dict = {}
+    lead, other = CheckpointPolicy("10s", _FakeStoreComm(store, 0)), CheckpointPolicy("10s", _FakeStoreComm(store, 1))
+    assert [lead.due(d) for d in (1, 2)] == [None, None] and other.due(1) is None
+    now[0] = 10.5  # worker 0's interval is up at its step 3: it announces step 3 + 3
+    assert lead.due(3) is None
+    assert other.due(2) is None and other.due(5) is None  # the other worker learns it, a step behind
+    assert lead.due(6) == 1 and other.due(6) == 1
+    assert lead.due(7) is None and other.due(7) is None  # the next one only after another 10 s
+    behind = CheckpointPolicy("10s", _FakeStoreComm(store, 1))
+    assert behind.due(40) == 1  # a worker already past the announced step takes it at once
+
+
 # ---- real jobs --------------------------------------------------------------------------
 
 def _train(out: Path, *args: str, timeout: float = 55.0) -> subprocess.CompletedProcess:
