@@ -71,7 +71,17 @@ def _supervise(argv: list[str]) -> None:
     if died and 0 < rank < workers:
         marks = run_dir / "dropped"
         marks.mkdir(exist_ok=True)
-        mark = {"rank": rank, "signal": signal.Signals(-code).name, "unix": time.time(), "attempt": int(attempt)}
+        steps = []  # its journal (process.journal_path) says how far it got
+        journal = run_dir / "journal" / f"rank-{rank}.jsonl"
+        for line in journal.read_text().splitlines() if journal.exists() else []:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue  # the line it was writing when it died
+            if event.get("kind") == "step":
+                steps.append(event["step"])
+        mark = {"rank": rank, "signal": signal.Signals(-code).name, "unix": time.time(), "attempt": int(attempt),
+                "last_step": max(steps) if steps else None}
         (marks / f"attempt-{attempt}-rank-{rank}.json").write_text(json.dumps(mark))
         os._exit(0)
     if code < 0:  # end as the child did, so the agent reports the signal

@@ -85,11 +85,13 @@ class Choice:
 class CheckpointStore:
     """One rank's view of a run's checkpoints folder."""
 
-    def __init__(self, root: Path, rank: int, role_of: list[str], job: dict[str, Any]):
+    def __init__(self, root: Path, rank: int, role_of: list[str], job: dict[str, Any], gone: set[int] = frozenset()):
         self.root = Path(root)
         self.rank = rank
         self.job = job
         self.stateful = [r for r, role in enumerate(role_of) if role in STATEFUL_ROLES]
+        #: workers dropped from the job: checkpoints after their death are complete without them
+        self.gone = set(gone)
 
     def folder(self, index: int) -> Path:
         return self.root / f"ckpt-{index:06d}"
@@ -147,6 +149,8 @@ class CheckpointStore:
         d = self.folder(index)
         for r in self.stateful:
             meta_path = d / f"rank-{r}.json"
+            if not meta_path.exists() and r in self.gone:
+                continue
             if not meta_path.exists():
                 return f"incomplete (rank {r} did not finish writing it)"
             try:
@@ -181,6 +185,14 @@ class CheckpointStore:
     def step_of(self, index: int) -> int:
         return int(json.loads((self.folder(index) / f"rank-{self.rank}.json").read_text())["step"])
 
+    def newest_own(self, index: int) -> int | None:
+        """The newest checkpoint at or before ``index`` that has this rank's part (a dropped
+        worker's last one)."""
+        for i in reversed([i for i in self.indices() if i <= index]):
+            if (self.folder(i) / f"rank-{self.rank}.json").exists() and self.check(i) is None:
+                return i
+        return None
+
     def load(self, index: int) -> dict[str, Any]:
         path = self.data_file(index)
         try:
@@ -190,5 +202,5 @@ class CheckpointStore:
 
 
 def clear(root: Path) -> None:
-    """Remove a run's checkpoints (a fresh run into an old folder)."""
+    """Remove a folder of a run's recovery state (a fresh run into an old folder)."""
     shutil.rmtree(root, ignore_errors=True)

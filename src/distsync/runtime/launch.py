@@ -21,9 +21,9 @@ from distsync.config import RunConfig, parse_link
 from distsync.errors import ConfigError, DistsyncError, WorkerFailed
 from distsync.runtime.bind import bind_listeners
 from distsync.runtime.checkpoint import CheckpointStore, fingerprint
-from distsync.runtime.checkpoint import clear as clear_checkpoints
+from distsync.runtime.checkpoint import clear as clear_folder
 from distsync.runtime.network import EmulatedNetwork
-from distsync.runtime.process import CHECKPOINTS
+from distsync.runtime.process import CHECKPOINTS, dropped_ranks
 from distsync.runtime.roles import assign_roles, job_roles
 from distsync.solvers import make_options, solver_class
 
@@ -120,7 +120,8 @@ RESULT_FILES = {"train": "summary.json", "linktest": "linktest.json"}
 
 def check_resumable(cfg: RunConfig, run_dir: Path, role_of: list[str]) -> None:
     """Refuse ``--resume`` (one line) when the run folder has no checkpoint this job can load."""
-    choice = CheckpointStore(run_dir / CHECKPOINTS, 0, role_of, fingerprint(cfg, role_of)).choose()
+    choice = CheckpointStore(run_dir / CHECKPOINTS, 0, role_of, fingerprint(cfg, role_of),
+                             dropped_ranks(run_dir)).choose()
     if choice.index is None:
         why = f": {choice.refused[0]}" if choice.refused else ""
         raise ConfigError(f"cannot resume {run_dir}: no complete checkpoint in {run_dir / CHECKPOINTS}{why}")
@@ -168,7 +169,8 @@ def _launch(cfg: RunConfig, run_dir: Path, role_of: list[str], on_progress: Prog
     if cfg.resume:
         check_resumable(cfg, run_dir, role_of)
     else:  # a fresh run into an old folder starts with no checkpoints, faults or stop mark
-        clear_checkpoints(run_dir / CHECKPOINTS)
+        for folder in (CHECKPOINTS, "dropped", "journal"):
+            clear_folder(run_dir / folder)
         for stale in ("faults.jsonl", "stop.json"):
             (run_dir / stale).unlink(missing_ok=True)
     cfg.write(run_dir / "config.json")

@@ -12,22 +12,22 @@ from typing import Any
 import torch
 
 from distsync.comm import Comm
-from distsync.errors import CommError, ConfigError
-from distsync.runtime.checkpoint import STATEFUL_ROLES, CheckpointStore, fingerprint
-from distsync.runtime.recovery import (CheckpointPolicy, FaultInjector, WorkerRecovery, raise_if_stopped,
-                                       read_faults, restart_count, summarize_recovery)
 from distsync.config import RunConfig, parse_link
+from distsync.errors import CommError, ConfigError
 from distsync.metrics import split_collective_wait, summarize
+from distsync.runtime.checkpoint import STATEFUL_ROLES, CheckpointStore, fingerprint
 from distsync.runtime.linktest import run_linktest
 from distsync.runtime.loop import Progress, train_worker
+from distsync.runtime.recovery import (CheckpointPolicy, FaultInjector, WorkerRecovery, raise_if_stopped,
+                                       read_faults, restart_count, summarize_recovery)
 from distsync.runtime.roles import EMBEDDING_SERVER, assign_roles, job_roles
-
-#: the run folder's subfolder of checkpoints
-CHECKPOINTS = "checkpoints"
 from distsync.solvers import ServeContext, make_options, solver_class
 from distsync.sparse import EmbeddingServer, find_tables
 from distsync.sparse.tables import replace_module
 from distsync.workloads import Workload, load_workload
+
+#: the run folder's subfolder of checkpoints
+CHECKPOINTS = "checkpoints"
 
 
 def pick_device(requested: str) -> torch.device:
@@ -74,10 +74,25 @@ def journal_path(run_dir: Path, rank: int) -> Path:
     return run_dir / "journal" / f"rank-{rank}.jsonl"
 
 
+def dropped_marks(run_dir: Path) -> list[dict[str, Any]]:
+    """The workers this run dropped, in any attempt, in the order they died."""
+    marks = []
+    for path in (run_dir / "dropped").glob("attempt-*-rank-*.json"):
+        try:
+            marks.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            pass
+    return sorted(marks, key=lambda m: m["unix"])
+
+
+def dropped_ranks(run_dir: Path) -> set[int]:
+    return {m["rank"] for m in dropped_marks(run_dir)}
+
+
 def dropped_mark(run_dir: Path, attempt: int, rank: int) -> dict[str, Any] | None:
-    mark = run_dir / "dropped" / f"attempt-{attempt}-rank-{rank}.json"
+    """What worker.py's supervising parent wrote when worker ``rank`` died in ``attempt``."""
     try:
-        return json.loads(mark.read_text())
+        return json.loads((run_dir / "dropped" / f"attempt-{attempt}-rank-{rank}.json").read_text())
     except (OSError, ValueError):
         return None
 
@@ -104,8 +119,6 @@ def gather_through_store(comm: Comm, mine: dict[str, Any], run_dir: Path, attemp
                             events.append(json.loads(line))
                         except ValueError:
                             pass  # the line it was writing when it died
-                steps = [e["step"] for e in events if e["kind"] == "step"]
-                mark["last_step"] = max(steps) if steps else None
                 # Its steps count (work done); its evaluations do not: the run's final
                 # metric is the survivors' models'.
                 events = [e for e in events if e["kind"] != "eval"]
@@ -178,7 +191,8 @@ def recovery_for(cfg: RunConfig, run_dir: Path, comm: Comm) -> WorkerRecovery:
     """This process's checkpoints, the state it resumes from and the faults aimed at it."""
     raise_if_stopped(run_dir)
     attempt = restart_count()
-    store = CheckpointStore(run_dir / CHECKPOINTS, comm.rank, comm.role_of, fingerprint(cfg, comm.role_of))
+    gone = dropped_ranks(run_dir)
+    store = CheckpointStore(run_dir / CHECKPOINTS, comm.rank, comm.role_of, fingerprint(cfg, comm.role_of), gone)
     restored = None
     if cfg.resume or attempt > 0:
         choice = store.choose()
@@ -189,7 +203,9 @@ def recovery_for(cfg: RunConfig, run_dir: Path, comm: Comm) -> WorkerRecovery:
                               + (f" ({choice.refused[0]})" if choice.refused else ""))
         store.forget_after(choice.index or 0)  # what a failed attempt left beyond it is stale
         if choice.index is not None and comm.role in STATEFUL_ROLES:
-            restored = store.load(choice.index)
+            # A worker dropped earlier comes back from its own last checkpoint (or from scratch).
+            own = choice.index if comm.rank not in gone else store.newest_own(choice.index)
+            restored = store.load(own) if own is not None else None
     policy = CheckpointPolicy(cfg.checkpoint_every, comm, last_index=int(restored["index"]) if restored else 0)
     return WorkerRecovery(store=store if policy.enabled else None, policy=policy,
                           faults=FaultInjector(cfg.faults, run_dir, comm.rank, comm.role_of), restored=restored,
@@ -253,8 +269,7 @@ def run_process(cfg: RunConfig, run_dir: Path) -> None:
             all_events = [e for g in gathered for e in g["events"]]
             stats = {str(r): g["stats"] for r, g in enumerate(gathered) if g["stats"]}
             others = sum(g["bytes"] for g in gathered if g["role"] != "worker")
-            write_results(cfg, run_dir, all_events, solver, workload, stats, others,
-                          dropped=[g["dropped"] for g in gathered if g.get("dropped")])
+            write_results(cfg, run_dir, all_events, solver, workload, stats, others, dropped=dropped_marks(run_dir))
         if not supervised():
             comm.barrier()
     finally:
