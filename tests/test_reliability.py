@@ -216,8 +216,8 @@ def test_a_dead_worker_is_dropped_and_the_others_train_on(tmp_path):
 def test_a_restart_after_a_drop_brings_the_dropped_worker_back_from_its_own_checkpoint(tmp_path):
     run = tmp_path / "run"
     # ranks 0 and 1 compute 2x slower, so rank 2 surely dies (step 30) before the server (step 140)
-    proc = _train(run, "--solver", "async-ps", "--workers", "3", "--steps", "150", "--checkpoint-every", "20", "--slow", "0:2,1:2",
-                  "--max-restarts", "1", "--fault", "kill:2@30", "--fault", "kill:server@140")
+    proc = _train(run, "--solver", "async-ps", "--workers", "3", "--steps", "150", "--checkpoint-every", "20",
+                  "--slow", "0:2,1:2", "--max-restarts", "1", "--fault", "kill:2@30", "--fault", "kill:server@140")
     assert proc.returncode == 0, proc.stderr
     recovery = _summary(run)["recovery"]
     assert [(d["rank"], d["last_step"]) for d in recovery["dropped"]] == [(2, 29)]
