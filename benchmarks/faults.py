@@ -11,7 +11,8 @@ finished, median steps lost (the fault's step minus the step the job resumed fro
 longest recovery (kill to training again), hangs, and lost updates: for solvers with
 servers, the updates each server counts against the updates the workers' history asks for
 (steps for sync-ps; a push per worker step for the asynchronous parameter servers; an
-exchange per worker every tau steps for the elastic ones).
+exchange per worker every tau steps for the elastic ones; none for shadow-ea, whose exchanges
+follow time).
 
 (2) Soak: ``async-ps`` and ``ripples`` with 4 workers, ``--soak`` seconds each; the job's
 processes' resident memory, threads and open files are sampled every 5 s. Growth is the last
@@ -54,8 +55,8 @@ def random_fault(solver: str, rng: random.Random) -> str:
 def expected_updates(solver: str, steps_done: list[int]) -> int | None:
     """What the servers' update counts should be, given each worker's steps (None: no servers)."""
     s = make_solver(solver)
-    if "server" not in s.roles:
-        return None
+    if "server" not in s.roles or solver.startswith("shadow-"):
+        return None  # (a shadow thread's exchanges follow time, not steps)
     if solver == "sync-ps":
         return STEPS  # one update per round
     tau = getattr(s.options, "tau", 1)  # an exchange every tau steps, else a push every step (n_push 1)
