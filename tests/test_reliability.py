@@ -16,7 +16,7 @@ import torch
 from distsync.config import RunConfig
 from distsync.runtime.checkpoint import CheckpointStore, fingerprint
 from distsync.runtime.recovery import CheckpointPolicy, FaultInjector, summarize_recovery
-from helpers import REPO, children_of, run_cli
+from helpers import alive, children_of, run_cli
 
 ROLES = ["worker", "worker", "server"]
 
@@ -311,24 +311,29 @@ def test_nothing_is_left_behind_after_a_restart_or_a_failure(tmp_path):
     from distsync.errors import WorkerFailed
     from distsync.runtime import launch
 
+    def running_children() -> list[int]:
+        return [pid for pid in children_of(os.getpid()) if alive(pid)]
+
     def quiet_count():
-        deadline = time.monotonic() + 10  # processes being reaped get a moment to go
-        while children_of(os.getpid()) and time.monotonic() < deadline:
+        deadline = time.monotonic() + 10  # processes on their way out get a moment to go
+        while running_children() and time.monotonic() < deadline:
             time.sleep(0.1)
         time.sleep(0.5)
-        return (len(_open_fds()), {t.name for t in threading.enumerate()}, children_of(os.getpid()))
+        return (len(_open_fds()), {t.name for t in threading.enumerate()}, running_children())
 
-    cfg = RunConfig(workers=2, steps=80, checkpoint_every=20, max_restarts=1, faults=["kill:1@30"])
-    launch(cfg, tmp_path / "warm")  # torch's first use opens what it keeps for the process
+    cfg = RunConfig(workers=2, steps=60, checkpoint_every=20, max_restarts=1, faults=["kill:1@30"])
+    launch(RunConfig(workers=2, steps=20), tmp_path / "warm")  # torch's first use opens what it keeps
     fds, threads, kids = quiet_count()
     summary = launch(cfg, tmp_path / "restart")
     assert summary["recovery"]["restarts"] == 1
     with pytest.raises(WorkerFailed, match="worker rank 1 died"):
-        launch(RunConfig(workers=2, steps=80, faults=["kill:1@30"]), tmp_path / "fail")
-    dropped = launch(RunConfig(solver="async-ps", workers=3, steps=80, faults=["kill:2@30"]), tmp_path / "drop")
+        launch(RunConfig(workers=2, steps=60, faults=["kill:1@30"]), tmp_path / "fail")
+    dropped = launch(RunConfig(solver="async-ps", workers=3, steps=60, faults=["kill:2@30"]), tmp_path / "drop")
     assert [d["rank"] for d in dropped["recovery"]["dropped"]] == [2]
     after_fds, after_threads, after_kids = quiet_count()
-    assert after_kids == [] and kids == []
+    described = [(pid, Path(f"/proc/{pid}/cmdline").read_bytes()[:200], Path(f"/proc/{pid}/stat").read_text()[:80])
+                 for pid in after_kids if Path(f"/proc/{pid}").exists()]
+    assert after_kids == [] and kids == [], described
     assert after_threads == threads
     assert after_fds == fds
     leftovers = [p for p in tmp_path.rglob("*.tmp")]

@@ -202,7 +202,8 @@ def _launch(cfg: RunConfig, run_dir: Path, role_of: list[str], on_progress: Prog
     if net:
         args += ["--netns-prefix", net.netns_prefix]
     if cfg.task == "train" and solver_class(cfg.solver).survives_worker_loss:
-        args += ["--supervise"]  # a dead worker is dropped, not the job (worker.py's _supervise)
+        # a dead worker is dropped, not the job: each rank runs under distsync/supervise.py
+        args = [str(Path(__file__).resolve().parents[1] / "supervise.py"), *args[2:]]
     try:
         elastic_launch(lc, sys.executable)(*args)
     except ChildFailedError as e:

@@ -65,7 +65,7 @@ def final_extra_metrics(events: list[dict[str, Any]], names: list[str]) -> dict[
 
 
 def supervised() -> bool:
-    """Whether this process runs under ``worker.py``'s supervising parent (a job that drops
+    """Whether this process runs under ``distsync/supervise.py`` (a job that drops
     dead workers instead of restarting)."""
     return os.environ.get("DISTSYNC_SUPERVISED") == "1"
 
@@ -90,7 +90,7 @@ def dropped_ranks(run_dir: Path) -> set[int]:
 
 
 def dropped_mark(run_dir: Path, attempt: int, rank: int) -> dict[str, Any] | None:
-    """What worker.py's supervising parent wrote when worker ``rank`` died in ``attempt``."""
+    """What distsync/supervise.py wrote when worker ``rank`` died in ``attempt``."""
     try:
         return json.loads((run_dir / "dropped" / f"attempt-{attempt}-rank-{rank}.json").read_text())
     except (OSError, ValueError):

@@ -191,11 +191,14 @@ def summarize_recovery(events: list[dict[str, Any]], faults: list[dict[str, Any]
         if f["kind"] == "kill" and any(d["rank"] == f["rank"] and d["unix"] >= f["unix"] for d in dropped):
             row["dropped"] = True
         elif f["kind"] == "kill":
+            # the attempt after the kill: the job resumed from its checkpoint's step (a worker
+            # dropped earlier comes back from an older one of its own)
             after = [e for e in resumes if e["unix"] > f["unix"]]
-            if after:
-                first = min(after, key=lambda e: e["unix"])
-                row.update(resumed_from_step=first["step"], steps_lost=max(0, f["step"] - first["step"]),
-                           recovery_s=first["unix"] - f["unix"])
+            nxt = [e for e in after if e.get("attempt") == min(a.get("attempt", 0) for a in after)] if after else []
+            if nxt:
+                step = max(e["step"] for e in nxt)
+                row.update(resumed_from_step=step, steps_lost=max(0, f["step"] - step),
+                           recovery_s=min(e["unix"] for e in nxt) - f["unix"])
         out.append(row)
     return {"faults": out, "restarts": max([e.get("attempt", 0) for e in resumes] + [0]),
             "resumed_from_steps": [e["step"] for e in resumes if e["rank"] == 0], "dropped": dropped}

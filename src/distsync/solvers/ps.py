@@ -156,9 +156,9 @@ class ServerShard:
         self.comm.recv(head, worker, tag=TAG_HEADER)
         op, step, seen = (int(v) for v in head.tolist())
         if op not in (OP_DONE, OP_SAVE):
-            self._last_step[worker] = step
+            self._last_step[worker] = max(step, self._last_step.get(worker, -1))  # (final pulls say -1)
             if self.on_request is not None:
-                self.on_request(step)
+                self.on_request(self.job_step())
         payload = None
         if op in (OP_PUSH, OP_EXCHANGE):
             payload = torch.zeros(self.center.numel())
@@ -168,6 +168,14 @@ class ServerShard:
     def _reply(self, worker: int, tensor: torch.Tensor, version: int) -> None:
         self.comm.send(torch.tensor([version], dtype=torch.int64), worker, tag=TAG_REPLY_HEADER)
         self.comm.send(tensor, worker, tag=TAG_REPLY)
+
+    def job_step(self) -> int:
+        """How far the whole job has got: the step every live worker has asked about (-1
+        until each has asked once)."""
+        live = [w for w in self.comm.worker_ranks if w not in self.dropped]
+        if any(w not in self._last_step for w in live):
+            return -1
+        return min(self._last_step[w] for w in live)
 
     def save(self, index: int) -> None:
         """Write this shard's part of checkpoint ``index`` unless it already has."""
