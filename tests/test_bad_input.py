@@ -422,7 +422,7 @@ def test_any_compare_command_line_launches_or_fails_in_one_line(tmp_path, capsys
     (["--warmup-steps", "-1"], "--warmup-steps must be an integer >= 0, got -1"),
     (["--intra-op-threads", "0"], "--intra-op-threads must be an integer >= 1, got 0"),
     (["--embedding-servers", "-1"], "--embedding-servers must be an integer >= 0, got -1"),
-    (["--master-port", "0"], "--master-port must be in 1..65535, got 0"),
+    (["--master-port", "0"], "--master-port must be an integer in 1..65535, got 0"),
     (["--seed", "1" * 20], "--seed must be an integer in -9007199254740991..9007199254740991, got 11111111111111111111"),
     (["--jitter", "11"], "--jitter must be in [0, 10] (a share of each step's compute), got 11.0"),
     (["--slow", "1:" + "9" * 400], "FACTOR must be a finite number"),

@@ -37,7 +37,7 @@ def test_slow_rank_must_be_a_worker():
         ("lr", 0.0, "--lr must be > 0"),
         ("optimizer", "lbfgs", "unknown --optimizer 'lbfgs'; valid: sgd, adam"),
         ("timeout_s", 0, "--timeout must be > 0"),
-        ("master_port", 70000, "--master-port must be in 1..65535"),
+        ("master_port", 70000, "--master-port must be an integer in 1..65535"),
     ],
 )
 def test_config_validation_messages(field, value, message):

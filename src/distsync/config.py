@@ -119,6 +119,115 @@ def check_field_types(cls: type, values: dict[str, Any], what: str = "config fie
                               f"got {show(values[f.name])}")
 
 
+_WORDS_TRUE, _WORDS_FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _from_text(text: str, hint: Any) -> Any:
+    """``text`` (a command-line or ``KEY=VALUE`` string) as a value of type ``hint``;
+    ``ValueError`` when it is none."""
+    if _is_union(hint):
+        if text.strip().lower() in ("none", "null") and type(None) in typing.get_args(hint):
+            return None
+        for arg in typing.get_args(hint):
+            if arg is not type(None):
+                try:
+                    return _from_text(text, arg)
+                except ValueError:
+                    pass
+        raise ValueError(text)
+    if hint is bool:
+        word = text.strip().lower()
+        if word in _WORDS_TRUE + _WORDS_FALSE:
+            return word in _WORDS_TRUE
+        raise ValueError(text)
+    if hint is int:
+        number = float(text)  # also takes 1e6 for an integer
+        if not number.is_integer():
+            raise ValueError(text)
+        return int(number) if abs(number) < 2**53 else int(text)
+    if hint is float:
+        number = float(text)
+        if not math.isfinite(number):
+            raise ValueError(text)
+        return number
+    return text
+
+
+def convert(value: Any, hint: Any, what: str) -> Any:
+    """The one type converter: ``value`` (a string from the command line, or anything from a
+    JSON/TOML file or Python) as a value of type ``hint``; :class:`ConfigError` naming
+    ``what`` when it cannot be one. Strings are parsed; other values must already match."""
+    if isinstance(value, str) and hint not in (str, Any) and not (
+            _is_union(hint) and str in typing.get_args(hint)):
+        try:
+            value = _from_text(value, hint)
+        except (ValueError, OverflowError):
+            name = getattr(hint, "__name__", None) or describe_type(hint)
+            raise ConfigError(f"{what}={value!r} is not a valid {name}") from None
+    if isinstance(value, int) and not isinstance(value, bool) and hint is float:
+        value = float(value)
+    if _is_union(hint) and float in typing.get_args(hint) and isinstance(value, int) \
+            and not isinstance(value, bool) and int not in typing.get_args(hint):
+        value = float(value)
+    if not matches_type(value, hint):
+        raise ConfigError(f"{what} must be {describe_type(hint)}, got {show(value)}")
+    return value
+
+
+def bounded(default: Any, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
+            lt: float | None = None, choices: tuple | None = None, flag: str | None = None,
+            note: str = "") -> Any:
+    """A dataclass field with its allowed values declared: ``threads: int = bounded(1, ge=1)``.
+    :func:`check_ranges` enforces them (``None`` always passes: it means "not set");
+    ``flag`` is the name messages use (``--timeout``), ``note`` is said after the bound."""
+    rule = {k: v for k, v in dict(ge=ge, gt=gt, le=le, lt=lt, choices=choices).items() if v is not None}
+    meta = {"range": rule, "flag": flag, "note": note}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def range_problem(value: Any, rule: dict[str, Any], integer: bool) -> str | None:
+    """What ``value`` breaks in a :func:`bounded` rule, as "must be ..." (None: nothing)."""
+    if value is None or not rule:
+        return None
+    if "choices" in rule:
+        return None if value in rule["choices"] else "valid: " + ", ".join(map(str, rule["choices"]))
+    lo, lo_open = (rule["gt"], True) if "gt" in rule else (rule.get("ge"), False)
+    hi, hi_open = (rule["lt"], True) if "lt" in rule else (rule.get("le"), False)
+    ok = ((lo is None or (value > lo if lo_open else value >= lo)) and
+          (hi is None or (value < hi if hi_open else value <= hi)))
+    if ok:
+        return None
+    kind = "an integer " if integer else ""
+    if lo is not None and hi is not None:
+        if integer and not lo_open and not hi_open:
+            return f"must be {kind}in {lo:g}..{hi:g}"
+        return f"must be {kind}in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+    if lo is not None:
+        return f"must be {kind}{'>' if lo_open else '>='} {lo:g}"
+    return f"must be {kind}{'<' if hi_open else '<='} {hi:g}"
+
+
+def check_ranges(obj: Any, prefix: str = "") -> None:
+    """Raise :class:`ConfigError` for the first field of dataclass ``obj`` outside what its
+    :func:`bounded` declaration allows: "PREFIX NAME must be >= 1, got 0"."""
+    hints = _field_types(type(obj))
+    for f in dataclasses.fields(obj):
+        rule = f.metadata.get("range")
+        if not rule:
+            continue
+        value = getattr(obj, f.name)
+        integer = int in (typing.get_args(hints[f.name]) or (hints[f.name],))
+        problem = range_problem(value, rule, integer)
+        if problem is None:
+            continue
+        name = f.metadata.get("flag") or f.name
+        if problem.startswith("valid: "):
+            raise ConfigError(f"{prefix}unknown {name} {value!r}; {problem}")
+        raise ConfigError(f"{prefix}{name} {problem}{f.metadata.get('note', '')}, got {value!r}")
+
+
 def parse_slow(spec: str | None) -> dict[int, float]:
     """Parse ``RANK:FACTOR[,RANK:FACTOR...]`` into ``{rank: factor}``.
 
@@ -278,26 +387,26 @@ class RunConfig:
     workload_options: dict[str, Any] = field(default_factory=dict)
     solver: str = "allreduce"
     solver_options: dict[str, Any] = field(default_factory=dict)
-    workers: int = 2
-    steps: int | None = None
-    batch_size: int | None = None
-    lr: float | None = None
-    optimizer: str = "sgd"
-    momentum: float = 0.0
-    weight_decay: float = 0.0
+    workers: int = bounded(2, ge=1, flag="--workers")
+    steps: int | None = bounded(None, ge=1, flag="--steps")
+    batch_size: int | None = bounded(None, ge=1, flag="--batch-size")
+    lr: float | None = bounded(None, gt=0, flag="--lr")
+    optimizer: str = bounded("sgd", choices=OPTIMIZERS, flag="--optimizer")
+    momentum: float = bounded(0.0, ge=0, lt=1, flag="--momentum")
+    weight_decay: float = bounded(0.0, ge=0, flag="--weight-decay")
     #: LARS trust coefficient (``--optimizer lars``)
-    lars_eta: float = 0.001
+    lars_eta: float = bounded(0.001, gt=0, flag="--lars-eta")
     #: linear learning-rate warm-up, in steps (LARS, and servers that apply updates)
-    warmup_steps: int = 0
+    warmup_steps: int = bounded(0, ge=0, flag="--warmup-steps")
     seed: int = 0
     slow: dict[int, float] = field(default_factory=dict)
     #: random per-step extra compute, up to this share of a step (every worker)
-    jitter: float = 0.0
-    eval_every: int | None = None
-    timeout_s: float = 60.0
-    intra_op_threads: int = 1
-    device: str = "auto"
-    master_port: int | None = None
+    jitter: float = bounded(0.0, ge=0, le=10, flag="--jitter", note=" (a share of each step's compute)")
+    eval_every: int | None = bounded(None, ge=1, flag="--eval-every")
+    timeout_s: float = bounded(60.0, gt=0, flag="--timeout", note=" seconds")
+    intra_op_threads: int = bounded(1, ge=1, flag="--intra-op-threads")
+    device: str = bounded("auto", choices=DEVICES, flag="--device")
+    master_port: int | None = bounded(None, ge=1, le=65535, flag="--master-port")
     out: str | None = None
     #: emulated link of every process, ``BANDWIDTH[,LATENCY]`` (see :func:`parse_link`)
     link: str | None = None
@@ -305,21 +414,21 @@ class RunConfig:
     #: layer) or "none"; set by the launcher
     link_latency_mode: str | None = None
     #: processes holding the model's embedding tables (None: the workload's default)
-    embedding_servers: int | None = None
+    embedding_servers: int | None = bounded(None, ge=0, flag="--embedding-servers")
     #: how embedding servers update rows: "adagrad" or "sgd"
-    embedding_optimizer: str = "adagrad"
+    embedding_optimizer: str = bounded("adagrad", choices=EMBEDDING_OPTIMIZERS, flag="--embedding-optimizer")
     #: their learning rate (None: the workload's)
-    embedding_lr: float | None = None
+    embedding_lr: float | None = bounded(None, gt=0, flag="--embedding-lr")
     #: set by ``distsync crossover``: ``{"address": UNIX_SOCKET_PATH, "job": index}`` of the
     #: compute-token server this job's workers ask before computing
     crossover: dict[str, Any] | None = None
-    task: str = "train"
+    task: str = bounded("train", choices=TASKS, flag="task")
     task_options: dict[str, Any] = field(default_factory=dict)
     #: write a checkpoint every N steps (an int) or every N seconds (``"30s"``); None: never
     checkpoint_every: int | str | None = None
     #: how many times torch's elastic agent restarts the job (from its last checkpoint)
     #: after a process fails; 0: the first failure ends the job
-    max_restarts: int = 0
+    max_restarts: int = bounded(0, ge=0, le=100, flag="--max-restarts")
     #: continue from the run folder's last complete checkpoint (``distsync train --resume``)
     resume: bool = False
     #: injected faults, e.g. ``["kill:1@40", "kill:server@30", "stall:0@20:3"]`` (:func:`parse_fault`)
@@ -329,50 +438,12 @@ class RunConfig:
         """Check every field; raise :class:`ConfigError` with a one-line message."""
         # Types first (a config file may hold anything), so the checks below compare numbers.
         check_field_types(type(self), vars(self))
-        if self.workers < 1:
-            raise ConfigError(f"--workers must be an integer >= 1, got {self.workers!r}")
-        for name in ("steps", "batch_size", "eval_every"):
-            v = getattr(self, name)
-            if v is not None and v < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
-        if self.lr is not None and not self.lr > 0:
-            raise ConfigError(f"--lr must be > 0, got {self.lr!r}")
-        if self.optimizer not in OPTIMIZERS:
-            raise ConfigError(f"unknown --optimizer {self.optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
-        if not 0.0 <= self.momentum < 1.0:
-            raise ConfigError(f"--momentum must be in [0, 1), got {self.momentum!r}")
-        if not self.lars_eta > 0:
-            raise ConfigError(f"--lars-eta must be > 0, got {self.lars_eta!r}")
-        if self.warmup_steps < 0:
-            raise ConfigError(f"--warmup-steps must be an integer >= 0, got {self.warmup_steps!r}")
-        if self.weight_decay < 0:
-            raise ConfigError(f"--weight-decay must be >= 0, got {self.weight_decay!r}")
-        if not self.timeout_s > 0:
-            raise ConfigError(f"--timeout must be > 0 seconds, got {self.timeout_s!r}")
-        if self.intra_op_threads < 1:
-            raise ConfigError(f"--intra-op-threads must be an integer >= 1, got {self.intra_op_threads!r}")
+        check_ranges(self)
         if not -SEED_LIMIT <= self.seed <= SEED_LIMIT:
             raise ConfigError(f"--seed must be an integer in -{SEED_LIMIT}..{SEED_LIMIT}, got {self.seed!r}")
-        if self.device not in DEVICES:
-            raise ConfigError(f"unknown --device {self.device!r}; valid: {', '.join(DEVICES)}")
-        if self.master_port is not None and not 1 <= self.master_port <= 65535:
-            raise ConfigError(f"--master-port must be in 1..65535, got {self.master_port!r}")
-        if not 0.0 <= self.jitter <= 10.0:
-            raise ConfigError(f"--jitter must be in [0, 10] (a share of each step's compute), got {self.jitter!r}")
         if self.link is not None:
             parse_link(self.link)
-        if self.embedding_servers is not None and self.embedding_servers < 0:
-            raise ConfigError(f"--embedding-servers must be an integer >= 0, got {self.embedding_servers!r}")
-        if self.embedding_optimizer not in EMBEDDING_OPTIMIZERS:
-            raise ConfigError(f"unknown --embedding-optimizer {self.embedding_optimizer!r}; "
-                              f"valid: {', '.join(EMBEDDING_OPTIMIZERS)}")
-        if self.embedding_lr is not None and not self.embedding_lr > 0:
-            raise ConfigError(f"--embedding-lr must be > 0, got {self.embedding_lr!r}")
-        if self.task not in TASKS:
-            raise ConfigError(f"unknown task {self.task!r}; valid: {', '.join(TASKS)}")
         checkpoint_interval(self.checkpoint_every)
-        if not 0 <= self.max_restarts <= 100:
-            raise ConfigError(f"--max-restarts must be an integer in 0..100, got {self.max_restarts!r}")
         for spec in self.faults:
             fault = parse_fault(spec)
             if isinstance(fault.target, int) and not 0 <= fault.target < self.workers:

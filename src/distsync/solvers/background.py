@@ -81,9 +81,9 @@ class _HogwildThreads:
     options: Any
     optimizer: Any
 
-    @property
-    def threads(self) -> int:
-        return self.options.threads
+    @classmethod
+    def training_threads(cls, options) -> int:
+        return options.threads
 
     def hogwild_update(self, step, params, grads):
         hogwild_sgd(params, grads, self.optimizer.param_groups[0]["lr"])

@@ -19,7 +19,6 @@ Processes that are not workers (``roles``) run :meth:`serve` instead of the loop
 from __future__ import annotations
 
 import contextlib
-import math
 import dataclasses
 import threading
 import time
@@ -29,6 +28,7 @@ from typing import Any, Callable, ClassVar, Iterator
 import torch
 import torch.nn as nn
 
+from distsync.config import check_ranges, convert
 from distsync.errors import ConfigError
 from distsync.imports import load_attribute
 
@@ -108,17 +108,27 @@ class Solver:
         self.clock = PhaseClock()
 
     # ---- process layout -----------------------------------------------------------------
+    @classmethod
+    def extra_roles(cls, options: Any) -> dict[str, int]:
+        """Extra processes beside the workers that a solver with ``options`` needs, e.g.
+        ``{"server": 2}``; ranks follow the workers. Known without building the solver."""
+        return {}
+
+    @classmethod
+    def training_threads(cls, options: Any) -> int:
+        """Training threads per worker on one shared model (Hogwild) with ``options``. With
+        more than one, the loop calls :meth:`hogwild_update` from each thread instead of
+        ``after_backward`` and ``update``; ``before_step`` and ``after_update`` may then run
+        concurrently."""
+        return 1
+
     @property
     def roles(self) -> dict[str, int]:
-        """Extra processes beside the workers, e.g. ``{"server": 2}``; ranks follow the workers."""
-        return {}
+        return self.extra_roles(self.options)
 
     @property
     def threads(self) -> int:
-        """Training threads per worker on one shared model (Hogwild). With more than one,
-        the loop calls :meth:`hogwild_update` from each thread instead of ``after_backward``
-        and ``update``; ``before_step`` and ``after_update`` may then run concurrently."""
-        return 1
+        return self.training_threads(self.options)
 
     # ---- lifecycle ----------------------------------------------------------------------
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Any) -> nn.Module:
@@ -230,44 +240,22 @@ def solver_class(spec: str) -> type[Solver]:
     raise ConfigError(f"unknown solver {spec!r}; valid: {', '.join(solver_names())}")
 
 
-def _coerce(value: Any, typ: Any, key: str, solver: str) -> Any:
-    if not isinstance(value, str):
-        return value
-    origin = typing.get_origin(typ)
-    if origin is typing.Union or str(origin) == "types.UnionType":
-        args = [a for a in typing.get_args(typ) if a is not type(None)]
-        if value.lower() == "none":
-            return None
-        typ = args[0]
-    try:
-        if typ is bool:
-            if value.lower() in ("1", "true", "yes", "on"):
-                return True
-            if value.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(value)
-        if typ is float and not math.isfinite(float(value)):
-            raise ValueError(value)
-        if typ in (int, float, str):
-            return typ(value)
-    except ValueError:
-        raise ConfigError(f"solver {solver}: option {key}={value!r} is not a valid {typ.__name__}") from None
-    return value
-
-
 def make_options(cls: type[Solver], raw: dict[str, Any]) -> Any:
-    """Build and validate ``cls.Options`` from ``{key: value}`` (strings are converted)."""
+    """``cls.Options`` from ``{key: value}`` (strings are parsed), types and declared ranges
+    checked; :class:`ConfigError` with a one-line message otherwise."""
     fields = {f.name: f for f in dataclasses.fields(cls.Options)}
     unknown = sorted(set(raw) - set(fields))
     if unknown:
         valid = ", ".join(fields) or "none"
         raise ConfigError(f"solver {cls.name}: unknown option(s) {', '.join(unknown)}; valid: {valid}")
     hints = typing.get_type_hints(cls.Options)
-    values = {k: _coerce(v, hints.get(k, str), k, cls.name) for k, v in raw.items()}
+    values = {k: convert(v, hints[k], f"solver {cls.name}: option {k}") for k, v in raw.items()}
     try:
-        return cls.Options(**values)
+        options = cls.Options(**values)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"solver {cls.name}: {e}") from None
+    check_ranges(options, f"solver {cls.name}: ")
+    return options
 
 
 def make_solver(spec: str, **options: Any) -> Solver:

@@ -188,9 +188,9 @@ class Ripples(Solver):
     name = "ripples"
     Options = RipplesOptions
 
-    @property
-    def roles(self):
-        return {"coordinator": 1} if self.options.schedule != "static" else {}
+    @classmethod
+    def extra_roles(cls, options) -> dict[str, int]:
+        return {"coordinator": 1} if options.schedule != "static" else {}
 
     # ---- worker -------------------------------------------------------------------------
     def attach(self, model, optimizer, comm):

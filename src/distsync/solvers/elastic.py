@@ -210,9 +210,9 @@ class EAWild(_ElasticServerSolver):
     Options = WildOptions
     lock_free = True
 
-    @property
-    def threads(self) -> int:
-        return self.options.threads
+    @classmethod
+    def training_threads(cls, options) -> int:
+        return options.threads
 
     def hogwild_update(self, step, params, grads):
         hogwild_sgd(params, grads, self.optimizer.param_groups[0]["lr"])

@@ -85,9 +85,9 @@ class ServerSolver(Solver):
 
     lock_free = False
 
-    @property
-    def roles(self) -> dict[str, int]:
-        return {"server": self.options.servers}
+    @classmethod
+    def extra_roles(cls, options) -> dict[str, int]:
+        return {"server": options.servers}
 
     def attach(self, model, optimizer, comm):
         super().attach(model, optimizer, comm)
@@ -275,9 +275,9 @@ class Hogwild(AsyncPS):
     Options = HogwildOptions
     lock_free = True
 
-    @property
-    def threads(self) -> int:
-        return self.options.threads
+    @classmethod
+    def training_threads(cls, options) -> int:
+        return options.threads
 
     def hogwild_update(self, step, params, grads):
         hogwild_sgd(params, grads, self.optimizer.param_groups[0]["lr"])

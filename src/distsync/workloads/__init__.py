@@ -12,6 +12,7 @@ import importlib
 import inspect
 from typing import Any, Callable
 
+from distsync.config import convert
 from distsync.errors import ConfigError
 from distsync.imports import load_attribute
 from distsync.workloads.base import ShardSampler, Workload, accuracy
@@ -44,27 +45,9 @@ def _options(spec: str, factory: Callable, raw: dict[str, Any]) -> dict[str, Any
     out = {}
     for key, value in raw.items():
         default = params[key].default
-        typ = type(default) if default is not inspect.Parameter.empty and default is not None else str
-        if isinstance(value, str) and typ in (int, float, bool):
-            value = _convert(spec, key, value, typ)
-        out[key] = value
+        typ = type(default) if default is not inspect.Parameter.empty and default is not None else Any
+        out[key] = convert(value, typ, f"workload {spec}: option {key}") if typ in (int, float, bool) else value
     return out
-
-
-def _convert(spec: str, key: str, value: str, typ: type) -> Any:
-    if typ is bool:
-        if value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-            return value.lower() in ("1", "true", "yes", "on")
-    else:
-        try:
-            number = float(value)  # also takes 1e6 for an int option
-            if typ is float:
-                return number
-            if number.is_integer():
-                return int(number)
-        except ValueError:
-            pass
-    raise ConfigError(f"workload {spec}: option {key}={value!r} is not a valid {typ.__name__}")
 
 
 def load_workload(spec: str, options: dict[str, Any] | None = None) -> Workload:
