@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import signal
 import sys
 import time
@@ -187,34 +188,23 @@ def _run_with_progress(names: list[str], steps: int, run) -> Any:
 def _cmd_train(args: argparse.Namespace) -> int:
     from distsync.config import parse_key_values
     from distsync.options import config_from_args
-    from distsync.runtime import launch
-    from distsync.runtime.launch import with_workload_defaults
-    from distsync.solvers import make_options, solver_class
-    from distsync.workloads import check_workload_spec, load_workload
+    from distsync.runtime.resolve import resolve
+    from distsync.runtime.launch import launch, resume_config
 
     if args.resume:
-        from distsync.runtime.launch import resume_config
-
         cfg = resume_config(Path(args.resume))
         cfg.max_restarts = args.max_restarts if args.max_restarts is not None else cfg.max_restarts
         cfg.faults = cfg.faults + list(args.faults or [])
-        cfg.validate()
     else:
-        opts = parse_key_values(_solver_option_items(args))
-        make_options(solver_class(args.solver), opts)
-        cfg = config_from_args(args, args.solver, opts)
-    check_workload_spec(cfg.workload)
-    workload = load_workload(cfg.workload, cfg.workload_options)
-    cfg = with_workload_defaults(cfg, workload)
-    steps = cfg.steps or workload.steps
-    out = Path(cfg.out) if cfg.out else _default_out("train", cfg.workload, cfg.solver)
-    cfg.out = str(out)
+        cfg = config_from_args(args, args.solver, parse_key_values(_solver_option_items(args)))
+    run = resolve(cfg)
+    out = Path(run.config.out) if run.config.out else _default_out("train", cfg.workload, cfg.solver)
 
-    def run(on_start, on_progress):
-        on_start(cfg.solver, cfg)
-        return launch(cfg, out, lambda d: on_progress(cfg.solver, d))
+    def start(on_start, on_progress):
+        on_start(cfg.solver, run.config)
+        return launch(run, out, lambda d: on_progress(cfg.solver, d))
 
-    summary = _run_with_progress([cfg.solver], steps, run)
+    summary = _run_with_progress([cfg.solver], run.config.steps, start)
     _stdout().print(_summary_table([summary]))
     _print_recovery(summary)
     console.print(f"run folder: {out}")
@@ -236,53 +226,42 @@ def _print_recovery(summary: dict[str, Any]) -> None:
 
 def _cmd_compare(args: argparse.Namespace) -> int:
     from distsync.config import parse_key_values
-    from distsync.experiments import compare, split_solver_options
+    from distsync.experiments.compare import compare, resolve_comparison
     from distsync.options import config_from_args
-    from distsync.runtime.launch import with_workload_defaults
-    from distsync.workloads import check_workload_spec, load_workload
 
     solvers = [s.strip() for s in args.solvers.split(",") if s.strip()]
-    from distsync.solvers import solver_class
-
-    for s in solvers:
-        solver_class(s)
-    options = split_solver_options(solvers, parse_key_values(_solver_option_items(args)))
-    base = config_from_args(args, solvers[0] if solvers else "allreduce", {})
-    check_workload_spec(base.workload)
-    workload = load_workload(base.workload, base.workload_options)
-    base = with_workload_defaults(base, workload)
-    steps = base.steps or workload.steps
+    runs = resolve_comparison(config_from_args(args, "allreduce", {}), solvers,
+                              parse_key_values(_solver_option_items(args)))
+    base = runs[0].config
     out = Path(base.out) if base.out else _default_out("compare", base.workload, "-".join(solvers[:4]))
-
     summaries = _run_with_progress(
-        solvers, steps,
-        lambda on_start, on_progress: compare(base, solvers, out, options, on_start, on_progress),
-    )
+        solvers, base.steps, lambda on_start, on_progress: compare(runs, out, on_start, on_progress))
     _stdout().print(_summary_table(summaries))
     console.print(f"report: {out / 'report.md'}")
     return 0
 
 
-def _cmd_linktest(args: argparse.Namespace) -> int:
-    from distsync.config import ConfigError, RunConfig, format_rate
-    from distsync.runtime import launch
+def _numbers(text: str, what: str, kind=float) -> list:
+    """``1,10`` as numbers; an empty or garbled list is a one-line error."""
+    from distsync.errors import ConfigError
 
     try:
-        sizes = [float(x) for x in args.sizes.split(",") if x.strip()]
+        values = [kind(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise ConfigError(f"bad --sizes {args.sizes!r}: expected MiB numbers, e.g. 1,10") from None
-    if not sizes or min(sizes) <= 0:
-        raise ConfigError(f"bad --sizes {args.sizes!r}: sizes must be > 0")
-    if args.repeats < 1:
-        raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
-    cfg = RunConfig(workers=args.workers, link=args.link, timeout_s=args.timeout_s, task="linktest",
-                    task_options={"sizes_mb": sizes, "repeats": args.repeats}).validate()
-    if cfg.workers < 2:
-        raise ConfigError("linktest needs --workers >= 2")
+        raise ConfigError(f"bad --{what} {text!r}: expected comma-separated numbers") from None
+    if not values:
+        raise ConfigError(f"--{what} is empty")
+    return values
+
+
+def _cmd_linktest(args: argparse.Namespace) -> int:
+    from distsync.config import format_rate
+    from distsync.runtime.linktest import linktest
+
     out = Path(args.out) if args.out else Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-linktest"
-    result = launch(cfg, out)
+    result = linktest(args.workers, args.link, _numbers(args.sizes, "sizes"), args.repeats, args.timeout_s, out)
     rate = result["configured_bps"]
-    table = Table(title=f"linktest: {cfg.workers} workers, link {args.link or 'loopback (unshaped)'}")
+    table = Table(title=f"linktest: {args.workers} workers, link {args.link or 'loopback (unshaped)'}")
     for h in ("size (MiB)", "p2p (Mbit/s)", "all-reduce bus (Mbit/s)", "configured (Mbit/s)", "p2p / link", "all-reduce / link"):
         table.add_column(h, justify="right", no_wrap=True)
     for r in result["rows"]:
@@ -298,15 +277,12 @@ def _cmd_linktest(args: argparse.Namespace) -> int:
 
 def _cmd_crossover(args: argparse.Namespace) -> int:
     from distsync.experiments.crossover import load_plan, run_crossover
-    from distsync.workloads import check_workload_spec
 
     plan = load_plan(Path(args.jobs), {"policy": args.policy, "modes": args.modes, "workers": args.workers,
                                        "link": args.link, "out": args.out})
     if args.out is None and plan.out == "runs/crossover":
         plan.out = str(Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-crossover")
     names = [j.name for j in plan.jobs]
-    for job in plan.jobs:
-        check_workload_spec(job.config.workload)
 
     def finished(mode: str, job: str) -> None:
         console.print(f"{mode}: job {job} finished", highlight=False)
@@ -328,68 +304,39 @@ def _cmd_crossover(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_simulate(args: argparse.Namespace) -> int:
-    import json as _json
+def _print_calibration(r: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(r, indent=2))
+        return
+    table = Table(title=f"simulated vs measured: {r['solver']} on {r['workload']}, {r['workers']} workers, "
+                        f"link {r['link']}")
+    for h in ("", "throughput (samples/s)", "time to target (s)"):
+        table.add_column(h, justify="right")
+    fmt = lambda v: "n/a" if v is None else f"{v:,.2f}"  # noqa: E731
+    table.add_row("measured", f"{r['measured_throughput']:,.0f}", fmt(r["measured_time_to_target_s"]))
+    table.add_row("simulated", f"{r['predicted_throughput']:,.0f}", fmt(r["predicted_time_to_target_s"]))
+    table.add_row("error", f"{r['throughput_error']:+.1%}", "")
+    _stdout().print(table)
+    console.print(f"compute per step {r['compute_per_step_s'] * 1e3:.2f} ms, model {r['model_bytes'] / 1e6:.3f} MB")
 
-    from distsync.config import ConfigError, parse_key_values, parse_link, parse_slow
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from distsync.config import parse_key_values
     from distsync.experiments import split_solver_options
-    from distsync.sim import Cluster, Link, Work, WorkerModel, calibrate, model_bytes, simulate
+    from distsync.sim import calibrate
+    from distsync.sim.scenario import Scenario, scenario_fields, simulate_scenario
 
     if args.calibrate:
-        r = calibrate(Path(args.calibrate))
-        if args.json:
-            print(_json.dumps(r, indent=2))
-            return 0
-        table = Table(title=f"simulated vs measured: {r['solver']} on {r['workload']}, {r['workers']} workers, "
-                            f"link {r['link']}")
-        for h in ("", "throughput (samples/s)", "time to target (s)"):
-            table.add_column(h, justify="right")
-        fmt = lambda v: "n/a" if v is None else f"{v:,.2f}"  # noqa: E731
-        table.add_row("measured", f"{r['measured_throughput']:,.0f}", fmt(r["measured_time_to_target_s"]))
-        table.add_row("simulated", f"{r['predicted_throughput']:,.0f}", fmt(r["predicted_time_to_target_s"]))
-        table.add_row("error", f"{r['throughput_error']:+.1%}", "")
-        _stdout().print(table)
-        console.print(f"compute per step {r['compute_per_step_s'] * 1e3:.2f} ms, model {r['model_bytes'] / 1e6:.3f} MB")
+        _print_calibration(calibrate(Path(args.calibrate)), args.json)
         return 0
-    for name, v, lo in (("--workers", args.workers, 1), ("--steps", args.steps, 1), ("--batch-size", args.batch_size, 1),
-                        ("--per-node", args.per_node, 1)):
-        if v < lo:
-            raise ConfigError(f"{name} must be >= {lo}, got {v}")
+    scenario = Scenario(**{name: getattr(args, name) for name in scenario_fields()})
     solvers = [s.strip() for s in args.solvers.split(",") if s.strip()]
-    options = split_solver_options(solvers, parse_key_values(args.solver_option))
-    spec = parse_link(args.link)
-    intra = parse_link(args.intra_link) if args.intra_link else None
-    cluster = Cluster(args.workers, Link(spec.bandwidth_bps, spec.latency_s), per_node=args.per_node,
-                      intra=Link(intra.bandwidth_bps, intra.latency_s) if intra else None, algorithm=args.algorithm)
-    if args.compute_ms is None or not args.compute_ms > 0:
-        raise ConfigError(f"--compute-ms must be > 0, got {args.compute_ms}")
-    workers = WorkerModel(args.compute_ms / 1000, slow=parse_slow(args.slow), slow_fraction=args.slow_fraction,
-                          slow_factor=args.slow_factor, jitter=args.jitter, seed=args.seed)
-    nbytes = args.model_mb * 1e6 if args.model_mb is not None else model_bytes(args.workload)
-    work = Work(steps=args.steps, model_bytes=nbytes, batch_size=args.batch_size)
-    if args.mode not in ("timing", "train"):
-        raise ConfigError(f"unknown --mode {args.mode!r}; valid: timing, train")
-    results = []
-    for name in solvers:
-        t0 = time.perf_counter()
-        res = simulate(name, options.get(name, {}), cluster, workers, work, seed=args.seed).summary()
-        if args.mode == "train":
-            from distsync.sim.train import simulate_training
-            from distsync.workloads import load_workload
-
-            trained = simulate_training(name, options.get(name, {}), load_workload(args.workload), args.workers,
-                                        args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-                                        eval_every=args.eval_every, wall_s=res["wall_time_s"])
-            res["curve"] = trained.curve
-            res["final_metric"] = trained.curve[-1]["metric"]
-            res["time_to_target_s"] = trained.time_to_target_s
-        res["sim_seconds"] = time.perf_counter() - t0
-        results.append(res)
+    results = simulate_scenario(scenario, solvers, split_solver_options(solvers, parse_key_values(args.solver_option)))
     if args.json:
-        print(_json.dumps(results, indent=2))
+        print(json.dumps(results, indent=2))
         return 0
     table = Table(title=f"simulated: {args.workers} workers, {args.compute_ms:g} ms compute per step, "
-                        f"model {nbytes / 1e6:.3g} MB, link {args.link}")
+                        f"model {scenario.model_bytes() / 1e6:.3g} MB, link {args.link}")
     heads = ["solver", "samples/s", "virtual wall (s)", "compute/comm/wait", "staleness (mean)", "syncs/step"]
     if args.mode == "train":
         heads += ["final metric", "to target (virtual s)"]
@@ -411,23 +358,11 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    from distsync.config import ConfigError
     from distsync.sim.sweep import run_sweep, winners
 
-    def numbers(text: str, what: str, kind=float) -> list:
-        try:
-            values = [kind(v) for v in text.split(",") if v.strip()]
-        except ValueError:
-            raise ConfigError(f"bad --{what} {text!r}: expected comma-separated numbers") from None
-        if not values:
-            raise ConfigError(f"--{what} is empty")
-        return values
-
-    workers = numbers(args.workers, "workers", int)
-    ratios = numbers(args.ratios, "ratios")
-    shares = numbers(args.slow_shares, "slow-shares")
-    if min(workers) < 1 or min(ratios) <= 0 or not all(0 <= s <= 1 for s in shares):
-        raise ConfigError("--workers must be >= 1, --ratios > 0 and --slow-shares in [0, 1]")
+    workers = _numbers(args.workers, "workers", int)
+    ratios = _numbers(args.ratios, "ratios")
+    shares = _numbers(args.slow_shares, "slow-shares")
     out = Path(args.out) if args.out else Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-sweep"
     solvers = [s.strip() for s in args.solvers.split(",") if s.strip()]
     rows = run_sweep(solvers, workers, ratios, shares, workload=args.workload, steps=args.steps,

@@ -379,7 +379,8 @@ def checkpoint_interval(value: Any) -> tuple[int | None, float | None]:
 class RunConfig:
     """One training job: workload, solver, cluster shape and budget.
 
-    Fields left ``None`` take the workload's defaults (see ``resolve``).
+    Fields left ``None`` take the workload's defaults: :func:`distsync.runtime.resolve.resolve`
+    fills them in, checks everything and knows the job's roles.
     """
 
     workload: str = "digits"
@@ -433,6 +434,9 @@ class RunConfig:
     resume: bool = False
     #: injected faults, e.g. ``["kill:1@40", "kill:server@30", "stall:0@20:3"]`` (:func:`parse_fault`)
     faults: list[str] = field(default_factory=list)
+    #: set by :func:`distsync.runtime.resolve.resolve`: every default filled in and every value
+    #: checked, so the job's processes take this config as it is
+    resolved: bool = False
 
     def validate(self) -> "RunConfig":
         """Check every field; raise :class:`ConfigError` with a one-line message."""
@@ -484,7 +488,9 @@ class RunConfig:
         path.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
 
     @classmethod
-    def read(cls, path: Path) -> "RunConfig":
+    def read(cls, path: Path, validate: bool = True) -> "RunConfig":
+        """The config in JSON file ``path``, checked unless ``validate`` is false (a job's
+        processes read what their launcher resolved and wrote)."""
         try:
             d = json.loads(Path(path).read_text())
         except FileNotFoundError:
@@ -497,4 +503,4 @@ class RunConfig:
             raise ConfigError(f"config file {path} is nested too deeply") from None
         if not isinstance(d, dict):
             raise ConfigError(f"config file {path} must hold a JSON object")
-        return cls.from_dict(d).validate()
+        return cls.from_dict(d).validate() if validate else cls.from_dict(d)

@@ -68,7 +68,8 @@ def add_run_options(p: argparse.ArgumentParser, *, workers_default: int | None =
 
 
 def config_from_args(args: argparse.Namespace, solver: str, solver_options: dict) -> RunConfig:
-    """A validated :class:`RunConfig` from parsed options."""
+    """A :class:`RunConfig` from parsed options, as given (:func:`distsync.runtime.resolve.resolve`
+    checks it and fills in the defaults)."""
     workload_options = parse_key_values(args.workload_option, "--workload-option")
     if args.rows is not None:
         workload_options["rows"] = str(args.rows)
@@ -102,7 +103,7 @@ def config_from_args(args: argparse.Namespace, solver: str, solver_options: dict
         checkpoint_every=args.checkpoint_every,
         max_restarts=args.max_restarts if args.max_restarts is not None else 0,
         faults=list(args.faults or []),
-    ).validate()
+    )
 
 
 def solver_options_from(items: list[str] | None) -> dict:

@@ -41,38 +41,29 @@ _enter_netns(sys.argv[1:] if __name__ == "__main__" else [])
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
 from distsync.config import RunConfig  # noqa: E402
-from distsync.errors import ConfigError  # noqa: E402
 from distsync.options import add_run_options, config_from_args, solver_options_from  # noqa: E402
+from distsync.runtime.resolve import ResolvedRun  # noqa: E402
 
 
-def _config_from_torchrun(argv: list[str]) -> tuple[RunConfig, Path]:
-    from distsync.runtime.launch import with_workload_defaults
-    from distsync.runtime.roles import job_roles
-    from distsync.solvers import make_options, solver_class
+def _run_from_torchrun(argv: list[str]) -> tuple[ResolvedRun, Path]:
+    """Under torchrun: the job from the command line, resolved in every process alike (the
+    same options give the same result); rank 0 writes it to the run folder."""
+    from distsync.runtime.resolve import resolve
 
     p = argparse.ArgumentParser(prog="python -m distsync.worker")
     p.add_argument("--solver", default="allreduce")
     p.add_argument("--solver-option", "-o", action="append", metavar="KEY=VALUE")
     add_run_options(p, workers_default=None)
     args = p.parse_args(argv)
-    cls = solver_class(args.solver)
-    opts = solver_options_from(args.solver_option)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    asked = args.workers
-    args.workers = world  # placeholder until the roles are known
-    cfg = with_workload_defaults(config_from_args(args, args.solver, opts))
-    extra = sum(job_roles(cfg, cls(make_options(cls, opts))).values())
-    workers = world - extra
-    if asked is not None and asked != workers:
-        raise ConfigError(f"--workers {asked} does not match WORLD_SIZE {world} minus {extra} extra role(s)")
-    cfg.workers = workers
-    cfg.validate()
+    run = resolve(config_from_args(args, args.solver, solver_options_from(args.solver_option)),
+                  world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    cfg = run.config
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", time.strftime("%Y%m%d-%H%M%S"))
     run_dir = Path(cfg.out or f"runs/{run_id}-{cfg.workload.replace('/', '_')}-{cfg.solver}")
     if int(os.environ.get("RANK", "0")) == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         cfg.write(run_dir / "config.json")
-    return cfg, run_dir
+    return run, run_dir
 
 
 @record
@@ -86,10 +77,12 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--run-dir", required=True)
         p.add_argument("--netns-prefix")  # consumed before start-up when not yet inside
         args = p.parse_args(argv)
-        cfg, run_dir = RunConfig.read(Path(args.config)), Path(args.run_dir)
+        from distsync.runtime.resolve import trusted
+
+        run, run_dir = trusted(RunConfig.read(Path(args.config), validate=False)), Path(args.run_dir)
     else:
-        cfg, run_dir = _config_from_torchrun(argv)
-    run_process(cfg, run_dir)
+        run, run_dir = _run_from_torchrun(argv)
+    run_process(run, run_dir)
 
 
 if __name__ == "__main__":

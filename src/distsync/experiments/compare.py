@@ -8,7 +8,8 @@ from distsync.config import RunConfig
 from distsync.errors import ConfigError
 from distsync.experiments.report import write_report
 from distsync.runtime import launch
-from distsync.solvers import make_options, solver_class
+from distsync.runtime.resolve import WORKLOAD_FIELDS, ResolvedRun, resolve
+from distsync.solvers import solver_class
 
 
 def split_solver_options(solvers: list[str], raw: dict[str, str]) -> dict[str, dict[str, str]]:
@@ -29,41 +30,50 @@ def split_solver_options(solvers: list[str], raw: dict[str, str]) -> dict[str, d
                 raise ConfigError(f"option {key}: none of {', '.join(solvers)} has it")
             for s in takers:
                 per[s][key] = value
-    for s, opts in per.items():
-        cls = solver_class(s)
-        make_options(cls, opts)  # validate now, before any job starts
     return per
 
 
-def compare(
-    base: RunConfig,
-    solvers: list[str],
-    out_dir: Path,
-    options: dict[str, dict[str, Any]] | None = None,
-    on_start: Callable[[str, RunConfig], None] | None = None,
-    on_progress: Callable[[str, dict[str, Any]], None] | None = None,
-) -> list[dict[str, Any]]:
-    """Run every solver, one after the other, on the same workload, seed, data and budget.
-
-    Each run gets ``out_dir/<solver>/``; ``out_dir/report.md`` and its plots compare them.
-    Returns the summaries in the order given.
-    """
+def resolve_comparison(base: RunConfig, solvers: list[str], raw_options: dict[str, Any]) -> list[ResolvedRun]:
+    """One resolved run per solver on the same workload, seed, data and budget, every check
+    done before any job starts. ``raw_options``: ``KEY=VALUE`` pairs, ``SOLVER.KEY`` for one
+    solver only (see :func:`split_solver_options`)."""
     if not solvers:
         raise ConfigError("--solvers needs at least one solver name")
     if len(set(solvers)) != len(solvers):
         raise ConfigError("--solvers lists a solver twice")
-    options = options or {}
     for s in solvers:
         solver_class(s)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    summaries = []
+    options = split_solver_options(solvers, raw_options)
+    runs: list[ResolvedRun] = []
     for s in solvers:
-        cfg = dataclasses.replace(base, solver=s, solver_options=dict(options.get(s, {})),
-                                  out=str(out_dir / s.replace("/", "_").replace(":", "_")))
+        cfg = dataclasses.replace(base, solver=s, solver_options=dict(options.get(s, {})))
+        if runs:  # what the workload decided for the first solver holds for all (built once)
+            cfg = dataclasses.replace(cfg, **{n: getattr(runs[0].config, n) for n in WORKLOAD_FIELDS})
+        runs.append(resolve(cfg))
+    return runs
+
+
+def compare(
+    runs: list[ResolvedRun],
+    out_dir: Path,
+    on_start: Callable[[str, RunConfig], None] | None = None,
+    on_progress: Callable[[str, dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Run every solver of :func:`resolve_comparison`'s runs, one after the other.
+
+    Each run gets ``out_dir/<solver>/``; ``out_dir/report.md`` and its plots compare them.
+    Returns the summaries in the order given.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summaries, dirs = [], []
+    for run in runs:
+        s = run.config.solver
+        run_dir = out_dir / s.replace("/", "_").replace(":", "_")
+        run = dataclasses.replace(run, config=dataclasses.replace(run.config, out=str(run_dir)))
         if on_start:
-            on_start(s, cfg)
+            on_start(s, run.config)
         progress = (lambda data, s=s: on_progress(s, data)) if on_progress else None
-        summaries.append(launch(cfg, Path(cfg.out), progress))
-    write_report(out_dir, [Path(base_dir) for base_dir in
-                           (out_dir / s.replace("/", "_").replace(":", "_") for s in solvers)])
+        summaries.append(launch(run, run_dir, progress))
+        dirs.append(run_dir)
+    write_report(out_dir, dirs)
     return summaries

@@ -27,21 +27,24 @@ from typing import Any, Callable
 
 from distsync.config import RunConfig, check_field_types, parse_link, show, show_names
 from distsync.errors import ConfigError, DistsyncError, WorkerFailed
-from distsync.runtime.launch import _launch, role_layout, with_workload_defaults
+from distsync.runtime.launch import launch
 from distsync.runtime.network import EmulatedNetwork
+from distsync.runtime.resolve import ResolvedRun, resolve
 from distsync.runtime.token import POLICIES, TokenServer
-from distsync.solvers import make_options, solver_class
 
 MODES = ("crossover", "sequential", "naive")
 _HEAD_KEYS = ("workers", "policy", "modes", "link", "out")
 _JOB_KEYS = {f.name for f in dataclasses.fields(RunConfig)} - {"workers", "link", "out", "master_port", "crossover",
-                                                                 "task", "task_options", "link_latency_mode"}
+                                                                 "task", "task_options", "link_latency_mode",
+                                                                 "resolved"}
 
 
 @dataclasses.dataclass
 class Job:
     name: str
     config: RunConfig
+    #: the job resolved for the plan's workers and link (set by the plan's check)
+    run: ResolvedRun | None = None
 
 
 @dataclasses.dataclass
@@ -73,14 +76,12 @@ def _check_plan(plan: CrossoverPlan) -> CrossoverPlan:
         job.config.workers = plan.workers
         job.config.link = plan.link
         try:
-            job.config.validate()
+            job.run = resolve(job.config)
         except ConfigError as e:  # say which job
             raise ConfigError(f"crossover: job {job.name}: {e}") from None
-        cls = solver_class(job.config.solver)
-        solver = cls(make_options(cls, job.config.solver_options))
-        if solver.threads > 1:
+        if job.run.threads > 1:
             raise ConfigError(f"crossover: job {job.name}: one training thread per worker ({job.config.solver} "
-                              f"asks for {solver.threads})")
+                              f"asks for {job.run.threads})")
     return plan
 
 
@@ -143,11 +144,11 @@ def _job_span(run_dir: Path) -> tuple[float, float]:
     return (start or 0.0), summary["wall_time_s"]
 
 
-def _run_job(cfg: RunConfig, net: EmulatedNetwork | None) -> dict[str, Any]:
-    """One job on the shared devices (and network): its summary."""
-    if net:
-        cfg = dataclasses.replace(cfg, link_latency_mode=net.latency_mode)
-    return _launch(cfg, Path(cfg.out), role_layout(cfg), None, net)
+def _run_job(job: Job, out: Path, net: EmulatedNetwork | None, token: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Job ``job`` on the shared devices (and network), into ``out``: its summary."""
+    assert job.run is not None, "check the plan first"
+    run = dataclasses.replace(job.run, config=dataclasses.replace(job.run.config, out=str(out), crossover=token))
+    return launch(run, out, None, network=net)
 
 
 def _run_together(plan: CrossoverPlan, mode: str, out: Path, net: EmulatedNetwork | None,
@@ -158,10 +159,9 @@ def _run_together(plan: CrossoverPlan, mode: str, out: Path, net: EmulatedNetwor
     errors: dict[str, str] = {}
 
     def run(k: int, job: Job) -> None:
-        cfg = dataclasses.replace(job.config, out=str(out / job.name),
-                                  crossover={"address": server.address, "job": k} if server else None)
         try:
-            results[job.name] = _run_job(cfg, net)
+            results[job.name] = _run_job(job, out / job.name, net,
+                                         {"address": server.address, "job": k} if server else None)
         except DistsyncError as e:
             errors[job.name] = str(e)
         if on_job:
@@ -189,10 +189,9 @@ def run_crossover(plan: CrossoverPlan, on_job: Callable[[str, str], None] | None
     Raises :class:`WorkerFailed` naming the job(s) that failed, after the others finished.
     """
     _check_plan(plan)
-    plan.jobs = [Job(j.name, with_workload_defaults(j.config)) for j in plan.jobs]
     out = Path(plan.out)
     out.mkdir(parents=True, exist_ok=True)
-    hosts = max(len(role_layout(j.config)) for j in plan.jobs)
+    hosts = max(j.run.world_size for j in plan.jobs)
     net = EmulatedNetwork(hosts, parse_link(plan.link)) if plan.link else None
     report: dict[str, Any] = {"policy": plan.policy, "workers": plan.workers, "link": plan.link, "modes": {}}
     failures: list[str] = []
@@ -205,8 +204,7 @@ def run_crossover(plan: CrossoverPlan, on_job: Callable[[str, str], None] | None
                 results, errors = {}, {}
                 for job in plan.jobs:
                     try:
-                        results[job.name] = _run_job(dataclasses.replace(job.config, out=str(mode_dir / job.name)),
-                                                     net)
+                        results[job.name] = _run_job(job, mode_dir / job.name, net)
                     except DistsyncError as e:
                         errors[job.name] = str(e)
                     if on_job:

@@ -1,4 +1,5 @@
-"""Real runs: launching through torch's elastic agent, roles, the worker loop."""
+"""Real runs: resolving a job's configuration, launching through torch's elastic agent,
+roles, the worker loop and its plug-ins."""
 
 from distsync.runtime.launch import launch
 from distsync.runtime.roles import assign_roles

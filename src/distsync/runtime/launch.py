@@ -24,8 +24,7 @@ from distsync.runtime.checkpoint import CheckpointStore, fingerprint
 from distsync.runtime.checkpoint import clear as clear_folder
 from distsync.runtime.network import EmulatedNetwork
 from distsync.runtime.process import CHECKPOINTS, dropped_ranks
-from distsync.runtime.roles import assign_roles, job_roles
-from distsync.solvers import make_options, solver_class
+from distsync.runtime.resolve import ResolvedRun, resolve
 
 ProgressFn = Callable[[dict[str, Any]], None]
 
@@ -98,23 +97,6 @@ class _ProgressPoller(threading.Thread):
                 self.fn(data)
 
 
-def role_layout(cfg: RunConfig) -> list[str]:
-    """The role of every process of the job ``cfg`` describes (workers, then the solver's
-    extra roles, then embedding servers); ``cfg.embedding_servers`` must be resolved."""
-    cls = solver_class(cfg.solver)
-    return assign_roles(cfg.workers, job_roles(cfg, cls(make_options(cls, cfg.solver_options))))
-
-
-def with_workload_defaults(cfg: RunConfig, workload: Any = None) -> RunConfig:
-    """``cfg`` with what the workload decides when the user did not: its embedding servers."""
-    if cfg.embedding_servers is not None or cfg.task != "train":
-        return cfg if cfg.embedding_servers is not None else dataclasses.replace(cfg, embedding_servers=0)
-    from distsync.workloads import load_workload
-
-    workload = workload or load_workload(cfg.workload, cfg.workload_options)
-    return dataclasses.replace(cfg, embedding_servers=workload.embedding_servers)
-
-
 RESULT_FILES = {"train": "summary.json", "linktest": "linktest.json"}
 
 
@@ -137,29 +119,33 @@ def resume_config(run_dir: Path) -> RunConfig:
     return dataclasses.replace(cfg, resume=True, out=str(run_dir), master_port=None, link_latency_mode=None)
 
 
-def launch(cfg: RunConfig, run_dir: Path, on_progress: ProgressFn | None = None) -> dict[str, Any]:
+def launch(cfg: RunConfig | ResolvedRun, run_dir: Path, on_progress: ProgressFn | None = None,
+           network: EmulatedNetwork | None = None) -> dict[str, Any]:
     """Run one job on this machine; return its summary (or linktest result).
 
-    With ``cfg.link`` every process runs in its own network namespace behind a shaped link
-    (:class:`~distsync.runtime.network.EmulatedNetwork`), torn down however the job ends.
+    ``cfg`` is resolved here unless it already is (:func:`distsync.runtime.resolve.resolve`). With
+    ``cfg.link`` every process runs in its own network namespace behind a shaped link
+    (:class:`~distsync.runtime.network.EmulatedNetwork`), torn down however the job ends;
+    ``network``: one the caller owns and shares between jobs (crossover).
     Raises :class:`DistsyncError` on bad input or a failed job.
     """
-    cfg = with_workload_defaults(cfg.validate())
-    role_of = role_layout(cfg)
-    if cfg.link is None:
-        return _launch(cfg, run_dir, role_of, on_progress, None)
-    with EmulatedNetwork(len(role_of), parse_link(cfg.link)) as net:
-        cfg = dataclasses.replace(cfg, link_latency_mode=net.latency_mode)
-        return _launch(cfg, run_dir, role_of, on_progress, net)
+    run = resolve(cfg)
+    if network is None and run.config.link is not None:
+        with EmulatedNetwork(run.world_size, parse_link(run.config.link)) as net:
+            return launch(run, run_dir, on_progress, net)
+    if network is not None:
+        run = dataclasses.replace(run, config=dataclasses.replace(run.config, link_latency_mode=network.latency_mode))
+    return _start(run, run_dir, on_progress, network)
 
 
-def _launch(cfg: RunConfig, run_dir: Path, role_of: list[str], on_progress: ProgressFn | None,
-            net: EmulatedNetwork | None) -> dict[str, Any]:
+def _start(run: ResolvedRun, run_dir: Path, on_progress: ProgressFn | None,
+           net: EmulatedNetwork | None) -> dict[str, Any]:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    cfg, role_of = run.config, list(run.role_of)
     host = net.gateway_ip if net else "127.0.0.1"
     if cfg.master_port is not None and not port_is_free(cfg.master_port, host):
         raise ConfigError(
@@ -201,7 +187,7 @@ def _launch(cfg: RunConfig, run_dir: Path, role_of: list[str], on_progress: Prog
     args = ["-m", "distsync.worker", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)]
     if net:
         args += ["--netns-prefix", net.netns_prefix]
-    if cfg.task == "train" and solver_class(cfg.solver).survives_worker_loss:
+    if cfg.task == "train" and run.solver_cls.survives_worker_loss:
         # a dead worker is dropped, not the job: each rank runs under distsync/supervise.py
         args = [str(Path(__file__).resolve().parents[1] / "supervise.py"), *args[2:]]
     try:

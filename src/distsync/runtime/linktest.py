@@ -20,6 +20,7 @@ import torch
 
 from distsync.comm import Comm, ring_allreduce_bytes
 from distsync.config import RunConfig, parse_link
+from distsync.errors import ConfigError
 
 DEFAULT_SIZES_MB = (1.0, 10.0)
 
@@ -78,3 +79,21 @@ def run_linktest(cfg: RunConfig, comm: Comm, run_dir: Path) -> None:
     tmp = run_dir / "linktest.json.tmp"
     tmp.write_text(json.dumps(result, indent=2) + "\n")
     os.replace(tmp, run_dir / "linktest.json")
+
+
+def linktest(workers: int, link: str | None, sizes_mb: list[float], repeats: int, timeout_s: float,
+             out: Path) -> dict[str, Any]:
+    """Measure what ``workers`` processes behind ``link`` (None: loopback) get: point-to-point
+    and all-reduce bandwidth per message size in MiB, medians over ``repeats``; the result is
+    also written to ``out/linktest.json``. Raises :class:`ConfigError` on bad input."""
+    from distsync.runtime.launch import launch  # the launcher starts processes that import this module
+
+    if not sizes_mb or min(sizes_mb) <= 0:
+        raise ConfigError(f"bad --sizes {','.join(f'{s:g}' for s in sizes_mb)}: sizes must be > 0")
+    if repeats < 1:
+        raise ConfigError(f"--repeats must be >= 1, got {repeats}")
+    if workers < 2:
+        raise ConfigError("linktest needs --workers >= 2")
+    cfg = RunConfig(workers=workers, link=link, timeout_s=timeout_s, task="linktest",
+                    task_options={"sizes_mb": list(sizes_mb), "repeats": repeats})
+    return launch(cfg, out)

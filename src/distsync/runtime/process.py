@@ -20,8 +20,9 @@ from distsync.runtime.linktest import run_linktest
 from distsync.runtime.loop import Progress, train_worker
 from distsync.runtime.recovery import (CheckpointPolicy, FaultInjector, WorkerRecovery, raise_if_stopped,
                                        read_faults, restart_count, summarize_recovery)
-from distsync.runtime.roles import EMBEDDING_SERVER, assign_roles, job_roles
-from distsync.solvers import ServeContext, make_options, solver_class
+from distsync.runtime.resolve import ResolvedRun
+from distsync.runtime.roles import EMBEDDING_SERVER
+from distsync.solvers import ServeContext
 from distsync.sparse import EmbeddingServer, find_tables
 from distsync.sparse.tables import replace_module
 from distsync.workloads import Workload, load_workload
@@ -131,10 +132,11 @@ def gather_through_store(comm: Comm, mine: dict[str, Any], run_dir: Path, attemp
     return out
 
 
-def write_results(cfg: RunConfig, run_dir: Path, events: list[dict[str, Any]], solver, workload,
+def write_results(run: ResolvedRun, run_dir: Path, events: list[dict[str, Any]], solver, workload,
                   stats: dict[str, Any], bytes_by_other_roles: int = 0,
                   dropped: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Rank 0: events.jsonl and summary.json from every rank's events."""
+    cfg = run.config
     if solver.collective_per_step:
         events = split_collective_wait(events)
     events.sort(key=lambda e: (e.get("t", 0.0), e["rank"]))
@@ -143,9 +145,7 @@ def write_results(cfg: RunConfig, run_dir: Path, events: list[dict[str, Any]], s
             f.write(json.dumps(e) + "\n")
     summary = {
         "solver": cfg.solver,
-        # the solver with the options it was given, to tell runs of one solver apart
-        "label": cfg.solver + ("(" + ",".join(f"{k}={v}" for k, v in sorted(cfg.solver_options.items())) + ")"
-                               if cfg.solver_options else ""),
+        "label": run.label,
         "workload": workload.name,
         "workers": cfg.workers,
         "metric": workload.metric_name,
@@ -174,7 +174,7 @@ def serve_embeddings(cfg: RunConfig, workload: Workload, comm: Comm, channels: i
     if found is None:
         raise ValueError(f"the {workload.name} model has no EmbeddingTables to serve")
     servers = comm.ranks_with_role(EMBEDDING_SERVER)
-    lr = cfg.embedding_lr or workload.embedding_lr or cfg.lr or workload.lr
+    lr = cfg.embedding_lr
     server = EmbeddingServer(comm, list(found[1].weights), servers.index(comm.rank), len(servers),
                              cfg.embedding_optimizer, lr)
     if ctx is not None and ctx.restored is not None:
@@ -213,14 +213,14 @@ def recovery_for(cfg: RunConfig, run_dir: Path, comm: Comm) -> WorkerRecovery:
                           journal=journal_path(run_dir, comm.rank) if supervised() and comm.role == "worker" else None)
 
 
-def run_process(cfg: RunConfig, run_dir: Path) -> None:
+def run_process(run: ResolvedRun, run_dir: Path) -> None:
     """Join the job, play this rank's role, and (rank 0) write the run's results."""
+    cfg = run.config
     torch.set_num_threads(cfg.intra_op_threads)
     device = pick_device(cfg.device)
-    cls = solver_class(cfg.solver)
-    solver = cls(make_options(cls, cfg.solver_options))
+    solver = run.new_solver()
     latency = parse_link(cfg.link).latency_s if cfg.link and cfg.link_latency_mode == "comm" else 0.0
-    comm = Comm.from_env(assign_roles(cfg.workers, job_roles(cfg, solver)), cfg.timeout_s, device, latency)
+    comm = Comm.from_env(list(run.role_of), cfg.timeout_s, device, latency)
     try:
         if cfg.task == "linktest":
             run_linktest(cfg, comm, run_dir)
@@ -237,8 +237,7 @@ def run_process(cfg: RunConfig, run_dir: Path) -> None:
                       on_request=recovery.faults.at if recovery.faults.pending else None,
                       drop_dead_workers=supervised())
         if comm.role == "worker":
-            progress = Progress(run_dir / "progress.json" if comm.rank == 0 else None,
-                                cfg.steps or workload.steps)
+            progress = Progress(run_dir / "progress.json" if comm.rank == 0 else None, cfg.steps)
             events = train_worker(cfg, workload, solver, comm, device, progress,
                                   save_to=run_dir / "model.pt" if comm.rank == 0 else None, recovery=recovery)
         elif comm.role == EMBEDDING_SERVER:
@@ -255,9 +254,9 @@ def run_process(cfg: RunConfig, run_dir: Path) -> None:
                 return model
 
             solver.serve(comm.role, comm, ServeContext(
-                make_model=make_model, lr=cfg.lr or workload.lr, momentum=cfg.momentum,
+                make_model=make_model, lr=cfg.lr, momentum=cfg.momentum,
                 weight_decay=cfg.weight_decay, optimizer=cfg.optimizer, lars_eta=cfg.lars_eta,
-                warmup_steps=cfg.warmup_steps, steps=cfg.steps or workload.steps, seed=cfg.seed, **served))
+                warmup_steps=cfg.warmup_steps, steps=cfg.steps, seed=cfg.seed, **served))
             events = []
         mine = {"events": list(events), "role": comm.role, "stats": stats if stats is not None else solver.stats(),
                 "bytes": comm.bytes_sent}
@@ -269,7 +268,7 @@ def run_process(cfg: RunConfig, run_dir: Path) -> None:
             all_events = [e for g in gathered for e in g["events"]]
             stats = {str(r): g["stats"] for r, g in enumerate(gathered) if g["stats"]}
             others = sum(g["bytes"] for g in gathered if g["role"] != "worker")
-            write_results(cfg, run_dir, all_events, solver, workload, stats, others, dropped=dropped_marks(run_dir))
+            write_results(run, run_dir, all_events, solver, workload, stats, others, dropped=dropped_marks(run_dir))
         if not supervised():
             comm.barrier()
     finally:

@@ -25,6 +25,8 @@ def run_sweep(solvers: list[str], workers: list[int], ratios: list[float], slow_
               workload: str = "digits", steps: int = 300, batch_size: int = 8, compute_s: float = 0.02,
               link: Link = Link(10e9, 5e-6), slow_factor: float = 3.0, eval_every: int = 10,
               out: Path | None = None, seed: int = 0) -> list[dict[str, Any]]:
+    if min(workers) < 1 or min(ratios) <= 0 or not all(0 <= s <= 1 for s in slow_shares):
+        raise ConfigError("--workers must be >= 1, --ratios > 0 and --slow-shares in [0, 1]")
     bad = [s for s in solvers if s not in TRAIN_SOLVERS]
     if bad:
         raise ConfigError(f"sweep needs solvers with a train mode ({', '.join(TRAIN_SOLVERS)}); not {', '.join(bad)}")

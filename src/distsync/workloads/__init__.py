@@ -73,6 +73,18 @@ def load_workload(spec: str, options: dict[str, Any] | None = None) -> Workload:
     return workload
 
 
+def typed_options(spec: str, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` of workload ``spec`` converted to its factory's keyword types (strings
+    from ``-w KEY=VALUE`` parsed); :class:`ConfigError` for unknown keys or bad values."""
+    if spec in SHIPPED:
+        factory = _shipped(spec)
+    elif ":" in spec:
+        factory = _from_path(spec)
+    else:
+        load_workload(spec)  # raises with the list of valid names
+    return _options(spec, factory, options)
+
+
 def check_workload_spec(spec: str) -> None:
     """Fail fast, in the launching process, on a workload name or path that cannot work."""
     if spec in SHIPPED:
@@ -82,4 +94,4 @@ def check_workload_spec(spec: str) -> None:
     _from_path(spec)
 
 
-__all__ = ["Workload", "ShardSampler", "accuracy", "load_workload", "check_workload_spec", "SHIPPED"]
+__all__ = ["Workload", "ShardSampler", "accuracy", "load_workload", "check_workload_spec", "typed_options", "SHIPPED"]

@@ -1,0 +1,137 @@
+"""A job's configuration resolved once, at the edge.
+
+Whatever the input (command line, config file, crossover job file, Python API), one call to
+:func:`resolve` turns a :class:`~distsync.config.RunConfig` into a :class:`ResolvedRun`:
+every field set (the workload's defaults filled in: no ``None`` left), every value checked,
+the solver's options typed, the role of every rank and the training threads known without
+building a solver. The launcher writes the resolved config to ``config.json``; every process
+of the job reads it back with :func:`trusted`, which neither validates again nor builds the
+workload.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from distsync.config import RunConfig
+from distsync.errors import ConfigError
+from distsync.runtime.roles import EMBEDDING_SERVER, assign_roles
+from distsync.solvers import Solver, make_options, solver_class
+
+#: fields a workload decides when the run does not
+WORKLOAD_DEFAULTS = ("steps", "batch_size", "lr", "eval_every")
+#: every field that resolving takes from (or checks against) the workload
+WORKLOAD_FIELDS = (*WORKLOAD_DEFAULTS, "embedding_servers", "embedding_lr", "workload_options")
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    """A job ready to start: its full config, its solver class and typed options, and the
+    role of every rank (workers first, then the solver's extra roles, then embedding servers)."""
+
+    config: RunConfig
+    solver_cls: type[Solver]
+    options: Any
+    role_of: tuple[str, ...]
+
+    @property
+    def threads(self) -> int:
+        """Training threads per worker (more than one: Hogwild threads on one model)."""
+        return self.solver_cls.training_threads(self.options)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.role_of)
+
+    def new_solver(self) -> Solver:
+        return self.solver_cls(self.options)
+
+    @property
+    def label(self) -> str:
+        """The solver with the options it was given, to tell runs of one solver apart."""
+        given = self.config.solver_options
+        shown = ",".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(given.items()))
+        return self.config.solver + (f"({shown})" if shown else "")
+
+
+def _check_solver_class(cls: type[Solver]) -> None:
+    # Roles and threads are read from the class before any solver exists; a property that
+    # reads self.options would be silently ignored.
+    for old, new in (("roles", "extra_roles"), ("threads", "training_threads")):
+        if getattr(cls, old) is not getattr(Solver, old):
+            raise ConfigError(f"solver {cls.name or cls.__name__} overrides `{old}`; declare the classmethod "
+                              f"`{new}(cls, options)` instead")
+
+
+def _roles(cfg: RunConfig, cls: type[Solver], options: Any) -> dict[str, int]:
+    roles = dict(cls.extra_roles(options))
+    if cfg.embedding_servers:
+        roles[EMBEDDING_SERVER] = cfg.embedding_servers
+    return roles
+
+
+def _with_workload_defaults(cfg: RunConfig, workload: Any) -> RunConfig:
+    """``cfg`` with every field the workload decides filled in (builds it if needed)."""
+    if cfg.task != "train":
+        return dataclasses.replace(cfg, embedding_servers=cfg.embedding_servers or 0)
+    from distsync.workloads import check_workload_spec, load_workload, typed_options
+
+    check_workload_spec(cfg.workload)
+    cfg = dataclasses.replace(cfg, workload_options=typed_options(cfg.workload, cfg.workload_options))
+    missing = [n for n in (*WORKLOAD_DEFAULTS, "embedding_servers", "embedding_lr") if getattr(cfg, n) is None]
+    if not missing:
+        return cfg
+    workload = workload or load_workload(cfg.workload, cfg.workload_options)
+    filled = {n: getattr(workload, n) for n in WORKLOAD_DEFAULTS if getattr(cfg, n) is None}
+    if cfg.embedding_servers is None:
+        filled["embedding_servers"] = workload.embedding_servers
+    lr = filled.get("lr", cfg.lr)
+    if cfg.embedding_lr is None:
+        filled["embedding_lr"] = workload.embedding_lr or lr
+    return dataclasses.replace(cfg, **filled)
+
+
+def resolve(cfg: RunConfig, workload: Any = None, *, world_size: int | None = None) -> ResolvedRun:
+    """Check ``cfg`` and fill in everything it leaves to the workload and the solver.
+
+    ``workload``: the :class:`~distsync.workloads.Workload` if the caller has built it (it
+    is built here otherwise, only when a default is missing). ``world_size``: under
+    ``torchrun``, the number of processes; the workers are what the roles leave of it.
+    Raises :class:`ConfigError` with a one-line message.
+    """
+    if isinstance(cfg, ResolvedRun):
+        return cfg
+    cfg = dataclasses.replace(cfg, resolved=False)
+    cls = solver_class(cfg.solver)
+    _check_solver_class(cls)
+    options = make_options(cls, cfg.solver_options)
+    # The options as given, typed (config.json and labels keep what the user chose).
+    cfg.solver_options = {k: getattr(options, k) for k in cfg.solver_options}
+    if world_size is not None:
+        cfg = _with_workload_defaults(cfg, workload)
+        extra = sum(_roles(cfg, cls, options).values())
+        if cfg.workers is not None and cfg.workers != world_size - extra:
+            raise ConfigError(f"--workers {cfg.workers} does not match WORLD_SIZE {world_size} minus "
+                              f"{extra} extra role(s)")
+        cfg.workers = world_size - extra
+    cfg.validate()
+    cfg = _with_workload_defaults(cfg, workload)
+    cfg.validate()  # the workload's defaults are checked like the user's values
+    threads = cls.training_threads(options)
+    if threads > 1 and cfg.crossover:
+        raise ConfigError(f"crossover scheduling runs one training thread per worker; {cls.name} asks for {threads}")
+    if cfg.task == "train" and threads > 1 and cfg.steps % threads:
+        raise ConfigError(f"--steps {cfg.steps} must be a multiple of the solver's {threads} threads")
+    cfg.resolved = True
+    return ResolvedRun(cfg, cls, options, tuple(assign_roles(cfg.workers, _roles(cfg, cls, options))))
+
+
+def trusted(cfg: RunConfig) -> ResolvedRun:
+    """In a process of a job: the config its launcher resolved, taken as it is."""
+    if not cfg.resolved:
+        raise ConfigError("this config was not resolved by a launcher (distsync.runtime.resolve.resolve)")
+    cls = solver_class(cfg.solver)
+    options = cls.Options(**cfg.solver_options)
+    return ResolvedRun(cfg, cls, options, tuple(assign_roles(cfg.workers, _roles(cfg, cls, options))))
