@@ -16,7 +16,8 @@ demo: setup
 	$(BIN)/distsync compare --workload digits --solvers allreduce,ea-wild,ripples --schedule smart --workers 4 --slow 1:3 --out runs/demo
 
 test: setup
-	$(BIN)/python -m pytest -q
+	@start=$$(date +%s); $(BIN)/python -m pytest -q; rc=$$?; \
+	echo "make test: $$(( $$(date +%s) - start )) s"; exit $$rc
 
 bench: setup
 	$(BIN)/python benchmarks/allreduce_vs_ddp.py

@@ -67,7 +67,7 @@ def _build_parser() -> argparse.ArgumentParser:
     lt.add_argument("--out", help="run folder (default: runs/<time>-linktest)")
 
     x = sub.add_parser("crossover", help="run several jobs on the same workers: crossover against sequential and naive")
-    x.add_argument("jobs", metavar="JOBS.toml", help="a [crossover] table and [[job]] tables (see the README)")
+    x.add_argument("jobs", metavar="JOBS.toml", help="a [crossover] table and [[job]] tables (see docs/crossover.md)")
     x.add_argument("--policy", help="alternate | fcfs (default: the file's, else alternate)")
     x.add_argument("--modes", help="comma-separated, of crossover, sequential, naive (default: all three)")
     x.add_argument("--workers", type=int, help="workers (devices) every job runs on (default: the file's, else 2)")
