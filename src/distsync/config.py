@@ -15,7 +15,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from distsync.errors import ConfigError
 
@@ -226,6 +226,21 @@ def check_ranges(obj: Any, prefix: str = "") -> None:
         if problem.startswith("valid: "):
             raise ConfigError(f"{prefix}unknown {name} {value!r}; {problem}")
         raise ConfigError(f"{prefix}{name} {problem}{f.metadata.get('note', '')}, got {value!r}")
+
+
+def read_file(path: Path, what: str, parse: Callable[[str], Any], fmt: str) -> Any:
+    """The parsed content of text file ``path`` (``parse``: ``json.loads``, ``tomllib.loads``);
+    a :class:`ConfigError` naming ``what`` and ``path`` for any file that is not one."""
+    try:
+        return parse(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {path} does not exist") from None
+    except OSError as e:
+        raise ConfigError(f"{what} {path} cannot be read: {e.strerror}") from None
+    except ValueError as e:  # also bad UTF-8, and numbers of thousands of digits
+        raise ConfigError(f"{what} {path} is not valid {fmt}: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{what} {path} is nested too deeply") from None
 
 
 def parse_slow(spec: str | None) -> dict[int, float]:
@@ -491,16 +506,7 @@ class RunConfig:
     def read(cls, path: Path, validate: bool = True) -> "RunConfig":
         """The config in JSON file ``path``, checked unless ``validate`` is false (a job's
         processes read what their launcher resolved and wrote)."""
-        try:
-            d = json.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist") from None
-        except OSError as e:
-            raise ConfigError(f"config file {path} cannot be read: {e.strerror}") from None
-        except ValueError as e:  # also bad UTF-8, and numbers of thousands of digits
-            raise ConfigError(f"config file {path} is not valid JSON: {e}") from None
-        except RecursionError:
-            raise ConfigError(f"config file {path} is nested too deeply") from None
+        d = read_file(path, "config file", json.loads, "JSON")
         if not isinstance(d, dict):
             raise ConfigError(f"config file {path} must hold a JSON object")
         return cls.from_dict(d).validate() if validate else cls.from_dict(d)

@@ -25,7 +25,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Callable
 
-from distsync.config import RunConfig, check_field_types, parse_link, show, show_names
+from distsync.config import RunConfig, check_field_types, parse_link, read_file, show, show_names
 from distsync.errors import ConfigError, DistsyncError, WorkerFailed
 from distsync.runtime.launch import launch
 from distsync.runtime.network import EmulatedNetwork
@@ -89,16 +89,7 @@ def load_plan(path: Path, overrides: dict[str, Any] | None = None) -> CrossoverP
     """A plan from a TOML file: a ``[crossover]`` table (workers, policy, modes, link, out)
     and ``[[job]]`` tables (name and any run option: workload, solver, steps, lr, seed, ...).
     Any content that is no such plan raises :class:`ConfigError` with a one-line message."""
-    try:
-        data = tomllib.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"jobs file {path} does not exist") from None
-    except OSError as e:
-        raise ConfigError(f"jobs file {path} cannot be read: {e.strerror}") from None
-    except ValueError as e:  # TOMLDecodeError is one; so are bad UTF-8 and huge integers
-        raise ConfigError(f"jobs file {path} is not valid TOML: {e}") from None
-    except RecursionError:
-        raise ConfigError(f"jobs file {path} is nested too deeply") from None
+    data = read_file(path, "jobs file", tomllib.loads, "TOML")
     where = f"jobs file {path}"
     head = data.get("crossover", {})
     if not isinstance(head, dict):
