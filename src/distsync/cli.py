@@ -39,10 +39,17 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    from distsync.options import add_run_options, finite_float
-
     p = _Parser(prog="distsync", description="Train PyTorch models with distributed synchronization solvers and compare them.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add_run_commands(sub)
+    _add_sim_commands(sub)
+    sub.add_parser("list", help="list solvers and workloads")
+    return p
+
+
+def _add_run_commands(sub) -> None:
+    """train, compare, linktest, crossover: real runs."""
+    from distsync.options import add_run_options, finite_float
 
     t = sub.add_parser("train", help="train with one solver")
     t.add_argument("--solver", default="allreduce", help="solver name (see `distsync list`) or path/to/file.py:Class")
@@ -73,6 +80,16 @@ def _build_parser() -> argparse.ArgumentParser:
     x.add_argument("--workers", type=int, help="workers (devices) every job runs on (default: the file's, else 2)")
     x.add_argument("--link", metavar="BANDWIDTH[,LATENCY]", help="emulated link of every device (needs root)")
     x.add_argument("--out", help="output folder (default: the file's, else runs/<time>-crossover)")
+
+    for sp in (t, c):
+        g = sp.add_argument_group("solver options (shortcuts for -o KEY=VALUE)")
+        for flag, help_text in SHORTCUTS.items():
+            g.add_argument(f"--{flag.replace('_', '-')}", dest=f"opt_{flag}", metavar="VALUE", help=help_text)
+
+
+def _add_sim_commands(sub) -> None:
+    """simulate, sweep: the simulator."""
+    from distsync.options import finite_float
 
     sm = sub.add_parser("simulate", help="simulate solvers on many virtual workers (timing), or a real run")
     sm.add_argument("--solvers", default="allreduce", help="comma-separated solver names (default: allreduce)")
@@ -110,14 +127,6 @@ def _build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--steps", type=int, default=300)
     sw.add_argument("--batch-size", type=int, default=8)
     sw.add_argument("--out", help="output folder (default: runs/<time>-sweep)")
-
-    for sp in (t, c):
-        g = sp.add_argument_group("solver options (shortcuts for -o KEY=VALUE)")
-        for flag, help_text in SHORTCUTS.items():
-            g.add_argument(f"--{flag.replace('_', '-')}", dest=f"opt_{flag}", metavar="VALUE", help=help_text)
-
-    sub.add_parser("list", help="list solvers and workloads")
-    return p
 
 
 SHORTCUTS = {
