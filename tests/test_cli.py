@@ -45,7 +45,7 @@ def _one_line_error(proc, expected):
          "solver allreduce: unknown option(s) servers; valid: bucket_mb, overlap"),
         (["compare", "--solvers", "allreduce,ddp", "--threads", "2"], "option threads: none of allreduce, ddp has it"),
         (["train", "--solver", "ripples", "--schedule", "best"],
-         "solver ripples: schedule must be static, random or smart, got 'best'"),
+         "solver ripples: unknown schedule 'best'; valid: static, random, smart"),
         (["train", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     ],
 )

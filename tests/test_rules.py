@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from distsync.solvers.lars import LARS
-from distsync.solvers.ps import assign_shards
 from distsync.solvers.rules import (
-    elastic_alpha, elastic_exchange, elastic_pull, lars_trust_ratio, momentum_apply, server_apply, sgd_apply,
-    staleness, sync_elastic_update, warmup_factor,
+    elastic_alpha, elastic_exchange, elastic_pull, group_mean, hogwild_sgd, lars_trust_ratio, momentum_apply,
+    server_apply, sgd_apply, staleness, sync_elastic_update, warmup_factor,
 )
+from distsync.solvers.shard_service import assign_shards
 
 T = lambda *v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
 
@@ -45,6 +45,21 @@ def test_server_sgd_and_momentum():
     w, buf = T(1.0), T(2.0)
     momentum_apply(w, buf, T(1.0), 0.1, 0.5)
     assert buf.item() == 2.0 and w.item() == pytest.approx(0.8)  # buf = 0.5*2 + 1; w = 1 - 0.1*2
+
+
+def test_hogwild_sgd_writes_each_step_into_the_shared_parameters():
+    w1, w2 = T(1.0, 2.0), T(-1.0)
+    hogwild_sgd([w1, w2], [T(0.5, -2.0), T(4.0)], 0.25)
+    # w - 0.25 g: (1 - 0.125, 2 + 0.5) and -1 - 1
+    assert w1.tolist() == [0.875, 2.5] and w2.tolist() == [-2.0]
+    p = torch.nn.Parameter(T(3.0))  # a leaf that requires grad: written in place all the same
+    hogwild_sgd([p], [T(2.0)], 0.5)
+    assert p.item() == 2.0 and p.grad is None
+
+
+def test_group_mean_divides_a_groups_sum():
+    total = T(3.0, 6.0, -1.5)  # the sum of three members' models
+    assert group_mean(total, 3) is total and total.tolist() == [1.0, 2.0, -0.5]
 
 
 def test_server_apply_weight_decay_and_lars():

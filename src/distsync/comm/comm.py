@@ -239,8 +239,9 @@ class Comm:
                 self._member_groups[key] = self.new_group(key)
 
     def partial_all_reduce(self, tensor: torch.Tensor, members: Sequence[int]) -> None:
-        """Replace ``tensor`` by the mean of the members' tensors, a collective over ``members``
-        only: nobody else takes part. The group must come from :meth:`create_groups`."""
+        """Replace ``tensor`` by the sum of the members' tensors, a collective over ``members``
+        only: nobody else takes part. The group must come from :meth:`create_groups`. (The
+        solver turns the sum into what its rule needs, e.g. Ripples' group mean.)"""
         key = tuple(sorted(members))
         if self.rank not in key:
             raise ValueError(f"rank {self.rank} is not in group {list(key)}")
@@ -248,7 +249,6 @@ class Comm:
         if group is None:
             raise ValueError(f"group {list(key)} was not created ahead (create_groups)")
         self.all_reduce(tensor, group=group)
-        tensor.div_(len(key))
 
     def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
         """Gather a picklable object from every rank to ``dst`` (over the default group)."""

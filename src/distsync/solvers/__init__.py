@@ -11,7 +11,15 @@ from distsync.solvers.base import (
     solver_class,
     solver_names,
 )
-from distsync.solvers import allreduce, background, ddp, decentralized, elastic, parameter_server  # noqa: F401
+from distsync.solvers import (  # noqa: F401  (importing a module registers its solvers)
+    allreduce,
+    ddp,
+    decentralized,
+    elastic,
+    model_averaging,
+    parameter_server,
+    shadow,
+)
 
 __all__ = [
     "NoOptions",

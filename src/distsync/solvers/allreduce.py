@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from distsync.config import bounded
 from distsync.solvers.base import Solver, register_solver
 
 
@@ -23,12 +24,8 @@ class AllReduceOptions:
     """bucket_mb: largest bucket in MiB (smaller buckets start communicating earlier, larger
     ones pay the per-message latency fewer times). overlap: start buckets during backward."""
 
-    bucket_mb: float = 25.0
+    bucket_mb: float = bounded(25.0, gt=0)
     overlap: bool = True
-
-    def __post_init__(self) -> None:
-        if not self.bucket_mb > 0:
-            raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
 
 
 class _Bucket:

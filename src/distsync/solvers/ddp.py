@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from torch.nn.parallel import DistributedDataParallel
 
 from distsync.comm import ring_allreduce_bytes
+from distsync.config import bounded
 from distsync.solvers.base import Solver, register_solver
 
 
@@ -18,11 +19,7 @@ from distsync.solvers.base import Solver, register_solver
 class DDPOptions:
     """bucket_mb: DDP's bucket_cap_mb."""
 
-    bucket_mb: float = 25.0
-
-    def __post_init__(self) -> None:
-        if not self.bucket_mb > 0:
-            raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
+    bucket_mb: float = bounded(25.0, gt=0)
 
 
 @register_solver

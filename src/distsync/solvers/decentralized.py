@@ -8,7 +8,8 @@
   computes, and only actives start averagings.
 - ``ripples`` (Luo et al. 2020): after each step a worker joins a group of ``group_size``
   workers and all members replace their models by the group mean, a collective over that
-  group only (:meth:`Comm.partial_all_reduce`). Groups come from a schedule:
+  group only (:meth:`Comm.partial_all_reduce` sums, :func:`rules.group_mean` divides).
+  Groups come from a schedule:
 
   * ``static``: a fixed repeating schedule of non-overlapping groups (Group Division), no
     coordinator round trips;
@@ -32,10 +33,11 @@ from dataclasses import dataclass
 
 import torch
 
+from distsync.config import bounded
+from distsync.errors import ConfigError
 from distsync.solvers.base import Solver, join_background, register_solver
 from distsync.solvers.flat import FlatView
-from distsync.solvers.rules import pairwise_average
-from distsync.errors import ConfigError
+from distsync.solvers.rules import group_mean, pairwise_average
 from distsync.solvers.schedules import bipartite_roles, possible_groups, random_round, static_schedule
 
 #: above this many workers, random and smart schedules would need too many process groups
@@ -167,20 +169,12 @@ class RipplesOptions:
     every: steps between Partial All-Reduces; buffer: groups per coordinator round trip
     (random); max_wait_ms: longest a worker waits for partners (smart); seed: random groups."""
 
-    group_size: int = 3
-    schedule: str = "static"
-    every: int = 1
-    buffer: int = 16
-    max_wait_ms: float = 20.0
+    group_size: int = bounded(3, ge=2)
+    schedule: str = bounded("static", choices=("static", "random", "smart"))
+    every: int = bounded(1, ge=1)
+    buffer: int = bounded(16, ge=1)
+    max_wait_ms: float = bounded(20.0, gt=0)
     seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.group_size < 2:
-            raise ValueError(f"group_size must be >= 2, got {self.group_size}")
-        if self.schedule not in ("static", "random", "smart"):
-            raise ValueError(f"schedule must be static, random or smart, got {self.schedule!r}")
-        if self.every < 1 or self.buffer < 1 or self.max_wait_ms <= 0:
-            raise ValueError("every and buffer must be >= 1, max_wait_ms > 0")
 
 
 @register_solver
@@ -245,7 +239,7 @@ class Ripples(Solver):
             return
         flat = self.view.flat()
         self.comm.partial_all_reduce(flat, [self.comm.worker_ranks[i] for i in group])
-        self.view.assign(flat)
+        self.view.assign(group_mean(flat, len(group)))
         self.joined += 1
 
     def close(self):

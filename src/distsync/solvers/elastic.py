@@ -1,9 +1,10 @@
-"""Elastic averaging: `easgd`, `async-easgd`, `async-measgd`, `ea-wild`, `sync-easgd`.
+"""Elastic averaging: `easgd`, `async-easgd`, `async-measgd`, `ea-wild`, `fr-easgd`, `sync-easgd`.
 
-Workers train their own models with local SGD and, every ``tau`` steps, pull towards a
-center copy that is pulled towards them in turn (the elastic exchange,
-:func:`distsync.solvers.rules.elastic_exchange`). ``alpha`` (the moving rate) defaults to
-``beta / workers`` with ``beta = 0.9``.
+Zhang et al. 2015 (EASGD): workers explore on their own, tied to a center copy by an elastic
+force, which lets them stray further than plain averaging would. Workers train their own
+models with local SGD and, every ``tau`` steps, pull towards a center copy that is pulled
+towards them in turn (the elastic exchange, :func:`distsync.solvers.rules.elastic_exchange`).
+``alpha`` (the moving rate) defaults to ``beta / workers`` with ``beta = 0.9``.
 
 - ``easgd``: the original: the center's server serves workers one at a time, in rank order.
 - ``async-easgd``: first come, first served, under the server's lock.
@@ -12,6 +13,9 @@ center copy that is pulled towards them in turn (the elastic exchange,
   workers may interleave on the center (Hogwild). The server counts exchanges that overlapped
   another and measures what the races lost: ``lost_update_share`` is
   ``||center - center_0 - sum(d)|| / ||sum(d)||``.
+- ``fr-easgd``: ShadowSync's foreground EASGD (Zheng et al. 2020): the rule of
+  ``async-easgd`` on the training thread, the twin of ``shadow-ea``
+  (:mod:`~distsync.solvers.shadow`).
 - ``sync-easgd``: every ``tau`` steps all workers exchange at once, by one all-reduce of
   their models; each holds an identical copy of the center, so no server is needed.
 """
@@ -24,75 +28,47 @@ from dataclasses import dataclass
 
 import torch
 
+from distsync.config import bounded
 from distsync.errors import ConfigError
 from distsync.solvers.base import Solver, register_solver
 from distsync.solvers.flat import FlatView
-from distsync.solvers.parameter_server import ServerSolver, hogwild_sgd
-from distsync.solvers.ps import Request, ServerShard
+from distsync.solvers.hogwild_threads import HogwildThreads, HogwildThreadsOptions
+from distsync.solvers.parameter_server import ServerSolver
 from distsync.solvers.rules import elastic_alpha, elastic_exchange, elastic_pull, sync_elastic_update
-
-
-@dataclass
-class ElasticOptions:
-    """tau: steps between exchanges; beta: alpha = beta / workers unless alpha is given;
-    servers: server processes holding the center (sharded)."""
-
-    tau: int = 4
-    beta: float = 0.9
-    alpha: float | None = None
-    servers: int = 1
-
-    def __post_init__(self) -> None:
-        if self.tau < 1:
-            raise ValueError(f"tau must be >= 1, got {self.tau}")
-        if not 0 < self.beta <= 1:
-            raise ValueError(f"beta must be in (0, 1], got {self.beta}")
-        if self.alpha is not None and not 0 < self.alpha <= 1:
-            raise ValueError(f"alpha must be in (0, 1], got {self.alpha}")
-        if self.servers < 1:
-            raise ValueError(f"servers must be >= 1, got {self.servers}")
-
-    def moving_rate(self, workers: int) -> float:
-        return self.alpha if self.alpha is not None else elastic_alpha(self.beta, workers)
-
-
-@dataclass
-class MomentumElasticOptions(ElasticOptions):
-    """momentum: local Nesterov momentum of each worker."""
-
-    momentum: float = 0.9
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not 0 <= self.momentum < 1:
-            raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
-
-
-@dataclass
-class WildOptions(ElasticOptions):
-    """threads: Hogwild training threads per worker on its one model."""
-
-    threads: int = 1
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.threads < 1:
-            raise ValueError(f"threads must be >= 1, got {self.threads}")
+from distsync.solvers.shard_service import OP_EXCHANGE, Request, ServerShard
 
 
 @dataclass
 class SyncElasticOptions:
     """tau: steps between exchanges; beta: alpha = beta / workers unless alpha is given."""
 
-    tau: int = 4
-    beta: float = 0.9
-    alpha: float | None = None
-
-    def __post_init__(self) -> None:
-        ElasticOptions(self.tau, self.beta, self.alpha)
+    tau: int = bounded(4, ge=1)
+    beta: float = bounded(0.9, gt=0, le=1)
+    alpha: float | None = bounded(None, gt=0, le=1)
 
     def moving_rate(self, workers: int) -> float:
         return self.alpha if self.alpha is not None else elastic_alpha(self.beta, workers)
+
+
+@dataclass
+class ElasticOptions(SyncElasticOptions):
+    """As :class:`SyncElasticOptions`, with servers: server processes holding the center
+    (sharded)."""
+
+    servers: int = bounded(1, ge=1)
+
+
+@dataclass
+class MomentumElasticOptions(ElasticOptions):
+    """momentum: local Nesterov momentum of each worker."""
+
+    momentum: float = bounded(0.9, ge=0, lt=1)
+
+
+@dataclass
+class WildOptions(HogwildThreadsOptions, ElasticOptions):
+    """As :class:`ElasticOptions`, with threads: Hogwild training threads per worker on its
+    one model."""
 
 
 class _ElasticServerSolver(ServerSolver):
@@ -115,7 +91,7 @@ class _ElasticServerSolver(ServerSolver):
         super().serve(role, comm, ctx)
 
     def handle(self, shard: ServerShard, req: Request):
-        if req.op != 3:  # OP_EXCHANGE
+        if req.op != OP_EXCHANGE:
             raise RuntimeError(f"elastic server got op {req.op}")
         with self._book:
             if self._in_flight:
@@ -205,17 +181,25 @@ class AsyncMEASGD(_ElasticServerSolver):
 
 
 @register_solver
-class EAWild(_ElasticServerSolver):
+class EAWild(HogwildThreads, _ElasticServerSolver):
     name = "ea-wild"
     Options = WildOptions
     lock_free = True
 
-    @classmethod
-    def training_threads(cls, options) -> int:
-        return options.threads
 
-    def hogwild_update(self, step, params, grads):
-        hogwild_sgd(params, grads, self.optimizer.param_groups[0]["lr"])
+@dataclass
+class FrEASGDOptions(WildOptions):
+    """As the elastic solvers: exchange with the sync server every ``tau`` steps; threads:
+    Hogwild training threads per worker."""
+
+
+@register_solver
+class FrEASGD(HogwildThreads, AsyncEASGD):
+    """`fr-easgd`: ShadowSync's foreground EASGD: the elastic exchange with a sync server
+    every ``tau`` steps, on the training thread (the rule of `async-easgd`)."""
+
+    name = "fr-easgd"
+    Options = FrEASGDOptions
 
 
 @register_solver

@@ -1,8 +1,10 @@
-"""Parameter-server solvers: `sync-ps`, `async-ps` (Downpour / async SGD), `async-msgd`.
+"""Parameter-server solvers: `sync-ps`, `async-ps` (Downpour / async SGD), `async-msgd`,
+`hogwild`, and :class:`ServerSolver`, the worker and server sides they share.
 
-The center model lives on ``servers`` server processes (sharded by whole tensors). Workers
-push gradients; servers apply them with the run's optimizer settings (SGD, momentum, LARS
-with warm-up) through :func:`distsync.solvers.rules.server_apply`.
+Dean et al. 2012 (Downpour) and Niu et al. 2011 (Hogwild!): the center model lives on
+``servers`` server processes (sharded by whole tensors, :mod:`~distsync.solvers.shard_service`);
+workers push gradients and servers apply them, asynchronously, with the run's optimizer
+settings (SGD, momentum, LARS with warm-up) through :func:`distsync.solvers.rules.server_apply`.
 
 - ``sync-ps``: every step, every worker pushes; the server averages the gradients, steps
   once and sends the new parameters back: synchronous SGD on the union of the batches.
@@ -11,6 +13,8 @@ with warm-up) through :func:`distsync.solvers.rules.server_apply`.
   arrival, first come first served. Staleness (server updates between a worker's pull and
   its push) is counted per push.
 - ``async-msgd``: ``async-ps`` with momentum on the server (``momentum``, default 0.9).
+- ``hogwild``: ``threads`` Hogwild training threads per worker (default 2), and servers that
+  apply every push without a lock.
 """
 
 from __future__ import annotations
@@ -21,20 +25,18 @@ from dataclasses import dataclass
 
 import torch
 
+from distsync.config import bounded
 from distsync.solvers.base import ServeContext, Solver, register_solver
-from distsync.solvers.ps import Layout, PSClient, Request, ServerShard
+from distsync.solvers.hogwild_threads import HogwildThreads, HogwildThreadsOptions, threads_option
 from distsync.solvers.rules import server_apply, warmup_factor
+from distsync.solvers.shard_service import Layout, PSClient, Request, ServerShard
 
 
 @dataclass
 class SyncPSOptions:
     """servers: server processes the parameters are sharded over."""
 
-    servers: int = 1
-
-    def __post_init__(self) -> None:
-        if self.servers < 1:
-            raise ValueError(f"servers must be >= 1, got {self.servers}")
+    servers: int = bounded(1, ge=1)
 
 
 @dataclass
@@ -42,42 +44,22 @@ class AsyncPSOptions:
     """servers: server processes; n_fetch: pull the center every n_fetch steps; n_push: push
     gradients summed over n_push steps; momentum: server momentum (None: the run's --momentum)."""
 
-    servers: int = 1
-    n_fetch: int = 1
-    n_push: int = 1
-    momentum: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.servers < 1:
-            raise ValueError(f"servers must be >= 1, got {self.servers}")
-        if self.n_fetch < 1 or self.n_push < 1:
-            raise ValueError(f"n_fetch and n_push must be >= 1, got {self.n_fetch}, {self.n_push}")
-        if self.momentum is not None and not 0 <= self.momentum < 1:
-            raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
+    servers: int = bounded(1, ge=1)
+    n_fetch: int = bounded(1, ge=1)
+    n_push: int = bounded(1, ge=1)
+    momentum: float | None = bounded(None, ge=0, lt=1)
 
 
 @dataclass
 class AsyncMSGDOptions(AsyncPSOptions):
-    momentum: float | None = 0.9
+    momentum: float | None = bounded(0.9, ge=0, lt=1)
 
 
 @dataclass
-class HogwildOptions(AsyncPSOptions):
-    """threads: Hogwild training threads per worker on its one model."""
+class HogwildOptions(HogwildThreadsOptions, AsyncPSOptions):
+    """threads: Hogwild training threads per worker on its one model (default 2)."""
 
-    threads: int = 2
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.threads < 1:
-            raise ValueError(f"threads must be >= 1, got {self.threads}")
-
-
-def hogwild_sgd(params, grads, lr: float) -> None:
-    """Plain SGD written straight into shared parameters, with no lock (Niu et al. 2011)."""
-    with torch.no_grad():
-        for p, g in zip(params, grads):
-            p.add_(g, alpha=-lr)
+    threads: int = threads_option(2)
 
 
 class ServerSolver(Solver):
@@ -267,7 +249,7 @@ class AsyncMSGD(AsyncPS):
 
 
 @register_solver
-class Hogwild(AsyncPS):
+class Hogwild(HogwildThreads, AsyncPS):
     """`hogwild`: Hogwild threads inside each worker, and across workers one shared model on
     lock-free servers: async SGD whose server applies every push without a lock."""
 
@@ -275,11 +257,7 @@ class Hogwild(AsyncPS):
     Options = HogwildOptions
     lock_free = True
 
-    @classmethod
-    def training_threads(cls, options) -> int:
-        return options.threads
-
     def hogwild_update(self, step, params, grads):
-        hogwild_sgd(params, grads, self.optimizer.param_groups[0]["lr"])
+        super().hogwild_update(step, params, grads)  # the thread's own step, then its push
         by_param = {id(p): g for p, g in zip(params, grads)}
         self._accumulate(step, [torch.cat([by_param[id(t)].reshape(-1) for t in v.tensors]) for v in self.client.views])

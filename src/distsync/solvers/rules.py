@@ -52,6 +52,14 @@ def sgd_apply(center: torch.Tensor, grad: torch.Tensor, lr: float) -> None:
     center.add_(grad, alpha=-lr)
 
 
+def hogwild_sgd(params, grads, lr: float) -> None:
+    """Plain SGD written straight into shared parameters, with no lock (Niu et al. 2011):
+    p <- p - lr * g for each pair, in place."""
+    with torch.no_grad():
+        for p, g in zip(params, grads):
+            p.add_(g, alpha=-lr)
+
+
 def momentum_apply(center: torch.Tensor, buf: torch.Tensor, grad: torch.Tensor, lr: float, mu: float) -> None:
     """Server-side momentum SGD: buf <- mu * buf + grad;  center <- center - lr * buf."""
     buf.mul_(mu).add_(grad)

@@ -1,4 +1,8 @@
-"""Parameter servers: the center model sharded over server processes, and the wire protocol.
+"""The sharded parameter service under every server-based solver: :class:`Layout` and
+:func:`assign_shards` (which server holds which tensors), :class:`PSClient` (a worker's side),
+:class:`ServerShard` (a server's side) and the wire protocol between them. Solvers supply
+only the rule a server applies to a request (Dean et al.'s Downpour: the model's center
+copy lives on servers, sharded, and workers talk to every shard independently).
 
 Layout: the model's parameter tensors are dealt to servers whole (largest first, to the
 least-loaded server), so layer-wise rules such as LARS see whole layers. Server ``s`` holds

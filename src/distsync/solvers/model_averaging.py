@@ -1,0 +1,131 @@
+"""Periodic model averaging on the training thread: `ma`, `bmuf`, `local`, and
+:class:`AveragingSolver`, the base the background twins in :mod:`~distsync.solvers.shadow`
+share.
+
+Workers train on their own and every ``every`` steps replace their models by the mean over
+all workers (one all-reduce): ``ma``. ``bmuf`` (Chen & Huo 2016) filters that mean through
+block momentum, so a block's progress is kept rather than averaged away
+(:func:`distsync.solvers.rules.bmuf_update`). ``local`` synchronizes nothing: the baseline a
+trainer's throughput is measured against.
+
+All of them take ``threads``: Hogwild training threads per worker on one shared copy of the
+dense parameters, each applying plain SGD without a lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from distsync.config import bounded
+from distsync.solvers.base import Solver, register_solver
+from distsync.solvers.flat import FlatView
+from distsync.solvers.hogwild_threads import HogwildThreads, HogwildThreadsOptions
+from distsync.solvers.rules import bmuf_update
+
+
+@dataclass
+class _AverageSchedule:
+    every: int = bounded(4, ge=1)
+    min_interval_ms: float = bounded(0.0, ge=0)
+
+
+@dataclass
+class AverageOptions(HogwildThreadsOptions, _AverageSchedule):
+    """every: steps between syncs (foreground); min_interval_ms: least time between
+    background syncs; threads: Hogwild training threads per worker on its one model."""
+
+
+@dataclass
+class BMUFOptions(AverageOptions):
+    """block_lr (zeta); block_momentum (m), by default the classical 1 - 1/p, which makes up
+    for averaging p workers' progress (fairseq's 0.875 suits about 8; with 2 workers it
+    amplifies each block's progress 15-fold and training diverges); nesterov."""
+
+    block_lr: float = bounded(1.0, gt=0)
+    block_momentum: float | None = bounded(None, ge=0, lt=1)
+    nesterov: bool = True
+
+    def momentum_for(self, workers: int) -> float:
+        return self.block_momentum if self.block_momentum is not None else 1.0 - 1.0 / workers
+
+
+class AveragingSolver(HogwildThreads, Solver):
+    """Model averaging over all workers every ``every`` steps, on the training thread, with
+    BMUF's filter when the options are :class:`BMUFOptions`."""
+
+    collective_per_step = False
+
+    def attach(self, model, optimizer, comm):
+        super().attach(model, optimizer, comm)
+        self.view = FlatView(list(model.parameters()))
+        self.syncs = 0
+        self.steps_done = 0
+        # Training threads of one worker take their foreground syncs one at a time.
+        self._fg_lock = threading.Lock()
+        if isinstance(self.options, BMUFOptions):
+            self.w_start = self.view.flat().clone()
+            self.delta = torch.zeros_like(self.w_start)
+        return model
+
+    def _combine(self, mean: torch.Tensor) -> torch.Tensor:
+        """The new model from the workers' mean: the mean itself, or BMUF's filter of it."""
+        if not isinstance(self.options, BMUFOptions):
+            return mean
+        new = torch.empty_like(mean)
+        o = self.options
+        bmuf_update(new, self.w_start, self.delta, mean, o.block_lr, o.momentum_for(self.comm.num_workers),
+                    o.nesterov)
+        return new
+
+    def after_update(self, step):
+        with self._fg_lock:
+            self.steps_done += 1
+            if (step + 1) % self.options.every:
+                return
+            mean = self.view.flat()
+            self.comm.all_reduce(mean, group=self.comm.worker_group)
+            mean.div_(self.comm.num_workers)
+            self.view.assign(self._combine(mean))
+            self.syncs += 1
+
+    def state_dict(self):
+        state = {"syncs": self.syncs, "steps_done": self.steps_done}
+        if isinstance(self.options, BMUFOptions):
+            state.update(w_start=self.w_start.clone(), delta=self.delta.clone())
+        return state
+
+    def load_state_dict(self, state):
+        self.syncs, self.steps_done = int(state["syncs"]), int(state["steps_done"])
+        if isinstance(self.options, BMUFOptions):
+            self.w_start.copy_(state["w_start"])
+            self.delta.copy_(state["delta"])
+
+    def stats(self):
+        if self.model is None:
+            return {}
+        return {"syncs": self.syncs, "syncs_per_step": self.syncs / max(1, self.steps_done)}
+
+
+@register_solver
+class ModelAveraging(AveragingSolver):
+    name = "ma"
+    Options = AverageOptions
+
+
+@register_solver
+class BMUF(AveragingSolver):
+    name = "bmuf"
+    Options = BMUFOptions
+
+
+@register_solver
+class Local(HogwildThreads, Solver):
+    """`local`: no synchronization of the dense parameters at all; each worker trains its own
+    copy (embedding tables on embedding servers are still shared). The baseline that tells
+    what a synchronization costs a trainer."""
+
+    name = "local"
+    Options = HogwildThreadsOptions

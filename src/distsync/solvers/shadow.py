@@ -1,0 +1,179 @@
+"""Background synchronization (ShadowSync, Zheng et al. 2020): `shadow-ma`, `shadow-bmuf`,
+`shadow-ea`.
+
+ShadowSync's idea: take synchronization off the training thread's critical path. A *shadow*
+thread per worker synchronizes the live model in a continuous loop, on its own process
+group, while the training thread keeps stepping:
+
+- ``shadow-ma``: loop { w <- all-reduce-mean(w) };
+- ``shadow-bmuf``: loop { the BMUF rule on the all-reduce mean (block momentum) };
+- ``shadow-ea``: loop { elastic exchange with the center on a sync server }.
+
+A sync's result is written back as a correction, ``w <- w + (new - read)``
+(:func:`rules.apply_correction`): local steps taken meanwhile are kept. Writes go through
+tensors of their own over the parameters' storage, so they race with the training thread on
+the data (as ShadowSync's Hogwild copy does) without tripping autograd. ``min_interval_ms``
+spaces syncs out. On close the loop stops once every worker is done, and one final sync
+leaves every worker with the same model (the center, for ``shadow-ea``). ``stats`` reports
+syncs and syncs per training step.
+
+Their foreground twins are ``ma`` and ``bmuf`` (:mod:`~distsync.solvers.model_averaging`)
+and ``fr-easgd`` (:mod:`~distsync.solvers.elastic`). All take ``threads``: Hogwild training
+threads per worker on one shared model.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from distsync.config import bounded
+from distsync.solvers.base import join_background, register_solver
+from distsync.solvers.elastic import AsyncEASGD, WildOptions
+from distsync.solvers.flat import FlatView, storage_aliases
+from distsync.solvers.hogwild_threads import HogwildThreads
+from distsync.solvers.model_averaging import AverageOptions, AveragingSolver, BMUFOptions
+from distsync.solvers.rules import apply_correction, elastic_pull
+
+
+class _ShadowAveraging(AveragingSolver):
+    """Model averaging (with BMUF's filter for :class:`BMUFOptions`) in a shadow thread."""
+
+    def attach(self, model, optimizer, comm):
+        super().attach(model, optimizer, comm)
+        # The shadow thread's collectives run on a group of their own.
+        self.group = comm.new_group(comm.worker_ranks)
+        self.live = FlatView(storage_aliases(model.parameters()))
+        self._done = threading.Event()
+        self._errors: list[BaseException] = []
+        self._thread = threading.Thread(target=self._shadow_loop, name=f"shadow-{self.name}", daemon=True)
+        self._thread.start()
+        return model
+
+    def after_update(self, step):
+        with self._fg_lock:
+            self.steps_done += 1  # the shadow thread does the syncs
+
+    def _shadow_loop(self) -> None:
+        n = self.comm.num_workers
+        if n == 1:  # nobody to average with: stay out of the training thread's way
+            self._done.wait()
+            return
+        try:
+            while True:
+                t0 = time.perf_counter()
+                read = self.live.flat().clone()
+                # One extra element: how many workers have finished training. All stop together.
+                msg = torch.cat([read, torch.tensor([1.0 if self._done.is_set() else 0.0])])
+                self.comm.all_reduce(msg, group=self.group)
+                mean = msg[:-1].div_(n)
+                new = self._combine(mean)
+                live = self.live.flat()
+                apply_correction(live, read, new)
+                self.live.assign(live)
+                self.syncs += 1
+                if msg[-1].item() >= n:
+                    return
+                pause = self.options.min_interval_ms / 1000 - (time.perf_counter() - t0)
+                if pause > 0:
+                    self._done.wait(pause)  # close() cuts the pause short
+        except BaseException as e:  # raised on the training thread by close()
+            self._errors.append(e)
+
+    def close(self):
+        self._done.set()
+        join_background(self._thread, self._errors, self.comm.timeout_s + 5,
+                        f"rank {self.comm.rank}: {self.name} shadow thread")
+        # Final sync: every worker leaves with the mean of the final models.
+        final = self.view.flat()
+        self.comm.all_reduce(final, group=self.group)
+        self.view.assign(final.div_(self.comm.num_workers))
+
+
+@register_solver
+class ShadowMA(_ShadowAveraging):
+    name = "shadow-ma"
+    Options = AverageOptions
+
+
+@register_solver
+class ShadowBMUF(_ShadowAveraging):
+    name = "shadow-bmuf"
+    Options = BMUFOptions
+
+
+@dataclass
+class ShadowEAOptions(WildOptions):
+    """min_interval_ms: least time between background exchanges."""
+
+    min_interval_ms: float = bounded(0.0, ge=0)
+
+
+@register_solver
+class ShadowEA(HogwildThreads, AsyncEASGD):
+    """`shadow-ea`: the elastic exchange with the sync server in a loop on a shadow thread."""
+
+    name = "shadow-ea"
+    Options = ShadowEAOptions
+
+    def attach(self, model, optimizer, comm):
+        model = super().attach(model, optimizer, comm)
+        self.live_views = self.client.layout.views(storage_aliases(model.parameters()))
+        self.syncs = 0
+        self.steps_done = 0
+        self._count_lock = threading.Lock()
+        self._done = threading.Event()
+        self._errors: list[BaseException] = []
+        self._thread = threading.Thread(target=self._shadow_loop, name="shadow-ea", daemon=True)
+        self._thread.start()
+        return model
+
+    def after_update(self, step):
+        with self._count_lock:
+            self.steps_done += 1  # the shadow thread does the exchanges
+
+    def _shadow_loop(self) -> None:
+        try:
+            while not self._done.is_set():
+                t0 = time.perf_counter()
+                self._exchange_live(-1)
+                pause = self.options.min_interval_ms / 1000 - (time.perf_counter() - t0)
+                if pause > 0:
+                    self._done.wait(pause)  # close() cuts the pause short
+        except BaseException as e:
+            self._errors.append(e)
+
+    def _exchange_live(self, step: int) -> None:
+        c = self.client
+        with self.client_lock:
+            read = [v.flat().clone() for v in self.live_views]
+            centers = c.exchange(step, read)
+        for view, x, seen in zip(self.live_views, read, centers):
+            new = x.clone()
+            elastic_pull(new, seen, self.alpha)
+            live = view.flat()
+            apply_correction(live, x, new)
+            view.assign(live)
+        self.syncs += 1
+
+    def state_dict(self):
+        return {**super().state_dict(), "syncs": self.syncs, "steps_done": self.steps_done}
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        self.syncs, self.steps_done = int(state["syncs"]), int(state["steps_done"])
+
+    def close(self):
+        self._done.set()
+        join_background(self._thread, self._errors, self.comm.timeout_s + 5, f"rank {self.comm.rank}: shadow-ea thread")
+        self._exchange_live(-1)  # final sync after the last training step
+        super().close()
+
+    def stats(self):
+        out = super().stats()
+        if self.model is not None:
+            out.update(syncs=self.syncs, syncs_per_step=self.syncs / max(1, self.steps_done))
+        return out
