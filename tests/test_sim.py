@@ -104,7 +104,7 @@ def test_bad_cluster_is_refused():
     with pytest.raises(ConfigError, match="unknown all-reduce algorithm 'star'"):
         Cluster(4, GBIT, algorithm="star")
     proc = run_cli("simulate", "--workers", "0")
-    assert proc.returncode == 2 and "--workers must be >= 1" in proc.stderr
+    assert proc.returncode == 2 and "--workers must be an integer >= 1" in proc.stderr
 
 
 def test_simulate_cli_at_scale(tmp_path):
