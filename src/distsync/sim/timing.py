@@ -113,100 +113,118 @@ class _Servers:
         return max(fl.reserve(t, link_s(shard)) for fl in self.outbound) + lat
 
 
-def _server_loop(name: str, cluster: Cluster, c: np.ndarray, work: Work, servers: int, *, push_every: int,
-                 pull_every: int, exchange_every: int, round_robin: bool = False) -> SimResult:
+class _ServerLoop:
     """Workers compute; pushes (no reply), pulls (a reply) and exchanges (send, then reply) go
     through the servers' shared links. Staleness: server updates between a worker's last pull
-    (or exchange) and its push (or exchange)."""
-    n, lat, bw = cluster.workers, cluster.link.latency_s, cluster.link.bandwidth_bps
-    ser = lambda nbytes: 8.0 * nbytes / bw  # noqa: E731
-    shard = work.model_bytes / servers
-    srv = _Servers(servers)
-    loop = EventLoop()
-    comp, comm, wait = _zeros(n), _zeros(n), _zeros(n)
-    seen = [0] * n
-    staleness: Counter = Counter()
-    done_at = _zeros(n)
-    turn = [0]  # round robin: whose exchange the server takes next
-    parked: dict[int, tuple[float, int]] = {}
+    (or exchange) and its push (or exchange). Every transfer is booked on a server link by an
+    event at the moment it starts, so the links serve transfers in the order of virtual time."""
 
-    round_trip = 2 * lat + 2 * ser(work.model_bytes)  # an exchange or a pull with nobody else around
+    def __init__(self, cluster: Cluster, c: np.ndarray, work: Work, servers: int, *, push_every: int,
+                 pull_every: int, exchange_every: int, round_robin: bool = False):
+        n = cluster.workers
+        self.c, self.work, self.lat, self.bw = c, work, cluster.link.latency_s, cluster.link.bandwidth_bps
+        self.push_every, self.pull_every, self.exchange_every = push_every, pull_every, exchange_every
+        self.round_robin = round_robin
+        self.shard = work.model_bytes / servers
+        self.srv = _Servers(servers)
+        self.loop = EventLoop()
+        self.comp, self.comm, self.wait, self.done_at = _zeros(n), _zeros(n), _zeros(n), _zeros(n)
+        self.seen = [0] * n
+        self.staleness: Counter = Counter()
+        self.turn = 0  # round robin: whose exchange the server takes next
+        self.parked: dict[int, tuple[float, int]] = {}
+        # an exchange or a pull with nobody else around
+        self.round_trip = 2 * self.lat + 2 * self.ser(work.model_bytes)
 
-    def blocked(w: int, t: float, back: float) -> None:
+    def ser(self, nbytes: float) -> float:
+        return 8.0 * nbytes / self.bw
+
+    def blocked(self, w: int, t: float, back: float) -> None:
         """Time from ``t`` to ``back``: the transfers themselves are communication, queueing
         behind other workers at the servers is waiting."""
         spent = back - t
-        comm[w] += min(spent, round_trip)
-        wait[w] += max(0.0, spent - round_trip)
+        self.comm[w] += min(spent, self.round_trip)
+        self.wait[w] += max(0.0, spent - self.round_trip)
 
-    # Every transfer is booked on a server link by an event at the moment it starts, so the
-    # links serve transfers in the order of virtual time.
-    def exchange(w: int, t: float, k: int) -> None:  # at the send
-        arrive = max(srv.send_to(loop.now, ser, shard, lat), loop.now + lat + ser(work.model_bytes))
-        loop.at(arrive, exchanged, w, t, k)
-        if round_robin:
-            turn[0] = (turn[0] + 1) % n
-            nxt = parked.pop(turn[0], None)
+    def exchange(self, w: int, t: float, k: int) -> None:  # at the send
+        loop, model = self.loop, self.work.model_bytes
+        arrive = max(self.srv.send_to(loop.now, self.ser, self.shard, self.lat), loop.now + self.lat + self.ser(model))
+        loop.at(arrive, self.exchanged, w, t, k)
+        if self.round_robin:
+            self.turn = (self.turn + 1) % len(self.seen)
+            nxt = self.parked.pop(self.turn, None)
             if nxt is not None:
-                loop.at(max(nxt[0], arrive), exchange, turn[0], nxt[0], nxt[1])
+                loop.at(max(nxt[0], arrive), self.exchange, self.turn, nxt[0], nxt[1])
 
-    def exchanged(w: int, t: float, k: int) -> None:  # the server applies it and replies
-        staleness[srv.version[0] - seen[w]] += 1
+    def exchanged(self, w: int, t: float, k: int) -> None:  # the server applies it and replies
+        loop, srv = self.loop, self.srv
+        self.staleness[srv.version[0] - self.seen[w]] += 1
         srv.version[0] += 1
-        seen[w] = srv.version[0]
-        back = max(srv.send_back(loop.now, ser, shard, lat), loop.now + ser(work.model_bytes) + lat)
-        blocked(w, t, back)
-        loop.at(back, step, w, k + 1)
+        self.seen[w] = srv.version[0]
+        back = max(srv.send_back(loop.now, self.ser, self.shard, self.lat),
+                   loop.now + self.ser(self.work.model_bytes) + self.lat)
+        self.blocked(w, t, back)
+        loop.at(back, self.step, w, k + 1)
 
-    def step(w: int, k: int) -> None:
-        t = loop.now
-        if k == work.steps:
-            done_at[w] = t
+    def step(self, w: int, k: int) -> None:
+        t = self.loop.now
+        if k == self.work.steps:
+            self.done_at[w] = t
             return
-        if pull_every and k % pull_every == 0:
-            loop.at(t + lat, pull, w, k, t)  # a tiny request reaches the servers
+        if self.pull_every and k % self.pull_every == 0:
+            self.loop.at(t + self.lat, self.pull, w, k, t)  # a tiny request reaches the servers
         else:
-            compute(w, k)
+            self.compute(w, k)
 
-    def pull(w: int, k: int, asked: float) -> None:  # the servers send the parameters back
-        back = max(srv.send_back(loop.now, ser, shard, lat), loop.now + lat + ser(work.model_bytes))
-        seen[w] = srv.version[0]
-        loop.at(back, pulled, w, k, asked)
+    def pull(self, w: int, k: int, asked: float) -> None:  # the servers send the parameters back
+        loop = self.loop
+        back = max(self.srv.send_back(loop.now, self.ser, self.shard, self.lat),
+                   loop.now + self.lat + self.ser(self.work.model_bytes))
+        self.seen[w] = self.srv.version[0]
+        loop.at(back, self.pulled, w, k, asked)
 
-    def pulled(w: int, k: int, asked: float) -> None:
-        blocked(w, asked, loop.now)
-        compute(w, k)
+    def pulled(self, w: int, k: int, asked: float) -> None:
+        self.blocked(w, asked, self.loop.now)
+        self.compute(w, k)
 
-    def compute(w: int, k: int) -> None:
-        comp[w] += c[k, w]
-        loop.at(loop.now + c[k, w], computed, w, k)
+    def compute(self, w: int, k: int) -> None:
+        self.comp[w] += self.c[k, w]
+        self.loop.at(self.loop.now + self.c[k, w], self.computed, w, k)
 
-    def computed(w: int, k: int) -> None:
-        t = loop.now
-        if push_every and (k + 1) % push_every == 0:
-            arrive = srv.send_to(t, ser, shard, lat)  # no reply awaited
-            loop.at(arrive, pushed, w)
-            comm[w] += ser(work.model_bytes)  # the worker's own link carries the whole push
-            t += ser(work.model_bytes)
-        if exchange_every and (k + 1) % exchange_every == 0:
-            if round_robin and turn[0] != w:
-                parked[w] = (t, k)
+    def computed(self, w: int, k: int) -> None:
+        t = self.loop.now
+        if self.push_every and (k + 1) % self.push_every == 0:
+            arrive = self.srv.send_to(t, self.ser, self.shard, self.lat)  # no reply awaited
+            self.loop.at(arrive, self.pushed, w)
+            self.comm[w] += self.ser(self.work.model_bytes)  # the worker's own link carries the whole push
+            t += self.ser(self.work.model_bytes)
+        if self.exchange_every and (k + 1) % self.exchange_every == 0:
+            if self.round_robin and self.turn != w:
+                self.parked[w] = (t, k)
                 return
-            loop.at(t, exchange, w, t, k)
+            self.loop.at(t, self.exchange, w, t, k)
             return
-        loop.at(t, step, w, k + 1)
+        self.loop.at(t, self.step, w, k + 1)
 
-    def pushed(w: int) -> None:  # applied on arrival
-        staleness[srv.version[0] - seen[w]] += 1
-        srv.version[0] += 1
+    def pushed(self, w: int) -> None:  # applied on arrival
+        self.staleness[self.srv.version[0] - self.seen[w]] += 1
+        self.srv.version[0] += 1
 
-    for w in range(n):
-        loop.at(0.0, step, w, 0)
-    loop.run()
-    wall = float(done_at.max())  # when the last worker is done (pushes may still be queued then)
-    if parked:
-        raise RuntimeError(f"simulated {name}: workers {sorted(parked)} never got their turn")
-    return SimResult(name, n, work.steps, work.batch_size, wall, comp, comm, wait, staleness, events=loop.events)
+    def run(self, name: str) -> SimResult:
+        for w in range(len(self.seen)):
+            self.loop.at(0.0, self.step, w, 0)
+        self.loop.run()
+        wall = float(self.done_at.max())  # when the last worker is done (pushes may still be queued then)
+        if self.parked:
+            raise RuntimeError(f"simulated {name}: workers {sorted(self.parked)} never got their turn")
+        return SimResult(name, len(self.seen), self.work.steps, self.work.batch_size, wall, self.comp, self.comm,
+                         self.wait, self.staleness, events=self.loop.events)
+
+
+def _server_loop(name: str, cluster: Cluster, c: np.ndarray, work: Work, servers: int, *, push_every: int,
+                 pull_every: int, exchange_every: int, round_robin: bool = False) -> SimResult:
+    return _ServerLoop(cluster, c, work, servers, push_every=push_every, pull_every=pull_every,
+                       exchange_every=exchange_every, round_robin=round_robin).run(name)
 
 
 # ---- decentralized -----------------------------------------------------------------------
