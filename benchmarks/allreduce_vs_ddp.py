@@ -9,24 +9,20 @@ the ratio ours / DDP (target: >= 1.0 on every row).
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+from common import argument_parser, launch_or_exit, print_table, write_results
 from distsync.config import RunConfig
-from distsync.errors import DistsyncError
-from distsync.runtime import launch
 
 ROWS = [("digits", 2, 300), ("digits", 4, 300), ("cnn", 2, 60), ("cnn", 4, 60)]
 SOLVERS = ("allreduce", "ddp")
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argument_parser(__doc__)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", help="default: benchmarks/results/allreduce_vs_ddp[-LINK].json")
     p.add_argument("--rows", help="subset, e.g. digits:2,cnn:4")
@@ -45,11 +41,7 @@ def main() -> int:
                 for solver in order:
                     cfg = RunConfig(workload=workload, solver=solver, workers=workers, steps=steps,
                                     eval_every=10**6, seed=rnd, link=args.link)
-                    try:
-                        s = launch(cfg, Path(tmp) / f"{workload}-{workers}-{solver}-{rnd}")
-                    except DistsyncError as e:
-                        print(f"error: {e}", file=sys.stderr)
-                        return 2
+                    s = launch_or_exit(cfg, Path(tmp) / f"{workload}-{workers}-{solver}-{rnd}")
                     samples[solver].append(s["throughput_samples_per_s"])
             med = {s: statistics.median(v) for s, v in samples.items()}
             row = {"workload": workload, "workers": workers, "steps": steps, "rounds": args.rounds, "link": args.link,
@@ -59,15 +51,11 @@ def main() -> int:
             print(f"{workload:>7} x{workers}: allreduce {med['allreduce']:>9,.0f}  ddp {med['ddp']:>9,.0f}  "
                   f"ratio {row['ratio']:.2f}", flush=True)
     print()
-    print("| workload | workers | allreduce (samples/s) | ddp (samples/s) | ratio ours/DDP |")
-    print("|---|---|---|---|---|")
-    for r in results:
-        print(f"| {r['workload']} | {r['workers']} | {r['allreduce_samples_per_s']:,.0f} | "
-              f"{r['ddp_samples_per_s']:,.0f} | {r['ratio']:.2f} |")
-    out = Path(args.json or f"benchmarks/results/allreduce_vs_ddp{'-' + args.link if args.link else ''}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"when": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": results}, indent=2) + "\n")
-    print(f"\nwrote {out}")
+    print_table(["workload", "workers", "allreduce (samples/s)", "ddp (samples/s)", "ratio ours/DDP"],
+                [[r["workload"], r["workers"], f"{r['allreduce_samples_per_s']:,.0f}", f"{r['ddp_samples_per_s']:,.0f}",
+                  f"{r['ratio']:.2f}"] for r in results])
+    write_results(args.json or f"benchmarks/results/allreduce_vs_ddp{'-' + args.link if args.link else ''}.json",
+                  {"rows": results})
     return 0 if all(r["ratio"] >= 1.0 for r in results) else 1
 
 

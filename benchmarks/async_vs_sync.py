@@ -12,16 +12,12 @@ ea-wild. Writes a report with plots per workload. Needs root (emulated links).
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-import time
 from pathlib import Path
 
+from common import argument_parser, launch_or_exit, print_checks, print_table, write_results
 from distsync.config import RunConfig
-from distsync.errors import DistsyncError
 from distsync.experiments import write_report
-from distsync.runtime import launch
 
 SOLVERS = ["allreduce", "sync-easgd", "sync-ps", "ea-wild", "async-easgd", "async-measgd", "easgd",
            "async-ps", "async-msgd"]
@@ -31,7 +27,7 @@ SETTINGS = [("wide", "200mbit", 150), ("cnn", "1gbit", 300)]
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argument_parser(__doc__)
     p.add_argument("--out", default="benchmarks/results/async_vs_sync")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--solvers", default=",".join(SOLVERS))
@@ -48,11 +44,7 @@ def main() -> int:
             cfg = RunConfig(workload=workload, solver=solver, workers=args.workers, steps=steps, link=link,
                             eval_every=10, lr=base_lr * LR_SCALE.get(solver, 1.0), timeout_s=120)
             run_dir = out / workload / solver
-            try:
-                s = launch(cfg, run_dir)
-            except DistsyncError as e:
-                print(f"error: {e}", file=sys.stderr)
-                return 2
+            s = launch_or_exit(cfg, run_dir)
             dirs.append(run_dir)
             table.setdefault(workload, {})[solver] = s
             print(f"{workload:>5} @ {link:<7} {solver:<13} time to target {s['time_to_target_s']}  "
@@ -63,16 +55,17 @@ def main() -> int:
         v = table[w].get(s, {}).get("time_to_target_s")
         return v
 
-    print()
-    print("| solver | wide @ 200 Mbit: time to target (s) | final | cnn @ 1 Gbit: time to target (s) | final |")
-    print("|---|---|---|---|---|")
-    for s in solvers:
-        cells = []
+    def cells(s):
+        out = [s]
         for w, _, _ in SETTINGS:
             r = table[w][s]
-            cells += ["not reached" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.1f}",
-                      f"{r['final_metric']:.4f}"]
-        print(f"| {s} | " + " | ".join(cells) + " |")
+            out += ["not reached" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.1f}",
+                    f"{r['final_metric']:.4f}"]
+        return out
+
+    print()
+    print_table(["solver", "wide @ 200 Mbit: time to target (s)", "final", "cnn @ 1 Gbit: time to target (s)", "final"],
+                [cells(s) for s in solvers])
     print()
     checks = []
     ew = ttt("wide", "ea-wild")
@@ -85,10 +78,8 @@ def main() -> int:
         sv = ttt("cnn", sync)
         if ec is not None and sv is not None:
             checks.append((f"cnn: ea-wild / {sync} time to target = {ec / sv:.2f}x (target >= 1.0x)", ec / sv >= 1.0))
-    for text, ok in checks:
-        print(("met:    " if ok else "missed: ") + text)
-    (out / "summary.json").write_text(json.dumps({"when": time.strftime("%Y-%m-%d %H:%M:%S"), "settings": SETTINGS,
-                                                  "results": table, "checks": checks}, indent=2, default=str) + "\n")
+    print_checks(checks, met="met:   ", missed="missed:")
+    write_results(out / "summary.json", {"settings": SETTINGS, "results": table, "checks": checks}, announce=False)
     return 0
 
 

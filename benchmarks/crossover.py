@@ -13,19 +13,18 @@ sequential. Needs root (emulated links).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
+from common import argument_parser, exit_on_error, print_checks, table_header, table_row
 from distsync.config import RunConfig
-from distsync.errors import DistsyncError
 from distsync.experiments.crossover import CrossoverPlan, Job, run_crossover
 
 CASES = (("communication-heavy", "200mbit"), ("compute-heavy", None))
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argument_parser(__doc__)
     p.add_argument("--out", default="benchmarks/results/crossover")
     p.add_argument("--workload", default="cnn")
     p.add_argument("--steps", type=int, default=150)
@@ -35,14 +34,11 @@ def main() -> int:
         jobs = [Job(name, RunConfig(workload=args.workload, solver="allreduce", steps=args.steps, seed=seed,
                                     eval_every=args.steps, timeout_s=120))
                 for name, seed in (("a", 1), ("b", 2))]
-        try:
+        with exit_on_error():
             modes = run_crossover(CrossoverPlan(jobs=jobs, workers=2, policy="alternate", link=link,
                                                 out=str(Path(args.out) / case)))["modes"]
             fcfs = run_crossover(CrossoverPlan(jobs=jobs, workers=2, policy="fcfs", link=link, modes=("crossover",),
                                                out=str(Path(args.out) / f"{case}-fcfs")))["modes"]["crossover"]
-        except DistsyncError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
         modes["crossover (fcfs)"] = fcfs
         seq = modes["sequential"]["makespan_s"]
         rows.append((case, link or "unshaped", modes, seq))
@@ -50,17 +46,17 @@ def main() -> int:
     print()
     print(f"two {args.workload} jobs x {args.steps} steps, allreduce, 2 workers")
     print()
-    print("| case | link | communication share of a step alone | sequential (s) | naive (s) | crossover, alternate (s) "
-          "| crossover, fcfs (s) | naive / seq. | alternate / seq. | fcfs / seq. | max token wait, alternate / fcfs (s) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    table_header(["case", "link", "communication share of a step alone", "sequential (s)", "naive (s)",
+                  "crossover, alternate (s)", "crossover, fcfs (s)", "naive / seq.", "alternate / seq.", "fcfs / seq.",
+                  "max token wait, alternate / fcfs (s)"])
     checks = []
     for case, link, modes, seq in rows:
         naive, cross, ff = (modes[m]["makespan_s"] for m in ("naive", "crossover", "crossover (fcfs)"))
         wait = lambda m: max(r["token"]["max_wait_s"] for r in modes[m]["jobs"].values())  # noqa: E731
         alone = modes["sequential"]["jobs"]["a"]["phase_share"]
-        print(f"| {case} | {link} | {alone['comm'] + alone['wait']:.0%} | {seq:.2f} | {naive:.2f} | {cross:.2f} | "
-              f"{ff:.2f} | {naive / seq:.2f}x | {cross / seq:.2f}x | {ff / seq:.2f}x | "
-              f"{wait('crossover'):.3f} / {wait('crossover (fcfs)'):.3f} |")
+        table_row([case, link, f"{alone['comm'] + alone['wait']:.0%}", f"{seq:.2f}", f"{naive:.2f}", f"{cross:.2f}",
+                   f"{ff:.2f}", f"{naive / seq:.2f}x", f"{cross / seq:.2f}x", f"{ff / seq:.2f}x",
+                   f"{wait('crossover'):.3f} / {wait('crossover (fcfs)'):.3f}"])
         for policy, value in (("alternate", cross), ("fcfs", ff)):
             checks.append((f"{case}: crossover ({policy}) {value / seq:.2f}x sequential (never worse: <= 1.0)",
                            value <= seq))
@@ -68,8 +64,7 @@ def main() -> int:
                 checks.append((f"{case}: crossover ({policy}) {value / seq:.2f}x sequential (<= 0.8)",
                                value <= 0.8 * seq))
     print()
-    for text, ok in checks:
-        print(f"{'met   ' if ok else 'MISSED'} {text}")
+    print_checks(checks)
     return 0
 
 

@@ -23,7 +23,6 @@ sample against the first one taken after a warm-up minute (or a fifth of the soa
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import signal
@@ -33,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 
+from common import argument_parser, table_header, table_row
+from distsync.metrics.processes import tree_usage
 from distsync.solvers import make_solver, solver_names
 
 REPO = Path(__file__).resolve().parents[1]
@@ -92,35 +93,8 @@ def one_run(solver: str, fault: str, out: Path) -> dict:
     return row
 
 
-def job_processes(pid: int) -> list[int]:
-    parents = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                pass
-    out, frontier = [], [pid]
-    while frontier:
-        cur = frontier.pop()
-        kids = [p for p, pp in parents.items() if pp == cur]
-        out += kids
-        frontier += kids
-    return out
-
-
 def sample(pid: int) -> dict:
-    rss = threads = fds = 0
-    for p in [pid] + job_processes(pid):
-        try:
-            status = Path(f"/proc/{p}/status").read_text()
-            fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-            rss += int(fields["VmRSS"].split()[0]) * 1024
-            threads += int(fields["Threads"])
-            fds += len(list(Path(f"/proc/{p}/fd").iterdir()))
-        except (OSError, KeyError, ValueError):
-            pass
-    return {"t": time.monotonic(), "rss": rss, "threads": threads, "fds": fds}
+    return {"t": time.monotonic(), **tree_usage(pid)}
 
 
 def soak(solver: list[str], seconds: float, out: Path) -> dict:
@@ -153,7 +127,7 @@ def fmt(value, pattern: str) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argument_parser(__doc__)
     p.add_argument("--runs", type=int, default=3, help="faulted runs per solver (the issue's figure: 20)")
     p.add_argument("--soak", type=float, default=120.0, help="seconds of each soak (the issue's figure: 1200)")
     p.add_argument("--solvers", help="comma-separated (default: every registered solver)")
@@ -164,9 +138,8 @@ def main() -> int:
     rng = random.Random(args.seed)
     solvers = args.solvers.split(",") if args.solvers else solver_names()
     table = []
-    print("| solver | faults injected | runs finished | workers dropped | median steps lost | max recovery (s) | "
-          "hangs | lost updates | faults |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    table_header(["solver", "faults injected", "runs finished", "workers dropped", "median steps lost",
+                  "max recovery (s)", "hangs", "lost updates", "faults"])
     for solver in solvers:
         rows = [one_run(solver, random_fault(solver, rng), out / solver / f"run{i}") for i in range(args.runs)]
         lost = [x for r in rows for x in r.get("steps_lost", [])]
@@ -180,20 +153,20 @@ def main() -> int:
         cells = [solver, len(rows), line["finished"], line["dropped"], fmt(line["median_steps_lost"], "{:g}"),
                  fmt(line["max_recovery_s"], "{:.1f}"), line["hangs"], fmt(line["lost_updates"], "{}"),
                  ", ".join(r["fault"] for r in rows)]
-        print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)
+        table_row(cells, flush=True)
         for r in rows:
             if not r["finished"]:
                 print(f"  {solver} {r['fault']}: {r.get('error', 'hang')}", flush=True)
     soaks = []
     if args.soak > 0:
-        print("\n| soak | seconds | RSS first -> last (MiB) | growth | threads | open files |")
-        print("|---|---|---|---|---|---|")
+        print()
+        table_header(["soak", "seconds", "RSS first -> last (MiB)", "growth", "threads", "open files"])
         for solver in (["--solver", "async-ps"], ["--solver", "ripples"]):
             s = soak(solver, args.soak, out / "soak" / solver[1])
             soaks.append(s)
-            print(f"| {s['solver']} | {s['seconds']:.0f} | {s['rss_first_mb']:.0f} -> {s['rss_last_mb']:.0f} | "
-                  f"{s['rss_growth']:+.1%} | {s['threads'][0]} -> {s['threads'][1]} | "
-                  f"{s['fds'][0]} -> {s['fds'][1]} |", flush=True)
+            table_row([s["solver"], f"{s['seconds']:.0f}", f"{s['rss_first_mb']:.0f} -> {s['rss_last_mb']:.0f}",
+                       f"{s['rss_growth']:+.1%}", f"{s['threads'][0]} -> {s['threads'][1]}",
+                       f"{s['fds'][0]} -> {s['fds'][1]}"], flush=True)
     out.mkdir(parents=True, exist_ok=True)
     (out / "faults.json").write_text(json.dumps({"solvers": table, "soak": soaks}, indent=2) + "\n")
     return 0

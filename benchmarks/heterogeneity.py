@@ -13,16 +13,12 @@ Needs root (emulated links).
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-import time
 from pathlib import Path
 
+from common import argument_parser, launch_or_exit, print_checks, table_header, table_row, write_results
 from distsync.config import RunConfig
-from distsync.errors import DistsyncError
 from distsync.experiments import write_report
-from distsync.runtime import launch
 
 SOLVERS = [("allreduce", {}), ("async-ps", {}), ("ad-psgd", {}), ("ripples", {"schedule": "static"}),
            ("ripples", {"schedule": "smart"})]
@@ -35,7 +31,7 @@ def label(solver: str, opts: dict) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argument_parser(__doc__)
     p.add_argument("--out", default="benchmarks/results/heterogeneity")
     p.add_argument("--link", default="1gbit")
     p.add_argument("--workers", type=int, default=4)
@@ -50,11 +46,7 @@ def main() -> int:
                 cfg = RunConfig(workload=workload, solver=solver, solver_options=dict(opts), workers=args.workers,
                                 slow=dict(slow), link=args.link, eval_every=25, timeout_s=120)
                 run_dir = out / workload / case.replace(" ", "-") / name.replace(":", "-")
-                try:
-                    s = launch(cfg, run_dir)
-                except DistsyncError as e:
-                    print(f"error: {e}", file=sys.stderr)
-                    return 2
+                s = launch_or_exit(cfg, run_dir)
                 dirs.append(run_dir)
                 results.setdefault(workload, {}).setdefault(case, {})[name] = s
                 print(f"{workload:>5} {case:<12} {name:<16} time to target {s['time_to_target_s']}  "
@@ -66,8 +58,7 @@ def main() -> int:
 
     names = [label(s, o) for s, o in SOLVERS]
     print()
-    print("| workload | case | " + " | ".join(names) + " |")
-    print("|---|---|" + "---|" * len(names))
+    table_header(["workload", "case", *names])
     for w in WORKLOADS:
         for c, _ in CASES:
             base = ttt(w, c, "allreduce")
@@ -75,7 +66,7 @@ def main() -> int:
             for n in names:
                 t = ttt(w, c, n)
                 cells.append("not reached" if t is None else f"{t:.1f} s ({base / t:.2f}x)" if base else f"{t:.1f} s")
-            print(f"| {w} | {c} | " + " | ".join(cells) + " |")
+            table_row([w, c, *cells])
     print()
     checks = []
     for w in WORKLOADS:
@@ -88,10 +79,8 @@ def main() -> int:
                 checks.append((f"{w} one slow: {n} {het[0] / het[2]:.2f}x allreduce (target >= 2.0x)", het[0] / het[2] >= 2.0))
             if None not in (het[1], het[2]):
                 checks.append((f"{w} one slow: {n} {het[1] / het[2]:.2f}x ad-psgd (target >= 1.3x)", het[1] / het[2] >= 1.3))
-    for text, ok in checks:
-        print(("met:    " if ok else "missed: ") + text)
-    (out / "summary.json").write_text(json.dumps({"when": time.strftime("%Y-%m-%d %H:%M:%S"), "link": args.link,
-                                                  "results": results, "checks": checks}, indent=2, default=str) + "\n")
+    print_checks(checks, met="met:   ", missed="missed:")
+    write_results(out / "summary.json", {"link": args.link, "results": results, "checks": checks}, announce=False)
     return 0
 
 

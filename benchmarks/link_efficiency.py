@@ -10,16 +10,12 @@ for messages of 10 MiB and more. Needs root (network namespaces).
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+from common import argument_parser, launch_or_exit, print_table, write_results
 from distsync.config import RunConfig
-from distsync.errors import DistsyncError
-from distsync.runtime import launch
 
 LINKS = ("100mbit", "1gbit", None)
 WORKERS = (2, 4)
@@ -27,7 +23,7 @@ SIZES_MB = (1.0, 10.0, 50.0)
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argument_parser(__doc__)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default="benchmarks/results/link_efficiency.json")
     args = p.parse_args()
@@ -37,11 +33,7 @@ def main() -> int:
             for workers in WORKERS:
                 cfg = RunConfig(workers=workers, link=link, task="linktest",
                                 task_options={"sizes_mb": list(SIZES_MB), "repeats": args.repeats})
-                try:
-                    res = launch(cfg, Path(tmp) / f"{link}-{workers}")
-                except DistsyncError as e:
-                    print(f"error: {e}", file=sys.stderr)
-                    return 2
+                res = launch_or_exit(cfg, Path(tmp) / f"{link}-{workers}")
                 for r in res["rows"]:
                     rate = res["configured_bps"]
                     row = {"link": link or "unshaped", "workers": workers, "size_mb": r["size_mb"],
@@ -53,16 +45,11 @@ def main() -> int:
                     print(f"{row['link']:>9} x{workers} {r['size_mb']:>4g} MiB: all-reduce bus "
                           f"{row['allreduce_bus_mbps']:>9,.1f} Mbit/s ({share})", flush=True)
     print()
-    print("| link | workers | size (MiB) | all-reduce bus (Mbit/s) | of link | p2p (Mbit/s) | of link |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        pct = lambda v: f"{v:.0%}" if v is not None else "-"  # noqa: E731
-        print(f"| {r['link']} | {r['workers']} | {r['size_mb']:g} | {r['allreduce_bus_mbps']:,.1f} | "
-              f"{pct(r['allreduce_share'])} | {r['p2p_mbps']:,.1f} | {pct(r['p2p_share'])} |")
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"when": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows}, indent=2) + "\n")
-    print(f"\nwrote {out}")
+    pct = lambda v: f"{v:.0%}" if v is not None else "-"  # noqa: E731
+    print_table(["link", "workers", "size (MiB)", "all-reduce bus (Mbit/s)", "of link", "p2p (Mbit/s)", "of link"],
+                [[r["link"], r["workers"], f"{r['size_mb']:g}", f"{r['allreduce_bus_mbps']:,.1f}", pct(r["allreduce_share"]),
+                  f"{r['p2p_mbps']:,.1f}", pct(r["p2p_share"])] for r in rows])
+    write_results(args.json, {"rows": rows})
     ok = all(r["allreduce_share"] >= 0.8 for r in rows if r["allreduce_share"] is not None and r["size_mb"] >= 10)
     return 0 if ok else 1
 

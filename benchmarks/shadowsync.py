@@ -16,15 +16,13 @@ better. Needs root (emulated links).
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
 
+from common import argument_parser, launch_or_exit, print_checks, table_header, table_row
 from distsync.config import RunConfig
-from distsync.errors import DistsyncError
 from distsync.experiments import write_report
-from distsync.runtime import launch
 
 TWINS = {"shadow-ea": "fr-easgd", "shadow-ma": "ma", "shadow-bmuf": "bmuf"}
 THREADED = {"local", "shadow-ea", "fr-easgd", "shadow-ma", "ma", "shadow-bmuf", "bmuf"}
@@ -42,7 +40,7 @@ def runs(intervals: list[float]) -> list[tuple[str, str, dict]]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argument_parser(__doc__)
     p.add_argument("--out", default="benchmarks/results/shadowsync")
     p.add_argument("--link", default="1gbit")
     p.add_argument("--trainers", default="1,2,4")
@@ -63,11 +61,7 @@ def main() -> int:
             cfg = RunConfig(workload="ctr", workload_options=logs, solver=solver, solver_options=opts, workers=n, steps=args.steps,
                             link=args.link, eval_every=args.steps // 3, timeout_s=120)
             run_dir = out / f"{n}-trainers" / name.replace(" >=", "-")
-            try:
-                s = launch(cfg, run_dir)
-            except DistsyncError as e:
-                print(f"error: {e}", file=sys.stderr)
-                return 2
+            s = launch_or_exit(cfg, run_dir)
             dirs.append(run_dir)
             results.setdefault(n, {})[name] = s
             print(f"{n} trainers {name:<20} {s['throughput_samples_per_s']:>9,.0f} ex/s  NE {s['final_metric']:.4f}"
@@ -79,8 +73,7 @@ def main() -> int:
     print(f"ctr, {args.steps} steps of 256 per trainer, {args.threads} thread(s) per trainer, {args.link} links, "
           f"1 embedding server; {cores} CPU cores shared by all processes")
     print()
-    print("| trainers | solver | examples/s (total) | per trainer | vs local | NE | AUC | syncs/step |")
-    print("|---|---|---|---|---|---|---|---|")
+    table_header(["trainers", "solver", "examples/s (total)", "per trainer", "vs local", "NE", "AUC", "syncs/step"])
     for n in trainers:
         base = results[n]["local"]["throughput_samples_per_s"] / n
         for name, _, _ in plan:
@@ -89,8 +82,8 @@ def main() -> int:
             syncs = [v["syncs_per_step"] for v in s["solver_stats"].values() if "syncs_per_step" in v]
             sps = f"{sum(syncs) / len(syncs):.2f}" if syncs else "-"
             shared = " (shares CPUs)" if n + 1 > cores else ""
-            print(f"| {n}{shared} | {name} | {s['throughput_samples_per_s']:,.0f} | {per:,.0f} | {per / base:.2f}x | "
-                  f"{s['final_metric']:.4f} | {s['final_auc']:.4f} | {sps} |")
+            table_row([f"{n}{shared}", name, f"{s['throughput_samples_per_s']:,.0f}", f"{per:,.0f}", f"{per / base:.2f}x",
+                       f"{s['final_metric']:.4f}", f"{s['final_auc']:.4f}", sps])
     print()
     checks = []
     for n in trainers:
@@ -105,8 +98,7 @@ def main() -> int:
             rel = s["final_metric"] / f["final_metric"] - 1
             checks.append((f"{n} trainers: {name} NE {s['final_metric']:.4f} vs {twin} {f['final_metric']:.4f} "
                            f"({rel:+.1%}, <= +1%)", rel <= 0.01))
-    for text, ok in checks:
-        print(f"{'met   ' if ok else 'MISSED'} {text}")
+    print_checks(checks)
     return 0
 
 

@@ -13,11 +13,11 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
 
+from common import argument_parser, print_checks, table_header, table_row
 from distsync.sim import Cluster, Link, Work, WorkerModel, calibrate, simulate, simulate_training
 from distsync.workloads import load_workload
 
@@ -32,20 +32,19 @@ def fidelity(results: Path) -> list[tuple[str, float]]:
             r = calibrate(run)
             name = str(run.relative_to(results))
             rows.append((name, r["throughput_error"]))
-            print(f"| {name} | {r['measured_throughput']:,.0f} | {r['predicted_throughput']:,.0f} | "
-                  f"{r['throughput_error']:+.1%} |", flush=True)
+            table_row([name, f"{r['measured_throughput']:,.0f}", f"{r['predicted_throughput']:,.0f}",
+                       f"{r['throughput_error']:+.1%}"], flush=True)
     return rows
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argument_parser(__doc__)
     p.add_argument("--results", default="benchmarks/results")
     args = p.parse_args()
     checks = []
 
     print("(1) fidelity\n")
-    print("| run | measured samples/s | simulated | error |")
-    print("|---|---|---|---|")
+    table_header(["run", "measured samples/s", "simulated", "error"])
     rows = fidelity(Path(args.results))
     if rows:
         within = sum(abs(e) <= 0.15 for _, e in rows)
@@ -75,16 +74,14 @@ def main() -> int:
     cluster = Cluster(256, Link(10e9, 5e-6))
     slow = WorkerModel(0.02, slow_fraction=0.1, slow_factor=3, seed=1)
     work = Work(steps=200, model_bytes=100e6, batch_size=32)
-    print("| 256 workers, 10% 3x slow, 100 MB model, 10 Gbit | samples/s | waiting share |")
-    print("|---|---|---|")
+    table_header(["256 workers, 10% 3x slow, 100 MB model, 10 Gbit", "samples/s", "waiting share"])
     for solver, opts in (("allreduce", {}), ("ripples", {"schedule": "static"}), ("ripples", {"schedule": "smart"}),
                          ("ad-psgd", {})):
         s = simulate(solver, opts, cluster, slow, work).summary()
         label = solver + (f" ({opts['schedule']})" if opts else "")
-        print(f"| {label} | {s['throughput_samples_per_s']:,.0f} | {s['phase_share']['wait']:.0%} |")
+        table_row([label, f"{s['throughput_samples_per_s']:,.0f}", f"{s['phase_share']['wait']:.0%}"])
     print()
-    print("| computation / communication | allreduce samples/s | ea-wild samples/s | ea-wild / allreduce |")
-    print("|---|---|---|---|")
+    table_header(["computation / communication", "allreduce samples/s", "ea-wild samples/s", "ea-wild / allreduce"])
     link = Link(10e9, 5e-6)
     for ratio in (10.0, 3.0, 1.0, 0.3, 0.1):
         # compute 20 ms per step; model size chosen so an all-reduce over 64 workers takes 20 ms / ratio
@@ -93,10 +90,9 @@ def main() -> int:
         w = Work(steps=100, model_bytes=nbytes)
         ar = simulate("allreduce", {}, Cluster(64, link), WorkerModel(0.02, jitter=0.5), w).throughput
         ea = simulate("ea-wild", {"servers": 8}, Cluster(64, link), WorkerModel(0.02, jitter=0.5), w).throughput
-        print(f"| {ratio:g} | {ar:,.0f} | {ea:,.0f} | {ea / ar:.2f}x |")
+        table_row([f"{ratio:g}", f"{ar:,.0f}", f"{ea:,.0f}", f"{ea / ar:.2f}x"])
     print()
-    for text, ok in checks:
-        print(f"{'met   ' if ok else 'MISSED'} {text}")
+    print_checks(checks)
     return 0
 
 

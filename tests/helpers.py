@@ -13,6 +13,8 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+from distsync.metrics.processes import descendants
+
 REPO = Path(__file__).resolve().parents[1]
 DISTSYNC = [sys.executable, "-m", "distsync.cli"]
 
@@ -90,23 +92,8 @@ def run_cli(*args: str, timeout: float = 55.0, cwd: Path | None = None) -> subpr
     return subprocess.run(DISTSYNC + list(args), capture_output=True, text=True, timeout=timeout, cwd=cwd or REPO)
 
 
-def children_of(pid: int) -> list[int]:
-    """All descendants of ``pid`` (from /proc)."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-                parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                pass
-    out, frontier = [], [pid]
-    while frontier:
-        cur = frontier.pop()
-        kids = [p for p, pp in parents.items() if pp == cur]
-        out += kids
-        frontier += kids
-    return out
+# All descendants of a pid (from /proc); the name the tests import.
+children_of = descendants
 
 
 def env_of(pid: int) -> dict[str, str]:

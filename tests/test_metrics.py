@@ -55,3 +55,37 @@ def test_eval_curve_follows_time_when_workers_run_at_different_paces():
     curve = eval_curve(events)
     assert [(p["t"], p["metric"]) for p in curve] == [(3.0, pytest.approx(0.7)), (3.5, pytest.approx(0.745))]
     assert summarize(events, target=0.7)["time_to_target_s"] == 3.0
+
+
+def test_descendants_and_tree_usage_of_a_process_tree():
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from distsync.metrics.processes import descendants, tree_usage
+
+    # a Python parent that starts a `sleep` child, says the child's pid, and waits on it
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess; c = subprocess.Popen(['sleep', '30']); "
+                               "print(c.pid, flush=True); c.wait()"], stdout=subprocess.PIPE, text=True)
+    bystander = subprocess.Popen(["sleep", "30"])  # our child, not the parent's
+    child = None
+    try:
+        child = int(parent.stdout.readline())
+        kids = descendants(parent.pid)
+        assert child in kids
+        assert parent.pid not in kids and bystander.pid not in kids and os.getpid() not in kids
+        assert {parent.pid, child, bystander.pid} <= set(descendants(os.getpid()))
+        usage = tree_usage(parent.pid)
+        assert usage["rss"] > 0 and usage["threads"] >= 2 and usage["fds"] > 0  # two processes, a thread each
+        assert usage["rss"] > tree_usage(child)["rss"]
+    finally:
+        if child is not None:
+            try:
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for p in (parent, bystander):
+            p.kill()
+            p.wait()
+        parent.stdout.close()
