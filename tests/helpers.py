@@ -154,3 +154,35 @@ def train_digits_rank(rank: int, world: int, solver: str, options: dict, steps: 
     comm.barrier()
     comm.close()
     return out
+
+
+def two_replica_reference(steps: int, seed: int, batch: int, lr: float, every: int, combine) -> dict:
+    """Plain PyTorch, one process: two replicas of the digits MLP from one seed, each training
+    its worker's shard with SGD; after every ``every`` steps ``combine(flat0, flat1)`` (flat
+    parameter vectors) gives the parameters both take. Returns replica 0's state."""
+    import torch
+
+    from distsync.workloads import ShardSampler, load_workload
+    from distsync.workloads.digits import make_model
+
+    w = load_workload("digits")
+    models = []
+    for _ in range(2):
+        torch.manual_seed(seed)
+        models.append(make_model())
+    samplers = [ShardSampler(w.num_train, 2, r, batch, seed) for r in range(2)]
+    flat = lambda m: torch.nn.utils.parameters_to_vector(m.parameters()).detach()  # noqa: E731
+    for step in range(steps):
+        for m, s in zip(models, samplers):
+            x, y = w.take(w.train_data, s.indices(step))
+            m.zero_grad()
+            w.loss_fn(m(x), y).backward()
+            with torch.no_grad():
+                for p in m.parameters():
+                    p -= lr * p.grad
+        if (step + 1) % every == 0:
+            new = combine(flat(models[0]), flat(models[1]))
+            for m in models:
+                torch.nn.utils.vector_to_parameters(new.clone(), m.parameters())
+    return models[0].state_dict()
+

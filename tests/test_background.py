@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from distsync.solvers.rules import apply_correction, bmuf_update
-from helpers import run_cli, run_ranks, train_digits_rank
+from helpers import run_cli, run_ranks, train_digits_rank, two_replica_reference
 
 SEED, BATCH, LR = 6, 16, 0.2
 
@@ -42,34 +42,21 @@ def _rank(rank, world, solver, options, steps):
 
 
 def _reference(steps, every, bmuf=None):
-    from distsync.workloads import ShardSampler, load_workload
     from distsync.workloads.digits import make_model
 
-    w = load_workload("digits")
-    models = []
-    for _ in range(2):
-        torch.manual_seed(SEED)
-        models.append(make_model())
-    samplers = [ShardSampler(w.num_train, 2, r, BATCH, SEED) for r in range(2)]
-    flat = lambda m: torch.nn.utils.parameters_to_vector(m.parameters()).detach()  # noqa: E731
-    wg, delta = flat(models[0]).clone(), torch.zeros_like(flat(models[0]))
-    for step in range(steps):
-        for m, s in zip(models, samplers):
-            x, y = w.take(w.train_data, s.indices(step))
-            m.zero_grad()
-            w.loss_fn(m(x), y).backward()
-            with torch.no_grad():
-                for p in m.parameters():
-                    p -= LR * p.grad
-        if (step + 1) % every == 0:
-            mean = (flat(models[0]) + flat(models[1])) / 2
-            new = mean
-            if bmuf:
-                new = torch.empty_like(mean)
-                bmuf_update(new, wg, delta, mean, *bmuf)
-            for m in models:
-                torch.nn.utils.vector_to_parameters(new.clone(), m.parameters())
-    return models[0].state_dict()
+    torch.manual_seed(SEED)
+    start = torch.nn.utils.parameters_to_vector(make_model().parameters()).detach()
+    wg, delta = start.clone(), torch.zeros_like(start)
+
+    def combine(a, b):
+        mean = (a + b) / 2
+        if not bmuf:
+            return mean
+        new = torch.empty_like(mean)
+        bmuf_update(new, wg, delta, mean, *bmuf)
+        return new
+
+    return two_replica_reference(steps, SEED, BATCH, LR, every, combine)
 
 
 @pytest.mark.parametrize("solver, bmuf", [("ma", None), ("bmuf", (1.0, 0.5, True))])  # 0.5 = 1 - 1/p

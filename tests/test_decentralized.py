@@ -10,7 +10,7 @@ import torch
 from distsync.solvers.schedules import (
     bipartite_roles, is_connected, mixing_matrix, possible_groups, random_round, static_schedule,
 )
-from helpers import run_cli, run_ranks
+from helpers import run_cli, run_ranks, train_digits_rank, two_replica_reference
 
 
 @pytest.mark.parametrize("workers, k", [(4, 2), (4, 3), (6, 3), (8, 3), (5, 2), (3, 3)])
@@ -70,58 +70,17 @@ SEED, BATCH, LR = 4, 16, 0.2
 
 
 def _ripples_rank(rank, world, steps):
-    import copy
-
-    from distsync.comm import Comm
-    from distsync.solvers import make_solver
-    from distsync.workloads import ShardSampler, load_workload
-    from distsync.workloads.digits import make_model
-
-    comm = Comm.from_env(["worker"] * world, 20.0, torch.device("cpu"))
-    w = load_workload("digits")
-    torch.manual_seed(SEED)
-    model = make_model()
-    solver = make_solver("ripples", group_size=2, schedule="static")
-    run = solver.attach(model, torch.optim.SGD(model.parameters(), lr=LR), comm)
-    sampler = ShardSampler(w.num_train, world, rank, BATCH, SEED)
-    for step in range(steps):
-        x, y = w.take(w.train_data, sampler.indices(step))
-        with solver.step(step):
-            w.loss_fn(run(x), y).backward()
-    solver.close()
-    out = copy.deepcopy(model.state_dict())
-    comm.barrier()
-    comm.close()
-    return out
+    options = {"group_size": 2, "schedule": "static"}
+    return train_digits_rank(rank, world, "ripples", options, steps, SEED, BATCH, LR)["state"]
 
 
 def test_two_worker_ripples_equals_plain_pytorch_reference():
-    from distsync.workloads import ShardSampler, load_workload
-    from distsync.workloads.digits import make_model
-
     steps = 5
-    w = load_workload("digits")
-    models = []
-    for _ in range(2):
-        torch.manual_seed(SEED)
-        models.append(make_model())
-    samplers = [ShardSampler(w.num_train, 2, r, BATCH, SEED) for r in range(2)]
-    for step in range(steps):
-        for m, s in zip(models, samplers):
-            x, y = w.take(w.train_data, s.indices(step))
-            m.zero_grad()
-            w.loss_fn(m(x), y).backward()
-            with torch.no_grad():
-                for p in m.parameters():
-                    p -= LR * p.grad
-        with torch.no_grad():  # the group of both: each takes the mean
-            for a, b in zip(models[0].parameters(), models[1].parameters()):
-                mean = (a + b) / 2
-                a.copy_(mean)
-                b.copy_(mean)
+    # the group of both, every step: each takes the mean
+    reference = two_replica_reference(steps, SEED, BATCH, LR, 1, lambda a, b: (a + b) / 2)
     res = run_ranks(_ripples_rank, 2, steps)
     for state in res:
-        for k, v in models[0].state_dict().items():
+        for k, v in reference.items():
             torch.testing.assert_close(state[k], v, rtol=0, atol=1e-5)
 
 
