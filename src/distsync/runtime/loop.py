@@ -1,65 +1,41 @@
-"""The worker's training loop: batches, hooks, phase timing, evaluation, events."""
+"""The worker's training loop: each training thread's steps in the order of the solver's
+hooks (solvers/base.py), with the hook points of the run's plug-ins around them.
+
+Every concern beside the solver (the compute gate, embedding servers, injected faults, the
+device stretch, evaluation, checkpoints, Hogwild threads) is a plug-in in
+``runtime/plugins/``; the loop knows none of them by name (see ``plugins/base.py`` for the
+hook points and when each is called).
+"""
 
 from __future__ import annotations
 
-import copy
-import json
 import math
-import os
-import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from distsync.config import RunConfig
 from distsync.errors import DistsyncError
+from distsync.runtime.plugins import (Checkpointer, ComputeGate, DeviceStretch, EmbeddingTablesClient, Evaluator,
+                                      FaultInjection, HogwildRunner, Plugins, Progress, RunState, SingleThread,
+                                      StepState, TrainClock)
 from distsync.runtime.recovery import EventJournal, WorkerRecovery, write_stop
-from distsync.runtime.roles import EMBEDDING_SERVER
-from distsync.runtime.stretch import ComputeStretch
-from distsync.runtime.token import TokenClient
-from distsync.solvers.flat import storage_aliases
 from distsync.solvers.lars import LARS
-from distsync.sparse import EmbeddingClient, RemoteTables, find_tables
-from distsync.sparse.tables import replace_module
 from distsync.workloads import ShardSampler, Workload
 from distsync.workloads.base import to_device
 
-
-class TrainClock:
-    """Seconds since the common start, not counting time this worker spent evaluating;
-    a resumed run's clock starts at ``start_at``."""
-
-    def __init__(self, start_at: float = 0.0) -> None:
-        self.start = time.perf_counter()
-        self.paused = 0.0
-        self.start_at = start_at
-
-    def now(self) -> float:
-        return time.perf_counter() - self.start - self.paused + self.start_at
-
-    def pause(self):
-        clock = self
-
-        class _Pause:
-            def __enter__(self):
-                self.t0 = time.perf_counter()
-
-            def __exit__(self, *exc):
-                clock.paused += time.perf_counter() - self.t0
-
-        return _Pause()
+__all__ = ["Progress", "make_optimizer", "train_worker", "worker_plugins", "start_run", "train_thread",
+           "finish_run"]
 
 
-def hogwild_replica(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of ``model`` whose parameters share the original's storage (not its autograd
-    version counters), for one Hogwild thread."""
-    replica = copy.deepcopy(model)
-    with torch.no_grad():
-        for rp, alias in zip(replica.parameters(), storage_aliases(model.parameters())):
-            rp.set_(alias)
-    return replica
+def _resolved(cfg: RunConfig, workload: Workload, name: str) -> Any:
+    """``cfg.<name>``, or the workload's default where it is None. Only until the
+    configuration is resolved once at the edge (under way): then it is always set and this
+    helper is deleted."""
+    value = getattr(cfg, name)
+    return getattr(workload, name) if value is None else value
 
 
 def make_optimizer(cfg: RunConfig, params, lr: float) -> torch.optim.Optimizer:
@@ -71,23 +47,6 @@ def make_optimizer(cfg: RunConfig, params, lr: float) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
 
-class Progress:
-    """Rank 0 tells the launching process how far it is, at most every ``interval`` seconds."""
-
-    def __init__(self, path: Path | None, steps: int, interval: float = 0.2):
-        self.path, self.steps, self.interval = path, steps, interval
-        self._last = 0.0
-
-    def update(self, step: int, loss: float, metric: float | None = None, force: bool = False) -> None:
-        now = time.monotonic()
-        if self.path is None or (not force and now - self._last < self.interval):
-            return
-        self._last = now
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"step": step, "steps": self.steps, "loss": loss, "metric": metric}))
-        os.replace(tmp, self.path)
-
-
 def train_worker(cfg: RunConfig, workload: Workload, solver, comm, device: torch.device,
                  progress: Progress, save_to: Path | None = None,
                  recovery: WorkerRecovery | None = None) -> list[dict[str, Any]]:
@@ -95,262 +54,128 @@ def train_worker(cfg: RunConfig, workload: Workload, solver, comm, device: torch
     final model's state (the one the run reports on) there. ``recovery``: checkpoints to
     write and resume from, and faults to inject."""
     recovery = recovery or WorkerRecovery()
-    restored = recovery.restored
-    steps = cfg.steps or workload.steps
-    batch_size = cfg.batch_size or workload.batch_size
-    eval_every = cfg.eval_every or workload.eval_every
-    lr = cfg.lr or workload.lr
-    rank = comm.rank
+    plugins, runner = worker_plugins(cfg, workload, solver, comm, progress, save_to, recovery)
+    run = start_run(cfg, workload, solver, comm, device, plugins, runner, recovery)
+    runner.run(run, train_thread)
+    return finish_run(run)
 
+
+def worker_plugins(cfg: RunConfig, workload: Workload, solver, comm, progress: Progress, save_to: Path | None,
+                   recovery: WorkerRecovery) -> tuple[Plugins, SingleThread]:
+    """A worker's plug-ins, in the order their hooks are called, and its thread runner.
+    Each refuses, when built, a combination that makes no sense."""
+    gate = ComputeGate.for_worker(cfg, comm, solver) if cfg.crossover else None
+    runner = HogwildRunner(solver.threads, _resolved(cfg, workload, "steps")) if solver.threads > 1 else SingleThread()
+    return Plugins([
+        progress,  # first: it closes last, with the final evaluation's metric
+        gate,  # the token goes back before the sparse gradients are pushed
+        EmbeddingTablesClient(cfg.embedding_servers, solver.threads) if cfg.embedding_servers else None,
+        FaultInjection(recovery.faults),
+        DeviceStretch.for_worker(cfg, comm.rank, solver.threads),  # after the lookups: they are not compute
+        Evaluator(save_to),  # before checkpoints: a checkpoint holds the evaluation's event
+        Checkpointer(recovery),
+    ]), runner
+
+
+def start_run(cfg: RunConfig, workload: Workload, solver, comm, device: torch.device, plugins: Plugins,
+              runner: SingleThread, recovery: WorkerRecovery) -> RunState:
+    """Build the worker's model, optimizer and data (the order of random draws is part of
+    every run's reproducibility), let the plug-ins in, and start the clock once all workers
+    are ready."""
+    run = RunState(cfg=cfg, workload=workload, solver=solver, comm=comm, device=device, plugins=plugins,
+                   runner=runner, steps=_resolved(cfg, workload, "steps"),
+                   eval_every=_resolved(cfg, workload, "eval_every"), run_dir=recovery.run_dir)
     torch.manual_seed(cfg.seed)  # identical initial model on every worker
-    model = workload.make_model().to(device)
-    remote = use_embedding_servers(model, comm, cfg, workload, solver.threads) if cfg.embedding_servers else None
-    if restored is not None:
-        model.load_state_dict(restored["model"])  # before attach: solvers copy the model there
-    optimizer = make_optimizer(cfg, model.parameters(), lr)
-    run_model = solver.attach(model, optimizer, comm)
-    if restored is not None:
-        optimizer.load_state_dict(restored["optimizer"])
-        solver.load_state_dict(restored["solver"])
-    threads = solver.threads
-    if threads > 1 and cfg.crossover:
-        raise DistsyncError(f"crossover scheduling runs one training thread per worker; {solver.name} asks for {threads}")
-    if threads > 1 and steps % threads:
-        raise DistsyncError(f"--steps {steps} must be a multiple of the solver's {threads} threads")
+    run.model = workload.make_model().to(device)
+    plugins.on_model(run)
+    run.optimizer = make_optimizer(cfg, run.model.parameters(), _resolved(cfg, workload, "lr"))
+    run.run_model = solver.attach(run.model, run.optimizer, comm)
+    plugins.on_attach(run)
+    batch_size = _resolved(cfg, workload, "batch_size")
     try:
         # Each Hogwild thread reads its own part of this worker's shard.
-        samplers = [ShardSampler(workload.num_train, comm.num_workers * threads, comm.worker_index * threads + t,
-                                 batch_size, cfg.seed) for t in range(threads)]
+        run.samplers = [ShardSampler(workload.num_train, comm.num_workers * run.threads,
+                                     comm.worker_index * run.threads + t, batch_size, cfg.seed)
+                        for t in range(run.threads)]
     except ValueError as e:
         raise DistsyncError(f"workload {workload.name}: {e}") from None
-    torch.manual_seed(cfg.seed * 1000 + 17 + rank)  # per-worker randomness (dropout, ...)
-    stretches = [ComputeStretch(cfg.slow.get(rank, 1.0), cfg.jitter, seed=cfg.seed * 7919 + rank * 31 + t)
-                 for t in range(threads)]
-    perf = time.perf_counter
-    events: list[dict[str, Any]] = []
-    first_k, start_at = 0, 0.0
-    if restored is not None:
-        torch.set_rng_state(restored["rng"]["torch"])
-        for st, saved in zip(stretches, restored["rng"]["stretch"]):
-            st.load_state_dict(saved)
-        events = list(restored["events"])
-        first_k = int(restored["step"]) // threads
-        # After a failure the time since the checkpoint was lost to the job and counts; a
-        # run resumed by hand later goes on from the checkpoint's clock.
-        start_at = float(restored["clock"]) + (max(0.0, time.time() - float(restored["unix"]))
-                                               if recovery.after_failure else 0.0)
-    params = [p for p in model.parameters() if p.requires_grad]
-    books = threading.Lock()  # bytes accounting shared by threads
-
-    gate = (TokenClient(cfg.crossover["address"], cfg.crossover["job"], comm.worker_index, cfg.timeout_s)
-            if cfg.crossover else None)
+    torch.manual_seed(cfg.seed * 1000 + 17 + comm.rank)  # per-worker randomness (dropout, ...)
+    plugins.on_ready(run)
+    run.params = [p for p in run.model.parameters() if p.requires_grad]
     comm.barrier(comm.worker_group)
-    clock = TrainClock(start_at)
+    run.clock = TrainClock(run.start_at)
     if recovery.journal is not None:
-        events = EventJournal(recovery.journal, events)
-    if restored is None:
-        events.append({"kind": "start", "rank": rank, "unix": time.time()})
-    if restored is not None or recovery.after_failure:  # a restart with no checkpoint starts over
-        events.append({"kind": "resume", "rank": rank, "step": int(restored["step"]) if restored else 0,
-                       "index": int(restored["index"]) if restored else 0, "t": clock.now(), "unix": time.time(),
-                       "attempt": recovery.attempt})
-    sent_so_far = [comm.bytes_sent]
-
-    def bytes_since_last() -> int:
-        with books:
-            sent = comm.bytes_sent - sent_so_far[0]
-            sent_so_far[0] = comm.bytes_sent
-        return sent
-
-    def evaluate(step: int) -> float:
-        with clock.pause():
-            if gate is not None:
-                gate.acquire()  # evaluating is computing too
-            m = workload.evaluate(solver.eval_model(), device)
-            if gate is not None:
-                gate.release()
-        events.append({"kind": "eval", "rank": rank, "step": step, "t": clock.now(), **m})
-        return m["metric"]
-
-    last_loss = [float(restored["last_loss"]) if restored is not None else float("nan")]
-    per_thread = steps // threads
-    eval_every_k = max(1, eval_every // threads)
-    policy = recovery.policy
-
-    def checkpoint(done: int) -> None:
-        """After ``done`` steps: write this worker's part of a checkpoint if one is due."""
-        index = policy.due(done) if recovery.store is not None else None
-        if index is None:
-            return
-        a = perf()
-        solver.checkpoint_peers(index)  # servers write their part
-        if remote is not None:
-            remote.client.save(index)
-        state = {"index": index, "step": done, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                 "solver": solver.state_dict(),
-                 "rng": {"torch": torch.get_rng_state(), "stretch": [st.state_dict() for st in stretches]},
-                 "events": list(events), "clock": clock.now(), "unix": time.time(), "last_loss": last_loss[0]}
-        recovery.store.write(index, done, state)
-        events.append({"kind": "checkpoint", "rank": rank, "step": done - 1, "index": index, "t": clock.now(),
-                       "seconds": perf() - a})
-
-    # All threads stop at each evaluation and checkpoint; one of them does it while the others wait.
-    eval_at = {"step": -1, "metric": None, "evaluate": False}
-
-    def at_rendezvous() -> None:  # run by one thread while all wait at the barrier
-        if eval_at["evaluate"]:
-            eval_at["metric"] = evaluate(eval_at["step"])
-        checkpoint(eval_at["step"] + 1)
-
-    rendezvous = threading.Barrier(threads, action=at_rendezvous)
-
-    def run(t: int) -> None:
-        stretch, sampler = stretches[t], samplers[t]
-        if remote is not None:
-            remote.channel = t  # this thread's own conversation with the embedding servers
-        if threads > 1:
-            # Each thread runs its own replica of the module whose parameters are new tensor
-            # objects over the shared storage: updates by other threads race on the data
-            # (Hogwild) instead of tripping autograd's checks on a shared version counter.
-            replica = hogwild_replica(model)
-            thread_params = [p for p in replica.parameters() if p.requires_grad]
-        for k in range(first_k, per_thread):
-            step = k * threads + t
-            poison = recovery.faults.at(step) if recovery.faults is not None else None
-            t0 = clock.now()
-            a = perf()
-            solver.before_step(step)
-            comm_s = perf() - a
-
-            x, y = workload.take(workload.train_data, sampler.indices(k))
-            x, y = to_device(x, device), y.to(device)
-            if remote is not None:
-                remote.take_comm_s()  # (lookups made while evaluating are not this step's)
-            token_s = gate.acquire() if gate is not None else 0.0  # this device's compute token
-            a = perf()
-            out = run_model(x) if threads == 1 else replica(x)
-            loss = workload.loss_fn(out, y)
-            if poison is not None:  # injected: this step's loss is NaN
-                loss = loss * float("nan")
-            lookup_s = remote.take_comm_s() if remote is not None else 0.0
-            fwd = perf() - a - lookup_s
-            stretch.after_forward(fwd)
-            b = perf()
-            leaves = remote.leaves() if remote is not None else []
-            if threads == 1:
-                loss.backward()
-                leaf_grads = [leaf.grad for leaf in leaves]
-            else:
-                grads = torch.autograd.grad(loss, thread_params + leaves)
-                grads, leaf_grads = grads[:len(thread_params)], grads[len(thread_params):]
-            stretch.after_backward(perf() - b)
-            compute_s = perf() - a - lookup_s
-            if gate is not None:
-                gate.release()  # communicating now: another job may compute
-            comm_s += lookup_s
-            if remote is not None:
-                remote.push(list(leaf_grads))  # sparse gradients go to the embedding servers, no waiting
-                comm_s += remote.take_comm_s()
-
-            if threads == 1:
-                a = perf()
-                solver.after_backward(step)
-                comm_s += perf() - a
-                a = perf()
-                solver.update(step)
-                compute_s += perf() - a
-            else:
-                a = perf()
-                solver.hogwild_update(step, params, grads)
-                compute_s += perf() - a
-            a = perf()
-            solver.after_update(step)
-            comm_s += perf() - a
-            if threads == 1:
-                a = perf()
-                solver.zero_grad()
-                compute_s += perf() - a
-            solver_wait_s = solver.clock.take_wait()
-            wait_s = solver_wait_s + token_s
-
-            loss_v = float(loss.detach())
-            if not math.isfinite(loss_v):
-                message = f"worker rank {rank}: loss is {loss_v} at step {step}; stopping (try a lower --lr)"
-                if recovery.run_dir is not None:
-                    write_stop(recovery.run_dir, message)  # a restart would not cure it
-                raise DistsyncError(message)
-            last_loss[0] = loss_v
-            events.append({
-                "kind": "step", "rank": rank, "step": step, "t0": t0, "t": clock.now(), "loss": loss_v,
-                "samples": len(y), "compute": compute_s, "comm": max(0.0, comm_s - solver_wait_s), "wait": wait_s,
-                "bytes": bytes_since_last(), "thread": t, **({"token_wait": token_s} if gate else {}),
-            })
-            metric = None
-            done = (k + 1) * threads
-            evaluate_now = (k + 1) % eval_every_k == 0 and k + 1 < per_thread
-            if threads == 1:
-                if evaluate_now:
-                    metric = evaluate(step)
-                checkpoint(done)
-            elif evaluate_now or policy.steps_due(done):
-                eval_at.update(step=done - 1, evaluate=evaluate_now)
-                rendezvous.wait()
-                metric = eval_at["metric"] if evaluate_now else None
-            if t == 0:
-                progress.update(done, loss_v, metric)
-
-    if threads == 1:
-        run(0)
-    else:
-        errors: list[BaseException] = []
-
-        def guarded(t: int) -> None:
-            try:
-                run(t)
-            except threading.BrokenBarrierError:
-                pass
-            except BaseException as e:
-                errors.append(e)
-                rendezvous.abort()  # wake the others instead of leaving them at the barrier
-
-        workers = [threading.Thread(target=guarded, args=(t,), name=f"hogwild-{t}") for t in range(threads)]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-        if errors:
-            raise errors[0]
-    loss_v = last_loss[0]
-    bytes_before = sent_so_far[0]
-
-    a = perf()
-    solver.close()  # a solver's final synchronization belongs to the run's time
-    events.append({"kind": "done", "rank": rank, "t": clock.now(), "close_s": perf() - a,
-                   "slept_s": sum(st.slept_s for st in stretches), "bytes": comm.bytes_sent - bytes_before})
-    final = evaluate(steps - 1)
-    if save_to is not None:
-        tmp = save_to.with_suffix(".tmp")
-        torch.save(solver.eval_model().state_dict(), tmp)
-        os.replace(tmp, save_to)
-    if remote is not None:
-        remote.close()
-    if gate is not None:
-        gate.close()
-    progress.update(steps, loss_v, final, force=True)
-    if isinstance(events, EventJournal):
-        events.close()
-    return list(events)
+        run.events = EventJournal(recovery.journal, run.events)
+    plugins.on_start(run)
+    run.sent_so_far = comm.bytes_sent
+    return run
 
 
-def use_embedding_servers(model: torch.nn.Module, comm, cfg: RunConfig, workload: Workload,
-                          channels: int) -> RemoteTables:
-    """Swap the model's EmbeddingTables for lookups on the job's embedding servers."""
-    found = find_tables(model)
-    if found is None:
-        raise DistsyncError(f"--embedding-servers {cfg.embedding_servers}: the {workload.name} model has no "
-                            f"EmbeddingTables to serve (use --embedding-servers 0)")
-    name, tables = found
-    client = EmbeddingClient(comm, comm.ranks_with_role(EMBEDDING_SERVER), tables.rows, tables.dim)
-    remote = RemoteTables(client, channels)
-    replace_module(model, name, remote)
-    return remote
+def _seconds(hook: Callable[..., None], *args: Any) -> float:
+    a = time.perf_counter()
+    hook(*args)
+    return time.perf_counter() - a
+
+
+def train_thread(run: RunState, t: int) -> None:
+    """Training thread ``t``'s steps. Each phase's seconds go to the step event's compute,
+    comm or wait: the solver's before_step, after_backward and after_update are comm (less
+    the waiting they report to ``solver.clock``), its update and zero_grad compute."""
+    hooks, solver, runner, perf = run.plugins, run.solver, run.runner, time.perf_counter
+    hooks.on_thread_start(run, t)
+    for k in range(run.first_k, run.per_thread):
+        s = StepState(thread=t, k=k, step=k * run.threads + t, done=(k + 1) * run.threads)
+        hooks.on_step_start(run, s)  # injected faults fire before the step's clock starts
+        s.t0 = run.clock.now()
+        s.comm_s += _seconds(solver.before_step, s.step)
+        x, y = run.workload.take(run.workload.train_data, run.samplers[t].indices(k))
+        x, y = to_device(x, run.device), y.to(run.device)
+        hooks.before_compute(run, s)
+        s.compute_from = perf()
+        loss = hooks.on_loss(run, s, run.workload.loss_fn(runner.forward(run, s, x), y))  # forward
+        s.forward_end = perf()
+        hooks.after_forward(run, s)
+        b = perf()
+        runner.backward(run, s, loss)  # backward
+        s.backward_s = perf() - b
+        hooks.after_backward(run, s)
+        s.compute_s = perf() - s.compute_from - s.aside_s
+        s.comm_s += s.aside_s
+        hooks.after_compute(run, s)
+        s.comm_s += _seconds(runner.after_backward, run, s)
+        s.compute_s += _seconds(runner.update, run, s)
+        s.comm_s += _seconds(solver.after_update, s.step)
+        s.compute_s += _seconds(runner.zero_grad, run, s)
+        solver_wait_s = solver.clock.take_wait()
+        s.loss = run.last_loss = _finite_loss(run, loss, s.step)
+        run.events.append({
+            "kind": "step", "rank": run.rank, "step": s.step, "t0": s.t0, "t": run.clock.now(), "loss": s.loss,
+            "samples": len(y), "compute": s.compute_s, "comm": max(0.0, s.comm_s - solver_wait_s),
+            "wait": solver_wait_s + s.wait_s, "bytes": run.bytes_since_last(), "thread": t, **s.event_extra,
+        })
+        s.metric = runner.meet(run, s.done)  # evaluation and checkpoints, with every thread stopped
+        hooks.on_step_end(run, s)
+
+
+def _finite_loss(run: RunState, loss: torch.Tensor, step: int) -> float:
+    loss_v = float(loss.detach())
+    if not math.isfinite(loss_v):
+        message = f"worker rank {run.rank}: loss is {loss_v} at step {step}; stopping (try a lower --lr)"
+        if run.run_dir is not None:
+            write_stop(run.run_dir, message)  # a restart would not cure it
+        raise DistsyncError(message)
+    return loss_v
+
+
+def finish_run(run: RunState) -> list[dict[str, Any]]:
+    """Close the solver (its final synchronization belongs to the run's time), then the
+    plug-ins in reverse order (the final evaluation first); the worker's events."""
+    bytes_before = run.sent_so_far
+    a = time.perf_counter()
+    run.solver.close()
+    run.events.append({"kind": "done", "rank": run.rank, "t": run.clock.now(), "close_s": time.perf_counter() - a,
+                       "slept_s": run.plugins.slept_s, "bytes": run.comm.bytes_sent - bytes_before})
+    run.plugins.on_close(run)
+    if isinstance(run.events, EventJournal):
+        run.events.close()
+    return list(run.events)

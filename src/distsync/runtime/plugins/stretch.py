@@ -1,7 +1,12 @@
+"""Slower devices, emulated by sleeping inside the compute window (``--slow``, ``--jitter``)."""
+
 from __future__ import annotations
 
 import random
 import time
+from typing import Any
+
+from distsync.runtime.plugins.base import Plugin, RunState, StepState
 
 
 class ComputeStretch:
@@ -39,3 +44,33 @@ class ComputeStretch:
         version, internal, gauss = state["rng"]
         self._rng.setstate((int(version), tuple(int(v) for v in internal), gauss))
         self._backward_s, self.slept_s = state["backward_s"], float(state["slept_s"])
+
+
+class DeviceStretch(Plugin):
+    """A :class:`ComputeStretch` per training thread. Always part of a run, even at factor 1
+    without jitter (where it never sleeps): checkpoints carry its random streams."""
+
+    def __init__(self, factor: float, jitter: float, seeds: list[int]):
+        self.stretches = [ComputeStretch(factor, jitter, seed=seed) for seed in seeds]
+
+    @classmethod
+    def for_worker(cls, cfg: Any, rank: int, threads: int) -> "DeviceStretch":
+        """Worker ``rank``'s stretch: its ``--slow`` factor, the run's ``--jitter``."""
+        return cls(cfg.slow.get(rank, 1.0), cfg.jitter, [cfg.seed * 7919 + rank * 31 + t for t in range(threads)])
+
+    @property
+    def slept_s(self) -> float:
+        return sum(st.slept_s for st in self.stretches)
+
+    def after_forward(self, run: RunState, s: StepState) -> None:
+        self.stretches[s.thread].after_forward(s.forward_s)
+
+    def after_backward(self, run: RunState, s: StepState) -> None:
+        self.stretches[s.thread].after_backward(s.backward_s)
+
+    def save_state(self, state: dict[str, Any]) -> None:
+        state["rng"]["stretch"] = [st.state_dict() for st in self.stretches]
+
+    def load_state(self, restored: dict[str, Any]) -> None:
+        for st, saved in zip(self.stretches, restored["rng"]["stretch"]):
+            st.load_state_dict(saved)

@@ -1,0 +1,77 @@
+"""Checkpoints of a worker: its part written when the policy says so (with every thread
+stopped), and the run restored from one: weights before the solver copies them, optimizer
+and solver state after, random streams, events, clock and step count."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from distsync.runtime.plugins.base import Plugin, RunState, SyncPoint
+from distsync.runtime.recovery import WorkerRecovery
+
+
+class Checkpointer(Plugin):
+    """A worker's share of ``recovery``: where it writes (``store``), when (``policy``) and
+    what it resumes from (``restored``). It also says where the run begins: a "start" event
+    for a fresh run, a "resume" event after a restart or a resume by hand."""
+
+    def __init__(self, recovery: WorkerRecovery):
+        self.recovery = recovery
+        self.restored = recovery.restored
+
+    def on_model(self, run: RunState) -> None:
+        if self.restored is not None:
+            run.model.load_state_dict(self.restored["model"])  # before attach: solvers copy the model there
+
+    def on_attach(self, run: RunState) -> None:
+        if self.restored is not None:
+            run.optimizer.load_state_dict(self.restored["optimizer"])
+            run.solver.load_state_dict(self.restored["solver"])
+
+    def on_ready(self, run: RunState) -> None:
+        restored = self.restored
+        if restored is None:
+            return
+        torch.set_rng_state(restored["rng"]["torch"])
+        run.plugins.load_state(restored)  # e.g. the device stretch's random streams
+        run.events = list(restored["events"])
+        run.first_k = int(restored["step"]) // run.threads
+        # After a failure the time since the checkpoint was lost to the job and counts; a
+        # run resumed by hand later goes on from the checkpoint's clock.
+        run.start_at = float(restored["clock"]) + (max(0.0, time.time() - float(restored["unix"]))
+                                                   if self.recovery.after_failure else 0.0)
+        run.last_loss = float(restored["last_loss"])
+
+    def on_start(self, run: RunState) -> None:
+        restored = self.restored
+        if restored is None:
+            run.events.append({"kind": "start", "rank": run.rank, "unix": time.time()})
+        if restored is not None or self.recovery.after_failure:  # a restart with no checkpoint starts over
+            run.events.append({"kind": "resume", "rank": run.rank, "step": int(restored["step"]) if restored else 0,
+                               "index": int(restored["index"]) if restored else 0, "t": run.clock.now(),
+                               "unix": time.time(), "attempt": self.recovery.attempt})
+
+    def sync_due(self, run: RunState, done: int) -> bool:
+        return self.recovery.policy.steps_due(done)
+
+    def at_sync_point(self, run: RunState, point: SyncPoint) -> None:
+        """After ``point.done`` steps: write this worker's part of a checkpoint if one is due."""
+        store = self.recovery.store
+        index = self.recovery.policy.due(point.done) if store is not None else None
+        if index is None:
+            return
+        a = time.perf_counter()
+        run.solver.checkpoint_peers(index)  # servers write their part
+        run.plugins.on_checkpoint(run, index)
+        state: dict[str, Any] = {
+            "index": index, "step": point.done, "model": run.model.state_dict(),
+            "optimizer": run.optimizer.state_dict(), "solver": run.solver.state_dict(),
+            "rng": {"torch": torch.get_rng_state()}, "events": list(run.events), "clock": run.clock.now(),
+            "unix": time.time(), "last_loss": run.last_loss}
+        run.plugins.save_state(state)
+        store.write(index, point.done, state)
+        run.events.append({"kind": "checkpoint", "rank": run.rank, "step": point.step, "index": index,
+                           "t": run.clock.now(), "seconds": time.perf_counter() - a})
