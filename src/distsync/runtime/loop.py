@@ -30,14 +30,6 @@ __all__ = ["Progress", "make_optimizer", "train_worker", "worker_plugins", "star
            "finish_run"]
 
 
-def _resolved(cfg: RunConfig, workload: Workload, name: str) -> Any:
-    """``cfg.<name>``, or the workload's default where it is None. Only until the
-    configuration is resolved once at the edge (under way): then it is always set and this
-    helper is deleted."""
-    value = getattr(cfg, name)
-    return getattr(workload, name) if value is None else value
-
-
 def make_optimizer(cfg: RunConfig, params, lr: float) -> torch.optim.Optimizer:
     if cfg.optimizer == "adam":
         return torch.optim.Adam(params, lr=lr, weight_decay=cfg.weight_decay)
@@ -50,7 +42,8 @@ def make_optimizer(cfg: RunConfig, params, lr: float) -> torch.optim.Optimizer:
 def train_worker(cfg: RunConfig, workload: Workload, solver, comm, device: torch.device,
                  progress: Progress, save_to: Path | None = None,
                  recovery: WorkerRecovery | None = None) -> list[dict[str, Any]]:
-    """Run ``cfg.steps`` steps on this worker; return its events. With ``save_to``, write the
+    """Run ``cfg.steps`` steps on this worker (``cfg`` resolved: :func:`~distsync.runtime.resolve.resolve`);
+    return its events. With ``save_to``, write the
     final model's state (the one the run reports on) there. ``recovery``: checkpoints to
     write and resume from, and faults to inject."""
     recovery = recovery or WorkerRecovery()
@@ -65,7 +58,7 @@ def worker_plugins(cfg: RunConfig, workload: Workload, solver, comm, progress: P
     """A worker's plug-ins, in the order their hooks are called, and its thread runner.
     Each refuses, when built, a combination that makes no sense."""
     gate = ComputeGate.for_worker(cfg, comm, solver) if cfg.crossover else None
-    runner = HogwildRunner(solver.threads, _resolved(cfg, workload, "steps")) if solver.threads > 1 else SingleThread()
+    runner = HogwildRunner(solver.threads, cfg.steps) if solver.threads > 1 else SingleThread()
     return Plugins([
         progress,  # first: it closes last, with the final evaluation's metric
         gate,  # the token goes back before the sparse gradients are pushed
@@ -83,15 +76,15 @@ def start_run(cfg: RunConfig, workload: Workload, solver, comm, device: torch.de
     every run's reproducibility), let the plug-ins in, and start the clock once all workers
     are ready."""
     run = RunState(cfg=cfg, workload=workload, solver=solver, comm=comm, device=device, plugins=plugins,
-                   runner=runner, steps=_resolved(cfg, workload, "steps"),
-                   eval_every=_resolved(cfg, workload, "eval_every"), run_dir=recovery.run_dir)
+                   runner=runner, steps=cfg.steps,
+                   eval_every=cfg.eval_every, run_dir=recovery.run_dir)
     torch.manual_seed(cfg.seed)  # identical initial model on every worker
     run.model = workload.make_model().to(device)
     plugins.on_model(run)
-    run.optimizer = make_optimizer(cfg, run.model.parameters(), _resolved(cfg, workload, "lr"))
+    run.optimizer = make_optimizer(cfg, run.model.parameters(), cfg.lr)
     run.run_model = solver.attach(run.model, run.optimizer, comm)
     plugins.on_attach(run)
-    batch_size = _resolved(cfg, workload, "batch_size")
+    batch_size = cfg.batch_size
     try:
         # Each Hogwild thread reads its own part of this worker's shard.
         run.samplers = [ShardSampler(workload.num_train, comm.num_workers * run.threads,
