@@ -47,3 +47,26 @@ def test_user_workload_by_path():
     assert w.name == "tiny" and w.num_train == 500
     with pytest.raises(ConfigError, match="does not define nope"):
         load_workload("tests/fixtures/tiny_workload.py:nope")
+
+
+def test_digits_is_sklearns_data_and_split_without_importing_sklearn():
+    import subprocess
+    import sys
+
+    import numpy as np
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits(return_X_y=True)
+    x_tr, x_ev, y_tr, y_ev = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
+    mean, std = x_tr.mean(axis=0), x_tr.std(axis=0)
+    std[std == 0] = 1.0
+    w = load_workload("digits")
+    assert torch.equal(w.train_data[1], torch.tensor(y_tr)) and torch.equal(w.eval_data[1], torch.tensor(y_ev))
+    np.testing.assert_allclose(w.train_data[0].numpy(), (x_tr - mean) / std, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(w.eval_data[0].numpy(), (x_ev - mean) / std, rtol=1e-6, atol=1e-6)
+    # a process that builds the workload does not pay for sklearn (a second at start-up)
+    code = ("import sys; from distsync.workloads import load_workload; load_workload('digits'); "
+            "print(sorted(m for m in ('sklearn', 'scipy', 'matplotlib') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import signal
 import sys
 import time
@@ -421,8 +422,6 @@ def _cmd_list(args: argparse.Namespace) -> int:
 def _quiet_native_logs() -> None:
     # torch's C++ side logs connection retries to stderr; the launcher turns failures into
     # one line of its own. Read once when torch is imported, so workers keep their logs.
-    import os
-
     if "TORCH_CPP_LOG_LEVEL" not in os.environ:
         os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
         import torch  # noqa: F401
@@ -453,5 +452,18 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def entry() -> NoReturn:
+    """The ``distsync`` command: :func:`main`, then leave at once. Everything is written and
+    every job's processes and networks are gone by then; tearing down the interpreter's
+    modules (torch's among them) would only add a second to every command."""
+    try:
+        code = main()
+    except SystemExit as e:  # argparse's --help and usage errors
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -6,12 +6,18 @@ import json
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+from distsync.metrics import eval_curve
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 
-from distsync.metrics import eval_curve  # noqa: E402
+def _pyplot():
+    """matplotlib's pyplot, off-screen; imported when a plot is drawn, not with this module
+    (a run's summary table needs none of it: half a second at start-up)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 PHASE_COLORS = {"compute": "#4C72B0", "comm": "#DD8452", "wait": "#C44E52"}
 
@@ -31,6 +37,7 @@ def _fmt(v: Any, spec: str = ".3g") -> str:
 
 
 def plot_metric(runs: list[dict[str, Any]], path: Path) -> None:
+    plt = _pyplot()
     fig, (ax_m, ax_l) = plt.subplots(1, 2, figsize=(11, 4))
     for run in runs:
         s = run["summary"]
@@ -57,6 +64,7 @@ def plot_metric(runs: list[dict[str, Any]], path: Path) -> None:
 
 
 def plot_throughput(runs: list[dict[str, Any]], path: Path) -> None:
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(max(4, 1.4 * len(runs) + 2), 3.5))
     names = [_label(r["summary"]) for r in runs]
     values = [r["summary"]["throughput_samples_per_s"] for r in runs]
@@ -77,6 +85,7 @@ def plot_timeline(runs: list[dict[str, Any]], path: Path, window_s: float | None
     Only the first ``window_s`` seconds are drawn (default: about 25 steps of the slowest
     solver, within the shortest run) so that individual steps stay visible.
     """
+    plt = _pyplot()
     if window_s is None:
         walls = [r["summary"]["wall_time_s"] for r in runs]
         per_step = [r["summary"]["wall_time_s"] / max(1, r["summary"]["steps_per_worker"]) for r in runs]
@@ -112,6 +121,7 @@ def plot_timeline(runs: list[dict[str, Any]], path: Path, window_s: float | None
 
 def plot_staleness(runs: list[dict[str, Any]], path: Path) -> bool:
     """Histogram of push staleness per solver that counts it; False if none does."""
+    plt = _pyplot()
     counted = [r for r in runs if r["summary"].get("staleness")]
     if not counted:
         return False
@@ -201,6 +211,7 @@ def write_report(out_dir: Path, run_dirs: list[Path]) -> Path:
 def plot_device_timeline(token_file: Path, jobs: list[str], path: Path, window_s: float | None = None) -> None:
     """Crossover: per device, which job computed when (the token's holds) and, between a
     job's holds, its communication or waiting (a thin bar)."""
+    plt = _pyplot()
     data = json.loads(token_file.read_text())
     holds = data["timeline"]
     if not holds:

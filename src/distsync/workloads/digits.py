@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
+import numpy as np
 import torch
 import torch.nn as nn
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 
 from distsync.workloads.base import Workload
+
+#: the fixed split: sklearn's ``train_test_split(..., test_size=0.2, random_state=0,
+#: stratify=y)`` of the 1797 images, stored as index arrays (``tests/test_workloads.py``
+#: checks them against sklearn), so that a run needs no sklearn import (a second per process)
+SPLIT_FILE = Path(__file__).with_name("digits_split.npz")
+
+
+def load_digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's bundled 8x8 digits, ``(images [1797, 64] float64, labels int64)``, read
+    from its data file as ``sklearn.datasets.load_digits`` does, without importing sklearn."""
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the digits data ships with scikit-learn, which is not installed")
+    data = np.loadtxt(Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz", delimiter=",")
+    return data[:, :-1], data[:, -1].astype(np.int64)
 
 
 def make_model() -> nn.Module:
@@ -29,9 +46,11 @@ def make_wide_workload() -> Workload:
 
 
 def make_workload() -> Workload:
-    x, y = load_digits(return_X_y=True)
+    x, y = load_digits_arrays()
     # The split is fixed (not the run's seed) so every run is scored on the same images.
-    x_tr, x_ev, y_tr, y_ev = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
+    with np.load(SPLIT_FILE) as split:
+        train, evaluate = split["train"].astype(np.int64), split["eval"].astype(np.int64)
+    x_tr, x_ev, y_tr, y_ev = x[train], x[evaluate], y[train], y[evaluate]
     # Standardize with the training images' statistics (constant pixels keep scale 1).
     mean, std = x_tr.mean(axis=0), x_tr.std(axis=0)
     std[std == 0] = 1.0
