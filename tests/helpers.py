@@ -96,6 +96,20 @@ def run_cli(*args: str, timeout: float = 55.0, cwd: Path | None = None) -> subpr
 children_of = descendants
 
 
+def rank_processes(pid: int) -> dict[int, int]:
+    """``{rank: pid}`` of the job processes below ``pid``: each names itself ``ds-ROLE-RANK``
+    (/proc/PID/comm) once it has joined the job."""
+    out = {}
+    for p in children_of(pid):
+        try:
+            name = Path(f"/proc/{p}/comm").read_text().strip()
+        except OSError:
+            continue
+        if name.startswith("ds-") and name.rsplit("-", 1)[-1].isdigit():
+            out[int(name.rsplit("-", 1)[-1])] = p
+    return out
+
+
 def env_of(pid: int) -> dict[str, str]:
     try:
         raw = Path(f"/proc/{pid}/environ").read_bytes()

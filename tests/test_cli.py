@@ -11,7 +11,7 @@ import time
 import pytest
 
 from distsync.solvers import solver_names
-from helpers import DISTSYNC, REPO, alive, children_of, env_of, kill_tree, run_cli
+from helpers import DISTSYNC, REPO, alive, children_of, kill_tree, rank_processes, run_cli
 
 FIXTURES = REPO / "tests" / "fixtures"
 
@@ -82,9 +82,9 @@ def test_killed_worker_ends_the_job_naming_rank_with_no_orphans(tmp_path):
             assert proc.poll() is None, proc.stderr.read()
             time.sleep(0.1)
         family = children_of(proc.pid)
-        victim = [p for p in family if env_of(p).get("RANK") == "1"]
-        assert victim, "no process with RANK=1 among the job's processes"
-        os.kill(victim[0], signal.SIGKILL)
+        victim = rank_processes(proc.pid).get(1)
+        assert victim, "no process of rank 1 among the job's processes"
+        os.kill(victim, signal.SIGKILL)
         _, err = proc.communicate(timeout=30)
     finally:
         kill_tree(proc.pid)
@@ -147,3 +147,28 @@ def test_worker_entry_point_runs_under_torchrun(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     s = json.loads((out / "summary.json").read_text())
     assert s["workers"] == 2 and s["time_to_target_s"] is not None
+
+
+def test_forked_and_fresh_interpreter_processes_train_alike(tmp_path):
+    """Jobs on one machine fork their processes from a preloaded server; DISTSYNC_FORK_WORKERS=0
+    starts fresh interpreters, as torchrun does: same losses, same model."""
+    import torch
+
+    from distsync.config import RunConfig
+    from distsync.runtime import launch
+
+    cfg = RunConfig(workers=2, steps=12, eval_every=6)
+    forked = launch(cfg, tmp_path / "forked")
+    os.environ["DISTSYNC_FORK_WORKERS"] = "0"
+    try:
+        fresh = launch(cfg, tmp_path / "fresh")
+    finally:
+        del os.environ["DISTSYNC_FORK_WORKERS"]
+    assert forked["final_metric"] == fresh["final_metric"]
+    losses = [[(e["rank"], e["step"], e["loss"]) for e in map(json.loads, (tmp_path / d / "events.jsonl").open())
+               if e["kind"] == "step"] for d in ("forked", "fresh")]
+    assert sorted(losses[0]) == sorted(losses[1]) and len(losses[0]) == 24
+    a, b = (torch.load(tmp_path / d / "model.pt", weights_only=True) for d in ("forked", "fresh"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    names = {p.read_text().strip() for p in (tmp_path / "forked" / "logs").rglob("stderr.log")}
+    assert names == {""}, names  # nothing on stderr

@@ -4,6 +4,7 @@ one process with a stand-in for the comm (one worker, nothing to synchronize).""
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import threading
 import time
@@ -659,3 +660,13 @@ def test_train_worker_stops_on_a_nan_loss(tmp_path):
         loop.train_worker(cfg, workload, Solver(), FakeComm(), torch.device("cpu"), Progress(None, 6),
                           recovery=recovery)
     assert (tmp_path / "stop.json").exists()
+
+
+def test_a_forked_process_takes_the_launchers_environment_and_the_agents_settings(monkeypatch):
+    from distsync.runtime import forkserver
+
+    monkeypatch.setattr(forkserver, "_SERVER_ENV", {"STALE": "1", "KEEP": "server", "RANK": "0"})
+    monkeypatch.setattr(os, "environ", dict(forkserver._SERVER_ENV, RANK="3", TORCHELASTIC_ERROR_FILE="/e"))
+    forkserver._take_environment({"KEEP": "launcher", "GLOO_SOCKET_IFNAME": "lo", "RANK": "0"})
+    # the launcher's environment at launch time, then what the agent set for this rank
+    assert os.environ == {"KEEP": "launcher", "GLOO_SOCKET_IFNAME": "lo", "RANK": "3", "TORCHELASTIC_ERROR_FILE": "/e"}

@@ -319,10 +319,12 @@ def test_nothing_is_left_behind_after_a_restart_or_a_failure(tmp_path):
     from distsync.runtime import launch
 
     def running_children() -> list[int]:
-        # (Python's multiprocessing starts one resource tracker per process, the first time
-        # it is needed, and keeps it for the process's life: not the job's.)
+        # (Python's multiprocessing starts one resource tracker and one fork server per
+        # process, the first time they are needed, and keeps them for the process's life:
+        # not the job's. A job's forked processes are the fork server's children.)
         return [pid for pid in children_of(os.getpid()) if alive(pid)
-                and b"multiprocessing.resource_tracker" not in _cmdline(pid)]
+                and b"multiprocessing.resource_tracker" not in _cmdline(pid)
+                and b"multiprocessing.forkserver" not in _cmdline(pid)]
 
     def quiet_count():
         deadline = time.monotonic() + 10  # processes on their way out get a moment to go

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import DISTSYNC, REPO, children_of, env_of, kill_tree
+from helpers import DISTSYNC, REPO, kill_tree, rank_processes
 
 
 def _address(hex_addr: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
@@ -90,7 +90,7 @@ def test_a_job_on_one_machine_listens_on_loopback_only(tmp_path, hostname_resolv
             assert proc.poll() is None, proc.stderr.read()
             time.sleep(0.2)
         names = {proc.pid: "launcher"}
-        names.update({p: f"worker rank {env_of(p)['RANK']}" for p in children_of(proc.pid) if "RANK" in env_of(p)})
+        names.update({p: f"worker rank {r}" for r, p in rank_processes(proc.pid).items()})
         assert len(names) == 3, names
         found = {f"pid {pid} ({name})": listeners(pid) for pid, name in names.items()}
     finally:

@@ -17,6 +17,13 @@ import time
 from pathlib import Path
 
 
+def die_with_parent() -> None:
+    """In a child: be killed when the parent dies outright (it must not outlive it)."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def supervise(argv: list[str]) -> None:
     """Run this rank (``python -m distsync.worker ARGV``) in a child process and outlive it.
 
@@ -27,42 +34,62 @@ def supervise(argv: list[str]) -> None:
     failure ends this parent the way it ended the child, and the agent restarts or stops the
     job as usual. Signals sent to this parent are passed on to the child.
     """
-    rest = list(argv)
     env = dict(os.environ, DISTSYNC_SUPERVISED="1")
+    child = subprocess.Popen([sys.executable, "-m", "distsync.worker", *argv], env=env, preexec_fn=die_with_parent)
+    os._exit(outlive(child.pid, child.wait, argv))
 
-    def die_with_parent() -> None:  # the child must not outlive a parent killed outright
-        import ctypes
 
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-    child = subprocess.Popen([sys.executable, "-m", "distsync.worker", *rest], env=env, preexec_fn=die_with_parent)
+def outlive(pid: int, wait, argv: list[str], drop: bool = True) -> int:
+    """The parent's part: pass signals on to child ``pid``, ``wait()`` for its exit code
+    (negative: killed by that signal); with ``drop``, mark a dead worker dropped (then
+    return 0); otherwise end as it ended: killed by the same signal (having reported the
+    death), or return its exit code."""
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda signum, frame: child.send_signal(signum))
-    code = child.wait()
+        signal.signal(sig, lambda signum, frame: os.kill(pid, signum))
+    code = wait()
     rank, attempt = int(os.environ.get("RANK", "0")), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    run_dir = Path(rest[rest.index("--run-dir") + 1])
-    workers = json.loads(Path(rest[rest.index("--config") + 1]).read_text())["workers"]
+    run_dir = Path(argv[argv.index("--run-dir") + 1])
+    workers = json.loads(Path(argv[argv.index("--config") + 1]).read_text())["workers"]
     died = code < 0 and -code not in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-    if died and 0 < rank < workers:
-        marks = run_dir / "dropped"
-        marks.mkdir(exist_ok=True)
-        steps = []  # its journal (process.journal_path) says how far it got
-        journal = run_dir / "journal" / f"rank-{rank}.jsonl"
-        for line in journal.read_text().splitlines() if journal.exists() else []:
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue  # the line it was writing when it died
-            if event.get("kind") == "step":
-                steps.append(event["step"])
-        mark = {"rank": rank, "signal": signal.Signals(-code).name, "unix": time.time(), "attempt": int(attempt),
-                "last_step": max(steps) if steps else None}
-        (marks / f"attempt-{attempt}-rank-{rank}.json").write_text(json.dumps(mark))
-        os._exit(0)
+    if died and drop and 0 < rank < workers:
+        mark_dropped(run_dir, rank, attempt, signal.Signals(-code).name)
+        return 0
     if code < 0:  # end as the child did, so the agent reports the signal
-        signal.signal(-code, signal.SIG_DFL)
+        if died:
+            report_death(rank, workers, signal.Signals(-code).name)
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):  # (those two take no handler)
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
-    os._exit(code)
+    return code
+
+
+def report_death(rank: int, workers: int, signal_name: str) -> None:
+    """Leave the error file torch's agent reads for this rank (unless the child wrote one
+    before it died): the launcher names the rank that died from it."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path):
+        return
+    who = f"worker rank {rank}" if rank < workers else f"rank {rank}"  # (the launcher names other roles)
+    message = {"message": f"{who} died (killed by {signal_name})", "extraInfo": {"timestamp": str(int(time.time()))}}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps({"message": message}))
+
+
+def mark_dropped(run_dir: Path, rank: int, attempt: str, signal_name: str) -> None:
+    marks = run_dir / "dropped"
+    marks.mkdir(exist_ok=True)
+    steps = []  # its journal (process.journal_path) says how far it got
+    journal = run_dir / "journal" / f"rank-{rank}.jsonl"
+    for line in journal.read_text().splitlines() if journal.exists() else []:
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue  # the line it was writing when it died
+        if event.get("kind") == "step":
+            steps.append(event["step"])
+    mark = {"rank": rank, "signal": signal_name, "unix": time.time(), "attempt": int(attempt),
+            "last_step": max(steps) if steps else None}
+    (marks / f"attempt-{attempt}-rank-{rank}.json").write_text(json.dumps(mark))
 
 
 if __name__ == "__main__":

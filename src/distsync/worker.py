@@ -16,6 +16,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import NoReturn
 
 
 def _enter_netns(argv: list[str]) -> None:
@@ -85,13 +86,14 @@ def main(argv: list[str] | None = None) -> None:
     run_process(run, run_dir)
 
 
-if __name__ == "__main__":
-    # Leave without running C++ destructors: a gloo thread torn down at interpreter exit can
-    # abort the process ("terminate called without an active exception") after the work is
-    # done and the error file written, which would hide the real outcome.
+def run_and_exit(argv: list[str] | None = None) -> NoReturn:
+    """:func:`main`, then leave without running C++ destructors: a gloo thread torn down at
+    interpreter exit can abort the process ("terminate called without an active
+    exception") after the work is done and the error file written, which would hide the
+    real outcome."""
     code = 0
     try:
-        main()
+        main(argv)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     except BaseException:
@@ -100,3 +102,7 @@ if __name__ == "__main__":
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+if __name__ == "__main__":
+    run_and_exit()

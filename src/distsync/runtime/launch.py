@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import signal
 import socket
 import sys
@@ -19,6 +20,7 @@ from typing import Any, Callable
 
 from distsync.config import RunConfig, parse_link
 from distsync.errors import ConfigError, DistsyncError, WorkerFailed
+from distsync.runtime import forkserver
 from distsync.runtime.bind import bind_listeners
 from distsync.runtime.checkpoint import CheckpointStore, fingerprint
 from distsync.runtime.checkpoint import clear as clear_folder
@@ -66,6 +68,8 @@ def _failure_message(failures: dict[int, Any], role_of: list[str]) -> str:
             text = text.strip().splitlines()[0]
             if "rank" not in text:
                 text = f"{role} rank {rank}: {text}"
+            elif text.startswith(f"rank {rank} died"):  # a supervising parent's report
+                text = f"{role} {text}"
             # A peer-lost or timeout error is a consequence of another rank's failure.
             secondary = "closed its connection" in text or "timed out" in text or "failed to pass" in text
             return (2 if secondary else 1), text
@@ -75,8 +79,35 @@ def _failure_message(failures: dict[int, Any], role_of: list[str]) -> str:
             return 0, f"{role} rank {rank} died (killed by {sig})"
         return 0, f"{role} rank {rank} died (exit code {f.exitcode})"
 
+    failures = {**_reported_failures(failures), **failures}
     ranked = sorted((describe(r, f) + (r,) for r, f in failures.items()), key=lambda x: (x[0], x[2]))
     return ranked[0][1]
+
+
+@dataclasses.dataclass
+class _Reported:
+    """A rank's failure as its error file tells it (for ranks the agent did not report)."""
+
+    message: Any
+    exitcode: int = 1
+
+    def signal_name(self) -> str:
+        return ""
+
+
+def _reported_failures(failures: dict[int, Any]) -> dict[int, _Reported]:
+    """Every rank of the failed attempt that left an error file. The agent reports one failed
+    process of a forked job (the first it notices), which may be a consequence of another
+    rank's failure; each rank's error file says what happened to it."""
+    files = [Path(f.error_file) for f in failures.values() if getattr(f, "error_file", None)]
+    out: dict[int, _Reported] = {}
+    for rank_dir in files[0].parent.parent.iterdir() if files else []:
+        try:
+            data = json.loads((rank_dir / "error.json").read_text())
+            out[int(rank_dir.name)] = _Reported(data["message"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return out
 
 
 class _ProgressPoller(threading.Thread):
@@ -176,22 +207,28 @@ def _start(run: ResolvedRun, run_dir: Path, on_progress: ProgressFn | None,
         rdzv_configs={"timeout": int(max(30, cfg.timeout_s)), "is_host": True},
         max_restarts=cfg.max_restarts,
         monitor_interval=0.1,
-        start_method="spawn",
         local_addr=host,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=Std.ALL, tee=Std.NONE),
         shutdown_timeout=5,
     )
+    supervised = cfg.task == "train" and run.solver_cls.survives_worker_loss
+    # Forked from a preloaded server (runtime/forkserver.py) unless the processes must enter
+    # network namespaces, which ``ip netns exec`` does for a fresh interpreter.
+    forked = net is None and os.environ.get("DISTSYNC_FORK_WORKERS", "1") != "0"
+    lc.start_method = forkserver.start_method() if forked else "spawn"
     poller = _ProgressPoller(run_dir / "progress.json", on_progress) if on_progress else None
     if poller:
         poller.start()
-    args = ["-m", "distsync.worker", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)]
-    if net:
-        args += ["--netns-prefix", net.netns_prefix]
-    if cfg.task == "train" and run.solver_cls.survives_worker_loss:
-        # a dead worker is dropped, not the job: each rank runs under distsync/supervise.py
-        args = [str(Path(__file__).resolve().parents[1] / "supervise.py"), *args[2:]]
+    argv = ["--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)]
+    argv += ["--netns-prefix", net.netns_prefix] if net else []
+    if forked:
+        entry, args = forkserver.run_process, (argv, dict(os.environ), supervised)
+    elif supervised:  # a dead worker is dropped, not the job: each rank runs under distsync/supervise.py
+        entry, args = sys.executable, (str(Path(__file__).resolve().parents[1] / "supervise.py"), *argv)
+    else:
+        entry, args = sys.executable, ("-m", "distsync.worker", *argv)
     try:
-        elastic_launch(lc, sys.executable)(*args)
+        elastic_launch(lc, entry)(*args)
     except ChildFailedError as e:
         raise WorkerFailed(f"{cfg.solver}: {_failure_message(e.failures, role_of)} (logs: {run_dir / 'logs'})") from None
     except SignalException as e:

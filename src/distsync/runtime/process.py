@@ -38,6 +38,18 @@ def pick_device(requested: str) -> torch.device:
     return torch.device("cpu")
 
 
+def name_process(role: str, rank: int) -> None:
+    """Name this process after its role and rank (``ds-worker-1``, ``ds-server-3``), as
+    ``ps``, ``top`` and /proc/PID/comm show it (15 characters at most)."""
+    import ctypes
+
+    name = f"ds-{role.split('-')[0][:6]}-{rank}"[:15]
+    try:
+        ctypes.CDLL(None).prctl(15, name.encode(), 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):  # not Linux: the name is a convenience
+        pass
+
+
 def merge_staleness(stats: dict[str, Any]) -> dict[str, Any] | None:
     """Staleness of every push, over all servers: histogram, mean and max (None if not counted)."""
     hist: dict[int, int] = {}
@@ -221,6 +233,7 @@ def run_process(run: ResolvedRun, run_dir: Path) -> None:
     solver = run.new_solver()
     latency = parse_link(cfg.link).latency_s if cfg.link and cfg.link_latency_mode == "comm" else 0.0
     comm = Comm.from_env(list(run.role_of), cfg.timeout_s, device, latency)
+    name_process(comm.role, comm.rank)
     try:
         if cfg.task == "linktest":
             run_linktest(cfg, comm, run_dir)

@@ -1,0 +1,69 @@
+"""A job's processes forked from a server that imported torch and distsync once.
+
+A worker started as ``python -m distsync.worker`` spends about two seconds of CPU importing
+torch, ``torch._dynamo`` (torch.optim's first step imports it) and distsync before it does
+anything, and on a machine with fewer cores than processes those seconds add up. For jobs on
+this machine without emulated links, the launcher instead asks torch's elastic agent to start
+each process from Python's fork server, preloaded with those modules (:data:`PRELOAD`): a
+process then starts in milliseconds and runs exactly what ``python -m distsync.worker`` runs.
+The fork server is started by the first job of a launching process and serves its later jobs
+(``compare``, a test session); it ends with that process. Under ``torchrun`` (and with
+``--link``, whose processes enter network namespaces through ``ip netns exec``) processes
+are started as fresh interpreters, as before.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+#: what the fork server imports once, for every process it forks
+PRELOAD = ("torch", "torch._dynamo", "distsync.runtime.forkserver", "distsync.worker", "distsync.runtime.process",
+           "distsync.workloads.digits")
+
+#: the fork server's environment when it started (set in the fork server, where this module
+#: is preloaded): what a forked process finds in ``os.environ`` beyond this was set for it
+#: by torch's agent
+_SERVER_ENV = dict(os.environ)
+
+
+def start_method() -> str:
+    """The start method for :class:`torch.distributed.launcher.api.LaunchConfig`, with the
+    fork server's preload set (it takes effect when the server starts)."""
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
+    return "forkserver"
+
+
+def _take_environment(launcher_env: dict[str, str]) -> None:
+    """``os.environ`` as a fresh interpreter started now would have it: the launcher's
+    environment at launch time, plus what the agent set for this process (rank, store...)."""
+    from_agent = {k: v for k, v in os.environ.items() if _SERVER_ENV.get(k) != v}
+    os.environ.clear()
+    os.environ.update(launcher_env)
+    os.environ.update(from_agent)
+
+
+def run_process(argv: list[str], launcher_env: dict[str, str], supervised: bool) -> None:
+    """The entry point the agent calls in a forked process. It forks the process proper
+    (what ``python -m distsync.worker ARGV`` runs) and stays as its parent, as
+    ``distsync/supervise.py`` does for ``supervised`` jobs (which drop a dead worker): it
+    passes signals on, and reports a death by a signal in the rank's error file, which
+    torch's agent would not see otherwise (it reports one failed process of a forked job)."""
+    _take_environment(launcher_env)
+    from distsync import supervise, worker
+
+    pid = os.fork()
+    if pid == 0:
+        supervise.die_with_parent()
+        if supervised:
+            os.environ["DISTSYNC_SUPERVISED"] = "1"
+        worker.run_and_exit(argv)
+    code = supervise.outlive(pid, lambda: _exit_code(os.waitpid(pid, 0)[1]), argv, drop=supervised)
+    if code != 0:  # a success (or a dropped worker) returns, so the agent gets its result
+        os._exit(code)
+
+
+def _exit_code(status: int) -> int:
+    """A ``waitpid`` status as ``subprocess`` reports it: negative for a signal."""
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
