@@ -87,9 +87,35 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 50.0) -> li
     return results
 
 
-def run_cli(*args: str, timeout: float = 55.0, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """Run ``distsync ARGS`` and return the finished process (text output)."""
-    return subprocess.run(DISTSYNC + list(args), capture_output=True, text=True, timeout=timeout, cwd=cwd or REPO)
+def run_cli(*args: str, timeout: float = 55.0, cwd: Path | None = None,
+            fresh_process: bool = False) -> subprocess.CompletedProcess:
+    """Run ``distsync ARGS``; return its exit code and output as a finished process would.
+
+    By default in this process: the command's own ``main()`` with stdout and stderr captured
+    (a job's processes are forked from this process's fork server, so a test pays no
+    interpreter and torch start-up per command). ``fresh_process``: in a new interpreter, as
+    a shell would run it (``timeout`` applies there; in this process pytest's does)."""
+    if fresh_process:
+        return subprocess.run(DISTSYNC + list(args), capture_output=True, text=True, timeout=timeout,
+                              cwd=cwd or REPO)
+    import contextlib
+    import io
+
+    from distsync import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    handler, here = signal.getsignal(signal.SIGTERM), os.getcwd()
+    os.chdir(cwd or REPO)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = cli.main(list(args))
+            except SystemExit as e:  # argparse: --help, usage errors
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    finally:
+        os.chdir(here)
+        signal.signal(signal.SIGTERM, handler)
+    return subprocess.CompletedProcess(DISTSYNC + list(args), code, out.getvalue(), err.getvalue())
 
 
 # All descendants of a pid (from /proc); the name the tests import.
