@@ -1,0 +1,1067 @@
+"""Start-up cost of a one-step job: ``distsync train`` against ``torchrun`` on a trivial script.
+
+Regime: CPU-bound real runs on this machine (every process of a job shares its cores; on the
+2-core machine the benchmark was written on, start-up is CPU work: imports, data, Python).
+
+(1) Timing (the default). In one run, alternating the two commands so both see the same
+machine load, for each N in ``--workers`` (default 2,4) and ``--repeats`` times (default 3),
+the wall clock from the command's start to its exit of
+
+    distsync train --workload digits --steps 1 --workers N --out TMP
+    torchrun --standalone --nproc-per-node N TRIVIAL.py
+
+where TRIVIAL.py (written to a temporary folder) sets ``torch.set_num_threads(1)`` like
+distsync's workers, calls ``init_process_group("gloo")``, all-reduces a 4-element tensor and
+``destroy_process_group()``. Per N: the median of each, the ratio distsync / torchrun (the
+target is at most 1.5), and the CPU seconds the whole job used (the command and every process
+it started; this script is their child subreaper, so processes a command leaves behind, such
+as a fork server, are waited for and counted). The load average is recorded before and after
+each run. ``--what-if`` adds distsync runs with cuts simulated (see WHATIF below; a cut whose
+target code is gone no longer applies).
+
+(2) ``--breakdown``: where the seconds of one job go, for each N. One ``distsync train`` run and
+one torchrun run under a tracer: a ``sitecustomize`` module put first on every process's
+``PYTHONPATH`` (children inherit it) that writes one JSON line per event to a trace file
+(unix time and the process's CPU time): interpreter up, import spans of torch, sklearn,
+scipy, matplotlib, rich, ..., and enter/exit of the functions that mark the phases (the CLI's
+``main``, ``load_workload``, ``launch``, torch's ``launch_agent``, the agent's rendezvous,
+``_start_workers``, ``_monitor_workers`` (the poll that sees the workers done), exit barrier and
+shutdown; in each worker ``run_process``, ``Comm.from_env`` (init_process_group),
+``load_workload``, ``train_worker``, the barriers, ``gather_object``, ``write_results``,
+``Comm.close`` and ``os._exit``). Nothing under src/ is changed: the tracer wraps functions
+when their modules are first imported. Ranks forked from a preloaded fork server have no
+interpreter start of their own; the fork server (and any other helper process) is listed
+with its CPU and import spans. Besides the traced runs, measured in isolation:
+``python -X importtime`` of what the launching process and each worker import, and a cProfile
+of ``distsync.cli.main([...])`` with ``launch`` patched to return at once (what the launching
+process does before and after the job).
+
+    python benchmarks/startup.py [--workers 2,4] [--repeats 3] [--json benchmarks/results/startup.json]
+    python benchmarks/startup.py --breakdown [--workers 4]
+    python benchmarks/startup.py --full          # both, one JSON
+    python benchmarks/startup.py --src DIR       # measure the distsync package under DIR (e.g. an old checkout's src)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+REGIME = "CPU-bound real run on this machine ({cores} cores): every process of a job shares them"
+
+TRIVIAL = """\
+import torch
+import torch.distributed as dist
+
+torch.set_num_threads(1)  # like distsync's workers
+dist.init_process_group("gloo")
+t = torch.ones(4)
+dist.all_reduce(t)
+dist.destroy_process_group()
+"""
+
+# ---------------------------------------------------------------------------------------------
+# The tracer: imported by every Python process of a traced job as ``sitecustomize``.
+# ---------------------------------------------------------------------------------------------
+TRACER = r'''
+import os
+_PATH = os.environ.get("STARTUP_TRACE")
+if _PATH:
+    import sys, time, json, atexit, functools
+    _fd = os.open(_PATH, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def _emit(ev, **kw):
+        rec = {"pid": os.getpid(), "ppid": os.getppid(), "rank": os.environ.get("RANK"), "ev": ev,
+               "t": time.time(), "cpu": time.process_time()}
+        rec.update(kw)
+        os.write(_fd, (json.dumps(rec) + "\n").encode())
+
+    def _started():
+        """Unix time at which the kernel started this process (10 ms resolution)."""
+        try:
+            with open("/proc/self/stat") as f:
+                ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+            return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
+        except Exception:
+            return None
+
+    try:
+        with open("/proc/self/cmdline", "rb") as f:
+            _cmd = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        _cmd = []
+    _emit("site", started=_started(), cmd=_cmd[:8])
+
+    # Import spans (inclusive: a package's imports of others count in it too).
+    _SPANS = {"torch", "numpy", "sklearn", "scipy", "matplotlib", "matplotlib.pyplot", "rich", "distsync",
+              "distsync.cli", "distsync.runtime", "distsync.runtime.process", "distsync.experiments",
+              "distsync.workloads.digits", "torch._dynamo", "torch.distributed.run", "torch.distributed.launcher.api",
+              "torch.distributed.elastic.multiprocessing.errors"}
+    # Functions timed on every call, wrapped when their module has been executed.
+    _PATCH = {
+        "distsync.cli": ["main", "_cmd_train", "_quiet_native_logs", "_summary_table", "_run_with_progress"],
+        "distsync.workloads": ["load_workload", "check_workload_spec"],
+        "distsync.workloads.digits": ["make_workload"],
+        "distsync.workloads.base": ["Workload.evaluate"],
+        "distsync.runtime.launch": ["launch", "_start"],
+        "distsync.runtime.resolve": ["resolve", "trusted"],
+        "distsync.runtime.bind": ["bind_listeners"],
+        "distsync.runtime.process": ["run_process", "recovery_for", "gather_through_store", "write_results"],
+        "distsync.runtime.loop": ["train_worker", "make_optimizer"],
+        "distsync.comm.comm": ["Comm.from_env", "Comm.close", "Comm.barrier", "Comm.gather_object"],
+        "torch.distributed.distributed_c10d": ["init_process_group", "destroy_process_group", "all_reduce",
+                                               "monitored_barrier", "gather_object"],
+        "torch.distributed.run": ["main", "run"],
+        "torch.distributed.launcher.api": ["launch_agent"],
+        "torch.distributed.elastic.agent.server.api": ["SimpleElasticAgent._rendezvous",
+                                                       "SimpleElasticAgent._exit_barrier", "SimpleElasticAgent.run"],
+        "torch.distributed.elastic.agent.server.local_elastic_agent": ["LocalElasticAgent._start_workers",
+                                                                       "LocalElasticAgent._shutdown",
+                                                                       "LocalElasticAgent._monitor_workers"],
+        "torch.distributed.elastic.rendezvous.dynamic_rendezvous": ["DynamicRendezvousHandler.next_rendezvous",
+                                                                    "DynamicRendezvousHandler.shutdown"],
+    }
+
+    def _wrap(label, fn):
+        quiet = label.endswith("_monitor_workers")  # polled every monitor_interval: only the verdict
+
+        @functools.wraps(fn)
+        def traced(*a, **k):
+            t0, c0 = time.time(), time.process_time()
+            try:
+                out = fn(*a, **k)
+            except BaseException as e:
+                _emit("call", fn=label, t0=t0, cpu0=c0, raised=type(e).__name__)
+                raise
+            if quiet:
+                state = getattr(getattr(out, "state", None), "name", "")
+                if state == "HEALTHY":
+                    return out
+                _emit("call", fn=label, t0=t0, cpu0=c0, state=state)
+            else:
+                _emit("call", fn=label, t0=t0, cpu0=c0)
+            return out
+        return traced
+
+    def _patch(modname, module):
+        for path in _PATCH.get(modname, ()):
+            try:
+                owner, _, name = path.rpartition(".")
+                holder = getattr(module, owner) if owner else module
+                raw = holder.__dict__[name] if owner else getattr(module, name)
+                label = modname.rsplit(".", 1)[-1] + "." + path
+                if isinstance(raw, classmethod):
+                    new = classmethod(_wrap(label, raw.__func__))
+                elif isinstance(raw, staticmethod):
+                    new = staticmethod(_wrap(label, raw.__func__))
+                else:
+                    new = _wrap(label, raw)
+                setattr(holder, name, new)
+            except Exception as e:  # the code moved: the phase is missing, the run goes on
+                _emit("patch-failed", fn=modname + "." + path, error=repr(e))
+
+    _busy = set()
+
+    class _Finder:
+        def find_spec(self, name, path=None, target=None):
+            if (name not in _SPANS and name not in _PATCH) or name in _busy:
+                return None
+            _busy.add(name)
+            try:
+                spec = None
+                for finder in sys.meta_path:
+                    if finder is self or not hasattr(finder, "find_spec"):
+                        continue
+                    spec = finder.find_spec(name, path, target)
+                    if spec is not None:
+                        break
+            finally:
+                _busy.discard(name)
+            if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+                return spec
+            inner = spec.loader.exec_module
+
+            def exec_module(module, _inner=inner, _name=name):
+                t0, c0 = time.time(), time.process_time()
+                try:
+                    _inner(module)
+                finally:
+                    if _name in _SPANS:
+                        _emit("import", mod=_name, t0=t0, cpu0=c0)
+                _patch(_name, module)
+            try:
+                spec.loader.exec_module = exec_module
+            except Exception:
+                pass
+            return spec
+
+    sys.meta_path.insert(0, _Finder())
+
+    _real_exit = os._exit
+
+    def _exit(code, _real=_real_exit):
+        _emit("os_exit", code=code)
+        _real(code)
+    os._exit = _exit
+    atexit.register(lambda: _emit("atexit"))
+'''
+
+
+# ---------------------------------------------------------------------------------------------
+# What-if: a ``sitecustomize`` that simulates cuts in a distsync run without touching src/, to
+# check the estimated savings (``--what-if sklearn,matplotlib,exit,dynamo``). Cuts:
+#   sklearn     distsync.workloads.digits loads sklearn's digits.csv.gz with numpy and splits
+#               with numpy (a stratified split, not sklearn's exact one): no sklearn/scipy/pandas
+#               import, in the launcher and in every worker
+#   matplotlib  stand-in matplotlib modules: the summary table's import of distsync.experiments
+#               costs no matplotlib (a train run draws no plots)
+#   exit        the launcher leaves with os._exit after main() returns: no interpreter finalization
+#   dynamo      a stand-in torch._dynamo (graph_break, disable): torch.optim's first call does
+#               not import the real one
+# ---------------------------------------------------------------------------------------------
+WHATIF = r'''
+import os as _os
+_CUTS = set(filter(None, _os.environ.get("STARTUP_WHATIF", "").split(",")))
+if _CUTS:
+    import sys as _sys, types as _types
+    if "dynamo" in _CUTS:
+        _stub = _types.ModuleType("torch._dynamo")
+        _stub.graph_break = lambda: None
+        def _disable(fn=None, recursive=True, wrapping=True, reason=None):
+            return fn if fn is not None else (lambda f: f)
+        _stub.disable = _disable
+        _stub.is_compiling = lambda: False
+        _stub.trace_rules = _types.SimpleNamespace(clear_lru_cache=lambda: None)  # init_process_group calls it
+        _sys.modules["torch._dynamo"] = _stub
+    if "matplotlib" in _CUTS:
+        for _n in ("matplotlib", "matplotlib.pyplot"):
+            _m = _types.ModuleType(_n)
+            _m.use = lambda *a, **k: None
+            _sys.modules[_n] = _m
+        _sys.modules["matplotlib"].pyplot = _sys.modules["matplotlib.pyplot"]
+    _PRELUDE = (
+        "import numpy as _np\n"
+        "def load_digits(return_X_y=True):\n"
+        "    import importlib.util, os\n"
+        "    d = os.path.join(importlib.util.find_spec('sklearn').submodule_search_locations[0], 'datasets', 'data')\n"
+        "    a = _np.loadtxt(os.path.join(d, 'digits.csv.gz'), delimiter=',')\n"
+        "    return a[:, :-1], a[:, -1].astype(_np.int64)\n"
+        "def train_test_split(x, y, test_size=0.2, random_state=0, stratify=None):\n"
+        "    rng = _np.random.RandomState(random_state)\n"
+        "    ev = _np.sort(_np.concatenate([rng.permutation(_np.flatnonzero(y == c))\n"
+        "                                   [:int(round(test_size * (y == c).sum()))]\n"
+        "                                  for c in _np.unique(y)]))\n"
+        "    tr = _np.setdiff1d(_np.arange(len(y)), ev)\n"
+        "    return x[tr], x[ev], y[tr], y[ev]\n")
+
+    class _WhatIf:
+        def find_spec(self, name, path=None, target=None):
+            if not ((name == "distsync.workloads.digits" and "sklearn" in _CUTS)
+                    or (name == "distsync.cli" and "exit" in _CUTS)):
+                return None
+            spec = None
+            for finder in _sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(name, path, target)
+                if spec is not None:
+                    break
+            if spec is None or spec.loader is None:
+                return spec
+            inner = spec.loader.exec_module
+            if name == "distsync.workloads.digits":
+                def exec_module(module, _origin=spec.origin):
+                    src = open(_origin).read()
+                    lines = ("from sklearn.datasets import load_digits\n",
+                             "from sklearn.model_selection import train_test_split\n")
+                    new = src.replace(lines[0], "").replace(lines[1], _PRELUDE)
+                    if not all(line in src for line in lines):
+                        _sys.stderr.write("what-if: digits.py changed; the sklearn cut is not applied\n")
+                        return inner(module)
+                    exec(compile(new, _origin, "exec"), module.__dict__)
+            else:
+                def exec_module(module):
+                    inner(module)
+                    real = module.main
+
+                    def main(argv=None):
+                        code = real(argv)
+                        if argv is None:  # the console script: leave without finalization
+                            _sys.stdout.flush()
+                            _sys.stderr.flush()
+                            _os._exit(code if isinstance(code, int) else 0)
+                        return code
+                    module.main = main
+            spec.loader.exec_module = exec_module
+            return spec
+
+    _sys.meta_path.insert(0, _WhatIf())
+'''
+
+
+# ---------------------------------------------------------------------------------------------
+# Running commands
+# ---------------------------------------------------------------------------------------------
+def tool(name: str) -> str:
+    here = BIN / name
+    if here.exists():
+        return str(here)
+    found = shutil.which(name)
+    if not found:
+        sys.exit(f"startup.py: {name} not found next to {sys.executable} nor on PATH")
+    return found
+
+
+def base_env(src: str | None, extra_path: str | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    parts = [p for p in (extra_path, src, env.get("PYTHONPATH")) if p]
+    if parts:
+        env["PYTHONPATH"] = os.pathsep.join(parts)
+    env.pop("STARTUP_TRACE", None)
+    return env
+
+
+def commands(n: int, work: Path, trivial: Path) -> dict[str, list[str]]:
+    return {
+        "distsync": [tool("distsync"), "train", "--workload", "digits", "--steps", "1", "--workers", str(n),
+                     "--out", str(work / "run")],
+        "torchrun": [tool("torchrun"), "--standalone", "--nproc-per-node", str(n), str(trivial)],
+    }
+
+
+def become_subreaper() -> bool:
+    """Make processes that a command leaves behind (a fork server outliving its launcher) this
+    process's children when their parent ends, so :func:`timed` reaps them and counts their CPU."""
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+    except Exception:
+        return False
+
+
+def timed(cmd: list[str], env: dict[str, str], log: Path, timeout: float = 300.0) -> dict:
+    """Wall seconds from start to exit, CPU seconds of the command and every process it
+    started (those it left behind too, reaped here: see :func:`become_subreaper`), exit code,
+    load average before and after."""
+    load0 = os.getloadavg()[0]
+    with open(log, "wb") as out:
+        t0 = time.time()
+        a = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        wall = time.perf_counter() - a
+        t1 = time.time()
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    cpu = usage.ru_utime + usage.ru_stime
+    # processes the command left behind: wait for them (up to 30 s), adding their CPU
+    left, deadline = 0, time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            pid, _, usage = os.wait4(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if pid == 0:
+            time.sleep(0.01)
+            continue
+        left += 1
+        cpu += usage.ru_utime + usage.ru_stime
+    return {"wall_s": wall, "cpu_s": cpu, "rc": proc.returncode, "left_behind": left,
+            "left_behind_s": time.perf_counter() - a - wall,
+            "load_before": load0, "load_after": os.getloadavg()[0], "t_start": t0, "t_end": t1}
+
+
+def machine() -> dict:
+    return {"cores": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
+            "torch": _version("torch"), "sklearn": _version("sklearn")}
+
+
+def _version(mod: str) -> str | None:
+    try:
+        out = subprocess.run([sys.executable, "-c", f"import importlib.metadata as m; print(m.version({_dist(mod)!r}))"],
+                             capture_output=True, text=True, timeout=60)
+        return out.stdout.strip() or None
+    except Exception:
+        return None
+
+
+def _dist(mod: str) -> str:
+    return {"sklearn": "scikit-learn"}.get(mod, mod)
+
+
+def git_state(src: str | None) -> dict:
+    def git(*a: str) -> str:
+        try:
+            return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, timeout=30).stdout.strip()
+        except Exception:
+            return ""
+    return {"commit": git("rev-parse", "--short", "HEAD"),
+            "src_modified": bool(git("status", "--porcelain", "--", "src")),
+            "src": src or str(REPO / "src")}
+
+
+# ---------------------------------------------------------------------------------------------
+# (1) Timing
+# ---------------------------------------------------------------------------------------------
+def whatif_env(src: str | None, cuts: str, tmp: Path) -> dict[str, str]:
+    """The environment of a distsync run that simulates the cuts ``cuts`` (see WHATIF)."""
+    folder = tmp / "whatif"
+    folder.mkdir(exist_ok=True)
+    (folder / "sitecustomize.py").write_text(WHATIF)
+    env = base_env(src, str(folder))
+    env["STARTUP_WHATIF"] = cuts
+    return env
+
+
+def run_timing(workers: list[int], repeats: int, warmup: int, src: str | None, tmp: Path,
+               whatifs: list[str]) -> dict:
+    trivial = tmp / "trivial_allreduce.py"
+    trivial.write_text(TRIVIAL)
+    env = base_env(src)
+    kinds = ["distsync", "torchrun"] + [f"distsync+{w}" for w in whatifs]
+    envs = {k: env for k in kinds[:2]}
+    envs.update({f"distsync+{w}": whatif_env(src, w, tmp) for w in whatifs})
+    runs: list[dict] = []
+    plan: list[tuple[int, int, str]] = []
+    for r in range(-warmup, repeats):
+        for n in workers:
+            # rotate which goes first, so none always follows another
+            k = (r + warmup) % len(kinds)
+            plan += [(r, n, which) for which in kinds[k:] + kinds[:k]]
+    for i, (r, n, which) in enumerate(plan):
+        work = tmp / f"{which.replace(',', '_')}-{n}-{r}"
+        work.mkdir(parents=True, exist_ok=True)
+        cmd = commands(n, work, trivial)[which.split("+")[0]]
+        res = timed(cmd, envs[which], work / "output.log")
+        tag = "warm-up" if r < 0 else f"repeat {r + 1}/{repeats}"
+        print(f"  [{i + 1}/{len(plan)}] {which:8s} N={n} {tag:12s} {res['wall_s']:6.2f} s wall  "
+              f"{res['cpu_s']:6.2f} s CPU  load {res['load_before']:.2f}" + ("" if res["rc"] == 0 else f"  EXIT {res['rc']}"),
+              flush=True)
+        if res["rc"] != 0:
+            tail = (work / "output.log").read_text(errors="replace")[-2000:]
+            sys.exit(f"startup.py: {' '.join(cmd)} failed (exit {res['rc']}):\n{tail}")
+        if r >= 0:
+            runs.append({"command": which, "workers": n, "repeat": r, **res})
+        shutil.rmtree(work, ignore_errors=True)
+    rows = []
+    for n in workers:
+        row: dict = {"workers": n}
+        for which in kinds:
+            mine = [x for x in runs if x["command"] == which and x["workers"] == n]
+            row[which] = {"median_wall_s": statistics.median(x["wall_s"] for x in mine),
+                          "min_wall_s": min(x["wall_s"] for x in mine), "max_wall_s": max(x["wall_s"] for x in mine),
+                          "median_cpu_s": statistics.median(x["cpu_s"] for x in mine)}
+        row["ratio"] = row["distsync"]["median_wall_s"] / row["torchrun"]["median_wall_s"]
+        for w in whatifs:
+            row[f"ratio distsync+{w}"] = row[f"distsync+{w}"]["median_wall_s"] / row["torchrun"]["median_wall_s"]
+        rows.append(row)
+    loads = [x["load_before"] for x in runs]
+    return {"repeats": repeats, "warmup": warmup, "rows": rows, "runs": runs, "whatifs": whatifs,
+            "load_average_1min": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)},
+            "commands": {k: " ".join(v).replace(str(tmp), "TMP") for k, v in commands(0, tmp / "W", trivial).items()},
+            "trivial_script": TRIVIAL}
+
+
+def print_timing(t: dict, cores: int) -> None:
+    print()
+    print(f"Start-up of a one-step job, {REGIME.format(cores=cores)}.")
+    print(f"Medians of {t['repeats']} alternated runs each; 1-min load average during the runs: "
+          f"{t['load_average_1min']['min']:.2f} .. {t['load_average_1min']['max']:.2f} "
+          f"(median {t['load_average_1min']['median']:.2f}). Wall: command start to exit; CPU: user+system "
+          f"seconds of the command and every process it started.")
+    print()
+    print("| workers | command | wall (s) | min..max (s) | CPU (s) | / torchrun | target <= 1.5x |")
+    print("|---|---|---|---|---|---|---|")
+    for r in t["rows"]:
+        base = r["torchrun"]["median_wall_s"]
+        names = ["distsync", "torchrun"] + [f"distsync+{w}" for w in t.get("whatifs", [])]
+        for name in names:
+            d = r[name]
+            ratio = d["median_wall_s"] / base
+            label = name if "+" not in name else f"what-if: distsync with {name.split('+', 1)[1]} cut"
+            print(f"| {r['workers']} | {label} | {d['median_wall_s']:.2f} | {d['min_wall_s']:.2f}..{d['max_wall_s']:.2f} | "
+                  f"{d['median_cpu_s']:.2f} | {ratio:.2f}x | "
+                  f"{'' if name == 'torchrun' else ('met' if ratio <= 1.5 else 'MISSED')} |")
+    if t.get("whatifs"):
+        print("(what-if rows: the cuts simulated by a sitecustomize, see WHATIF in this file; not the code as it is)")
+
+
+def compact(obj, drop=("per_worker", "t_start", "t_end", "from")):
+    """``obj`` with floats to 3 decimals and the bulky per-worker detail left out."""
+    if isinstance(obj, float):
+        return round(obj, 3)
+    if isinstance(obj, dict):
+        return {k: compact(v, drop) for k, v in obj.items() if k not in drop}
+    if isinstance(obj, (list, tuple)):
+        return [compact(v, drop) for v in obj]
+    return obj
+
+
+# ---------------------------------------------------------------------------------------------
+# (2) Breakdown
+# ---------------------------------------------------------------------------------------------
+def traced_run(cmd: list[str], src: str | None, tmp: Path, name: str) -> tuple[dict, list[dict]]:
+    tracer_dir = tmp / "tracer"
+    tracer_dir.mkdir(exist_ok=True)
+    (tracer_dir / "sitecustomize.py").write_text(TRACER)
+    trace = tmp / f"{name}.trace.jsonl"
+    trace.unlink(missing_ok=True)
+    env = base_env(src, str(tracer_dir))
+    env["STARTUP_TRACE"] = str(trace)
+    res = timed(cmd, env, tmp / f"{name}.log")
+    if res["rc"] != 0:
+        tail = (tmp / f"{name}.log").read_text(errors="replace")[-2000:]
+        sys.exit(f"startup.py: traced {' '.join(cmd)} failed (exit {res['rc']}):\n{tail}")
+    events = [json.loads(line) for line in trace.read_text().splitlines() if line.strip()]
+    return res, events
+
+
+class Proc:
+    """One process's events: points ``name>`` (enter) and ``name<`` (exit), each (unix, cpu)."""
+
+    def __init__(self, pid: int, events: list[dict]):
+        self.pid = pid
+        self.events = events
+        self.rank = next((e["rank"] for e in events if e.get("rank") is not None), None)
+        self.points: dict[str, list[tuple[float, float]]] = {}
+        self.imports: dict[str, dict] = {}
+        for e in events:
+            if e["ev"] == "site":
+                self.add("site", e["t"], e["cpu"])
+                if e.get("started"):
+                    self.add("started", e["started"], 0.0)
+            elif e["ev"] == "call":
+                self.add(e["fn"] + ">", e["t0"], e["cpu0"])
+                self.add(e["fn"] + "<", e["t"], e["cpu"])
+            elif e["ev"] == "import":
+                self.add("import:" + e["mod"] + ">", e["t0"], e["cpu0"])
+                self.add("import:" + e["mod"] + "<", e["t"], e["cpu"])
+                self.imports.setdefault(e["mod"], {"wall_s": e["t"] - e["t0"], "cpu_s": e["cpu"] - e["cpu0"],
+                                                   "t0": e["t0"], "t": e["t"]})
+            elif e["ev"] in ("os_exit", "atexit"):
+                self.add(e["ev"], e["t"], e["cpu"])
+        self.cmd = next((e.get("cmd") for e in events if e["ev"] == "site"), [])
+
+    def add(self, name: str, t: float, cpu: float) -> None:
+        self.points.setdefault(name, []).append((t, cpu))
+
+    def at(self, name: str, which: int = 0) -> tuple[float, float] | None:
+        pts = self.points.get(name)
+        if not pts:
+            return None
+        try:
+            return pts[which]
+        except IndexError:
+            return None
+
+    def last_cpu(self) -> float:
+        return max((e["cpu"] for e in self.events), default=0.0)
+
+
+def segments(proc: Proc, marks: list[tuple[str, str | tuple[str, int] | None]], t_begin: float | None = None,
+             t_end: float | None = None) -> list[dict]:
+    """Consecutive segments between the named points that exist, in order: label of each
+    segment is the label given with its END point."""
+    out = []
+    prev_t, prev_cpu, prev_name = t_begin, 0.0 if t_begin is not None else None, "start"
+    for label, point in marks:
+        if point is None:  # the end of the process (t_end); CPU unknown past its last event
+            pt = (t_end, None) if t_end is not None else None
+        else:
+            name, idx = (point, 0) if isinstance(point, str) else point
+            pt = proc.at(name, idx)
+        if pt is None:
+            continue
+        if prev_t is not None:
+            cpu = (pt[1] - prev_cpu) if (pt[1] is not None and prev_cpu is not None) else None
+            out.append({"phase": label, "wall_s": pt[0] - prev_t, "cpu_s": cpu, "from": prev_name})
+        prev_t, prev_cpu, prev_name = pt[0], pt[1], label
+    return out
+
+
+def worker_marks(kind: str) -> list[tuple[str, object]]:
+    if kind == "torchrun":
+        return [
+            ("interpreter up (exec, site)", "site"),
+            ("import torch", "distributed_c10d.init_process_group>"),
+            ("init_process_group (gloo; waits for every rank)", "distributed_c10d.init_process_group<"),
+            ("all_reduce", "distributed_c10d.all_reduce<"),
+            ("destroy_process_group", "distributed_c10d.destroy_process_group<"),
+            ("end of script to atexit", "atexit"),
+        ]
+    return [
+        ("interpreter up (exec, site)", "site"),
+        ("until run_process: a fresh interpreter imports torch, distsync.worker, distsync.runtime.process "
+         "(a forked process only forks)", "process.run_process>"),
+        ("run_process: threads, solver, roles", "comm.Comm.from_env>"),
+        ("init_process_group (gloo; waits for every rank)", "comm.Comm.from_env<"),
+        ("load_workload: import distsync.workloads.digits (sklearn, scipy, pandas)",
+         "import:distsync.workloads.digits<"),
+        ("load_workload: load_digits + split + tensors", "workloads.load_workload<"),
+        ("recovery_for (checkpoints, faults)", "process.recovery_for<"),
+        ("model + make_optimizer: torch.optim's first call imports torch._dynamo (if not yet imported)",
+         "loop.make_optimizer<"),
+        ("solver.attach, samplers", ("comm.Comm.barrier>", 0)),
+        ("start barrier (waits for the slowest worker)", ("comm.Comm.barrier<", 0)),
+        ("1 training step + final evaluation + model.pt", "loop.train_worker<"),
+        ("gather_object of every rank's events", "comm.Comm.gather_object<"),
+        ("write events.jsonl + summary.json (rank 0)", "process.write_results<"),
+        ("final barrier (monitored_barrier)", ("comm.Comm.barrier<", 1)),
+        ("destroy_process_group (Comm.close)", "comm.Comm.close<"),
+        ("to os._exit", "os_exit"),
+    ]
+
+
+def parent_marks(kind: str) -> list[tuple[str, object]]:
+    if kind == "torchrun":
+        pre = [
+            ("process start + interpreter up (site)", "site"),
+            ("import torch + torch.distributed.run", "run.main>"),
+            ("parse args, config until launch_agent", "api.launch_agent>"),
+        ]
+    else:
+        pre = [
+            ("process start + interpreter up (site)", "site"),
+            ("import distsync.cli (torch, rich, distsync)", "cli.main>"),
+            ("main: build the parser, parse arguments", "cli._cmd_train>"),
+            ("options, resolve(): solver class and options", "import:distsync.workloads.digits>"),
+            ("resolve() -> typed_options imports distsync.workloads.digits: sklearn (+scipy, pandas)",
+             "import:distsync.workloads.digits<"),
+            ("resolve() builds the workload for its defaults (load_digits, split)", "workloads.load_workload<"),
+            ("rest of resolve, launch(): config.json, bind_listeners, LaunchConfig", "api.launch_agent>"),
+        ]
+    return pre + [
+        ("agent set-up (rendezvous handler, TCPStore) until rendezvous", "api.SimpleElasticAgent._rendezvous>"),
+        ("rendezvous (c10d, 1 node)", "api.SimpleElasticAgent._rendezvous<"),
+        ("_start_workers: start every rank (Popen; or the fork server's start and its preload, then forks)",
+         "local_elastic_agent.LocalElasticAgent._start_workers<"),
+        ("workers run (see the per-worker table)", "LAST_WORKER_EXIT"),
+        ("worker exit (interpreter teardown, if any) + agent's poll (monitor_interval)",
+         "local_elastic_agent.LocalElasticAgent._monitor_workers<"),
+        ("exit barrier (1 agent)", "api.SimpleElasticAgent._exit_barrier<"),
+        ("agent _shutdown (close process context)", "local_elastic_agent.LocalElasticAgent._shutdown<"),
+        ("launch_agent returns (rendezvous shutdown, events)", "api.launch_agent<"),
+    ] + ([] if kind == "torchrun" else [
+        ("launch() returns (read summary.json, stop progress poller)", "launch.launch<"),
+        ("summary table: import distsync.experiments (matplotlib, ...)", "cli._summary_table<"),
+        ("print table, return from main", "cli.main<"),
+    ]) + [
+        ("atexit", "atexit"),
+        ("to os._exit (a launcher that leaves without finalization)", "os_exit"),
+        ("interpreter exit (finalization: GC, module teardown; none after os._exit) until the command has exited",
+         None),
+    ]
+
+
+def analyse(kind: str, res: dict, events: list[dict]) -> dict:
+    by_pid: dict[int, list[dict]] = {}
+    for e in events:
+        by_pid.setdefault(e["pid"], []).append(e)
+    procs = {pid: Proc(pid, evs) for pid, evs in by_pid.items()}
+    parent = next((p for p in procs.values() if p.rank is None and p.at("api.launch_agent>")), None)
+    if parent is None:
+        parent = min(procs.values(), key=lambda p: p.at("site")[0] if p.at("site") else float("inf"))
+    # a rank's process is the one that joins the process group (a forked job also has a
+    # supervising parent per rank, which carries the rank's environment but does not)
+    joined = ("process.run_process>", "distributed_c10d.init_process_group>")
+    workers = sorted((p for p in procs.values() if p is not parent and p.rank is not None
+                      and any(p.at(j) for j in joined)), key=lambda p: int(p.rank))
+    exits = [p.at("os_exit") or p.at("atexit") for p in workers]
+    exits = [x for x in exits if x]
+    if exits:
+        parent.add("LAST_WORKER_EXIT", max(x[0] for x in exits), None)
+    spawn = parent.at("local_elastic_agent.LocalElasticAgent._start_workers>")
+    parent_rows = segments(parent, parent_marks(kind), t_begin=res["t_start"], t_end=res["t_end"])
+    worker_rows = []
+    for w in workers:
+        worker_rows.append(segments(w, worker_marks(kind), t_begin=spawn[0] if spawn else None))
+    # per phase, across workers
+    phases = [label for label, _ in worker_marks(kind)]
+    per_phase = []
+    for label in phases:
+        cells = [r for rows in worker_rows for r in rows if r["phase"] == label]
+        if not cells:
+            continue
+        walls = [c["wall_s"] for c in cells]
+        cpus = [c["cpu_s"] for c in cells if c["cpu_s"] is not None]
+        per_phase.append({"phase": label, "wall_median_s": statistics.median(walls), "wall_max_s": max(walls),
+                          "cpu_sum_s": sum(cpus), "workers": len(cells)})
+    imports = {}
+    for who, plist in (("launcher", [parent]), ("workers", workers)):
+        for mod in sorted({m for p in plist for m in p.imports}):
+            spans = [p.imports[mod] for p in plist if mod in p.imports]
+            imports.setdefault(who, {})[mod] = {
+                "processes": len(spans), "wall_median_s": statistics.median(s["wall_s"] for s in spans),
+                "cpu_sum_s": sum(s["cpu_s"] for s in spans)}
+    patch_failed = sorted({e["fn"] for e in events if e["ev"] == "patch-failed"})
+    # processes neither the launcher nor a rank: e.g. the fork server that preloads modules
+    others = [{"pid": p.pid, "cmd": " ".join(p.cmd)[:160], "cpu_s": p.last_cpu(),
+               "imports": {m: {"wall_s": v["wall_s"], "cpu_s": v["cpu_s"]} for m, v in p.imports.items()}}
+              for p in procs.values() if p is not parent and p not in workers]
+    monitor = [e for e in events if e["ev"] == "call" and e["fn"].endswith("_monitor_workers")]
+    # CPU no traced event saw: what ran after each process's last event (interpreter finalization)
+    untraced = res["cpu_s"] - sum(p.last_cpu() for p in procs.values())
+    return {"command": kind, "wall_s": res["wall_s"], "cpu_s": res["cpu_s"], "load_before": res["load_before"],
+            "cpu_after_last_event_s": untraced,
+            "launcher": parent_rows, "launcher_cpu_s": parent.last_cpu(),
+            "workers": per_phase, "per_worker": [{"rank": int(w.rank), "phases": rows, "cpu_s": w.last_cpu()}
+                                                 for w, rows in zip(workers, worker_rows)],
+            "imports": imports, "other_processes": others, "monitor_verdicts": [m.get("state") for m in monitor],
+            "patch_failed": patch_failed}
+
+
+def importtime(code: str, src: str | None) -> dict:
+    """``python -X importtime -c CODE``: total, and self time summed by top-level package."""
+    out = subprocess.run([sys.executable, "-X", "importtime", "-c", code], capture_output=True, text=True,
+                         env=base_env(src), cwd=REPO, timeout=300)
+    by_pkg: dict[str, float] = {}
+    total = 0.0
+    for line in out.stderr.splitlines():
+        m = re.match(r"import time:\s+(\d+) \|\s+(\d+) \|( *)(\S+)", line)
+        if not m:
+            continue
+        self_us, cum_us, indent, mod = int(m[1]), int(m[2]), len(m[3]), m[4]
+        by_pkg[mod.split(".")[0]] = by_pkg.get(mod.split(".")[0], 0.0) + self_us / 1e6
+        if indent == 1:
+            total += cum_us / 1e6
+    top = dict(sorted(by_pkg.items(), key=lambda kv: -kv[1])[:12])
+    return {"code": code, "total_s": total, "self_s_by_package": top}
+
+
+PROFILE = r'''
+import cProfile, io, json, pstats, sys, time
+t0 = time.perf_counter()
+import distsync.cli as cli
+t1 = time.perf_counter()
+import distsync.runtime
+import distsync.runtime.launch
+summary = json.loads(open(sys.argv[1]).read())
+marks = {}
+def fake_launch(*args, **kwargs):
+    marks["launch"] = time.perf_counter()
+    return summary
+# the package's attribute `launch` is the function (it shadows the module's name)
+sys.modules["distsync.runtime"].launch = sys.modules["distsync.runtime.launch"].launch = fake_launch
+prof = cProfile.Profile()
+t2 = time.perf_counter()
+prof.enable()
+cli.main(["train", "--workload", "digits", "--steps", "1", "--workers", sys.argv[2], "--out", sys.argv[3]])
+prof.disable()
+t3 = time.perf_counter()
+st = pstats.Stats(prof)
+rows = []
+for (fn, line, name), (cc, nc, tt, ct, callers) in st.stats.items():
+    rows.append({"function": f"{fn.split('site-packages/')[-1].split('/src/')[-1]}:{line}({name})", "cum_s": ct,
+                 "calls": nc})
+rows.sort(key=lambda r: -r["cum_s"])
+keep = [r for r in rows if not r["function"].startswith(("<frozen", "{built-in"))
+        and "importlib" not in r["function"]][:25]
+print(json.dumps({"import_cli_s": t1 - t0, "main_s": t3 - t2, "main_before_launch_s": marks["launch"] - t2,
+                  "main_after_launch_s": t3 - marks["launch"], "top_cumulative": keep}))
+'''
+
+
+def profile_main(summary_path: Path, n: int, src: str | None, tmp: Path) -> dict:
+    script = tmp / "profile_main.py"
+    script.write_text(PROFILE)
+    out = subprocess.run([sys.executable, str(script), str(summary_path), str(n), str(tmp / "profiled-run")],
+                         capture_output=True, text=True, env=base_env(src), cwd=REPO, timeout=300)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    if out.returncode != 0 or not lines:
+        return {"error": (out.stderr or out.stdout)[-1500:]}
+    return json.loads(lines[-1])
+
+
+# What one piece of start-up costs on its own: (name, code, the entry it adds to). Each is run
+# as ``python -c CODE`` that reports its clock and CPU at the end; the cost is the median over
+# the repeats of its CPU (and wall) minus its base's.
+ISOLATED = [
+    ("python -c pass", "pass", None),
+    ("import torch", "import torch", "python -c pass"),
+    ("import torch.distributed.run (torchrun's launcher)", "import torch.distributed.run", "import torch"),
+    ("import distsync.cli (distsync's launcher)", "import distsync.cli", "import torch"),
+    ("launcher + load_workload('digits') (sklearn, scipy, pandas)",
+     "import distsync.cli\nfrom distsync.workloads import load_workload\nload_workload('digits')",
+     "import distsync.cli (distsync's launcher)"),
+    ("launcher + import distsync.experiments (the summary table's import: matplotlib)",
+     "import distsync.cli, distsync.experiments", "import distsync.cli (distsync's launcher)"),
+    ("import distsync.worker, distsync.runtime.process (a worker, before its workload)",
+     "import distsync.worker, distsync.runtime.process", "import torch"),
+    ("worker + load_workload('digits') (sklearn, scipy, pandas)",
+     "import distsync.worker, distsync.runtime.process\nfrom distsync.workloads import load_workload\n"
+     "load_workload('digits')", "import distsync.worker, distsync.runtime.process (a worker, before its workload)"),
+    ("worker + torch.optim.SGD(...) (its first call imports torch._dynamo)",
+     "import distsync.worker, distsync.runtime.process, torch\n"
+     "torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)",
+     "import distsync.worker, distsync.runtime.process (a worker, before its workload)"),
+    ("worker + the digits arrays with numpy only (np.loadtxt of sklearn's digits.csv.gz, no sklearn import)",
+     "import distsync.worker, distsync.runtime.process, importlib.util, os, numpy as np\n"
+     "d = os.path.join(importlib.util.find_spec('sklearn').submodule_search_locations[0], 'datasets', 'data')\n"
+     "a = np.loadtxt(os.path.join(d, 'digits.csv.gz'), delimiter=',')",
+     "import distsync.worker, distsync.runtime.process (a worker, before its workload)"),
+]
+# Interpreter exit of a process that imported what distsync's launcher imports.
+EXIT_CODE = ("import distsync.cli, distsync.experiments\nfrom distsync.workloads import load_workload\n"
+             "load_workload('digits')\n")
+EXIT_VARIANTS = [("normal exit", "", ""), ("gc.freeze() before exit", "import gc\ngc.freeze()\n", ""),
+                 ("os._exit(0)", "", "EXIT")]
+TORCH_EXIT = [("import torch; normal exit", "import torch\n", ""),
+              ("import torch; os._exit(0)", "import torch\n", "EXIT")]
+
+
+def _clocked(code: str, src: str | None, exit_how: str = "") -> dict:
+    tail = "\nimport os as _o, sys as _s, time as _t\n_s.stdout.write('CLOCK %r %r\\n' % (_t.time(), _t.process_time()))\n" \
+           "_s.stdout.flush()\n" + ("_o._exit(0)\n" if exit_how == "EXIT" else exit_how)
+    t0 = time.time()
+    a = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-c", code + tail], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            env=base_env(src), cwd=REPO)
+    out = proc.stdout.read().decode()
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - a
+    t1 = time.time()
+    m = re.search(r"CLOCK (\S+) (\S+)", out)
+    cpu = usage.ru_utime + usage.ru_stime
+    if not m or os.waitstatus_to_exitcode(status) != 0:
+        return {"error": out[-500:]}
+    return {"wall_s": wall, "cpu_s": cpu, "exit_wall_s": t1 - float(m[1]), "exit_cpu_s": cpu - float(m[2]),
+            "wall_to_end_s": float(m[1]) - t0}
+
+
+def isolated_costs(src: str | None, repeats: int = 3) -> dict:
+    samples: dict[str, list[dict]] = {}
+    for _ in range(repeats):
+        for name, code, _base in ISOLATED:
+            samples.setdefault(name, []).append(_clocked(code, src, "EXIT"))
+        for name, pre, how in EXIT_VARIANTS:
+            samples.setdefault("launcher's imports; " + name, []).append(_clocked(EXIT_CODE + pre, src, how))
+        for name, code, how in TORCH_EXIT:
+            samples.setdefault(name, []).append(_clocked(code, src, how))
+    med = {}
+    for name, runs in samples.items():
+        ok = [r for r in runs if "error" not in r]
+        if not ok:
+            med[name] = {"error": runs[0].get("error")}
+            continue
+        med[name] = {k: statistics.median(r[k] for r in ok) for k in ok[0]}
+    rows = []
+    for name, _code, base in ISOLATED:
+        m = med[name]
+        if "error" in m:
+            rows.append({"what": name, "error": m["error"]})
+            continue
+        # a process that ends with os._exit: its cost is what ran before the exit
+        row = {"what": name, "cpu_s": m["cpu_s"] - m["exit_cpu_s"], "wall_s": m["wall_to_end_s"]}
+        if base and "error" not in med[base]:
+            b = med[base]
+            row["adds_cpu_s"] = row["cpu_s"] - (b["cpu_s"] - b["exit_cpu_s"])
+            row["adds_wall_s"] = row["wall_s"] - b["wall_to_end_s"]
+            row["over"] = base
+        rows.append(row)
+    exits = [{"what": name, "exit_wall_s": med[name]["exit_wall_s"], "exit_cpu_s": med[name]["exit_cpu_s"]}
+             for name in med if ("exit" in name or "freeze" in name) and "error" not in med[name]]
+    return {"repeats": repeats, "rows": rows, "interpreter_exit": exits}
+
+
+def torch_agent_constants() -> dict:
+    """Fixed intervals of torch's agent as this torch and distsync's launch.py set them."""
+    out = {}
+    try:
+        import inspect
+
+        from torch.distributed.elastic.agent.server import api
+        from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+        from torch.distributed.launcher.api import LaunchConfig
+
+        lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1)
+        out["torch LaunchConfig default monitor_interval_s"] = lc.monitor_interval
+        out["torch WorkerSpec default monitor_interval_s"] = inspect.signature(api.WorkerSpec).parameters[
+            "monitor_interval"].default
+        out["rendezvous default timeouts_s"] = {k: v.total_seconds()
+                                                for k, v in dr.RendezvousTimeout._DEFAULT_TIMEOUTS.items()}
+        src = inspect.getsource(api.SimpleElasticAgent._invoke_run)
+        out["agent loop sleeps monitor_interval before every poll"] = "time.sleep(monitor_interval)" in src
+    except Exception as e:  # informative only
+        out["error"] = repr(e)
+    return out
+
+
+def run_breakdown(workers: list[int], src: str | None, tmp: Path) -> dict:
+    trivial = tmp / "trivial_allreduce.py"
+    trivial.write_text(TRIVIAL)
+    result: dict = {"by_workers": []}
+    for n in workers:
+        entry: dict = {"workers": n}
+        for kind in ("distsync", "torchrun"):
+            work = tmp / f"traced-{kind}-{n}"
+            work.mkdir(parents=True, exist_ok=True)
+            res, events = traced_run(commands(n, work, trivial)[kind], src, tmp, f"{kind}-{n}")
+            entry[kind] = analyse(kind, res, events)
+            if kind == "distsync":
+                summary = work / "run" / "summary.json"
+                entry["distsync"]["run_files"] = run_files(work / "run", res["t_start"])
+                if summary.exists():
+                    entry["launcher_profile"] = profile_main(summary, n, src, tmp)
+        result["by_workers"].append(entry)
+    result["importtime"] = {
+        "launcher: import distsync.cli": importtime("import distsync.cli", src),
+        "worker: import distsync.worker, distsync.runtime.process, distsync.workloads.digits":
+            importtime("import distsync.worker, distsync.runtime.process, distsync.workloads.digits", src),
+        "torchrun's worker: import torch, torch.distributed": importtime("import torch, torch.distributed", src),
+        "torchrun: import torch.distributed.run": importtime("import torch.distributed.run", src),
+    }
+    result["agent_constants"] = torch_agent_constants()
+    print("costs in isolation (each piece as its own python -c, median of 3)...", flush=True)
+    result["isolated"] = isolated_costs(src)
+    return result
+
+
+def run_files(run_dir: Path, t0: float) -> dict:
+    """Seconds after the command's start at which the run folder's files were last written,
+    and the workers' "start" events (after the start barrier)."""
+    out = {}
+    for name in ("config.json", "events.jsonl", "model.pt", "summary.json"):
+        p = run_dir / name
+        if p.exists():
+            out[f"{name} mtime"] = p.stat().st_mtime - t0
+    ev = run_dir / "events.jsonl"
+    if ev.exists():
+        starts = [json.loads(x)["unix"] - t0 for x in ev.read_text().splitlines() if '"kind": "start"' in x]
+        if starts:
+            out["training start (events.jsonl start, min..max over workers)"] = [min(starts), max(starts)]
+    return out
+
+
+def print_breakdown(b: dict) -> None:
+    for entry in b["by_workers"]:
+        n = entry["workers"]
+        for kind in ("distsync", "torchrun"):
+            a = entry[kind]
+            print()
+            print(f"== {kind}, {n} workers: {a['wall_s']:.2f} s wall, {a['cpu_s']:.2f} s CPU (all processes), "
+                  f"load {a['load_before']:.2f} (traced run)")
+            print(f"  launching process (agent in-process): {a['launcher_cpu_s']:.2f} s CPU until its last event; "
+                  f"all processes after their last event (interpreter finalization): "
+                  f"{a['cpu_after_last_event_s']:.2f} s CPU")
+            print(f"  {'phase':<72} {'wall s':>7} {'CPU s':>7}")
+            for r in a["launcher"]:
+                cpu = "" if r["cpu_s"] is None else f"{r['cpu_s']:.2f}"
+                print(f"  {r['phase']:<72} {r['wall_s']:>7.2f} {cpu:>7}")
+            print(f"  each worker (median and max over {len(a['per_worker'])} workers; CPU summed over workers)")
+            print(f"  {'phase':<72} {'median':>7} {'max':>7} {'CPU sum':>7}")
+            for r in a["workers"]:
+                print(f"  {r['phase']:<72} {r['wall_median_s']:>7.2f} {r['wall_max_s']:>7.2f} {r['cpu_sum_s']:>7.2f}")
+            for who, mods in a["imports"].items():
+                shown = ", ".join(f"{m} {v['wall_median_s']:.2f}s" for m, v in mods.items()
+                                  if m in ("torch", "torch._dynamo", "sklearn", "scipy", "matplotlib", "rich",
+                                           "distsync.experiments"))
+                if shown:
+                    print(f"  import spans in {who} (median wall, inclusive): {shown}")
+            for o in a.get("other_processes", []):
+                shown = ", ".join(f"{m} {v['wall_s']:.2f}s" for m, v in o["imports"].items()
+                                  if m in ("torch", "torch._dynamo", "sklearn", "distsync.runtime.process"))
+                print(f"  other process {o['pid']} ({o['cmd'][:70]}): {o['cpu_s']:.2f} s CPU until its last event"
+                      + (f"; imports {shown}" if shown else ""))
+            if a.get("run_files"):
+                print("  run folder: " + ", ".join(f"{k} {v if isinstance(v, list) else round(v, 2)}"
+                                                   for k, v in a["run_files"].items()))
+            if a["patch_failed"]:
+                print(f"  (not traced, code moved: {', '.join(a['patch_failed'])})")
+        p = entry.get("launcher_profile")
+        if p and "error" not in p:
+            print(f"  cProfile of distsync.cli.main, launch patched out ({n} workers): import distsync.cli "
+                  f"{p['import_cli_s']:.2f} s, main before launch {p['main_before_launch_s']:.2f} s, "
+                  f"after launch {p['main_after_launch_s']:.2f} s")
+            for r in p["top_cumulative"][:12]:
+                print(f"    {r['cum_s']:6.2f} s  {r['function']}")
+    print()
+    for what, it in b["importtime"].items():
+        top = ", ".join(f"{k} {v:.2f}" for k, v in list(it["self_s_by_package"].items())[:7])
+        print(f"python -X importtime, {what}: {it['total_s']:.2f} s (self time by package: {top})")
+    print(f"torch agent constants: {b['agent_constants']}")
+    iso = b.get("isolated")
+    if iso:
+        print(f"\ncosts in isolation (python -c, median of {iso['repeats']}; CPU s of the process; 'adds': over the "
+              f"entry named)")
+        for r in iso["rows"]:
+            if "error" in r:
+                print(f"  {r['what']}: failed: {r['error'][-200:]}")
+                continue
+            adds = f"  adds {r['adds_cpu_s']:5.2f} CPU s, {r['adds_wall_s']:5.2f} s wall" if "adds_cpu_s" in r else ""
+            print(f"  {r['what']:<100} {r['cpu_s']:5.2f} CPU s {r['wall_s']:5.2f} s wall{adds}")
+        for r in iso["interpreter_exit"]:
+            print(f"  interpreter exit, {r['what']:<60} {r['exit_cpu_s']:5.2f} CPU s {r['exit_wall_s']:5.2f} s wall")
+
+
+# ---------------------------------------------------------------------------------------------
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workers", default="2,4", help="comma-separated worker counts (default: 2,4)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs of each command per worker count (default: 3)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default: 1)")
+    p.add_argument("--breakdown", action="store_true", help="only the breakdown of one traced run per worker count")
+    p.add_argument("--full", action="store_true", help="the timings and the breakdown, in one JSON")
+    p.add_argument("--json", help="where to write the results (default: benchmarks/results/startup.json, "
+                                  "or startup-breakdown.json with --breakdown)")
+    p.add_argument("--src", help="a folder holding the distsync package to measure, put first on PYTHONPATH "
+                                 "(default: the installed one)")
+    p.add_argument("--what-if", action="append", metavar="CUTS",
+                   help="also time distsync with these cuts simulated (comma-separated, of sklearn, matplotlib, exit, "
+                        "dynamo; see WHATIF in this file); repeatable")
+    p.add_argument("--keep", action="store_true", help="keep the temporary folder (traces, logs)")
+    args = p.parse_args()
+    try:
+        workers = [int(x) for x in args.workers.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"bad --workers {args.workers!r}")
+    if not workers or min(workers) < 1 or args.repeats < 1 or args.warmup < 0:
+        p.error("--workers must be >= 1, --repeats >= 1, --warmup >= 0")
+    src = str(Path(args.src).resolve()) if args.src else None
+    cores = os.cpu_count() or 1
+    become_subreaper()
+    print(f"regime: {REGIME.format(cores=cores)}; uptime load average {os.getloadavg()}", flush=True)
+    out: dict = {"benchmark": "startup", "regime": REGIME.format(cores=cores), "machine": machine(),
+                 "git": git_state(src), "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                 "load_average_at_start": os.getloadavg()}
+    tmp = Path(tempfile.mkdtemp(prefix="distsync-startup-"))
+    try:
+        if not args.breakdown:
+            out["timing"] = run_timing(workers, args.repeats, args.warmup, src, tmp, args.what_if or [])
+            print_timing(out["timing"], cores)
+        if args.breakdown or args.full:
+            print("\nbreakdown (traced runs; tracing adds a little to each process)...", flush=True)
+            out["breakdown"] = run_breakdown(workers, src, tmp)
+            print_breakdown(out["breakdown"])
+    finally:
+        if args.keep:
+            print(f"kept {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    out["load_average_at_end"] = os.getloadavg()
+    default = "startup-breakdown.json" if args.breakdown else "startup.json"
+    path = Path(args.json) if args.json else REPO / "benchmarks" / "results" / default
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(compact(out), separators=(",", ":")) + "\n")
+    print(f"\nresults: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
