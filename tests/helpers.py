@@ -45,8 +45,12 @@ def _context():
     """Processes forked from a server that imported torch and distsync once: a rank starts
     in milliseconds instead of paying the imports again (the server is single-threaded and
     has run no torch work, so forking it is safe)."""
+    from distsync.runtime import forkserver
+
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "distsync", "distsync.comm", "helpers"])
+    # One fork server per process: the launcher's preload and this module (the first to
+    # start it decides; a launch after this one finds everything it needs loaded).
+    ctx.set_forkserver_preload([*forkserver.PRELOAD, "distsync.comm", "helpers"])
     return ctx
 
 

@@ -19,7 +19,7 @@ import os
 
 #: what the fork server imports once, for every process it forks
 PRELOAD = ("torch", "torch._dynamo", "distsync.runtime.forkserver", "distsync.worker", "distsync.runtime.process",
-           "distsync.workloads.digits")
+           "distsync.workloads.digits", "distsync.cli")  # (the command's module: its forked children import it)
 
 #: the fork server's environment when it started (set in the fork server, where this module
 #: is preloaded): what a forked process finds in ``os.environ`` beyond this was set for it
@@ -29,8 +29,14 @@ _SERVER_ENV = dict(os.environ)
 
 def start_method() -> str:
     """The start method for :class:`torch.distributed.launcher.api.LaunchConfig`, with the
-    fork server's preload set (it takes effect when the server starts)."""
-    multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
+    fork server's preload set (it takes effect when the server starts; a process has one
+    fork server, and a preload someone set before that includes ours is kept)."""
+    from multiprocessing import forkserver
+
+    ours = list(PRELOAD)
+    preset = getattr(forkserver._forkserver, "_preload_modules", [])
+    if not set(ours) <= set(preset):
+        multiprocessing.get_context("forkserver").set_forkserver_preload(ours + [m for m in preset if m not in ours])
     return "forkserver"
 
 

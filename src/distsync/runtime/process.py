@@ -228,6 +228,10 @@ def recovery_for(cfg: RunConfig, run_dir: Path, comm: Comm) -> WorkerRecovery:
 def run_process(run: ResolvedRun, run_dir: Path) -> None:
     """Join the job, play this rank's role, and (rank 0) write the run's results."""
     cfg = run.config
+    # torch.optim's first step imports torch._dynamo (a second of CPU): here, it is start-up
+    # time, not the first step's compute (already imported in a forked process).
+    import torch._dynamo  # noqa: F401
+
     torch.set_num_threads(cfg.intra_op_threads)
     device = pick_device(cfg.device)
     solver = run.new_solver()
