@@ -116,9 +116,9 @@ def resolve(cfg: RunConfig, workload: Any = None, *, world_size: int | None = No
             raise ConfigError(f"--workers {cfg.workers} does not match WORLD_SIZE {world_size} minus "
                               f"{extra} extra role(s)")
         cfg.workers = world_size - extra
-    cfg.validate()
+    cfg.validate()  # the values given, before anything is built from them
     cfg = _with_workload_defaults(cfg, workload)
-    cfg.validate()  # the workload's defaults are checked like the user's values
+    cfg.validate()  # and the workload's defaults, like the values given
     threads = cls.training_threads(options)
     if threads > 1 and cfg.crossover:
         raise ConfigError(f"crossover scheduling runs one training thread per worker; {cls.name} asks for {threads}")
