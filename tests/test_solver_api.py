@@ -56,3 +56,13 @@ def test_options_dataclass_defaults_are_listed():
     fields = {f.name: f.default for f in dataclasses.fields(solver_class("allreduce").Options)}
     assert fields == {"bucket_mb": 25.0, "overlap": True}
     assert make_options(solver_class("ddp"), {}).bucket_mb == 25.0
+
+
+def test_compare_options_name_solvers_given_by_path():
+    from distsync.experiments.compare import split_solver_options
+
+    path = "tests/fixtures/probe_solver.py:ServerProbe"
+    per = split_solver_options(["allreduce", path], {f"{path}.servers": "2", "allreduce.bucket_mb": "1"})
+    assert per == {"allreduce": {"bucket_mb": "1"}, path: {"servers": "2"}}
+    with pytest.raises(ConfigError, match="option ddp.bucket_mb: ddp is not among the compared solvers"):
+        split_solver_options(["allreduce", path], {"ddp.bucket_mb": "1"})

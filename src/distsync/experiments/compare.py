@@ -19,11 +19,13 @@ def split_solver_options(solvers: list[str], raw: dict[str, str]) -> dict[str, d
     """
     per: dict[str, dict[str, str]] = {s: {} for s in solvers}
     for key, value in raw.items():
-        if "." in key:
-            name, opt = key.split(".", 1)
-            if name not in per:
-                raise ConfigError(f"option {key}: {name} is not among the compared solvers ({', '.join(solvers)})")
-            per[name][opt] = value
+        named = [s for s in solvers if key.startswith(s + ".")]  # (a solver's path has dots too)
+        if named:
+            name = max(named, key=len)
+            per[name][key[len(name) + 1:]] = value
+        elif "." in key:
+            name = key.split(".", 1)[0]
+            raise ConfigError(f"option {key}: {name} is not among the compared solvers ({', '.join(solvers)})")
         else:
             takers = [s for s in solvers if key in {f.name for f in dataclasses.fields(solver_class(s).Options)}]
             if not takers:
