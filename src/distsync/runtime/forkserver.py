@@ -1,8 +1,7 @@
 """A job's processes forked from a server that imported torch and distsync once.
 
-A worker started as ``python -m distsync.worker`` spends about two seconds of CPU importing
-torch, ``torch._dynamo`` (torch.optim's first step imports it) and distsync before it does
-anything, and on a machine with fewer cores than processes those seconds add up. For jobs on
+A worker started as ``python -m distsync.worker`` spends over a second of CPU importing
+torch and distsync before it does anything, and on a machine with fewer cores than processes those seconds add up. For jobs on
 this machine without emulated links, the launcher instead asks torch's elastic agent to start
 each process from Python's fork server, preloaded with those modules (:data:`PRELOAD`): a
 process then starts in milliseconds and runs exactly what ``python -m distsync.worker`` runs.
@@ -18,8 +17,11 @@ import multiprocessing
 import os
 
 #: what the fork server imports once, for every process it forks
-PRELOAD = ("torch", "torch._dynamo", "distsync.runtime.forkserver", "distsync.worker", "distsync.runtime.process",
+PRELOAD = ("torch", "distsync.runtime.forkserver", "distsync.worker", "distsync.runtime.process",
            "distsync.workloads.digits", "distsync.cli")  # (the command's module: its forked children import it)
+# Not torch._dynamo (which torch.optim imports, a second of CPU): with it imported before the
+# fork, one in four 4-rank DDP jobs hung in a forked rank (torch 2.13); each process imports
+# it itself, before its clock starts (runtime/process.py).
 
 #: the fork server's environment when it started (set in the fork server, where this module
 #: is preloaded): what a forked process finds in ``os.environ`` beyond this was set for it

@@ -229,7 +229,7 @@ def run_process(run: ResolvedRun, run_dir: Path) -> None:
     """Join the job, play this rank's role, and (rank 0) write the run's results."""
     cfg = run.config
     # torch.optim's first step imports torch._dynamo (a second of CPU): here, it is start-up
-    # time, not the first step's compute (already imported in a forked process).
+    # time, not the first step's compute (the fork server does not preload it: runtime/forkserver.py).
     import torch._dynamo  # noqa: F401
 
     torch.set_num_threads(cfg.intra_op_threads)
