@@ -76,6 +76,8 @@ def report_death(rank: int, workers: int, signal_name: str) -> None:
 
 
 def mark_dropped(run_dir: Path, rank: int, attempt: str, signal_name: str) -> None:
+    """``RUN/dropped/attempt-A-rank-R.json``: that worker died and the others go on (with the
+    last step its journal shows)."""
     marks = run_dir / "dropped"
     marks.mkdir(exist_ok=True)
     steps = []  # its journal (process.journal_path) says how far it got

@@ -1,10 +1,11 @@
 """A job's processes forked from a server that imported torch and distsync once.
 
-A worker started as ``python -m distsync.worker`` spends over a second of CPU importing
-torch and distsync before it does anything, and on a machine with fewer cores than processes those seconds add up. For jobs on
-this machine without emulated links, the launcher instead asks torch's elastic agent to start
-each process from Python's fork server, preloaded with those modules (:data:`PRELOAD`): a
-process then starts in milliseconds and runs exactly what ``python -m distsync.worker`` runs.
+A worker started as ``python -m distsync.worker`` spends over a second of CPU importing torch
+and distsync before it does anything, and on a machine with fewer cores than processes those
+seconds add up. For jobs on this machine without emulated links, the launcher instead asks
+torch's elastic agent to start each process from Python's fork server, preloaded with those
+modules (:data:`PRELOAD`): a process then starts in milliseconds and runs exactly what
+``python -m distsync.worker`` runs.
 The fork server is started by the first job of a launching process and serves its later jobs
 (``compare``, a test session); it ends with that process. Under ``torchrun`` (and with
 ``--link``, whose processes enter network namespaces through ``ip netns exec``) processes
@@ -31,14 +32,9 @@ _SERVER_ENV = dict(os.environ)
 
 def start_method() -> str:
     """The start method for :class:`torch.distributed.launcher.api.LaunchConfig`, with the
-    fork server's preload set (it takes effect when the server starts; a process has one
-    fork server, and a preload someone set before that includes ours is kept)."""
-    from multiprocessing import forkserver
-
-    ours = list(PRELOAD)
-    preset = getattr(forkserver._forkserver, "_preload_modules", [])
-    if not set(ours) <= set(preset):
-        multiprocessing.get_context("forkserver").set_forkserver_preload(ours + [m for m in preset if m not in ours])
+    fork server's preload set. A process has one fork server: the preload set when it starts
+    counts (a module it lacks is imported by the forked process that needs it)."""
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
     return "forkserver"
 
 
