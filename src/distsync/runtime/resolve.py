@@ -21,9 +21,9 @@ from distsync.runtime.roles import EMBEDDING_SERVER, assign_roles
 from distsync.solvers import Solver, make_options, solver_class
 
 #: fields a workload decides when the run does not
-WORKLOAD_DEFAULTS = ("steps", "batch_size", "lr", "eval_every")
+WORKLOAD_DEFAULTS = ("steps", "batch_size", "lr", "eval_every", "embedding_servers", "embedding_lr")
 #: every field that resolving takes from (or checks against) the workload
-WORKLOAD_FIELDS = (*WORKLOAD_DEFAULTS, "embedding_servers", "embedding_lr", "workload_options")
+WORKLOAD_FIELDS = (*WORKLOAD_DEFAULTS, "workload_options")
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def _roles(cfg: RunConfig, cls: type[Solver], options: Any) -> dict[str, int]:
     return roles
 
 
-def _with_workload_defaults(cfg: RunConfig, workload: Any) -> RunConfig:
+def _with_workload_defaults(cfg: RunConfig) -> RunConfig:
     """``cfg`` with every field the workload decides filled in (builds it if needed)."""
     if cfg.task != "train":
         return dataclasses.replace(cfg, embedding_servers=cfg.embedding_servers or 0)
@@ -80,24 +80,19 @@ def _with_workload_defaults(cfg: RunConfig, workload: Any) -> RunConfig:
 
     check_workload_spec(cfg.workload)
     cfg = dataclasses.replace(cfg, workload_options=typed_options(cfg.workload, cfg.workload_options))
-    missing = [n for n in (*WORKLOAD_DEFAULTS, "embedding_servers", "embedding_lr") if getattr(cfg, n) is None]
-    if not missing:
+    if all(getattr(cfg, n) is not None for n in WORKLOAD_DEFAULTS):
         return cfg
-    workload = workload or load_workload(cfg.workload, cfg.workload_options)
+    workload = load_workload(cfg.workload, cfg.workload_options)
     filled = {n: getattr(workload, n) for n in WORKLOAD_DEFAULTS if getattr(cfg, n) is None}
-    if cfg.embedding_servers is None:
-        filled["embedding_servers"] = workload.embedding_servers
-    lr = filled.get("lr", cfg.lr)
-    if cfg.embedding_lr is None:
-        filled["embedding_lr"] = workload.embedding_lr or lr
+    if cfg.embedding_lr is None:  # the embedding servers' lr: the workload's, else the run's
+        filled["embedding_lr"] = workload.embedding_lr or filled.get("lr", cfg.lr)
     return dataclasses.replace(cfg, **filled)
 
 
-def resolve(cfg: RunConfig, workload: Any = None, *, world_size: int | None = None) -> ResolvedRun:
+def resolve(cfg: RunConfig, *, world_size: int | None = None) -> ResolvedRun:
     """Check ``cfg`` and fill in everything it leaves to the workload and the solver.
 
-    ``workload``: the :class:`~distsync.workloads.Workload` if the caller has built it (it
-    is built here otherwise, only when a default is missing). ``world_size``: under
+    The workload is built only when a default is missing. ``world_size``: under
     ``torchrun``, the number of processes; the workers are what the roles leave of it.
     Raises :class:`ConfigError` with a one-line message.
     """
@@ -110,14 +105,14 @@ def resolve(cfg: RunConfig, workload: Any = None, *, world_size: int | None = No
     # The options as given, typed (config.json and labels keep what the user chose).
     cfg.solver_options = {k: getattr(options, k) for k in cfg.solver_options}
     if world_size is not None:
-        cfg = _with_workload_defaults(cfg, workload)
+        cfg = _with_workload_defaults(cfg)
         extra = sum(_roles(cfg, cls, options).values())
         if cfg.workers is not None and cfg.workers != world_size - extra:
             raise ConfigError(f"--workers {cfg.workers} does not match WORLD_SIZE {world_size} minus "
                               f"{extra} extra role(s)")
         cfg.workers = world_size - extra
     cfg.validate()  # the values given, before anything is built from them
-    cfg = _with_workload_defaults(cfg, workload)
+    cfg = _with_workload_defaults(cfg)
     cfg.validate()  # and the workload's defaults, like the values given
     threads = cls.training_threads(options)
     if threads > 1 and cfg.crossover:
