@@ -164,11 +164,9 @@ def convert(value: Any, hint: Any, what: str) -> Any:
         except (ValueError, OverflowError):
             name = getattr(hint, "__name__", None) or describe_type(hint)
             raise ConfigError(f"{what}={value!r} is not a valid {name}") from None
-    if isinstance(value, int) and not isinstance(value, bool) and hint is float:
-        value = float(value)
-    if _is_union(hint) and float in typing.get_args(hint) and isinstance(value, int) \
-            and not isinstance(value, bool) and int not in typing.get_args(hint):
-        value = float(value)
+    kinds = typing.get_args(hint) if _is_union(hint) else (hint,)
+    if float in kinds and int not in kinds and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)  # an integer given for a float field (a file's 2 for 2.0)
     if not matches_type(value, hint):
         raise ConfigError(f"{what} must be {describe_type(hint)}, got {show(value)}")
     return value
