@@ -342,6 +342,7 @@ specs = st.sampled_from([
     "1:3", "0:2,1:1.5", "1:0.5", "2:3", "200mbit", "1gbit,2ms", "fast", "30s", "0s", "0", "abc", "kill:1@3",
     "kill:9@1", "stall:0@2:1", "nan:server@1", "rows=5", "rows", "=1", "bucket_mb=1", "bucket_mb=nan", "overlap=maybe",
     "tau=0", "group_size=3", "sgd", "adam", "lars", "adagrad", "cpu", "cuda", "auto", "static", "best", "", "-", "--",
+    "samples=1000", "seconds=2", "target", "target=0.9", "samples=0", "steps=3", "seconds=1,target",
 ])
 names = st.text(max_size=10).filter(lambda s: ":" not in s and s not in ("mnist", "ctr"))
 workloads = st.sampled_from(["digits", "wide", "cnn", "nope", "tests/fixtures/tiny_workload.py:make_workload",
@@ -425,6 +426,17 @@ def test_any_compare_command_line_launches_or_fails_in_one_line(tmp_path, capsys
     (["--master-port", "0"], "--master-port must be an integer in 1..65535, got 0"),
     (["--seed", "1" * 20], "--seed must be an integer in -9007199254740991..9007199254740991, got 11111111111111111111"),
     (["--jitter", "11"], "--jitter must be in [0, 10] (a share of each step's compute), got 11.0"),
+    (["--device-ms", "0"], "--device-ms must be > 0 milliseconds, got 0.0"),
+    (["--device-ms", "-5"], "--device-ms must be > 0 milliseconds, got -5.0"),
+    (["--device-ms", "inf"], "argument --device-ms: expected a finite number, got 'inf'"),
+    (["--budget", "epochs=3"], "bad --budget 'epochs=3': unknown budget kind 'epochs'; expected samples=N, "
+                               "seconds=S, target or target=VALUE"),
+    (["--budget", "samples=0"], "bad --budget 'samples=0': samples must be > 0"),
+    (["--budget", "seconds=-1"], "bad --budget 'seconds=-1': seconds must be > 0"),
+    (["--budget", "samples=1.5"], "bad --budget 'samples=1.5': samples needs a whole number, e.g. samples=50000"),
+    (["--budget", "seconds=9,seconds=3"], "bad --budget 'seconds=9,seconds=3': seconds is given twice"),
+    (["--budget", "seconds=60", "--steps", "10"], "--budget and --steps conflict: a job budget replaces the steps "
+                                                  "per worker; give one"),
     (["--slow", "1:" + "9" * 400], "FACTOR must be a finite number"),
     (["--link", "9" * 400 + "mbit"], "expected a finite number, e.g. 200mbit"),
     (["--workload", "ctr", "-w", "rows=abc"], "workload ctr: option rows='abc' is not a valid int"),
@@ -443,6 +455,15 @@ def test_bad_option_gives_exit_2_and_one_exact_line(tmp_path, capsys, no_launch,
     assert code == 2, err
     assert_one_line(err)
     assert message in err, err
+
+
+@pytest.mark.parametrize("argv", [["train", "--solver", "ad-psgd"], ["compare", "--solvers", "allreduce,ad-psgd"]])
+def test_a_budget_with_checkpoints_needs_equal_steps(tmp_path, capsys, no_launch, argv):
+    code, err = run_main([*argv, "--budget", "target", "--checkpoint-every", "5", "--out", str(tmp_path / "r")], capsys)
+    assert code == 2, err
+    assert_one_line(err)
+    assert ("--budget with --checkpoint-every needs a solver whose workers take equal steps; ad-psgd's workers "
+            "step on their own") in err
 
 
 @pytest.mark.parametrize("argv, message", [

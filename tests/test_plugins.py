@@ -163,7 +163,7 @@ def test_stretch_at_factor_1_never_sleeps(monkeypatch):
 def test_stretch_seeds_and_jitter_draws_survive_a_checkpoint(monkeypatch):
     slept: list[float] = []
     monkeypatch.setattr(stretch_module.time, "sleep", slept.append)
-    cfg = SimpleNamespace(slow={1: 3.0}, jitter=0.5, seed=2)
+    cfg = SimpleNamespace(slow={1: 3.0}, jitter=0.5, seed=2, device_ms=None)
     plugin = DeviceStretch.for_worker(cfg, rank=1, threads=2)
     assert [st.factor for st in plugin.stretches] == [3.0, 3.0]
     for st, seed in zip(plugin.stretches, [2 * 7919 + 31, 2 * 7919 + 32]):

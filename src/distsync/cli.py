@@ -158,7 +158,7 @@ def _progress() -> Progress:
     return Progress(
         TextColumn("[bold]{task.description:<12}"),
         BarColumn(),
-        TextColumn("step {task.completed:>5.0f}/{task.total:.0f}"),
+        TextColumn("{task.fields[where]}"),
         TextColumn("{task.fields[status]}"),
         TimeElapsedColumn(),
         console=console,
@@ -179,18 +179,20 @@ def _summary_table(summaries: list[dict[str, Any]]) -> Table:
     return table
 
 
-def _run_with_progress(names: list[str], steps: int, run) -> Any:
+def _run_with_progress(run) -> Any:
     with _progress() as bar:
         tasks = {}
 
         def on_start(name: str, cfg) -> None:
-            tasks[name] = bar.add_task(name, total=steps, status="starting")
+            total = cfg.steps if cfg.budget is None else None  # a budget: it ends when it is spent
+            tasks[name] = bar.add_task(name, total=total, status="starting", where="")
 
         def on_progress(name: str, data: dict[str, Any]) -> None:
             status = f"loss {data['loss']:.4f}"
             if data.get("metric") is not None:
                 status += f"  metric {data['metric']:.4f}"
-            bar.update(tasks[name], completed=data["step"], status=status)
+            where = f"step {data['step']:>5}" + (f"/{data['steps']}" if data.get("steps") else "")
+            bar.update(tasks[name], completed=data["step"], status=status, where=where)
 
         return run(on_start, on_progress)
 
@@ -214,11 +216,21 @@ def _cmd_train(args: argparse.Namespace) -> int:
         on_start(cfg.solver, run.config)
         return launch(run, out, lambda d: on_progress(cfg.solver, d))
 
-    summary = _run_with_progress([cfg.solver], run.config.steps, start)
+    summary = _run_with_progress(start)
     _stdout().print(_summary_table([summary]))
+    _print_device(summary)
     _print_recovery(summary)
     console.print(f"run folder: {out}")
     return 0
+
+
+def _print_device(summary: dict[str, Any]) -> None:
+    """A CPU-bound run with an emulated device says so."""
+    from distsync.metrics import device_warning
+
+    warning = device_warning(summary.get("device"))
+    if warning:
+        console.print(f"[yellow]{summary['label']}: {warning}[/]", highlight=False, soft_wrap=True)
 
 
 def _print_recovery(summary: dict[str, Any]) -> None:
@@ -244,9 +256,10 @@ def _cmd_compare(args: argparse.Namespace) -> int:
                               parse_key_values(_solver_option_items(args)))
     base = runs[0].config
     out = Path(base.out) if base.out else _default_out("compare", base.workload, "-".join(solvers[:4]))
-    summaries = _run_with_progress(
-        solvers, base.steps, lambda on_start, on_progress: compare(runs, out, on_start, on_progress))
+    summaries = _run_with_progress(lambda on_start, on_progress: compare(runs, out, on_start, on_progress))
     _stdout().print(_summary_table(summaries))
+    for summary in summaries:
+        _print_device(summary)
     console.print(f"report: {out / 'report.md'}")
     return 0
 

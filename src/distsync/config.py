@@ -241,6 +241,58 @@ def read_file(path: Path, what: str, parse: Callable[[str], Any], fmt: str) -> A
         raise ConfigError(f"{what} {path} is nested too deeply") from None
 
 
+@dataclass(frozen=True)
+class Budget:
+    """A job's budget (``--budget``): the job stops at the first one spent. ``samples``: over
+    all workers; ``seconds``: of training time; ``target``: the workload's target (or
+    ``target_value``) reached by the job's metric, checked at evaluations."""
+
+    samples: int | None = None
+    seconds: float | None = None
+    target: bool = False
+    target_value: float | None = None
+
+    def __str__(self) -> str:
+        parts = [f"samples={self.samples}" if self.samples is not None else "",
+                 f"seconds={self.seconds:g}" if self.seconds is not None else "",
+                 ("target" + (f"={self.target_value:g}" if self.target_value is not None else "")) if self.target
+                 else ""]
+        return ",".join(p for p in parts if p)
+
+
+BUDGET_FORMS = "samples=N, seconds=S, target or target=VALUE"
+
+
+def parse_budget(spec: str | None) -> Budget | None:
+    """``--budget``: ``samples=N``, ``seconds=S``, ``target`` or ``target=VALUE``, several
+    joined by commas (the first spent ends the job). None: no budget (steps per worker)."""
+    if spec is None:
+        return None
+    if not isinstance(spec, str) or not spec.strip():
+        raise ConfigError(f"bad --budget {spec!r}: expected {BUDGET_FORMS}")
+    found: dict[str, Any] = {}
+    for part in spec.split(","):
+        kind, eq, value = (x.strip() for x in part.partition("="))
+        if kind not in ("samples", "seconds", "target"):
+            raise ConfigError(f"bad --budget {part.strip()!r}: unknown budget kind {kind!r}; expected {BUDGET_FORMS}")
+        if kind in found:
+            raise ConfigError(f"bad --budget {spec!r}: {kind} is given twice")
+        if kind == "target" and not eq:
+            found[kind] = None
+            continue
+        try:
+            number = int(value) if kind == "samples" else float(value)
+        except ValueError:
+            example = {"samples": "samples=50000", "seconds": "seconds=60", "target": "target=0.9"}[kind]
+            raise ConfigError(f"bad --budget {part.strip()!r}: {kind} needs "
+                              f"{'a whole number' if kind == 'samples' else 'a number'}, e.g. {example}")
+        if not math.isfinite(number) or (kind != "target" and number <= 0):
+            raise ConfigError(f"bad --budget {part.strip()!r}: {kind} must be > 0")
+        found[kind] = number
+    return Budget(samples=found.get("samples"), seconds=found.get("seconds"), target="target" in found,
+                  target_value=found.get("target"))
+
+
 def parse_slow(spec: str | None) -> dict[int, float]:
     """Parse ``RANK:FACTOR[,RANK:FACTOR...]`` into ``{rank: factor}``.
 
@@ -417,6 +469,13 @@ class RunConfig:
     #: random per-step extra compute, up to this share of a step (every worker)
     jitter: float = bounded(0.0, ge=0, le=10, flag="--jitter", note=" (a share of each step's compute)")
     eval_every: int | None = bounded(None, ge=1, flag="--eval-every")
+    #: emulated device: each step's compute (forward and backward) lasts this many
+    #: milliseconds times the worker's --slow factor (and jitter); the real math runs inside
+    #: it and the rest is slept. None: compute takes what the CPU takes
+    device_ms: float | None = bounded(None, gt=0, flag="--device-ms", note=" milliseconds")
+    #: a budget for the job as a whole instead of steps per worker: "samples=N",
+    #: "seconds=S", "target" or "target=VALUE", several joined by commas (:func:`parse_budget`)
+    budget: str | None = None
     timeout_s: float = bounded(60.0, gt=0, flag="--timeout", note=" seconds")
     intra_op_threads: int = bounded(1, ge=1, flag="--intra-op-threads")
     device: str = bounded("auto", choices=DEVICES, flag="--device")
@@ -461,6 +520,7 @@ class RunConfig:
         if self.link is not None:
             parse_link(self.link)
         checkpoint_interval(self.checkpoint_every)
+        parse_budget(self.budget)
         for spec in self.faults:
             fault = parse_fault(spec)
             if isinstance(fault.target, int) and not 0 <= fault.target < self.workers:

@@ -29,6 +29,10 @@ def add_run_options(p: argparse.ArgumentParser, *, workers_default: int | None =
     g.add_argument("--rows", type=int, help="embedding rows per table (ctr; shortcut for -w rows=N)")
     g.add_argument("--workers", type=int, default=workers_default, help="worker processes (default: 2)")
     g.add_argument("--steps", type=int, help="steps per worker (default: the workload's)")
+    g.add_argument("--budget", metavar="KIND[=VALUE][,...]",
+                   help="a budget for the job as a whole instead of --steps: samples=N (over all workers), "
+                        "seconds=S (of training), target or target=VALUE (the metric reached, checked at "
+                        "evaluations); fast workers keep training while a slow one lags")
     g.add_argument("--batch-size", type=int, help="samples per worker per step (default: the workload's)")
     g.add_argument("--lr", type=finite_float, help="learning rate (default: the workload's)")
     g.add_argument("--optimizer", default="sgd", help="sgd | adam | lars (default: sgd)")
@@ -48,6 +52,9 @@ def add_run_options(p: argparse.ArgumentParser, *, workers_default: int | None =
                    help="stretch these workers' compute FACTOR times (e.g. --slow 1:3)")
     g.add_argument("--jitter", type=finite_float, default=0.0,
                    help="random per-step extra compute on every worker, up to this share of a step (e.g. 0.5)")
+    g.add_argument("--device-ms", type=finite_float, metavar="MS",
+                   help="emulate a device: each step's compute lasts MS milliseconds (times the worker's --slow "
+                        "factor), the real math inside it and the rest slept, so the CPU is left mostly idle")
     g.add_argument("--link", metavar="BANDWIDTH[,LATENCY]",
                    help="emulate a cluster: every process on its own network host behind a link of this "
                         "rate (e.g. 200mbit, 1gbit,2ms); needs root")
@@ -83,6 +90,8 @@ def config_from_args(args: argparse.Namespace, solver: str, solver_options: dict
         solver_options=solver_options,
         workers=args.workers,
         steps=args.steps,
+        budget=args.budget,
+        device_ms=args.device_ms,
         batch_size=args.batch_size,
         lr=args.lr,
         optimizer=args.optimizer,

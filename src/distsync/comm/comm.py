@@ -270,6 +270,16 @@ class Comm:
     def store_get(self, key: str) -> str:
         return self._guard(f"store get {key}", self._store().get, key).decode()
 
+    def store_add(self, key: str, amount: int) -> int:
+        """Add ``amount`` to the counter ``key`` (created at 0); its new value."""
+        return int(self._guard(f"store add {key}", self._store().add, key, amount))
+
+    def store_first(self, key: str, value: str) -> str:
+        """Set ``key`` to ``value`` unless it is set already; the value it holds now (the
+        first writer's, whoever that was)."""
+        got = self._guard(f"store compare_set {key}", self._store().compare_set, key, "", value)
+        return got.decode() if isinstance(got, bytes) else str(got)
+
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         box = [obj]
         self._guard("broadcast_object", dist.broadcast_object_list, box, src=src)

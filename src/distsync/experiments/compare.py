@@ -50,7 +50,9 @@ def resolve_comparison(base: RunConfig, solvers: list[str], raw_options: dict[st
     for s in solvers:
         cfg = dataclasses.replace(base, solver=s, solver_options=dict(options.get(s, {})))
         if runs:  # what the workload decided for the first solver holds for all (built once)
-            cfg = dataclasses.replace(cfg, **{n: getattr(runs[0].config, n) for n in WORKLOAD_FIELDS})
+            # (with a budget, each solver's steps follow from it: see resolve)
+            same = [n for n in WORKLOAD_FIELDS if not (n == "steps" and base.budget is not None)]
+            cfg = dataclasses.replace(cfg, **{n: getattr(runs[0].config, n) for n in same})
         runs.append(resolve(cfg))
     return runs
 

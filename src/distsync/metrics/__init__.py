@@ -1,5 +1,5 @@
 """Events, phase accounting and run summaries (throughput, time to target, bytes, waiting)."""
 
-from distsync.metrics.summary import split_collective_wait, summarize, eval_curve
+from distsync.metrics.summary import device_summary, device_warning, eval_curve, split_collective_wait, summarize
 
-__all__ = ["split_collective_wait", "summarize", "eval_curve"]
+__all__ = ["device_summary", "device_warning", "eval_curve", "split_collective_wait", "summarize"]

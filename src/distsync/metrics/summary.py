@@ -38,6 +38,32 @@ def split_collective_wait(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+#: a run whose steps overran their emulated device time more often than this was CPU-bound
+CPU_BOUND_SHARE = 0.05
+
+
+def device_summary(events: list[dict[str, Any]], device_ms: float | None) -> dict[str, Any] | None:
+    """With an emulated device: how many steps' real math took longer than their device time
+    (``device_over`` in their events), by how much, and whether the run was CPU-bound (more
+    than :data:`CPU_BOUND_SHARE` of its steps over): then it is no emulation of that device."""
+    if device_ms is None:
+        return None
+    steps = [e for e in events if e["kind"] == "step"]
+    over = [e["device_over"] for e in steps if "device_over" in e]
+    share = len(over) / len(steps) if steps else 0.0
+    return {"ms": device_ms, "steps": len(steps), "steps_over": len(over), "share_over": share,
+            "mean_over_ms": 1000 * sum(over) / len(over) if over else 0.0, "cpu_bound": share > CPU_BOUND_SHARE}
+
+
+def device_warning(device: dict[str, Any] | None) -> str | None:
+    """One sentence for a CPU-bound run (None for any other)."""
+    if not device or not device["cpu_bound"]:
+        return None
+    return (f"CPU-bound: {device['share_over']:.0%} of steps took longer than the emulated {device['ms']:g} ms device "
+            f"time (by {device['mean_over_ms']:.1f} ms on average); this run is no emulation of that device "
+            f"(raise --device-ms or run fewer workers)")
+
+
 def eval_curve(events: Iterable[dict[str, Any]]) -> list[dict[str, float]]:
     """The run's quality over time: after each evaluation (in time order, once every worker
     has evaluated), the mean over workers of each one's latest metric and loss.
@@ -83,8 +109,12 @@ def summarize(
         for p in PHASES:
             per_rank[e["rank"]][p] += e[p]
     for r in ranks:
-        per_rank[r]["steps"] = sum(1 for e in steps if e["rank"] == r)
-        per_rank[r]["bytes"] = sum(e["bytes"] for e in steps if e["rank"] == r)
+        mine = [e for e in steps if e["rank"] == r]
+        per_rank[r]["steps"] = len(mine)
+        per_rank[r]["bytes"] = sum(e["bytes"] for e in mine)
+        # Done early while others still train: idle, which counts as waiting.
+        per_rank[r]["idle_after_done"] = max(0.0, wall - max(e["t"] for e in mine))
+        per_rank[r]["wait"] += per_rank[r]["idle_after_done"]
     curve = eval_curve(events)
     reached = None
     if target is not None:
@@ -100,6 +130,8 @@ def summarize(
         "samples": samples,
         "throughput_samples_per_s": samples / wall if wall > 0 else 0.0,
         "steps_per_worker": max((v["steps"] for v in per_rank.values()), default=0),
+        "steps_by_worker": {str(r): v["steps"] for r, v in per_rank.items()},
+        "idle_after_done_s": sum(v["idle_after_done"] for v in per_rank.values()),
         "target": target,
         "time_to_target_s": reached["t"] if reached else None,
         "step_at_target": reached["step"] if reached else None,

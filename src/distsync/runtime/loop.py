@@ -21,6 +21,7 @@ from distsync.errors import DistsyncError
 from distsync.runtime.plugins import (Checkpointer, ComputeGate, DeviceStretch, EmbeddingTablesClient, Evaluator,
                                       FaultInjection, HogwildRunner, Plugins, Progress, RunState, SingleThread,
                                       StepState, TrainClock)
+from distsync.runtime.plugins.budget import Heartbeat, JobBudget
 from distsync.runtime.recovery import EventJournal, WorkerRecovery, write_stop
 from distsync.solvers.lars import LARS
 from distsync.workloads import ShardSampler, Workload
@@ -64,6 +65,8 @@ def worker_plugins(cfg: RunConfig, workload: Workload, solver, comm, progress: P
         gate,  # the token goes back before the sparse gradients are pushed
         EmbeddingTablesClient(cfg.embedding_servers, solver.threads) if cfg.embedding_servers else None,
         FaultInjection(recovery.faults),
+        JobBudget.for_worker(cfg, solver, workload),  # with --budget: when this worker stops
+        Heartbeat(min(1.0, cfg.timeout_s / 5)),
         DeviceStretch.for_worker(cfg, comm.rank, solver.threads),  # after the lookups: they are not compute
         Evaluator(save_to),  # before checkpoints: a checkpoint holds the evaluation's event
         Checkpointer(recovery),
@@ -118,6 +121,8 @@ def train_thread(run: RunState, t: int) -> None:
     hooks.on_thread_start(run, t)
     for k in range(run.first_k, run.per_thread):
         s = StepState(thread=t, k=k, step=k * run.threads + t, done=(k + 1) * run.threads)
+        if hooks.stop_before(run, s):  # the job's budget is spent
+            break
         hooks.on_step_start(run, s)  # injected faults fire before the step's clock starts
         s.t0 = run.clock.now()
         s.comm_s += _seconds(solver.before_step, s.step)

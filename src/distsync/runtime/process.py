@@ -14,10 +14,11 @@ import torch
 from distsync.comm import Comm
 from distsync.config import RunConfig, parse_link
 from distsync.errors import CommError, ConfigError
-from distsync.metrics import split_collective_wait, summarize
+from distsync.metrics import device_summary, split_collective_wait, summarize
 from distsync.runtime.checkpoint import STATEFUL_ROLES, CheckpointStore, fingerprint
 from distsync.runtime.linktest import run_linktest
 from distsync.runtime.loop import Progress, train_worker
+from distsync.runtime.plugins.budget import BEAT
 from distsync.runtime.recovery import (CheckpointPolicy, FaultInjector, WorkerRecovery, raise_if_stopped,
                                        read_faults, restart_count, summarize_recovery)
 from distsync.runtime.resolve import ResolvedRun
@@ -110,15 +111,37 @@ def dropped_mark(run_dir: Path, attempt: int, rank: int) -> dict[str, Any] | Non
         return None
 
 
+#: where each process says it has finished its part of the job
+FINISHED = "distsync/finished/"
+
+
+def wait_for_workers(comm: Comm, poll_s: float = 0.2) -> None:
+    """Wait until every worker has finished training, however long a slow one takes, as long
+    as it makes progress (its heartbeat, ``plugins.budget.Heartbeat``, moves); a worker whose
+    heartbeat stood still for the comm timeout fails the job, named."""
+    comm.store_set(f"{FINISHED}{comm.rank}", "1")
+    for r in comm.worker_ranks:
+        seen, since = None, time.monotonic()
+        while not comm.store_check(f"{FINISHED}{r}"):
+            beat = comm.store_get(f"{BEAT}{r}") if comm.store_check(f"{BEAT}{r}") else None
+            if beat != seen:
+                seen, since = beat, time.monotonic()
+            elif time.monotonic() - since > comm.timeout_s:
+                where = f"last heartbeat at step {seen}" if seen is not None else "no heartbeat yet"
+                raise CommError(f"rank {comm.rank} ({comm.role}): worker rank {r} made no progress for "
+                                f"{comm.timeout_s:g} s ({where}): it is stalled or has died")
+            time.sleep(poll_s)
+
+
 def gather_through_store(comm: Comm, mine: dict[str, Any], run_dir: Path, attempt: int) -> list[dict] | None:
-    """Rank 0: every rank's results, a dropped worker's events from its journal. Each rank
-    waits at most the comm timeout for each other one."""
+    """Rank 0: every rank's results, a dropped worker's events from its journal. Rank 0 waits
+    for each other rank as long as its heartbeat moves, and the comm timeout beyond."""
     comm.store_set(f"distsync/results/{comm.rank}", json.dumps(mine))
     if comm.rank != 0:
         return None
     out = []
     for r in range(comm.world_size):
-        deadline = time.monotonic() + comm.timeout_s
+        deadline, seen = time.monotonic() + comm.timeout_s, None
         while True:
             if comm.store_check(f"distsync/results/{r}"):
                 out.append(json.loads(comm.store_get(f"distsync/results/{r}")))
@@ -137,11 +160,23 @@ def gather_through_store(comm: Comm, mine: dict[str, Any], run_dir: Path, attemp
                 events = [e for e in events if e["kind"] != "eval"]
                 out.append({"events": events, "role": "worker", "stats": {}, "bytes": 0, "dropped": mark})
                 break
+            beat = comm.store_get(f"{BEAT}{r}") if comm.store_check(f"{BEAT}{r}") else None
+            if beat != seen:  # still training
+                deadline, seen = time.monotonic() + comm.timeout_s, beat
             if time.monotonic() > deadline:
-                raise CommError(f"rank 0 (worker): rank {r} sent no results within {comm.timeout_s:g} s "
-                                f"(it is stalled or has died)")
+                raise CommError(f"rank 0 (worker): rank {r} sent no results and made no progress for "
+                                f"{comm.timeout_s:g} s (it is stalled or has died)")
             time.sleep(0.05)
     return out
+
+
+def _budget_summary(budget: str | None, events: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The job's budget and what ended it (None: steps per worker)."""
+    if budget is None:
+        return None
+    seen = sorted((e for e in events if e["kind"] == "budget"), key=lambda e: e["t"])
+    return {"budget": budget, "spent": seen[0]["spent"] if seen else None,
+            "spent_at_s": seen[0]["t"] if seen else None}
 
 
 def write_results(run: ResolvedRun, run_dir: Path, events: list[dict[str, Any]], solver, workload,
@@ -163,6 +198,9 @@ def write_results(run: ResolvedRun, run_dir: Path, events: list[dict[str, Any]],
         "metric": workload.metric_name,
         "higher_is_better": workload.higher_is_better,
         "slow": {str(k): v for k, v in cfg.slow.items()},
+        "jitter": cfg.jitter,
+        "device": device_summary(events, cfg.device_ms),
+        "budget": _budget_summary(cfg.budget, events),
         **summarize(events, target=workload.target, higher_is_better=workload.higher_is_better),
         **final_extra_metrics(events, list(workload.extra_metrics)),
         "bytes_sent_by_servers": bytes_by_other_roles,
@@ -254,7 +292,8 @@ def run_process(run: ResolvedRun, run_dir: Path) -> None:
                       on_request=recovery.faults.at if recovery.faults.pending else None,
                       drop_dead_workers=supervised())
         if comm.role == "worker":
-            progress = Progress(run_dir / "progress.json" if comm.rank == 0 else None, cfg.steps)
+            progress = Progress(run_dir / "progress.json" if comm.rank == 0 else None,
+                                cfg.steps if cfg.budget is None else None)
             events = train_worker(cfg, workload, solver, comm, device, progress,
                                   save_to=run_dir / "model.pt" if comm.rank == 0 else None, recovery=recovery)
         elif comm.role == EMBEDDING_SERVER:
@@ -277,6 +316,8 @@ def run_process(run: ResolvedRun, run_dir: Path) -> None:
             events = []
         mine = {"events": list(events), "role": comm.role, "stats": stats if stats is not None else solver.stats(),
                 "bytes": comm.bytes_sent}
+        if comm.role == "worker" and not supervised():
+            wait_for_workers(comm)  # a slow worker still training is no stalled one
         if not supervised():
             gathered = comm.gather_object(mine)
         else:  # some workers may be gone: results travel through the store, dead ranks' from disk

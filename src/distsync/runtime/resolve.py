@@ -12,10 +12,11 @@ workload.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
-from distsync.config import RunConfig
+from distsync.config import RunConfig, parse_budget
 from distsync.errors import ConfigError
 from distsync.runtime.roles import EMBEDDING_SERVER, assign_roles
 from distsync.solvers import Solver, make_options, solver_class
@@ -98,6 +99,9 @@ def resolve(cfg: RunConfig, *, world_size: int | None = None) -> ResolvedRun:
     """
     if isinstance(cfg, ResolvedRun):
         return cfg
+    if cfg.budget is not None and cfg.steps is not None and not cfg.resolved:
+        raise ConfigError("--budget and --steps conflict: a job budget replaces the steps per worker; give one")
+    was_resolved = cfg.resolved  # a config.json written by a launcher (its budget's steps are set)
     cfg = dataclasses.replace(cfg, resolved=False)
     cls = solver_class(cfg.solver)
     _check_solver_class(cls)
@@ -115,12 +119,37 @@ def resolve(cfg: RunConfig, *, world_size: int | None = None) -> ResolvedRun:
     cfg = _with_workload_defaults(cfg)
     cfg.validate()  # and the workload's defaults, like the values given
     threads = cls.training_threads(options)
+    if cfg.budget is not None and cfg.task == "train" and not was_resolved:
+        cfg.steps = _budget_steps(cfg, cls.lockstep_lead(options, cfg.workers), threads)
     if threads > 1 and cfg.crossover:
         raise ConfigError(f"crossover scheduling runs one training thread per worker; {cls.name} asks for {threads}")
     if cfg.task == "train" and threads > 1 and cfg.steps % threads:
         raise ConfigError(f"--steps {cfg.steps} must be a multiple of the solver's {threads} threads")
     cfg.resolved = True
     return ResolvedRun(cfg, cls, options, tuple(assign_roles(cfg.workers, _roles(cfg, cls, options))))
+
+
+#: with a budget of seconds only, a cap no run reaches
+UNLIMITED_STEPS = 10**9
+#: with a target budget alone, each worker stops at this many times the workload's steps
+TARGET_CAP = 10
+
+
+def _budget_steps(cfg: RunConfig, lead: int | None, threads: int) -> int:
+    """Steps per worker under ``cfg.budget``: all of them for solvers whose workers take
+    equal steps and a samples budget, else a cap the budget ends the run before."""
+    budget = parse_budget(cfg.budget)
+    if lead is None and cfg.checkpoint_every is not None:
+        raise ConfigError(f"--budget with --checkpoint-every needs a solver whose workers take equal steps; "
+                          f"{cfg.solver}'s workers step on their own")
+    if budget.samples is not None:
+        # Equal steps: exactly the samples, over all workers; on their own: one worker could take all.
+        steps = math.ceil(budget.samples / (cfg.batch_size * (cfg.workers if lead is not None else 1)))
+    elif budget.seconds is not None:
+        steps = UNLIMITED_STEPS
+    else:
+        steps = TARGET_CAP * cfg.steps
+    return -(-steps // threads) * threads
 
 
 def trusted(cfg: RunConfig) -> ResolvedRun:

@@ -122,6 +122,14 @@ class Solver:
         concurrently."""
         return 1
 
+    @classmethod
+    def lockstep_lead(cls, options: Any, workers: int) -> int | None:
+        """How the workers of a job with a budget (``--budget``) may stop. None: each worker
+        steps on its own (its peers never wait for its next step) and may stop at any step.
+        An int: every worker must take the same number of steps, and no worker can have started
+        more than this many steps beyond another (a collective every step: 1)."""
+        return 1
+
     @property
     def roles(self) -> dict[str, int]:
         return self.extra_roles(self.options)
@@ -197,11 +205,21 @@ class Solver:
         self.zero_grad()
 
 
-def join_background(thread: threading.Thread, errors: list[BaseException], timeout_s: float, what: str) -> None:
-    """Join a solver's background thread within ``timeout_s``; re-raise what it failed with."""
-    thread.join(timeout=timeout_s)
-    if thread.is_alive():
-        raise RuntimeError(f"{what} did not stop within {timeout_s:g} s")
+def join_background(thread: threading.Thread, errors: list[BaseException], timeout_s: float, what: str,
+                    progress: Callable[[], Any] | None = None) -> None:
+    """Join a solver's background thread; re-raise what it failed with. It may take
+    ``timeout_s``, and as long again each time ``progress()`` (e.g. a count of exchanges with
+    peers still training) has changed meanwhile."""
+    seen = progress() if progress is not None else None
+    while True:
+        thread.join(timeout=timeout_s)
+        if not thread.is_alive():
+            break
+        now = progress() if progress is not None else None
+        if progress is None or now == seen:
+            raise RuntimeError(f"{what} did not stop within {timeout_s:g} s"
+                               + (" (no exchange with a peer meanwhile)" if progress is not None else ""))
+        seen = now
     if errors:
         raise errors[0]
 

@@ -66,6 +66,10 @@ class ADPSGD(Solver):
     name = "ad-psgd"
     Options = ADPSGDOptions
 
+    @classmethod
+    def lockstep_lead(cls, options, workers):
+        return None  # passives answer from a thread until every active is done
+
     def attach(self, model, optimizer, comm):
         super().attach(model, optimizer, comm)
         self.view = FlatView(list(model.parameters()))
@@ -140,7 +144,8 @@ class ADPSGD(Solver):
                 self.comm.send(torch.tensor([OP_DONE]), partner, group=self.gossip, tag=TAG_AVG_HEADER)
         elif self._thread is not None:
             join_background(self._thread, self._error, self.comm.timeout_s,
-                            f"rank {self.comm.rank}: ad-psgd answering thread")
+                            f"rank {self.comm.rank}: ad-psgd answering thread",
+                            progress=lambda: sum(self.answered.values()))
             with self.lock:
                 self._apply_pending()
         if self._error:
@@ -185,6 +190,13 @@ class Ripples(Solver):
     @classmethod
     def extra_roles(cls, options) -> dict[str, int]:
         return {"coordinator": 1} if options.schedule != "static" else {}
+
+    @classmethod
+    def lockstep_lead(cls, options, workers):
+        if options.schedule == "smart":
+            return None  # groups of whoever is ready; a finished worker is never waited for
+        # Fixed rounds: each worker's groups chain it to the others within a few rounds.
+        return options.every * workers
 
     # ---- worker -------------------------------------------------------------------------
     def attach(self, model, optimizer, comm):

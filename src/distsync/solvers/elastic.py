@@ -75,6 +75,10 @@ class _ElasticServerSolver(ServerSolver):
     Options = ElasticOptions
     survives_worker_loss = True  # first come, first served: nobody waits for a dead worker
 
+    @classmethod
+    def lockstep_lead(cls, options, workers):
+        return None  # the server serves each worker on its own (easgd: in turn, skipping finished ones)
+
     def attach(self, model, optimizer, comm):
         model = super().attach(model, optimizer, comm)
         self.alpha = self.options.moving_rate(comm.num_workers)
@@ -207,6 +211,10 @@ class SyncEASGD(Solver):
     name = "sync-easgd"
     Options = SyncElasticOptions
     collective_per_step = True
+
+    @classmethod
+    def lockstep_lead(cls, options, workers):
+        return options.tau + 1  # an all-reduce every tau steps
 
     def attach(self, model, optimizer, comm):
         super().attach(model, optimizer, comm)

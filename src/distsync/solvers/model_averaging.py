@@ -58,6 +58,10 @@ class AveragingSolver(HogwildThreads, Solver):
 
     collective_per_step = False
 
+    @classmethod
+    def lockstep_lead(cls, options, workers):
+        return options.every + 1  # an all-reduce every `every` steps
+
     def attach(self, model, optimizer, comm):
         super().attach(model, optimizer, comm)
         self.view = FlatView(list(model.parameters()))
@@ -129,3 +133,7 @@ class Local(HogwildThreads, Solver):
 
     name = "local"
     Options = HogwildThreadsOptions
+
+    @classmethod
+    def lockstep_lead(cls, options, workers):
+        return None  # nothing to wait for

@@ -191,6 +191,10 @@ class AsyncPS(GradientServerSolver):
     Options = AsyncPSOptions
     survives_worker_loss = True
 
+    @classmethod
+    def lockstep_lead(cls, options, workers):
+        return None  # the servers apply each push on its own
+
     def attach(self, model, optimizer, comm):
         model = super().attach(model, optimizer, comm)
         self._acc = [torch.zeros(v.numel) for v in self.client.views]

@@ -42,6 +42,10 @@ from distsync.solvers.rules import apply_correction, elastic_pull
 class _ShadowAveraging(AveragingSolver):
     """Model averaging (with BMUF's filter for :class:`BMUFOptions`) in a shadow thread."""
 
+    @classmethod
+    def lockstep_lead(cls, options, workers):
+        return None  # the shadow threads sync until every worker is done
+
     def attach(self, model, optimizer, comm):
         super().attach(model, optimizer, comm)
         # The shadow thread's collectives run on a group of their own.
@@ -86,7 +90,7 @@ class _ShadowAveraging(AveragingSolver):
     def close(self):
         self._done.set()
         join_background(self._thread, self._errors, self.comm.timeout_s + 5,
-                        f"rank {self.comm.rank}: {self.name} shadow thread")
+                        f"rank {self.comm.rank}: {self.name} shadow thread", progress=lambda: self.syncs)
         # Final sync: every worker leaves with the mean of the final models.
         final = self.view.flat()
         self.comm.all_reduce(final, group=self.group)

@@ -14,6 +14,7 @@ Hook points, in the order a worker reaches them::
     on_start(run)              after the barrier; the run's clock is running
     on_thread_start(run, t)    in each training thread, before its first step
     -- each step, around the solver's hooks (solvers/base.py) --
+    stop_before(run, s)        whether this thread stops before step ``s`` (a job budget spent)
     on_step_start(run, s)      before the step's clock (t0) and the solver's before_step
     before_compute(run, s)     the batch is on the device; the compute window opens next
     on_loss(run, s, loss)      returns the loss to go on with
@@ -45,7 +46,7 @@ from typing import Any, Callable, ContextManager, Iterable, Iterator
 import torch
 
 #: every hook point, in the order a worker reaches them (``Plugins`` dispatches these)
-HOOKS = ("on_model", "on_attach", "on_ready", "on_start", "on_thread_start", "on_step_start", "before_compute",
+HOOKS = ("on_model", "on_attach", "on_ready", "on_start", "on_thread_start", "stop_before", "on_step_start", "before_compute",
          "on_loss", "after_forward", "after_backward", "after_compute", "sync_due", "at_sync_point", "on_step_end",
          "computing", "on_checkpoint", "save_state", "load_state", "on_close")
 
@@ -178,6 +179,10 @@ class Plugin:
     def on_ready(self, run: RunState) -> None: ...
     def on_start(self, run: RunState) -> None: ...
     def on_thread_start(self, run: RunState, thread: int) -> None: ...
+
+    def stop_before(self, run: RunState, s: StepState) -> bool:
+        return False
+
     def on_step_start(self, run: RunState, s: StepState) -> None: ...
     def before_compute(self, run: RunState, s: StepState) -> None: ...
 
@@ -231,6 +236,9 @@ class Plugins:
     def on_ready(self, run: RunState) -> None: self._call("on_ready", run)
     def on_start(self, run: RunState) -> None: self._call("on_start", run)
     def on_thread_start(self, run: RunState, thread: int) -> None: self._call("on_thread_start", run, thread)
+    def stop_before(self, run: RunState, s: StepState) -> bool:
+        return any(hook(run, s) for hook in self._hooks["stop_before"])
+
     def on_step_start(self, run: RunState, s: StepState) -> None: self._call("on_step_start", run, s)
     def before_compute(self, run: RunState, s: StepState) -> None: self._call("before_compute", run, s)
 

@@ -1,4 +1,21 @@
-"""Slower devices, emulated by sleeping inside the compute window (``--slow``, ``--jitter``)."""
+"""Slower and emulated devices, by sleeping inside the compute window.
+
+Two ways, chosen by the run (``--device-ms``):
+
+- **stretched CPU** (``--slow``, ``--jitter`` alone): a worker's compute takes ``factor``
+  times what its CPU took; the CPU is still what sets the pace.
+- **emulated device** (``--device-ms MS``): every step's compute lasts a fixed device time,
+  ``MS x factor x (1 + jitter u)``, whatever the CPU took: the real forward and backward run
+  inside it (the math and the convergence are real) and the rest is slept, so the CPU stays
+  mostly idle and many workers on a small machine behave like dedicated devices. A step whose
+  real math took longer than its device time is counted (``device_over`` in its event): a run
+  with many of them was CPU-bound and is no emulation of that device.
+
+The sleep falls between forward and backward, before any gradient is ready, so peers in a
+collective wait on this worker exactly as they would on a slower device (communication that
+starts in backward's gradient hooks does not hide behind it). ``u`` is uniform in [0, 1),
+drawn per step from the worker's seed.
+"""
 
 from __future__ import annotations
 
@@ -8,34 +25,54 @@ from typing import Any
 
 from distsync.runtime.plugins.base import Plugin, RunState, StepState
 
+#: a step's real math may exceed its device time by this much before it counts as over
+OVER_GRACE_S = 0.0005
+OVER_GRACE_SHARE = 0.02
+
 
 class ComputeStretch:
-    """Makes one worker's compute ``factor`` times longer, by sleeping (so it steals no CPU).
+    """One training thread's compute, stretched ``factor`` times (``device_s`` None) or made to
+    last ``device_s x factor`` (an emulated device); with ``jitter``, up to that share more."""
 
-    The sleep falls between forward and backward, before any gradient is ready, so peers in
-    a collective wait on this worker exactly as they would on a slower machine. Its length is
-    ``(factor - 1 + jitter * u) * (this step's forward + the last measured backward)`` with
-    ``u`` uniform in [0, 1) drawn per step from ``seed`` (random per-step delays).
-    """
-
-    def __init__(self, factor: float, jitter: float = 0.0, seed: int = 0):
+    def __init__(self, factor: float, jitter: float = 0.0, seed: int = 0, device_s: float | None = None):
         self.factor = factor
         self.jitter = jitter
+        self.device_s = device_s
         self._rng = random.Random(seed)
         self._backward_s: float | None = None
+        self._due_s = 0.0  # this step's device time
+        self._forward_s = 0.0
+        self._slept_step = 0.0
         self.slept_s = 0.0
 
-    def after_forward(self, forward_s: float) -> None:
-        stretch = self.factor - 1.0 + (self.jitter * self._rng.random() if self.jitter else 0.0)
-        if stretch <= 0.0:
-            return
-        backward = self._backward_s if self._backward_s is not None else 2.0 * forward_s
-        extra = stretch * (forward_s + backward)
-        time.sleep(extra)
-        self.slept_s += extra
+    def _sleep(self, seconds: float) -> None:
+        if seconds > 0.0:
+            time.sleep(seconds)
+            self.slept_s += seconds
+            self._slept_step += seconds
 
-    def after_backward(self, backward_s: float) -> None:
+    def after_forward(self, forward_s: float) -> None:
+        u = self.jitter * self._rng.random() if self.jitter else 0.0
+        backward = self._backward_s if self._backward_s is not None else 2.0 * forward_s
+        self._forward_s, self._slept_step = forward_s, 0.0
+        if self.device_s is not None:
+            self._due_s = self.device_s * self.factor * (1.0 + u)
+            self._sleep(self._due_s - forward_s - backward)  # backward's share comes after
+            return
+        stretch = self.factor - 1.0 + u
+        if stretch > 0.0:
+            self._sleep(stretch * (forward_s + backward))
+
+    def after_backward(self, backward_s: float) -> float | None:
+        """The seconds by which this step's real math exceeded its device time (None: it did
+        not, or no device is emulated). A backward faster than expected is slept up."""
         self._backward_s = backward_s
+        if self.device_s is None:
+            return None
+        math_s = self._forward_s + backward_s
+        self._sleep(self._due_s - math_s - self._slept_step)
+        over = math_s - self._due_s
+        return over if over > max(OVER_GRACE_S, OVER_GRACE_SHARE * self._due_s) else None
 
     def state_dict(self) -> dict:
         return {"rng": self._rng.getstate(), "backward_s": self._backward_s, "slept_s": self.slept_s}
@@ -47,16 +84,19 @@ class ComputeStretch:
 
 
 class DeviceStretch(Plugin):
-    """A :class:`ComputeStretch` per training thread. Always part of a run, even at factor 1
-    without jitter (where it never sleeps): checkpoints carry its random streams."""
+    """A :class:`ComputeStretch` per training thread (a Hogwild thread is a device of its own).
+    Always part of a run, even at factor 1 without jitter or device (where it never sleeps):
+    checkpoints carry its random streams."""
 
-    def __init__(self, factor: float, jitter: float, seeds: list[int]):
-        self.stretches = [ComputeStretch(factor, jitter, seed=seed) for seed in seeds]
+    def __init__(self, factor: float, jitter: float, seeds: list[int], device_ms: float | None = None):
+        device_s = device_ms / 1000.0 if device_ms is not None else None
+        self.stretches = [ComputeStretch(factor, jitter, seed=seed, device_s=device_s) for seed in seeds]
 
     @classmethod
     def for_worker(cls, cfg: Any, rank: int, threads: int) -> "DeviceStretch":
-        """Worker ``rank``'s stretch: its ``--slow`` factor, the run's ``--jitter``."""
-        return cls(cfg.slow.get(rank, 1.0), cfg.jitter, [cfg.seed * 7919 + rank * 31 + t for t in range(threads)])
+        """Worker ``rank``'s stretch: its ``--slow`` factor, the run's ``--jitter`` and ``--device-ms``."""
+        return cls(cfg.slow.get(rank, 1.0), cfg.jitter, [cfg.seed * 7919 + rank * 31 + t for t in range(threads)],
+                   cfg.device_ms)
 
     @property
     def slept_s(self) -> float:
@@ -66,7 +106,9 @@ class DeviceStretch(Plugin):
         self.stretches[s.thread].after_forward(s.forward_s)
 
     def after_backward(self, run: RunState, s: StepState) -> None:
-        self.stretches[s.thread].after_backward(s.backward_s)
+        over = self.stretches[s.thread].after_backward(s.backward_s)
+        if over is not None:
+            s.event_extra["device_over"] = over
 
     def save_state(self, state: dict[str, Any]) -> None:
         state["rng"]["stretch"] = [st.state_dict() for st in self.stretches]
