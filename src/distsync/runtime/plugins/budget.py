@@ -73,7 +73,7 @@ class JobBudget(Plugin):
                 else:
                     self._look(run)
             if self.stop_k is not None and s.k >= self.stop_k:
-                if s.k > self.stop_k:
+                if s.k > self.stop_k and self.lead is not None:
                     raise DistsyncError(f"worker rank {run.rank}: the workers agreed to stop before step "
                                         f"{self.stop_k} but this one is at step {s.k}: solver {run.solver.name}'s "
                                         f"lockstep_lead ({self.lead}) is too small")
@@ -100,12 +100,13 @@ class JobBudget(Plugin):
                            "step": k * run.threads})
         if self.lead is None:
             run.comm.store_set(STOP, reason)
-            self._stop_here(run)
+            self._stop_here(run, k)
         else:
             self._agree(run, int(run.comm.store_first(STOP_AT, str(k + self.lead + 1))))
 
-    def _stop_here(self, run: RunState) -> None:
-        self.stop_k = max(self._started.values(), default=-1) + 1
+    def _stop_here(self, run: RunState, k: int = 0) -> None:
+        """Stop before step ``k`` at the earliest, and after every thread's started step."""
+        self.stop_k = max(max(self._started.values(), default=-1) + 1, k)
         run.steps = self.stop_k * run.threads  # the final evaluation's step
 
     def _agree(self, run: RunState, stop_k: int) -> None:

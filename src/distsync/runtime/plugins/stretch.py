@@ -26,7 +26,7 @@ from typing import Any
 from distsync.runtime.plugins.base import Plugin, RunState, StepState
 
 #: a step's real math may exceed its device time by this much before it counts as over
-OVER_GRACE_S = 0.0005
+OVER_GRACE_S = 0.0002
 OVER_GRACE_SHARE = 0.02
 
 

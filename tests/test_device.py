@@ -1,0 +1,105 @@
+"""Emulated devices (``--device-ms``): a step's compute lasts its device time whatever the CPU
+took, and a run whose real math overran it is flagged as CPU-bound."""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+
+import pytest
+
+from distsync.metrics import device_summary, device_warning
+from distsync.runtime.plugins import DeviceStretch, StepState
+from distsync.runtime.plugins import stretch as stretch_module
+from helpers import run_cli
+
+
+@pytest.fixture
+def slept(monkeypatch) -> list[float]:
+    out: list[float] = []
+    monkeypatch.setattr(stretch_module.time, "sleep", out.append)
+    return out
+
+
+def step(forward_s: float, thread: int = 0) -> StepState:
+    return StepState(thread=thread, k=0, step=0, done=1, compute_from=10.0, forward_end=10.0 + forward_s)
+
+
+def test_device_time_is_the_step_whatever_the_math_took(slept):
+    plugin = DeviceStretch(2.0, 0.0, seeds=[0], device_ms=20.0)  # a 2x slow worker: 40 ms a step
+    s = step(0.003)
+    plugin.after_forward(None, s)  # backward not measured yet: taken as twice the forward (6 ms)
+    s.backward_s = 0.004
+    plugin.after_backward(None, s)
+    assert slept == pytest.approx([0.031, 0.002])  # 3 + 31 + 4 + 2 = 40 ms
+    assert "device_over" not in s.event_extra
+    s2 = step(0.003)
+    plugin.after_forward(None, s2)  # the measured backward (4 ms) is left for after it
+    assert slept[2] == pytest.approx(0.033)
+
+
+def test_math_longer_than_the_device_time_is_counted_not_slept(slept):
+    plugin = DeviceStretch(1.0, 0.0, seeds=[0], device_ms=10.0)
+    s = step(0.008)
+    plugin.after_forward(None, s)
+    s.backward_s = 0.009
+    plugin.after_backward(None, s)
+    assert slept == []
+    assert s.event_extra["device_over"] == pytest.approx(0.007)
+    ok = step(0.0101)  # within the grace (2% of the device time)
+    plugin.after_forward(None, ok)
+    ok.backward_s = 0.0
+    plugin.after_backward(None, ok)
+    assert "device_over" not in ok.event_extra
+
+
+def test_jitter_lengthens_the_device_time_by_a_seeded_draw(slept):
+    plugin = DeviceStretch(1.0, 0.5, seeds=[7], device_ms=10.0)
+    s = step(0.001)
+    plugin.after_forward(None, s)
+    s.backward_s = 0.002
+    plugin.after_backward(None, s)
+    u = random.Random(7).random()
+    assert sum(slept) + 0.003 == pytest.approx(0.010 * (1 + 0.5 * u))
+
+
+def test_device_summary_flags_a_cpu_bound_run():
+    steps = [{"kind": "step"} for _ in range(18)] + [{"kind": "step", "device_over": 0.004}] * 2
+    d = device_summary(steps, 5.0)
+    assert (d["steps"], d["steps_over"], d["share_over"], d["cpu_bound"]) == (20, 2, 0.1, True)
+    assert d["mean_over_ms"] == pytest.approx(4.0)
+    assert device_warning(d) == ("CPU-bound: 10% of steps took longer than the emulated 5 ms device time (by 4.0 ms "
+                                 "on average); this run is no emulation of that device (raise --device-ms or run "
+                                 "fewer workers)")
+    assert device_summary(steps[:1] * 30 + steps[-1:], 5.0)["cpu_bound"] is False  # 1 in 31: under 5%
+    assert device_summary(steps, None) is None
+
+
+def _computes(run_dir, rank: int) -> list[float]:
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    return [e["compute"] for e in events if e["kind"] == "step" and e["rank"] == rank]
+
+
+def test_an_emulated_step_lasts_its_device_time(tmp_path):
+    out = tmp_path / "run"
+    proc = run_cli("train", "--solver", "local", "--workers", "2", "--steps", "24", "--device-ms", "15",
+                   "--slow", "1:2", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    fast, slow = statistics.median(_computes(out, 0)[2:]), statistics.median(_computes(out, 1)[2:])
+    assert fast == pytest.approx(0.015, abs=0.003)
+    assert slow == pytest.approx(0.030, abs=0.003)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["device"]["ms"] == 15.0 and summary["device"]["cpu_bound"] is False
+    assert json.loads((out / "config.json").read_text())["device_ms"] == 15.0  # a re-run emulates it again
+    assert "CPU-bound" not in proc.stdout + proc.stderr
+
+
+def test_a_device_faster_than_the_cpu_is_reported_cpu_bound(tmp_path):
+    out = tmp_path / "run"
+    proc = run_cli("train", "--workload", "cnn", "--workers", "2", "--steps", "10", "--device-ms", "0.01",
+                   "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["device"]["cpu_bound"] is True and summary["device"]["share_over"] > 0.9
+    assert "CPU-bound" in proc.stdout + proc.stderr
