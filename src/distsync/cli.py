@@ -260,6 +260,10 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     _stdout().print(_summary_table(summaries))
     for summary in summaries:
         _print_device(summary)
+    if len(summaries) > 1:
+        from distsync.experiments.report import conclusion
+
+        _stdout().print(conclusion(summaries), highlight=False, soft_wrap=True)
     console.print(f"report: {out / 'report.md'}")
     return 0
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
-from distsync.metrics import eval_curve
+from distsync.metrics import device_warning, eval_curve
 
 
 def _pyplot():
@@ -64,9 +65,21 @@ def plot_metric(runs: list[dict[str, Any]], path: Path) -> None:
 
 
 def plot_throughput(runs: list[dict[str, Any]], path: Path) -> None:
+    """Throughput per solver, and beside it the steps each worker took (with a job budget,
+    fast workers of solvers that do not wait for a slow one take more)."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(max(4, 1.4 * len(runs) + 2), 3.5))
+    fig, (ax, ax_steps) = plt.subplots(1, 2, figsize=(2 * max(4, 1.4 * len(runs) + 2), 3.5))
     names = [_label(r["summary"]) for r in runs]
+    width = 0.8 / max(1, max(len(r["summary"]["per_worker"]) for r in runs))
+    for i, run in enumerate(runs):
+        per_worker = run["summary"]["per_worker"]
+        for j, rank in enumerate(sorted(per_worker, key=int)):
+            ax_steps.bar(i - 0.4 + (j + 0.5) * width, per_worker[rank]["steps"], width=width,
+                         color="#DD8452" if str(rank) in run["summary"]["slow"] else "#55A868")
+    ax_steps.set_xticks(range(len(runs)), names)
+    ax_steps.set_ylabel("steps")
+    ax_steps.set_title("steps per worker (orange: slow workers)")
+    ax_steps.grid(axis="y", alpha=0.3)
     values = [r["summary"]["throughput_samples_per_s"] for r in runs]
     bars = ax.bar(names, values, color="#4C72B0")
     for b, v in zip(bars, values):
@@ -149,9 +162,11 @@ def summary_rows(summaries: list[dict[str, Any]]) -> list[list[str]]:
     rows = []
     for s in summaries:
         share = s["phase_share"]
+        steps = [v["steps"] for v in s["per_worker"].values()] or [0]
         rows.append([
             _label(s),
             f"{s['throughput_samples_per_s']:,.0f}",
+            f"{min(steps)}" if min(steps) == max(steps) else f"{min(steps)}-{max(steps)}",
             _fmt(s["time_to_target_s"], ".2f"),
             _fmt(s["final_metric"], ".4f"),
             f"{s['wall_time_s']:.2f}",
@@ -161,7 +176,38 @@ def summary_rows(summaries: list[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
-HEADERS = ["solver", "samples/s", "to target (s)", "final", "wall (s)", "compute/comm/wait", "MiB sent"]
+HEADERS = ["solver", "samples/s", "steps/worker", "to target (s)", "final", "wall (s)", "compute/comm/wait", "MiB sent"]
+
+
+def conclusion(summaries: list[dict[str, Any]]) -> str:
+    """One sentence from the numbers: which solver reached the target first, against the first
+    one listed (the baseline), and how much of its time each spent waiting for other workers."""
+    base, others = summaries[0], summaries[1:]
+    reached = [s for s in summaries if s["time_to_target_s"] is not None]
+    if not reached:
+        best = max(summaries, key=lambda s: (s["final_metric"] or 0) * (1 if s["higher_is_better"] else -1))
+        return (f"No solver reached the target {_fmt(base['target'], 'g')} within its budget; "
+                f"{_label(best)} came closest ({_fmt(best['final_metric'], '.4f')}).")
+    best = min(reached, key=lambda s: s["time_to_target_s"])
+    waits = f"{_label(base)} spent {base['phase_share']['wait']:.0%} of its time waiting for other workers"
+    if best is base or not others:
+        return f"{_label(base)} reached the target first, in {base['time_to_target_s']:.2f} s."
+    if base["time_to_target_s"] is None:
+        return (f"{_label(best)} reached the target in {best['time_to_target_s']:.2f} s and {_label(base)} did not "
+                f"within its budget; {waits}, {_label(best)} {best['phase_share']['wait']:.0%}.")
+    ratio = base["time_to_target_s"] / best["time_to_target_s"]
+    return (f"{_label(best)} reached the target {ratio:.1f}x sooner than {_label(base)} "
+            f"({best['time_to_target_s']:.2f} s against {base['time_to_target_s']:.2f} s); {waits}, "
+            f"{_label(best)} {best['phase_share']['wait']:.0%}.")
+
+
+def regime(cfg: dict[str, Any]) -> str:
+    """Which world a run's numbers speak for: emulated devices or the CPU of this machine."""
+    if cfg.get("device_ms"):
+        return (f"Regime: **emulated devices**, {cfg['device_ms']:g} ms of compute per step (times each worker's "
+                f"slow factor), the real math inside it; the CPU is left mostly idle, as with dedicated devices.")
+    return (f"Regime: **CPU-bound**: each step's compute is what this machine's {os.cpu_count()} cores take, shared "
+            f"by every process (a slow worker's sleep hands its core to the others).")
 
 
 def write_report(out_dir: Path, run_dirs: list[Path]) -> Path:
@@ -176,14 +222,22 @@ def write_report(out_dir: Path, run_dirs: list[Path]) -> Path:
         f"# distsync compare: {first['workload']}, {first['workers']} workers",
         "",
         f"Metric: {first['metric']} ({'higher' if first['higher_is_better'] else 'lower'} is better), "
-        f"target {_fmt(first['target'], 'g')}. Steps per worker: {first['steps_per_worker']}. "
-        f"Slow workers: {first['slow'] or 'none'}. Seed: {cfg['seed']}.",
+        f"target {_fmt(first['target'], 'g')}. "
+        + (f"Budget for each job: {cfg['budget']}. " if cfg.get("budget") else
+           f"Steps per worker: {first['steps_per_worker']}. ")
+        + f"Slow workers: {first['slow'] or 'none'}. Jitter: {cfg.get('jitter', 0):g}. Seed: {cfg['seed']}.",
+        "",
+        regime(cfg),
+        "",
+        *[f"**{_label(r['summary'])}**: {w}" for r in runs if (w := device_warning(r["summary"].get("device")))],
         "",
         "| " + " | ".join(HEADERS) + " |",
         "|" + "---|" * len(HEADERS),
     ]
     lines += ["| " + " | ".join(r) + " |" for r in summary_rows([r["summary"] for r in runs])]
     lines += [
+        "",
+        conclusion([r["summary"] for r in runs]),
         "",
         "Time to target counts training time only (evaluation pauses each worker's clock). "
         "Waiting is time blocked on other workers (for all-reduce solvers: each step's exposed "
