@@ -33,6 +33,9 @@ def calibrate(run_dir: Path, default_link: str = "10gbit") -> dict[str, Any]:
         measured = json.loads((run_dir / "summary.json").read_text())
     except FileNotFoundError as e:
         raise ConfigError(f"--calibrate {run_dir}: not a finished run folder ({Path(e.filename).name} missing)") from None
+    if len(set((measured.get("steps_by_worker") or {}).values())) > 1:
+        raise ConfigError(f"--calibrate {run_dir}: its workers took different numbers of steps (a job budget); "
+                          f"the simulator gives every worker the same steps, so it cannot be compared yet")
     # A step's own work: its time minus communication and waiting (so loading the batch and
     # other per-step overheads count as computation), per normal-speed worker.
     own: dict[int, list[float]] = {}
