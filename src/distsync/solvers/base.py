@@ -28,7 +28,7 @@ from typing import Any, Callable, ClassVar, Iterator
 import torch
 import torch.nn as nn
 
-from distsync.config import check_ranges, convert
+from distsync.config import check_ranges, convert, show_names
 from distsync.errors import ConfigError
 from distsync.imports import load_attribute
 
@@ -265,7 +265,7 @@ def make_options(cls: type[Solver], raw: dict[str, Any]) -> Any:
     unknown = sorted(set(raw) - set(fields))
     if unknown:
         valid = ", ".join(fields) or "none"
-        raise ConfigError(f"solver {cls.name}: unknown option(s) {', '.join(unknown)}; valid: {valid}")
+        raise ConfigError(f"solver {cls.name}: unknown option(s) {show_names(unknown)}; valid: {valid}")
     hints = typing.get_type_hints(cls.Options)
     values = {k: convert(v, hints[k], f"solver {cls.name}: option {k}") for k, v in raw.items()}
     try:
