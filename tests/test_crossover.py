@@ -1,14 +1,15 @@
 """Crossover scheduling: the compute token, and jobs sharing workers."""
 
 import json
+import statistics
 import threading
 import time
 
 import pytest
 import torch
 
-from distsync.runtime.token import ComputeToken
-from helpers import run_cli
+from distsync.runtime.token import ComputeToken, DeviceShare, DeviceShareClient, TokenServer
+from helpers import run_cli, run_ranks
 
 
 # ---- the token ---------------------------------------------------------------------------
@@ -161,3 +162,170 @@ def test_bad_jobs_file_is_a_one_line_error(tmp_path):
     path = _jobs_file(tmp_path, [{"name": "a", "workload": "digits"}])
     proc = run_cli("crossover", str(path))
     assert proc.returncode == 2 and "crossover needs at least two [[job]] entries" in proc.stderr
+
+
+# ---- shared emulated devices -------------------------------------------------------------
+def test_processor_sharing_two_requests_arriving_together_both_finish_at_the_sum():
+    share = DeviceShare(clock=lambda: 0.0)
+    a, b = share.start(0, 0.030, now=0.0), share.start(1, 0.030, now=0.0)
+    assert share.finish_time(a) == pytest.approx(0.060) and share.finish_time(b) == pytest.approx(0.060)
+    assert not share.done(a, now=0.0599) and not share.done(b, now=0.0599)
+    assert share.done(a, now=0.0601) and share.done(b, now=0.0601)
+
+
+def test_processor_sharing_a_short_request_joining_a_long_one():
+    # 30 ms alone from 0; at 10 ms it has 20 left and a 10 ms request joins: both at half
+    # speed, the short one is done after 20 ms (at 30), the long one has 10 left, alone: 40
+    share = DeviceShare(clock=lambda: 0.0)
+    long = share.start(0, 0.030, now=0.0)
+    assert share.finish_time(long) == pytest.approx(0.030)
+    short = share.start(1, 0.010, now=0.010)
+    assert share.finish_time(short) == pytest.approx(0.030)
+    assert share.finish_time(long) == pytest.approx(0.040)
+    assert not share.done(short, now=0.0299) and share.done(short, now=0.0301)
+    share.forget(short)
+    assert not share.done(long, now=0.0399) and share.done(long, now=0.0401)
+
+
+def test_processor_sharing_three_requests():
+    # two of 30 ms at 0 have 22.5 left each when one of 15 joins at 15 ms: thirds until it
+    # is done (15 x 3 = 45 ms later, at 60), then halves for their 7.5 left: 75
+    share = DeviceShare(clock=lambda: 0.0)
+    a, b = share.start(0, 0.030, now=0.0), share.start(1, 0.030, now=0.0)
+    c = share.start(2, 0.015, now=0.015)
+    assert [share.finish_time(r) for r in (a, b, c)] == pytest.approx([0.075, 0.075, 0.060])
+    assert share.done(c, now=0.0601) and not share.done(a, now=0.0601)
+    share.forget(c)
+    assert share.finish_time(a) == pytest.approx(0.075) and share.done(b, now=0.0751)
+
+
+def _use_at_once(use, n: int, seconds: float) -> list[tuple[float, float]]:
+    """``n`` threads ask for ``seconds`` of device time at once: each one's (start, end)."""
+    spans: list[tuple[float, float]] = [(0.0, 0.0)] * n
+    ready = threading.Barrier(n)
+
+    def one(i: int) -> None:
+        ready.wait()
+        t0 = time.perf_counter()
+        use(i, seconds)
+        spans[i] = (t0, time.perf_counter())
+
+    threads = [_in_thread(lambda i=i: one(i)) for i in range(n)]
+    for t in threads:
+        t.join(10)
+    return spans
+
+
+def _shared(spans: list[tuple[float, float]], seconds: float) -> bool:
+    """Whether the requests were done together at 1/n speed each: all end together, after
+    n x ``seconds`` from the first start (a late arrival runs alone for its head start)."""
+    ends = [b for _, b in spans]
+    return max(ends) - min(ends) < 0.01 and len(spans) * seconds - 0.001 <= max(ends) - min(a for a, _ in spans) \
+        < len(spans) * seconds + 0.04
+
+
+def test_device_share_blocks_each_user_for_its_shared_time():
+    share = DeviceShare([0, 1])
+    alone = share.use(0, 0.05)
+    assert 0.049 <= alone < 0.08
+    spans = _use_at_once(share.use, 2, 0.05)
+    assert _shared(spans, 0.05), spans
+    stats = share.stats()
+    assert stats["1"]["requests"] == 1 and stats["1"]["work_s"] == 0.05 and stats["1"]["slowdown"] > 1.5
+    assert share.most_at_once == 2
+
+
+def test_token_server_shares_each_device_between_its_jobs():
+    with TokenServer(2, 2, "alternate", tokens=False, share=True) as server:
+        clients = [DeviceShareClient(server.address, job, 0, 10.0) for job in (0, 1)]
+        elsewhere = DeviceShareClient(server.address, 0, 1, 10.0)
+        spans = _use_at_once(lambda i, s: clients[i].use(s), 2, 0.05)  # both jobs on device 0
+        assert _shared(spans, 0.05), spans
+        assert 0.049 <= elsewhere.use(0.05) < 0.09  # device 1 is free
+        for c in [*clients, elsewhere]:
+            c.close()
+    stats = server.share_stats()
+    assert stats["0"]["most_at_once"] == 2 and stats["1"]["jobs"]["0"]["requests"] == 1
+
+
+def _step_seconds(run_dir, rank=0):
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    return [e["t"] - e["t0"] for e in events if e["kind"] == "step" and e["rank"] == rank]
+
+
+def test_naive_jobs_on_one_emulated_device_each_run_at_half_speed(tmp_path):
+    jobs = [{"name": name, "workload": "digits", "solver": "allreduce", "steps": 50, "device_ms": 40,
+             "eval_every": 50, "seed": seed} for name, seed in (("a", 1), ("b", 2))]
+    path = _jobs_file(tmp_path, jobs, workers=2, modes=["sequential", "naive"], out=str(tmp_path / "x"))
+    proc = run_cli("crossover", str(path))
+    assert proc.returncode == 0, proc.stderr
+    for name in ("a", "b"):
+        alone = statistics.median(_step_seconds(tmp_path / "x" / "sequential" / name))
+        shared = statistics.median(_step_seconds(tmp_path / "x" / "naive" / name))
+        assert 1.6 <= shared / alone <= 2.4, (name, alone, shared)
+    result = json.loads((tmp_path / "x" / "crossover.json").read_text())["modes"]
+    assert 1.5 <= result["naive"]["jobs"]["a"]["device_share"]["slowdown"] <= 2.1
+    assert "device_share" not in result["sequential"]["jobs"]["a"]
+    share = json.loads((tmp_path / "x" / "naive" / "device_share.json").read_text())["device_share"]
+    assert {d: v["most_at_once"] for d, v in share.items()} == {"0": 2, "1": 2}
+
+
+# ---- ddp under crossover ------------------------------------------------------------------
+def _ddp_communication_rank(rank, world):
+    import torch
+
+    from distsync.comm import Comm
+    from distsync.solvers import make_solver
+
+    comm = Comm.from_env(["worker"] * world, 20.0, torch.device("cpu"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    solver = make_solver("ddp", bucket_mb=0.0001)  # several buckets: the callback comes with the last
+    ddp = solver.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), comm)
+    fired: list[float] = []
+    solver.on_communication(lambda: fired.append(time.perf_counter()))
+    out = []
+    for _ in range(3):
+        loss = ddp(torch.randn(4, 8)).sum()
+        if rank == 1:
+            time.sleep(0.3)  # rank 0's all-reduce waits for this one
+        b = time.perf_counter()
+        loss.backward()
+        out.append((len(fired), fired[-1] - b, time.perf_counter() - b))
+    comm.barrier()
+    comm.close()
+    return out
+
+
+def test_ddp_says_when_only_its_all_reduce_is_left():
+    waiting, _ = run_ranks(_ddp_communication_rank, 2)
+    for k, (count, fired_after, backward) in enumerate(waiting):
+        assert count == k + 1  # once per backward
+        assert fired_after < 0.1 and backward > 0.25  # before the wait for the late peer
+
+
+def test_a_ddp_job_crosses_over_and_still_equals_the_job_alone(tmp_path):
+    jobs = [{"name": "a", "workload": "digits", "solver": "allreduce", "steps": 40, "seed": 1, "eval_every": 40},
+            {"name": "d", "workload": "digits", "solver": "ddp", "steps": 40, "seed": 2, "eval_every": 40}]
+    path = _jobs_file(tmp_path, jobs, workers=2, modes=["crossover", "sequential"], out=str(tmp_path / "x"))
+    proc = run_cli("crossover", str(path))
+    assert proc.returncode == 0, proc.stderr
+    alone, shared = tmp_path / "x" / "sequential" / "d", tmp_path / "x" / "crossover" / "d"
+    assert _losses(shared) == _losses(alone)  # DDP's all-reduce through the hook: the same mean
+    a, b = torch.load(alone / "model.pt"), torch.load(shared / "model.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    token = json.loads((tmp_path / "x" / "crossover" / "token.json").read_text())["stats"]
+    assert all(per_job["1"]["grants"] >= 40 for per_job in token.values())
+
+
+def test_a_ddp_job_on_an_emulated_device_cannot_cross_over(tmp_path):
+    jobs = [{"name": "a", "workload": "digits", "device_ms": 10},
+            {"name": "d", "workload": "digits", "solver": "ddp", "device_ms": 10}]
+    proc = run_cli("crossover", str(_jobs_file(tmp_path, jobs, modes=["crossover", "naive"])))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "distsync: error: crossover: job d: a ddp job on an emulated device (device_ms) cannot cross over: its "
+        "all-reduce runs inside backward, inside the device time; use solver allreduce, or leave out mode crossover")
+    path = _jobs_file(tmp_path, [{**j, "steps": 5, "eval_every": 5} for j in jobs], modes=["naive"],
+                      out=str(tmp_path / "x"))
+    assert run_cli("crossover", str(path)).returncode == 0  # without the token it runs

@@ -670,3 +670,82 @@ def test_a_forked_process_takes_the_launchers_environment_and_the_agents_setting
     forkserver._take_environment({"KEEP": "launcher", "GLOO_SOCKET_IFNAME": "lo", "RANK": "0"})
     # the launcher's environment at launch time, then what the agent set for this rank
     assert os.environ == {"KEEP": "launcher", "GLOO_SOCKET_IFNAME": "lo", "RANK": "3", "TORCHELASTIC_ERROR_FILE": "/e"}
+
+
+# ---- shared emulated device and a solver that says when its communication starts -------
+
+class SharedDeviceLog:
+    """A shared emulated device that records the device seconds asked and takes twice as long."""
+
+    def __init__(self):
+        self.asked: list[float] = []
+        self.closed = False
+
+    def use(self, seconds: float) -> float:
+        self.asked.append(seconds)
+        return 2 * seconds
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_stretch_asks_the_shared_device_for_the_emulated_time_instead_of_sleeping(monkeypatch):
+    monkeypatch.setattr(stretch_module.time, "sleep", lambda s: pytest.fail("slept"))
+    device = SharedDeviceLog()
+    plugin = DeviceStretch(2.0, 0.0, seeds=[0], device_ms=20.0, share=lambda: device)
+    run = make_run([plugin])
+    plugin.on_ready(run)
+    s = StepState(0, 0, 0, 1, compute_from=10.0, forward_end=10.003)
+    plugin.after_forward(run, s)  # 40 ms of device time; 3 ms of forward, 6 expected of backward
+    s.backward_s = 0.004
+    plugin.after_backward(run, s)
+    assert device.asked == pytest.approx([0.031, 0.002])  # the same split as when slept
+    assert plugin.slept_s == pytest.approx(0.066)  # the time the shared device took
+    assert "device_over" not in s.event_extra
+    plugin.on_close(run)
+    assert device.closed
+
+
+def test_stretch_shares_its_device_only_when_crossover_says_so():
+    cfg = SimpleNamespace(slow={}, jitter=0.0, seed=0, device_ms=10.0, timeout_s=5.0,
+                          crossover={"address": "/nowhere", "job": 1, "token": False, "share": True})
+    assert DeviceStretch.for_worker(cfg, rank=0, threads=1)._share is not None
+    for change in ({"device_ms": None}, {"crossover": {"address": "/nowhere", "job": 1, "token": True,
+                                                        "share": False}}, {"crossover": None}):
+        plugin = DeviceStretch.for_worker(SimpleNamespace(**{**vars(cfg), **change}), rank=0, threads=1)
+        assert plugin._share is None
+        plugin.on_ready(make_run([plugin]))  # nothing to connect
+        assert plugin.stretches[0].shared is None
+
+
+class CommunicationStartSolver(Solver):
+    """A solver that says, inside backward, when only its communication is left (as ddp)."""
+
+    def on_communication(self, callback) -> None:
+        self.callback = callback
+
+
+def test_gate_gives_the_token_back_where_the_solvers_communication_starts():
+    client, solver = TokenLog(wait_s=0.0), CommunicationStartSolver()
+    gate = ComputeGate(lambda: client, threads=1, solver_name="ddp")
+    run = make_run([gate], solver=solver)
+    run.plugins.on_attach(run)
+    gate.on_ready(run)
+    s = step_state(0)
+    run.plugins.before_compute(run, s)
+    solver.callback()  # backward: the gradients are computed, the all-reduce starts
+    assert client.calls == ["acquire", "release"]
+    run.plugins.after_compute(run, s)
+    assert client.calls == ["acquire", "release"]  # given back once
+    solver.callback()  # not held (a backward outside the compute window): nothing to give back
+    run.plugins.before_compute(run, step_state(1))
+    run.plugins.after_compute(run, step_state(1))
+    assert client.calls == ["acquire", "release", "acquire", "release"]
+
+
+def test_no_gate_where_the_jobs_run_without_the_token():
+    cfg = SimpleNamespace(crossover={"address": "/nowhere", "job": 0, "token": False, "share": True}, timeout_s=5.0)
+    solver = SimpleNamespace(threads=1, name="allreduce")
+    assert ComputeGate.for_worker(cfg, FakeComm(), solver) is None
+    cfg.crossover = {"address": "/nowhere", "job": 0}
+    assert isinstance(ComputeGate.for_worker(cfg, FakeComm(), solver), ComputeGate)

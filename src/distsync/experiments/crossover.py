@@ -8,11 +8,22 @@ namespace, behind one shared link). Three ways to run the same jobs:
 - ``sequential``: the jobs one after the other, each alone on the devices;
 - ``naive``: all jobs at once with no coordination.
 
+With emulated devices (``device_ms``) a device is one device whichever job uses it: in
+``naive`` k jobs computing on it at once each progress at 1/k of its speed (the server's
+:class:`~distsync.runtime.token.DeviceShare`); under ``crossover`` the token lets one job
+compute at a time. A ``ddp`` job gives the token back inside backward, when only its
+all-reduce is left (:meth:`~distsync.solvers.ddp.DDP.on_communication`); on an emulated
+device it cannot cross over (that all-reduce runs inside the device time): the plan is
+refused with a one-line error.
+
 Each job keeps its own processes, process groups, data, seed, optimizer and run folder
 (``OUT/<mode>/<job>/``). The makespan of a mode is the time from the first job's start of
 training to the last job's end (for ``sequential``, the sum of the jobs' training times).
 ``OUT/crossover.json`` has per mode the makespan and per job its throughput and time to
-target; ``OUT/report.md`` the table and the device timeline of the crossover run.
+target (and with shared emulated devices, ``device_share``: the device seconds it asked,
+those they took, and their ratio); ``OUT/report.md`` the table and the device timeline of
+the crossover run; ``OUT/naive/device_share.json`` per device and job its shared device's
+use.
 """
 
 from __future__ import annotations
@@ -82,6 +93,10 @@ def _check_plan(plan: CrossoverPlan) -> CrossoverPlan:
         if job.run.threads > 1:
             raise ConfigError(f"crossover: job {job.name}: one training thread per worker ({job.config.solver} "
                               f"asks for {job.run.threads})")
+        if "crossover" in plan.modes and job.run.config.solver == "ddp" and job.run.config.device_ms is not None:
+            raise ConfigError(f"crossover: job {job.name}: a ddp job on an emulated device (device_ms) cannot cross "
+                              f"over: its all-reduce runs inside backward, inside the device time; use solver "
+                              f"allreduce, or leave out mode crossover")
     return plan
 
 
@@ -144,15 +159,23 @@ def _run_job(job: Job, out: Path, net: EmulatedNetwork | None, token: dict[str, 
 
 def _run_together(plan: CrossoverPlan, mode: str, out: Path, net: EmulatedNetwork | None,
                   on_job: Callable[[str, str], None] | None) -> tuple[dict[str, Any], dict[str, str], Any]:
-    """All jobs at once, each from a thread of this process (its own elastic agent)."""
-    server = TokenServer(plan.workers, len(plan.jobs), plan.policy) if mode == "crossover" else None
+    """All jobs at once, each from a thread of this process (its own elastic agent): under
+    the compute token (``crossover``), or uncoordinated on shared emulated devices (``naive``
+    with ``device_ms``), or uncoordinated."""
+    emulated = any(j.run is not None and j.run.config.device_ms is not None for j in plan.jobs)
+    server = None
+    if mode == "crossover":
+        server = TokenServer(plan.workers, len(plan.jobs), plan.policy)
+    elif emulated:
+        server = TokenServer(plan.workers, len(plan.jobs), plan.policy, tokens=False, share=True)
     results: dict[str, Any] = {}
     errors: dict[str, str] = {}
 
     def run(k: int, job: Job) -> None:
         try:
             results[job.name] = _run_job(job, out / job.name, net,
-                                         {"address": server.address, "job": k} if server else None)
+                                         {"address": server.address, "job": k, "token": bool(server.tokens),
+                                          "share": bool(server.shares)} if server else None)
         except DistsyncError as e:
             errors[job.name] = str(e)
         if on_job:
@@ -170,7 +193,7 @@ def _run_together(plan: CrossoverPlan, mode: str, out: Path, net: EmulatedNetwor
     finally:
         if server:
             server.__exit__(None, None, None)
-            server.write(out / "token.json")
+            server.write(out / ("token.json" if server.tokens else "device_share.json"))
     return results, errors, server
 
 
@@ -237,7 +260,14 @@ def _mode_result(plan: CrossoverPlan, mode: str, mode_dir: Path, results: dict[s
     else:
         makespan = (max(a + w for a, w in spans) - min(a for a, _ in spans)) if spans else None
     out: dict[str, Any] = {"makespan_s": makespan if len(spans) == len(plan.jobs) else None, "jobs": jobs}
-    if server is not None:
+    if server is not None and server.shares:
+        shares = server.share_stats()
+        for k, job in enumerate(plan.jobs):
+            per_device = [shares[d]["jobs"][str(k)] for d in shares]
+            work, took = sum(p["work_s"] for p in per_device), sum(p["took_s"] for p in per_device)
+            jobs[job.name]["device_share"] = {"work_s": work, "took_s": took,
+                                              "slowdown": took / work if work > 0 else None}
+    if server is not None and server.tokens:
         stats = server.stats()
         for k, job in enumerate(plan.jobs):
             per_device = [stats[d][str(k)] for d in stats]

@@ -24,6 +24,13 @@ it with :class:`TokenClient` (a line protocol: ``A job device`` asks and is answ
 when granted, ``R job device`` releases, ``L job device`` leaves for good). A job whose
 connection drops (its process died) leaves every device it was on, so the other jobs never
 wait for it.
+
+With emulated devices (``--device-ms``) jobs that compute at once must share the device
+too: :class:`DeviceShare` is one device's work under processor sharing (k requests in
+progress each advance at 1/k of the device's speed). The same server serves it (``D job
+device SECONDS`` is answered ``F`` once the device has done that much of the job's work);
+workers ask with :class:`DeviceShareClient`. ``naive`` runs use it; under the compute token
+only one job computes on a device at a time, so its device is never shared.
 """
 
 from __future__ import annotations
@@ -41,6 +48,8 @@ from pathlib import Path
 from typing import Any
 
 POLICIES = ("alternate", "fcfs")
+#: device seconds left below which a request of a shared device is done (float rounding)
+_DONE_S = 1e-12
 
 
 class ComputeToken:
@@ -150,6 +159,103 @@ class ComputeToken:
             return out
 
 
+class DeviceShare:
+    """One emulated device's work under processor sharing: while ``k`` requests are in
+    progress, each advances at ``1/k`` of the device's speed.
+
+    A request is ``work_s`` seconds of the device's work (what it takes alone). With no
+    further arrivals, a request with ``w`` seconds left finishes ``sum(min(w, w_j))`` seconds
+    from now, over the requests ``j`` in progress (itself included). :meth:`start`,
+    :meth:`finish_time` and :meth:`done` take an explicit ``now`` (seconds of ``clock``);
+    :meth:`use` is a worker's blocking call.
+    """
+
+    def __init__(self, jobs: list[int] | None = None, clock=time.perf_counter):
+        self.clock = clock
+        self._left: dict[int, float] = {}  # request -> device seconds still to do (0: done)
+        self._at = clock()  # the time up to which ``_left`` is accounted
+        self._ids = 0
+        self._cond = threading.Condition()
+        self.work: dict[int, list[float]] = {j: [] for j in jobs or []}  # per job: device seconds asked
+        self.took: dict[int, list[float]] = {j: [] for j in jobs or []}  # and the seconds they took
+        self.most_at_once = 0
+
+    def _advance(self, now: float) -> None:
+        """Account the work done from ``_at`` to ``now``, one completion at a time."""
+        while now > self._at:
+            running = [r for r, w in self._left.items() if w > 0.0]
+            if not running:
+                break
+            k, first = len(running), min(self._left[r] for r in running)
+            step = min(first, (now - self._at) / k)
+            for r in running:
+                left = self._left[r] - step
+                self._left[r] = left if left > _DONE_S else 0.0
+            self._at = self._at + step * k if step == first else now
+        self._at = max(self._at, now)
+
+    def _finish_time(self, request: int) -> float:
+        mine = self._left[request]
+        return self._at + sum(min(w, mine) for w in self._left.values() if w > 0.0)
+
+    def start(self, job: int, work_s: float, now: float | None = None) -> int:
+        """``job`` asks for ``work_s`` device seconds at ``now``; the request's id."""
+        with self._cond:
+            self._advance(self.clock() if now is None else now)
+            self._ids += 1
+            self._left[self._ids] = max(0.0, float(work_s))
+            self.most_at_once = max(self.most_at_once, sum(1 for w in self._left.values() if w > 0.0))
+            self._cond.notify_all()  # every finish time in progress moved
+            return self._ids
+
+    def finish_time(self, request: int) -> float:
+        """When ``request`` finishes if no other request arrives."""
+        with self._cond:
+            return self._finish_time(request)
+
+    def done(self, request: int, now: float | None = None) -> bool:
+        """Whether the device has done all of ``request`` by ``now``."""
+        with self._cond:
+            self._advance(self.clock() if now is None else now)
+            return self._left[request] <= 0.0
+
+    def forget(self, request: int) -> None:
+        """``request`` is collected (or abandoned: what it left undone is dropped)."""
+        with self._cond:
+            self._left.pop(request, None)
+            self._cond.notify_all()
+
+    def use(self, job: int, work_s: float) -> float:
+        """Block while the device does ``work_s`` seconds of ``job``'s work, shared with the
+        requests in progress; return the seconds that took."""
+        t0 = self.clock()
+        request = self.start(job, work_s, t0)
+        try:
+            with self._cond:
+                self._advance(self.clock())
+                while self._left[request] > 0.0:
+                    self._cond.wait(max(0.0, self._finish_time(request) - self.clock()))
+                    self._advance(self.clock())
+        finally:
+            self.forget(request)
+        took = self.clock() - t0
+        with self._cond:
+            self.work.setdefault(job, []).append(work_s)
+            self.took.setdefault(job, []).append(took)
+        return took
+
+    def stats(self) -> dict[str, Any]:
+        """Per job: requests, device seconds asked (``work_s``), seconds they took
+        (``took_s``) and the ratio (``slowdown``: 1 alone, about k with k jobs at once)."""
+        with self._cond:
+            out: dict[str, Any] = {}
+            for j in sorted(self.work):
+                work, took = sum(self.work[j]), sum(self.took[j])
+                out[str(j)] = {"requests": len(self.work[j]), "work_s": work, "took_s": took,
+                               "slowdown": took / work if work > 0 else None}
+            return out
+
+
 class _Handler(socketserver.StreamRequestHandler):
     def handle(self) -> None:
         server: TokenServer = self.server.owner  # type: ignore[attr-defined]
@@ -157,6 +263,11 @@ class _Handler(socketserver.StreamRequestHandler):
         try:
             for raw in self.rfile:
                 parts = raw.decode().split()
+                if len(parts) == 4 and parts[0] == "D":
+                    server.shares[int(parts[2])].use(int(parts[1]), float(parts[3]))
+                    self.wfile.write(b"F\n")
+                    self.wfile.flush()
+                    continue
                 if len(parts) != 3:
                     return
                 op, job, device = parts[0], int(parts[1]), int(parts[2])
@@ -183,12 +294,14 @@ class _UnixServer(socketserver.ThreadingUnixStreamServer):
 
 
 class TokenServer:
-    """The tokens of ``devices`` devices shared by ``jobs`` jobs, served on a Unix socket
-    (``address``) in a private temporary folder, removed on exit."""
+    """The tokens of ``devices`` devices shared by ``jobs`` jobs (``tokens``) and their
+    emulated devices' shares (``share``), served on a Unix socket (``address``) in a private
+    temporary folder, removed on exit."""
 
-    def __init__(self, devices: int, jobs: int, policy: str):
+    def __init__(self, devices: int, jobs: int, policy: str, tokens: bool = True, share: bool = False):
         self.start_time = time.perf_counter()
-        self.tokens = [ComputeToken(list(range(jobs)), policy) for _ in range(devices)]
+        self.tokens = [ComputeToken(list(range(jobs)), policy) for _ in range(devices)] if tokens else []
+        self.shares = [DeviceShare(list(range(jobs))) for _ in range(devices)] if share else []
         self._dir = tempfile.mkdtemp(prefix="distsync-token-")
         os.chmod(self._dir, 0o700)  # only this user's processes may take part
         self.address = os.path.join(self._dir, "token.sock")
@@ -216,12 +329,20 @@ class TokenServer:
     def stats(self) -> dict[str, Any]:
         return {str(d): t.stats() for d, t in enumerate(self.tokens)}
 
+    def share_stats(self) -> dict[str, Any]:
+        """Per device: each job's use of the shared device, and the most requests at once."""
+        return {str(d): {"jobs": s.stats(), "most_at_once": s.most_at_once} for d, s in enumerate(self.shares)}
+
     def write(self, path: Path) -> None:
-        path.write_text(json.dumps({"stats": self.stats(), "timeline": self.timeline()}, indent=1) + "\n")
+        """The tokens' stats and timeline (with tokens), the devices' shares (with shares)."""
+        out: dict[str, Any] = {"stats": self.stats(), "timeline": self.timeline()} if self.tokens else {}
+        if self.shares:
+            out["device_share"] = self.share_stats()
+        path.write_text(json.dumps(out, indent=1) + "\n")
 
 
-class TokenClient:
-    """A worker's side: ``acquire()`` before computing, ``release()`` when communicating."""
+class _Client:
+    """One worker's connection to the server, as job ``job`` on device ``device``."""
 
     def __init__(self, address: str, job: int, device: int, timeout_s: float):
         self.job, self.device = job, device
@@ -233,21 +354,28 @@ class TokenClient:
             raise ConnectionError(f"job {job}: cannot reach the crossover token server at {address}: {e}") from None
         self._file = self._sock.makefile("rwb")
 
-    def _send(self, op: str) -> None:
-        self._file.write(f"{op} {self.job} {self.device}\n".encode())
+    def _send(self, op: str, *more: str) -> None:
+        self._file.write(" ".join([op, str(self.job), str(self.device), *more]).encode() + b"\n")
         self._file.flush()
+
+    def _answer(self, expected: bytes, what: str) -> None:
+        try:
+            reply = self._file.readline()
+        except socket.timeout:
+            raise TimeoutError(f"job {self.job}: no {what} on device {self.device} within "
+                               f"{self._sock.gettimeout():g} s") from None
+        if reply.strip() != expected:
+            raise ConnectionError(f"job {self.job}: the crossover token server closed the connection")
+
+
+class TokenClient(_Client):
+    """A worker's side: ``acquire()`` before computing, ``release()`` when communicating."""
 
     def acquire(self) -> float:
         """Block until this job may compute on this device; return the seconds waited."""
         t0 = time.perf_counter()
         self._send("A")
-        try:
-            reply = self._file.readline()
-        except socket.timeout:
-            raise TimeoutError(f"job {self.job}: no compute token on device {self.device} within "
-                               f"{self._sock.gettimeout():g} s") from None
-        if reply.strip() != b"G":
-            raise ConnectionError(f"job {self.job}: the crossover token server closed the connection")
+        self._answer(b"G", "compute token")
         return time.perf_counter() - t0
 
     def release(self) -> None:
@@ -258,4 +386,19 @@ class TokenClient:
             self._send("L")
         except OSError:
             pass
+        self._sock.close()
+
+
+class DeviceShareClient(_Client):
+    """A worker's side of its shared emulated device: ``use(seconds)`` blocks while the
+    device does that much of this job's work."""
+
+    def use(self, work_s: float) -> float:
+        """Return the seconds it took (``work_s`` alone on the device, more when shared)."""
+        t0 = time.perf_counter()
+        self._send("D", repr(float(work_s)))
+        self._answer(b"F", "device time")
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
         self._sock.close()

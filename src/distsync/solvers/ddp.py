@@ -2,12 +2,16 @@
 
 DDP finishes its all-reduce inside backward, so its exposed communication shows up in the
 compute phase of the timeline; bytes are counted as a ring all-reduce of the gradients.
+:meth:`DDP.on_communication` tells a caller (crossover's compute gate) when, inside
+backward, the gradients are all computed and only their all-reduce is left.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from distsync.comm import ring_allreduce_bytes
@@ -39,6 +43,18 @@ class DDP(Solver):
         grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         self._bytes_per_step = ring_allreduce_bytes(grad_bytes, comm.num_workers)
         return self.ddp
+
+    def on_communication(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` in each backward when DDP's last bucket is ready, before its
+        all-reduce starts: no gradient is left to compute. The all-reduce is DDP's own
+        (``allreduce_hook``: the same mean of the gradients)."""
+
+        def hook(group, bucket):
+            if bucket.is_last():
+                callback()
+            return allreduce_hook(group, bucket)
+
+        self.ddp.register_comm_hook(self.comm.worker_group, hook)
 
     def after_backward(self, step: int) -> None:
         self.comm.count_bytes(self._bytes_per_step)

@@ -1,6 +1,10 @@
 """The crossover compute gate: this device's compute token (runtime/token.py), held while
 the worker computes (a step's forward and backward, an evaluation) and given back while it
-communicates, so another job on the same device computes meanwhile."""
+communicates, so another job on the same device computes meanwhile.
+
+A solver whose communication starts inside backward (``ddp``: its all-reduce is waited for
+before backward returns) says so with ``on_communication(callback)``: the token goes back
+when its gradients are all computed and only their communication is left."""
 
 from __future__ import annotations
 
@@ -23,29 +27,48 @@ class ComputeGate(Plugin):
                                 f"{threads}")
         self._connect = connect
         self.client: Any = None
+        self._held = False
 
     @classmethod
-    def for_worker(cls, cfg: Any, comm: Any, solver: Any) -> "ComputeGate":
-        """The gate of ``cfg.crossover`` (``{"address": ..., "job": ...}``) for this worker's device."""
+    def for_worker(cls, cfg: Any, comm: Any, solver: Any) -> "ComputeGate | None":
+        """The gate of ``cfg.crossover`` (``{"address": ..., "job": ...}``) for this worker's
+        device; None where the jobs run with no token (``"token": False``: mode ``naive``)."""
+        if not cfg.crossover.get("token", True):
+            return None
         return cls(lambda: TokenClient(cfg.crossover["address"], cfg.crossover["job"], comm.worker_index,
                                        cfg.timeout_s), solver.threads, solver.name)
+
+    def on_attach(self, run: RunState) -> None:
+        on_communication = getattr(run.solver, "on_communication", None)
+        if on_communication is not None:
+            on_communication(self._release)
 
     def on_ready(self, run: RunState) -> None:
         self.client = self._connect()
 
+    def _acquire(self) -> float:
+        waited = self.client.acquire()
+        self._held = True
+        return waited
+
+    def _release(self) -> None:
+        if self._held:
+            self._held = False
+            self.client.release()
+
     def before_compute(self, run: RunState, s: StepState) -> None:
-        token_s = self.client.acquire()
+        token_s = self._acquire()
         s.wait_s += token_s
         s.event_extra["token_wait"] = token_s
 
     def after_compute(self, run: RunState, s: StepState) -> None:
-        self.client.release()  # communicating now: another job may compute
+        self._release()  # communicating now: another job may compute
 
     @contextlib.contextmanager
     def computing(self, run: RunState) -> Iterator[None]:
-        self.client.acquire()  # evaluating is computing too
+        self._acquire()  # evaluating is computing too
         yield
-        self.client.release()
+        self._release()
 
     def on_close(self, run: RunState) -> None:
         self.client.close()

@@ -15,15 +15,22 @@ The sleep falls between forward and backward, before any gradient is ready, so p
 collective wait on this worker exactly as they would on a slower device (communication that
 starts in backward's gradient hooks does not hide behind it). ``u`` is uniform in [0, 1),
 drawn per step from the worker's seed.
+
+A **shared device** (``distsync crossover``, mode ``naive``): several jobs' workers on one
+emulated device. The emulated part of each step (its device time less the real math) is
+then not slept here but asked of the device's share (runtime/token.py, ``DeviceShare``),
+which answers once the device has done it, under processor sharing with the other jobs'
+work on that device: k jobs computing at once each progress at 1/k of the device's speed.
 """
 
 from __future__ import annotations
 
 import random
 import time
-from typing import Any
+from typing import Any, Callable
 
 from distsync.runtime.plugins.base import Plugin, RunState, StepState
+from distsync.runtime.token import DeviceShareClient
 
 #: a step's real math may exceed its device time by this much before it counts as over
 OVER_GRACE_S = 0.0002
@@ -32,32 +39,45 @@ OVER_GRACE_SHARE = 0.02
 
 class ComputeStretch:
     """One training thread's compute, stretched ``factor`` times (``device_s`` None) or made to
-    last ``device_s x factor`` (an emulated device); with ``jitter``, up to that share more."""
+    last ``device_s x factor`` (an emulated device); with ``jitter``, up to that share more.
+    ``shared``: the emulated device's share (an object whose ``use(seconds)`` blocks while the
+    device does that much work and returns the seconds it took); None: a device of its own."""
 
-    def __init__(self, factor: float, jitter: float = 0.0, seed: int = 0, device_s: float | None = None):
+    def __init__(self, factor: float, jitter: float = 0.0, seed: int = 0, device_s: float | None = None,
+                 shared: Any = None):
         self.factor = factor
         self.jitter = jitter
         self.device_s = device_s
+        self.shared = shared
         self._rng = random.Random(seed)
         self._backward_s: float | None = None
         self._due_s = 0.0  # this step's device time
         self._forward_s = 0.0
-        self._slept_step = 0.0
+        self._worked_step = 0.0  # the emulated device time done in this step
         self.slept_s = 0.0
 
     def _sleep(self, seconds: float) -> None:
         if seconds > 0.0:
             time.sleep(seconds)
             self.slept_s += seconds
-            self._slept_step += seconds
+
+    def _emulate(self, seconds: float) -> None:
+        """``seconds`` of emulated device time: slept, or done by the shared device."""
+        if seconds <= 0.0:
+            return
+        if self.shared is None:
+            self._sleep(seconds)
+        else:
+            self.slept_s += self.shared.use(seconds)
+        self._worked_step += seconds
 
     def after_forward(self, forward_s: float) -> None:
         u = self.jitter * self._rng.random() if self.jitter else 0.0
         backward = self._backward_s if self._backward_s is not None else 2.0 * forward_s
-        self._forward_s, self._slept_step = forward_s, 0.0
+        self._forward_s, self._worked_step = forward_s, 0.0
         if self.device_s is not None:
             self._due_s = self.device_s * self.factor * (1.0 + u)
-            self._sleep(self._due_s - forward_s - backward)  # backward's share comes after
+            self._emulate(self._due_s - forward_s - backward)  # backward's share comes after
             return
         stretch = self.factor - 1.0 + u
         if stretch > 0.0:
@@ -70,7 +90,7 @@ class ComputeStretch:
         if self.device_s is None:
             return None
         math_s = self._forward_s + backward_s
-        self._sleep(self._due_s - math_s - self._slept_step)
+        self._emulate(self._due_s - math_s - self._worked_step)
         over = math_s - self._due_s
         return over if over > max(OVER_GRACE_S, OVER_GRACE_SHARE * self._due_s) else None
 
@@ -86,17 +106,36 @@ class ComputeStretch:
 class DeviceStretch(Plugin):
     """A :class:`ComputeStretch` per training thread (a Hogwild thread is a device of its own).
     Always part of a run, even at factor 1 without jitter or device (where it never sleeps):
-    checkpoints carry its random streams."""
+    checkpoints carry its random streams. ``share``: connects to the shared emulated device
+    (called before the workers' barrier; the one training thread uses it), or None."""
 
-    def __init__(self, factor: float, jitter: float, seeds: list[int], device_ms: float | None = None):
+    def __init__(self, factor: float, jitter: float, seeds: list[int], device_ms: float | None = None,
+                 share: Callable[[], Any] | None = None):
         device_s = device_ms / 1000.0 if device_ms is not None else None
         self.stretches = [ComputeStretch(factor, jitter, seed=seed, device_s=device_s) for seed in seeds]
+        self._share = share
+        self.shared: Any = None
 
     @classmethod
     def for_worker(cls, cfg: Any, rank: int, threads: int) -> "DeviceStretch":
-        """Worker ``rank``'s stretch: its ``--slow`` factor, the run's ``--jitter`` and ``--device-ms``."""
+        """Worker ``rank``'s stretch: its ``--slow`` factor, the run's ``--jitter`` and ``--device-ms``;
+        its device is shared when ``distsync crossover`` says so (``cfg.crossover["share"]``)."""
+        crossover = getattr(cfg, "crossover", None) or {}
+        share = None
+        if cfg.device_ms is not None and crossover.get("share"):
+            share = lambda: DeviceShareClient(crossover["address"], crossover["job"], rank, cfg.timeout_s)  # noqa: E731
         return cls(cfg.slow.get(rank, 1.0), cfg.jitter, [cfg.seed * 7919 + rank * 31 + t for t in range(threads)],
-                   cfg.device_ms)
+                   cfg.device_ms, share)
+
+    def on_ready(self, run: RunState) -> None:
+        if self._share is not None:
+            self.shared = self._share()
+            for st in self.stretches:
+                st.shared = self.shared
+
+    def on_close(self, run: RunState) -> None:
+        if self.shared is not None:
+            self.shared.close()
 
     @property
     def slept_s(self) -> float:
