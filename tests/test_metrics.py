@@ -35,7 +35,10 @@ def test_summary_throughput_time_to_target_and_bytes():
     assert s["time_to_target_s"] == 1.5 and s["step_at_target"] == 0
     assert s["final_metric"] == pytest.approx(0.96)
     assert s["bytes_sent"] == 450
-    assert s["phase_seconds"] == {"compute": 3.0, "comm": 2.0, "wait": 0.0}
+    # done while the job went on (wall 4.0): rank 0 after its step at 2.0, rank 1 after 3.0
+    assert s["phase_seconds"] == {"compute": 3.0, "comm": 2.0, "wait": 3.0}
+    assert (s["per_worker"]["0"]["idle_after_done"], s["per_worker"]["1"]["idle_after_done"]) == (2.0, 1.0)
+    assert s["idle_after_done_s"] == 3.0 and s["steps_by_worker"] == {"0": 2, "1": 2}
     assert summarize(events, target=0.99)["time_to_target_s"] is None
 
 

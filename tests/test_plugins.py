@@ -40,6 +40,9 @@ class FakeComm:
     def ranks_with_role(self, role: str) -> list[int]:
         return [1]
 
+    def store_set(self, key: str, value: str) -> None:  # the heartbeat's
+        self.store = {**getattr(self, "store", {}), key: value}
+
 
 class FakeWorkload:
     name = "fake"
