@@ -34,6 +34,7 @@ def test_device_time_is_the_step_whatever_the_math_took(slept):
     plugin.after_backward(None, s)
     assert slept == pytest.approx([0.031, 0.002])  # 3 + 31 + 4 + 2 = 40 ms
     assert "device_over" not in s.event_extra
+    assert s.event_extra["device_math"] == pytest.approx(0.007)  # the real math alone
     s2 = step(0.003)
     plugin.after_forward(None, s2)  # the measured backward (4 ms) is left for after it
     assert slept[2] == pytest.approx(0.033)
@@ -74,6 +75,9 @@ def test_device_summary_flags_a_cpu_bound_run():
                                  "fewer workers)")
     assert device_summary(steps[:1] * 30 + steps[-1:], 5.0)["cpu_bound"] is False  # 1 in 31: under 5%
     assert device_summary(steps, None) is None
+    assert d["math_ms"] is None  # no step carried its real math
+    timed = [{"kind": "step", "device_math": m} for m in (0.001, 0.003, 0.002)]
+    assert device_summary(timed, 5.0)["math_ms"] == pytest.approx(2.0)  # the median
 
 
 def _computes(run_dir, rank: int) -> list[float]:

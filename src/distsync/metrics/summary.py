@@ -8,6 +8,7 @@ starts at a common barrier and stops while that worker evaluates.
 
 from __future__ import annotations
 
+import statistics
 from collections import defaultdict
 from typing import Any, Iterable
 
@@ -45,14 +46,18 @@ CPU_BOUND_SHARE = 0.05
 def device_summary(events: list[dict[str, Any]], device_ms: float | None) -> dict[str, Any] | None:
     """With an emulated device: how many steps' real math took longer than their device time
     (``device_over`` in their events), by how much, and whether the run was CPU-bound (more
-    than :data:`CPU_BOUND_SHARE` of its steps over): then it is no emulation of that device."""
+    than :data:`CPU_BOUND_SHARE` of its steps over): then it is no emulation of that device;
+    and the median real math of a step (``device_math`` in their events; ``math_ms``: the
+    headroom left inside the device time)."""
     if device_ms is None:
         return None
     steps = [e for e in events if e["kind"] == "step"]
     over = [e["device_over"] for e in steps if "device_over" in e]
     share = len(over) / len(steps) if steps else 0.0
+    maths = [e["device_math"] for e in steps if "device_math" in e]
     return {"ms": device_ms, "steps": len(steps), "steps_over": len(over), "share_over": share,
-            "mean_over_ms": 1000 * sum(over) / len(over) if over else 0.0, "cpu_bound": share > CPU_BOUND_SHARE}
+            "mean_over_ms": 1000 * sum(over) / len(over) if over else 0.0, "cpu_bound": share > CPU_BOUND_SHARE,
+            "math_ms": 1000 * statistics.median(maths) if maths else None}
 
 
 def device_warning(device: dict[str, Any] | None) -> str | None:

@@ -54,6 +54,7 @@ class ComputeStretch:
         self._due_s = 0.0  # this step's device time
         self._forward_s = 0.0
         self._worked_step = 0.0  # the emulated device time done in this step
+        self.math_s = 0.0  # the last step's real forward and backward (with a device)
         self.slept_s = 0.0
 
     def _sleep(self, seconds: float) -> None:
@@ -89,7 +90,7 @@ class ComputeStretch:
         self._backward_s = backward_s
         if self.device_s is None:
             return None
-        math_s = self._forward_s + backward_s
+        math_s = self.math_s = self._forward_s + backward_s
         self._emulate(self._due_s - math_s - self._worked_step)
         over = math_s - self._due_s
         return over if over > max(OVER_GRACE_S, OVER_GRACE_SHARE * self._due_s) else None
@@ -145,7 +146,10 @@ class DeviceStretch(Plugin):
         self.stretches[s.thread].after_forward(s.forward_s)
 
     def after_backward(self, run: RunState, s: StepState) -> None:
-        over = self.stretches[s.thread].after_backward(s.backward_s)
+        stretch = self.stretches[s.thread]
+        over = stretch.after_backward(s.backward_s)
+        if stretch.device_s is not None:
+            s.event_extra["device_math"] = stretch.math_s
         if over is not None:
             s.event_extra["device_over"] = over
 
