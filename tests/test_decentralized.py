@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from distsync.solvers.schedules import (
-    bipartite_roles, is_connected, mixing_matrix, possible_groups, random_round, static_schedule,
+    bipartite_roles, is_connected, mixing_matrix, random_round, static_schedule,
 )
 from helpers import run_cli, run_ranks, train_digits_rank, two_replica_reference
 
@@ -34,36 +34,56 @@ def test_static_schedule_hand_example():
     assert static_schedule(4, 2) == [[(0, 1), (2, 3)], [(1, 2), (0, 3)]]
 
 
-def test_random_rounds_are_disjoint_and_groups_precreatable():
+def test_random_rounds_are_disjoint_and_covering():
     rng = random.Random(0)
     for _ in range(50):
         groups = random_round(7, 3, rng)
         assert sorted(i for g in groups for i in g) == list(range(7))
-        assert all(g in possible_groups(7, 3, "random") or len(g) < 2 for g in groups)
-    assert len(possible_groups(4, 3, "smart")) == 6 + 4
+        assert sorted(len(g) for g in groups) == [1, 3, 3]
     assert bipartite_roles(5) == ([0, 2, 4], [1, 3])
+
+
+# One global order of overlapping groups; each rank meets its own in this order. Rank 4's
+# first group is rank 3's second, and disjoint groups ([0,1,2] and [3,4]) run at once:
+# the case that members-only process groups cannot serve. Sizes 2 to 5, so 7 elements never
+# split evenly, and a 2-element tensor leaves a group of 3 with an empty chunk.
+PARTIAL_GROUPS = [(0, 1, 2), (3, 4), (1, 2, 3), (0, 2, 4), (0, 1, 2, 3, 4), (2, 3), (0, 4)]
+
+
+def _partial_start(rank):
+    return (torch.arange(7, dtype=torch.float32) * (rank + 1) + 0.1 * rank,
+            torch.tensor([1.5, -2.0]) * (rank + 1))
 
 
 def _partial(rank, world):
     from distsync.comm import Comm
 
     comm = Comm.from_env(["worker"] * world, 20.0, torch.device("cpu"))
-    comm.create_groups([[0, 1, 2], [1, 3]])
-    x = torch.arange(4, dtype=torch.float32) * (rank + 1) + 0.1 * rank
-    before = x.clone()
-    if rank in (0, 1, 2):
-        comm.partial_all_reduce(x, [0, 1, 2])
+    x, tiny = _partial_start(rank)
+    after = []
+    for group in PARTIAL_GROUPS:
+        if rank in group:
+            comm.partial_all_reduce(x, group)
+            comm.partial_all_reduce(tiny, group)
+        after.append((x.clone(), tiny.clone()))
     comm.barrier()
     comm.close()
-    return before, x
+    return after
 
 
-def test_partial_all_reduce_is_the_group_sum_and_leaves_others_untouched():
-    res = run_ranks(_partial, 4)
-    total = sum(res[r][0] for r in (0, 1, 2))  # Ripples divides it (rules.group_mean)
-    for r in (0, 1, 2):
-        torch.testing.assert_close(res[r][1], total, rtol=0, atol=1e-6)
-    assert torch.equal(res[3][1], res[3][0])
+def test_partial_all_reduce_is_the_group_sum_in_any_order_of_overlapping_groups():
+    res = run_ranks(_partial, 5)
+    x = {r: _partial_start(r) for r in range(5)}  # by hand: each member takes the group's sum
+    for i, group in enumerate(PARTIAL_GROUPS):
+        total = tuple(sum(x[r][j] for r in group) for j in range(2))  # Ripples divides (rules.group_mean)
+        x.update({r: total for r in group})
+        for r in range(5):
+            for j in range(2):
+                torch.testing.assert_close(res[r][i][j], x[r][j], rtol=1e-6, atol=1e-6)
+        # every member ends with the same bits; the others are untouched
+        assert all(torch.equal(res[r][i][0], res[group[0]][i][0]) for r in group)
+        for r in set(range(5)) - set(group):
+            assert torch.equal(res[r][i][0], res[r][i - 1][0] if i else _partial_start(r)[0])
 
 
 SEED, BATCH, LR = 4, 16, 0.2
@@ -82,6 +102,45 @@ def test_two_worker_ripples_equals_plain_pytorch_reference():
     for state in res:
         for k, v in reference.items():
             torch.testing.assert_close(state[k], v, rtol=0, atol=1e-5)
+
+
+def _ripples_overlapping_rank(rank, world, steps):
+    options = {"group_size": 3, "schedule": "static"}
+    return train_digits_rank(rank, world, "ripples", options, steps, SEED, BATCH, LR)["state"]
+
+
+def test_ripples_overlapping_groups_equal_plain_pytorch_reference():
+    # 4 workers in groups of 3: [0,1,2], then [1,2,3], [0,2,3], [0,1,3] (a worker alone
+    # waits a round); consecutive groups overlap, so members meet in different company.
+    from distsync.workloads import ShardSampler, load_workload
+    from distsync.workloads.digits import make_model
+
+    workers, steps = 4, 6
+    rounds = static_schedule(workers, 3)
+    assert rounds[1][0] == (1, 2, 3)
+    w = load_workload("digits")
+    models = []
+    for _ in range(workers):
+        torch.manual_seed(SEED)
+        models.append(make_model())
+    samplers = [ShardSampler(w.num_train, workers, r, BATCH, SEED) for r in range(workers)]
+    flat = lambda m: torch.nn.utils.parameters_to_vector(m.parameters()).detach()  # noqa: E731
+    for step in range(steps):
+        for m, sampler in zip(models, samplers):
+            x, y = w.take(w.train_data, sampler.indices(step))
+            m.zero_grad()
+            w.loss_fn(m(x), y).backward()
+            with torch.no_grad():
+                for p in m.parameters():
+                    p -= LR * p.grad
+        for group in rounds[step % len(rounds)]:
+            mean = torch.stack([flat(models[i]) for i in group]).mean(dim=0)
+            for i in group:
+                torch.nn.utils.vector_to_parameters(mean.clone(), models[i].parameters())
+    res = run_ranks(_ripples_overlapping_rank, workers, steps)
+    for r in range(workers):
+        for k, v in models[r].state_dict().items():
+            torch.testing.assert_close(res[r][k], v, rtol=0, atol=1e-5)
 
 
 @pytest.mark.slow
@@ -121,3 +180,18 @@ def test_smart_schedule_slow_worker_joins_fewer_groups(tmp_path):
     # ...while the fast ones, three of them, keep forming full groups among themselves
     assert min(share[r] for r in (0, 2, 3)) > share[1], share
     assert fast_wait < 0.05 * 200, fast_wait
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["random", "smart"])
+def test_dynamic_schedules_need_no_group_per_possible_group(tmp_path, schedule):
+    # 13 workers in groups of up to 3: 364 possible groups, none created ahead.
+    proc = run_cli("train", "--solver", "ripples", "-o", f"schedule={schedule}", "--workers", "13", "--steps", "3",
+                   "--eval-every", "100", "--out", str(tmp_path / "r"), timeout=58)
+    assert proc.returncode == 0, proc.stderr
+    s = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert s["steps_per_worker"] == 3
+    stats = s["solver_stats"]
+    assert sum(stats[str(r)]["groups_joined"] for r in range(13)) >= 13
+    # the coordinator (rank 13) formed groups of two or more
+    assert sum(n for size, n in stats["13"]["groups_formed"].items() if int(size) >= 2) >= 4

@@ -11,6 +11,9 @@ import torch.distributed as dist
 
 from distsync.errors import CommError
 
+#: the tag of :meth:`Comm.partial_all_reduce`'s messages (solvers use tags below 1000)
+TAG_PARTIAL = 1000
+
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
@@ -97,7 +100,6 @@ class Comm:
         self.worker_ranks = [r for r, role in enumerate(self.role_of) if role == "worker"]
         self.bytes_sent = 0
         self._worker_group: Any = None
-        self._member_groups: dict[tuple[int, ...], Any] = {}
 
     # ---- set-up -----------------------------------------------------------------------
     @classmethod
@@ -225,30 +227,68 @@ class Comm:
             use_local_synchronization=members_only,
         )
 
-    def create_groups(self, groups: Sequence[Sequence[int]]) -> None:
-        """Create process groups for :meth:`partial_all_reduce`, ahead of use.
-
-        Every rank of the job calls this with the same list, in the same order. (Groups that
-        only their members create, ``use_local_synchronization=True``, time out on torch
-        2.13's gloo when one rank's first such group is another's second, e.g. [0,1,2] then
-        [1,2,3] on 4 ranks; groups made by everyone in one order cannot.)
-        """
-        for members in groups:
-            key = tuple(sorted(members))
-            if key not in self._member_groups:
-                self._member_groups[key] = self.new_group(key)
-
     def partial_all_reduce(self, tensor: torch.Tensor, members: Sequence[int]) -> None:
-        """Replace ``tensor`` by the sum of the members' tensors, a collective over ``members``
-        only: nobody else takes part. The group must come from :meth:`create_groups`. (The
-        solver turns the sum into what its rule needs, e.g. Ripples' group mean.)"""
-        key = tuple(sorted(members))
-        if self.rank not in key:
-            raise ValueError(f"rank {self.rank} is not in group {list(key)}")
-        group = self._member_groups.get(key)
-        if group is None:
-            raise ValueError(f"group {list(key)} was not created ahead (create_groups)")
-        self.all_reduce(tensor, group=group)
+        """Replace ``tensor`` by the sum of the members' tensors (worker ranks), with nobody
+        else taking part. (The solver turns the sum into what its rule needs, e.g. Ripples'
+        group mean.)
+
+        A ring over the sorted members made of point-to-point messages on the workers' group:
+        a reduce-scatter of ``len(members)`` chunks, then an all-gather. It sends the bytes of a
+        ring all-reduce in as many rounds, and every member ends with the same bits (each
+        chunk is summed by one member, then copied). Any set of workers can meet this way with
+        nothing set up ahead: a process group per possible set would be 2,500 for 16 workers
+        in sets of up to 4, each with its own threads and connections, and groups that their
+        members alone create (``use_local_synchronization=True``) time out on torch 2.13's
+        gloo when one rank's first such group is another's second, e.g. [0,1,2] then [1,2,3].
+
+        Two ranks that meet in several sets must meet in them in the same order: messages
+        between a pair are matched in the order they were sent. Every wait is bounded by the
+        comm timeout, and a failure names the neighbour that did not answer.
+        """
+        ring = sorted(members)
+        if self.rank not in ring:
+            raise ValueError(f"rank {self.rank} is not in group {ring}")
+        if len(set(ring)) != len(ring):
+            raise ValueError(f"group {ring} names a rank twice")
+        k = len(ring)
+        if k == 1:
+            return
+        if not tensor.is_contiguous():
+            raise ValueError("partial_all_reduce needs a contiguous tensor")
+        flat = tensor.view(-1)
+        chunks = list(torch.tensor_split(flat, k))
+        me = ring.index(self.rank)
+        right, left = ring[(me + 1) % k], ring[(me - 1) % k]
+        self.bytes_sent += ring_allreduce_bytes(flat.numel() * flat.element_size(), k)
+        incoming = torch.empty_like(chunks[0])
+        # Reduce-scatter: after k - 1 steps this rank holds the whole sum of chunk me + 1.
+        for s in range(k - 1):
+            out, into = (me - s) % k, (me - s - 1) % k
+            got = incoming[: chunks[into].numel()]
+            self._exchange(chunks[out], right, got, left)
+            chunks[into].add_(got)
+        # All-gather: pass the summed chunks on around the ring.
+        for s in range(k - 1):
+            self._exchange(chunks[(me + 1 - s) % k], right, chunks[(me - s) % k], left)
+        self._delay(2 * (k - 1))
+
+    def _exchange(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> None:
+        """Send ``send`` to ``dst`` while receiving ``recv`` from ``src`` (one ring step).
+        An empty chunk (a tensor with fewer elements than members) is not sent: its sender
+        and its receiver both know it is empty."""
+        group = self._worker_group
+        ops, names = [], []
+        if send.numel():
+            ops.append(dist.P2POp(dist.isend, send, dst, group=group, tag=TAG_PARTIAL))
+            names.append(f"send to rank {dst}")
+        if recv.numel():
+            ops.append(dist.P2POp(dist.irecv, recv, src, group=group, tag=TAG_PARTIAL))
+            names.append(f"recv from rank {src}")
+        if not ops:
+            return
+        works = self._guard(f"partial_all_reduce(to rank {dst}, from rank {src})", dist.batch_isend_irecv, ops)
+        for work, what in zip(works, names):
+            Pending(self, work, f"partial_all_reduce({what})").wait()
 
     def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
         """Gather a picklable object from every rank to ``dst`` (over the default group)."""

@@ -34,14 +34,10 @@ from dataclasses import dataclass
 import torch
 
 from distsync.config import bounded
-from distsync.errors import ConfigError
 from distsync.solvers.base import Solver, join_background, register_solver
 from distsync.solvers.flat import FlatView
 from distsync.solvers.rules import group_mean, pairwise_average
-from distsync.solvers.schedules import bipartite_roles, possible_groups, random_round, static_schedule
-
-#: above this many workers, random and smart schedules would need too many process groups
-MAX_WORKERS_DYNAMIC = 12
+from distsync.solvers.schedules import bipartite_roles, random_round, static_schedule
 
 TAG_AVG_HEADER, TAG_AVG_MODEL, TAG_AVG_REPLY = 21, 22, 23
 TAG_COORD_REQ, TAG_COORD_REPLY = 31, 32
@@ -207,7 +203,6 @@ class Ripples(Solver):
         self.rounds = static_schedule(comm.num_workers, self.k) if comm.num_workers > 1 else [[(0,)]]
         coordinators = comm.ranks_with_role("coordinator")
         self.coordinator = coordinators[0] if coordinators else None
-        self._create_groups(comm)
         self.upcoming: list[tuple[int, ...]] = []
         self.round = 0
         self.joined = 0
@@ -258,18 +253,9 @@ class Ripples(Solver):
         if self.coordinator is not None:
             self.comm.send(torch.tensor([OP_DONE, -1], dtype=torch.int64), self.coordinator, tag=TAG_COORD_REQ)
 
-    def _create_groups(self, comm) -> None:
-        # Every rank, the coordinator included, creates the same groups in the same order.
-        w, k, schedule = comm.num_workers, min(self.options.group_size, comm.num_workers), self.options.schedule
-        if schedule != "static" and w > MAX_WORKERS_DYNAMIC:
-            raise ConfigError(f"ripples: schedule={schedule} supports up to {MAX_WORKERS_DYNAMIC} workers "
-                              f"(it creates a process group per possible group); use schedule=static")
-        comm.create_groups([[comm.worker_ranks[i] for i in g] for g in possible_groups(w, k, schedule)])
-
     # ---- coordinator (Group Generator) -------------------------------------------------
     def serve(self, role, comm, ctx):
         self.k = min(self.options.group_size, comm.num_workers)
-        self._create_groups(comm)
         self.formed: Counter = Counter()
         self.skips = 0
         if self.options.schedule == "random":

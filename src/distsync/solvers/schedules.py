@@ -6,7 +6,6 @@ groups cannot overlap). A group of one does nothing that round.
 
 from __future__ import annotations
 
-import itertools
 import random
 
 import numpy as np
@@ -34,19 +33,6 @@ def static_schedule(workers: int, k: int) -> list[list[tuple[int, ...]]]:
             seen.add(key)
             rounds.append(groups)
     return rounds
-
-
-def possible_groups(workers: int, k: int, schedule: str) -> list[tuple[int, ...]]:
-    """Every group (of 2 or more workers) a schedule can produce, in one fixed order."""
-    if schedule == "static":
-        seen = []
-        for groups in static_schedule(workers, k):
-            for g in groups:
-                if len(g) >= 2 and g not in seen:
-                    seen.append(g)
-        return seen
-    sizes = range(2, k + 1) if schedule == "smart" else sorted({k, workers % k} - {0, 1})
-    return [g for size in sizes for g in itertools.combinations(range(workers), size)]
 
 
 def random_round(workers: int, k: int, rng: random.Random) -> list[tuple[int, ...]]:
