@@ -130,6 +130,33 @@ def _summary(out) -> dict:
     return json.loads((out / "summary.json").read_text())
 
 
+def test_a_peer_is_waited_for_while_its_heartbeat_moves_and_named_once_it_stands_still():
+    from distsync.errors import CommError
+    from distsync.runtime.plugins.budget import BEAT
+    from distsync.runtime.process import wait_on_peer
+
+    store = Store()
+    comm = StoreComm(store, 0, 2)
+    comm.timeout_s, polls = 0.1, []
+
+    def training(steps):  # the peer beats once a poll, then it is done
+        polls.append(1)
+        store.data[f"{BEAT}1"] = str(len(polls))
+        return "results" if len(polls) > steps else None
+
+    def stalled(where):
+        return f"rank 1 stood still ({where})"
+
+    # 0.3 s of polling: three times the timeout, but the heartbeat moved at each poll
+    assert wait_on_peer(comm, 1, lambda: training(30), stalled, poll_s=0.01) == "results"
+    with pytest.raises(CommError, match=r"^rank 1 stood still \(last heartbeat at step 31\)$"):
+        wait_on_peer(comm, 1, lambda: None, stalled, poll_s=0.01)
+    silent = StoreComm(Store(), 0, 2)
+    silent.timeout_s = 0.1
+    with pytest.raises(CommError, match=r"^rank 1 stood still \(no heartbeat yet\)$"):
+        wait_on_peer(silent, 1, lambda: None, stalled, poll_s=0.01)
+
+
 def test_a_samples_budget_lets_fast_workers_train_on(tmp_path):
     out = tmp_path / "run"
     proc = run_cli("train", "--solver", "ad-psgd", "--workers", "3", "--device-ms", "10",

@@ -7,7 +7,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
 
@@ -30,6 +30,8 @@ from distsync.workloads import Workload, load_workload
 
 #: the run folder's subfolder of checkpoints
 CHECKPOINTS = "checkpoints"
+
+T = TypeVar("T")
 
 
 def pick_device(requested: str) -> torch.device:
@@ -115,22 +117,35 @@ def dropped_mark(run_dir: Path, attempt: int, rank: int) -> dict[str, Any] | Non
 FINISHED = "distsync/finished/"
 
 
+def wait_on_peer(comm: Comm, rank: int, ready: Callable[[], T | None], stalled: Callable[[str], str],
+                 poll_s: float) -> T:
+    """What ``ready()`` returns once it returns something (it is asked every ``poll_s``
+    seconds), however long that takes, as long as ``rank`` makes progress: its heartbeat
+    (``plugins.budget.Heartbeat``) moves. Once the heartbeat has stood still for the comm
+    timeout, raises a :class:`CommError` with the message ``stalled(where)``, ``where``
+    saying which heartbeat was the last ("last heartbeat at step 412", "no heartbeat yet")."""
+    seen, since = None, time.monotonic()
+    while True:
+        got = ready()
+        if got is not None:
+            return got
+        beat = comm.store_get(f"{BEAT}{rank}") if comm.store_check(f"{BEAT}{rank}") else None
+        if beat != seen:
+            seen, since = beat, time.monotonic()
+        elif time.monotonic() - since > comm.timeout_s:
+            raise CommError(stalled(f"last heartbeat at step {seen}" if seen is not None else "no heartbeat yet"))
+        time.sleep(poll_s)
+
+
 def wait_for_workers(comm: Comm, poll_s: float = 0.2) -> None:
     """Wait until every worker has finished training, however long a slow one takes, as long
     as it makes progress (its heartbeat, ``plugins.budget.Heartbeat``, moves); a worker whose
     heartbeat stood still for the comm timeout fails the job, named."""
     comm.store_set(f"{FINISHED}{comm.rank}", "1")
     for r in comm.worker_ranks:
-        seen, since = None, time.monotonic()
-        while not comm.store_check(f"{FINISHED}{r}"):
-            beat = comm.store_get(f"{BEAT}{r}") if comm.store_check(f"{BEAT}{r}") else None
-            if beat != seen:
-                seen, since = beat, time.monotonic()
-            elif time.monotonic() - since > comm.timeout_s:
-                where = f"last heartbeat at step {seen}" if seen is not None else "no heartbeat yet"
-                raise CommError(f"rank {comm.rank} ({comm.role}): worker rank {r} made no progress for "
-                                f"{comm.timeout_s:g} s ({where}): it is stalled or has died")
-            time.sleep(poll_s)
+        wait_on_peer(comm, r, lambda: comm.store_check(f"{FINISHED}{r}") or None,
+                     lambda where: f"rank {comm.rank} ({comm.role}): worker rank {r} made no progress for "
+                                   f"{comm.timeout_s:g} s ({where}): it is stalled or has died", poll_s)
 
 
 def gather_through_store(comm: Comm, mine: dict[str, Any], run_dir: Path, attempt: int) -> list[dict] | None:
@@ -139,35 +154,31 @@ def gather_through_store(comm: Comm, mine: dict[str, Any], run_dir: Path, attemp
     comm.store_set(f"distsync/results/{comm.rank}", json.dumps(mine))
     if comm.rank != 0:
         return None
-    out = []
-    for r in range(comm.world_size):
-        deadline, seen = time.monotonic() + comm.timeout_s, None
-        while True:
-            if comm.store_check(f"distsync/results/{r}"):
-                out.append(json.loads(comm.store_get(f"distsync/results/{r}")))
-                break
-            mark = dropped_mark(run_dir, attempt, r)
-            if mark is not None:
-                events = []
-                if journal_path(run_dir, r).exists():
-                    for line in journal_path(run_dir, r).read_text().splitlines():
-                        try:
-                            events.append(json.loads(line))
-                        except ValueError:
-                            pass  # the line it was writing when it died
-                # Its steps count (work done); its evaluations do not: the run's final
-                # metric is the survivors' models'.
-                events = [e for e in events if e["kind"] != "eval"]
-                out.append({"events": events, "role": "worker", "stats": {}, "bytes": 0, "dropped": mark})
-                break
-            beat = comm.store_get(f"{BEAT}{r}") if comm.store_check(f"{BEAT}{r}") else None
-            if beat != seen:  # still training
-                deadline, seen = time.monotonic() + comm.timeout_s, beat
-            if time.monotonic() > deadline:
-                raise CommError(f"rank 0 (worker): rank {r} sent no results and made no progress for "
-                                f"{comm.timeout_s:g} s (it is stalled or has died)")
-            time.sleep(0.05)
-    return out
+    return [wait_on_peer(comm, r, lambda: _results_of(comm, r, run_dir, attempt),
+                         lambda where: f"rank 0 (worker): rank {r} sent no results and made no progress for "
+                                       f"{comm.timeout_s:g} s (it is stalled or has died)", 0.05)
+            for r in range(comm.world_size)]
+
+
+def _results_of(comm: Comm, rank: int, run_dir: Path, attempt: int) -> dict[str, Any] | None:
+    """Rank ``rank``'s results, or a dropped worker's events from its journal; None while
+    neither is there."""
+    if comm.store_check(f"distsync/results/{rank}"):
+        return json.loads(comm.store_get(f"distsync/results/{rank}"))
+    mark = dropped_mark(run_dir, attempt, rank)
+    if mark is None:
+        return None
+    events = []
+    if journal_path(run_dir, rank).exists():
+        for line in journal_path(run_dir, rank).read_text().splitlines():
+            try:
+                events.append(json.loads(line))
+            except ValueError:
+                pass  # the line it was writing when it died
+    # Its steps count (work done); its evaluations do not: the run's final metric is the
+    # survivors' models'.
+    events = [e for e in events if e["kind"] != "eval"]
+    return {"events": events, "role": "worker", "stats": {}, "bytes": 0, "dropped": mark}
 
 
 def _budget_summary(budget: str | None, events: list[dict[str, Any]]) -> dict[str, Any] | None:
