@@ -219,3 +219,105 @@ def test_sync_ps_with_lars_on_the_servers_equals_lars_large_batch():
     res = run_ranks(_run, 3, "sync-ps", {}, 2, steps, 0.5, "lars")
     for _, state, _ in res[:2]:
         _close(state, ref.state_dict())
+
+
+def test_ea_wild_threads_keep_the_steps_taken_during_an_exchange():
+    """With Hogwild threads, another thread steps while one exchanges: the exchange's result
+    is written as a correction (x_live + (x_new - x_read)), not over the other thread's step."""
+    import threading
+
+    import torch
+
+    from distsync.solvers import make_solver
+    from distsync.solvers.flat import FlatView, storage_aliases
+
+    p = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    other_step = torch.tensor([0.5, -0.25])
+
+    class Client:
+        views = [FlatView([p])]
+
+        def exchange(self, step, payloads):
+            with torch.no_grad():
+                p.add_(other_step)  # another training thread's step lands meanwhile
+            return [torch.tensor([3.0, 4.0])]  # the center as the server saw it
+
+    s = make_solver("ea-wild", threads=2)
+    s.client, s.client_lock, s.alpha = Client(), threading.Lock(), 0.5
+    s._live = [FlatView(storage_aliases([p]))]
+    s._exchange(0)
+    # read x = (1, 2); d = 0.5 (x - c) = (-1, -1); x_new = (2, 3); live = (1.5, 1.75) + (1, 1)
+    assert p.detach().tolist() == [2.5, 2.75]
+
+
+def test_server_warm_up_follows_the_workers_steps_not_the_server_updates():
+    """Four asynchronous workers make the server's version run four times ahead of any
+    worker's step: a push of step 0 still gets the first warm-up factor (1/4 of the lr)."""
+    import types
+
+    import torch
+
+    from distsync.solvers import make_solver
+    from distsync.solvers.base import ServeContext
+    from distsync.solvers.flat import FlatView
+
+    s = make_solver("async-ps")
+    s.ctx = ServeContext(make_model=None, lr=1.0, warmup_steps=4)
+    shard = types.SimpleNamespace(center=torch.zeros(2), view=FlatView([torch.zeros(2)]), version=12)
+    s.apply_gradient(shard, torch.ones(2), step=0)
+    assert shard.center.tolist() == [-0.25, -0.25]  # version 12 would have given the full lr
+    assert shard.version == 13
+
+
+@pytest.mark.parametrize("solver, lock_free", [("ea-wild", True), ("hogwild", True), ("async-easgd", False),
+                                               ("async-ps", False)])
+def test_lock_free_servers_let_two_updates_into_the_center_at_once(monkeypatch, solver, lock_free):
+    """Two workers' updates reach a server at once: a lock-free server (ea-wild, hogwild) runs
+    both inside its update together; a locked one lets the second in only after the first."""
+    import threading
+
+    import torch
+
+    from distsync.solvers import ServeContext, make_solver
+    from distsync.solvers import elastic, parameter_server
+    from distsync.solvers.shard_service import OP_EXCHANGE, OP_PUSH, Request
+    from distsync.workloads.digits import make_model
+
+    class Comm:
+        rank, worker_ranks, num_workers = 2, [0, 1], 2
+
+        def ranks_with_role(self, role):
+            return [2]
+
+        def send(self, *args, **kwargs):
+            pass
+
+    s = make_solver(solver)
+    monkeypatch.setattr(s, "run_server", lambda shard: None)
+    s.serve("server", Comm(), ServeContext(make_model=make_model, lr=0.1))
+    both_inside = threading.Barrier(2, timeout=1.5)
+    first = threading.local()
+    module, name = (elastic, "elastic_exchange") if solver in ("ea-wild", "async-easgd") else \
+        (parameter_server, "server_apply")
+    rule = getattr(module, name)
+
+    def meeting(*args, **kwargs):
+        if not getattr(first, "done", False):
+            first.done = True
+            try:
+                both_inside.wait()
+            except threading.BrokenBarrierError:
+                pass
+        return rule(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, meeting)
+    op = OP_EXCHANGE if module is elastic else OP_PUSH
+    n = s.shard.center.numel()
+    threads = [threading.Thread(target=s.shard._process, args=(Request(w, op, 0, 0, torch.zeros(n)),))
+               for w in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert both_inside.broken is (not lock_free)  # a lock kept the second out until the wait gave up
+    assert s.shard.version == 2

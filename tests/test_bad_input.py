@@ -457,6 +457,21 @@ def test_bad_option_gives_exit_2_and_one_exact_line(tmp_path, capsys, no_launch,
     assert message in err, err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--solver", "ea-wild", "--threads", "2", "--momentum", "0.9"],
+     "ea-wild with 2 threads steps with plain lock-free SGD (Hogwild): it takes --optimizer sgd without --momentum "
+     "or --weight-decay; got --optimizer sgd --momentum 0.9 --weight-decay 0"),
+    (["train", "--solver", "hogwild", "--optimizer", "adam"], "hogwild with 2 threads steps with plain lock-free SGD"),
+    (["compare", "--solvers", "allreduce,shadow-ma", "--threads", "2", "--weight-decay", "0.01"],
+     "shadow-ma with 2 threads steps with plain lock-free SGD"),
+])
+def test_hogwild_threads_refuse_an_optimizer_they_would_not_run(tmp_path, capsys, no_launch, argv, message):
+    code, err = run_main([*argv, "--out", str(tmp_path / "run")], capsys)
+    assert code == 2, err
+    assert_one_line(err)
+    assert message in err, err
+
+
 @pytest.mark.parametrize("argv", [["train", "--solver", "ad-psgd"], ["compare", "--solvers", "allreduce,ad-psgd"]])
 def test_a_budget_with_checkpoints_needs_equal_steps(tmp_path, capsys, no_launch, argv):
     code, err = run_main([*argv, "--budget", "target", "--checkpoint-every", "5", "--out", str(tmp_path / "r")], capsys)

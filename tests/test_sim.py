@@ -133,8 +133,12 @@ def test_calibrate_predicts_a_real_run(tmp_path):
 SEED, BATCH, LR = 6, 16, 0.2
 
 
-@pytest.mark.parametrize("solver, options", [("allreduce", {}), ("sync-easgd", {"tau": 3, "alpha": 0.3})])
-def test_train_mode_reproduces_the_real_solver(solver, options):
+@pytest.mark.parametrize("solver, options, world", [
+    ("allreduce", {}, 2), ("sync-easgd", {"tau": 3, "alpha": 0.3}, 2), ("ma", {"every": 3}, 2),
+    ("bmuf", {"every": 3, "block_momentum": 0.5}, 2),
+    ("ripples", {"schedule": "static", "group_size": 2}, 3),  # groups smaller than the world, rotating
+])
+def test_train_mode_reproduces_the_real_solver(solver, options, world):
     import torch
 
     from distsync.sim.train import simulate_training
@@ -142,13 +146,71 @@ def test_train_mode_reproduces_the_real_solver(solver, options):
     from helpers import run_ranks, train_digits_rank
 
     steps = 7
-    real = run_ranks(train_digits_rank, 2, solver, options, steps, SEED, BATCH, LR)
-    sim = simulate_training(solver, options, load_workload("digits"), 2, steps, batch_size=BATCH, lr=LR, seed=SEED,
-                            eval_every=steps)
+    real = run_ranks(train_digits_rank, world, solver, options, steps, SEED, BATCH, LR)
+    sim = simulate_training(solver, options, load_workload("digits"), world, steps, batch_size=BATCH, lr=LR,
+                            seed=SEED, eval_every=steps)
     for r, got in enumerate(real):
         for name, value in got["state"].items():
             torch.testing.assert_close(sim.params[name][r], value, rtol=0, atol=1e-5)
     assert len(sim.curve) == 1 and 0 < sim.curve[0]["metric"] <= 1
+
+
+@pytest.mark.parametrize("locked, lock_free", [("async-easgd", "ea-wild"), ("async-ps", "hogwild")])
+def test_lock_free_servers_apply_concurrent_updates_at_once(locked, lock_free):
+    """8 workers, one server whose applies (1 MB at 0.1 GB/s: 10 ms each) outlast a step's
+    compute (1 ms): a locked server queues them, so each worker waits about 8 applies per
+    exchange; a lock-free one applies them concurrently."""
+    cluster = Cluster(8, Link(1e12), server_apply_bps=1e8)
+    work = Work(steps=20, model_bytes=1e6)
+    opts = {"tau": 1} if "easgd" in locked else {}
+    slow = simulate(locked, opts, cluster, WorkerModel(0.001), work)
+    fast = simulate(lock_free, dict(opts, **({"threads": 1} if lock_free == "hogwild" else {})), cluster,
+                    WorkerModel(0.001), work)
+    assert slow.wall_s > 20 * 8 * 0.010 * 0.9  # every apply of every worker in turn
+    assert fast.wall_s < 20 * (0.001 + 0.010) * 1.5  # compute and one apply per step
+    assert slow.wait_s.sum() > 10 * fast.wait_s.sum()
+
+
+def test_train_mode_adpsgd_averages_before_each_applies_its_own_gradient():
+    """AD-PSGD: the gradient is taken before the averaging and applied after it, so each of
+    the pair ends at avg(x_a, x_p) - lr g_own (not the average of the two updated models)."""
+    import torch
+
+    from distsync.sim.train import TrainContext
+
+    stack = {"w": torch.tensor([[1.0, 2.0], [3.0, 6.0]])}
+    rule = TrainContext(stack, 0.5, 2).pairwise([0], [1], lambda a: 1)
+    rule(0, {"w": torch.tensor([[2.0, 0.0], [0.0, 4.0]])})
+    assert stack["w"].tolist() == [[2.0 - 1.0, 4.0 - 0.0], [2.0 - 0.0, 4.0 - 2.0]]
+
+
+def test_simulated_partners_and_random_groups_are_the_real_workers_draws():
+    """The simulator draws AD-PSGD partners and Ripples' random rounds from the same seeded
+    generators as the real workers and coordinator (seed 3, run seed 5)."""
+    from distsync.solvers import make_options, solver_class
+    from distsync.solvers.schedules import partner_rng, random_round, round_rng
+
+    adpsgd = solver_class("ad-psgd")
+    actives, passives, partner = adpsgd._partners(make_options(adpsgd, {"seed": 3}), 6)
+    real = {a: partner_rng(3, a) for a in actives}
+    assert [partner(a) for _ in range(5) for a in actives] == [real[a].choice(passives) for _ in range(5) for a in actives]
+    ripples = solver_class("ripples")
+    nxt = ripples._rounds(make_options(ripples, {"schedule": "random", "seed": 3, "group_size": 2}), 6, 5)
+    rng = round_rng(3, 5)
+    assert [nxt() for _ in range(4)] == [random_round(6, 2, rng) for _ in range(4)]
+    assert round_rng(3, 5).random() != round_rng(3, 0).random()  # the run's seed matters, as in the coordinator
+
+
+def test_a_solver_without_a_simulation_says_so(tmp_path):
+    from distsync.sim.train import simulate_training
+    from distsync.workloads import load_workload
+
+    mine = tmp_path / "mysolver.py"
+    mine.write_text("from distsync.solvers import Solver\n\nclass Mine(Solver):\n    name = 'mine'\n")
+    with pytest.raises(ConfigError, match="has no timing model: its class needs a simulate_timing"):
+        simulate(f"{mine}:Mine", {}, Cluster(2, GBIT), WorkerModel(0.01), Work(steps=2, model_bytes=1e5))
+    with pytest.raises(ConfigError, match="train mode has no rule for"):
+        simulate_training(f"{mine}:Mine", {}, load_workload("digits"), 2, 2)
 
 
 def test_train_mode_at_256_workers_learns_and_refuses_async_solvers():
@@ -160,7 +222,7 @@ def test_train_mode_at_256_workers_learns_and_refuses_async_solvers():
                             eval_every=15, wall_s=3.0)
     assert [p["t"] for p in res.curve] == pytest.approx([1.5, 3.0])
     assert res.curve[-1]["metric"] > 0.5  # 64 replicas, 30 steps of 8 images each, mixing in groups of 4
-    with pytest.raises(ConfigError, match="train mode has no rule order for 'async-ps'"):
+    with pytest.raises(ConfigError, match=r"train mode has no rule for .async-ps. \(its result depends on the order"):
         simulate_training("async-ps", {}, w, 4, 2)
 
 

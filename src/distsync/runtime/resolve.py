@@ -123,6 +123,11 @@ def resolve(cfg: RunConfig, *, world_size: int | None = None) -> ResolvedRun:
         cfg.steps = _budget_steps(cfg, cls.lockstep_lead(options, cfg.workers), threads)
     if threads > 1 and cfg.crossover:
         raise ConfigError(f"crossover scheduling runs one training thread per worker; {cls.name} asks for {threads}")
+    if threads > 1 and getattr(cls, "threads_take_plain_sgd", False) and (
+            cfg.optimizer != "sgd" or cfg.momentum or cfg.weight_decay):
+        raise ConfigError(f"{cls.name} with {threads} threads steps with plain lock-free SGD (Hogwild): it takes "
+                          f"--optimizer sgd without --momentum or --weight-decay; got --optimizer {cfg.optimizer} "
+                          f"--momentum {cfg.momentum:g} --weight-decay {cfg.weight_decay:g}")
     if cfg.task == "train" and threads > 1 and cfg.steps % threads:
         raise ConfigError(f"--steps {cfg.steps} must be a multiple of the solver's {threads} threads")
     cfg.resolved = True

@@ -9,9 +9,9 @@ against virtual time). ``calibrate`` simulates a real run from its own measureme
 from distsync.sim.calibrate import calibrate, model_bytes
 from distsync.sim.cluster import Cluster, Link, WorkerModel, ring_allreduce_s, tree_allreduce_s
 from distsync.sim.engine import EventLoop, FifoLink
-from distsync.sim.timing import SimResult, Work, simulate
-from distsync.sim.train import TRAIN_SOLVERS, TrainResult, simulate_training
+from distsync.sim.timing import SimResult, TimingContext, Work, simulate
+from distsync.sim.train import TrainContext, TrainResult, simulate_training, train_mode_solvers
 
-__all__ = ["Cluster", "EventLoop", "FifoLink", "Link", "SimResult", "Work", "WorkerModel", "calibrate",
-           "model_bytes", "ring_allreduce_s", "simulate", "simulate_training", "tree_allreduce_s", "TRAIN_SOLVERS",
-           "TrainResult"]
+__all__ = ["Cluster", "EventLoop", "FifoLink", "Link", "SimResult", "TimingContext", "TrainContext", "TrainResult",
+           "Work", "WorkerModel", "calibrate", "model_bytes", "ring_allreduce_s", "simulate", "simulate_training",
+           "train_mode_solvers", "tree_allreduce_s"]

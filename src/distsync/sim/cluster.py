@@ -6,7 +6,9 @@ bandwidth ``beta`` bits/s per direction). A ring all-reduce over ``p`` ranks run
 broadcasts the whole message over ``ceil(log2 p)`` levels each. With nodes of several
 workers, an all-reduce runs inside each node on the intra-node link, across nodes among one
 leader each, and is broadcast inside the node again. A server's link is shared: transfers to
-(and from) one server go one after another (:class:`FifoLink`).
+(and from) one server go one after another (:class:`FifoLink`). A server applies an update at
+``server_apply_bps`` bytes of model per second; a server with a lock applies one at a time,
+a lock-free one applies concurrent updates at once.
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ def tree_allreduce_s(link: Link, nbytes: float, p: int) -> float:
 @dataclass
 class Cluster:
     """``workers`` workers, ``per_node`` to a node (intra-node link ``intra``; between nodes
-    ``link``), and ``servers`` server hosts behind ``link`` each."""
+    ``link``), and ``servers`` server hosts behind ``link`` each; a server applies an
+    update to ``server_apply_bps`` bytes of its shard per second."""
 
     workers: int
     link: Link
@@ -60,10 +63,11 @@ class Cluster:
     intra: Link | None = None
     servers: int = 0
     algorithm: str = "ring"
+    server_apply_bps: float = 2e9
 
     def __post_init__(self) -> None:
-        if self.workers < 1 or self.per_node < 1 or self.servers < 0:
-            raise ConfigError("a cluster needs workers >= 1, per_node >= 1 and servers >= 0")
+        if self.workers < 1 or self.per_node < 1 or self.servers < 0 or not self.server_apply_bps > 0:
+            raise ConfigError("a cluster needs workers >= 1, per_node >= 1, servers >= 0 and server_apply_bps > 0")
         if self.algorithm not in ("ring", "tree"):
             raise ConfigError(f"unknown all-reduce algorithm {self.algorithm!r}; valid: ring, tree")
 

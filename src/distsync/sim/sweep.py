@@ -17,7 +17,7 @@ from typing import Any
 from distsync.errors import ConfigError
 from distsync.sim.cluster import Cluster, Link, WorkerModel
 from distsync.sim.timing import Work, simulate
-from distsync.sim.train import TRAIN_SOLVERS, simulate_training
+from distsync.sim.train import simulate_training, train_mode_solvers
 from distsync.workloads import load_workload
 
 
@@ -27,9 +27,10 @@ def run_sweep(solvers: list[str], workers: list[int], ratios: list[float], slow_
               out: Path | None = None, seed: int = 0) -> list[dict[str, Any]]:
     if min(workers) < 1 or min(ratios) <= 0 or not all(0 <= s <= 1 for s in slow_shares):
         raise ConfigError("--workers must be >= 1, --ratios > 0 and --slow-shares in [0, 1]")
-    bad = [s for s in solvers if s not in TRAIN_SOLVERS]
+    trainable = train_mode_solvers()
+    bad = [s for s in solvers if s not in trainable]
     if bad:
-        raise ConfigError(f"sweep needs solvers with a train mode ({', '.join(TRAIN_SOLVERS)}); not {', '.join(bad)}")
+        raise ConfigError(f"sweep needs solvers with a train mode ({', '.join(trainable)}); not {', '.join(bad)}")
     w = load_workload(workload)
     rows = []
     for n in workers:

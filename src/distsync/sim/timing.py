@@ -1,16 +1,18 @@
-"""Timing models of every solver: when each worker computes, communicates and waits.
+"""The building blocks of timing models: when each worker computes, communicates and waits.
 
-No model math happens here: a simulated step is its compute time (from the
+No model math happens here, and no solver is named: each solver's class composes its
+timing from the blocks of a :class:`TimingContext` in its ``simulate_timing`` classmethod
+(next to its runtime hooks, with the same options, schedules and seeding functions), and
+:func:`simulate` calls it. A simulated step is its compute time (from the
 :class:`~distsync.sim.cluster.WorkerModel`) and each synchronization costs what the
-cluster's links say (:class:`~distsync.sim.cluster.Cluster`). Synchronous solvers and
-Ripples' fixed schedules are stepped with numpy over all workers at once; solvers where
-order matters (parameter servers, elastic exchanges, AD-PSGD, Ripples' smart groups) run
-on the event loop. Same solver names and options as the real runtime.
+cluster's links say (:class:`~distsync.sim.cluster.Cluster`). Workers that meet every few
+steps and fixed rounds of groups are stepped with numpy over all workers at once; blocks
+where order matters (servers, pairwise averaging, groups formed as workers become ready)
+run on the event loop.
 """
 
 from __future__ import annotations
 
-import random
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -20,7 +22,6 @@ import numpy as np
 from distsync.errors import ConfigError
 from distsync.sim.cluster import Cluster, WorkerModel
 from distsync.sim.engine import EventLoop, FifoLink
-from distsync.solvers import make_options, solver_class
 
 
 @dataclass
@@ -98,12 +99,20 @@ def _sync_ps_cost(cluster: Cluster, work: Work, servers: int) -> float:
 
 # ---- parameter servers and elastic exchanges, on the event loop --------------------------
 class _Servers:
-    """Each server's link, one FIFO per direction."""
+    """Each server's link, one FIFO per direction, and its update lock (a FIFO of applies;
+    None: lock-free, concurrent applies do not queue)."""
 
-    def __init__(self, count: int):
+    def __init__(self, count: int, locked: bool = True):
         self.inbound = [FifoLink() for _ in range(count)]
         self.outbound = [FifoLink() for _ in range(count)]
+        self.locks = [FifoLink() for _ in range(count)] if locked else None
         self.version = [0] * count
+
+    def apply(self, t: float, seconds: float) -> float:
+        """Every server applies its shard of an update that arrived at ``t``: when all are done."""
+        if self.locks is None:
+            return t + seconds
+        return max(lock.reserve(t, seconds) for lock in self.locks)
 
     def send_to(self, t: float, link_s: Callable[[float], float], shard: float, lat: float) -> float:
         """A worker's message of ``shard`` bytes to every server at ``t``: when all arrived."""
@@ -117,24 +126,27 @@ class _ServerLoop:
     """Workers compute; pushes (no reply), pulls (a reply) and exchanges (send, then reply) go
     through the servers' shared links. Staleness: server updates between a worker's last pull
     (or exchange) and its push (or exchange). Every transfer is booked on a server link by an
-    event at the moment it starts, so the links serve transfers in the order of virtual time."""
+    event at the moment it starts, so the links serve transfers in the order of virtual time.
+    A server applies each push and exchange (``locked``: one at a time; else concurrently)."""
 
     def __init__(self, cluster: Cluster, c: np.ndarray, work: Work, servers: int, *, push_every: int,
-                 pull_every: int, exchange_every: int, round_robin: bool = False):
+                 pull_every: int, exchange_every: int, round_robin: bool = False, locked: bool = True):
         n = cluster.workers
         self.c, self.work, self.lat, self.bw = c, work, cluster.link.latency_s, cluster.link.bandwidth_bps
         self.push_every, self.pull_every, self.exchange_every = push_every, pull_every, exchange_every
         self.round_robin = round_robin
         self.shard = work.model_bytes / servers
-        self.srv = _Servers(servers)
+
         self.loop = EventLoop()
         self.comp, self.comm, self.wait, self.done_at = _zeros(n), _zeros(n), _zeros(n), _zeros(n)
         self.seen = [0] * n
         self.staleness: Counter = Counter()
         self.turn = 0  # round robin: whose exchange the server takes next
         self.parked: dict[int, tuple[float, int]] = {}
-        # an exchange or a pull with nobody else around
-        self.round_trip = 2 * self.lat + 2 * self.ser(work.model_bytes)
+        self.srv = _Servers(servers, locked)
+        self.apply_s = self.shard / cluster.server_apply_bps
+        # an exchange or a pull with nobody else around (the server's apply included)
+        self.round_trip = 2 * self.lat + 2 * self.ser(work.model_bytes) + self.apply_s
 
     def ser(self, nbytes: float) -> float:
         return 8.0 * nbytes / self.bw
@@ -161,8 +173,9 @@ class _ServerLoop:
         self.staleness[srv.version[0] - self.seen[w]] += 1
         srv.version[0] += 1
         self.seen[w] = srv.version[0]
-        back = max(srv.send_back(loop.now, self.ser, self.shard, self.lat),
-                   loop.now + self.ser(self.work.model_bytes) + self.lat)
+        applied = srv.apply(loop.now, self.apply_s)
+        back = max(srv.send_back(applied, self.ser, self.shard, self.lat),
+                   applied + self.ser(self.work.model_bytes) + self.lat)
         self.blocked(w, t, back)
         loop.at(back, self.step, w, k + 1)
 
@@ -178,8 +191,9 @@ class _ServerLoop:
 
     def pull(self, w: int, k: int, asked: float) -> None:  # the servers send the parameters back
         loop = self.loop
-        back = max(self.srv.send_back(loop.now, self.ser, self.shard, self.lat),
-                   loop.now + self.lat + self.ser(self.work.model_bytes))
+        ready = self.srv.apply(loop.now, 0.0)  # a locked server reads its center after the queued applies
+        back = max(self.srv.send_back(ready, self.ser, self.shard, self.lat),
+                   ready + self.lat + self.ser(self.work.model_bytes))
         self.seen[w] = self.srv.version[0]
         loop.at(back, self.pulled, w, k, asked)
 
@@ -206,9 +220,10 @@ class _ServerLoop:
             return
         self.loop.at(t, self.step, w, k + 1)
 
-    def pushed(self, w: int) -> None:  # applied on arrival
+    def pushed(self, w: int) -> None:  # applied on arrival (behind the lock's queue, if any)
         self.staleness[self.srv.version[0] - self.seen[w]] += 1
         self.srv.version[0] += 1
+        self.srv.apply(self.loop.now, self.apply_s)
 
     def run(self, name: str) -> SimResult:
         for w in range(len(self.seen)):
@@ -221,80 +236,65 @@ class _ServerLoop:
                          self.wait, self.staleness, events=self.loop.events)
 
 
-def _server_loop(name: str, cluster: Cluster, c: np.ndarray, work: Work, servers: int, *, push_every: int,
-                 pull_every: int, exchange_every: int, round_robin: bool = False) -> SimResult:
-    return _ServerLoop(cluster, c, work, servers, push_every=push_every, pull_every=pull_every,
-                       exchange_every=exchange_every, round_robin=round_robin).run(name)
-
-
 # ---- decentralized -----------------------------------------------------------------------
-def _adpsgd(cluster: Cluster, c: np.ndarray, work: Work, seed: int) -> SimResult:
-    """Even workers (active) average with a random odd one (passive) after each step; a
-    passive answers one active at a time, from a background thread (its compute goes on)."""
+def _pairwise(name: str, cluster: Cluster, c: np.ndarray, work: Work, actives: list[int], passives: list[int],
+              partner: Callable[[int], int]) -> SimResult:
+    """After each step every active worker averages with a passive one (``partner(active)``:
+    the passive's index); a passive answers one active at a time, from a background thread
+    (its compute goes on). Actives reach their averagings in the order they finish computing."""
     n = cluster.workers
     t, comp, comm, wait = _zeros(n), _zeros(n), _zeros(n), _zeros(n)
-    actives, passives = np.arange(0, n, 2), np.arange(1, n, 2)
     busy = {int(p): 0.0 for p in passives}
-    rng = np.random.default_rng(seed)
+    act = np.array(actives, dtype=np.int64)
     cost = 2 * cluster.p2p_s(work.model_bytes)
     for k in range(work.steps):
         t += c[k]
         comp += c[k]
-        if len(passives) == 0:
+        if not passives:
             continue
-        picks = rng.choice(passives, size=len(actives))
-        for a in actives[np.argsort(t[actives], kind="stable")]:
-            p = int(picks[np.searchsorted(actives, a)])
+        picks = {a: partner(a) for a in actives}  # each active draws its partner, in rank order
+        for a in act[np.argsort(t[act], kind="stable")]:
+            p = picks[int(a)]
             start = max(t[a], busy[p])
             wait[a] += start - t[a]
             busy[p] = start + cost
             comm[a] += cost
             t[a] = start + cost
-    return SimResult("ad-psgd", n, work.steps, work.batch_size, float(t.max()), comp, comm, wait)
+    return SimResult(name, n, work.steps, work.batch_size, float(t.max()), comp, comm, wait)
 
 
-def _ripples_rounds(cluster: Cluster, c: np.ndarray, work: Work, k: int, every: int, schedule: str,
-                    seed: int) -> SimResult:
-    """Each round, disjoint groups of ``k``: a group all-reduces once all its members are ready."""
+def _group_rounds(name: str, cluster: Cluster, c: np.ndarray, work: Work, every: int,
+                  next_round: Callable[[], list[tuple[int, ...]]]) -> SimResult:
+    """Every ``every`` steps a round of disjoint groups (``next_round()``): a group
+    all-reduces once all its members are ready; a group of one goes on alone."""
     n = cluster.workers
     t, comp, comm, wait = _zeros(n), _zeros(n), _zeros(n), _zeros(n)
-    rng = random.Random(seed)
-    base = np.arange(n)
-    full = (n // k) * k
-    cost_k = cluster.allreduce_s(work.model_bytes, k)
-    rest = n - full
-    cost_rest = cluster.allreduce_s(work.model_bytes, rest) if rest >= 2 else 0.0
-    r = 0
+    costs: dict[int, float] = {}
     for step in range(work.steps):
         t += c[step]
         comp += c[step]
         if (step + 1) % every:
             continue
-        if schedule == "static":
-            order = np.roll(base, -(r % max(1, k if n % k == 0 else n)))
-        else:
-            perm = list(range(n))
-            rng.shuffle(perm)
-            order = np.array(perm)
-        r += 1
-        groups = order[:full].reshape(-1, k)
-        start = t[groups].max(axis=1, keepdims=True)
-        wait[groups] += start - t[groups]
-        t[groups] = start + cost_k
-        comm[groups] += cost_k
-        if rest >= 2:
-            g = order[full:]
-            s = t[g].max()
-            wait[g] += s - t[g]
-            t[g] = s + cost_rest
-            comm[g] += cost_rest
-    return SimResult("ripples", n, work.steps, work.batch_size, float(t.max()), comp, comm, wait)
+        for group in next_round():
+            if len(group) < 2:
+                continue
+            g = np.asarray(group)
+            cost = costs.get(len(g))
+            if cost is None:
+                cost = costs[len(g)] = cluster.allreduce_s(work.model_bytes, len(g))
+            start = t[g].max()
+            wait[g] += start - t[g]
+            t[g] = start + cost
+            comm[g] += cost
+    return SimResult(name, n, work.steps, work.batch_size, float(t.max()), comp, comm, wait)
 
 
-def _ripples_smart(cluster: Cluster, c: np.ndarray, work: Work, k: int, every: int, max_wait_s: float) -> SimResult:
-    """Groups form in the order workers become ready: a group starts when ``k`` are ready, or
-    ``max_wait_s`` after its first member arrived (with 2 or more; a worker alone goes on), or
-    at once when every worker still training is in it."""
+def _ready_groups(name: str, cluster: Cluster, c: np.ndarray, work: Work, k: int, every: int,
+                  max_wait_s: float) -> SimResult:
+    """Groups form in the order workers become ready, asked of a coordinator (a round trip):
+    a group starts when ``k`` are ready, or ``max_wait_s`` after its first member arrived
+    (with 2 or more; a worker alone goes on), or at once when every worker still training
+    is in it."""
     n = cluster.workers
     loop = EventLoop()
     comp, comm, wait = _zeros(n), _zeros(n), _zeros(n)
@@ -349,7 +349,7 @@ def _ripples_smart(cluster: Cluster, c: np.ndarray, work: Work, k: int, every: i
     for w in range(n):
         loop.at(0.0, step, w, 0)
     wall = max(loop.run(), float(done_at.max()))
-    return SimResult("ripples", n, work.steps, work.batch_size, wall, comp, comm, wait, events=loop.events)
+    return SimResult(name, n, work.steps, work.batch_size, wall, comp, comm, wait, events=loop.events)
 
 
 # ---- background --------------------------------------------------------------------------
@@ -362,44 +362,87 @@ def _background(name: str, cluster: Cluster, c: np.ndarray, work: Work, sync_s: 
     return res
 
 
-# ---- dispatch ----------------------------------------------------------------------------
+
+
+# ---- what a solver's timing model is handed ----------------------------------------------
+@dataclass
+class TimingContext:
+    """One simulated run, for a solver's ``simulate_timing(options, sim)``: the cluster, the
+    compute seconds of every step on every worker (``c``, ``[steps, workers]``), the work and
+    the run's seed; the costs of its synchronizations and the blocks it is made of. Each
+    block returns the run's :class:`SimResult`, labelled with ``name``."""
+
+    name: str
+    cluster: Cluster
+    c: np.ndarray
+    work: Work
+    seed: int = 0
+
+    @property
+    def workers(self) -> int:
+        return self.cluster.workers
+
+    # costs
+    def allreduce_s(self, p: int | None = None) -> float:
+        """An all-reduce of the model over ``p`` workers (default: all)."""
+        return self.cluster.allreduce_s(self.work.model_bytes, p)
+
+    def sync_ps_s(self, servers: int) -> float:
+        """A synchronous parameter-server round: gradients to the servers, parameters back."""
+        return _sync_ps_cost(self.cluster, self.work, servers)
+
+    def server_exchange_s(self, servers: int) -> float:
+        """Every worker's model to the servers and back, through the servers' links."""
+        link = self.cluster.link
+        return 2 * (link.latency_s + 8.0 * self.workers * self.work.model_bytes / (servers * link.bandwidth_bps))
+
+    # blocks
+    def meet_every(self, every: int, cost: float) -> SimResult:
+        """Every ``every`` steps all workers wait for the slowest, then spend ``cost``
+        together (0: they never meet)."""
+        return _periodic(self.name, self.cluster, self.c, self.work, every, cost)
+
+    def servers(self, servers: int, *, push_every: int = 0, pull_every: int = 0, exchange_every: int = 0,
+                round_robin: bool = False, locked: bool = True) -> SimResult:
+        """Workers push (no reply), pull and exchange (send, then a reply) through the links of
+        ``servers`` servers, first come first served (``round_robin``: in rank order); a
+        ``locked`` server applies one update at a time, a lock-free one concurrently."""
+        return _ServerLoop(self.cluster, self.c, self.work, servers, push_every=push_every, pull_every=pull_every,
+                           exchange_every=exchange_every, round_robin=round_robin, locked=locked).run(self.name)
+
+    def pairwise(self, actives: list[int], passives: list[int], partner: Callable[[int], int]) -> SimResult:
+        """Active workers average with a passive one after each step (see :func:`_pairwise`)."""
+        return _pairwise(self.name, self.cluster, self.c, self.work, actives, passives, partner)
+
+    def group_rounds(self, every: int, next_round: Callable[[], list[tuple[int, ...]]]) -> SimResult:
+        """Rounds of disjoint groups, each a partial all-reduce (see :func:`_group_rounds`)."""
+        if self.workers < 2:
+            return self.meet_every(0, 0.0)
+        return _group_rounds(self.name, self.cluster, self.c, self.work, every, next_round)
+
+    def ready_groups(self, k: int, every: int, max_wait_s: float) -> SimResult:
+        """Groups of up to ``k`` formed as workers become ready (see :func:`_ready_groups`)."""
+        if self.workers < 2:
+            return self.meet_every(0, 0.0)
+        return _ready_groups(self.name, self.cluster, self.c, self.work, min(k, self.workers), every, max_wait_s)
+
+    def background(self, sync_s: float, min_interval_s: float) -> SimResult:
+        """Training never waits; a background thread syncs back to back (``sync_s`` each, at
+        most every ``min_interval_s``)."""
+        return _background(self.name, self.cluster, self.c, self.work, sync_s, min_interval_s)
+
+
 def simulate(solver: str, options: dict[str, Any], cluster: Cluster, workers: WorkerModel, work: Work,
              seed: int = 0) -> SimResult:
-    """The timing of ``solver`` (a registry name, with its options) on ``cluster``."""
+    """The timing of ``solver`` (a registry name or ``path/file.py:Class``, with its options)
+    on ``cluster``: what its class's ``simulate_timing`` composes."""
+    from distsync.solvers import make_options, solver_class
+
     cls = solver_class(solver)
     o = make_options(cls, options)
-    n = cluster.workers
-    c = workers.sample(n, work.steps)
-    servers = getattr(o, "servers", 1)
-    ar = cluster.allreduce_s(work.model_bytes)
-    if solver in ("allreduce", "ddp"):
-        return _periodic(solver, cluster, c, work, 1, ar)
-    if solver == "sync-ps":
-        return _periodic(solver, cluster, c, work, 1, _sync_ps_cost(cluster, work, servers))
-    if solver == "sync-easgd":
-        return _periodic(solver, cluster, c, work, o.tau, ar)
-    if solver in ("ma", "bmuf"):
-        return _periodic(solver, cluster, c, work, o.every, ar)
-    if solver == "local":
-        return _periodic(solver, cluster, c, work, 0, 0.0)
-    if solver in ("async-ps", "async-msgd", "hogwild"):
-        return _server_loop(solver, cluster, c, work, servers, push_every=o.n_push, pull_every=o.n_fetch,
-                            exchange_every=0)
-    if solver in ("async-easgd", "async-measgd", "ea-wild", "fr-easgd", "easgd"):
-        return _server_loop(solver, cluster, c, work, servers, push_every=0, pull_every=0, exchange_every=o.tau,
-                            round_robin=solver == "easgd")
-    if solver == "ad-psgd":
-        return _adpsgd(cluster, c, work, o.seed)
-    if solver == "ripples":
-        k = min(o.group_size, n)
-        if n < 2:
-            return _periodic(solver, cluster, c, work, 0, 0.0)
-        if o.schedule == "smart":
-            return _ripples_smart(cluster, c, work, k, o.every, o.max_wait_ms / 1000)
-        return _ripples_rounds(cluster, c, work, k, o.every, o.schedule, o.seed)
-    if solver in ("shadow-ma", "shadow-bmuf"):
-        return _background(solver, cluster, c, work, ar, o.min_interval_ms / 1000)
-    if solver == "shadow-ea":
-        exchange = 2 * (cluster.link.latency_s + 8.0 * n * work.model_bytes / (servers * cluster.link.bandwidth_bps))
-        return _background(solver, cluster, c, work, exchange, o.min_interval_ms / 1000)
-    raise ConfigError(f"the simulator has no timing model for solver {solver!r}")
+    sim = TimingContext(solver, cluster, workers.sample(cluster.workers, work.steps), work, seed)
+    result = cls.simulate_timing(o, sim)
+    if result is None:
+        raise ConfigError(f"solver {solver!r} has no timing model: its class needs a simulate_timing(options, sim) "
+                          f"classmethod (see docs/simulator.md)")
+    return result

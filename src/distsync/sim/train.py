@@ -1,5 +1,9 @@
 """``train`` mode: the solvers' own rules on real model replicas, in virtual time.
 
+No solver is named here: each solver's class picks its update on the stacks from the blocks
+of a :class:`TrainContext` in its ``simulate_rule`` classmethod (built from the same pure
+rules of :mod:`distsync.solvers.rules`, schedules and seeding functions as the real solver).
+
 All workers' models are stacked (one tensor per parameter, leading dimension = workers) and
 their gradients computed at once with ``torch.func`` (``vmap`` of ``grad`` of a functional
 call), each worker on its own shard of the data exactly as in real runs
@@ -9,15 +13,13 @@ as a real run of the synchronous and round-based solvers, so with the same seed 
 parameters match a real run's. Time comes from the timing model of the same run: step ``k``
 ends at ``wall x (k + 1) / steps`` of virtual time.
 
-Solvers: ``allreduce``, ``ddp``, ``local``, ``sync-easgd``, ``ma``, ``bmuf``, ``ripples``
-(``static`` and ``random`` schedules), ``ad-psgd``. Solvers whose result depends on the
-arrival order of asynchronous messages (parameter servers, elastic exchanges, shadow
-threads, smart groups) are timing-only for now.
+Solvers whose result depends on the arrival order of asynchronous messages (parameter
+servers, elastic exchanges, shadow threads, smart groups) have no rule here: they are
+timing-only, and :func:`train_mode_solvers` lists those that have one.
 """
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,11 +29,8 @@ from torch.func import functional_call, grad, vmap
 
 from distsync.errors import ConfigError
 from distsync.solvers import make_options, solver_class
-from distsync.solvers.rules import bmuf_update, sync_elastic_update
-from distsync.solvers.schedules import bipartite_roles, random_round, static_schedule
+from distsync.solvers.rules import bmuf_update, group_mean, pairwise_average, sync_elastic_update
 from distsync.workloads import ShardSampler, Workload
-
-TRAIN_SOLVERS = ("allreduce", "ddp", "local", "sync-easgd", "ma", "bmuf", "ripples", "ad-psgd")
 
 
 @dataclass
@@ -50,9 +49,8 @@ def simulate_training(solver: str, options: dict[str, Any], workload: Workload, 
     """Train ``workers`` stacked replicas of ``workload``'s model with ``solver``'s rule (plain
     SGD locally, as the runtime's default optimizer). ``wall_s``: the virtual duration of
     the run (from the timing model); the curve's times scale with it."""
-    if solver not in TRAIN_SOLVERS:
-        raise ConfigError(f"train mode has no rule order for {solver!r} yet; it runs {', '.join(TRAIN_SOLVERS)}")
-    o = make_options(solver_class(solver), options)
+    cls = solver_class(solver)
+    o = make_options(cls, options)
     batch_size = batch_size or workload.batch_size
     lr = lr or workload.lr
     eval_every = eval_every or workload.eval_every
@@ -72,7 +70,10 @@ def simulate_training(solver: str, options: dict[str, Any], workload: Workload, 
         return workload.loss_fn(functional_call(model, params, (x,)), y)
 
     grads_of = vmap(grad(loss))
-    rule = _rule(solver, o, workers, stack, lr, seed)
+    rule = cls.simulate_rule(o, TrainContext(stack, lr, workers, seed))
+    if rule is None:
+        raise ConfigError(f"train mode has no rule for {solver!r} (its result depends on the order messages arrive "
+                          f"in); it runs {', '.join(train_mode_solvers())}")
     result = TrainResult(solver, workers, steps)
     pace = (wall_s / steps) if wall_s else 1.0
     for step in range(steps):
@@ -98,8 +99,25 @@ def _evaluate(workload: Workload, model: torch.nn.Module, stack: dict[str, torch
     return float(np.mean([workload.metric_fn(o, y) for o in outs]))
 
 
-class _Rule:
-    """The update of one step on the stacks, in place; ``eval_params`` the models reported."""
+def train_mode_solvers() -> list[str]:
+    """The registered solvers that train mode can run (those whose class has a rule)."""
+    from distsync.solvers import solver_names
+
+    probe = TrainContext({}, 0.0, 2, 0)
+    out = []
+    for name in solver_names():
+        cls = solver_class(name)
+        try:
+            if cls.simulate_rule(make_options(cls, {}), probe) is not None:
+                out.append(name)
+        except ConfigError:
+            out.append(name)  # it has rules, only not for its default options
+    return out
+
+
+class Rule:
+    """The update of one step on the stacks, in place: plain SGD on each replica's own
+    gradient, then :meth:`after`; ``eval_params`` the models the run reports."""
 
     def __init__(self, stack: dict[str, torch.Tensor], lr: float):
         self.stack, self.lr = stack, lr
@@ -119,34 +137,42 @@ class _Rule:
         return stack
 
 
-class _AllReduce(_Rule):
+class MeanGradient(Rule):
+    """Every replica steps with the mean of all replicas' gradients."""
+
     def __call__(self, step, g):
         self.sgd({n: v.mean(0, keepdim=True).expand_as(v) for n, v in g.items()})
 
 
-class _Average(_Rule):
-    def __init__(self, stack, lr, every, bmuf=None, workers=1):
+class PeriodicAverage(Rule):
+    """Every ``every`` steps every replica becomes the mean of all (``block_filter``: the
+    options of a block-momentum update of that mean, :func:`~distsync.solvers.rules.bmuf_update`)."""
+
+    def __init__(self, stack, lr, every, block_filter=None, workers=1):
         super().__init__(stack, lr)
-        self.every, self.bmuf = every, bmuf
-        if bmuf:
+        self.every, self.block_filter = every, block_filter
+        if block_filter:
             self.start = {n: p[0].clone() for n, p in stack.items()}
             self.delta = {n: torch.zeros_like(p[0]) for n, p in stack.items()}
-            self.momentum = bmuf.momentum_for(workers)
+            self.momentum = block_filter.momentum_for(workers)
 
     def after(self, step):
         if (step + 1) % self.every:
             return
         for n, p in self.stack.items():
             mean = p.mean(0)
-            if self.bmuf:
+            if self.block_filter:
                 new = torch.empty_like(mean)
-                bmuf_update(new, self.start[n], self.delta[n], mean, self.bmuf.block_lr, self.momentum,
-                            self.bmuf.nesterov)
+                bmuf_update(new, self.start[n], self.delta[n], mean, self.block_filter.block_lr, self.momentum,
+                            self.block_filter.nesterov)
                 mean = new
             p.copy_(mean.expand_as(p))
 
 
-class _SyncEASGD(_Rule):
+class SyncElastic(Rule):
+    """Every ``tau`` steps all replicas exchange with a center at once
+    (:func:`~distsync.solvers.rules.sync_elastic_update`); the center is what is reported."""
+
     def __init__(self, stack, lr, tau, alpha):
         super().__init__(stack, lr)
         self.tau, self.alpha = tau, alpha
@@ -162,58 +188,67 @@ class _SyncEASGD(_Rule):
         return {n: c.unsqueeze(0) for n, c in self.center.items()}
 
 
-class _Groups(_Rule):
-    """Ripples' rounds of disjoint groups (static or random): each group's models -> their mean."""
+class GroupRounds(Rule):
+    """Every ``every`` steps a round of disjoint groups (``next_round()``): each group's
+    replicas become their mean (:func:`~distsync.solvers.rules.group_mean` of their sum)."""
 
-    def __init__(self, stack, lr, workers, k, every, schedule, seed):
+    def __init__(self, stack, lr, every, next_round):
         super().__init__(stack, lr)
-        self.workers, self.k, self.every = workers, min(k, workers), every
-        self.rounds = static_schedule(workers, self.k) if schedule == "static" else None
-        self.rng = random.Random(seed)
-        self.r = 0
+        self.every, self.next_round = every, next_round
 
     def after(self, step):
-        if (step + 1) % self.every or self.workers < 2:
+        if (step + 1) % self.every:
             return
-        groups = self.rounds[self.r % len(self.rounds)] if self.rounds else random_round(self.workers, self.k, self.rng)
-        self.r += 1
-        for group in groups:
+        for group in self.next_round():
             if len(group) < 2:
                 continue
             idx = torch.tensor(group)
             for p in self.stack.values():
-                p[idx] = p[idx].mean(0, keepdim=True).expand(len(group), *p.shape[1:])
+                p[idx] = group_mean(p[idx].sum(0), len(group)).expand(len(group), *p.shape[1:])
 
 
-class _ADPSGD(_Rule):
-    """After each step every active worker averages with a random passive one, in turn."""
+class PairwiseAverage(Rule):
+    """After each backward every active replica, in rank order, averages with its partner
+    (``partner(active)``) (:func:`~distsync.solvers.rules.pairwise_average`): both become
+    the mean; then every replica applies its own gradient, taken before the averaging."""
 
-    def __init__(self, stack, lr, workers, seed):
+    def __init__(self, stack, lr, actives, passives, partner):
         super().__init__(stack, lr)
-        self.actives, self.passives = bipartite_roles(workers)
-        self.rng = np.random.default_rng(seed)
+        self.actives, self.passives, self.partner = actives, passives, partner
 
-    def after(self, step):
-        if not self.passives:
-            return
-        for a, q in zip(self.actives, self.rng.choice(self.passives, size=len(self.actives))):
-            for p in self.stack.values():
-                mean = (p[a] + p[int(q)]) / 2
-                p[a] = mean
-                p[int(q)] = mean
+    def __call__(self, step, g):
+        if self.passives:
+            for a in self.actives:
+                q = self.partner(a)
+                for p in self.stack.values():
+                    pairwise_average(p[a], p[q])
+        self.sgd(g)
 
 
-def _rule(solver: str, o: Any, workers: int, stack, lr: float, seed: int) -> _Rule:
-    if solver in ("allreduce", "ddp"):
-        return _AllReduce(stack, lr)
-    if solver == "local":
-        return _Rule(stack, lr)
-    if solver == "sync-easgd":
-        return _SyncEASGD(stack, lr, o.tau, o.moving_rate(workers))
-    if solver in ("ma", "bmuf"):
-        return _Average(stack, lr, o.every, o if solver == "bmuf" else None, workers)
-    if solver == "ripples":
-        if o.schedule == "smart":
-            raise ConfigError("train mode runs ripples with schedule static or random (smart groups depend on timing)")
-        return _Groups(stack, lr, workers, o.group_size, o.every, o.schedule, o.seed)
-    return _ADPSGD(stack, lr, workers, o.seed)
+@dataclass
+class TrainContext:
+    """What a solver's ``simulate_rule(options, sim)`` is handed: the stacked replicas, the
+    learning rate, the worker count and the run's seed, and the rules it can pick from."""
+
+    stack: dict[str, torch.Tensor]
+    lr: float
+    workers: int
+    seed: int = 0
+
+    def local(self) -> Rule:
+        return Rule(self.stack, self.lr)
+
+    def mean_gradient(self) -> Rule:
+        return MeanGradient(self.stack, self.lr)
+
+    def periodic_average(self, every: int, block_filter: Any = None) -> Rule:
+        return PeriodicAverage(self.stack, self.lr, every, block_filter, self.workers)
+
+    def sync_elastic(self, tau: int, alpha: float) -> Rule:
+        return SyncElastic(self.stack, self.lr, tau, alpha)
+
+    def group_rounds(self, every: int, next_round) -> Rule:
+        return GroupRounds(self.stack, self.lr, every, next_round) if self.workers >= 2 else self.local()
+
+    def pairwise(self, actives: list[int], passives: list[int], partner) -> Rule:
+        return PairwiseAverage(self.stack, self.lr, actives, passives, partner)

@@ -72,6 +72,14 @@ class AllReduce(Solver):
     Options = AllReduceOptions
     collective_per_step = True
 
+    @classmethod
+    def simulate_timing(cls, options, sim):
+        return sim.meet_every(1, sim.allreduce_s())  # every step, an all-reduce of the gradients
+
+    @classmethod
+    def simulate_rule(cls, options, sim):
+        return sim.mean_gradient()
+
     def attach(self, model, optimizer, comm):
         super().attach(model, optimizer, comm)
         params = [p for p in model.parameters() if p.requires_grad]

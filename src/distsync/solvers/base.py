@@ -130,6 +130,23 @@ class Solver:
         more than this many steps beyond another (a collective every step: 1)."""
         return 1
 
+    # ---- simulation (distsync.sim) ------------------------------------------------------
+    @classmethod
+    def simulate_timing(cls, options: Any, sim: Any) -> Any:
+        """This solver's timing on a simulated cluster with ``options``: a
+        :class:`~distsync.sim.timing.SimResult` composed from the blocks of ``sim`` (a
+        :class:`~distsync.sim.timing.TimingContext`). None: the simulator has no timing model
+        for it (and says so)."""
+        return None
+
+    @classmethod
+    def simulate_rule(cls, options: Any, sim: Any) -> Any:
+        """This solver's update on the stacked replicas of train mode with ``options``: a rule
+        picked from the blocks of ``sim`` (a :class:`~distsync.sim.train.TrainContext`),
+        built from the same pure rules as the hooks. None: train mode cannot run it (its
+        result depends on the order messages arrive in)."""
+        return None
+
     @property
     def roles(self) -> dict[str, int]:
         return self.extra_roles(self.options)

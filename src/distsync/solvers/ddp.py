@@ -32,6 +32,14 @@ class DDP(Solver):
     Options = DDPOptions
     collective_per_step = True
 
+    @classmethod
+    def simulate_timing(cls, options, sim):
+        return sim.meet_every(1, sim.allreduce_s())  # every step, an all-reduce of the gradients
+
+    @classmethod
+    def simulate_rule(cls, options, sim):
+        return sim.mean_gradient()
+
     def attach(self, model, optimizer, comm):
         super().attach(model, optimizer, comm)
         self.ddp = DistributedDataParallel(

@@ -25,7 +25,6 @@
 from __future__ import annotations
 
 import queue
-import random
 import threading
 import time
 from collections import Counter
@@ -34,10 +33,12 @@ from dataclasses import dataclass
 import torch
 
 from distsync.config import bounded
+from distsync.errors import ConfigError
 from distsync.solvers.base import Solver, join_background, register_solver
 from distsync.solvers.flat import FlatView
 from distsync.solvers.rules import group_mean, pairwise_average
-from distsync.solvers.schedules import bipartite_roles, random_round, static_schedule
+from distsync.solvers.schedules import (bipartite_roles, partner_rng, random_round, round_rng,
+                                        static_schedule)
 
 TAG_AVG_HEADER, TAG_AVG_MODEL, TAG_AVG_REPLY = 21, 22, 23
 TAG_COORD_REQ, TAG_COORD_REPLY = 31, 32
@@ -66,6 +67,21 @@ class ADPSGD(Solver):
     def lockstep_lead(cls, options, workers):
         return None  # passives answer from a thread until every active is done
 
+    @classmethod
+    def _partners(cls, options, workers: int):
+        """(actives, passives, partner(active) -> passive), as the workers draw them."""
+        actives, passives = bipartite_roles(workers)
+        rngs = {a: partner_rng(options.seed, a) for a in actives}
+        return actives, passives, lambda a: rngs[a].choice(passives)
+
+    @classmethod
+    def simulate_timing(cls, options, sim):
+        return sim.pairwise(*cls._partners(options, sim.workers))
+
+    @classmethod
+    def simulate_rule(cls, options, sim):
+        return sim.pairwise(*cls._partners(options, sim.workers))
+
     def attach(self, model, optimizer, comm):
         super().attach(model, optimizer, comm)
         self.view = FlatView(list(model.parameters()))
@@ -77,7 +93,7 @@ class ADPSGD(Solver):
         self.gossip = comm.new_group(comm.worker_ranks)
         self.lock = threading.Lock()  # a passive's model: its update vs. an averaging
         self.pending: torch.Tensor | None = None
-        self.rng = random.Random(self.options.seed * 7919 + comm.rank)
+        self.rng = partner_rng(self.options.seed, comm.rank)
         self.averaged = 0
         self.answered = Counter()
         self._error: list[BaseException] = []
@@ -194,6 +210,37 @@ class Ripples(Solver):
         # Fixed rounds: each worker's groups chain it to the others within a few rounds.
         return options.every * workers
 
+    @classmethod
+    def _rounds(cls, options, workers: int, run_seed: int):
+        """``next_round()``: the rounds of disjoint groups the workers go through, in order
+        (static: the fixed schedule, repeated; random: the coordinator's draws)."""
+        k = min(options.group_size, workers)
+        if options.schedule == "static":
+            rounds, r = static_schedule(workers, k), [0]
+
+            def next_static():
+                r[0] += 1
+                return rounds[(r[0] - 1) % len(rounds)]
+            return next_static
+        rng = round_rng(options.seed, run_seed)
+        return lambda: random_round(workers, k, rng)
+
+    @classmethod
+    def simulate_timing(cls, options, sim):
+        if options.schedule == "smart":
+            return sim.ready_groups(options.group_size, options.every, options.max_wait_ms / 1000)
+        if sim.workers < 2:
+            return sim.meet_every(0, 0.0)
+        return sim.group_rounds(options.every, cls._rounds(options, sim.workers, sim.seed))
+
+    @classmethod
+    def simulate_rule(cls, options, sim):
+        if options.schedule == "smart":
+            raise ConfigError("train mode runs ripples with schedule static or random (smart groups depend on timing)")
+        if sim.workers < 2:
+            return sim.local()
+        return sim.group_rounds(options.every, cls._rounds(options, sim.workers, sim.seed))
+
     # ---- worker -------------------------------------------------------------------------
     def attach(self, model, optimizer, comm):
         super().attach(model, optimizer, comm)
@@ -264,7 +311,7 @@ class Ripples(Solver):
             self._serve_smart(comm, ctx)
 
     def _serve_random(self, comm, ctx):
-        rng = random.Random(self.options.seed * 1_000_003 + ctx.seed)
+        rng = round_rng(self.options.seed, ctx.seed)
         rounds: list[list[tuple[int, ...]]] = []
         open_workers = set(comm.worker_ranks)
         head = torch.zeros(2, dtype=torch.int64)

@@ -31,10 +31,11 @@ import torch
 from distsync.config import bounded
 from distsync.errors import ConfigError
 from distsync.solvers.base import Solver, register_solver
-from distsync.solvers.flat import FlatView
+from distsync.solvers.flat import FlatView, storage_aliases
 from distsync.solvers.hogwild_threads import HogwildThreads, HogwildThreadsOptions
 from distsync.solvers.parameter_server import ServerSolver
-from distsync.solvers.rules import elastic_alpha, elastic_exchange, elastic_pull, sync_elastic_update
+from distsync.solvers.rules import (apply_correction, elastic_alpha, elastic_exchange, elastic_pull,
+                                    sync_elastic_update)
 from distsync.solvers.shard_service import OP_EXCHANGE, Request, ServerShard
 
 
@@ -79,10 +80,21 @@ class _ElasticServerSolver(ServerSolver):
     def lockstep_lead(cls, options, workers):
         return None  # the server serves each worker on its own (easgd: in turn, skipping finished ones)
 
+    #: the server takes the workers' exchanges in rank order (easgd)
+    round_robin = False
+
+    @classmethod
+    def simulate_timing(cls, options, sim):
+        return sim.servers(options.servers, exchange_every=options.tau, round_robin=cls.round_robin,
+                           locked=not cls.lock_free)
+
     def attach(self, model, optimizer, comm):
         model = super().attach(model, optimizer, comm)
         self.alpha = self.options.moving_rate(comm.num_workers)
         self._final = None
+        # Hogwild threads step on while one thread exchanges: its result is written back as a
+        # correction through tensors of their own over the parameters' storage.
+        self._live = (self.client.layout.views(storage_aliases(model.parameters())) if self.threads > 1 else None)
         return model
 
     # ---- server -------------------------------------------------------------------------
@@ -143,9 +155,15 @@ class _ElasticServerSolver(ServerSolver):
         c = self.client
         with self.client_lock:
             mine = [v.flat() for v in c.views]
-            for view, x, seen in zip(c.views, mine, c.exchange(step, mine)):
+            read = [x.clone() for x in mine] if self._live is not None else None
+            for i, (x, seen) in enumerate(zip(mine, c.exchange(step, mine))):
                 elastic_pull(x, seen, self.alpha)
-                view.assign(x)
+                if read is None:
+                    c.views[i].assign(x)
+                else:  # keep the steps the other threads took during the exchange
+                    live = self._live[i].flat()
+                    apply_correction(live, read[i], x)
+                    self._live[i].assign(live)
 
     def eval_model(self):
         return self._final if self._final is not None else self.center_model(-1)
@@ -159,6 +177,7 @@ class _ElasticServerSolver(ServerSolver):
 class EASGD(_ElasticServerSolver):
     name = "easgd"
     survives_worker_loss = False  # the server waits for every worker's turn in rank order
+    round_robin = True
 
     def run_server(self, shard):
         shard.serve_round_robin()
@@ -215,6 +234,14 @@ class SyncEASGD(Solver):
     @classmethod
     def lockstep_lead(cls, options, workers):
         return options.tau + 1  # an all-reduce every tau steps
+
+    @classmethod
+    def simulate_timing(cls, options, sim):
+        return sim.meet_every(options.tau, sim.allreduce_s())
+
+    @classmethod
+    def simulate_rule(cls, options, sim):
+        return sim.sync_elastic(options.tau, options.moving_rate(sim.workers))
 
     def attach(self, model, optimizer, comm):
         super().attach(model, optimizer, comm)

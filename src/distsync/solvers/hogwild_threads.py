@@ -29,10 +29,13 @@ class HogwildThreadsOptions:
 
 class HogwildThreads:
     """Solver mixin (list it before the Solver base) for options with ``threads``: each
-    training thread applies plain SGD to the shared parameters, taking no lock."""
+    training thread applies plain SGD to the shared parameters, taking no lock (so a run with
+    more than one thread refuses another optimizer, momentum or weight decay)."""
 
     options: Any
     optimizer: Any
+    #: with threads > 1, every thread's step is plain SGD at the optimizer's learning rate
+    threads_take_plain_sgd = True
 
     @classmethod
     def training_threads(cls, options: Any) -> int:

@@ -59,6 +59,14 @@ class AveragingSolver(HogwildThreads, Solver):
     collective_per_step = False
 
     @classmethod
+    def simulate_timing(cls, options, sim):
+        return sim.meet_every(options.every, sim.allreduce_s())
+
+    @classmethod
+    def simulate_rule(cls, options, sim):
+        return sim.periodic_average(options.every, options if isinstance(options, BMUFOptions) else None)
+
+    @classmethod
     def lockstep_lead(cls, options, workers):
         return options.every + 1  # an all-reduce every `every` steps
 
@@ -137,3 +145,11 @@ class Local(HogwildThreads, Solver):
     @classmethod
     def lockstep_lead(cls, options, workers):
         return None  # nothing to wait for
+
+    @classmethod
+    def simulate_timing(cls, options, sim):
+        return sim.meet_every(0, 0.0)
+
+    @classmethod
+    def simulate_rule(cls, options, sim):
+        return sim.local()

@@ -145,12 +145,14 @@ class GradientServerSolver(ServerSolver):
         m = getattr(self.options, "momentum", None)
         return self.ctx.momentum if m is None else m
 
-    def apply_gradient(self, shard: ServerShard, grad: torch.Tensor) -> None:
+    def apply_gradient(self, shard: ServerShard, grad: torch.Tensor, step: int) -> None:
+        """Apply ``grad``, pushed at the worker's ``step`` (the warm-up follows the workers'
+        steps, not the server's updates: with p asynchronous workers those run p times faster)."""
         ctx = self.ctx
         mu = self.server_momentum()
         if not hasattr(shard, "momentum_buffer"):
             shard.momentum_buffer = torch.zeros_like(shard.center)
-        lr = ctx.lr * warmup_factor(shard.version, ctx.warmup_steps)
+        lr = ctx.lr * warmup_factor(step, ctx.warmup_steps)
         lars = ctx.lars_eta if ctx.optimizer == "lars" else None
         for w, g, b in zip(shard.view.split(shard.center), shard.view.split(grad),
                            shard.view.split(shard.momentum_buffer)):
@@ -164,10 +166,18 @@ class SyncPS(GradientServerSolver):
     Options = SyncPSOptions
     collective_per_step = True
 
+    @classmethod
+    def simulate_timing(cls, options, sim):
+        return sim.meet_every(1, sim.sync_ps_s(options.servers))
+
+    @classmethod
+    def simulate_rule(cls, options, sim):
+        return sim.mean_gradient()  # the servers apply the mean of the round's gradients
+
     def run_server(self, shard):
         def combine(shard, reqs):
             grad = torch.stack([r.payload for r in reqs]).mean(dim=0)
-            self.apply_gradient(shard, grad)
+            self.apply_gradient(shard, grad, min(r.step for r in reqs))
             return shard.center
 
         shard.serve_rounds(combine)
@@ -195,6 +205,11 @@ class AsyncPS(GradientServerSolver):
     def lockstep_lead(cls, options, workers):
         return None  # the servers apply each push on its own
 
+    @classmethod
+    def simulate_timing(cls, options, sim):
+        return sim.servers(options.servers, push_every=options.n_push, pull_every=options.n_fetch,
+                           locked=not cls.lock_free)
+
     def attach(self, model, optimizer, comm):
         model = super().attach(model, optimizer, comm)
         self._acc = [torch.zeros(v.numel) for v in self.client.views]
@@ -204,7 +219,7 @@ class AsyncPS(GradientServerSolver):
 
     def handle(self, shard, req):
         shard.record_staleness(req)
-        self.apply_gradient(shard, req.payload)
+        self.apply_gradient(shard, req.payload, req.step)
         return None
 
     def before_step(self, step):

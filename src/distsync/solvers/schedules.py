@@ -69,6 +69,17 @@ def is_connected(rounds: list[list[tuple[int, ...]]], workers: int) -> bool:
     return len(reach) == workers
 
 
+def round_rng(option_seed: int, run_seed: int) -> random.Random:
+    """The generator of a random schedule's rounds (Ripples' coordinator, and its simulation)."""
+    return random.Random(option_seed * 1_000_003 + run_seed)
+
+
+def partner_rng(option_seed: int, rank: int) -> random.Random:
+    """The generator of an AD-PSGD active worker's partners (the worker, and its simulation);
+    ``rank``: the worker's process rank."""
+    return random.Random(option_seed * 7919 + rank)
+
+
 def bipartite_roles(workers: int) -> tuple[list[int], list[int]]:
     """AD-PSGD's deadlock-free split: even workers are active, odd ones passive."""
     return list(range(0, workers, 2)), list(range(1, workers, 2))

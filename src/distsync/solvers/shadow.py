@@ -46,6 +46,14 @@ class _ShadowAveraging(AveragingSolver):
     def lockstep_lead(cls, options, workers):
         return None  # the shadow threads sync until every worker is done
 
+    @classmethod
+    def simulate_timing(cls, options, sim):
+        return sim.background(sim.allreduce_s(), options.min_interval_ms / 1000)
+
+    @classmethod
+    def simulate_rule(cls, options, sim):
+        return None  # when a sync lands depends on the shadow thread's timing
+
     def attach(self, model, optimizer, comm):
         super().attach(model, optimizer, comm)
         # The shadow thread's collectives run on a group of their own.
@@ -122,6 +130,10 @@ class ShadowEA(HogwildThreads, AsyncEASGD):
 
     name = "shadow-ea"
     Options = ShadowEAOptions
+
+    @classmethod
+    def simulate_timing(cls, options, sim):
+        return sim.background(sim.server_exchange_s(options.servers), options.min_interval_ms / 1000)
 
     def attach(self, model, optimizer, comm):
         model = super().attach(model, optimizer, comm)

@@ -30,6 +30,7 @@ import torch.nn as nn
 
 from distsync.errors import CommError, ConfigError
 from distsync.solvers.flat import FlatView
+from distsync.solvers.rules import staleness
 
 OP_PULL, OP_PUSH, OP_EXCHANGE, OP_DONE, OP_SAVE = 1, 2, 3, 4, 5
 TAG_HEADER, TAG_PAYLOAD, TAG_REPLY_HEADER, TAG_REPLY = 11, 12, 13, 14
@@ -211,7 +212,7 @@ class ServerShard:
             self._reply(req.worker, out, version)
 
     def record_staleness(self, req: Request) -> None:
-        self.staleness[self.version - req.version_seen] += 1
+        self.staleness[staleness(self.version, req.version_seen)] += 1
 
     def serve_each_worker_in_a_thread(self) -> None:
         """First come, first served: one thread per worker, so none waits on another's turn."""
