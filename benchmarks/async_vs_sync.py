@@ -1,13 +1,28 @@
 """The seed's comparison: asynchronous against synchronous solvers, on two kinds of model.
 
+Default (**CPU-bound** workers behind emulated links; 4 workers and a server share the
+machine's cores):
 - `wide` (a 1.1M-parameter MLP on digits: little compute per byte) at 200 Mbit links;
 - `cnn` (57k parameters, compute-heavy) at 1 Gbit links;
-4 workers each, same seed, data and step budget. Prints time to target and final metric for
-every solver on both workloads, and the targets: on `wide`, ea-wild at least 1.5x faster to
-target than allreduce and sync-easgd; on `cnn`, the synchronous solvers at least as fast as
-ea-wild. Writes a report with plots per workload. Needs root (emulated links).
+4 workers each, same seed, data and step budget, one server where a solver has one.
+
+``--devices`` (**emulated devices** behind emulated links): every worker is a dedicated
+device, and both models sit behind the same 1 Gbit links:
+- communication-bound: `wide` on 10 ms devices (an all-reduce of its 4.4 MB moves 6.6 MB per
+  worker a step at 1 Gbit, ~53 ms: five times the compute);
+- compute-bound: `cnn` on 150 ms devices (its all-reduce moves 0.3 MB, ~3 ms: a fiftieth;
+  150 ms is what cnn needs for the emulation to hold at 4 and 8 workers, see devices.md);
+every job trains until the workload's target (budget ``target,seconds=CAP``), and server
+solvers shard their center over as many servers as there are workers (``--servers``, one per
+node as a user with that many machines would).
+
+Prints time to target and final metric for every solver on both models, and the targets:
+communication-bound, ea-wild at least 1.5x faster to target than allreduce (and sync-easgd in
+the CPU-bound mode); compute-bound, the synchronous solvers at least as fast as ea-wild.
+Writes a report with plots per model. Needs root (emulated links).
 
     python benchmarks/async_vs_sync.py [--out benchmarks/results/async_vs_sync]
+    python benchmarks/async_vs_sync.py --devices --workers 4,8 [--json docs/benchmarks/async_vs_sync_devices.json]
 """
 
 from __future__ import annotations
@@ -16,70 +31,112 @@ import sys
 from pathlib import Path
 
 from common import argument_parser, launch_or_exit, print_checks, print_table, write_results
-from distsync.config import RunConfig
+from distsync.config import RunConfig, parse_key_values
 from distsync.experiments import write_report
 
-SOLVERS = ["allreduce", "sync-easgd", "sync-ps", "ea-wild", "async-easgd", "async-measgd", "easgd",
+SOLVERS = ["allreduce", "sync-easgd", "sync-ps", "ea-wild", "ea-wild:tau=16", "async-easgd", "async-measgd", "easgd",
            "async-ps", "async-msgd"]
+SERVER_SOLVERS = {"sync-ps", "ea-wild", "async-easgd", "async-measgd", "easgd", "async-ps", "async-msgd"}
+SYNC = ("allreduce", "sync-easgd", "sync-ps")
 # Server momentum (async-msgd) and local Nesterov momentum (async-measgd) multiply the step.
 LR_SCALE = {"async-msgd": 0.1, "async-measgd": 0.5}
-SETTINGS = [("wide", "200mbit", 150), ("cnn", "1gbit", 300)]
+#: (model, link, steps, device ms, setting)
+CPU_SETTINGS = [("wide", "200mbit", 150, None, "communication-bound"), ("cnn", "1gbit", 300, None, "compute-bound")]
+DEVICE_SETTINGS = [("wide", "1gbit", None, 10.0, "communication-bound"), ("cnn", "1gbit", None, 150.0, "compute-bound")]
+
+
+def column(setting) -> str:
+    model, link, _, device_ms, kind = setting
+    device = f", {device_ms:g} ms devices" if device_ms else ""
+    return f"{model} @ {link}{device} ({kind})"
 
 
 def main() -> int:
     p = argument_parser(__doc__)
-    p.add_argument("--out", default="benchmarks/results/async_vs_sync")
-    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--out", default=None, help="run folders (default: benchmarks/results/async_vs_sync[_devices])")
+    p.add_argument("--workers", default="4", help="comma-separated worker counts (default: 4)")
     p.add_argument("--solvers", default=",".join(SOLVERS))
+    p.add_argument("--devices", action="store_true", help="emulated devices, each job to its target")
+    p.add_argument("--cap", type=float, default=60.0, help="with --devices: seconds a job may train at most")
+    p.add_argument("--json", default=None, help="also write the raw results here")
     args = p.parse_args()
     solvers = args.solvers.split(",")
-    out = Path(args.out)
-    table: dict[str, dict[str, dict]] = {}
-    for workload, link, steps in SETTINGS:
-        from distsync.workloads import load_workload
+    settings = DEVICE_SETTINGS if args.devices else CPU_SETTINGS
+    out = Path(args.out or ("benchmarks/results/async_vs_sync" + ("_devices" if args.devices else "")))
+    table: dict[str, dict[str, dict[str, dict]]] = {}
+    from distsync.workloads import load_workload
 
-        base_lr = load_workload(workload).lr
-        dirs = []
-        for solver in solvers:
-            cfg = RunConfig(workload=workload, solver=solver, workers=args.workers, steps=steps, link=link,
-                            eval_every=10, lr=base_lr * LR_SCALE.get(solver, 1.0), timeout_s=120)
-            run_dir = out / workload / solver
-            s = launch_or_exit(cfg, run_dir)
-            dirs.append(run_dir)
-            table.setdefault(workload, {})[solver] = s
-            print(f"{workload:>5} @ {link:<7} {solver:<13} time to target {s['time_to_target_s']}  "
-                  f"final {s['final_metric']:.4f}  {s['throughput_samples_per_s']:,.0f} samples/s", flush=True)
-        write_report(out / workload, dirs)
+    for workers in [int(w) for w in args.workers.split(",")]:
+        for setting in settings:
+            model, link, steps, device_ms, _ = setting
+            base_lr = load_workload(model).lr
+            dirs = []
+            for entry in solvers:
+                solver, _, given = entry.partition(":")  # NAME or NAME:KEY=VALUE (a tuned variant)
+                opts = {"servers": workers} if device_ms and solver in SERVER_SOLVERS else {}
+                opts.update(parse_key_values([given] if given else []))
+                cfg = RunConfig(workload=model, solver=solver, solver_options=opts, workers=workers, steps=steps,
+                                link=link, eval_every=10, lr=base_lr * LR_SCALE.get(solver, 1.0), timeout_s=120,
+                                device_ms=device_ms, budget=f"target,seconds={args.cap:g}" if device_ms else None)
+                run_dir = out / f"{workers}w" / model / entry.replace(":", "-").replace("=", "")
+                s = launch_or_exit(cfg, run_dir)
+                dirs.append(run_dir)
+                table.setdefault(str(workers), {}).setdefault(model, {})[entry] = {
+                    k: s.get(k) for k in ("time_to_target_s", "final_metric", "throughput_samples_per_s", "steps_by_worker",
+                                          "phase_share", "device", "bytes_sent", "wall_time_s", "budget",
+                                          "time_to_target_from")}
+                print(f"{workers}w {model:>5} @ {link:<7} {entry:<15} time to target {s['time_to_target_s']}  "
+                      f"final {s['final_metric']:.4f}  {s['throughput_samples_per_s']:,.0f} samples/s"
+                      + (f"  steps {s['steps_by_worker']}" if device_ms else ""), flush=True)
+            write_report(out / f"{workers}w" / model, dirs)
 
-    def ttt(w, s):
-        v = table[w].get(s, {}).get("time_to_target_s")
-        return v
+    def ttt(w, m, s):
+        return table[w][m].get(s, {}).get("time_to_target_s")
 
-    def cells(s):
-        out = [s]
-        for w, _, _ in SETTINGS:
-            r = table[w][s]
-            out += ["not reached" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.1f}",
+    def cells(w, s):
+        row = [w, s]
+        for model, *_ in settings:
+            r = table[w][model][s]
+            flag = " [CPU-bound]" if (r.get("device") or {}).get("cpu_bound") else ""
+            row += [("not reached" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.1f}") + flag,
                     f"{r['final_metric']:.4f}"]
-        return out
+        return row
 
     print()
-    print_table(["solver", "wide @ 200 Mbit: time to target (s)", "final", "cnn @ 1 Gbit: time to target (s)", "final"],
-                [cells(s) for s in solvers])
+    headers = ["workers", "solver"]
+    for setting in settings:
+        headers += [f"{column(setting)}: time to target (s)", "final"]
+    print_table(headers, [cells(w, s) for w in table for s in solvers])
     print()
     checks = []
-    ew = ttt("wide", "ea-wild")
-    for rival in ("allreduce", "sync-easgd"):
-        rv = ttt("wide", rival)
-        if ew is not None and rv is not None:
-            checks.append((f"wide: {rival} / ea-wild time to target = {rv / ew:.2f}x (target >= 1.5x)", rv / ew >= 1.5))
-    ec = ttt("cnn", "ea-wild")
-    for sync in ("allreduce", "sync-easgd", "sync-ps"):
-        sv = ttt("cnn", sync)
-        if ec is not None and sv is not None:
-            checks.append((f"cnn: ea-wild / {sync} time to target = {ec / sv:.2f}x (target >= 1.0x)", ec / sv >= 1.0))
+    comm_model, compute_model = settings[0][0], settings[1][0]
+    rivals = ("allreduce",) if args.devices else ("allreduce", "sync-easgd")
+    for w in table:
+        ew = ttt(w, comm_model, "ea-wild")
+        tuned = ttt(w, comm_model, "ea-wild:tau=16") if "ea-wild:tau=16" in table[w][comm_model] else None
+        if tuned is not None and ttt(w, comm_model, "allreduce") is not None:
+            ar = ttt(w, comm_model, "allreduce")
+            checks.append((f"{w} workers, {comm_model}: allreduce / ea-wild tau=16 time to target = {ar / tuned:.2f}x "
+                           f"(target >= 1.5x)", ar / tuned >= 1.5))
+        for rival in rivals:
+            rv = ttt(w, comm_model, rival)
+            if ew is not None and rv is not None:
+                checks.append((f"{w} workers, {comm_model}: {rival} / ea-wild time to target = {rv / ew:.2f}x "
+                               f"(target >= 1.5x)", rv / ew >= 1.5))
+            elif ew is not None:
+                checks.append((f"{w} workers, {comm_model}: {rival} did not reach the target, ea-wild did", True))
+        ec = ttt(w, compute_model, "ea-wild")
+        for sync in SYNC:
+            sv = ttt(w, compute_model, sync)
+            if ec is not None and sv is not None:
+                checks.append((f"{w} workers, {compute_model}: ea-wild / {sync} time to target = {ec / sv:.2f}x "
+                               f"(target >= 1.0x)", ec / sv >= 1.0))
     print_checks(checks, met="met:   ", missed="missed:")
-    write_results(out / "summary.json", {"settings": SETTINGS, "results": table, "checks": checks}, announce=False)
+    payload = {"settings": settings, "results": table, "checks": checks}
+    write_results(out / "summary.json", payload, announce=False)
+    if args.json:
+        write_results(args.json, {"command": "python benchmarks/async_vs_sync.py" + (" --devices" if args.devices else "")
+                                  + f" --workers {args.workers}", **payload})
     return 0
 
 

@@ -72,16 +72,19 @@ def main() -> int:
     p.add_argument("--out", default="benchmarks/results/devices")
     p.add_argument("--workers", default="4,8,16")
     p.add_argument("--workloads", default=",".join(w for w, _, _ in WORKLOADS))
+    p.add_argument("--device-ms", type=float, default=None, help="one device time for every workload given")
     p.add_argument("--json", default=None, help="also write the rows here (e.g. docs/benchmarks/devices.json)")
+    p.add_argument("--append", action="store_true", help="add the rows to those already in --json")
     args = p.parse_args()
     out = Path(args.out)
     wanted = args.workloads.split(",")
     rows = []
-    for workload, device_ms, steps in [w for w in WORKLOADS if w[0] in wanted]:
+    plan = [(w, args.device_ms or ms, steps) for w, ms, steps in WORKLOADS if w in wanted]
+    for workload, device_ms, steps in plan:
         for workers in [int(w) for w in args.workers.split(",")]:
             cfg = RunConfig(workload=workload, solver="allreduce", workers=workers, steps=steps, eval_every=steps,
                             device_ms=device_ms, timeout_s=120)
-            run_dir = out / f"{workload}-{workers}w"
+            run_dir = out / f"{workload}-{device_ms:g}ms-{workers}w"
             sampler = CpuSampler()
             sampler.start()
             t0 = time.monotonic()
@@ -113,7 +116,11 @@ def main() -> int:
                    "CPU-bound" if r["cpu_bound"] else "holds"])
     write_results(out / "summary.json", {"rows": rows})
     if args.json:
-        write_results(args.json, {"command": "python benchmarks/devices.py", "rows": rows})
+        command = " ".join(["python benchmarks/devices.py", *sys.argv[1:]])
+        runs = [{"command": command, "rows": rows}]
+        if args.append and Path(args.json).exists():
+            runs = json.loads(Path(args.json).read_text())["runs"] + runs
+        write_results(args.json, {"runs": runs})
     return 0
 
 

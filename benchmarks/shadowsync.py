@@ -11,7 +11,13 @@ at most every 10 and 40 ms (`--min-interval-ms`). Targets: a shadow solver's per
 >= 0.9x `local`'s with as many trainers; its NE within 1% of its foreground twin's, or
 better. Needs root (emulated links).
 
+``--devices``: each trainer is an emulated device whose steps last 20 ms (``--device-ms``;
+the real math, ~4 ms alone, inside it), so a shadow thread's syncing competes with the
+device as it would on a dedicated trainer, not with the other trainers for this machine's
+cores; shadow solvers sync continuously only (the target's setting), 400 steps.
+
     python benchmarks/shadowsync.py [--out benchmarks/results/shadowsync] [--link 1gbit]
+    python benchmarks/shadowsync.py --devices [--json docs/benchmarks/shadowsync_devices.json]
 """
 
 from __future__ import annotations
@@ -20,12 +26,13 @@ import os
 import sys
 from pathlib import Path
 
-from common import argument_parser, launch_or_exit, print_checks, table_header, table_row
+from common import argument_parser, launch_or_exit, print_checks, table_header, table_row, write_results
 from distsync.config import RunConfig
 from distsync.experiments import write_report
 
 TWINS = {"shadow-ea": "fr-easgd", "shadow-ma": "ma", "shadow-bmuf": "bmuf"}
 THREADED = {"local", "shadow-ea", "fr-easgd", "shadow-ma", "ma", "shadow-bmuf", "bmuf"}
+DEVICE_MS = 20.0
 
 
 def runs(intervals: list[float]) -> list[tuple[str, str, dict]]:
@@ -44,11 +51,18 @@ def main() -> int:
     p.add_argument("--out", default="benchmarks/results/shadowsync")
     p.add_argument("--link", default="1gbit")
     p.add_argument("--trainers", default="1,2,4")
-    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--steps", type=int, default=None, help="steps per trainer (default: 600; --devices: 400)")
     p.add_argument("--threads", type=int, default=1, help="Hogwild threads per trainer (allreduce: always 1)")
-    p.add_argument("--min-interval-ms", default="0,10,40", help="shadow solvers' min_interval_ms values to run")
+    p.add_argument("--min-interval-ms", default=None,
+                   help="shadow solvers' min_interval_ms values to run (default: 0,10,40; --devices: 0)")
+    p.add_argument("--devices", action="store_true", help=f"emulated devices of {DEVICE_MS:g} ms per step")
+    p.add_argument("--json", default=None, help="also write the raw results here")
     args = p.parse_args()
-    plan = runs([float(v) for v in args.min_interval_ms.split(",")])
+    args.steps = args.steps or (400 if args.devices else 600)
+    device_ms = DEVICE_MS if args.devices else None
+    plan = runs([float(v) for v in (args.min_interval_ms or ("0" if args.devices else "0,10,40")).split(",")])
+    if args.out == p.get_default("out") and args.devices:
+        args.out += "_devices"
     out = Path(args.out)
     trainers = [int(t) for t in args.trainers.split(",")]
     # one pass: enough generated logs for the most trainers
@@ -59,19 +73,22 @@ def main() -> int:
         for name, solver, opts in plan:
             opts = dict(opts, **({"threads": args.threads} if solver in THREADED and args.threads > 1 else {}))
             cfg = RunConfig(workload="ctr", workload_options=logs, solver=solver, solver_options=opts, workers=n, steps=args.steps,
-                            link=args.link, eval_every=args.steps // 3, timeout_s=120)
+                            link=args.link, eval_every=args.steps // 3, timeout_s=120, device_ms=device_ms)
             run_dir = out / f"{n}-trainers" / name.replace(" >=", "-")
             s = launch_or_exit(cfg, run_dir)
             dirs.append(run_dir)
             results.setdefault(n, {})[name] = s
+            over = f"  {s['device']['share_over']:.0%} steps over" if device_ms else ""
             print(f"{n} trainers {name:<20} {s['throughput_samples_per_s']:>9,.0f} ex/s  NE {s['final_metric']:.4f}"
-                  f"  AUC {s['final_auc']:.4f}", flush=True)
+                  f"  AUC {s['final_auc']:.4f}{over}", flush=True)
         write_report(out / f"{n}-trainers", dirs)
 
     cores = os.cpu_count() or 1
     print()
+    regime = (f"emulated devices of {DEVICE_MS:g} ms per step (embedding server and sync threads not emulated)"
+              if device_ms else "CPU-bound trainers")
     print(f"ctr, {args.steps} steps of 256 per trainer, {args.threads} thread(s) per trainer, {args.link} links, "
-          f"1 embedding server; {cores} CPU cores shared by all processes")
+          f"1 embedding server; {cores} CPU cores shared by all processes; {regime}")
     print()
     table_header(["trainers", "solver", "examples/s (total)", "per trainer", "vs local", "NE", "AUC", "syncs/step"])
     for n in trainers:
@@ -81,8 +98,9 @@ def main() -> int:
             per = s["throughput_samples_per_s"] / n
             syncs = [v["syncs_per_step"] for v in s["solver_stats"].values() if "syncs_per_step" in v]
             sps = f"{sum(syncs) / len(syncs):.2f}" if syncs else "-"
-            shared = " (shares CPUs)" if n + 1 > cores else ""
-            table_row([f"{n}{shared}", name, f"{s['throughput_samples_per_s']:,.0f}", f"{per:,.0f}", f"{per / base:.2f}x",
+            shared = " (shares CPUs)" if n + 1 > cores and not device_ms else ""
+            flag = " [CPU-bound]" if device_ms and s["device"]["cpu_bound"] else ""
+            table_row([f"{n}{shared}", name + flag, f"{s['throughput_samples_per_s']:,.0f}", f"{per:,.0f}", f"{per / base:.2f}x",
                        f"{s['final_metric']:.4f}", f"{s['final_auc']:.4f}", sps])
     print()
     checks = []
@@ -99,6 +117,14 @@ def main() -> int:
             checks.append((f"{n} trainers: {name} NE {s['final_metric']:.4f} vs {twin} {f['final_metric']:.4f} "
                            f"({rel:+.1%}, <= +1%)", rel <= 0.01))
     print_checks(checks)
+    keep = ("throughput_samples_per_s", "final_metric", "final_auc", "device", "phase_share", "solver_stats")
+    payload = {"device_ms": device_ms, "link": args.link, "steps": args.steps, "threads": args.threads,
+               "results": {n: {name: {k: s.get(k) for k in keep} for name, s in by.items()} for n, by in results.items()},
+               "checks": checks}
+    write_results(out / "summary.json", payload, announce=False)
+    if args.json:
+        write_results(args.json, {"command": "python benchmarks/shadowsync.py" + (" --devices" if args.devices else ""),
+                                  **payload})
     return 0
 
 

@@ -203,3 +203,19 @@ def test_a_stalled_or_dead_worker_still_fails_the_run_by_name(tmp_path, fault, m
                    "--timeout", "2", "--fault", fault, "--out", str(tmp_path / "run"))
     assert proc.returncode == 2
     assert message in proc.stderr, proc.stderr
+
+
+def test_a_target_the_budget_saw_is_the_time_to_target_even_where_the_curve_misses_it():
+    """Workers' training clocks drift apart (each pauses while it evaluates): the budget saw
+    the mean of the latest evaluations meet the target at 22.2 s on the deciding worker's
+    clock, while the curve merged by clocks never showed it."""
+    from distsync.runtime.process import reconcile_target
+
+    missed = reconcile_target({"time_to_target_s": None, "budget": {"spent": "target", "spent_at_s": 22.2}})
+    assert (missed["time_to_target_s"], missed["time_to_target_from"]) == (22.2, "budget")
+    later = reconcile_target({"time_to_target_s": 25.0, "budget": {"spent": "target", "spent_at_s": 22.2}})
+    assert later["time_to_target_s"] == 22.2
+    sooner = reconcile_target({"time_to_target_s": 20.0, "budget": {"spent": "target", "spent_at_s": 22.2}})
+    assert sooner["time_to_target_s"] == 20.0 and "time_to_target_from" not in sooner
+    seconds = reconcile_target({"time_to_target_s": None, "budget": {"spent": "seconds", "spent_at_s": 5.0}})
+    assert seconds["time_to_target_s"] is None  # a time budget says nothing about the target

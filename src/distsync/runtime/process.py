@@ -190,6 +190,21 @@ def _budget_summary(budget: str | None, events: list[dict[str, Any]]) -> dict[st
             "spent_at_s": seen[0]["t"] if seen else None}
 
 
+def reconcile_target(summary: dict[str, Any]) -> dict[str, Any]:
+    """A job stopped by ``--budget target`` reached its target: a worker saw the mean of every
+    worker's latest evaluation, as they arrived, meet it. The summary's curve merges the
+    evaluations by each worker's training clock, and clocks drift apart (each pauses while its
+    worker evaluates), so the curve may not show it; then, or when the budget saw it sooner,
+    the time to target is the budget's (``time_to_target_from: "budget"``)."""
+    budget = summary.get("budget") or {}
+    at = budget.get("spent_at_s")
+    if budget.get("spent") == "target" and at is not None:
+        if summary.get("time_to_target_s") is None or at < summary["time_to_target_s"]:
+            summary["time_to_target_s"] = at
+            summary["time_to_target_from"] = "budget"
+    return summary
+
+
 def write_results(run: ResolvedRun, run_dir: Path, events: list[dict[str, Any]], solver, workload,
                   stats: dict[str, Any], bytes_by_other_roles: int = 0,
                   dropped: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -220,6 +235,7 @@ def write_results(run: ResolvedRun, run_dir: Path, events: list[dict[str, Any]],
         "solver_stats": stats,
     }
     summary["bytes_sent"] += bytes_by_other_roles  # servers' replies cross the network too
+    reconcile_target(summary)
     tmp = run_dir / "summary.json.tmp"
     tmp.write_text(json.dumps(summary, indent=2) + "\n")
     os.replace(tmp, run_dir / "summary.json")
