@@ -200,6 +200,36 @@ def train_digits_rank(rank: int, world: int, solver: str, options: dict, steps: 
     return out
 
 
+def checkpointed_models(run_dir: Path, workers: int) -> tuple[int, list[Any]]:
+    """The newest checkpoint of a run (``--checkpoint-every``) that holds every worker's part:
+    the step it was taken at and each worker's model there, as one flat tensor per worker."""
+    import json
+
+    import torch
+
+    root = Path(run_dir) / "checkpoints"
+    for folder in sorted(root.glob("ckpt-*"), reverse=True):
+        metas = [folder / f"rank-{r}.json" for r in range(workers)]
+        if not all(m.exists() for m in metas):
+            continue
+        flats = []
+        for m in metas:
+            meta = json.loads(m.read_text())
+            state = torch.load(folder / meta["file"], map_location="cpu", weights_only=True)
+            flats.append(torch.cat([v.reshape(-1).double() for v in state["model"].values()]))
+        return int(meta["step"]), flats
+    raise AssertionError(f"no checkpoint with every worker's part in {root}")
+
+
+def consensus_distance(flats: list[Any]) -> float:
+    """How far the workers' models are apart: the root mean square distance of each from
+    their mean (0 when all are equal)."""
+    import torch
+
+    x = torch.stack(flats)
+    return float((x - x.mean(dim=0)).pow(2).sum(dim=1).mean().sqrt())
+
+
 def two_replica_reference(steps: int, seed: int, batch: int, lr: float, every: int, combine) -> dict:
     """Plain PyTorch, one process: two replicas of the digits MLP from one seed, each training
     its worker's shard with SGD; after every ``every`` steps ``combine(flat0, flat1)`` (flat
