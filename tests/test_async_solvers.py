@@ -40,7 +40,7 @@ def _run(rank, world, solver_name, options, workers, steps, momentum, optimizer=
     if comm.role != "worker":
         solver.serve(comm.role, comm, ServeContext(make_model=_model, lr=LR, momentum=momentum, optimizer=optimizer,
                                                    lars_eta=0.01))
-        out = ("server", solver.stats())
+        out = ("server", solver.stats(), solver.shard.center.clone())  # the center once every worker is done
     else:
         model = _model()
         opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum)
@@ -112,7 +112,7 @@ def test_async_ps_one_worker_equals_sgd_on_the_server(solver, momentum):
         opt.zero_grad()
         w.loss_fn(ref(x), y).backward()
         opt.step()
-    (_, _, center), (_, stats) = run_ranks(_run, 2, solver, {}, 1, steps, 0.0)
+    (_, _, center), (_, stats, _) = run_ranks(_run, 2, solver, {}, 1, steps, 0.0)
     _close(center, ref.state_dict())
     assert stats["staleness"] == {"0": steps}  # one worker: never stale
 
@@ -134,7 +134,7 @@ def test_async_ps_fetch_and_push_every_two_steps_follows_downpour():
                 for c, a in zip(center.parameters(), acc):
                     c -= LR * a
                     a.zero_()
-    (_, _, got), (_, stats) = run_ranks(_run, 2, "async-ps", {"n_fetch": 2, "n_push": 2}, 1, steps, 0.0)
+    (_, _, got), (_, stats, _) = run_ranks(_run, 2, "async-ps", {"n_fetch": 2, "n_push": 2}, 1, steps, 0.0)
     _close(got, center.state_dict())
     assert stats["updates"] == steps // 2
 
@@ -155,37 +155,146 @@ def _assign(model, vec):
     torch.nn.utils.vector_to_parameters(vec, model.parameters())
 
 
-def test_easgd_round_robin_two_workers_equals_reference():
-    steps, tau, alpha = 6, 2, 0.45  # alpha = 0.9 / 2
-    w, batches = _batches(2, steps)
-    xs, center = [_model(), _model()], _flat(_model())
+def _elastic_reference(workers, steps, tau, alpha, momentum=0.0):
+    """Plain PyTorch: each worker's local SGD (Nesterov with ``momentum``: buf <- mu buf + g;
+    x <- x - lr (g + mu buf)); every ``tau`` steps the workers exchange with the center one
+    after the other, in rank order. The workers' models and the flat center."""
+    w, batches = _batches(workers, steps)
+    xs, center = [_model() for _ in range(workers)], _flat(_model())
+    bufs = [[torch.zeros_like(p) for p in x.parameters()] for x in xs]
     for step in range(steps):
-        _local_sgd(xs, w, batches, step)
+        for x, b, buf in zip(xs, batches, bufs):
+            g = _grad(x, w, *b[step])
+            with torch.no_grad():
+                for p, gi, m in zip(x.parameters(), g, buf):
+                    m.mul_(momentum).add_(gi)
+                    p -= LR * (gi + momentum * m)
         if (step + 1) % tau == 0:
-            for x in xs:  # the server serves worker 0, then worker 1
+            for x in xs:
                 v = _flat(x)
                 elastic_exchange(v, center, alpha)
                 _assign(x, v)
-    res = run_ranks(_run, 3, "easgd", {"tau": tau}, 2, steps, 0.0)
-    for r in range(2):
-        _close(res[r][1], xs[r].state_dict())
-        got_center = torch.nn.utils.parameters_to_vector([t for t in res[r][2].values()])
+    return xs, center
+
+
+def _check_elastic(res, xs, center):
+    for r, x in enumerate(xs):
+        _close(res[r][1], x.state_dict())
+        got_center = torch.nn.utils.parameters_to_vector(list(res[r][2].values()))
         torch.testing.assert_close(got_center, center, rtol=0, atol=1e-5)
 
 
-def test_async_easgd_one_worker_equals_reference():
+def test_easgd_round_robin_two_workers_equals_reference():
+    steps, tau = 6, 2
+    xs, center = _elastic_reference(2, steps, tau, 0.45)  # alpha = 0.9 / 2; the server serves worker 0, then 1
+    _check_elastic(run_ranks(_run, 3, "easgd", {"tau": tau}, 2, steps, 0.0), xs, center)
+
+
+@pytest.mark.parametrize("solver", ["async-easgd", "ea-wild", "fr-easgd"])
+def test_async_elastic_one_worker_equals_reference(solver):
     steps, tau = 7, 3
-    w, batches = _batches(1, steps)
-    x, center = _model(), _flat(_model())
-    for step in range(steps):
-        _local_sgd([x], w, batches, step)
-        if (step + 1) % tau == 0:
-            v = _flat(x)
-            elastic_exchange(v, center, 0.9)
-            _assign(x, v)
-    (_, state, got), _ = run_ranks(_run, 2, "async-easgd", {"tau": tau}, 1, steps, 0.0)
-    _close(state, x.state_dict())
-    torch.testing.assert_close(torch.nn.utils.parameters_to_vector(list(got.values())), center, rtol=0, atol=1e-5)
+    xs, center = _elastic_reference(1, steps, tau, 0.9)
+    res = run_ranks(_run, 2, solver, {"tau": tau}, 1, steps, 0.0)
+    _check_elastic(res, xs, center)
+    stats = res[1][1]
+    assert stats["updates"] == steps // tau and stats["staleness"] == {"0": steps // tau}
+    if solver == "ea-wild":  # one worker: no exchange ever overlapped another, nothing was lost
+        assert stats["overlapping_exchanges"] == 0 and stats["lost_update_share"] < 1e-6
+
+
+def test_async_measgd_one_worker_equals_local_nesterov_momentum_and_exchanges():
+    steps, tau, mu = 7, 3, 0.9
+    xs, center = _elastic_reference(1, steps, tau, 0.9, momentum=mu)
+    # the run's optimizer has no momentum: async-measgd sets its own (Nesterov, mu)
+    _check_elastic(run_ranks(_run, 2, "async-measgd", {"tau": tau, "momentum": mu}, 1, steps, 0.0), xs, center)
+
+
+def _run_in_turns(rank, world, solver_name, options, workers, steps):
+    """As :func:`_run` (plain SGD, no server momentum), with the order of the exchanges forced:
+    at an exchange step the workers take turns in rank order, each waiting at a barrier of
+    the workers until the one before it has had its answer."""
+    from distsync.comm import Comm
+    from distsync.runtime import assign_roles
+    from distsync.solvers import ServeContext, make_solver
+    from distsync.workloads import ShardSampler
+
+    solver = make_solver(solver_name, **options)
+    comm = Comm.from_env(assign_roles(workers, solver.roles), 30.0, torch.device("cpu"))
+    if comm.role != "worker":
+        solver.serve(comm.role, comm, ServeContext(make_model=_model, lr=LR))
+        out = ("server", solver.stats(), solver.shard.center.clone())
+    else:
+        w = _data()
+        model = _model()
+        run = solver.attach(model, torch.optim.SGD(model.parameters(), lr=LR), comm)
+        sampler = ShardSampler(w.num_train, workers, comm.worker_index, BATCH, SEED)
+        for step in range(steps):
+            x, y = w.take(w.train_data, sampler.indices(step))
+            solver.before_step(step)
+            w.loss_fn(run(x), y).backward()
+            solver.after_backward(step)
+            solver.update(step)
+            if (step + 1) % options["tau"]:
+                solver.after_update(step)
+            else:
+                for turn in range(workers):
+                    if turn == comm.worker_index:
+                        solver.after_update(step)
+                    comm.barrier(comm.worker_group)
+            solver.zero_grad()
+        solver.close()
+        out = ("worker", copy.deepcopy(model.state_dict()), copy.deepcopy(solver.eval_model().state_dict()))
+    comm.barrier()
+    comm.close()
+    return out
+
+
+@pytest.mark.parametrize("solver, options", [
+    ("async-easgd", {}), ("ea-wild", {}), ("fr-easgd", {}), ("async-measgd", {"momentum": 0.5}),
+])
+def test_async_elastic_two_workers_in_turns_equal_reference(solver, options):
+    """Exchanges forced into rank order: the first-come-first-served (or lock-free) server
+    must give what the rule gives applied in that order."""
+    steps, tau = 6, 3
+    xs, center = _elastic_reference(2, steps, tau, 0.45, momentum=options.get("momentum", 0.0))
+    res = run_ranks(_run_in_turns, 3, solver, dict(options, tau=tau), 2, steps)
+    _check_elastic(res, xs, center)
+    stats = res[2][1]
+    # worker 0 exchanges first each time (one update of worker 1's since its own last one)
+    assert stats["updates"] == 2 * steps // tau and stats["staleness"] == {"0": 1, "1": 3}
+    if solver == "ea-wild":
+        assert stats["overlapping_exchanges"] == 0 and stats["lost_update_share"] < 1e-6
+
+
+def test_async_ps_three_workers_server_applies_every_push_once():
+    """n_fetch beyond the run: each worker pulls the center once, at step 0, and then steps
+    its own model, so its gradients do not depend on the order its pushes reach the server
+    in; plain SGD on the server then ends at c0 - lr * (the sum of every pushed gradient)."""
+    workers, steps, n_push = 3, 6, 2
+    w, batches = _batches(workers, steps)
+    center, mine = _model(), []
+    total = [torch.zeros_like(p) for p in center.parameters()]
+    for b in batches:
+        x = _model()
+        for step in range(steps):
+            g = _grad(x, w, *b[step])
+            with torch.no_grad():
+                for p, gi, t in zip(x.parameters(), g, total):
+                    p -= LR * gi
+                    t += gi
+        mine.append(x)
+    with torch.no_grad():
+        for c, t in zip(center.parameters(), total):
+            c -= LR * t
+    res = run_ranks(_run, workers + 1, "async-ps", {"n_fetch": 1000, "n_push": n_push}, workers, steps, 0.0)
+    for r in range(workers):
+        _close(res[r][1], mine[r].state_dict())
+    _, stats, got = res[workers]
+    torch.testing.assert_close(got, _flat(center), rtol=0, atol=1e-5)
+    pushes = workers * steps // n_push
+    assert stats["updates"] == pushes and stats["requests"]["push"] == pushes
+    assert stats["requests"]["pull"] == workers * 2  # at step 0, and the center at close
+    assert sum(stats["staleness"].values()) == pushes
 
 
 def test_sync_easgd_two_workers_equals_reference():
@@ -209,6 +318,124 @@ def test_sync_easgd_two_workers_equals_reference():
         _close(res[r][1], xs[r].state_dict())
         torch.testing.assert_close(torch.nn.utils.parameters_to_vector(list(res[r][2].values())), center,
                                    rtol=0, atol=1e-5)
+
+
+def _two_threads_rank(rank, world, solver_name, options, workers, rounds):
+    """A worker of a solver with two Hogwild training threads, interleaved in a forced order
+    each round: both take their gradient on the shared model as it stands, then thread 0 takes
+    its update (lock-free SGD, and the solver's push or exchange), then thread 1."""
+    import threading
+
+    from distsync.comm import Comm
+    from distsync.runtime import assign_roles
+    from distsync.runtime.plugins.hogwild import hogwild_replica
+    from distsync.solvers import ServeContext, make_solver
+    from distsync.workloads import ShardSampler
+
+    solver = make_solver(solver_name, threads=2, **options)
+    comm = Comm.from_env(assign_roles(workers, solver.roles), 30.0, torch.device("cpu"))
+    if comm.role != "worker":
+        solver.serve(comm.role, comm, ServeContext(make_model=_model, lr=LR))
+        out = ("server", solver.stats(), solver.shard.center.clone())
+    else:
+        w = _data()
+        model = _model()
+        solver.attach(model, torch.optim.SGD(model.parameters(), lr=LR), comm)
+        params = list(model.parameters())
+        meet = threading.Barrier(2, timeout=20)
+        errors = []
+
+        def thread(t):
+            try:
+                replica = hogwild_replica(model)
+                sampler = ShardSampler(w.num_train, 2 * workers, 2 * comm.worker_index + t, BATCH, SEED)
+                for k in range(rounds):
+                    step = 2 * k + t
+                    solver.before_step(step)
+                    meet.wait()  # both see the model as the last round left it
+                    x, y = w.take(w.train_data, sampler.indices(k))
+                    grads = torch.autograd.grad(w.loss_fn(replica(x), y), list(replica.parameters()))
+                    meet.wait()
+                    for turn in range(2):
+                        if turn == t:
+                            solver.hogwild_update(step, params, grads)
+                            solver.after_update(step)
+                        meet.wait()
+            except BaseException as e:
+                errors.append(e)
+                meet.abort()
+
+        threads = [threading.Thread(target=thread, args=(t,)) for t in range(2)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        if errors:
+            raise errors[0]
+        solver.close()
+        out = ("worker", copy.deepcopy(model.state_dict()), copy.deepcopy(solver.eval_model().state_dict()))
+    comm.barrier()
+    comm.close()
+    return out
+
+
+def test_hogwild_threads_apply_and_push_every_threads_gradient():
+    """Plain PyTorch: per round, g0 and g1 taken on the same model x, then x <- x - lr g0 -
+    lr g1. n_fetch beyond the run: the only pull is at step 0, so the server's center ends at
+    c0 - lr * (the sum of every gradient of every thread of every worker), whatever order the
+    workers' pushes came in."""
+    workers, rounds, n_push = 2, 4, 2
+    w = _data()
+    from distsync.workloads import ShardSampler
+
+    center, mine = _model(), []
+    total = [torch.zeros_like(p) for p in center.parameters()]
+    for r in range(workers):
+        x = _model()
+        samplers = [ShardSampler(w.num_train, 2 * workers, 2 * r + t, BATCH, SEED) for t in range(2)]
+        for k in range(rounds):
+            gs = [_grad(x, w, *w.take(w.train_data, s.indices(k))) for s in samplers]
+            with torch.no_grad():
+                for g in gs:
+                    for p, gi, tot in zip(x.parameters(), g, total):
+                        p -= LR * gi
+                        tot += gi
+        mine.append(x)
+    with torch.no_grad():
+        for c, tot in zip(center.parameters(), total):
+            c -= LR * tot
+    res = run_ranks(_two_threads_rank, workers + 1, "hogwild", {"n_fetch": 1000, "n_push": n_push}, workers, rounds)
+    for r in range(workers):
+        _close(res[r][1], mine[r].state_dict())
+    _, stats, got = res[workers]
+    torch.testing.assert_close(got, _flat(center), rtol=0, atol=1e-5)
+    assert stats["updates"] == workers * rounds * 2 // n_push
+
+
+def test_ea_wild_threads_exchange_every_tau_steps_of_the_worker():
+    """One worker, two threads, tau 3: the worker's steps are counted over both threads (step
+    2k + t), so the exchanges follow steps 2 (thread 0's update of round 1) and 5 (thread 1's
+    of round 2); plain PyTorch applies the rule in that order (alpha = 0.9)."""
+    from distsync.workloads import ShardSampler
+
+    rounds, tau = 4, 3
+    w = _data()
+    x, center = _model(), _flat(_model())
+    samplers = [ShardSampler(w.num_train, 2, t, BATCH, SEED) for t in range(2)]
+    for k in range(rounds):
+        gs = [_grad(x, w, *w.take(w.train_data, s.indices(k))) for s in samplers]
+        for t, g in enumerate(gs):
+            with torch.no_grad():
+                for p, gi in zip(x.parameters(), g):
+                    p -= LR * gi
+            if (2 * k + t + 1) % tau == 0:
+                v = _flat(x)
+                elastic_exchange(v, center, 0.9)
+                _assign(x, v)
+    (_, state, got), (_, stats, _) = run_ranks(_two_threads_rank, 2, "ea-wild", {"tau": tau}, 1, rounds)
+    _close(state, x.state_dict())
+    torch.testing.assert_close(torch.nn.utils.parameters_to_vector(list(got.values())), center, rtol=0, atol=1e-5)
+    assert stats["updates"] == 2 * rounds // tau
 
 
 def test_sync_ps_with_lars_on_the_servers_equals_lars_large_batch():

@@ -6,7 +6,7 @@ import torch
 from distsync.solvers.lars import LARS
 from distsync.solvers.rules import (
     elastic_alpha, elastic_exchange, elastic_pull, group_mean, hogwild_sgd, lars_trust_ratio, momentum_apply,
-    server_apply, sgd_apply, staleness, sync_elastic_update, warmup_factor,
+    pairwise_average, server_apply, sgd_apply, staleness, sync_elastic_update, warmup_factor,
 )
 from distsync.solvers.shard_service import assign_shards
 
@@ -60,6 +60,15 @@ def test_hogwild_sgd_writes_each_step_into_the_shared_parameters():
 def test_group_mean_divides_a_groups_sum():
     total = T(3.0, 6.0, -1.5)  # the sum of three members' models
     assert group_mean(total, 3) is total and total.tolist() == [1.0, 2.0, -0.5]
+
+
+def test_pairwise_average_leaves_both_at_the_mean():
+    x, y = T(1.0, -2.0, 0.5), T(3.0, 6.0, 0.5)
+    out = pairwise_average(x, y)
+    # (x + y) / 2 = (2, 2, 0.5), in both; the average is returned in x
+    assert out is x and x.tolist() == [2.0, 2.0, 0.5] and y.tolist() == [2.0, 2.0, 0.5]
+    x.add_(1.0)  # y holds a copy, not x's storage: a later step of one leaves the other alone
+    assert y.tolist() == [2.0, 2.0, 0.5]
 
 
 def test_server_apply_weight_decay_and_lars():
