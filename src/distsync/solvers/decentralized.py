@@ -18,8 +18,9 @@
     round trip (Group Buffer), so no two workers can wait on each other in opposite orders;
   * ``smart``: heterogeneity-aware: the coordinator groups workers in the order they become
     ready, ``group_size`` at a time; a worker left waiting ``max_wait_ms`` is grouped with
-    whoever is ready (or skips the round alone). A slow worker joins fewer groups and the
-    fast ones keep mixing among themselves without waiting on it.
+    whoever is ready (or skips the round alone), and at once when every worker still
+    training is ready. A slow worker joins fewer groups and the fast ones keep mixing among
+    themselves without waiting on it.
 """
 
 from __future__ import annotations
@@ -375,6 +376,10 @@ class Ripples(Solver):
             while len(pending) >= self.k:
                 self._form(comm, [r for r, _ in pending[: self.k]])
                 pending = pending[self.k :]
+            if pending and len(pending) >= comm.num_workers - len(done):
+                # Every worker still training is here: nobody else is coming.
+                self._form(comm, [r for r, _ in pending])
+                pending = []
             if pending and time.monotonic() - pending[0][1] >= max_wait:
                 # Nobody else is ready soon enough: group whoever is (or let one skip).
                 self._form(comm, [r for r, _ in pending])
