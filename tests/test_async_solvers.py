@@ -210,9 +210,10 @@ def test_async_measgd_one_worker_equals_local_nesterov_momentum_and_exchanges():
 
 
 def _run_in_turns(rank, world, solver_name, options, workers, steps):
-    """As :func:`_run` (plain SGD, no server momentum), with the order of the exchanges forced:
-    at an exchange step the workers take turns in rank order, each waiting at a barrier of
-    the workers until the one before it has had its answer."""
+    """As :func:`_run` (plain SGD, no server momentum), with the order of events forced: every
+    worker has taken its step-0 pull (if any) before anyone pushes, and at an exchange step
+    (every ``tau``) the workers take turns in rank order, each waiting at a barrier of the
+    workers until the one before it has had its answer."""
     from distsync.comm import Comm
     from distsync.runtime import assign_roles
     from distsync.solvers import ServeContext, make_solver
@@ -231,10 +232,12 @@ def _run_in_turns(rank, world, solver_name, options, workers, steps):
         for step in range(steps):
             x, y = w.take(w.train_data, sampler.indices(step))
             solver.before_step(step)
+            if step == 0:
+                comm.barrier(comm.worker_group)
             w.loss_fn(run(x), y).backward()
             solver.after_backward(step)
             solver.update(step)
-            if (step + 1) % options["tau"]:
+            if "tau" not in options or (step + 1) % options["tau"]:
                 solver.after_update(step)
             else:
                 for turn in range(workers):
@@ -267,9 +270,10 @@ def test_async_elastic_two_workers_in_turns_equal_reference(solver, options):
 
 
 def test_async_ps_three_workers_server_applies_every_push_once():
-    """n_fetch beyond the run: each worker pulls the center once, at step 0, and then steps
-    its own model, so its gradients do not depend on the order its pushes reach the server
-    in; plain SGD on the server then ends at c0 - lr * (the sum of every pushed gradient)."""
+    """n_fetch beyond the run: each worker pulls the center once, at step 0 (all before anyone
+    pushes), and then steps its own model, so its gradients do not depend on the order its
+    pushes reach the server in; plain SGD on the server then ends at c0 - lr * (the sum of
+    every pushed gradient)."""
     workers, steps, n_push = 3, 6, 2
     w, batches = _batches(workers, steps)
     center, mine = _model(), []
@@ -286,7 +290,7 @@ def test_async_ps_three_workers_server_applies_every_push_once():
     with torch.no_grad():
         for c, t in zip(center.parameters(), total):
             c -= LR * t
-    res = run_ranks(_run, workers + 1, "async-ps", {"n_fetch": 1000, "n_push": n_push}, workers, steps, 0.0)
+    res = run_ranks(_run_in_turns, workers + 1, "async-ps", {"n_fetch": 1000, "n_push": n_push}, workers, steps)
     for r in range(workers):
         _close(res[r][1], mine[r].state_dict())
     _, stats, got = res[workers]
@@ -323,7 +327,8 @@ def test_sync_easgd_two_workers_equals_reference():
 def _two_threads_rank(rank, world, solver_name, options, workers, rounds):
     """A worker of a solver with two Hogwild training threads, interleaved in a forced order
     each round: both take their gradient on the shared model as it stands, then thread 0 takes
-    its update (lock-free SGD, and the solver's push or exchange), then thread 1."""
+    its update (lock-free SGD, and the solver's push or exchange), then thread 1. Every worker
+    has taken its step-0 pull (if any) before anyone pushes."""
     import threading
 
     from distsync.comm import Comm
@@ -352,6 +357,8 @@ def _two_threads_rank(rank, world, solver_name, options, workers, rounds):
                 for k in range(rounds):
                     step = 2 * k + t
                     solver.before_step(step)
+                    if step == 0:
+                        comm.barrier(comm.worker_group)
                     meet.wait()  # both see the model as the last round left it
                     x, y = w.take(w.train_data, sampler.indices(k))
                     grads = torch.autograd.grad(w.loss_fn(replica(x), y), list(replica.parameters()))

@@ -197,6 +197,7 @@ def _forced_sync_rank(rank, world, solver_name, options, workers, steps, every):
         run = s.attach(model, torch.optim.SGD(model.parameters(), lr=LR), comm)
         sampler = ShardSampler(w.num_train, workers, rank, BATCH, SEED)
         _wait_for(lambda: s.syncs == 1, "the sync at start")  # of equal models: it changes nothing
+        comm.barrier(comm.worker_group)  # everyone's, before anyone's next
         in_turns = bool(s.roles)
         for step in range(steps):
             x, y = w.take(w.train_data, sampler.indices(step))
