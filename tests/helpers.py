@@ -260,3 +260,9 @@ def two_replica_reference(steps: int, seed: int, batch: int, lr: float, every: i
                 torch.nn.utils.vector_to_parameters(new.clone(), m.parameters())
     return models[0].state_dict()
 
+
+def assert_one_line(message: str) -> None:
+    """An error message is one non-empty line and no traceback."""
+    assert message.strip(), "empty message"
+    assert len(message.strip("\n").splitlines()) == 1, f"not one line: {message!r}"
+    assert "Traceback" not in message, message

@@ -28,6 +28,7 @@ from distsync.config import RunConfig
 from distsync.errors import ConfigError
 from distsync.experiments.crossover import _JOB_KEYS, load_plan
 from distsync.options import finite_float
+from helpers import assert_one_line
 
 FIELDS = [f.name for f in dataclasses.fields(RunConfig)]
 
@@ -35,12 +36,6 @@ FIELDS = [f.name for f in dataclasses.fields(RunConfig)]
 # overwrites its files and drains capsys first, so that is safe.
 FAST = settings(deadline=None, database=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-
-
-def assert_one_line(message: str) -> None:
-    assert message.strip(), "empty message"
-    assert len(message.strip("\n").splitlines()) == 1, f"not one line: {message!r}"
-    assert "Traceback" not in message, message
 
 
 # ---- values as config files hold them ------------------------------------------------------

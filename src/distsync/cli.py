@@ -116,7 +116,24 @@ def _add_sim_commands(sub) -> None:
     sm.add_argument("--lr", type=finite_float, help="train mode: learning rate (default: the workload's)")
     sm.add_argument("--eval-every", type=int, help="train mode: evaluate every N steps (default: the workload's)")
     sm.add_argument("--calibrate", metavar="RUN_DIR", help="simulate this real run and compare with what it measured")
+    sm.add_argument("--fit-from", metavar="RUN_DIR",
+                    help="with --calibrate: fit compute and per-message cost on this other run (out of sample)")
     sm.add_argument("--json", action="store_true", help="print the results as JSON")
+
+    rc = sub.add_parser("recommend", help="which solver, with which options, for this model on that cluster")
+    rc.add_argument("--workload", default="digits", help="built-in name or path/to/file.py:make_workload")
+    rc.add_argument("--workers", type=int, default=8, help="workers of the cluster (default: 8)")
+    rc.add_argument("--link", default="10gbit", metavar="BANDWIDTH[,LATENCY]", help="every host's link (default: 10gbit)")
+    rc.add_argument("--slow-fraction", type=finite_float, default=0.0, help="share of the workers that are slow")
+    rc.add_argument("--slow-factor", type=finite_float, default=3.0, help="how much slower they are (default: 3)")
+    rc.add_argument("--jitter", type=finite_float, default=0.0, help="random per-step extra compute, up to this share")
+    rc.add_argument("--device-ms", type=finite_float, help="a step's compute on your device (default: measured here)")
+    rc.add_argument("--solvers", help="comma-separated solvers to consider (default: every solver)")
+    rc.add_argument("--batch-size", type=int, help="samples per worker per step (default: the workload's)")
+    rc.add_argument("--seed", type=int, default=0)
+    rc.add_argument("--verify", type=int, default=0, metavar="K",
+                    help="run the top K (and allreduce) for real on this machine's emulated devices")
+    rc.add_argument("--out", help="output folder (default: runs/<time>-recommend-<workload>)")
 
     sw = sub.add_parser("sweep", help="simulate a grid of workers x computation/communication x slow share")
     sw.add_argument("--solvers", default="allreduce,ripples,ad-psgd,local",
@@ -344,7 +361,9 @@ def _print_calibration(r: dict[str, Any], as_json: bool) -> None:
     table.add_row("simulated", f"{r['predicted_throughput']:,.0f}", fmt(r["predicted_time_to_target_s"]))
     table.add_row("error", f"{r['throughput_error']:+.1%}", "")
     _stdout().print(table)
-    console.print(f"compute per step {r['compute_per_step_s'] * 1e3:.2f} ms, model {r['model_bytes'] / 1e6:.3f} MB")
+    fitted = f"fitted on {r['fitted_on']} (out of sample)" if r["out_of_sample"] else "fitted on this run itself"
+    console.print(f"compute per step {r['compute_per_step_s'] * 1e3:.2f} ms, per-message cost "
+                  f"{r['fitted_latency_s'] * 1e6:.0f} us, {fitted}; model {r['model_bytes'] / 1e6:.3f} MB")
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
@@ -354,7 +373,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from distsync.sim.scenario import Scenario, scenario_fields, simulate_scenario
 
     if args.calibrate:
-        _print_calibration(calibrate(Path(args.calibrate)), args.json)
+        _print_calibration(calibrate(Path(args.calibrate), fit_from=Path(args.fit_from) if args.fit_from else None),
+                           args.json)
         return 0
     scenario = Scenario(**{name: getattr(args, name) for name in scenario_fields()})
     solvers = [s.strip() for s in args.solvers.split(",") if s.strip()]
@@ -419,6 +439,50 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_recommend(args: argparse.Namespace) -> int:
+    from distsync.errors import ConfigError
+    from distsync.experiments.recommend import Request, recommend, verify, write_outputs
+
+    solvers = [s.strip() for s in args.solvers.split(",") if s.strip()] if args.solvers else None
+    request = Request(workload=args.workload, workers=args.workers, link=args.link, slow_fraction=args.slow_fraction,
+                      slow_factor=args.slow_factor, jitter=args.jitter, device_ms=args.device_ms, solvers=solvers,
+                      seed=args.seed, batch_size=args.batch_size)
+    if args.verify < 0:
+        raise ConfigError(f"--verify must be >= 0, got {args.verify}")
+    tag = args.workload.replace("/", "_").replace(":", "_").replace(".py", "")
+    out = Path(args.out) if args.out else Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-recommend-{tag}"
+    with _progress() as bar:
+        task = bar.add_task("searching", total=None, status="measuring", where="")
+
+        def on_step(label: str, done: int, total: int) -> None:
+            bar.update(task, total=total, completed=done, status=label, where=f"{done}/{total}")
+
+        result = recommend(request, on_step)
+    if args.verify:
+        result["verify"] = verify(request, result, args.verify, out)
+    report = write_outputs(out, result)
+    where = "measured here, one thread" if result["compute_measured_here"] else "--device-ms"
+    table = Table(title=f"{args.workload} on {args.workers} workers, {args.link}: compute "
+                        f"{result['compute_s'] * 1000:.2f} ms a step ({where}), model "
+                        f"{result['model_bytes'] / 1e6:.3g} MB; simulated")
+    for h in ("rank", "solver", "time to target (s)", "samples/s", "waiting", "why"):
+        table.add_column(h, justify="left" if h in ("solver", "why") else "right", overflow="fold")
+    for i, r in enumerate(result["ranked"][:12], 1):
+        ttt = "-" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.3g}"
+        table.add_row(str(i), r["label"], ttt, f"{r['throughput_samples_per_s']:,.0f}",
+                      f"{r['phase_share'].get('wait', 0):.0%}", r["reason"])
+    _stdout().print(table)
+    best = result["ranked"][0]
+    _stdout().print(f"run it: {best['command']}", highlight=False, soft_wrap=True)
+    for v in result.get("verify", []):
+        p, m = v["predicted_time_to_target_s"], v["measured_time_to_target_s"]
+        _stdout().print(f"verified {v['label']} on {v['workers']} emulated devices: predicted "
+                        f"{'-' if p is None else f'{p:.2f} s'}, measured {'not reached' if m is None else f'{m:.2f} s'}",
+                        highlight=False, soft_wrap=True)
+    console.print(f"report: {report}")
+    return 0
+
+
 def _cmd_list(args: argparse.Namespace) -> int:
     from distsync.solvers import solver_class, solver_names
     from distsync.workloads import SHIPPED
@@ -457,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_native_logs()
     handlers = {"train": _cmd_train, "compare": _cmd_compare, "linktest": _cmd_linktest, "list": _cmd_list,
                 "crossover": _cmd_crossover, "simulate": _cmd_simulate,
-                "sweep": _cmd_sweep}
+                "sweep": _cmd_sweep, "recommend": _cmd_recommend}
     try:
         return handlers[args.command](args)
     except DistsyncError as e:

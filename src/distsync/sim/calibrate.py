@@ -24,9 +24,9 @@ def model_bytes(workload: str, options: dict[str, Any] | None = None) -> int:
     return sum(p.numel() * p.element_size() for p in w.make_model().parameters())
 
 
-def calibrate(run_dir: Path, default_link: str = "10gbit") -> dict[str, Any]:
-    """Read ``run_dir``'s config and measurements (compute per step of its normal-speed
-    workers, model size, link), simulate the same run, and return predicted vs measured."""
+def _read(run_dir: Path, default_link: str) -> dict[str, Any]:
+    """A finished run's config and what it measured: a normal-speed worker's compute per
+    step, communication per step, steps, batch, link and model bytes."""
     run_dir = Path(run_dir)
     try:
         cfg = RunConfig.read(run_dir / "config.json")
@@ -49,33 +49,58 @@ def calibrate(run_dir: Path, default_link: str = "10gbit") -> dict[str, Any]:
     normal = [statistics.mean(v) for r, v in own.items() if r not in cfg.slow]
     if not normal:
         normal = [statistics.mean(v) / cfg.slow[r] for r, v in own.items()]
-    # A --jitter run's steps include their mean stretch (jitter / 2 of a step).
-    compute = statistics.median(normal) / (1 + cfg.jitter / 2)
     steps = measured["steps_per_worker"]
-    batch = round(measured["samples"] / max(1, steps * cfg.workers))
-    spec = parse_link(cfg.link or default_link)
+    return {"dir": run_dir, "cfg": cfg, "measured": measured,
+            # A --jitter run's steps include their mean stretch (jitter / 2 of a step).
+            "compute": statistics.median(normal) / (1 + cfg.jitter / 2),
+            "comm": statistics.mean(comm_per_step) if comm_per_step else 0.0, "steps": steps,
+            "batch": round(measured["samples"] / max(1, steps * cfg.workers)),
+            "link": parse_link(cfg.link or default_link),
+            "bytes": model_bytes(cfg.workload, cfg.workload_options)}
+
+
+def _simulate_run(run: dict[str, Any], compute: float, latency: float):
+    cfg = run["cfg"]
+    cluster = Cluster(cfg.workers, Link(run["link"].bandwidth_bps, latency))
     workers = WorkerModel(compute, slow=dict(cfg.slow), jitter=cfg.jitter, seed=cfg.seed)
-    work = Work(steps=steps, model_bytes=model_bytes(cfg.workload, cfg.workload_options), batch_size=batch)
+    work = Work(steps=run["steps"], model_bytes=run["bytes"], batch_size=run["batch"])
+    return simulate(cfg.solver, cfg.solver_options, cluster, workers, work, seed=cfg.seed)
 
-    def run(latency: float):
-        cluster = Cluster(cfg.workers, Link(spec.bandwidth_bps, latency))
-        return simulate(cfg.solver, cfg.solver_options, cluster, workers, work, seed=cfg.seed)
 
-    # Per-message cost: the link's latency plus what the software stack adds per message,
-    # fitted so that the simulated communication per step matches the measured one (the
-    # simulated communication is linear in the latency).
-    measured_comm = statistics.mean(comm_per_step) if comm_per_step else 0.0
-    base, probe = run(spec.latency_s), run(spec.latency_s + 1e-3)
+def _fit_latency(run: dict[str, Any]) -> float:
+    """The per-message cost: the link's latency plus what the software stack adds per
+    message, fitted so that the simulated communication per step matches the run's (the
+    simulated communication is linear in the latency)."""
+    cfg, steps, lat = run["cfg"], run["steps"], run["link"].latency_s
+    base, probe = _simulate_run(run, run["compute"], lat), _simulate_run(run, run["compute"], lat + 1e-3)
     per_ms = (probe.comm_s.sum() - base.comm_s.sum()) / (cfg.workers * steps)
-    extra = (measured_comm - base.comm_s.sum() / (cfg.workers * steps)) / per_ms * 1e-3 if per_ms > 0 else 0.0
-    latency = spec.latency_s + max(0.0, extra)
-    sim = run(latency)
+    extra = (run["comm"] - base.comm_s.sum() / (cfg.workers * steps)) / per_ms * 1e-3 if per_ms > 0 else 0.0
+    return lat + max(0.0, extra)
+
+
+def calibrate(run_dir: Path, default_link: str = "10gbit", fit_from: Path | None = None) -> dict[str, Any]:
+    """Simulate the real run in ``run_dir`` and return predicted against measured.
+
+    The compute per step (of its normal-speed workers) and the per-message cost are fitted
+    on the run itself, which measures self-consistency, or with ``fit_from`` on another run
+    (e.g. allreduce on 4 workers of the same workload and link), which makes the prediction
+    out of sample: nothing of ``run_dir`` but its configuration goes into it."""
+    run = _read(run_dir, default_link)
+    fit = _read(fit_from, default_link) if fit_from is not None else run
+    if fit is not run and (fit["cfg"].workload, fit["cfg"].link, fit["cfg"].device_ms) != (
+            run["cfg"].workload, run["cfg"].link, run["cfg"].device_ms):
+        raise ConfigError(f"--fit-from {fit_from}: a run of another workload, link or device time than {run_dir}")
+    latency = _fit_latency(fit)
+    compute = fit["compute"]
+    sim = _simulate_run(run, compute, latency)
     predicted = sim.summary()
+    cfg, measured, steps = run["cfg"], run["measured"], run["steps"]
     out = {
         "run": str(run_dir), "solver": measured.get("label", cfg.solver), "workload": cfg.workload,
         "workers": cfg.workers, "link": cfg.link or f"{default_link} (assumed: unshaped run)",
-        "compute_per_step_s": compute, "model_bytes": work.model_bytes, "fitted_latency_s": latency,
-        "measured_comm_per_step_s": measured_comm,
+        "fitted_on": str(fit["dir"]), "out_of_sample": fit is not run,
+        "compute_per_step_s": compute, "model_bytes": run["bytes"], "fitted_latency_s": latency,
+        "measured_comm_per_step_s": run["comm"],
         "measured_throughput": measured["throughput_samples_per_s"],
         "predicted_throughput": predicted["throughput_samples_per_s"],
         "measured_time_to_target_s": measured.get("time_to_target_s"),

@@ -41,14 +41,17 @@ class TrainResult:
     curve: list[dict[str, float]] = field(default_factory=list)  # step, t (virtual s), metric
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # stacked, [workers, ...]
     time_to_target_s: float | None = None
+    steps_to_target: int | None = None
 
 
 def simulate_training(solver: str, options: dict[str, Any], workload: Workload, workers: int, steps: int, *,
                       batch_size: int | None = None, lr: float | None = None, seed: int = 0,
-                      eval_every: int | None = None, wall_s: float | None = None) -> TrainResult:
+                      eval_every: int | None = None, wall_s: float | None = None,
+                      until_target: bool = False) -> TrainResult:
     """Train ``workers`` stacked replicas of ``workload``'s model with ``solver``'s rule (plain
     SGD locally, as the runtime's default optimizer). ``wall_s``: the virtual duration of
-    the run (from the timing model); the curve's times scale with it."""
+    the run (from the timing model); the curve's times scale with it. ``until_target``:
+    stop at the first evaluation that reaches the workload's target."""
     cls = solver_class(solver)
     o = make_options(cls, options)
     batch_size = batch_size or workload.batch_size
@@ -87,6 +90,9 @@ def simulate_training(solver: str, options: dict[str, Any], workload: Workload, 
             result.curve.append({"step": step, "t": pace * (step + 1), "metric": metric})
             if result.time_to_target_s is None and workload.reached(metric):
                 result.time_to_target_s = pace * (step + 1)
+                result.steps_to_target = step + 1
+                if until_target:
+                    break
     result.params = {n: stack[n] for n in names}
     return result
 

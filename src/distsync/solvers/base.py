@@ -130,6 +130,16 @@ class Solver:
         more than this many steps beyond another (a collective every step: 1)."""
         return 1
 
+    #: the fewest workers a job of this solver can run with
+    min_workers: ClassVar[int] = 1
+
+    @classmethod
+    def search_space(cls, workers: int) -> list[dict[str, Any]]:
+        """The option sets ``distsync recommend`` tries for a cluster of ``workers`` (its main
+        knobs: sync interval, group size, schedule, servers); an empty list: never
+        recommended (a baseline, or the same timing and math as another solver)."""
+        return [{}]
+
     # ---- simulation (distsync.sim) ------------------------------------------------------
     @classmethod
     def simulate_timing(cls, options: Any, sim: Any) -> Any:
@@ -137,6 +147,14 @@ class Solver:
         :class:`~distsync.sim.timing.SimResult` composed from the blocks of ``sim`` (a
         :class:`~distsync.sim.timing.TimingContext`). None: the simulator has no timing model
         for it (and says so)."""
+        return None
+
+    @classmethod
+    def train_twin(cls, options: Any, syncs_per_step: float | None = None) -> tuple[str, dict[str, Any]] | None:
+        """For a solver without a train-mode rule: a solver (name, options) whose steps to
+        target stand in for its own in ``distsync recommend`` (said so there as an
+        estimate); ``syncs_per_step``: what its timing model found, for a solver whose
+        syncs follow the clock. None: none."""
         return None
 
     @classmethod

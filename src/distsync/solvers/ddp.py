@@ -33,6 +33,10 @@ class DDP(Solver):
     collective_per_step = True
 
     @classmethod
+    def search_space(cls, workers):
+        return []  # allreduce's timing and math
+
+    @classmethod
     def simulate_timing(cls, options, sim):
         return sim.meet_every(1, sim.allreduce_s())  # every step, an all-reduce of the gradients
 

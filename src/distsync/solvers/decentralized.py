@@ -64,6 +64,8 @@ class ADPSGD(Solver):
     name = "ad-psgd"
     Options = ADPSGDOptions
 
+    min_workers = 2
+
     @classmethod
     def lockstep_lead(cls, options, workers):
         return None  # passives answer from a thread until every active is done
@@ -212,6 +214,11 @@ class Ripples(Solver):
         return options.every * workers
 
     @classmethod
+    def search_space(cls, workers):
+        return [{"schedule": s, "group_size": k} for s in ("static", "random", "smart") for k in (3, 4)
+                if k <= max(2, workers)]
+
+    @classmethod
     def _rounds(cls, options, workers: int, run_seed: int):
         """``next_round()``: the rounds of disjoint groups the workers go through, in order
         (static: the fixed schedule, repeated; random: the coordinator's draws)."""
@@ -233,6 +240,11 @@ class Ripples(Solver):
         if sim.workers < 2:
             return sim.meet_every(0, 0.0)
         return sim.group_rounds(options.every, cls._rounds(options, sim.workers, sim.seed))
+
+    @classmethod
+    def train_twin(cls, options, syncs_per_step=None):
+        # groups of the same size and rhythm, drawn at random instead of by readiness
+        return "ripples", {"schedule": "random", "group_size": options.group_size, "every": options.every}
 
     @classmethod
     def simulate_rule(cls, options, sim):

@@ -84,9 +84,18 @@ class _ElasticServerSolver(ServerSolver):
     round_robin = False
 
     @classmethod
+    def search_space(cls, workers):
+        return [{"tau": t, "servers": s} for t in (4, 16) for s in sorted({1, max(1, workers // 4), workers})]
+
+    @classmethod
     def simulate_timing(cls, options, sim):
         return sim.servers(options.servers, exchange_every=options.tau, round_robin=cls.round_robin,
                            locked=not cls.lock_free)
+
+    @classmethod
+    def train_twin(cls, options, syncs_per_step=None):
+        # the same elastic rule every tau steps, all workers at once
+        return "sync-easgd", {"tau": options.tau, "beta": options.beta, "alpha": options.alpha}
 
     def attach(self, model, optimizer, comm):
         model = super().attach(model, optimizer, comm)
@@ -224,6 +233,10 @@ class FrEASGD(HogwildThreads, AsyncEASGD):
     name = "fr-easgd"
     Options = FrEASGDOptions
 
+    @classmethod
+    def search_space(cls, workers):
+        return []  # async-easgd's timing and math
+
 
 @register_solver
 class SyncEASGD(Solver):
@@ -234,6 +247,10 @@ class SyncEASGD(Solver):
     @classmethod
     def lockstep_lead(cls, options, workers):
         return options.tau + 1  # an all-reduce every tau steps
+
+    @classmethod
+    def search_space(cls, workers):
+        return [{"tau": 4}, {"tau": 16}]
 
     @classmethod
     def simulate_timing(cls, options, sim):

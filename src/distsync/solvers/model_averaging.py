@@ -59,6 +59,10 @@ class AveragingSolver(HogwildThreads, Solver):
     collective_per_step = False
 
     @classmethod
+    def search_space(cls, workers):
+        return [{"every": 4}, {"every": 16}]
+
+    @classmethod
     def simulate_timing(cls, options, sim):
         return sim.meet_every(options.every, sim.allreduce_s())
 
@@ -145,6 +149,10 @@ class Local(HogwildThreads, Solver):
     @classmethod
     def lockstep_lead(cls, options, workers):
         return None  # nothing to wait for
+
+    @classmethod
+    def search_space(cls, workers):
+        return []  # the baseline: no synchronization at all
 
     @classmethod
     def simulate_timing(cls, options, sim):

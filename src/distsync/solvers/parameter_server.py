@@ -71,6 +71,10 @@ class ServerSolver(Solver):
     def extra_roles(cls, options) -> dict[str, int]:
         return {"server": options.servers}
 
+    @classmethod
+    def search_space(cls, workers):
+        return [{"servers": s} for s in sorted({1, max(1, workers // 4), workers})]
+
     def attach(self, model, optimizer, comm):
         super().attach(model, optimizer, comm)
         self.client = PSClient(comm, model, comm.ranks_with_role("server"))
@@ -210,6 +214,10 @@ class AsyncPS(GradientServerSolver):
         return sim.servers(options.servers, push_every=options.n_push, pull_every=options.n_fetch,
                            locked=not cls.lock_free)
 
+    @classmethod
+    def train_twin(cls, options, syncs_per_step=None):
+        return "allreduce", {}  # every worker's gradient applied, without the staleness
+
     def attach(self, model, optimizer, comm):
         model = super().attach(model, optimizer, comm)
         self._acc = [torch.zeros(v.numel) for v in self.client.views]
@@ -275,6 +283,10 @@ class Hogwild(HogwildThreads, AsyncPS):
     name = "hogwild"
     Options = HogwildOptions
     lock_free = True
+
+    @classmethod
+    def search_space(cls, workers):
+        return []  # its threads are devices of their own: not the same cluster
 
     def hogwild_update(self, step, params, grads):
         super().hogwild_update(step, params, grads)  # the thread's own step, then its push

@@ -39,6 +39,11 @@ from distsync.solvers.model_averaging import AverageOptions, AveragingSolver, BM
 from distsync.solvers.rules import apply_correction, elastic_pull
 
 
+def _every(syncs_per_step: float | None) -> int:
+    """Steps between syncs of a shadow thread that syncs ``syncs_per_step`` times a step."""
+    return 1 if not syncs_per_step or syncs_per_step >= 1 else max(1, round(1 / syncs_per_step))
+
+
 class _ShadowAveraging(AveragingSolver):
     """Model averaging (with BMUF's filter for :class:`BMUFOptions`) in a shadow thread."""
 
@@ -47,12 +52,21 @@ class _ShadowAveraging(AveragingSolver):
         return None  # the shadow threads sync until every worker is done
 
     @classmethod
+    def search_space(cls, workers):
+        return [{}]
+
+    @classmethod
     def simulate_timing(cls, options, sim):
         return sim.background(sim.allreduce_s(), options.min_interval_ms / 1000)
 
     @classmethod
     def simulate_rule(cls, options, sim):
         return None  # when a sync lands depends on the shadow thread's timing
+
+    @classmethod
+    def train_twin(cls, options, syncs_per_step=None):
+        # the foreground twin, averaging as often as the shadow thread manages to
+        return ("bmuf" if isinstance(options, BMUFOptions) else "ma"), {"every": _every(syncs_per_step)}
 
     def attach(self, model, optimizer, comm):
         super().attach(model, optimizer, comm)
@@ -132,8 +146,16 @@ class ShadowEA(HogwildThreads, AsyncEASGD):
     Options = ShadowEAOptions
 
     @classmethod
+    def search_space(cls, workers):
+        return [{"servers": s} for s in sorted({1, max(1, workers // 4)})]
+
+    @classmethod
     def simulate_timing(cls, options, sim):
         return sim.background(sim.server_exchange_s(options.servers), options.min_interval_ms / 1000)
+
+    @classmethod
+    def train_twin(cls, options, syncs_per_step=None):
+        return "sync-easgd", {"tau": _every(syncs_per_step), "beta": options.beta, "alpha": options.alpha}
 
     def attach(self, model, optimizer, comm):
         model = super().attach(model, optimizer, comm)

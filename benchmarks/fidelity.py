@@ -1,0 +1,81 @@
+"""How far to trust the simulator, out of sample: fit once, predict the other runs.
+
+One real run fits the simulator for a workload and link: allreduce on 4 emulated devices,
+homogeneous (``simulate --calibrate RUN --fit-from FIT``: its compute per step and its
+per-message cost). Then every other run (other solvers, 4 and 8 workers, one worker 3x slow)
+is predicted from its configuration alone and set against what it measured. Target: within
+15% on every row. Runs on emulated devices (``--device-ms``) on loopback; a run flagged
+CPU-bound is marked in the table, since the model has no CPU-sharing term.
+
+    python benchmarks/fidelity.py [--workers 4,8] [--json docs/benchmarks/fidelity.json]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from common import argument_parser, launch_or_exit, print_checks, table_header, table_row, write_results
+from distsync.config import RunConfig
+from distsync.sim.calibrate import calibrate
+
+SOLVERS = [("allreduce", {}), ("sync-easgd", {}), ("ma", {}), ("ripples", {"schedule": "static"}),
+           ("ripples", {"schedule": "random"}), ("ripples", {"schedule": "smart"}), ("ad-psgd", {}),
+           ("async-ps", {}), ("async-easgd", {})]
+DEVICE_MS, STEPS, WORKLOAD = 20.0, 60, "digits"
+
+
+def label(solver: str, opts: dict) -> str:
+    return solver + "".join(f":{v}" for v in opts.values())
+
+
+def main() -> int:
+    p = argument_parser(__doc__)
+    p.add_argument("--out", default="benchmarks/results/fidelity")
+    p.add_argument("--workers", default="4,8")
+    p.add_argument("--json", default=None, help="also write the raw results here")
+    args = p.parse_args()
+    out = Path(args.out)
+
+    def run(solver, opts, workers, slow, name):
+        cfg = RunConfig(workload=WORKLOAD, solver=solver, solver_options=dict(opts), workers=workers, steps=STEPS,
+                        slow=dict(slow), device_ms=DEVICE_MS, eval_every=STEPS, timeout_s=120)
+        d = out / name
+        s = launch_or_exit(cfg, d)
+        return d, s
+
+    fit_dir, _ = run("allreduce", {}, 4, {}, "fit-allreduce-4w")
+    rows = []
+    for workers in [int(w) for w in args.workers.split(",")]:
+        for case, slow in (("homogeneous", {}), ("one 3x slow", {1: 3.0})):
+            for solver, opts in SOLVERS:
+                name = f"{workers}w-{case.replace(' ', '-')}-{label(solver, opts).replace(':', '-')}"
+                d, s = run(solver, opts, workers, slow, name)
+                r = calibrate(d, fit_from=fit_dir)
+                rows.append({"workers": workers, "case": case, "solver": label(solver, opts),
+                             "measured": r["measured_throughput"], "predicted": r["predicted_throughput"],
+                             "error": r["throughput_error"], "cpu_bound": bool((s.get("device") or {}).get("cpu_bound")),
+                             "wait_share": s["phase_share"]["wait"]})
+                print(f"{workers}w {case:<12} {label(solver, opts):<18} measured {r['measured_throughput']:>7,.0f}  "
+                      f"predicted {r['predicted_throughput']:>7,.0f}  {r['throughput_error']:+.1%}", flush=True)
+    print()
+    print(f"{WORKLOAD}, {DEVICE_MS:g} ms emulated devices, loopback, {STEPS} steps; fitted once on allreduce, "
+          f"4 workers, homogeneous")
+    print()
+    table_header(["workers", "case", "solver", "measured samples/s", "predicted", "error"])
+    for r in rows:
+        flag = " (CPU-bound)" if r["cpu_bound"] else ""
+        table_row([r["workers"], r["case"], r["solver"] + flag, f"{r['measured']:,.0f}", f"{r['predicted']:,.0f}",
+                   f"{r['error']:+.1%}"])
+    within = [r for r in rows if abs(r["error"]) <= 0.15]
+    print()
+    print_checks([(f"{len(within)} of {len(rows)} rows within 15% out of sample (target: all)", len(within) == len(rows))])
+    payload = {"workload": WORKLOAD, "device_ms": DEVICE_MS, "steps": STEPS, "rows": rows}
+    write_results(out / "summary.json", payload, announce=False)
+    if args.json:
+        write_results(args.json, {"command": "python benchmarks/fidelity.py " + " ".join(sys.argv[1:]), **payload})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,385 @@
+"""``distsync recommend``: which solver, with which options, for this model on that cluster.
+
+It measures what the simulator needs (the model's bytes; a step's compute here unless the
+device's is given), tries every solver's search space (``Solver.search_space``: sync
+interval, group size, schedule, servers) in the simulator, and ranks the candidates by
+predicted time to target:
+
+- **steps to target** from train mode (the solver's own rule on stacked replicas, at the
+  cluster's size up to :data:`TRAIN_WORKERS_MAX`; above it, at that size with the samples to
+  target kept, so steps scale down by the ratio of workers), once per distinct rule;
+- **seconds per step** from timing mode at the cluster's size (links, servers, slow workers,
+  jitter), each worker at its own pace as under a job budget (fast workers that never wait
+  for a slow one run on);
+- their product is the predicted time to target. A solver without a train-mode rule (its
+  math depends on arrival order) gets its throughput and no time to target, and is ranked
+  after those that have one.
+
+``verify`` runs the top candidates and allreduce for real on this machine (emulated devices
+of the same compute, ``--link`` when given) and sets predicted against measured.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from distsync.config import parse_link
+from distsync.errors import ConfigError, DistsyncError
+
+#: train mode runs at most this many replicas (a larger cluster: the same samples to target)
+TRAIN_WORKERS_MAX = 8
+#: train mode gives up after this many times the workload's steps
+TRAIN_STEPS_FACTOR = 2
+
+
+@dataclass
+class Request:
+    """The user's question: a workload and a cluster."""
+
+    workload: str = "digits"
+    workers: int = 8
+    link: str = "10gbit"
+    slow_fraction: float = 0.0
+    slow_factor: float = 3.0
+    jitter: float = 0.0
+    device_ms: float | None = None
+    solvers: list[str] | None = None  # None: every registered solver
+    seed: int = 0
+    batch_size: int | None = None
+    lr: float | None = None
+
+    def check(self) -> None:
+        if self.workers < 1:
+            raise ConfigError(f"--workers must be an integer >= 1, got {self.workers}")
+        parse_link(self.link)  # a one-line error for a link that does not parse
+        if not 0 <= self.slow_fraction <= 1:
+            raise ConfigError(f"--slow-fraction must be in [0, 1], got {self.slow_fraction}")
+        if not self.slow_factor >= 1:
+            raise ConfigError(f"--slow-factor must be >= 1, got {self.slow_factor}")
+        if not 0 <= self.jitter <= 10:
+            raise ConfigError(f"--jitter must be in [0, 10], got {self.jitter}")
+        if self.device_ms is not None and not self.device_ms > 0:
+            raise ConfigError(f"--device-ms must be > 0 milliseconds, got {self.device_ms}")
+
+
+@dataclass
+class Candidate:
+    solver: str
+    options: dict[str, Any]
+    throughput: float = 0.0
+    step_s: float = 0.0
+    phase_share: dict[str, float] = field(default_factory=dict)
+    steps_to_target: int | None = None
+    time_to_target_s: float | None = None
+    trained: bool = False  # train mode ran it
+    syncs_per_step: float | None = None  # a background solver's, from its timing
+    note: str = ""
+
+    @property
+    def label(self) -> str:
+        return self.solver + "".join(f" {k}={v}" for k, v in self.options.items())
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"solver": self.solver, "options": self.options, "label": self.label,
+                "throughput_samples_per_s": self.throughput, "step_s": self.step_s, "phase_share": self.phase_share,
+                "steps_to_target": self.steps_to_target, "time_to_target_s": self.time_to_target_s,
+                "trained": self.trained, "note": self.note}
+
+
+def measure_compute_s(workload: Any, batch_size: int, steps: int = 20) -> float:
+    """The median seconds of one forward and backward of ``workload``'s model on a batch,
+    here, on one thread (a few warm-up steps first)."""
+    import torch
+
+    from distsync.workloads import ShardSampler
+
+    torch.manual_seed(0)
+    model = workload.make_model()
+    sampler = ShardSampler(workload.num_train, 1, 0, batch_size, 0)
+    times = []
+    for k in range(steps + 3):
+        x, y = workload.take(workload.train_data, sampler.indices(k))
+        t0 = time.perf_counter()
+        model.zero_grad()
+        workload.loss_fn(model(x), y).backward()
+        if k >= 3:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def candidates(request: Request) -> list[Candidate]:
+    """Every solver's option sets for this cluster (``--solvers`` restricts the solvers;
+    each of those must be able to run on it)."""
+    from distsync.solvers import make_options, solver_class, solver_names
+
+    names = request.solvers or solver_names()
+    out = []
+    for name in names:
+        cls = solver_class(name)
+        if cls.min_workers > request.workers:
+            if request.solvers:
+                raise ConfigError(f"{name} needs at least {cls.min_workers} workers; the cluster has {request.workers}")
+            continue
+        space = cls.search_space(request.workers)
+        if request.solvers and not space:
+            space = [{}]  # asked for by name: its defaults
+        for options in space:
+            make_options(cls, options)  # a search space the solver itself refuses is a bug: loud
+            out.append(Candidate(name, dict(options)))
+    if not out:
+        raise ConfigError("no solver to recommend for this cluster")
+    return out
+
+
+def _steps_to_target(request: Request, workload: Any, solver: str, options: dict, n: int, cache: dict):
+    """("ok", steps or None) from train mode, or ("no rule", message); cached."""
+    from distsync.sim.train import simulate_training
+
+    # servers only shard the center over more processes: the math is the same for any count
+    key = (solver, json.dumps({k: v for k, v in options.items() if k != "servers"}, sort_keys=True, default=str))
+    if key not in cache:
+        try:
+            res = simulate_training(solver, options, workload, n, workload.steps * TRAIN_STEPS_FACTOR,
+                                    batch_size=request.batch_size, lr=request.lr, seed=request.seed,
+                                    until_target=True)
+            cache[key] = ("ok", res.steps_to_target)
+        except ConfigError as e:
+            cache[key] = ("no rule", str(e))
+    return cache[key]
+
+
+def _train_steps(request: Request, workload: Any, cand: Candidate, cache: dict) -> None:
+    """Steps to target from train mode: the solver's own rule, else its declared twin's
+    (``Solver.train_twin``, an estimate said so in the note)."""
+    from distsync.solvers import make_options, solver_class
+
+    n = min(request.workers, TRAIN_WORKERS_MAX)
+    kind, value = _steps_to_target(request, workload, cand.solver, cand.options, n, cache)
+    if kind == "no rule":
+        cls = solver_class(cand.solver)
+        twin = cls.train_twin(make_options(cls, cand.options), cand.syncs_per_step)
+        if twin is None:
+            cand.note = "timing only: train mode has no rule for it (its math depends on arrival order)"
+            return
+        name, opts = twin
+        opts = {k: v for k, v in opts.items() if v is not None}
+        kind, value = _steps_to_target(request, workload, name, opts, n, cache)
+        if kind == "no rule":
+            cand.note = "timing only: neither it nor its twin has a train-mode rule"
+            return
+        cand.note = "steps to target estimated from " + name + "".join(f" {k}={v}" for k, v in opts.items())
+    cand.trained = True
+    if value is None:
+        cand.note = f"did not reach the target in {workload.steps * TRAIN_STEPS_FACTOR} steps (train mode)"
+        return
+    scale = n / request.workers  # the same samples to target over more workers
+    cand.steps_to_target = max(1, round(value * scale))
+
+
+def _timing(request: Request, cand: Candidate, compute_s: float, nbytes: float, batch: int) -> None:
+    from distsync.sim import Cluster, Link, Work, WorkerModel, simulate
+
+    spec = parse_link(request.link)
+    steps = 100
+    cluster = Cluster(request.workers, Link(spec.bandwidth_bps, spec.latency_s))
+    res = simulate(cand.solver, cand.options, cluster,
+                   WorkerModel(compute_s, slow_fraction=request.slow_fraction, slow_factor=request.slow_factor,
+                               jitter=request.jitter, seed=request.seed),
+                   Work(steps=steps, model_bytes=nbytes, batch_size=batch), seed=request.seed)
+    summary = res.summary()
+    # Each worker's own pace (its steps over its compute, communication and waiting), as with
+    # a job budget: a worker that never waits for a slow one runs on at its own pace instead
+    # of idling until the slow one is done; the job's steps per second are their sum.
+    busy = res.compute_s + res.comm_s + res.wait_s
+    job_steps_per_s = float((steps / busy[busy > 0]).sum())
+    cand.step_s = request.workers / job_steps_per_s  # one step of every worker, on average
+    cand.throughput = job_steps_per_s * batch
+    cand.phase_share = summary["phase_share"]
+    cand.syncs_per_step = summary.get("syncs_per_step")
+
+
+def _predict(cand: Candidate) -> None:
+    if cand.steps_to_target is not None:
+        cand.time_to_target_s = cand.steps_to_target * cand.step_s
+
+
+def reason(cand: Candidate, baseline: Candidate | None) -> str:
+    """One line from the numbers: where its time goes, against allreduce's."""
+    sh = cand.phase_share
+    text = f"{sh.get('comm', 0):.0%} communicating, {sh.get('wait', 0):.0%} waiting"
+    if baseline is not None and baseline is not cand and baseline.phase_share:
+        b = baseline.phase_share
+        text += f" (allreduce {b.get('comm', 0):.0%}, {b.get('wait', 0):.0%})"
+    if cand.steps_to_target is not None:
+        text += f"; {cand.steps_to_target} steps to target"
+    if cand.note:
+        text += f"; {cand.note}"
+    return text
+
+
+def command(request: Request, cand: Candidate) -> str:
+    """The `distsync train` command that runs this candidate on the user's cluster."""
+    parts = ["distsync train", f"--workload {request.workload}", f"--solver {cand.solver}"]
+    parts += [f"-o {k}={v}" for k, v in cand.options.items()]
+    parts += [f"--workers {request.workers}", "--budget target"]
+    return " ".join(parts)
+
+
+def rank(cands: list[Candidate]) -> list[Candidate]:
+    """Predicted time to target first (fastest first); then those without one, by throughput."""
+    with_time = sorted((c for c in cands if c.time_to_target_s is not None), key=lambda c: c.time_to_target_s)
+    rest = sorted((c for c in cands if c.time_to_target_s is None), key=lambda c: -c.throughput)
+    return with_time + rest
+
+
+def recommend(request: Request, on_step: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
+    """Measure, search and rank; returns what ``recommend.json`` holds. ``on_step(label,
+    done, total)`` follows the search."""
+    from distsync.sim.calibrate import model_bytes
+    from distsync.workloads import load_workload
+
+    request.check()
+    try:
+        workload = load_workload(request.workload)
+    except DistsyncError:
+        raise
+    except Exception as e:  # a user's workload file that fails to build
+        raise ConfigError(f"workload {request.workload!r} cannot be built: {type(e).__name__}: {e}") from None
+    batch = request.batch_size or workload.batch_size
+    cands = candidates(request)
+    try:
+        nbytes = model_bytes(request.workload)
+        if request.device_ms is not None:
+            compute_s, measured_here = request.device_ms / 1000, False
+        else:
+            compute_s, measured_here = measure_compute_s(workload, batch), True
+    except DistsyncError:
+        raise
+    except Exception as e:
+        raise ConfigError(f"workload {request.workload!r} cannot be measured: {type(e).__name__}: {e}") from None
+    cache: dict = {}
+    t0 = time.perf_counter()
+    for i, cand in enumerate(cands):
+        if on_step is not None:
+            on_step(cand.label, i, len(cands))
+        _timing(request, cand, compute_s, nbytes, batch)
+        _train_steps(request, workload, cand, cache)
+        _predict(cand)
+    if on_step is not None:
+        on_step("done", len(cands), len(cands))
+    ranked = rank(cands)
+    baseline = next((c for c in cands if c.solver == "allreduce" and not c.options), None)
+    rows = []
+    for c in ranked:
+        row = c.as_dict()
+        row.update(reason=reason(c, baseline), command=command(request, c))
+        rows.append(row)
+    return {"request": request.__dict__, "compute_s": compute_s, "compute_measured_here": measured_here,
+            "model_bytes": nbytes, "batch_size": batch, "train_workers": min(request.workers, TRAIN_WORKERS_MAX),
+            "target": workload.target, "metric": workload.metric_name,
+            "search_seconds": time.perf_counter() - t0, "ranked": rows}
+
+
+def verify(request: Request, result: dict[str, Any], top: int, out: Path, workers: int = 4,
+           cap_s: float = 60.0) -> list[dict[str, Any]]:
+    """Run the ``top`` candidates (and allreduce) for real on this machine, on ``workers``
+    emulated devices of the compute the recommendation used (slow workers and jitter as the
+    request says, ``--link`` when it is given: root), each to its target; return predicted
+    (re-simulated at ``workers``) against measured time to target."""
+    from distsync.config import RunConfig
+    from distsync.runtime import launch
+
+    n = min(workers, request.workers)
+    small = Request(**{**request.__dict__, "workers": n, "device_ms": result["compute_s"] * 1000,
+                       "solvers": None})
+    picks = [r for r in result["ranked"] if r["time_to_target_s"] is not None][:top]
+    if not any(r["solver"] == "allreduce" and not r["options"] for r in picks):
+        base = next((r for r in result["ranked"] if r["solver"] == "allreduce" and not r["options"]), None)
+        if base is not None:
+            picks.append(base)
+    slow_count = round(request.slow_fraction * n)
+    slow = {r: request.slow_factor for r in range(1, 1 + slow_count)} if slow_count else {}
+    rows = []
+    for r in picks:
+        cand = Candidate(r["solver"], dict(r["options"]))
+        _timing(small, cand, result["compute_s"], result["model_bytes"], result["batch_size"])
+        _train_steps(small, _load(request.workload), cand, {})
+        _predict(cand)
+        cfg = RunConfig(workload=request.workload, solver=r["solver"], solver_options=dict(r["options"]), workers=n,
+                        slow=slow, jitter=request.jitter, device_ms=result["compute_s"] * 1000,
+                        link=request.link if _can_shape() else None, budget=f"target,seconds={cap_s:g}",
+                        seed=request.seed, timeout_s=120)
+        s = launch(cfg, out / "verify" / cand.label.replace(" ", "_").replace("=", "-"))
+        rows.append({"label": cand.label, "workers": n, "predicted_time_to_target_s": cand.time_to_target_s,
+                     "measured_time_to_target_s": s["time_to_target_s"],
+                     "predicted_throughput": cand.throughput, "measured_throughput": s["throughput_samples_per_s"],
+                     "link": cfg.link, "cpu_bound": (s.get("device") or {}).get("cpu_bound")})
+    return rows
+
+
+def _load(name: str) -> Any:
+    from distsync.workloads import load_workload
+
+    return load_workload(name)
+
+
+def _can_shape() -> bool:
+    import os
+
+    return os.geteuid() == 0
+
+
+def write_outputs(out: Path, result: dict[str, Any]) -> Path:
+    """``recommend.json``, ``report.md`` and ``recommend.png`` (predicted time to target) in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "recommend.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    req = result["request"]
+    lines = [f"# Recommendation: {req['workload']} on {req['workers']} workers, link {req['link']}", "",
+             "Regime: **simulated** (timing at the cluster's size; steps to target from train mode at "
+             f"{result['train_workers']} workers).", "",
+             f"Compute per step: {result['compute_s'] * 1000:.2f} ms "
+             + ("(measured here, one thread; pass --device-ms for your device's)" if result["compute_measured_here"]
+                else "(--device-ms)")
+             + f"; model {result['model_bytes'] / 1e6:.3g} MB; slow workers: {req['slow_fraction']:.0%} "
+               f"x{req['slow_factor']:g}; jitter {req['jitter']:g}.", "",
+             "| rank | solver | predicted time to target (s) | samples/s | waiting | why | command |",
+             "|---|---|---|---|---|---|---|"]
+    for i, r in enumerate(result["ranked"], 1):
+        ttt = "-" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.3g}"
+        lines.append(f"| {i} | {r['label']} | {ttt} | {r['throughput_samples_per_s']:,.0f} | "
+                     f"{r['phase_share'].get('wait', 0):.0%} | {r['reason']} | `{r['command']}` |")
+    if result.get("verify"):
+        lines += ["", "## Verified on this machine (emulated devices)", "",
+                  "| solver | workers | predicted (s) | measured (s) | predicted samples/s | measured samples/s |",
+                  "|---|---|---|---|---|---|"]
+        for v in result["verify"]:
+            p, m = v["predicted_time_to_target_s"], v["measured_time_to_target_s"]
+            lines.append(f"| {v['label']} | {v['workers']} | {'-' if p is None else f'{p:.2f}'} | "
+                         f"{'not reached' if m is None else f'{m:.2f}'} | {v['predicted_throughput']:,.0f} | "
+                         f"{v['measured_throughput']:,.0f} |")
+    report = out / "report.md"
+    report.write_text("\n".join(lines) + "\n")
+    _plot(result, out / "recommend.png")
+    return report
+
+
+def _plot(result: dict[str, Any], path: Path) -> None:
+    from distsync.experiments.report import _pyplot
+
+    rows = [r for r in result["ranked"] if r["time_to_target_s"] is not None][:15]
+    if not rows:
+        return
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 0.35 * len(rows) + 1.2))
+    ax.barh([r["label"] for r in rows][::-1], [r["time_to_target_s"] for r in rows][::-1], color="tab:blue")
+    ax.set_xlabel("predicted time to target (s)")
+    req = result["request"]
+    ax.set_title(f"{req['workload']}, {req['workers']} workers, {req['link']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
