@@ -476,9 +476,10 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
     _stdout().print(f"run it: {best['command']}", highlight=False, soft_wrap=True)
     for v in result.get("verify", []):
         p, m = v["predicted_time_to_target_s"], v["measured_time_to_target_s"]
+        flag = " (the run was CPU-bound: no emulation of that device)" if v["cpu_bound"] else ""
         _stdout().print(f"verified {v['label']} on {v['workers']} emulated devices: predicted "
-                        f"{'-' if p is None else f'{p:.2f} s'}, measured {'not reached' if m is None else f'{m:.2f} s'}",
-                        highlight=False, soft_wrap=True)
+                        f"{'-' if p is None else f'{p:.2f} s'}, measured {'not reached' if m is None else f'{m:.2f} s'}"
+                        f"{flag}", highlight=False, soft_wrap=True)
     console.print(f"report: {report}")
     return 0
 
