@@ -69,11 +69,14 @@ def main() -> int:
     for workers in [int(w) for w in args.workers.split(",")]:
         for setting in settings:
             model, link, steps, device_ms, _ = setting
-            base_lr = load_workload(model).lr
+            w = load_workload(model)
+            base_lr = w.lr
+            # one server per worker, but no more servers than the model has tensors to shard
+            servers = min(workers, sum(1 for _ in w.make_model().parameters()))
             dirs = []
             for entry in solvers:
                 solver, _, given = entry.partition(":")  # NAME or NAME:KEY=VALUE (a tuned variant)
-                opts = {"servers": workers} if device_ms and solver in SERVER_SOLVERS else {}
+                opts = {"servers": servers} if device_ms and solver in SERVER_SOLVERS else {}
                 opts.update(parse_key_values([given] if given else []))
                 cfg = RunConfig(workload=model, solver=solver, solver_options=opts, workers=workers, steps=steps,
                                 link=link, eval_every=10, lr=base_lr * LR_SCALE.get(solver, 1.0), timeout_s=120,

@@ -120,3 +120,11 @@ def test_recommend_on_a_user_workload_writes_a_report_and_runs_the_command(tmp_p
 def test_an_unknown_solver_in_a_request_is_refused():
     with pytest.raises(ConfigError, match="unknown solver 'nope'"):
         candidates(Request(solvers=["nope"]))
+
+
+def test_no_candidate_asks_for_more_servers_than_the_model_has_tensors():
+    """Servers shard whole tensors: digits' model has 4, so at 64 workers no server solver
+    is offered with 16 or 64 servers (its command would be refused)."""
+    labels = [c.label for c in candidates(Request(workers=64), max_servers=4)]
+    assert any("servers=1" in label for label in labels)
+    assert not any("servers=16" in label or "servers=64" in label for label in labels)

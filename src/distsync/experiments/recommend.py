@@ -112,9 +112,10 @@ def measure_compute_s(workload: Any, batch_size: int, steps: int = 20) -> float:
     return statistics.median(times)
 
 
-def candidates(request: Request) -> list[Candidate]:
+def candidates(request: Request, max_servers: int | None = None) -> list[Candidate]:
     """Every solver's option sets for this cluster (``--solvers`` restricts the solvers;
-    each of those must be able to run on it)."""
+    each of those must be able to run on it); ``max_servers``: the model's parameter tensors
+    (servers shard whole tensors, so more servers than that cannot run)."""
     from distsync.solvers import make_options, solver_class, solver_names
 
     names = request.solvers or solver_names()
@@ -130,6 +131,8 @@ def candidates(request: Request) -> list[Candidate]:
             space = [{}]  # asked for by name: its defaults
         for options in space:
             make_options(cls, options)  # a search space the solver itself refuses is a bug: loud
+            if max_servers is not None and options.get("servers", 1) > max_servers:
+                continue
             out.append(Candidate(name, dict(options)))
     if not out:
         raise ConfigError("no solver to recommend for this cluster")
@@ -251,7 +254,11 @@ def recommend(request: Request, on_step: Callable[[str, int, int], None] | None 
     except Exception as e:  # a user's workload file that fails to build
         raise ConfigError(f"workload {request.workload!r} cannot be built: {type(e).__name__}: {e}") from None
     batch = request.batch_size or workload.batch_size
-    cands = candidates(request)
+    try:
+        tensors = sum(1 for _ in workload.make_model().parameters())
+    except Exception as e:
+        raise ConfigError(f"workload {request.workload!r} cannot be measured: {type(e).__name__}: {e}") from None
+    cands = candidates(request, max_servers=tensors)
     try:
         nbytes = model_bytes(request.workload)
         if request.device_ms is not None:
