@@ -167,13 +167,14 @@ def _train_steps(request: Request, workload: Any, cand: Candidate, cache: dict) 
         cls = solver_class(cand.solver)
         twin = cls.train_twin(make_options(cls, cand.options), cand.syncs_per_step)
         if twin is None:
-            cand.note = "timing only: train mode has no rule for it (its math depends on arrival order)"
+            cand.note = "timing only: " + ("train mode has no rule for it (its math depends on arrival order)"
+                                           if value.startswith("train mode has no rule") else value)
             return
         name, opts = twin
         opts = {k: v for k, v in opts.items() if v is not None}
         kind, value = _steps_to_target(request, workload, name, opts, n, cache)
         if kind == "no rule":
-            cand.note = "timing only: neither it nor its twin has a train-mode rule"
+            cand.note = f"timing only: its twin {name} cannot be trained either ({value})"
             return
         cand.note = "steps to target estimated from " + name + "".join(f" {k}={v}" for k, v in opts.items())
     cand.trained = True
