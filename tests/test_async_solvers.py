@@ -190,18 +190,6 @@ def test_easgd_round_robin_two_workers_equals_reference():
     _check_elastic(run_ranks(_run, 3, "easgd", {"tau": tau}, 2, steps, 0.0), xs, center)
 
 
-@pytest.mark.parametrize("solver", ["async-easgd", "ea-wild", "fr-easgd"])
-def test_async_elastic_one_worker_equals_reference(solver):
-    steps, tau = 7, 3
-    xs, center = _elastic_reference(1, steps, tau, 0.9)
-    res = run_ranks(_run, 2, solver, {"tau": tau}, 1, steps, 0.0)
-    _check_elastic(res, xs, center)
-    stats = res[1][1]
-    assert stats["updates"] == steps // tau and stats["staleness"] == {"0": steps // tau}
-    if solver == "ea-wild":  # one worker: no exchange ever overlapped another, nothing was lost
-        assert stats["overlapping_exchanges"] == 0 and stats["lost_update_share"] < 1e-6
-
-
 def test_async_measgd_one_worker_equals_local_nesterov_momentum_and_exchanges():
     steps, tau, mu = 7, 3, 0.9
     xs, center = _elastic_reference(1, steps, tau, 0.9, momentum=mu)
