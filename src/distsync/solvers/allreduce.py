@@ -66,11 +66,9 @@ def plan_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Par
     return buckets
 
 
-@register_solver
-class AllReduce(Solver):
-    name = "allreduce"
-    Options = AllReduceOptions
-    collective_per_step = True
+class GradientMeanSimulation:
+    """Solver mixin (list it before the Solver base): the simulation of every worker stepping
+    with the mean of all gradients, an all-reduce each step (allreduce, ddp)."""
 
     @classmethod
     def simulate_timing(cls, options, sim):
@@ -79,6 +77,13 @@ class AllReduce(Solver):
     @classmethod
     def simulate_rule(cls, options, sim):
         return sim.mean_gradient()
+
+
+@register_solver
+class AllReduce(GradientMeanSimulation, Solver):
+    name = "allreduce"
+    Options = AllReduceOptions
+    collective_per_step = True
 
     def attach(self, model, optimizer, comm):
         super().attach(model, optimizer, comm)

@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distsync.comm import ring_allreduce_bytes
 from distsync.config import bounded
+from distsync.solvers.allreduce import GradientMeanSimulation
 from distsync.solvers.base import Solver, register_solver
 
 
@@ -27,7 +28,7 @@ class DDPOptions:
 
 
 @register_solver
-class DDP(Solver):
+class DDP(GradientMeanSimulation, Solver):
     name = "ddp"
     Options = DDPOptions
     collective_per_step = True
@@ -35,14 +36,6 @@ class DDP(Solver):
     @classmethod
     def search_space(cls, workers):
         return []  # allreduce's timing and math
-
-    @classmethod
-    def simulate_timing(cls, options, sim):
-        return sim.meet_every(1, sim.allreduce_s())  # every step, an all-reduce of the gradients
-
-    @classmethod
-    def simulate_rule(cls, options, sim):
-        return sim.mean_gradient()
 
     def attach(self, model, optimizer, comm):
         super().attach(model, optimizer, comm)
