@@ -349,3 +349,26 @@ def test_nothing_is_left_behind_after_a_restart_or_a_failure(tmp_path):
     assert after_fds == fds
     leftovers = [p for p in tmp_path.rglob("*.tmp")]
     assert leftovers == []
+
+
+def test_a_signal_for_a_child_that_has_ended_is_not_an_error(tmp_path):
+    """The agent stops every rank when one fails; a supervising parent whose child has just
+    ended must not fail on passing the signal on (it would report itself as the cause)."""
+    from distsync import supervise
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid that no longer exists
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"workers": 2}))
+
+    def wait() -> int:
+        os.kill(os.getpid(), signal.SIGTERM)  # the agent's stop arrives while waiting
+        return 0
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    try:
+        code = supervise.outlive(gone.pid, wait, ["--run-dir", str(tmp_path), "--config", str(config)])
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    assert code == 0

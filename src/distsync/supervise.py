@@ -44,8 +44,14 @@ def outlive(pid: int, wait, argv: list[str], drop: bool = True) -> int:
     (negative: killed by that signal); with ``drop``, mark a dead worker dropped (then
     return 0); otherwise end as it ended: killed by the same signal (having reported the
     death), or return its exit code."""
+    def forward(signum, frame) -> None:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass  # the child has ended already; wait() returns how
+
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda signum, frame: os.kill(pid, signum))
+        signal.signal(sig, forward)
     code = wait()
     rank, attempt = int(os.environ.get("RANK", "0")), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     run_dir = Path(argv[argv.index("--run-dir") + 1])

@@ -11,8 +11,10 @@ predicted time to target:
 - **seconds per step** from timing mode at the cluster's size (links, servers, slow workers,
   jitter), each worker at its own pace as under a job budget (fast workers that never wait
   for a slow one run on);
-- their product is the predicted time to target. A solver without a train-mode rule (its
-  math depends on arrival order) gets its throughput and no time to target, and is ranked
+- their product is the predicted time to target. Order-dependent solvers (servers, elastic
+  exchanges, shadow threads, smart groups) train in the order their timing model gives on
+  the request's link, slow workers and jitter at the train-mode size. A solver without a
+  train-mode rule (a user's own) gets its throughput and no time to target, and is ranked
   after those that have one.
 
 ``verify`` runs the top candidates and allreduce for real on this machine (emulated devices
@@ -139,44 +141,43 @@ def candidates(request: Request, max_servers: int | None = None) -> list[Candida
     return out
 
 
-def _steps_to_target(request: Request, workload: Any, solver: str, options: dict, n: int, cache: dict):
-    """("ok", steps or None) from train mode, or ("no rule", message); cached."""
-    from distsync.sim.train import simulate_training
+def _train_cluster(request: Request, n: int, compute_s: float):
+    """The cluster train mode runs an order-dependent rule on: the request's link, slow
+    workers and jitter, with ``n`` workers."""
+    from distsync.sim import Cluster, Link, WorkerModel
 
-    # servers only shard the center over more processes: the math is the same for any count
-    key = (solver, json.dumps({k: v for k, v in options.items() if k != "servers"}, sort_keys=True, default=str))
-    if key not in cache:
-        try:
-            res = simulate_training(solver, options, workload, n, workload.steps * TRAIN_STEPS_FACTOR,
-                                    batch_size=request.batch_size, lr=request.lr, seed=request.seed,
-                                    until_target=True)
-            cache[key] = ("ok", res.steps_to_target)
-        except ConfigError as e:
-            cache[key] = ("no rule", str(e))
-    return cache[key]
+    spec = parse_link(request.link)
+    return Cluster(n, Link(spec.bandwidth_bps, spec.latency_s)), WorkerModel(
+        compute_s, slow_fraction=request.slow_fraction, slow_factor=request.slow_factor, jitter=request.jitter,
+        seed=request.seed)
 
 
-def _train_steps(request: Request, workload: Any, cand: Candidate, cache: dict) -> None:
-    """Steps to target from train mode: the solver's own rule, else its declared twin's
-    (``Solver.train_twin``, an estimate said so in the note)."""
+def _train_steps(request: Request, workload: Any, cand: Candidate, cache: dict, compute_s: float,
+                 nbytes: float) -> None:
+    """Steps to target from train mode (the solver's own rule; an order-dependent one in the
+    order its timing model gives on the request's cluster at ``n`` workers), cached per rule:
+    lockstep rules do not depend on the servers' count."""
+    from distsync.sim.train import rule_is_ordered, simulate_training
     from distsync.solvers import make_options, solver_class
 
     n = min(request.workers, TRAIN_WORKERS_MAX)
-    kind, value = _steps_to_target(request, workload, cand.solver, cand.options, n, cache)
+    ordered = rule_is_ordered(cand.solver, cand.options)
+    options = cand.options if ordered else {k: v for k, v in cand.options.items() if k != "servers"}
+    key = (cand.solver, json.dumps(options, sort_keys=True, default=str))
+    if key not in cache:
+        cluster, worker_model = _train_cluster(request, n, compute_s) if ordered else (None, None)
+        steps = workload.steps * TRAIN_STEPS_FACTOR
+        try:
+            res = simulate_training(cand.solver, cand.options, workload, n, steps, batch_size=request.batch_size,
+                                    lr=request.lr, seed=request.seed, until_target=True, cluster=cluster,
+                                    worker_model=worker_model, model_bytes=nbytes)
+            cache[key] = ("ok", res.steps_to_target)
+        except ConfigError as e:
+            cache[key] = ("no rule", str(e))
+    kind, value = cache[key]
     if kind == "no rule":
-        cls = solver_class(cand.solver)
-        twin = cls.train_twin(make_options(cls, cand.options), cand.syncs_per_step)
-        if twin is None:
-            cand.note = "timing only: " + ("train mode has no rule for it (its math depends on arrival order)"
-                                           if value.startswith("train mode has no rule") else value)
-            return
-        name, opts = twin
-        opts = {k: v for k, v in opts.items() if v is not None}
-        kind, value = _steps_to_target(request, workload, name, opts, n, cache)
-        if kind == "no rule":
-            cand.note = f"timing only: its twin {name} cannot be trained either ({value})"
-            return
-        cand.note = "steps to target estimated from " + name + "".join(f" {k}={v}" for k, v in opts.items())
+        cand.note = f"timing only: {value}"
+        return
     cand.trained = True
     if value is None:
         cand.note = f"did not reach the target in {workload.steps * TRAIN_STEPS_FACTOR} steps (train mode)"
@@ -276,7 +277,7 @@ def recommend(request: Request, on_step: Callable[[str, int, int], None] | None 
         if on_step is not None:
             on_step(cand.label, i, len(cands))
         _timing(request, cand, compute_s, nbytes, batch)
-        _train_steps(request, workload, cand, cache)
+        _train_steps(request, workload, cand, cache, compute_s, nbytes)
         _predict(cand)
     if on_step is not None:
         on_step("done", len(cands), len(cands))

@@ -130,8 +130,10 @@ class _ServerLoop:
     A server applies each push and exchange (``locked``: one at a time; else concurrently)."""
 
     def __init__(self, cluster: Cluster, c: np.ndarray, work: Work, servers: int, *, push_every: int,
-                 pull_every: int, exchange_every: int, round_robin: bool = False, locked: bool = True):
+                 pull_every: int, exchange_every: int, round_robin: bool = False, locked: bool = True,
+                 math: Any = None):
         n = cluster.workers
+        self.math = math
         self.c, self.work, self.lat, self.bw = c, work, cluster.link.latency_s, cluster.link.bandwidth_bps
         self.push_every, self.pull_every, self.exchange_every = push_every, pull_every, exchange_every
         self.round_robin = round_robin
@@ -170,6 +172,8 @@ class _ServerLoop:
 
     def exchanged(self, w: int, t: float, k: int) -> None:  # the server applies it and replies
         loop, srv = self.loop, self.srv
+        if self.math:
+            self.math.exchanged(w, loop.now)
         self.staleness[srv.version[0] - self.seen[w]] += 1
         srv.version[0] += 1
         self.seen[w] = srv.version[0]
@@ -195,6 +199,8 @@ class _ServerLoop:
         back = max(self.srv.send_back(ready, self.ser, self.shard, self.lat),
                    ready + self.lat + self.ser(self.work.model_bytes))
         self.seen[w] = self.srv.version[0]
+        if self.math:
+            self.math.pull(w, ready)
         loop.at(back, self.pulled, w, k, asked)
 
     def pulled(self, w: int, k: int, asked: float) -> None:
@@ -207,7 +213,11 @@ class _ServerLoop:
 
     def computed(self, w: int, k: int) -> None:
         t = self.loop.now
+        if self.math:
+            self.math.step(w, k, t)
         if self.push_every and (k + 1) % self.push_every == 0:
+            if self.math:
+                self.math.push(w, t)
             arrive = self.srv.send_to(t, self.ser, self.shard, self.lat)  # no reply awaited
             self.loop.at(arrive, self.pushed, w)
             self.comm[w] += self.ser(self.work.model_bytes)  # the worker's own link carries the whole push
@@ -221,6 +231,8 @@ class _ServerLoop:
         self.loop.at(t, self.step, w, k + 1)
 
     def pushed(self, w: int) -> None:  # applied on arrival (behind the lock's queue, if any)
+        if self.math:
+            self.math.pushed(w, self.loop.now)
         self.staleness[self.srv.version[0] - self.seen[w]] += 1
         self.srv.version[0] += 1
         self.srv.apply(self.loop.now, self.apply_s)
@@ -290,7 +302,7 @@ def _group_rounds(name: str, cluster: Cluster, c: np.ndarray, work: Work, every:
 
 
 def _ready_groups(name: str, cluster: Cluster, c: np.ndarray, work: Work, k: int, every: int,
-                  max_wait_s: float) -> SimResult:
+                  max_wait_s: float, math: Any = None) -> SimResult:
     """Groups form in the order workers become ready, asked of a coordinator (a round trip):
     a group starts when ``k`` are ready, or ``max_wait_s`` after its first member arrived
     (with 2 or more; a worker alone goes on), or at once when every worker still training
@@ -315,6 +327,8 @@ def _ready_groups(name: str, cluster: Cluster, c: np.ndarray, work: Work, k: int
             loop.at(now, step, w, s + 1)
             return
         cost = cluster.allreduce_s(work.model_bytes, len(members))
+        if math:
+            math.group([w for w, _, _ in members], now)
         for w, ready, s in members:
             wait[w] += now - ready
             comm[w] += cost
@@ -340,6 +354,8 @@ def _ready_groups(name: str, cluster: Cluster, c: np.ndarray, work: Work, k: int
             return
         t = loop.now + c[s, w]
         comp[w] += c[s, w]
+        if math:  # (nothing else touches its replica while it computes)
+            math.step(w, s, t)
         if (s + 1) % every == 0:
             comm[w] += rtt
             loop.at(t + rtt, ready, w, s)
@@ -354,12 +370,48 @@ def _ready_groups(name: str, cluster: Cluster, c: np.ndarray, work: Work, k: int
 
 # ---- background --------------------------------------------------------------------------
 def _background(name: str, cluster: Cluster, c: np.ndarray, work: Work, sync_s: float,
-                min_interval_s: float) -> SimResult:
+                min_interval_s: float, math: Any = None) -> SimResult:
     """Training never waits; a shadow thread syncs back to back (at most every min interval)."""
     res = _periodic(name, cluster, c, work, 0, 0.0)
     per_sync = max(sync_s, min_interval_s)
     res.syncs_per_step = (res.wall_s / per_sync) / work.steps if per_sync > 0 else float("inf")
+    if math:
+        _background_math(math, c, res.wall_s, sync_s, per_sync)
     return res
+
+
+def _background_math(math: Any, c: np.ndarray, wall_s: float, sync_s: float, per_sync: float) -> None:
+    """The ordered math of :func:`_background`: every worker's steps end at its running sum
+    of compute; sync ``j`` reads the live models at ``j * per_sync`` and writes back
+    ``sync_s`` later. Of several syncs between two consecutive step ends of the job, only
+    the last is applied (averaging models that did not move since the last sync changes
+    nothing; for block momentum or elastic exchanges this is an approximation), so the math
+    costs at most one sync per step."""
+    ends = np.cumsum(c, axis=0)  # [steps, workers]
+    order = np.argsort(ends, axis=None, kind="stable")
+    times = ends.reshape(-1)[order]
+    reads = np.arange(0.0, wall_s, per_sync) if per_sync > 0 else np.array([0.0])
+    slot = np.searchsorted(times, reads, side="right")  # how many steps ended before each read
+    keep = np.r_[slot[1:] != slot[:-1], True]  # the last read of each gap between step ends
+    events = [(float(r), 1, "read", 0, 0) for r in reads[keep]]
+    events += [(float(r + sync_s), 0, "write", 0, 0) for r in reads[keep]]  # (a write before a read at a tie)
+    workers = c.shape[1]
+    events += [(float(times[i]), 2, "step", int(order[i] % workers), int(order[i] // workers))
+               for i in range(len(times))]
+    events.sort(key=lambda e: (e[0], e[1]))
+    pending = False
+    for t, _, kind, w, k in events:
+        if kind == "read":
+            if pending:  # the previous sync's write is due first (a thread does one at a time)
+                continue
+            math.sync_read(t)
+            pending = True
+        elif kind == "write":
+            if pending:
+                math.sync_write(t)
+                pending = False
+        else:
+            math.step(w, k, t)
 
 
 
@@ -377,6 +429,9 @@ class TimingContext:
     c: np.ndarray
     work: Work
     seed: int = 0
+    #: train mode's :class:`~distsync.sim.train.OrderedRule` (None: timing only); the blocks
+    #: ``servers``, ``ready_groups`` and ``background`` call its hooks in virtual-time order
+    math: Any = None
 
     @property
     def workers(self) -> int:
@@ -408,7 +463,8 @@ class TimingContext:
         ``servers`` servers, first come first served (``round_robin``: in rank order); a
         ``locked`` server applies one update at a time, a lock-free one concurrently."""
         return _ServerLoop(self.cluster, self.c, self.work, servers, push_every=push_every, pull_every=pull_every,
-                           exchange_every=exchange_every, round_robin=round_robin, locked=locked).run(self.name)
+                           exchange_every=exchange_every, round_robin=round_robin, locked=locked,
+                           math=self.math).run(self.name)
 
     def pairwise(self, actives: list[int], passives: list[int], partner: Callable[[int], int]) -> SimResult:
         """Active workers average with a passive one after each step (see :func:`_pairwise`)."""
@@ -424,12 +480,13 @@ class TimingContext:
         """Groups of up to ``k`` formed as workers become ready (see :func:`_ready_groups`)."""
         if self.workers < 2:
             return self.meet_every(0, 0.0)
-        return _ready_groups(self.name, self.cluster, self.c, self.work, min(k, self.workers), every, max_wait_s)
+        return _ready_groups(self.name, self.cluster, self.c, self.work, min(k, self.workers), every, max_wait_s,
+                             self.math)
 
     def background(self, sync_s: float, min_interval_s: float) -> SimResult:
         """Training never waits; a background thread syncs back to back (``sync_s`` each, at
         most every ``min_interval_s``)."""
-        return _background(self.name, self.cluster, self.c, self.work, sync_s, min_interval_s)
+        return _background(self.name, self.cluster, self.c, self.work, sync_s, min_interval_s, self.math)
 
 
 def simulate(solver: str, options: dict[str, Any], cluster: Cluster, workers: WorkerModel, work: Work,

@@ -14,8 +14,13 @@ parameters match a real run's. Time comes from the timing model of the same run:
 ends at ``wall x (k + 1) / steps`` of virtual time.
 
 Solvers whose result depends on the arrival order of asynchronous messages (parameter
-servers, elastic exchanges, shadow threads, smart groups) have no rule here: they are
-timing-only, and :func:`train_mode_solvers` lists those that have one.
+servers, elastic exchanges, shadow threads, groups of whoever is ready) pick an
+:class:`OrderedRule`: timing and math run in one event loop. The solver's timing model runs
+with the rule attached (``TimingContext.math``), and its blocks call the rule's hooks at the
+virtual moments they happen (a worker's step, a pull, a push reaching a server, an exchange
+applied there, a group formed, a background sync read and written back), so pushes,
+exchanges, shadow syncs and groups meet the models in the order the timing model says. Each
+worker's gradient is then taken on its own replica as it stands at that moment.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from torch.func import functional_call, grad, vmap
 
 from distsync.errors import ConfigError
 from distsync.solvers import make_options, solver_class
-from distsync.solvers.rules import bmuf_update, group_mean, pairwise_average, sync_elastic_update
+from distsync.solvers.rules import (apply_correction, bmuf_update, elastic_exchange, group_mean, pairwise_average,
+                                    server_apply, sync_elastic_update)
 from distsync.workloads import ShardSampler, Workload
 
 
@@ -47,11 +53,17 @@ class TrainResult:
 def simulate_training(solver: str, options: dict[str, Any], workload: Workload, workers: int, steps: int, *,
                       batch_size: int | None = None, lr: float | None = None, seed: int = 0,
                       eval_every: int | None = None, wall_s: float | None = None,
-                      until_target: bool = False) -> TrainResult:
+                      until_target: bool = False, cluster: Any = None, worker_model: Any = None,
+                      model_bytes: float | None = None) -> TrainResult:
     """Train ``workers`` stacked replicas of ``workload``'s model with ``solver``'s rule (plain
     SGD locally, as the runtime's default optimizer). ``wall_s``: the virtual duration of
     the run (from the timing model); the curve's times scale with it. ``until_target``:
-    stop at the first evaluation that reaches the workload's target."""
+    stop at the first evaluation that reaches the workload's target.
+
+    An order-dependent solver's rule runs inside its timing model, on ``cluster`` (default:
+    ``workers`` on a 10 Gbit/s link) with ``worker_model``'s compute per step (default: 10 ms
+    on every worker) and ``model_bytes`` (default: the model's); the curve's times are that
+    model's virtual times (scaled to ``wall_s`` when given)."""
     cls = solver_class(solver)
     o = make_options(cls, options)
     batch_size = batch_size or workload.batch_size
@@ -73,28 +85,91 @@ def simulate_training(solver: str, options: dict[str, Any], workload: Workload, 
         return workload.loss_fn(functional_call(model, params, (x,)), y)
 
     grads_of = vmap(grad(loss))
-    rule = cls.simulate_rule(o, TrainContext(stack, lr, workers, seed))
+    grad_one = grad(loss)
+
+    def one_gradient(w: int, step: int) -> dict[str, torch.Tensor]:
+        x, y = workload.take(workload.train_data, samplers[w].indices(step))
+        return grad_one({n: stack[n][w] for n in names}, x, y)
+
+    ctx = TrainContext(stack, lr, workers, seed, gradient=one_gradient)
+    rule = cls.simulate_rule(o, ctx)
     if rule is None:
-        raise ConfigError(f"train mode has no rule for {solver!r} (its result depends on the order messages arrive "
-                          f"in); it runs {', '.join(train_mode_solvers())}")
+        raise ConfigError(f"train mode has no rule for {solver!r}: its class needs a simulate_rule(options, sim) "
+                          f"classmethod (see docs/simulator.md)")
     result = TrainResult(solver, workers, steps)
-    pace = (wall_s / steps) if wall_s else 1.0
-    for step in range(steps):
-        batches = [workload.take(workload.train_data, s.indices(step)) for s in samplers]
-        xs = torch.stack([b[0] for b in batches])
-        ys = torch.stack([b[1] for b in batches])
-        g = grads_of(stack, xs, ys)
-        rule(step, g)
-        if (step + 1) % eval_every == 0 or step + 1 == steps:
-            metric = _evaluate(workload, model, rule.eval_params(stack))
-            result.curve.append({"step": step, "t": pace * (step + 1), "metric": metric})
-            if result.time_to_target_s is None and workload.reached(metric):
-                result.time_to_target_s = pace * (step + 1)
-                result.steps_to_target = step + 1
-                if until_target:
-                    break
+
+    def report(step: int, t: float) -> bool:
+        """An evaluation after ``step`` steps at virtual time ``t``; True: stop here."""
+        metric = _evaluate(workload, model, rule.eval_params(stack))
+        result.curve.append({"step": step, "t": t, "metric": metric})
+        if result.time_to_target_s is None and workload.reached(metric):
+            result.time_to_target_s, result.steps_to_target = t, step + 1
+            return until_target
+        return False
+
+    if isinstance(rule, OrderedRule):
+        if model_bytes is None:
+            model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        _run_ordered(cls, o, rule, solver, workers, steps, batch_size, seed, eval_every, wall_s, report,
+                     cluster, worker_model, model_bytes)
+    else:
+        pace = (wall_s / steps) if wall_s else 1.0
+        for step in range(steps):
+            batches = [workload.take(workload.train_data, s.indices(step)) for s in samplers]
+            xs = torch.stack([b[0] for b in batches])
+            ys = torch.stack([b[1] for b in batches])
+            g = grads_of(stack, xs, ys)
+            rule(step, g)
+            if ((step + 1) % eval_every == 0 or step + 1 == steps) and report(step, pace * (step + 1)):
+                break
     result.params = {n: stack[n] for n in names}
     return result
+
+
+class _Reached(Exception):
+    """Raised inside the event loop: the target is reached and the run stops there."""
+
+
+def _run_ordered(cls, o, rule: "OrderedRule", solver: str, workers: int, steps: int, batch_size: int, seed: int,
+                 eval_every: int, wall_s: float | None, report, cluster: Any, worker_model: Any,
+                 nbytes: float) -> None:
+    """Run ``cls``'s timing model with ``rule`` attached: the rule's hooks apply the math in
+    the order of virtual time; an evaluation whenever the workers have taken ``eval_every``
+    more steps on average, at that moment's virtual time."""
+    from distsync.sim.cluster import Cluster, Link, WorkerModel
+    from distsync.sim.timing import TimingContext, Work
+
+    cluster = cluster or Cluster(workers, Link(10e9, 0.0))
+    if cluster.workers != workers:
+        raise ConfigError(f"train mode: the cluster has {cluster.workers} workers, the run {workers}")
+    worker_model = worker_model or WorkerModel(0.01)
+    work = Work(steps=steps, model_bytes=nbytes, batch_size=batch_size)
+    sim = TimingContext(solver, cluster, worker_model.sample(workers, steps), work, seed, math=rule)
+    scale = [1.0]
+    every = eval_every * workers
+    last = [0.0]
+
+    def on_step(done: int, t: float) -> None:
+        last[0] = t
+        if done % every == 0 and report(done // workers - 1, t * scale[0]):
+            raise _Reached
+
+    rule.on_step = on_step
+    if wall_s:
+        # the virtual times of this very timing model, scaled to the wall time asked for
+        scale[0] = wall_s / max(1e-12, cls.simulate_timing(o, TimingContext(solver, cluster, sim.c, work, seed)).wall_s)
+    try:
+        timed = cls.simulate_timing(o, sim)
+    except _Reached:
+        return
+    if timed is None:
+        raise ConfigError(f"solver {solver!r} has an ordered train-mode rule but no timing model to run it in")
+    if rule.steps_done != workers * steps:
+        raise ConfigError(f"solver {solver!r}: its timing model ran {rule.steps_done} of {workers * steps} steps of "
+                          f"its ordered rule (its blocks do not call the rule's hooks)")
+    rule.finish()
+    if (workers * steps) % every:
+        report(steps - 1, last[0] * scale[0])
 
 
 @torch.no_grad()
@@ -119,6 +194,15 @@ def train_mode_solvers() -> list[str]:
         except ConfigError:
             out.append(name)  # it has rules, only not for its default options
     return out
+
+
+def rule_is_ordered(solver: str, options: dict[str, Any]) -> bool:
+    """Whether ``solver``'s train-mode rule with ``options`` runs inside its timing model."""
+    cls = solver_class(solver)
+    try:
+        return isinstance(cls.simulate_rule(make_options(cls, options), TrainContext({}, 0.0, 2, 0)), OrderedRule)
+    except ConfigError:
+        return False
 
 
 class Rule:
@@ -231,6 +315,207 @@ class PairwiseAverage(Rule):
         self.sgd(g)
 
 
+class OrderedRule:
+    """A rule whose math runs inside the solver's timing model, in virtual-time order: the
+    blocks of :class:`~distsync.sim.timing.TimingContext` call these hooks as the moments
+    happen (``t``: virtual seconds). ``step``: worker ``w`` finished computing step ``k`` on
+    its replica as it stands (plain SGD on its own gradient). The other hooks do nothing
+    here; each subclass gives the ones its block calls their meaning."""
+
+    def __init__(self, stack: dict[str, torch.Tensor], lr: float, workers: int, gradient):
+        self.stack, self.lr, self.workers, self.gradient = stack, lr, workers, gradient
+        self.steps_done = 0
+        self.on_step = lambda done, t: None  # set by the train loop: evaluations
+
+    def local_step(self, w: int, k: int) -> dict[str, torch.Tensor]:
+        g = self.gradient(w, k)
+        for n, p in self.stack.items():
+            p[w].sub_(g[n], alpha=self.lr)
+        return g
+
+    def step(self, w: int, k: int, t: float) -> None:
+        self.local_step(w, k)
+        self.done(t)
+
+    def done(self, t: float) -> None:
+        self.steps_done += 1
+        self.on_step(self.steps_done, t)
+
+    def pull(self, w: int, t: float) -> None:  # a server sends worker w the center
+        pass
+
+    def push(self, w: int, t: float) -> None:  # worker w sends what it accumulated
+        pass
+
+    def pushed(self, w: int, t: float) -> None:  # worker w's push reaches the servers
+        pass
+
+    def exchanged(self, w: int, t: float) -> None:  # the servers apply worker w's exchange
+        pass
+
+    def group(self, members: list[int], t: float) -> None:  # these workers average now
+        pass
+
+    def sync_read(self, t: float) -> None:  # background threads read the live models
+        pass
+
+    def sync_write(self, t: float) -> None:  # ... and write their result back
+        pass
+
+    def finish(self) -> None:  # every worker is done (a final sync, pushes still held)
+        pass
+
+    def eval_params(self, stack):
+        return stack
+
+    def _zeros(self) -> dict[str, torch.Tensor]:
+        return {n: torch.zeros_like(p[0]) for n, p in self.stack.items()}
+
+
+class ServerSGD(OrderedRule):
+    """Asynchronous SGD on servers: a worker pulls the center, steps on its replica and
+    pushes its gradients (summed over its pushes' steps); each push is applied to the center
+    on arrival (:func:`~distsync.solvers.rules.server_apply`, with server momentum)."""
+
+    def __init__(self, stack, lr, workers, gradient, momentum: float = 0.0):
+        super().__init__(stack, lr, workers, gradient)
+        self.center = {n: p[0].clone() for n, p in stack.items()}
+        self.buf = self._zeros() if momentum else None
+        self.momentum = momentum
+        self.acc = [self._zeros() for _ in range(workers)]
+        self.pending: list[list[dict[str, torch.Tensor]]] = [[] for _ in range(workers)]
+
+    def pull(self, w, t):
+        for n, p in self.stack.items():
+            p[w].copy_(self.center[n])
+
+    def step(self, w, k, t):
+        g = self.local_step(w, k)
+        for n, a in self.acc[w].items():
+            a.add_(g[n])
+        self.done(t)
+
+    def push(self, w, t):
+        self.pending[w].append(self.acc[w])
+        self.acc[w] = self._zeros()
+
+    def pushed(self, w, t):
+        g = self.pending[w].pop(0)
+        for n, c in self.center.items():
+            server_apply(c, g[n], self.buf[n] if self.buf else None, self.lr, self.momentum)
+
+    def finish(self):  # what a worker holds at close is pushed then
+        for w in range(self.workers):
+            while self.pending[w]:
+                self.pushed(w, 0.0)
+            if any(a.any() for a in self.acc[w].values()):
+                self.push(w, 0.0)
+                self.pushed(w, 0.0)
+
+    def eval_params(self, stack):
+        return {n: c.unsqueeze(0) for n, c in self.center.items()}
+
+
+class ServerElastic(OrderedRule):
+    """Asynchronous elastic averaging: each worker steps on its own replica (local Nesterov
+    momentum with ``momentum``) and, when its exchange reaches the servers, it and the
+    center move toward each other (:func:`~distsync.solvers.rules.elastic_exchange`)."""
+
+    def __init__(self, stack, lr, workers, gradient, alpha: float, momentum: float = 0.0):
+        super().__init__(stack, lr, workers, gradient)
+        self.center = {n: p[0].clone() for n, p in stack.items()}
+        self.alpha, self.momentum = alpha, momentum
+        self.buf = [self._zeros() for _ in range(workers)] if momentum else None
+
+    def step(self, w, k, t):
+        if not self.momentum:
+            return super().step(w, k, t)
+        g = self.gradient(w, k)  # torch's SGD with Nesterov momentum, dampening 0
+        for n, p in self.stack.items():
+            b = self.buf[w][n].mul_(self.momentum).add_(g[n])
+            p[w].sub_(g[n].add(b, alpha=self.momentum), alpha=self.lr)
+        self.done(t)
+
+    def exchanged(self, w, t):
+        for n, p in self.stack.items():
+            elastic_exchange(p[w], self.center[n], self.alpha)
+
+    def eval_params(self, stack):
+        return {n: c.unsqueeze(0) for n, c in self.center.items()}
+
+
+class ReadyGroups(OrderedRule):
+    """Groups formed as workers become ready: when one starts, its members' replicas become
+    their mean (:func:`~distsync.solvers.rules.group_mean` of their sum)."""
+
+    def group(self, members, t):
+        idx = torch.tensor(members)
+        for p in self.stack.values():
+            p[idx] = group_mean(p[idx].sum(0), len(members)).expand(len(members), *p.shape[1:])
+
+
+class BackgroundAverage(OrderedRule):
+    """A background thread per worker averages the live models: it reads them all, and when
+    the all-reduce is done writes the mean (BMUF's filter of it with ``block_filter``) back as
+    a correction (:func:`~distsync.solvers.rules.apply_correction`): the steps taken meanwhile
+    are kept. At the end one final average leaves every worker with the same model."""
+
+    def __init__(self, stack, lr, workers, gradient, block_filter: Any = None):
+        super().__init__(stack, lr, workers, gradient)
+        self.block_filter = block_filter
+        if block_filter:
+            self.start = {n: p[0].clone() for n, p in stack.items()}
+            self.delta = self._zeros()
+            self.block_momentum = block_filter.momentum_for(workers)
+        self.read: dict[str, torch.Tensor] | None = None
+
+    def sync_read(self, t):
+        self.read = {n: p.clone() for n, p in self.stack.items()}
+
+    def sync_write(self, t):
+        for n, p in self.stack.items():
+            new = self.read[n].mean(0)
+            if self.block_filter:
+                mean, new = new, torch.empty_like(new)
+                bmuf_update(new, self.start[n], self.delta[n], mean, self.block_filter.block_lr,
+                            self.block_momentum, self.block_filter.nesterov)
+            apply_correction(p, self.read[n], new.expand_as(p))
+        self.read = None
+
+    def finish(self):
+        for p in self.stack.values():
+            p.copy_(p.mean(0).expand_as(p))
+
+
+class BackgroundElastic(OrderedRule):
+    """A background thread per worker exchanges the live model with the center: the server
+    moves the center toward what was read (in rank order), and the worker's half of the
+    exchange is written back as a correction when the reply arrives."""
+
+    def __init__(self, stack, lr, workers, gradient, alpha: float):
+        super().__init__(stack, lr, workers, gradient)
+        self.center = {n: p[0].clone() for n, p in stack.items()}
+        self.alpha = alpha
+        self.read: dict[str, torch.Tensor] | None = None
+        self.new: dict[str, torch.Tensor] = {}
+
+    def sync_read(self, t):
+        self.read = {n: p.clone() for n, p in self.stack.items()}
+        for n, x in self.read.items():
+            new = x.clone()
+            for w in range(self.workers):  # the server takes them one at a time
+                elastic_exchange(new[w], self.center[n], self.alpha)
+            self.new[n] = new
+
+    def sync_write(self, t):
+        for n, p in self.stack.items():
+            apply_correction(p, self.read[n], self.new[n])
+        self.read = None
+
+    def eval_params(self, stack):
+        return {n: c.unsqueeze(0) for n, c in self.center.items()}
+
+
 @dataclass
 class TrainContext:
     """What a solver's ``simulate_rule(options, sim)`` is handed: the stacked replicas, the
@@ -240,6 +525,8 @@ class TrainContext:
     lr: float
     workers: int
     seed: int = 0
+    #: ``gradient(w, k)``: worker ``w``'s gradient at step ``k`` on its replica as it is now
+    gradient: Any = None
 
     def local(self) -> Rule:
         return Rule(self.stack, self.lr)
@@ -258,3 +545,27 @@ class TrainContext:
 
     def pairwise(self, actives: list[int], passives: list[int], partner) -> Rule:
         return PairwiseAverage(self.stack, self.lr, actives, passives, partner)
+
+    # ordered: the math runs inside the solver's timing model, in virtual-time order
+    def server_sgd(self, momentum: float = 0.0) -> OrderedRule:
+        """Pushed gradients applied to a center on arrival (the ``servers`` block's pulls,
+        pushes); ``momentum``: the servers' momentum."""
+        return ServerSGD(self.stack, self.lr, self.workers, self.gradient, momentum)
+
+    def server_elastic(self, alpha: float, momentum: float = 0.0) -> OrderedRule:
+        """Elastic exchanges with a center, each applied when it reaches the servers (the
+        ``servers`` block's exchanges); ``momentum``: local Nesterov momentum."""
+        return ServerElastic(self.stack, self.lr, self.workers, self.gradient, alpha, momentum)
+
+    def ready_group_mean(self) -> OrderedRule:
+        """Each group averages when it forms (the ``ready_groups`` block)."""
+        return ReadyGroups(self.stack, self.lr, self.workers, self.gradient)
+
+    def background_average(self, block_filter: Any = None) -> OrderedRule:
+        """Background averaging written back as a correction (the ``background`` block)."""
+        return BackgroundAverage(self.stack, self.lr, self.workers, self.gradient, block_filter)
+
+    def background_elastic(self, alpha: float) -> OrderedRule:
+        """Background elastic exchanges written back as a correction (the ``background``
+        block)."""
+        return BackgroundElastic(self.stack, self.lr, self.workers, self.gradient, alpha)

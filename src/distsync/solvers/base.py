@@ -150,19 +150,12 @@ class Solver:
         return None
 
     @classmethod
-    def train_twin(cls, options: Any, syncs_per_step: float | None = None) -> tuple[str, dict[str, Any]] | None:
-        """For a solver without a train-mode rule: a solver (name, options) whose steps to
-        target stand in for its own in ``distsync recommend`` (said so there as an
-        estimate); ``syncs_per_step``: what its timing model found, for a solver whose
-        syncs follow the clock. None: none."""
-        return None
-
-    @classmethod
     def simulate_rule(cls, options: Any, sim: Any) -> Any:
         """This solver's update on the stacked replicas of train mode with ``options``: a rule
         picked from the blocks of ``sim`` (a :class:`~distsync.sim.train.TrainContext`),
-        built from the same pure rules as the hooks. None: train mode cannot run it (its
-        result depends on the order messages arrive in)."""
+        built from the same pure rules as the hooks: a lockstep rule applied after each step of
+        all replicas, or an ordered rule (``sim.server_sgd()``, ...) whose hooks the blocks of
+        its timing model call in virtual-time order. None: train mode cannot run it."""
         return None
 
     @property

@@ -34,7 +34,6 @@ from dataclasses import dataclass
 import torch
 
 from distsync.config import bounded
-from distsync.errors import ConfigError
 from distsync.solvers.base import Solver, join_background, register_solver
 from distsync.solvers.flat import FlatView
 from distsync.solvers.rules import group_mean, pairwise_average
@@ -242,14 +241,9 @@ class Ripples(Solver):
         return sim.group_rounds(options.every, cls._rounds(options, sim.workers, sim.seed))
 
     @classmethod
-    def train_twin(cls, options, syncs_per_step=None):
-        # groups of the same size and rhythm, drawn at random instead of by readiness
-        return "ripples", {"schedule": "random", "group_size": options.group_size, "every": options.every}
-
-    @classmethod
     def simulate_rule(cls, options, sim):
         if options.schedule == "smart":
-            raise ConfigError("train mode runs ripples with schedule static or random (smart groups depend on timing)")
+            return sim.ready_group_mean() if sim.workers >= 2 else sim.local()
         if sim.workers < 2:
             return sim.local()
         return sim.group_rounds(options.every, cls._rounds(options, sim.workers, sim.seed))

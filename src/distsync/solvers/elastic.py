@@ -93,9 +93,8 @@ class _ElasticServerSolver(ServerSolver):
                            locked=not cls.lock_free)
 
     @classmethod
-    def train_twin(cls, options, syncs_per_step=None):
-        # the same elastic rule every tau steps, all workers at once
-        return "sync-easgd", {"tau": options.tau, "beta": options.beta, "alpha": options.alpha}
+    def simulate_rule(cls, options, sim):
+        return sim.server_elastic(options.moving_rate(sim.workers), getattr(options, "momentum", 0.0))
 
     def attach(self, model, optimizer, comm):
         model = super().attach(model, optimizer, comm)

@@ -215,8 +215,9 @@ class AsyncPS(GradientServerSolver):
                            locked=not cls.lock_free)
 
     @classmethod
-    def train_twin(cls, options, syncs_per_step=None):
-        return "allreduce", {}  # every worker's gradient applied, without the staleness
+    def simulate_rule(cls, options, sim):
+        # the run's --momentum is 0 in train mode (plain SGD), as it is by default
+        return sim.server_sgd(options.momentum or 0.0)
 
     def attach(self, model, optimizer, comm):
         model = super().attach(model, optimizer, comm)

@@ -39,11 +39,6 @@ from distsync.solvers.model_averaging import AverageOptions, AveragingSolver, BM
 from distsync.solvers.rules import apply_correction, elastic_pull
 
 
-def _every(syncs_per_step: float | None) -> int:
-    """Steps between syncs of a shadow thread that syncs ``syncs_per_step`` times a step."""
-    return 1 if not syncs_per_step or syncs_per_step >= 1 else max(1, round(1 / syncs_per_step))
-
-
 class _ShadowAveraging(AveragingSolver):
     """Model averaging (with BMUF's filter for :class:`BMUFOptions`) in a shadow thread."""
 
@@ -61,12 +56,7 @@ class _ShadowAveraging(AveragingSolver):
 
     @classmethod
     def simulate_rule(cls, options, sim):
-        return None  # when a sync lands depends on the shadow thread's timing
-
-    @classmethod
-    def train_twin(cls, options, syncs_per_step=None):
-        # the foreground twin, averaging as often as the shadow thread manages to
-        return ("bmuf" if isinstance(options, BMUFOptions) else "ma"), {"every": _every(syncs_per_step)}
+        return sim.background_average(options if isinstance(options, BMUFOptions) else None)
 
     def attach(self, model, optimizer, comm):
         super().attach(model, optimizer, comm)
@@ -154,8 +144,8 @@ class ShadowEA(HogwildThreads, AsyncEASGD):
         return sim.background(sim.server_exchange_s(options.servers), options.min_interval_ms / 1000)
 
     @classmethod
-    def train_twin(cls, options, syncs_per_step=None):
-        return "sync-easgd", {"tau": _every(syncs_per_step), "beta": options.beta, "alpha": options.alpha}
+    def simulate_rule(cls, options, sim):
+        return sim.background_elastic(options.moving_rate(sim.workers))
 
     def attach(self, model, optimizer, comm):
         model = super().attach(model, optimizer, comm)

@@ -1,0 +1,172 @@
+"""Train mode for order-dependent solvers: the math runs inside the solver's timing model, in
+virtual-time order. Each test sets up a cluster whose order of events is worked out by hand
+(no ties), applies the solver's rule in that order by hand, and compares parameters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.func import functional_call, grad
+
+from distsync.sim import Cluster, Link, WorkerModel
+from distsync.sim.train import simulate_training
+from distsync.solvers.rules import apply_correction, elastic_exchange
+from distsync.workloads import ShardSampler, load_workload
+
+SEED, BATCH, LR = 3, 16, 0.1
+#: links and servers that take no time: only compute orders the events
+INSTANT = Link(1e18, 0.0)
+
+
+class Digits:
+    """Worker ``w``'s gradient at step ``k`` on any parameters, as train mode takes it."""
+
+    def __init__(self, workers: int):
+        self.w = load_workload("digits")
+        torch.manual_seed(SEED)
+        self.model = self.w.make_model()
+        self.init = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        self.samplers = [ShardSampler(self.w.num_train, workers, r, BATCH, SEED) for r in range(workers)]
+
+    def grad(self, params, w, k):
+        x, y = self.w.take(self.w.train_data, self.samplers[w].indices(k))
+        return grad(lambda p: self.w.loss_fn(functional_call(self.model, p, (x,)), y))(params)
+
+    def copy(self, params=None):
+        return {n: v.clone() for n, v in (params or self.init).items()}
+
+
+def _run(solver, options, workers, steps, slow, **kw):
+    cluster = Cluster(workers, INSTANT, server_apply_bps=1e18)
+    return simulate_training(solver, options, load_workload("digits"), workers, steps, batch_size=BATCH, lr=LR,
+                             seed=SEED, eval_every=steps, cluster=cluster,
+                             worker_model=WorkerModel(0.01, slow=slow), **kw)
+
+
+def _close(a, b):
+    for n in a:
+        torch.testing.assert_close(a[n], b[n], rtol=0, atol=1e-6)
+
+
+def _differ(a, b):
+    return max(float((a[n] - b[n]).abs().max()) for n in a) > 1e-4
+
+
+# Two workers, worker 1 2.5x slower: steps end at 10, 20, 30, 40 ms (worker 0) and 25, 50,
+# 75, 100 ms (worker 1).
+ORDER = [(0, 0), (0, 1), (1, 0), (0, 2), (0, 3), (1, 1), (1, 2), (1, 3)]
+
+
+def test_async_ps_applies_each_stale_gradient_when_it_arrives():
+    """Each worker pulls the center, computes on it, pushes; the server applies pushes in
+    arrival order, so worker 1's first gradient (on the initial center) lands after two of
+    worker 0's updates."""
+    d = Digits(2)
+    center, pulled = d.copy(), [d.copy(), d.copy()]
+    for w, k in ORDER:
+        g = d.grad(pulled[w], w, k)
+        for n in center:
+            center[n] -= LR * g[n]
+        pulled[w] = d.copy(center)  # its next step's pull
+    res = _run("async-ps", {}, 2, 4, {1: 2.5})
+    got = {n: c[0] for n, c in res.params.items()}  # a worker's replica: the last center it pulled...
+    # ...worker 1 pulled last, after the final push: the center itself
+    _close({n: res.params[n][1] for n in res.params}, center)
+    # without staleness (each gradient on the newest center) the result differs
+    fresh = d.copy()
+    for w, k in ORDER:
+        g = d.grad(fresh, w, k)
+        for n in fresh:
+            fresh[n] -= LR * g[n]
+    assert _differ(fresh, center)
+    assert _differ(got, center)  # worker 0 finished earlier, on an older center
+
+
+def test_async_easgd_exchanges_with_the_center_in_arrival_order():
+    """Local SGD; every 2 steps a worker's elastic exchange is applied when it reaches the
+    server: worker 0 at 20 and 40 ms, worker 1 at 50 and 100 ms."""
+    d = Digits(2)
+    alpha = 0.3
+    x, center = [d.copy(), d.copy()], d.copy()
+    for w, k in ORDER:
+        g = d.grad(x[w], w, k)
+        for n in x[w]:
+            x[w][n] -= LR * g[n]
+        if (k + 1) % 2 == 0:
+            for n in center:
+                elastic_exchange(x[w][n], center[n], alpha)
+    res = _run("async-easgd", {"tau": 2, "alpha": alpha}, 2, 4, {1: 2.5})
+    for w in range(2):
+        _close({n: res.params[n][w] for n in res.params}, x[w])
+    assert res.curve[-1]["metric"] > 0  # evaluated on the center
+
+
+def test_smart_groups_of_equally_fast_workers_average_every_step():
+    """Two workers of the same speed are ready together every step: each group is both, so
+    Ripples' smart schedule is model averaging every step."""
+    smart = _run("ripples", {"schedule": "smart", "group_size": 2}, 2, 5, {})
+    ma = simulate_training("ma", {"every": 1}, load_workload("digits"), 2, 5, batch_size=BATCH, lr=LR, seed=SEED)
+    _close(smart.params, ma.params)
+
+
+def test_smart_group_waits_no_longer_than_its_limit():
+    """Worker 1 is 3.3x slower and the wait limit 5 ms: worker 0 waits in [10, 15], [25, 30],
+    [40, 45] and [55, 60] ms, worker 1 in [33, 38] ms and then is the last one training: no
+    group ever forms, each goes on alone: local SGD."""
+    smart = _run("ripples", {"schedule": "smart", "group_size": 2, "max_wait_ms": 5}, 2, 4, {1: 3.3})
+    local = simulate_training("local", {}, load_workload("digits"), 2, 4, batch_size=BATCH, lr=LR, seed=SEED)
+    _close(smart.params, local.params)
+
+
+def test_shadow_ma_writes_each_sync_back_as_a_correction():
+    """Two equally fast workers (10 ms steps); the shadow thread reads both models every 25
+    ms (min interval) and writes the mean back ~0 s later as a correction. Steps ending at
+    the moment of a read (50 ms) end after it: the correction keeps them."""
+    d = Digits(2)
+    x = [d.copy(), d.copy()]
+
+    def step(k):
+        for w in range(2):
+            g = d.grad(x[w], w, k)
+            for n in x[w]:
+                x[w][n] -= LR * g[n]
+
+    def sync():  # read, then write the mean of what was read back as a correction
+        read = [d.copy(x[0]), d.copy(x[1])]
+        for w in range(2):
+            for n in x[w]:
+                apply_correction(x[w][n], read[w][n], (read[0][n] + read[1][n]) / 2)
+
+    def sync_around_step(k):  # read at the step's end, step ends, write
+        read = [d.copy(x[0]), d.copy(x[1])]
+        step(k)
+        for w in range(2):
+            for n in x[w]:
+                apply_correction(x[w][n], read[w][n], (read[0][n] + read[1][n]) / 2)
+
+    # reads at 0, 25, 50, 75 ms; steps end at 10, 20, ..., 80 ms
+    step(0), step(1), sync(), step(2), step(3)
+    sync_around_step(4)
+    step(5), step(6), sync(), step(7)
+    mean = {n: (x[0][n] + x[1][n]) / 2 for n in x[0]}  # the final sync on close
+    res = _run("shadow-ma", {"min_interval_ms": 25}, 2, 8, {})
+    for w in range(2):
+        _close({n: res.params[n][w] for n in res.params}, mean)
+    no_sync = simulate_training("local", {}, load_workload("digits"), 2, 8, batch_size=BATCH, lr=LR, seed=SEED)
+    assert _differ({n: no_sync.params[n].mean(0) for n in mean}, mean)  # the syncs changed the result
+
+
+@pytest.mark.parametrize("solver, options", [
+    ("async-ps", {}), ("async-msgd", {"momentum": 0.5}), ("async-easgd", {}), ("async-measgd", {}),
+    ("ea-wild", {"threads": 1}), ("easgd", {}), ("shadow-ma", {}), ("shadow-bmuf", {}), ("shadow-ea", {}),
+    ("ripples", {"schedule": "smart"}),
+])
+def test_every_order_dependent_solver_trains_in_train_mode(solver, options):
+    """4 replicas, 150 steps on digits, a slow worker and jitter: each learns (local SGD on a
+    quarter of the data gets about 0.9; every solver here mixes the replicas)."""
+    w = load_workload("digits")
+    res = simulate_training(solver, options, w, 4, 150, seed=1, eval_every=50, cluster=Cluster(4, Link(1e9, 1e-4)),
+                            worker_model=WorkerModel(0.01, slow={3: 2.0}, jitter=0.2))
+    assert [p["step"] for p in res.curve] == [49, 99, 149]
+    assert res.curve[0]["t"] < res.curve[1]["t"] < res.curve[2]["t"]
+    assert res.curve[-1]["metric"] > 0.93, res.curve
