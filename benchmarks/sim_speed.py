@@ -18,11 +18,11 @@ process.
     run each, and the events the run's event loop handled (0 for the solvers stepped with
     numpy). ``--workers-for SOLVER=N`` runs one solver at another worker count; ``--skip``
     leaves solvers out. async-ps at 100,000 workers takes about 3 minutes (every pull, push
-    and reply is an event). Ripples' static schedule is built whole (N rounds of N/3 groups:
-    time and memory grow as N squared, about 20 s and 3 GB at 10,000 workers), so at
-    100,000 workers it does not fit in memory: run it at 10,000.
+    and reply is an event); ripples (static) about 16 s (each round's groups are computed
+    when it comes, O(N) work and memory).
 
-    python benchmarks/sim_speed.py --workers-for ripples=10000     # about 4 minutes
+    python benchmarks/sim_speed.py                                          # about 4 minutes
+    python benchmarks/sim_speed.py --skip allreduce,ad-psgd,async-ps       # ripples alone
 
 Raw results: ``--json`` (default docs/benchmarks/sim_speed.json).
 """

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from distsync.solvers.schedules import (
-    bipartite_roles, is_connected, mixing_matrix, random_round, static_schedule,
+    bipartite_roles, chunk, is_connected, mixing_matrix, random_round, static_group, static_period, static_round,
+    static_schedule,
 )
 from helpers import (checkpointed_models, consensus_distance, run_cli, run_ranks, train_digits_rank,
                      two_replica_reference)
@@ -33,6 +34,55 @@ def test_static_schedule_rounds_are_disjoint_doubly_stochastic_and_connected(wor
 
 def test_static_schedule_hand_example():
     assert static_schedule(4, 2) == [[(0, 1), (2, 3)], [(1, 2), (0, 3)]]
+
+
+def _whole_static_schedule(workers, k):
+    """Reference: every rotation of the workers chunked into groups of k, repeats dropped."""
+    base, rounds, seen = list(range(workers)), [], set()
+    for r in range(workers):
+        groups = chunk(base[r:] + base[:r], k)
+        if tuple(sorted(groups)) not in seen:
+            seen.add(tuple(sorted(groups)))
+            rounds.append(groups)
+    return rounds
+
+
+def test_static_round_equals_the_whole_schedule_for_every_round_and_worker():
+    assert static_round(5, 2, 0) == [(0, 1), (2, 3), (4,)]
+    assert static_round(5, 2, 3) == [(3, 4), (0, 1), (2,)]
+    assert static_round(5, 2, 9) == [(0, 4), (1, 2), (3,)]
+    for workers in range(1, 26):
+        for k in range(2, max(2, workers) + 1):
+            whole = _whole_static_schedule(workers, k)
+            assert static_period(workers, k) == len(whole), (workers, k)
+            assert static_schedule(workers, k) == whole, (workers, k)
+            for r in range(2 * len(whole) + 3):
+                groups = static_round(workers, k, r)
+                assert groups == whole[r % len(whole)], (workers, k, r)
+                for me in range(workers):
+                    assert static_group(workers, k, r, me) == next(g for g in groups if me in g)
+    for workers, k, r in [(97, 3, 1000), (100, 4, 7), (64, 64, 5), (1000, 7, 12_345)]:
+        assert static_round(workers, k, r) == _whole_static_schedule(workers, k)[r % static_period(workers, k)]
+    with pytest.raises(ValueError):
+        static_round(4, 5, 0)
+
+
+def test_static_rounds_at_100000_workers_are_computed_one_at_a_time():
+    import time
+
+    workers, k = 100_000, 3
+    assert static_period(workers, k) == workers  # 3 does not divide 100,000: every rotation differs
+    t0 = time.perf_counter()
+    rounds = [static_round(workers, k, r) for r in (0, 1, 54_321)]
+    took = time.perf_counter() - t0
+    for s, groups in zip((0, 1, 54_321), rounds):
+        assert len(groups) == 33_334 and len(groups[-1]) == 1
+        assert sorted(i for g in groups for i in g) == list(range(workers))
+        assert groups[0] == (s, s + 1, s + 2)
+    assert rounds[1][-1] == (0,) and rounds[2][-1] == (54_320,)
+    assert static_group(workers, k, 54_321, 54_320) == (54_320,)
+    assert static_group(workers, k, 54_321, 0) == (0, 1, 99_999)  # wraps around the ring, sorted
+    assert took < 5.0, took
 
 
 def test_random_rounds_are_disjoint_and_covering():

@@ -38,7 +38,7 @@ from distsync.solvers.base import Solver, join_background, register_solver
 from distsync.solvers.flat import FlatView
 from distsync.solvers.rules import group_mean, pairwise_average
 from distsync.solvers.schedules import (bipartite_roles, partner_rng, random_round, round_rng,
-                                        static_schedule)
+                                        static_group, static_round)
 
 TAG_AVG_HEADER, TAG_AVG_MODEL, TAG_AVG_REPLY = 21, 22, 23
 TAG_COORD_REQ, TAG_COORD_REPLY = 31, 32
@@ -220,14 +220,15 @@ class Ripples(Solver):
     @classmethod
     def _rounds(cls, options, workers: int, run_seed: int):
         """``next_round()``: the rounds of disjoint groups the workers go through, in order
-        (static: the fixed schedule, repeated; random: the coordinator's draws)."""
+        (static: the fixed schedule, one round computed at a time; random: the coordinator's
+        draws)."""
         k = min(options.group_size, workers)
         if options.schedule == "static":
-            rounds, r = static_schedule(workers, k), [0]
+            r = [0]
 
             def next_static():
                 r[0] += 1
-                return rounds[(r[0] - 1) % len(rounds)]
+                return static_round(workers, k, r[0] - 1)
             return next_static
         rng = round_rng(options.seed, run_seed)
         return lambda: random_round(workers, k, rng)
@@ -254,7 +255,6 @@ class Ripples(Solver):
         self.view = FlatView(list(model.parameters()))
         self.k = min(self.options.group_size, comm.num_workers)
         self.me = comm.worker_index
-        self.rounds = static_schedule(comm.num_workers, self.k) if comm.num_workers > 1 else [[(0,)]]
         coordinators = comm.ranks_with_role("coordinator")
         self.coordinator = coordinators[0] if coordinators else None
         self.upcoming: list[tuple[int, ...]] = []
@@ -267,9 +267,10 @@ class Ripples(Solver):
 
     def _next_group(self, step: int) -> tuple[int, ...]:
         if self.options.schedule == "static":
-            groups = self.rounds[self.round % len(self.rounds)]
-            self.round += 1
-            return next(g for g in groups if self.me in g)
+            r, self.round = self.round, self.round + 1
+            if self.comm.num_workers < 2:
+                return (self.me,)
+            return static_group(self.comm.num_workers, self.k, r, self.me)
         t0 = time.perf_counter()
         with self.clock.waiting():
             if self.options.schedule == "random":

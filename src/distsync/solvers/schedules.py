@@ -16,23 +16,64 @@ def chunk(order: list[int], k: int) -> list[tuple[int, ...]]:
     return [tuple(sorted(order[i : i + k])) for i in range(0, len(order), k)]
 
 
-def static_schedule(workers: int, k: int) -> list[list[tuple[int, ...]]]:
-    """A fixed repeating schedule: round r chunks the workers rotated by r.
-
-    Consecutive rounds shift every group by one worker, so over a period of ``workers``
-    rounds every worker has shared a group with its neighbours and the mixing is connected.
-    """
+def _check_static(workers: int, k: int) -> None:
+    if workers < 1:
+        raise ValueError(f"the static schedule needs at least one worker, got {workers}")
     if not 2 <= k <= max(2, workers):
         raise ValueError(f"group size must be in 2..{workers}, got {k}")
-    base = list(range(workers))
-    rounds, seen = [], set()
-    for r in range(workers):
-        groups = chunk(base[r:] + base[:r], k)
-        key = tuple(sorted(groups))
-        if key not in seen:  # rotations that repeat an earlier partition add nothing
-            seen.add(key)
-            rounds.append(groups)
-    return rounds
+
+
+def static_period(workers: int, k: int) -> int:
+    """How many distinct rounds the static schedule has before it repeats.
+
+    Round r chunks the workers rotated by r, so its groups are the arcs of the ring
+    0..workers-1 that start at r, r+k, r+2k, ... (the last one shorter when k does not divide
+    ``workers``). When k divides ``workers``, rotations r and r+k give the same arcs, so the
+    period is k (1 when one group holds everyone); otherwise the short arc starts somewhere
+    different in every rotation and the period is ``workers``.
+    """
+    _check_static(workers, k)
+    if workers % k:
+        return workers
+    return 1 if k == workers else k
+
+
+def _arc(workers: int, a: int, b: int) -> tuple[int, ...]:
+    """Workers a..b-1 around the ring (0 <= a < b <= a + workers, a < 2 * workers), sorted."""
+    if b <= workers:
+        return tuple(range(a, b))
+    if a >= workers:
+        return tuple(range(a - workers, b - workers))
+    return tuple(range(b - workers)) + tuple(range(a, workers))
+
+
+def static_round(workers: int, k: int, r: int) -> list[tuple[int, ...]]:
+    """Round ``r`` (any r >= 0; the schedule repeats every :func:`static_period` rounds) of
+    the fixed schedule: the workers rotated by ``r mod period``, in consecutive groups of
+    ``k`` (the last one may be smaller), each sorted. O(workers) work, nothing kept."""
+    s = r % static_period(workers, k)
+    return [_arc(workers, s + start, s + min(start + k, workers)) for start in range(0, workers, k)]
+
+
+def static_group(workers: int, k: int, r: int, me: int) -> tuple[int, ...]:
+    """Worker ``me``'s group in :func:`static_round` ``(workers, k, r)``, in O(k)."""
+    if not 0 <= me < workers:
+        raise ValueError(f"worker {me} is not in 0..{workers - 1}")
+    s = r % static_period(workers, k)
+    pos = (me - s) % workers  # where ``me`` sits in the rotated order
+    start = pos - pos % k
+    return _arc(workers, s + start, s + min(start + k, workers))
+
+
+def static_schedule(workers: int, k: int) -> list[list[tuple[int, ...]]]:
+    """One period of the fixed repeating schedule: round r chunks the workers rotated by r.
+
+    Consecutive rounds shift every group by one worker, so over a period every worker has
+    shared a group with its neighbours and the mixing is connected. Rotations that repeat an
+    earlier partition are not listed (see :func:`static_period`). Builds every round at once
+    (period x workers entries); :func:`static_round` gives one.
+    """
+    return [static_round(workers, k, r) for r in range(static_period(workers, k))]
 
 
 def random_round(workers: int, k: int, rng: random.Random) -> list[tuple[int, ...]]:
