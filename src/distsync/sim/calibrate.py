@@ -106,9 +106,29 @@ def calibrate(run_dir: Path, default_link: str = "10gbit", fit_from: Path | None
         "measured_time_to_target_s": measured.get("time_to_target_s"),
         "predicted_time_to_target_s": None,
     }
-    at = measured.get("step_at_target")
-    if at is not None:
-        # the same number of steps, at the simulated pace
-        out["predicted_time_to_target_s"] = sim.wall_s * (at + 1) / steps
+    out["predicted_time_to_target_s"], out["predicted_time_to_target_from"] = _predict_target(run, compute, latency,
+                                                                                              sim.wall_s)
     out["throughput_error"] = out["predicted_throughput"] / out["measured_throughput"] - 1
+    m, p = out["measured_time_to_target_s"], out["predicted_time_to_target_s"]
+    out["time_to_target_error"] = (p / m - 1) if m and p else None
     return out
+
+
+def _predict_target(run: dict[str, Any], compute: float, latency: float, wall_s: float):
+    """The run's time to target from train mode: the solver's own rule on the run's cluster
+    (fitted compute and per-message cost, its slow workers, seed, shards and evaluation
+    interval), nothing measured of the run itself; (None, why) where train mode cannot run it."""
+    from distsync.sim.train import simulate_training
+    from distsync.workloads import load_workload
+
+    cfg = run["cfg"]
+    try:
+        workload = load_workload(cfg.workload, cfg.workload_options)
+        res = simulate_training(cfg.solver, cfg.solver_options, workload, cfg.workers, run["steps"],
+                                batch_size=run["batch"], lr=cfg.lr, seed=cfg.seed, eval_every=cfg.eval_every,
+                                wall_s=wall_s, cluster=Cluster(cfg.workers, Link(run["link"].bandwidth_bps, latency)),
+                                worker_model=WorkerModel(compute, slow=dict(cfg.slow), jitter=cfg.jitter, seed=cfg.seed),
+                                model_bytes=run["bytes"])
+    except ConfigError as e:
+        return None, f"train mode: {e}"
+    return res.time_to_target_s, "train mode"

@@ -151,7 +151,7 @@ def _run_ordered(cls, o, rule: "OrderedRule", solver: str, workers: int, steps: 
 
     def on_step(done: int, t: float) -> None:
         last[0] = t
-        if done % every == 0 and report(done // workers - 1, t * scale[0]):
+        if done % every == 0 and report(done // workers - 1, float(t) * scale[0]):
             raise _Reached
 
     rule.on_step = on_step
@@ -169,7 +169,7 @@ def _run_ordered(cls, o, rule: "OrderedRule", solver: str, workers: int, steps: 
                           f"its ordered rule (its blocks do not call the rule's hooks)")
     rule.finish()
     if (workers * steps) % every:
-        report(steps - 1, last[0] * scale[0])
+        report(steps - 1, float(last[0]) * scale[0])
 
 
 @torch.no_grad()
