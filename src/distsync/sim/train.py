@@ -44,7 +44,7 @@ class TrainResult:
     solver: str
     workers: int
     steps: int
-    curve: list[dict[str, float]] = field(default_factory=list)  # step, t (virtual s), metric
+    curve: list[dict[str, float]] = field(default_factory=list)  # step, t (virtual s), metric, loss
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # stacked, [workers, ...]
     time_to_target_s: float | None = None
     steps_to_target: int | None = None
@@ -100,8 +100,8 @@ def simulate_training(solver: str, options: dict[str, Any], workload: Workload, 
 
     def report(step: int, t: float) -> bool:
         """An evaluation after ``step`` steps at virtual time ``t``; True: stop here."""
-        metric = _evaluate(workload, model, rule.eval_params(stack))
-        result.curve.append({"step": step, "t": t, "metric": metric})
+        metric, loss_value = _evaluate(workload, model, rule.eval_params(stack))
+        result.curve.append({"step": step, "t": t, "metric": metric, "loss": loss_value})
         if result.time_to_target_s is None and workload.reached(metric):
             result.time_to_target_s, result.steps_to_target = t, step + 1
             return until_target
@@ -173,11 +173,12 @@ def _run_ordered(cls, o, rule: "OrderedRule", solver: str, workers: int, steps: 
 
 
 @torch.no_grad()
-def _evaluate(workload: Workload, model: torch.nn.Module, stack: dict[str, torch.Tensor]) -> float:
-    """The mean over replicas of the workload's metric on its eval set."""
+def _evaluate(workload: Workload, model: torch.nn.Module, stack: dict[str, torch.Tensor]) -> tuple[float, float]:
+    """The mean over replicas of the workload's metric and loss on its eval set."""
     x, y = workload.take(workload.eval_data, torch.arange(len(workload.eval_data[1])))
     outs = vmap(lambda p: functional_call(model, p, (x,)))(stack)
-    return float(np.mean([workload.metric_fn(o, y) for o in outs]))
+    return (float(np.mean([workload.metric_fn(o, y) for o in outs])),
+            float(np.mean([float(workload.loss_fn(o, y)) for o in outs])))
 
 
 def train_mode_solvers() -> list[str]:
