@@ -323,3 +323,21 @@ def test_simulate_train_mode_cli_reports_metric_and_time_to_target():
     assert ar["curve"][0]["t"] == pytest.approx(ar["wall_time_s"] * 25 / 150)
     proc = run_cli("simulate", "--mode", "dream")
     assert proc.returncode == 2 and "unknown --mode 'dream'; valid: timing, train" in proc.stderr
+
+
+def test_sweep_options_per_worker_count_and_order_dependent_solvers_per_cell():
+    from distsync.sim.sweep import cell_options, run_sweep
+
+    assert cell_options({"servers": "workers/4", "tau": 16}, 64) == {"servers": 16, "tau": 16}
+    assert cell_options({"servers": "workers"}, 8) == {"servers": 8}
+    assert cell_options({"servers": "workers/4"}, 2) == {"servers": 1}
+    with pytest.raises(ConfigError, match=r"option servers='workers/x': expected workers or workers/K"):
+        cell_options({"servers": "workers/x"}, 8)
+    rows = run_sweep(["async-ps"], [4], [0.5, 5], [0.0], steps=60, batch_size=16,
+                     options={"async-ps": {"servers": "workers/2"}})
+    assert [r["options"] for r in rows] == [{"servers": 2}, {"servers": 2}]
+    # trained at each grid point on its own cluster: a communication-bound cell queues more
+    # pushes at the servers (more staleness) than a compute-bound one
+    bound, free = rows
+    assert bound["staleness"]["mean"] > free["staleness"]["mean"]
+    assert all(r["trained_replicas"] == 4 and r["steps_to_target"] for r in rows)

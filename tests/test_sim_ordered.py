@@ -57,21 +57,22 @@ def _differ(a, b):
 ORDER = [(0, 0), (0, 1), (1, 0), (0, 2), (0, 3), (1, 1), (1, 2), (1, 3)]
 
 
-def test_async_ps_applies_each_stale_gradient_when_it_arrives():
+@pytest.mark.parametrize("solver, momentum", [("async-ps", 0.0), ("async-msgd", 0.5)])
+def test_async_ps_applies_each_stale_gradient_when_it_arrives(solver, momentum):
     """Each worker pulls the center, computes on it, pushes; the server applies pushes in
-    arrival order, so worker 1's first gradient (on the initial center) lands after two of
-    worker 0's updates."""
+    arrival order (with its momentum), so worker 1's first gradient (on the initial center)
+    lands after two of worker 0's updates."""
     d = Digits(2)
     center, pulled = d.copy(), [d.copy(), d.copy()]
+    buf = {n: torch.zeros_like(v) for n, v in center.items()}
     for w, k in ORDER:
         g = d.grad(pulled[w], w, k)
         for n in center:
-            center[n] -= LR * g[n]
+            buf[n] = momentum * buf[n] + g[n]
+            center[n] -= LR * buf[n]
         pulled[w] = d.copy(center)  # its next step's pull
-    res = _run("async-ps", {}, 2, 4, {1: 2.5})
-    got = {n: c[0] for n, c in res.params.items()}  # a worker's replica: the last center it pulled...
-    # ...worker 1 pulled last, after the final push: the center itself
-    _close({n: res.params[n][1] for n in res.params}, center)
+    res = _run(solver, {"momentum": momentum}, 2, 4, {1: 2.5})
+    _close(res.center, center)
     # without staleness (each gradient on the newest center) the result differs
     fresh = d.copy()
     for w, k in ORDER:
@@ -79,25 +80,32 @@ def test_async_ps_applies_each_stale_gradient_when_it_arrives():
         for n in fresh:
             fresh[n] -= LR * g[n]
     assert _differ(fresh, center)
-    assert _differ(got, center)  # worker 0 finished earlier, on an older center
 
 
-def test_async_easgd_exchanges_with_the_center_in_arrival_order():
-    """Local SGD; every 2 steps a worker's elastic exchange is applied when it reaches the
-    server: worker 0 at 20 and 40 ms, worker 1 at 50 and 100 ms."""
+@pytest.mark.parametrize("solver, options", [("async-easgd", {}), ("async-measgd", {"momentum": 0.9}),
+                                             ("ea-wild", {"threads": 1})])
+def test_async_easgd_exchanges_with_the_center_in_arrival_order(solver, options):
+    """Local SGD (async-measgd: torch's SGD with Nesterov momentum); every 2 steps a worker's
+    elastic exchange is applied when it reaches the server: worker 0 at 20 and 40 ms,
+    worker 1 at 50 and 100 ms."""
     d = Digits(2)
     alpha = 0.3
     x, center = [d.copy(), d.copy()], d.copy()
+    params = [{n: torch.nn.Parameter(v) for n, v in x[w].items()} for w in range(2)]
+    momentum = options.get("momentum", 0.0)
+    opts = [torch.optim.SGD(params[w].values(), lr=LR, momentum=momentum, nesterov=momentum > 0) for w in range(2)]
     for w, k in ORDER:
-        g = d.grad(x[w], w, k)
-        for n in x[w]:
-            x[w][n] -= LR * g[n]
+        g = d.grad({n: p.detach() for n, p in params[w].items()}, w, k)
+        for n, p in params[w].items():
+            p.grad = g[n]
+        opts[w].step()
         if (k + 1) % 2 == 0:
-            for n in center:
-                elastic_exchange(x[w][n], center[n], alpha)
-    res = _run("async-easgd", {"tau": 2, "alpha": alpha}, 2, 4, {1: 2.5})
+            with torch.no_grad():
+                for n in center:
+                    elastic_exchange(params[w][n].data, center[n], alpha)
+    res = _run(solver, {"tau": 2, "alpha": alpha, **options}, 2, 4, {1: 2.5})
     for w in range(2):
-        _close({n: res.params[n][w] for n in res.params}, x[w])
+        _close({n: res.params[n][w] for n in res.params}, {n: p.detach() for n, p in params[w].items()})
     assert res.curve[-1]["metric"] > 0  # evaluated on the center
 
 
@@ -118,12 +126,21 @@ def test_smart_group_waits_no_longer_than_its_limit():
     _close(smart.params, local.params)
 
 
-def test_shadow_ma_writes_each_sync_back_as_a_correction():
-    """Two equally fast workers (10 ms steps); the shadow thread reads both models every 25
-    ms (min interval) and writes the mean back ~0 s later as a correction. Steps ending at
-    the moment of a read (50 ms) end after it: the correction keeps them."""
+@pytest.mark.parametrize("solver", ["shadow-ma", "shadow-bmuf", "shadow-ea"])
+def test_shadow_syncs_are_written_back_as_corrections(solver):
+    """Two equally fast workers (10 ms steps); the shadow threads read both models every 25
+    ms (min interval) and write their sync's result back ~0 s later as a correction (the
+    mean; BMUF's filter of it; each worker's half of an elastic exchange with the center, the
+    server taking them in rank order). Steps ending at the moment of a read (50 ms) end after
+    it: the correction keeps them. At the end: one more average (ma, bmuf) or exchange (ea)."""
+    from distsync.solvers import make_options, solver_class
+    from distsync.solvers.rules import bmuf_update
+
     d = Digits(2)
     x = [d.copy(), d.copy()]
+    o = make_options(solver_class(solver), {"min_interval_ms": 25})
+    start, delta, center = d.copy(), {n: torch.zeros_like(v) for n, v in d.init.items()}, d.copy()
+    alpha = o.moving_rate(2) if solver == "shadow-ea" else None
 
     def step(k):
         for w in range(2):
@@ -131,29 +148,45 @@ def test_shadow_ma_writes_each_sync_back_as_a_correction():
             for n in x[w]:
                 x[w][n] -= LR * g[n]
 
-    def sync():  # read, then write the mean of what was read back as a correction
-        read = [d.copy(x[0]), d.copy(x[1])]
-        for w in range(2):
-            for n in x[w]:
-                apply_correction(x[w][n], read[w][n], (read[0][n] + read[1][n]) / 2)
+    def results(read):  # what each worker's sync writes back, from what was read
+        if solver == "shadow-ea":
+            new = [d.copy(read[0]), d.copy(read[1])]
+            for w in range(2):
+                for n in center:
+                    elastic_exchange(new[w][n], center[n], alpha)
+            return new
+        mean = {n: (read[0][n] + read[1][n]) / 2 for n in read[0]}
+        if solver == "shadow-bmuf":
+            for n in mean:
+                new = torch.empty_like(mean[n])
+                bmuf_update(new, start[n], delta[n], mean[n], o.block_lr, o.momentum_for(2), o.nesterov)
+                mean[n] = new
+        return [mean, mean]
 
-    def sync_around_step(k):  # read at the step's end, step ends, write
+    def sync(during=None):  # read, (a step ends,) write back as a correction
         read = [d.copy(x[0]), d.copy(x[1])]
-        step(k)
+        new = results(read)
+        if during is not None:
+            step(during)
         for w in range(2):
             for n in x[w]:
-                apply_correction(x[w][n], read[w][n], (read[0][n] + read[1][n]) / 2)
+                apply_correction(x[w][n], read[w][n], new[w][n])
 
     # reads at 0, 25, 50, 75 ms; steps end at 10, 20, ..., 80 ms
-    step(0), step(1), sync(), step(2), step(3)
-    sync_around_step(4)
-    step(5), step(6), sync(), step(7)
-    mean = {n: (x[0][n] + x[1][n]) / 2 for n in x[0]}  # the final sync on close
-    res = _run("shadow-ma", {"min_interval_ms": 25}, 2, 8, {})
+    sync(), step(0), step(1), sync(), step(2), step(3), sync(during=4), step(5), step(6), sync(), step(7)
+    if solver == "shadow-ea":
+        for w in range(2):
+            for n in center:
+                elastic_exchange(x[w][n], center[n], alpha)
+        expected = x
+    else:
+        mean = {n: (x[0][n] + x[1][n]) / 2 for n in x[0]}
+        expected = [mean, mean]
+    res = _run(solver, {"min_interval_ms": 25}, 2, 8, {})
     for w in range(2):
-        _close({n: res.params[n][w] for n in res.params}, mean)
+        _close({n: res.params[n][w] for n in res.params}, expected[w])
     no_sync = simulate_training("local", {}, load_workload("digits"), 2, 8, batch_size=BATCH, lr=LR, seed=SEED)
-    assert _differ({n: no_sync.params[n].mean(0) for n in mean}, mean)  # the syncs changed the result
+    assert _differ({n: no_sync.params[n][0] for n in d.init}, expected[0])  # the syncs changed the result
 
 
 @pytest.mark.parametrize("solver, options", [

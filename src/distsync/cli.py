@@ -141,6 +141,8 @@ def _add_sim_commands(sub) -> None:
     sw.add_argument("--workers", default="4,16,64", help="comma-separated worker counts (default: 4,16,64)")
     sw.add_argument("--ratios", default="0.3,1,3", help="computation/communication ratios (default: 0.3,1,3)")
     sw.add_argument("--slow-shares", default="0,0.1,0.3", help="shares of 3x slow workers (default: 0,0.1,0.3)")
+    sw.add_argument("--solver-option", "-o", action="append", metavar="[SOLVER.]KEY=VALUE",
+                    help="a solver option; with SOLVER. for one solver only; servers=workers/K: per worker count")
     sw.add_argument("--workload", default="digits")
     sw.add_argument("--steps", type=int, default=300)
     sw.add_argument("--batch-size", type=int, default=8)
@@ -412,8 +414,12 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     shares = _numbers(args.slow_shares, "slow-shares")
     out = Path(args.out) if args.out else Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-sweep"
     solvers = [s.strip() for s in args.solvers.split(",") if s.strip()]
+    from distsync.config import parse_key_values
+    from distsync.experiments import split_solver_options
+
+    options = split_solver_options(solvers, parse_key_values(args.solver_option))
     rows = run_sweep(solvers, workers, ratios, shares, workload=args.workload, steps=args.steps,
-                     batch_size=args.batch_size, out=out)
+                     batch_size=args.batch_size, out=out, options=options)
     table = Table(title=f"time to target (virtual s), {args.workload}, no slow workers, "
                         f"computation/communication {ratios[len(ratios) // 2]:g}")
     table.add_column("solver")

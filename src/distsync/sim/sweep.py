@@ -2,10 +2,14 @@
 ratio and share of slow workers.
 
 Time to target = steps to target x virtual time per step. Steps to target come from
-``train`` mode (the solver's rule on stacked replicas, once per solver and worker count: for
-these solvers the math does not depend on timing); the time per step from ``timing`` mode
-at each grid point. The model size at a grid point is chosen so that one all-reduce over all
-workers takes ``compute / ratio`` (ratio = computation / communication).
+``train`` mode: a lockstep rule once per solver and worker count (its math does not depend
+on timing); an order-dependent one (servers, elastic exchanges, shadow threads, smart groups)
+at every grid point, inside its timing model on that point's cluster, at up to
+:data:`ORDERED_TRAIN_MAX` replicas (above that, the same samples to target: steps scale by
+the ratio of workers). The time per step comes from ``timing`` mode at each grid point. The
+model size at a grid point is chosen so that one all-reduce over all workers takes
+``compute / ratio`` (ratio = computation / communication). A solver option ``servers`` may
+be ``workers`` or ``workers/K``: that many servers at each worker count.
 """
 
 from __future__ import annotations
@@ -17,39 +21,78 @@ from typing import Any
 from distsync.errors import ConfigError
 from distsync.sim.cluster import Cluster, Link, WorkerModel
 from distsync.sim.timing import Work, simulate
-from distsync.sim.train import simulate_training, train_mode_solvers
+from distsync.sim.train import rule_is_ordered, simulate_training, train_mode_solvers
 from distsync.workloads import load_workload
+
+#: order-dependent solvers train at most this many replicas at a grid point
+ORDERED_TRAIN_MAX = 16
+
+
+def cell_options(options: dict[str, Any], workers: int) -> dict[str, Any]:
+    """``options`` at ``workers``: a value ``workers`` or ``workers/K`` becomes that count."""
+    out = {}
+    for k, v in options.items():
+        if isinstance(v, str) and v.replace(" ", "").startswith("workers"):
+            spec = v.replace(" ", "")
+            try:
+                div = int(spec.split("/", 1)[1]) if "/" in spec else 1
+            except ValueError:
+                raise ConfigError(f"option {k}={v!r}: expected workers or workers/K") from None
+            if div < 1:
+                raise ConfigError(f"option {k}={v!r}: K must be >= 1")
+            v = max(1, workers // div)
+        out[k] = v
+    return out
+
+
+def _reached(workload, curve) -> int | None:
+    return next((p["step"] + 1 for p in curve if workload.reached(p["metric"])), None)
 
 
 def run_sweep(solvers: list[str], workers: list[int], ratios: list[float], slow_shares: list[float], *,
               workload: str = "digits", steps: int = 300, batch_size: int = 8, compute_s: float = 0.02,
               link: Link = Link(10e9, 5e-6), slow_factor: float = 3.0, eval_every: int = 10,
-              out: Path | None = None, seed: int = 0) -> list[dict[str, Any]]:
+              out: Path | None = None, seed: int = 0,
+              options: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     if min(workers) < 1 or min(ratios) <= 0 or not all(0 <= s <= 1 for s in slow_shares):
         raise ConfigError("--workers must be >= 1, --ratios > 0 and --slow-shares in [0, 1]")
     trainable = train_mode_solvers()
     bad = [s for s in solvers if s not in trainable]
     if bad:
         raise ConfigError(f"sweep needs solvers with a train mode ({', '.join(trainable)}); not {', '.join(bad)}")
+    options = options or {}
     w = load_workload(workload)
     rows = []
     for n in workers:
         for solver in solvers:
-            trained = simulate_training(solver, {}, w, n, steps, batch_size=batch_size, seed=seed,
-                                        eval_every=eval_every)
-            reached = next((p["step"] + 1 for p in trained.curve if w.reached(p["metric"])), None)
+            opts = cell_options(options.get(solver, {}), n)
+            ordered = rule_is_ordered(solver, opts)
+            if not ordered:
+                trained = simulate_training(solver, opts, w, n, steps, batch_size=batch_size, seed=seed,
+                                            eval_every=eval_every)
+                reached = _reached(w, trained.curve)
             for ratio in ratios:
                 per_byte = Cluster(n, link).allreduce_s(1e6) / 1e6 if n > 1 else 0.0
                 nbytes = compute_s / ratio / per_byte if per_byte else 1e6
                 for share in slow_shares:
-                    timing = simulate(solver, {}, Cluster(n, link), WorkerModel(
-                        compute_s, slow_fraction=share, slow_factor=slow_factor, seed=seed),
-                        Work(steps=steps, model_bytes=nbytes, batch_size=batch_size), seed=seed)
+                    model = WorkerModel(compute_s, slow_fraction=share, slow_factor=slow_factor, seed=seed)
+                    timing = simulate(solver, opts, Cluster(n, link), model,
+                                      Work(steps=steps, model_bytes=nbytes, batch_size=batch_size), seed=seed)
+                    if ordered:
+                        m = min(n, ORDERED_TRAIN_MAX)
+                        trained = simulate_training(solver, cell_options(options.get(solver, {}), m), w, m, steps,
+                                                    batch_size=batch_size, seed=seed, eval_every=eval_every,
+                                                    cluster=Cluster(m, link), worker_model=model, model_bytes=nbytes)
+                        at = _reached(w, trained.curve)
+                        reached = max(1, round(at * m / n)) if at else None
                     per_step = timing.wall_s / steps
-                    rows.append({"solver": solver, "workers": n, "ratio": ratio, "slow_share": share,
+                    summary = timing.summary()
+                    rows.append({"solver": solver, "options": opts, "workers": n, "ratio": ratio, "slow_share": share,
                                  "steps_to_target": reached,
                                  "time_to_target_s": reached * per_step if reached else None,
-                                 "throughput": timing.throughput, "final_metric": trained.curve[-1]["metric"]})
+                                 "throughput": timing.throughput, "final_metric": trained.curve[-1]["metric"],
+                                 "phase_share": summary["phase_share"], "staleness": summary.get("staleness"),
+                                 "trained_replicas": min(n, ORDERED_TRAIN_MAX) if ordered else n})
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "sweep.json").write_text(json.dumps(rows, indent=1) + "\n")

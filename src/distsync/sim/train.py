@@ -46,6 +46,7 @@ class TrainResult:
     steps: int
     curve: list[dict[str, float]] = field(default_factory=list)  # step, t (virtual s), metric, loss
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # stacked, [workers, ...]
+    center: dict[str, torch.Tensor] | None = None  # a center's parameters, for solvers that keep one
     time_to_target_s: float | None = None
     steps_to_target: int | None = None
 
@@ -123,6 +124,8 @@ def simulate_training(solver: str, options: dict[str, Any], workload: Workload, 
             if ((step + 1) % eval_every == 0 or step + 1 == steps) and report(step, pace * (step + 1)):
                 break
     result.params = {n: stack[n] for n in names}
+    center = getattr(rule, "center", None)
+    result.center = {n: center[n] for n in names} if center is not None else None
     return result
 
 
@@ -491,7 +494,8 @@ class BackgroundAverage(OrderedRule):
 class BackgroundElastic(OrderedRule):
     """A background thread per worker exchanges the live model with the center: the server
     moves the center toward what was read (in rank order), and the worker's half of the
-    exchange is written back as a correction when the reply arrives."""
+    exchange is written back as a correction when the reply arrives. After its last step
+    each worker exchanges once more."""
 
     def __init__(self, stack, lr, workers, gradient, alpha: float):
         super().__init__(stack, lr, workers, gradient)
@@ -512,6 +516,11 @@ class BackgroundElastic(OrderedRule):
         for n, p in self.stack.items():
             apply_correction(p, self.read[n], self.new[n])
         self.read = None
+
+    def finish(self):  # each worker's final exchange after its last step (in rank order)
+        for n, p in self.stack.items():
+            for w in range(self.workers):
+                elastic_exchange(p[w], self.center[n], self.alpha)
 
     def eval_params(self, stack):
         return {n: c.unsqueeze(0) for n, c in self.center.items()}
