@@ -118,6 +118,9 @@ def _add_sim_commands(sub) -> None:
     sm.add_argument("--calibrate", metavar="RUN_DIR", help="simulate this real run and compare with what it measured")
     sm.add_argument("--fit-from", metavar="RUN_DIR",
                     help="with --calibrate: fit compute and per-message cost on this other run (out of sample)")
+    sm.add_argument("--host-cores", type=int, metavar="N",
+                    help="with --calibrate: the runs shared N cores of one machine (emulated devices, unshaped "
+                         "links); the per-message cost then grows with the processes per core")
     sm.add_argument("--json", action="store_true", help="print the results as JSON")
 
     rc = sub.add_parser("recommend", help="which solver, with which options, for this model on that cluster")
@@ -371,11 +374,15 @@ def _print_calibration(r: dict[str, Any], as_json: bool) -> None:
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from distsync.config import parse_key_values
     from distsync.experiments import split_solver_options
+    from distsync.errors import ConfigError
     from distsync.sim import calibrate
     from distsync.sim.scenario import Scenario, scenario_fields, simulate_scenario
 
     if args.calibrate:
-        _print_calibration(calibrate(Path(args.calibrate), fit_from=Path(args.fit_from) if args.fit_from else None),
+        if args.host_cores is not None and args.host_cores < 1:
+            raise ConfigError(f"--host-cores must be >= 1, got {args.host_cores}")
+        _print_calibration(calibrate(Path(args.calibrate), fit_from=Path(args.fit_from) if args.fit_from else None,
+                                     host_cores=args.host_cores),
                            args.json)
         return 0
     scenario = Scenario(**{name: getattr(args, name) for name in scenario_fields()})

@@ -78,19 +78,46 @@ def _fit_latency(run: dict[str, Any]) -> float:
     return lat + max(0.0, extra)
 
 
-def calibrate(run_dir: Path, default_link: str = "10gbit", fit_from: Path | None = None) -> dict[str, Any]:
+#: the host's per-message cost grows as (processes per core) ** HOST_EXP: chosen on the
+#: fidelity benchmark's runs (docs/benchmarks/simulator.md), so not an out-of-sample term
+HOST_EXP = 0.5
+
+
+def _per_core(run: dict[str, Any], cores: int) -> float:
+    """Processes of the run per core of this host (at least 1)."""
+    from distsync.solvers import make_options, solver_class
+
+    cfg = run["cfg"]
+    cls = solver_class(cfg.solver)
+    processes = cfg.workers + sum(cls.extra_roles(make_options(cls, cfg.solver_options)).values())
+    return max(1.0, processes / cores)
+
+
+def calibrate(run_dir: Path, default_link: str = "10gbit", fit_from: Path | None = None,
+              host_cores: int | None = None) -> dict[str, Any]:
     """Simulate the real run in ``run_dir`` and return predicted against measured.
 
     The compute per step (of its normal-speed workers) and the per-message cost are fitted
     on the run itself, which measures self-consistency, or with ``fit_from`` on another run
     (e.g. allreduce on 4 workers of the same workload and link), which makes the prediction
-    out of sample: nothing of ``run_dir`` but its configuration goes into it."""
+    out of sample: nothing of ``run_dir`` but its configuration goes into it.
+
+    ``host_cores``: the runs shared this many cores (emulated devices on one machine); the
+    fitted per-message cost of an unshaped run then scales as the square root of the
+    processes per core (:data:`HOST_EXP`)."""
     run = _read(run_dir, default_link)
     fit = _read(fit_from, default_link) if fit_from is not None else run
     if fit is not run and (fit["cfg"].workload, fit["cfg"].link, fit["cfg"].device_ms) != (
             run["cfg"].workload, run["cfg"].link, run["cfg"].device_ms):
         raise ConfigError(f"--fit-from {fit_from}: a run of another workload, link or device time than {run_dir}")
     latency = _fit_latency(fit)
+    share = 1.0
+    if host_cores and not run["cfg"].link:
+        # An unshaped run's per-message cost is this host's software stack: waking a process
+        # that shares the cores with the others. It grows with the processes per core.
+        share = (_per_core(run, host_cores) / _per_core(fit, host_cores)) ** HOST_EXP
+        base = fit["link"].latency_s
+        latency = base + (latency - base) * share
     compute = fit["compute"]
     sim = _simulate_run(run, compute, latency)
     predicted = sim.summary()
@@ -100,6 +127,7 @@ def calibrate(run_dir: Path, default_link: str = "10gbit", fit_from: Path | None
         "workers": cfg.workers, "link": cfg.link or f"{default_link} (assumed: unshaped run)",
         "fitted_on": str(fit["dir"]), "out_of_sample": fit is not run,
         "compute_per_step_s": compute, "model_bytes": run["bytes"], "fitted_latency_s": latency,
+        "host_share": share,
         "measured_comm_per_step_s": run["comm"],
         "measured_throughput": measured["throughput_samples_per_s"],
         "predicted_throughput": predicted["throughput_samples_per_s"],
