@@ -5,7 +5,12 @@ step, the real math inside it) behind an emulated link (netns + tbf, root), each
 workload's target. Score: the share of scenarios where the recommended solver is the
 measured fastest to target or within 10% of it. Target: >= 80%.
 
-    sudo python benchmarks/recommend.py [--only 1,5] [--cap 40] [--json docs/benchmarks/recommend.json]
+With ``--fit``, `recommend` is given ``--fit-from`` a real allreduce run of the same workload,
+link and device time (4 workers, homogeneous; made once and kept): the per-message cost of
+this machine's software stack, which a link's nominal latency leaves out. ``--reuse`` takes
+the real runs already in ``--out`` (only new candidates run).
+
+    sudo python benchmarks/recommend.py [--fit] [--reuse] [--only 1,5] [--cap 40] [--json docs/benchmarks/recommend.json]
 
 Regime: emulated devices and links on one 2-core machine; rows whose real run was
 CPU-bound (a step overran its device time on many steps) are flagged.
@@ -13,6 +18,7 @@ CPU-bound (a step overran its device time on many steps) are flagged.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -70,7 +76,20 @@ def best_per_solver(ranked: list[dict]) -> list[dict]:
     return out
 
 
-def measure(sc: Scenario, row: dict, out: Path, cap_s: float, seed: int) -> dict:
+def fit_run(sc: Scenario, out: Path, seed: int) -> Path:
+    """A real allreduce run of the scenario's workload, link and device time (4 workers,
+    homogeneous, 60 steps), made once: what ``recommend --fit-from`` fits on."""
+    from distsync.config import RunConfig
+    from distsync.runtime import launch
+
+    d = out / f"fit-{sc.workload}-{sc.link}-{sc.device_ms:g}ms"
+    if not (d / "summary.json").exists():
+        launch(RunConfig(workload=sc.workload, solver="allreduce", workers=4, steps=60, eval_every=60,
+                         device_ms=sc.device_ms, link=sc.link, seed=seed, timeout_s=120), d)
+    return d
+
+
+def measure(sc: Scenario, row: dict, out: Path, cap_s: float, seed: int, reuse: bool) -> dict:
     from distsync.config import RunConfig
     from distsync.runtime import launch
 
@@ -80,7 +99,11 @@ def measure(sc: Scenario, row: dict, out: Path, cap_s: float, seed: int) -> dict
                     workers=sc.workers, slow=slow, jitter=sc.jitter, device_ms=sc.device_ms, link=sc.link,
                     budget=f"target,seconds={cap_s:g}", seed=seed, timeout_s=120)
     t0 = time.perf_counter()
-    s = launch(cfg, out / row["label"].replace(" ", "_").replace("=", "-"))
+    d = out / row["label"].replace(" ", "_").replace("=", "-")
+    if reuse and (d / "summary.json").exists():
+        s = json.loads((d / "summary.json").read_text())
+    else:
+        s = launch(cfg, d)
     device = s.get("device") or {}
     return {"label": row["label"], "solver": row["solver"], "options": row["options"],
             "predicted_time_to_target_s": row["time_to_target_s"],
@@ -98,6 +121,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results/recommend")
     p.add_argument("--json", default="docs/benchmarks/recommend.json")
+    p.add_argument("--fit", action="store_true", help="recommend --fit-from a real allreduce run per workload and link")
+    p.add_argument("--reuse", action="store_true", help="take the real runs already in --out")
     args = p.parse_args()
     if os.geteuid() != 0:
         sys.exit("error: emulated links need root (netns + tbf): run as root")
@@ -110,19 +135,21 @@ def main() -> None:
     for i in picks:
         sc = SCENARIOS[i - 1]
         with exit_on_error():
+            fit = str(fit_run(sc, Path(args.out), args.seed)) if args.fit else None
             req = Request(workload=sc.workload, workers=sc.workers, link=sc.link, device_ms=sc.device_ms,
                           slow_fraction=sc.slow_fraction, slow_factor=sc.slow_factor, jitter=sc.jitter,
-                          solvers=SOLVERS, seed=args.seed)
+                          solvers=SOLVERS, seed=args.seed, fit_from=fit)
             rec = recommend(req)
             rows = best_per_solver([r for r in rec["ranked"] if r["time_to_target_s"] is not None])
-            measured = [measure(sc, r, Path(args.out) / f"{i:02d}", args.cap, args.seed) for r in rows]
+            measured = [measure(sc, r, Path(args.out) / f"{i:02d}", args.cap, args.seed, args.reuse) for r in rows]
         times = {m["label"]: m["measured_time_to_target_s"] for m in measured}
         reached = {k: v for k, v in times.items() if v is not None}
         fastest = min(reached, key=reached.get) if reached else None
         top = rows[0]["label"]
         ratio = (times[top] / reached[fastest]) if fastest and times[top] is not None else None
         hit = ratio is not None and ratio <= 1.10
-        results.append({"scenario": i, "label": sc.label, **sc.__dict__, "recommended": top, "fastest": fastest,
+        results.append({"scenario": i, "label": sc.label, **sc.__dict__, "fit_from": fit,
+                        "per_message_ms": rec["per_message_ms"], "recommended": top, "fastest": fastest,
                         "ratio": ratio, "hit": hit, "search_seconds": rec["search_seconds"],
                         "ranked": rec["ranked"], "measured": measured})
         table_row([i, sc.label, top, fastest or "none reached", "-" if ratio is None else f"{ratio:.2f}",
@@ -142,7 +169,8 @@ def main() -> None:
     print_checks([(f"recommended solver fastest or within 10% in {score:.0%} of {len(results)} scenarios "
                    f"(target >= 80%)", score >= 0.8)])
     write_results(args.json, {"command": "python benchmarks/recommend.py " + " ".join(sys.argv[1:]),
-                              "solvers": SOLVERS, "cap_s": args.cap, "score": score, "scenarios": results})
+                              "solvers": SOLVERS, "cap_s": args.cap, "fit": args.fit, "score": score,
+                              "scenarios": results})
 
 
 if __name__ == "__main__":

@@ -134,3 +134,25 @@ def test_no_candidate_asks_for_more_servers_than_the_model_has_tensors():
     labels = [c.label for c in candidates(Request(workers=64), max_servers=4)]
     assert any("servers=1" in label for label in labels)
     assert not any("servers=16" in label or "servers=64" in label for label in labels)
+
+
+def test_a_fitted_per_message_cost_slows_the_chatty_solvers_down(tmp_path):
+    """`--fit-from` a real run takes its compute per step and its per-message cost (this
+    machine's software stack on loopback costs something per message); an all-reduce every
+    step then costs more than the nominal 10 Gbit link says, and model averaging every 16
+    steps barely notices."""
+    run = tmp_path / "fit"
+    proc = run_cli("train", "--workers", "2", "--steps", "40", "--device-ms", "5", "--eval-every", "40",
+                   "--out", str(run))
+    assert proc.returncode == 0, proc.stderr
+    plain = recommend(Request(workers=4, device_ms=5, solvers=["allreduce", "ma"]))
+    fitted = recommend(Request(workers=4, solvers=["allreduce", "ma"], fit_from=str(run)))
+    assert fitted["compute_from"] == f"fitted on {run}" and 0.004 < fitted["compute_s"] < 0.008
+    assert fitted["per_message_ms"] > 0 and plain["per_message_ms"] == 0
+    step = {(res is fitted, r["label"]): r["step_s"] for res in (plain, fitted) for r in res["ranked"]}
+    slower = {label: step[(True, label)] / step[(False, label)] for label in ("allreduce", "ma every=16")}
+    assert slower["allreduce"] > slower["ma every=16"] > 0.9, slower
+    with pytest.raises(ConfigError, match="--fit-from .*: a run of digits, not mnist"):
+        recommend(Request(workload="mnist", workers=4, fit_from=str(run)))
+    with pytest.raises(ConfigError, match="--per-message-ms must be >= 0, got -1"):
+        recommend(Request(per_message_ms=-1))

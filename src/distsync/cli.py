@@ -131,6 +131,11 @@ def _add_sim_commands(sub) -> None:
     rc.add_argument("--slow-factor", type=finite_float, default=3.0, help="how much slower they are (default: 3)")
     rc.add_argument("--jitter", type=finite_float, default=0.0, help="random per-step extra compute, up to this share")
     rc.add_argument("--device-ms", type=finite_float, help="a step's compute on your device (default: measured here)")
+    rc.add_argument("--per-message-ms", type=finite_float, default=0.0,
+                    help="what each message costs beyond the link's latency (default: 0)")
+    rc.add_argument("--fit-from", metavar="RUN_DIR",
+                    help="a real run of this workload: fit the per-message cost (and, without --device-ms, the "
+                         "compute per step) on it")
     rc.add_argument("--solvers", help="comma-separated solvers to consider (default: every solver)")
     rc.add_argument("--batch-size", type=int, help="samples per worker per step (default: the workload's)")
     rc.add_argument("--seed", type=int, default=0)
@@ -459,7 +464,8 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
     solvers = [s.strip() for s in args.solvers.split(",") if s.strip()] if args.solvers else None
     request = Request(workload=args.workload, workers=args.workers, link=args.link, slow_fraction=args.slow_fraction,
                       slow_factor=args.slow_factor, jitter=args.jitter, device_ms=args.device_ms, solvers=solvers,
-                      seed=args.seed, batch_size=args.batch_size)
+                      seed=args.seed, batch_size=args.batch_size, per_message_ms=args.per_message_ms,
+                      fit_from=args.fit_from)
     if args.verify < 0:
         raise ConfigError(f"--verify must be >= 0, got {args.verify}")
     tag = args.workload.replace("/", "_").replace(":", "_").replace(".py", "")
@@ -474,7 +480,7 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
     if args.verify:
         result["verify"] = verify(request, result, args.verify, out)
     report = write_outputs(out, result)
-    where = "measured here, one thread" if result["compute_measured_here"] else "--device-ms"
+    where = result["compute_from"]
     table = Table(title=f"{args.workload} on {args.workers} workers, {args.link}: compute "
                         f"{result['compute_s'] * 1000:.2f} ms a step ({where}), model "
                         f"{result['model_bytes'] / 1e6:.3g} MB; simulated")
