@@ -61,3 +61,14 @@ def test_key_values():
     assert parse_key_values(["bucket-mb=1", "overlap = false"]) == {"bucket_mb": "1", "overlap": "false"}
     with pytest.raises(ConfigError, match="expected KEY=VALUE"):
         parse_key_values(["bucket_mb"])
+
+
+def test_a_solver_prefix_keeps_its_dashes_and_option_names_take_either():
+    from distsync.config import parse_key_values
+    from distsync.experiments import split_solver_options
+
+    raw = parse_key_values(["ea-wild.tau=16", "ad-psgd.seed=3", "bucket-mb=1", "ea-wild.min-interval-ms=2"])
+    assert raw == {"ea-wild.tau": "16", "ad-psgd.seed": "3", "bucket_mb": "1", "ea-wild.min_interval_ms": "2"}
+    per = split_solver_options(["ea-wild", "ad-psgd", "allreduce"], {k: v for k, v in raw.items()
+                                                                     if "min_interval" not in k})
+    assert per == {"ea-wild": {"tau": "16"}, "ad-psgd": {"seed": "3"}, "allreduce": {"bucket_mb": "1"}}

@@ -369,7 +369,9 @@ def parse_key_values(items: list[str] | None, what: str = "--solver-option") -> 
         if "=" not in item:
             raise ConfigError(f"bad {what} {item!r}: expected KEY=VALUE")
         key, value = item.split("=", 1)
-        key = key.strip().replace("-", "_")
+        # option names take - or _; a SOLVER. prefix keeps its own spelling (ea-wild.tau)
+        prefix, dot, name = key.strip().rpartition(".")
+        key = prefix + dot + name.replace("-", "_")
         if not key:
             raise ConfigError(f"bad {what} {item!r}: empty KEY")
         # Keys name keyword arguments; a space or line break in one only garbles later messages.
