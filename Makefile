@@ -16,7 +16,7 @@ demo: setup
 	$(BIN)/distsync compare --workload digits --solvers allreduce,ripples,ad-psgd --schedule smart --workers 4 --slow 1:3 --device-ms 10 --budget seconds=5 --out runs/demo
 
 test: setup
-	@start=$$(date +%s); $(BIN)/python -m pytest -q; rc=$$?; \
+	@start=$$(date +%s); $(BIN)/python -m pytest -q --durations=15; rc=$$?; \
 	echo "make test: $$(( $$(date +%s) - start )) s"; exit $$rc
 
 bench: setup

@@ -180,7 +180,7 @@ def _summary(tmp_path, name, *args):
 
 def test_two_embedding_servers_and_hogwild_threads_with_shadow_ma(tmp_path):
     s = _summary(tmp_path, "r", "--solver", "shadow-ma", "--threads", "2", "--rows", "2000", "--steps", "60",
-                 "--embedding-servers", "2", "--eval-every", "30")
+                 "-w", "train=40000", "--embedding-servers", "2", "--eval-every", "30")
     servers = [v["embedding_server"] for v in s["solver_stats"].values() if "embedding_server" in v]
     assert len(servers) == 2 and sum(v["rows"] for v in servers) == 8 * 2000
     assert all(v["pushes"] > 0 and v["lookups"] > 0 for v in servers)
@@ -190,7 +190,8 @@ def test_two_embedding_servers_and_hogwild_threads_with_shadow_ma(tmp_path):
 
 
 def test_shadow_ma_on_ctr_is_within_two_percent_of_allreduce(tmp_path):
-    base = _summary(tmp_path, "ar", "--solver", "allreduce", "--steps", "200")
-    shadow = _summary(tmp_path, "sh", "--solver", "shadow-ma", "--steps", "200")
+    small = ["--steps", "200", "-w", "train=120000"]  # (the default 400,000 logs take 5 s per process)
+    base = _summary(tmp_path, "ar", "--solver", "allreduce", *small)
+    shadow = _summary(tmp_path, "sh", "--solver", "shadow-ma", *small)
     assert base["final_metric"] < 0.95  # allreduce itself learns
     assert shadow["final_metric"] <= base["final_metric"] * 1.02, (shadow["final_metric"], base["final_metric"])

@@ -162,7 +162,6 @@ def _steps_of(out: Path, rank: int) -> list[int]:
 
 FAMILIES = [  # (solver and options, the process to kill)
     (["--solver", "allreduce"], "1"),
-    (["--solver", "sync-ps"], "server"),
     (["--solver", "async-ps"], "server"),  # (a dead async-ps worker is dropped: below)
     (["--solver", "ea-wild", "--tau", "2"], "server"),
     (["--solver", "ad-psgd"], "0"),  # the active worker: the passive runs ahead of it

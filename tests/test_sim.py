@@ -179,14 +179,16 @@ def test_simulate_cli_at_scale(tmp_path):
 
 def test_calibrate_predicts_a_real_run(tmp_path):
     out = tmp_path / "r"
-    proc = run_cli("train", "--workers", "2", "--steps", "100", "--eval-every", "50", "--out", str(out))
+    # on emulated devices: a step's compute is the device's, not two processes' share of 2 cores
+    proc = run_cli("train", "--workers", "2", "--steps", "80", "--eval-every", "40", "--device-ms", "10",
+                   "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     proc = run_cli("simulate", "--calibrate", str(out), "--json")
     assert proc.returncode == 0, proc.stderr
     r = json.loads(proc.stdout)
     assert r["measured_throughput"] > 0 and r["predicted_throughput"] > 0
     # compute per step and the per-message cost are fitted to the run: the pace follows
-    assert abs(r["throughput_error"]) < 0.25, r
+    assert abs(r["throughput_error"]) < 0.15, r
     assert r["fitted_latency_s"] > 0  # gloo on loopback costs something per message
 
 
@@ -333,11 +335,13 @@ def test_sweep_options_per_worker_count_and_order_dependent_solvers_per_cell():
     assert cell_options({"servers": "workers/4"}, 2) == {"servers": 1}
     with pytest.raises(ConfigError, match=r"option servers='workers/x': expected workers or workers/K"):
         cell_options({"servers": "workers/x"}, 8)
-    rows = run_sweep(["async-ps"], [4], [0.5, 5], [0.0], steps=60, batch_size=16,
+    rows = run_sweep(["async-ps"], [4], [0.5, 5], [0.0], steps=40, batch_size=16,
                      options={"async-ps": {"servers": "workers/2"}})
     assert [r["options"] for r in rows] == [{"servers": 2}, {"servers": 2}]
-    # trained at each grid point on its own cluster: a communication-bound cell queues more
-    # pushes at the servers (more staleness) than a compute-bound one
+    # trained at each grid point on its own cluster (its pushes' staleness recorded); the
+    # communication-bound cell spends more of its time on the servers' links
     bound, free = rows
-    assert bound["staleness"]["mean"] > free["staleness"]["mean"]
+    assert bound["staleness"]["pushes"] == free["staleness"]["pushes"] == 4 * 40
+    assert bound["phase_share"]["compute"] < free["phase_share"]["compute"]
+    assert bound["time_to_target_s"] > free["time_to_target_s"]
     assert all(r["trained_replicas"] == 4 and r["steps_to_target"] for r in rows)

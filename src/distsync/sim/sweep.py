@@ -5,8 +5,8 @@ Time to target = steps to target x virtual time per step. Steps to target come f
 ``train`` mode: a lockstep rule once per solver and worker count (its math does not depend
 on timing); an order-dependent one (servers, elastic exchanges, shadow threads, smart groups)
 at every grid point, inside its timing model on that point's cluster, at up to
-:data:`ORDERED_TRAIN_MAX` replicas (above that, the same samples to target: steps scale by
-the ratio of workers). The time per step comes from ``timing`` mode at each grid point. The
+:data:`ORDERED_TRAIN_MAX` replicas (above that, its steps to target are taken as those at
+:data:`ORDERED_TRAIN_MAX`). The time per step comes from ``timing`` mode at each grid point. The
 model size at a grid point is chosen so that one all-reduce over all workers takes
 ``compute / ratio`` (ratio = computation / communication). A solver option ``servers`` may
 be ``workers`` or ``workers/K``: that many servers at each worker count.
@@ -83,8 +83,7 @@ def run_sweep(solvers: list[str], workers: list[int], ratios: list[float], slow_
                         trained = simulate_training(solver, cell_options(options.get(solver, {}), m), w, m, steps,
                                                     batch_size=batch_size, seed=seed, eval_every=eval_every,
                                                     cluster=Cluster(m, link), worker_model=model, model_bytes=nbytes)
-                        at = _reached(w, trained.curve)
-                        reached = max(1, round(at * m / n)) if at else None
+                        reached = _reached(w, trained.curve)  # (steps at m taken as steps at n)
                     per_step = timing.wall_s / steps
                     summary = timing.summary()
                     rows.append({"solver": solver, "options": opts, "workers": n, "ratio": ratio, "slow_share": share,
