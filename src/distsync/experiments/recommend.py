@@ -231,10 +231,8 @@ def _timing(request: Request, cand: Candidate, compute_s: float, nbytes: float, 
     # Each worker's own pace (its steps over its compute, communication and waiting), as with
     # a job budget: a worker that never waits for a slow one runs on at its own pace instead
     # of idling until the slow one is done; the job's steps per second are their sum.
-    busy = res.compute_s + res.comm_s + res.wait_s
-    job_steps_per_s = float((steps / busy[busy > 0]).sum())
-    cand.step_s = request.workers / job_steps_per_s  # one step of every worker, on average
-    cand.throughput = job_steps_per_s * batch
+    cand.step_s = res.paced_step_s  # one step of every worker, on average
+    cand.throughput = request.workers / cand.step_s * batch
     cand.phase_share = summary["phase_share"]
     cand.syncs_per_step = summary.get("syncs_per_step")
 

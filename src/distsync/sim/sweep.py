@@ -6,7 +6,8 @@ Time to target = steps to target x virtual time per step. Steps to target come f
 on timing); an order-dependent one (servers, elastic exchanges, shadow threads, smart groups)
 at every grid point, inside its timing model on that point's cluster, at up to
 :data:`ORDERED_TRAIN_MAX` replicas (above that, its steps to target are taken as those at
-:data:`ORDERED_TRAIN_MAX`). The time per step comes from ``timing`` mode at each grid point. The
+:data:`ORDERED_TRAIN_MAX`). The time per step comes from ``timing`` mode at each grid point,
+each worker at its own pace (``SimResult.paced_step_s``, as ``recommend`` takes it). The
 model size at a grid point is chosen so that one all-reduce over all workers takes
 ``compute / ratio`` (ratio = computation / communication). A solver option ``servers`` may
 be ``workers`` or ``workers/K``: that many servers at each worker count.
@@ -84,7 +85,7 @@ def run_sweep(solvers: list[str], workers: list[int], ratios: list[float], slow_
                                                     batch_size=batch_size, seed=seed, eval_every=eval_every,
                                                     cluster=Cluster(m, link), worker_model=model, model_bytes=nbytes)
                         reached = _reached(w, trained.curve)  # (steps at m taken as steps at n)
-                    per_step = timing.wall_s / steps
+                    per_step = timing.paced_step_s
                     summary = timing.summary()
                     rows.append({"solver": solver, "options": opts, "workers": n, "ratio": ratio, "slow_share": share,
                                  "steps_to_target": reached,
