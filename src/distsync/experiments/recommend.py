@@ -160,13 +160,13 @@ def _link(request: Request):
 def _fit(request: Request) -> float | None:
     """With ``fit_from``: the per-message cost (and, without ``device_ms``, the compute per
     step) fitted on that real run, written into the request; its compute per step."""
-    from distsync.sim.calibrate import _fit_latency, _read
+    from distsync.sim.calibrate import fit_run
 
-    run = _read(Path(request.fit_from), request.link)
-    if run["cfg"].workload != request.workload:
-        raise ConfigError(f"--fit-from {request.fit_from}: a run of {run['cfg'].workload}, not {request.workload}")
-    request.per_message_ms = 1000 * max(0.0, _fit_latency(run) - run["link"].latency_s)
-    return run["compute"]
+    fit = fit_run(Path(request.fit_from), request.link)
+    if fit["workload"] != request.workload:
+        raise ConfigError(f"--fit-from {request.fit_from}: a run of {fit['workload']}, not {request.workload}")
+    request.per_message_ms = 1000 * fit["per_message_s"]
+    return fit["compute_s"]
 
 
 def _train_cluster(request: Request, n: int, compute_s: float):

@@ -83,6 +83,15 @@ def _fit_latency(run: dict[str, Any]) -> float:
 HOST_EXP = 0.5
 
 
+def fit_run(run_dir: Path, default_link: str = "10gbit") -> dict[str, Any]:
+    """What a real run says of its workload, link and device: ``workload``, ``compute_s``
+    (a normal-speed worker's compute per step) and ``per_message_s`` (what each message cost
+    beyond the link's latency: the software stack's share)."""
+    run = _read(run_dir, default_link)
+    return {"workload": run["cfg"].workload, "compute_s": run["compute"],
+            "per_message_s": max(0.0, _fit_latency(run) - run["link"].latency_s)}
+
+
 def _per_core(run: dict[str, Any], cores: int) -> float:
     """Processes of the run per core of this host (at least 1)."""
     from distsync.solvers import make_options, solver_class
