@@ -76,7 +76,7 @@ def best_per_solver(ranked: list[dict]) -> list[dict]:
     return out
 
 
-def fit_run(sc: Scenario, out: Path, seed: int) -> Path:
+def make_fit_run(sc: Scenario, out: Path, seed: int) -> Path:
     """A real allreduce run of the scenario's workload, link and device time (4 workers,
     homogeneous, 60 steps), made once: what ``recommend --fit-from`` fits on."""
     from distsync.config import RunConfig
@@ -135,7 +135,7 @@ def main() -> None:
     for i in picks:
         sc = SCENARIOS[i - 1]
         with exit_on_error():
-            fit = str(fit_run(sc, Path(args.out), args.seed)) if args.fit else None
+            fit = str(make_fit_run(sc, Path(args.out), args.seed)) if args.fit else None
             req = Request(workload=sc.workload, workers=sc.workers, link=sc.link, device_ms=sc.device_ms,
                           slow_fraction=sc.slow_fraction, slow_factor=sc.slow_factor, jitter=sc.jitter,
                           solvers=SOLVERS, seed=args.seed, fit_from=fit)

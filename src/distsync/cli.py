@@ -419,6 +419,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
+    from distsync.config import parse_key_values
+    from distsync.experiments import split_solver_options
     from distsync.sim.sweep import run_sweep, winners
 
     workers = _numbers(args.workers, "workers", int)
@@ -426,9 +428,6 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     shares = _numbers(args.slow_shares, "slow-shares")
     out = Path(args.out) if args.out else Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-sweep"
     solvers = [s.strip() for s in args.solvers.split(",") if s.strip()]
-    from distsync.config import parse_key_values
-    from distsync.experiments import split_solver_options
-
     options = split_solver_options(solvers, parse_key_values(args.solver_option))
     rows = run_sweep(solvers, workers, ratios, shares, workload=args.workload, steps=args.steps,
                      batch_size=args.batch_size, out=out, options=options)

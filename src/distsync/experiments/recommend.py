@@ -33,7 +33,7 @@ from typing import Any, Callable
 from distsync.config import parse_link
 from distsync.errors import ConfigError, DistsyncError
 
-#: train mode runs at most this many replicas (a larger cluster: the same samples to target)
+#: train mode runs at most this many replicas (a larger cluster: the steps to target at this size)
 TRAIN_WORKERS_MAX = 16
 #: train mode gives up after this many times the workload's steps
 TRAIN_STEPS_FACTOR = 2
@@ -185,7 +185,6 @@ def _train_steps(request: Request, workload: Any, cand: Candidate, cache: dict, 
     order its timing model gives on the request's cluster at ``n`` workers), cached per rule:
     lockstep rules do not depend on the servers' count."""
     from distsync.sim.train import rule_is_ordered, simulate_training
-    from distsync.solvers import make_options, solver_class
 
     n = min(request.workers, TRAIN_WORKERS_MAX)
     ordered = rule_is_ordered(cand.solver, cand.options)
@@ -228,10 +227,7 @@ def _timing(request: Request, cand: Candidate, compute_s: float, nbytes: float, 
                                jitter=request.jitter, seed=request.seed),
                    Work(steps=steps, model_bytes=nbytes, batch_size=batch), seed=request.seed)
     summary = res.summary()
-    # Each worker's own pace (its steps over its compute, communication and waiting), as with
-    # a job budget: a worker that never waits for a slow one runs on at its own pace instead
-    # of idling until the slow one is done; the job's steps per second are their sum.
-    cand.step_s = res.paced_step_s  # one step of every worker, on average
+    cand.step_s = res.paced_step_s  # each worker at its own pace, as under a job budget
     cand.throughput = request.workers / cand.step_s * batch
     cand.phase_share = summary["phase_share"]
     cand.syncs_per_step = summary.get("syncs_per_step")
@@ -274,7 +270,6 @@ def rank(cands: list[Candidate]) -> list[Candidate]:
 def recommend(request: Request, on_step: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
     """Measure, search and rank; returns what ``recommend.json`` holds. ``on_step(label,
     done, total)`` follows the search."""
-    from distsync.sim.calibrate import model_bytes
     from distsync.workloads import load_workload
 
     request.check()
@@ -286,13 +281,13 @@ def recommend(request: Request, on_step: Callable[[str, int, int], None] | None 
         raise ConfigError(f"workload {request.workload!r} cannot be built: {type(e).__name__}: {e}") from None
     batch = request.batch_size or workload.batch_size
     try:
-        tensors = sum(1 for _ in workload.make_model().parameters())
+        params = list(workload.make_model().parameters())
     except Exception as e:
         raise ConfigError(f"workload {request.workload!r} cannot be measured: {type(e).__name__}: {e}") from None
-    cands = candidates(request, max_servers=tensors)
+    cands = candidates(request, max_servers=len(params))
+    nbytes = sum(p.numel() * p.element_size() for p in params)
     fitted = _fit(request) if request.fit_from else None
     try:
-        nbytes = model_bytes(request.workload)
         if request.device_ms is not None:
             compute_s, measured_here = request.device_ms / 1000, False
         elif fitted is not None:

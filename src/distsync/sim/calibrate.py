@@ -130,7 +130,7 @@ def calibrate(run_dir: Path, default_link: str = "10gbit", fit_from: Path | None
     compute = fit["compute"]
     sim = _simulate_run(run, compute, latency)
     predicted = sim.summary()
-    cfg, measured, steps = run["cfg"], run["measured"], run["steps"]
+    cfg, measured = run["cfg"], run["measured"]
     out = {
         "run": str(run_dir), "solver": measured.get("label", cfg.solver), "workload": cfg.workload,
         "workers": cfg.workers, "link": cfg.link or f"{default_link} (assumed: unshaped run)",

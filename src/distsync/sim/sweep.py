@@ -68,6 +68,8 @@ def run_sweep(solvers: list[str], workers: list[int], ratios: list[float], slow_
         for solver in solvers:
             opts = cell_options(options.get(solver, {}), n)
             ordered = rule_is_ordered(solver, opts)
+            m = min(n, ORDERED_TRAIN_MAX) if ordered else n  # the replicas it trains
+            train_opts = cell_options(options.get(solver, {}), m)
             if not ordered:
                 trained = simulate_training(solver, opts, w, n, steps, batch_size=batch_size, seed=seed,
                                             eval_every=eval_every)
@@ -80,8 +82,7 @@ def run_sweep(solvers: list[str], workers: list[int], ratios: list[float], slow_
                     timing = simulate(solver, opts, Cluster(n, link), model,
                                       Work(steps=steps, model_bytes=nbytes, batch_size=batch_size), seed=seed)
                     if ordered:
-                        m = min(n, ORDERED_TRAIN_MAX)
-                        trained = simulate_training(solver, cell_options(options.get(solver, {}), m), w, m, steps,
+                        trained = simulate_training(solver, train_opts, w, m, steps,
                                                     batch_size=batch_size, seed=seed, eval_every=eval_every,
                                                     cluster=Cluster(m, link), worker_model=model, model_bytes=nbytes)
                         reached = _reached(w, trained.curve)  # (steps at m taken as steps at n)
@@ -92,7 +93,7 @@ def run_sweep(solvers: list[str], workers: list[int], ratios: list[float], slow_
                                  "time_to_target_s": reached * per_step if reached else None,
                                  "throughput": timing.throughput, "final_metric": trained.curve[-1]["metric"],
                                  "phase_share": summary["phase_share"], "staleness": summary.get("staleness"),
-                                 "trained_replicas": min(n, ORDERED_TRAIN_MAX) if ordered else n})
+                                 "trained_replicas": m})
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "sweep.json").write_text(json.dumps(rows, indent=1) + "\n")
