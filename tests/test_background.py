@@ -77,13 +77,17 @@ class _StubComm:
     """Two workers' shadow-thread collectives, played by the test: each all-reduce hands the
     tensor it was given to the test and returns once the test has turned it into the sum."""
 
-    rank, worker_ranks, num_workers, timeout_s, worker_group = 0, [0, 1], 2, 5.0, None
+    rank, worker_ranks, num_workers, timeout_s, worker_group, membership = 0, [0, 1], 2, 5.0, None, None
+    live_workers = [0, 1]
 
     def __init__(self):
         self.calls, self.answers = queue.Queue(), queue.Queue()
 
-    def new_group(self, ranks, members_only=False):
-        return "shadow"
+    def group(self, tag):
+        return tag
+
+    def group_size(self, group=None):
+        return 2
 
     def all_reduce(self, tensor, op="sum", group=None, async_op=False):
         self.calls.put(tensor.clone())

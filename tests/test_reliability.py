@@ -179,7 +179,7 @@ def test_killed_process_costs_at_most_the_checkpoint_interval(tmp_path, solver, 
     ok = _train(tmp_path / "clean", *common)
     assert ok.returncode == 0, ok.stderr
     hit = _train(tmp_path / "fault", *common, "--checkpoint-every", str(every), "--max-restarts", "1",
-                 "--fault", f"kill:{victim}@{kill_at}")
+                 "--on-failure", "restart", "--fault", f"kill:{victim}@{kill_at}")
     assert hit.returncode == 0, hit.stderr
     clean, fault = _summary(tmp_path / "clean"), _summary(tmp_path / "fault")
     [record] = fault["recovery"]["faults"]
@@ -232,9 +232,9 @@ def test_a_restart_after_a_drop_brings_the_dropped_worker_back_from_its_own_chec
 
 
 @pytest.mark.slow
-def test_rank_0_of_a_dropping_solver_is_restarted_not_dropped(tmp_path):
+def test_under_on_failure_restart_rank_0_is_restarted_not_dropped(tmp_path):
     proc = _train(tmp_path / "run", "--solver", "ea-wild", "--steps", "100", "--checkpoint-every", "20",
-                  "--max-restarts", "1", "--fault", "kill:0@50")
+                  "--max-restarts", "1", "--on-failure", "restart", "--fault", "kill:0@50")
     assert proc.returncode == 0, proc.stderr
     recovery = _summary(tmp_path / "run")["recovery"]
     assert recovery["dropped"] == [] and recovery["restarts"] == 1 and recovery["resumed_from_steps"] == [40]
@@ -243,7 +243,8 @@ def test_rank_0_of_a_dropping_solver_is_restarted_not_dropped(tmp_path):
 @pytest.mark.slow
 def test_resume_by_hand_after_a_failure_and_past_a_corrupt_checkpoint(tmp_path):
     run = tmp_path / "run"
-    failed = _train(run, "--steps", "100", "--checkpoint-every", "20", "--fault", "kill:1@57")
+    failed = _train(run, "--steps", "100", "--checkpoint-every", "20", "--on-failure", "restart",
+                    "--fault", "kill:1@57")
     assert failed.returncode == 2
     assert "worker rank 1 died (killed by SIGKILL)" in failed.stderr
     cfg = RunConfig.read(run / "config.json")
@@ -291,12 +292,13 @@ def test_nan_stops_the_run_even_with_restarts_and_keeps_the_last_good_checkpoint
 @pytest.mark.slow
 def test_a_stalled_worker_ends_the_job_naming_a_rank_or_is_restarted(tmp_path):
     t0 = time.monotonic()
-    proc = _train(tmp_path / "a", "--steps", "200", "--timeout", "3", "--fault", "stall:1@30:30")
+    proc = _train(tmp_path / "a", "--steps", "200", "--timeout", "3", "--fault", "stall:1@30:30",
+                  "--on-failure", "restart")
     assert proc.returncode == 2
     assert time.monotonic() - t0 < 30  # bounded by the timeout, not by the stall
     assert "timed out after 3 s" in proc.stderr and "rank" in proc.stderr
     proc = _train(tmp_path / "b", "--steps", "200", "--timeout", "3", "--fault", "stall:1@30:30",
-                  "--checkpoint-every", "20", "--max-restarts", "1")
+                  "--checkpoint-every", "20", "--max-restarts", "1", "--on-failure", "restart")
     assert proc.returncode == 0, proc.stderr
     assert _summary(tmp_path / "b")["recovery"]["resumed_from_steps"] == [20]
 
@@ -332,13 +334,14 @@ def test_nothing_is_left_behind_after_a_restart_or_a_failure(tmp_path):
         time.sleep(0.5)
         return (len(_open_fds()), {t.name for t in threading.enumerate()}, running_children())
 
-    cfg = RunConfig(workers=2, steps=60, checkpoint_every=20, max_restarts=1, faults=["kill:1@30"])
+    cfg = RunConfig(workers=2, steps=60, checkpoint_every=20, max_restarts=1, faults=["kill:1@30"],
+                    on_failure="restart")
     launch(RunConfig(workers=2, steps=20), tmp_path / "warm")  # torch's first use opens what it keeps
     fds, threads, kids = quiet_count()
     summary = launch(cfg, tmp_path / "restart")
     assert summary["recovery"]["restarts"] == 1
     with pytest.raises(WorkerFailed, match="worker rank 1 died"):
-        launch(RunConfig(workers=2, steps=60, faults=["kill:1@30"]), tmp_path / "fail")
+        launch(RunConfig(workers=2, steps=60, faults=["kill:1@30"], on_failure="restart"), tmp_path / "fail")
     dropped = launch(RunConfig(solver="async-ps", workers=3, steps=60, faults=["kill:2@30"]), tmp_path / "drop")
     assert [d["rank"] for d in dropped["recovery"]["dropped"]] == [2]
     after_fds, after_threads, after_kids = quiet_count()

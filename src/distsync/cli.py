@@ -263,11 +263,16 @@ def _print_device(summary: dict[str, Any]) -> None:
 def _print_recovery(summary: dict[str, Any]) -> None:
     """One line per fault the run survived: dropped workers, restarts."""
     rec = summary.get("recovery") or {}
+    went_on = {f["rank"]: f for f in rec.get("faults", []) if "went_on_s" in f}
     for d in rec.get("dropped", []):
-        console.print(f"worker rank {d['rank']} died ({d['signal']}) after step {d.get('last_step')} and was "
-                      f"dropped; the other workers trained on", highlight=False, soft_wrap=True)
+        f = went_on.get(d["rank"])
+        how = (f"; the other {f['live_workers']} re-formed their group without it in {f['went_on_s'] * 1000:.0f} ms "
+               f"and trained on" if f else "; the other workers trained on")
+        what = "stalled" if d["signal"] == "stalled" else f"died ({d['signal']})"
+        console.print(f"worker rank {d['rank']} {what} after step {d.get('last_step')} and was "
+                      f"dropped{how}", highlight=False, soft_wrap=True)
     for f in rec.get("faults", []):
-        if "steps_lost" in f:
+        if "resumed_from_step" in f:
             console.print(f"{f['role']} rank {f['rank']} was killed at step {f['step']}: restarted from step "
                           f"{f['resumed_from_step']} ({f['steps_lost']} steps lost, {f['recovery_s']:.1f} s to "
                           f"recover)", highlight=False, soft_wrap=True)

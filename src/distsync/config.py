@@ -22,6 +22,10 @@ from distsync.errors import ConfigError
 OPTIMIZERS = ("sgd", "adam", "lars")
 EMBEDDING_OPTIMIZERS = ("adagrad", "sgd")
 TASKS = ("train", "linktest")
+#: what a job does when a worker dies (--on-failure)
+ON_FAILURE = ("continue", "restart")
+#: the learning rate once the job goes on with fewer workers (--shrink-lr)
+SHRINK_LR = ("keep", "scale")
 _UNITS_BIT = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
 _UNITS_S = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
 
@@ -504,6 +508,12 @@ class RunConfig:
     #: how many times torch's elastic agent restarts the job (from its last checkpoint)
     #: after a process fails; 0: the first failure ends the job
     max_restarts: int = bounded(0, ge=0, le=100, flag="--max-restarts")
+    #: when a worker dies: "continue" (the others go on without it, no restart) or
+    #: "restart" (every process restarts from the last checkpoint, up to --max-restarts)
+    on_failure: str = bounded("continue", choices=ON_FAILURE, flag="--on-failure")
+    #: once the job goes on with fewer workers: "keep" the learning rate, or "scale" it by
+    #: live workers / workers (the global batch shrank by that much)
+    shrink_lr: str = bounded("keep", choices=SHRINK_LR, flag="--shrink-lr")
     #: continue from the run folder's last complete checkpoint (``distsync train --resume``)
     resume: bool = False
     #: injected faults, e.g. ``["kill:1@40", "kill:server@30", "stall:0@20:3"]`` (:func:`parse_fault`)

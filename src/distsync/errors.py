@@ -15,3 +15,16 @@ class CommError(DistsyncError):
 
 class WorkerFailed(DistsyncError):
     """A worker, server or coordinator process of a job ended abnormally."""
+
+
+class PeerLost(CommError):
+    """A member of a live group died: the group must be re-formed without it
+    (``runtime/membership.py``); ``tag`` names the group."""
+
+    def __init__(self, message: str, tag: str):
+        super().__init__(message)
+        self.tag = tag
+
+
+class Excluded(CommError):
+    """The other workers went on without this one (it made no progress for the timeout)."""

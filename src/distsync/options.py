@@ -69,6 +69,11 @@ def add_run_options(p: argparse.ArgumentParser, *, workers_default: int | None =
                    help="write a checkpoint every N steps (e.g. 50) or N seconds (e.g. 30s) into RUN/checkpoints")
     g.add_argument("--max-restarts", type=int,
                    help="restart the job from its last checkpoint up to N times after a process fails (default: 0)")
+    g.add_argument("--on-failure", choices=("continue", "restart"), default="continue",
+                   help="when a worker dies: the others go on without it (continue, default) or every process "
+                        "restarts from the last checkpoint (restart, up to --max-restarts)")
+    g.add_argument("--shrink-lr", choices=("keep", "scale"), default="keep",
+                   help="once fewer workers go on: keep the learning rate (default) or scale it by live/all workers")
     g.add_argument("--fault", action="append", metavar="SPEC", dest="faults",
                    help="inject a fault, repeatable: kill:RANK@STEP, kill:server@STEP, stall:RANK@STEP:SECONDS, "
                         "nan:RANK@STEP")
@@ -112,6 +117,8 @@ def config_from_args(args: argparse.Namespace, solver: str, solver_options: dict
         checkpoint_every=args.checkpoint_every,
         max_restarts=args.max_restarts if args.max_restarts is not None else 0,
         faults=list(args.faults or []),
+        on_failure=args.on_failure,
+        shrink_lr=args.shrink_lr,
     )
 
 

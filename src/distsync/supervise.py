@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -29,8 +30,9 @@ def supervise(argv: list[str]) -> None:
 
     torch's agent stops every process of a job when one fails. For solvers that train on
     without a dead worker, each rank runs under this thin parent (no torch imported): when
-    a worker other than rank 0 dies (killed by a signal, not ended by an error), it leaves a
-    mark in ``RUN/dropped/`` and ends cleanly, so the agent lets the others go on. Any other
+    a worker dies (killed by a signal, not ended by an error), it leaves a mark in
+    ``RUN/dropped/`` and ends cleanly, so the agent lets the others go on (if rank 0 died,
+    the lowest live worker writes the run's results). Any other
     failure ends this parent the way it ended the child, and the agent restarts or stops the
     job as usual. Signals sent to this parent are passed on to the child.
     """
@@ -52,12 +54,19 @@ def outlive(pid: int, wait, argv: list[str], drop: bool = True) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, forward)
-    code = wait()
     rank, attempt = int(os.environ.get("RANK", "0")), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     run_dir = Path(argv[argv.index("--run-dir") + 1])
     workers = json.loads(Path(argv[argv.index("--config") + 1]).read_text())["workers"]
+    mark = run_dir / "dropped" / f"attempt-{attempt}-rank-{rank}.json"
+    ended = threading.Event()
+    if drop and rank < workers:  # the others may go on without a stalled child: then end it
+        threading.Thread(target=fence, args=(pid, mark, ended), daemon=True).start()
+    code = wait()
+    ended.set()
+    if drop and rank < workers and mark.exists():
+        return 0  # the others went on without it (they marked it stalled)
     died = code < 0 and -code not in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-    if died and drop and 0 < rank < workers:
+    if died and drop and 0 <= rank < workers:
         mark_dropped(run_dir, rank, attempt, signal.Signals(-code).name)
         return 0
     if code < 0:  # end as the child did, so the agent reports the signal
@@ -67,6 +76,18 @@ def outlive(pid: int, wait, argv: list[str], drop: bool = True) -> int:
             signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     return code
+
+
+def fence(pid: int, mark: Path, ended: threading.Event) -> None:
+    """End child ``pid`` once ``mark`` appears: the other workers found it stalled and went
+    on without it (runtime/membership.py), so it must not come back into their groups."""
+    while not ended.wait(0.25):
+        if mark.exists():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            return
 
 
 def report_death(rank: int, workers: int, signal_name: str) -> None:
@@ -97,7 +118,9 @@ def mark_dropped(run_dir: Path, rank: int, attempt: str, signal_name: str) -> No
             steps.append(event["step"])
     mark = {"rank": rank, "signal": signal_name, "unix": time.time(), "attempt": int(attempt),
             "last_step": max(steps) if steps else None}
-    (marks / f"attempt-{attempt}-rank-{rank}.json").write_text(json.dumps(mark))
+    tmp = marks / f".attempt-{attempt}-rank-{rank}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(mark))
+    os.replace(tmp, marks / f"attempt-{attempt}-rank-{rank}.json")  # (others poll for it)
 
 
 if __name__ == "__main__":

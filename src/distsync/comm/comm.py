@@ -4,6 +4,7 @@ import datetime
 import math
 import os
 import time
+from functools import partial
 from typing import Any, Sequence
 
 import torch
@@ -61,17 +62,21 @@ class Pending:
     ``not_before`` (a ``time.perf_counter`` value) delays completion to emulate link latency.
     """
 
-    def __init__(self, comm: "Comm", work: Any, op: str, not_before: float = 0.0):
+    def __init__(self, comm: "Comm", work: Any, op: str, not_before: float = 0.0, group: Any = None):
         self._comm = comm
         self._work = work
         self._op = op
         self._not_before = not_before
+        self._view = comm.membership.view_of(group) if comm.membership is not None else None
 
     def wait(self) -> None:
-        try:
-            self._work.wait(datetime.timedelta(seconds=self._comm.timeout_s))
-        except Exception as e:  # gloo raises RuntimeError / DistBackendError
-            raise self._comm.error(self._op, e) from None
+        if self._view is not None:  # a live view: fails fast when a member dies (runtime/membership.py)
+            self._comm.membership.wait(self._work, self._view, self._op, self._comm.timeout_s)
+        else:
+            try:
+                self._work.wait(datetime.timedelta(seconds=self._comm.timeout_s))
+            except Exception as e:  # gloo raises RuntimeError / DistBackendError
+                raise self._comm.error(self._op, e) from None
         remaining = self._not_before - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)
@@ -100,6 +105,9 @@ class Comm:
         self.worker_ranks = [r for r, role in enumerate(self.role_of) if role == "worker"]
         self.bytes_sent = 0
         self._worker_group: Any = None
+        self._groups: dict[str, Any] = {}
+        #: the live views of a job that goes on without dead workers (None: a death fails the job)
+        self.membership: Any = None
 
     # ---- set-up -----------------------------------------------------------------------
     @classmethod
@@ -148,8 +156,28 @@ class Comm:
 
     @property
     def worker_group(self) -> Any:
-        """The group of worker ranks only (``None`` means the default group: no other roles)."""
+        """The group of worker ranks only (``None`` means the default group: no other roles);
+        with live membership, the current view of the live workers."""
+        if self.membership is not None:
+            return self.membership.view("workers").pg
         return self._worker_group
+
+    def group(self, tag: str) -> Any:
+        """A group of all workers of its own (e.g. for a background thread's collectives),
+        made on first use by every worker alike (and every other rank too, without live
+        membership); with live membership, the current view of the live workers."""
+        if self.membership is not None:
+            return self.membership.view(tag).pg
+        if tag not in self._groups:
+            self._groups[tag] = self.new_group(self.worker_ranks)
+        return self._groups[tag]
+
+    @property
+    def live_workers(self) -> list[int]:
+        """The worker ranks still in the job (all of them without live membership)."""
+        if self.membership is not None:
+            return list(self.membership.view("workers").members)
+        return list(self.worker_ranks)
 
     def ranks_with_role(self, role: str) -> list[int]:
         return [r for r, name in enumerate(self.role_of) if name == role]
@@ -169,6 +197,16 @@ class Comm:
         except Exception as e:
             raise self.error(what, e) from None
 
+    def _view(self, group: Any) -> Any:
+        return self.membership.view_of(group) if self.membership is not None else None
+
+    def _on_view(self, view: Any, what: str, fn, *args, **kwargs) -> Any:
+        """``fn(*args, **kwargs)`` (an asynchronous call) on a live view's group, waited for
+        with failure detection; its work."""
+        work = self._start_on(view, what, fn, *args, **kwargs)
+        self.membership.wait(work, view, what, self.timeout_s)
+        return work
+
     def count_bytes(self, nbytes: int) -> None:
         """Account for bytes sent on this rank's behalf by code outside this class (e.g. DDP)."""
         self.bytes_sent += int(nbytes)
@@ -183,33 +221,61 @@ class Comm:
         size = self.group_size(group)
         self.bytes_sent += ring_allreduce_bytes(tensor.numel() * tensor.element_size(), size)
         rounds = 2 * (size - 1)
+        view = self._view(group)
         if async_op:
             not_before = time.perf_counter() + self.latency_s * rounds
-            work = self._guard("all_reduce", dist.all_reduce, tensor, op=_OPS[op], group=group, async_op=True)
-            return Pending(self, work, "all_reduce", not_before)
-        self._guard("all_reduce", dist.all_reduce, tensor, op=_OPS[op], group=group)
+            start = self._guard if view is None else partial(self._start_on, view)
+            work = start("all_reduce", dist.all_reduce, tensor, op=_OPS[op], group=group, async_op=True)
+            return Pending(self, work, "all_reduce", not_before, group)
+        if view is not None:
+            self._on_view(view, "all_reduce", dist.all_reduce, tensor, op=_OPS[op], group=group, async_op=True)
+        else:
+            self._guard("all_reduce", dist.all_reduce, tensor, op=_OPS[op], group=group)
         self._delay(rounds)
         return None
+
+    def _start_on(self, view: Any, what: str, fn, *args, **kwargs) -> Any:
+        """Start ``fn`` on a live view's group; a failure to start is a lost peer."""
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise self.membership.lost(view, what, str(e).splitlines()[0][:200] if str(e) else type(e).__name__) from None
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Any = None) -> None:
         if self.rank == src:
             self.bytes_sent += tensor.numel() * tensor.element_size()
-        self._guard(f"broadcast(src={src})", dist.broadcast, tensor, src=src, group=group)
+        view = self._view(group)
+        if view is not None:
+            self._on_view(view, f"broadcast(src={src})", dist.broadcast, tensor, src=src, group=group, async_op=True)
+        else:
+            self._guard(f"broadcast(src={src})", dist.broadcast, tensor, src=src, group=group)
         self._delay(math.ceil(math.log2(max(1, self.group_size(group)))))
 
     def send(self, tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> None:
         self.bytes_sent += tensor.numel() * tensor.element_size()
-        self._guard(f"send(to rank {dst})", dist.send, tensor, dst=dst, group=group, tag=tag)
+        view = self._view(group)
+        if view is not None:
+            self._on_view(view, f"send(to rank {dst})", dist.isend, tensor, dst=dst, group=group, tag=tag)
+        else:
+            self._guard(f"send(to rank {dst})", dist.send, tensor, dst=dst, group=group, tag=tag)
 
     def recv(self, tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0) -> int:
         """Receive into ``tensor``; with ``src=None`` from whoever sends first. Returns the sender."""
         what = f"recv(from rank {src})" if src is not None else "recv(from any rank)"
-        sender = self._guard(what, dist.recv, tensor, src=src, group=group, tag=tag)
+        view = self._view(group)
+        if view is not None:
+            work = self._on_view(view, what, dist.irecv, tensor, src=src, group=group, tag=tag)
+            sender = src if src is not None else dist.get_global_rank(group, work._source_rank())
+        else:
+            sender = self._guard(what, dist.recv, tensor, src=src, group=group, tag=tag)
         self._delay(1)
         return sender
 
     def barrier(self, group: Any = None) -> None:
-        if group is None and dist.get_backend() == "gloo":
+        view = self._view(group)
+        if view is not None:
+            self._on_view(view, "barrier", dist.barrier, group=group, async_op=True)
+        elif group is None and dist.get_backend() == "gloo":
             # Names the ranks that did not arrive instead of just timing out.
             self._guard(
                 "barrier", dist.monitored_barrier, timeout=datetime.timedelta(seconds=self.timeout_s), wait_all_ranks=True
@@ -276,7 +342,7 @@ class Comm:
         """Send ``send`` to ``dst`` while receiving ``recv`` from ``src`` (one ring step).
         An empty chunk (a tensor with fewer elements than members) is not sent: its sender
         and its receiver both know it is empty."""
-        group = self._worker_group
+        group = self.worker_group
         ops, names = [], []
         if send.numel():
             ops.append(dist.P2POp(dist.isend, send, dst, group=group, tag=TAG_PARTIAL))
@@ -286,9 +352,12 @@ class Comm:
             names.append(f"recv from rank {src}")
         if not ops:
             return
-        works = self._guard(f"partial_all_reduce(to rank {dst}, from rank {src})", dist.batch_isend_irecv, ops)
+        what = f"partial_all_reduce(to rank {dst}, from rank {src})"
+        view = self._view(group)
+        works = (self._guard(what, dist.batch_isend_irecv, ops) if view is None
+                 else self._start_on(view, what, dist.batch_isend_irecv, ops))
         for work, what in zip(works, names):
-            Pending(self, work, f"partial_all_reduce({what})").wait()
+            Pending(self, work, f"partial_all_reduce({what})", group=group).wait()
 
     def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
         """Gather a picklable object from every rank to ``dst`` (over the default group)."""
@@ -299,6 +368,10 @@ class Comm:
     # ---- the job's key-value store (small agreements without a collective) --------------
     def _store(self):
         return dist.distributed_c10d._get_default_store()
+
+    def raw_store(self) -> Any:
+        """The job's key-value store (this attempt's keys)."""
+        return self._store()
 
     def store_set(self, key: str, value: str) -> None:
         self._guard(f"store set {key}", self._store().set, key, value)

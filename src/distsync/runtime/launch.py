@@ -211,7 +211,10 @@ def _start(run: ResolvedRun, run_dir: Path, on_progress: ProgressFn | None,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=Std.ALL, tee=Std.NONE),
         shutdown_timeout=5,
     )
-    supervised = cfg.task == "train" and run.solver_cls.survives_worker_loss
+    # Under --on-failure continue a dead worker is dropped, not the job (each rank runs under
+    # distsync/supervise.py): servers end its conversation, or the workers' groups re-form.
+    supervised = cfg.task == "train" and cfg.on_failure == "continue" and (
+        run.solver_cls.survives_worker_loss or run.solver_cls.reforms_without_dead)
     # Forked from a preloaded server (runtime/forkserver.py) unless the processes must enter
     # network namespaces, which ``ip netns exec`` does for a fresh interpreter.
     forked = net is None and os.environ.get("DISTSYNC_FORK_WORKERS", "1") != "0"

@@ -22,6 +22,7 @@ from distsync.runtime.plugins import (Checkpointer, ComputeGate, DeviceStretch, 
                                       FaultInjection, HogwildRunner, Plugins, Progress, RunState, SingleThread,
                                       StepState, TrainClock)
 from distsync.runtime.plugins.budget import Heartbeat, JobBudget
+from distsync.errors import PeerLost
 from distsync.runtime.recovery import EventJournal, WorkerRecovery, write_stop
 from distsync.solvers.lars import LARS
 from distsync.workloads import ShardSampler, Workload
@@ -85,6 +86,7 @@ def start_run(cfg: RunConfig, workload: Workload, solver, comm, device: torch.de
     run.model = workload.make_model().to(device)
     plugins.on_model(run)
     run.optimizer = make_optimizer(cfg, run.model.parameters(), cfg.lr)
+    run.base_lrs = [g["lr"] for g in run.optimizer.param_groups]
     run.run_model = solver.attach(run.model, run.optimizer, comm)
     plugins.on_attach(run)
     batch_size = cfg.batch_size
@@ -117,7 +119,7 @@ def train_thread(run: RunState, t: int) -> None:
     """Training thread ``t``'s steps. Each phase's seconds go to the step event's compute,
     comm or wait: the solver's before_step, after_backward and after_update are comm (less
     the waiting they report to ``solver.clock``), its update and zero_grad compute."""
-    hooks, solver, runner, perf = run.plugins, run.solver, run.runner, time.perf_counter
+    hooks, solver, runner = run.plugins, run.solver, run.runner
     hooks.on_thread_start(run, t)
     for k in range(run.first_k, run.per_thread):
         s = StepState(thread=t, k=k, step=k * run.threads + t, done=(k + 1) * run.threads)
@@ -125,25 +127,15 @@ def train_thread(run: RunState, t: int) -> None:
             break
         hooks.on_step_start(run, s)  # injected faults fire before the step's clock starts
         s.t0 = run.clock.now()
-        s.comm_s += _seconds(solver.before_step, s.step)
-        x, y = run.workload.take(run.workload.train_data, run.samplers[t].indices(k))
-        x, y = to_device(x, run.device), y.to(run.device)
-        hooks.before_compute(run, s)
-        s.compute_from = perf()
-        loss = hooks.on_loss(run, s, run.workload.loss_fn(runner.forward(run, s, x), y))  # forward
-        s.forward_end = perf()
-        hooks.after_forward(run, s)
-        b = perf()
-        runner.backward(run, s, loss)  # backward
-        s.backward_s = perf() - b
-        hooks.after_backward(run, s)
-        s.compute_s = perf() - s.compute_from - s.aside_s
-        s.comm_s += s.aside_s
-        hooks.after_compute(run, s)
-        s.comm_s += _seconds(runner.after_backward, run, s)
-        s.compute_s += _seconds(runner.update, run, s)
-        s.comm_s += _seconds(solver.after_update, s.step)
-        s.compute_s += _seconds(runner.zero_grad, run, s)
+        while True:
+            try:
+                loss, y = _step_body(run, s, t)
+                break
+            except Exception as e:  # a worker died: go on without it, then finish this step
+                lost = _peer_lost(run, e)
+                if lost is None:
+                    raise
+                s.wait_s += _seconds(_go_on_without, run, s, lost)
         solver_wait_s = solver.clock.take_wait()
         s.loss = run.last_loss = _finite_loss(run, loss, s.step)
         run.events.append({
@@ -153,6 +145,81 @@ def train_thread(run: RunState, t: int) -> None:
         })
         s.metric = runner.meet(run, s.done)  # evaluation and checkpoints, with every thread stopped
         hooks.on_step_end(run, s)
+
+
+def _step_body(run: RunState, s: StepState, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step's phases, from the solver's before_step to zero_grad; after a worker died
+    mid-step (``s.updated``: the optimizer has stepped) only what is left is done again."""
+    hooks, solver, runner, perf = run.plugins, run.solver, run.runner, time.perf_counter
+    if s.updated:  # the update was applied: only its synchronization is left
+        s.comm_s += _seconds(solver.after_update, s.step)
+        s.compute_s += _seconds(runner.zero_grad, run, s)
+        return s.loss_tensor, s.labels
+    s.aside_s = 0.0  # (counted already, if this step is done again)
+    s.comm_s += _seconds(solver.before_step, s.step)
+    x, y = run.workload.take(run.workload.train_data, run.samplers[t].indices(s.k))
+    x, y = to_device(x, run.device), y.to(run.device)
+    hooks.before_compute(run, s)
+    s.compute_from = perf()
+    loss = hooks.on_loss(run, s, run.workload.loss_fn(runner.forward(run, s, x), y))  # forward
+    s.forward_end = perf()
+    hooks.after_forward(run, s)
+    b = perf()
+    runner.backward(run, s, loss)  # backward
+    s.backward_s = perf() - b
+    hooks.after_backward(run, s)
+    s.compute_s += perf() - s.compute_from - s.aside_s
+    s.comm_s += s.aside_s
+    hooks.after_compute(run, s)
+    s.comm_s += _seconds(runner.after_backward, run, s)
+    s.compute_s += _seconds(runner.update, run, s)
+    s.updated, s.loss_tensor, s.labels = True, loss, y
+    s.comm_s += _seconds(solver.after_update, s.step)
+    s.compute_s += _seconds(runner.zero_grad, run, s)
+    return loss, y
+
+
+def _peer_lost(run: RunState, e: BaseException) -> PeerLost | None:
+    """The :class:`PeerLost` behind ``e`` (raised by the solver, or by a thread of torch's,
+    e.g. DDP's, whose failure comes back as another error), or None."""
+    membership = run.comm.membership
+    if membership is None:
+        return None
+    if isinstance(e, PeerLost):
+        return e
+    taken = membership.take_lost()
+    return taken if taken is not None and str(taken) in str(e) else None
+
+
+def _go_on_without(run: RunState, s: StepState, lost: PeerLost) -> None:
+    """Re-form the group that lost a worker, tell the solver, and set the step up to be
+    done again from where it failed (before the update: from the start, on the same batch)."""
+    view = run.comm.membership.reform(lost.tag)
+    new_model = run.solver.on_view_change(lost.tag)
+    if new_model is not None:
+        run.run_model = new_model
+    if run.cfg.shrink_lr == "scale":
+        share = view.size / run.comm.num_workers
+        for group, base in zip(run.optimizer.param_groups, run.base_lrs):
+            group["lr"] = base * share
+    if not s.updated:
+        run.runner.zero_grad(run, s)
+    run.events.append({"kind": "view", "rank": run.rank, "step": s.step, "t": run.clock.now(), "unix": time.time(),
+                       "tag": view.tag, "epoch": view.epoch, "members": list(view.members),
+                       "reform_s": view.reform_s, "during": "sync" if s.updated else "step"})
+
+
+def _background_views(run: RunState) -> None:
+    """View events for the groups a solver's own thread re-formed (the loop wrote its own)."""
+    if run.comm.membership is None:
+        return
+    seen = {(e["tag"], e["epoch"]) for e in run.events if e["kind"] == "view"}
+    now, unix = run.clock.now(), time.time()
+    for v in run.comm.membership.history:
+        if v.epoch and (v.tag, v.epoch) not in seen:
+            run.events.append({"kind": "view", "rank": run.rank, "step": None, "t": now - (unix - v.unix),
+                               "unix": v.unix, "tag": v.tag, "epoch": v.epoch, "members": list(v.members),
+                               "reform_s": v.reform_s, "during": "background"})
 
 
 def _finite_loss(run: RunState, loss: torch.Tensor, step: int) -> float:
@@ -171,6 +238,7 @@ def finish_run(run: RunState) -> list[dict[str, Any]]:
     bytes_before = run.sent_so_far
     a = time.perf_counter()
     run.solver.close()
+    _background_views(run)
     run.events.append({"kind": "done", "rank": run.rank, "t": run.clock.now(), "close_s": time.perf_counter() - a,
                        "slept_s": run.plugins.slept_s, "bytes": run.comm.bytes_sent - bytes_before})
     run.plugins.on_close(run)

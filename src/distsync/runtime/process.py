@@ -18,6 +18,7 @@ from distsync.metrics import device_summary, split_collective_wait, summarize
 from distsync.runtime.checkpoint import STATEFUL_ROLES, CheckpointStore, fingerprint
 from distsync.runtime.linktest import run_linktest
 from distsync.runtime.loop import Progress, train_worker
+from distsync.runtime.membership import ALIVE, Membership, marked_dead
 from distsync.runtime.plugins.budget import BEAT
 from distsync.runtime.recovery import (CheckpointPolicy, FaultInjector, WorkerRecovery, raise_if_stopped,
                                        read_faults, restart_count, summarize_recovery)
@@ -149,14 +150,24 @@ def wait_for_workers(comm: Comm, poll_s: float = 0.2) -> None:
 
 
 def gather_through_store(comm: Comm, mine: dict[str, Any], run_dir: Path, attempt: int) -> list[dict] | None:
-    """Rank 0: every rank's results, a dropped worker's events from its journal. Rank 0 waits
-    for each other rank as long as its heartbeat moves, and the comm timeout beyond."""
+    """Every rank's results (a dropped worker's events from its journal) for the lowest
+    worker still alive once every worker has finished or died (rank 0, unless it died: then
+    another takes over writing the run's results); None on the others. Each wait lasts as
+    long as the awaited rank's heartbeat moves, and the comm timeout beyond."""
     comm.store_set(f"distsync/results/{comm.rank}", json.dumps(mine))
-    if comm.rank != 0:
+    if comm.role != "worker":
+        return None
+    for r in comm.worker_ranks:
+        wait_on_peer(comm, r, lambda: comm.store_check(f"distsync/results/{r}")
+                     or dropped_mark(run_dir, attempt, r) is not None or None,
+                     lambda where: f"rank {comm.rank} (worker): worker rank {r} made no progress for "
+                                   f"{comm.timeout_s:g} s ({where}): it is stalled or has died", 0.05)
+    alive = [r for r in comm.worker_ranks if dropped_mark(run_dir, attempt, r) is None]
+    if not alive or comm.rank != alive[0]:
         return None
     return [wait_on_peer(comm, r, lambda: _results_of(comm, r, run_dir, attempt),
-                         lambda where: f"rank 0 (worker): rank {r} sent no results and made no progress for "
-                                       f"{comm.timeout_s:g} s (it is stalled or has died)", 0.05)
+                         lambda where: f"rank {comm.rank} (worker): rank {r} sent no results and made no progress "
+                                       f"for {comm.timeout_s:g} s (it is stalled or has died)", 0.05)
             for r in range(comm.world_size)]
 
 
@@ -264,6 +275,22 @@ def serve_embeddings(cfg: RunConfig, workload: Workload, comm: Comm, channels: i
     return server.stats()
 
 
+def live_membership(comm: Comm, run_dir: Path) -> Membership:
+    """The worker's live views: a worker is dead once its supervising parent has marked it
+    dropped (distsync/supervise.py) or its heartbeat stood still for the comm timeout."""
+    def heartbeat(rank: int) -> str:  # its progress, and its waits
+        got = [comm.store_get(k) if comm.store_check(k) else "-" for k in (f"{BEAT}{rank}", f"{ALIVE}{rank}")]
+        return "/".join(got)
+
+    def mark_stalled(rank: int) -> None:
+        from distsync.supervise import mark_dropped
+
+        mark_dropped(run_dir, rank, str(restart_count()), "stalled")
+
+    return Membership(comm, comm.worker_ranks, marked_dead(run_dir, restart_count()), heartbeat,
+                      mark_stalled=mark_stalled)
+
+
 def recovery_for(cfg: RunConfig, run_dir: Path, comm: Comm) -> WorkerRecovery:
     """This process's checkpoints, the state it resumes from and the faults aimed at it."""
     raise_if_stopped(run_dir)
@@ -303,6 +330,8 @@ def run_process(run: ResolvedRun, run_dir: Path) -> None:
     latency = parse_link(cfg.link).latency_s if cfg.link and cfg.link_latency_mode == "comm" else 0.0
     comm = Comm.from_env(list(run.role_of), cfg.timeout_s, device, latency)
     name_process(comm.role, comm.rank)
+    if supervised() and cfg.task == "train" and run.solver_cls.reforms_without_dead and comm.role == "worker":
+        comm.membership = live_membership(comm, run_dir)
     try:
         if cfg.task == "linktest":
             run_linktest(cfg, comm, run_dir)
@@ -349,7 +378,7 @@ def run_process(run: ResolvedRun, run_dir: Path) -> None:
             gathered = comm.gather_object(mine)
         else:  # some workers may be gone: results travel through the store, dead ranks' from disk
             gathered = gather_through_store(comm, mine, run_dir, recovery.attempt)
-        if comm.rank == 0:
+        if gathered is not None:
             all_events = [e for g in gathered for e in g["events"]]
             stats = {str(r): g["stats"] for r, g in enumerate(gathered) if g["stats"]}
             others = sum(g["bytes"] for g in gathered if g["role"] != "worker")

@@ -178,18 +178,40 @@ def read_faults(run_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
+def summarize_views(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each re-formed group (``runtime/membership.py``), once: its tag, epoch and members, the
+    step the workers were at, when the first member had it (``unix``) and the longest
+    re-forming (agreement and the new group) any member saw."""
+    views: dict[tuple[str, int], dict[str, Any]] = {}
+    for e in events:
+        if e["kind"] != "view":
+            continue
+        v = views.setdefault((e["tag"], e["epoch"]), {"tag": e["tag"], "epoch": e["epoch"], "members": e["members"],
+                                                     "step": e["step"], "unix": e["unix"], "reform_s": 0.0})
+        v["unix"] = min(v["unix"], e["unix"])
+        v["reform_s"] = max(v["reform_s"], e["reform_s"])
+    return sorted(views.values(), key=lambda v: v["unix"])
+
+
 def summarize_recovery(events: list[dict[str, Any]], faults: list[dict[str, Any]],
                        dropped: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Faults injected, and for each that killed a process: the step the job resumed from,
     the steps lost (the fault's step minus it) and the seconds from the kill until training
-    resumed; or that the dead worker was dropped and the others trained on."""
+    resumed; or that the dead worker was dropped and the others trained on (with the seconds
+    from the kill until they had re-formed their group without it, ``went_on_s``, and the
+    live workers after it)."""
     resumes = sorted((e for e in events if e["kind"] == "resume"), key=lambda e: e["unix"])
     dropped = dropped or []
+    views = summarize_views(events)
     out = []
     for f in sorted(faults, key=lambda f: f["unix"]):
         row = dict(f)
         if f["kind"] == "kill" and any(d["rank"] == f["rank"] and d["unix"] >= f["unix"] for d in dropped):
             row["dropped"] = True
+            after = [v for v in views if v["unix"] >= f["unix"] and f["rank"] not in v["members"]]
+            if after:
+                row.update(went_on_s=after[0]["unix"] - f["unix"], live_workers=len(after[0]["members"]),
+                           steps_lost=0)
         elif f["kind"] == "kill":
             # the attempt after the kill: the job resumed from its checkpoint's step (a worker
             # dropped earlier comes back from an older one of its own)
@@ -201,7 +223,8 @@ def summarize_recovery(events: list[dict[str, Any]], faults: list[dict[str, Any]
                            recovery_s=min(e["unix"] for e in nxt) - f["unix"])
         out.append(row)
     return {"faults": out, "restarts": max([e.get("attempt", 0) for e in resumes] + [0]),
-            "resumed_from_steps": [e["step"] for e in resumes if e["rank"] == 0], "dropped": dropped}
+            "resumed_from_steps": [e["step"] for e in resumes if e["rank"] == 0], "dropped": dropped,
+            "views": views}
 
 
 class EventJournal(list):

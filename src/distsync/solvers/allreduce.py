@@ -84,24 +84,32 @@ class AllReduce(GradientMeanSimulation, Solver):
     name = "allreduce"
     Options = AllReduceOptions
     collective_per_step = True
+    reforms_without_dead = True
 
     def attach(self, model, optimizer, comm):
         super().attach(model, optimizer, comm)
         params = [p for p in model.parameters() if p.requires_grad]
         # Backward produces gradients roughly from the last layer to the first.
         cap = int(self.options.bucket_mb * 2**20)
-        self.buckets = [_Bucket(ps) for ps in plan_buckets(list(reversed(params)), cap)]
+        self._make_buckets(plan_buckets(list(reversed(params)), cap))
+        if self.options.overlap:
+            for p in params:
+                p.register_post_accumulate_grad_hook(self._grad_ready)
+        return model
+
+    def _make_buckets(self, plan: list[list[nn.Parameter]]) -> None:
+        self.buckets = [_Bucket(ps) for ps in plan]
         self._where: dict[nn.Parameter, tuple[_Bucket, int]] = {}
         for b in self.buckets:
             for i, p in enumerate(b.params):
                 self._where[p] = (b, i)
                 p.grad = b.views[i]
-                if self.options.overlap:
-                    p.register_post_accumulate_grad_hook(self._grad_ready)
         self._next = 0  # index of the next bucket to launch
-        self._world = comm.num_workers
-        self._group = comm.worker_group
-        return model
+
+    def on_view_change(self, tag):
+        # The step is done again, into new buffers: an all-reduce abandoned on the old group
+        # may still write into the old ones.
+        self._make_buckets([b.params for b in self.buckets])
 
     def _adopt_grad(self, p: nn.Parameter, b: _Bucket, i: int) -> None:
         # A loop that set grads to None (or replaced them) broke the view: copy back in.
@@ -120,7 +128,7 @@ class AllReduce(GradientMeanSimulation, Solver):
             self._launch(self.buckets[self._next])
 
     def _launch(self, b: _Bucket) -> None:
-        b.pending = self.comm.all_reduce(b.flat, group=self._group, async_op=True)
+        b.pending = self.comm.all_reduce(b.flat, group=self.comm.worker_group, async_op=True)
         self._next += 1
 
     def after_backward(self, step: int) -> None:
@@ -131,10 +139,11 @@ class AllReduce(GradientMeanSimulation, Solver):
                     self._adopt_grad(p, b, i)
                 b.waiting_for = 0
             self._launch(b)
+        live = self.comm.group_size(self.comm.worker_group)
         for b in self.buckets:
             b.pending.wait()
             b.pending = None
-            b.flat.div_(self._world)
+            b.flat.div_(live)
             b.waiting_for = len(b.params)
         self._next = 0
 

@@ -99,6 +99,11 @@ class Solver:
     #: True when the others can train on after a worker's process dies (its peers are
     #: servers that serve each worker on its own): the job drops it instead of restarting
     survives_worker_loss: ClassVar[bool] = False
+    #: True when the workers' groups can be re-formed without a dead worker and the others
+    #: go on from where they are (``runtime/membership.py``); the solver's operations on
+    #: ``comm.worker_group`` and ``comm.group(tag)`` then raise ``PeerLost`` when a member
+    #: dies, and :meth:`on_view_change` adapts the solver to the survivors
+    reforms_without_dead: ClassVar[bool] = False
 
     def __init__(self, options: Any = None) -> None:
         self.options = options if options is not None else self.Options()
@@ -201,6 +206,13 @@ class Solver:
     def serve(self, role: str, comm: Any, ctx: ServeContext) -> None:
         """The loop of a non-worker process (server, coordinator); return when workers are done."""
         raise NotImplementedError(f"solver {self.name} declares role {role!r} but does not serve it")
+
+    def on_view_change(self, tag: str) -> nn.Module | None:
+        """The live workers of group ``tag`` changed (``comm.live_workers`` says who is left):
+        forget any operation in flight on the old group, which the loop (or the solver's own
+        thread) will do again. Returns the module the loop should call from now on, if it
+        changed."""
+        return None
 
     def close(self) -> None:
         """Final synchronization; stop and join any threads this solver started."""

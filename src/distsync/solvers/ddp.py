@@ -8,8 +8,11 @@ backward, the gradients are all computed and only their all-reduce is left.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
+
+import torch
 
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
@@ -32,6 +35,7 @@ class DDP(GradientMeanSimulation, Solver):
     name = "ddp"
     Options = DDPOptions
     collective_per_step = True
+    reforms_without_dead = True
 
     @classmethod
     def search_space(cls, workers):
@@ -39,14 +43,51 @@ class DDP(GradientMeanSimulation, Solver):
 
     def attach(self, model, optimizer, comm):
         super().attach(model, optimizer, comm)
-        self.ddp = DistributedDataParallel(
-            model,
-            process_group=comm.worker_group,
-            bucket_cap_mb=self.options.bucket_mb,
-            gradient_as_bucket_view=True,
-        )
-        grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-        self._bytes_per_step = ring_allreduce_bytes(grad_bytes, comm.num_workers)
+        self._on_comm: Callable[[], None] | None = None
+        self._waiter: ThreadPoolExecutor | None = None
+        self._wrap()
+        return self.ddp
+
+    def _wrap(self) -> None:
+        """DistributedDataParallel over the workers' current group. With live membership its
+        all-reduces go through the comm layer, so that a dead worker fails the backward at once
+        (DDP's own waits would sit out the timeout) and the loop re-forms the group."""
+        group = self.comm.worker_group
+        self.ddp = DistributedDataParallel(self.model, process_group=group, bucket_cap_mb=self.options.bucket_mb,
+                                           gradient_as_bucket_view=True)
+        grad_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
+        self._bytes_per_step = ring_allreduce_bytes(grad_bytes, self.comm.group_size(group))
+        if self.comm.membership is not None:
+            self._waiter = self._waiter or ThreadPoolExecutor(1, thread_name_prefix="ddp-wait")
+            self.ddp.register_comm_hook(group, self._live_hook)
+        elif self._on_comm is not None:
+            self.ddp.register_comm_hook(group, self._hook)
+
+    def _hook(self, group, bucket):
+        if bucket.is_last() and self._on_comm is not None:
+            self._on_comm()
+        return allreduce_hook(group, bucket)
+
+    def _live_hook(self, group, bucket):
+        if bucket.is_last() and self._on_comm is not None:
+            self._on_comm()
+        buf = bucket.buffer()
+        pending = self.comm.all_reduce(buf, group=group, async_op=True)
+        size = self.comm.group_size(group)
+        fut: torch.futures.Future = torch.futures.Future()
+
+        def finish() -> None:
+            try:
+                pending.wait()
+                fut.set_result(buf.div_(size))
+            except BaseException as e:
+                fut.set_exception(e)
+
+        self._waiter.submit(finish)
+        return fut
+
+    def on_view_change(self, tag):
+        self._wrap()  # (the old wrapper's reducer goes with it)
         return self.ddp
 
     def on_communication(self, callback: Callable[[], None]) -> None:
@@ -54,15 +95,17 @@ class DDP(GradientMeanSimulation, Solver):
         all-reduce starts: no gradient is left to compute. The all-reduce is DDP's own
         (``allreduce_hook``: the same mean of the gradients)."""
 
-        def hook(group, bucket):
-            if bucket.is_last():
-                callback()
-            return allreduce_hook(group, bucket)
-
-        self.ddp.register_comm_hook(self.comm.worker_group, hook)
+        self._on_comm = callback
+        if self.comm.membership is None:  # (the live hook calls it already)
+            self.ddp.register_comm_hook(self.comm.worker_group, self._hook)
 
     def after_backward(self, step: int) -> None:
-        self.comm.count_bytes(self._bytes_per_step)
+        if self.comm.membership is None:  # (the comm layer counts the live hook's bytes)
+            self.comm.count_bytes(self._bytes_per_step)
+
+    def close(self) -> None:
+        if self._waiter is not None:
+            self._waiter.shutdown(wait=False)
 
     def eval_model(self):
         return self.ddp.module

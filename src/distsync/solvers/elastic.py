@@ -242,6 +242,7 @@ class SyncEASGD(Solver):
     name = "sync-easgd"
     Options = SyncElasticOptions
     collective_per_step = True
+    reforms_without_dead = True
 
     @classmethod
     def lockstep_lead(cls, options, workers):
@@ -272,10 +273,11 @@ class SyncEASGD(Solver):
             return
         mine, center = FlatView(list(self.model.parameters())), FlatView(list(self.center.parameters()))
         x = mine.flat()
-        total = x.clone()
-        self.comm.all_reduce(total, group=self.comm.worker_group)
+        total = x.clone()  # a failed all-reduce leaves the model and center as they were
+        group = self.comm.worker_group
+        self.comm.all_reduce(total, group=group)
         c = center.flat()
-        sync_elastic_update(x, c, total, self.comm.num_workers, self.alpha)
+        sync_elastic_update(x, c, total, self.comm.group_size(group), self.alpha)
         mine.assign(x)
         center.assign(c)
 

@@ -57,6 +57,7 @@ class AveragingSolver(HogwildThreads, Solver):
     BMUF's filter when the options are :class:`BMUFOptions`."""
 
     collective_per_step = False
+    reforms_without_dead = True
 
     @classmethod
     def search_space(cls, workers):
@@ -79,6 +80,7 @@ class AveragingSolver(HogwildThreads, Solver):
         self.view = FlatView(list(model.parameters()))
         self.syncs = 0
         self.steps_done = 0
+        self._counted = -1  # the last step counted (a sync done again after a worker died is not a step)
         # Training threads of one worker take their foreground syncs one at a time.
         self._fg_lock = threading.Lock()
         if isinstance(self.options, BMUFOptions):
@@ -92,18 +94,20 @@ class AveragingSolver(HogwildThreads, Solver):
             return mean
         new = torch.empty_like(mean)
         o = self.options
-        bmuf_update(new, self.w_start, self.delta, mean, o.block_lr, o.momentum_for(self.comm.num_workers),
-                    o.nesterov)
+        bmuf_update(new, self.w_start, self.delta, mean, o.block_lr,
+                    o.momentum_for(len(self.comm.live_workers)), o.nesterov)
         return new
 
     def after_update(self, step):
         with self._fg_lock:
-            self.steps_done += 1
+            if step != self._counted:
+                self.steps_done, self._counted = self.steps_done + 1, step
             if (step + 1) % self.options.every:
                 return
-            mean = self.view.flat()
-            self.comm.all_reduce(mean, group=self.comm.worker_group)
-            mean.div_(self.comm.num_workers)
+            mean = self.view.flat()  # a copy: a failed all-reduce leaves the model as it was
+            group = self.comm.worker_group
+            self.comm.all_reduce(mean, group=group)
+            mean.div_(self.comm.group_size(group))
             self.view.assign(self._combine(mean))
             self.syncs += 1
 
@@ -145,6 +149,7 @@ class Local(HogwildThreads, Solver):
 
     name = "local"
     Options = HogwildThreadsOptions
+    reforms_without_dead = True  # nothing to re-form: the workers never meet
 
     @classmethod
     def lockstep_lead(cls, options, workers):

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from distsync.config import bounded
+from distsync.errors import PeerLost
 from distsync.solvers.base import join_background, register_solver
 from distsync.solvers.elastic import AsyncEASGD, WildOptions
 from distsync.solvers.flat import FlatView, storage_aliases
@@ -61,7 +62,8 @@ class _ShadowAveraging(AveragingSolver):
     def attach(self, model, optimizer, comm):
         super().attach(model, optimizer, comm)
         # The shadow thread's collectives run on a group of their own.
-        self.group = comm.new_group(comm.worker_ranks)
+        comm.group("shadow")
+        self.reforms = 0
         self.live = FlatView(storage_aliases(model.parameters()))
         self._done = threading.Event()
         self._errors: list[BaseException] = []
@@ -73,9 +75,20 @@ class _ShadowAveraging(AveragingSolver):
         with self._fg_lock:
             self.steps_done += 1  # the shadow thread does the syncs
 
+    def _all_reduce_live(self, msg: torch.Tensor) -> int | None:
+        """All-reduce ``msg`` over the live workers; their number, or None when a worker died
+        meanwhile (the shadow group is re-formed without it: the caller does it again)."""
+        group = self.comm.group("shadow")
+        try:
+            self.comm.all_reduce(msg, group=group)
+        except PeerLost as e:
+            self.comm.membership.reform(e.tag)
+            self.reforms += 1
+            return None
+        return self.comm.group_size(group)
+
     def _shadow_loop(self) -> None:
-        n = self.comm.num_workers
-        if n == 1:  # nobody to average with: stay out of the training thread's way
+        if self.comm.num_workers == 1:  # nobody to average with: stay out of the training thread's way
             self._done.wait()
             return
         try:
@@ -84,7 +97,9 @@ class _ShadowAveraging(AveragingSolver):
                 read = self.live.flat().clone()
                 # One extra element: how many workers have finished training. All stop together.
                 msg = torch.cat([read, torch.tensor([1.0 if self._done.is_set() else 0.0])])
-                self.comm.all_reduce(msg, group=self.group)
+                n = self._all_reduce_live(msg)
+                if n is None:
+                    continue
                 mean = msg[:-1].div_(n)
                 new = self._combine(mean)
                 live = self.live.flat()
@@ -104,9 +119,12 @@ class _ShadowAveraging(AveragingSolver):
         join_background(self._thread, self._errors, self.comm.timeout_s + 5,
                         f"rank {self.comm.rank}: {self.name} shadow thread", progress=lambda: self.syncs)
         # Final sync: every worker leaves with the mean of the final models.
-        final = self.view.flat()
-        self.comm.all_reduce(final, group=self.group)
-        self.view.assign(final.div_(self.comm.num_workers))
+        while True:
+            final = self.view.flat()
+            n = self._all_reduce_live(final)
+            if n is not None:
+                break
+        self.view.assign(final.div_(n))
 
 
 @register_solver

@@ -99,6 +99,10 @@ class StepState:
     metric: float | None = None  # the evaluation's metric when one ran after this step
     #: keys a plug-in adds at the end of this step's event
     event_extra: dict[str, Any] = field(default_factory=dict)
+    #: the optimizer has stepped (a step done again after a worker died resumes after it)
+    updated: bool = False
+    loss_tensor: Any = None
+    labels: Any = None
 
     @property
     def forward_s(self) -> float:
@@ -135,6 +139,8 @@ class RunState:
     model: torch.nn.Module | None = None
     optimizer: torch.optim.Optimizer | None = None
     run_model: torch.nn.Module | None = None  # the module the solver wants called
+    #: each parameter group's learning rate as the run began (--shrink-lr scales from it)
+    base_lrs: list[float] = field(default_factory=list)
     params: list[torch.Tensor] = field(default_factory=list)  # trainable, for Hogwild updates
     samplers: list[Any] = field(default_factory=list)  # one per training thread
     clock: TrainClock = field(default_factory=TrainClock)

@@ -1,0 +1,273 @@
+"""Who is still in the job: the live workers' groups, re-formed without a worker that died.
+
+Under ``--on-failure continue`` (the default) a job goes on when a worker dies. Each set of
+workers that communicates together is a *view*: a tag (``workers`` for the training
+thread's collectives, ``shadow`` for a background thread's, ...), an epoch, the members
+(global ranks) and a process group over them. A view's group is a fresh gloo group under a
+store prefix of its own (``distsync/pg/TAG/EPOCH``), so it can be made by its members alone,
+whoever else has died.
+
+When an operation on a view fails (a peer's connection closed) or, while it waits, the view
+is found superseded (a member is known dead, or another member has proposed the next
+epoch), the operation raises :class:`PeerLost`. Its caller then calls :meth:`Membership.reform`:
+
+1. The dead are found: a worker whose supervising parent marked it dropped
+   (``RUN/dropped/``, written the moment it died) or whose heartbeat stood still for the comm
+   timeout (a stall).
+2. The next epoch's members are agreed through the store: the first proposal for
+   ``distsync/view/TAG/E+1`` wins (``compare_set``) and everyone adopts it.
+3. Each member publishes how many operations it completed in the old view; a new group is
+   made over the members, and if they disagree (a worker died at the very end of an
+   operation that some completed and others did not) the job cannot go on consistently and
+   fails with that message (a restart from a checkpoint is the way on).
+
+Waits on a view's operations are bounded by the comm timeout as before, and every 20 ms
+they look whether the view is superseded: a member that is not the dead worker's
+neighbour would otherwise wait out the timeout (gloo has no abort that frees a waiting
+operation).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from distsync.errors import CommError, Excluded, PeerLost
+
+__all__ = ["Excluded", "Membership", "PeerLost", "View", "make_group", "marked_dead"]
+
+VIEW = "distsync/view/"
+#: a counter each worker moves while it waits on a view's operation
+ALIVE = "distsync/alive/"
+#: how often a waiting operation looks whether its view is superseded
+POLL_S = 0.02
+
+
+@dataclass
+class View:
+    tag: str
+    epoch: int
+    members: tuple[int, ...]
+    pg: Any
+    #: operations completed on ``pg``
+    seq: int = 0
+    #: when it was formed (``time.time()``), and the seconds its re-forming took
+    unix: float = field(default_factory=time.time)
+    reform_s: float = 0.0
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+
+def make_group(store: Any, prefix: str, members: list[int], rank: int, timeout_s: float, name: str) -> Any:
+    """A gloo process group over ``members`` (global ranks, this ``rank`` among them) under
+    ``prefix`` of ``store``, registered with torch.distributed so that its functions (and
+    DistributedDataParallel) accept it like a group from ``new_group``. Only the members
+    call this."""
+    from torch.distributed import distributed_c10d as c10d
+
+    me = members.index(rank)
+    prefixed = dist.PrefixStore(prefix, store)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    backend = dist.ProcessGroupGloo(dist.PrefixStore("gloo", prefixed), me, len(members), timeout)
+    backend.options.global_ranks_in_group = list(members)
+    backend.options.group_name = name
+    pg = dist.ProcessGroup(prefixed, me, len(members))
+    pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    pg._set_group_name(name)
+    c10d._register_pg_in_world(pg, backend_name="gloo", store=prefixed, group_name=name, backend_config="cpu:gloo",
+                               rank_mapping={g: i for i, g in enumerate(members)})
+    return pg
+
+
+class Membership:
+    """A process's views (one per tag), the dead it knows of, and the re-forming protocol.
+
+    ``is_marked_dead(rank)``: whether the launcher has marked worker ``rank`` dead;
+    ``heartbeat(rank)``: its last heartbeat value (None: none yet). Both are asked while an
+    operation waits or a view is re-formed.
+    """
+
+    def __init__(self, comm: Any, workers: list[int], is_marked_dead: Callable[[int], bool],
+                 heartbeat: Callable[[int], str | None], on_change: Callable[[View, View], None] | None = None,
+                 mark_stalled: Callable[[int], None] | None = None):
+        self.comm = comm
+        self.workers = list(workers)
+        self.is_marked_dead = is_marked_dead
+        self.heartbeat = heartbeat
+        self.on_change = on_change
+        self.mark_stalled = mark_stalled
+        self._alive_at = 0.0
+        self._views: dict[str, View] = {}
+        self._by_pg: dict[Any, View] = {}
+        self._lock = threading.RLock()
+        self._beats: dict[int, tuple[str | None, float]] = {}
+        self.dead: set[int] = set()
+        self.last_lost: PeerLost | None = None
+        self.history: list[View] = []
+
+    # ---- views -------------------------------------------------------------------------
+    def view(self, tag: str) -> View:
+        """The current view of ``tag`` (the first call, on every worker alike, makes epoch 0
+        over the live workers)."""
+        with self._lock:
+            v = self._views.get(tag)
+            if v is None:
+                members = [r for r in self.workers if r not in self.dead]
+                v = self._form(tag, 0, members)
+            return v
+
+    def view_of(self, group: Any) -> View | None:
+        return self._by_pg.get(group) if group is not None else None
+
+    def _form(self, tag: str, epoch: int, members: list[int]) -> View:
+        store = self.comm.raw_store()
+        pg = make_group(store, f"distsync/pg/{tag}/{epoch}", members, self.comm.rank, self.comm.timeout_s,
+                        f"distsync-{tag}-{epoch}")
+        v = View(tag, epoch, tuple(members), pg)
+        old = self._views.get(tag)
+        self._views[tag] = v
+        self._by_pg[pg] = v
+        self.history.append(v)
+        if old is not None and self.on_change is not None:
+            self.on_change(old, v)
+        return v
+
+    # ---- failure detection ------------------------------------------------------------------
+    def alive(self) -> None:
+        """Tell the others this worker is alive though it waits (at most every second): a
+        worker waiting for a stalled peer must not look stalled itself."""
+        now = time.monotonic()
+        if now - self._alive_at >= min(1.0, self.comm.timeout_s / 5):
+            self._alive_at = now
+            self.comm.store_add(f"{ALIVE}{self.comm.rank}", 1)
+
+    def _stalled(self, rank: int) -> bool:
+        beat = self.heartbeat(rank)
+        seen = self._beats.get(rank)
+        now = time.monotonic()
+        if seen is None or seen[0] != beat:
+            self._beats[rank] = (beat, now)
+            return False
+        return now - seen[1] > self.comm.timeout_s
+
+    def dead_among(self, members: tuple[int, ...]) -> set[int]:
+        """The members known dead now (marked by the launcher, or heartbeat stood still)."""
+        found = {r for r in members if r != self.comm.rank and
+                 (r in self.dead or self.is_marked_dead(r) or self._stalled(r))}
+        self.dead |= found
+        return found
+
+    def superseded(self, view: View) -> bool:
+        """Whether ``view`` will not complete another operation: a member is dead, or the
+        next epoch has been proposed."""
+        return bool(self.dead_among(view.members)) or self.comm.store_check(f"{VIEW}{view.tag}/{view.epoch + 1}")
+
+    def lost(self, view: View, what: str, cause: str) -> PeerLost:
+        e = PeerLost(f"rank {self.comm.rank}: {what} on the {view.tag} group (epoch {view.epoch}) failed: {cause}",
+                     view.tag)
+        self.last_lost = e
+        return e
+
+    def take_lost(self) -> PeerLost | None:
+        """The last :class:`PeerLost` raised (by any thread), once."""
+        e, self.last_lost = self.last_lost, None
+        return e
+
+    def wait(self, work: Any, view: View, what: str, timeout_s: float) -> None:
+        """Wait for ``work`` on ``view``, at most ``timeout_s``, looking every :data:`POLL_S`
+        whether the view is superseded; :class:`PeerLost` if it fails or is."""
+        deadline = time.monotonic() + timeout_s
+        step = datetime.timedelta(seconds=POLL_S)
+        while True:
+            try:
+                work.wait(step)
+                break
+            except Exception:  # a short wait's timeout leaves the work going on
+                if work.is_completed():
+                    try:
+                        work.wait()
+                        break
+                    except Exception as e2:
+                        raise self.lost(view, what, _first_line(e2)) from None
+                if self.superseded(view):
+                    raise self.lost(view, what, "a member died") from None
+                self.alive()
+                if time.monotonic() > deadline:
+                    raise CommError(f"rank {self.comm.rank}: {what} timed out after {timeout_s:g} s "
+                                    f"(a peer is stalled)") from None
+        view.seq += 1
+
+    # ---- re-forming ------------------------------------------------------------------------------
+    def reform(self, tag: str) -> View:
+        """After :class:`PeerLost` on ``tag``'s view: agree on the next view without the dead
+        and make its group. Returns the new view (it may be several epochs on, if others
+        re-formed meanwhile)."""
+        with self._lock:
+            old = self._views[tag]
+            t0 = time.perf_counter()
+            deadline = time.monotonic() + self.comm.timeout_s + 5
+            epoch, members = old.epoch, old.members
+            seqs = {}
+            while True:
+                key = f"{VIEW}{tag}/{epoch + 1}"
+                if self.comm.store_check(key):
+                    agreed = json.loads(self.comm.store_get(key))
+                else:
+                    dead = self.dead_among(members)
+                    self.alive()
+                    if not dead:
+                        if time.monotonic() > deadline:
+                            raise CommError(f"rank {self.comm.rank}: the {tag} group failed and no worker "
+                                            f"was found dead within {self.comm.timeout_s:g} s")
+                        time.sleep(0.01)
+                        continue
+                    proposal = json.dumps([r for r in members if r not in dead])
+                    agreed = json.loads(self.comm.store_first(key, proposal))
+                    if self.mark_stalled is not None and json.dumps(agreed) == proposal:
+                        for r in dead:  # (the launcher ends a stalled one: distsync/supervise.py)
+                            if not self.is_marked_dead(r):
+                                self.mark_stalled(r)
+                if self.comm.rank not in agreed:
+                    raise Excluded(f"rank {self.comm.rank}: the other workers went on without this one "
+                                   f"(it made no progress for {self.comm.timeout_s:g} s)")
+                epoch, members = epoch + 1, tuple(agreed)
+                # Later epochs already agreed (this rank is behind): follow them.
+                if not self.comm.store_check(f"{VIEW}{tag}/{epoch + 1}"):
+                    break
+            self.comm.store_set(f"{VIEW}{tag}/{epoch}/seq/{self.comm.rank}", str(old.seq))
+            new = self._form(tag, epoch, list(members))
+            for r in members:
+                seqs[r] = int(self.comm.store_get(f"{VIEW}{tag}/{epoch}/seq/{r}"))
+            new.reform_s = time.perf_counter() - t0
+            if len(set(seqs.values())) > 1:
+                raise CommError(f"rank {self.comm.rank}: the workers left the {tag} group at different "
+                                f"operations ({seqs}): a worker died as one finished; restart from a checkpoint")
+            return new
+
+    def members(self, tag: str = "workers") -> tuple[int, ...]:
+        return self.view(tag).members
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    low = text.lower()
+    if any(s in low for s in ("connection reset", "connection closed", "broken pipe", "eof")):
+        return "a peer closed its connection (its process died)"
+    return text.splitlines()[0][:200] if text else type(e).__name__
+
+
+def marked_dead(run_dir: Path, attempt: int) -> Callable[[int], bool]:
+    """``RUN/dropped/attempt-A-rank-R.json`` exists: the launcher saw worker R die."""
+    folder = Path(run_dir) / "dropped"
+    return lambda rank: (folder / f"attempt-{attempt}-rank-{rank}.json").exists()
