@@ -162,12 +162,13 @@ class Comm:
             return self.membership.view("workers").pg
         return self._worker_group
 
-    def group(self, tag: str) -> Any:
+    def group(self, tag: str, ordered: bool = True) -> Any:
         """A group of all workers of its own (e.g. for a background thread's collectives),
         made on first use by every worker alike (and every other rank too, without live
-        membership); with live membership, the current view of the live workers."""
+        membership); with live membership, the current view of the live workers
+        (``ordered``: see ``runtime.membership.View``)."""
         if self.membership is not None:
-            return self.membership.view(tag).pg
+            return self.membership.view(tag, ordered).pg
         if tag not in self._groups:
             self._groups[tag] = self.new_group(self.worker_ranks)
         return self._groups[tag]
@@ -236,6 +237,7 @@ class Comm:
 
     def _start_on(self, view: Any, what: str, fn, *args, **kwargs) -> Any:
         """Start ``fn`` on a live view's group; a failure to start is a lost peer."""
+        self.membership.check(view, what)
         try:
             return fn(*args, **kwargs)
         except Exception as e:

@@ -206,7 +206,7 @@ def _go_on_without(run: RunState, s: StepState, lost: PeerLost) -> None:
         run.runner.zero_grad(run, s)
     run.events.append({"kind": "view", "rank": run.rank, "step": s.step, "t": run.clock.now(), "unix": time.time(),
                        "tag": view.tag, "epoch": view.epoch, "members": list(view.members),
-                       "reform_s": view.reform_s, "during": "sync" if s.updated else "step"})
+                       "reform_s": view.reform_s, "during": "sync" if s.updated else "step", "cause": str(lost)})
 
 
 def _background_views(run: RunState) -> None:

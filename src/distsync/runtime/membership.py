@@ -59,9 +59,15 @@ class View:
     pg: Any
     #: operations completed on ``pg``
     seq: int = 0
+    #: whether its operations must line up across a re-forming (re-forming checks that every
+    #: member left at the same one); False where each is whole by itself (a background
+    #: average): the members go on whatever each completed
+    ordered: bool = True
     #: when it was formed (``time.time()``), and the seconds its re-forming took
     unix: float = field(default_factory=time.time)
     reform_s: float = 0.0
+    #: when it was last looked at for a death (``time.monotonic``)
+    checked_at: float = 0.0
 
     @property
     def size(self) -> int:
@@ -117,24 +123,24 @@ class Membership:
         self.history: list[View] = []
 
     # ---- views -------------------------------------------------------------------------
-    def view(self, tag: str) -> View:
+    def view(self, tag: str, ordered: bool = True) -> View:
         """The current view of ``tag`` (the first call, on every worker alike, makes epoch 0
-        over the live workers)."""
+        over the live workers; ``ordered``: see :class:`View`)."""
         with self._lock:
             v = self._views.get(tag)
             if v is None:
                 members = [r for r in self.workers if r not in self.dead]
-                v = self._form(tag, 0, members)
+                v = self._form(tag, 0, members, ordered)
             return v
 
     def view_of(self, group: Any) -> View | None:
         return self._by_pg.get(group) if group is not None else None
 
-    def _form(self, tag: str, epoch: int, members: list[int]) -> View:
+    def _form(self, tag: str, epoch: int, members: list[int], ordered: bool = True) -> View:
         store = self.comm.raw_store()
         pg = make_group(store, f"distsync/pg/{tag}/{epoch}", members, self.comm.rank, self.comm.timeout_s,
                         f"distsync-{tag}-{epoch}")
-        v = View(tag, epoch, tuple(members), pg)
+        v = View(tag, epoch, tuple(members), pg, ordered=ordered)
         old = self._views.get(tag)
         self._views[tag] = v
         self._by_pg[pg] = v
@@ -153,12 +159,17 @@ class Membership:
             self.comm.store_add(f"{ALIVE}{self.comm.rank}", 1)
 
     def _stalled(self, rank: int) -> bool:
-        beat = self.heartbeat(rank)
-        seen = self._beats.get(rank)
+        """Whether ``rank``'s heartbeat stood still for the comm timeout (looked at every
+        half second at most: each look costs two store reads)."""
+        seen = self._beats.get(rank)  # (its heartbeat, when that was first seen, when last looked at)
         now = time.monotonic()
+        if seen is not None and now - seen[2] < 0.5:
+            return seen[2] - seen[1] > self.comm.timeout_s
+        beat = self.heartbeat(rank)
         if seen is None or seen[0] != beat:
-            self._beats[rank] = (beat, now)
+            self._beats[rank] = (beat, now, now)
             return False
+        self._beats[rank] = (beat, seen[1], now)
         return now - seen[1] > self.comm.timeout_s
 
     def dead_among(self, members: tuple[int, ...]) -> set[int]:
@@ -169,9 +180,16 @@ class Membership:
         return found
 
     def superseded(self, view: View) -> bool:
-        """Whether ``view`` will not complete another operation: a member is dead, or the
-        next epoch has been proposed."""
+        """Whether an operation on ``view`` will not complete: a member is dead, or the next
+        epoch has been proposed."""
+        view.checked_at = time.monotonic()
         return bool(self.dead_among(view.members)) or self.comm.store_check(f"{VIEW}{view.tag}/{view.epoch + 1}")
+
+    def check(self, view: View, what: str) -> None:
+        """Before an operation on ``view``: :class:`PeerLost` if it is superseded (looked at
+        every :data:`POLL_S` at most): a member that was waiting on nothing learns of a death."""
+        if time.monotonic() - view.checked_at >= POLL_S and self.superseded(view):
+            raise self.lost(view, what, "a member died")
 
     def lost(self, view: View, what: str, cause: str) -> PeerLost:
         e = PeerLost(f"rank {self.comm.rank}: {what} on the {view.tag} group (epoch {view.epoch}) failed: {cause}",
@@ -186,8 +204,9 @@ class Membership:
 
     def wait(self, work: Any, view: View, what: str, timeout_s: float) -> None:
         """Wait for ``work`` on ``view``, at most ``timeout_s``, looking every :data:`POLL_S`
-        whether the view is superseded; :class:`PeerLost` if it fails or is."""
-        deadline = time.monotonic() + timeout_s
+        whether the view is superseded: :class:`PeerLost` if it is, as when the work fails."""
+        # (beyond the timeout, so that a stalled member is found, and left behind, first)
+        deadline = time.monotonic() + timeout_s + max(2.0, timeout_s / 2)
         step = datetime.timedelta(seconds=POLL_S)
         while True:
             try:
@@ -246,8 +265,8 @@ class Membership:
                 if not self.comm.store_check(f"{VIEW}{tag}/{epoch + 1}"):
                     break
             self.comm.store_set(f"{VIEW}{tag}/{epoch}/seq/{self.comm.rank}", str(old.seq))
-            new = self._form(tag, epoch, list(members))
-            for r in members:
+            new = self._form(tag, epoch, list(members), old.ordered)
+            for r in members if old.ordered else ():
                 seqs[r] = int(self.comm.store_get(f"{VIEW}{tag}/{epoch}/seq/{r}"))
             new.reform_s = time.perf_counter() - t0
             if len(set(seqs.values())) > 1:

@@ -61,8 +61,9 @@ class _ShadowAveraging(AveragingSolver):
 
     def attach(self, model, optimizer, comm):
         super().attach(model, optimizer, comm)
-        # The shadow thread's collectives run on a group of their own.
-        comm.group("shadow")
+        # The shadow thread's collectives run on a group of their own. Each sync is whole by
+        # itself: after a death the workers go on whether or not each completed the last one.
+        comm.group("shadow", ordered=False)
         self.reforms = 0
         self.live = FlatView(storage_aliases(model.parameters()))
         self._done = threading.Event()

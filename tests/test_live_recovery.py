@@ -1,0 +1,169 @@
+"""Going on without a dead worker (--on-failure continue): re-formed groups, the agreement
+behind them, and what the run reports."""
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from distsync.errors import CommError, Excluded
+from distsync.runtime.membership import VIEW, Membership, View
+from distsync.runtime.recovery import summarize_recovery, summarize_views
+from helpers import run_cli
+
+
+# ---- the agreement, in-process ------------------------------------------------------------
+
+class _Comm:
+    """What Membership asks of a comm: a rank, a timeout and a key-value store (shared by
+    the ranks of one test)."""
+
+    def __init__(self, rank: int, store: dict, timeout_s: float = 0.3):
+        self.rank, self.store, self.timeout_s = rank, store, timeout_s
+
+    def store_check(self, key):
+        return key in self.store
+
+    def store_get(self, key):
+        return self.store[key]
+
+    def store_set(self, key, value):
+        self.store[key] = value
+
+    def store_first(self, key, value):
+        return self.store.setdefault(key, value)
+
+    def store_add(self, key, amount):
+        self.store[key] = str(int(self.store.get(key, "0")) + amount)
+        return int(self.store[key])
+
+
+def _membership(rank: int, store: dict, dead: set, beats: dict | None = None) -> Membership:
+    m = Membership(_Comm(rank, store), [0, 1, 2, 3], lambda r: r in dead,
+                   lambda r: (beats or {}).get(r, "moving-" + str(time.monotonic())))
+    # a group per view is made by real processes elsewhere: here, only who is in it
+    m._form = lambda tag, epoch, members, ordered=True: m._views.__setitem__(tag, View(tag, epoch, tuple(members), None)) \
+        or m._views[tag]
+    m._views["workers"] = View("workers", 0, (0, 1, 2, 3), None, seq=7)
+    return m
+
+
+def test_the_first_proposal_is_the_view_everyone_adopts():
+    store, dead = {f"{VIEW}workers/1/seq/1": "7", f"{VIEW}workers/1/seq/3": "7"}, {2}
+    first = _membership(0, store, dead).reform("workers")
+    assert (first.epoch, first.members) == (1, (0, 1, 3))
+    # rank 1 also knows of rank 3's death by now, but the view for epoch 1 is agreed already
+    second = _membership(1, store, {2, 3}).reform("workers")
+    assert (second.epoch, second.members) == (1, (0, 1, 3))
+    assert json.loads(store[f"{VIEW}workers/1"]) == [0, 1, 3]
+
+
+def test_a_rank_behind_follows_every_epoch_agreed_since():
+    store = {f"{VIEW}workers/1": "[0, 1, 3]", f"{VIEW}workers/2": "[0, 1]"}
+    for r in (0, 1, 3):
+        store[f"{VIEW}workers/2/seq/{r}"] = "7"
+    view = _membership(0, store, set()).reform("workers")
+    assert (view.epoch, view.members) == (2, (0, 1))
+
+
+def test_a_worker_left_out_of_the_agreed_view_is_told_so():
+    store = {f"{VIEW}workers/1": "[0, 1, 3]"}
+    with pytest.raises(Excluded, match="rank 2: the other workers went on without this one"):
+        _membership(2, store, set()).reform("workers")
+
+
+def test_members_that_left_at_different_operations_cannot_go_on():
+    store = {f"{VIEW}workers/1/seq/1": "8", f"{VIEW}workers/1/seq/3": "7"}
+    with pytest.raises(CommError, match=r"left the workers group at different operations \(\{0: 7, 1: 8, 3: 7\}\)"):
+        _membership(0, store, {2}).reform("workers")
+
+
+def test_no_death_found_within_the_timeout_is_an_error_not_a_new_view():
+    t0 = time.monotonic()
+    with pytest.raises(CommError, match="the workers group failed and no worker was found dead"):
+        _membership(0, {}, set()).reform("workers")
+    assert time.monotonic() - t0 < 10
+
+
+def test_a_worker_whose_heartbeat_stands_still_for_the_timeout_is_found_dead():
+    m = _membership(0, {}, set(), beats={1: "5/-", 2: "9/3", 3: "9/4"})
+    assert m.dead_among((1, 2, 3)) == set()  # first look
+    time.sleep(0.35)
+    m._beats = {r: (b, t, t - 1.0) for r, (b, t, _) in m._beats.items()}  # (looked at half a second ago)
+    assert m.dead_among((1, 2, 3)) == {1, 2, 3}  # none moved for 0.3 s
+
+
+# ---- what the run reports ---------------------------------------------------------------
+
+def test_views_and_the_time_to_go_on_are_summarized_from_the_events():
+    events = [
+        {"kind": "view", "rank": 0, "tag": "workers", "epoch": 1, "members": [0, 2], "step": 20, "unix": 100.030,
+         "reform_s": 0.004},
+        {"kind": "view", "rank": 2, "tag": "workers", "epoch": 1, "members": [0, 2], "step": 20, "unix": 100.025,
+         "reform_s": 0.006},
+    ]
+    faults = [{"spec": "kill:1@20", "kind": "kill", "rank": 1, "step": 20, "unix": 100.0}]
+    dropped = [{"rank": 1, "signal": "SIGKILL", "unix": 100.01, "attempt": 0, "last_step": 19}]
+    [view] = summarize_views(events)
+    assert view == {"tag": "workers", "epoch": 1, "members": [0, 2], "step": 20, "unix": 100.025, "reform_s": 0.006}
+    [row] = summarize_recovery(events, faults, dropped)["faults"]
+    assert row["dropped"] is True and row["steps_lost"] == 0 and row["live_workers"] == 2
+    assert row["went_on_s"] == pytest.approx(0.025)
+
+
+# ---- real jobs ------------------------------------------------------------------------------
+
+def _train(out: Path, *args: str) -> tuple[int, str, dict]:
+    proc = run_cli("train", "--workers", "3", "--steps", "60", "--eval-every", "30", "--out", str(out), *args,
+                   timeout=55)
+    summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
+    return proc.returncode, proc.stderr, summary
+
+
+def _steps(out: Path, rank: int) -> list[int]:
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    return sorted(e["step"] for e in events if e["kind"] == "step" and e["rank"] == rank)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("solver", [
+    ["--solver", "allreduce"], ["--solver", "ddp"], ["--solver", "ma", "-o", "every=4"],
+    ["--solver", "sync-easgd", "-o", "tau=4"], ["--solver", "shadow-ma"], ["--solver", "local"],
+], ids=lambda s: s[1])
+def test_every_family_goes_on_without_a_dead_worker(tmp_path, solver):
+    code, err, s = _train(tmp_path, *solver, "--fault", "kill:1@20")
+    assert code == 0, err
+    assert "worker rank 1 died (SIGKILL) after step 19 and was dropped" in err
+    assert _steps(tmp_path, 0) == _steps(tmp_path, 2) == list(range(60))  # no step lost, none done twice
+    assert _steps(tmp_path, 1) == list(range(20))
+    [fault] = s["recovery"]["faults"]
+    assert s["recovery"]["restarts"] == 0 and fault["dropped"] is True
+    if solver[1] != "local":  # (local's workers never meet: nothing to re-form)
+        assert [v["members"] for v in s["recovery"]["views"]] == [[0, 2]]
+        assert fault["steps_lost"] == 0 and fault["went_on_s"] < 1.0, fault
+    assert s["final_metric"] > 0.85
+
+
+@pytest.mark.slow
+def test_the_survivors_of_an_all_reduce_stay_identical_and_rank_0s_death_is_survived(tmp_path):
+    code, err, clean = _train(tmp_path / "clean", "--solver", "allreduce")
+    assert code == 0, err
+    code, err, s = _train(tmp_path / "fault", "--solver", "allreduce", "--fault", "kill:0@25")
+    assert code == 0, err
+    assert (tmp_path / "fault" / "summary.json").exists()  # written by rank 1 instead
+    events = [json.loads(line) for line in (tmp_path / "fault" / "events.jsonl").read_text().splitlines()]
+    finals = {e["rank"]: e["metric"] for e in events if e["kind"] == "eval"}  # each one's last
+    assert set(finals) == {1, 2} and len(set(finals.values())) == 1, finals  # the same steps: the same model
+    assert abs(s["final_metric"] - clean["final_metric"]) <= 0.03
+    assert "re-formed their group without it" in err
+
+
+@pytest.mark.slow
+def test_a_stalled_worker_is_left_behind_after_the_timeout_and_ended(tmp_path):
+    t0 = time.monotonic()
+    code, err, s = _train(tmp_path, "--solver", "allreduce", "--timeout", "3", "--fault", "stall:1@30:40")
+    assert code == 0, err
+    assert time.monotonic() - t0 < 30  # not the 40 s stall: it was ended
+    assert "worker rank 1 stalled after step 29 and was dropped" in err
+    assert _steps(tmp_path, 0) == list(range(60)) and _steps(tmp_path, 1) == list(range(30))
