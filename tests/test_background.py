@@ -83,7 +83,7 @@ class _StubComm:
     def __init__(self):
         self.calls, self.answers = queue.Queue(), queue.Queue()
 
-    def group(self, tag):
+    def group(self, tag, ordered=True):
         return tag
 
     def group_size(self, group=None):
