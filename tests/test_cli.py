@@ -73,7 +73,8 @@ def test_nan_loss_stops_the_run_naming_step_and_worker(tmp_path):
 @pytest.mark.slow
 def test_killed_worker_ends_the_job_naming_rank_with_no_orphans(tmp_path):
     run = tmp_path / "run"
-    proc = subprocess.Popen(DISTSYNC + ["train", "--steps", "1000000", "--workers", "2", "--out", str(run)],
+    proc = subprocess.Popen(DISTSYNC + ["train", "--steps", "1000000", "--workers", "2", "--on-failure", "restart",
+                                        "--out", str(run)],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 40

@@ -49,8 +49,16 @@ def _membership(rank: int, store: dict, dead: set, beats: dict | None = None) ->
     return m
 
 
+def _in(store: dict, epoch: int, *ranks: int, seq: int = 7) -> dict:
+    """The store as it is once ``ranks`` have come to make epoch ``epoch``'s group."""
+    for r in ranks:
+        store[f"{VIEW}workers/{epoch}/fate/{r}"] = "in"
+        store[f"{VIEW}workers/{epoch}/seq/{r}"] = str(seq)
+    return store
+
+
 def test_the_first_proposal_is_the_view_everyone_adopts():
-    store, dead = {f"{VIEW}workers/1/seq/1": "7", f"{VIEW}workers/1/seq/3": "7"}, {2}
+    store, dead = _in({}, 1, 1, 3), {2}
     first = _membership(0, store, dead).reform("workers")
     assert (first.epoch, first.members) == (1, (0, 1, 3))
     # rank 1 also knows of rank 3's death by now, but the view for epoch 1 is agreed already
@@ -60,9 +68,7 @@ def test_the_first_proposal_is_the_view_everyone_adopts():
 
 
 def test_a_rank_behind_follows_every_epoch_agreed_since():
-    store = {f"{VIEW}workers/1": "[0, 1, 3]", f"{VIEW}workers/2": "[0, 1]"}
-    for r in (0, 1, 3):
-        store[f"{VIEW}workers/2/seq/{r}"] = "7"
+    store = _in({f"{VIEW}workers/1": "[0, 1, 3]", f"{VIEW}workers/2": "[0, 1]"}, 2, 1)
     view = _membership(0, store, set()).reform("workers")
     assert (view.epoch, view.members) == (2, (0, 1))
 
@@ -74,9 +80,19 @@ def test_a_worker_left_out_of_the_agreed_view_is_told_so():
 
 
 def test_members_that_left_at_different_operations_cannot_go_on():
-    store = {f"{VIEW}workers/1/seq/1": "8", f"{VIEW}workers/1/seq/3": "7"}
+    store = _in(_in({}, 1, 3), 1, 1, seq=8)
     with pytest.raises(CommError, match=r"left the workers group at different operations \(\{0: 7, 1: 8, 3: 7\}\)"):
         _membership(0, store, {2}).reform("workers")
+
+
+def test_a_member_that_died_before_it_came_is_out_and_that_group_is_never_made():
+    store = {f"{VIEW}workers/1": "[0, 1, 3]", f"{VIEW}workers/1/fate/1": "in"}
+    assert _membership(0, store, {3})._all_in("workers", 1, (0, 1, 3)) is False
+    assert store[f"{VIEW}workers/1/fate/3"] == "out"
+    # and the next epoch leaves it out
+    _in(store, 2, 1)
+    view = _membership(0, store, {2, 3}).reform("workers")
+    assert (view.epoch, view.members) == (2, (0, 1))
 
 
 def test_no_death_found_within_the_timeout_is_an_error_not_a_new_view():
@@ -130,6 +146,7 @@ def _steps(out: Path, rank: int) -> list[int]:
 @pytest.mark.parametrize("solver", [
     ["--solver", "allreduce"], ["--solver", "ddp"], ["--solver", "ma", "-o", "every=4"],
     ["--solver", "sync-easgd", "-o", "tau=4"], ["--solver", "shadow-ma"], ["--solver", "local"],
+    ["--solver", "sync-ps"], ["--solver", "easgd"],
 ], ids=lambda s: s[1])
 def test_every_family_goes_on_without_a_dead_worker(tmp_path, solver):
     code, err, s = _train(tmp_path, *solver, "--fault", "kill:1@20")
@@ -139,7 +156,9 @@ def test_every_family_goes_on_without_a_dead_worker(tmp_path, solver):
     assert _steps(tmp_path, 1) == list(range(20))
     [fault] = s["recovery"]["faults"]
     assert s["recovery"]["restarts"] == 0 and fault["dropped"] is True
-    if solver[1] != "local":  # (local's workers never meet: nothing to re-form)
+    if solver[1] in ("sync-ps", "easgd"):  # their server leaves the dead worker out of its rounds
+        assert s["solver_stats"]["3"]["dropped_workers"] == {"1": 19}
+    elif solver[1] != "local":  # (local's workers never meet: nothing to re-form)
         assert [v["members"] for v in s["recovery"]["views"]] == [[0, 2]]
         assert fault["steps_lost"] == 0 and fault["went_on_s"] < 1.0, fault
     assert s["final_metric"] > 0.85
@@ -167,3 +186,26 @@ def test_a_stalled_worker_is_left_behind_after_the_timeout_and_ended(tmp_path):
     assert time.monotonic() - t0 < 30  # not the 40 s stall: it was ended
     assert "worker rank 1 stalled after step 29 and was dropped" in err
     assert _steps(tmp_path, 0) == list(range(60)) and _steps(tmp_path, 1) == list(range(30))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("solver", [["--solver", "allreduce"], ["--solver", "ma", "-o", "every=4"]],
+                         ids=lambda s: s[1])
+def test_a_replacement_heals_from_a_live_peer_and_the_job_is_whole_again(tmp_path, solver):
+    code, err, s = _train(tmp_path, *solver, "--fault", "kill:1@20", "--max-restarts", "1", "--steps", "100",
+                          "--device-ms", "30")
+    assert code == 0, err
+    [fault] = s["recovery"]["faults"]
+    assert fault["replaced"] is True and fault["steps_lost"] == 0 and s["recovery"]["restarts"] == 0, fault
+    joined = fault["joined_at_step"]
+    assert 20 <= joined < 100 and fault["replaced_rank_steps_lost"] == joined - 20
+    assert f"a replacement joined at step {joined}" in err
+    # the survivors went on without it, then admitted the replacement
+    assert [v["members"] for v in s["recovery"]["views"]] == [[0, 2], [0, 1, 2]]
+    assert _steps(tmp_path, 0) == _steps(tmp_path, 2) == list(range(100))
+    assert _steps(tmp_path, 1) == list(range(20)) + list(range(joined, 100))  # the dead one's, then its own
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    finals = {e["rank"]: e["metric"] for e in events if e["kind"] == "eval"}
+    if solver[1] == "allreduce":  # the replacement took a peer's model: all three end identical
+        assert len(set(finals.values())) == 1, finals
+    assert s["final_metric"] > 0.85

@@ -104,7 +104,8 @@ def test_latency_without_netem_is_applied_in_comm_layer_and_recorded(tmp_path):
 
 def _start_and_wait_for_training(tmp_path, *extra):
     run = tmp_path / "run"
-    proc = subprocess.Popen(DISTSYNC + ["train", "--steps", "1000000", "--workers", "2", "--out", str(run), *extra],
+    proc = subprocess.Popen(DISTSYNC + ["train", "--steps", "1000000", "--workers", "2", "--on-failure", "restart",
+                                        "--out", str(run), *extra],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 40
     while not (run / "progress.json").exists():

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 
 def die_with_parent() -> None:
@@ -37,18 +38,40 @@ def supervise(argv: list[str]) -> None:
     job as usual. Signals sent to this parent are passed on to the child.
     """
     env = dict(os.environ, DISTSYNC_SUPERVISED="1")
-    child = subprocess.Popen([sys.executable, "-m", "distsync.worker", *argv], env=env, preexec_fn=die_with_parent)
-    os._exit(outlive(child.pid, child.wait, argv))
+
+    def start(replacement: int) -> tuple[int, Callable[[], int]]:
+        extra = {"DISTSYNC_REPLACEMENT": str(replacement)} if replacement else {}
+        child = subprocess.Popen([sys.executable, "-m", "distsync.worker", *argv], env={**env, **extra},
+                                 preexec_fn=die_with_parent)
+        return child.pid, child.wait
+
+    pid, wait = start(0)
+    os._exit(outlive(pid, wait, argv, respawn=start))
 
 
-def outlive(pid: int, wait, argv: list[str], drop: bool = True) -> int:
+def outlive(pid: int, wait, argv: list[str], drop: bool = True,
+            respawn: Callable[[int], tuple[int, Callable[[], int]]] | None = None) -> int:
     """The parent's part: pass signals on to child ``pid``, ``wait()`` for its exit code
     (negative: killed by that signal); with ``drop``, mark a dead worker dropped (then
-    return 0); otherwise end as it ended: killed by the same signal (having reported the
-    death), or return its exit code."""
+    return 0, or, while ``--heal N`` in ``argv`` allows more, ``respawn(n)`` the n-th replacement
+    and outlive it in turn); otherwise end as it ended: killed by the same signal (having
+    reported the death), or return its exit code."""
+    try:
+        return _outlive(pid, wait, argv, drop, respawn)
+    finally:
+        # The child has ended: this parent takes signals itself again (it may be kept a while
+        # by its launcher, and a SIGTERM that stops the job must end it, not be passed on to nobody).
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+
+
+def _outlive(pid: int, wait, argv: list[str], drop: bool,
+             respawn: Callable[[int], tuple[int, Callable[[], int]]] | None) -> int:
+    current = [pid]
+
     def forward(signum, frame) -> None:
         try:
-            os.kill(pid, signum)
+            os.kill(current[0], signum)
         except ProcessLookupError:
             pass  # the child has ended already; wait() returns how
 
@@ -58,11 +81,27 @@ def outlive(pid: int, wait, argv: list[str], drop: bool = True) -> int:
     run_dir = Path(argv[argv.index("--run-dir") + 1])
     workers = json.loads(Path(argv[argv.index("--config") + 1]).read_text())["workers"]
     mark = run_dir / "dropped" / f"attempt-{attempt}-rank-{rank}.json"
+    replacements = int(argv[argv.index("--heal") + 1]) if respawn is not None and "--heal" in argv else 0
     ended = threading.Event()
     if drop and rank < workers:  # the others may go on without a stalled child: then end it
         threading.Thread(target=fence, args=(pid, mark, ended), daemon=True).start()
     code = wait()
     ended.set()
+    for n in range(1, replacements + 1):
+        died = code < 0 and -code not in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+        if not (drop and rank < workers and (died or mark.exists())):
+            break
+        if died and not mark.exists():
+            mark_dropped(run_dir, rank, attempt, signal.Signals(-code).name)
+        # a replacement: it waits until the others have gone on without the dead one, then
+        # takes the mark over (runtime/membership.py: join) and joins them
+        pid, wait = respawn(n)
+        current[0] = pid
+        code = wait()
+        if code > 0:  # a replacement that failed: the others go on without it, as before
+            if not mark.exists():
+                mark_dropped(run_dir, rank, attempt, f"exit code {code}")
+            return 0
     if drop and rank < workers and mark.exists():
         return 0  # the others went on without it (they marked it stalled)
     died = code < 0 and -code not in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)

@@ -106,6 +106,8 @@ class Comm:
         self.bytes_sent = 0
         self._worker_group: Any = None
         self._groups: dict[str, Any] = {}
+        #: the job's store (this attempt's keys) under torch's agent; None: the default group's
+        self._job_store: Any = None
         #: the live views of a job that goes on without dead workers (None: a death fails the job)
         self.membership: Any = None
 
@@ -116,12 +118,13 @@ class Comm:
         """Join the process group that torch's launcher described in the environment."""
         backend = "nccl" if device.type == "cuda" else "gloo"
         rank = int(os.environ.get("RANK", "-1"))
+        found = _attempt_store(timeout_s)
         try:
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
-                                    **_attempt_store(timeout_s))
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **found)
         except Exception as e:
             raise CommError(f"rank {rank}: init_process_group ({backend}) failed: {_cause(e, timeout_s)}") from None
         comm = cls(dist.get_rank(), dist.get_world_size(), role_of, timeout_s, device, latency_s)
+        comm._job_store = found.get("store")  # (keys a replacement, outside the default group, finds too)
         if len(comm.role_of) != comm.world_size:
             raise CommError(
                 f"rank {comm.rank}: the job has {comm.world_size} processes but the solver's roles "
@@ -130,6 +133,27 @@ class Comm:
         if len(comm.worker_ranks) < comm.world_size:
             # Every rank must take part in creating a group, members or not.
             comm._worker_group = comm._guard("new_group(workers)", dist.new_group, comm.worker_ranks)
+        return comm
+
+    @classmethod
+    def replacement_from_env(cls, role_of: Sequence[str], timeout_s: float, device: torch.device,
+                             latency_s: float = 0.0) -> "Comm":
+        """A replacement for a dead worker (it heals from a live peer): it uses the job's store
+        but cannot enter the job's default group, which the others made long ago; a group of
+        its own stands in for it, and it meets the others in re-formed views only."""
+        rank = int(os.environ.get("RANK", "-1"))
+        found = _attempt_store(timeout_s)
+        if not found:
+            raise CommError(f"rank {rank}: a replacement needs the job's store (start the job with distsync train)")
+        own = dist.PrefixStore(f"distsync/replacement-{rank}-{os.environ.get('DISTSYNC_REPLACEMENT', '1')}",
+                               found["store"])
+        try:
+            dist.init_process_group("gloo", store=own, rank=0, world_size=1,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        except Exception as e:
+            raise CommError(f"rank {rank}: init_process_group (replacement) failed: {_cause(e, timeout_s)}") from None
+        comm = cls(rank, found["world_size"], role_of, timeout_s, device, latency_s)
+        comm._job_store = found["store"]
         return comm
 
     def close(self) -> None:
@@ -255,21 +279,12 @@ class Comm:
 
     def send(self, tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> None:
         self.bytes_sent += tensor.numel() * tensor.element_size()
-        view = self._view(group)
-        if view is not None:
-            self._on_view(view, f"send(to rank {dst})", dist.isend, tensor, dst=dst, group=group, tag=tag)
-        else:
-            self._guard(f"send(to rank {dst})", dist.send, tensor, dst=dst, group=group, tag=tag)
+        self._guard(f"send(to rank {dst})", dist.send, tensor, dst=dst, group=group, tag=tag)
 
     def recv(self, tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0) -> int:
         """Receive into ``tensor``; with ``src=None`` from whoever sends first. Returns the sender."""
         what = f"recv(from rank {src})" if src is not None else "recv(from any rank)"
-        view = self._view(group)
-        if view is not None:
-            work = self._on_view(view, what, dist.irecv, tensor, src=src, group=group, tag=tag)
-            sender = src if src is not None else dist.get_global_rank(group, work._source_rank())
-        else:
-            sender = self._guard(what, dist.recv, tensor, src=src, group=group, tag=tag)
+        sender = self._guard(what, dist.recv, tensor, src=src, group=group, tag=tag)
         self._delay(1)
         return sender
 
@@ -354,12 +369,9 @@ class Comm:
             names.append(f"recv from rank {src}")
         if not ops:
             return
-        what = f"partial_all_reduce(to rank {dst}, from rank {src})"
-        view = self._view(group)
-        works = (self._guard(what, dist.batch_isend_irecv, ops) if view is None
-                 else self._start_on(view, what, dist.batch_isend_irecv, ops))
+        works = self._guard(f"partial_all_reduce(to rank {dst}, from rank {src})", dist.batch_isend_irecv, ops)
         for work, what in zip(works, names):
-            Pending(self, work, f"partial_all_reduce({what})", group=group).wait()
+            Pending(self, work, f"partial_all_reduce({what})").wait()
 
     def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
         """Gather a picklable object from every rank to ``dst`` (over the default group)."""
@@ -369,7 +381,7 @@ class Comm:
 
     # ---- the job's key-value store (small agreements without a collective) --------------
     def _store(self):
-        return dist.distributed_c10d._get_default_store()
+        return self._job_store if self._job_store is not None else dist.distributed_c10d._get_default_store()
 
     def raw_store(self) -> Any:
         """The job's key-value store (this attempt's keys)."""

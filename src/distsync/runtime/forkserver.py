@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+from typing import Callable
 
 #: what the fork server imports once, for every process it forks
 PRELOAD = ("torch", "distsync.runtime.forkserver", "distsync.worker", "distsync.runtime.process",
@@ -56,13 +57,19 @@ def run_process(argv: list[str], launcher_env: dict[str, str], supervised: bool)
     _take_environment(launcher_env)
     from distsync import supervise, worker
 
-    pid = os.fork()
-    if pid == 0:
-        supervise.die_with_parent()
-        if supervised:
-            os.environ["DISTSYNC_SUPERVISED"] = "1"
-        worker.run_and_exit(argv)
-    code = supervise.outlive(pid, lambda: _exit_code(os.waitpid(pid, 0)[1]), argv, drop=supervised)
+    def start(replacement: int) -> tuple[int, Callable[[], int]]:
+        pid = os.fork()
+        if pid == 0:
+            supervise.die_with_parent()
+            if supervised:
+                os.environ["DISTSYNC_SUPERVISED"] = "1"
+            if replacement:
+                os.environ["DISTSYNC_REPLACEMENT"] = str(replacement)
+            worker.run_and_exit(argv)
+        return pid, lambda: _exit_code(os.waitpid(pid, 0)[1])
+
+    pid, wait = start(0)
+    code = supervise.outlive(pid, wait, argv, drop=supervised, respawn=start if supervised else None)
     if code != 0:  # a success (or a dropped worker) returns, so the agent gets its result
         os._exit(code)
 

@@ -224,6 +224,8 @@ def _start(run: ResolvedRun, run_dir: Path, on_progress: ProgressFn | None,
         poller.start()
     argv = ["--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)]
     argv += ["--netns-prefix", net.netns_prefix] if net else []
+    if supervised and cfg.max_restarts and run.solver_cls.heals_from_peer and run.threads == 1:
+        argv += ["--heal", str(cfg.max_restarts)]  # a dead worker's replacement heals from a live peer
     if forked:
         entry, args = forkserver.run_process, (argv, dict(os.environ), supervised)
     elif supervised:  # a dead worker is dropped, not the job: each rank runs under distsync/supervise.py

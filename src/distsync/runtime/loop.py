@@ -17,12 +17,12 @@ from typing import Any, Callable
 import torch
 
 from distsync.config import RunConfig
-from distsync.errors import DistsyncError
+from distsync.errors import DistsyncError, PeerLost
 from distsync.runtime.plugins import (Checkpointer, ComputeGate, DeviceStretch, EmbeddingTablesClient, Evaluator,
                                       FaultInjection, HogwildRunner, Plugins, Progress, RunState, SingleThread,
                                       StepState, TrainClock)
+from distsync.runtime.membership import POLL_S
 from distsync.runtime.plugins.budget import Heartbeat, JobBudget
-from distsync.errors import PeerLost
 from distsync.runtime.recovery import EventJournal, WorkerRecovery, write_stop
 from distsync.solvers.lars import LARS
 from distsync.workloads import ShardSampler, Workload
@@ -100,7 +100,10 @@ def start_run(cfg: RunConfig, workload: Workload, solver, comm, device: torch.de
     torch.manual_seed(cfg.seed * 1000 + 17 + comm.rank)  # per-worker randomness (dropout, ...)
     plugins.on_ready(run)
     run.params = [p for p in run.model.parameters() if p.requires_grad]
-    comm.barrier(comm.worker_group)
+    if not recovery.joined:  # (a replacement meets the others in the view that admitted it)
+        comm.barrier(comm.worker_group)
+    run.heal = bool(cfg.max_restarts and solver.heals_from_peer and run.threads == 1
+                    and getattr(comm, "membership", None) is not None)
     run.clock = TrainClock(run.start_at)
     if recovery.journal is not None:
         run.events = EventJournal(recovery.journal, run.events)
@@ -145,6 +148,8 @@ def train_thread(run: RunState, t: int) -> None:
         })
         s.metric = runner.meet(run, s.done)  # evaluation and checkpoints, with every thread stopped
         hooks.on_step_end(run, s)
+        if run.heal:
+            _admit_replacements(run, s)
 
 
 def _step_body(run: RunState, s: StepState, t: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,7 +187,7 @@ def _step_body(run: RunState, s: StepState, t: int) -> tuple[torch.Tensor, torch
 def _peer_lost(run: RunState, e: BaseException) -> PeerLost | None:
     """The :class:`PeerLost` behind ``e`` (raised by the solver, or by a thread of torch's,
     e.g. DDP's, whose failure comes back as another error), or None."""
-    membership = run.comm.membership
+    membership = getattr(run.comm, "membership", None)
     if membership is None:
         return None
     if isinstance(e, PeerLost):
@@ -192,16 +197,11 @@ def _peer_lost(run: RunState, e: BaseException) -> PeerLost | None:
 
 
 def _go_on_without(run: RunState, s: StepState, lost: PeerLost) -> None:
-    """Re-form the group that lost a worker, tell the solver, and set the step up to be
-    done again from where it failed (before the update: from the start, on the same batch)."""
+    """Re-form the group that lost a worker (or admitted a replacement), tell the solver,
+    and set the step up to be done again from where it failed (before the update: from the
+    start, on the same batch)."""
     view = run.comm.membership.reform(lost.tag)
-    new_model = run.solver.on_view_change(lost.tag)
-    if new_model is not None:
-        run.run_model = new_model
-    if run.cfg.shrink_lr == "scale":
-        share = view.size / run.comm.num_workers
-        for group, base in zip(run.optimizer.param_groups, run.base_lrs):
-            group["lr"] = base * share
+    _adopt_view(run, view, s.step)
     if not s.updated:
         run.runner.zero_grad(run, s)
     run.events.append({"kind": "view", "rank": run.rank, "step": s.step, "t": run.clock.now(), "unix": time.time(),
@@ -209,9 +209,53 @@ def _go_on_without(run: RunState, s: StepState, lost: PeerLost) -> None:
                        "reform_s": view.reform_s, "during": "sync" if s.updated else "step", "cause": str(lost)})
 
 
+def _adopt_view(run: RunState, view: Any, step: int) -> None:
+    """After a view change: hand this worker's state to the replacements it admitted (if
+    this worker is the one that admitted them: its state after ``step`` steps), then let the
+    solver adapt (and the learning rate, with --shrink-lr scale)."""
+    run.comm.membership.hand_over(view, lambda: peer_state(run, step))
+    new_model = run.solver.on_view_change(view.tag)
+    if new_model is not None:
+        run.run_model = new_model
+    if run.cfg.shrink_lr == "scale":
+        share = view.size / run.comm.num_workers
+        for group, base in zip(run.optimizer.param_groups, run.base_lrs):
+            group["lr"] = base * share
+
+
+def peer_state(run: RunState, step: int) -> dict[str, Any]:
+    """What a replacement needs to go on from ``step`` as this worker would: the state a
+    checkpoint holds (runtime/plugins/checkpointer.py), without this worker's events."""
+    state: dict[str, Any] = {
+        "index": 0, "step": step, "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
+        "solver": run.solver.state_dict(), "rng": {"torch": torch.get_rng_state()}, "events": [],
+        "clock": run.clock.now(), "unix": time.time(), "last_loss": run.last_loss, "from": run.rank}
+    run.plugins.save_state(state)
+    return state
+
+
+def _admit_replacements(run: RunState, s: StepState) -> None:
+    """At a step's end (every 20 ms at most): admit the replacements that asked to join,
+    and hand them this worker's state; the others follow at their next operation."""
+    now = time.monotonic()
+    if now - run.heal_checked < POLL_S:
+        return
+    run.heal_checked = now
+    membership = run.comm.membership
+    joiners = membership.joiners("workers")
+    if not joiners:
+        return
+    a = time.perf_counter()
+    view = membership.admit("workers", joiners)
+    _adopt_view(run, view, s.done)
+    run.events.append({"kind": "view", "rank": run.rank, "step": s.done, "t": run.clock.now(), "unix": time.time(),
+                       "tag": view.tag, "epoch": view.epoch, "members": list(view.members),
+                       "reform_s": time.perf_counter() - a, "during": "admit", "joined": list(view.joined)})
+
+
 def _background_views(run: RunState) -> None:
     """View events for the groups a solver's own thread re-formed (the loop wrote its own)."""
-    if run.comm.membership is None:
+    if getattr(run.comm, "membership", None) is None:
         return
     seen = {(e["tag"], e["epoch"]) for e in run.events if e["kind"] == "view"}
     now, unix = run.clock.now(), time.time()

@@ -21,10 +21,13 @@ epoch), the operation raises :class:`PeerLost`. Its caller then calls :meth:`Mem
    operation that some completed and others did not) the job cannot go on consistently and
    fails with that message (a restart from a checkpoint is the way on).
 
-Waits on a view's operations are bounded by the comm timeout as before, and every 20 ms
+Waits on a view's collectives are bounded by the comm timeout as before, and every 20 ms
 they look whether the view is superseded: a member that is not the dead worker's
 neighbour would otherwise wait out the timeout (gloo has no abort that frees a waiting
-operation).
+operation). Point-to-point messages are not watched this way: on gloo a send or receive
+whose wait times out closes its connection (so it cannot be waited for in short slices),
+and a receive from any rank does not fail when one of them dies; solvers built on them
+(AD-PSGD, Ripples) restart from a checkpoint instead.
 """
 
 from __future__ import annotations
@@ -68,6 +71,9 @@ class View:
     reform_s: float = 0.0
     #: when it was last looked at for a death (``time.monotonic``)
     checked_at: float = 0.0
+    #: replacements this view admitted, and the member that hands them its state
+    joined: tuple[int, ...] = ()
+    src: int | None = None
 
     @property
     def size(self) -> int:
@@ -230,14 +236,13 @@ class Membership:
     # ---- re-forming ------------------------------------------------------------------------------
     def reform(self, tag: str) -> View:
         """After :class:`PeerLost` on ``tag``'s view: agree on the next view without the dead
-        and make its group. Returns the new view (it may be several epochs on, if others
-        re-formed meanwhile)."""
+        and make its group. Returns the new view (it
+        may be several epochs on, if others re-formed meanwhile)."""
         with self._lock:
             old = self._views[tag]
             t0 = time.perf_counter()
-            deadline = time.monotonic() + self.comm.timeout_s + 5
+            deadline = time.monotonic() + self.comm.timeout_s + 2  # (a stall shows within the timeout)
             epoch, members = old.epoch, old.members
-            seqs = {}
             while True:
                 key = f"{VIEW}{tag}/{epoch + 1}"
                 if self.comm.store_check(key):
@@ -257,22 +262,133 @@ class Membership:
                         for r in dead:  # (the launcher ends a stalled one: distsync/supervise.py)
                             if not self.is_marked_dead(r):
                                 self.mark_stalled(r)
-                if self.comm.rank not in agreed:
+                if self.comm.rank not in agreed or self._fate(tag, epoch + 1, self.comm.rank, "in") != "in":
                     raise Excluded(f"rank {self.comm.rank}: the other workers went on without this one "
                                    f"(it made no progress for {self.comm.timeout_s:g} s)")
                 epoch, members = epoch + 1, tuple(agreed)
-                # Later epochs already agreed (this rank is behind): follow them.
-                if not self.comm.store_check(f"{VIEW}{tag}/{epoch + 1}"):
+                self.dead -= set(members)  # (a replacement for a dead worker)
+                if self.comm.store_check(f"{VIEW}{tag}/{epoch + 1}"):
+                    continue  # later epochs already agreed (this rank is behind): follow them
+                if self._all_in(tag, epoch, members):
                     break
-            self.comm.store_set(f"{VIEW}{tag}/{epoch}/seq/{self.comm.rank}", str(old.seq))
+                # a member died before it came: this epoch's group is never made
+            joined, src = self._joined(tag, epoch)
+            if old.ordered:
+                self.comm.store_set(f"{VIEW}{tag}/{epoch}/seq/{self.comm.rank}", str(old.seq))
             new = self._form(tag, epoch, list(members), old.ordered)
-            for r in members if old.ordered else ():
-                seqs[r] = int(self.comm.store_get(f"{VIEW}{tag}/{epoch}/seq/{r}"))
+            new.joined, new.src = joined, src
+            seqs = ({r: int(self.comm.store_get(f"{VIEW}{tag}/{epoch}/seq/{r}")) for r in members if r not in joined}
+                    if old.ordered else {})
             new.reform_s = time.perf_counter() - t0
             if len(set(seqs.values())) > 1:
                 raise CommError(f"rank {self.comm.rank}: the workers left the {tag} group at different "
                                 f"operations ({seqs}): a worker died as one finished; restart from a checkpoint")
             return new
+
+    # Each member of an agreed view decides once, through the store, whether it is in: the
+    # member itself says "in" when it comes to make the group; another says "out" for it if
+    # it died first. A group is made only when every member is in, so nobody waits
+    # for one that will not come.
+    def _fate(self, tag: str, epoch: int, rank: int, fate: str) -> str:
+        return self.comm.store_first(f"{VIEW}{tag}/{epoch}/fate/{rank}", fate)
+
+    def _all_in(self, tag: str, epoch: int, members: tuple[int, ...]) -> bool:
+        """Wait until every member's fate is decided; whether all are in."""
+        undecided = [r for r in members if r != self.comm.rank]
+        while undecided:
+            for r in list(undecided):
+                key = f"{VIEW}{tag}/{epoch}/fate/{r}"
+                if self.comm.store_check(key):
+                    undecided.remove(r)
+                    if self.comm.store_get(key) != "in":
+                        return False
+                elif self.dead_among((r,)):
+                    if self._fate(tag, epoch, r, "out") != "in":
+                        return False
+                    undecided.remove(r)
+            if undecided:
+                self.alive()
+                time.sleep(0.005)
+        return True
+
+    # ---- replacements (heal from a live peer) ---------------------------------------------------
+    def _joined(self, tag: str, epoch: int) -> tuple[tuple[int, ...], int | None]:
+        key = f"{VIEW}{tag}/{epoch}/joined"
+        if not self.comm.store_check(key):
+            return (), None
+        got = json.loads(self.comm.store_get(key))
+        return tuple(got["joined"]), int(got["src"])
+
+    def joiners(self, tag: str = "workers") -> list[int]:
+        """Replacements that asked to join ``tag``'s view (workers not in it)."""
+        v = self.view(tag)
+        return [r for r in self.workers if r not in v.members and self.comm.store_check(f"{VIEW}{tag}/join/{r}")
+                and self.comm.store_get(f"{VIEW}{tag}/join/{r}") == "1"]
+
+    def admit(self, tag: str, joiners: list[int]) -> View:
+        """Propose the next view with ``joiners`` in it (this worker hands them its state:
+        :meth:`hand_over`), and make it (or whatever view was agreed first)."""
+        with self._lock:
+            old = self._views[tag]
+            epoch = old.epoch + 1
+            proposal = sorted(set(old.members) | set(joiners))
+            # (who joins is known before the view is: whoever follows the view finds it)
+            self.comm.store_first(f"{VIEW}{tag}/{epoch}/joined",
+                                  json.dumps({"joined": sorted(joiners), "src": self.comm.rank}))
+            self.comm.store_first(f"{VIEW}{tag}/{epoch}", json.dumps(proposal))
+            return self.reform(tag)
+
+    def hand_over(self, view: View, state: Callable[[], Any]) -> Any:
+        """In a view that admitted replacements: its ``src`` sends ``state()`` to everyone in
+        it (a replacement takes it; the others ignore it); None in any other view."""
+        if not view.joined:
+            return None
+        box = [state() if self.comm.rank == view.src else None]
+        dist.broadcast_object_list(box, src=view.src, group=view.pg)
+        return box[0]
+
+    def join(self, tag: str, replaces: Callable[[], None], over: Callable[[], bool]) -> View | None:
+        """In a replacement for a dead worker: once the others have gone on without the dead
+        one, call ``replaces()`` (it stops being dead to them), ask to join, and make the view
+        that admits it. None if ``over()`` says the others finished training first."""
+        me = self.comm.rank
+        deadline = time.monotonic() + self.comm.timeout_s + 5
+        epoch = 0
+        while True:  # the newest view: it must be one without this rank
+            while self.comm.store_check(f"{VIEW}{tag}/{epoch + 1}"):
+                epoch += 1
+            if epoch > 0 and me not in json.loads(self.comm.store_get(f"{VIEW}{tag}/{epoch}")):
+                break
+            if over():
+                return None
+            if time.monotonic() > deadline:
+                raise CommError(f"rank {me}: the other workers did not go on without the dead worker this "
+                                f"process replaces within {self.comm.timeout_s:g} s")
+            time.sleep(0.01)
+        replaces()
+        self.comm.store_set(f"{VIEW}{tag}/join/{me}", "1")
+        while True:
+            while not self.comm.store_check(f"{VIEW}{tag}/{epoch + 1}"):
+                if over():
+                    self.comm.store_set(f"{VIEW}{tag}/join/{me}", "")
+                    if self.comm.store_check(f"{VIEW}{tag}/{epoch + 1}"):
+                        break  # (admitted at the others' last step after all)
+                    return None
+                if time.monotonic() > deadline + self.comm.timeout_s:
+                    raise CommError(f"rank {me}: no worker admitted this replacement within "
+                                    f"{2 * self.comm.timeout_s:g} s")
+                time.sleep(0.005)
+            epoch += 1
+            members = tuple(json.loads(self.comm.store_get(f"{VIEW}{tag}/{epoch}")))
+            if me not in members or self._fate(tag, epoch, me, "in") != "in":
+                continue
+            if self._all_in(tag, epoch, members):
+                break
+        with self._lock:
+            view = self._form(tag, epoch, list(members))
+            view.joined, view.src = self._joined(tag, epoch)
+        self.comm.store_set(f"{VIEW}{tag}/join/{me}", "")  # (admitted: not asking any more)
+        return view
 
     def members(self, tag: str = "workers") -> tuple[int, ...]:
         return self.view(tag).members

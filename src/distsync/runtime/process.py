@@ -102,6 +102,17 @@ def dropped_marks(run_dir: Path) -> list[dict[str, Any]]:
     return sorted(marks, key=lambda m: m["unix"])
 
 
+def replaced_marks(run_dir: Path) -> list[dict[str, Any]]:
+    """The dead workers whose replacement healed from a live peer (it took their mark over)."""
+    marks = []
+    for path in (run_dir / "dropped").glob("replaced-attempt-*-rank-*.json"):
+        try:
+            marks.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            pass
+    return sorted(marks, key=lambda m: m["unix"])
+
+
 def dropped_ranks(run_dir: Path) -> set[int]:
     return {m["rank"] for m in dropped_marks(run_dir)}
 
@@ -218,7 +229,8 @@ def reconcile_target(summary: dict[str, Any]) -> dict[str, Any]:
 
 def write_results(run: ResolvedRun, run_dir: Path, events: list[dict[str, Any]], solver, workload,
                   stats: dict[str, Any], bytes_by_other_roles: int = 0,
-                  dropped: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                  dropped: list[dict[str, Any]] | None = None,
+                  replaced: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Rank 0: events.jsonl and summary.json from every rank's events."""
     cfg = run.config
     if solver.collective_per_step:
@@ -242,7 +254,7 @@ def write_results(run: ResolvedRun, run_dir: Path, events: list[dict[str, Any]],
         **final_extra_metrics(events, list(workload.extra_metrics)),
         "bytes_sent_by_servers": bytes_by_other_roles,
         "staleness": merge_staleness(stats),
-        "recovery": summarize_recovery(events, read_faults(run_dir), dropped or []),
+        "recovery": summarize_recovery(events, read_faults(run_dir), dropped or [], replaced or []),
         "solver_stats": stats,
     }
     summary["bytes_sent"] += bytes_by_other_roles  # servers' replies cross the network too
@@ -291,6 +303,50 @@ def live_membership(comm: Comm, run_dir: Path) -> Membership:
                       mark_stalled=mark_stalled)
 
 
+class TooLate(Exception):
+    """A replacement came after the other workers had finished: it ends without training."""
+
+
+def heal_from_peer(cfg: RunConfig, run_dir: Path, comm: Comm, replacement: int) -> WorkerRecovery:
+    """A replacement for a dead worker: once the others have gone on without it, it takes
+    the dead one's mark over (``RUN/dropped/replaced-...``: the dead one's steps still count,
+    from its journal), joins their group at a step's end and starts from the state of the
+    worker that admitted it."""
+    attempt = restart_count()
+    mark = run_dir / "dropped" / f"attempt-{attempt}-rank-{comm.rank}.json"
+
+    def replaces() -> None:
+        dead = json.loads(mark.read_text())
+        taken = run_dir / "dropped" / f"replaced-attempt-{attempt}-rank-{comm.rank}-{replacement}.json"
+        taken.write_text(json.dumps({**dead, "replaced_unix": time.time(), "replacement": replacement}))
+        mark.unlink()
+
+    def over() -> bool:  # a worker has finished training: too late to join
+        return any(comm.store_check(f"distsync/results/{r}") for r in comm.worker_ranks if r != comm.rank)
+
+    view = comm.membership.join("workers", replaces, over)
+    if view is None:
+        if not mark.exists():  # the dead one stays dropped: its journal is its part of the results
+            taken = run_dir / "dropped" / f"replaced-attempt-{attempt}-rank-{comm.rank}-{replacement}.json"
+            os.replace(taken, mark)
+        raise TooLate(f"rank {comm.rank}: the other workers finished training before this replacement could join")
+    state = comm.membership.hand_over(view, lambda: None)
+    events = []
+    for line in journal_path(run_dir, comm.rank).read_text().splitlines():
+        try:
+            events.append(json.loads(line))
+        except ValueError:
+            pass  # the line it was writing when it died
+    state["events"] = events  # the dead one's history, which this process goes on with
+    policy = CheckpointPolicy(cfg.checkpoint_every, comm)
+    store = CheckpointStore(run_dir / CHECKPOINTS, comm.rank, comm.role_of, fingerprint(cfg, comm.role_of),
+                            dropped_ranks(run_dir))
+    return WorkerRecovery(store=store if policy.enabled else None, policy=policy,
+                          faults=FaultInjector(cfg.faults, run_dir, comm.rank, comm.role_of), restored=state,
+                          run_dir=run_dir, after_failure=True, attempt=attempt,
+                          journal=journal_path(run_dir, comm.rank), joined=True)
+
+
 def recovery_for(cfg: RunConfig, run_dir: Path, comm: Comm) -> WorkerRecovery:
     """This process's checkpoints, the state it resumes from and the faults aimed at it."""
     raise_if_stopped(run_dir)
@@ -328,7 +384,9 @@ def run_process(run: ResolvedRun, run_dir: Path) -> None:
     device = pick_device(cfg.device)
     solver = run.new_solver()
     latency = parse_link(cfg.link).latency_s if cfg.link and cfg.link_latency_mode == "comm" else 0.0
-    comm = Comm.from_env(list(run.role_of), cfg.timeout_s, device, latency)
+    replacement = int(os.environ.get("DISTSYNC_REPLACEMENT", "0") or 0)
+    comm = (Comm.replacement_from_env if replacement else Comm.from_env)(list(run.role_of), cfg.timeout_s, device,
+                                                                         latency)
     name_process(comm.role, comm.rank)
     if supervised() and cfg.task == "train" and run.solver_cls.reforms_without_dead and comm.role == "worker":
         comm.membership = live_membership(comm, run_dir)
@@ -338,7 +396,12 @@ def run_process(run: ResolvedRun, run_dir: Path) -> None:
             comm.barrier()
             return
         workload = load_workload(cfg.workload, cfg.workload_options)
-        recovery = recovery_for(cfg, run_dir, comm)
+        try:
+            recovery = (heal_from_peer(cfg, run_dir, comm, replacement) if replacement
+                        else recovery_for(cfg, run_dir, comm))
+        except TooLate as e:
+            print(f"distsync: {e}", file=sys.stderr, flush=True)
+            return
         stats = None
 
         def save(index: int, step: int, state: dict) -> None:
@@ -382,7 +445,8 @@ def run_process(run: ResolvedRun, run_dir: Path) -> None:
             all_events = [e for g in gathered for e in g["events"]]
             stats = {str(r): g["stats"] for r, g in enumerate(gathered) if g["stats"]}
             others = sum(g["bytes"] for g in gathered if g["role"] != "worker")
-            write_results(run, run_dir, all_events, solver, workload, stats, others, dropped=dropped_marks(run_dir))
+            write_results(run, run_dir, all_events, solver, workload, stats, others, dropped=dropped_marks(run_dir),
+                          replaced=replaced_marks(run_dir))
         if not supervised():
             comm.barrier()
     finally:

@@ -143,6 +143,8 @@ class WorkerRecovery:
     attempt: int = 0
     #: where this worker writes its events as they happen (a job that drops dead workers)
     journal: Path | None = None
+    #: a replacement for a dead worker: ``restored`` is a live peer's state, handed over
+    joined: bool = False
 
 
 def stop_mark(run_dir: Path) -> Path:
@@ -194,24 +196,35 @@ def summarize_views(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def summarize_recovery(events: list[dict[str, Any]], faults: list[dict[str, Any]],
-                       dropped: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                       dropped: list[dict[str, Any]] | None = None,
+                       replaced: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Faults injected, and for each that killed a process: the step the job resumed from,
     the steps lost (the fault's step minus it) and the seconds from the kill until training
     resumed; or that the dead worker was dropped and the others trained on (with the seconds
     from the kill until they had re-formed their group without it, ``went_on_s``, and the
-    live workers after it)."""
+    live workers after it); and for a worker replaced by one that healed from a live peer
+    (``replaced``: the marks it took over), the step it joined at, the steps that rank
+    lost (from the kill to the join) and ``healed_s`` (from the kill until it trained)."""
     resumes = sorted((e for e in events if e["kind"] == "resume"), key=lambda e: e["unix"])
+    joins = sorted((e for e in events if e["kind"] == "joined"), key=lambda e: e["unix"])
     dropped = dropped or []
+    replaced = replaced or []
     views = summarize_views(events)
     out = []
     for f in sorted(faults, key=lambda f: f["unix"]):
         row = dict(f)
-        if f["kind"] == "kill" and any(d["rank"] == f["rank"] and d["unix"] >= f["unix"] for d in dropped):
+        gone = dropped + replaced
+        if f["kind"] == "kill" and any(d["rank"] == f["rank"] and d["unix"] >= f["unix"] for d in gone):
             row["dropped"] = True
             after = [v for v in views if v["unix"] >= f["unix"] and f["rank"] not in v["members"]]
             if after:
                 row.update(went_on_s=after[0]["unix"] - f["unix"], live_workers=len(after[0]["members"]),
                            steps_lost=0)
+            joined = [e for e in joins if e["rank"] == f["rank"] and e["unix"] >= f["unix"]]
+            if joined:  # (its replacement's steps were lost to the job until it joined)
+                row.update(replaced=True, joined_at_step=joined[0]["step"], healed_s=joined[0]["unix"] - f["unix"],
+                           healed_from=joined[0]["from"],
+                           replaced_rank_steps_lost=max(0, joined[0]["step"] - f["step"]))
         elif f["kind"] == "kill":
             # the attempt after the kill: the job resumed from its checkpoint's step (a worker
             # dropped earlier comes back from an older one of its own)
@@ -224,7 +237,7 @@ def summarize_recovery(events: list[dict[str, Any]], faults: list[dict[str, Any]
         out.append(row)
     return {"faults": out, "restarts": max([e.get("attempt", 0) for e in resumes] + [0]),
             "resumed_from_steps": [e["step"] for e in resumes if e["rank"] == 0], "dropped": dropped,
-            "views": views}
+            "replaced": replaced, "views": views}
 
 
 class EventJournal(list):

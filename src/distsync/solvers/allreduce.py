@@ -85,6 +85,7 @@ class AllReduce(GradientMeanSimulation, Solver):
     Options = AllReduceOptions
     collective_per_step = True
     reforms_without_dead = True
+    heals_from_peer = True
 
     def attach(self, model, optimizer, comm):
         super().attach(model, optimizer, comm)

@@ -104,6 +104,10 @@ class Solver:
     #: ``comm.worker_group`` and ``comm.group(tag)`` then raise ``PeerLost`` when a member
     #: dies, and :meth:`on_view_change` adapts the solver to the survivors
     reforms_without_dead: ClassVar[bool] = False
+    #: True when a replacement for a dead worker can join the running job and copy a live
+    #: peer's model, optimizer and solver state (the training thread's ``workers`` group is
+    #: the solver's only one, and its workers keep no state of their own a peer lacks)
+    heals_from_peer: ClassVar[bool] = False
 
     def __init__(self, options: Any = None) -> None:
         self.options = options if options is not None else self.Options()

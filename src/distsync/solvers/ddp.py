@@ -36,6 +36,7 @@ class DDP(GradientMeanSimulation, Solver):
     Options = DDPOptions
     collective_per_step = True
     reforms_without_dead = True
+    heals_from_peer = True
 
     @classmethod
     def search_space(cls, workers):

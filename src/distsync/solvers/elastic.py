@@ -184,7 +184,7 @@ class _ElasticServerSolver(ServerSolver):
 @register_solver
 class EASGD(_ElasticServerSolver):
     name = "easgd"
-    survives_worker_loss = False  # the server waits for every worker's turn in rank order
+    survives_worker_loss = True  # a dead worker loses its turns
     round_robin = True
 
     def run_server(self, shard):
@@ -243,6 +243,7 @@ class SyncEASGD(Solver):
     Options = SyncElasticOptions
     collective_per_step = True
     reforms_without_dead = True
+    heals_from_peer = True
 
     @classmethod
     def lockstep_lead(cls, options, workers):

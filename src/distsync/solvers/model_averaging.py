@@ -58,6 +58,7 @@ class AveragingSolver(HogwildThreads, Solver):
 
     collective_per_step = False
     reforms_without_dead = True
+    heals_from_peer = True
 
     @classmethod
     def search_space(cls, workers):

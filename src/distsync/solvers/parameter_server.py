@@ -169,6 +169,7 @@ class SyncPS(GradientServerSolver):
     name = "sync-ps"
     Options = SyncPSOptions
     collective_per_step = True
+    survives_worker_loss = True  # a round goes on with the workers still alive
 
     @classmethod
     def simulate_timing(cls, options, sim):

@@ -43,6 +43,8 @@ from distsync.solvers.rules import apply_correction, elastic_pull
 class _ShadowAveraging(AveragingSolver):
     """Model averaging (with BMUF's filter for :class:`BMUFOptions`) in a shadow thread."""
 
+    heals_from_peer = False  # (a replacement would have to join the shadow group too)
+
     @classmethod
     def lockstep_lead(cls, options, workers):
         return None  # the shadow threads sync until every worker is done

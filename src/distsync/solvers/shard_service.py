@@ -225,10 +225,8 @@ class ServerShard:
                         return
                     self._process(req)
             except CommError as e:
-                if self.drop_dead_workers and "closed its connection" in str(e):
-                    self.dropped[worker] = self._last_step.get(worker, -1)  # the others train on
-                    return
-                self._errors.append(e)
+                if not self._dead(worker, e):  # (a dead one is dropped: the others train on)
+                    self._errors.append(e)
             except BaseException as e:  # surfaced by the serving thread below
                 self._errors.append(e)
 
@@ -241,21 +239,55 @@ class ServerShard:
         if self._errors:
             raise self._errors[0]
 
+    def _dead(self, worker: int, e: CommError) -> bool:
+        """Whether ``e`` says ``worker``'s process died and this server drops it (then it is
+        dropped: the others are served on)."""
+        if self.drop_dead_workers and "closed its connection" in str(e):
+            self.dropped[worker] = self._last_step.get(worker, -1)
+            return True
+        return False
+
+    def _receive_live(self, worker: int) -> Request | None:
+        """The next request of ``worker``, or None if it died (and is dropped)."""
+        try:
+            return self._receive(worker)
+        except CommError as e:
+            if self._dead(worker, e):
+                return None
+            raise
+
+    def _reply_live(self, worker: int, tensor: torch.Tensor, version: int) -> None:
+        try:
+            self._reply(worker, tensor, version)
+        except CommError as e:
+            if not self._dead(worker, e):
+                raise
+
     def serve_round_robin(self) -> None:
-        """One request from each worker in turn, in rank order (original EASGD)."""
+        """One request from each worker in turn, in rank order (original EASGD); a worker
+        that died loses its turns."""
         active = list(self.comm.worker_ranks)
         while active:
             for worker in list(active):
-                req = self._receive(worker)
-                if req.op == OP_DONE:
+                req = self._receive_live(worker)
+                if req is None or req.op == OP_DONE:
                     active.remove(worker)
-                else:
+                    continue
+                try:
                     self._process(req)
+                except CommError as e:
+                    if not self._dead(worker, e):
+                        raise
+                    active.remove(worker)
 
     def serve_rounds(self, combine: Callable[["ServerShard", list[Request]], torch.Tensor]) -> None:
-        """Synchronous rounds: one push from every worker, ``combine`` them, send all the result."""
+        """Synchronous rounds: one push from every live worker, ``combine`` them, send all the
+        result. A worker that died is left out of the round it died in and every later one."""
         while True:
-            reqs = [self._receive(w) for w in self.comm.worker_ranks]
+            reqs = [r for r in (self._receive_live(w) for w in self.comm.worker_ranks if w not in self.dropped)
+                    if r is not None]
+            if not reqs:
+                return
             ops = {r.op for r in reqs}
             if ops == {OP_DONE}:
                 return
@@ -266,13 +298,13 @@ class ServerShard:
                 raise RuntimeError(f"sync server got mixed requests {sorted(ops)} in one round")
             if ops == {OP_PULL}:
                 for r in reqs:
-                    self._reply(r.worker, self.center, self.version)
+                    self._reply_live(r.worker, self.center, self.version)
                 continue
             for r in reqs:
                 self.requests[r.op] += 1
             out = combine(self, reqs)
             for r in reqs:
-                self._reply(r.worker, out, self.version)
+                self._reply_live(r.worker, out, self.version)
 
     def state_dict(self) -> dict[str, Any]:
         return {"center": self.center.clone(), "version": self.version,

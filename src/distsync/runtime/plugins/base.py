@@ -141,6 +141,10 @@ class RunState:
     run_model: torch.nn.Module | None = None  # the module the solver wants called
     #: each parameter group's learning rate as the run began (--shrink-lr scales from it)
     base_lrs: list[float] = field(default_factory=list)
+    #: admit replacements for dead workers (they heal from this worker), and when this
+    #: worker last looked for one (``time.monotonic``)
+    heal: bool = False
+    heal_checked: float = 0.0
     params: list[torch.Tensor] = field(default_factory=list)  # trainable, for Hogwild updates
     samplers: list[Any] = field(default_factory=list)  # one per training thread
     clock: TrainClock = field(default_factory=TrainClock)

@@ -49,7 +49,10 @@ class Checkpointer(Plugin):
         restored = self.restored
         if restored is None:
             run.events.append({"kind": "start", "rank": run.rank, "unix": time.time()})
-        if restored is not None or self.recovery.after_failure:  # a restart with no checkpoint starts over
+        if self.recovery.joined:  # a replacement that took a live peer's state
+            run.events.append({"kind": "joined", "rank": run.rank, "step": int(restored["step"]), "t": run.clock.now(),
+                               "unix": time.time(), "from": int(restored["from"])})
+        elif restored is not None or self.recovery.after_failure:  # a restart with no checkpoint starts over
             run.events.append({"kind": "resume", "rank": run.rank, "step": int(restored["step"]) if restored else 0,
                                "index": int(restored["index"]) if restored else 0, "t": run.clock.now(),
                                "unix": time.time(), "attempt": self.recovery.attempt})
