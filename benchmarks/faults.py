@@ -82,7 +82,9 @@ def one_run(solver: str, fault: str, out: Path) -> dict:
     summary = json.loads((out / "summary.json").read_text())
     fired = summary["recovery"]["faults"]
     row["steps_lost"] = [f["steps_lost"] for f in fired if "steps_lost" in f]
-    row["recovery_s"] = [f["recovery_s"] for f in fired if "recovery_s" in f]
+    # (a restart's time to train again, or the time the others took to go on without the dead one)
+    row["recovery_s"] = [f.get("recovery_s", f.get("went_on_s")) for f in fired
+                         if "recovery_s" in f or "went_on_s" in f]
     dropped = summary["recovery"]["dropped"]
     row["dropped"] = len(dropped)
     gone = {d["rank"]: (d["last_step"] + 1 if d["last_step"] is not None else 0) for d in dropped}

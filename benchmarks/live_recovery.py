@@ -10,6 +10,12 @@ hung (120 s), restarts (target 0), and the final accuracy against the run withou
 Real processes on this machine's cores (not emulated devices): the figures are the
 re-forming's, not a cluster's.
 
+Then healing, for every solver whose dead workers can be replaced (``--max-restarts 1``):
+the same kills on emulated devices (``--device-ms 30``: 120 steps last 3.6 s, time for a
+replacement to start), and per solver how long from the kill until the replacement trained
+(``healed_s``), the steps the replaced rank missed meanwhile, the survivors' steps lost and
+the accuracy.
+
     python benchmarks/live_recovery.py [--runs 5] [--out docs/benchmarks/live_recovery.json]
 """
 
@@ -28,6 +34,24 @@ from distsync.solvers import solver_class, solver_names
 
 DISTSYNC = [sys.executable, "-m", "distsync.cli"]
 WORKERS, STEPS = 3, 120
+
+
+def kill_runs(tmp: str, solver: str, runs: int, rng: random.Random, *extra: str) -> list[dict]:
+    out_runs = []
+    for i in range(runs):
+        rank, step = rng.randrange(WORKERS), rng.randint(10, 60)
+        out = Path(tmp) / f"{solver}-{'heal-' if extra else ''}{i}"
+        s = train(out, "--solver", solver, "--fault", f"kill:{rank}@{step}", *extra)
+        run = {"fault": f"kill:{rank}@{step}", "finished": bool(s and "final_metric" in s),
+               "hung": bool(s and s.get("hung"))}
+        if run["finished"]:
+            [f] = s["recovery"]["faults"]
+            run.update(went_on_s=f.get("went_on_s"), restarts=s["recovery"]["restarts"],
+                       steps_lost=STEPS * (WORKERS - 1) - sum(survivors_steps(out, rank)),
+                       final_metric=s["final_metric"], healed_s=f.get("healed_s"),
+                       replaced_rank_steps_lost=f.get("replaced_rank_steps_lost"))
+        out_runs.append(run)
+    return out_runs
 
 
 def train(out: Path, *args: str) -> dict | None:
@@ -58,25 +82,13 @@ def main() -> None:
     args = p.parse_args()
     rng = random.Random(args.seed)
     solvers = [s for s in solver_names() if solver_class(s).reforms_without_dead]
-    rows = []
+    rows, healed = [], []
     table_header(["solver", "kills", "finished", "went on (ms, median / max)", "survivors' steps lost",
                   "restarts", "accuracy (clean → killed, mean)"])
     with tempfile.TemporaryDirectory() as tmp:
         for solver in solvers:
             clean = train(Path(tmp) / f"{solver}-clean", "--solver", solver)
-            runs = []
-            for i in range(args.runs):
-                rank, step = rng.randrange(WORKERS), rng.randint(10, STEPS - 10)
-                out = Path(tmp) / f"{solver}-{i}"
-                s = train(out, "--solver", solver, "--fault", f"kill:{rank}@{step}")
-                run = {"fault": f"kill:{rank}@{step}", "finished": bool(s and "final_metric" in s),
-                       "hung": bool(s and s.get("hung"))}
-                if run["finished"]:
-                    [f] = s["recovery"]["faults"]
-                    run.update(went_on_s=f.get("went_on_s"), restarts=s["recovery"]["restarts"],
-                               steps_lost=STEPS * (WORKERS - 1) - sum(survivors_steps(out, rank)),
-                               final_metric=s["final_metric"])
-                runs.append(run)
+            runs = kill_runs(tmp, solver, args.runs, rng)
             done = [r for r in runs if r["finished"]]
             went = [r["went_on_s"] * 1000 for r in done if r.get("went_on_s") is not None]
             row = {"solver": solver, "clean_metric": clean.get("final_metric") if clean else None, "runs": runs}
@@ -86,8 +98,22 @@ def main() -> None:
                        sum(r["steps_lost"] for r in done), sum(r["restarts"] for r in done),
                        f"{row['clean_metric']:.3f} → {statistics.mean(r['final_metric'] for r in done):.3f}"
                        if done and row["clean_metric"] is not None else "n/a"], flush=True)
-    Path(args.out).write_text(json.dumps({"workers": WORKERS, "steps": STEPS, "runs": args.runs, "solvers": rows},
-                                         indent=1) + "\n")
+        print()
+        table_header(["solver (healing)", "kills", "finished", "replaced", "healed after (s, median / max)",
+                      "replaced rank's steps missed (median)", "survivors' steps lost", "accuracy (mean)"])
+        for solver in [s for s in solvers if solver_class(s).heals_from_peer]:
+            runs = kill_runs(tmp, solver, args.runs, rng, "--max-restarts", "1", "--device-ms", "30")
+            done = [r for r in runs if r["finished"]]
+            heal = [r for r in done if r.get("healed_s") is not None]
+            healed.append({"solver": solver, "runs": runs})
+            table_row([solver, len(runs), len(done), len(heal),
+                       f"{statistics.median(r['healed_s'] for r in heal):.2f} / {max(r['healed_s'] for r in heal):.2f}"
+                       if heal else "n/a",
+                       f"{statistics.median(r['replaced_rank_steps_lost'] for r in heal):.0f}" if heal else "n/a",
+                       sum(r["steps_lost"] for r in done),
+                       f"{statistics.mean(r['final_metric'] for r in done):.3f}" if done else "n/a"], flush=True)
+    Path(args.out).write_text(json.dumps({"workers": WORKERS, "steps": STEPS, "runs": args.runs, "solvers": rows,
+                                          "healing": healed}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
