@@ -543,3 +543,44 @@ def test_lock_free_servers_let_two_updates_into_the_center_at_once(monkeypatch, 
         t.join(10)
     assert both_inside.broken is (not lock_free)  # a lock kept the second out until the wait gave up
     assert s.shard.version == 2
+
+
+def test_an_asynchronous_server_checkpoints_a_consistent_cut():
+    """Worker 0 asks for checkpoint 1 after 2 steps while worker 1 is still at step 0: the
+    part written holds exactly the pushes of steps 0-1 of both workers, whatever came in
+    between, and the live center goes on with every push."""
+    from distsync.solvers.shard_service import OP_PUSH, OP_SAVE, Request, ServerShard
+
+    class _Comm:
+        worker_ranks = [0, 1]
+
+    def sgd(shard, req):  # center <- center - payload; one version per push
+        shard.center -= req.payload
+        shard.version += 1
+
+    shard = ServerShard(_Comm(), [torch.zeros(1)], sgd)
+    written = []
+    shard.on_save = lambda index: written.append((index, shard.center.item(), shard.version))
+    shard.get_state = lambda: {"center": shard.center.clone(), "version": shard.version}
+
+    def set_state(state):
+        shard.center.copy_(state["center"])
+        shard.version = state["version"]
+
+    shard.set_state = set_state
+
+    def push(worker, step, value):
+        shard._process(Request(worker, OP_PUSH, step, 0, torch.tensor([float(value)])))
+
+    push(0, 0, 1)
+    push(0, 1, 2)
+    shard._process(Request(0, OP_SAVE, 1, 2, None))  # worker 0: checkpoint 1 after 2 steps
+    push(0, 2, 4)      # after its checkpoint: not in the cut
+    push(1, 0, 8)      # before worker 1's checkpoint: in the cut, applied after the snapshot
+    push(1, 1, 16)
+    assert written == []  # worker 1 has not asked yet
+    shard._process(Request(1, OP_SAVE, 1, 2, None))
+    assert written == [(1, -(1 + 2 + 8 + 16), 4)]
+    assert (shard.center.item(), shard.version) == (-(1 + 2 + 4 + 8 + 16), 5)  # the live center
+    shard._process(Request(1, OP_SAVE, 1, 2, None))  # asked again: written once
+    assert len(written) == 1

@@ -16,10 +16,19 @@ epoch), the operation raises :class:`PeerLost`. Its caller then calls :meth:`Mem
    timeout (a stall).
 2. The next epoch's members are agreed through the store: the first proposal for
    ``distsync/view/TAG/E+1`` wins (``compare_set``) and everyone adopts it.
-3. Each member publishes how many operations it completed in the old view; a new group is
+3. Each member of the agreed view says it is in (its *fate*, decided once in the store);
+   another says "out" for a member that died before it came, and then that epoch's group is
+   never made and the next leaves it out. Nobody waits for a member that will not come.
+4. Each member publishes how many operations it completed in the old view; a new group is
    made over the members, and if they disagree (a worker died at the very end of an
    operation that some completed and others did not) the job cannot go on consistently and
-   fails with that message (a restart from a checkpoint is the way on).
+   fails with that message (a restart from a checkpoint is the way on). Views whose
+   operations are each whole by themselves (a shadow thread's averages) skip this check.
+
+A replacement for a dead worker (:meth:`join`) asks to join once the others have gone on
+without the dead one; a worker at a step's end admits it (:meth:`admit`: the next view with
+it in), the others follow at their next operation, and the admitting worker hands it its
+state through the new group (:meth:`hand_over`).
 
 Waits on a view's collectives are bounded by the comm timeout as before, and every 20 ms
 they look whether the view is superseded: a member that is not the dead worker's
@@ -266,7 +275,9 @@ class Membership:
                     raise Excluded(f"rank {self.comm.rank}: the other workers went on without this one "
                                    f"(it made no progress for {self.comm.timeout_s:g} s)")
                 epoch, members = epoch + 1, tuple(agreed)
-                self.dead -= set(members)  # (a replacement for a dead worker)
+                for r in self.dead & set(members):  # a replacement for a dead worker: alive, afresh
+                    self.dead.discard(r)
+                    self._beats.pop(r, None)
                 if self.comm.store_check(f"{VIEW}{tag}/{epoch + 1}"):
                     continue  # later epochs already agreed (this rank is behind): follow them
                 if self._all_in(tag, epoch, members):

@@ -233,9 +233,9 @@ class Solver:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` after :meth:`attach`."""
 
-    def checkpoint_peers(self, index: int) -> None:
+    def checkpoint_peers(self, index: int, done: int = 0) -> None:
         """Ask this solver's other processes (servers) to write their part of checkpoint
-        ``index``; called on every worker just before it writes its own."""
+        ``index``; called on every worker just before it writes its own, after ``done`` steps."""
 
     # ---- convenience for users' own loops -----------------------------------------------
     @contextlib.contextmanager

@@ -95,6 +95,8 @@ class ServerSolver(Solver):
         shard.drop_dead_workers = ctx.drop_dead_workers and self.survives_worker_loss
         if ctx.save is not None:
             shard.on_save = lambda index: ctx.save(index, shard.version, self.server_state_dict(shard))
+            shard.get_state = lambda: self.server_state_dict(shard)
+            shard.set_state = lambda state: self.load_server_state(shard, state)
         if ctx.restored is not None:
             self.load_server_state(shard, ctx.restored)
             shard.saved_index = int(ctx.restored.get("index", 0))
@@ -117,9 +119,9 @@ class ServerSolver(Solver):
     def handle(self, shard: ServerShard, req: Request):
         raise NotImplementedError
 
-    def checkpoint_peers(self, index):
+    def checkpoint_peers(self, index, done=0):
         with self.client_lock:
-            self.client.save(index)
+            self.client.save(index, done)
 
     def state_dict(self):
         return {"versions": list(self.client.versions)}

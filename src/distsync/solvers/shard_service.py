@@ -14,8 +14,13 @@ exchanges, the flat payload of that server's tensors; a server answers a pull or
 exchange with a header ``int64[version]`` and the flat center. A server serves every worker
 from its own thread (first come, first served), or in strict rank order (round robin), or
 in synchronous rounds; ``serve`` returns once every worker has said it is done.
-``OP_SAVE`` (header ``[op, checkpoint index, version]``, no reply) asks a server to write
-its part of a checkpoint; the first worker to ask for an index triggers it.
+``OP_SAVE`` (header ``[op, checkpoint index, steps the worker has done]``, no reply) asks a
+server to write its part of a checkpoint. An asynchronous server writes a consistent cut:
+at the first worker's request it takes a snapshot and logs the pushes it applies after it;
+once every live worker has asked, it writes the snapshot with the logged pushes of steps
+before each worker's checkpoint applied in order (the others, the workers do again after a
+restart), so a restart loses and repeats no update. Synchronous servers (every worker asks in
+the same round) write at once.
 """
 
 from __future__ import annotations
@@ -113,9 +118,11 @@ class PSClient:
     def done(self) -> None:
         self._send_all(OP_DONE, -1, None)
 
-    def save(self, index: int) -> None:
-        """Ask every server to write its part of checkpoint ``index`` (no reply)."""
-        self._send_all(OP_SAVE, index, None)
+    def save(self, index: int, done: int) -> None:
+        """Ask every server to write its part of checkpoint ``index``, which this worker takes
+        after ``done`` steps (no reply)."""
+        for server in self.layout.server_ranks:
+            self.comm.send(torch.tensor([OP_SAVE, index, done], dtype=torch.int64), server, tag=TAG_HEADER)
 
 
 class Request:
@@ -155,6 +162,11 @@ class ServerShard:
         #: workers whose process died, with the last step each asked about
         self.dropped: dict[int, int] = {}
         self._last_step: dict[int, int] = {}
+        #: this shard's whole state (the solver's: center, version, momentum...) and setting
+        #: it back: with both, checkpoints are consistent cuts (see the module's docstring)
+        self.get_state: Callable[[], dict[str, Any]] | None = None
+        self.set_state: Callable[[dict[str, Any]], None] | None = None
+        self._cut: dict[str, Any] | None = None
 
     def _receive(self, worker: int) -> Request:
         head = torch.zeros(3, dtype=torch.int64)
@@ -182,18 +194,40 @@ class ServerShard:
             return -1
         return min(self._last_step[w] for w in live)
 
-    def save(self, index: int) -> None:
-        """Write this shard's part of checkpoint ``index`` unless it already has."""
+    def save(self, index: int, worker: int | None = None, done: int = 0) -> None:
+        """Write this shard's part of checkpoint ``index`` unless it already has: at once
+        (``worker`` None: every worker asked together), or as a consistent cut once every
+        live worker has asked (``worker`` asked after ``done`` steps)."""
         with self._save_lock:
             if index <= self.saved_index or self.on_save is None:
                 return
             with self._lock or _NoLock():
-                self.on_save(index)
-            self.saved_index = index
+                if worker is None or self._lock is None or self.get_state is None:
+                    self.on_save(index)  # (a lock-free server cannot stop its updates for a cut)
+                    self.saved_index = index
+                    return
+                if self._cut is None or self._cut["index"] != index:
+                    self._cut = {"index": index, "state": self.get_state(), "log": [], "done": {}}
+                self._cut["done"][worker] = done
+                self._finish_cut()
+
+    def _finish_cut(self) -> None:
+        """Under the lock: write the cut if every live worker has asked for it."""
+        cut = self._cut
+        if cut is None or any(w not in cut["done"] for w in self.comm.worker_ranks if w not in self.dropped):
+            return
+        live = self.get_state()
+        self.set_state(cut["state"])
+        for req in cut["log"]:  # the pushes before each worker's checkpoint, in the order applied
+            if req.step < cut["done"].get(req.worker, 0):
+                self.handle(self, req)
+        self.on_save(cut["index"])
+        self.set_state(live)
+        self.saved_index, self._cut = cut["index"], None
 
     def _process(self, req: Request) -> None:
-        if req.op == OP_SAVE:
-            self.save(req.step)
+        if req.op == OP_SAVE:  # (step: the checkpoint's index; version_seen: the steps done)
+            self.save(req.step, req.worker, req.version_seen)
             return
         self.requests[req.op] += 1
         if req.op == OP_PULL:
@@ -203,6 +237,8 @@ class ServerShard:
             return
         if self._lock is not None:
             with self._lock:
+                if self._cut is not None:
+                    self._cut["log"].append(req)
                 out = self.handle(self, req)
                 version = self.version
         else:
@@ -243,7 +279,9 @@ class ServerShard:
         """Whether ``e`` says ``worker``'s process died and this server drops it (then it is
         dropped: the others are served on)."""
         if self.drop_dead_workers and "closed its connection" in str(e):
-            self.dropped[worker] = self._last_step.get(worker, -1)
+            with self._lock or _NoLock():
+                self.dropped[worker] = self._last_step.get(worker, -1)
+                self._finish_cut()  # (a cut waiting for it goes without it)
             return True
         return False
 

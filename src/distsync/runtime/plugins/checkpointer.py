@@ -67,7 +67,7 @@ class Checkpointer(Plugin):
         if index is None:
             return
         a = time.perf_counter()
-        run.solver.checkpoint_peers(index)  # servers write their part
+        run.solver.checkpoint_peers(index, point.done)  # servers write their part
         run.plugins.on_checkpoint(run, index)
         state: dict[str, Any] = {
             "index": index, "step": point.done, "model": run.model.state_dict(),
