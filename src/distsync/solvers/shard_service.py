@@ -15,7 +15,8 @@ exchange with a header ``int64[version]`` and the flat center. A server serves e
 from its own thread (first come, first served), or in strict rank order (round robin), or
 in synchronous rounds; ``serve`` returns once every worker has said it is done.
 ``OP_SAVE`` (header ``[op, checkpoint index, steps the worker has done]``, no reply) asks a
-server to write its part of a checkpoint. An asynchronous server writes a consistent cut:
+server to write its part of a checkpoint. An asynchronous server with a lock (all but the
+lock-free ones, which write at the first request) writes a consistent cut:
 at the first worker's request it takes a snapshot and logs the pushes it applies after it;
 once every live worker has asked, it writes the snapshot with the logged pushes of steps
 before each worker's checkpoint applied in order (the others, the workers do again after a
