@@ -334,7 +334,7 @@ class PeerLog(Plugin):
 def test_checkpointer_writes_the_same_keys_when_due():
     store, log = FakeStore(), []
     solver = Solver()
-    solver.checkpoint_peers = lambda index: log.append(("solver", index))
+    solver.checkpoint_peers = lambda index, done: log.append(("solver", index, done))
     ckpt = Checkpointer(WorkerRecovery(store=store, policy=CheckpointPolicy(4)))
     run = make_run([PeerLog(log), DeviceStretch(1.0, 0.0, [3]), Evaluator(), ckpt], solver=solver)
     run.last_loss, run.events = 0.5, [{"kind": "start"}]
@@ -342,7 +342,7 @@ def test_checkpointer_writes_the_same_keys_when_due():
         assert run.plugins.sync_due(run, done) == (done in (4, 8))
         run.plugins.at_sync_point(run, SyncPoint(done))
     assert [(i, d) for i, d, _ in store.writes] == [(1, 4), (2, 8)]
-    assert log == [("solver", 1), ("peers", 1), ("solver", 2), ("peers", 2)]
+    assert log == [("solver", 1, 4), ("peers", 1), ("solver", 2, 8), ("peers", 2)]  # (index, steps done)
     _, _, state = store.writes[0]
     assert list(state) == CHECKPOINT_KEYS and list(state["rng"]) == ["torch", "stretch"]
     assert state["index"] == 1 and state["step"] == 4 and state["last_loss"] == 0.5
