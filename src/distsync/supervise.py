@@ -102,6 +102,8 @@ def _outlive(pid: int, wait, argv: list[str], drop: bool,
             if not mark.exists():
                 mark_dropped(run_dir, rank, attempt, f"exit code {code}")
             return 0
+        if code == 0:  # it trained to the end (or came too late and left the dead one dropped)
+            return 0
     if drop and rank < workers and mark.exists():
         return 0  # the others went on without it (they marked it stalled)
     died = code < 0 and -code not in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
