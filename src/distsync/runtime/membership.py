@@ -120,19 +120,17 @@ class Membership:
     """
 
     def __init__(self, comm: Any, workers: list[int], is_marked_dead: Callable[[int], bool],
-                 heartbeat: Callable[[int], str | None], on_change: Callable[[View, View], None] | None = None,
-                 mark_stalled: Callable[[int], None] | None = None):
+                 heartbeat: Callable[[int], str | None], mark_stalled: Callable[[int], None] | None = None):
         self.comm = comm
         self.workers = list(workers)
         self.is_marked_dead = is_marked_dead
         self.heartbeat = heartbeat
-        self.on_change = on_change
         self.mark_stalled = mark_stalled
         self._alive_at = 0.0
         self._views: dict[str, View] = {}
         self._by_pg: dict[Any, View] = {}
         self._lock = threading.RLock()
-        self._beats: dict[int, tuple[str | None, float]] = {}
+        self._beats: dict[int, tuple[str | None, float, float]] = {}
         self.dead: set[int] = set()
         self.last_lost: PeerLost | None = None
         self.history: list[View] = []
@@ -156,12 +154,9 @@ class Membership:
         pg = make_group(store, f"distsync/pg/{tag}/{epoch}", members, self.comm.rank, self.comm.timeout_s,
                         f"distsync-{tag}-{epoch}")
         v = View(tag, epoch, tuple(members), pg, ordered=ordered)
-        old = self._views.get(tag)
         self._views[tag] = v
         self._by_pg[pg] = v
         self.history.append(v)
-        if old is not None and self.on_change is not None:
-            self.on_change(old, v)
         return v
 
     # ---- failure detection ------------------------------------------------------------------
@@ -400,9 +395,6 @@ class Membership:
             view.joined, view.src = self._joined(tag, epoch)
         self.comm.store_set(f"{VIEW}{tag}/join/{me}", "")  # (admitted: not asking any more)
         return view
-
-    def members(self, tag: str = "workers") -> tuple[int, ...]:
-        return self.view(tag).members
 
 
 def _first_line(e: BaseException) -> str:

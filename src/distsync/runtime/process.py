@@ -21,7 +21,8 @@ from distsync.runtime.loop import Progress, train_worker
 from distsync.runtime.membership import ALIVE, Membership, marked_dead
 from distsync.runtime.plugins.budget import BEAT
 from distsync.runtime.recovery import (CheckpointPolicy, FaultInjector, WorkerRecovery, raise_if_stopped,
-                                       read_faults, restart_count, summarize_recovery)
+                                       read_faults, read_jsonl, restart_count,
+                                       summarize_recovery)
 from distsync.runtime.resolve import ResolvedRun
 from distsync.runtime.roles import EMBEDDING_SERVER
 from distsync.solvers import ServeContext
@@ -91,26 +92,25 @@ def journal_path(run_dir: Path, rank: int) -> Path:
     return run_dir / "journal" / f"rank-{rank}.jsonl"
 
 
-def dropped_marks(run_dir: Path) -> list[dict[str, Any]]:
-    """The workers this run dropped, in any attempt, in the order they died."""
+def _marks(run_dir: Path, pattern: str) -> list[dict[str, Any]]:
+    """The marks in ``RUN/dropped/`` named like ``pattern``, in the order the workers died."""
     marks = []
-    for path in (run_dir / "dropped").glob("attempt-*-rank-*.json"):
+    for path in (run_dir / "dropped").glob(pattern):
         try:
             marks.append(json.loads(path.read_text()))
         except (OSError, ValueError):
             pass
     return sorted(marks, key=lambda m: m["unix"])
+
+
+def dropped_marks(run_dir: Path) -> list[dict[str, Any]]:
+    """The workers this run dropped, in any attempt, in the order they died."""
+    return _marks(run_dir, "attempt-*-rank-*.json")
 
 
 def replaced_marks(run_dir: Path) -> list[dict[str, Any]]:
     """The dead workers whose replacement healed from a live peer (it took their mark over)."""
-    marks = []
-    for path in (run_dir / "dropped").glob("replaced-attempt-*-rank-*.json"):
-        try:
-            marks.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            pass
-    return sorted(marks, key=lambda m: m["unix"])
+    return _marks(run_dir, "replaced-attempt-*-rank-*.json")
 
 
 def dropped_ranks(run_dir: Path) -> set[int]:
@@ -190,13 +190,7 @@ def _results_of(comm: Comm, rank: int, run_dir: Path, attempt: int) -> dict[str,
     mark = dropped_mark(run_dir, attempt, rank)
     if mark is None:
         return None
-    events = []
-    if journal_path(run_dir, rank).exists():
-        for line in journal_path(run_dir, rank).read_text().splitlines():
-            try:
-                events.append(json.loads(line))
-            except ValueError:
-                pass  # the line it was writing when it died
+    events = read_jsonl(journal_path(run_dir, rank))
     # Its steps count (work done); its evaluations do not: the run's final metric is the
     # survivors' models'.
     events = [e for e in events if e["kind"] != "eval"]
@@ -314,10 +308,10 @@ def heal_from_peer(cfg: RunConfig, run_dir: Path, comm: Comm, replacement: int) 
     worker that admitted it."""
     attempt = restart_count()
     mark = run_dir / "dropped" / f"attempt-{attempt}-rank-{comm.rank}.json"
+    taken = run_dir / "dropped" / f"replaced-attempt-{attempt}-rank-{comm.rank}-{replacement}.json"
 
     def replaces() -> None:
         dead = json.loads(mark.read_text())
-        taken = run_dir / "dropped" / f"replaced-attempt-{attempt}-rank-{comm.rank}-{replacement}.json"
         taken.write_text(json.dumps({**dead, "replaced_unix": time.time(), "replacement": replacement}))
         mark.unlink()
 
@@ -327,17 +321,10 @@ def heal_from_peer(cfg: RunConfig, run_dir: Path, comm: Comm, replacement: int) 
     view = comm.membership.join("workers", replaces, over)
     if view is None:
         if not mark.exists():  # the dead one stays dropped: its journal is its part of the results
-            taken = run_dir / "dropped" / f"replaced-attempt-{attempt}-rank-{comm.rank}-{replacement}.json"
             os.replace(taken, mark)
         raise TooLate(f"rank {comm.rank}: the other workers finished training before this replacement could join")
     state = comm.membership.hand_over(view, lambda: None)
-    events = []
-    for line in journal_path(run_dir, comm.rank).read_text().splitlines():
-        try:
-            events.append(json.loads(line))
-        except ValueError:
-            pass  # the line it was writing when it died
-    state["events"] = events  # the dead one's history, which this process goes on with
+    state["events"] = read_jsonl(journal_path(run_dir, comm.rank))  # the dead one's history, to go on with
     policy = CheckpointPolicy(cfg.checkpoint_every, comm)
     store = CheckpointStore(run_dir / CHECKPOINTS, comm.rank, comm.role_of, fingerprint(cfg, comm.role_of),
                             dropped_ranks(run_dir))

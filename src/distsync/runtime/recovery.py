@@ -168,16 +168,21 @@ def raise_if_stopped(run_dir: Path) -> None:
         raise DistsyncError(message)
 
 
-def read_faults(run_dir: Path) -> list[dict[str, Any]]:
-    log = Path(run_dir) / "faults.jsonl"
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file written as things happen (none if there is no file),
+    without a last line cut short by a kill."""
     out = []
-    if log.exists():
-        for line in log.read_text().splitlines():
+    if path.exists():
+        for line in path.read_text().splitlines():
             try:
                 out.append(json.loads(line))
             except ValueError:
-                pass
+                pass  # the line it was writing when it died
     return out
+
+
+def read_faults(run_dir: Path) -> list[dict[str, Any]]:
+    return read_jsonl(Path(run_dir) / "faults.jsonl")
 
 
 def summarize_views(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
