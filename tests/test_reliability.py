@@ -375,3 +375,17 @@ def test_a_signal_for_a_child_that_has_ended_is_not_an_error(tmp_path):
         for sig, handler in before.items():
             signal.signal(sig, handler)
     assert code == 0
+
+
+def test_forgetting_a_checkpoint_whose_folder_another_rank_just_removed_is_no_error(tmp_path, monkeypatch):
+    """Restarted ranks forget what a failed attempt left at once; the last to leave a folder
+    removes it, possibly while another is listing it."""
+    store = _store(tmp_path, 0)
+    _write_all(tmp_path, 1, 1.0)
+    (tmp_path / store.folder(2).name).mkdir()
+
+    def gone(self, pattern):
+        raise FileNotFoundError(str(self))
+
+    monkeypatch.setattr(Path, "glob", gone)
+    store.forget_after(1)  # (ckpt 2's folder vanishes between the listing and the glob)

@@ -114,7 +114,11 @@ class CheckpointStore:
     def _remove(self, index: int) -> None:
         """Delete this rank's files of checkpoint ``index``."""
         d = self.folder(index)
-        for path in [d / f"rank-{self.rank}.json", *d.glob(f"rank-{self.rank}-*.pt"), *d.glob(f".rank-{self.rank}*")]:
+        try:
+            paths = [d / f"rank-{self.rank}.json", *d.glob(f"rank-{self.rank}-*.pt"), *d.glob(f".rank-{self.rank}*")]
+        except FileNotFoundError:  # another rank emptied and removed the folder meanwhile
+            return
+        for path in paths:
             path.unlink(missing_ok=True)
         try:
             d.rmdir()  # the last rank to leave removes the folder
