@@ -584,3 +584,33 @@ def test_an_asynchronous_server_checkpoints_a_consistent_cut():
     assert (shard.center.item(), shard.version) == (-(1 + 2 + 4 + 8 + 16), 5)  # the live center
     shard._process(Request(1, OP_SAVE, 1, 2, None))  # asked again: written once
     assert len(written) == 1
+
+
+@pytest.mark.parametrize("header, what", [([99, 0, 0], "op unknown"), ([1, -5, 0], "op known"),
+                                          ([2, 3, 2**60], "op known")])
+def test_a_server_refuses_a_peer_that_sends_no_request_and_serves_the_others(capsys, header, what):
+    """Worker 1 sends a header no worker sends: the server ends its conversation with a line
+    on stderr, and worker 0's pushes and goodbye are served as ever."""
+    from distsync.solvers.shard_service import OP_DONE, OP_PUSH, ServerShard
+
+    class _Comm:
+        worker_ranks, rank = [0, 1], 2
+
+        def __init__(self):
+            self.inbox = {0: [[OP_PUSH, 0, 0], [3.0], [OP_PUSH, 1, 1], [4.0], [OP_DONE, -1, 2]], 1: [header]}
+
+        def recv(self, tensor, src=None, group=None, tag=0):
+            tensor.copy_(torch.tensor(self.inbox[src].pop(0), dtype=tensor.dtype))
+            return src
+
+    def sgd(shard, req):
+        shard.center -= req.payload
+        shard.version += 1
+
+    comm = _Comm()
+    shard = ServerShard(comm, [torch.zeros(1)], sgd)
+    shard.serve_each_worker_in_a_thread()
+    assert (shard.center.item(), shard.version) == (-7.0, 2)
+    assert list(shard.stats()["refused_workers"]) == ["1"] and what in shard.stats()["refused_workers"]["1"]
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("distsync: server rank 2: refused worker rank 1 sent a header no worker sends")

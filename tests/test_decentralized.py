@@ -137,6 +137,33 @@ def test_partial_all_reduce_is_the_group_sum_in_any_order_of_overlapping_groups(
             assert torch.equal(res[r][i][0], res[r][i - 1][0] if i else _partial_start(r)[0])
 
 
+def _partial_around_a_death(rank, world):
+    """Rank 3 meets the others once and its process ends; the others then meet in a group
+    with it, then without it."""
+    from distsync.comm import Comm
+
+    comm = Comm.from_env(["worker"] * world, 20.0, torch.device("cpu"))
+    comm.drops_dead_peers = True
+    x = torch.arange(10, dtype=torch.float32) + 100 * rank
+    done = [(comm.partial_all_reduce(x, [0, 1, 2, 3]), x.clone())]
+    if rank == 3:
+        return done  # (its process ends here, closing its connections)
+    done.append((comm.partial_all_reduce(x, [0, 1, 2, 3]), x.clone()))
+    done.append((comm.partial_all_reduce(x, [0, 1, 2]), x.clone()))
+    comm.close()
+    return done
+
+
+def test_a_group_with_a_dead_member_is_dropped_by_every_live_member_and_nobody_waits():
+    res = run_ranks(_partial_around_a_death, 4, timeout=40)
+    whole = sum(torch.arange(10, dtype=torch.float32) + 100 * r for r in range(4))
+    for r in range(4):
+        assert res[r][0][0] is True and torch.equal(res[r][0][1], whole)  # the per-chunk counts cost nothing else
+    for r in range(3):
+        assert res[r][1][0] is False and torch.equal(res[r][1][1], whole)  # left as it was
+        assert res[r][2][0] is True and torch.equal(res[r][2][1], 3 * whole)
+
+
 SEED, BATCH, LR = 4, 16, 0.2
 
 
@@ -366,25 +393,42 @@ def test_ripples_smart_schedule_groups_everyone_ready_within_the_wait():
 
 class _ScriptedCoordinatorComm:
     """The coordinator's comm in a smart-schedule test: requests arrive as a script says,
-    (seconds to wait before it, worker rank, op); what it sends is recorded with the time."""
+    (seconds to wait before it, worker rank, op), in the script's order (the coordinator
+    hears each worker on its own thread); what it sends is recorded with the time."""
 
     worker_ranks, num_workers, timeout_s, rank = [0, 1, 2, 3], 4, 5.0, 4
 
     def __init__(self, script):
+        import threading
         import time
 
-        self.script, self.sent, self.t0, self.clock = list(script), [], time.monotonic(), time.monotonic
+        self.t0, self.clock, self.sent = time.monotonic(), time.monotonic, []
+        due, self.script = 0.0, []
+        for delay, sender, op in script:  # (when each arrives, from the start)
+            due += delay
+            self.script.append((due, sender, op))
+        self.next = 0
+        self.turn = threading.Condition()
 
     def recv(self, head, src=None, group=None, tag=0):
         import time
 
-        delay, sender, op = self.script.pop(0)
-        time.sleep(delay)
-        head[0], head[1] = op, 0
+        with self.turn:
+            self.turn.wait_for(lambda: self.next < len(self.script) and self.script[self.next][1] == src,
+                               timeout=self.timeout_s)
+            due, sender, op = self.script[self.next]
+            assert sender == src, "the script never came to this worker"
+            time.sleep(max(0.0, self.t0 + due - time.monotonic()))
+            head[0], head[1] = op, 0
+            self.next += 1
+            self.turn.notify_all()
         return sender
 
     def send(self, tensor, dst, group=None, tag=0):
         self.sent.append((dst, tuple(int(v) for v in tensor if v >= 0), self.clock() - self.t0))
+
+    def peer_died(self, exc):
+        return False
 
 
 def test_smart_coordinator_groups_by_readiness_and_never_waits_past_max_wait():
@@ -402,8 +446,10 @@ def test_smart_coordinator_groups_by_readiness_and_never_waits_past_max_wait():
     comm = _ScriptedCoordinatorComm(script)
     s = make_solver("ripples", schedule="smart", group_size=3, max_wait_ms=40)
     s.serve("coordinator", comm, ServeContext(make_model=None, lr=0.0))
+    # (who of a group is told first follows which of its requests' threads ran first)
+    comm.sent.sort(key=lambda sent: (round(sent[2] / (gap / 2)), sent[1], sent[0]))
     assert [(dst, g) for dst, g, _ in comm.sent] == [
-        (0, (0, 2, 3)), (2, (0, 2, 3)), (3, (0, 2, 3)), (1, (1,)), (3, (0, 3)), (0, (0, 3))]
+        (0, (0, 2, 3)), (2, (0, 2, 3)), (3, (0, 2, 3)), (1, (1,)), (0, (0, 3)), (3, (0, 3))]
     when = [t for _, _, t in comm.sent]
     assert max(when[:3]) < gap / 2  # the full group went at once, nobody waited for worker 1
     for sent, ready in ((when[3], gap), (when[4], 2 * gap)):  # max_wait after the first was ready

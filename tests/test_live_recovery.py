@@ -146,7 +146,8 @@ def _steps(out: Path, rank: int) -> list[int]:
 @pytest.mark.parametrize("solver", [
     ["--solver", "allreduce"], ["--solver", "ddp"], ["--solver", "ma", "-o", "every=4"],
     ["--solver", "sync-easgd", "-o", "tau=4"], ["--solver", "shadow-ma"], ["--solver", "local"],
-    ["--solver", "sync-ps"], ["--solver", "easgd"],
+    ["--solver", "sync-ps"], ["--solver", "easgd"], ["--solver", "ad-psgd"],
+    ["--solver", "ripples", "-o", "schedule=random"],
 ], ids=lambda s: s[1])
 def test_every_family_goes_on_without_a_dead_worker(tmp_path, solver):
     code, err, s = _train(tmp_path, *solver, "--fault", "kill:1@20")
@@ -156,8 +157,15 @@ def test_every_family_goes_on_without_a_dead_worker(tmp_path, solver):
     assert _steps(tmp_path, 1) == list(range(20))
     [fault] = s["recovery"]["faults"]
     assert s["recovery"]["restarts"] == 0 and fault["dropped"] is True
+    stats = s["solver_stats"]
     if solver[1] in ("sync-ps", "easgd"):  # their server leaves the dead worker out of its rounds
-        assert s["solver_stats"]["3"]["dropped_workers"] == {"1": 19}
+        assert stats["3"]["dropped_workers"] == {"1": 19}
+    elif solver[1] == "ad-psgd":  # both actives lost their passive: they average no more
+        assert "1" in stats["0"]["dead_peers"] and "1" in stats["2"]["dead_peers"]
+        assert stats["0"]["averagings_started"] < 60
+    elif solver[1] == "ripples":  # the coordinator draws groups without it
+        assert stats["3"]["dead_workers"] == [1]
+        assert stats["0"]["groups_joined"] > 0
     elif solver[1] != "local":  # (local's workers never meet: nothing to re-form)
         assert [v["members"] for v in s["recovery"]["views"]] == [[0, 2]]
         assert fault["steps_lost"] == 0 and fault["went_on_s"] < 1.0, fault
@@ -176,6 +184,26 @@ def test_the_survivors_of_an_all_reduce_stay_identical_and_rank_0s_death_is_surv
     assert set(finals) == {1, 2} and len(set(finals.values())) == 1, finals  # the same steps: the same model
     assert abs(s["final_metric"] - clean["final_metric"]) <= 0.03
     assert "re-formed their group without it" in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("solver", [["--solver", "ad-psgd"], ["--solver", "ripples", "-o", "schedule=smart"],
+                                    ["--solver", "ripples", "-o", "schedule=static"]],
+                         ids=lambda s: "-".join(s[1::2]))
+def test_decentralized_workers_go_on_when_rank_0_dies(tmp_path, solver):
+    code, err, s = _train(tmp_path, *solver, "--fault", "kill:0@20")
+    assert code == 0, err
+    assert "worker rank 0 died (SIGKILL) after step 19 and was dropped" in err
+    assert _steps(tmp_path, 1) == _steps(tmp_path, 2) == list(range(60))
+    stats = s["solver_stats"]
+    if solver[1] == "ad-psgd":  # the passive stopped waiting for the dead active; the other went on
+        assert stats["1"]["dead_peers"] == {"0": stats["1"]["dead_peers"]["0"]}
+        assert stats["2"]["averagings_started"] == 60
+    elif "schedule=smart" in solver:
+        assert stats["3"]["dead_workers"] == [0]
+    else:  # static groups of 3 hold everyone: each later one has the dead member, and is dropped
+        assert stats["1"]["groups_with_a_dead_member"] == stats["2"]["groups_with_a_dead_member"] == 40
+    assert s["final_metric"] > 0.85
 
 
 @pytest.mark.slow
@@ -209,3 +237,20 @@ def test_a_replacement_heals_from_a_live_peer_and_the_job_is_whole_again(tmp_pat
     if solver[1] == "allreduce":  # the replacement took a peer's model: all three end identical
         assert len(set(finals.values())) == 1, finals
     assert s["final_metric"] > 0.85
+
+
+def test_each_death_of_a_rank_that_died_twice_is_reported_with_its_own_replacement(monkeypatch):
+    from rich.console import Console
+
+    from distsync import cli
+
+    out = Console(record=True, width=400)
+    monkeypatch.setattr(cli, "console", out)
+    fault = {"kind": "kill", "rank": 1, "role": "worker", "replaced": True, "live_workers": 3, "healed_from": 2}
+    cli._print_recovery({"recovery": {
+        "replaced": [{"rank": 1, "last_step": 99, "signal": "SIGKILL"}, {"rank": 1, "last_step": 249, "signal": "SIGKILL"}],
+        "faults": [{**fault, "step": 100, "went_on_s": 0.021, "joined_at_step": 131, "healed_s": 1.1},
+                   {**fault, "step": 250, "went_on_s": 0.039, "joined_at_step": 283, "healed_s": 1.2}]}})
+    first, second = out.export_text().strip().splitlines()
+    assert "after step 99" in first and "in 21 ms" in first and "joined at step 131, 1.1 s" in first
+    assert "after step 249" in second and "in 39 ms" in second and "joined at step 283, 1.2 s" in second

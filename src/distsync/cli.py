@@ -263,9 +263,11 @@ def _print_device(summary: dict[str, Any]) -> None:
 def _print_recovery(summary: dict[str, Any]) -> None:
     """One line per fault the run survived: dropped workers, restarts."""
     rec = summary.get("recovery") or {}
-    went_on = {f["rank"]: f for f in rec.get("faults", []) if "went_on_s" in f}
+    went_on = [f for f in rec.get("faults", []) if "went_on_s" in f]
     for d in rec.get("dropped", []) + rec.get("replaced", []):
-        f = went_on.get(d["rank"])
+        # (a rank may die more than once: its replacement too) the fault that ended this process
+        mine = [f for f in went_on if f["rank"] == d["rank"]]
+        f = min(mine, key=lambda f: abs(f["step"] - 1 - (d.get("last_step") or 0))) if mine else None
         how = (f"; the other {f['live_workers']} re-formed their group without it in {f['went_on_s'] * 1000:.0f} ms "
                f"and trained on" if f else "; the other workers trained on")
         if f and f.get("replaced"):

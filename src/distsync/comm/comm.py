@@ -110,6 +110,9 @@ class Comm:
         self._job_store: Any = None
         #: the live views of a job that goes on without dead workers (None: a death fails the job)
         self.membership: Any = None
+        #: a peer whose process died is left behind and the job goes on without it
+        #: (``--on-failure continue``); otherwise its closed connection fails this rank
+        self.drops_dead_peers = False
 
     # ---- set-up -----------------------------------------------------------------------
     @classmethod
@@ -214,6 +217,11 @@ class Comm:
     def error(self, op: str, exc: BaseException) -> CommError:
         return CommError(f"rank {self.rank} ({self.role}): {op} failed: {_cause(exc, self.timeout_s)}")
 
+    def peer_died(self, exc: BaseException) -> bool:
+        """Whether ``exc`` (from a point-to-point operation) says the peer's process died and
+        this job goes on without it."""
+        return self.drops_dead_peers and isinstance(exc, CommError) and "closed its connection" in str(exc)
+
     def _guard(self, what: str, fn, *args, **kwargs):
         try:
             return fn(*args, **kwargs)
@@ -310,10 +318,11 @@ class Comm:
             use_local_synchronization=members_only,
         )
 
-    def partial_all_reduce(self, tensor: torch.Tensor, members: Sequence[int]) -> None:
+    def partial_all_reduce(self, tensor: torch.Tensor, members: Sequence[int]) -> bool:
         """Replace ``tensor`` by the sum of the members' tensors (worker ranks), with nobody
         else taking part. (The solver turns the sum into what its rule needs, e.g. Ripples'
-        group mean.)
+        group mean.) Returns whether it did: with :attr:`drops_dead_peers`, a member that died
+        leaves the others' tensors as they were (False), and every live member finds that out.
 
         A ring over the sorted members made of point-to-point messages on the workers' group:
         a reduce-scatter of ``len(members)`` chunks, then an all-gather. It sends the bytes of a
@@ -327,6 +336,12 @@ class Comm:
         Two ranks that meet in several sets must meet in them in the same order: messages
         between a pair are matched in the order they were sent. Every wait is bounded by the
         comm timeout, and a failure names the neighbour that did not answer.
+
+        A dead member (:attr:`drops_dead_peers`): its neighbours' messages to and from it fail
+        at once (its connections are closed); the member after it goes on around the ring with
+        zeros for what it would have received, so that nobody else waits for it either. Each
+        chunk carries a count of the members whose share it holds (one more element per
+        chunk): a sum is used only when every chunk counts every member, else it is dropped.
         """
         ring = sorted(members)
         if self.rank not in ring:
@@ -335,11 +350,21 @@ class Comm:
             raise ValueError(f"group {ring} names a rank twice")
         k = len(ring)
         if k == 1:
-            return
+            return True
         if not tensor.is_contiguous():
             raise ValueError("partial_all_reduce needs a contiguous tensor")
         flat = tensor.view(-1)
-        chunks = list(torch.tensor_split(flat, k))
+        tolerant = self.drops_dead_peers
+        if tolerant:  # k rows: a chunk, zero-padded, and its count of members
+            per = -(-flat.numel() // k)
+            rows = torch.zeros(k, per + 1, dtype=flat.dtype)
+            padded = torch.zeros(k * per, dtype=flat.dtype)
+            padded[: flat.numel()] = flat
+            rows[:, :per] = padded.view(k, per)
+            rows[:, per] = 1
+            chunks = list(rows.unbind(0))
+        else:
+            chunks = list(torch.tensor_split(flat, k))
         me = ring.index(self.rank)
         right, left = ring[(me + 1) % k], ring[(me - 1) % k]
         self.bytes_sent += ring_allreduce_bytes(flat.numel() * flat.element_size(), k)
@@ -348,17 +373,24 @@ class Comm:
         for s in range(k - 1):
             out, into = (me - s) % k, (me - s - 1) % k
             got = incoming[: chunks[into].numel()]
-            self._exchange(chunks[out], right, got, left)
+            self._exchange(chunks[out], right, got, left, tolerant)
             chunks[into].add_(got)
         # All-gather: pass the summed chunks on around the ring.
         for s in range(k - 1):
-            self._exchange(chunks[(me + 1 - s) % k], right, chunks[(me - s) % k], left)
+            self._exchange(chunks[(me + 1 - s) % k], right, chunks[(me - s) % k], left, tolerant)
         self._delay(2 * (k - 1))
+        if not tolerant:
+            return True
+        if not bool((rows[:, per] == k).all()):
+            return False
+        flat.copy_(rows[:, :per].reshape(-1)[: flat.numel()])
+        return True
 
-    def _exchange(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> None:
+    def _exchange(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, tolerant: bool = False) -> None:
         """Send ``send`` to ``dst`` while receiving ``recv`` from ``src`` (one ring step).
         An empty chunk (a tensor with fewer elements than members) is not sent: its sender
-        and its receiver both know it is empty."""
+        and its receiver both know it is empty. ``tolerant``: a dead ``dst`` is not sent to,
+        and what a dead ``src`` did not send is zeros."""
         group = self.worker_group
         ops, names = [], []
         if send.numel():
@@ -369,9 +401,30 @@ class Comm:
             names.append(f"recv from rank {src}")
         if not ops:
             return
-        works = self._guard(f"partial_all_reduce(to rank {dst}, from rank {src})", dist.batch_isend_irecv, ops)
-        for work, what in zip(works, names):
-            Pending(self, work, f"partial_all_reduce({what})").wait()
+        what = f"partial_all_reduce(to rank {dst}, from rank {src})"
+        if not tolerant:
+            works = self._guard(what, dist.batch_isend_irecv, ops)
+            for work, name in zip(works, names):
+                Pending(self, work, f"partial_all_reduce({name})").wait()
+            return
+        started = []
+        for op, name in zip(ops, names):  # each on its own: one of them may fail to start
+            try:
+                started.append((op, name, self._guard(what, op.op, op.tensor, op.peer, group=group, tag=TAG_PARTIAL)))
+            except CommError as e:
+                self._dead_end(e, op, recv)
+        for op, name, work in started:
+            try:
+                Pending(self, work, f"partial_all_reduce({name})").wait()
+            except CommError as e:
+                self._dead_end(e, op, recv)
+
+    def _dead_end(self, e: CommError, op: Any, recv: torch.Tensor) -> None:
+        """A tolerant ring step's message to or from a dead member: nothing arrives (zeros)."""
+        if not self.peer_died(e):
+            raise e
+        if op.op is dist.irecv:
+            recv.zero_()
 
     def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
         """Gather a picklable object from every rank to ``dst`` (over the default group)."""

@@ -375,6 +375,7 @@ def run_process(run: ResolvedRun, run_dir: Path) -> None:
     comm = (Comm.replacement_from_env if replacement else Comm.from_env)(list(run.role_of), cfg.timeout_s, device,
                                                                          latency)
     name_process(comm.role, comm.rank)
+    comm.drops_dead_peers = supervised() and cfg.task == "train"
     if supervised() and cfg.task == "train" and run.solver_cls.reforms_without_dead and comm.role == "worker":
         comm.membership = live_membership(comm, run_dir)
     try:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from distsync.config import bounded
+from distsync.errors import CommError
 from distsync.solvers.base import Solver, join_background, register_solver
 from distsync.solvers.flat import FlatView
 from distsync.solvers.rules import group_mean, pairwise_average
@@ -43,6 +44,7 @@ from distsync.solvers.schedules import (bipartite_roles, partner_rng, random_rou
 TAG_AVG_HEADER, TAG_AVG_MODEL, TAG_AVG_REPLY = 21, 22, 23
 TAG_COORD_REQ, TAG_COORD_REPLY = 31, 32
 OP_REQUEST, OP_DONE = 1, 2
+OP_DEAD, OP_FAILED = -1, -2  # (the coordinator's own notes: a worker died, or hearing it failed)
 
 
 def _as_random_state(state) -> tuple:
@@ -64,6 +66,7 @@ class ADPSGD(Solver):
     Options = ADPSGDOptions
 
     min_workers = 2
+    survives_worker_loss = True  # a dead partner's averagings are skipped; the others go on
 
     @classmethod
     def lockstep_lead(cls, options, workers):
@@ -91,31 +94,34 @@ class ADPSGD(Solver):
         self.actives = [comm.worker_ranks[i] for i in actives]
         self.passives = [comm.worker_ranks[i] for i in passives]
         self.is_active = comm.rank in self.actives
-        # Averagings travel on their own group, so a passive answers from its own thread.
+        # Averagings travel on their own group, so a passive answers from its own threads.
         self.gossip = comm.new_group(comm.worker_ranks)
         self.lock = threading.Lock()  # a passive's model: its update vs. an averaging
         self.pending: torch.Tensor | None = None
         self.rng = partner_rng(self.options.seed, comm.rank)
         self.averaged = 0
         self.answered = Counter()
+        self.lost: dict[int, int] = {}  # a dead peer's rank: this worker's averagings when it died
         self._error: list[BaseException] = []
-        self._thread = None
-        if not self.is_active and self.actives:
-            self._thread = threading.Thread(target=self._answer, name="ad-psgd-passive", daemon=True)
-            self._thread.start()
+        self._threads: list[threading.Thread] = []
+        if not self.is_active:
+            # One thread per active, each receiving from its active only: a dead active's
+            # closed connection ends its thread, and nobody waits for its goodbye.
+            self._threads = [threading.Thread(target=self._answer, args=(a,), name=f"ad-psgd-answer{a}", daemon=True)
+                             for a in self.actives]
+            for t in self._threads:
+                t.start()
         return model
 
-    def _answer(self) -> None:
-        open_actives = set(self.actives)
+    def _answer(self, active: int) -> None:
         head = torch.zeros(1, dtype=torch.int64)
+        theirs = torch.zeros(self.view.numel)
         try:
-            while open_actives:
-                sender = self.comm.recv(head, None, group=self.gossip, tag=TAG_AVG_HEADER)
+            while True:
+                self.comm.recv(head, active, group=self.gossip, tag=TAG_AVG_HEADER)
                 if int(head.item()) == OP_DONE:
-                    open_actives.discard(sender)
-                    continue
-                theirs = torch.zeros(self.view.numel)
-                self.comm.recv(theirs, sender, group=self.gossip, tag=TAG_AVG_MODEL)
+                    return
+                self.comm.recv(theirs, active, group=self.gossip, tag=TAG_AVG_MODEL)
                 with self.lock:
                     # The training thread may be inside forward/backward: the average waits in
                     # `pending` and replaces the model at its next update, before the gradient
@@ -123,10 +129,14 @@ class ADPSGD(Solver):
                     mine = self.pending if self.pending is not None else self.view.flat()
                     pairwise_average(mine, theirs)
                     self.pending = mine
-                self.comm.send(mine, sender, group=self.gossip, tag=TAG_AVG_REPLY)
-                self.answered[sender] += 1
+                    reply = mine.clone()  # (another active's averaging may change `pending` meanwhile)
+                self.comm.send(reply, active, group=self.gossip, tag=TAG_AVG_REPLY)
+                self.answered[active] += 1
         except BaseException as e:  # raised on the training thread at its next step
-            self._error.append(e)
+            if self.comm.peer_died(e):
+                self.lost[active] = sum(self.answered.values())
+            else:
+                self._error.append(e)
 
     def after_backward(self, step):
         if self._error:
@@ -135,10 +145,19 @@ class ADPSGD(Solver):
             return
         partner = self.rng.choice(self.passives)
         mine = self.view.flat()
-        self.comm.send(torch.tensor([OP_REQUEST]), partner, group=self.gossip, tag=TAG_AVG_HEADER)
-        self.comm.send(mine, partner, group=self.gossip, tag=TAG_AVG_MODEL)
-        with self.clock.waiting():  # the partner answers between its own steps' work
-            self.comm.recv(mine, partner, group=self.gossip, tag=TAG_AVG_REPLY)
+        try:
+            self.comm.send(torch.tensor([OP_REQUEST]), partner, group=self.gossip, tag=TAG_AVG_HEADER)
+            self.comm.send(mine, partner, group=self.gossip, tag=TAG_AVG_MODEL)
+            with self.clock.waiting():  # the partner answers between its own steps' work
+                self.comm.recv(mine, partner, group=self.gossip, tag=TAG_AVG_REPLY)
+        except CommError as e:
+            if not self.comm.peer_died(e):
+                raise
+            # The partner died: this step's averaging is skipped (the model is as it was), and
+            # partners are drawn from the passives still alive from now on.
+            self.passives.remove(partner)
+            self.lost[partner] = self.averaged
+            return
         self.view.assign(mine)
         self.averaged += 1
 
@@ -155,11 +174,16 @@ class ADPSGD(Solver):
     def close(self):
         if self.is_active:
             for partner in self.passives:
-                self.comm.send(torch.tensor([OP_DONE]), partner, group=self.gossip, tag=TAG_AVG_HEADER)
-        elif self._thread is not None:
-            join_background(self._thread, self._error, self.comm.timeout_s,
-                            f"rank {self.comm.rank}: ad-psgd answering thread",
-                            progress=lambda: sum(self.answered.values()))
+                try:
+                    self.comm.send(torch.tensor([OP_DONE]), partner, group=self.gossip, tag=TAG_AVG_HEADER)
+                except CommError as e:
+                    if not self.comm.peer_died(e):
+                        raise
+        else:
+            for t in self._threads:
+                join_background(t, self._error, self.comm.timeout_s,
+                                f"rank {self.comm.rank}: ad-psgd answering thread",
+                                progress=lambda: sum(self.answered.values()))
             with self.lock:
                 self._apply_pending()
         if self._error:
@@ -179,7 +203,8 @@ class ADPSGD(Solver):
         if self.model is None:
             return {}
         return {"averagings_started": self.averaged,
-                "averagings_answered": sum(self.answered.values())}
+                "averagings_answered": sum(self.answered.values()),
+                **({"dead_peers": {str(r): n for r, n in sorted(self.lost.items())}} if self.lost else {})}
 
 
 @dataclass
@@ -200,6 +225,9 @@ class RipplesOptions:
 class Ripples(Solver):
     name = "ripples"
     Options = RipplesOptions
+    #: A group with a dead member is dropped by all its members (their ring goes on around
+    #: it: ``Comm.partial_all_reduce``); the coordinator draws later groups without it.
+    survives_worker_loss = True
 
     @classmethod
     def extra_roles(cls, options) -> dict[str, int]:
@@ -261,6 +289,7 @@ class Ripples(Solver):
         self.round = 0
         self.joined = 0
         self.alone = 0
+        self.broken = 0
         self.group_wait_s = 0.0
         self.sizes: Counter = Counter()
         return model
@@ -300,7 +329,9 @@ class Ripples(Solver):
             self.alone += 1
             return
         flat = self.view.flat()
-        self.comm.partial_all_reduce(flat, [self.comm.worker_ranks[i] for i in group])
+        if not self.comm.partial_all_reduce(flat, [self.comm.worker_ranks[i] for i in group]):
+            self.broken += 1  # a member had died: the model stays as it was
+            return
         self.view.assign(group_mean(flat, len(group)))
         self.joined += 1
 
@@ -313,56 +344,81 @@ class Ripples(Solver):
         self.k = min(self.options.group_size, comm.num_workers)
         self.formed: Counter = Counter()
         self.skips = 0
+        self.dead: set[int] = set()
         if self.options.schedule == "random":
             self._serve_random(comm, ctx)
         else:
             self._serve_smart(comm, ctx)
 
-    def _serve_random(self, comm, ctx):
-        rng = round_rng(self.options.seed, ctx.seed)
-        rounds: list[list[tuple[int, ...]]] = []
-        open_workers = set(comm.worker_ranks)
-        head = torch.zeros(2, dtype=torch.int64)
-        while open_workers:
-            sender = comm.recv(head, None, tag=TAG_COORD_REQ)
-            op, first = (int(v) for v in head)
-            if ctx.on_request is not None and op != OP_DONE:
-                ctx.on_request(first)
-            if op == OP_DONE:
-                open_workers.discard(sender)
-                continue
-            me = comm.worker_ranks.index(sender)
-            while len(rounds) < first + self.options.buffer:
-                rounds.append(random_round(comm.num_workers, self.k, rng))
-                for g in rounds[-1]:
-                    self.formed[len(g)] += 1
-            out = torch.full((self.options.buffer, self.k), -1, dtype=torch.int64)
-            for i in range(self.options.buffer):
-                g = next(g for g in rounds[first + i] if me in g)
-                out[i, : len(g)] = torch.tensor(g)
-            comm.send(out, sender, tag=TAG_COORD_REPLY)
+    def _hear_each_worker(self, comm, ctx, on_request) -> tuple[list[threading.Thread], list[BaseException]]:
+        """A thread per worker receiving its requests (``on_request(sender, op, value)``), until
+        its goodbye (OP_DONE) or its death: a dead worker's closed connection ends its thread
+        (``on_request(sender, OP_DEAD, -1)``), and nobody waits for its goodbye."""
+        errors: list[BaseException] = []
 
-    def _serve_smart(self, comm, ctx):
-        arrivals: queue.Queue = queue.Queue()
-        open_workers = set(comm.worker_ranks)
-
-        def receive() -> None:
+        def hear(worker: int) -> None:
             head = torch.zeros(2, dtype=torch.int64)
             try:
                 while True:
-                    sender = comm.recv(head, None, tag=TAG_COORD_REQ)
-                    if ctx.on_request is not None and int(head[0]) != OP_DONE:
-                        ctx.on_request(int(head[1]))
-                    arrivals.put((sender, int(head[0]), time.monotonic()))
-                    if int(head[0]) == OP_DONE:
-                        open_workers.discard(sender)
-                        if not open_workers:
-                            return
+                    comm.recv(head, worker, tag=TAG_COORD_REQ)
+                    op, value = (int(v) for v in head)
+                    if ctx.on_request is not None and op != OP_DONE:
+                        ctx.on_request(value)
+                    on_request(worker, op, value)
+                    if op == OP_DONE:
+                        return
             except BaseException as e:
-                arrivals.put(e)
+                if comm.peer_died(e):
+                    on_request(worker, OP_DEAD, -1)
+                else:
+                    errors.append(e)
+                    on_request(worker, OP_FAILED, -1)
 
-        receiver = threading.Thread(target=receive, name="ripples-coordinator", daemon=True)
-        receiver.start()
+        threads = [threading.Thread(target=hear, args=(w,), name=f"ripples-coordinator{w}", daemon=True)
+                   for w in comm.worker_ranks]
+        for t in threads:
+            t.start()
+        return threads, errors
+
+    def _draw_round(self, comm) -> list[tuple[int, ...]]:
+        """The next random round, over the workers still alive (worker indices)."""
+        live = [i for i, r in enumerate(comm.worker_ranks) if r not in self.dead]
+        return [tuple(sorted(live[j] for j in g)) for g in random_round(len(live), self.k, self._rng)]
+
+    def _serve_random(self, comm, ctx):
+        self._rng = round_rng(self.options.seed, ctx.seed)
+        rounds: list[list[tuple[int, ...]]] = []
+        lock = threading.Lock()
+
+        def on_request(sender: int, op: int, first: int) -> None:
+            if op != OP_REQUEST:
+                if op == OP_DEAD:
+                    with lock:
+                        self.dead.add(sender)  # later rounds are drawn without it
+                return
+            me = comm.worker_ranks.index(sender)
+            with lock:
+                while len(rounds) < first + self.options.buffer:
+                    rounds.append(self._draw_round(comm))
+                    for g in rounds[-1]:
+                        self.formed[len(g)] += 1
+                out = torch.full((self.options.buffer, self.k), -1, dtype=torch.int64)
+                for i in range(self.options.buffer):
+                    # (a worker drawn before another's death is in every round since)
+                    g = next((g for g in rounds[first + i] if me in g), (me,))
+                    out[i, : len(g)] = torch.tensor(g)
+            comm.send(out, sender, tag=TAG_COORD_REPLY)
+
+        threads, errors = self._hear_each_worker(comm, ctx, on_request)
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+
+    def _serve_smart(self, comm, ctx):
+        arrivals: queue.Queue = queue.Queue()
+        threads, errors = self._hear_each_worker(
+            comm, ctx, lambda sender, op, value: arrivals.put((sender, op, time.monotonic())))
         pending: list[tuple[int, float]] = []
         done: set[int] = set()
         max_wait = self.options.max_wait_ms / 1000
@@ -372,14 +428,16 @@ class Ripples(Solver):
                 item = arrivals.get(timeout=max(0.0, timeout) if timeout is not None else comm.timeout_s)
             except queue.Empty:
                 item = None
-            if isinstance(item, BaseException):
-                raise item
             if item is not None:
                 sender, op, t = item
-                if op == OP_DONE:
-                    done.add(sender)
-                else:
+                if op == OP_FAILED:
+                    raise errors[0]
+                if op == OP_REQUEST:
                     pending.append((sender, t))
+                else:  # its goodbye, or its death: nobody waits for it any more
+                    done.add(sender)
+                    if op == OP_DEAD:
+                        self.dead.add(sender)
             while len(pending) >= self.k:
                 self._form(comm, [r for r, _ in pending[: self.k]])
                 pending = pending[self.k :]
@@ -391,7 +449,8 @@ class Ripples(Solver):
                 # Nobody else is ready soon enough: group whoever is (or let one skip).
                 self._form(comm, [r for r, _ in pending])
                 pending = []
-        receiver.join(timeout=comm.timeout_s)
+        for t in threads:
+            t.join(timeout=comm.timeout_s)
 
     def _form(self, comm, ranks: list[int]) -> None:
         group = sorted(comm.worker_ranks.index(r) for r in ranks)
@@ -401,7 +460,11 @@ class Ripples(Solver):
         out = torch.full((self.k,), -1, dtype=torch.int64)
         out[: len(group)] = torch.tensor(group)
         for r in ranks:
-            comm.send(out, r, tag=TAG_COORD_REPLY)
+            try:
+                comm.send(out, r, tag=TAG_COORD_REPLY)
+            except CommError as e:  # it died after asking: its group-mates find out in their ring
+                if not comm.peer_died(e):
+                    raise
 
     def state_dict(self):
         return {"round": self.round, "upcoming": [list(g) for g in self.upcoming], "joined": self.joined,
@@ -417,7 +480,9 @@ class Ripples(Solver):
     def stats(self):
         if self.model is not None:
             return {"groups_joined": self.joined, "rounds_alone": self.alone,
+                    **({"groups_with_a_dead_member": self.broken} if self.broken else {}),
                     "group_wait_s": self.group_wait_s, "group_sizes": {str(k): v for k, v in self.sizes.items()}}
         if hasattr(self, "formed"):
-            return {"groups_formed": {str(k): v for k, v in sorted(self.formed.items())}, "skips": self.skips}
+            return {"groups_formed": {str(k): v for k, v in sorted(self.formed.items())}, "skips": self.skips,
+                    **({"dead_workers": sorted(self.dead)} if self.dead else {})}
         return {}

@@ -26,6 +26,7 @@ the same round) write at once.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections import Counter
 from dataclasses import dataclass
@@ -39,6 +40,12 @@ from distsync.solvers.flat import FlatView
 from distsync.solvers.rules import staleness
 
 OP_PULL, OP_PUSH, OP_EXCHANGE, OP_DONE, OP_SAVE = 1, 2, 3, 4, 5
+_OPS = (OP_PULL, OP_PUSH, OP_EXCHANGE, OP_DONE, OP_SAVE)
+_MOST_STEPS = 2**48  # (a header's step or version beyond this is no worker's)
+
+
+class Refused(CommError):
+    """What a peer sent on a server's channel is no request (a hostile or broken peer)."""
 TAG_HEADER, TAG_PAYLOAD, TAG_REPLY_HEADER, TAG_REPLY = 11, 12, 13, 14
 
 
@@ -160,8 +167,10 @@ class ServerShard:
         self._save_lock = threading.Lock()
         #: end a worker's conversation when its process dies, instead of failing the server
         self.drop_dead_workers = False
-        #: workers whose process died, with the last step each asked about
+        #: workers whose process died (or that were refused), with the last step each asked about
         self.dropped: dict[int, int] = {}
+        #: workers whose messages were no requests, with what was wrong
+        self.refused: dict[int, str] = {}
         self._last_step: dict[int, int] = {}
         #: this shard's whole state (the solver's: center, version, momentum...) and setting
         #: it back: with both, checkpoints are consistent cuts (see the module's docstring)
@@ -173,6 +182,9 @@ class ServerShard:
         head = torch.zeros(3, dtype=torch.int64)
         self.comm.recv(head, worker, tag=TAG_HEADER)
         op, step, seen = (int(v) for v in head.tolist())
+        if op not in _OPS or not -1 <= step < _MOST_STEPS or not 0 <= seen < _MOST_STEPS:
+            raise Refused(f"worker rank {worker} sent a header no worker sends ([{op}, {step}, {seen}]: "
+                          f"op {'unknown' if op not in _OPS else 'known'}, step and version must be 0..{_MOST_STEPS - 1})")
         if op not in (OP_DONE, OP_SAVE):
             self._last_step[worker] = max(step, self._last_step.get(worker, -1))  # (final pulls say -1)
             if self.on_request is not None:
@@ -278,7 +290,16 @@ class ServerShard:
 
     def _dead(self, worker: int, e: CommError) -> bool:
         """Whether ``e`` says ``worker``'s process died and this server drops it (then it is
-        dropped: the others are served on)."""
+        dropped: the others are served on), or that this server refuses it (what it sent is no
+        request: its conversation is ended, with a line on stderr, and the others are served on)."""
+        if isinstance(e, Refused):
+            print(f"distsync: server rank {self.comm.rank}: refused {e}; its conversation is ended, "
+                  "the other workers are served on", file=sys.stderr, flush=True)
+            with self._lock or _NoLock():
+                self.refused[worker] = str(e)
+                self.dropped[worker] = self._last_step.get(worker, -1)
+                self._finish_cut()
+            return True
         if self.drop_dead_workers and "closed its connection" in str(e):
             with self._lock or _NoLock():
                 self.dropped[worker] = self._last_step.get(worker, -1)
@@ -358,6 +379,7 @@ class ServerShard:
     def stats(self) -> dict[str, Any]:
         return {
             **({"dropped_workers": {str(w): s for w, s in sorted(self.dropped.items())}} if self.dropped else {}),
+            **({"refused_workers": {str(w): r for w, r in sorted(self.refused.items())}} if self.refused else {}),
             "updates": self.version,
             "staleness": {str(k): v for k, v in sorted(self.staleness.items())},
             "requests": {name: self.requests[op] for op, name in
