@@ -1,22 +1,34 @@
-"""Fault injection across every solver, and a soak for leaks.
+"""Fault injection across every solver, bad input, and a soak with a fault every minute.
 
 (1) For every registered solver, ``--runs`` runs of ``digits`` (2 workers, 120 steps, a
-checkpoint every 20 steps, up to 2 restarts, 10 s timeout), each with one random fault: a
-worker killed at a random step, the first server or coordinator killed (solvers that have
-one), or a worker stalled for up to 2 s. Solvers that survive a worker's death drop a killed
-worker other than rank 0 and train on; the others restart from the last checkpoint. Each run
-is a `distsync train` process; one that
-has not ended after 120 s counts as a hang and is killed. Per solver: faults injected, runs
-finished, median steps lost (the fault's step minus the step the job resumed from), the
-longest recovery (kill to training again), hangs, and lost updates: for solvers with
-servers, the updates each server counts against the updates the workers' history asks for
-(steps for sync-ps; a push per worker step for the asynchronous parameter servers; an
-exchange per worker every tau steps for the elastic ones; none for shadow-ea, whose exchanges
-follow time).
+checkpoint every 20 steps, up to 2 restarts, 10 s timeout, the default ``--on-failure
+continue``), each with one random fault: a worker killed at a random step, the first server or
+coordinator killed (solvers that have one), a worker stalled for up to 2 s, or a worker's loss
+made NaN. A killed worker is dropped and the others train on (every solver); a dead server or
+coordinator restarts the job from the last checkpoint; a NaN loss stops the run with a
+one-line error naming the step and the worker (the design: training on from a NaN would
+spread it), and counts as handled when it did. Each run is a ``distsync train`` process; one
+that has not ended after 120 s counts as a hang and is killed. Per solver: faults injected,
+runs that ended as designed, workers dropped, steps lost (the survivors' under ``continue``;
+the fault's step minus the step the job resumed from, for a restart), the longest recovery
+(kill to training again), hangs, lost updates (for solvers with servers: the updates each
+server counts against the updates the workers' history asks for: steps for sync-ps; a push
+per worker step for the asynchronous parameter servers; an exchange per worker every tau
+steps for the elastic ones; none for shadow-ea, whose exchanges follow time), and processes
+or network namespaces left behind once the run's command has returned.
 
-(2) Soak: ``async-ps`` and ``ripples`` with 4 workers, ``--soak`` seconds each; the job's
-processes' resident memory, threads and open files are sampled every 5 s. Growth is the last
-sample against the first one taken after a warm-up minute (or a fifth of the soak).
+(2) Bad input: a corrupt, a truncated and another job's checkpoint under ``--resume``, a
+run's config with a wrong type, an unknown key or an absurd size, a jobs file with a wrong
+type, a user workload that raises while it is built and one whose loss is NaN, and a peer
+that sends a server what no worker sends (in-process: a scripted peer against a server
+shard, as gloo gives no way to inject one into a live job): each must end in a clear
+one-line error (or be refused and logged while the run goes on), lose nothing and not hang.
+
+(3) Soak: ``allreduce`` with 4 workers healing from live peers (``--max-restarts``) for
+``--soak`` seconds on emulated devices, with a fault every minute (a worker killed, then a
+worker stalled for 2 s, in turn, every rank in turn); the job's processes' resident memory,
+threads and open files are sampled every 5 s. Growth is the last sample against the first
+one taken after a warm-up minute (or a fifth of the soak).
 
     python benchmarks/faults.py [--runs 20] [--soak 1200] [--out benchmarks/results/faults]
 """
@@ -24,6 +36,7 @@ sample against the first one taken after a warm-up minute (or a fifth of the soa
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import statistics
@@ -32,24 +45,27 @@ import sys
 import time
 from pathlib import Path
 
-from common import argument_parser, table_header, table_row
+from common import argument_parser, print_checks, table_header, table_row
 from distsync.metrics.processes import tree_usage
 from distsync.solvers import make_solver, solver_names
 
 REPO = Path(__file__).resolve().parents[1]
 DISTSYNC = [sys.executable, "-m", "distsync.cli"]
 STEPS, EVERY = 120, 20
+PROC = Path("/proc")
 
 
 def random_fault(solver: str, rng: random.Random) -> str:
     roles = make_solver(solver).roles
     step = rng.randint(EVERY + 5, STEPS - 10)
-    kinds = ["kill-worker", "stall"] + (["kill-role"] if roles else [])
+    kinds = ["kill-worker", "stall", "nan"] + (["kill-role"] if roles else [])
     kind = rng.choice(kinds)
     if kind == "kill-worker":
         return f"kill:{rng.randint(0, 1)}@{step}"
     if kind == "stall":
         return f"stall:{rng.randint(0, 1)}@{step}:{rng.uniform(0.2, 2.0):.2f}"
+    if kind == "nan":
+        return f"nan:{rng.randint(0, 1)}@{step}"
     return f"kill:{'server' if 'server' in roles else 'coordinator'}@{step}"
 
 
@@ -64,24 +80,77 @@ def expected_updates(solver: str, steps_done: list[int]) -> int | None:
     return sum(n // tau for n in steps_done)
 
 
+# ---- what a run leaves behind -------------------------------------------------------------------
+def python_processes() -> set[int]:
+    """The Python processes on this machine but this one."""
+    found = set()
+    for d in PROC.iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            try:
+                if b"python" in (d / "cmdline").read_bytes():
+                    found.add(int(d.name))
+            except OSError:
+                pass
+    return found
+
+
+def namespaces() -> set[str]:
+    """The network namespaces a run with emulated links makes (``ip netns``; none if absent)."""
+    try:
+        out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return set()
+    return {line.split()[0] for line in out.splitlines() if line.startswith("ds")}
+
+
+def leftovers(before_pids: set[int], before_ns: set[str], grace_s: float = 5.0) -> tuple[int, int]:
+    """Processes and namespaces that appeared since ``before_*`` and are still there after
+    ``grace_s``; the processes are then killed (so that one run's leftovers do not count for
+    the next)."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        left = python_processes() - before_pids
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    return len(left), len(namespaces() - before_ns)
+
+
+# ---- (1) one fault per run ------------------------------------------------------------------------
 def one_run(solver: str, fault: str, out: Path) -> dict:
     args = DISTSYNC + ["train", "--solver", solver, "--workers", "2", "--steps", str(STEPS), "--eval-every", "40",
                        "--checkpoint-every", str(EVERY), "--max-restarts", "2", "--timeout", "10",
                        "--fault", fault, "--out", str(out)]
     if solver in ("hogwild",):
         args += ["--threads", "2"]
+    pids, ns = python_processes(), namespaces()
     t0 = time.monotonic()
     try:
         proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=120)
     except subprocess.TimeoutExpired:
-        return {"fault": fault, "finished": False, "hang": True}
+        procs, nss = leftovers(pids, ns, grace_s=0)
+        return {"fault": fault, "finished": False, "as_designed": False, "hang": True, "left_processes": procs,
+                "left_namespaces": nss}
     row = {"fault": fault, "finished": proc.returncode == 0, "hang": False, "seconds": time.monotonic() - t0}
+    row["left_processes"], row["left_namespaces"] = leftovers(pids, ns)
+    err = proc.stderr.strip()
     if proc.returncode != 0:
-        row["error"] = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
+        row["error"] = err.splitlines()[-1] if err else f"exit {proc.returncode}"
+        # A NaN loss stops the run by design, with one line naming it (and no traceback).
+        row["as_designed"] = (fault.startswith("nan:") and "loss is nan" in row["error"] and "Traceback" not in err)
         return row
+    row["as_designed"] = not fault.startswith("nan:")
     summary = json.loads((out / "summary.json").read_text())
     fired = summary["recovery"]["faults"]
-    row["steps_lost"] = [f["steps_lost"] for f in fired if "steps_lost" in f]
+    # (a dropped worker's survivors lose no step: they never stopped)
+    row["steps_lost"] = [f["steps_lost"] if "steps_lost" in f else 0 for f in fired
+                         if "steps_lost" in f or f.get("dropped")]
+    row["restarts"] = summary["recovery"].get("restarts", 0)
     # (a restart's time to train again, or the time the others took to go on without the dead one)
     row["recovery_s"] = [f.get("recovery_s", f.get("went_on_s")) for f in fired
                          if "recovery_s" in f or "went_on_s" in f]
@@ -95,82 +164,321 @@ def one_run(solver: str, fault: str, out: Path) -> dict:
     return row
 
 
+def fmt(value, pattern: str) -> str:
+    return "-" if value is None else pattern.format(value)
+
+
+def campaign(solvers: list[str], runs: int, rng: random.Random, out: Path) -> list[dict]:
+    table = []
+    table_header(["solver", "faults injected", "ended as designed", "workers dropped", "restarts",
+                  "steps lost (median / max)", "max recovery (s)", "hangs", "lost updates", "left behind", "faults"])
+    for solver in solvers:
+        rows = [one_run(solver, random_fault(solver, rng), out / solver / f"run{i}") for i in range(runs)]
+        lost = [x for r in rows for x in r.get("steps_lost", [])]
+        recovery = [x for r in rows for x in r.get("recovery_s", []) if x is not None]
+        updates = [r["lost_updates"] for r in rows if r.get("lost_updates") is not None]
+        line = {"solver": solver, "runs": rows, "finished": sum(r["finished"] for r in rows),
+                "as_designed": sum(r["as_designed"] for r in rows), "hangs": sum(r["hang"] for r in rows),
+                "median_steps_lost": statistics.median(lost) if lost else None, "max_steps_lost": max(lost, default=None),
+                "max_recovery_s": max(recovery) if recovery else None, "lost_updates": max(updates) if updates else None,
+                "dropped": sum(r.get("dropped", 0) for r in rows), "restarts": sum(r.get("restarts", 0) for r in rows),
+                "left_processes": sum(r["left_processes"] for r in rows),
+                "left_namespaces": sum(r["left_namespaces"] for r in rows)}
+        table.append(line)
+        kinds = sorted({r["fault"].split(":")[0] + (":" + r["fault"].split(":")[1].split("@")[0]
+                        if not r["fault"].split(":")[1].split("@")[0].isdigit() else "") for r in rows})
+        cells = [solver, len(rows), line["as_designed"], line["dropped"], line["restarts"],
+                 "-" if not lost else f"{statistics.median(lost):g} / {max(lost)}",
+                 fmt(line["max_recovery_s"], "{:.2f}"), line["hangs"], fmt(line["lost_updates"], "{}"),
+                 f"{line['left_processes']} / {line['left_namespaces']}", ", ".join(kinds)]
+        table_row(cells, flush=True)
+        for r in rows:
+            if not r["as_designed"]:
+                print(f"  {solver} {r['fault']}: {r.get('error', 'hang')}", flush=True)
+    return table
+
+
+# ---- (2) bad input ----------------------------------------------------------------------------------
+NAN_WORKLOAD = """
+import torch
+from distsync.workloads import Workload
+
+class Poison(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.lin(x) * float("nan")
+
+def make_workload():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 8, generator=g)
+    y = (x[:, 0] > 0).long()
+    return Workload(name="poison", make_model=Poison, train_data=(x, y), eval_data=(x, y), target=0.9,
+                    batch_size=16, steps=20, eval_every=10)
+"""
+
+
+def _cli(*args: str, timeout: float = 90) -> tuple[int | None, str, float]:
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(DISTSYNC + list(args), cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None, "", time.monotonic() - t0
+    return proc.returncode, proc.stderr, time.monotonic() - t0
+
+
+def _crashed_run(run: Path, seed: int = 0) -> None:
+    """A run that died after its checkpoints 1 and 2 (steps 20 and 40)."""
+    code, err, _ = _cli("train", "--workers", "2", "--steps", "60", "--seed", str(seed), "--checkpoint-every", "20",
+                        "--on-failure", "restart", "--max-restarts", "0", "--fault", "kill:1@50", "--out", str(run))
+    if code == 0 or not (run / "checkpoints" / "ckpt-000002").exists():
+        raise SystemExit(f"the crashed run to resume did not crash as planned: {err.strip()[-300:]}")
+
+
+def _newest_data(run: Path) -> Path:
+    return sorted((run / "checkpoints" / "ckpt-000002").glob("rank-1*.pt"))[0]
+
+
+def bad_input(out: Path) -> list[dict]:
+    """Each case: a command that must refuse the input in one line (or refuse it, log it and
+    go on), lose nothing and not hang."""
+    out.mkdir(parents=True, exist_ok=True)
+    cases = []
+
+    def resume_case(name: str, spoil) -> None:
+        run = out / name
+        _crashed_run(run)
+        spoil(run)
+        code, err, secs = _cli("train", "--resume", str(run))
+        s = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else {}
+        resumed = ((s.get("recovery") or {}).get("resumed_from_steps") or [None])[-1]
+        cases.append({"case": name, "exit": code, "seconds": secs, "stderr": err.strip().splitlines()[-3:],
+                      "refused_line": next((ln for ln in err.splitlines() if "refused" in ln.lower()), None),
+                      "resumed_from_step": resumed,
+                      "ok": code == 0 and resumed == 20 and "Traceback" not in err and s.get("steps_per_worker") == 60})
+
+    def corrupt(run: Path) -> None:
+        data = _newest_data(run)
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        data.write_bytes(bytes(raw))
+
+    def truncate(run: Path) -> None:
+        data = _newest_data(run)
+        data.write_bytes(data.read_bytes()[: data.stat().st_size // 3])
+
+    def foreign(run: Path) -> None:  # checkpoint 2 comes from a job with another model seed
+        other = out / "other-job"
+        _crashed_run(other, seed=7)
+        import shutil
+
+        shutil.rmtree(run / "checkpoints" / "ckpt-000002")
+        shutil.copytree(other / "checkpoints" / "ckpt-000002", run / "checkpoints" / "ckpt-000002")
+
+    resume_case("corrupt checkpoint", corrupt)
+    resume_case("truncated checkpoint", truncate)
+    resume_case("another job's checkpoint", foreign)
+
+    def one_line_case(name: str, *args: str, want: str) -> None:
+        code, err, secs = _cli(*args)
+        lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+        cases.append({"case": name, "exit": code, "seconds": secs, "stderr": lines[-3:],
+                      "ok": code not in (0, None) and len(lines) == 1 and "Traceback" not in err and want in err})
+
+    def config_case(name: str, change: dict, want: str) -> None:
+        run = out / name.replace(" ", "-")
+        _crashed_run(run)
+        cfg = json.loads((run / "config.json").read_text())
+        cfg.update(change)
+        (run / "config.json").write_text(json.dumps(cfg))
+        one_line_case(name, "train", "--resume", str(run), want=want)
+
+    config_case("config: a wrong type", {"workers": "two"}, "config field workers must be an integer")
+    config_case("config: an unknown key", {"wrokers": 2}, "unknown config field(s): wrokers")
+    one_line_case("an absurd size: 100,000 workers", "train", "--workers", "100000", "--out", str(out / "absurd"),
+                  want="use fewer --workers")
+    one_line_case("an absurd size: a batch of 10^15", "train", "--batch-size", str(10**15), "--out",
+                  str(out / "absurd-batch"), want="fewer than the batch size")
+    jobs = out / "jobs.toml"
+    jobs.write_text('[crossover]\npolicy = "alternate"\n\n[[job]]\nname = "a"\nsolver = "allreduce"\nsteps = "many"\n')
+    one_line_case("jobs file: a wrong type", "crossover", str(jobs), "--out", str(out / "x"), want="steps")
+    raising = out / "raising.py"
+    raising.write_text("def make_workload():\n    raise RuntimeError('the data folder is empty')\n")
+    one_line_case("workload raises while built", "train", "--workload", f"{raising}:make_workload", "--out",
+                  str(out / "raising"), want="the data folder is empty")
+    poison = out / "poison.py"
+    poison.write_text(NAN_WORKLOAD)
+    one_line_case("workload's loss is NaN", "train", "--workload", f"{poison}:make_workload", "--out",
+                  str(out / "poison"), want="loss is nan")
+    cases.append(hostile_peer())
+    return cases
+
+
+def hostile_peer() -> dict:
+    """A scripted peer sends a server shard a header no worker sends, between two workers'
+    pushes: the server must refuse it with a line on stderr and serve the others."""
+    import contextlib
+    import io
+
+    import torch
+
+    from distsync.solvers.shard_service import OP_DONE, OP_PUSH, ServerShard
+
+    class _Comm:
+        worker_ranks, rank = [0, 1, 2], 3
+
+        def __init__(self):
+            self.inbox = {0: [[OP_PUSH, 0, 0], [1.0], [OP_DONE, -1, 1]], 1: [[99, 0, 0]],
+                          2: [[OP_PUSH, 0, 0], [2.0], [OP_DONE, -1, 1]]}
+
+        def recv(self, tensor, src=None, group=None, tag=0):
+            tensor.copy_(torch.tensor(self.inbox[src].pop(0), dtype=tensor.dtype))
+            return src
+
+    def sgd(shard, req):
+        shard.center -= req.payload
+        shard.version += 1
+
+    shard = ServerShard(_Comm(), [torch.zeros(1)], sgd)
+    err = io.StringIO()
+    t0 = time.monotonic()
+    with contextlib.redirect_stderr(err):
+        shard.serve_each_worker_in_a_thread()
+    lines = err.getvalue().strip().splitlines()
+    return {"case": "a peer sends a server no request (in-process)", "exit": None, "seconds": time.monotonic() - t0,
+            "stderr": lines, "ok": shard.version == 2 and shard.center.item() == -3.0 and len(lines) == 1
+            and "refused" in lines[0]}
+
+
+# ---- (3) soak ---------------------------------------------------------------------------------------
 def sample(pid: int) -> dict:
     return {"t": time.monotonic(), **tree_usage(pid)}
 
 
-def soak(solver: list[str], seconds: float, out: Path) -> dict:
-    proc = subprocess.Popen(DISTSYNC + ["train", *solver, "--workers", "4", "--steps", "100000000",
-                                        "--eval-every", "2000", "--out", str(out)],
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+SOAK_DEVICE_MS = 30
+
+
+def soak(seconds: float, out: Path) -> dict:
+    """``allreduce``, 4 workers on emulated devices, healing from live peers, a fault a minute."""
+    base = ["train", "--solver", "allreduce", "--workers", "4", "--device-ms", str(SOAK_DEVICE_MS),
+            "--timeout", "10"]
+    probe = out / "probe"
+    code, err, _ = _cli(*base, "--steps", "300", "--eval-every", "300", "--out", str(probe))
+    if code != 0:
+        raise SystemExit(f"the soak's probe run failed: {err.strip()[-300:]}")
+    probed = json.loads((probe / "summary.json").read_text())
+    rate = probed["steps_per_worker"] / probed["wall_time_s"]
+    steps = int(rate * seconds)
+    faults = []
+    for minute in range(1, int(seconds // 60)):
+        rank, step = (minute - 1) // 2 % 4, int(rate * 60 * minute)
+        faults.append(f"kill:{rank}@{step}" if minute % 2 else f"stall:{rank}@{step}:2")
+    args = base + ["--steps", str(steps), "--eval-every", str(max(1, steps // 20)),
+                   "--max-restarts", str(len(faults)), "--out", str(out / "run")]
+    for f in faults:
+        args += ["--fault", f]
+    pids, ns = python_processes(), namespaces()
+    proc = subprocess.Popen(DISTSYNC + args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     samples, start = [], time.monotonic()
     warm = min(60.0, seconds / 5)
     try:
-        while time.monotonic() - start < seconds and proc.poll() is None:
+        while proc.poll() is None and time.monotonic() - start < seconds * 2 + 120:
             time.sleep(5)
             samples.append(sample(proc.pid))
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    steady = [s for s in samples if s["t"] - start >= warm] or samples
+        hung = proc.poll() is None
+        if hung:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    err = proc.stderr.read() if proc.stderr else ""
+    elapsed = time.monotonic() - start
+    left_procs, left_ns = leftovers(pids, ns)
+    steady = [s for s in samples if s["t"] - start >= warm and s["rss"] > 0] or samples
     first, last = steady[0], steady[-1]
-    return {"solver": " ".join(solver), "seconds": seconds, "samples": len(samples),
-            "rss_first_mb": first["rss"] / 2**20, "rss_last_mb": last["rss"] / 2**20,
+    summary_path = out / "run" / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    rec = summary.get("recovery") or {}
+    fired = rec.get("faults", [])
+    kills = [f for f in fired if f["kind"] == "kill"]
+    return {"solver": "allreduce", "workers": 4, "seconds": elapsed, "planned_seconds": seconds, "faults": faults,
+            "exit": proc.returncode, "hang": hung, "error": err.strip().splitlines()[-1] if proc.returncode else None,
+            "samples": len(samples), "rss_first_mb": first["rss"] / 2**20, "rss_last_mb": last["rss"] / 2**20,
             "rss_growth": last["rss"] / first["rss"] - 1, "threads": (first["threads"], last["threads"]),
-            "fds": (first["fds"], last["fds"]), "ended_early": proc.returncode not in (130, -2, 0) and
-            time.monotonic() - start < seconds}
-
-
-def fmt(value, pattern: str) -> str:
-    return "-" if value is None else pattern.format(value)
+            "fds": (first["fds"], last["fds"]), "kills_fired": len(kills),
+            "stalls_fired": sum(f["kind"] == "stall" for f in fired),
+            "replaced": sum(bool(f.get("replaced")) for f in kills), "restarts": rec.get("restarts"),
+            "went_on_s_max": max((f["went_on_s"] for f in kills if "went_on_s" in f), default=None),
+            "healed_s_max": max((f["healed_s"] for f in kills if f.get("healed_s") is not None), default=None),
+            "survivor_steps_lost": sum(f.get("steps_lost") or 0 for f in kills),
+            "final_metric": summary.get("final_metric"), "steps_per_worker": summary.get("steps_per_worker"),
+            "left_processes": left_procs, "left_namespaces": left_ns}
 
 
 def main() -> int:
     p = argument_parser(__doc__)
     p.add_argument("--runs", type=int, default=3, help="faulted runs per solver (the issue's figure: 20)")
-    p.add_argument("--soak", type=float, default=120.0, help="seconds of each soak (the issue's figure: 1200)")
+    p.add_argument("--soak", type=float, default=120.0, help="seconds of the soak (the issue's figure: 1200)")
     p.add_argument("--solvers", help="comma-separated (default: every registered solver)")
+    p.add_argument("--parts", default="faults,bad-input,soak", help="which parts to run (default: all three)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results/faults")
     args = p.parse_args()
     out = Path(args.out)
+    parts = set(args.parts.split(","))
     rng = random.Random(args.seed)
     solvers = args.solvers.split(",") if args.solvers else solver_names()
-    table = []
-    table_header(["solver", "faults injected", "runs finished", "workers dropped", "median steps lost",
-                  "max recovery (s)", "hangs", "lost updates", "faults"])
-    for solver in solvers:
-        rows = [one_run(solver, random_fault(solver, rng), out / solver / f"run{i}") for i in range(args.runs)]
-        lost = [x for r in rows for x in r.get("steps_lost", [])]
-        recovery = [x for r in rows for x in r.get("recovery_s", [])]
-        updates = [r["lost_updates"] for r in rows if r.get("lost_updates") is not None]
-        line = {"solver": solver, "runs": rows, "finished": sum(r["finished"] for r in rows),
-                "hangs": sum(r["hang"] for r in rows), "median_steps_lost": statistics.median(lost) if lost else None,
-                "max_recovery_s": max(recovery) if recovery else None, "lost_updates": max(updates) if updates else None}
-        table.append(line)
-        line["dropped"] = sum(r.get("dropped", 0) for r in rows)
-        cells = [solver, len(rows), line["finished"], line["dropped"], fmt(line["median_steps_lost"], "{:g}"),
-                 fmt(line["max_recovery_s"], "{:.1f}"), line["hangs"], fmt(line["lost_updates"], "{}"),
-                 ", ".join(r["fault"] for r in rows)]
-        table_row(cells, flush=True)
-        for r in rows:
-            if not r["finished"]:
-                print(f"  {solver} {r['fault']}: {r.get('error', 'hang')}", flush=True)
-    soaks = []
-    if args.soak > 0:
+    results: dict = {"runs_per_solver": args.runs}
+    if "faults" in parts:
+        results["solvers"] = campaign(solvers, args.runs, rng, out)
+    if "bad-input" in parts:
         print()
-        table_header(["soak", "seconds", "RSS first -> last (MiB)", "growth", "threads", "open files"])
-        for solver in (["--solver", "async-ps"], ["--solver", "ripples"]):
-            s = soak(solver, args.soak, out / "soak" / solver[1])
-            soaks.append(s)
-            table_row([s["solver"], f"{s['seconds']:.0f}", f"{s['rss_first_mb']:.0f} -> {s['rss_last_mb']:.0f}",
-                       f"{s['rss_growth']:+.1%}", f"{s['threads'][0]} -> {s['threads'][1]}",
-                       f"{s['fds'][0]} -> {s['fds'][1]}"], flush=True)
+        cases = bad_input(out / "bad-input")
+        table_header(["bad input", "handled", "exit", "seconds", "what it said (last line)"])
+        for c in cases:
+            said = (c["stderr"][-1] if c["stderr"] else "").replace("|", "\\|")
+            table_row([c["case"], "yes" if c["ok"] else "NO", fmt(c["exit"], "{}"), f"{c['seconds']:.1f}",
+                       f"`{said[:160]}`"], flush=True)
+        results["bad_input"] = cases
+    if "soak" in parts and args.soak > 0:
+        print()
+        s = soak(args.soak, out / "soak")
+        results["soak"] = s
+        table_header(["soak", "minutes", "faults (kills / stalls)", "replaced", "restarts", "ended",
+                      "RSS first -> last (MiB)", "growth", "threads", "open files", "left behind"])
+        table_row([f"{s['solver']}, {s['workers']} workers", f"{s['seconds'] / 60:.1f}",
+                   f"{s['kills_fired']} / {s['stalls_fired']}", s["replaced"], fmt(s["restarts"], "{}"),
+                   "hang" if s["hang"] else ("ok" if s["exit"] == 0 else f"exit {s['exit']}"),
+                   f"{s['rss_first_mb']:.0f} -> {s['rss_last_mb']:.0f}", f"{s['rss_growth']:+.1%}",
+                   f"{s['threads'][0]} -> {s['threads'][1]}", f"{s['fds'][0]} -> {s['fds'][1]}",
+                   f"{s['left_processes']} / {s['left_namespaces']}"], flush=True)
+    checks = []
+    if "solvers" in results:
+        t = results["solvers"]
+        checks += [(f"hangs: {sum(x['hangs'] for x in t)} (target 0)", sum(x["hangs"] for x in t) == 0),
+                   (f"lost updates: max {max((x['lost_updates'] or 0) for x in t)} (target 0)",
+                    all(not x["lost_updates"] for x in t)),
+                   (f"left behind: {sum(x['left_processes'] for x in t)} processes, "
+                    f"{sum(x['left_namespaces'] for x in t)} namespaces (target 0)",
+                    sum(x["left_processes"] + x["left_namespaces"] for x in t) == 0)]
+        went_on = [g for x in t for r in x["runs"] if r.get("dropped") for g in r.get("recovery_s", []) if g is not None]
+        checks.append((f"going on without a dead worker: max {max(went_on, default=0):.3f} s (target < 1 s)",
+                       max(went_on, default=0) < 1))
+    if "bad_input" in results:
+        n = sum(c["ok"] for c in results["bad_input"])
+        checks.append((f"bad input handled: {n} of {len(results['bad_input'])}", n == len(results["bad_input"])))
+    if "soak" in results:
+        s = results["soak"]
+        checks.append((f"soak memory growth {s['rss_growth']:+.1%} (target < 10%)", s["rss_growth"] < 0.10))
+        checks.append(("soak: no hang, ended cleanly", not s["hang"] and s["exit"] == 0))
+    print()
+    print_checks(checks)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "faults.json").write_text(json.dumps({"solvers": table, "soak": soaks}, indent=2) + "\n")
+    (out / "faults.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     return 0
 
 

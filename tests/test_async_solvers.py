@@ -5,6 +5,8 @@ the original EASGD, so the reference can replay the exact order of updates.
 """
 
 import copy
+import threading
+import time
 
 import pytest
 import torch
@@ -486,6 +488,7 @@ def test_server_warm_up_follows_the_workers_steps_not_the_server_updates():
     s = make_solver("async-ps")
     s.ctx = ServeContext(make_model=None, lr=1.0, warmup_steps=4)
     shard = types.SimpleNamespace(center=torch.zeros(2), view=FlatView([torch.zeros(2)]), version=12)
+    shard.count_update = lambda: setattr(shard, "version", shard.version + 1)
     s.apply_gradient(shard, torch.ones(2), step=0)
     assert shard.center.tolist() == [-0.25, -0.25]  # version 12 would have given the full lr
     assert shard.version == 13
@@ -545,7 +548,8 @@ def test_lock_free_servers_let_two_updates_into_the_center_at_once(monkeypatch, 
     assert s.shard.version == 2
 
 
-def test_an_asynchronous_server_checkpoints_a_consistent_cut():
+@pytest.mark.parametrize("lock", [True, False], ids=["locked", "lock-free"])
+def test_an_asynchronous_server_checkpoints_a_consistent_cut(lock):
     """Worker 0 asks for checkpoint 1 after 2 steps while worker 1 is still at step 0: the
     part written holds exactly the pushes of steps 0-1 of both workers, whatever came in
     between, and the live center goes on with every push."""
@@ -558,7 +562,7 @@ def test_an_asynchronous_server_checkpoints_a_consistent_cut():
         shard.center -= req.payload
         shard.version += 1
 
-    shard = ServerShard(_Comm(), [torch.zeros(1)], sgd)
+    shard = ServerShard(_Comm(), [torch.zeros(1)], sgd, lock=lock)
     written = []
     shard.on_save = lambda index: written.append((index, shard.center.item(), shard.version))
     shard.get_state = lambda: {"center": shard.center.clone(), "version": shard.version}
@@ -614,3 +618,47 @@ def test_a_server_refuses_a_peer_that_sends_no_request_and_serves_the_others(cap
     assert list(shard.stats()["refused_workers"]) == ["1"] and what in shard.stats()["refused_workers"]["1"]
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("distsync: server rank 2: refused worker rank 1 sent a header no worker sends")
+
+
+def test_a_lock_free_server_cuts_a_consistent_checkpoint_while_its_updates_run_unlocked():
+    """Four workers push at once, unlocked, while each asks for checkpoint 1 after its 50th
+    push: the part written holds exactly the first 50 pushes of each (worker w's push at
+    step k adds k + 1 to element w, so any push missing or repeated shows in the sums), and
+    the live center ends with every push."""
+    from distsync.solvers.shard_service import OP_PUSH, OP_SAVE, Request, ServerShard
+
+    class _Comm:
+        worker_ranks = [0, 1, 2, 3]
+
+    def add(shard, req):  # a worker's own element: updates of different workers overlap freely
+        w, value = int(req.payload[0]), float(req.payload[1])
+        time.sleep(0.0002)
+        shard.center[w] += value
+        with counter:
+            shard.version += 1
+
+    counter = threading.Lock()  # (the count of versions only)
+    shard = ServerShard(_Comm(), [torch.zeros(4, dtype=torch.float64)], add, lock=False)
+    written = []
+    shard.on_save = lambda index: written.append((shard.center.tolist(), shard.version))
+    shard.get_state = lambda: {"center": shard.center.clone(), "version": shard.version}
+
+    def set_state(state):
+        shard.center.copy_(state["center"])
+        shard.version = state["version"]
+
+    shard.set_state = set_state
+
+    def worker(w):
+        for k in range(80):
+            if k == 50:
+                shard._process(Request(w, OP_SAVE, 1, 50, None))
+            shard._process(Request(w, OP_PUSH, k, 0, torch.tensor([w, k + 1.0], dtype=torch.float64)))
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert written == [([sum(range(1, 51))] * 4, 200)]
+    assert (shard.center.tolist(), shard.version) == ([sum(range(1, 81))] * 4, 320)

@@ -15,6 +15,7 @@ import json
 import math
 import signal
 import sys
+import time
 import typing
 from typing import Any
 
@@ -28,7 +29,7 @@ from distsync.config import RunConfig
 from distsync.errors import ConfigError
 from distsync.experiments.crossover import _JOB_KEYS, load_plan
 from distsync.options import finite_float
-from helpers import assert_one_line
+from helpers import assert_one_line, run_cli
 
 FIELDS = [f.name for f in dataclasses.fields(RunConfig)]
 
@@ -491,3 +492,16 @@ def test_good_command_line_reaches_launch(tmp_path, capsys, no_launch):
     code, err = run_main(["train", "--steps", "3", "--seed", "-1", "--fault", "kill:1@2", "--checkpoint-every", "30s",
                           "--out", str(tmp_path / "run")], capsys)
     assert code == "launched", err
+
+
+def test_a_job_this_machine_cannot_start_is_refused_at_once_in_one_line(tmp_path):
+    from distsync.runtime.launch import check_room
+
+    check_room(4)  # (nothing to say)
+    with pytest.raises(ConfigError, match=r"a job of 10000000 processes needs .*; use fewer --workers") as e:
+        check_room(10_000_000)
+    assert_one_line(str(e.value))
+    t0 = time.monotonic()
+    proc = run_cli("train", "--workers", "1000000", "--out", str(tmp_path / "r"))
+    assert proc.returncode == 2 and "use fewer --workers" in proc.stderr and time.monotonic() - t0 < 10
+    assert_one_line(proc.stderr)

@@ -199,8 +199,9 @@ def test_a_worker_lagging_longer_than_the_timeout_is_waited_for(tmp_path):
     ("kill:1@5", "worker rank 1 died"),
 ])
 def test_a_stalled_or_dead_worker_still_fails_the_run_by_name(tmp_path, fault, message):
+    # (under the default --on-failure continue, a dead ad-psgd worker is dropped instead)
     proc = run_cli("train", "--solver", "ad-psgd", "--workers", "3", "--steps", "30", "--device-ms", "20",
-                   "--timeout", "2", "--fault", fault, "--out", str(tmp_path / "run"))
+                   "--timeout", "2", "--on-failure", "restart", "--fault", fault, "--out", str(tmp_path / "run"))
     assert proc.returncode == 2
     assert message in proc.stderr, proc.stderr
 

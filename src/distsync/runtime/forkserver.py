@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import warnings
 from typing import Callable
 
 #: what the fork server imports once, for every process it forks
@@ -24,6 +25,11 @@ PRELOAD = ("torch", "distsync.runtime.forkserver", "distsync.worker", "distsync.
 # Not torch._dynamo (which torch.optim imports, a second of CPU): with it imported before the
 # fork, one in four 4-rank DDP jobs hung in a forked rank (torch 2.13); each process imports
 # it itself, before its clock starts (runtime/process.py).
+
+# Launched as ``python -m distsync.cli``, each forked process runs that module again as its
+# ``__mp_main__`` (multiprocessing's preparation), which is preloaded here already: Python
+# then warns about the second import, harmlessly, once per process.
+warnings.filterwarnings("ignore", message=r"'distsync\.cli' found in sys\.modules", category=RuntimeWarning)
 
 #: the fork server's environment when it started (set in the fork server, where this module
 #: is preloaded): what a forked process finds in ``os.environ`` beyond this was set for it

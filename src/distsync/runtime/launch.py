@@ -150,6 +150,32 @@ def resume_config(run_dir: Path) -> RunConfig:
     return dataclasses.replace(cfg, resume=True, out=str(run_dir), master_port=None, link_latency_mode=None)
 
 
+#: the least memory one more process of a job holds of its own (its pages beyond what it
+#: shares with the preloaded fork server): a floor, so that only absurd sizes are refused
+PROCESS_FLOOR_BYTES = 50 * 2**20
+
+
+def check_room(processes: int) -> None:
+    """Refuse a job of ``processes`` processes this machine cannot start, at once and in one
+    line, instead of failing after minutes of start-up: more than its memory could hold, or
+    than the open files it allows (each process costs the launcher a few, and its
+    connections)."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and processes * 4 > soft:
+        raise ConfigError(f"a job of {processes} processes needs about {processes * 4} open files here, over this "
+                          f"machine's limit of {soft} (ulimit -n); use fewer --workers")
+    try:
+        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        available = int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return
+    if processes * PROCESS_FLOOR_BYTES > available:
+        raise ConfigError(f"a job of {processes} processes needs at least {processes * PROCESS_FLOOR_BYTES / 2**30:.0f} GiB "
+                          f"of memory here, more than the {available / 2**30:.0f} GiB available; use fewer --workers")
+
+
 def launch(cfg: RunConfig | ResolvedRun, run_dir: Path, on_progress: ProgressFn | None = None,
            network: EmulatedNetwork | None = None) -> dict[str, Any]:
     """Run one job on this machine; return its summary (or linktest result).
@@ -161,6 +187,7 @@ def launch(cfg: RunConfig | ResolvedRun, run_dir: Path, on_progress: ProgressFn 
     Raises :class:`DistsyncError` on bad input or a failed job.
     """
     run = resolve(cfg)
+    check_room(run.world_size)
     if network is None and run.config.link is not None:
         with EmulatedNetwork(run.world_size, parse_link(run.config.link)) as net:
             return launch(run, run_dir, on_progress, net)

@@ -127,7 +127,7 @@ class _ElasticServerSolver(ServerSolver):
         shard.record_staleness(req)  # other exchanges since this worker's last one
         seen = shard.center.clone()
         d = elastic_exchange(req.payload, shard.center, self.alpha)
-        shard.version += 1
+        shard.count_update()
         with self._book:
             self._in_flight -= 1
             self._sum_d += d.double()

@@ -163,7 +163,7 @@ class GradientServerSolver(ServerSolver):
         for w, g, b in zip(shard.view.split(shard.center), shard.view.split(grad),
                            shard.view.split(shard.momentum_buffer)):
             server_apply(w, g, b, lr, mu, ctx.weight_decay, lars)
-        shard.version += 1
+        shard.count_update()
 
 
 @register_solver

@@ -188,7 +188,9 @@ class ShadowEA(HogwildThreads, AsyncEASGD):
         try:
             while not self._done.is_set():
                 t0 = time.perf_counter()
-                self._exchange_live(-1)
+                # (the steps the training thread has done: the server's faults and checkpoint
+                # cuts follow the workers' steps)
+                self._exchange_live(self.steps_done)
                 pause = self.options.min_interval_ms / 1000 - (time.perf_counter() - t0)
                 if pause > 0:
                     self._done.wait(pause)  # close() cuts the pause short

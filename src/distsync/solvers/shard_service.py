@@ -15,9 +15,10 @@ exchange with a header ``int64[version]`` and the flat center. A server serves e
 from its own thread (first come, first served), or in strict rank order (round robin), or
 in synchronous rounds; ``serve`` returns once every worker has said it is done.
 ``OP_SAVE`` (header ``[op, checkpoint index, steps the worker has done]``, no reply) asks a
-server to write its part of a checkpoint. An asynchronous server with a lock (all but the
-lock-free ones, which write at the first request) writes a consistent cut:
-at the first worker's request it takes a snapshot and logs the pushes it applies after it;
+server to write its part of a checkpoint. An asynchronous server (a lock-free one too) writes
+a consistent cut:
+at the first worker's request it takes a snapshot and logs the pushes it applies after it
+(a lock-free server pauses its updates for the snapshot and for the writing, only);
 once every live worker has asked, it writes the snapshot with the logged pushes of steps
 before each worker's checkpoint applied in order (the others, the workers do again after a
 restart), so a restart loses and repeats no update. Synchronous servers (every worker asks in
@@ -29,6 +30,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -158,6 +160,11 @@ class ServerShard:
         self.requests: Counter = Counter()
         self.handle = handle
         self._lock = threading.Lock() if lock else None
+        # A lock-free server's updates run at once, unlocked; this gate only counts them, so
+        # that a checkpoint's cut can pause them for a moment (:meth:`_exclusive`).
+        self._gate = threading.Condition()
+        self._applying = 0
+        self._paused = False
         self._errors: list[BaseException] = []
         #: called with each request's step before it is served (fault injection)
         self.on_request: Callable[[int], None] | None = None
@@ -214,9 +221,9 @@ class ServerShard:
         with self._save_lock:
             if index <= self.saved_index or self.on_save is None:
                 return
-            with self._lock or _NoLock():
-                if worker is None or self._lock is None or self.get_state is None:
-                    self.on_save(index)  # (a lock-free server cannot stop its updates for a cut)
+            with self._exclusive():
+                if worker is None or self.get_state is None:
+                    self.on_save(index)
                     self.saved_index = index
                     return
                 if self._cut is None or self._cut["index"] != index:
@@ -224,8 +231,43 @@ class ServerShard:
                 self._cut["done"][worker] = done
                 self._finish_cut()
 
+    @contextmanager
+    def _exclusive(self):
+        """No update in flight or starting meanwhile: the lock, or (lock-free) a pause of the
+        updates until the ones in flight are done."""
+        if self._lock is not None:
+            with self._lock:
+                yield
+            return
+        with self._gate:
+            self._paused = True
+            self._gate.wait_for(lambda: self._applying == 0)
+        try:
+            yield
+        finally:
+            with self._gate:
+                self._paused = False
+                self._gate.notify_all()
+
+    @contextmanager
+    def _counted_in(self, logged: Request | None = None):
+        """A lock-free server's access to its state: it waits while :meth:`_exclusive` pauses
+        the updates, and is counted while it runs (``logged``: a push the open cut logs)."""
+        with self._gate:
+            self._gate.wait_for(lambda: not self._paused)
+            self._applying += 1
+            if logged is not None and self._cut is not None:
+                self._cut["log"].append(logged)
+        try:
+            yield
+        finally:
+            with self._gate:
+                self._applying -= 1
+                if not self._applying:
+                    self._gate.notify_all()
+
     def _finish_cut(self) -> None:
-        """Under the lock: write the cut if every live worker has asked for it."""
+        """Under :meth:`_exclusive`: write the cut if every live worker has asked for it."""
         cut = self._cut
         if cut is None or any(w not in cut["done"] for w in self.comm.worker_ranks if w not in self.dropped):
             return
@@ -244,7 +286,7 @@ class ServerShard:
             return
         self.requests[req.op] += 1
         if req.op == OP_PULL:
-            with self._lock or _NoLock():
+            with self._lock or self._counted_in():
                 out, version = self.center.clone(), self.version
             self._reply(req.worker, out, version)
             return
@@ -254,11 +296,20 @@ class ServerShard:
                     self._cut["log"].append(req)
                 out = self.handle(self, req)
                 version = self.version
-        else:
-            out = self.handle(self, req)
-            version = self.version
+        else:  # lock-free: counted in, never locked while it updates
+            with self._counted_in(req):
+                out = self.handle(self, req)
+                version = self.version
         if out is not None:
             self._reply(req.worker, out, version)
+
+    def count_update(self) -> None:
+        """One more update (version); exact when lock-free updates run at once."""
+        if self._lock is not None:
+            self.version += 1
+            return
+        with self._gate:
+            self.version += 1
 
     def record_staleness(self, req: Request) -> None:
         self.staleness[staleness(self.version, req.version_seen)] += 1
@@ -295,13 +346,13 @@ class ServerShard:
         if isinstance(e, Refused):
             print(f"distsync: server rank {self.comm.rank}: refused {e}; its conversation is ended, "
                   "the other workers are served on", file=sys.stderr, flush=True)
-            with self._lock or _NoLock():
+            with self._exclusive():
                 self.refused[worker] = str(e)
                 self.dropped[worker] = self._last_step.get(worker, -1)
                 self._finish_cut()
             return True
         if self.drop_dead_workers and "closed its connection" in str(e):
-            with self._lock or _NoLock():
+            with self._exclusive():
                 self.dropped[worker] = self._last_step.get(worker, -1)
                 self._finish_cut()  # (a cut waiting for it goes without it)
             return True
@@ -385,11 +436,3 @@ class ServerShard:
             "requests": {name: self.requests[op] for op, name in
                          ((OP_PULL, "pull"), (OP_PUSH, "push"), (OP_EXCHANGE, "exchange"))},
         }
-
-
-class _NoLock:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
