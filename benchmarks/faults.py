@@ -81,13 +81,20 @@ def expected_updates(solver: str, steps_done: list[int]) -> int | None:
 
 
 # ---- what a run leaves behind -------------------------------------------------------------------
-def python_processes() -> set[int]:
-    """The Python processes on this machine but this one."""
-    found = set()
+MARK = "DISTSYNC_FAULTS_RUN"  # in the environment of a run's command, and so of every process it starts
+
+
+def run_env(tag: str) -> dict[str, str]:
+    return {**os.environ, MARK: tag}
+
+
+def marked_processes(tag: str) -> set[int]:
+    """The processes (this one aside) whose environment carries run ``tag``'s mark."""
+    found, needle = set(), f"{MARK}={tag}".encode()
     for d in PROC.iterdir():
         if d.name.isdigit() and int(d.name) != os.getpid():
             try:
-                if b"python" in (d / "cmdline").read_bytes():
+                if needle in (d / "environ").read_bytes().split(b"\0"):
                     found.add(int(d.name))
             except OSError:
                 pass
@@ -103,13 +110,13 @@ def namespaces() -> set[str]:
     return {line.split()[0] for line in out.splitlines() if line.startswith("ds")}
 
 
-def leftovers(before_pids: set[int], before_ns: set[str], grace_s: float = 5.0) -> tuple[int, int]:
-    """Processes and namespaces that appeared since ``before_*`` and are still there after
-    ``grace_s``; the processes are then killed (so that one run's leftovers do not count for
-    the next)."""
+def leftovers(tag: str, before_ns: set[str], grace_s: float = 5.0) -> tuple[int, int]:
+    """Processes of run ``tag`` still there ``grace_s`` after its command returned, and network
+    namespaces that appeared since ``before_ns``; the processes are then killed (so that one
+    run's leftovers do not count for the next)."""
     deadline = time.monotonic() + grace_s
     while True:
-        left = python_processes() - before_pids
+        left = marked_processes(tag)
         if not left or time.monotonic() > deadline:
             break
         time.sleep(0.2)
@@ -128,16 +135,16 @@ def one_run(solver: str, fault: str, out: Path) -> dict:
                        "--fault", fault, "--out", str(out)]
     if solver in ("hogwild",):
         args += ["--threads", "2"]
-    pids, ns = python_processes(), namespaces()
+    tag, ns = str(out), namespaces()
     t0 = time.monotonic()
     try:
-        proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=120, env=run_env(tag))
     except subprocess.TimeoutExpired:
-        procs, nss = leftovers(pids, ns, grace_s=0)
+        procs, nss = leftovers(tag, ns, grace_s=0)
         return {"fault": fault, "finished": False, "as_designed": False, "hang": True, "left_processes": procs,
                 "left_namespaces": nss}
     row = {"fault": fault, "finished": proc.returncode == 0, "hang": False, "seconds": time.monotonic() - t0}
-    row["left_processes"], row["left_namespaces"] = leftovers(pids, ns)
+    row["left_processes"], row["left_namespaces"] = leftovers(tag, ns)
     err = proc.stderr.strip()
     if proc.returncode != 0:
         row["error"] = err.splitlines()[-1] if err else f"exit {proc.returncode}"
@@ -379,8 +386,9 @@ def soak(seconds: float, out: Path) -> dict:
                    "--max-restarts", str(len(faults)), "--out", str(out / "run")]
     for f in faults:
         args += ["--fault", f]
-    pids, ns = python_processes(), namespaces()
-    proc = subprocess.Popen(DISTSYNC + args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    tag, ns = str(out / "run"), namespaces()
+    proc = subprocess.Popen(DISTSYNC + args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=run_env(tag))
     samples, start = [], time.monotonic()
     warm = min(60.0, seconds / 5)
     try:
@@ -397,7 +405,7 @@ def soak(seconds: float, out: Path) -> dict:
                 proc.kill()
     err = proc.stderr.read() if proc.stderr else ""
     elapsed = time.monotonic() - start
-    left_procs, left_ns = leftovers(pids, ns)
+    left_procs, left_ns = leftovers(tag, ns)
     steady = [s for s in samples if s["t"] - start >= warm and s["rss"] > 0] or samples
     first, last = steady[0], steady[-1]
     summary_path = out / "run" / "summary.json"

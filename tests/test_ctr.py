@@ -195,3 +195,41 @@ def test_shadow_ma_on_ctr_is_within_two_percent_of_allreduce(tmp_path):
     shadow = _summary(tmp_path, "sh", "--solver", "shadow-ma", *small)
     assert base["final_metric"] < 0.95  # allreduce itself learns
     assert shadow["final_metric"] <= base["final_metric"] * 1.02, (shadow["final_metric"], base["final_metric"])
+
+
+def test_an_embedding_server_checkpoints_a_consistent_cut():
+    """Trainer 0 asks for checkpoint 1 after its pushes to rows 0 and 1, then pushes to row 2;
+    trainer 1 pushes to row 3 before and after trainer 0's request, then asks: the part written
+    has exactly the pushes each trainer made before its own request (row 2's is not in it,
+    row 3's later one is), and the live rows have every push."""
+    import threading
+    import time
+
+    from distsync.sparse.service import OP_DONE, OP_PUSH, OP_SAVE, EmbeddingServer, channel_tags
+
+    head, ids, grads, _ = channel_tags(0)
+
+    def push(row, value, delay=0.0):
+        return [(delay, head, [OP_PUSH, 1]), (0.0, ids, [row]), (0.0, grads, [[value, value]])]
+
+    script = {0: push(0, 1.0) + push(1, 2.0) + [(0.0, head, [OP_SAVE, 1])] + push(2, 4.0) + [(0.0, head, [OP_DONE, 0])],
+              1: push(3, 8.0) + push(3, 16.0, delay=0.3) + [(0.0, head, [OP_SAVE, 1]), (0.0, head, [OP_DONE, 0])]}
+
+    class _Comm:
+        def __init__(self):
+            self.lock = threading.Lock()
+
+        def recv(self, tensor, src=None, group=None, tag=0):
+            delay, want, value = script[src].pop(0)
+            assert want == tag
+            time.sleep(delay)
+            tensor.copy_(torch.tensor(value, dtype=tensor.dtype).reshape(tensor.shape))
+            return src
+
+    server = EmbeddingServer(_Comm(), [torch.zeros(4, 2)], 0, 1, optimizer="sgd", lr=1.0)
+    written = []
+    server.on_save = lambda index, state: written.append((index, state["weights"][0][:, 0].tolist(),
+                                                          state["counts"]["pushes"]))
+    server.serve([0, 1], 1)
+    assert written == [(1, [-1.0, -2.0, 0.0, -24.0], 4)]
+    assert server.weights[0][:, 0].tolist() == [-1.0, -2.0, -4.0, -24.0]

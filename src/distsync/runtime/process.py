@@ -276,7 +276,7 @@ def serve_embeddings(cfg: RunConfig, workload: Workload, comm: Comm, channels: i
     if ctx is not None:
         server.drop_dead_workers = ctx.drop_dead_workers
     if ctx is not None and ctx.save is not None:
-        server.on_save = lambda index: ctx.save(index, int(server.counts["pushes"]), server.state_dict())
+        server.on_save = lambda index, state: ctx.save(index, int(state["counts"].get("pushes", 0)), state)
     server.serve(comm.worker_ranks, channels)
     return server.stats()
 

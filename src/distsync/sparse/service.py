@@ -14,8 +14,9 @@ in order, so a trainer always sees its own pushes. Messages: header ``int64[op, 
 n_{T-1}]`` (rows per table), then for lookups and pushes the local row indices
 ``int64[sum n]``, then for pushes the gradients ``float32[sum n, dim]``; a lookup is answered
 with the rows ``float32[sum n, dim]``. ``OP_DONE`` ends a channel. ``OP_SAVE`` (header
-``[op, checkpoint index, 0 ...]``) asks the server to write its rows and optimizer state
-into a checkpoint, once per index.
+``[op, checkpoint index, 0 ...]``, on every channel of the trainer) asks the server to write
+its rows and optimizer state into a checkpoint, once per index, as a consistent cut: each
+channel's pushes before its request are in it, none after (``EmbeddingServer.save``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -133,12 +135,14 @@ class EmbeddingClient:
         with self._count:
             self.rows_sent += sent
 
-    def save(self, index: int, channel: int = 0) -> None:
-        """Ask every server to write its part of checkpoint ``index`` (no reply)."""
-        head_tag = channel_tags(channel)[0]
-        for rank in self.server_ranks:
-            self.comm.send(torch.tensor([OP_SAVE, index] + [0] * (len(self.rows) - 1), dtype=torch.int64), rank,
-                           tag=head_tag)
+    def save(self, index: int, channels: int = 1) -> None:
+        """Ask every server to write its part of checkpoint ``index`` (no reply), on each of
+        this trainer's ``channels`` (every thread stopped): on each, after its pushes so far."""
+        for channel in range(channels):
+            head_tag = channel_tags(channel)[0]
+            for rank in self.server_ranks:
+                self.comm.send(torch.tensor([OP_SAVE, index] + [0] * (len(self.rows) - 1), dtype=torch.int64), rank,
+                               tag=head_tag)
 
     def done(self, channels: int) -> None:
         """Close every channel on every server."""
@@ -165,9 +169,20 @@ class EmbeddingServer:
         self.counts: Counter = Counter()
         self._count = threading.Lock()
         self.busy_s = 0.0
-        #: ``on_save(index)`` writes :meth:`state_dict` into checkpoint ``index``
+        #: ``on_save(index, state)`` writes ``state`` (as :meth:`state_dict` gives it) into
+        #: checkpoint ``index``
         self.on_save: Any = None
         self.saved_index = 0
+        # Checkpoints are consistent cuts: at a checkpoint's first OP_SAVE a snapshot, then the
+        # pushes of the channels that have not asked yet are logged, and once every channel
+        # still served has asked they are replayed onto the snapshot. Pushes are counted in and
+        # out through this gate so that the snapshot and the writing can pause them.
+        self._gate = threading.Condition()
+        self._applying = 0
+        self._paused = False
+        self._cut: dict[str, Any] | None = None
+        self._save_lock = threading.Lock()
+        self._channels: set[tuple[int, int]] = set()  # (trainer, channel) pairs still served
         #: a trainer whose process died ends its channels instead of failing the server
         self.drop_dead_workers = False
 
@@ -192,12 +207,73 @@ class EmbeddingServer:
         self.counts = Counter(saved["counts"])
         self.saved_index = int(saved.get("index", 0))
 
-    def save(self, index: int) -> None:
-        with self._count:
+    def save(self, index: int, worker: int | None = None, channel: int = 0) -> None:
+        """Write this server's part of checkpoint ``index`` once: at once (``worker`` None), or
+        as a consistent cut once every channel still served has asked (``worker``'s
+        ``channel`` asked after its pushes so far)."""
+        with self._save_lock:
             if index <= self.saved_index or self.on_save is None:
                 return
-            self.saved_index = index
-        self.on_save(index)
+            with self._exclusive():
+                if worker is None:
+                    self.saved_index = index
+                    self.on_save(index, self.state_dict())
+                    return
+                if self._cut is None or self._cut["index"] != index:
+                    self._cut = {"index": index, "state": self.state_dict(), "log": [], "asked": set()}
+                self._cut["asked"].add((worker, channel))
+                self._finish_cut()
+
+    def _finish_cut(self) -> None:
+        """Under :meth:`_exclusive`: write the cut once every channel still served has asked:
+        the snapshot with the logged pushes replayed, in the order they were applied."""
+        cut = self._cut
+        if cut is None or not self._channels <= cut["asked"]:
+            return
+        state = cut["state"]
+        counts = Counter(state["counts"])
+        for push_counts, local, grads in cut["log"]:
+            self._apply_to(state["weights"], state["state"] or None, push_counts, local, grads)
+            counts.update(pushes=1, rows_pushed=len(local))
+        self.saved_index = cut["index"]
+        self.on_save(cut["index"], {**state, "counts": dict(counts), "index": cut["index"]})
+        self._cut = None
+
+    @contextmanager
+    def _exclusive(self):
+        """No push in flight or starting meanwhile (the ones in flight finish first)."""
+        with self._gate:
+            self._paused = True
+            self._gate.wait_for(lambda: self._applying == 0)
+        try:
+            yield
+        finally:
+            with self._gate:
+                self._paused = False
+                self._gate.notify_all()
+
+    @contextmanager
+    def _counted_in(self, who: tuple[int, int], push: tuple | None = None):
+        """A push or lookup: waits while :meth:`_exclusive` pauses them, counted while it runs;
+        ``push`` is logged for the open cut if ``who`` has not asked for it yet."""
+        with self._gate:
+            self._gate.wait_for(lambda: not self._paused)
+            self._applying += 1
+            if push is not None and self._cut is not None and who not in self._cut["asked"]:
+                self._cut["log"].append(push)
+        try:
+            yield
+        finally:
+            with self._gate:
+                self._applying -= 1
+                if not self._applying:
+                    self._gate.notify_all()
+
+    def _channel_ended(self, who: tuple[int, int]) -> None:
+        """A channel's trainer said goodbye or died: no cut waits for it any more."""
+        with self._save_lock, self._exclusive():
+            self._channels.discard(who)
+            self._finish_cut()
 
     def lookup(self, counts: list[int], local: torch.Tensor) -> torch.Tensor:
         out = []
@@ -208,14 +284,18 @@ class EmbeddingServer:
 
     def apply(self, counts: list[int], local: torch.Tensor, grads: torch.Tensor) -> None:
         """Apply a push: rows within a push are distinct (the trainer summed duplicates)."""
+        self._apply_to(self.weights, self.state, counts, local, grads, self.locks)
+
+    def _apply_to(self, weights: list[torch.Tensor], state: list[torch.Tensor] | None, counts: list[int],
+                  local: torch.Tensor, grads: torch.Tensor, locks: list[threading.Lock] | None = None) -> None:
         for t, (rows, g) in enumerate(zip(torch.split(local, counts), torch.split(grads, counts))):
             if len(rows) == 0:
                 continue
-            with self.locks[t]:
-                if self.state is not None:
-                    sparse_adagrad_(self.weights[t], self.state[t], rows, g, self.lr, self.eps)
+            with locks[t] if locks is not None else nullcontext():
+                if state is not None:
+                    sparse_adagrad_(weights[t], state[t], rows, g, self.lr, self.eps)
                 else:
-                    sparse_sgd_(self.weights[t], rows, g, self.lr)
+                    sparse_sgd_(weights[t], rows, g, self.lr)
 
     def _serve_channel(self, worker: int, channel: int, errors: list[BaseException]) -> None:
         head_tag, ids_tag, grad_tag, reply_tag = channel_tags(channel)
@@ -228,28 +308,33 @@ class EmbeddingServer:
                 if op == OP_DONE:
                     return
                 if op == OP_SAVE:
-                    self.save(counts[0])
+                    self.save(counts[0], worker, channel)
                     continue
+                if op not in (OP_LOOKUP, OP_PUSH) or any(c < 0 for c in counts):
+                    raise RuntimeError(f"embedding server: rank {worker} sent a header no trainer sends "
+                                       f"({[op, *counts]})")
                 local = torch.empty(sum(counts), dtype=torch.int64)
                 self.comm.recv(local, worker, tag=ids_tag)
                 if op == OP_LOOKUP:
                     t0 = time.perf_counter()
-                    rows = self.lookup(counts, local)
+                    with self._counted_in((worker, channel)):
+                        rows = self.lookup(counts, local)
                     self._tally(t0, lookups=1, rows_looked_up=len(local))
                     self.comm.send(rows, worker, tag=reply_tag)
-                elif op == OP_PUSH:
+                else:
                     grads = torch.empty(sum(counts), self.dim)
                     self.comm.recv(grads, worker, tag=grad_tag)
                     t0 = time.perf_counter()
-                    self.apply(counts, local, grads)
-                    self._tally(t0, pushes=1, rows_pushed=len(local))
-                else:
-                    raise RuntimeError(f"embedding server: unknown op {op} from rank {worker}")
+                    with self._counted_in((worker, channel), (counts, local, grads)):
+                        self.apply(counts, local, grads)
+                        self._tally(t0, pushes=1, rows_pushed=len(local))
         except CommError as e:
             if not (self.drop_dead_workers and "closed its connection" in str(e)):
                 errors.append(e)  # else a dead trainer's channel: the others go on
         except BaseException as e:  # surfaced by serve()
             errors.append(e)
+        finally:
+            self._channel_ended((worker, channel))
 
     def _tally(self, t0: float, **counts: int) -> None:
         with self._count:
@@ -259,6 +344,7 @@ class EmbeddingServer:
     def serve(self, workers: list[int], channels: int) -> None:
         """Serve every trainer thread until each has closed its channel."""
         errors: list[BaseException] = []
+        self._channels = {(w, c) for w in workers for c in range(channels)}
         threads = [threading.Thread(target=self._serve_channel, args=(w, c, errors), daemon=True,
                                     name=f"emb-{w}.{c}") for w in workers for c in range(channels)]
         for t in threads:

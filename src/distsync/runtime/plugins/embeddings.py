@@ -54,7 +54,7 @@ class EmbeddingTablesClient(Plugin):
         s.comm_s += self.remote.take_comm_s()
 
     def on_checkpoint(self, run: RunState, index: int) -> None:
-        self.remote.client.save(index)
+        self.remote.client.save(index, self.channels)
 
     def on_close(self, run: RunState) -> None:
         self.remote.close()
