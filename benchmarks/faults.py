@@ -441,8 +441,13 @@ def main() -> int:
     rng = random.Random(args.seed)
     solvers = args.solvers.split(",") if args.solvers else solver_names()
     results: dict = {"runs_per_solver": args.runs}
+    out.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after each part: a later part's failure keeps what was measured
+        (out / "faults.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     if "faults" in parts:
         results["solvers"] = campaign(solvers, args.runs, rng, out)
+        save()
     if "bad-input" in parts:
         print()
         cases = bad_input(out / "bad-input")
@@ -452,10 +457,12 @@ def main() -> int:
             table_row([c["case"], "yes" if c["ok"] else "NO", fmt(c["exit"], "{}"), f"{c['seconds']:.1f}",
                        f"`{said[:160]}`"], flush=True)
         results["bad_input"] = cases
+        save()
     if "soak" in parts and args.soak > 0:
         print()
         s = soak(args.soak, out / "soak")
         results["soak"] = s
+        save()
         table_header(["soak", "minutes", "faults (kills / stalls)", "replaced", "restarts", "ended",
                       "RSS first -> last (MiB)", "growth", "threads", "open files", "left behind"])
         table_row([f"{s['solver']}, {s['workers']} workers", f"{s['seconds'] / 60:.1f}",
@@ -485,8 +492,6 @@ def main() -> int:
         checks.append(("soak: no hang, ended cleanly", not s["hang"] and s["exit"] == 0))
     print()
     print_checks(checks)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "faults.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     return 0
 
 

@@ -617,7 +617,7 @@ def test_a_server_refuses_a_peer_that_sends_no_request_and_serves_the_others(cap
     assert (shard.center.item(), shard.version) == (-7.0, 2)
     assert list(shard.stats()["refused_workers"]) == ["1"] and what in shard.stats()["refused_workers"]["1"]
     [line] = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith("distsync: server rank 2: refused worker rank 1 sent a header no worker sends")
+    assert line.startswith("distsync: server rank 2: refused worker rank 1: it sent a header no worker sends")
 
 
 def test_a_lock_free_server_cuts_a_consistent_checkpoint_while_its_updates_run_unlocked():

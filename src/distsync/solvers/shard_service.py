@@ -190,7 +190,7 @@ class ServerShard:
         self.comm.recv(head, worker, tag=TAG_HEADER)
         op, step, seen = (int(v) for v in head.tolist())
         if op not in _OPS or not -1 <= step < _MOST_STEPS or not 0 <= seen < _MOST_STEPS:
-            raise Refused(f"worker rank {worker} sent a header no worker sends ([{op}, {step}, {seen}]: "
+            raise Refused(f"worker rank {worker}: it sent a header no worker sends ([{op}, {step}, {seen}]: "
                           f"op {'unknown' if op not in _OPS else 'known'}, step and version must be 0..{_MOST_STEPS - 1})")
         if op not in (OP_DONE, OP_SAVE):
             self._last_step[worker] = max(step, self._last_step.get(worker, -1))  # (final pulls say -1)
