@@ -262,9 +262,10 @@ def bad_input(out: Path) -> list[dict]:
         s = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else {}
         resumed = ((s.get("recovery") or {}).get("resumed_from_steps") or [None])[-1]
         cases.append({"case": name, "exit": code, "seconds": secs, "stderr": err.strip().splitlines()[-3:],
-                      "refused_line": next((ln for ln in err.splitlines() if "refused" in ln.lower()), None),
+                      "skipped_line": next((ln for ln in err.splitlines() if "skipped" in ln), None),
                       "resumed_from_step": resumed,
-                      "ok": code == 0 and resumed == 20 and "Traceback" not in err and s.get("steps_per_worker") == 60})
+                      "ok": code == 0 and resumed == 20 and "Traceback" not in err and s.get("steps_per_worker") == 60
+                      and "skipped checkpoint ckpt-000002" in err})
 
     def corrupt(run: Path) -> None:
         data = _newest_data(run)

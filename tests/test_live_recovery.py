@@ -146,7 +146,7 @@ def _steps(out: Path, rank: int) -> list[int]:
 @pytest.mark.parametrize("solver", [
     ["--solver", "allreduce"], ["--solver", "ddp"], ["--solver", "ma", "-o", "every=4"],
     ["--solver", "sync-easgd", "-o", "tau=4"], ["--solver", "shadow-ma"], ["--solver", "local"],
-    ["--solver", "sync-ps"], ["--solver", "easgd"], ["--solver", "ad-psgd"],
+    ["--solver", "sync-ps"], ["--solver", "easgd"], ["--solver", "async-ps"], ["--solver", "ad-psgd"],
     ["--solver", "ripples", "-o", "schedule=random"],
 ], ids=lambda s: s[1])
 def test_every_family_goes_on_without_a_dead_worker(tmp_path, solver):
@@ -158,8 +158,10 @@ def test_every_family_goes_on_without_a_dead_worker(tmp_path, solver):
     [fault] = s["recovery"]["faults"]
     assert s["recovery"]["restarts"] == 0 and fault["dropped"] is True
     stats = s["solver_stats"]
-    if solver[1] in ("sync-ps", "easgd"):  # their server leaves the dead worker out of its rounds
+    if solver[1] in ("sync-ps", "easgd", "async-ps"):  # their server ends the dead worker's conversation
         assert stats["3"]["dropped_workers"] == {"1": 19}
+        if solver[1] == "async-ps":  # every push of every worker, the dead one's until it died
+            assert stats["3"]["updates"] == 2 * 60 + 20
     elif solver[1] == "ad-psgd":  # both actives lost their passive: they average no more
         assert "1" in stats["0"]["dead_peers"] and "1" in stats["2"]["dead_peers"]
         assert stats["0"]["averagings_started"] < 60

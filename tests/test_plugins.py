@@ -239,7 +239,7 @@ def test_no_faults_leaves_the_loss_alone():
 class FakeRemote:
     def __init__(self, comm_s: list[float]):
         self.comm_s, self.pushed, self.saved, self.closed, self.channel = list(comm_s), [], [], False, None
-        self.client = SimpleNamespace(save=self.saved.append)
+        self.client = SimpleNamespace(save=lambda index, channels: self.saved.append((index, channels)))
         self.rows = torch.ones(2, 3, requires_grad=True)
 
     def take_comm_s(self) -> float:
@@ -271,7 +271,7 @@ def test_embedding_lookups_and_pushes_are_communication():
     assert s.comm_s == pytest.approx(0.13)
     plugin.on_checkpoint(run, 4)
     plugin.on_close(run)
-    assert remote.saved == [4] and remote.closed
+    assert remote.saved == [(4, 2)] and remote.closed  # (asked on both channels)
 
 
 def test_embedding_client_swaps_the_tables_or_says_why_not():

@@ -195,26 +195,6 @@ def test_killed_process_costs_at_most_the_checkpoint_interval(tmp_path, solver, 
 
 
 @pytest.mark.slow
-def test_a_dead_worker_is_dropped_and_the_others_train_on(tmp_path):
-    common = ["--solver", "async-ps", "--workers", "3", "--steps", "150", "--seed", "2", "--eval-every", "50"]
-    ok = _train(tmp_path / "clean", *common)
-    assert ok.returncode == 0, ok.stderr
-    hit = _train(tmp_path / "fault", *common, "--fault", "kill:2@60")
-    assert hit.returncode == 0, hit.stderr
-    assert "worker rank 2 died (SIGKILL) after step 59 and was dropped; the other workers trained on" in hit.stderr
-    clean, fault = _summary(tmp_path / "clean"), _summary(tmp_path / "fault")
-    [dropped] = fault["recovery"]["dropped"]
-    assert (dropped["rank"], dropped["signal"], dropped["last_step"]) == (2, "SIGKILL", 59)
-    assert fault["recovery"]["restarts"] == 0 and fault["recovery"]["faults"][0]["dropped"] is True
-    server = fault["solver_stats"]["3"]
-    assert server["dropped_workers"] == {"2": 59}
-    assert server["updates"] == 2 * 150 + 60  # every push of every worker, the dead one's until it died
-    assert _steps_of(tmp_path / "fault", 2) == list(range(60))
-    assert _steps_of(tmp_path / "fault", 0) == _steps_of(tmp_path / "fault", 1) == list(range(150))
-    assert abs(fault["final_metric"] - clean["final_metric"]) <= 0.02 * clean["final_metric"], (fault, clean)
-
-
-@pytest.mark.slow
 def test_a_restart_after_a_drop_brings_the_dropped_worker_back_from_its_own_checkpoint(tmp_path):
     run = tmp_path / "run"
     # ranks 0 and 1 compute 2x slower, so rank 2 surely dies (step 30) before the server (step 80)
@@ -260,6 +240,8 @@ def test_resume_by_hand_after_a_failure_and_past_a_corrupt_checkpoint(tmp_path):
     assert _steps_of(run, 0) == list(range(100)) and _steps_of(run, 1) == list(range(100))
     logs = "".join(p.read_text() for p in run.glob("logs/**/stderr.log"))
     assert "skipped checkpoint ckpt-000002: rank 0's data is corrupt (its checksum does not match)" in logs
+    # and on the console, once (the command's own choice)
+    assert resumed.stderr.count("distsync: skipped checkpoint ckpt-000002: ") == 1, resumed.stderr
 
 
 def test_resume_without_a_checkpoint_is_refused_in_one_line(tmp_path):
@@ -295,12 +277,12 @@ def test_nan_stops_the_run_even_with_restarts_and_keeps_the_last_good_checkpoint
 @pytest.mark.slow
 def test_a_stalled_worker_ends_the_job_naming_a_rank_or_is_restarted(tmp_path):
     t0 = time.monotonic()
-    proc = _train(tmp_path / "a", "--steps", "200", "--timeout", "3", "--fault", "stall:1@30:30",
+    proc = _train(tmp_path / "a", "--steps", "60", "--timeout", "3", "--fault", "stall:1@30:30",
                   "--on-failure", "restart")
     assert proc.returncode == 2
     assert time.monotonic() - t0 < 30  # bounded by the timeout, not by the stall
     assert "timed out after 3 s" in proc.stderr and "rank" in proc.stderr
-    proc = _train(tmp_path / "b", "--steps", "200", "--timeout", "3", "--fault", "stall:1@30:30",
+    proc = _train(tmp_path / "b", "--steps", "60", "--timeout", "3", "--fault", "stall:1@30:30",
                   "--checkpoint-every", "20", "--max-restarts", "1", "--on-failure", "restart")
     assert proc.returncode == 0, proc.stderr
     assert _summary(tmp_path / "b")["recovery"]["resumed_from_steps"] == [20]

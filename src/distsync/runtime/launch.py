@@ -138,6 +138,8 @@ def check_resumable(cfg: RunConfig, run_dir: Path, role_of: list[str]) -> None:
     if choice.index is None:
         why = f": {choice.refused[0]}" if choice.refused else ""
         raise ConfigError(f"cannot resume {run_dir}: no complete checkpoint in {run_dir / CHECKPOINTS}{why}")
+    for why in choice.refused:  # (a newer one that is incomplete, corrupt or another job's)
+        print(f"distsync: skipped {why}", file=sys.stderr, flush=True)
 
 
 def resume_config(run_dir: Path) -> RunConfig:
