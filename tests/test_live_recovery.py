@@ -256,3 +256,20 @@ def test_each_death_of_a_rank_that_died_twice_is_reported_with_its_own_replaceme
     first, second = out.export_text().strip().splitlines()
     assert "after step 99" in first and "in 21 ms" in first and "joined at step 131, 1.1 s" in first
     assert "after step 249" in second and "in 39 ms" in second and "joined at step 283, 1.2 s" in second
+
+
+def test_results_travel_through_the_store_in_parts_a_long_runs_events_fit_in(monkeypatch, tmp_path):
+    """torch's store server drops a client that sends a value over 8 MiB (a 20-minute run's
+    events are more): results go in parts, the count last."""
+    from distsync.runtime import process
+
+    monkeypatch.setattr(process, "STORE_PART", 10)
+    store = {}
+    comm = _Comm(2, store)
+    mine = {"events": [{"kind": "step", "step": k} for k in range(5)], "role": "worker"}
+    process._put_results(comm, mine)
+    text = json.dumps(mine)
+    assert json.loads(store["distsync/results/2"]) == {"parts": -(-len(text) // 10)}
+    assert all(len(store[f"distsync/results/2/{i}"]) <= 10 for i in range(-(-len(text) // 10)))
+    assert process._results_of(comm, 2, tmp_path, 0) == mine
+    assert process._results_of(comm, 1, tmp_path, 0) is None  # (nothing yet, and not dropped)

@@ -165,7 +165,7 @@ def gather_through_store(comm: Comm, mine: dict[str, Any], run_dir: Path, attemp
     worker still alive once every worker has finished or died (rank 0, unless it died: then
     another takes over writing the run's results); None on the others. Each wait lasts as
     long as the awaited rank's heartbeat moves, and the comm timeout beyond."""
-    comm.store_set(f"distsync/results/{comm.rank}", json.dumps(mine))
+    _put_results(comm, mine)
     if comm.role != "worker":
         return None
     for r in comm.worker_ranks:
@@ -182,11 +182,27 @@ def gather_through_store(comm: Comm, mine: dict[str, Any], run_dir: Path, attemp
             for r in range(comm.world_size)]
 
 
+#: the most one value in the job's store holds: torch's store server closes the connection of
+#: a client that sends a value over 8 MiB (a long run's events are more)
+STORE_PART = 4 * 2**20
+
+
+def _put_results(comm: Comm, mine: dict[str, Any]) -> None:
+    """This rank's results into the job's store, in parts of :data:`STORE_PART` characters;
+    ``distsync/results/RANK`` (the part count) is written last: once it is there, they all are."""
+    text = json.dumps(mine)  # (ASCII: a character is a byte)
+    parts = [text[i:i + STORE_PART] for i in range(0, len(text), STORE_PART)] or [""]
+    for i, part in enumerate(parts):
+        comm.store_set(f"distsync/results/{comm.rank}/{i}", part)
+    comm.store_set(f"distsync/results/{comm.rank}", json.dumps({"parts": len(parts)}))
+
+
 def _results_of(comm: Comm, rank: int, run_dir: Path, attempt: int) -> dict[str, Any] | None:
     """Rank ``rank``'s results, or a dropped worker's events from its journal; None while
     neither is there."""
     if comm.store_check(f"distsync/results/{rank}"):
-        return json.loads(comm.store_get(f"distsync/results/{rank}"))
+        parts = json.loads(comm.store_get(f"distsync/results/{rank}"))["parts"]
+        return json.loads("".join(comm.store_get(f"distsync/results/{rank}/{i}") for i in range(parts)))
     mark = dropped_mark(run_dir, attempt, rank)
     if mark is None:
         return None
