@@ -365,12 +365,9 @@ def sample(pid: int) -> dict:
     return {"t": time.monotonic(), **tree_usage(pid)}
 
 
-SOAK_DEVICE_MS = 30
-
-
-def soak(seconds: float, out: Path) -> dict:
+def soak(seconds: float, out: Path, device_ms: float = 30.0) -> dict:
     """``allreduce``, 4 workers on emulated devices, healing from live peers, a fault a minute."""
-    base = ["train", "--solver", "allreduce", "--workers", "4", "--device-ms", str(SOAK_DEVICE_MS),
+    base = ["train", "--solver", "allreduce", "--workers", "4", "--device-ms", f"{device_ms:g}",
             "--timeout", "10"]
     probe = out / "probe"
     code, err, _ = _cli(*base, "--steps", "300", "--eval-every", "300", "--out", str(probe))
@@ -414,7 +411,8 @@ def soak(seconds: float, out: Path) -> dict:
     rec = summary.get("recovery") or {}
     fired = rec.get("faults", [])
     kills = [f for f in fired if f["kind"] == "kill"]
-    return {"solver": "allreduce", "workers": 4, "seconds": elapsed, "planned_seconds": seconds, "faults": faults,
+    return {"solver": "allreduce", "workers": 4, "device_ms": device_ms, "seconds": elapsed, "planned_seconds": seconds,
+            "faults": faults,
             "exit": proc.returncode, "hang": hung, "error": err.strip().splitlines()[-1] if proc.returncode else None,
             "samples": len(samples), "rss_first_mb": first["rss"] / 2**20, "rss_last_mb": last["rss"] / 2**20,
             "rss_growth": last["rss"] / first["rss"] - 1, "threads": (first["threads"], last["threads"]),
@@ -432,6 +430,7 @@ def main() -> int:
     p = argument_parser(__doc__)
     p.add_argument("--runs", type=int, default=3, help="faulted runs per solver (the issue's figure: 20)")
     p.add_argument("--soak", type=float, default=120.0, help="seconds of the soak (the issue's figure: 1200)")
+    p.add_argument("--soak-device-ms", type=float, default=30.0, help="the soak's emulated step time (default 30)")
     p.add_argument("--solvers", help="comma-separated (default: every registered solver)")
     p.add_argument("--parts", default="faults,bad-input,soak", help="which parts to run (default: all three)")
     p.add_argument("--seed", type=int, default=0)
@@ -461,7 +460,7 @@ def main() -> int:
         save()
     if "soak" in parts and args.soak > 0:
         print()
-        s = soak(args.soak, out / "soak")
+        s = soak(args.soak, out / "soak", args.soak_device_ms)
         results["soak"] = s
         save()
         table_header(["soak", "minutes", "faults (kills / stalls)", "replaced", "restarts", "ended",
