@@ -241,6 +241,32 @@ def test_a_replacement_heals_from_a_live_peer_and_the_job_is_whole_again(tmp_pat
     assert s["final_metric"] > 0.85
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("solver", [["--solver", "async-ps", "-o", "servers=2"], ["--solver", "async-easgd"],
+                                    ["--solver", "ad-psgd"]], ids=lambda s: s[1])
+def test_a_replacement_heals_over_channels_and_nothing_is_lost_or_sent_twice(tmp_path, solver):
+    """Servers (and AD-PSGD's passive worker) let the dead worker's replacement in; it goes on
+    from the dead one's next step, so every rank does every step exactly once."""
+    code, err, s = _train(tmp_path, *solver, "--fault", "kill:2@20", "--max-restarts", "1", "--steps", "100",
+                          "--device-ms", "30")
+    assert code == 0, err
+    [fault] = s["recovery"]["faults"]
+    assert fault["replaced"] is True and s["recovery"]["restarts"] == 0, fault
+    assert fault["joined_at_step"] == 20 and fault["replaced_rank_steps_lost"] == 0
+    assert all(_steps(tmp_path, r) == list(range(100)) for r in range(3))
+    stats = s["solver_stats"]
+    if solver[1] == "ad-psgd":  # rank 1, the passive, answered the dead active and its replacement
+        assert "with rank 1's state" in err
+        assert stats["1"]["replaced_peers"] == {"2": 1} and stats["1"]["averagings_answered"] == 200
+    else:
+        assert "served on by the servers" in err
+        per_server = 3 * 100 if solver[1] == "async-ps" else 3 * 100 // 4  # every push or exchange (tau=4)
+        servers = [stats[r] for r in stats]
+        assert [st["updates"] for st in servers] == [per_server] * len(servers)
+        assert all(st["replaced_workers"] == {"2": 1} and "dropped_workers" not in st for st in servers)
+    assert s["final_metric"] > 0.85
+
+
 def test_each_death_of_a_rank_that_died_twice_is_reported_with_its_own_replacement(monkeypatch):
     from rich.console import Console
 

@@ -263,16 +263,16 @@ def _print_device(summary: dict[str, Any]) -> None:
 def _print_recovery(summary: dict[str, Any]) -> None:
     """One line per fault the run survived: dropped workers, restarts."""
     rec = summary.get("recovery") or {}
-    went_on = [f for f in rec.get("faults", []) if "went_on_s" in f]
+    went_on = [f for f in rec.get("faults", []) if f.get("dropped")]
     for d in rec.get("dropped", []) + rec.get("replaced", []):
         # (a rank may die more than once: its replacement too) the fault that ended this process
         mine = [f for f in went_on if f["rank"] == d["rank"]]
         f = min(mine, key=lambda f: abs(f["step"] - 1 - (d.get("last_step") or 0))) if mine else None
         how = (f"; the other {f['live_workers']} re-formed their group without it in {f['went_on_s'] * 1000:.0f} ms "
-               f"and trained on" if f else "; the other workers trained on")
+               f"and trained on" if f and "went_on_s" in f else "; the other workers trained on")
         if f and f.get("replaced"):
             how += (f"; a replacement joined at step {f['joined_at_step']}, {f['healed_s']:.1f} s after the death, "
-                    f"with rank {f['healed_from']}'s state")
+                    + (f"with rank {f['healed_from']}'s state" if f["healed_from"] >= 0 else "served on by the servers"))
         what = "stalled" if d["signal"] == "stalled" else f"died ({d['signal']})"
         console.print(f"worker rank {d['rank']} {what} after step {d.get('last_step')} and was "
                       f"dropped{how}", highlight=False, soft_wrap=True)

@@ -5,13 +5,15 @@ import math
 import os
 import time
 from functools import partial
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from distsync.errors import CommError
 
+#: where, in the job's store, a peer and a dead worker's replacement agree on a channel
+HEAL = "distsync/heal/"
 #: the tag of :meth:`Comm.partial_all_reduce`'s messages (solvers use tags below 1000)
 TAG_PARTIAL = 1000
 
@@ -54,6 +56,28 @@ def _attempt_store(timeout_s: float) -> dict[str, Any]:
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return {"store": dist.PrefixStore(f"distsync/attempt-{attempt}", store), "rank": int(os.environ["RANK"]),
             "world_size": world}
+
+
+def make_group(store: Any, prefix: str, members: list[int], rank: int, timeout_s: float, name: str) -> Any:
+    """A gloo process group over ``members`` (global ranks, this ``rank`` among them) under
+    ``prefix`` of ``store``, registered with torch.distributed so that its functions (and
+    DistributedDataParallel) accept it like a group from ``new_group``. Only the members
+    call this."""
+    from torch.distributed import distributed_c10d as c10d
+
+    me = members.index(rank)
+    prefixed = dist.PrefixStore(prefix, store)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    backend = dist.ProcessGroupGloo(dist.PrefixStore("gloo", prefixed), me, len(members), timeout)
+    backend.options.global_ranks_in_group = list(members)
+    backend.options.group_name = name
+    pg = dist.ProcessGroup(prefixed, me, len(members))
+    pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    pg._set_group_name(name)
+    c10d._register_pg_in_world(pg, backend_name="gloo", store=prefixed, group_name=name, backend_config="cpu:gloo",
+                               rank_mapping={g: i for i, g in enumerate(members)})
+    return pg
 
 
 class Pending:
@@ -113,6 +137,13 @@ class Comm:
         #: a peer whose process died is left behind and the job goes on without it
         #: (``--on-failure continue``); otherwise its closed connection fails this rank
         self.drops_dead_peers = False
+        #: point-to-point channels of their own (a group of two) to peers outside the default
+        #: group: a replacement for a dead worker and the peers it talks to (:meth:`open_channel`)
+        self._channels: dict[int, Any] = {}
+        #: this process replaces a dead worker: it is in no group the others made before
+        self.replacement = False
+        #: (a peer that serves workers from threads of its own) let a dead worker's replacement in
+        self.admit_replacements = False
 
     # ---- set-up -----------------------------------------------------------------------
     @classmethod
@@ -157,6 +188,7 @@ class Comm:
             raise CommError(f"rank {rank}: init_process_group (replacement) failed: {_cause(e, timeout_s)}") from None
         comm = cls(rank, found["world_size"], role_of, timeout_s, device, latency_s)
         comm._job_store = found["store"]
+        comm.replacement = True
         return comm
 
     def close(self) -> None:
@@ -287,11 +319,14 @@ class Comm:
 
     def send(self, tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> None:
         self.bytes_sent += tensor.numel() * tensor.element_size()
+        group = self._channels.get(dst, group)
         self._guard(f"send(to rank {dst})", dist.send, tensor, dst=dst, group=group, tag=tag)
 
     def recv(self, tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0) -> int:
         """Receive into ``tensor``; with ``src=None`` from whoever sends first. Returns the sender."""
         what = f"recv(from rank {src})" if src is not None else "recv(from any rank)"
+        if src is not None:
+            group = self._channels.get(src, group)
         sender = self._guard(what, dist.recv, tensor, src=src, group=group, tag=tag)
         self._delay(1)
         return sender
@@ -431,6 +466,80 @@ class Comm:
         out = [None] * self.world_size if self.rank == dst else None
         self._guard("gather_object", dist.gather_object, obj, out, dst=dst)
         return out
+
+    # ---- channels: a replacement and the peers it talks to --------------------------------
+    # A peer that serves each worker from a thread of its own (a server, an AD-PSGD passive
+    # worker) lets a dead worker's replacement in: after the death it waits on round ``gen``
+    # of ``HEAL/peer/worker`` (``ready`` counts the rounds); the replacement claims the
+    # round's key with its number, or the peer closes it once it serves nobody else. One key
+    # decides, so a replacement is either served by a peer or told it came too late.
+    def accept_replacement(self, worker: int, alone: Callable[[], bool]) -> bool:
+        """(A peer, after ``worker``'s death) Wait for its replacement and open a channel with
+        it; False, and nobody is let in for it any more, once ``alone()`` (this peer serves no
+        other worker: the job is over)."""
+        base = f"{HEAL}{self.rank}/{worker}"
+        while True:
+            gen = self.store_add(f"{base}/ready", 1)
+            key = f"{base}/{gen}"
+            while not self.store_check(key) and not alone():
+                time.sleep(0.02)
+            if self.store_first(key, "closed") == "closed":
+                return False
+            try:
+                self.open_channel(worker, f"{self.rank}-{worker}-{gen}")
+                return True
+            except CommError:  # the replacement died while joining: wait for the next one
+                continue
+
+    def join_as_replacement(self, peers: Sequence[int], replacement: int, abandon: Callable[[int], None]) -> bool:
+        """(The ``replacement``-th replacement for dead worker ``self.rank``) A channel with
+        each of ``peers``, each of which waits for it (:meth:`accept_replacement`). False if
+        one no longer lets it in (the others finished): then ``abandon(peer)`` ends the
+        conversation begun with each that did."""
+        me, opened = f"open-{replacement}", []
+        for peer in peers:
+            base = f"{HEAL}{peer}/{self.rank}"
+            deadline = time.monotonic() + self.timeout_s
+            while True:
+                if self.store_check(f"{base}/ready"):
+                    gen = int(self.store_get(f"{base}/ready"))
+                    got = self.store_first(f"{base}/{gen}", me)
+                    if got == me:
+                        break
+                    if got == "closed":
+                        for p in opened:
+                            abandon(p)
+                        return False
+                    # (an earlier replacement's round: it died too, and the peer has not seen it yet)
+                if time.monotonic() > deadline:
+                    raise CommError(f"rank {self.rank}: rank {peer} did not let in a replacement for the dead "
+                                    f"worker within {self.timeout_s:g} s")
+                time.sleep(0.02)
+            self.open_channel(peer, f"{peer}-{self.rank}-{gen}")
+            opened.append(peer)
+        return True
+
+    def has_channel(self, peer: int) -> bool:
+        return peer in self._channels
+
+    def open_channel(self, peer: int, name: str) -> None:
+        """A group of two with ``peer`` (both call this with the same ``name``, unique in the
+        job): from now on :meth:`send` and :meth:`recv` with ``peer`` go through it, whatever
+        group they name (a group with a dead member is no use). A replacement for a dead
+        worker is outside the job's groups; this is how it and a peer meet. A channel it
+        replaces is destroyed."""
+        members = sorted((self.rank, peer))
+        try:
+            pg = make_group(self.raw_store(), f"distsync/pg/channel/{name}", members, self.rank, self.timeout_s,
+                            f"distsync-channel-{name}")
+        except Exception as e:
+            raise self.error(f"opening a channel with rank {peer}", e) from None
+        old, self._channels[peer] = self._channels.get(peer), pg
+        if old is not None:
+            try:
+                dist.destroy_process_group(old)
+            except Exception:
+                pass
 
     # ---- the job's key-value store (small agreements without a collective) --------------
     def _store(self):

@@ -49,9 +49,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
 import torch.distributed as dist
 
+from distsync.comm.comm import make_group
 from distsync.errors import CommError, Excluded, PeerLost
 
 __all__ = ["Excluded", "Membership", "PeerLost", "View", "make_group", "marked_dead"]
@@ -87,28 +87,6 @@ class View:
     @property
     def size(self) -> int:
         return len(self.members)
-
-
-def make_group(store: Any, prefix: str, members: list[int], rank: int, timeout_s: float, name: str) -> Any:
-    """A gloo process group over ``members`` (global ranks, this ``rank`` among them) under
-    ``prefix`` of ``store``, registered with torch.distributed so that its functions (and
-    DistributedDataParallel) accept it like a group from ``new_group``. Only the members
-    call this."""
-    from torch.distributed import distributed_c10d as c10d
-
-    me = members.index(rank)
-    prefixed = dist.PrefixStore(prefix, store)
-    timeout = datetime.timedelta(seconds=timeout_s)
-    backend = dist.ProcessGroupGloo(dist.PrefixStore("gloo", prefixed), me, len(members), timeout)
-    backend.options.global_ranks_in_group = list(members)
-    backend.options.group_name = name
-    pg = dist.ProcessGroup(prefixed, me, len(members))
-    pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
-    pg._set_group_name(name)
-    c10d._register_pg_in_world(pg, backend_name="gloo", store=prefixed, group_name=name, backend_config="cpu:gloo",
-                               rank_mapping={g: i for i, g in enumerate(members)})
-    return pg
 
 
 class Membership:

@@ -350,6 +350,47 @@ def heal_from_peer(cfg: RunConfig, run_dir: Path, comm: Comm, replacement: int) 
                           journal=journal_path(run_dir, comm.rank), joined=True)
 
 
+def heal_over_channels(cfg: RunConfig, run_dir: Path, comm: Comm, replacement: int, solver) -> WorkerRecovery:
+    """A replacement for a dead worker of a solver whose peers served it from threads of
+    their own (``heals_by_channels``: servers, AD-PSGD's passive workers): it takes the dead
+    one's mark over, opens a channel with each such peer (each serves it on as the dead one)
+    and goes on from the dead one's next step, on its shard, with a model from them (the
+    solver takes it before that step): nothing the dead one sent is lost or sent again."""
+    peers = solver.channel_peers(comm)
+    gone = dropped_ranks(run_dir)
+    if peers is not None:
+        peers = [p for p in peers if p not in gone]  # (a dead peer lets nobody in)
+    if not peers:
+        raise TooLate(f"rank {comm.rank}: this worker's part in {solver.name} cannot be taken over while the job "
+                      f"runs; the others go on without it")
+    attempt = restart_count()
+    mark = run_dir / "dropped" / f"attempt-{attempt}-rank-{comm.rank}.json"
+    taken = run_dir / "dropped" / f"replaced-attempt-{attempt}-rank-{comm.rank}-{replacement}.json"
+    dead = json.loads(mark.read_text())
+    taken.write_text(json.dumps({**dead, "replaced_unix": time.time(), "replacement": replacement}))
+    mark.unlink()
+    try:
+        joined = comm.join_as_replacement(peers, replacement, lambda peer: solver.abandon_channel(comm, peer))
+    except BaseException:
+        os.replace(taken, mark)
+        raise
+    if not joined:
+        os.replace(taken, mark)  # the dead one stays dropped: its journal is its part of the results
+        raise TooLate(f"rank {comm.rank}: the other workers finished training before this replacement could join")
+    events = read_jsonl(journal_path(run_dir, comm.rank))
+    steps = [e for e in events if e["kind"] == "step"]
+    began = next((e["unix"] for e in events if e["kind"] == "start"), time.time())
+    state = {"index": 0, "step": max(e["step"] for e in steps) + 1 if steps else 0, "events": events,
+             "clock": 0.0, "unix": began, "last_loss": steps[-1]["loss"] if steps else float("nan"), "from": -1}
+    policy = CheckpointPolicy(cfg.checkpoint_every, comm)
+    store = CheckpointStore(run_dir / CHECKPOINTS, comm.rank, comm.role_of, fingerprint(cfg, comm.role_of),
+                            dropped_ranks(run_dir))
+    return WorkerRecovery(store=store if policy.enabled else None, policy=policy,
+                          faults=FaultInjector(cfg.faults, run_dir, comm.rank, comm.role_of), restored=state,
+                          run_dir=run_dir, after_failure=True, attempt=attempt,
+                          journal=journal_path(run_dir, comm.rank), joined=True)
+
+
 def recovery_for(cfg: RunConfig, run_dir: Path, comm: Comm) -> WorkerRecovery:
     """This process's checkpoints, the state it resumes from and the faults aimed at it."""
     raise_if_stopped(run_dir)
@@ -392,6 +433,8 @@ def run_process(run: ResolvedRun, run_dir: Path) -> None:
                                                                          latency)
     name_process(comm.role, comm.rank)
     comm.drops_dead_peers = supervised() and cfg.task == "train"
+    comm.admit_replacements = bool(comm.drops_dead_peers and cfg.max_restarts and run.solver_cls.heals_by_channels
+                                   and run.threads == 1)
     if supervised() and cfg.task == "train" and run.solver_cls.reforms_without_dead and comm.role == "worker":
         comm.membership = live_membership(comm, run_dir)
     try:
@@ -401,8 +444,12 @@ def run_process(run: ResolvedRun, run_dir: Path) -> None:
             return
         workload = load_workload(cfg.workload, cfg.workload_options)
         try:
-            recovery = (heal_from_peer(cfg, run_dir, comm, replacement) if replacement
-                        else recovery_for(cfg, run_dir, comm))
+            if not replacement:
+                recovery = recovery_for(cfg, run_dir, comm)
+            elif run.solver_cls.heals_by_channels:
+                recovery = heal_over_channels(cfg, run_dir, comm, replacement, solver)
+            else:
+                recovery = heal_from_peer(cfg, run_dir, comm, replacement)
         except TooLate as e:
             print(f"distsync: {e}", file=sys.stderr, flush=True)
             return
@@ -413,7 +460,8 @@ def run_process(run: ResolvedRun, run_dir: Path) -> None:
 
         served = dict(save=save if recovery.store is not None else None, restored=recovery.restored,
                       on_request=recovery.faults.at if recovery.faults.pending else None,
-                      drop_dead_workers=supervised())
+                      drop_dead_workers=supervised(),
+                      admit_replacements=comm.admit_replacements)
         if comm.role == "worker":
             progress = Progress(run_dir / "progress.json" if comm.rank == 0 else None,
                                 cfg.steps if cfg.budget is None else None)

@@ -60,6 +60,8 @@ class ServeContext:
     on_request: Callable[[int], None] | None = None
     #: a worker whose process died is dropped and the others go on (``survives_worker_loss``)
     drop_dead_workers: bool = False
+    #: a dead worker's replacement is let in and served on (``heals_by_channels``)
+    admit_replacements: bool = False
 
 
 class PhaseClock:
@@ -108,6 +110,11 @@ class Solver:
     #: peer's model, optimizer and solver state (the training thread's ``workers`` group is
     #: the solver's only one, and its workers keep no state of their own a peer lacks)
     heals_from_peer: ClassVar[bool] = False
+    #: (with ``heals_from_peer``) the replacement is let in by the peers that served the dead
+    #: worker from threads of their own (:meth:`channel_peers`: servers, AD-PSGD's passive
+    #: workers) through a channel with each, goes on from the dead worker's next step, and
+    #: takes its model from them (:meth:`join_peers`)
+    heals_by_channels: ClassVar[bool] = False
 
     def __init__(self, options: Any = None) -> None:
         self.options = options if options is not None else self.Options()
@@ -217,6 +224,21 @@ class Solver:
         thread) will do again. Returns the module the loop should call from now on, if it
         changed."""
         return None
+
+    def channel_peers(self, comm: Any) -> list[int] | None:
+        """(``heals_by_channels``) The ranks a replacement for worker ``comm.rank`` opens a
+        channel with; None: that worker cannot be replaced (it stays dropped)."""
+        return None
+
+    def abandon_channel(self, comm: Any, peer: int) -> None:
+        """(``heals_by_channels``) End the conversation a replacement began with ``peer``
+        when another peer let it in no more (the job is over)."""
+
+    def join_peers(self, step: int) -> int | None:
+        """(``heals_by_channels``) In a replacement, attached, before its first step
+        ``step``: take the model from the peers it has channels with; the rank of the worker
+        it came from (None: from servers)."""
+        raise NotImplementedError(f"solver {self.name} does not heal over channels")
 
     def close(self) -> None:
         """Final synchronization; stop and join any threads this solver started."""

@@ -43,7 +43,7 @@ from distsync.solvers.schedules import (bipartite_roles, partner_rng, random_rou
 
 TAG_AVG_HEADER, TAG_AVG_MODEL, TAG_AVG_REPLY = 21, 22, 23
 TAG_COORD_REQ, TAG_COORD_REPLY = 31, 32
-OP_REQUEST, OP_DONE = 1, 2
+OP_REQUEST, OP_DONE, OP_MODEL = 1, 2, 3  # (OP_MODEL: a replacement asks a passive for its model)
 OP_DEAD, OP_FAILED = -1, -2  # (the coordinator's own notes: a worker died, or hearing it failed)
 
 
@@ -67,6 +67,9 @@ class ADPSGD(Solver):
 
     min_workers = 2
     survives_worker_loss = True  # a dead partner's averagings are skipped; the others go on
+    # A dead active's replacement: each passive lets it in and answers it on; it takes a
+    # passive's model. (A dead passive is not replaced: every active would have to learn of it.)
+    heals_from_peer = heals_by_channels = True
 
     @classmethod
     def lockstep_lead(cls, options, workers):
@@ -94,14 +97,18 @@ class ADPSGD(Solver):
         self.actives = [comm.worker_ranks[i] for i in actives]
         self.passives = [comm.worker_ranks[i] for i in passives]
         self.is_active = comm.rank in self.actives
-        # Averagings travel on their own group, so a passive answers from its own threads.
-        self.gossip = comm.new_group(comm.worker_ranks)
+        # Averagings travel on their own group, so a passive answers from its own threads. (A
+        # replacement is in no group the others made: it talks to the passives over channels.)
+        self.gossip = comm.new_group(comm.worker_ranks) if not comm.replacement else None
         self.lock = threading.Lock()  # a passive's model: its update vs. an averaging
         self.pending: torch.Tensor | None = None
         self.rng = partner_rng(self.options.seed, comm.rank)
         self.averaged = 0
         self.answered = Counter()
         self.lost: dict[int, int] = {}  # a dead peer's rank: this worker's averagings when it died
+        self.replaced: Counter = Counter()  # actives whose replacement this passive let in
+        self._talking = set(self.actives)  # actives this passive still answers
+        self._talking_lock = threading.Lock()
         self._error: list[BaseException] = []
         self._threads: list[threading.Thread] = []
         if not self.is_active:
@@ -114,13 +121,38 @@ class ADPSGD(Solver):
         return model
 
     def _answer(self, active: int) -> None:
+        """A passive's answers to ``active``, and (healing) to its replacements after a death."""
+        while True:
+            died = self._converse(active)
+            with self._talking_lock:
+                self._talking.discard(active)
+            if not (died and self.comm.admit_replacements and self.comm.accept_replacement(
+                    active, lambda: self._alone(active))):
+                return
+            self.lost.pop(active, None)
+            self.replaced[active] += 1
+            with self._talking_lock:
+                self._talking.add(active)
+
+    def _alone(self, active: int) -> bool:
+        with self._talking_lock:
+            return not (self._talking - {active})
+
+    def _converse(self, active: int) -> bool:
+        """Answer ``active`` until it is done (False) or dies (True)."""
         head = torch.zeros(1, dtype=torch.int64)
         theirs = torch.zeros(self.view.numel)
         try:
             while True:
                 self.comm.recv(head, active, group=self.gossip, tag=TAG_AVG_HEADER)
-                if int(head.item()) == OP_DONE:
-                    return
+                op = int(head.item())
+                if op == OP_DONE:
+                    return False
+                if op == OP_MODEL:  # a replacement's first question
+                    with self.lock:
+                        reply = (self.pending if self.pending is not None else self.view.flat()).clone()
+                    self.comm.send(reply, active, group=self.gossip, tag=TAG_AVG_REPLY)
+                    continue
                 self.comm.recv(theirs, active, group=self.gossip, tag=TAG_AVG_MODEL)
                 with self.lock:
                     # The training thread may be inside forward/backward: the average waits in
@@ -135,8 +167,28 @@ class ADPSGD(Solver):
         except BaseException as e:  # raised on the training thread at its next step
             if self.comm.peer_died(e):
                 self.lost[active] = sum(self.answered.values())
-            else:
-                self._error.append(e)
+                return True
+            self._error.append(e)
+            return False
+
+    # ---- a replacement for a dead active (runtime/process.py: heal_over_channels) -----------
+    def channel_peers(self, comm):
+        actives, passives = bipartite_roles(comm.num_workers)
+        return [comm.worker_ranks[i] for i in passives] if comm.worker_index in actives else None
+
+    def abandon_channel(self, comm, peer):
+        comm.send(torch.tensor([OP_DONE]), peer, tag=TAG_AVG_HEADER)
+
+    def join_peers(self, step):
+        """The model of the first passive it reached; partners drawn as the dead one would have."""
+        self.passives = [p for p in self.passives if self.comm.has_channel(p)]
+        for _ in range(step):
+            self.rng.choice(self.passives)
+        mine = self.view.flat()
+        self.comm.send(torch.tensor([OP_MODEL]), self.passives[0], tag=TAG_AVG_HEADER)
+        self.comm.recv(mine, self.passives[0], tag=TAG_AVG_REPLY)
+        self.view.assign(mine)
+        return self.passives[0]
 
     def after_backward(self, step):
         if self._error:
@@ -204,7 +256,8 @@ class ADPSGD(Solver):
             return {}
         return {"averagings_started": self.averaged,
                 "averagings_answered": sum(self.answered.values()),
-                **({"dead_peers": {str(r): n for r, n in sorted(self.lost.items())}} if self.lost else {})}
+                **({"dead_peers": {str(r): n for r, n in sorted(self.lost.items())}} if self.lost else {}),
+                **({"replaced_peers": {str(r): n for r, n in sorted(self.replaced.items())}} if self.replaced else {})}
 
 
 @dataclass

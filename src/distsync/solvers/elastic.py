@@ -194,11 +194,13 @@ class EASGD(_ElasticServerSolver):
 @register_solver
 class AsyncEASGD(_ElasticServerSolver):
     name = "async-easgd"
+    heals_from_peer = heals_by_channels = True  # (a replacement starts from the center)
 
 
 @register_solver
 class AsyncMEASGD(_ElasticServerSolver):
     name = "async-measgd"
+    heals_from_peer = heals_by_channels = True  # (from the center; its momentum starts afresh)
     Options = MomentumElasticOptions
 
     def attach(self, model, optimizer, comm):

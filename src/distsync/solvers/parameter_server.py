@@ -29,7 +29,7 @@ from distsync.config import bounded
 from distsync.solvers.base import ServeContext, Solver, register_solver
 from distsync.solvers.hogwild_threads import HogwildThreads, HogwildThreadsOptions, threads_option
 from distsync.solvers.rules import server_apply, warmup_factor
-from distsync.solvers.shard_service import Layout, PSClient, Request, ServerShard
+from distsync.solvers.shard_service import OP_DONE, TAG_HEADER, Layout, PSClient, Request, ServerShard
 
 
 @dataclass
@@ -93,6 +93,7 @@ class ServerSolver(Solver):
         self.shard = shard = ServerShard(comm, tensors, self.handle, lock=not self.lock_free)
         shard.on_request = ctx.on_request
         shard.drop_dead_workers = ctx.drop_dead_workers and self.survives_worker_loss
+        shard.admit_replacements = shard.drop_dead_workers and ctx.admit_replacements and self.heals_by_channels
         if ctx.save is not None:
             shard.on_save = lambda index: ctx.save(index, shard.version, self.server_state_dict(shard))
             shard.get_state = lambda: self.server_state_dict(shard)
@@ -118,6 +119,17 @@ class ServerSolver(Solver):
 
     def handle(self, shard: ServerShard, req: Request):
         raise NotImplementedError
+
+    def channel_peers(self, comm):
+        return comm.ranks_with_role("server")
+
+    def abandon_channel(self, comm, peer):
+        comm.send(torch.tensor([OP_DONE, -1, 0], dtype=torch.int64), peer, tag=TAG_HEADER)
+
+    def join_peers(self, step):
+        with self.client_lock:
+            self.client.pull_into_model(step)
+        return None
 
     def checkpoint_peers(self, index, done=0):
         with self.client_lock:
@@ -207,6 +219,7 @@ class AsyncPS(GradientServerSolver):
     name = "async-ps"
     Options = AsyncPSOptions
     survives_worker_loss = True
+    heals_from_peer = heals_by_channels = True  # (a replacement pulls the center and pushes on)
 
     @classmethod
     def lockstep_lead(cls, options, workers):

@@ -184,6 +184,10 @@ class ServerShard:
         self.get_state: Callable[[], dict[str, Any]] | None = None
         self.set_state: Callable[[dict[str, Any]], None] | None = None
         self._cut: dict[str, Any] | None = None
+        #: after a worker's death, wait for its replacement and serve it on (healing): see
+        #: :meth:`_await_replacement`
+        self.admit_replacements = False
+        self.replaced: Counter = Counter()
 
     def _receive(self, worker: int) -> Request:
         head = torch.zeros(3, dtype=torch.int64)
@@ -315,18 +319,40 @@ class ServerShard:
         self.staleness[staleness(self.version, req.version_seen)] += 1
 
     def serve_each_worker_in_a_thread(self) -> None:
-        """First come, first served: one thread per worker, so none waits on another's turn."""
+        """First come, first served: one thread per worker, so none waits on another's turn.
+        With :attr:`admit_replacements`, a dead worker's thread waits for its replacement
+        and serves it on, as long as another worker is still served."""
+        talking = set(self.comm.worker_ranks)
+        talking_lock = threading.Lock()
 
-        def loop(worker: int) -> None:
+        def alone(worker: int) -> bool:
+            with talking_lock:
+                return not (talking - {worker})
+
+        def conversation(worker: int) -> bool:
+            """Serve ``worker`` until it is done (False) or dies (True)."""
             try:
                 while True:
                     req = self._receive(worker)
                     if req.op == OP_DONE:
-                        return
+                        return False
                     self._process(req)
             except CommError as e:
                 if not self._dead(worker, e):  # (a dead one is dropped: the others train on)
                     self._errors.append(e)
+                    return False
+                return not isinstance(e, Refused)
+
+        def loop(worker: int) -> None:
+            try:
+                while True:
+                    died = conversation(worker)
+                    with talking_lock:
+                        talking.discard(worker)
+                    if not (died and self.admit_replacements and self._await_replacement(worker, alone)):
+                        return
+                    with talking_lock:
+                        talking.add(worker)
             except BaseException as e:  # surfaced by the serving thread below
                 self._errors.append(e)
 
@@ -357,6 +383,17 @@ class ServerShard:
                 self._finish_cut()  # (a cut waiting for it goes without it)
             return True
         return False
+
+    def _await_replacement(self, worker: int, alone: Callable[[int], bool]) -> bool:
+        """After ``worker``'s death: wait for its replacement and open a channel with it
+        (``Comm.accept_replacement``); then it is served on like the dead one (it goes on
+        from the dead one's steps). False once no other worker is served: the job is over."""
+        if not self.comm.accept_replacement(worker, lambda: alone(worker)):
+            return False
+        with self._exclusive():
+            self.dropped.pop(worker, None)
+            self.replaced[worker] += 1
+        return True
 
     def _receive_live(self, worker: int) -> Request | None:
         """The next request of ``worker``, or None if it died (and is dropped)."""
@@ -431,6 +468,7 @@ class ServerShard:
         return {
             **({"dropped_workers": {str(w): s for w, s in sorted(self.dropped.items())}} if self.dropped else {}),
             **({"refused_workers": {str(w): r for w, r in sorted(self.refused.items())}} if self.refused else {}),
+            **({"replaced_workers": {str(w): n for w, n in sorted(self.replaced.items())}} if self.replaced else {}),
             "updates": self.version,
             "staleness": {str(k): v for k, v in sorted(self.staleness.items())},
             "requests": {name: self.requests[op] for op, name in

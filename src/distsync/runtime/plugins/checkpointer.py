@@ -23,11 +23,11 @@ class Checkpointer(Plugin):
         self.restored = recovery.restored
 
     def on_model(self, run: RunState) -> None:
-        if self.restored is not None:
+        if self.restored is not None and "model" in self.restored:  # (not from servers: see on_start)
             run.model.load_state_dict(self.restored["model"])  # before attach: solvers copy the model there
 
     def on_attach(self, run: RunState) -> None:
-        if self.restored is not None:
+        if self.restored is not None and "optimizer" in self.restored:
             run.optimizer.load_state_dict(self.restored["optimizer"])
             run.solver.load_state_dict(self.restored["solver"])
 
@@ -35,8 +35,9 @@ class Checkpointer(Plugin):
         restored = self.restored
         if restored is None:
             return
-        torch.set_rng_state(restored["rng"]["torch"])
-        run.plugins.load_state(restored)  # e.g. the device stretch's random streams
+        if "rng" in restored:  # (a replacement that heals from servers draws afresh)
+            torch.set_rng_state(restored["rng"]["torch"])
+            run.plugins.load_state(restored)  # e.g. the device stretch's random streams
         run.events = list(restored["events"])
         run.first_k = int(restored["step"]) // run.threads
         # After a failure the time since the checkpoint was lost to the job and counts; a
@@ -49,7 +50,10 @@ class Checkpointer(Plugin):
         restored = self.restored
         if restored is None:
             run.events.append({"kind": "start", "rank": run.rank, "unix": time.time()})
-        if self.recovery.joined:  # a replacement that took a live peer's state
+        if self.recovery.joined:  # a replacement that took a live peer's state (or the servers')
+            if "model" not in restored:  # (healed over channels: the solver takes it from its peers)
+                src = run.solver.join_peers(int(restored["step"]))
+                restored["from"] = src if src is not None else -1
             run.events.append({"kind": "joined", "rank": run.rank, "step": int(restored["step"]), "t": run.clock.now(),
                                "unix": time.time(), "from": int(restored["from"])})
         elif restored is not None or self.recovery.after_failure:  # a restart with no checkpoint starts over
