@@ -10,13 +10,17 @@ hung (120 s), restarts (target 0), and the final accuracy against the run withou
 Real processes on this machine's cores (not emulated devices): the figures are the
 re-forming's, not a cluster's.
 
-Then healing, for every solver whose dead workers can be replaced (``--max-restarts 1``):
+Then healing, for every solver whose dead workers can be replaced (``--max-restarts 1``;
+the replacement copies a live peer's state, or is let in by the servers or AD-PSGD's passive
+workers and goes on from the dead worker's next step):
 the same kills on emulated devices (``--device-ms 30``: 120 steps last 3.6 s, time for a
 replacement to start), and per solver how long from the kill until the replacement trained
 (``healed_s``), the steps the replaced rank missed meanwhile, the survivors' steps lost and
 the accuracy.
 
-    python benchmarks/live_recovery.py [--runs 5] [--out docs/benchmarks/live_recovery.json]
+    python benchmarks/live_recovery.py [--runs 5] [--parts re-form,healing] [--out docs/benchmarks/live_recovery.json]
+
+(``--parts healing`` keeps the re-forming table of the file at ``--out``.)
 """
 
 from __future__ import annotations
@@ -79,10 +83,16 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="docs/benchmarks/live_recovery.json")
+    p.add_argument("--parts", default="re-form,healing", help="which tables (default: both)")
     args = p.parse_args()
+    parts = set(args.parts.split(","))
     rng = random.Random(args.seed)
-    solvers = [s for s in solver_names() if solver_class(s).reforms_without_dead]
+    solvers = [s for s in solver_names() if solver_class(s).reforms_without_dead] if "re-form" in parts else []
+    healers = [s for s in solver_names() if solver_class(s).heals_from_peer
+               and solver_class(s).training_threads(solver_class(s).Options()) == 1]  # (Hogwild threads: never)
     rows, healed = [], []
+    if "re-form" not in parts and Path(args.out).exists():
+        rows = json.loads(Path(args.out).read_text())["solvers"]
     table_header(["solver", "kills", "finished", "went on (ms, median / max)", "survivors' steps lost",
                   "restarts", "accuracy (clean → killed, mean)"])
     with tempfile.TemporaryDirectory() as tmp:
@@ -101,7 +111,7 @@ def main() -> None:
         print()
         table_header(["solver (healing)", "kills", "finished", "replaced", "healed after (s, median / max)",
                       "replaced rank's steps missed (median)", "survivors' steps lost", "accuracy (mean)"])
-        for solver in [s for s in solvers if solver_class(s).heals_from_peer]:
+        for solver in healers if "healing" in parts else []:
             runs = kill_runs(tmp, solver, args.runs, rng, "--max-restarts", "1", "--device-ms", "30")
             done = [r for r in runs if r["finished"]]
             heal = [r for r in done if r.get("healed_s") is not None]

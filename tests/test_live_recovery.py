@@ -242,7 +242,7 @@ def test_a_replacement_heals_from_a_live_peer_and_the_job_is_whole_again(tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("solver", [["--solver", "async-ps", "-o", "servers=2"], ["--solver", "async-easgd"],
+@pytest.mark.parametrize("solver", [["--solver", "async-ps", "-o", "servers=2"], ["--solver", "ea-wild", "-o", "threads=1"],
                                     ["--solver", "ad-psgd"]], ids=lambda s: s[1])
 def test_a_replacement_heals_over_channels_and_nothing_is_lost_or_sent_twice(tmp_path, solver):
     """Servers (and AD-PSGD's passive worker) let the dead worker's replacement in; it goes on

@@ -263,7 +263,7 @@ def _print_device(summary: dict[str, Any]) -> None:
 def _print_recovery(summary: dict[str, Any]) -> None:
     """One line per fault the run survived: dropped workers, restarts."""
     rec = summary.get("recovery") or {}
-    went_on = [f for f in rec.get("faults", []) if f.get("dropped")]
+    went_on = [f for f in rec.get("faults", []) if f.get("dropped") or "went_on_s" in f]
     for d in rec.get("dropped", []) + rec.get("replaced", []):
         # (a rank may die more than once: its replacement too) the fault that ended this process
         mine = [f for f in went_on if f["rank"] == d["rank"]]

@@ -75,6 +75,9 @@ class WildOptions(HogwildThreadsOptions, ElasticOptions):
 class _ElasticServerSolver(ServerSolver):
     Options = ElasticOptions
     survives_worker_loss = True  # first come, first served: nobody waits for a dead worker
+    # A dead worker's replacement is let in by the servers and starts from the center (its
+    # momentum, async-measgd's, afresh).
+    heals_from_peer = heals_by_channels = True
 
     @classmethod
     def lockstep_lead(cls, options, workers):
@@ -185,6 +188,7 @@ class _ElasticServerSolver(ServerSolver):
 class EASGD(_ElasticServerSolver):
     name = "easgd"
     survives_worker_loss = True  # a dead worker loses its turns
+    heals_from_peer = heals_by_channels = False  # (its server serves in turns, not a thread per worker)
     round_robin = True
 
     def run_server(self, shard):
@@ -194,13 +198,11 @@ class EASGD(_ElasticServerSolver):
 @register_solver
 class AsyncEASGD(_ElasticServerSolver):
     name = "async-easgd"
-    heals_from_peer = heals_by_channels = True  # (a replacement starts from the center)
 
 
 @register_solver
 class AsyncMEASGD(_ElasticServerSolver):
     name = "async-measgd"
-    heals_from_peer = heals_by_channels = True  # (from the center; its momentum starts afresh)
     Options = MomentumElasticOptions
 
     def attach(self, model, optimizer, comm):

@@ -177,8 +177,15 @@ class ShadowEA(HogwildThreads, AsyncEASGD):
         self._done = threading.Event()
         self._errors: list[BaseException] = []
         self._thread = threading.Thread(target=self._shadow_loop, name="shadow-ea", daemon=True)
-        self._thread.start()
+        if not comm.replacement:  # (a replacement's starts once it has the center: join_peers)
+            self._thread.start()
         return model
+
+    def join_peers(self, step):
+        src = super().join_peers(step)
+        self.steps_done = step
+        self._thread.start()
+        return src
 
     def after_update(self, step):
         with self._count_lock:
