@@ -273,6 +273,8 @@ def _print_recovery(summary: dict[str, Any]) -> None:
         if f and f.get("replaced"):
             how += (f"; a replacement joined at step {f['joined_at_step']}, {f['healed_s']:.1f} s after the death, "
                     + (f"with rank {f['healed_from']}'s state" if f["healed_from"] >= 0 else "served on by the servers"))
+        elif d.get("replacement"):  # (its mark went back: the replacement came too late)
+            how += "; its replacement came after the others had finished training"
         what = "stalled" if d["signal"] == "stalled" else f"died ({d['signal']})"
         console.print(f"worker rank {d['rank']} {what} after step {d.get('last_step')} and was "
                       f"dropped{how}", highlight=False, soft_wrap=True)
