@@ -404,7 +404,10 @@ def soak(seconds: float, out: Path, device_ms: float = 30.0) -> dict:
     err = proc.stderr.read() if proc.stderr else ""
     elapsed = time.monotonic() - start
     left_procs, left_ns = leftovers(tag, ns)
-    steady = [s for s in samples if s["t"] - start >= warm and s["rss"] > 0] or samples
+    # Growth over training: from the first sample after the warm-up to the last one at least
+    # 15 s before the job ended (its processes exiting would look like memory given back).
+    end = samples[-1]["t"] if samples else start
+    steady = [s for s in samples if s["t"] - start >= warm and end - s["t"] >= 15 and s["rss"] > 0] or samples
     first, last = steady[0], steady[-1]
     summary_path = out / "run" / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
@@ -423,7 +426,9 @@ def soak(seconds: float, out: Path, device_ms: float = 30.0) -> dict:
             "healed_s_max": max((f["healed_s"] for f in kills if f.get("healed_s") is not None), default=None),
             "survivor_steps_lost": sum(f.get("steps_lost") or 0 for f in kills),
             "final_metric": summary.get("final_metric"), "steps_per_worker": summary.get("steps_per_worker"),
-            "left_processes": left_procs, "left_namespaces": left_ns}
+            "left_processes": left_procs, "left_namespaces": left_ns,
+            # (every sample: seconds since the start, resident MiB, threads, open files)
+            "series": [[round(s["t"] - start, 1), round(s["rss"] / 2**20, 1), s["threads"], s["fds"]] for s in samples]}
 
 
 def main() -> int:

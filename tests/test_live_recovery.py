@@ -95,6 +95,26 @@ def test_a_member_that_died_before_it_came_is_out_and_that_group_is_never_made()
     assert (view.epoch, view.members) == (2, (0, 1))
 
 
+def test_an_admission_whose_group_was_never_made_carries_over_to_the_next_view():
+    """Rank 0 admitted replacement 1 in epoch 2, and rank 2 died before it came: epoch 3
+    still admits 1 (a state is handed to it; nobody waits for what it did on epoch 1)."""
+    store = {f"{VIEW}workers/1": "[0, 2, 3]", f"{VIEW}workers/2": "[0, 1, 2, 3]",
+             f"{VIEW}workers/2/joined": json.dumps({"joined": [1], "src": 0}),
+             f"{VIEW}workers/2/fate/1": "in", f"{VIEW}workers/2/fate/3": "in"}
+    _in(store, 3, 1, 3)
+    m = _membership(0, store, {2})
+    m._views["workers"] = View("workers", 1, (0, 2, 3), None, seq=7)
+    view = m.reform("workers")
+    assert (view.epoch, view.members, view.joined, view.src) == (3, (0, 1, 3), (1,), 0)
+    # and had the admitting rank died too, the lowest other member hands the state over
+    store.pop(f"{VIEW}workers/3"), store.pop(f"{VIEW}workers/3/joined")
+    store[f"{VIEW}workers/2/fate/0"] = "out"
+    m = _membership(3, store, {0, 2})
+    m._views["workers"] = View("workers", 1, (0, 2, 3), None, seq=7)
+    assert m.reform("workers").members == (1, 3)
+    assert json.loads(store[f"{VIEW}workers/3/joined"]) == {"joined": [1], "src": 3}
+
+
 def test_no_death_found_within_the_timeout_is_an_error_not_a_new_view():
     t0 = time.monotonic()
     with pytest.raises(CommError, match="the workers group failed and no worker was found dead"):

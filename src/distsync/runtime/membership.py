@@ -253,6 +253,8 @@ class Membership:
                         time.sleep(0.01)
                         continue
                     proposal = json.dumps([r for r in members if r not in dead])
+                    if epoch > old.epoch:  # (epoch's group was never made: its admissions still stand)
+                        self._carry_joined(tag, epoch, [r for r in members if r not in dead])
                     agreed = json.loads(self.comm.store_first(key, proposal))
                     if self.mark_stalled is not None and json.dumps(agreed) == proposal:
                         for r in dead:  # (the launcher ends a stalled one: distsync/supervise.py)
@@ -316,6 +318,19 @@ class Membership:
             return (), None
         got = json.loads(self.comm.store_get(key))
         return tuple(got["joined"]), int(got["src"])
+
+    def _carry_joined(self, tag: str, epoch: int, members: list[int]) -> None:
+        """Epoch ``epoch`` admitted replacements but a member died before its group was made:
+        the next epoch (over ``members``) admits those still in it, from the same member if
+        it lives (else the lowest other), so that they still get a state handed over and
+        nobody waits for what they never did on an earlier view."""
+        joined, src = self._joined(tag, epoch)
+        joined = tuple(r for r in joined if r in members)
+        if not joined:
+            return
+        if src not in members:
+            src = min(r for r in members if r not in joined)
+        self.comm.store_first(f"{VIEW}{tag}/{epoch + 1}/joined", json.dumps({"joined": list(joined), "src": src}))
 
     def joiners(self, tag: str = "workers") -> list[int]:
         """Replacements that asked to join ``tag``'s view (workers not in it)."""
