@@ -197,8 +197,9 @@ def test_killed_process_costs_at_most_the_checkpoint_interval(tmp_path, solver, 
 @pytest.mark.slow
 def test_a_restart_after_a_drop_brings_the_dropped_worker_back_from_its_own_checkpoint(tmp_path):
     run = tmp_path / "run"
-    # ranks 0 and 1 compute 2x slower, so rank 2 surely dies (step 30) before the server (step 80)
-    proc = _train(run, "--solver", "async-ps", "--workers", "3", "--steps", "100", "--checkpoint-every", "20",
+    # ranks 0 and 1 compute 2x slower, so rank 2 surely dies (step 30) before the server (step
+    # 80); easgd's server serves in turns, so no replacement is let in (it stays dropped)
+    proc = _train(run, "--solver", "easgd", "--workers", "3", "--steps", "100", "--checkpoint-every", "20",
                   "--slow", "0:2,1:2", "--max-restarts", "1", "--fault", "kill:2@30", "--fault", "kill:server@80")
     assert proc.returncode == 0, proc.stderr
     recovery = _summary(run)["recovery"]
@@ -359,6 +360,54 @@ def test_a_signal_for_a_child_that_has_ended_is_not_an_error(tmp_path):
         for sig, handler in before.items():
             signal.signal(sig, handler)
     assert code == 0
+
+
+def test_a_replacement_forked_while_its_parent_passes_signals_on_still_ends_on_sigterm():
+    """A supervising parent forks a dead worker's replacement while its own pass-on handler is
+    installed; the replacement must not inherit it (a SIGTERM would go to the dead child)."""
+    from distsync.runtime.forkserver import fork_rank
+
+    before = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)  # (the parent's, in effect for a dead child)
+    try:
+        pid, _ = fork_rank(lambda: time.sleep(20), supervised=True, replacement=1)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    time.sleep(0.3)
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the replacement ignored SIGTERM")
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
+
+
+def test_a_parent_stopped_while_its_child_runs_ends_by_the_stop_even_if_the_child_was_dropped(tmp_path):
+    """The agent stops the job (SIGTERM) while a dropped worker's replacement runs: the parent
+    must end by that signal (returning, it would wait for the agent's reading of its result,
+    which never comes while the agent stops the job, until the agent's SIGKILL 30 s later)."""
+    (tmp_path / "dropped").mkdir()
+    (tmp_path / "dropped" / "attempt-0-rank-1.json").write_text("{}")  # (dropped earlier)
+    (tmp_path / "config.json").write_text(json.dumps({"workers": 2}))
+    script = f"""
+import os, signal, subprocess, sys
+from distsync import supervise
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(20)"])
+def wait():
+    os.kill(os.getpid(), signal.SIGTERM)  # the agent's stop, passed on to the child
+    return child.wait()  # (negative: the signal that ended it)
+code = supervise.outlive(child.pid, wait, ["--run-dir", {str(tmp_path)!r}, "--config", {str(tmp_path / "config.json")!r}])
+print("returned", code)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30,
+                          env={**os.environ, "RANK": "1"})
+    assert proc.returncode == -signal.SIGTERM, (proc.returncode, proc.stdout, proc.stderr)
 
 
 def test_forgetting_a_checkpoint_whose_folder_another_rank_just_removed_is_no_error(tmp_path, monkeypatch):

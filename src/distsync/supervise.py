@@ -26,6 +26,16 @@ def die_with_parent() -> None:
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+def default_signals() -> None:
+    """In a child forked by a supervising parent: signal handling as a fresh process has it.
+    A replacement is forked while the parent passes signals on to the first child, and would
+    otherwise inherit that handler: a SIGTERM sent to it would go to the dead first child,
+    and the replacement would ignore it (the job's stop would wait out the agent's grace)."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def supervise(argv: list[str]) -> None:
     """Run this rank (``python -m distsync.worker ARGV``) in a child process and outlive it.
 
@@ -68,12 +78,22 @@ def outlive(pid: int, wait, argv: list[str], drop: bool = True,
 def _outlive(pid: int, wait, argv: list[str], drop: bool,
              respawn: Callable[[int], tuple[int, Callable[[], int]]] | None) -> int:
     current = [pid]
+    stopped: list[int] = []  # the stop signals passed on (the agent stops the job)
 
     def forward(signum, frame) -> None:
+        stopped.append(signum)
         try:
             os.kill(current[0], signum)
         except ProcessLookupError:
             pass  # the child has ended already; wait() returns how
+
+    def end_if_stopped(code: int) -> None:
+        """A child that did not succeed while the job is being stopped: end by the stop
+        signal (returning, this parent would wait for the agent's reading of its result,
+        which never comes while the agent stops the job, until its SIGKILL)."""
+        if stopped and code != 0:
+            signal.signal(stopped[0], signal.SIG_DFL)
+            os.kill(os.getpid(), stopped[0])
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, forward)
@@ -87,6 +107,7 @@ def _outlive(pid: int, wait, argv: list[str], drop: bool,
         threading.Thread(target=fence, args=(pid, mark, ended), daemon=True).start()
     code = wait()
     ended.set()
+    end_if_stopped(code)
     for n in range(1, replacements + 1):
         died = code < 0 and -code not in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
         if not (drop and rank < workers and (died or mark.exists())):
@@ -98,6 +119,7 @@ def _outlive(pid: int, wait, argv: list[str], drop: bool,
         pid, wait = respawn(n)
         current[0] = pid
         code = wait()
+        end_if_stopped(code)
         if code > 0:  # a replacement that failed: the others go on without it, as before
             if not mark.exists():
                 mark_dropped(run_dir, rank, attempt, f"exit code {code}")

@@ -64,20 +64,32 @@ def run_process(argv: list[str], launcher_env: dict[str, str], supervised: bool)
     from distsync import supervise, worker
 
     def start(replacement: int) -> tuple[int, Callable[[], int]]:
-        pid = os.fork()
-        if pid == 0:
-            supervise.die_with_parent()
-            if supervised:
-                os.environ["DISTSYNC_SUPERVISED"] = "1"
-            if replacement:
-                os.environ["DISTSYNC_REPLACEMENT"] = str(replacement)
-            worker.run_and_exit(argv)
-        return pid, lambda: _exit_code(os.waitpid(pid, 0)[1])
+        return fork_rank(lambda: worker.run_and_exit(argv), supervised, replacement)
 
     pid, wait = start(0)
     code = supervise.outlive(pid, wait, argv, drop=supervised, respawn=start if supervised else None)
     if code != 0:  # a success (or a dropped worker) returns, so the agent gets its result
         os._exit(code)
+
+
+def fork_rank(run: Callable[[], None], supervised: bool, replacement: int) -> tuple[int, Callable[[], int]]:
+    """Fork the process proper of a rank (``replacement``: the n-th for a dead worker), which
+    calls ``run()``; its pid and a function that waits for its exit code."""
+    from distsync import supervise
+
+    pid = os.fork()
+    if pid == 0:
+        try:
+            supervise.die_with_parent()
+            supervise.default_signals()  # (not the parent's pass-on handler: see there)
+            if supervised:
+                os.environ["DISTSYNC_SUPERVISED"] = "1"
+            if replacement:
+                os.environ["DISTSYNC_REPLACEMENT"] = str(replacement)
+            run()
+        finally:
+            os._exit(0)
+    return pid, lambda: _exit_code(os.waitpid(pid, 0)[1])
 
 
 def _exit_code(status: int) -> int:
