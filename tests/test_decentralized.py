@@ -549,13 +549,13 @@ def test_smart_schedule_slow_worker_joins_fewer_groups_and_nobody_waits_for_it(t
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["smart"])  # random's rounds go through the same transport
 def test_dynamic_schedules_need_no_group_per_possible_group(tmp_path, schedule):
-    # 13 workers in groups of up to 3: 364 possible groups, none created ahead.
-    proc = run_cli("train", "--solver", "ripples", "-o", f"schedule={schedule}", "--workers", "13", "--steps", "3",
+    # 9 workers in groups of up to 3: 120 possible groups, none created ahead.
+    proc = run_cli("train", "--solver", "ripples", "-o", f"schedule={schedule}", "--workers", "9", "--steps", "3",
                    "--eval-every", "100", "--out", str(tmp_path / "r"), timeout=58)
     assert proc.returncode == 0, proc.stderr
     s = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert s["steps_per_worker"] == 3
     stats = s["solver_stats"]
-    assert sum(stats[str(r)]["groups_joined"] for r in range(13)) >= 13
-    # the coordinator (rank 13) formed groups of two or more
-    assert sum(n for size, n in stats["13"]["groups_formed"].items() if int(size) >= 2) >= 4
+    assert sum(stats[str(r)]["groups_joined"] for r in range(9)) >= 9
+    # the coordinator (rank 9) formed groups of two or more
+    assert sum(n for size, n in stats["9"]["groups_formed"].items() if int(size) >= 2) >= 3
