@@ -40,10 +40,11 @@ DISTSYNC = [sys.executable, "-m", "distsync.cli"]
 WORKERS, STEPS = 3, 120
 
 
-def kill_runs(tmp: str, solver: str, runs: int, rng: random.Random, *extra: str) -> list[dict]:
+def kill_runs(tmp: str, solver: str, runs: int, rng: random.Random, *extra: str, ranks: list[int] | None = None
+              ) -> list[dict]:
     out_runs = []
     for i in range(runs):
-        rank, step = rng.randrange(WORKERS), rng.randint(10, 60)
+        rank, step = rng.choice(ranks or range(WORKERS)), rng.randint(10, 60)
         out = Path(tmp) / f"{solver}-{'heal-' if extra else ''}{i}"
         s = train(out, "--solver", solver, "--fault", f"kill:{rank}@{step}", *extra)
         run = {"fault": f"kill:{rank}@{step}", "finished": bool(s and "final_metric" in s),
@@ -84,15 +85,18 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="docs/benchmarks/live_recovery.json")
     p.add_argument("--parts", default="re-form,healing", help="which tables (default: both)")
+    p.add_argument("--solvers", help="only these (comma-separated); the others' rows of --out are kept")
     args = p.parse_args()
     parts = set(args.parts.split(","))
     rng = random.Random(args.seed)
     solvers = [s for s in solver_names() if solver_class(s).reforms_without_dead] if "re-form" in parts else []
     healers = [s for s in solver_names() if solver_class(s).heals_from_peer
                and solver_class(s).training_threads(solver_class(s).Options()) == 1]  # (Hogwild threads: never)
+    only = set(args.solvers.split(",")) if args.solvers else None
+    if only:
+        solvers, healers = [s for s in solvers if s in only], [s for s in healers if s in only]
     rows, healed = [], []
-    if "re-form" not in parts and Path(args.out).exists():
-        rows = json.loads(Path(args.out).read_text())["solvers"]
+    kept = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {"solvers": [], "healing": []}
     table_header(["solver", "kills", "finished", "went on (ms, median / max)", "survivors' steps lost",
                   "restarts", "accuracy (clean → killed, mean)"])
     with tempfile.TemporaryDirectory() as tmp:
@@ -112,7 +116,9 @@ def main() -> None:
         table_header(["solver (healing)", "kills", "finished", "replaced", "healed after (s, median / max)",
                       "replaced rank's steps missed (median)", "survivors' steps lost", "accuracy (mean)"])
         for solver in healers if "healing" in parts else []:
-            runs = kill_runs(tmp, solver, args.runs, rng, "--max-restarts", "1", "--device-ms", "30")
+            # (AD-PSGD's dead passive is not replaced: kills of its actives, ranks 0 and 2)
+            runs = kill_runs(tmp, solver, args.runs, rng, "--max-restarts", "1", "--device-ms", "30",
+                             ranks=[0, 2] if solver == "ad-psgd" else None)
             done = [r for r in runs if r["finished"]]
             heal = [r for r in done if r.get("healed_s") is not None]
             healed.append({"solver": solver, "runs": runs})
@@ -122,8 +128,12 @@ def main() -> None:
                        f"{statistics.median(r['replaced_rank_steps_lost'] for r in heal):.0f}" if heal else "n/a",
                        sum(r["steps_lost"] for r in done),
                        f"{statistics.mean(r['final_metric'] for r in done):.3f}" if done else "n/a"], flush=True)
-    Path(args.out).write_text(json.dumps({"workers": WORKERS, "steps": STEPS, "runs": args.runs, "solvers": rows,
-                                          "healing": healed}, indent=1) + "\n")
+    # (rows of solvers not run this time are kept from --out)
+    rows += [r for r in kept["solvers"] if r["solver"] not in {x["solver"] for x in rows}]
+    healed += [r for r in kept["healing"] if r["solver"] not in {x["solver"] for x in healed}]
+    Path(args.out).write_text(json.dumps({"workers": WORKERS, "steps": STEPS, "runs": args.runs,
+                                          "solvers": sorted(rows, key=lambda r: r["solver"]),
+                                          "healing": sorted(healed, key=lambda r: r["solver"])}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
