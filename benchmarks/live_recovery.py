@@ -114,20 +114,24 @@ def main() -> None:
                        if done and row["clean_metric"] is not None else "n/a"], flush=True)
         print()
         table_header(["solver (healing)", "kills", "finished", "replaced", "healed after (s, median / max)",
-                      "replaced rank's steps missed (median)", "survivors' steps lost", "accuracy (mean)"])
+                      "replaced rank's steps missed (median)", "survivors' steps lost",
+                      "accuracy (clean → healed, mean)"])
         for solver in healers if "healing" in parts else []:
             # (AD-PSGD's dead passive is not replaced: kills of its actives, ranks 0 and 2)
+            clean = train(Path(tmp) / f"{solver}-heal-clean", "--solver", solver, "--device-ms", "30")
+            clean_metric = clean.get("final_metric") if clean else None
             runs = kill_runs(tmp, solver, args.runs, rng, "--max-restarts", "1", "--device-ms", "30",
                              ranks=[0, 2] if solver == "ad-psgd" else None)
             done = [r for r in runs if r["finished"]]
             heal = [r for r in done if r.get("healed_s") is not None]
-            healed.append({"solver": solver, "runs": runs})
+            healed.append({"solver": solver, "clean_metric": clean_metric, "runs": runs})
             table_row([solver, len(runs), len(done), len(heal),
                        f"{statistics.median(r['healed_s'] for r in heal):.2f} / {max(r['healed_s'] for r in heal):.2f}"
                        if heal else "n/a",
                        f"{statistics.median(r['replaced_rank_steps_lost'] for r in heal):.0f}" if heal else "n/a",
                        sum(r["steps_lost"] for r in done),
-                       f"{statistics.mean(r['final_metric'] for r in done):.3f}" if done else "n/a"], flush=True)
+                       f"{clean_metric:.3f} → {statistics.mean(r['final_metric'] for r in done):.3f}"
+                       if done and clean_metric is not None else "n/a"], flush=True)
     # (rows of solvers not run this time are kept from --out)
     rows += [r for r in kept["solvers"] if r["solver"] not in {x["solver"] for x in rows}]
     healed += [r for r in kept["healing"] if r["solver"] not in {x["solver"] for x in healed}]
