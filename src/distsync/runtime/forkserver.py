@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import traceback
 import warnings
 from typing import Callable
 
@@ -79,6 +80,7 @@ def fork_rank(run: Callable[[], None], supervised: bool, replacement: int) -> tu
 
     pid = os.fork()
     if pid == 0:
+        code = 1
         try:
             supervise.die_with_parent()
             supervise.default_signals()  # (not the parent's pass-on handler: see there)
@@ -86,9 +88,12 @@ def fork_rank(run: Callable[[], None], supervised: bool, replacement: int) -> tu
                 os.environ["DISTSYNC_SUPERVISED"] = "1"
             if replacement:
                 os.environ["DISTSYNC_REPLACEMENT"] = str(replacement)
-            run()
+            run()  # (worker.run_and_exit leaves by itself)
+            code = 0
+        except BaseException:
+            traceback.print_exc()
         finally:
-            os._exit(0)
+            os._exit(code)  # (never back into the parent's stack)
     return pid, lambda: _exit_code(os.waitpid(pid, 0)[1])
 
 
