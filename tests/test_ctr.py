@@ -197,6 +197,38 @@ def test_shadow_ma_on_ctr_is_within_two_percent_of_allreduce(tmp_path):
     assert shadow["final_metric"] <= base["final_metric"] * 1.02, (shadow["final_metric"], base["final_metric"])
 
 
+def test_an_embedding_server_refuses_a_peer_that_sends_what_no_trainer_sends(capsys):
+    """An unknown op, and row ids outside the server's shard: each ends that channel with a
+    line on stderr; the other trainer is served on."""
+    from distsync.sparse.service import OP_DONE, OP_LOOKUP, OP_PUSH, EmbeddingServer, channel_tags
+
+    head, ids, grads, reply = channel_tags(0)
+    script = {0: [(head, [OP_PUSH, 1]), (ids, [1]), (grads, [[1.0, 1.0]]), (head, [OP_DONE, 0])],
+              1: [(head, [9, 1])],  # an unknown op
+              2: [(head, [OP_LOOKUP, 2]), (ids, [0, 7])]}  # row 7 of a 4-row shard
+    sent = []
+
+    class _Comm:
+        rank = 3
+
+        def recv(self, tensor, src=None, group=None, tag=0):
+            want, value = script[src].pop(0)
+            assert want == tag
+            tensor.copy_(torch.tensor(value, dtype=tensor.dtype).reshape(tensor.shape))
+            return src
+
+        def send(self, tensor, dst, group=None, tag=0):
+            sent.append(dst)
+
+    server = EmbeddingServer(_Comm(), [torch.zeros(4, 2)], 0, 1, optimizer="sgd", lr=1.0)
+    server.serve([0, 1, 2], 1)  # (returns: nothing failed the server)
+    assert server.weights[0][1].tolist() == [-1.0, -1.0] and sent == []
+    refused = server.stats()["embedding_server"]["refused"]
+    assert set(refused) == {"1.0", "2.0"} and "op unknown" in refused["1.0"] and "outside table 0" in refused["2.0"]
+    err = capsys.readouterr().err
+    assert "distsync: embedding server rank 3: refused worker rank 1 (channel 0): it sent a header" in err
+
+
 def test_an_embedding_server_checkpoints_a_consistent_cut():
     """Trainer 0 asks for checkpoint 1 after its pushes to rows 0 and 1, then pushes to row 2;
     trainer 1 pushes to row 3 before and after trainer 0's request, then asks: the part written

@@ -21,6 +21,7 @@ channel's pushes before its request are in it, none after (``EmbeddingServer.sav
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections import Counter
@@ -36,6 +37,12 @@ from distsync.sparse.tables import coalesce, sparse_adagrad_, sparse_sgd_
 OP_LOOKUP, OP_PUSH, OP_DONE, OP_SAVE = 1, 2, 3, 4
 _TAG_BASE = 200
 OPTIMIZERS = ("adagrad", "sgd")
+#: the most ids one request may name per table (a header beyond it is no trainer's)
+MOST_IDS = 2**24
+
+
+class _Refused(CommError):
+    """What a peer sent on an embedding server's channel is no request."""
 
 
 def channel_tags(channel: int) -> tuple[int, int, int, int]:
@@ -185,6 +192,8 @@ class EmbeddingServer:
         self._channels: set[tuple[int, int]] = set()  # (trainer, channel) pairs still served
         #: a trainer whose process died ends its channels instead of failing the server
         self.drop_dead_workers = False
+        #: channels whose peer sent what no trainer sends, with what was wrong
+        self.refused: dict[str, str] = {}
 
     def state_dict(self) -> dict[str, Any]:
         """Rows and optimizer state, each table under its lock (pushes may be arriving)."""
@@ -310,11 +319,15 @@ class EmbeddingServer:
                 if op == OP_SAVE:
                     self.save(counts[0], worker, channel)
                     continue
-                if op not in (OP_LOOKUP, OP_PUSH) or any(c < 0 for c in counts):
-                    raise RuntimeError(f"embedding server: rank {worker} sent a header no trainer sends "
-                                       f"({[op, *counts]})")
+                if op not in (OP_LOOKUP, OP_PUSH) or any(not 0 <= c <= MOST_IDS for c in counts):
+                    raise _Refused(f"it sent a header no trainer sends ({[op, *counts]}: op "
+                                   f"{'unknown' if op not in (OP_LOOKUP, OP_PUSH) else 'known'}, "
+                                   f"counts must be 0..{MOST_IDS})")
                 local = torch.empty(sum(counts), dtype=torch.int64)
                 self.comm.recv(local, worker, tag=ids_tag)
+                for t, rows in enumerate(torch.split(local, counts)):
+                    if len(rows) and not (0 <= int(rows.min()) and int(rows.max()) < len(self.weights[t])):
+                        raise _Refused(f"it named rows outside table {t}'s shard (0..{len(self.weights[t]) - 1})")
                 if op == OP_LOOKUP:
                     t0 = time.perf_counter()
                     with self._counted_in((worker, channel)):
@@ -328,6 +341,10 @@ class EmbeddingServer:
                     with self._counted_in((worker, channel), (counts, local, grads)):
                         self.apply(counts, local, grads)
                         self._tally(t0, pushes=1, rows_pushed=len(local))
+        except _Refused as e:  # its channel is ended; the others are served on
+            self.refused[f"{worker}.{channel}"] = str(e)
+            print(f"distsync: embedding server rank {self.comm.rank}: refused worker rank {worker} (channel "
+                  f"{channel}): {e}; its channel is ended, the others are served on", file=sys.stderr, flush=True)
         except CommError as e:
             if not (self.drop_dead_workers and "closed its connection" in str(e)):
                 errors.append(e)  # else a dead trainer's channel: the others go on
@@ -356,7 +373,8 @@ class EmbeddingServer:
 
     def stats(self) -> dict[str, Any]:
         return {"embedding_server": {**{k: int(v) for k, v in self.counts.items()}, "busy_s": self.busy_s,
-                                     "rows": sum(len(w) for w in self.weights)}}
+                                     "rows": sum(len(w) for w in self.weights),
+                                     **({"refused": dict(self.refused)} if self.refused else {})}}
 
 
 class RemoteTables(nn.Module):
