@@ -620,6 +620,50 @@ def test_a_server_refuses_a_peer_that_sends_no_request_and_serves_the_others(cap
     assert line.startswith("distsync: server rank 2: refused worker rank 1: it sent a header no worker sends")
 
 
+def test_a_cut_keeps_a_dead_workers_pushes_before_its_own_last_checkpoint():
+    """Worker 1 dies, the others' checkpoints 1 and 2 are written without it, its replacement
+    joins (at step 2) and runs behind: while checkpoint 3's cut waits for it, it asks for
+    checkpoint 2 after 4 steps (written already: no cut of its own) and dies at step 5. After a
+    restart it comes back from that checkpoint of its own: its pushes of steps 2-3 belong in
+    the cut, step 4's it makes again."""
+    from distsync.errors import CommError
+    from distsync.solvers.shard_service import OP_PUSH, OP_SAVE, Request, ServerShard
+
+    class _Comm:
+        worker_ranks = [0, 1]
+
+    def sgd(shard, req):
+        shard.center -= req.payload
+        shard.version += 1
+
+    shard = ServerShard(_Comm(), [torch.zeros(1)], sgd)
+    written = []
+    shard.on_save = lambda index: written.append((index, shard.version))
+    shard.get_state = lambda: {"center": shard.center.clone(), "version": shard.version}
+    shard.set_state = lambda state: (shard.center.copy_(state["center"]), setattr(shard, "version", state["version"]))
+    shard.drop_dead_workers = True
+    died = CommError("rank 2: recv(from rank 1) failed: a peer closed its connection")
+
+    def push(worker, *steps):
+        for step in steps:
+            shard._process(Request(worker, OP_PUSH, step, 0, torch.tensor([1.0])))
+
+    push(0, 0, 1, 2, 3), push(1, 0, 1)
+    shard._dead(1, died)
+    shard._process(Request(0, OP_SAVE, 1, 2, None))
+    shard._process(Request(0, OP_SAVE, 2, 4, None))
+    assert written == [(1, 6), (2, 6)]  # (the live version: worker 0 alone asked)
+    with shard._exclusive():  # its replacement joins (what _await_replacement does)
+        shard.dropped.pop(1)
+    push(0, 4, 5)
+    shard._process(Request(0, OP_SAVE, 3, 6, None))  # the cut opens: 8 pushes so far
+    push(1, 2, 3)
+    shard._process(Request(1, OP_SAVE, 2, 4, None))  # written already; its steps count
+    push(1, 4)
+    shard._dead(1, died)
+    assert written[-1] == (3, 8 + 2)  # worker 1's steps 2 and 3, not 4
+
+
 def test_a_lock_free_server_cuts_a_consistent_checkpoint_while_its_updates_run_unlocked():
     """Four workers push at once, unlocked, while each asks for checkpoint 1 after its 50th
     push: the part written holds exactly the first 50 pushes of each (worker w's push at

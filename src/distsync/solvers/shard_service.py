@@ -184,6 +184,8 @@ class ServerShard:
         self.get_state: Callable[[], dict[str, Any]] | None = None
         self.set_state: Callable[[dict[str, Any]], None] | None = None
         self._cut: dict[str, Any] | None = None
+        #: the steps each worker had done at its latest checkpoint request (whatever its index)
+        self._save_done: dict[int, int] = {}
         #: after a worker's death, wait for its replacement and serve it on (healing): see
         #: :meth:`_await_replacement`
         self.admit_replacements = False
@@ -223,6 +225,8 @@ class ServerShard:
         (``worker`` None: every worker asked together), or as a consistent cut once every
         live worker has asked (``worker`` asked after ``done`` steps)."""
         with self._save_lock:
+            if worker is not None:
+                self._save_done[worker] = max(done, self._save_done.get(worker, 0))
             if index <= self.saved_index or self.on_save is None:
                 return
             with self._exclusive():
@@ -277,8 +281,11 @@ class ServerShard:
             return
         live = self.get_state()
         self.set_state(cut["state"])
-        for req in cut["log"]:  # the pushes before each worker's checkpoint, in the order applied
-            if req.step < cut["done"].get(req.worker, 0):
+        # The pushes before each worker's checkpoint, in the order applied. A worker dropped
+        # since (dead) comes back, after a restart, from its own latest checkpoint: the pushes
+        # before the one it last asked for are in the cut, the later ones it makes again.
+        for req in cut["log"]:
+            if req.step < cut["done"].get(req.worker, self._save_done.get(req.worker, 0)):
                 self.handle(self, req)
         self.on_save(cut["index"])
         self.set_state(live)
