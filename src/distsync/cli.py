@@ -264,7 +264,7 @@ def _print_recovery(summary: dict[str, Any]) -> None:
     """One line per fault the run survived: dropped workers, restarts."""
     rec = summary.get("recovery") or {}
     went_on = [f for f in rec.get("faults", []) if f.get("dropped") or "went_on_s" in f]
-    for d in rec.get("dropped", []) + rec.get("replaced", []):
+    for d in sorted(rec.get("dropped", []) + rec.get("replaced", []), key=lambda d: d.get("unix", 0)):
         # (a rank may die more than once: its replacement too) the fault that ended this process
         mine = [f for f in went_on if f["rank"] == d["rank"]]
         f = min(mine, key=lambda f: abs(f["step"] - 1 - (d.get("last_step") or 0))) if mine else None

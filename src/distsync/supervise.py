@@ -87,11 +87,11 @@ def _outlive(pid: int, wait, argv: list[str], drop: bool,
         except ProcessLookupError:
             pass  # the child has ended already; wait() returns how
 
-    def end_if_stopped(code: int) -> None:
-        """A child that did not succeed while the job is being stopped: end by the stop
-        signal (returning, this parent would wait for the agent's reading of its result,
-        which never comes while the agent stops the job, until its SIGKILL)."""
-        if stopped and code != 0:
+    def end_if_stopped() -> None:
+        """The job is being stopped (a stop signal came and was passed on): end by it, however
+        the child ended. (Returning, this parent would wait for the agent to read its result,
+        which it never does while it stops the job: until its SIGKILL, 30 s later.)"""
+        if stopped:
             signal.signal(stopped[0], signal.SIG_DFL)
             os.kill(os.getpid(), stopped[0])
 
@@ -107,7 +107,7 @@ def _outlive(pid: int, wait, argv: list[str], drop: bool,
         threading.Thread(target=fence, args=(pid, mark, ended), daemon=True).start()
     code = wait()
     ended.set()
-    end_if_stopped(code)
+    end_if_stopped()
     for n in range(1, replacements + 1):
         died = code < 0 and -code not in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
         if not (drop and rank < workers and (died or mark.exists())):
@@ -118,8 +118,10 @@ def _outlive(pid: int, wait, argv: list[str], drop: bool,
         # takes the mark over (runtime/membership.py: join) and joins them
         pid, wait = respawn(n)
         current[0] = pid
+        if stopped:  # (it came while the replacement was being forked: passed on to nobody)
+            os.kill(pid, stopped[0])
         code = wait()
-        end_if_stopped(code)
+        end_if_stopped()
         if code > 0:  # a replacement that failed: the others go on without it, as before
             if not mark.exists():
                 mark_dropped(run_dir, rank, attempt, f"exit code {code}")
