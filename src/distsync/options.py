@@ -68,7 +68,9 @@ def add_run_options(p: argparse.ArgumentParser, *, workers_default: int | None =
     g.add_argument("--checkpoint-every", metavar="STEPS|SECONDSs",
                    help="write a checkpoint every N steps (e.g. 50) or N seconds (e.g. 30s) into RUN/checkpoints")
     g.add_argument("--max-restarts", type=int,
-                   help="restart the job from its last checkpoint up to N times after a process fails (default: 0)")
+                   help="restart the job from its last checkpoint up to N times after a process fails; with "
+                        "--on-failure continue, also replace each dead worker up to N times while the others go "
+                        "on, where its solver heals (default: 0)")
     g.add_argument("--on-failure", choices=("continue", "restart"), default="continue",
                    help="when a worker dies: the others go on without it (continue, default) or every process "
                         "restarts from the last checkpoint (restart, up to --max-restarts)")
