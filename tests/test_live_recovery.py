@@ -319,3 +319,26 @@ def test_results_travel_through_the_store_in_parts_a_long_runs_events_fit_in(mon
     assert all(len(store[f"distsync/results/2/{i}"]) <= 10 for i in range(-(-len(text) // 10)))
     assert process._results_of(comm, 2, tmp_path, 0) == mine
     assert process._results_of(comm, 1, tmp_path, 0) is None  # (nothing yet, and not dropped)
+
+
+def test_a_drop_the_others_failed_to_go_on_from_is_reported_as_the_restart_it_became(monkeypatch):
+    from rich.console import Console
+
+    from distsync import cli
+
+    # worker 1 died and was marked dropped, but no view without it ever formed: the job's
+    # attempt 1 resumed from step 0, 5.5 s later
+    events = [{"kind": "resume", "rank": r, "step": 0, "unix": 105.5, "attempt": 1} for r in (0, 2)]
+    faults = [{"spec": "kill:1@30", "kind": "kill", "rank": 1, "role": "worker", "step": 30, "unix": 100.0,
+               "attempt": 0}]
+    dropped = [{"rank": 1, "signal": "SIGKILL", "unix": 100.01, "attempt": 0, "last_step": 29}]
+    recovery = summarize_recovery(events, faults, dropped)
+    [row] = recovery["faults"]
+    assert row["dropped"] is True and "went_on_s" not in row
+    assert (row["resumed_from_step"], row["steps_lost"], row["recovery_s"]) == (0, 30, 5.5)
+    out = Console(record=True, width=400)
+    monkeypatch.setattr(cli, "console", out)
+    cli._print_recovery({"recovery": recovery})
+    assert out.export_text().strip() == ("worker rank 1 died (SIGKILL) after step 29 and was dropped, but the others "
+                                         "failed to go on without it: the job restarted from step 0 (30 steps lost, "
+                                         "5.5 s to recover)")

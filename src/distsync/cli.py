@@ -268,8 +268,14 @@ def _print_recovery(summary: dict[str, Any]) -> None:
         # (a rank may die more than once: its replacement too) the fault that ended this process
         mine = [f for f in went_on if f["rank"] == d["rank"]]
         f = min(mine, key=lambda f: abs(f["step"] - 1 - (d.get("last_step") or 0))) if mine else None
-        how = (f"; the other {f['live_workers']} re-formed their group without it in {f['went_on_s'] * 1000:.0f} ms "
-               f"and trained on" if f and "went_on_s" in f else "; the other workers trained on")
+        if f and "went_on_s" in f:
+            how = (f"; the other {f['live_workers']} re-formed their group without it in {f['went_on_s'] * 1000:.0f} "
+                   f"ms and trained on")
+        elif f and "resumed_from_step" in f:  # (the workers' logs say why)
+            how = (f", but the others failed to go on without it: the job restarted from step "
+                   f"{f['resumed_from_step']} ({f['steps_lost']} steps lost, {f['recovery_s']:.1f} s to recover)")
+        else:
+            how = "; the other workers trained on"
         if f and f.get("replaced"):
             how += (f"; a replacement joined at step {f['joined_at_step']}, {f['healed_s']:.1f} s after the death, "
                     + (f"with rank {f['healed_from']}'s state" if f["healed_from"] >= 0 else "served on by the servers"))
@@ -279,7 +285,7 @@ def _print_recovery(summary: dict[str, Any]) -> None:
         console.print(f"worker rank {d['rank']} {what} after step {d.get('last_step')} and was "
                       f"dropped{how}", highlight=False, soft_wrap=True)
     for f in rec.get("faults", []):
-        if "resumed_from_step" in f:
+        if "resumed_from_step" in f and not f.get("dropped"):
             console.print(f"{f['role']} rank {f['rank']} was killed at step {f['step']}: restarted from step "
                           f"{f['resumed_from_step']} ({f['steps_lost']} steps lost, {f['recovery_s']:.1f} s to "
                           f"recover)", highlight=False, soft_wrap=True)

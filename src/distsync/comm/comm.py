@@ -3,6 +3,7 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import threading
 import time
 from functools import partial
 from typing import Any, Callable, Sequence
@@ -78,6 +79,31 @@ def make_group(store: Any, prefix: str, members: list[int], rank: int, timeout_s
     c10d._register_pg_in_world(pg, backend_name="gloo", store=prefixed, group_name=name, backend_config="cpu:gloo",
                                rank_mapping={g: i for i, g in enumerate(members)})
     return pg
+
+
+_retired: list[tuple[float, Any]] = []  # (when its last operation has surely ended, group)
+_retired_lock = threading.Lock()
+
+
+def retire_group(pg: Any, timeout_s: float) -> None:
+    """Destroy group ``pg`` (a superseded view's, a replaced channel's) without waiting.
+
+    torch's gloo group, once its last reference goes, waits for the operations still in
+    flight on it: one pending on a peer that died or stalled ends only at its timeout, and
+    a survivor re-forming its view would stand still for it (seen: 10 s per view change,
+    and the others then took it for stalled). So the group leaves torch's registry at once
+    and this process keeps a reference to it until ``timeout_s`` (its operations' timeout)
+    and a margin have passed; groups kept longer than that are let go here."""
+    try:
+        dist.destroy_process_group(pg)
+    except Exception:  # (already gone, or torch refuses: the group is merely kept)
+        pass
+    now = time.monotonic()
+    with _retired_lock:
+        expired = [g for until, g in _retired if until <= now]
+        _retired[:] = [(until, g) for until, g in _retired if until > now]
+        _retired.append((now + timeout_s + 2.0, pg))
+    del expired  # (their operations have ended: letting them go does not wait)
 
 
 class Pending:
@@ -536,10 +562,7 @@ class Comm:
             raise self.error(f"opening a channel with rank {peer}", e) from None
         old, self._channels[peer] = self._channels.get(peer), pg
         if old is not None:
-            try:
-                dist.destroy_process_group(old)
-            except Exception:
-                pass
+            retire_group(old, self.timeout_s)
 
     # ---- the job's key-value store (small agreements without a collective) --------------
     def _store(self):

@@ -51,7 +51,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from distsync.comm.comm import make_group
+from distsync.comm.comm import make_group, retire_group
 from distsync.errors import CommError, Excluded, PeerLost
 
 __all__ = ["Excluded", "Membership", "PeerLost", "View", "make_group", "marked_dead"]
@@ -142,14 +142,11 @@ class Membership:
 
     def _retire(self, view: View) -> None:
         """Destroy a superseded view's group: its threads and connections would otherwise
-        stay for the whole run, a few per view change. (It does not wait for an operation
-        still pending on it, a stalled member's say: measured 0.0 s.)"""
+        stay for the whole run, a few per view change. (Without waiting for an operation
+        still pending on it: :func:`retire_group`.)"""
         pg, view.pg = view.pg, None
         self._by_pg.pop(pg, None)
-        try:
-            dist.destroy_process_group(pg)
-        except Exception:  # (already gone, or torch refuses: the group is merely kept)
-            pass
+        retire_group(pg, self.comm.timeout_s)
 
     # ---- failure detection ------------------------------------------------------------------
     def alive(self) -> None:

@@ -215,6 +215,17 @@ def summarize_recovery(events: list[dict[str, Any]], faults: list[dict[str, Any]
     dropped = dropped or []
     replaced = replaced or []
     views = summarize_views(events)
+
+    def resumed(row: dict[str, Any], f: dict[str, Any]) -> None:
+        # the attempt after the kill: the job resumed from its checkpoint's step (a worker
+        # dropped earlier comes back from an older one of its own)
+        after = [e for e in resumes if e["unix"] > f["unix"] and e.get("attempt", 0) > f.get("attempt", 0)]
+        nxt = [e for e in after if e.get("attempt") == min(a.get("attempt", 0) for a in after)] if after else []
+        if nxt:
+            step = max(e["step"] for e in nxt)
+            row.update(resumed_from_step=step, steps_lost=max(0, f["step"] - step),
+                       recovery_s=min(e["unix"] for e in nxt) - f["unix"])
+
     out = []
     for f in sorted(faults, key=lambda f: f["unix"]):
         row = dict(f)
@@ -225,20 +236,15 @@ def summarize_recovery(events: list[dict[str, Any]], faults: list[dict[str, Any]
             if after:
                 row.update(went_on_s=after[0]["unix"] - f["unix"], live_workers=len(after[0]["members"]),
                            steps_lost=0)
+            else:  # the others did not go on without it (they failed trying): did the job restart?
+                resumed(row, f)
             joined = [e for e in joins if e["rank"] == f["rank"] and e["unix"] >= f["unix"]]
             if joined:  # (its replacement's steps were lost to the job until it joined)
                 row.update(replaced=True, joined_at_step=joined[0]["step"], healed_s=joined[0]["unix"] - f["unix"],
                            healed_from=joined[0]["from"],
                            replaced_rank_steps_lost=max(0, joined[0]["step"] - f["step"]))
         elif f["kind"] == "kill":
-            # the attempt after the kill: the job resumed from its checkpoint's step (a worker
-            # dropped earlier comes back from an older one of its own)
-            after = [e for e in resumes if e["unix"] > f["unix"]]
-            nxt = [e for e in after if e.get("attempt") == min(a.get("attempt", 0) for a in after)] if after else []
-            if nxt:
-                step = max(e["step"] for e in nxt)
-                row.update(resumed_from_step=step, steps_lost=max(0, f["step"] - step),
-                           recovery_s=min(e["unix"] for e in nxt) - f["unix"])
+            resumed(row, f)
         out.append(row)
     return {"faults": out, "restarts": max([e.get("attempt", 0) for e in resumes] + [0]),
             "resumed_from_steps": [e["step"] for e in resumes if e["rank"] == 0], "dropped": dropped,
