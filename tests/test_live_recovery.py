@@ -115,6 +115,21 @@ def test_an_admission_whose_group_was_never_made_carries_over_to_the_next_view()
     assert json.loads(store[f"{VIEW}workers/3/joined"]) == {"joined": [1], "src": 3}
 
 
+def test_a_replacement_is_not_taken_for_stalled_by_its_dead_predecessors_heartbeat():
+    """Rank 0 last looked at rank 1's heartbeat ("7/-") 20 s ago, before rank 1 died; it
+    followed the view without 1 that others agreed, then the one that admits 1's
+    replacement, which has not beaten yet: its heartbeat still reads "7/-"."""
+    store = {f"{VIEW}workers/1": "[0, 2, 3]", f"{VIEW}workers/2": "[0, 1, 2, 3]",
+             f"{VIEW}workers/2/joined": json.dumps({"joined": [1], "src": 2}), f"{VIEW}workers/2/fate/1": "in"}
+    _in(_in(store, 1, 2, 3), 2, 2, 3)
+    m = _membership(0, store, set(), beats={1: "7/-"})
+    now = time.monotonic()
+    m._beats[1] = ("7/-", now - 20, now - 1)
+    view = m.reform("workers")
+    assert (view.epoch, view.members, view.joined) == (2, (0, 1, 2, 3), (1,))
+    assert m.dead_among(view.members) == set()
+
+
 def test_no_death_found_within_the_timeout_is_an_error_not_a_new_view():
     t0 = time.monotonic()
     with pytest.raises(CommError, match="the workers group failed and no worker was found dead"):

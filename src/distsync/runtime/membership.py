@@ -260,10 +260,13 @@ class Membership:
                 if self.comm.rank not in agreed or self._fate(tag, epoch + 1, self.comm.rank, "in") != "in":
                     raise Excluded(f"rank {self.comm.rank}: the other workers went on without this one "
                                    f"(it made no progress for {self.comm.timeout_s:g} s)")
-                epoch, members = epoch + 1, tuple(agreed)
-                for r in self.dead & set(members):  # a replacement for a dead worker: alive, afresh
+                # a replacement for a dead worker (a newcomer, or one this rank found dead): alive,
+                # afresh. (Its heartbeat is the dead one's until its first beat: looked at with the
+                # dead one's times, it would be taken for stalled the moment it joins.)
+                for r in (set(agreed) - set(members)) | (self.dead & set(agreed)):
                     self.dead.discard(r)
                     self._beats.pop(r, None)
+                epoch, members = epoch + 1, tuple(agreed)
                 if self.comm.store_check(f"{VIEW}{tag}/{epoch + 1}"):
                     continue  # later epochs already agreed (this rank is behind): follow them
                 if self._all_in(tag, epoch, members):
@@ -376,9 +379,11 @@ class Membership:
                                 f"process replaces within {self.comm.timeout_s:g} s")
             time.sleep(0.01)
         replaces()
+        self.alive()  # (this rank's heartbeat moves on from the dead one's while it waits)
         self.comm.store_set(f"{VIEW}{tag}/join/{me}", "1")
         while True:
             while not self.comm.store_check(f"{VIEW}{tag}/{epoch + 1}"):
+                self.alive()
                 if over():
                     self.comm.store_set(f"{VIEW}{tag}/join/{me}", "")
                     if self.comm.store_check(f"{VIEW}{tag}/{epoch + 1}"):
