@@ -216,10 +216,11 @@ def summarize_recovery(events: list[dict[str, Any]], faults: list[dict[str, Any]
     replaced = replaced or []
     views = summarize_views(events)
 
-    def resumed(row: dict[str, Any], f: dict[str, Any]) -> None:
+    def resumed(row: dict[str, Any], f: dict[str, Any], later_attempt: bool = False) -> None:
         # the attempt after the kill: the job resumed from its checkpoint's step (a worker
         # dropped earlier comes back from an older one of its own)
-        after = [e for e in resumes if e["unix"] > f["unix"] and e.get("attempt", 0) > f.get("attempt", 0)]
+        after = [e for e in resumes if e["unix"] > f["unix"]
+                 and (not later_attempt or e.get("attempt", 0) > f.get("attempt", 0))]
         nxt = [e for e in after if e.get("attempt") == min(a.get("attempt", 0) for a in after)] if after else []
         if nxt:
             step = max(e["step"] for e in nxt)
@@ -237,7 +238,7 @@ def summarize_recovery(events: list[dict[str, Any]], faults: list[dict[str, Any]
                 row.update(went_on_s=after[0]["unix"] - f["unix"], live_workers=len(after[0]["members"]),
                            steps_lost=0)
             else:  # the others did not go on without it (they failed trying): did the job restart?
-                resumed(row, f)
+                resumed(row, f, later_attempt=True)
             joined = [e for e in joins if e["rank"] == f["rank"] and e["unix"] >= f["unix"]]
             if joined:  # (its replacement's steps were lost to the job until it joined)
                 row.update(replaced=True, joined_at_step=joined[0]["step"], healed_s=joined[0]["unix"] - f["unix"],
