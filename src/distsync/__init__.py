@@ -35,7 +35,21 @@ def init_comm(timeout_s: float = 60.0, roles: dict[str, int] | None = None, devi
     return Comm.from_env(assign_roles(world - extra, roles or {}), timeout_s, pick_device(device))
 
 
+def serve(solver: Solver, comm, make_model, lr: float, **settings) -> bool:
+    """On a rank that is not a worker (a server, a coordinator: ``solver.roles``), serve the
+    workers until they are done, then return True (the script should then exit); on a worker,
+    return False at once. ``make_model()`` builds the initial model (as the workers do, same
+    seed); ``lr`` and ``settings`` (momentum, weight_decay, optimizer, ...) are the
+    optimizer's, for servers that apply the updates."""
+    from distsync.solvers.base import ServeContext
+
+    if comm.role == "worker":
+        return False
+    solver.serve(comm.role, comm, ServeContext(make_model=make_model, lr=lr, **settings))
+    return True
+
+
 __all__ = [
     "CommError", "ConfigError", "DistsyncError", "RunConfig", "Solver", "WorkerFailed", "Workload",
-    "init_comm", "make_solver", "register_solver", "solver_names", "__version__",
+    "init_comm", "make_solver", "register_solver", "serve", "solver_names", "__version__",
 ]

@@ -87,6 +87,7 @@ def start_run(cfg: RunConfig, workload: Workload, solver, comm, device: torch.de
     plugins.on_model(run)
     run.optimizer = make_optimizer(cfg, run.model.parameters(), cfg.lr)
     run.base_lrs = [g["lr"] for g in run.optimizer.param_groups]
+    solver.same_start = False  # (every worker built the same model; a replacement is in no group yet)
     run.run_model = solver.attach(run.model, run.optimizer, comm)
     plugins.on_attach(run)
     batch_size = cfg.batch_size

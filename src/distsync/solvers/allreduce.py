@@ -86,9 +86,10 @@ class AllReduce(GradientMeanSimulation, Solver):
     collective_per_step = True
     reforms_without_dead = True
     heals_from_peer = True
+    syncs_in_backward = True
 
-    def attach(self, model, optimizer, comm):
-        super().attach(model, optimizer, comm)
+    def attach(self, model, optimizer, comm, **kw):
+        super().attach(model, optimizer, comm, **kw)
         params = [p for p in model.parameters() if p.requires_grad]
         # Backward produces gradients roughly from the last layer to the first.
         cap = int(self.options.bucket_mb * 2**20)
@@ -124,6 +125,8 @@ class AllReduce(GradientMeanSimulation, Solver):
     def _grad_ready(self, p: nn.Parameter) -> None:
         b, i = self._where[p]
         self._adopt_grad(p, b, i)
+        if self._no_sync:  # (accumulating: the pass outside no_sync() launches the sum)
+            return
         b.waiting_for -= 1
         while self._next < len(self.buckets) and self.buckets[self._next].waiting_for == 0:
             self._launch(self.buckets[self._next])

@@ -115,6 +115,18 @@ class Solver:
     #: workers) through a channel with each, goes on from the dead worker's next step, and
     #: takes its model from them (:meth:`join_peers`)
     heals_by_channels: ClassVar[bool] = False
+    #: True when the update is this worker's own ``optimizer.step()``: a user's loop may call
+    #: it inside :meth:`step` (DDP's habit), after the solver's synchronization. False when
+    #: the solver applies the update otherwise (servers apply it, or it needs the solver's
+    #: lock): calling it inside :meth:`step` is then an error that says so
+    user_may_step: ClassVar[bool] = True
+    #: True when the gradients are averaged at the end of each backward pass (so that inside
+    #: :meth:`step`, after ``loss.backward()``, they can be unscaled and clipped as the
+    #: optimizer will see them); otherwise the solver synchronizes just before the update
+    syncs_in_backward: ClassVar[bool] = False
+    #: True when the workers' models differ at the end (averaged only every few steps, or
+    #: gossiped): :meth:`final_model` averages them
+    replicas_differ: ClassVar[bool] = False
 
     def __init__(self, options: Any = None) -> None:
         self.options = options if options is not None else self.Options()
@@ -122,6 +134,12 @@ class Solver:
         self.optimizer: torch.optim.Optimizer | None = None
         self.comm: Any = None
         self.clock = PhaseClock()
+        #: broadcast rank 0's parameters and buffers to the other workers in :meth:`attach`
+        #: (the training loop, which builds identical models, sets it False)
+        self.same_start = True
+        self._block: _Block | None = None  # the user's step in progress (:meth:`step`)
+        self._no_sync = False
+        self.skipped_updates = 0  # steps whose gradients were not finite (a GradScaler skipped them)
 
     # ---- process layout -----------------------------------------------------------------
     @classmethod
@@ -183,10 +201,46 @@ class Solver:
         return self.training_threads(self.options)
 
     # ---- lifecycle ----------------------------------------------------------------------
-    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Any) -> nn.Module:
-        """Bind to a model, optimizer and comm; return the module the loop should call."""
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Any,
+               same_start: bool | None = None) -> nn.Module:
+        """Bind to a model, optimizer and comm; return the module the loop should call.
+
+        On the workers, rank 0's parameters and buffers are broadcast to the others first
+        (every replica starts from the same model whatever its seed), unless ``same_start``
+        is False (default: :attr:`same_start`). Hooks on the model and the optimizer make
+        :meth:`step` keep DDP's habits in a user's loop; outside it they do nothing."""
+        if comm is not None:
+            self._check_roles(comm)
         self.model, self.optimizer, self.comm = model, optimizer, comm
+        if (self.same_start if same_start is None else same_start):
+            self._broadcast_start()
+        for p in model.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._grad_accumulated)
+        optimizer.register_step_pre_hook(self._before_user_step)
+        optimizer.register_step_post_hook(self._after_user_step)
         return model
+
+    def _check_roles(self, comm: Any) -> None:
+        """A job without the processes this solver needs beside the workers (a user's script
+        started as for DDP) is refused with the recipe."""
+        for role, n in self.roles.items():
+            have = len(comm.ranks_with_role(role))
+            if have != n:
+                raise ConfigError(
+                    f"solver {self.name} needs {n} {role} process(es) beside the workers and this job has {have}: "
+                    f"start {n} more rank(s), join with distsync.init_comm(roles=solver.roles), and begin every rank "
+                    f"with `if distsync.serve(solver, comm, make_model, lr): sys.exit()` (the {role}s serve there "
+                    f"until the workers are done; the workers go on)")
+
+    def _broadcast_start(self) -> None:
+        comm = self.comm
+        if comm is None or getattr(comm, "role", "worker") != "worker" or comm.num_workers < 2:
+            return
+        src = comm.ranks_with_role("worker")[0]
+        with torch.no_grad():
+            for t in [*self.model.parameters(), *self.model.buffers()]:
+                comm.broadcast(t.data, src=src, group=comm.worker_group)
 
     def before_step(self, step: int) -> None:
         pass
@@ -259,16 +313,119 @@ class Solver:
         """Ask this solver's other processes (servers) to write their part of checkpoint
         ``index``; called on every worker just before it writes its own, after ``done`` steps."""
 
-    # ---- convenience for users' own loops -----------------------------------------------
+    # ---- users' own loops --------------------------------------------------------------
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator[None]:
-        """Wrap one step of your own loop: ``with solver.step(i): loss.backward()``."""
+        """Wrap one step of your own loop::
+
+            with solver.step(i):
+                loss_fn(model(x), y).backward()
+                # optional, as with DDP: the gradients are synchronized here (solvers that
+                # average them do so as backward ends), so unscale and clip them here,
+                # then optimizer.step() (or scaler.step(optimizer)) and optimizer.zero_grad()
+
+        Without an ``optimizer.step()`` of yours, the solver updates the model as the block
+        ends; with one, it does not step again. A step whose gradients are not finite (a
+        GradScaler skipped it) is not applied. Several backward passes accumulate; under
+        :meth:`no_sync` the gradients are not synchronized (the last pass does it)."""
+        if self.model is None:
+            raise ConfigError(f"solver {self.name}: attach(model, optimizer, comm) before solver.step()")
         self.before_step(step)
-        yield
-        self.after_backward(step)
-        self.update(step)
+        self._block = block = _Block(step)
+        try:
+            yield
+        finally:
+            self._block = None
+        if not block.synced:
+            self.after_backward(step)
+        if not block.stepped:
+            if self._grads_finite():
+                self.update(step)
+            else:
+                self.skipped_updates += 1
         self.after_update(step)
         self.zero_grad()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally, unsynchronized (as DDP's
+        ``no_sync``); the next pass outside synchronizes the sum."""
+        before, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = before
+
+    def synchronize(self) -> None:
+        """Inside :meth:`step`: synchronize now (solvers that do it as backward ends have);
+        the gradients are then the ones the update will use. Calling it again does nothing."""
+        block = self._block
+        if block is None:
+            raise ConfigError(f"solver {self.name}: synchronize() belongs inside `with solver.step(i):`")
+        if not block.synced:
+            block.synced = True
+            self.after_backward(block.step)
+
+    def _grad_accumulated(self, p: torch.Tensor) -> None:
+        block = self._block
+        if block is None or not self.syncs_in_backward or self._no_sync or block.queued:
+            return
+        block.queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+
+    def _backward_ended(self) -> None:
+        block = self._block
+        if block is None:
+            return
+        block.queued = False
+        block.synced = True
+        self.after_backward(block.step)
+
+    def _before_user_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        block = self._block
+        if block is None:  # (the solver's own update, or the training loop's)
+            return
+        if not self.user_may_step:
+            raise ConfigError(f"solver {self.name} applies the update itself: do not call optimizer.step() "
+                              f"inside `with solver.step(i):` (the block's end does it)")
+        if block.stepped:
+            raise ConfigError(f"solver {self.name}: optimizer.step() called twice in one `with solver.step(i):`")
+        self.synchronize()
+
+    def _after_user_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._block is not None:
+            self._block.stepped = True
+
+    def _grads_finite(self) -> bool:
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        return all(bool(torch.isfinite(g).all()) for g in grads)
+
+    def final_model(self) -> nn.Module:
+        """The model to save and evaluate, a plain module whose state_dict keys do not
+        depend on the solver: the center for elastic and server solvers, the average of the
+        replicas where they differ (a collective: call it on every worker), the live model
+        otherwise. Call it after :meth:`close`."""
+        import copy
+
+        model = copy.deepcopy(self.eval_model())
+        comm = self.comm
+        if self.replicas_differ and comm is not None and getattr(comm, "role", "worker") == "worker":
+            live = comm.group_size(comm.worker_group)
+            with torch.no_grad():
+                for t in [*model.parameters(), *(b for b in model.buffers() if b.is_floating_point())]:
+                    comm.all_reduce(t.data, group=comm.worker_group)
+                    t.data.div_(live)
+        return model
+
+
+@dataclasses.dataclass
+class _Block:
+    """One ``with solver.step(i):`` in a user's loop."""
+
+    step: int
+    synced: bool = False  # the solver's after_backward has run
+    queued: bool = False  # a synchronization is queued for the end of this backward pass
+    stepped: bool = False  # the user called optimizer.step()
 
 
 def join_background(thread: threading.Thread, errors: list[BaseException], timeout_s: float, what: str,

@@ -8,6 +8,8 @@ backward, the gradients are all computed and only their all-reduce is left.
 
 from __future__ import annotations
 
+import contextlib
+
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
@@ -37,13 +39,19 @@ class DDP(GradientMeanSimulation, Solver):
     collective_per_step = True
     reforms_without_dead = True
     heals_from_peer = True
+    syncs_in_backward = True  # (DDP's own all-reduce, inside backward)
 
     @classmethod
     def search_space(cls, workers):
         return []  # allreduce's timing and math
 
-    def attach(self, model, optimizer, comm):
-        super().attach(model, optimizer, comm)
+    @contextlib.contextmanager
+    def no_sync(self):
+        with super().no_sync(), self.ddp.no_sync():
+            yield
+
+    def attach(self, model, optimizer, comm, **kw):
+        super().attach(model, optimizer, comm, **kw)
         self._on_comm: Callable[[], None] | None = None
         self._waiter: ThreadPoolExecutor | None = None
         self._wrap()

@@ -67,6 +67,8 @@ class ADPSGD(Solver):
 
     min_workers = 2
     survives_worker_loss = True  # a dead partner's averagings are skipped; the others go on
+    user_may_step = False  # the update is applied under the lock the answering thread takes
+    replicas_differ = True
     # A dead active's replacement: each passive lets it in and answers it on; it takes a
     # passive's model. (A dead passive is not replaced: every active would have to learn of it.)
     heals_from_peer = heals_by_channels = True
@@ -90,8 +92,8 @@ class ADPSGD(Solver):
     def simulate_rule(cls, options, sim):
         return sim.pairwise(*cls._partners(options, sim.workers))
 
-    def attach(self, model, optimizer, comm):
-        super().attach(model, optimizer, comm)
+    def attach(self, model, optimizer, comm, **kw):
+        super().attach(model, optimizer, comm, **kw)
         self.view = FlatView(list(model.parameters()))
         actives, passives = bipartite_roles(comm.num_workers)
         self.actives = [comm.worker_ranks[i] for i in actives]
@@ -278,6 +280,7 @@ class RipplesOptions:
 class Ripples(Solver):
     name = "ripples"
     Options = RipplesOptions
+    replicas_differ = True
     #: A group with a dead member is dropped by all its members (their ring goes on around
     #: it: ``Comm.partial_all_reduce``); the coordinator draws later groups without it.
     survives_worker_loss = True
@@ -331,8 +334,8 @@ class Ripples(Solver):
         return sim.group_rounds(options.every, cls._rounds(options, sim.workers, sim.seed))
 
     # ---- worker -------------------------------------------------------------------------
-    def attach(self, model, optimizer, comm):
-        super().attach(model, optimizer, comm)
+    def attach(self, model, optimizer, comm, **kw):
+        super().attach(model, optimizer, comm, **kw)
         self.view = FlatView(list(model.parameters()))
         self.k = min(self.options.group_size, comm.num_workers)
         self.me = comm.worker_index

@@ -99,8 +99,8 @@ class _ElasticServerSolver(ServerSolver):
     def simulate_rule(cls, options, sim):
         return sim.server_elastic(options.moving_rate(sim.workers), getattr(options, "momentum", 0.0))
 
-    def attach(self, model, optimizer, comm):
-        model = super().attach(model, optimizer, comm)
+    def attach(self, model, optimizer, comm, **kw):
+        model = super().attach(model, optimizer, comm, **kw)
         self.alpha = self.options.moving_rate(comm.num_workers)
         self._final = None
         # Hogwild threads step on while one thread exchanges: its result is written back as a
@@ -205,14 +205,14 @@ class AsyncMEASGD(_ElasticServerSolver):
     name = "async-measgd"
     Options = MomentumElasticOptions
 
-    def attach(self, model, optimizer, comm):
+    def attach(self, model, optimizer, comm, **kw):
         if not isinstance(optimizer, torch.optim.SGD):
             raise ConfigError("async-measgd runs local Nesterov momentum on SGD: use --optimizer sgd")
         for group in optimizer.param_groups:
             group["momentum"] = self.options.momentum
             group["nesterov"] = self.options.momentum > 0
             group["dampening"] = 0.0
-        return super().attach(model, optimizer, comm)
+        return super().attach(model, optimizer, comm, **kw)
 
 
 @register_solver
@@ -265,8 +265,8 @@ class SyncEASGD(Solver):
     def simulate_rule(cls, options, sim):
         return sim.sync_elastic(options.tau, options.moving_rate(sim.workers))
 
-    def attach(self, model, optimizer, comm):
-        super().attach(model, optimizer, comm)
+    def attach(self, model, optimizer, comm, **kw):
+        super().attach(model, optimizer, comm, **kw)
         self.alpha = self.options.moving_rate(comm.num_workers)
         self.center = copy.deepcopy(model)
         for p in self.center.parameters():

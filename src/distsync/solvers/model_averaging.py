@@ -59,6 +59,7 @@ class AveragingSolver(HogwildThreads, Solver):
     collective_per_step = False
     reforms_without_dead = True
     heals_from_peer = True
+    replicas_differ = True  # (averaged every tau steps only)
 
     @classmethod
     def search_space(cls, workers):
@@ -76,8 +77,8 @@ class AveragingSolver(HogwildThreads, Solver):
     def lockstep_lead(cls, options, workers):
         return options.every + 1  # an all-reduce every `every` steps
 
-    def attach(self, model, optimizer, comm):
-        super().attach(model, optimizer, comm)
+    def attach(self, model, optimizer, comm, **kw):
+        super().attach(model, optimizer, comm, **kw)
         self.view = FlatView(list(model.parameters()))
         self.syncs = 0
         self.steps_done = 0

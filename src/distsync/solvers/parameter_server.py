@@ -75,8 +75,8 @@ class ServerSolver(Solver):
     def search_space(cls, workers):
         return [{"servers": s} for s in sorted({1, max(1, workers // 4), workers})]
 
-    def attach(self, model, optimizer, comm):
-        super().attach(model, optimizer, comm)
+    def attach(self, model, optimizer, comm, **kw):
+        super().attach(model, optimizer, comm, **kw)
         self.client = PSClient(comm, model, comm.ranks_with_role("server"))
         # Hogwild threads share one client: one conversation with the servers at a time.
         self.client_lock = threading.Lock()
@@ -184,6 +184,7 @@ class SyncPS(GradientServerSolver):
     Options = SyncPSOptions
     collective_per_step = True
     survives_worker_loss = True  # a round goes on with the workers still alive
+    user_may_step = False  # the server applies the update
 
     @classmethod
     def simulate_timing(cls, options, sim):
@@ -235,8 +236,8 @@ class AsyncPS(GradientServerSolver):
         # the run's --momentum is 0 in train mode (plain SGD), as it is by default
         return sim.server_sgd(options.momentum or 0.0)
 
-    def attach(self, model, optimizer, comm):
-        model = super().attach(model, optimizer, comm)
+    def attach(self, model, optimizer, comm, **kw):
+        model = super().attach(model, optimizer, comm, **kw)
         self._acc = [torch.zeros(v.numel) for v in self.client.views]
         self._pending = 0
         self._final = None

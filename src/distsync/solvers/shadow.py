@@ -61,8 +61,8 @@ class _ShadowAveraging(AveragingSolver):
     def simulate_rule(cls, options, sim):
         return sim.background_average(options if isinstance(options, BMUFOptions) else None)
 
-    def attach(self, model, optimizer, comm):
-        super().attach(model, optimizer, comm)
+    def attach(self, model, optimizer, comm, **kw):
+        super().attach(model, optimizer, comm, **kw)
         # The shadow thread's collectives run on a group of their own. Each sync is whole by
         # itself: after a death the workers go on whether or not each completed the last one.
         comm.group("shadow", ordered=False)
@@ -168,8 +168,8 @@ class ShadowEA(HogwildThreads, AsyncEASGD):
     def simulate_rule(cls, options, sim):
         return sim.background_elastic(options.moving_rate(sim.workers))
 
-    def attach(self, model, optimizer, comm):
-        model = super().attach(model, optimizer, comm)
+    def attach(self, model, optimizer, comm, **kw):
+        model = super().attach(model, optimizer, comm, **kw)
         self.live_views = self.client.layout.views(storage_aliases(model.parameters()))
         self.syncs = 0
         self.steps_done = 0
