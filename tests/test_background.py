@@ -116,7 +116,7 @@ def test_shadow_sync_is_written_back_as_a_correction_that_keeps_steps_taken_mean
     model = torch.nn.ParameterList([p])
     comm = _StubComm()
     s = make_solver(solver, **options)
-    s.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), comm)
+    s.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), comm, same_start=False)  # (a stub: no broadcast)
     for i, (other, want) in enumerate(zip(([3.0, 6.0], [2.5, 5.0]), expected)):
         sent = comm.calls.get(timeout=10)  # the shadow thread has read the model: its sync is under way
         assert sent[-1].item() == 0.0  # "not done yet"

@@ -5,11 +5,14 @@ Attach a solver to your own loop (under torchrun)::
     import distsync
     comm = distsync.init_comm()
     solver = distsync.make_solver("allreduce")
-    model = solver.attach(model, optimizer, comm)
+    model = solver.attach(model, optimizer, comm)   # rank 0's model on every worker
     for step, (x, y) in enumerate(loader):
         with solver.step(step):
-            loss_fn(model(x), y).backward()
-    solver.close(); comm.close()
+            loss_fn(model(x), y).backward()            # averaged as backward ends
+            optimizer.step(); optimizer.zero_grad()    # (optional: else the block steps)
+    solver.close()
+    final = solver.final_model()                       # the model to save, plain keys
+    comm.close()
 """
 
 from __future__ import annotations

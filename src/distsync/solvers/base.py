@@ -237,7 +237,7 @@ class Solver:
         comm = self.comm
         if comm is None or getattr(comm, "role", "worker") != "worker" or comm.num_workers < 2:
             return
-        src = comm.ranks_with_role("worker")[0]
+        src = comm.worker_ranks[0]
         with torch.no_grad():
             for t in [*self.model.parameters(), *self.model.buffers()]:
                 comm.broadcast(t.data, src=src, group=comm.worker_group)
