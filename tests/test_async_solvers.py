@@ -492,6 +492,10 @@ def test_server_warm_up_follows_the_workers_steps_not_the_server_updates():
     s.apply_gradient(shard, torch.ones(2), step=0)
     assert shard.center.tolist() == [-0.25, -0.25]  # version 12 would have given the full lr
     assert shard.version == 13
+    # a schedule follows the pushing worker's step too: cosine over 4 + 8 steps, halfway
+    s.ctx = ServeContext(make_model=None, lr=1.0, warmup_steps=4, lr_schedule="cosine", steps=12)
+    s.apply_gradient(shard, torch.ones(2), step=8)
+    assert shard.center.tolist() == pytest.approx([-0.75, -0.75])
 
 
 @pytest.mark.parametrize("solver, lock_free", [("ea-wild", True), ("hogwild", True), ("async-easgd", False),

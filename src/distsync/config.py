@@ -20,6 +20,7 @@ from typing import Any, Callable
 from distsync.errors import ConfigError
 
 OPTIMIZERS = ("sgd", "adam", "lars")
+LR_SCHEDULES = ("constant", "cosine", "linear", "step")  # (solvers/rules.py: lr_factor)
 EMBEDDING_OPTIMIZERS = ("adagrad", "sgd")
 TASKS = ("train", "linktest")
 #: what a job does when a worker dies (--on-failure)
@@ -470,6 +471,11 @@ class RunConfig:
     lars_eta: float = bounded(0.001, gt=0, flag="--lars-eta")
     #: linear learning-rate warm-up, in steps (LARS, and servers that apply updates)
     warmup_steps: int = bounded(0, ge=0, flag="--warmup-steps")
+    #: the learning rate over the steps after the warm-up: constant, cosine, linear or step
+    #: (:func:`~distsync.solvers.rules.lr_factor`), on the workers and on servers that step
+    lr_schedule: str = bounded("constant", choices=LR_SCHEDULES, flag="--lr-schedule")
+    #: clip the gradient's norm to this before each update (None: no clipping)
+    clip_grad_norm: float | None = bounded(None, gt=0, flag="--clip-grad-norm")
     seed: int = 0
     slow: dict[int, float] = field(default_factory=dict)
     #: random per-step extra compute, up to this share of a step (every worker)

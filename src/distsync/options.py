@@ -40,6 +40,12 @@ def add_run_options(p: argparse.ArgumentParser, *, workers_default: int | None =
     g.add_argument("--weight-decay", type=finite_float, default=0.0)
     g.add_argument("--lars-eta", type=finite_float, default=0.001, help="LARS trust coefficient (default: 0.001)")
     g.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up steps (default: 0)")
+    g.add_argument("--lr-schedule", default="constant",
+                   help="the learning rate after the warm-up: constant | cosine | linear | step (x0.1 at half the "
+                        "steps, x0.01 at three quarters) (default: constant)")
+    g.add_argument("--clip-grad-norm", type=finite_float, metavar="NORM",
+                   help="clip each update's gradient to this norm (the averaged gradient for allreduce and ddp; "
+                        "each worker's own, before it is pushed or applied, for the others)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--eval-every", type=int, help="evaluate every N steps (default: the workload's)")
     g = p.add_argument_group("embedding tables (models with EmbeddingTables, e.g. ctr)")
@@ -106,6 +112,8 @@ def config_from_args(args: argparse.Namespace, solver: str, solver_options: dict
         weight_decay=args.weight_decay,
         lars_eta=args.lars_eta,
         warmup_steps=args.warmup_steps,
+        lr_schedule=args.lr_schedule,
+        clip_grad_norm=args.clip_grad_norm,
         seed=args.seed,
         slow=parse_slow(args.slow),
         jitter=args.jitter,

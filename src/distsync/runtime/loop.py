@@ -23,6 +23,7 @@ from distsync.runtime.plugins import (Checkpointer, ComputeGate, DeviceStretch, 
                                       StepState, TrainClock)
 from distsync.runtime.membership import POLL_S
 from distsync.runtime.plugins.budget import Heartbeat, JobBudget
+from distsync.runtime.plugins.training import GradClip, LearningRate
 from distsync.runtime.recovery import EventJournal, WorkerRecovery, write_stop
 from distsync.solvers.lars import LARS
 from distsync.workloads import ShardSampler, Workload
@@ -35,9 +36,8 @@ __all__ = ["Progress", "make_optimizer", "train_worker", "worker_plugins", "star
 def make_optimizer(cfg: RunConfig, params, lr: float) -> torch.optim.Optimizer:
     if cfg.optimizer == "adam":
         return torch.optim.Adam(params, lr=lr, weight_decay=cfg.weight_decay)
-    if cfg.optimizer == "lars":
-        return LARS(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, eta=cfg.lars_eta,
-                    warmup_steps=cfg.warmup_steps)
+    if cfg.optimizer == "lars":  # (its warm-up is the learning-rate plug-in's)
+        return LARS(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, eta=cfg.lars_eta)
     return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
 
@@ -69,6 +69,8 @@ def worker_plugins(cfg: RunConfig, workload: Workload, solver, comm, progress: P
         JobBudget.for_worker(cfg, solver, workload),  # with --budget: when this worker stops
         Heartbeat(min(1.0, cfg.timeout_s / 5)),
         DeviceStretch.for_worker(cfg, comm.rank, solver.threads),  # after the lookups: they are not compute
+        LearningRate(cfg),
+        GradClip.for_worker(cfg, solver),
         Evaluator(save_to),  # before checkpoints: a checkpoint holds the evaluation's event
         Checkpointer(recovery),
     ]), runner
@@ -178,6 +180,7 @@ def _step_body(run: RunState, s: StepState, t: int) -> tuple[torch.Tensor, torch
     s.comm_s += s.aside_s
     hooks.after_compute(run, s)
     s.comm_s += _seconds(runner.after_backward, run, s)
+    hooks.before_update(run, s)
     s.compute_s += _seconds(runner.update, run, s)
     s.updated, s.loss_tensor, s.labels = True, loss, y
     s.comm_s += _seconds(solver.after_update, s.step)
@@ -218,10 +221,8 @@ def _adopt_view(run: RunState, view: Any, step: int) -> None:
     new_model = run.solver.on_view_change(view.tag)
     if new_model is not None:
         run.run_model = new_model
-    if run.cfg.shrink_lr == "scale":
-        share = view.size / run.comm.num_workers
-        for group, base in zip(run.optimizer.param_groups, run.base_lrs):
-            group["lr"] = base * share
+    if run.cfg.shrink_lr == "scale":  # (the learning-rate plug-in applies it from the next step)
+        run.lr_share = view.size / run.comm.num_workers
 
 
 def peer_state(run: RunState, step: int) -> dict[str, Any]:

@@ -481,7 +481,7 @@ def run_process(run: ResolvedRun, run_dir: Path) -> None:
                 return model
 
             solver.serve(comm.role, comm, ServeContext(
-                make_model=make_model, lr=cfg.lr, momentum=cfg.momentum,
+                make_model=make_model, lr=cfg.lr, momentum=cfg.momentum, lr_schedule=cfg.lr_schedule,
                 weight_decay=cfg.weight_decay, optimizer=cfg.optimizer, lars_eta=cfg.lars_eta,
                 warmup_steps=cfg.warmup_steps, steps=cfg.steps, seed=cfg.seed, **served))
             events = []

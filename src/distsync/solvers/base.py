@@ -50,6 +50,8 @@ class ServeContext:
     optimizer: str = "sgd"
     lars_eta: float = 0.001
     warmup_steps: int = 0
+    #: the learning rate after the warm-up (solvers/rules.py: lr_factor over ``steps``)
+    lr_schedule: str = "constant"
     steps: int = 0
     seed: int = 0
     #: ``save(index, step, state)`` writes this process's part of checkpoint ``index``

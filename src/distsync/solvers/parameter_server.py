@@ -28,7 +28,7 @@ import torch
 from distsync.config import bounded
 from distsync.solvers.base import ServeContext, Solver, register_solver
 from distsync.solvers.hogwild_threads import HogwildThreads, HogwildThreadsOptions, threads_option
-from distsync.solvers.rules import server_apply, warmup_factor
+from distsync.solvers.rules import lr_factor, server_apply
 from distsync.solvers.shard_service import OP_DONE, TAG_HEADER, Layout, PSClient, Request, ServerShard
 
 
@@ -170,7 +170,7 @@ class GradientServerSolver(ServerSolver):
         mu = self.server_momentum()
         if not hasattr(shard, "momentum_buffer"):
             shard.momentum_buffer = torch.zeros_like(shard.center)
-        lr = ctx.lr * warmup_factor(step, ctx.warmup_steps)
+        lr = ctx.lr * lr_factor(max(step, 0), ctx.steps, ctx.lr_schedule, ctx.warmup_steps)
         lars = ctx.lars_eta if ctx.optimizer == "lars" else None
         for w, g, b in zip(shard.view.split(shard.center), shard.view.split(grad),
                            shard.view.split(shard.momentum_buffer)):

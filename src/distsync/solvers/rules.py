@@ -7,6 +7,8 @@ needs to log or send.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -89,6 +91,28 @@ def warmup_factor(step: int, warmup_steps: int) -> float:
     if warmup_steps <= 0:
         return 1.0
     return min(1.0, (step + 1) / warmup_steps)
+
+
+LR_SCHEDULES = ("constant", "cosine", "linear", "step")
+
+
+def lr_factor(step: int, steps: int, schedule: str = "constant", warmup_steps: int = 0) -> float:
+    """The learning rate's factor at ``step`` (0-based) of ``steps``: a linear warm-up over
+    the first ``warmup_steps`` ((step + 1) / warmup_steps), then ``schedule`` over the rest:
+    constant (1); cosine (from 1 down to 0 at the last step: (1 + cos(pi t)) / 2, t the
+    share of the steps after the warm-up done); linear (1 - t); step (1, then 0.1 from half
+    the steps after the warm-up, 0.01 from three quarters)."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    span = max(1, steps - warmup_steps)
+    t = min(1.0, (step - warmup_steps) / span)
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * t))
+    if schedule == "linear":
+        return 1.0 - t
+    if schedule == "step":
+        return 0.01 if t >= 0.75 else 0.1 if t >= 0.5 else 1.0
+    return 1.0
 
 
 def server_apply(w: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor | None, lr: float, momentum: float = 0.0,

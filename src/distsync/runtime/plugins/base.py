@@ -20,8 +20,9 @@ Hook points, in the order a worker reaches them::
     on_loss(run, s, loss)      returns the loss to go on with
     after_forward(run, s)      s.forward_s is known
     after_backward(run, s)     s.backward_s is known; the compute window is still open
-    after_compute(run, s)      the compute window is closed (s.compute_s); then after_backward,
-                               update, after_update and zero_grad of the solver
+    after_compute(run, s)      the compute window is closed (s.compute_s); then the solver's
+                               after_backward (gradients synchronized or pushed)
+    before_update(run, s)      just before the solver's update; then after_update, zero_grad
     sync_due(run, done)        whether this plug-in needs every thread stopped after ``done`` steps
     at_sync_point(run, point)  run by one thread while the others wait (evaluate, checkpoint)
     on_step_end(run, s)        after the step's event and its sync point
@@ -47,7 +48,7 @@ import torch
 
 #: every hook point, in the order a worker reaches them (``Plugins`` dispatches these)
 HOOKS = ("on_model", "on_attach", "on_ready", "on_start", "on_thread_start", "stop_before", "on_step_start", "before_compute",
-         "on_loss", "after_forward", "after_backward", "after_compute", "sync_due", "at_sync_point", "on_step_end",
+         "on_loss", "after_forward", "after_backward", "after_compute", "before_update", "sync_due", "at_sync_point", "on_step_end",
          "computing", "on_checkpoint", "save_state", "load_state", "on_close")
 
 
@@ -141,6 +142,8 @@ class RunState:
     run_model: torch.nn.Module | None = None  # the module the solver wants called
     #: each parameter group's learning rate as the run began (--shrink-lr scales from it)
     base_lrs: list[float] = field(default_factory=list)
+    #: the share of the base learning rate a shrunken view trains with (--shrink-lr scale)
+    lr_share: float = 1.0
     #: admit replacements for dead workers (they heal from this worker), and when this
     #: worker last looked for one (``time.monotonic``)
     heal: bool = False
@@ -202,6 +205,7 @@ class Plugin:
     def after_forward(self, run: RunState, s: StepState) -> None: ...
     def after_backward(self, run: RunState, s: StepState) -> None: ...
     def after_compute(self, run: RunState, s: StepState) -> None: ...
+    def before_update(self, run: RunState, s: StepState) -> None: ...
 
     def sync_due(self, run: RunState, done: int) -> bool:
         return False
@@ -260,6 +264,7 @@ class Plugins:
     def after_forward(self, run: RunState, s: StepState) -> None: self._call("after_forward", run, s)
     def after_backward(self, run: RunState, s: StepState) -> None: self._call("after_backward", run, s)
     def after_compute(self, run: RunState, s: StepState) -> None: self._call("after_compute", run, s)
+    def before_update(self, run: RunState, s: StepState) -> None: self._call("before_update", run, s)
 
     def sync_due(self, run: RunState, done: int) -> bool:
         return any(hook(run, done) for hook in self._hooks["sync_due"])

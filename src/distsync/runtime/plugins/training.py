@@ -1,0 +1,56 @@
+"""Training rules a worker applies around the solver's update: the learning rate over the
+run (warm-up, then a schedule) and gradient clipping."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from distsync.errors import ConfigError
+from distsync.runtime.plugins.base import Plugin, RunState, StepState
+from distsync.solvers.rules import lr_factor
+
+
+class LearningRate(Plugin):
+    """Before each step: each parameter group's learning rate is its base times
+    :func:`lr_factor` (``--warmup-steps``, ``--lr-schedule``) times the run's ``lr_share``
+    (``--shrink-lr scale`` after a view shrank). Servers that step follow the same rule."""
+
+    def __init__(self, cfg: Any):
+        self.steps, self.schedule, self.warmup = cfg.steps, cfg.lr_schedule, cfg.warmup_steps
+
+    def on_step_start(self, run: RunState, s: StepState) -> None:
+        factor = lr_factor(s.step, self.steps, self.schedule, self.warmup) * run.lr_share
+        for group, base in zip(run.optimizer.param_groups, run.base_lrs):
+            group["lr"] = base * factor
+
+
+class GradClip(Plugin):
+    """``--clip-grad-norm``: the gradient's norm is clipped before the update uses it. For
+    solvers that average gradients (allreduce, ddp) that is the averaged gradient, as one
+    large batch's would be; for the others, this worker's own, before the solver pushes or
+    applies it."""
+
+    def __init__(self, max_norm: float, after_sync: bool):
+        self.max_norm, self.after_sync = max_norm, after_sync
+
+    @classmethod
+    def for_worker(cls, cfg: Any, solver: Any) -> "GradClip | None":
+        if cfg.clip_grad_norm is None:
+            return None
+        if solver.threads > 1:
+            raise ConfigError(f"--clip-grad-norm: solver {solver.name} runs {solver.threads} Hogwild threads, "
+                              f"each updating on its own gradients; clipping needs one training thread")
+        return cls(cfg.clip_grad_norm, solver.syncs_in_backward)
+
+    def _clip(self, run: RunState) -> None:
+        torch.nn.utils.clip_grad_norm_(run.params, self.max_norm)
+
+    def after_compute(self, run: RunState, s: StepState) -> None:
+        if not self.after_sync:
+            self._clip(run)
+
+    def before_update(self, run: RunState, s: StepState) -> None:
+        if self.after_sync:
+            self._clip(run)

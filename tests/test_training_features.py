@@ -1,0 +1,70 @@
+"""Training features of the command line: gradient clipping and learning-rate schedules,
+against one process training on the union of the workers' batches."""
+
+import math
+
+import pytest
+import torch
+
+from distsync.solvers.rules import lr_factor
+from helpers import assert_one_line, run_cli
+
+STEPS, BATCH, LR, CLIP, WARMUP = 12, 16, 0.5, 0.2, 3
+
+
+def test_learning_rate_factors_by_hand():
+    assert [lr_factor(s, 10, "constant", 4) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    # after 2 warm-up steps, 8 steps from 1 down to 0
+    assert lr_factor(2, 10, "cosine", 2) == 1.0 and lr_factor(6, 10, "cosine", 2) == pytest.approx(0.5)
+    assert lr_factor(9, 10, "cosine", 2) == pytest.approx((1 + math.cos(math.pi * 7 / 8)) / 2)
+    assert [lr_factor(s, 10, "linear") for s in (0, 5, 9)] == [1.0, 0.5, pytest.approx(0.1)]
+    assert [lr_factor(s, 8, "step") for s in range(8)] == [1.0] * 4 + [0.1] * 2 + [0.01] * 2
+
+
+def _large_batch_reference(schedule, clip):
+    from distsync.workloads import ShardSampler, load_workload
+
+    w = load_workload("digits")
+    torch.manual_seed(0)
+    model = w.make_model()
+    samplers = [ShardSampler(w.num_train, 2, r, BATCH, 0) for r in range(2)]
+    for step in range(STEPS):
+        loss = sum(w.loss_fn(model(x), y) for x, y in (w.take(w.train_data, s.indices(step)) for s in samplers)) / 2
+        model.zero_grad()
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= LR * lr_factor(step, STEPS, schedule, WARMUP) * p.grad
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("solver", ["allreduce", "ddp"])
+def test_clipping_and_a_cosine_schedule_train_as_large_batch_sgd_with_them(tmp_path, solver):
+    proc = run_cli("train", "--solver", solver, "--workers", "2", "--steps", str(STEPS), "--batch-size", str(BATCH),
+                   "--lr", str(LR), "--clip-grad-norm", str(CLIP), "--lr-schedule", "cosine", "--warmup-steps",
+                   str(WARMUP), "--eval-every", str(STEPS), "--out", str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
+    want = _large_batch_reference("cosine", CLIP)
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert torch.allclose(got[k], want[k], atol=1e-5), (k, (got[k] - want[k]).abs().max())
+    # (without the clipping the models differ: the test can tell)
+    unclipped = _large_batch_reference("cosine", None)
+    assert not all(torch.allclose(got[k], unclipped[k], atol=1e-4) for k in want)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--solver", "hogwild", "--threads", "2", "--clip-grad-norm", "1"],
+     "--clip-grad-norm: solver hogwild runs 2 Hogwild threads, each updating on its own gradients; clipping needs "
+     "one training thread"),
+    (["--lr-schedule", "exponential"], "unknown --lr-schedule 'exponential'; valid: constant, cosine, linear, step"),
+    (["--clip-grad-norm", "0"], "--clip-grad-norm must be"),
+])
+def test_training_features_that_cannot_apply_are_refused_in_one_line(tmp_path, args, message):
+    proc = run_cli("train", "--workers", "2", "--steps", "4", *args, "--out", str(tmp_path / "run"))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr
+    assert_one_line(proc.stderr.strip().splitlines()[-1])
