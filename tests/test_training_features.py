@@ -62,9 +62,29 @@ def test_clipping_and_a_cosine_schedule_train_as_large_batch_sgd_with_them(tmp_p
      "one training thread"),
     (["--lr-schedule", "exponential"], "unknown --lr-schedule 'exponential'; valid: constant, cosine, linear, step"),
     (["--clip-grad-norm", "0"], "--clip-grad-norm must be"),
+    (["--solver", "hogwild", "--threads", "2", "--accumulate", "2"],
+     "--accumulate: solver hogwild runs 2 Hogwild threads, each updating on its own gradients; accumulating needs "
+     "one training thread"),
+    (["--accumulate", "0"], "--accumulate must be an integer >= 1, got 0"),
 ])
 def test_training_features_that_cannot_apply_are_refused_in_one_line(tmp_path, args, message):
     proc = run_cli("train", "--workers", "2", "--steps", "4", *args, "--out", str(tmp_path / "run"))
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr
     assert_one_line(proc.stderr.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("solver", ["allreduce", "ddp"])
+def test_accumulating_n_micro_batches_equals_a_batch_n_times_larger(tmp_path, solver):
+    common = ["train", "--solver", solver, "--workers", "2", "--steps", "10", "--lr", "0.5", "--eval-every", "10"]
+    big = run_cli(*common, "--batch-size", "32", "--out", str(tmp_path / "big"))
+    acc = run_cli(*common, "--batch-size", "16", "--accumulate", "2", "--out", str(tmp_path / "acc"))
+    assert big.returncode == 0 and acc.returncode == 0, (big.stderr[-2000:], acc.stderr[-2000:])
+    a = torch.load(tmp_path / "big" / "model.pt", weights_only=True)
+    b = torch.load(tmp_path / "acc" / "model.pt", weights_only=True)
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-5), (k, (a[k] - b[k]).abs().max())
+    import json
+
+    summary = json.loads((tmp_path / "acc" / "summary.json").read_text())
+    assert summary["samples"] == 2 * 10 * 32  # every micro-batch's samples

@@ -476,6 +476,9 @@ class RunConfig:
     lr_schedule: str = bounded("constant", choices=LR_SCHEDULES, flag="--lr-schedule")
     #: clip the gradient's norm to this before each update (None: no clipping)
     clip_grad_norm: float | None = bounded(None, gt=0, flag="--clip-grad-norm")
+    #: micro-batches per step, their gradients added up before one synchronization (the
+    #: step's batch is this many times --batch-size)
+    accumulate: int = bounded(1, ge=1, flag="--accumulate")
     seed: int = 0
     slow: dict[int, float] = field(default_factory=dict)
     #: random per-step extra compute, up to this share of a step (every worker)

@@ -43,6 +43,9 @@ def add_run_options(p: argparse.ArgumentParser, *, workers_default: int | None =
     g.add_argument("--lr-schedule", default="constant",
                    help="the learning rate after the warm-up: constant | cosine | linear | step (x0.1 at half the "
                         "steps, x0.01 at three quarters) (default: constant)")
+    g.add_argument("--accumulate", type=int, default=1, metavar="N",
+                   help="micro-batches of --batch-size per step, their gradients added up and synchronized once "
+                        "(default: 1)")
     g.add_argument("--clip-grad-norm", type=finite_float, metavar="NORM",
                    help="clip each update's gradient to this norm (the averaged gradient for allreduce and ddp; "
                         "each worker's own, before it is pushed or applied, for the others)")
@@ -114,6 +117,7 @@ def config_from_args(args: argparse.Namespace, solver: str, solver_options: dict
         warmup_steps=args.warmup_steps,
         lr_schedule=args.lr_schedule,
         clip_grad_norm=args.clip_grad_norm,
+        accumulate=args.accumulate,
         seed=args.seed,
         slow=parse_slow(args.slow),
         jitter=args.jitter,

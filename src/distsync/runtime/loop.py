@@ -9,6 +9,8 @@ hook points and when each is called).
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 import time
 from pathlib import Path
@@ -23,7 +25,7 @@ from distsync.runtime.plugins import (Checkpointer, ComputeGate, DeviceStretch, 
                                       StepState, TrainClock)
 from distsync.runtime.membership import POLL_S
 from distsync.runtime.plugins.budget import Heartbeat, JobBudget
-from distsync.runtime.plugins.training import GradClip, LearningRate
+from distsync.runtime.plugins.training import GradClip, LearningRate, check_accumulate
 from distsync.runtime.recovery import EventJournal, WorkerRecovery, write_stop
 from distsync.solvers.lars import LARS
 from distsync.workloads import ShardSampler, Workload
@@ -59,6 +61,7 @@ def worker_plugins(cfg: RunConfig, workload: Workload, solver, comm, progress: P
                    recovery: WorkerRecovery) -> tuple[Plugins, SingleThread]:
     """A worker's plug-ins, in the order their hooks are called, and its thread runner.
     Each refuses, when built, a combination that makes no sense."""
+    check_accumulate(cfg, solver)
     gate = ComputeGate.for_worker(cfg, comm, solver) if cfg.crossover else None
     runner = HogwildRunner(solver.threads, cfg.steps) if solver.threads > 1 else SingleThread()
     return Plugins([
@@ -165,18 +168,30 @@ def _step_body(run: RunState, s: StepState, t: int) -> tuple[torch.Tensor, torch
         return s.loss_tensor, s.labels
     s.aside_s = 0.0  # (counted already, if this step is done again)
     s.comm_s += _seconds(solver.before_step, s.step)
-    x, y = run.workload.take(run.workload.train_data, run.samplers[t].indices(s.k))
-    x, y = to_device(x, run.device), y.to(run.device)
+    micro = run.cfg.accumulate  # micro-batches per step (--accumulate): batches k*micro .. k*micro + micro-1
+    batches = []
+    for j in range(micro):
+        x, y = run.workload.take(run.workload.train_data, run.samplers[t].indices(s.k * micro + j))
+        batches.append((to_device(x, run.device), y.to(run.device)))
     hooks.before_compute(run, s)
-    s.compute_from = perf()
-    loss = hooks.on_loss(run, s, run.workload.loss_fn(runner.forward(run, s, x), y))  # forward
-    s.forward_end = perf()
-    hooks.after_forward(run, s)
-    b = perf()
-    runner.backward(run, s, loss)  # backward
-    s.backward_s = perf() - b
-    hooks.after_backward(run, s)
-    s.compute_s += perf() - s.compute_from - s.aside_s
+    first = perf()
+    losses = []
+    for j, (x, y) in enumerate(batches):
+        # the micro-batches but the last add up unsynchronized; the last's backward (or the
+        # solver's after_backward) synchronizes the sum
+        with solver.no_sync() if j < micro - 1 else contextlib.nullcontext():
+            s.compute_from = perf()
+            loss = hooks.on_loss(run, s, run.workload.loss_fn(runner.forward(run, s, x), y))  # forward
+            s.forward_end = perf()
+            hooks.after_forward(run, s)
+            b = perf()
+            runner.backward(run, s, loss / micro if micro > 1 else loss)  # backward: the mean over micro-batches
+            s.backward_s = perf() - b
+            hooks.after_backward(run, s)
+        losses.append(loss)
+    if micro > 1:
+        loss, y = torch.stack([v.detach() for v in losses]).mean(), torch.cat([y for _, y in batches])
+    s.compute_s += perf() - first - s.aside_s
     s.comm_s += s.aside_s
     hooks.after_compute(run, s)
     s.comm_s += _seconds(runner.after_backward, run, s)

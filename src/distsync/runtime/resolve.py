@@ -149,7 +149,7 @@ def _budget_steps(cfg: RunConfig, lead: int | None, threads: int) -> int:
                           f"{cfg.solver}'s workers step on their own")
     if budget.samples is not None:
         # Equal steps: exactly the samples, over all workers; on their own: one worker could take all.
-        steps = math.ceil(budget.samples / (cfg.batch_size * (cfg.workers if lead is not None else 1)))
+        steps = math.ceil(budget.samples / (cfg.batch_size * cfg.accumulate * (cfg.workers if lead is not None else 1)))
     elif budget.seconds is not None:
         steps = UNLIMITED_STEPS
     else:

@@ -62,7 +62,7 @@ class JobBudget(Plugin):
             # Equal steps: the samples budget is the steps themselves (resolve set them).
             budget = Budget(seconds=budget.seconds, target=budget.target, target_value=budget.target_value)
         target = budget.target_value if budget.target_value is not None else workload.target
-        return cls(budget, lead, cfg.workers, cfg.batch_size, target, workload.higher_is_better)
+        return cls(budget, lead, cfg.workers, cfg.batch_size * cfg.accumulate, target, workload.higher_is_better)
 
     # ---- when to stop -------------------------------------------------------------------
     def stop_before(self, run: RunState, s: StepState) -> bool:

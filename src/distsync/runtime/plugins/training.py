@@ -26,6 +26,18 @@ class LearningRate(Plugin):
             group["lr"] = base * factor
 
 
+def check_accumulate(cfg: Any, solver: Any) -> None:
+    """``--accumulate N`` needs one training thread and the embedding tables in the workers."""
+    if cfg.accumulate == 1:
+        return
+    if solver.threads > 1:
+        raise ConfigError(f"--accumulate: solver {solver.name} runs {solver.threads} Hogwild threads, each updating "
+                          f"on its own gradients; accumulating needs one training thread")
+    if cfg.embedding_servers:
+        raise ConfigError("--accumulate with --embedding-servers: the tables' sparse gradients go to their servers "
+                          "after each backward pass; use --embedding-servers 0")
+
+
 class GradClip(Plugin):
     """``--clip-grad-norm``: the gradient's norm is clipped before the update uses it. For
     solvers that average gradients (allreduce, ddp) that is the averaged gradient, as one
