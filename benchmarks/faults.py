@@ -130,7 +130,7 @@ def leftovers(tag: str, before_ns: set[str], grace_s: float = 5.0) -> tuple[int,
 
 # ---- (1) one fault per run ------------------------------------------------------------------------
 def one_run(solver: str, fault: str, out: Path) -> dict:
-    args = DISTSYNC + ["train", "--solver", solver, "--workers", "2", "--steps", str(STEPS), "--eval-every", "40",
+    args = DISTSYNC + ["train", "--overwrite", "--solver", solver, "--workers", "2", "--steps", str(STEPS), "--eval-every", "40",
                        "--checkpoint-every", str(EVERY), "--max-restarts", "2", "--timeout", "10",
                        "--fault", fault, "--out", str(out)]
     if solver in ("hogwild",):
@@ -238,7 +238,7 @@ def _cli(*args: str, timeout: float = 90) -> tuple[int | None, str, float]:
 
 def _crashed_run(run: Path, seed: int = 0) -> None:
     """A run that died after its checkpoints 1 and 2 (steps 20 and 40)."""
-    code, err, _ = _cli("train", "--workers", "2", "--steps", "60", "--seed", str(seed), "--checkpoint-every", "20",
+    code, err, _ = _cli("train", "--overwrite", "--workers", "2", "--steps", "60", "--seed", str(seed), "--checkpoint-every", "20",
                         "--on-failure", "restart", "--max-restarts", "0", "--fault", "kill:1@50", "--out", str(run))
     if code == 0 or not (run / "checkpoints" / "ckpt-000002").exists():
         raise SystemExit(f"the crashed run to resume did not crash as planned: {err.strip()[-300:]}")
@@ -367,7 +367,7 @@ def sample(pid: int) -> dict:
 
 def soak(seconds: float, out: Path, device_ms: float = 30.0) -> dict:
     """``allreduce``, 4 workers on emulated devices, healing from live peers, a fault a minute."""
-    base = ["train", "--solver", "allreduce", "--workers", "4", "--device-ms", f"{device_ms:g}",
+    base = ["train", "--overwrite", "--solver", "allreduce", "--workers", "4", "--device-ms", f"{device_ms:g}",
             "--timeout", "10"]
     probe = out / "probe"
     code, err, _ = _cli(*base, "--steps", "300", "--eval-every", "300", "--out", str(probe))

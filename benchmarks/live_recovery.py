@@ -60,7 +60,7 @@ def kill_runs(tmp: str, solver: str, runs: int, rng: random.Random, *extra: str,
 
 
 def train(out: Path, *args: str) -> dict | None:
-    cmd = [*DISTSYNC, "train", "--workload", "digits", "--workers", str(WORKERS), "--steps", str(STEPS),
+    cmd = [*DISTSYNC, "train", "--overwrite", "--workload", "digits", "--workers", str(WORKERS), "--steps", str(STEPS),
            "--eval-every", "60", "--seed", "1", "--out", str(out), *args]
     try:
         subprocess.run(cmd, capture_output=True, text=True, timeout=120)

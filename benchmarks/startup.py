@@ -335,7 +335,7 @@ def base_env(src: str | None, extra_path: str | None = None) -> dict[str, str]:
 
 def commands(n: int, work: Path, trivial: Path) -> dict[str, list[str]]:
     return {
-        "distsync": [tool("distsync"), "train", "--workload", "digits", "--steps", "1", "--workers", str(n),
+        "distsync": [tool("distsync"), "train", "--overwrite", "--workload", "digits", "--steps", "1", "--workers", str(n),
                      "--out", str(work / "run")],
         "torchrun": [tool("torchrun"), "--standalone", "--nproc-per-node", str(n), str(trivial)],
     }
@@ -762,7 +762,7 @@ sys.modules["distsync.runtime"].launch = sys.modules["distsync.runtime.launch"].
 prof = cProfile.Profile()
 t2 = time.perf_counter()
 prof.enable()
-cli.main(["train", "--workload", "digits", "--steps", "1", "--workers", sys.argv[2], "--out", sys.argv[3]])
+cli.main(["train", "--overwrite", "--workload", "digits", "--steps", "1", "--workers", sys.argv[2], "--out", sys.argv[3]])
 prof.disable()
 t3 = time.perf_counter()
 st = pstats.Stats(prof)

@@ -88,3 +88,39 @@ def test_accumulating_n_micro_batches_equals_a_batch_n_times_larger(tmp_path, so
 
     summary = json.loads((tmp_path / "acc" / "summary.json").read_text())
     assert summary["samples"] == 2 * 10 * 32  # every micro-batch's samples
+
+
+def test_an_out_folder_that_cannot_hold_the_run_is_refused_in_one_line(tmp_path):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    finished = tmp_path / "done"
+    finished.mkdir()
+    (finished / "summary.json").write_text("{}")
+    for out, message in [
+        (a_file, f"--out {a_file} is a file, not a folder"),
+        (a_file / "run", f"--out {a_file / 'run'}: cannot write there (Not a directory)"),
+        (finished, f"--out {finished} holds a finished run (summary.json): pass --overwrite to replace it, or "
+                   f"choose another --out"),
+    ]:
+        proc = run_cli("train", "--workers", "2", "--steps", "2", "--out", str(out))
+        assert proc.returncode == 2 and proc.stderr.strip() == f"distsync: error: {message}", proc.stderr[-800:]
+    assert a_file.read_text() == "mine" and (finished / "summary.json").read_text() == "{}"  # untouched
+    proc = run_cli("train", "--workers", "2", "--steps", "2", "--eval-every", "2", "--out", str(finished),
+                   "--overwrite")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (finished / "summary.json").read_text() != "{}"
+
+
+@pytest.mark.parametrize("args,code,message", [
+    (["--solver", "ad-psgd", "--workers", "1"], 2,
+     "distsync: error: solver ad-psgd needs at least 2 workers, got --workers 1 (alone, a worker would train plain "
+     "local SGD)"),
+    (["--solver", "ripples", "--workers", "1"], 2, "solver ripples needs at least 2 workers"),
+    (["--solver", "ripples", "--workers", "2", "-o", "group_size=3"], 0,
+     "distsync: warning: solver ripples: group_size 3 is more than the 2 workers; groups of 2 instead"),
+])
+def test_degenerate_configurations_say_so_in_one_line(tmp_path, args, code, message):
+    proc = run_cli("train", "--steps", "2", "--eval-every", "2", *args, "--out", str(tmp_path / "run"))
+    assert proc.returncode == code, proc.stderr[-2000:]
+    assert message in proc.stderr
+    assert proc.stderr.count("group_size 3 is more") <= 1

@@ -176,6 +176,26 @@ def _solver_option_items(args: argparse.Namespace) -> list[str]:
     return items
 
 
+def _out_folder(path: Path, overwrite: bool, finished: str) -> Path:
+    """``--out``, checked before anything runs: a folder this process can write, that holds
+    no finished run (``finished``: the file a finished run leaves) unless ``overwrite``."""
+    from distsync.errors import ConfigError
+
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"--out {path} is a file, not a folder")
+    if (path / finished).exists() and not overwrite:
+        raise ConfigError(f"--out {path} holds a finished run ({finished}): pass --overwrite to replace it, "
+                          f"or choose another --out")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".distsync-write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"--out {path}: cannot write there ({e.strerror or e})") from None
+    return path
+
+
 def _default_out(kind: str, workload: str, solver: str) -> Path:
     tag = workload.replace("/", "_").replace(":", "_").replace(".py", "")
     return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{kind}-{tag}-{solver}"
@@ -238,6 +258,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         cfg = config_from_args(args, args.solver, parse_key_values(_solver_option_items(args)))
     run = resolve(cfg)
     out = Path(run.config.out) if run.config.out else _default_out("train", cfg.workload, cfg.solver)
+    if not args.resume:  # (a resumed run goes on in its own folder)
+        _out_folder(out, args.overwrite, "summary.json")
 
     def start(on_start, on_progress):
         on_start(cfg.solver, run.config)
@@ -300,7 +322,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     runs = resolve_comparison(config_from_args(args, "allreduce", {}), solvers,
                               parse_key_values(_solver_option_items(args)))
     base = runs[0].config
-    out = Path(base.out) if base.out else _default_out("compare", base.workload, "-".join(solvers[:4]))
+    out = _out_folder(Path(base.out) if base.out else _default_out("compare", base.workload, "-".join(solvers[:4])),
+                      args.overwrite, "report.md")
     summaries = _run_with_progress(lambda on_start, on_progress: compare(runs, out, on_start, on_progress))
     _stdout().print(_summary_table(summaries))
     for summary in summaries:

@@ -73,6 +73,8 @@ def add_run_options(p: argparse.ArgumentParser, *, workers_default: int | None =
     g.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
     g.add_argument("--master-port", type=int, help="rendezvous port (default: a free one)")
     g.add_argument("--out", help="run folder (default: runs/<time>-<workload>-<solver>)")
+    g.add_argument("--overwrite", action="store_true",
+                   help="write into an --out that holds a finished run (default: refuse)")
     g = p.add_argument_group("reliability")
     g.add_argument("--checkpoint-every", metavar="STEPS|SECONDSs",
                    help="write a checkpoint every N steps (e.g. 50) or N seconds (e.g. 30s) into RUN/checkpoints")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,6 +119,13 @@ def resolve(cfg: RunConfig, *, world_size: int | None = None) -> ResolvedRun:
     cfg.validate()  # the values given, before anything is built from them
     cfg = _with_workload_defaults(cfg)
     cfg.validate()  # and the workload's defaults, like the values given
+    if cfg.workers < cls.min_workers:
+        raise ConfigError(f"solver {cls.name} needs at least {cls.min_workers} workers, got --workers {cfg.workers} "
+                          f"(alone, a worker would train plain local SGD)")
+    group = getattr(options, "group_size", None)
+    if group is not None and group > cfg.workers and not was_resolved:
+        sys.stderr.write(f"distsync: warning: solver {cls.name}: group_size {group} is more than the "
+                         f"{cfg.workers} workers; groups of {cfg.workers} instead\n")
     threads = cls.training_threads(options)
     if cfg.budget is not None and cfg.task == "train" and not was_resolved:
         cfg.steps = _budget_steps(cfg, cls.lockstep_lead(options, cfg.workers), threads)

@@ -281,6 +281,7 @@ class Ripples(Solver):
     name = "ripples"
     Options = RipplesOptions
     replicas_differ = True
+    min_workers = 2  # (alone, a worker would train plain local SGD)
     #: A group with a dead member is dropped by all its members (their ring goes on around
     #: it: ``Comm.partial_all_reduce``); the coordinator draws later groups without it.
     survives_worker_loss = True
