@@ -163,8 +163,7 @@ def _steps_of(out: Path, rank: int) -> list[int]:
 FAMILIES = [  # (solver and options, the process to kill; allreduce's restart: test_nothing_is_left_behind...)
     (["--solver", "async-ps"], "server"),  # (a dead async-ps worker is dropped: below)
     (["--solver", "ea-wild", "--tau", "2"], "server"),
-    (["--solver", "ad-psgd"], "0"),  # the active worker: the passive runs ahead of it
-    (["--solver", "ripples", "--workers", "3", "--group-size", "2"], "2"),
+    (["--solver", "ripples", "--workers", "3", "--group-size", "2"], "2"),  # (decentralized, as ad-psgd)
 ]  # (the other families go on without a dead worker by default: tests/test_live_recovery.py)
 
 

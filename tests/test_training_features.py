@@ -40,7 +40,7 @@ def _large_batch_reference(schedule, clip):
     return model.state_dict()
 
 
-@pytest.mark.parametrize("solver", ["allreduce", "ddp"])
+@pytest.mark.parametrize("solver", ["allreduce"])  # (ddp's clipping: tests/test_user_loop.py)
 def test_clipping_and_a_cosine_schedule_train_as_large_batch_sgd_with_them(tmp_path, solver):
     proc = run_cli("train", "--solver", solver, "--workers", "2", "--steps", str(STEPS), "--batch-size", str(BATCH),
                    "--lr", str(LR), "--clip-grad-norm", str(CLIP), "--lr-schedule", "cosine", "--warmup-steps",
@@ -74,7 +74,7 @@ def test_training_features_that_cannot_apply_are_refused_in_one_line(tmp_path, a
     assert_one_line(proc.stderr.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("solver", ["allreduce", "ddp"])
+@pytest.mark.parametrize("solver", ["allreduce"])  # (ddp's no_sync: tests/test_user_loop.py)
 def test_accumulating_n_micro_batches_equals_a_batch_n_times_larger(tmp_path, solver):
     common = ["train", "--solver", solver, "--workers", "2", "--steps", "10", "--lr", "0.5", "--eval-every", "10"]
     big = run_cli(*common, "--batch-size", "32", "--out", str(tmp_path / "big"))
