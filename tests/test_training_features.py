@@ -124,3 +124,15 @@ def test_degenerate_configurations_say_so_in_one_line(tmp_path, args, code, mess
     assert proc.returncode == code, proc.stderr[-2000:]
     assert message in proc.stderr
     assert proc.stderr.count("group_size 3 is more") <= 1
+
+
+def test_off_a_terminal_a_run_prints_a_progress_line_every_few_seconds(tmp_path):
+    import re
+
+    proc = run_cli("train", "--workers", "2", "--steps", "150", "--device-ms", "20", "--eval-every", "150",
+                   "--progress-every", "0.5", "--out", str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if re.fullmatch(r"allreduce: step \d+/150  loss \d+\.\d{4}.*\(\d+ s\)", ln)]
+    assert len(lines) >= 3, proc.stderr[-2000:]
+    steps = [int(re.search(r"step (\d+)", ln).group(1)) for ln in lines]
+    assert steps == sorted(steps) and steps[-1] > steps[0]

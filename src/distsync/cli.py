@@ -226,13 +226,17 @@ def _summary_table(summaries: list[dict[str, Any]]) -> Table:
     return table
 
 
-def _run_with_progress(run) -> Any:
+def _run_with_progress(run, every_s: float = 5.0) -> Any:
+    """A progress bar on a terminal; off one (logs, CI, pipes), a plain line per run at most
+    every ``every_s`` seconds (``--progress-every``; 0: none)."""
+    plain = not console.is_terminal
     with _progress() as bar:
-        tasks = {}
+        tasks, last, began = {}, {}, {}
 
         def on_start(name: str, cfg) -> None:
             total = cfg.steps if cfg.budget is None else None  # a budget: it ends when it is spent
             tasks[name] = bar.add_task(name, total=total, status="starting", where="")
+            began[name], last[name] = time.monotonic(), time.monotonic()
 
         def on_progress(name: str, data: dict[str, Any]) -> None:
             status = f"loss {data['loss']:.4f}"
@@ -240,6 +244,12 @@ def _run_with_progress(run) -> Any:
                 status += f"  metric {data['metric']:.4f}"
             where = f"step {data['step']:>5}" + (f"/{data['steps']}" if data.get("steps") else "")
             bar.update(tasks[name], completed=data["step"], status=status, where=where)
+            now = time.monotonic()
+            if plain and every_s > 0 and now - last.get(name, 0.0) >= every_s:
+                last[name] = now
+                steps = f"/{data['steps']}" if data.get("steps") else ""
+                console.print(f"{name}: step {data['step']}{steps}  {status}  ({now - began.get(name, now):.0f} s)",
+                              highlight=False, soft_wrap=True)
 
         return run(on_start, on_progress)
 
@@ -265,7 +275,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         on_start(cfg.solver, run.config)
         return launch(run, out, lambda d: on_progress(cfg.solver, d))
 
-    summary = _run_with_progress(start)
+    summary = _run_with_progress(start, args.progress_every)
     _stdout().print(_summary_table([summary]))
     _print_device(summary)
     _print_recovery(summary)
@@ -324,7 +334,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     base = runs[0].config
     out = _out_folder(Path(base.out) if base.out else _default_out("compare", base.workload, "-".join(solvers[:4])),
                       args.overwrite, "report.md")
-    summaries = _run_with_progress(lambda on_start, on_progress: compare(runs, out, on_start, on_progress))
+    summaries = _run_with_progress(lambda on_start, on_progress: compare(runs, out, on_start, on_progress),
+                                   args.progress_every)
     _stdout().print(_summary_table(summaries))
     for summary in summaries:
         _print_device(summary)

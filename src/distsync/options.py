@@ -73,6 +73,8 @@ def add_run_options(p: argparse.ArgumentParser, *, workers_default: int | None =
     g.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
     g.add_argument("--master-port", type=int, help="rendezvous port (default: a free one)")
     g.add_argument("--out", help="run folder (default: runs/<time>-<workload>-<solver>)")
+    g.add_argument("--progress-every", type=finite_float, default=5.0, metavar="SECONDS",
+                   help="off a terminal (logs, CI), a progress line per run at most this often (default: 5; 0: none)")
     g.add_argument("--overwrite", action="store_true",
                    help="write into an --out that holds a finished run (default: refuse)")
     g = p.add_argument_group("reliability")
