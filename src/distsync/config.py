@@ -469,7 +469,7 @@ class RunConfig:
     weight_decay: float = bounded(0.0, ge=0, flag="--weight-decay")
     #: LARS trust coefficient (``--optimizer lars``)
     lars_eta: float = bounded(0.001, gt=0, flag="--lars-eta")
-    #: linear learning-rate warm-up, in steps (LARS, and servers that apply updates)
+    #: linear learning-rate warm-up, in steps (every optimizer, and servers that apply updates)
     warmup_steps: int = bounded(0, ge=0, flag="--warmup-steps")
     #: the learning rate over the steps after the warm-up: constant, cosine, linear or step
     #: (:func:`~distsync.solvers.rules.lr_factor`), on the workers and on servers that step

@@ -10,7 +10,6 @@ hook points and when each is called).
 from __future__ import annotations
 
 import contextlib
-
 import math
 import time
 from pathlib import Path

@@ -9,7 +9,6 @@ backward, the gradients are all computed and only their all-reduce is left.
 from __future__ import annotations
 
 import contextlib
-
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable

@@ -93,9 +93,6 @@ def warmup_factor(step: int, warmup_steps: int) -> float:
     return min(1.0, (step + 1) / warmup_steps)
 
 
-LR_SCHEDULES = ("constant", "cosine", "linear", "step")
-
-
 def lr_factor(step: int, steps: int, schedule: str = "constant", warmup_steps: int = 0) -> float:
     """The learning rate's factor at ``step`` (0-based) of ``steps``: a linear warm-up over
     the first ``warmup_steps`` ((step + 1) / warmup_steps), then ``schedule`` over the rest:
@@ -103,7 +100,7 @@ def lr_factor(step: int, steps: int, schedule: str = "constant", warmup_steps: i
     share of the steps after the warm-up done); linear (1 - t); step (1, then 0.1 from half
     the steps after the warm-up, 0.01 from three quarters)."""
     if step < warmup_steps:
-        return (step + 1) / warmup_steps
+        return warmup_factor(step, warmup_steps)
     span = max(1, steps - warmup_steps)
     t = min(1.0, (step - warmup_steps) / span)
     if schedule == "cosine":

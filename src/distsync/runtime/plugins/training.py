@@ -26,13 +26,17 @@ class LearningRate(Plugin):
             group["lr"] = base * factor
 
 
+def _one_thread(flag: str, doing: str, solver: Any) -> None:
+    if solver.threads > 1:
+        raise ConfigError(f"{flag}: solver {solver.name} runs {solver.threads} Hogwild threads, each updating "
+                          f"on its own gradients; {doing} needs one training thread")
+
+
 def check_accumulate(cfg: Any, solver: Any) -> None:
     """``--accumulate N`` needs one training thread and the embedding tables in the workers."""
     if cfg.accumulate == 1:
         return
-    if solver.threads > 1:
-        raise ConfigError(f"--accumulate: solver {solver.name} runs {solver.threads} Hogwild threads, each updating "
-                          f"on its own gradients; accumulating needs one training thread")
+    _one_thread("--accumulate", "accumulating", solver)
     if cfg.embedding_servers:
         raise ConfigError("--accumulate with --embedding-servers: the tables' sparse gradients go to their servers "
                           "after each backward pass; use --embedding-servers 0")
@@ -51,9 +55,7 @@ class GradClip(Plugin):
     def for_worker(cls, cfg: Any, solver: Any) -> "GradClip | None":
         if cfg.clip_grad_norm is None:
             return None
-        if solver.threads > 1:
-            raise ConfigError(f"--clip-grad-norm: solver {solver.name} runs {solver.threads} Hogwild threads, "
-                              f"each updating on its own gradients; clipping needs one training thread")
+        _one_thread("--clip-grad-norm", "clipping", solver)
         return cls(cfg.clip_grad_norm, solver.syncs_in_backward)
 
     def _clip(self, run: RunState) -> None:
