@@ -26,6 +26,9 @@ def free_port() -> int:
 
 
 def _child(fn: Callable, rank: int, world: int, port: int, conn, args: tuple) -> None:
+    import gc
+
+    gc.freeze()  # what the fork server imported is never garbage: as runtime/forkserver.run_process does
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     import torch

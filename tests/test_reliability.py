@@ -229,6 +229,11 @@ def test_resume_by_hand_after_a_failure_and_past_a_corrupt_checkpoint(tmp_path):
                     "--fault", "kill:1@57")
     assert failed.returncode == 2
     assert "worker rank 1 died (killed by SIGKILL)" in failed.stderr
+    # the failed job's steps, up to the kill, are summarized, marked partial
+    assert f"partial results: {run / 'summary.json'}" in failed.stderr
+    partial = _summary(run)["partial"]
+    assert partial["steps_done"]["1"] == 57 and "worker rank 1 died" in partial["reason"]
+    assert _steps_of(run, 1) == list(range(57))
     cfg = RunConfig.read(run / "config.json")
     newest = CheckpointStore(run / "checkpoints", 0, ["worker"] * 2, fingerprint(cfg, ["worker"] * 2)).data_file(2)
     newest.write_bytes(newest.read_bytes()[:-100])  # cut short

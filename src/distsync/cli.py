@@ -64,6 +64,9 @@ def _add_run_commands(sub) -> None:
     c.add_argument("--solvers", default="allreduce,ddp", help="comma-separated solver names (default: allreduce,ddp)")
     c.add_argument("--solver-option", "-o", action="append", metavar="[SOLVER.]KEY=VALUE",
                    help="a solver option; with SOLVER. for one solver only; repeatable")
+    c.add_argument("--repeats", type=int, default=1, metavar="N",
+                   help="run every solver N times, with seeds --seed, --seed+1, ...; the table shows each figure's "
+                        "median and range and marks differences within that spread (default: 1)")
     add_run_options(c)
 
     lt = sub.add_parser("linktest", help="measure the bandwidth the (emulated) links deliver")
@@ -184,7 +187,13 @@ def _out_folder(path: Path, overwrite: bool, finished: str) -> Path:
     if path.exists() and not path.is_dir():
         raise ConfigError(f"--out {path} is a file, not a folder")
     if (path / finished).exists() and not overwrite:
-        raise ConfigError(f"--out {path} holds a finished run ({finished}): pass --overwrite to replace it, "
+        what = "a finished run"
+        try:
+            if json.loads((path / finished).read_text()).get("partial"):
+                what = "the partial results of a run that did not finish"
+        except (OSError, ValueError, AttributeError):
+            pass
+        raise ConfigError(f"--out {path} holds {what} ({finished}): pass --overwrite to replace it, "
                           f"or choose another --out")
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -222,6 +231,29 @@ def _summary_table(summaries: list[dict[str, Any]]) -> Table:
     for h in HEADERS:
         table.add_column(h, justify="left" if h == "solver" else "right", no_wrap=True)
     for row in summary_rows(summaries):
+        table.add_row(*row)
+    return table
+
+
+def _comparison_table(groups: list[dict[str, Any]]) -> Table:
+    """compare's table: single runs as train shows them; repeats with each figure's spread."""
+    from distsync.experiments.report import SPREAD_MARK, comparison_table
+
+    headers, rows = comparison_table(groups, two_lines=True)
+    n = max(g["repeats"] for g in groups)
+    first = groups[0]["summaries"][0]
+    title = f"{first['workload']}, {first['workers']} workers"
+    caption = None
+    if n > 1:
+        title += f": median (min..max) of {n} repeats"
+        if len(groups) > 1:
+            caption = f"{SPREAD_MARK} within the spread of {n} repeats: the range overlaps {groups[0]['label']}'s"
+    table = Table(title=title, caption=caption)
+    for h in headers:
+        if n > 1:  # (each range on a line of its own under its median: long headers take two too)
+            h = {"to target (s)": "to target\n(s)", "steps/worker": "steps/\nworker", "MiB sent": "MiB\nsent"}.get(h, h)
+        table.add_column(h, justify="left" if h == "solver" else "right", no_wrap=True)
+    for row in rows:
         table.add_row(*row)
     return table
 
@@ -283,13 +315,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_device(summary: dict[str, Any]) -> None:
-    """A CPU-bound run with an emulated device says so."""
+def _print_device(summary: dict[str, Any], which: str = "") -> None:
+    """A CPU-bound run with an emulated device says so (``which``: the repeat, in compare)."""
     from distsync.metrics import device_warning
 
     warning = device_warning(summary.get("device"))
     if warning:
-        console.print(f"[yellow]{summary['label']}: {warning}[/]", highlight=False, soft_wrap=True)
+        console.print(f"[yellow]{summary['label']}{which}: {warning}[/]", highlight=False, soft_wrap=True)
 
 
 def _print_recovery(summary: dict[str, Any]) -> None:
@@ -325,24 +357,27 @@ def _print_recovery(summary: dict[str, Any]) -> None:
 
 def _cmd_compare(args: argparse.Namespace) -> int:
     from distsync.config import parse_key_values
-    from distsync.experiments.compare import compare, resolve_comparison
+    from distsync.experiments.compare import check_repeats, compare, resolve_comparison
     from distsync.options import config_from_args
 
     solvers = [s.strip() for s in args.solvers.split(",") if s.strip()]
     runs = resolve_comparison(config_from_args(args, "allreduce", {}), solvers,
                               parse_key_values(_solver_option_items(args)))
     base = runs[0].config
+    check_repeats(args.repeats, base.seed)
     out = _out_folder(Path(base.out) if base.out else _default_out("compare", base.workload, "-".join(solvers[:4])),
                       args.overwrite, "report.md")
-    summaries = _run_with_progress(lambda on_start, on_progress: compare(runs, out, on_start, on_progress),
-                                   args.progress_every)
-    _stdout().print(_summary_table(summaries))
-    for summary in summaries:
-        _print_device(summary)
-    if len(summaries) > 1:
+    groups = _run_with_progress(
+        lambda on_start, on_progress: compare(runs, out, on_start, on_progress, repeats=args.repeats),
+        args.progress_every)
+    _stdout().print(_comparison_table(groups))
+    for g in groups:
+        for k, summary in enumerate(g["summaries"]):
+            _print_device(summary, f" (repeat {k}, seed {g['seeds'][k]})" if g["repeats"] > 1 else "")
+    if len(groups) > 1:
         from distsync.experiments.report import conclusion
 
-        _stdout().print(conclusion(summaries), highlight=False, soft_wrap=True)
+        _stdout().print(conclusion(groups), highlight=False, soft_wrap=True)
     console.print(f"report: {out / 'report.md'}")
     return 0
 
@@ -599,8 +634,21 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"distsync: error: {_one_line(str(e))}", markup=False, highlight=False, emoji=False,
                       soft_wrap=True)
         return 2
-    except KeyboardInterrupt:
-        console.print("distsync: interrupted", markup=False, highlight=False)
+    except KeyboardInterrupt as e:
+        partial = getattr(e, "partial", None)
+        if partial is not None:  # (runtime.launch wrote the steps the workers finished)
+            p = partial["partial"]
+            done = sorted(set(p["steps_done"].values()))
+            steps = f"{done[0]}" if len(done) == 1 else f"{done[0]}-{done[-1]}"
+            of = f" (of {p['of_steps']})" if p.get("of_steps") else ""
+            console.print(f"distsync: {p['reason']}; the results of the {steps} steps per worker done{of} are in "
+                          f"{e.run_dir} (summary.json marked partial, events.jsonl, steps.csv)",
+                          markup=False, highlight=False, soft_wrap=True)
+        else:
+            console.print("distsync: interrupted", markup=False, highlight=False)
+        if getattr(e, "report", None) is not None:
+            console.print(f"distsync: the runs that finished are compared in {e.report}", markup=False,
+                          highlight=False, soft_wrap=True)
         return 130
 
 

@@ -20,6 +20,7 @@ from typing import Any, Callable
 from distsync.errors import ConfigError
 
 OPTIMIZERS = ("sgd", "adam", "lars")
+PRECISIONS = ("fp32", "bf16")
 LR_SCHEDULES = ("constant", "cosine", "linear", "step")  # (solvers/rules.py: lr_factor)
 EMBEDDING_OPTIMIZERS = ("adagrad", "sgd")
 TASKS = ("train", "linktest")
@@ -462,6 +463,9 @@ class RunConfig:
     solver_options: dict[str, Any] = field(default_factory=dict)
     workers: int = bounded(2, ge=1, flag="--workers")
     steps: int | None = bounded(None, ge=1, flag="--steps")
+    #: passes over the training data instead of --steps: resolve() sets the steps from it
+    #: (:func:`distsync.runtime.resolve.epoch_steps`) and config.json keeps both
+    epochs: int | None = bounded(None, ge=1, flag="--epochs")
     batch_size: int | None = bounded(None, ge=1, flag="--batch-size")
     lr: float | None = bounded(None, gt=0, flag="--lr")
     optimizer: str = bounded("sgd", choices=OPTIMIZERS, flag="--optimizer")
@@ -479,6 +483,9 @@ class RunConfig:
     #: micro-batches per step, their gradients added up before one synchronization (the
     #: step's batch is this many times --batch-size)
     accumulate: int = bounded(1, ge=1, flag="--accumulate")
+    #: the forward pass and the loss in fp32, or under bf16 autocast; parameters, gradients
+    #: and every message stay in the parameters' dtype
+    precision: str = bounded("fp32", choices=PRECISIONS, flag="--precision")
     seed: int = 0
     slow: dict[int, float] = field(default_factory=dict)
     #: random per-step extra compute, up to this share of a step (every worker)
@@ -496,6 +503,8 @@ class RunConfig:
     device: str = bounded("auto", choices=DEVICES, flag="--device")
     master_port: int | None = bounded(None, ge=1, le=65535, flag="--master-port")
     out: str | None = None
+    #: each worker writes TensorBoard event files as it trains (RUN/tensorboard/worker-RANK)
+    tensorboard: bool = False
     #: emulated link of every process, ``BANDWIDTH[,LATENCY]`` (see :func:`parse_link`)
     link: str | None = None
     #: how the link's latency was applied: "netem", "comm" (per operation in the comm

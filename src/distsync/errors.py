@@ -28,3 +28,13 @@ class PeerLost(CommError):
 
 class Excluded(CommError):
     """The other workers went on without this one (it made no progress for the timeout)."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """A job stopped by Ctrl-C or SIGTERM; ``partial`` is the summary of the steps its workers
+    finished (``RUN/summary.json``, marked partial), or None when none finished."""
+
+    def __init__(self, partial: dict | None = None, run_dir: object = None):
+        super().__init__()
+        self.partial, self.run_dir = partial, run_dir
+        self.report = None  # a stopped comparison: its report.md over the runs that finished

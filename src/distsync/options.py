@@ -29,6 +29,9 @@ def add_run_options(p: argparse.ArgumentParser, *, workers_default: int | None =
     g.add_argument("--rows", type=int, help="embedding rows per table (ctr; shortcut for -w rows=N)")
     g.add_argument("--workers", type=int, default=workers_default, help="worker processes (default: 2)")
     g.add_argument("--steps", type=int, help="steps per worker (default: the workload's)")
+    g.add_argument("--epochs", type=int, metavar="E",
+                   help="passes over the training data instead of --steps: the steps per worker follow from the "
+                        "training set's size, --batch-size, --workers and --accumulate")
     g.add_argument("--budget", metavar="KIND[=VALUE][,...]",
                    help="a budget for the job as a whole instead of --steps: samples=N (over all workers), "
                         "seconds=S (of training), target or target=VALUE (the metric reached, checked at "
@@ -46,6 +49,9 @@ def add_run_options(p: argparse.ArgumentParser, *, workers_default: int | None =
     g.add_argument("--accumulate", type=int, default=1, metavar="N",
                    help="micro-batches of --batch-size per step, their gradients added up and synchronized once "
                         "(default: 1)")
+    g.add_argument("--precision", default="fp32",
+                   help="fp32 | bf16: the forward pass and the loss under bfloat16 autocast; parameters, gradients "
+                        "and communication stay fp32 (default: fp32)")
     g.add_argument("--clip-grad-norm", type=finite_float, metavar="NORM",
                    help="clip each update's gradient to this norm (the averaged gradient for allreduce and ddp; "
                         "each worker's own, before it is pushed or applied, for the others)")
@@ -73,6 +79,9 @@ def add_run_options(p: argparse.ArgumentParser, *, workers_default: int | None =
     g.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
     g.add_argument("--master-port", type=int, help="rendezvous port (default: a free one)")
     g.add_argument("--out", help="run folder (default: runs/<time>-<workload>-<solver>)")
+    g.add_argument("--tensorboard", action="store_true",
+                   help="each worker writes TensorBoard event files as it trains into RUN/tensorboard "
+                        "(needs: pip install 'distsync[tensorboard]')")
     g.add_argument("--progress-every", type=finite_float, default=5.0, metavar="SECONDS",
                    help="off a terminal (logs, CI), a progress line per run at most this often (default: 5; 0: none)")
     g.add_argument("--overwrite", action="store_true",
@@ -110,6 +119,7 @@ def config_from_args(args: argparse.Namespace, solver: str, solver_options: dict
         solver_options=solver_options,
         workers=args.workers,
         steps=args.steps,
+        epochs=args.epochs,
         budget=args.budget,
         device_ms=args.device_ms,
         batch_size=args.batch_size,
@@ -122,6 +132,7 @@ def config_from_args(args: argparse.Namespace, solver: str, solver_options: dict
         lr_schedule=args.lr_schedule,
         clip_grad_norm=args.clip_grad_norm,
         accumulate=args.accumulate,
+        precision=args.precision,
         seed=args.seed,
         slow=parse_slow(args.slow),
         jitter=args.jitter,
@@ -131,6 +142,7 @@ def config_from_args(args: argparse.Namespace, solver: str, solver_options: dict
         device=args.device,
         master_port=args.master_port,
         out=args.out,
+        tensorboard=bool(getattr(args, "tensorboard", False)),
         link=args.link,
         checkpoint_every=args.checkpoint_every,
         max_restarts=args.max_restarts if args.max_restarts is not None else 0,

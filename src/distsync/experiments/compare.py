@@ -4,9 +4,9 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Callable
 
-from distsync.config import RunConfig
+from distsync.config import SEED_LIMIT, RunConfig
 from distsync.errors import ConfigError
-from distsync.experiments.report import write_report
+from distsync.experiments.report import write_comparison
 from distsync.runtime import launch
 from distsync.runtime.resolve import WORKLOAD_FIELDS, ResolvedRun, resolve
 from distsync.solvers import solver_class
@@ -50,11 +50,27 @@ def resolve_comparison(base: RunConfig, solvers: list[str], raw_options: dict[st
     for s in solvers:
         cfg = dataclasses.replace(base, solver=s, solver_options=dict(options.get(s, {})))
         if runs:  # what the workload decided for the first solver holds for all (built once)
-            # (with a budget, each solver's steps follow from it: see resolve)
-            same = [n for n in WORKLOAD_FIELDS if not (n == "steps" and base.budget is not None)]
+            # (with a budget or --epochs, each solver's steps follow from it: see resolve)
+            same = [n for n in WORKLOAD_FIELDS
+                    if not (n == "steps" and (base.budget is not None or base.epochs is not None))]
             cfg = dataclasses.replace(cfg, **{n: getattr(runs[0].config, n) for n in same})
         runs.append(resolve(cfg))
     return runs
+
+
+def check_repeats(repeats: int, seed: int) -> None:
+    """``--repeats``: at least one, and every repeat's seed (``seed + i``) one a run takes."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ConfigError(f"--repeats must be an integer >= 1, got {repeats!r}")
+    if seed + repeats - 1 > SEED_LIMIT:
+        raise ConfigError(f"--seed {seed} with --repeats {repeats}: the last repeat's seed {seed + repeats - 1} "
+                          f"is beyond {SEED_LIMIT}")
+
+
+def run_folder(out_dir: Path, solver: str, repeat: int, repeats: int) -> Path:
+    """``out_dir/<solver>/``, or ``out_dir/<solver>/rep-<i>/`` with more than one repeat."""
+    folder = out_dir / solver.replace("/", "_").replace(":", "_")
+    return folder if repeats == 1 else folder / f"rep-{repeat}"
 
 
 def compare(
@@ -62,22 +78,46 @@ def compare(
     out_dir: Path,
     on_start: Callable[[str, RunConfig], None] | None = None,
     on_progress: Callable[[str, dict[str, Any]], None] | None = None,
+    repeats: int = 1,
 ) -> list[dict[str, Any]]:
-    """Run every solver of :func:`resolve_comparison`'s runs, one after the other.
+    """Run every solver of :func:`resolve_comparison`'s runs ``repeats`` times, with seeds
+    ``seed``, ``seed + 1``, ...; ``out_dir/report.md``, its plots and ``compare.json`` compare them.
 
-    Each run gets ``out_dir/<solver>/``; ``out_dir/report.md`` and its plots compare them.
-    Returns the summaries in the order given.
+    Each run gets ``out_dir/<solver>/`` (``out_dir/<solver>/rep-<i>/`` with repeats). Returns,
+    per solver in the order given, its repeats' summaries, every repeat's figures and each
+    figure's median and range (:func:`~distsync.experiments.report.solver_groups`).
     """
+    check_repeats(repeats, runs[0].config.seed)
     out_dir.mkdir(parents=True, exist_ok=True)
-    summaries, dirs = [], []
-    for run in runs:
-        s = run.config.solver
-        run_dir = out_dir / s.replace("/", "_").replace(":", "_")
-        run = dataclasses.replace(run, config=dataclasses.replace(run.config, out=str(run_dir)))
-        if on_start:
-            on_start(s, run.config)
-        progress = (lambda data, s=s: on_progress(s, data)) if on_progress else None
-        summaries.append(launch(run, run_dir, progress))
-        dirs.append(run_dir)
-    write_report(out_dir, dirs)
-    return summaries
+    dirs: list[list[Path]] = [[] for _ in runs]
+    # The solvers take turns, repeat by repeat: a change in the machine's load over the
+    # comparison then falls on every solver alike instead of on the last ones.
+    for repeat in range(repeats):
+        for i, run in enumerate(runs):
+            s = run.config.solver
+            run_dir = run_folder(out_dir, s, repeat, repeats)
+            cfg = dataclasses.replace(run.config, out=str(run_dir), seed=run.config.seed + repeat)
+            name = s if repeats == 1 else f"{s} {repeat + 1}/{repeats}"
+            if on_start:
+                on_start(name, cfg)
+            progress = (lambda data, name=name: on_progress(name, data)) if on_progress else None
+            try:
+                launch(dataclasses.replace(run, config=cfg), run_dir, progress)
+            except KeyboardInterrupt as e:  # stopped: compare what finished before it
+                _report_finished(e, out_dir, dirs)
+                raise
+            dirs[i].append(run_dir)
+    return write_comparison(out_dir, dirs)
+
+
+def _report_finished(stop: KeyboardInterrupt, out_dir: Path, dirs: list[list[Path]]) -> None:
+    """On a stopped comparison: report.md over the runs that finished (the stopped one's
+    partial results stay in its own folder), named on the exception as ``report``."""
+    finished = [d for d in dirs if d]
+    if not finished:
+        return
+    try:
+        write_comparison(out_dir, finished)
+    except Exception:  # noqa: BLE001 (the stop is what the user must hear of)
+        return
+    stop.report = out_dir / "report.md"

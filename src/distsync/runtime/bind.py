@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 import ipaddress
 import os
 import socket
+import sys
 
 
 def bind_listeners(host: str) -> None:
@@ -22,6 +24,10 @@ def bind_listeners(host: str) -> None:
       the workers), unless the user set those. With ``--link`` the worker sets
       ``GLOO_SOCKET_IFNAME=eth0`` inside its namespace itself.
 
+    The stores' part patches private names of torch's rendezvous modules; a torch without
+    them (:func:`missing_store_hooks`) keeps its own behaviour, the wildcard address, and this
+    says so once.
+
     Idempotent; changes only this process (torch's rendezvous classes) and its environment.
     """
     try:
@@ -31,7 +37,56 @@ def bind_listeners(host: str) -> None:
     if loopback:
         for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
             os.environ.setdefault(var, "lo")
+    missing = missing_store_hooks()
+    if missing:
+        _warn_wildcard(host, missing)
+        return
+    _bind_stores()
 
+
+_warned = False
+
+
+def _warn_wildcard(host: str, missing: list[str]) -> None:
+    global _warned
+    if _warned:
+        return
+    _warned = True
+    import torch
+
+    sys.stderr.write(f"distsync: warning: torch {torch.__version__} lacks {', '.join(missing)}: its rendezvous "
+                     f"stores listen on every address, not only {host}\n")
+
+
+def _store_takes_listen_fd() -> bool:
+    from torch.distributed import TCPStore
+
+    return "master_listen_fd" in (TCPStore.__init__.__doc__ or "")
+
+
+def missing_store_hooks() -> list[str]:
+    """The private names of torch that binding the stores needs and this torch lacks (a
+    version before 2.6, or one that renamed them); empty when the stores can be bound."""
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    missing = []
+    if not _store_takes_listen_fd():
+        missing.append("TCPStore(master_listen_fd=)")
+    if not isinstance(getattr(c10d_rendezvous_backend, "TCPStore", None), type):
+        missing.append("c10d_rendezvous_backend.TCPStore")
+    create = getattr(DynamicRendezvousHandler, "_create_tcp_store_server", None)
+    try:
+        params = list(inspect.signature(create).parameters) if callable(create) else None
+    except (TypeError, ValueError):
+        params = None
+    # (the replacement below is called as torch calls it: (self, master_addr, master_port))
+    if params != ["self", "master_addr", "master_port"]:
+        missing.append("DynamicRendezvousHandler._create_tcp_store_server(master_addr, master_port)")
+    return missing
+
+
+def _bind_stores() -> None:
     from torch.distributed import TCPStore
     from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler

@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from distsync.config import RunConfig, parse_link
-from distsync.errors import ConfigError, DistsyncError, WorkerFailed
+from distsync.errors import ConfigError, DistsyncError, Interrupted, WorkerFailed
 from distsync.runtime import forkserver
 from distsync.runtime.bind import bind_listeners
 from distsync.runtime.checkpoint import CheckpointStore, fingerprint
 from distsync.runtime.checkpoint import clear as clear_folder
 from distsync.runtime.network import EmulatedNetwork
-from distsync.runtime.process import CHECKPOINTS, dropped_ranks
+from distsync.runtime.process import CHECKPOINTS, dropped_ranks, write_partial_results
 from distsync.runtime.resolve import ResolvedRun, resolve
 
 ProgressFn = Callable[[dict[str, Any]], None]
@@ -47,8 +47,13 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
 
 
 def _quiet_torch_logs() -> None:
+    # (torch's elastic modules give their loggers a level of their own: setting the
+    # package's is not enough)
     for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("torch.distributed.elastic.", "torch.distributed.launcher.")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def _failure_message(failures: dict[int, Any], role_of: list[str]) -> str:
@@ -129,6 +134,24 @@ class _ProgressPoller(threading.Thread):
 
 
 RESULT_FILES = {"train": "summary.json", "linktest": "linktest.json"}
+
+
+def _partial_summary(run: ResolvedRun, run_dir: Path, reason: str) -> dict[str, Any] | None:
+    """The results of the steps a job that did not finish got through (from its workers'
+    journals), written to the run folder marked partial; None if there are none. Never
+    raises: the job's own failure is what the user must hear of."""
+    if run.config.task != "train":
+        return None
+    try:
+        return write_partial_results(run, run_dir, reason)
+    except Exception as e:  # noqa: BLE001
+        print(f"distsync: could not write partial results to {run_dir}: {type(e).__name__}: {e}", file=sys.stderr)
+        return None
+
+
+def _partial(run: ResolvedRun, run_dir: Path, reason: str) -> str:
+    """``"; partial results: RUN/summary.json"`` for a failure message, if any were written."""
+    return f"; partial results: {run_dir / 'summary.json'}" if _partial_summary(run, run_dir, reason) else ""
 
 
 def check_resumable(cfg: RunConfig, run_dir: Path, role_of: list[str]) -> None:
@@ -221,7 +244,8 @@ def _start(run: ResolvedRun, run_dir: Path, on_progress: ProgressFn | None,
             (run_dir / stale).unlink(missing_ok=True)
     cfg.write(run_dir / "config.json")
     result_path = run_dir / RESULT_FILES[cfg.task]
-    for stale in ("summary.json", "events.jsonl", "progress.json", "linktest.json", "model.pt"):
+    for stale in ("summary.json", "events.jsonl", "steps.csv", "evals.csv", "progress.json", "linktest.json",
+                  "model.pt"):
         (run_dir / stale).unlink(missing_ok=True)
     _quiet_torch_logs()
     bind_listeners(host)  # the stores and the workers' gloo listen on host only
@@ -264,11 +288,14 @@ def _start(run: ResolvedRun, run_dir: Path, on_progress: ProgressFn | None,
     try:
         elastic_launch(lc, entry)(*args)
     except ChildFailedError as e:
-        raise WorkerFailed(f"{cfg.solver}: {_failure_message(e.failures, role_of)} (logs: {run_dir / 'logs'})") from None
+        why = _failure_message(e.failures, role_of)
+        raise WorkerFailed(f"{cfg.solver}: {why} (logs: {run_dir / 'logs'}{_partial(run, run_dir, why)})") from None
     except SignalException as e:
         if e.sigval == signal.SIGINT:
-            raise KeyboardInterrupt from None
-        raise WorkerFailed(f"{cfg.solver}: stopped by {e.sigval.name}") from None
+            raise Interrupted(_partial_summary(run, run_dir, "interrupted (Ctrl-C)"), run_dir) from None
+        raise Interrupted(_partial_summary(run, run_dir, f"stopped by {e.sigval.name}"), run_dir) from None
+    except KeyboardInterrupt:  # (raised here, e.g. by the CLI's SIGTERM handler, before the agent's)
+        raise Interrupted(_partial_summary(run, run_dir, "interrupted"), run_dir) from None
     except DistsyncError:
         raise
     except Exception as e:  # rendezvous or agent failures

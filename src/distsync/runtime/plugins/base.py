@@ -237,6 +237,14 @@ class Plugins:
     def __iter__(self) -> Iterator[Plugin]:
         return iter(self.plugins)
 
+    def add(self, plugin: Plugin) -> None:
+        """Append ``plugin``: a concern that only the run's built data reveals (its hooks
+        are called after the others', ``on_close`` first)."""
+        self.plugins.append(plugin)
+        for name in HOOKS:
+            if getattr(type(plugin), name) is not getattr(Plugin, name):
+                self._hooks[name].append(getattr(plugin, name))
+
     def _call(self, name: str, *args: Any) -> None:
         for hook in self._hooks[name]:
             hook(*args)

@@ -11,6 +11,7 @@ import torch
 
 from distsync.runtime.plugins.base import Plugin, RunState, SyncPoint
 from distsync.runtime.recovery import WorkerRecovery
+from distsync.workloads.base import workload_meta
 
 
 class Checkpointer(Plugin):
@@ -49,7 +50,9 @@ class Checkpointer(Plugin):
     def on_start(self, run: RunState) -> None:
         restored = self.restored
         if restored is None:
-            run.events.append({"kind": "start", "rank": run.rank, "unix": time.time()})
+            # (what the run's workload is: partial results are summarized from the journals)
+            run.events.append({"kind": "start", "rank": run.rank, "unix": time.time(),
+                               "workload": workload_meta(run.workload)})
         if self.recovery.joined:  # a replacement that took a live peer's state (or the servers')
             if "model" not in restored:  # (healed over channels: the solver takes it from its peers)
                 src = run.solver.join_peers(int(restored["step"]))

@@ -1,9 +1,13 @@
 """Training rules a worker applies around the solver's update: the learning rate over the
-run (warm-up, then a schedule) and gradient clipping."""
+run (warm-up, then a schedule) and gradient clipping; the forward pass's precision; the end
+of training data that cannot be iterated again."""
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import functools
+import sys
+from typing import Any, ContextManager
 
 import torch
 
@@ -68,3 +72,43 @@ class GradClip(Plugin):
     def before_update(self, run: RunState, s: StepState) -> None:
         if self.after_sync:
             self._clip(run)
+
+
+@functools.cache
+def _bf16_on(device: torch.device) -> None:
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError(f"--precision bf16: {torch.cuda.get_device_name(device)} has no bfloat16 support; "
+                          f"use --precision fp32")
+
+
+def forward_precision(precision: str, device: torch.device) -> ContextManager[Any]:
+    """Around the forward pass and the loss (``--precision``): nothing for fp32; for bf16,
+    autocast to bfloat16 on ``device``. Autocast leaves the parameters, and so the gradients
+    and everything solvers send, in the parameters' dtype; it is per thread, so each Hogwild
+    thread enters it for its own forward."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    _bf16_on(device)
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+class DataEnd(Plugin):
+    """Training data that is its own iterator (a generator) cannot start a second pass: each
+    thread stops before the step whose batches it no longer has. The stream is dealt in whole
+    rounds, so every worker stops before the same step (solvers that step together need that)."""
+
+    def __init__(self, batches: list[Any], micro: int):
+        if len(batches) > 1:  # (resolve refuses it when it builds the workload)
+            raise ConfigError(f"training data that is an iterator cannot feed {len(batches)} Hogwild threads: each "
+                              f"reads the stream whole; give an iterable (a DataLoader) or a function")
+        self.batches, self.micro, self.said = batches, micro, False
+
+    def stop_before(self, run: RunState, s: StepState) -> bool:
+        if self.batches[s.thread].available(s.k * self.micro + self.micro - 1):
+            return False
+        if not self.said:
+            self.said = True
+            sys.stderr.write(f"distsync: worker rank {run.rank}: workload {run.workload.name}'s training data ran out "
+                             f"(an iterator cannot start another pass): training ends with {s.step} of {run.steps} "
+                             f"steps done\n")
+        return True
