@@ -45,7 +45,7 @@ class FakeComm:
 
 
 class FakeWorkload:
-    name = "fake"
+    name, metric_name, higher_is_better, target, extra_metrics = "fake", "accuracy", True, 0.9, {}
 
     def __init__(self, seconds: float = 0.0, during=None):
         self.seconds, self.during, self.evaluated = seconds, during, []
@@ -399,6 +399,9 @@ def test_checkpointer_start_events():
     run = make_run([Checkpointer(WorkerRecovery())])
     run.plugins.on_start(run)
     assert [e["kind"] for e in run.events] == ["start"]
+    # what partial results are summarized with (runtime.process.write_partial_results)
+    assert run.events[0]["workload"] == {"name": "fake", "metric": "accuracy", "higher_is_better": True,
+                                         "target": 0.9, "extra_metrics": []}
     run = make_run([Checkpointer(WorkerRecovery(after_failure=True, attempt=1))])  # a restart with no checkpoint
     run.plugins.on_start(run)
     assert [(e["kind"], e.get("step")) for e in run.events] == [("start", None), ("resume", 0)]
