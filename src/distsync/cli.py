@@ -224,17 +224,6 @@ def _progress() -> Progress:
     )
 
 
-def _summary_table(summaries: list[dict[str, Any]]) -> Table:
-    from distsync.experiments.report import HEADERS, summary_rows
-
-    table = Table(title=f"{summaries[0]['workload']}, {summaries[0]['workers']} workers")
-    for h in HEADERS:
-        table.add_column(h, justify="left" if h == "solver" else "right", no_wrap=True)
-    for row in summary_rows(summaries):
-        table.add_row(*row)
-    return table
-
-
 def _comparison_table(groups: list[dict[str, Any]]) -> Table:
     """compare's table: single runs as train shows them; repeats with each figure's spread."""
     from distsync.experiments.report import SPREAD_MARK, comparison_table
@@ -308,7 +297,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return launch(run, out, lambda d: on_progress(cfg.solver, d))
 
     summary = _run_with_progress(start, args.progress_every)
-    _stdout().print(_summary_table([summary]))
+    _stdout().print(_comparison_table([{"summaries": [summary], "repeats": 1}]))  # (compare's, for one run)
     _print_device(summary)
     _print_recovery(summary)
     console.print(f"run folder: {out}")
