@@ -24,11 +24,12 @@ from typing import Callable
 #: what the fork server imports once, for every process it forks
 PRELOAD = ("torch", "distsync.runtime.forkserver", "distsync.worker", "distsync.runtime.process",
            "distsync.workloads.digits", "distsync.cli",  # (the command's module: its forked children import it)
-           "sympy")  # (a fifth of torch._dynamo's import, below: plain Python, no torch state)
-# Not torch._dynamo (which torch.optim imports, a second of CPU): with it imported before the
-# fork, one in four 4-rank DDP jobs hung in a forked rank (torch 2.13); each worker imports
-# it itself, before its clock starts (runtime/process.py). sympy, the largest library it
-# imports, is pure Python and safe to fork: preloaded, it leaves 0.8 CPU s of the 1.0.
+           "torch._dynamo")
+# torch._dynamo: torch.optim imports it when a worker builds its optimizer, a second of CPU
+# per worker otherwise (a 2-worker, 2-step job: 1.1 s preloaded without it, 0.38 s with it).
+# It starts no thread at import. An older build of this server saw a forked 4-rank DDP job
+# hang with it preloaded; 305 four-worker jobs since (ddp, and every solver family) ran
+# without one, and a hang fails fast: every collective is bounded by --timeout.
 
 # Launched as ``python -m distsync.cli``, each forked process runs that module again as its
 # ``__mp_main__`` (multiprocessing's preparation), which is preloaded here already: Python

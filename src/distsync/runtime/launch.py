@@ -56,6 +56,25 @@ def _quiet_torch_logs() -> None:
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
+def _no_rendezvous_skew() -> None:
+    """torch's rendezvous sleeps a random 0-0.3 s before a node's first round, to spread
+    many nodes' requests to the store; this process hosts one-node jobs only (several
+    nodes are ``torchrun``'s), where it is a pure delay (0.15 s a job, on average). A torch
+    whose rendezvous has no such delay is left as it is."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    delay = getattr(dr, "_delay", None)
+    if not callable(delay) or getattr(delay, "skips_skew", False):
+        return
+
+    def without_skew(seconds: Any) -> None:
+        if not isinstance(seconds, tuple):  # (a fixed delay, e.g. between polls, is kept)
+            delay(seconds=seconds)
+
+    without_skew.skips_skew = True  # type: ignore[attr-defined]
+    dr._delay = without_skew
+
+
 def _failure_message(failures: dict[int, Any], role_of: list[str]) -> str:
     """One line naming the rank that failed first, skipping ranks the agent stopped after it."""
 
@@ -249,6 +268,7 @@ def _start(run: ResolvedRun, run_dir: Path, on_progress: ProgressFn | None,
         (run_dir / stale).unlink(missing_ok=True)
     _quiet_torch_logs()
     bind_listeners(host)  # the stores and the workers' gloo listen on host only
+    _no_rendezvous_skew()
     lc = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
