@@ -2,7 +2,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench gpu clean
 
 setup: $(VENV)/.installed
 
@@ -22,6 +22,14 @@ test: setup
 bench: setup
 	$(BIN)/python benchmarks/allreduce_vs_ddp.py
 	$(BIN)/python benchmarks/link_efficiency.py
+
+# On a machine with a GPU (docs/gpu.md): the CUDA tests, allreduce against DDP on the GPU,
+# and the heterogeneity benchmark with 8 and 16 real workers (no emulation) on its cores.
+gpu: setup
+	$(BIN)/python -m pytest -q -rs -m cuda tests/test_cuda.py
+	$(BIN)/python benchmarks/allreduce_vs_ddp.py --device cuda --rows digits:1,cnn:1 --json benchmarks/results/allreduce_vs_ddp-gpu.json
+	$(BIN)/python benchmarks/heterogeneity.py --link none --device cpu --workers 8 --out benchmarks/results/heterogeneity-real-8
+	$(BIN)/python benchmarks/heterogeneity.py --link none --device cpu --workers 16 --out benchmarks/results/heterogeneity-real-16
 
 clean:
 	rm -rf $(VENV) runs build src/*.egg-info

@@ -5,6 +5,9 @@ on the same seed, data and step budget; the row reports the median throughput of
 the ratio ours / DDP (target: >= 1.0 on every row).
 
     python benchmarks/allreduce_vs_ddp.py [--rounds 3] [--link 1gbit] [--json PATH]
+
+On a GPU: ``--device cuda --rows cnn:1`` (one worker per GPU over nccl); several workers
+sharing one GPU need ``--backend gloo`` (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from common import argument_parser, launch_or_exit, print_table, write_results
 from distsync.config import RunConfig
 
 ROWS = [("digits", 2, 300), ("digits", 4, 300), ("cnn", 2, 60), ("cnn", 4, 60)]
+STEPS = {"digits": 300, "cnn": 60}
 SOLVERS = ("allreduce", "ddp")
 
 
@@ -25,13 +29,14 @@ def main() -> int:
     p = argument_parser(__doc__)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", help="default: benchmarks/results/allreduce_vs_ddp[-LINK].json")
-    p.add_argument("--rows", help="subset, e.g. digits:2,cnn:4")
+    p.add_argument("--rows", help="WORKLOAD:WORKERS[,...] instead of the default rows, e.g. digits:2,cnn:1")
     p.add_argument("--link", help="emulated link for every worker, e.g. 1gbit (needs root)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--backend", default="auto", help="auto | nccl | gloo (what carries CUDA tensors)")
     args = p.parse_args()
     rows = ROWS
     if args.rows:
-        wanted = {tuple(r.split(":")) for r in args.rows.split(",")}
-        rows = [r for r in ROWS if (r[0], str(r[1])) in wanted]
+        rows = [(w, int(n), STEPS.get(w, 100)) for w, n in (r.split(":") for r in args.rows.split(","))]
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for workload, workers, steps in rows:
@@ -40,11 +45,13 @@ def main() -> int:
                 order = SOLVERS if rnd % 2 == 0 else SOLVERS[::-1]
                 for solver in order:
                     cfg = RunConfig(workload=workload, solver=solver, workers=workers, steps=steps,
-                                    eval_every=10**6, seed=rnd, link=args.link)
+                                    eval_every=10**6, seed=rnd, link=args.link, device=args.device,
+                                    backend=args.backend)
                     s = launch_or_exit(cfg, Path(tmp) / f"{workload}-{workers}-{solver}-{rnd}")
                     samples[solver].append(s["throughput_samples_per_s"])
             med = {s: statistics.median(v) for s, v in samples.items()}
             row = {"workload": workload, "workers": workers, "steps": steps, "rounds": args.rounds, "link": args.link,
+                   "device": args.device, "backend": args.backend,
                    "allreduce_samples_per_s": med["allreduce"], "ddp_samples_per_s": med["ddp"],
                    "ratio": med["allreduce"] / med["ddp"], "all": samples}
             results.append(row)

@@ -9,6 +9,8 @@ ripples >= 1.0x allreduce; heterogeneous ripples >= 2.0x allreduce and >= 1.3x a
 Needs root (emulated links).
 
     python benchmarks/heterogeneity.py [--out benchmarks/results/heterogeneity] [--link 1gbit]
+
+Real workers without emulation, e.g. on a 16-core machine: ``--link none --workers 16``.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ def label(solver: str, opts: dict) -> str:
 def main() -> int:
     p = argument_parser(__doc__)
     p.add_argument("--out", default="benchmarks/results/heterogeneity")
-    p.add_argument("--link", default="1gbit")
+    p.add_argument("--link", default="1gbit", help="emulated link per worker, or none")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--workers", type=int, default=4)
     args = p.parse_args()
     out = Path(args.out)
@@ -44,7 +47,8 @@ def main() -> int:
             for solver, opts in SOLVERS:
                 name = label(solver, opts)
                 cfg = RunConfig(workload=workload, solver=solver, solver_options=dict(opts), workers=args.workers,
-                                slow=dict(slow), link=args.link, eval_every=25, timeout_s=120)
+                                slow=dict(slow), link=None if args.link == "none" else args.link, eval_every=25,
+                                timeout_s=120, device=args.device)
                 run_dir = out / workload / case.replace(" ", "-") / name.replace(":", "-")
                 s = launch_or_exit(cfg, run_dir)
                 dirs.append(run_dir)

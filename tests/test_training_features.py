@@ -67,7 +67,10 @@ def test_clipping_and_a_cosine_schedule_train_as_large_batch_sgd_with_them(tmp_p
      "one training thread"),
     (["--accumulate", "0"], "--accumulate must be an integer >= 1, got 0"),
     (["--epochs", "2"], "--epochs and --steps conflict: --epochs sets the steps per worker; give one"),
-    (["--precision", "fp16"], "unknown --precision 'fp16'; valid: fp32, bf16"),
+    (["--precision", "fp8"], "unknown --precision 'fp8'; valid: fp32, bf16, fp16"),
+    (["--solver", "hogwild", "--threads", "2", "--precision", "fp16"],
+     "--precision fp16: solver hogwild runs 2 Hogwild threads, each updating on its own gradients; loss scaling "
+     "needs one training thread"),
     (["--workload", "tests/fixtures/loader_workload.py:make_workload", "--batch-size", "8"],
      "--batch-size 8: workload loader gives its training batches itself (DataLoader); their size is set there"),
 ])
@@ -249,21 +252,26 @@ def test_bf16_autocast_trains_like_fp32_and_leaves_parameters_and_gradients_floa
     assert accuracy["fp32"] > 0.93 and abs(accuracy["bf16"] - accuracy["fp32"]) <= 0.02, accuracy
 
 
-def test_a_bf16_run_keeps_float32_parameters_and_ends_near_the_same_run_in_fp32(tmp_path):
+@pytest.mark.parametrize("precision,closest", [("bf16", 1e-4), ("fp16", 1e-6)])
+def test_a_half_precision_run_keeps_float32_parameters_and_ends_near_the_same_run_in_fp32(tmp_path, precision,
+                                                                                          closest):
     import json
 
     from distsync.workloads import load_workload
 
     proc = run_cli("train", "--solver", "allreduce", "--workers", "2", "--steps", str(STEPS), "--batch-size",
-                   str(BATCH), "--lr", str(LR), "--warmup-steps", str(WARMUP), "--precision", "bf16",
+                   str(BATCH), "--lr", str(LR), "--warmup-steps", str(WARMUP), "--precision", precision,
                    "--eval-every", str(STEPS), "--out", str(tmp_path / "run"))
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert json.loads((tmp_path / "run" / "config.json").read_text())["precision"] == "bf16"
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["precision"] == precision
     got = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
     want = _large_batch_reference("constant", None)  # the same training in fp32, in one process
     assert all(v.dtype == torch.float32 for v in got.values())
     apart = max(float((got[k] - want[k]).abs().max()) for k in want)
-    assert 1e-4 < apart < 0.05, apart  # bf16's rounding shows, and stays small
+    assert closest < apart < 0.05, apart  # the half type's rounding shows, and stays small
+    steps = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    scales = {e.get("loss_scale") for e in steps if e["kind"] == "step"}
+    assert scales == ({None} if precision == "bf16" else {65536.0})  # (fp16: torch's first scale, no overflow)
     w = load_workload("digits")
     model = w.make_model()
     accuracy = []
@@ -303,3 +311,42 @@ def test_a_dataloader_workload_trains_on_disjoint_batches_without_the_workloads_
     for p in range(3):
         first, second = set(loaded[0][256 * p:256 * (p + 1)]), set(loaded[1][244 * p:244 * (p + 1)])
         assert not first & second and first | second == set(range(500)), p
+
+
+def _scaled_step(scaler, model, opt, x, y, poison=False):
+    from types import SimpleNamespace
+
+    from distsync.runtime.plugins.base import StepState
+
+    run = SimpleNamespace(optimizer=opt, params=list(model.parameters()), device=torch.device("cpu"))
+    s = StepState(thread=0, k=0, step=0, done=1)
+    loss = torch.nn.functional.cross_entropy(model(x), y) * (float("inf") if poison else 1.0)
+    scaler.for_backward(run, s, loss).backward()
+    scaler.after_compute(run, s)  # (a solver that does not average in backward: unscaled here)
+    scaler.before_update(run, s)
+    return s
+
+
+def test_the_fp16_loss_scaler_unscales_the_gradient_and_skips_a_step_that_overflowed():
+    from types import SimpleNamespace
+
+    from distsync.runtime.plugins.training import LossScaler
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(8, 4), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    opt.zero_grad()
+    scaler = LossScaler(after_sync=False)
+    scaler.on_ready(SimpleNamespace(device=torch.device("cpu")))
+    s = _scaled_step(scaler, model, opt, x, y)
+    assert s.event_extra == {"loss_scale": 65536.0} and not s.skip_update
+    for p, g in zip(model.parameters(), want):
+        assert torch.allclose(p.grad, g, atol=1e-6)  # the true gradient, not 65536 times it
+    opt.zero_grad()
+    s = _scaled_step(scaler, model, opt, x, y, poison=True)
+    assert s.skip_update and s.event_extra == {"loss_scale": 65536.0, "overflow": True}
+    assert all(float(p.grad.abs().sum()) == 0.0 for p in model.parameters())  # (a pushed gradient is zeros)
+    assert scaler.scaler.get_scale() == 32768.0 and scaler.overflows == 1  # halved after the overflow

@@ -25,17 +25,25 @@ from distsync.solvers import Solver, make_solver, register_solver, solver_names
 from distsync.workloads import Workload
 
 
-def init_comm(timeout_s: float = 60.0, roles: dict[str, int] | None = None, device: str = "auto"):
-    """Join the job that torchrun (or torch's elastic agent) started; return its Comm."""
+def init_comm(timeout_s: float = 60.0, roles: dict[str, int] | None = None, device: str = "auto",
+              backend: str = "auto"):
+    """Join the job that torchrun (or torch's elastic agent) started; return its Comm.
+
+    ``device``: auto | cpu | cuda (each worker on ``cuda:LOCAL_RANK``, made current with
+    ``torch.cuda.set_device``; ``comm.device`` names it: put the model and batches there).
+    ``backend``: auto | nccl | gloo, what carries collectives of CUDA tensors (nccl where
+    every worker on a node has a GPU of its own; point-to-point messages go over gloo)."""
     import os
 
     from distsync.comm import Comm
-    from distsync.runtime.process import pick_device
+    from distsync.comm.devices import enter, place_from_env
     from distsync.runtime.roles import assign_roles
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     extra = sum((roles or {}).values())
-    return Comm.from_env(assign_roles(world - extra, roles or {}), timeout_s, pick_device(device))
+    placement = place_from_env(device, backend, "cpu")
+    enter(placement)
+    return Comm.from_env(assign_roles(world - extra, roles or {}), timeout_s, placement.device, placement=placement)
 
 
 def serve(solver: Solver, comm, make_model, lr: float, **settings) -> bool:

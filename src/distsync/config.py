@@ -20,7 +20,7 @@ from typing import Any, Callable
 from distsync.errors import ConfigError
 
 OPTIMIZERS = ("sgd", "adam", "lars")
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp16")
 LR_SCHEDULES = ("constant", "cosine", "linear", "step")  # (solvers/rules.py: lr_factor)
 EMBEDDING_OPTIMIZERS = ("adagrad", "sgd")
 TASKS = ("train", "linktest")
@@ -32,6 +32,8 @@ _UNITS_BIT = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
 _UNITS_S = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
 
 DEVICES = ("auto", "cpu", "cuda")
+BACKENDS = ("auto", "nccl", "gloo")
+SERVER_DEVICES = ("cpu", "cuda")
 #: the integers a JSON file round-trips exactly; also keeps ``seed * 1000 + rank`` (torch's
 #: per-worker seed) inside the 64 bits torch.manual_seed takes
 SEED_LIMIT = 2**53 - 1
@@ -483,8 +485,8 @@ class RunConfig:
     #: micro-batches per step, their gradients added up before one synchronization (the
     #: step's batch is this many times --batch-size)
     accumulate: int = bounded(1, ge=1, flag="--accumulate")
-    #: the forward pass and the loss in fp32, or under bf16 autocast; parameters, gradients
-    #: and every message stay in the parameters' dtype
+    #: the forward pass and the loss in fp32, or under bf16 or fp16 autocast (fp16 with a
+    #: loss scaler); parameters, gradients and every message stay in the parameters' dtype
     precision: str = bounded("fp32", choices=PRECISIONS, flag="--precision")
     seed: int = 0
     slow: dict[int, float] = field(default_factory=dict)
@@ -501,6 +503,11 @@ class RunConfig:
     timeout_s: float = bounded(60.0, gt=0, flag="--timeout", note=" seconds")
     intra_op_threads: int = bounded(1, ge=1, flag="--intra-op-threads")
     device: str = bounded("auto", choices=DEVICES, flag="--device")
+    #: what carries collectives of CUDA tensors: nccl where each worker on a node has a GPU
+    #: of its own, gloo through host memory where workers share one (auto: whichever fits)
+    backend: str = bounded("auto", choices=BACKENDS, flag="--backend")
+    #: where server processes keep their shard and optimizer state
+    server_device: str = bounded("cpu", choices=SERVER_DEVICES, flag="--server-device")
     master_port: int | None = bounded(None, ge=1, le=65535, flag="--master-port")
     out: str | None = None
     #: each worker writes TensorBoard event files as it trains (RUN/tensorboard/worker-RANK)

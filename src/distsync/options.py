@@ -50,8 +50,9 @@ def add_run_options(p: argparse.ArgumentParser, *, workers_default: int | None =
                    help="micro-batches of --batch-size per step, their gradients added up and synchronized once "
                         "(default: 1)")
     g.add_argument("--precision", default="fp32",
-                   help="fp32 | bf16: the forward pass and the loss under bfloat16 autocast; parameters, gradients "
-                        "and communication stay fp32 (default: fp32)")
+                   help="fp32 | bf16 | fp16: the forward pass and the loss under bfloat16 or float16 autocast "
+                        "(fp16 with a dynamic loss scaler); parameters, gradients and communication stay fp32 "
+                        "(default: fp32)")
     g.add_argument("--clip-grad-norm", type=finite_float, metavar="NORM",
                    help="clip each update's gradient to this norm (the averaged gradient for allreduce and ddp; "
                         "each worker's own, before it is pushed or applied, for the others)")
@@ -76,7 +77,13 @@ def add_run_options(p: argparse.ArgumentParser, *, workers_default: int | None =
     g.add_argument("--timeout", type=finite_float, default=60.0, dest="timeout_s",
                    help="seconds any blocking communication may take before the job fails (default: 60)")
     g.add_argument("--intra-op-threads", type=int, default=1, help="torch threads per process (default: 1)")
-    g.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
+    g.add_argument("--device", default="auto",
+                   help="auto | cpu | cuda: each worker computes on cuda:LOCAL_RANK (auto: where CUDA is present)")
+    g.add_argument("--backend", default="auto",
+                   help="auto | nccl | gloo: what carries collectives of CUDA tensors; nccl needs a GPU per worker, "
+                        "gloo goes through pinned host memory (auto: nccl where every worker has a GPU of its own)")
+    g.add_argument("--server-device", default="cpu",
+                   help="cpu | cuda: where parameter and embedding servers keep their shard (default: cpu)")
     g.add_argument("--master-port", type=int, help="rendezvous port (default: a free one)")
     g.add_argument("--out", help="run folder (default: runs/<time>-<workload>-<solver>)")
     g.add_argument("--tensorboard", action="store_true",
@@ -140,6 +147,8 @@ def config_from_args(args: argparse.Namespace, solver: str, solver_options: dict
         timeout_s=args.timeout_s,
         intra_op_threads=args.intra_op_threads,
         device=args.device,
+        backend=args.backend,
+        server_device=args.server_device,
         master_port=args.master_port,
         out=args.out,
         tensorboard=bool(getattr(args, "tensorboard", False)),

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from distsync.errors import CommError
+from distsync.comm.devices import HostStage, Placement, is_device
 
 #: where, in the job's store, a peer and a dead worker's replacement agree on a channel
 HEAL = "distsync/heal/"
@@ -75,8 +76,12 @@ def make_group(store: Any, prefix: str, members: list[int], rank: int, timeout_s
     pg = dist.ProcessGroup(prefixed, me, len(members))
     pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
     pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    config = "cpu:gloo"
+    if torch.cuda.is_available():  # (gloo takes CUDA tensors too: DDP's own calls on a live view)
+        pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.GLOO, backend)
+        config = "cpu:gloo,cuda:gloo"
     pg._set_group_name(name)
-    c10d._register_pg_in_world(pg, backend_name="gloo", store=prefixed, group_name=name, backend_config="cpu:gloo",
+    c10d._register_pg_in_world(pg, backend_name="gloo", store=prefixed, group_name=name, backend_config=config,
                                rank_mapping={g: i for i, g in enumerate(members)})
     return pg
 
@@ -112,12 +117,14 @@ class Pending:
     ``not_before`` (a ``time.perf_counter`` value) delays completion to emulate link latency.
     """
 
-    def __init__(self, comm: "Comm", work: Any, op: str, not_before: float = 0.0, group: Any = None):
+    def __init__(self, comm: "Comm", work: Any, op: str, not_before: float = 0.0, group: Any = None,
+                 then: Callable[[], None] | None = None):
         self._comm = comm
         self._work = work
         self._op = op
         self._not_before = not_before
         self._view = comm.membership.view_of(group) if comm.membership is not None else None
+        self._then = then  # (a staged operation: the result's copy back to the device)
 
     def wait(self) -> None:
         if self._view is not None:  # a live view: fails fast when a member dies (runtime/membership.py)
@@ -127,6 +134,8 @@ class Pending:
                 self._work.wait(datetime.timedelta(seconds=self._comm.timeout_s))
             except Exception as e:  # gloo raises RuntimeError / DistBackendError
                 raise self._comm.error(self._op, e) from None
+        if self._then is not None:
+            self._then()
         remaining = self._not_before - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)
@@ -145,13 +154,19 @@ class Comm:
     """
 
     def __init__(self, rank: int, world_size: int, role_of: Sequence[str], timeout_s: float, device: torch.device,
-                 latency_s: float = 0.0):
+                 latency_s: float = 0.0, placement: Placement | None = None):
         self.latency_s = float(latency_s)
         self.rank = rank
         self.world_size = world_size
         self.role_of = list(role_of)
         self.timeout_s = float(timeout_s)
         self.device = device
+        #: what carries this process's device tensors (comm/devices.py); the cpu's by default
+        self.placement = placement or Placement(device, "gloo", torch.device("cpu"))
+        #: host copies of device tensors for gloo (point-to-point messages; collectives
+        #: without nccl)
+        self.stage = HostStage()
+        self._carries_device: dict[int, bool] = {}
         self.worker_ranks = [r for r, role in enumerate(self.role_of) if role == "worker"]
         self.bytes_sent = 0
         self._worker_group: Any = None
@@ -174,16 +189,17 @@ class Comm:
     # ---- set-up -----------------------------------------------------------------------
     @classmethod
     def from_env(cls, role_of: Sequence[str], timeout_s: float, device: torch.device,
-                 latency_s: float = 0.0) -> "Comm":
-        """Join the process group that torch's launcher described in the environment."""
-        backend = "nccl" if device.type == "cuda" else "gloo"
+                 latency_s: float = 0.0, placement: Placement | None = None) -> "Comm":
+        """Join the process group that torch's launcher described in the environment: over
+        gloo, and with ``placement``'s nccl beside it for device tensors."""
+        backend = placement.init_backend if placement is not None else "gloo"
         rank = int(os.environ.get("RANK", "-1"))
         found = _attempt_store(timeout_s)
         try:
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **found)
         except Exception as e:
             raise CommError(f"rank {rank}: init_process_group ({backend}) failed: {_cause(e, timeout_s)}") from None
-        comm = cls(dist.get_rank(), dist.get_world_size(), role_of, timeout_s, device, latency_s)
+        comm = cls(dist.get_rank(), dist.get_world_size(), role_of, timeout_s, device, latency_s, placement)
         comm._job_store = found.get("store")  # (keys a replacement, outside the default group, finds too)
         if len(comm.role_of) != comm.world_size:
             raise CommError(
@@ -197,7 +213,7 @@ class Comm:
 
     @classmethod
     def replacement_from_env(cls, role_of: Sequence[str], timeout_s: float, device: torch.device,
-                             latency_s: float = 0.0) -> "Comm":
+                             latency_s: float = 0.0, placement: Placement | None = None) -> "Comm":
         """A replacement for a dead worker (it heals from a live peer): it uses the job's store
         but cannot enter the job's default group, which the others made long ago; a group of
         its own stands in for it, and it meets the others in re-formed views only."""
@@ -212,7 +228,7 @@ class Comm:
                                     timeout=datetime.timedelta(seconds=timeout_s))
         except Exception as e:
             raise CommError(f"rank {rank}: init_process_group (replacement) failed: {_cause(e, timeout_s)}") from None
-        comm = cls(rank, found["world_size"], role_of, timeout_s, device, latency_s)
+        comm = cls(rank, found["world_size"], role_of, timeout_s, device, latency_s, placement)
         comm._job_store = found["store"]
         comm.replacement = True
         return comm
@@ -255,7 +271,10 @@ class Comm:
         if self.membership is not None:
             return self.membership.view(tag, ordered).pg
         if tag not in self._groups:
-            self._groups[tag] = self.new_group(self.worker_ranks)
+            # gloo alone, device tensors through host memory (comm/devices.py): a background
+            # thread's collectives run while the training thread's run on the workers' group,
+            # and two nccl communicators used at once from two threads may deadlock
+            self._groups[tag] = self.new_group(self.worker_ranks, host_only=True)
         return self._groups[tag]
 
     @property
@@ -307,21 +326,43 @@ class Comm:
         if self.latency_s > 0 and rounds > 0:
             time.sleep(self.latency_s * rounds)
 
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", group: Any = None, async_op: bool = False):
-        """In-place all-reduce over ``group``; with ``async_op`` returns a :class:`Pending`."""
+    def staged(self, tensor: torch.Tensor, group: Any = None) -> bool:
+        """Whether a collective of ``tensor`` over ``group`` goes through host memory: a
+        device tensor on a group without nccl (comm/devices.py)."""
+        if not is_device(tensor):
+            return False
+        if self.placement.backend != "nccl":
+            return True
+        key = id(group)
+        carries = self._carries_device.get(key)
+        if carries is None:  # (groups of our own making, e.g. live views, are gloo only)
+            carries = self._carries_device[key] = "nccl" in str(dist.get_backend(group))
+        return not carries
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", group: Any = None, async_op: bool = False,
+                   key: Any = None):
+        """In-place all-reduce over ``group``; with ``async_op`` returns a :class:`Pending`.
+        A device tensor without nccl travels through a host buffer (``key``: tells apart
+        buffers of one shape in flight together, e.g. buckets)."""
         size = self.group_size(group)
         self.bytes_sent += ring_allreduce_bytes(tensor.numel() * tensor.element_size(), size)
         rounds = 2 * (size - 1)
         view = self._view(group)
+        target, back = tensor, None
+        if self.staged(tensor, group):
+            target = self.stage.down(tensor, key)
+            back = partial(self.stage.up, target, tensor)
         if async_op:
             not_before = time.perf_counter() + self.latency_s * rounds
             start = self._guard if view is None else partial(self._start_on, view)
-            work = start("all_reduce", dist.all_reduce, tensor, op=_OPS[op], group=group, async_op=True)
-            return Pending(self, work, "all_reduce", not_before, group)
+            work = start("all_reduce", dist.all_reduce, target, op=_OPS[op], group=group, async_op=True)
+            return Pending(self, work, "all_reduce", not_before, group, then=back)
         if view is not None:
-            self._on_view(view, "all_reduce", dist.all_reduce, tensor, op=_OPS[op], group=group, async_op=True)
+            self._on_view(view, "all_reduce", dist.all_reduce, target, op=_OPS[op], group=group, async_op=True)
         else:
-            self._guard("all_reduce", dist.all_reduce, tensor, op=_OPS[op], group=group)
+            self._guard("all_reduce", dist.all_reduce, target, op=_OPS[op], group=group)
+        if back is not None:
+            back()
         self._delay(rounds)
         return None
 
@@ -337,23 +378,29 @@ class Comm:
         if self.rank == src:
             self.bytes_sent += tensor.numel() * tensor.element_size()
         view = self._view(group)
+        target = self.stage.down(tensor) if self.staged(tensor, group) else tensor
         if view is not None:
-            self._on_view(view, f"broadcast(src={src})", dist.broadcast, tensor, src=src, group=group, async_op=True)
+            self._on_view(view, f"broadcast(src={src})", dist.broadcast, target, src=src, group=group, async_op=True)
         else:
-            self._guard(f"broadcast(src={src})", dist.broadcast, tensor, src=src, group=group)
+            self._guard(f"broadcast(src={src})", dist.broadcast, target, src=src, group=group)
+        self.stage.up(target, tensor)
         self._delay(math.ceil(math.log2(max(1, self.group_size(group)))))
 
     def send(self, tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> None:
+        """Send ``tensor`` to ``dst`` (over gloo: a device tensor from a host copy)."""
         self.bytes_sent += tensor.numel() * tensor.element_size()
         group = self._channels.get(dst, group)
-        self._guard(f"send(to rank {dst})", dist.send, tensor, dst=dst, group=group, tag=tag)
+        wire = self.stage.down(tensor, "send") if is_device(tensor) else tensor
+        self._guard(f"send(to rank {dst})", dist.send, wire, dst=dst, group=group, tag=tag)
 
     def recv(self, tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0) -> int:
         """Receive into ``tensor``; with ``src=None`` from whoever sends first. Returns the sender."""
         what = f"recv(from rank {src})" if src is not None else "recv(from any rank)"
         if src is not None:
             group = self._channels.get(src, group)
-        sender = self._guard(what, dist.recv, tensor, src=src, group=group, tag=tag)
+        wire = self.stage.buffer(tensor, "recv") if is_device(tensor) else tensor
+        sender = self._guard(what, dist.recv, wire, src=src, group=group, tag=tag)
+        self.stage.up(wire, tensor)
         self._delay(1)
         return sender
 
@@ -369,14 +416,16 @@ class Comm:
         else:
             self._guard("barrier", dist.barrier, group=group)
 
-    def new_group(self, ranks: Sequence[int], members_only: bool = False) -> Any:
-        """A new group over ``ranks``. With ``members_only`` only its members call this."""
+    def new_group(self, ranks: Sequence[int], members_only: bool = False, host_only: bool = False) -> Any:
+        """A new group over ``ranks``. With ``members_only`` only its members call this;
+        ``host_only``: over gloo alone, even where the job's groups have nccl beside it."""
         return self._guard(
             f"new_group({list(ranks)})",
             dist.new_group,
             list(ranks),
             timeout=datetime.timedelta(seconds=self.timeout_s),
             use_local_synchronization=members_only,
+            **({"backend": "gloo"} if host_only and self.placement.backend == "nccl" else {}),
         )
 
     def partial_all_reduce(self, tensor: torch.Tensor, members: Sequence[int]) -> bool:
@@ -414,7 +463,16 @@ class Comm:
             return True
         if not tensor.is_contiguous():
             raise ValueError("partial_all_reduce needs a contiguous tensor")
-        flat = tensor.view(-1)
+        if not is_device(tensor):
+            return self._partial_all_reduce(tensor.view(-1), ring)
+        host = self.stage.down(tensor, "partial")  # (point-to-point messages: over gloo, from host memory)
+        done = self._partial_all_reduce(host.view(-1), ring)
+        self.stage.up(host, tensor)
+        return done
+
+    def _partial_all_reduce(self, flat: torch.Tensor, ring: list[int]) -> bool:
+        """:meth:`partial_all_reduce` of a flat host tensor over the sorted ``ring``."""
+        k = len(ring)
         tolerant = self.drops_dead_peers
         if tolerant:  # k rows: a chunk, zero-padded, and its count of members
             per = -(-flat.numel() // k)

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import torch
 
+from distsync.comm.devices import synchronize
 from distsync.config import RunConfig
 from distsync.errors import DistsyncError, PeerLost
 from distsync.runtime.plugins import (Checkpointer, ComputeGate, DeviceStretch, EmbeddingTablesClient, Evaluator,
@@ -25,7 +26,8 @@ from distsync.runtime.plugins import (Checkpointer, ComputeGate, DeviceStretch, 
 from distsync.runtime.membership import POLL_S
 from distsync.runtime.plugins.budget import Heartbeat, JobBudget
 from distsync.runtime.plugins.tensorboard import TensorBoardLog
-from distsync.runtime.plugins.training import DataEnd, GradClip, LearningRate, check_accumulate, forward_precision
+from distsync.runtime.plugins.training import (DataEnd, GradClip, LearningRate, LossScaler, check_accumulate,
+                                               forward_precision)
 from distsync.runtime.recovery import EventJournal, WorkerRecovery, write_stop
 from distsync.solvers.lars import LARS
 from distsync.workloads import Workload, train_batches
@@ -74,6 +76,7 @@ def worker_plugins(cfg: RunConfig, workload: Workload, solver, comm, progress: P
         Heartbeat(min(1.0, cfg.timeout_s / 5)),
         DeviceStretch.for_worker(cfg, comm.rank, solver.threads),  # after the lookups: they are not compute
         LearningRate(cfg),
+        LossScaler.for_worker(cfg, solver),  # before clipping: the norm of the true gradient
         GradClip.for_worker(cfg, solver),
         Evaluator(save_to),  # before checkpoints: a checkpoint holds the evaluation's event
         Checkpointer(recovery),
@@ -184,18 +187,20 @@ def _step_body(run: RunState, s: StepState, t: int) -> tuple[torch.Tensor, torch
         # solver's after_backward) synchronizes the sum
         with solver.no_sync() if j < micro - 1 else contextlib.nullcontext():
             s.compute_from = perf()
-            with forward_precision(run.cfg.precision, run.device):  # forward (--precision bf16: under autocast)
+            with forward_precision(run.cfg.precision, run.device):  # forward (--precision bf16|fp16: autocast)
                 loss = run.workload.loss_fn(runner.forward(run, s, x), y)
             loss = hooks.on_loss(run, s, loss)
             s.forward_end = perf()
             hooks.after_forward(run, s)
             b = perf()
-            runner.backward(run, s, loss / micro if micro > 1 else loss)  # backward: the mean over micro-batches
+            # backward: the mean over micro-batches (--precision fp16: of the scaled loss)
+            runner.backward(run, s, hooks.for_backward(run, s, loss / micro if micro > 1 else loss))
             s.backward_s = perf() - b
             hooks.after_backward(run, s)
         losses.append(loss)
     if micro > 1:
         loss, y = torch.stack([v.detach() for v in losses]).mean(), torch.cat([y for _, y in batches])
+    synchronize(run.device)  # (a GPU's kernels end after the calls that queued them: the compute is theirs)
     s.compute_s += perf() - first - s.aside_s
     s.comm_s += s.aside_s
     hooks.after_compute(run, s)

@@ -16,6 +16,7 @@ from distsync.config import RunConfig, parse_link
 from distsync.errors import CommError, ConfigError
 from distsync.metrics import device_summary, split_collective_wait, summarize
 from distsync.metrics.outputs import write_csv
+from distsync.comm.devices import enter, place_from_env
 from distsync.runtime.checkpoint import STATEFUL_ROLES, CheckpointStore, fingerprint
 from distsync.runtime.linktest import run_linktest
 from distsync.runtime.loop import Progress, train_worker
@@ -36,13 +37,6 @@ from distsync.workloads.base import workload_meta
 CHECKPOINTS = "checkpoints"
 
 T = TypeVar("T")
-
-
-def pick_device(requested: str) -> torch.device:
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
-    return torch.device("cpu")
 
 
 def name_process(role: str, rank: int) -> None:
@@ -313,7 +307,7 @@ def serve_embeddings(cfg: RunConfig, workload: Workload, comm: Comm, channels: i
     servers = comm.ranks_with_role(EMBEDDING_SERVER)
     lr = cfg.embedding_lr
     server = EmbeddingServer(comm, list(found[1].weights), servers.index(comm.rank), len(servers),
-                             cfg.embedding_optimizer, lr)
+                             cfg.embedding_optimizer, lr, device=ctx.device if ctx is not None else torch.device("cpu"))
     if ctx is not None and ctx.restored is not None:
         server.load_state_dict(ctx.restored)
     if ctx is not None:
@@ -448,20 +442,22 @@ def run_process(run: ResolvedRun, run_dir: Path) -> None:
     """Join the job, play this rank's role, and (rank 0) write the run's results."""
     cfg = run.config
     # torch.optim imports torch._dynamo (a second of CPU) when a worker builds its optimizer:
-    # here, it is start-up time, before the process group (the fork server does not preload
-    # it: runtime/forkserver.py). The other roles (servers, coordinators, embedding servers)
-    # and linktest build none: they skip it.
+    # here, it is start-up time, before the process group (a fresh interpreter's; the fork
+    # server preloads it: runtime/forkserver.py). The other roles (servers, coordinators,
+    # embedding servers) and linktest build none: they skip it.
     rank = int(os.environ.get("RANK", "-1") or -1)
     if cfg.task == "train" and (not 0 <= rank < len(run.role_of) or run.role_of[rank] == "worker"):
         import torch._dynamo as _dynamo  # noqa: F401  (as: no local name torch in this function)
 
     torch.set_num_threads(cfg.intra_op_threads)
-    device = pick_device(cfg.device)
+    placement = place_from_env(cfg.device, cfg.backend, cfg.server_device)
+    enter(placement)  # (torch.cuda.set_device: nccl, streams and unnamed CUDA calls use this GPU)
+    device = placement.device
     solver = run.new_solver()
     latency = parse_link(cfg.link).latency_s if cfg.link and cfg.link_latency_mode == "comm" else 0.0
     replacement = int(os.environ.get("DISTSYNC_REPLACEMENT", "0") or 0)
     comm = (Comm.replacement_from_env if replacement else Comm.from_env)(list(run.role_of), cfg.timeout_s, device,
-                                                                         latency)
+                                                                         latency, placement)
     name_process(comm.role, comm.rank)
     comm.drops_dead_peers = supervised() and cfg.task == "train"
     comm.admit_replacements = bool(comm.drops_dead_peers and cfg.max_restarts and run.solver_cls.heals_by_channels
@@ -500,7 +496,8 @@ def run_process(run: ResolvedRun, run_dir: Path) -> None:
                                   save_to=run_dir / "model.pt" if comm.rank == 0 else None, recovery=recovery)
         elif comm.role == EMBEDDING_SERVER:
             stats = serve_embeddings(cfg, workload, comm, solver.threads,
-                                     ServeContext(make_model=workload.make_model, lr=0.0, **served))
+                                     ServeContext(make_model=workload.make_model, lr=0.0,
+                                                  device=placement.server_device, **served))
             events = []
         else:
             def make_model():
@@ -514,7 +511,8 @@ def run_process(run: ResolvedRun, run_dir: Path) -> None:
             solver.serve(comm.role, comm, ServeContext(
                 make_model=make_model, lr=cfg.lr, momentum=cfg.momentum, lr_schedule=cfg.lr_schedule,
                 weight_decay=cfg.weight_decay, optimizer=cfg.optimizer, lars_eta=cfg.lars_eta,
-                warmup_steps=cfg.warmup_steps, steps=cfg.steps, seed=cfg.seed, **served))
+                warmup_steps=cfg.warmup_steps, steps=cfg.steps, seed=cfg.seed, device=placement.server_device,
+                **served))
             events = []
         mine = {"events": list(events), "role": comm.role, "stats": stats if stats is not None else solver.stats(),
                 "bytes": comm.bytes_sent}

@@ -151,6 +151,11 @@ def resolve(cfg: RunConfig, *, world_size: int | None = None) -> ResolvedRun:
                           f"--momentum {cfg.momentum:g} --weight-decay {cfg.weight_decay:g}")
     if cfg.task == "train" and threads > 1 and cfg.steps % threads:
         raise ConfigError(f"--steps {cfg.steps} must be a multiple of the solver's {threads} threads")
+    if cfg.task == "train" and (cfg.device != "auto" or cfg.backend != "auto" or cfg.server_device != "cpu"):
+        from distsync.comm.devices import place
+
+        # (launched here: every worker on this node; under torchrun each process checks its node's)
+        place(cfg.device, cfg.backend, cfg.server_device, local_workers=cfg.workers if world_size is None else 1)
     if cfg.tensorboard and cfg.task == "train":
         from distsync.runtime.plugins.tensorboard import check_tensorboard
 

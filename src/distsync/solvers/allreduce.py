@@ -132,7 +132,9 @@ class AllReduce(GradientMeanSimulation, Solver):
             self._launch(self.buckets[self._next])
 
     def _launch(self, b: _Bucket) -> None:
-        b.pending = self.comm.all_reduce(b.flat, group=self.comm.worker_group, async_op=True)
+        # (``key``, the bucket's index: buckets of one size in flight together each have a
+        # host buffer of their own where they are staged through host memory)
+        b.pending = self.comm.all_reduce(b.flat, group=self.comm.worker_group, async_op=True, key=self._next)
         self._next += 1
 
     def after_backward(self, step: int) -> None:

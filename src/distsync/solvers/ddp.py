@@ -61,8 +61,11 @@ class DDP(GradientMeanSimulation, Solver):
         all-reduces go through the comm layer, so that a dead worker fails the backward at once
         (DDP's own waits would sit out the timeout) and the loop re-forms the group."""
         group = self.comm.worker_group
-        self.ddp = DistributedDataParallel(self.model, process_group=group, bucket_cap_mb=self.options.bucket_mb,
-                                           gradient_as_bucket_view=True)
+        device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        # (on a GPU: the one device of this process's module, as DDP asks; on the CPU, none)
+        device_ids = [device.index] if device.type == "cuda" else None
+        self.ddp = DistributedDataParallel(self.model, device_ids=device_ids, process_group=group,
+                                           bucket_cap_mb=self.options.bucket_mb, gradient_as_bucket_view=True)
         grad_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
         self._bytes_per_step = ring_allreduce_bytes(grad_bytes, self.comm.group_size(group))
         if self.comm.membership is not None:
@@ -80,9 +83,13 @@ class DDP(GradientMeanSimulation, Solver):
         if bucket.is_last() and self._on_comm is not None:
             self._on_comm()
         buf = bucket.buffer()
-        pending = self.comm.all_reduce(buf, group=group, async_op=True)
+        # (``key``: buckets in flight together each have a host buffer of their own where
+        # they are staged through host memory)
+        pending = self.comm.all_reduce(buf, group=group, async_op=True, key=bucket.index())
         size = self.comm.group_size(group)
-        fut: torch.futures.Future = torch.futures.Future()
+        # On a GPU the future is told the device: DDP's stream then waits for the work
+        # queued on the waiting thread's stream before it reads the result
+        fut: torch.futures.Future = torch.futures.Future(devices=[buf.device] if buf.is_cuda else None)
 
         def finish() -> None:
             try:

@@ -33,9 +33,10 @@ from dataclasses import dataclass
 
 import torch
 
+from distsync.comm.devices import own_stream
 from distsync.config import bounded
 from distsync.errors import CommError
-from distsync.solvers.base import Solver, join_background, register_solver
+from distsync.solvers.base import Solver, finish_queued, join_background, queued_mark, register_solver, run_after
 from distsync.solvers.flat import FlatView
 from distsync.solvers.rules import group_mean, pairwise_average
 from distsync.solvers.schedules import (bipartite_roles, partner_rng, random_round, round_rng,
@@ -104,6 +105,7 @@ class ADPSGD(Solver):
         self.gossip = comm.new_group(comm.worker_ranks) if not comm.replacement else None
         self.lock = threading.Lock()  # a passive's model: its update vs. an averaging
         self.pending: torch.Tensor | None = None
+        self._updated = queued_mark(self.view.device)  # (on a GPU: after the training thread's latest update)
         self.rng = partner_rng(self.options.seed, comm.rank)
         self.averaged = 0
         self.answered = Counter()
@@ -124,17 +126,18 @@ class ADPSGD(Solver):
 
     def _answer(self, active: int) -> None:
         """A passive's answers to ``active``, and (healing) to its replacements after a death."""
-        while True:
-            died = self._converse(active)
-            with self._talking_lock:
-                self._talking.discard(active)
-            if not (died and self.comm.admit_replacements and self.comm.accept_replacement(
-                    active, lambda: self._alone(active))):
-                return
-            self.lost.pop(active, None)
-            self.replaced[active] += 1
-            with self._talking_lock:
-                self._talking.add(active)
+        with own_stream(self.view.device):
+            while True:
+                died = self._converse(active)
+                with self._talking_lock:
+                    self._talking.discard(active)
+                if not (died and self.comm.admit_replacements and self.comm.accept_replacement(
+                        active, lambda: self._alone(active))):
+                    return
+                self.lost.pop(active, None)
+                self.replaced[active] += 1
+                with self._talking_lock:
+                    self._talking.add(active)
 
     def _alone(self, active: int) -> bool:
         with self._talking_lock:
@@ -143,7 +146,7 @@ class ADPSGD(Solver):
     def _converse(self, active: int) -> bool:
         """Answer ``active`` until it is done (False) or dies (True)."""
         head = torch.zeros(1, dtype=torch.int64)
-        theirs = torch.zeros(self.view.numel)
+        theirs = self.view.zeros()
         try:
             while True:
                 self.comm.recv(head, active, group=self.gossip, tag=TAG_AVG_HEADER)
@@ -152,11 +155,17 @@ class ADPSGD(Solver):
                     return False
                 if op == OP_MODEL:  # a replacement's first question
                     with self.lock:
+                        run_after(self._updated)  # (as below)
                         reply = (self.pending if self.pending is not None else self.view.flat()).clone()
+                        finish_queued(self.view.device)
                     self.comm.send(reply, active, group=self.gossip, tag=TAG_AVG_REPLY)
                     continue
                 self.comm.recv(theirs, active, group=self.gossip, tag=TAG_AVG_MODEL)
                 with self.lock:
+                    # On a GPU the training thread's last update is kernels queued on its stream:
+                    # the model is read once they have run; and what this thread queued is done
+                    # before the lock goes to another thread, whose own stream reads `pending`.
+                    run_after(self._updated)
                     # The training thread may be inside forward/backward: the average waits in
                     # `pending` and replaces the model at its next update, before the gradient
                     # (taken on the model before the averaging) is applied.
@@ -164,6 +173,7 @@ class ADPSGD(Solver):
                     pairwise_average(mine, theirs)
                     self.pending = mine
                     reply = mine.clone()  # (another active's averaging may change `pending` meanwhile)
+                    finish_queued(self.view.device)
                 self.comm.send(reply, active, group=self.gossip, tag=TAG_AVG_REPLY)
                 self.answered[active] += 1
         except BaseException as e:  # raised on the training thread at its next step
@@ -219,10 +229,14 @@ class ADPSGD(Solver):
         with self.lock:
             self._apply_pending()
             self.optimizer.step()
+            self._updated = queued_mark(self.view.device)
 
     def _apply_pending(self) -> None:
         if self.pending is not None:
             self.view.assign(self.pending)
+            self._updated = queued_mark(self.view.device)
+            if self.pending.is_cuda:  # (made on an answering thread's stream: kept until this one has read it)
+                self.pending.record_stream(torch.cuda.current_stream(self.pending.device))
             self.pending = None
 
     def close(self):

@@ -140,14 +140,16 @@ class _ElasticServerSolver(ServerSolver):
         state = super().server_state_dict(shard)
         with self._book:
             if self._sum_d is not None:
-                state.update(overlapping=self.overlapping, center0=self._center0.clone(), sum_d=self._sum_d.clone())
+                state.update(overlapping=self.overlapping, center0=self._center0.to("cpu", copy=True),
+                             sum_d=self._sum_d.to("cpu", copy=True))
         return state
 
     def load_server_state(self, shard, state):
         super().load_server_state(shard, state)
         if "sum_d" in state:
             self.overlapping = int(state["overlapping"])
-            self._center0, self._sum_d = state["center0"].clone(), state["sum_d"].clone()
+            device = shard.center.device  # (a checkpoint holds host copies)
+            self._center0, self._sum_d = state["center0"].to(device, copy=True), state["sum_d"].to(device, copy=True)
 
     def stats(self):
         out = super().stats()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -11,13 +13,21 @@ class FlatView:
     def __init__(self, tensors: list[torch.Tensor]):
         self.tensors = tensors
         self.numel = sum(t.numel() for t in tensors)
+        #: the flat vector's device and dtype: the tensors' (the host's default for none)
+        self.device = tensors[0].device if tensors else torch.device("cpu")
+        self.dtype = (functools.reduce(torch.promote_types, [t.dtype for t in tensors]) if tensors
+                      else torch.get_default_dtype())
+
+    def zeros(self) -> torch.Tensor:
+        """A zero vector shaped, placed and typed as :meth:`flat` (e.g. for a peer's copy)."""
+        return torch.zeros(self.numel, dtype=self.dtype, device=self.device)
 
     def flat(self) -> torch.Tensor:
-        return torch.cat([t.detach().reshape(-1) for t in self.tensors]) if self.tensors else torch.zeros(0)
+        return torch.cat([t.detach().reshape(-1) for t in self.tensors]) if self.tensors else self.zeros()
 
     def flat_grad(self) -> torch.Tensor:
         return torch.cat([(t.grad if t.grad is not None else torch.zeros_like(t)).reshape(-1)
-                          for t in self.tensors]) if self.tensors else torch.zeros(0)
+                          for t in self.tensors]) if self.tensors else self.zeros()
 
     def assign(self, vec: torch.Tensor) -> None:
         offset = 0

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from distsync.config import bounded
-from distsync.solvers.base import Solver, register_solver
+from distsync.solvers.base import Solver, finish_queued, register_solver
 from distsync.solvers.flat import FlatView
 from distsync.solvers.hogwild_threads import HogwildThreads, HogwildThreadsOptions
 from distsync.solvers.rules import bmuf_update
@@ -112,6 +112,10 @@ class AveragingSolver(HogwildThreads, Solver):
             mean.div_(self.comm.group_size(group))
             self.view.assign(self._combine(mean))
             self.syncs += 1
+            # With Hogwild threads the next sync may be another thread's, on a GPU stream of its
+            # own: the model and BMUF's state it reads are written by then
+            if self.threads > 1:
+                finish_queued(self.view.device)
 
     def state_dict(self):
         state = {"syncs": self.syncs, "steps_done": self.steps_done}

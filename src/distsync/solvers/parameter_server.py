@@ -15,6 +15,10 @@ settings (SGD, momentum, LARS with warm-up) through :func:`distsync.solvers.rule
 - ``async-msgd``: ``async-ps`` with momentum on the server (``momentum``, default 0.9).
 - ``hogwild``: ``threads`` Hogwild training threads per worker (default 2), and servers that
   apply every push without a lock.
+
+Devices: a worker's pushes and the replies it takes in are on its model's device; a server's
+center shard and momentum live on ``ServeContext.device`` (``--server-device``); the messages
+between them travel over gloo from host memory (comm/devices.py).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from distsync.config import bounded
-from distsync.solvers.base import ServeContext, Solver, register_solver
+from distsync.solvers.base import ServeContext, Solver, finish_queued, register_solver
 from distsync.solvers.hogwild_threads import HogwildThreads, HogwildThreadsOptions, threads_option
 from distsync.solvers.rules import lr_factor, server_apply
 from distsync.solvers.shard_service import OP_DONE, TAG_HEADER, Layout, PSClient, Request, ServerShard
@@ -89,7 +93,7 @@ class ServerSolver(Solver):
         params = list(ctx.make_model().parameters())
         servers = comm.ranks_with_role("server")
         layout = Layout.of(params, servers)
-        tensors = [params[i] for i in layout.shards[servers.index(comm.rank)]]
+        tensors = [params[i].detach().to(ctx.device) for i in layout.shards[servers.index(comm.rank)]]
         self.shard = shard = ServerShard(comm, tensors, self.handle, lock=not self.lock_free)
         shard.on_request = ctx.on_request
         shard.drop_dead_workers = ctx.drop_dead_workers and self.survives_worker_loss
@@ -104,15 +108,16 @@ class ServerSolver(Solver):
         self.run_server(shard)
 
     def server_state_dict(self, shard: ServerShard) -> dict:
+        """A copy of the server's state, in host memory (checkpoints load on any machine)."""
         state = shard.state_dict()
         if hasattr(shard, "momentum_buffer"):
-            state["momentum_buffer"] = shard.momentum_buffer.clone()
+            state["momentum_buffer"] = shard.momentum_buffer.to("cpu", copy=True)
         return state
 
     def load_server_state(self, shard: ServerShard, state: dict) -> None:
         shard.load_state_dict(state)
         if "momentum_buffer" in state:
-            shard.momentum_buffer = state["momentum_buffer"].clone()
+            shard.momentum_buffer = state["momentum_buffer"].to(shard.center.device, copy=True)
 
     def run_server(self, shard: ServerShard) -> None:
         shard.serve_each_worker_in_a_thread()
@@ -238,7 +243,7 @@ class AsyncPS(GradientServerSolver):
 
     def attach(self, model, optimizer, comm, **kw):
         model = super().attach(model, optimizer, comm, **kw)
-        self._acc = [torch.zeros(v.numel) for v in self.client.views]
+        self._acc = [torch.zeros(v.numel, device=self.client.device) for v in self.client.views]
         self._pending = 0
         self._final = None
         return model
@@ -260,6 +265,9 @@ class AsyncPS(GradientServerSolver):
         with self.client_lock:
             for acc, g in zip(self._acc, flat_grads):
                 acc.add_(g)
+            # (Hogwild threads on a GPU each queue on a stream of their own: the sum must be
+            # done before another thread, holding the lock next, pushes or replaces it)
+            finish_queued(self.client.device)
             self._pending += 1
             if self._pending == self.options.n_push:
                 self._push(step)
@@ -270,11 +278,11 @@ class AsyncPS(GradientServerSolver):
         self._pending = 0
 
     def state_dict(self):
-        return {**super().state_dict(), "acc": [a.clone() for a in self._acc], "pending": self._pending}
+        return {**super().state_dict(), "acc": [a.to("cpu", copy=True) for a in self._acc], "pending": self._pending}
 
     def load_state_dict(self, state):
         super().load_state_dict(state)
-        self._acc = [a.clone() for a in state["acc"]]
+        self._acc = [a.to(self.client.device, copy=True) for a in state["acc"]]
         self._pending = int(state["pending"])
 
     def eval_model(self):

@@ -30,9 +30,10 @@ from dataclasses import dataclass
 
 import torch
 
+from distsync.comm.devices import own_stream
 from distsync.config import bounded
 from distsync.errors import PeerLost
-from distsync.solvers.base import join_background, register_solver
+from distsync.solvers.base import finish_queued, join_background, queued_mark, register_solver, run_after
 from distsync.solvers.elastic import AsyncEASGD, WildOptions
 from distsync.solvers.flat import FlatView, storage_aliases
 from distsync.solvers.hogwild_threads import HogwildThreads
@@ -68,6 +69,7 @@ class _ShadowAveraging(AveragingSolver):
         comm.group("shadow", ordered=False)
         self.reforms = 0
         self.live = FlatView(storage_aliases(model.parameters()))
+        self._trained = queued_mark(self.live.device)  # (on a GPU: after the training thread's latest step)
         self._done = threading.Event()
         self._errors: list[BaseException] = []
         self._thread = threading.Thread(target=self._shadow_loop, name=f"shadow-{self.name}", daemon=True)
@@ -77,6 +79,7 @@ class _ShadowAveraging(AveragingSolver):
     def after_update(self, step):
         with self._fg_lock:
             self.steps_done += 1  # the shadow thread does the syncs
+            self._trained = queued_mark(self.live.device)
 
     def _all_reduce_live(self, msg: torch.Tensor) -> int | None:
         """All-reduce ``msg`` over the live workers; their number, or None when a worker died
@@ -95,25 +98,32 @@ class _ShadowAveraging(AveragingSolver):
             self._done.wait()
             return
         try:
-            while True:
-                t0 = time.perf_counter()
-                read = self.live.flat().clone()
-                # One extra element: how many workers have finished training. All stop together.
-                msg = torch.cat([read, torch.tensor([1.0 if self._done.is_set() else 0.0])])
-                n = self._all_reduce_live(msg)
-                if n is None:
-                    continue
-                mean = msg[:-1].div_(n)
-                new = self._combine(mean)
-                live = self.live.flat()
-                apply_correction(live, read, new)
-                self.live.assign(live)
-                self.syncs += 1
-                if msg[-1].item() >= n:
-                    return
-                pause = self.options.min_interval_ms / 1000 - (time.perf_counter() - t0)
-                if pause > 0:
-                    self._done.wait(pause)  # close() cuts the pause short
+            with own_stream(self.live.device):
+                while True:
+                    t0 = time.perf_counter()
+                    # On a GPU the training thread's steps are kernels queued on its stream: the
+                    # model is read once its latest step has run (as on the CPU, where a step is
+                    # done when its call returns).
+                    run_after(self._trained)
+                    read = self.live.flat().clone()
+                    # One extra element: how many workers have finished training. All stop together.
+                    msg = torch.cat([read, read.new_tensor([1.0 if self._done.is_set() else 0.0])])
+                    n = self._all_reduce_live(msg)
+                    if n is None:
+                        continue
+                    mean = msg[:-1].div_(n)
+                    new = self._combine(mean)
+                    run_after(self._trained)  # (the steps taken during the all-reduce are kept)
+                    live = self.live.flat()
+                    apply_correction(live, read, new)
+                    self.live.assign(live)
+                    self.syncs += 1
+                    if msg[-1].item() >= n:
+                        finish_queued(self.live.device)  # (close() reads the model on the training thread)
+                        return
+                    pause = self.options.min_interval_ms / 1000 - (time.perf_counter() - t0)
+                    if pause > 0:
+                        self._done.wait(pause)  # close() cuts the pause short
         except BaseException as e:  # raised on the training thread by close()
             self._errors.append(e)
 
@@ -171,6 +181,8 @@ class ShadowEA(HogwildThreads, AsyncEASGD):
     def attach(self, model, optimizer, comm, **kw):
         model = super().attach(model, optimizer, comm, **kw)
         self.live_views = self.client.layout.views(storage_aliases(model.parameters()))
+        self._device = self.live_views[0].device
+        self._trained = queued_mark(self._device)  # (on a GPU: after the training thread's latest step)
         self.syncs = 0
         self.steps_done = 0
         self._count_lock = threading.Lock()
@@ -190,25 +202,30 @@ class ShadowEA(HogwildThreads, AsyncEASGD):
     def after_update(self, step):
         with self._count_lock:
             self.steps_done += 1  # the shadow thread does the exchanges
+            self._trained = queued_mark(self._device)
 
     def _shadow_loop(self) -> None:
         try:
-            while not self._done.is_set():
-                t0 = time.perf_counter()
-                # (the steps the training thread has done: the server's faults and checkpoint
-                # cuts follow the workers' steps)
-                self._exchange_live(self.steps_done)
-                pause = self.options.min_interval_ms / 1000 - (time.perf_counter() - t0)
-                if pause > 0:
-                    self._done.wait(pause)  # close() cuts the pause short
+            with own_stream(self._device):
+                while not self._done.is_set():
+                    t0 = time.perf_counter()
+                    # (the steps the training thread has done: the server's faults and checkpoint
+                    # cuts follow the workers' steps)
+                    self._exchange_live(self.steps_done)
+                    pause = self.options.min_interval_ms / 1000 - (time.perf_counter() - t0)
+                    if pause > 0:
+                        self._done.wait(pause)  # close() cuts the pause short
+                finish_queued(self._device)  # (close() reads the model on the training thread)
         except BaseException as e:
             self._errors.append(e)
 
     def _exchange_live(self, step: int) -> None:
         c = self.client
         with self.client_lock:
+            run_after(self._trained)  # (on a GPU: after the latest step, as in _ShadowAveraging)
             read = [v.flat().clone() for v in self.live_views]
             centers = c.exchange(step, read)
+        run_after(self._trained)  # (the steps taken during the exchange are kept)
         for view, x, seen in zip(self.live_views, read, centers):
             new = x.clone()
             elastic_pull(new, seen, self.alpha)

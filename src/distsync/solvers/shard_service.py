@@ -11,7 +11,10 @@ the center copy of its tensors, flattened.
 Protocol (torch.distributed point-to-point on the default group, one tag per message
 kind): a worker sends a header ``int64[op, step, version_seen]`` and, for pushes and
 exchanges, the flat payload of that server's tensors; a server answers a pull or an
-exchange with a header ``int64[version]`` and the flat center. A server serves every worker
+exchange with a header ``int64[version]`` and the flat center. Messages travel over gloo from
+host memory (comm/devices.py): a server keeps its center where its tensors are
+(``--server-device``) and moves each payload there, a worker moves each reply to its model's
+device; checkpoints hold host copies. A server serves every worker
 from its own thread (first come, first served), or in strict rank order (round robin), or
 in synchronous rounds; ``serve`` returns once every worker has said it is done.
 ``OP_SAVE`` (header ``[op, checkpoint index, steps the worker has done]``, no reply) asks a
@@ -87,6 +90,8 @@ class PSClient:
         self.layout = Layout.of(self.params, server_ranks)
         self.views = self.layout.views(self.params)
         self.versions = [0] * len(server_ranks)
+        #: where the model's parameters live: the servers' replies are moved there
+        self.device = self.params[0].device if self.params else torch.device("cpu")
 
     def _header(self, op: int, step: int, s: int) -> torch.Tensor:
         return torch.tensor([op, step, self.versions[s]], dtype=torch.int64)
@@ -103,9 +108,10 @@ class PSClient:
             head = torch.zeros(1, dtype=torch.int64)
             self.comm.recv(head, rank, tag=TAG_REPLY_HEADER)
             self.versions[s] = int(head.item())
-            buf = torch.zeros(self.views[s].numel)
+            # (received in host memory: pinned for a GPU, whose copy then runs without blocking)
+            buf = torch.zeros(self.views[s].numel, pin_memory=self.device.type == "cuda")
             self.comm.recv(buf, rank, tag=TAG_REPLY)
-            out.append(buf)
+            out.append(buf.to(self.device, non_blocking=True))
         return out
 
     def pull(self, step: int) -> list[torch.Tensor]:
@@ -143,7 +149,8 @@ class Request:
 
 
 class ServerShard:
-    """A server's center shard and its bookkeeping (version, staleness histogram).
+    """A server's center shard and its bookkeeping (version, staleness histogram). The
+    center lives on the device of ``tensors`` (the server's: ``ServeContext.device``).
 
     ``handle(request)`` is the solver's rule; it returns the tensor to send back (for pulls
     and exchanges) or ``None``. ``lock``: hold the server lock around ``handle`` (every
@@ -204,8 +211,10 @@ class ServerShard:
                 self.on_request(self.job_step())
         payload = None
         if op in (OP_PUSH, OP_EXCHANGE):
-            payload = torch.zeros(self.center.numel())
+            # (received in host memory: pinned for a GPU, whose copy then runs without blocking)
+            payload = torch.zeros(self.center.numel(), pin_memory=self.center.device.type == "cuda")
             self.comm.recv(payload, worker, tag=TAG_PAYLOAD)
+            payload = payload.to(self.center.device, non_blocking=True)
         return Request(worker, op, step, seen, payload)
 
     def _reply(self, worker: int, tensor: torch.Tensor, version: int) -> None:
@@ -462,7 +471,9 @@ class ServerShard:
                 self._reply_live(r.worker, out, self.version)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"center": self.center.clone(), "version": self.version,
+        """A copy of the shard's state, its tensors in host memory (a checkpoint written by a
+        server on a GPU loads anywhere)."""
+        return {"center": self.center.to("cpu", copy=True), "version": self.version,
                 "staleness": dict(self.staleness), "requests": dict(self.requests)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -17,6 +17,11 @@ with the rows ``float32[sum n, dim]``. ``OP_DONE`` ends a channel. ``OP_SAVE`` (
 ``[op, checkpoint index, 0 ...]``, on every channel of the trainer) asks the server to write
 its rows and optimizer state into a checkpoint, once per index, as a consistent cut: each
 channel's pushes before its request are in it, none after (``EmbeddingServer.save``).
+
+Devices: messages travel over gloo from host memory (comm/devices.py). A trainer looks rows
+up and pushes gradients in host memory (:class:`RemoteTables` moves them to and from its
+model's device); a server keeps its rows and optimizer state on its ``device`` (the cpu by
+default, ``--server-device``) and moves what it receives there; checkpoints hold host copies.
 """
 
 from __future__ import annotations
@@ -160,15 +165,17 @@ class EmbeddingClient:
 
 
 class EmbeddingServer:
-    """One server's rows of every table, their optimizer state, and its serving threads."""
+    """One server's rows of every table, their optimizer state, and its serving threads;
+    ``device``: where the rows and their optimizer state live."""
 
     def __init__(self, comm, tables: list[torch.Tensor], index: int, servers: int, optimizer: str = "adagrad",
-                 lr: float = 0.1, eps: float = 1e-10):
+                 lr: float = 0.1, eps: float = 1e-10, device: torch.device | str = "cpu"):
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"unknown embedding optimizer {optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
         self.comm = comm
         self.sharding = RowSharding(servers)
-        self.weights = [self.sharding.shard(t.detach(), index) for t in tables]
+        self.device = torch.device(device)
+        self.weights = [self.sharding.shard(t.detach(), index).to(self.device) for t in tables]
         self.dim = tables[0].shape[1]
         self.state = [torch.zeros_like(w) for w in self.weights] if optimizer == "adagrad" else None
         self.optimizer, self.lr, self.eps = optimizer, lr, eps
@@ -196,13 +203,14 @@ class EmbeddingServer:
         self.refused: dict[str, str] = {}
 
     def state_dict(self) -> dict[str, Any]:
-        """Rows and optimizer state, each table under its lock (pushes may be arriving)."""
+        """Rows and optimizer state, each table under its lock (pushes may be arriving): host
+        copies (a checkpoint written by a server on a GPU loads anywhere)."""
         weights, state = [], []
         for t, lock in enumerate(self.locks):
             with lock:
-                weights.append(self.weights[t].clone())
+                weights.append(self.weights[t].to("cpu", copy=True))
                 if self.state is not None:
-                    state.append(self.state[t].clone())
+                    state.append(self.state[t].to("cpu", copy=True))
         with self._count:
             counts = dict(self.counts)
         return {"weights": weights, "state": state, "counts": counts, "index": self.saved_index}
@@ -286,14 +294,16 @@ class EmbeddingServer:
 
     def lookup(self, counts: list[int], local: torch.Tensor) -> torch.Tensor:
         out = []
-        for t, rows in enumerate(torch.split(local, counts)):
+        for t, rows in enumerate(torch.split(local.to(self.device), counts)):
             with self.locks[t]:
                 out.append(self.weights[t][rows])
         return torch.cat(out)
 
     def apply(self, counts: list[int], local: torch.Tensor, grads: torch.Tensor) -> None:
-        """Apply a push: rows within a push are distinct (the trainer summed duplicates)."""
-        self._apply_to(self.weights, self.state, counts, local, grads, self.locks)
+        """Apply a push: rows within a push are distinct (the trainer summed duplicates). It
+        arrives in host memory (and stays there in a checkpoint's log: the cut's snapshot is a
+        host copy)."""
+        self._apply_to(self.weights, self.state, counts, local.to(self.device), grads.to(self.device), self.locks)
 
     def _apply_to(self, weights: list[torch.Tensor], state: list[torch.Tensor] | None, counts: list[int],
                   local: torch.Tensor, grads: torch.Tensor, locks: list[threading.Lock] | None = None) -> None:
@@ -333,7 +343,9 @@ class EmbeddingServer:
                     with self._counted_in((worker, channel)):
                         rows = self.lookup(counts, local)
                     self._tally(t0, lookups=1, rows_looked_up=len(local))
-                    self.comm.send(rows, worker, tag=reply_tag)
+                    # (a host copy of its own: lookups differ in size, and comm would keep a
+                    # pinned buffer for every size it stages)
+                    self.comm.send(rows.cpu(), worker, tag=reply_tag)
                 else:
                     grads = torch.empty(sum(counts), self.dim)
                     self.comm.recv(grads, worker, tag=grad_tag)

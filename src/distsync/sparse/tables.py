@@ -45,7 +45,7 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
 def coalesce(ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Unique ids (sorted) and the sum of the gradient rows given for each."""
     unique, inverse = torch.unique(ids, return_inverse=True)
-    summed = torch.zeros(len(unique), grads.shape[1], dtype=grads.dtype)
+    summed = torch.zeros(len(unique), grads.shape[1], dtype=grads.dtype, device=grads.device)
     summed.index_add_(0, inverse, grads)
     return unique, summed
 

@@ -18,6 +18,8 @@ Hook points, in the order a worker reaches them::
     on_step_start(run, s)      before the step's clock (t0) and the solver's before_step
     before_compute(run, s)     the batch is on the device; the compute window opens next
     on_loss(run, s, loss)      returns the loss to go on with
+    for_backward(run, s, loss) returns what backward runs on (a scaled loss); the loss reported
+                               stays the one on_loss returned
     after_forward(run, s)      s.forward_s is known
     after_backward(run, s)     s.backward_s is known; the compute window is still open
     after_compute(run, s)      the compute window is closed (s.compute_s); then the solver's
@@ -48,7 +50,7 @@ import torch
 
 #: every hook point, in the order a worker reaches them (``Plugins`` dispatches these)
 HOOKS = ("on_model", "on_attach", "on_ready", "on_start", "on_thread_start", "stop_before", "on_step_start", "before_compute",
-         "on_loss", "after_forward", "after_backward", "after_compute", "before_update", "sync_due", "at_sync_point", "on_step_end",
+         "on_loss", "for_backward", "after_forward", "after_backward", "after_compute", "before_update", "sync_due", "at_sync_point", "on_step_end",
          "computing", "on_checkpoint", "save_state", "load_state", "on_close")
 
 
@@ -103,6 +105,8 @@ class StepState:
     #: the optimizer has stepped (a step done again after a worker died resumes after it)
     updated: bool = False
     loss_tensor: Any = None
+    #: this step's gradient overflowed (--precision fp16): its optimizer step is skipped
+    skip_update: bool = False
     labels: Any = None
 
     @property
@@ -202,6 +206,9 @@ class Plugin:
     def on_loss(self, run: RunState, s: StepState, loss: torch.Tensor) -> torch.Tensor:
         return loss
 
+    def for_backward(self, run: RunState, s: StepState, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
     def after_forward(self, run: RunState, s: StepState) -> None: ...
     def after_backward(self, run: RunState, s: StepState) -> None: ...
     def after_compute(self, run: RunState, s: StepState) -> None: ...
@@ -266,6 +273,11 @@ class Plugins:
 
     def on_loss(self, run: RunState, s: StepState, loss: torch.Tensor) -> torch.Tensor:
         for hook in self._hooks["on_loss"]:
+            loss = hook(run, s, loss)
+        return loss
+
+    def for_backward(self, run: RunState, s: StepState, loss: torch.Tensor) -> torch.Tensor:
+        for hook in self._hooks["for_backward"]:
             loss = hook(run, s, loss)
         return loss
 

@@ -16,8 +16,10 @@ from typing import Callable
 
 import torch
 
+from distsync.comm.devices import own_stream
 from distsync.errors import DistsyncError
 from distsync.runtime.plugins.base import RunState, StepState, SyncPoint
+from distsync.solvers.base import finish_queued, queued_mark, run_after
 from distsync.solvers.flat import storage_aliases
 
 TrainThread = Callable[[RunState, int], None]
@@ -50,7 +52,8 @@ class SingleThread:
         run.solver.after_backward(s.step)
 
     def update(self, run: RunState, s: StepState) -> None:
-        run.solver.update(s.step)
+        if not s.skip_update:  # (an fp16 gradient that overflowed: runtime/plugins/training.py)
+            run.solver.update(s.step)
 
     def zero_grad(self, run: RunState, s: StepState) -> None:
         run.solver.zero_grad()
@@ -82,16 +85,25 @@ class HogwildRunner(SingleThread):
         def at_barrier() -> None:  # run by one thread while all wait
             point = self._point
             run.plugins.at_sync_point(run, point)
+            finish_queued(run.device)  # (on a GPU: the point's reads are done before the threads write on)
             self._met = point
+
+        # On a GPU each thread computes on a stream of its own, so that their kernels overlap;
+        # the model they start from was built on this thread's stream, which reads it again
+        # once they are done.
+        built = queued_mark(run.device)
 
         def guarded(t: int) -> None:
             try:
-                # Each thread runs its own replica of the module whose parameters are new tensor
-                # objects over the shared storage: updates by other threads race on the data
-                # (Hogwild) instead of tripping autograd's checks on a shared version counter.
-                self._replicas[t] = replica = hogwild_replica(run.model)
-                self._params[t] = [p for p in replica.parameters() if p.requires_grad]
-                train_thread(run, t)
+                with own_stream(run.device):
+                    run_after(built)
+                    # Each thread runs its own replica of the module whose parameters are new tensor
+                    # objects over the shared storage: updates by other threads race on the data
+                    # (Hogwild) instead of tripping autograd's checks on a shared version counter.
+                    self._replicas[t] = replica = hogwild_replica(run.model)
+                    self._params[t] = [p for p in replica.parameters() if p.requires_grad]
+                    train_thread(run, t)
+                    finish_queued(run.device)
             except threading.BrokenBarrierError:
                 pass
             except BaseException as e:
@@ -129,5 +141,6 @@ class HogwildRunner(SingleThread):
         if not run.plugins.sync_due(run, done):
             return None
         self._point = SyncPoint(done)
+        finish_queued(run.device)  # (on a GPU: this thread's steps are in the model the point reads)
         self._barrier.wait()
         return self._met.metric

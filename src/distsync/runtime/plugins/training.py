@@ -74,6 +74,65 @@ class GradClip(Plugin):
             self._clip(run)
 
 
+class LossScaler(Plugin):
+    """``--precision fp16``: the loss is multiplied by a scale before backward, so that small
+    gradients survive float16's range, and the gradient divided by it before anyone uses it
+    (torch's dynamic ``GradScaler``: the scale halves after a step whose gradient overflowed,
+    doubles after 2000 clean ones). Where it is divided is where clipping would clip: after
+    the all-reduce for solvers that average gradients in backward (allreduce, ddp: every
+    worker then sees the same overflow), before the solver pushes or applies it for the
+    others. A step whose gradient overflowed skips its optimizer step, and its gradient is
+    zeroed (a solver that pushes gradients sends zeros); its event says ``"overflow": true``
+    and every step's event carries the scale it used (``loss_scale``)."""
+
+    def __init__(self, after_sync: bool):
+        self.after_sync = after_sync
+        self.scaler: Any = None
+        self.overflows = 0
+
+    @classmethod
+    def for_worker(cls, cfg: Any, solver: Any) -> "LossScaler | None":
+        if cfg.precision != "fp16":
+            return None
+        _one_thread("--precision fp16", "loss scaling", solver)
+        return cls(solver.syncs_in_backward)
+
+    def on_ready(self, run: RunState) -> None:  # (before the checkpointer's, which may restore its state)
+        self.scaler = torch.amp.GradScaler(run.device.type)
+
+    def for_backward(self, run: RunState, s: StepState, loss: torch.Tensor) -> torch.Tensor:
+        s.event_extra["loss_scale"] = float(self.scaler.get_scale())
+        return self.scaler.scale(loss)
+
+    def _unscale(self, run: RunState, s: StepState) -> None:
+        self.scaler.unscale_(run.optimizer)
+        grads = [p.grad for p in run.params if p.grad is not None]
+        finite = bool(torch.stack([g.abs().max() for g in grads if g.numel()]).isfinite().all()) if grads else True
+        self.scaler.update()
+        if not finite:
+            self.overflows += 1
+            s.skip_update = True
+            s.event_extra["overflow"] = True
+            for g in grads:
+                g.zero_()
+
+    def after_compute(self, run: RunState, s: StepState) -> None:
+        s.skip_update = False
+        if not self.after_sync:
+            self._unscale(run, s)
+
+    def before_update(self, run: RunState, s: StepState) -> None:
+        if self.after_sync:
+            self._unscale(run, s)
+
+    def save_state(self, state: dict) -> None:
+        state["loss_scaler"] = self.scaler.state_dict()
+
+    def load_state(self, restored: dict) -> None:
+        if restored.get("loss_scaler"):
+            self.scaler.load_state_dict(restored["loss_scaler"])
+
+
 @functools.cache
 def _bf16_on(device: torch.device) -> None:
     if device.type == "cuda" and not torch.cuda.is_bf16_supported():
@@ -82,12 +141,14 @@ def _bf16_on(device: torch.device) -> None:
 
 
 def forward_precision(precision: str, device: torch.device) -> ContextManager[Any]:
-    """Around the forward pass and the loss (``--precision``): nothing for fp32; for bf16,
-    autocast to bfloat16 on ``device``. Autocast leaves the parameters, and so the gradients
+    """Around the forward pass and the loss (``--precision``): nothing for fp32; for bf16 or
+    fp16, autocast to bfloat16 or float16 on ``device``. Autocast leaves the parameters, and so the gradients
     and everything solvers send, in the parameters' dtype; it is per thread, so each Hogwild
     thread enters it for its own forward."""
     if precision == "fp32":
         return contextlib.nullcontext()
+    if precision == "fp16":  # (the loss scaler, above, keeps small gradients from vanishing)
+        return torch.autocast(device_type=device.type, dtype=torch.float16)
     _bf16_on(device)
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
