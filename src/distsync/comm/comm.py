@@ -166,7 +166,6 @@ class Comm:
         #: host copies of device tensors for gloo (point-to-point messages; collectives
         #: without nccl)
         self.stage = HostStage()
-        self._carries_device: dict[int, bool] = {}
         self.worker_ranks = [r for r, role in enumerate(self.role_of) if role == "worker"]
         self.bytes_sent = 0
         self._worker_group: Any = None
@@ -333,11 +332,8 @@ class Comm:
             return False
         if self.placement.backend != "nccl":
             return True
-        key = id(group)
-        carries = self._carries_device.get(key)
-        if carries is None:  # (groups of our own making, e.g. live views, are gloo only)
-            carries = self._carries_device[key] = "nccl" in str(dist.get_backend(group))
-        return not carries
+        # (groups of our own making, live views and background threads' groups, are gloo only)
+        return "nccl" not in str(dist.get_backend(group))
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", group: Any = None, async_op: bool = False,
                    key: Any = None):
