@@ -114,3 +114,19 @@ def test_device_tensors_reach_gloo_through_host_buffers_and_come_back():
         assert r["broadcast"] == [5.0] * 3
         assert r["partial"] == (True, [3.0 * i for i in range(7)])
     assert results[1]["recv"] == [1.0, 2.0, 3.0] and results[1]["sender"] == 0
+
+
+def test_under_a_launcher_only_the_nodes_workers_count_for_a_gpu_each(monkeypatch):
+    import distsync.comm.devices as devices
+
+    seen = []
+    monkeypatch.setattr(devices, "place", lambda *a: seen.append(a))
+    roles = ["worker", "worker", "worker", "server", "server"]
+    # node 2 of 2 (ranks 3 and 4: the servers) and node 1 (ranks 0-2: the workers)
+    for rank, local in ((4, 1), (1, 1)):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("LOCAL_RANK", str(local))
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2" if rank >= 3 else "3")
+        devices.place_from_env("cuda", "nccl", "cpu", roles)
+    devices.place_from_env("cuda", "nccl", "cpu")  # (no roles: every process on the node)
+    assert [a[4] for a in seen] == [1, 3, 3]

@@ -27,7 +27,7 @@ import contextlib
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, ContextManager
+from typing import Any, ContextManager, Sequence
 
 import torch
 
@@ -93,10 +93,18 @@ def place(device: str = "auto", backend: str = "auto", server_device: str = "cpu
                      torch.device("cuda", index) if server_device == "cuda" else torch.device("cpu"))
 
 
-def place_from_env(device: str, backend: str, server_device: str) -> Placement:
-    """:func:`place` for this process, as torch's launcher describes it in the environment."""
-    return place(device, backend, server_device, int(os.environ.get("LOCAL_RANK", "0") or 0),
-                 int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+def place_from_env(device: str, backend: str, server_device: str, role_of: Sequence[str] | None = None) -> Placement:
+    """:func:`place` for this process, as torch's launcher describes it in the environment.
+    ``role_of`` (every rank's role): only the workers on this node count for nccl's GPU per
+    worker (servers and coordinators run no collective of device tensors); without it, every
+    process on the node does."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    size = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    workers = size
+    if role_of is not None:  # (the launcher gives a node's processes consecutive ranks)
+        first = int(os.environ.get("RANK", "0") or 0) - local_rank
+        workers = max(1, sum(1 for r in range(first, first + size) if 0 <= r < len(role_of) and role_of[r] == "worker"))
+    return place(device, backend, server_device, local_rank, workers)
 
 
 def enter(placement: Placement) -> None:

@@ -450,7 +450,7 @@ def run_process(run: ResolvedRun, run_dir: Path) -> None:
         import torch._dynamo as _dynamo  # noqa: F401  (as: no local name torch in this function)
 
     torch.set_num_threads(cfg.intra_op_threads)
-    placement = place_from_env(cfg.device, cfg.backend, cfg.server_device)
+    placement = place_from_env(cfg.device, cfg.backend, cfg.server_device, run.role_of)
     enter(placement)  # (torch.cuda.set_device: nccl, streams and unnamed CUDA calls use this GPU)
     device = placement.device
     solver = run.new_solver()
