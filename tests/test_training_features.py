@@ -272,6 +272,7 @@ def test_a_half_precision_run_keeps_float32_parameters_and_ends_near_the_same_ru
     steps = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
     scales = {e.get("loss_scale") for e in steps if e["kind"] == "step"}
     assert scales == ({None} if precision == "bf16" else {65536.0})  # (fp16: torch's first scale, no overflow)
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["placement"] == ["cpu (gloo)"]
     w = load_workload("digits")
     model = w.make_model()
     accuracy = []

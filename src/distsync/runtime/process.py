@@ -261,6 +261,8 @@ def write_results(run: ResolvedRun, run_dir: Path, events: list[dict[str, Any]],
         "slow": {str(k): v for k, v in cfg.slow.items()},
         "jitter": cfg.jitter,
         "device": device_summary(events, cfg.device_ms),
+        # where the workers computed and what carried their collectives, e.g. ["cuda:0 (nccl)", ...]
+        "placement": sorted({e["placement"] for e in events if e["kind"] == "start" and "placement" in e}),
         "budget": _budget_summary(cfg.budget, events),
         **summarize(events, target=meta["target"], higher_is_better=meta["higher_is_better"]),
         **final_extra_metrics(events, meta["extra_metrics"]),

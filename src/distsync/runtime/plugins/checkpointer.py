@@ -51,8 +51,10 @@ class Checkpointer(Plugin):
         restored = self.restored
         if restored is None:
             # (what the run's workload is: partial results are summarized from the journals)
+            placement = getattr(run.comm, "placement", None)
             run.events.append({"kind": "start", "rank": run.rank, "unix": time.time(),
-                               "workload": workload_meta(run.workload)})
+                               "workload": workload_meta(run.workload),
+                               "placement": placement.describe() if placement is not None else str(run.device)})
         if self.recovery.joined:  # a replacement that took a live peer's state (or the servers')
             if "model" not in restored:  # (healed over channels: the solver takes it from its peers)
                 src = run.solver.join_peers(int(restored["step"]))
