@@ -12,11 +12,11 @@ from typing import Any, Callable, TypeVar
 import torch
 
 from distsync.comm import Comm
+from distsync.comm.devices import enter, place_from_env
 from distsync.config import RunConfig, parse_link
 from distsync.errors import CommError, ConfigError
 from distsync.metrics import device_summary, split_collective_wait, summarize
 from distsync.metrics.outputs import write_csv
-from distsync.comm.devices import enter, place_from_env
 from distsync.runtime.checkpoint import STATEFUL_ROLES, CheckpointStore, fingerprint
 from distsync.runtime.linktest import run_linktest
 from distsync.runtime.loop import Progress, train_worker
@@ -309,7 +309,8 @@ def serve_embeddings(cfg: RunConfig, workload: Workload, comm: Comm, channels: i
     servers = comm.ranks_with_role(EMBEDDING_SERVER)
     lr = cfg.embedding_lr
     server = EmbeddingServer(comm, list(found[1].weights), servers.index(comm.rank), len(servers),
-                             cfg.embedding_optimizer, lr, device=ctx.device if ctx is not None else torch.device("cpu"))
+                             cfg.embedding_optimizer, lr,
+                             device=ctx.device if ctx is not None else torch.device("cpu"))
     if ctx is not None and ctx.restored is not None:
         server.load_state_dict(ctx.restored)
     if ctx is not None:
