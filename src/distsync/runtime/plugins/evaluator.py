@@ -45,5 +45,6 @@ class Evaluator(Plugin):
         self.evaluate(run, run.steps - 1)
         if self.save_to is not None:
             tmp = self.save_to.with_suffix(".tmp")
-            torch.save(run.solver.eval_model().state_dict(), tmp)
+            # host copies: a model trained on a GPU loads with plain torch.load anywhere
+            torch.save({k: v.detach().cpu() for k, v in run.solver.eval_model().state_dict().items()}, tmp)
             os.replace(tmp, self.save_to)
