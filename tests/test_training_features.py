@@ -351,3 +351,25 @@ def test_the_fp16_loss_scaler_unscales_the_gradient_and_skips_a_step_that_overfl
     assert s.skip_update and s.event_extra == {"loss_scale": 65536.0, "overflow": True}
     assert all(float(p.grad.abs().sum()) == 0.0 for p in model.parameters())  # (a pushed gradient is zeros)
     assert scaler.scaler.get_scale() == 32768.0 and scaler.overflows == 1  # halved after the overflow
+
+
+def test_a_forked_worker_starts_processes_as_a_fresh_interpreter_would(tmp_path):
+    """A user's DataLoader with worker processes uses the default start method: in a worker
+    forked from the fork server it must be the platform's, not the fork server's own (which
+    would start each loader process through it, pickling the dataset)."""
+    (tmp_path / "wl.py").write_text(
+        "import multiprocessing, os, torch\n"
+        "from distsync import Workload\n"
+        "def make_workload(log=''):\n"
+        "    with open(os.path.join(log, f'{os.getpid()}.txt'), 'w') as f:\n"
+        "        f.write(str(multiprocessing.get_start_method(allow_none=True)))\n"
+        "    x = torch.randn(64, 4); y = (x.sum(1) > 0).long()\n"
+        "    return Workload(name='t', make_model=lambda: torch.nn.Linear(4, 2), train_data=(x, y), eval_data=(x, y),\n"
+        "                    target=0.9, batch_size=16, lr=0.5, steps=2, eval_every=2)\n")
+    log = tmp_path / "log"
+    log.mkdir()
+    proc = run_cli("train", "--workload", f"{tmp_path / 'wl.py'}:make_workload", "-w", f"log={log}", "--workers", "2",
+                   "--steps", "2", "--out", str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    seen = [p.read_text() for p in log.glob("*.txt")]
+    assert len(seen) >= 3 and set(seen) == {"None"}, seen  # (the command's process and each worker's)

@@ -72,6 +72,10 @@ def run_process(argv: list[str], launcher_env: dict[str, str], supervised: bool)
     # costs nothing (a list splice), and the rank forked below inherits it.
     gc.freeze()
     _take_environment(launcher_env)
+    # The fork server's default start method is its own ("forkserver"); a fresh interpreter's
+    # is the platform's: a user's DataLoader with worker processes would otherwise start each
+    # of them through the fork server, pickling its dataset (seen: 11 s to over 120 s).
+    multiprocessing.set_start_method(None, force=True)
     from distsync import supervise, worker
 
     def start(replacement: int) -> tuple[int, Callable[[], int]]:
