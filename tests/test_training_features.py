@@ -372,4 +372,6 @@ def test_a_forked_worker_starts_processes_as_a_fresh_interpreter_would(tmp_path)
                    "--steps", "2", "--out", str(tmp_path / "run"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     seen = [p.read_text() for p in log.glob("*.txt")]
-    assert len(seen) >= 3 and set(seen) == {"None"}, seen  # (the command's process and each worker's)
+    # the command's process and each worker's: the platform's default ("fork" once a process
+    # has used it, None before), never the fork server's
+    assert len(seen) >= 3 and set(seen) <= {"None", "fork"}, seen
