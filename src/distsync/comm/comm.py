@@ -11,8 +11,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from distsync.errors import CommError
 from distsync.comm.devices import HostStage, Placement, is_device
+from distsync.errors import CommError
 
 #: where, in the job's store, a peer and a dead worker's replacement agree on a channel
 HEAL = "distsync/heal/"

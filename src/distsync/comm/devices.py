@@ -203,8 +203,31 @@ def own_stream(device: torch.device) -> ContextManager[Any]:
 
 def synchronize(device: torch.device) -> None:
     """Wait for the work this thread queued on ``device`` (a GPU's kernels run after the
-    Python call that queued them returns): timing a step's compute needs it. Only this
+    Python call that queued them returns): timing a step's compute needs it, and so does a
+    thread whose writes another thread, on a stream of its own, reads next. Only this
     thread's stream: a background thread's communication is not this step's compute.
     Nothing on the CPU."""
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
+
+
+# A GPU runs each CUDA stream's kernels after the Python call that queued them returns, and
+# a thread that shares tensors with another (a background synchronization, a passive
+# worker's answers, Hogwild threads) computes on a stream of its own (:func:`own_stream`):
+# what one thread wrote is there for another only once these, or :func:`synchronize`, say
+# so. On the CPU, where every call is done when it returns, they do nothing.
+def queued_mark(device: torch.device) -> Any:
+    """A mark after the work the calling thread has queued for ``device`` so far (a CUDA
+    event; None on the CPU), for another thread to order its own work after (:func:`run_after`)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def run_after(mark: Any) -> None:
+    """Make what the calling thread queues from now on run after the work before ``mark``
+    (another thread's, from :func:`queued_mark`). It does not wait."""
+    if mark is not None:  # (the calling thread's current device: set by own_stream, or set_device)
+        torch.cuda.current_stream().wait_event(mark)

@@ -28,7 +28,6 @@ from typing import Any, Callable, ClassVar, Iterator
 import torch
 import torch.nn as nn
 
-from distsync.comm.devices import synchronize
 from distsync.config import check_ranges, convert, show_names
 from distsync.errors import ConfigError
 from distsync.imports import load_attribute
@@ -451,34 +450,6 @@ def join_background(thread: threading.Thread, errors: list[BaseException], timeo
         seen = now
     if errors:
         raise errors[0]
-
-
-# A GPU runs each CUDA stream's kernels after the Python call that queued them returns, and
-# a thread that shares tensors with another (a background synchronization, a passive
-# worker's answers, Hogwild threads) computes on a stream of its own (comm/devices.py:
-# own_stream): what one thread wrote is there for another only once these say so. On the
-# CPU, where every call is done when it returns, they do nothing.
-def queued_mark(device: torch.device) -> Any:
-    """A mark after the work the calling thread has queued for ``device`` so far (a CUDA
-    event; None on the CPU), for another thread to order its own work after (:func:`run_after`)."""
-    if device.type != "cuda":
-        return None
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(device))
-    return event
-
-
-def run_after(mark: Any) -> None:
-    """Make what the calling thread queues from now on run after the work before ``mark``
-    (another thread's, from :func:`queued_mark`). It does not wait."""
-    if mark is not None:  # (the calling thread's current device: set by own_stream, or set_device)
-        torch.cuda.current_stream().wait_event(mark)
-
-
-def finish_queued(device: torch.device) -> None:
-    """Wait until the work the calling thread queued for ``device`` is done: before another
-    thread, on a stream of its own, reads what it wrote, or writes what it read."""
-    synchronize(device)
 
 
 # ---- registry ---------------------------------------------------------------------------

@@ -33,10 +33,10 @@ from dataclasses import dataclass
 
 import torch
 
-from distsync.comm.devices import own_stream
+from distsync.comm.devices import own_stream, queued_mark, run_after, synchronize
 from distsync.config import bounded
 from distsync.errors import CommError
-from distsync.solvers.base import Solver, finish_queued, join_background, queued_mark, register_solver, run_after
+from distsync.solvers.base import Solver, join_background, register_solver
 from distsync.solvers.flat import FlatView
 from distsync.solvers.rules import group_mean, pairwise_average
 from distsync.solvers.schedules import (bipartite_roles, partner_rng, random_round, round_rng,
@@ -157,7 +157,7 @@ class ADPSGD(Solver):
                     with self.lock:
                         run_after(self._updated)  # (as below)
                         reply = (self.pending if self.pending is not None else self.view.flat()).clone()
-                        finish_queued(self.view.device)
+                        synchronize(self.view.device)
                     self.comm.send(reply, active, group=self.gossip, tag=TAG_AVG_REPLY)
                     continue
                 self.comm.recv(theirs, active, group=self.gossip, tag=TAG_AVG_MODEL)
@@ -173,7 +173,7 @@ class ADPSGD(Solver):
                     pairwise_average(mine, theirs)
                     self.pending = mine
                     reply = mine.clone()  # (another active's averaging may change `pending` meanwhile)
-                    finish_queued(self.view.device)
+                    synchronize(self.view.device)
                 self.comm.send(reply, active, group=self.gossip, tag=TAG_AVG_REPLY)
                 self.answered[active] += 1
         except BaseException as e:  # raised on the training thread at its next step

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+from distsync.comm.devices import synchronize
 from distsync.config import bounded
-from distsync.solvers.base import Solver, finish_queued, register_solver
+from distsync.solvers.base import Solver, register_solver
 from distsync.solvers.flat import FlatView
 from distsync.solvers.hogwild_threads import HogwildThreads, HogwildThreadsOptions
 from distsync.solvers.rules import bmuf_update
@@ -115,7 +116,7 @@ class AveragingSolver(HogwildThreads, Solver):
             # With Hogwild threads the next sync may be another thread's, on a GPU stream of its
             # own: the model and BMUF's state it reads are written by then
             if self.threads > 1:
-                finish_queued(self.view.device)
+                synchronize(self.view.device)
 
     def state_dict(self):
         state = {"syncs": self.syncs, "steps_done": self.steps_done}

@@ -29,8 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
+from distsync.comm.devices import synchronize
 from distsync.config import bounded
-from distsync.solvers.base import ServeContext, Solver, finish_queued, register_solver
+from distsync.solvers.base import ServeContext, Solver, register_solver
 from distsync.solvers.hogwild_threads import HogwildThreads, HogwildThreadsOptions, threads_option
 from distsync.solvers.rules import lr_factor, server_apply
 from distsync.solvers.shard_service import OP_DONE, TAG_HEADER, Layout, PSClient, Request, ServerShard
@@ -267,7 +268,7 @@ class AsyncPS(GradientServerSolver):
                 acc.add_(g)
             # (Hogwild threads on a GPU each queue on a stream of their own: the sum must be
             # done before another thread, holding the lock next, pushes or replaces it)
-            finish_queued(self.client.device)
+            synchronize(self.client.device)
             self._pending += 1
             if self._pending == self.options.n_push:
                 self._push(step)

@@ -30,10 +30,10 @@ from dataclasses import dataclass
 
 import torch
 
-from distsync.comm.devices import own_stream
+from distsync.comm.devices import own_stream, queued_mark, run_after, synchronize
 from distsync.config import bounded
 from distsync.errors import PeerLost
-from distsync.solvers.base import finish_queued, join_background, queued_mark, register_solver, run_after
+from distsync.solvers.base import join_background, register_solver
 from distsync.solvers.elastic import AsyncEASGD, WildOptions
 from distsync.solvers.flat import FlatView, storage_aliases
 from distsync.solvers.hogwild_threads import HogwildThreads
@@ -119,7 +119,7 @@ class _ShadowAveraging(AveragingSolver):
                     self.live.assign(live)
                     self.syncs += 1
                     if msg[-1].item() >= n:
-                        finish_queued(self.live.device)  # (close() reads the model on the training thread)
+                        synchronize(self.live.device)  # (close() reads the model on the training thread)
                         return
                     pause = self.options.min_interval_ms / 1000 - (time.perf_counter() - t0)
                     if pause > 0:
@@ -215,7 +215,7 @@ class ShadowEA(HogwildThreads, AsyncEASGD):
                     pause = self.options.min_interval_ms / 1000 - (time.perf_counter() - t0)
                     if pause > 0:
                         self._done.wait(pause)  # close() cuts the pause short
-                finish_queued(self._device)  # (close() reads the model on the training thread)
+                synchronize(self._device)  # (close() reads the model on the training thread)
         except BaseException as e:
             self._errors.append(e)
 

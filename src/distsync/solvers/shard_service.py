@@ -13,8 +13,8 @@ kind): a worker sends a header ``int64[op, step, version_seen]`` and, for pushes
 exchanges, the flat payload of that server's tensors; a server answers a pull or an
 exchange with a header ``int64[version]`` and the flat center. Messages travel over gloo from
 host memory (comm/devices.py): a server keeps its center where its tensors are
-(``--server-device``) and moves each payload there, a worker moves each reply to its model's
-device; checkpoints hold host copies. A server serves every worker
+(``--server-device``) and receives each payload there, a worker each reply on its model's
+device (comm copies them through reused pinned buffers); checkpoints hold host copies. A server serves every worker
 from its own thread (first come, first served), or in strict rank order (round robin), or
 in synchronous rounds; ``serve`` returns once every worker has said it is done.
 ``OP_SAVE`` (header ``[op, checkpoint index, steps the worker has done]``, no reply) asks a
@@ -108,10 +108,9 @@ class PSClient:
             head = torch.zeros(1, dtype=torch.int64)
             self.comm.recv(head, rank, tag=TAG_REPLY_HEADER)
             self.versions[s] = int(head.item())
-            # (received in host memory: pinned for a GPU, whose copy then runs without blocking)
-            buf = torch.zeros(self.views[s].numel, pin_memory=self.device.type == "cuda")
+            buf = self.views[s].zeros()  # (on the model's device: comm receives it through host memory)
             self.comm.recv(buf, rank, tag=TAG_REPLY)
-            out.append(buf.to(self.device, non_blocking=True))
+            out.append(buf)
         return out
 
     def pull(self, step: int) -> list[torch.Tensor]:
@@ -211,10 +210,8 @@ class ServerShard:
                 self.on_request(self.job_step())
         payload = None
         if op in (OP_PUSH, OP_EXCHANGE):
-            # (received in host memory: pinned for a GPU, whose copy then runs without blocking)
-            payload = torch.zeros(self.center.numel(), pin_memory=self.center.device.type == "cuda")
+            payload = torch.zeros_like(self.center)  # (on the server's device: comm receives it through host memory)
             self.comm.recv(payload, worker, tag=TAG_PAYLOAD)
-            payload = payload.to(self.center.device, non_blocking=True)
         return Request(worker, op, step, seen, payload)
 
     def _reply(self, worker: int, tensor: torch.Tensor, version: int) -> None:

@@ -16,10 +16,9 @@ from typing import Callable
 
 import torch
 
-from distsync.comm.devices import own_stream
+from distsync.comm.devices import own_stream, queued_mark, run_after, synchronize
 from distsync.errors import DistsyncError
 from distsync.runtime.plugins.base import RunState, StepState, SyncPoint
-from distsync.solvers.base import finish_queued, queued_mark, run_after
 from distsync.solvers.flat import storage_aliases
 
 TrainThread = Callable[[RunState, int], None]
@@ -85,7 +84,7 @@ class HogwildRunner(SingleThread):
         def at_barrier() -> None:  # run by one thread while all wait
             point = self._point
             run.plugins.at_sync_point(run, point)
-            finish_queued(run.device)  # (on a GPU: the point's reads are done before the threads write on)
+            synchronize(run.device)  # (on a GPU: the point's reads are done before the threads write on)
             self._met = point
 
         # On a GPU each thread computes on a stream of its own, so that their kernels overlap;
@@ -103,7 +102,7 @@ class HogwildRunner(SingleThread):
                     self._replicas[t] = replica = hogwild_replica(run.model)
                     self._params[t] = [p for p in replica.parameters() if p.requires_grad]
                     train_thread(run, t)
-                    finish_queued(run.device)
+                    synchronize(run.device)
             except threading.BrokenBarrierError:
                 pass
             except BaseException as e:
@@ -141,6 +140,6 @@ class HogwildRunner(SingleThread):
         if not run.plugins.sync_due(run, done):
             return None
         self._point = SyncPoint(done)
-        finish_queued(run.device)  # (on a GPU: this thread's steps are in the model the point reads)
+        synchronize(run.device)  # (on a GPU: this thread's steps are in the model the point reads)
         self._barrier.wait()
         return self._met.metric

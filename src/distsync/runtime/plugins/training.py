@@ -105,16 +105,16 @@ class LossScaler(Plugin):
         return self.scaler.scale(loss)
 
     def _unscale(self, run: RunState, s: StepState) -> None:
-        self.scaler.unscale_(run.optimizer)
-        grads = [p.grad for p in run.params if p.grad is not None]
-        finite = bool(torch.stack([g.abs().max() for g in grads if g.numel()]).isfinite().all()) if grads else True
+        self.scaler.unscale_(run.optimizer)  # (it finds non-finite gradients as it divides)
+        scale = s.event_extra["loss_scale"]
         self.scaler.update()
-        if not finite:
+        if self.scaler.get_scale() < scale:  # (the scale backs off after, and only after, an overflow)
             self.overflows += 1
             s.skip_update = True
             s.event_extra["overflow"] = True
-            for g in grads:
-                g.zero_()
+            for p in run.params:
+                if p.grad is not None:
+                    p.grad.zero_()
 
     def after_compute(self, run: RunState, s: StepState) -> None:
         s.skip_update = False
