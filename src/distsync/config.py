@@ -19,7 +19,8 @@ from typing import Any, Callable
 
 from distsync.errors import ConfigError
 
-OPTIMIZERS = ("sgd", "adam", "lars")
+OPTIMIZERS = ("sgd", "adam", "adamw", "lars")
+BUFFERS = ("auto", "broadcast", "average", "local")  # (solvers/base.py: BUFFER_POLICIES)
 PRECISIONS = ("fp32", "bf16", "fp16")
 LR_SCHEDULES = ("constant", "cosine", "linear", "step")  # (solvers/rules.py: lr_factor)
 EMBEDDING_OPTIMIZERS = ("adagrad", "sgd")
@@ -472,6 +473,8 @@ class RunConfig:
     lr: float | None = bounded(None, gt=0, flag="--lr")
     optimizer: str = bounded("sgd", choices=OPTIMIZERS, flag="--optimizer")
     momentum: float = bounded(0.0, ge=0, lt=1, flag="--momentum")
+    #: how the workers' buffers are kept (auto: the solver's default; solvers/base.py)
+    buffers: str = bounded("auto", choices=BUFFERS, flag="--buffers")
     weight_decay: float = bounded(0.0, ge=0, flag="--weight-decay")
     #: LARS trust coefficient (``--optimizer lars``)
     lars_eta: float = bounded(0.001, gt=0, flag="--lars-eta")

@@ -38,7 +38,12 @@ def add_run_options(p: argparse.ArgumentParser, *, workers_default: int | None =
                         "evaluations); fast workers keep training while a slow one lags")
     g.add_argument("--batch-size", type=int, help="samples per worker per step (default: the workload's)")
     g.add_argument("--lr", type=finite_float, help="learning rate (default: the workload's)")
-    g.add_argument("--optimizer", default="sgd", help="sgd | adam | lars (default: sgd)")
+    g.add_argument("--optimizer", default="sgd",
+                   help="sgd | adam | adamw | lars, on the workers and on servers that apply updates (default: sgd)")
+    g.add_argument("--buffers", default="auto",
+                   help="the model's buffers (BatchNorm statistics): broadcast (rank 0's at every step, as DDP) | "
+                        "average (with the parameters, at each synchronization) | local (default: auto, the "
+                        "solver's own: docs/solvers.md)")
     g.add_argument("--momentum", type=finite_float, default=0.0)
     g.add_argument("--weight-decay", type=finite_float, default=0.0)
     g.add_argument("--lars-eta", type=finite_float, default=0.001, help="LARS trust coefficient (default: 0.001)")
@@ -132,6 +137,7 @@ def config_from_args(args: argparse.Namespace, solver: str, solver_options: dict
         batch_size=args.batch_size,
         lr=args.lr,
         optimizer=args.optimizer,
+        buffers=args.buffers,
         momentum=args.momentum,
         weight_decay=args.weight_decay,
         lars_eta=args.lars_eta,

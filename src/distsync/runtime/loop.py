@@ -40,6 +40,8 @@ __all__ = ["Progress", "make_optimizer", "train_worker", "worker_plugins", "star
 def make_optimizer(cfg: RunConfig, params, lr: float) -> torch.optim.Optimizer:
     if cfg.optimizer == "adam":
         return torch.optim.Adam(params, lr=lr, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
     if cfg.optimizer == "lars":  # (its warm-up is the learning-rate plug-in's)
         return LARS(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, eta=cfg.lars_eta)
     return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
@@ -173,7 +175,7 @@ def _step_body(run: RunState, s: StepState, t: int) -> tuple[torch.Tensor, torch
         s.compute_s += _seconds(runner.zero_grad, run, s)
         return s.loss_tensor, s.labels
     s.aside_s = 0.0  # (counted already, if this step is done again)
-    s.comm_s += _seconds(solver.before_step, s.step)
+    s.comm_s += _seconds(solver.begin_step, s.step)
     micro = run.cfg.accumulate  # micro-batches per step (--accumulate): batches k*micro .. k*micro + micro-1
     batches = []
     for j in range(micro):

@@ -20,7 +20,7 @@ from typing import Any
 from distsync.config import RunConfig, parse_budget
 from distsync.errors import ConfigError
 from distsync.runtime.roles import EMBEDDING_SERVER, assign_roles
-from distsync.solvers import Solver, make_options, solver_class
+from distsync.solvers import Solver, check_buffers, make_options, solver_class
 
 #: fields a workload decides when the run does not
 WORKLOAD_DEFAULTS = ("steps", "batch_size", "lr", "eval_every", "embedding_servers", "embedding_lr")
@@ -48,7 +48,7 @@ class ResolvedRun:
         return len(self.role_of)
 
     def new_solver(self) -> Solver:
-        return self.solver_cls(self.options)
+        return self.solver_cls(self.options, buffers=self.config.buffers)
 
     @property
     def label(self) -> str:
@@ -116,6 +116,7 @@ def resolve(cfg: RunConfig, *, world_size: int | None = None) -> ResolvedRun:
     cls = solver_class(cfg.solver)
     _check_solver_class(cls)
     options = make_options(cls, cfg.solver_options)
+    check_buffers(cls, cfg.buffers)
     # The options as given, typed (config.json and labels keep what the user chose).
     cfg.solver_options = {k: getattr(options, k) for k in cfg.solver_options}
     if world_size is not None:

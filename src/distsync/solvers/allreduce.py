@@ -87,6 +87,8 @@ class AllReduce(GradientMeanSimulation, Solver):
     reforms_without_dead = True
     heals_from_peer = True
     syncs_in_backward = True
+    default_buffers = "broadcast"  # (DDP's broadcast_buffers)
+    buffer_choices = ("broadcast", "average", "local")
 
     def attach(self, model, optimizer, comm, **kw):
         super().attach(model, optimizer, comm, **kw)

@@ -6,6 +6,7 @@ the model, the optimizer and a :class:`~distsync.comm.Comm`.
 
 Order of the hooks on a worker, once per step::
 
+    begin_step(step)       # the buffers as the policy keeps them, then:
     before_step(step)      # e.g. pull fresh parameters from a server every n_fetch steps
     forward, backward      # (the loop's work; gradient hooks may start communication)
     after_backward(step)   # gradients ready: finish the all-reduce, or push to a server
@@ -30,6 +31,7 @@ import torch.nn as nn
 
 from distsync.config import check_ranges, convert, show_names
 from distsync.errors import ConfigError
+from distsync.solvers.flat import FlatView
 from distsync.imports import load_attribute
 
 
@@ -132,9 +134,21 @@ class Solver:
     #: True when the workers' models differ at the end (averaged only every few steps, or
     #: gossiped): :meth:`final_model` averages them
     replicas_differ: ClassVar[bool] = False
+    #: How the workers' buffers (BatchNorm's running statistics, ...) are kept, unless the
+    #: user chooses (``make_solver(name, buffers=...)``, ``--buffers``), one of BUFFER_POLICIES:
+    #: "broadcast": rank 0's at the start of every step, as DDP's ``broadcast_buffers`` (for
+    #: solvers whose workers hold one model, stepping together); "average": the floating-point
+    #: buffers averaged with the parameters at each of the solver's synchronizations;
+    #: "local": each worker keeps its own. :meth:`final_model` holds rank 0's (broadcast) or
+    #: the workers' average (average, local).
+    default_buffers: ClassVar[str] = "local"
+    #: the policies a user may choose for this solver (``default_buffers`` first)
+    buffer_choices: ClassVar[tuple[str, ...]] = ("local",)
 
-    def __init__(self, options: Any = None) -> None:
+    def __init__(self, options: Any = None, buffers: str | None = None) -> None:
         self.options = options if options is not None else self.Options()
+        #: the buffer policy this solver keeps (:attr:`default_buffers`, or the user's choice)
+        self.buffers = check_buffers(type(self), buffers)
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.comm: Any = None
@@ -219,12 +233,53 @@ class Solver:
         self.model, self.optimizer, self.comm = model, optimizer, comm
         if (self.same_start if same_start is None else same_start):
             self._broadcast_start()
+        self._buffer_views = _by_dtype([b for b in model.buffers()])
+        self._float_buffers = [b for b in model.buffers() if b.is_floating_point()]
         for p in model.parameters():
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._grad_accumulated)
         optimizer.register_step_pre_hook(self._before_user_step)
         optimizer.register_step_post_hook(self._after_user_step)
+        self._lrs = [g["lr"] for g in optimizer.param_groups]
         return model
+
+    def synced_state(self, model: nn.Module | None = None) -> list[torch.Tensor]:
+        """What this solver's averaging synchronizes: the parameters, and with the "average"
+        buffer policy the floating-point buffers after them."""
+        model = model if model is not None else self.model
+        params = list(model.parameters())
+        if self.buffers != "average":
+            return params
+        return params + [b for b in model.buffers() if b.is_floating_point()]
+
+    def begin_step(self, step: int) -> None:
+        """A step's start: the buffers as the policy keeps them (solvers whose workers meet at
+        every step), then :meth:`before_step`."""
+        if self.collective_per_step and self.buffers != "local" and self.syncs_buffers_per_step:
+            self.sync_buffers()
+        self.before_step(step)
+
+    #: False where something else keeps the buffers at each step (DDP's own broadcast)
+    syncs_buffers_per_step: ClassVar[bool] = True
+
+    def sync_buffers(self) -> None:
+        """Rank 0's buffers on every worker ("broadcast"), or the workers' average of the
+        floating-point ones ("average"); one collective per dtype."""
+        comm = self.comm
+        if comm is None or getattr(comm, "role", "worker") != "worker" or comm.num_workers < 2:
+            return
+        group = comm.worker_group
+        with torch.no_grad():
+            if self.buffers == "broadcast":
+                for view in self._buffer_views:
+                    flat = view.flat()
+                    comm.broadcast(flat, src=comm.live_workers[0], group=group)
+                    view.assign(flat)
+            elif self._float_buffers:
+                view = FlatView(self._float_buffers)
+                flat = view.flat()
+                comm.all_reduce(flat, group=group)
+                view.assign(flat.div_(comm.group_size(group)))
 
     def _check_roles(self, comm: Any) -> None:
         """A job without the processes this solver needs beside the workers (a user's script
@@ -335,7 +390,8 @@ class Solver:
         :meth:`no_sync` the gradients are not synchronized (the last pass does it)."""
         if self.model is None:
             raise ConfigError(f"solver {self.name}: attach(model, optimizer, comm) before solver.step()")
-        self.before_step(step)
+        self._check_lr_unchanged()
+        self.begin_step(step)
         self._block = block = _Block(step)
         try:
             yield
@@ -344,6 +400,7 @@ class Solver:
         if not block.synced:
             self.after_backward(step)
         if not block.stepped:
+            self._check_gradients_kept(block)
             if self._grads_finite():
                 self.update(step)
             else:
@@ -373,6 +430,8 @@ class Solver:
 
     def _grad_accumulated(self, p: torch.Tensor) -> None:
         block = self._block
+        if block is not None:
+            block.backward = True
         if block is None or not self.syncs_in_backward or self._no_sync or block.queued:
             return
         block.queued = True
@@ -401,6 +460,31 @@ class Solver:
         if self._block is not None:
             self._block.stepped = True
 
+    #: True where servers apply the update at a learning rate of their own (``serve()``'s):
+    #: a scheduler on the workers' optimizer would not reach them
+    servers_apply_update: ClassVar[bool] = False
+
+    def _check_lr_unchanged(self) -> None:
+        if not self.servers_apply_update:
+            return
+        now = [g["lr"] for g in self.optimizer.param_groups]
+        if now != self._lrs:
+            raise ConfigError(
+                f"solver {self.name}: the servers apply the update at the learning rate given to distsync.serve(); "
+                f"this worker's optimizer changed its lr ({self._lrs[0]:g} -> {now[0]:g}, a scheduler?) and that "
+                f"does not reach them: give serve() lr_schedule=, warmup_steps= and steps= instead")
+
+    def _check_gradients_kept(self, block: "_Block") -> None:
+        """After a backward pass in the block, before the block's update: every gradient None
+        or zero means a zero_grad() (the optimizer's or the model's) came in between, and the
+        update would silently be empty. (torch has no hook on zero_grad to refuse it where it
+        is called; a backward pass leaves every gradient exactly zero practically never.)"""
+        if not block.backward:
+            return
+        grads = [p.grad for p in self.model.parameters() if p.requires_grad]
+        if all(g is None or not bool(g.any()) for g in grads):
+            raise ConfigError(zero_grad_refusal(self.name))
+
     def _grads_finite(self) -> bool:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         return all(bool(torch.isfinite(g).all()) for g in grads)
@@ -414,13 +498,51 @@ class Solver:
 
         model = copy.deepcopy(self.eval_model())
         comm = self.comm
-        if self.replicas_differ and comm is not None and getattr(comm, "role", "worker") == "worker":
-            live = comm.group_size(comm.worker_group)
-            with torch.no_grad():
-                for t in [*model.parameters(), *(b for b in model.buffers() if b.is_floating_point())]:
-                    comm.all_reduce(t.data, group=comm.worker_group)
-                    t.data.div_(live)
+        if comm is None or getattr(comm, "role", "worker") != "worker" or comm.num_workers < 2:
+            return model
+        group = comm.worker_group
+        live = comm.group_size(group)
+        with torch.no_grad():
+            averaged = list(model.parameters()) if self.replicas_differ else []
+            if self.buffers == "broadcast":
+                for b in model.buffers():
+                    comm.broadcast(b.data, src=comm.live_workers[0], group=group)
+            else:  # (each worker's buffers moved on since their last synchronization)
+                averaged += [b for b in model.buffers() if b.is_floating_point()]
+            for t in averaged:
+                comm.all_reduce(t.data, group=group)
+                t.data.div_(live)
         return model
+
+
+def zero_grad_refusal(name: str) -> str:
+    return (f"solver {name}: the gradients were zeroed between backward and the update (a zero_grad() inside "
+            f"`with solver.step(i):`?), so this step would change nothing: call zero_grad() before backward, after "
+            f"your optimizer.step(), or not at all (the block's end zeroes the gradients)")
+
+
+BUFFER_POLICIES = ("broadcast", "average", "local")
+
+
+def check_buffers(cls: type[Solver], buffers: str | None) -> str:
+    """The buffer policy ``buffers`` for a solver of class ``cls`` (None or "auto": its
+    default), or a one-line refusal."""
+    if buffers is None or buffers == "auto":
+        return cls.default_buffers
+    if buffers not in BUFFER_POLICIES:
+        raise ConfigError(f"buffers={buffers!r} is no buffer policy; valid: {', '.join(BUFFER_POLICIES)}")
+    if buffers not in cls.buffer_choices:
+        raise ConfigError(f"solver {cls.name} cannot keep buffers {buffers!r}; it keeps "
+                          f"{' or '.join(repr(b) for b in cls.buffer_choices)} (default {cls.default_buffers!r})")
+    return buffers
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> list[Any]:
+    """One flat view per dtype (a collective per dtype, not per tensor)."""
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    return [FlatView(ts) for ts in groups.values()]
 
 
 @dataclasses.dataclass
@@ -430,6 +552,7 @@ class _Block:
     step: int
     synced: bool = False  # the solver's after_backward has run
     queued: bool = False  # a synchronization is queued for the end of this backward pass
+    backward: bool = False  # a backward pass has produced gradients in this block
     stepped: bool = False  # the user called optimizer.step()
 
 
@@ -504,7 +627,10 @@ def make_options(cls: type[Solver], raw: dict[str, Any]) -> Any:
     return options
 
 
-def make_solver(spec: str, **options: Any) -> Solver:
-    """A solver by registry name (or import path) with its options, validated."""
+def make_solver(spec: str, buffers: str | None = None, **options: Any) -> Solver:
+    """A solver by registry name (or import path) with its options, validated. ``buffers``:
+    how the workers' buffers are kept (:data:`BUFFER_POLICIES`; default: the solver's
+    :attr:`Solver.default_buffers`)."""
     cls = solver_class(spec)
-    return cls(make_options(cls, options))
+    check_buffers(cls, buffers)
+    return cls(make_options(cls, options), buffers=buffers)

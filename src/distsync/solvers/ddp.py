@@ -39,6 +39,9 @@ class DDP(GradientMeanSimulation, Solver):
     reforms_without_dead = True
     heals_from_peer = True
     syncs_in_backward = True  # (DDP's own all-reduce, inside backward)
+    default_buffers = "broadcast"  # (DDP's own broadcast_buffers=True; "local": False)
+    buffer_choices = ("broadcast", "local")
+    syncs_buffers_per_step = False  # DDP broadcasts them itself, at each forward
 
     @classmethod
     def search_space(cls, workers):
@@ -65,7 +68,8 @@ class DDP(GradientMeanSimulation, Solver):
         # (on a GPU: the one device of this process's module, as DDP asks; on the CPU, none)
         device_ids = [device.index] if device.type == "cuda" else None
         self.ddp = DistributedDataParallel(self.model, device_ids=device_ids, process_group=group,
-                                           bucket_cap_mb=self.options.bucket_mb, gradient_as_bucket_view=True)
+                                           bucket_cap_mb=self.options.bucket_mb, gradient_as_bucket_view=True,
+                                           broadcast_buffers=self.buffers == "broadcast")
         grad_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
         self._bytes_per_step = ring_allreduce_bytes(grad_bytes, self.comm.group_size(group))
         if self.comm.membership is not None:

@@ -70,6 +70,8 @@ class ADPSGD(Solver):
     survives_worker_loss = True  # a dead partner's averagings are skipped; the others go on
     user_may_step = False  # the update is applied under the lock the answering thread takes
     replicas_differ = True
+    default_buffers = "average"  # (with the parameters, at each synchronization)
+    buffer_choices = ("average", "local")
     # A dead active's replacement: each passive lets it in and answers it on; it takes a
     # passive's model. (A dead passive is not replaced: every active would have to learn of it.)
     heals_from_peer = heals_by_channels = True
@@ -95,7 +97,7 @@ class ADPSGD(Solver):
 
     def attach(self, model, optimizer, comm, **kw):
         super().attach(model, optimizer, comm, **kw)
-        self.view = FlatView(list(model.parameters()))
+        self.view = FlatView(self.synced_state())  # (with the "average" policy, the buffers too)
         actives, passives = bipartite_roles(comm.num_workers)
         self.actives = [comm.worker_ranks[i] for i in actives]
         self.passives = [comm.worker_ranks[i] for i in passives]
@@ -295,6 +297,8 @@ class Ripples(Solver):
     name = "ripples"
     Options = RipplesOptions
     replicas_differ = True
+    default_buffers = "average"  # (with the parameters, at each synchronization)
+    buffer_choices = ("average", "local")
     min_workers = 2  # (alone, a worker would train plain local SGD)
     #: A group with a dead member is dropped by all its members (their ring goes on around
     #: it: ``Comm.partial_all_reduce``); the coordinator draws later groups without it.
@@ -351,7 +355,7 @@ class Ripples(Solver):
     # ---- worker -------------------------------------------------------------------------
     def attach(self, model, optimizer, comm, **kw):
         super().attach(model, optimizer, comm, **kw)
-        self.view = FlatView(list(model.parameters()))
+        self.view = FlatView(self.synced_state())  # (with the "average" policy, the buffers too)
         self.k = min(self.options.group_size, comm.num_workers)
         self.me = comm.worker_index
         coordinators = comm.ranks_with_role("coordinator")

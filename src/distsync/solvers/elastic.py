@@ -250,6 +250,11 @@ class SyncEASGD(Solver):
     collective_per_step = True
     reforms_without_dead = True
     heals_from_peer = True
+    # The center's buffers are the workers' average at each exchange (a center that never
+    # trains has no statistics of its own)
+    default_buffers = "average"
+    buffer_choices = ("average",)
+    syncs_buffers_per_step = False
 
     @classmethod
     def lockstep_lead(cls, options, workers):
@@ -287,6 +292,13 @@ class SyncEASGD(Solver):
         sync_elastic_update(x, c, total, self.comm.group_size(group), self.alpha)
         mine.assign(x)
         center.assign(c)
+        if self._float_buffers:
+            live, kept = FlatView(self._float_buffers), FlatView([b for b in self.center.buffers() if b.is_floating_point()])
+            mean = live.flat()
+            self.comm.all_reduce(mean, group=group)
+            mean.div_(self.comm.group_size(group))
+            live.assign(mean)
+            kept.assign(mean)
 
     def state_dict(self):
         return {"center": self.center.state_dict()}

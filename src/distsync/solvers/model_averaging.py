@@ -61,6 +61,8 @@ class AveragingSolver(HogwildThreads, Solver):
     reforms_without_dead = True
     heals_from_peer = True
     replicas_differ = True  # (averaged every tau steps only)
+    default_buffers = "average"  # (with the parameters, at each synchronization)
+    buffer_choices = ("average", "local")
 
     @classmethod
     def search_space(cls, workers):
@@ -81,6 +83,9 @@ class AveragingSolver(HogwildThreads, Solver):
     def attach(self, model, optimizer, comm, **kw):
         super().attach(model, optimizer, comm, **kw)
         self.view = FlatView(list(model.parameters()))
+        #: what a synchronization averages: the parameters, then (the "average" buffer policy)
+        #: the floating-point buffers
+        self.state_view = FlatView(self.synced_state())
         self.syncs = 0
         self.steps_done = 0
         self._counted = -1  # the last step counted (a sync done again after a worker died is not a step)
@@ -92,9 +97,12 @@ class AveragingSolver(HogwildThreads, Solver):
         return model
 
     def _combine(self, mean: torch.Tensor) -> torch.Tensor:
-        """The new model from the workers' mean: the mean itself, or BMUF's filter of it."""
+        """The new model from the workers' mean (of :attr:`state_view`): the mean itself, or
+        BMUF's filter of the parameters' (buffers take the plain mean)."""
         if not isinstance(self.options, BMUFOptions):
             return mean
+        if mean.numel() > self.view.numel:
+            return torch.cat([self._combine(mean[: self.view.numel]), mean[self.view.numel :]])
         new = torch.empty_like(mean)
         o = self.options
         bmuf_update(new, self.w_start, self.delta, mean, o.block_lr,
@@ -107,11 +115,11 @@ class AveragingSolver(HogwildThreads, Solver):
                 self.steps_done, self._counted = self.steps_done + 1, step
             if (step + 1) % self.options.every:
                 return
-            mean = self.view.flat()  # a copy: a failed all-reduce leaves the model as it was
+            mean = self.state_view.flat()  # a copy: a failed all-reduce leaves the model as it was
             group = self.comm.worker_group
             self.comm.all_reduce(mean, group=group)
             mean.div_(self.comm.group_size(group))
-            self.view.assign(self._combine(mean))
+            self.state_view.assign(self._combine(mean))
             self.syncs += 1
             # With Hogwild threads the next sync may be another thread's, on a GPU stream of its
             # own: the model and BMUF's state it reads are written by then

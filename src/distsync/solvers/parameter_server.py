@@ -159,6 +159,9 @@ class ServerSolver(Solver):
             center = client.pull(step)
         for view, vec in zip(client.layout.views(list(self._center_model.parameters())), center):
             view.assign(vec)
+        with torch.no_grad():  # (servers hold parameters only: the buffers are this worker's, as they are now)
+            for mine, live in zip(self._center_model.buffers(), self.model.buffers()):
+                mine.copy_(live)
         return self._center_model
 
 
@@ -191,6 +194,8 @@ class SyncPS(GradientServerSolver):
     collective_per_step = True
     survives_worker_loss = True  # a round goes on with the workers still alive
     user_may_step = False  # the server applies the update
+    default_buffers = "broadcast"  # (DDP's broadcast_buffers)
+    buffer_choices = ("broadcast", "average", "local")
 
     @classmethod
     def simulate_timing(cls, options, sim):

@@ -68,7 +68,7 @@ class _ShadowAveraging(AveragingSolver):
         # itself: after a death the workers go on whether or not each completed the last one.
         comm.group("shadow", ordered=False)
         self.reforms = 0
-        self.live = FlatView(storage_aliases(model.parameters()))
+        self.live = FlatView(storage_aliases(self.state_view.tensors))
         self._trained = queued_mark(self.live.device)  # (on a GPU: after the training thread's latest step)
         self._done = threading.Event()
         self._errors: list[BaseException] = []
@@ -133,11 +133,11 @@ class _ShadowAveraging(AveragingSolver):
                         f"rank {self.comm.rank}: {self.name} shadow thread", progress=lambda: self.syncs)
         # Final sync: every worker leaves with the mean of the final models.
         while True:
-            final = self.view.flat()
+            final = self.state_view.flat()
             n = self._all_reduce_live(final)
             if n is not None:
                 break
-        self.view.assign(final.div_(n))
+        self.state_view.assign(final.div_(n))
 
 
 @register_solver
