@@ -173,3 +173,35 @@ def test_forked_and_fresh_interpreter_processes_train_alike(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     names = {p.read_text().strip() for p in (tmp_path / "forked" / "logs").rglob("stderr.log")}
     assert names == {""}, names  # nothing on stderr
+
+
+FIXED_STEPS_NOTE = ("with --slow 1:3 and fixed steps per worker, every solver waits for the slowest worker to finish "
+                    "its steps, which hides the solvers' differences in throughput; give the job a time budget "
+                    "instead (--budget seconds=S, or --budget target) to see them")
+
+
+@pytest.mark.parametrize("budget", [[], ["--budget", "seconds=8"]])
+def test_compare_with_a_slow_worker_and_fixed_steps_says_so_and_with_a_budget_does_not(tmp_path, monkeypatch,
+                                                                                       budget):
+    import importlib
+
+    from test_repeats import summary, write_run
+
+    def fake_launch(run, run_dir, progress):  # (the runs' figures do not matter here)
+        s = summary(run.config.solver, throughput=100.0, ttt=1.0, final=0.95, wall=2.0, wait=0.4)
+        write_run(run_dir, s, run.config.seed)
+        return s
+
+    monkeypatch.setattr(importlib.import_module("distsync.experiments.compare"), "launch", fake_launch)
+    out = tmp_path / "cmp"
+    proc = run_cli("compare", "--solvers", "allreduce,ad-psgd", "--workers", "2", "--slow", "1:3", *budget,
+                   "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    notes = json.loads((out / "compare.json").read_text())["notes"]
+    if budget:
+        assert "note:" not in proc.stderr and notes == [], proc.stderr
+        assert "Note:" not in (out / "report.md").read_text()
+    else:
+        assert f"note: {FIXED_STEPS_NOTE}\n" in proc.stderr
+        assert notes == [FIXED_STEPS_NOTE]
+        assert f"Note: {FIXED_STEPS_NOTE}." in (out / "report.md").read_text()

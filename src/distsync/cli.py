@@ -346,7 +346,7 @@ def _print_recovery(summary: dict[str, Any]) -> None:
 
 def _cmd_compare(args: argparse.Namespace) -> int:
     from distsync.config import parse_key_values
-    from distsync.experiments.compare import check_repeats, compare, resolve_comparison
+    from distsync.experiments.compare import check_repeats, compare, fixed_steps_note, resolve_comparison
     from distsync.options import config_from_args
 
     solvers = [s.strip() for s in args.solvers.split(",") if s.strip()]
@@ -367,6 +367,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         from distsync.experiments.report import conclusion
 
         _stdout().print(conclusion(groups), highlight=False, soft_wrap=True)
+    note = fixed_steps_note(base)
+    if note:
+        console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
     console.print(f"report: {out / 'report.md'}")
     return 0
 

@@ -67,6 +67,20 @@ def check_repeats(repeats: int, seed: int) -> None:
                           f"is beyond {SEED_LIMIT}")
 
 
+def fixed_steps_note(cfg: RunConfig) -> str | None:
+    """One line for a comparison whose workers differ in speed (``--slow``, ``--jitter``) but
+    take fixed steps each: every solver's job then lasts as long as its slowest worker, so
+    throughputs come out alike however differently the solvers treat it. None otherwise."""
+    slow = {r: f for r, f in cfg.slow.items() if f != 1}
+    if cfg.budget is not None or not (slow or cfg.jitter):
+        return None
+    given = ([f"--slow {','.join(f'{r}:{f:g}' for r, f in sorted(slow.items()))}"] if slow else []) + (
+        [f"--jitter {cfg.jitter:g}"] if cfg.jitter else [])
+    return (f"with {' and '.join(given)} and fixed steps per worker, every solver waits for the slowest worker to "
+            f"finish its steps, which hides the solvers' differences in throughput; give the job a time budget "
+            f"instead (--budget seconds=S, or --budget target) to see them")
+
+
 def run_folder(out_dir: Path, solver: str, repeat: int, repeats: int) -> Path:
     """``out_dir/<solver>/``, or ``out_dir/<solver>/rep-<i>/`` with more than one repeat."""
     folder = out_dir / solver.replace("/", "_").replace(":", "_")
@@ -88,6 +102,8 @@ def compare(
     figure's median and range (:func:`~distsync.experiments.report.solver_groups`).
     """
     check_repeats(repeats, runs[0].config.seed)
+    note = fixed_steps_note(runs[0].config)
+    notes = [note] if note else []
     out_dir.mkdir(parents=True, exist_ok=True)
     dirs: list[list[Path]] = [[] for _ in runs]
     # The solvers take turns, repeat by repeat: a change in the machine's load over the
@@ -104,20 +120,20 @@ def compare(
             try:
                 launch(dataclasses.replace(run, config=cfg), run_dir, progress)
             except KeyboardInterrupt as e:  # stopped: compare what finished before it
-                _report_finished(e, out_dir, dirs)
+                _report_finished(e, out_dir, dirs, notes)
                 raise
             dirs[i].append(run_dir)
-    return write_comparison(out_dir, dirs)
+    return write_comparison(out_dir, dirs, notes)
 
 
-def _report_finished(stop: KeyboardInterrupt, out_dir: Path, dirs: list[list[Path]]) -> None:
+def _report_finished(stop: KeyboardInterrupt, out_dir: Path, dirs: list[list[Path]], notes: list[str]) -> None:
     """On a stopped comparison: report.md over the runs that finished (the stopped one's
     partial results stay in its own folder), named on the exception as ``report``."""
     finished = [d for d in dirs if d]
     if not finished:
         return
     try:
-        write_comparison(out_dir, finished)
+        write_comparison(out_dir, finished, notes)
     except Exception:  # noqa: BLE001 (the stop is what the user must hear of)
         return
     stop.report = out_dir / "report.md"

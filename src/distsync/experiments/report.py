@@ -510,9 +510,11 @@ def _run_links(groups: list[dict[str, Any]]) -> str:
         f"{g['label']}: " + ", ".join(f"[{Path(d).name}]({d}/summary.json)" for d in g["dirs"]) for g in groups)
 
 
-def write_comparison(out_dir: Path, run_dirs: Sequence[Path | Sequence[Path]]) -> list[dict[str, Any]]:
+def write_comparison(out_dir: Path, run_dirs: Sequence[Path | Sequence[Path]],
+                     notes: Sequence[str] = ()) -> list[dict[str, Any]]:
     """``out_dir/report.md``, its plots and ``compare.json`` from finished run folders: one per
-    solver, or per solver a list of its repeats' folders. Returns :func:`solver_groups`."""
+    solver, or per solver a list of its repeats' folders. Returns :func:`solver_groups`.
+    ``notes``: lines on how to read the comparison, in both files."""
     runs_by_solver = [[load_run(Path(d))] if isinstance(d, (str, os.PathLike)) else [load_run(Path(x)) for x in d]
                       for d in run_dirs]
     groups = solver_groups(runs_by_solver, out_dir)
@@ -541,6 +543,7 @@ def write_comparison(out_dir: Path, run_dirs: Sequence[Path | Sequence[Path]]) -
         "",
         regime(cfg),
         "",
+        *[line for n in notes for line in (f"Note: {n}.", "")],
         *warnings,
         "",
         "| " + " | ".join(headers) + " |",
@@ -573,7 +576,7 @@ def write_comparison(out_dir: Path, run_dirs: Sequence[Path | Sequence[Path]]) -
     lines += [_run_links(groups) + ". Every repeat's figures, the medians and ranges: [compare.json](compare.json).",
               ""]
     (out_dir / "report.md").write_text("\n".join(lines))
-    record = {"baseline": groups[0]["label"], "repeats": n,
+    record = {"baseline": groups[0]["label"], "repeats": n, "notes": list(notes),
               "spread": "median and min..max over the repeats; time to target over the repeats that reached it; "
                         "within_spread: the range overlaps the baseline's",
               "solvers": [{k: v for k, v in g.items() if k != "summaries"} for g in groups]}
