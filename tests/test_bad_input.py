@@ -440,7 +440,7 @@ def test_any_compare_command_line_launches_or_fails_in_one_line(tmp_path, capsys
     (["-w", "a\nb=1"], "bad --workload-option 'a\\nb=1': KEY must be a name without spaces, e.g. rows"),
     (["-o", "a b=1"], "bad --solver-option 'a b=1': KEY must be a name without spaces, e.g. rows"),
     (["--workload", ".rel:x"], "workload module .rel cannot be imported"),
-    (["--optimizer", "lbfgs"], "unknown --optimizer 'lbfgs'; valid: sgd, adam, lars"),
+    (["--optimizer", "lbfgs"], "unknown --optimizer 'lbfgs'; valid: sgd, adam, adamw, lars"),
     (["--device", "tpu"], "unknown --device 'tpu'; valid: auto, cpu, cuda"),
     (["--workers", "x\ny"], "argument --workers: invalid int value: 'x\\ny'"),
     (["stray\nword"], "unrecognized arguments: stray\\nword"),
@@ -503,5 +503,31 @@ def test_a_job_this_machine_cannot_start_is_refused_at_once_in_one_line(tmp_path
     assert_one_line(str(e.value))
     t0 = time.monotonic()
     proc = run_cli("train", "--workers", "1000000", "--out", str(tmp_path / "r"))
-    assert proc.returncode == 2 and "use fewer --workers" in proc.stderr and time.monotonic() - t0 < 10
+    # (digits' 1437 samples for a million workers: refused before the launcher counts processes)
+    assert proc.returncode == 2 and "use --workers 44 or fewer" in proc.stderr and time.monotonic() - t0 < 10
     assert_one_line(proc.stderr)
+
+
+@pytest.mark.parametrize("command", ["train", "compare"])
+@pytest.mark.parametrize("args, message", [
+    (["--workload", "tests/fixtures/tiny_workload.py:make_workload", "--workers", "600"],
+     "more workers than training samples: workload tiny has 500 for 600 workers, so a worker would get none; "
+     "use --workers 31 or fewer"),
+    (["--batch-size", "1000"],
+     "workload digits's 1437 training samples, dealt to 2 workers, leave the smallest share 718, fewer than the "
+     "batch size 1000; use --batch-size 718 or less, or --workers 1"),
+    (["--solver", "hogwild", "--batch-size", "400"],
+     "workload digits's 1437 training samples, dealt to 2 workers x 2 threads, leave the smallest share 359, fewer "
+     "than the batch size 400; use --batch-size 359 or less, or --workers 1"),
+    (["--workload", "tests/fixtures/loader_workload.py:make_workload", "-w", "n=60", "--workers", "5"],
+     "workload loader's training data has 4 batches, fewer than the 5 workers: a pass deals one batch to each in "
+     "whole rounds, so a worker would get none; use --workers 4 or fewer"),
+])
+def test_data_too_small_for_the_workers_is_refused_before_any_process_starts(tmp_path, capsys, no_launch, command,
+                                                                              args, message):
+    if command == "compare" and "--solver" in args:
+        args = ["--solvers", *args[1:]]
+    code, err = run_main([command, *args, "--out", str(tmp_path / "run")], capsys)
+    assert code == 2, err  # (not "launched")
+    assert_one_line(err)
+    assert err == f"distsync: error: {message}\n"

@@ -137,6 +137,8 @@ def resolve(cfg: RunConfig, *, world_size: int | None = None) -> ResolvedRun:
         sys.stderr.write(f"distsync: warning: solver {cls.name}: group_size {group} is more than the "
                          f"{cfg.workers} workers; groups of {cfg.workers} instead\n")
     threads = cls.training_threads(options)
+    if workload is not None:
+        _check_shards(cfg, workload, threads, cls.min_workers)
     if cfg.budget is not None and cfg.task == "train" and not was_resolved:
         cfg.steps = _budget_steps(cfg, cls.lockstep_lead(options, cfg.workers), threads)
     if cfg.epochs is not None and cfg.task == "train" and not was_resolved:
@@ -213,6 +215,39 @@ def epoch_steps(cfg: RunConfig, workload: Any, threads: int = 1) -> int:
                               f"{shards} shards no batch")
         steps = math.ceil(cfg.epochs * threads * per_pass / cfg.accumulate)
     return -(-steps // threads) * threads
+
+
+def _check_shards(cfg: RunConfig, workload: Any, threads: int, min_workers: int) -> None:
+    """Refuse a split of the training data that leaves a worker no batch, here rather than in
+    the workers once they have started. The smallest of ``workers * threads`` shards holds
+    ``N // shards`` samples and needs a whole batch; a pass over batches (an iterable with a
+    length) is dealt in whole rounds of one batch per shard. A function, or an iterable
+    without a length, tells its size only when read: the workers check those."""
+    shards = cfg.workers * threads
+    who = f"{cfg.workers} workers" + (f" x {threads} threads" if threads > 1 else "")
+    if workload.train_kind in ("tensors", "dataset"):
+        n, b = workload.num_train, cfg.batch_size
+        if n // shards >= b:
+            return
+        most = n // (b * threads)
+        fixes = ([f"--batch-size {n // shards} or less"] if n // shards else []) + (
+            [f"--workers {most}" + (" or fewer" if most > 1 else "")] if most >= max(1, min_workers) else [])
+        fix = f"; use {', or '.join(fixes)}" if fixes else "; use fewer --workers and a smaller --batch-size"
+        if shards > n:
+            raise ConfigError(f"more workers than training samples: workload {workload.name} has {n} for {who}, so "
+                              f"a worker would get none{fix}")
+        raise ConfigError(f"workload {workload.name}'s {n} training samples, dealt to {who}, leave the smallest "
+                          f"share {n // shards}, fewer than the batch size {b}{fix}")
+    if workload.train_kind == "iterable":
+        try:
+            batches = len(workload.train_data)
+        except Exception:  # noqa: BLE001 (no length: the workers find out)
+            return
+        if batches < shards:
+            most = batches // threads
+            fix = f"; use --workers {most}" + (" or fewer" if most > 1 else "") if most >= max(1, min_workers) else ""
+            raise ConfigError(f"workload {workload.name}'s training data has {batches} batches, fewer than the {who}: "
+                              f"a pass deals one batch to each in whole rounds, so a worker would get none{fix}")
 
 
 def _check_train_data(cfg: RunConfig, workload: Any, threads: int) -> None:
