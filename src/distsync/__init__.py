@@ -50,13 +50,27 @@ def serve(solver: Solver, comm, make_model, lr: float, **settings) -> bool:
     """On a rank that is not a worker (a server, a coordinator: ``solver.roles``), serve the
     workers until they are done, then return True (the script should then exit); on a worker,
     return False at once. ``make_model()`` builds the initial model (as the workers do, same
-    seed); ``lr`` and ``settings`` (momentum, weight_decay, optimizer, ...) are the
-    optimizer's, for servers that apply the updates."""
+    seed); ``lr`` and ``settings`` are the optimizer's, for servers that apply the updates
+    (sync-ps, async-ps, async-msgd, hogwild): ``optimizer`` ("sgd", "adam", "adamw", "lars",
+    or a function of a list of tensors returning a torch optimizer over them), ``momentum``,
+    ``weight_decay``, ``lars_eta``, and the learning rate's course over the workers' steps
+    (``warmup_steps``, ``lr_schedule``, ``steps``). Each worker's ``attach`` checks that its
+    own optimizer is of the same kind, learning rate and weight decay. Elastic servers apply
+    the elastic rule to their center, not an optimizer: ``settings`` do not reach them."""
+    import dataclasses
+
+    from distsync.errors import ConfigError
     from distsync.solvers.base import ServeContext
 
+    known = {f.name for f in dataclasses.fields(ServeContext)} - {"make_model", "lr"}
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise ConfigError(f"distsync.serve(): unknown setting(s) {', '.join(unknown)}; valid: "
+                          f"{', '.join(sorted(known))}")
+    ctx = ServeContext(make_model=make_model, lr=lr, **settings)  # (checked on every rank alike)
     if comm.role == "worker":
         return False
-    solver.serve(comm.role, comm, ServeContext(make_model=make_model, lr=lr, **settings))
+    solver.serve(comm.role, comm, ctx)
     return True
 
 

@@ -515,7 +515,7 @@ def run_process(run: ResolvedRun, run_dir: Path) -> None:
                 make_model=make_model, lr=cfg.lr, momentum=cfg.momentum, lr_schedule=cfg.lr_schedule,
                 weight_decay=cfg.weight_decay, optimizer=cfg.optimizer, lars_eta=cfg.lars_eta,
                 warmup_steps=cfg.warmup_steps, steps=cfg.steps, seed=cfg.seed, device=placement.server_device,
-                **served))
+                check_workers=False, **served))
             events = []
         mine = {"events": list(events), "role": comm.role, "stats": stats if stats is not None else solver.stats(),
                 "bytes": comm.bytes_sent}

@@ -117,6 +117,8 @@ def resolve(cfg: RunConfig, *, world_size: int | None = None) -> ResolvedRun:
     _check_solver_class(cls)
     options = make_options(cls, cfg.solver_options)
     check_buffers(cls, cfg.buffers)
+    if hasattr(cls, "check_server_optimizer"):
+        cls.check_server_optimizer(options, cfg.optimizer)
     # The options as given, typed (config.json and labels keep what the user chose).
     cfg.solver_options = {k: getattr(options, k) for k in cfg.solver_options}
     if world_size is not None:

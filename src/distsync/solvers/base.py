@@ -49,7 +49,9 @@ class ServeContext:
     lr: float
     momentum: float = 0.0
     weight_decay: float = 0.0
-    optimizer: str = "sgd"
+    #: what servers that apply updates apply: "sgd" (with ``momentum``), "adam", "adamw",
+    #: "lars", or a function of a list of tensors returning a torch optimizer over them
+    optimizer: str | Callable[[list[torch.Tensor]], torch.optim.Optimizer] = "sgd"
     lars_eta: float = 0.001
     warmup_steps: int = 0
     #: the learning rate after the warm-up (solvers/rules.py: lr_factor over ``steps``)
@@ -69,6 +71,19 @@ class ServeContext:
     #: where this process keeps its shard and the optimizer's state (``--server-device``);
     #: messages reach it in host memory (comm/devices.py)
     device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
+    #: tell the workers which optimizer the servers apply (a user's script: attach compares
+    #: it with the worker's own); a launched job's servers and workers share one config
+    check_workers: bool = True
+
+    def __post_init__(self) -> None:
+        if not callable(self.optimizer) and self.optimizer not in SERVE_OPTIMIZERS:
+            raise ConfigError(f"optimizer {self.optimizer!r} is unknown to the servers; valid: "
+                              f"{', '.join(SERVE_OPTIMIZERS)}, or a function params -> torch.optim.Optimizer")
+        if not (isinstance(self.lr, (int, float)) and self.lr >= 0):
+            raise ConfigError(f"serve(): lr must be a number >= 0, got {self.lr!r}")
+
+
+SERVE_OPTIMIZERS = ("sgd", "adam", "adamw", "lars")  # (the names config.OPTIMIZERS allows)
 
 
 class PhaseClock:
@@ -157,6 +172,8 @@ class Solver:
         #: (the training loop, which builds identical models, sets it False)
         self.same_start = True
         self._block: _Block | None = None  # the user's step in progress (:meth:`step`)
+        self._user_loop = False  # step() is in use: an optimizer.step() between blocks is a second one
+        self._applying = False  # the block's end is applying the update
         self._no_sync = False
         self.skipped_updates = 0  # steps whose gradients were not finite (a GradScaler skipped them)
 
@@ -391,18 +408,24 @@ class Solver:
         if self.model is None:
             raise ConfigError(f"solver {self.name}: attach(model, optimizer, comm) before solver.step()")
         self._check_lr_unchanged()
+        self._user_loop = True
         self.begin_step(step)
         self._block = block = _Block(step)
         try:
             yield
         finally:
             self._block = None
+        self._check_all_used(block)
         if not block.synced:
             self.after_backward(step)
         if not block.stepped:
             self._check_gradients_kept(block)
             if self._grads_finite():
-                self.update(step)
+                self._applying = True
+                try:
+                    self.update(step)
+                finally:
+                    self._applying = False
             else:
                 self.skipped_updates += 1
         self.after_update(step)
@@ -432,6 +455,7 @@ class Solver:
         block = self._block
         if block is not None:
             block.backward = True
+            block.used.add(p)
         if block is None or not self.syncs_in_backward or self._no_sync or block.queued:
             return
         block.queued = True
@@ -448,6 +472,10 @@ class Solver:
     def _before_user_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         block = self._block
         if block is None:  # (the solver's own update, or the training loop's)
+            if self._user_loop and not self._applying:
+                raise ConfigError(f"solver {self.name}: optimizer.step() between `with solver.step(i):` blocks would "
+                                  f"step a second time (the block's end applied this step's update): call it inside "
+                                  f"the block, or not at all")
             return
         if not self.user_may_step:
             raise ConfigError(f"solver {self.name} applies the update itself: do not call optimizer.step() "
@@ -474,6 +502,22 @@ class Solver:
                 f"this worker's optimizer changed its lr ({self._lrs[0]:g} -> {now[0]:g}, a scheduler?) and that "
                 f"does not reach them: give serve() lr_schedule=, warmup_steps= and steps= instead")
 
+    #: True where a parameter that got no gradient in a step would still be moved (an
+    #: average of zeros, a server's momentum or weight decay) where plain torch skips it:
+    #: such a step is refused in a user's loop
+    refuses_unused: ClassVar[bool] = False
+
+    def _check_all_used(self, block: "_Block") -> None:
+        if not self.refuses_unused or not block.backward:
+            return
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        unused = [n for n, p in named if p not in block.used]
+        if unused:
+            raise ConfigError(f"solver {self.name}: {len(unused)} parameter(s) got no gradient in step {block.step} "
+                              f"({', '.join(unused[:3])}{', ...' if len(unused) > 3 else ''}), and this solver would "
+                              f"still move them where torch's optimizer skips them: use every parameter in every "
+                              f"step, or a solver whose workers apply their own update (ma, local, ripples)")
+
     def _check_gradients_kept(self, block: "_Block") -> None:
         """After a backward pass in the block, before the block's update: every gradient None
         or zero means a zero_grad() (the optimizer's or the model's) came in between, and the
@@ -496,6 +540,8 @@ class Solver:
         otherwise. Call it after :meth:`close`."""
         import copy
 
+        if self.buffers == "broadcast":  # (the live model too: each forward since the last step's start moved them)
+            self.sync_buffers()
         model = copy.deepcopy(self.eval_model())
         comm = self.comm
         if comm is None or getattr(comm, "role", "worker") != "worker" or comm.num_workers < 2:
@@ -553,6 +599,7 @@ class _Block:
     synced: bool = False  # the solver's after_backward has run
     queued: bool = False  # a synchronization is queued for the end of this backward pass
     backward: bool = False  # a backward pass has produced gradients in this block
+    used: set = dataclasses.field(default_factory=set)  # parameters a gradient reached
     stepped: bool = False  # the user called optimizer.step()
 
 

@@ -42,6 +42,7 @@ class DDP(GradientMeanSimulation, Solver):
     default_buffers = "broadcast"  # (DDP's own broadcast_buffers=True; "local": False)
     buffer_choices = ("broadcast", "local")
     syncs_buffers_per_step = False  # DDP broadcasts them itself, at each forward
+    refuses_unused = True  # (DDP itself fails at the next forward, in many lines)
 
     @classmethod
     def search_space(cls, workers):

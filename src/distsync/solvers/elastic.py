@@ -208,13 +208,20 @@ class AsyncMEASGD(_ElasticServerSolver):
     Options = MomentumElasticOptions
 
     def attach(self, model, optimizer, comm, **kw):
+        model = super().attach(model, optimizer, comm, **kw)
+        m = self.options.momentum
         if not isinstance(optimizer, torch.optim.SGD):
             raise ConfigError("async-measgd runs local Nesterov momentum on SGD: use --optimizer sgd")
         for group in optimizer.param_groups:
-            group["momentum"] = self.options.momentum
-            group["nesterov"] = self.options.momentum > 0
+            # an SGD without momentum takes the solver's; one with another momentum is the user's mistake
+            if group["momentum"] and (group["momentum"] != m or not group["nesterov"] or group["dampening"]):
+                raise ConfigError(f"solver async-measgd: the workers run local Nesterov momentum {m:g} (its momentum "
+                                  f"option) and this optimizer has momentum {group['momentum']:g} (nesterov "
+                                  f"{group['nesterov']}): give SGD without momentum, or -o momentum=VALUE")
+            group["momentum"] = m
+            group["nesterov"] = m > 0
             group["dampening"] = 0.0
-        return super().attach(model, optimizer, comm, **kw)
+        return model
 
 
 @register_solver

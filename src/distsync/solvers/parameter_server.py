@@ -31,8 +31,10 @@ import torch
 
 from distsync.comm.devices import synchronize
 from distsync.config import bounded
+from distsync.errors import ConfigError
 from distsync.solvers.base import ServeContext, Solver, register_solver
 from distsync.solvers.hogwild_threads import HogwildThreads, HogwildThreadsOptions, threads_option
+from distsync.solvers.lars import LARS
 from distsync.solvers.rules import lr_factor, server_apply
 from distsync.solvers.shard_service import OP_DONE, TAG_HEADER, Layout, PSClient, Request, ServerShard
 
@@ -166,25 +168,158 @@ class ServerSolver(Solver):
 
 
 class GradientServerSolver(ServerSolver):
-    """Servers that apply pushed gradients with the run's optimizer settings."""
+    """Servers that apply pushed gradients with the run's optimizer: SGD (with momentum) and
+    LARS through :func:`~distsync.solvers.rules.server_apply`, Adam and AdamW (or the user's
+    factory) as a torch optimizer over the shard's layers, its state on the server."""
+
+    servers_apply_update = True
+    refuses_unused = True  # (the servers apply zeros with their momentum and weight decay)
 
     def server_momentum(self) -> float:
         m = getattr(self.options, "momentum", None)
         return self.ctx.momentum if m is None else m
 
+    def attach(self, model, optimizer, comm, **kw):
+        model = super().attach(model, optimizer, comm, **kw)
+        if kw.get("same_start", self.same_start):  # (a user's script: servers set up by hand, maybe otherwise)
+            check_server_optimizer(self.name, optimizer, comm, self.client.layout.server_ranks[0])
+        if any(not p.requires_grad for p in model.parameters()):
+            raise ConfigError(f"solver {self.name}: the servers update every parameter of the model, frozen ones "
+                              f"too (weight decay, momentum); freeze nothing, or use a solver whose workers "
+                              f"apply the update (e.g. allreduce, ma)")
+        return model
+
+    @classmethod
+    def check_server_optimizer(cls, options, optimizer) -> None:
+        """Refuse an optimizer the servers of ``cls`` with ``options`` cannot apply."""
+        m = getattr(options, "momentum", None)
+        if cls.lock_free and optimizer != "sgd":
+            raise ConfigError(f"solver {cls.name}: lock-free servers apply plain SGD (Hogwild); optimizer "
+                              f"{optimizer if isinstance(optimizer, str) else 'of your own'} needs a lock: "
+                              f"use async-ps")
+        if optimizer not in ("sgd", "lars") and m:
+            raise ConfigError(f"solver {cls.name}: momentum={m:g} is SGD's server momentum; the servers apply "
+                              f"{optimizer if isinstance(optimizer, str) else 'your optimizer'} instead: "
+                              f"use async-ps, or optimizer sgd")
+
+    def serve(self, role, comm, ctx):
+        self.ctx = ctx
+        try:
+            self.check_server_optimizer(self.options, ctx.optimizer)
+            description = describe_optimizer(server_optimizer(ctx, [torch.zeros(1)], self.server_momentum()))
+        except (ConfigError, TypeError, ValueError) as e:  # (the workers hear it too, in attach)
+            description, refusal = REFUSED + str(e), e
+        else:
+            refusal = None
+        if ctx.check_workers and comm.rank == comm.ranks_with_role("server")[0]:
+            for w in comm.worker_ranks:
+                comm.send(encode_text(description, 1024), w, tag=TAG_OPTIMIZER)
+        if refusal is not None:
+            raise ConfigError(str(refusal)) from None
+        super().serve(role, comm, ctx)
+
+    def server_state_dict(self, shard):
+        state = super().server_state_dict(shard)
+        if hasattr(shard, "optimizer"):
+            state["optimizer"] = _to_host(shard.optimizer.state_dict())
+        return state
+
+    def load_server_state(self, shard, state):
+        super().load_server_state(shard, state)
+        if "optimizer" in state:
+            self._shard_optimizer(shard).load_state_dict(state["optimizer"])
+
+    def _shard_optimizer(self, shard: ServerShard) -> torch.optim.Optimizer:
+        if not hasattr(shard, "optimizer"):
+            shard.optimizer = server_optimizer(self.ctx, shard.view.split(shard.center), self.server_momentum())
+            shard.base_lrs = [g["lr"] for g in shard.optimizer.param_groups]
+        return shard.optimizer
+
     def apply_gradient(self, shard: ServerShard, grad: torch.Tensor, step: int) -> None:
         """Apply ``grad``, pushed at the worker's ``step`` (the warm-up follows the workers'
         steps, not the server's updates: with p asynchronous workers those run p times faster)."""
         ctx = self.ctx
+        factor = lr_factor(max(step, 0), ctx.steps, ctx.lr_schedule, ctx.warmup_steps)
+        if ctx.optimizer not in ("sgd", "lars"):  # a torch optimizer over the shard's layers
+            opt = self._shard_optimizer(shard)
+            for w, g in zip(opt.param_groups[0]["params"], shard.view.split(grad)):
+                w.grad = g
+            for group, base in zip(opt.param_groups, shard.base_lrs):
+                group["lr"] = base * factor
+            opt.step()
+            shard.count_update()
+            return
         mu = self.server_momentum()
         if not hasattr(shard, "momentum_buffer"):
             shard.momentum_buffer = torch.zeros_like(shard.center)
-        lr = ctx.lr * lr_factor(max(step, 0), ctx.steps, ctx.lr_schedule, ctx.warmup_steps)
+        lr = ctx.lr * factor
         lars = ctx.lars_eta if ctx.optimizer == "lars" else None
         for w, g, b in zip(shard.view.split(shard.center), shard.view.split(grad),
                            shard.view.split(shard.momentum_buffer)):
             server_apply(w, g, b, lr, mu, ctx.weight_decay, lars)
         shard.count_update()
+
+
+TAG_OPTIMIZER = 15  # (shard_service's tags are 11-14)
+REFUSED = "refused: "
+
+
+class ServersRefused(ConfigError):
+    """The servers refused their settings (and stopped): the worker's attach says why."""
+
+
+def server_optimizer(ctx: ServeContext, layers: list[torch.Tensor], momentum: float) -> torch.optim.Optimizer:
+    """The optimizer a server applies to ``layers`` (views of its shard): the user's factory,
+    or the one ``ctx.optimizer`` names with the context's settings."""
+    if callable(ctx.optimizer):
+        return ctx.optimizer(layers)
+    if ctx.optimizer == "adam":
+        return torch.optim.Adam(layers, lr=ctx.lr, weight_decay=ctx.weight_decay)
+    if ctx.optimizer == "adamw":
+        return torch.optim.AdamW(layers, lr=ctx.lr, weight_decay=ctx.weight_decay)
+    if ctx.optimizer == "lars":
+        return LARS(layers, lr=ctx.lr, momentum=momentum, weight_decay=ctx.weight_decay, eta=ctx.lars_eta)
+    return torch.optim.SGD(layers, lr=ctx.lr, momentum=momentum, weight_decay=ctx.weight_decay)
+
+
+def describe_optimizer(opt: torch.optim.Optimizer) -> str:
+    """What must agree between the workers' optimizer and the servers': its kind, learning
+    rate (before any scheduler) and weight decay."""
+    group = opt.param_groups[0]
+    return (f"{type(opt).__name__}(lr={group.get('initial_lr', group['lr']):g}, "
+            f"weight_decay={group.get('weight_decay', 0.0):g})")
+
+
+def encode_text(text: str, size: int = 256) -> torch.Tensor:
+    data = text.encode()[:size]
+    return torch.tensor(list(data) + [0] * (size - len(data)), dtype=torch.uint8)
+
+
+def decode_text(t: torch.Tensor) -> str:
+    return bytes(int(b) for b in t.tolist() if b).decode(errors="replace")
+
+
+def check_server_optimizer(name: str, optimizer: torch.optim.Optimizer, comm, server: int) -> None:
+    """In a user's script, at attach: the servers say which optimizer they apply (as
+    ``distsync.serve`` was told); a worker whose own differs is refused there."""
+    buf = encode_text("", 1024)
+    comm.recv(buf, server, tag=TAG_OPTIMIZER)
+    theirs, mine = decode_text(buf), describe_optimizer(optimizer)
+    if theirs.startswith(REFUSED):
+        raise ServersRefused(theirs[len(REFUSED):])
+    if theirs != mine:
+        raise ConfigError(f"solver {name}: the servers apply {theirs} (distsync.serve's optimizer=, lr=, "
+                          f"weight_decay=) but this worker's optimizer is {mine}: give serve() the same")
+
+
+def _to_host(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_host(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_host(v) for v in obj]
+    return obj
 
 
 @register_solver

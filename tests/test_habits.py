@@ -1,0 +1,474 @@
+"""The habit matrix: every solver in a user's own loop (``with solver.step(i):``) against every
+habit a DDP user brings. Each cell either trains exactly as a pure-PyTorch reference of that
+solver (parameters and buffers within ATOL) or is refused with one line where the mistake is
+made; no cell may train silently differently.
+
+The references, written here in plain torch:
+
+- ``plain``: one worker (and its servers) of a solver that synchronizes with nobody else is
+  single-process training with the user's optimizer, so the servers must apply that
+  optimizer (``serve(optimizer=...)``), and every habit must mean what it means without
+  distsync;
+- ``elastic``: one worker's local steps and the elastic exchange with a center every ``tau``
+  steps (x -= a (x - c); c += a (x - c)); the final model is the center;
+- ``pair``: two workers, each training on its own batches, their models (and BatchNorm's
+  floating-point statistics) averaged after every update (Ripples' groups of two);
+- ``band``: a solver whose result depends on thread timing (AD-PSGD's answering thread, a
+  shadow thread's exchanges): its loss on the batches trained within BAND of its own
+  plain-habit run, and refusals exact.
+
+``python tests/test_habits.py --table`` prints the matrix as docs/solvers.md shows it.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+from helpers import run_ranks
+
+STEPS, BATCH, LR, MOMENTUM, CLIP = 4, 8, 0.1, 0.9, 0.5
+ADAMW = dict(lr=0.01, weight_decay=0.01)
+ATOL, BAND = 1e-5, 0.10
+
+# habit -> what the user's loop does differently from the plain one
+HABITS = {
+    "plain": "backward inside the block; the block's end steps",
+    "zero_grad before": "optimizer.zero_grad() before the block",
+    "zero_grad first in block": "optimizer.zero_grad() inside, before backward",
+    "zero_grad after backward": "optimizer.zero_grad() inside, after backward (no step of yours)",
+    "step, zero_grad in block": "optimizer.step(); optimizer.zero_grad() inside, after backward (DDP's habit)",
+    "step after block": "optimizer.step() after the block",
+    "model.zero_grad after backward": "model.zero_grad(set_to_none=False) inside, after backward",
+    "clip in block": "clip_grad_norm_ inside, the block's end steps",
+    "no_sync accumulation": "two micro-batches, the first under solver.no_sync()",
+    "adamw": "AdamW (servers: serve(optimizer='adamw'))",
+    "scheduler": "StepLR stepped after each block",
+    "fp16 GradScaler": "fp16 autocast, scaler.scale(loss).backward(), scaler.step/update inside",
+    "batchnorm": "a model with BatchNorm (running statistics)",
+    "tied weights": "two layers sharing one weight",
+    "unused parameter": "a layer used on even steps only",
+    "frozen parameter": "the first layer frozen (requires_grad=False)",
+}
+
+# solver -> (workers, servers, options, reference)
+SOLVERS = {
+    "allreduce": (1, 0, {}, "plain"),
+    "ddp": (1, 0, {}, "plain"),
+    "sync-ps": (1, 1, {}, "plain"),
+    "async-ps": (1, 1, {}, "plain"),
+    "async-msgd": (1, 1, {}, "plain"),
+    "hogwild": (1, 1, {"threads": 1}, "plain"),
+    "ma": (1, 0, {}, "plain"),
+    "bmuf": (1, 0, {}, "plain"),
+    "local": (1, 0, {}, "plain"),
+    "shadow-ma": (1, 0, {}, "plain"),
+    "shadow-bmuf": (1, 0, {}, "plain"),
+    "easgd": (1, 1, {"tau": 2}, "elastic"),
+    "async-easgd": (1, 1, {"tau": 2}, "elastic"),
+    "async-measgd": (1, 1, {"tau": 2}, "elastic"),
+    "ea-wild": (1, 1, {"tau": 2, "threads": 1}, "elastic"),
+    "fr-easgd": (1, 1, {"tau": 2, "threads": 1}, "elastic"),
+    "sync-easgd": (1, 0, {"tau": 2}, "elastic"),
+    "shadow-ea": (1, 1, {"threads": 1, "tau": 1}, "band:elastic"),
+    "ripples": (2, 0, {"group_size": 2}, "pair"),
+    "ad-psgd": (2, 0, {}, "band:pair"),
+}
+
+
+# ---- the models and the data ------------------------------------------------------------
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+class SometimesUsed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.extra, self.head = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+        self.calls = 0
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        if self.calls % 2 == 0:
+            h = h + torch.tanh(self.extra(h))
+        self.calls += 1
+        return self.head(h)
+
+
+def make_model(habit: str) -> nn.Module:
+    torch.manual_seed(0)
+    if habit == "batchnorm":
+        return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))
+    if habit == "tied weights":
+        return Tied()
+    if habit == "unused parameter":
+        return SometimesUsed()
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    if habit == "frozen parameter":
+        model[0].requires_grad_(False)
+    return model
+
+
+def make_optimizer(habit: str, model: nn.Module, name: str = "") -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if habit == "adamw":
+        return torch.optim.AdamW(params, **ADAMW)
+    # (async-measgd's rule is local Nesterov momentum: its option's 0.9)
+    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM, nesterov=name == "async-measgd")
+
+
+def serve_settings(habit: str) -> tuple[float, dict]:
+    if habit == "adamw":
+        return ADAMW["lr"], {"optimizer": "adamw", "weight_decay": ADAMW["weight_decay"]}
+    return LR, {"optimizer": "sgd", "momentum": MOMENTUM}
+
+
+def batch(step: int, worker: int, micro: int = 0):
+    g = torch.Generator().manual_seed(1000 * step + 10 * worker + micro)
+    return torch.randn(BATCH, 6, generator=g), torch.randint(0, 3, (BATCH,), generator=g)
+
+
+def loss_of(model, x, y):
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def flat_state(model: nn.Module) -> torch.Tensor:
+    """Parameters and floating-point buffers, in one vector."""
+    return torch.cat([t.detach().reshape(-1).float() for t in
+                      [*model.parameters(), *(b for b in model.buffers() if b.is_floating_point())]])
+
+
+def seen_loss(model: nn.Module, workers: int) -> float:
+    model.eval()
+    if isinstance(model, SometimesUsed):
+        model.calls = 0
+    with torch.no_grad():
+        return sum(float(loss_of(model, *batch(s, w))) for s in range(STEPS) for w in range(workers))
+
+
+# ---- one habit's loop, with a solver or without -----------------------------------------
+def train(habit: str, model, opt, worker: int, solver=None) -> None:
+    """``STEPS`` steps of the user's loop with ``habit``; without a solver, the reference's
+    single-process loop (the habit's intended meaning)."""
+    import contextlib
+
+    run = model
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0) if habit == "fp16 GradScaler" else None
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if habit == "scheduler" else None
+    for step in range(STEPS):
+        if habit == "zero_grad before":
+            opt.zero_grad()
+        block = solver.step(step) if solver is not None else contextlib.nullcontext()
+        with block:
+            if habit == "zero_grad first in block":
+                opt.zero_grad()
+            if habit == "no_sync accumulation":
+                with solver.no_sync() if solver is not None else contextlib.nullcontext():
+                    loss_of(run, *batch(step, worker, 1)).backward()
+                loss_of(run, *batch(step, worker)).backward()
+            elif scaler is not None:
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = loss_of(run, *batch(step, worker))
+                scaler.scale(loss).backward()
+            else:
+                loss_of(run, *batch(step, worker)).backward()
+            if habit == "zero_grad after backward" and solver is not None:
+                opt.zero_grad()
+            if habit == "model.zero_grad after backward" and solver is not None:
+                run.zero_grad(set_to_none=False)
+            if habit == "clip in block":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            elif habit == "step, zero_grad in block" or solver is None:
+                opt.step()
+            if habit == "step, zero_grad in block" or solver is None:
+                opt.zero_grad()
+        if habit == "step after block" and solver is not None:
+            opt.step()
+        if sched is not None:
+            sched.step()
+
+
+def _cell(rank: int, habit: str, name: str, options: dict, comm):
+    import distsync
+    from distsync.errors import ConfigError
+
+    solver = distsync.make_solver(name, **options)
+    lr, settings = serve_settings(habit)
+    if comm.role != "worker":
+        try:
+            distsync.serve(solver, comm, lambda: make_model(habit), lr, **settings)
+        except ConfigError as e:
+            return ("refused", str(e))
+        return ("served", None)
+    model = make_model(habit)
+    opt = make_optimizer(habit, model, name)
+    try:
+        run = solver.attach(model, opt, comm)
+    except ConfigError as e:
+        from distsync.solvers.parameter_server import ServersRefused
+
+        if getattr(solver, "client", None) is not None and not isinstance(e, ServersRefused):
+            solver.client.done()  # (the servers serve the next cell)
+        return ("refused", str(e))
+    try:
+        try:
+            train(habit, run, opt, comm.worker_index, solver)
+        finally:
+            solver.close()
+    except ConfigError as e:
+        return ("refused", str(e))
+    return ("ok", flat_state(solver.final_model()))
+
+
+def _job(rank, world, name, workers, servers, options):
+    import distsync
+
+    comm = distsync.init_comm(timeout_s=20.0, roles={"server": servers} if servers else None)
+    out = {habit: _cell(rank, habit, name, options, comm) for habit in HABITS}
+    comm.close()
+    return out
+
+
+# ---- the references ----------------------------------------------------------------------
+def reference(kind: str, habit: str, name: str, options: dict) -> nn.Module:
+    if kind == "plain":
+        model = make_model(habit)
+        train(habit, model, make_optimizer(habit, model), 0)
+        return model
+    if kind == "elastic":
+        model = make_model(habit)
+        opt = make_optimizer(habit, model, name)
+        center = [p.detach().clone() for p in model.parameters()]
+        alpha, tau = 0.9, options["tau"]  # (beta 0.9 over one worker)
+
+        def exchange(step):
+            if (step + 1) % tau == 0:
+                with torch.no_grad():
+                    for p, c in zip(model.parameters(), center):
+                        d = (p - c) * alpha
+                        p.sub_(d)
+                        c.add_(d)
+
+        _train_with(habit, model, opt, 0, exchange)
+        with torch.no_grad():
+            for p, c in zip(model.parameters(), center):
+                p.copy_(c)
+        return model
+    if kind == "pair":
+        models = [make_model(habit) for _ in range(2)]
+        opts = [make_optimizer(habit, m) for m in models]
+        for step in range(STEPS):
+            for w in range(2):
+                _train_with(habit, models[w], opts[w], w, None, only=step)
+            with torch.no_grad():
+                for ts in zip(*(flat_tensors(m) for m in models)):
+                    mean = sum(ts) / 2
+                    for t in ts:
+                        t.copy_(mean)
+        return models[0]
+    raise ValueError(kind)
+
+
+def flat_tensors(model):
+    return [*model.parameters(), *(b for b in model.buffers() if b.is_floating_point())]
+
+
+def _train_with(habit, model, opt, worker, after_update, only=None):
+    """The reference loop, one step at a time, with ``after_update(step)`` after each update."""
+    steps = range(STEPS) if only is None else [only]
+    for step in steps:
+        _one_step(habit, model, opt, worker, step)
+        if after_update is not None:
+            after_update(step)
+
+
+def _one_step(habit, model, opt, worker, step):
+    state = model.__dict__.setdefault("_ref", {})
+    if "sched" not in state:
+        state["sched"] = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if habit == "scheduler" else None
+        state["scaler"] = torch.amp.GradScaler("cpu", init_scale=256.0) if habit == "fp16 GradScaler" else None
+    scaler = state["scaler"]
+    if habit == "no_sync accumulation":
+        loss_of(model, *batch(step, worker, 1)).backward()
+        loss_of(model, *batch(step, worker)).backward()
+    elif scaler is not None:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_of(model, *batch(step, worker))
+        scaler.scale(loss).backward()
+    else:
+        loss_of(model, *batch(step, worker)).backward()
+    if habit == "clip in block":
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+    if scaler is not None:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+    opt.zero_grad()
+    if state["sched"] is not None:
+        state["sched"].step()
+
+
+# ---- what each cell must be ------------------------------------------------------------
+def expected_refusal(name: str, habit: str) -> str | None:
+    """The start of the one line a cell is refused with, or None where it must train as its
+    reference."""
+    import distsync
+
+    cls = type(distsync.make_solver(name))
+    if habit in ("zero_grad after backward", "model.zero_grad after backward"):
+        return f"solver {name}: the gradients were zeroed between backward and the update"
+    if habit == "step after block":
+        return f"solver {name}: optimizer.step() between `with solver.step(i):` blocks would step a second time"
+    if habit in ("step, zero_grad in block", "fp16 GradScaler") and not cls.user_may_step:
+        return f"solver {name} applies the update itself: do not call optimizer.step()"
+    if habit == "unused parameter" and cls.refuses_unused:
+        return f"solver {name}: 2 parameter(s) got no gradient in step 1 (extra.weight, extra.bias)"
+    if cls.servers_apply_update and habit == "scheduler":
+        return f"solver {name}: the servers apply the update at the learning rate given to distsync.serve()"
+    if cls.servers_apply_update and habit == "frozen parameter":
+        return f"solver {name}: the servers update every parameter of the model, frozen ones too"
+    if habit == "adamw" and name == "async-msgd":
+        return "solver async-msgd: momentum=0.9 is SGD's server momentum"
+    if habit == "adamw" and name == "hogwild":
+        return "solver hogwild: lock-free servers apply plain SGD (Hogwild)"
+    if habit == "adamw" and name == "async-measgd":
+        return "async-measgd runs local Nesterov momentum on SGD"
+    return None
+
+
+def outcome(name: str, results: list[dict]) -> dict[str, tuple[str, str]]:
+    """Per habit: ("=", max difference) when it matched its reference within ATOL, ("~",
+    losses) when a timing-dependent solver's loss is within BAND of its reference's,
+    ("refused", the line), or ("DIFFERENT", ...)."""
+    workers, _, options, kind = SOLVERS[name]
+    out = {}
+    for habit in HABITS:
+        status, value = results[0][habit]
+        for r in results[1:workers]:  # (every worker alike)
+            assert r[habit][0] == status, (name, habit, r[habit], status)
+        if status == "refused":
+            assert "\n" not in value and results[1 % workers][habit] == (status, value), (name, habit, value)
+            out[habit] = ("refused", value)
+            continue
+        assert status == "ok", (name, habit, status, value)
+        if kind.startswith("band:"):
+            got, want = _loss_of_flat(habit, value, workers), seen_loss(reference(kind[5:], habit, name, options), workers)
+            out[habit] = ("~" if abs(got - want) <= BAND * want else "DIFFERENT", f"loss {got:.3f} vs {want:.3f}")
+            continue
+        err = float((value - flat_state(reference(kind, habit, name, options))).abs().max())
+        out[habit] = ("=" if err <= ATOL else "DIFFERENT", f"max |diff| {err:.1e}")
+    return out
+
+
+def _loss_of_flat(habit, vec, workers):
+    model = make_model(habit)
+    offset = 0
+    with torch.no_grad():
+        for t in flat_tensors(model):
+            t.copy_(vec[offset: offset + t.numel()].view_as(t))
+            offset += t.numel()
+    return seen_loss(model, workers)
+
+
+def run_solver(name: str):
+    workers, servers, options, _ = SOLVERS[name]
+    return run_ranks(_job, workers + servers, name, workers, servers, options)
+
+
+@pytest.mark.parametrize("name", sorted(SOLVERS))
+def test_every_habit_trains_as_the_reference_or_is_refused(name):
+    cells = outcome(name, run_solver(name))
+    wrong = {h: c for h, c in cells.items() if c[0] == "DIFFERENT"}
+    assert not wrong, f"{name}: silently different: {wrong}"
+    for habit, (status, detail) in cells.items():
+        want = expected_refusal(name, habit)
+        if want is None:
+            assert status in ("=", "~"), (name, habit, status, detail)
+        else:
+            assert status == "refused" and detail.startswith(want), (name, habit, status, detail)
+
+
+def _batchnorm_job(rank, world, name, buffers):
+    import distsync
+
+    comm = distsync.init_comm(timeout_s=20.0)
+    solver = distsync.make_solver(name, buffers=buffers) if buffers else distsync.make_solver(name)
+    model = make_model("batchnorm")
+    opt = make_optimizer("batchnorm", model)
+    run = solver.attach(model, opt, comm)
+    seen, starts = [], []
+    for step in range(6):
+        with solver.step(step):
+            start = [b.clone() for b in model.buffers()]
+            loss_of(run, *batch(step, rank)).backward()
+        seen.append([b.clone() for b in model.buffers()])
+        starts.append(start)
+    solver.close()
+    final = solver.final_model()
+    comm.close()
+    return seen, [b.clone() for b in model.buffers()], [b.clone() for b in final.buffers()], starts
+
+
+def test_batchnorm_buffers_follow_the_policy_on_every_rank():
+    # allreduce keeps DDP's: rank 0's at every step's start, so the ranks' statistics differ by
+    # one step's batches at most, and the final model (and the live one after it) are rank 0's
+    (a_seen, a_live, a_final, a_starts), (b_seen, b_live, b_final, b_starts) = run_ranks(
+        _batchnorm_job, 2, "allreduce", None)
+    for x, y in zip(a_final + a_live, b_final + b_live):
+        assert torch.equal(x, y)
+    assert not torch.equal(a_seen[-1][0], b_seen[-1][0])  # (each rank's last forward moved its own)
+    for step in range(1, 6):  # every step starts from rank 0's, as left by its last forward
+        for x, y, z in zip(a_starts[step], b_starts[step], a_seen[step - 1]):
+            assert torch.equal(x, y) and torch.equal(x, z)
+    # "local": each keeps its own; the final model holds their average
+    (a_seen, _, a_final, _), (b_seen, _, b_final, _) = run_ranks(_batchnorm_job, 2, "allreduce", "local")
+    assert not torch.equal(a_seen[-1][0], b_seen[-1][0])
+    assert torch.allclose(a_final[0], (a_seen[-1][0] + b_seen[-1][0]) / 2, atol=1e-6)
+    assert torch.equal(a_final[0], b_final[0])
+    # ma averages them with the parameters at each synchronization (every 2 steps here)
+    import distsync
+
+    assert distsync.make_solver("ma").buffers == "average"
+    (a_seen, _, _, _), (b_seen, _, _, _) = run_ranks(_batchnorm_job, 2, "ma", None)  # (every 4 steps)
+    assert torch.equal(a_seen[3][0], b_seen[3][0]) and not torch.equal(a_seen[2][0], b_seen[2][0])
+    assert not torch.equal(a_seen[4][0], b_seen[4][0])
+
+
+def test_a_buffer_policy_a_solver_cannot_keep_is_refused():
+    import distsync
+    from distsync.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^solver async-ps cannot keep buffers 'broadcast'; it keeps 'local' "
+                                          r"\(default 'local'\)$"):
+        distsync.make_solver("async-ps", buffers="broadcast")
+    with pytest.raises(ConfigError, match=r"^buffers='rank0' is no buffer policy; valid: broadcast, average, local$"):
+        distsync.make_solver("allreduce", buffers="rank0")
+
+
+def markdown_table() -> str:
+    """The matrix as docs/solvers.md shows it: = (the reference within ATOL), ~ (within
+    BAND of the reference's loss: timing-dependent solvers), R (refused in one line)."""
+    mark = {"=": "=", "~": "~", "refused": "R", "DIFFERENT": "**DIFFERENT**"}
+    rows = ["| solver (reference) | " + " | ".join(HABITS) + " |", "|---" * (len(HABITS) + 1) + "|"]
+    for name in SOLVERS:
+        cells = outcome(name, run_solver(name))
+        kind = SOLVERS[name][3]
+        rows.append(f"| `{name}` ({kind}) | " + " | ".join(mark[cells[h][0]] for h in HABITS) + " |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__" and "--table" in sys.argv:
+    print(markdown_table())
