@@ -15,7 +15,9 @@ predicted time to target:
   exchanges, shadow threads, smart groups) train in the order their timing model gives on
   the request's link, slow workers and jitter at the train-mode size. A solver without a
   train-mode rule (a user's own) gets its throughput and no time to target, and is ranked
-  after those that have one.
+  after those that have one. A model train mode cannot run, or a workload without a target,
+  leaves every candidate so (``no_time_to_target``: why, in one line), ranked by throughput;
+  no command asks for ``--budget target`` without a predicted time to target.
 
 ``verify`` runs the top candidates and allreduce for real on this machine (emulated devices
 of the same compute, ``--link`` when given) and sets predicted against measured.
@@ -39,6 +41,9 @@ TRAIN_WORKERS_MAX = 16
 TRAIN_STEPS_FACTOR = 2
 #: train mode evaluates this many times as often as the workload's interval
 TRAIN_EVAL_FINER = 4
+#: the key, in the cache of train-mode results, of why no candidate gets a time to target
+#: (the value: that reason in one line, and the candidates' note)
+_NO_TIME = ("no", "time to target")
 
 
 @dataclass
@@ -184,8 +189,11 @@ def _train_steps(request: Request, workload: Any, cand: Candidate, cache: dict, 
     """Steps to target from train mode (the solver's own rule; an order-dependent one in the
     order its timing model gives on the request's cluster at ``n`` workers), cached per rule:
     lockstep rules do not depend on the servers' count."""
-    from distsync.sim.train import rule_is_ordered, simulate_training
+    from distsync.sim.train import ModelNotTrainable, rule_is_ordered, simulate_training
 
+    if _NO_TIME in cache:
+        cand.note = cache[_NO_TIME][1]
+        return
     n = min(request.workers, TRAIN_WORKERS_MAX)
     ordered = rule_is_ordered(cand.solver, cand.options)
     options = cand.options if ordered else {k: v for k, v in cand.options.items() if k != "servers"}
@@ -200,6 +208,10 @@ def _train_steps(request: Request, workload: Any, cand: Candidate, cache: dict, 
                                     worker_model=worker_model, model_bytes=nbytes,
                                     eval_every=max(1, workload.eval_every // TRAIN_EVAL_FINER))
             cache[key] = ("ok", res.steps_to_target)
+        except ModelNotTrainable as e:  # whatever the solver: the others are not tried
+            cache[_NO_TIME] = (str(e), "timing only: train mode cannot run this model")
+            cand.note = cache[_NO_TIME][1]
+            return
         except ConfigError as e:
             cache[key] = ("no rule", str(e))
     kind, value = cache[key]
@@ -256,7 +268,9 @@ def command(request: Request, cand: Candidate) -> str:
     """The `distsync train` command that runs this candidate on the user's cluster."""
     parts = ["distsync train", f"--workload {request.workload}", f"--solver {cand.solver}"]
     parts += [f"-o {k}={v}" for k, v in cand.options.items()]
-    parts += [f"--workers {request.workers}", "--budget target"]
+    parts.append(f"--workers {request.workers}")
+    if cand.time_to_target_s is not None:  # (predicted to reach it; otherwise the workload's steps)
+        parts.append("--budget target")
     return " ".join(parts)
 
 
@@ -299,6 +313,8 @@ def recommend(request: Request, on_step: Callable[[str, int, int], None] | None 
     except Exception as e:
         raise ConfigError(f"workload {request.workload!r} cannot be measured: {type(e).__name__}: {e}") from None
     cache: dict = {}
+    if workload.target is None:  # (train mode would run to its step limit for nothing)
+        cache[_NO_TIME] = (f"workload {workload.name} has no target", "timing only: the workload has no target")
     t0 = time.perf_counter()
     for i, cand in enumerate(cands):
         if on_step is not None:
@@ -320,6 +336,7 @@ def recommend(request: Request, on_step: Callable[[str, int, int], None] | None 
     return {"request": request.__dict__, "compute_s": compute_s, "compute_measured_here": measured_here,
             "compute_from": compute_from, "per_message_ms": request.per_message_ms,
             "model_bytes": nbytes, "batch_size": batch, "train_workers": min(request.workers, TRAIN_WORKERS_MAX),
+            "no_time_to_target": cache[_NO_TIME][0] if _NO_TIME in cache else None,
             "target": workload.target, "metric": workload.metric_name,
             "search_seconds": time.perf_counter() - t0, "ranked": rows}
 
@@ -347,7 +364,7 @@ def verify(request: Request, result: dict[str, Any], top: int, out: Path, worker
     for r in picks:
         cand = Candidate(r["solver"], dict(r["options"]))
         _timing(small, cand, result["compute_s"], result["model_bytes"], result["batch_size"])
-        _train_steps(small, _load(request.workload), cand, {})
+        _train_steps(small, _load(request.workload), cand, {}, result["compute_s"], result["model_bytes"])
         _predict(cand)
         cfg = RunConfig(workload=request.workload, solver=r["solver"], solver_options=dict(r["options"]), workers=n,
                         slow=slow, jitter=request.jitter, device_ms=result["compute_s"] * 1000,
@@ -386,9 +403,11 @@ def write_outputs(out: Path, result: dict[str, Any]) -> Path:
                 else f"({result['compute_from']})")
              + f"; {result['per_message_ms']:.3g} ms per message beyond the link's latency"
              + f"; model {result['model_bytes'] / 1e6:.3g} MB; slow workers: {req['slow_fraction']:.0%} "
-               f"x{req['slow_factor']:g}; jitter {req['jitter']:g}.", "",
-             "| rank | solver | predicted time to target (s) | samples/s | waiting | why | command |",
-             "|---|---|---|---|---|---|---|"]
+               f"x{req['slow_factor']:g}; jitter {req['jitter']:g}.", ""]
+    if result.get("no_time_to_target"):
+        lines += [f"No time to target (ranked by throughput): {result['no_time_to_target']}.", ""]
+    lines += ["| rank | solver | predicted time to target (s) | samples/s | waiting | why | command |",
+              "|---|---|---|---|---|---|---|"]
     for i, r in enumerate(result["ranked"], 1):
         ttt = "-" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.3g}"
         lines.append(f"| {i} | {r['label']} | {ttt} | {r['throughput_samples_per_s']:,.0f} | "

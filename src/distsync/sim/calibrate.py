@@ -165,7 +165,7 @@ def _predict_target(run: dict[str, Any], compute: float, latency: float, wall_s:
                                 batch_size=run["batch"], lr=cfg.lr, seed=cfg.seed, eval_every=cfg.eval_every,
                                 wall_s=wall_s, cluster=Cluster(cfg.workers, Link(run["link"].bandwidth_bps, latency)),
                                 worker_model=WorkerModel(compute, slow=dict(cfg.slow), jitter=cfg.jitter, seed=cfg.seed),
-                                model_bytes=run["bytes"])
+                                model_bytes=run["bytes"], buffers=cfg.buffers)
     except ConfigError as e:
         return None, f"train mode: {e}"
     return res.time_to_target_s, "train mode"
