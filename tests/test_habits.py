@@ -388,9 +388,18 @@ def run_solver(name: str):
     return run_ranks(_job, workers + servers, name, workers, servers, options)
 
 
+_OUTCOMES: dict[str, dict] = {}  # (the docs' table check reuses the cells the tests ran)
+
+
+def cells_of(name: str) -> dict[str, tuple[str, str]]:
+    if name not in _OUTCOMES:
+        _OUTCOMES[name] = outcome(name, run_solver(name))
+    return _OUTCOMES[name]
+
+
 @pytest.mark.parametrize("name", sorted(SOLVERS))
 def test_every_habit_trains_as_the_reference_or_is_refused(name):
-    cells = outcome(name, run_solver(name))
+    cells = cells_of(name)
     wrong = {h: c for h, c in cells.items() if c[0] == "DIFFERENT"}
     assert not wrong, f"{name}: silently different: {wrong}"
     for habit, (status, detail) in cells.items():
@@ -464,10 +473,18 @@ def markdown_table() -> str:
     mark = {"=": "=", "~": "~", "refused": "R", "DIFFERENT": "**DIFFERENT**"}
     rows = ["| solver (reference) | " + " | ".join(HABITS) + " |", "|---" * (len(HABITS) + 1) + "|"]
     for name in SOLVERS:
-        cells = outcome(name, run_solver(name))
+        cells = cells_of(name)
         kind = SOLVERS[name][3]
         rows.append(f"| `{name}` ({kind}) | " + " | ".join(mark[cells[h][0]] for h in HABITS) + " |")
     return "\n".join(rows)
+
+
+def test_the_docs_table_is_the_matrix():
+    from helpers import REPO
+
+    text = (REPO / "docs" / "solvers.md").read_text()
+    table = text.split("<!-- habit-matrix -->\n")[1].split("<!-- /habit-matrix -->")[0]
+    assert table.strip() == markdown_table(), "docs/solvers.md: regenerate with python tests/test_habits.py --table"
 
 
 if __name__ == "__main__" and "--table" in sys.argv:
