@@ -258,6 +258,77 @@ def test_resume_without_a_checkpoint_is_refused_in_one_line(tmp_path):
     assert f"cannot resume {tmp_path}: no complete checkpoint in {tmp_path / 'checkpoints'}" in proc.stderr
 
 
+def test_resume_with_more_steps_trains_on_to_them_and_says_so(tmp_path):
+    run = tmp_path / "run"
+    first = _train(run, "--steps", "6", "--checkpoint-every", "3", "--eval-every", "3")
+    assert first.returncode == 0, first.stderr
+    more = run_cli("train", "--resume", str(run), "--steps", "9", "--timeout", "30")
+    assert more.returncode == 0, more.stderr
+    assert more.stderr.startswith("distsync: resuming with --steps 6 -> 9, --timeout 60 -> 30\n"), more.stderr
+    summary = _summary(run)
+    assert summary["steps_per_worker"] == 9 and summary["recovery"]["resumed_from_steps"] == [6]
+    assert _steps_of(run, 0) == list(range(9)) and _steps_of(run, 1) == list(range(9))
+    assert RunConfig.read(run / "config.json").steps == 9  # (a later --resume goes on from these)
+    fewer = run_cli("train", "--resume", str(run), "--steps", "5")
+    assert fewer.returncode == 2
+    assert fewer.stderr == ("distsync: error: --steps 5: the run's last complete checkpoint is at step 9 already; "
+                            "resuming needs more than 9 steps\n")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--solver", "ripples"], "--resume goes on with the run's own --solver allreduce; start a new run to change it"),
+    # typed as the run has them (--solver, --workers 3, -o) or left to argparse's defaults
+    # (--workers 2, --optimizer sgd): no change; --lr and --checkpoint-every: changes
+    (["--solver", "allreduce", "--workers", "3", "-o", "bucket_mb=1", "--lr", "0.5", "--checkpoint-every", "5"],
+     "--resume goes on with the run's own --lr 0.2 and --checkpoint-every 10; start a new run to change them"),
+    (["-o", "overlap=false"], "--resume goes on with the run's own solver options (bucket_mb=1); start a new run to "
+                              "change it"),
+    (["--out", "elsewhere"], "--resume goes on with the run's own --out {run}; start a new run to change it"),
+])
+def test_resume_refuses_in_one_line_what_would_change_the_run(tmp_path, monkeypatch, args, message):
+    from distsync.runtime.resolve import resolve
+
+    def no_launch(*a, **k):
+        raise AssertionError("launched")
+
+    monkeypatch.setattr(sys.modules["distsync.runtime.launch"], "launch", no_launch)
+    run = tmp_path / "run"
+    run.mkdir()
+    resolve(RunConfig(workers=3, steps=50, checkpoint_every=10, solver_options={"bucket_mb": "1"},
+                      out=str(run))).config.write(run / "config.json")
+    proc = run_cli("train", "--resume", str(run), *args)
+    assert proc.returncode == 2
+    assert proc.stderr == f"distsync: error: {message.format(run=run)}\n"
+
+
+@pytest.mark.parametrize("every, written, hint", [
+    (None, False, "it cannot be resumed: resuming (distsync train --resume RUN_DIR) needs checkpoints, and it ran "
+                  "without --checkpoint-every"),
+    ("10", False, "it cannot be resumed: it stopped before its first complete checkpoint (--checkpoint-every 10)"),
+    ("10", True, "resume it from its last checkpoint (step 10) with: distsync train --resume {run}"),
+])
+def test_a_stopped_run_says_how_to_resume_it_or_why_it_cannot(tmp_path, monkeypatch, every, written, hint):
+    from distsync.errors import Interrupted
+
+    def stopped_launch(run, out, progress):  # stopped at step 12, as Ctrl-C would
+        out.mkdir(parents=True, exist_ok=True)
+        run.config.write(out / "config.json")
+        if written:
+            for rank in range(2):
+                CheckpointStore(out / "checkpoints", rank, list(run.role_of),
+                                fingerprint(run.config, list(run.role_of))).write(1, 10, {"x": torch.zeros(1)})
+        raise Interrupted({"partial": {"reason": "interrupted (Ctrl-C)", "steps_done": {"0": 12, "1": 12},
+                                       "of_steps": 50}}, out)
+
+    monkeypatch.setattr(sys.modules["distsync.runtime.launch"], "launch", stopped_launch)
+    run = tmp_path / "run"
+    proc = _train(run, "--steps", "50", *(["--checkpoint-every", every] if every else []))
+    assert proc.returncode == 130
+    assert proc.stderr == (f"distsync: interrupted (Ctrl-C); the results of the 12 steps per worker done (of 50) are "
+                           f"in {run} (summary.json marked partial, events.jsonl, steps.csv)\n"
+                           f"distsync: {hint.format(run=run)}\n")
+
+
 @pytest.mark.slow
 def test_nan_stops_the_run_even_with_restarts_and_keeps_the_last_good_checkpoint(tmp_path):
     run = tmp_path / "run"

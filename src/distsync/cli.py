@@ -56,8 +56,9 @@ def _add_run_commands(sub) -> None:
     t.add_argument("--solver", default="allreduce", help="solver name (see `distsync list`) or path/to/file.py:Class")
     t.add_argument("--solver-option", "-o", action="append", metavar="KEY=VALUE", help="a solver option, repeatable")
     t.add_argument("--resume", metavar="RUN_DIR",
-                   help="continue the run in RUN_DIR from its last complete checkpoint, with its own config.json "
-                        "(--max-restarts and --fault given here apply too)")
+                   help="continue the run in RUN_DIR from its last complete checkpoint, with its own config.json; "
+                        "--steps, --epochs, --budget, --eval-every, --timeout, --max-restarts and --fault given here "
+                        "apply, other options that differ from the run's are refused")
     add_run_options(t)
 
     c = sub.add_parser("compare", help="run several solvers on the same work and write a report")
@@ -167,6 +168,51 @@ SHORTCUTS = {
     "schedule": "static | random | smart (ripples)",
     "tau": "steps between elastic exchanges (elastic solvers)",
 }
+
+
+def _typed(argv: list[str]) -> dict[str, str]:
+    """The options ``argv`` sets itself, ``{dest: flag}``: what argparse fills in by default
+    is no choice of the user's."""
+    parser, flags = _build_parser(), {}
+
+    def no_defaults(p: argparse.ArgumentParser) -> None:
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for sp in a.choices.values():
+                    no_defaults(sp)
+            elif a.option_strings:
+                a.default = argparse.SUPPRESS
+                flags[a.dest] = max(a.option_strings, key=len)
+
+    no_defaults(parser)
+    return {d: flags[d] for d in vars(parser.parse_args(argv)) if d in flags}
+
+
+#: the RunConfig field each option of train sets, where the names differ
+_FIELD_OF = {"workload_option": "workload_options", "rows": "workload_options", "solver_option": "solver_options",
+             **{f"opt_{k}": "solver_options" for k in SHORTCUTS}}
+
+
+def _resume(args: argparse.Namespace) -> Any:
+    """``train --resume``: the run, with the options typed here that may change it, and one
+    line on what they changed; the others refused (:func:`~distsync.runtime.launch.resume_run`)."""
+    from distsync.config import RunConfig, parse_key_values
+    from distsync.options import config_from_args
+    from distsync.runtime.launch import resume_run
+
+    typed = _typed(args.argv)
+    built = config_from_args(args, args.solver, parse_key_values(_solver_option_items(args)))
+    fields = {f.name for f in dataclasses.fields(RunConfig)}
+    given, flags = {}, {}
+    for dest, flag in typed.items():
+        name = _FIELD_OF.get(dest, dest)
+        if name in fields and name != "resume":
+            given[name] = getattr(built, name)
+            flags.setdefault(name, flag)
+    run, changed = resume_run(Path(args.resume), given, flags)
+    if changed:
+        console.print(f"distsync: resuming with {changed}", markup=False, highlight=False, soft_wrap=True)
+    return run
 
 
 def _solver_option_items(args: argparse.Namespace) -> list[str]:
@@ -279,15 +325,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from distsync.config import parse_key_values
     from distsync.options import config_from_args
     from distsync.runtime.resolve import resolve
-    from distsync.runtime.launch import launch, resume_config
+    from distsync.runtime.launch import launch
 
     if args.resume:
-        cfg = resume_config(Path(args.resume))
-        cfg.max_restarts = args.max_restarts if args.max_restarts is not None else cfg.max_restarts
-        cfg.faults = cfg.faults + list(args.faults or [])
+        run = _resume(args)
+        cfg = run.config
     else:
         cfg = config_from_args(args, args.solver, parse_key_values(_solver_option_items(args)))
-    run = resolve(cfg)
+        run = resolve(cfg)
     out = Path(run.config.out) if run.config.out else _default_out("train", cfg.workload, cfg.solver)
     if not args.resume:  # (a resumed run goes on in its own folder)
         _out_folder(out, args.overwrite, "summary.json")
@@ -614,7 +659,9 @@ def _terminate(signum, frame) -> NoReturn:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = _build_parser().parse_args(argv)
+    args.argv = argv  # (train --resume tells the options typed from argparse's defaults)
     signal.signal(signal.SIGTERM, _terminate)
     _quiet_native_logs()
     handlers = {"train": _cmd_train, "compare": _cmd_compare, "linktest": _cmd_linktest, "list": _cmd_list,
@@ -638,6 +685,12 @@ def main(argv: list[str] | None = None) -> int:
                           markup=False, highlight=False, soft_wrap=True)
         else:
             console.print("distsync: interrupted", markup=False, highlight=False)
+        if args.command == "train" and getattr(e, "run_dir", None) is not None:
+            from distsync.runtime.launch import resume_hint
+
+            hint = resume_hint(Path(e.run_dir))
+            if hint:
+                console.print(f"distsync: {hint}", markup=False, highlight=False, soft_wrap=True)
         if getattr(e, "report", None) is not None:
             console.print(f"distsync: the runs that finished are compared in {e.report}", markup=False,
                           highlight=False, soft_wrap=True)

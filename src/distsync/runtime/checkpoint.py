@@ -186,6 +186,17 @@ class CheckpointStore:
             refused.append(f"checkpoint {self.folder(index).name}: {why}")
         return Choice(None, refused)
 
+    def step_reached(self, index: int) -> int:
+        """The most steps any rank had done when it wrote its part of checkpoint ``index``
+        (workers that step on their own may each be at another)."""
+        steps = []
+        for r in self.stateful:
+            try:
+                steps.append(int(json.loads((self.folder(index) / f"rank-{r}.json").read_text())["step"]))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # (a dropped worker's part is missing)
+        return max(steps, default=0)
+
     def step_of(self, index: int) -> int:
         return int(json.loads((self.folder(index) / f"rank-{self.rank}.json").read_text())["step"])
 

@@ -22,11 +22,11 @@ from distsync.config import RunConfig, parse_link
 from distsync.errors import ConfigError, DistsyncError, Interrupted, WorkerFailed
 from distsync.runtime import forkserver
 from distsync.runtime.bind import bind_listeners
-from distsync.runtime.checkpoint import CheckpointStore, fingerprint
+from distsync.runtime.checkpoint import CheckpointStore, Choice, fingerprint
 from distsync.runtime.checkpoint import clear as clear_folder
 from distsync.runtime.network import EmulatedNetwork
 from distsync.runtime.process import CHECKPOINTS, dropped_ranks, write_partial_results
-from distsync.runtime.resolve import ResolvedRun, resolve
+from distsync.runtime.resolve import ResolvedRun, resolve, trusted
 
 ProgressFn = Callable[[dict[str, Any]], None]
 
@@ -173,13 +173,22 @@ def _partial(run: ResolvedRun, run_dir: Path, reason: str) -> str:
     return f"; partial results: {run_dir / 'summary.json'}" if _partial_summary(run, run_dir, reason) else ""
 
 
+def _resume_point(cfg: RunConfig, run_dir: Path, role_of: list[str]) -> tuple[CheckpointStore, Choice]:
+    """The run folder's checkpoints as this job sees them, and the one it would resume from."""
+    store = CheckpointStore(run_dir / CHECKPOINTS, 0, role_of, fingerprint(cfg, role_of), dropped_ranks(run_dir))
+    return store, store.choose()
+
+
+def _no_checkpoint(run_dir: Path, choice: Choice) -> ConfigError:
+    why = f": {choice.refused[0]}" if choice.refused else ""
+    return ConfigError(f"cannot resume {run_dir}: no complete checkpoint in {run_dir / CHECKPOINTS}{why}")
+
+
 def check_resumable(cfg: RunConfig, run_dir: Path, role_of: list[str]) -> None:
     """Refuse ``--resume`` (one line) when the run folder has no checkpoint this job can load."""
-    choice = CheckpointStore(run_dir / CHECKPOINTS, 0, role_of, fingerprint(cfg, role_of),
-                             dropped_ranks(run_dir)).choose()
+    _, choice = _resume_point(cfg, run_dir, role_of)
     if choice.index is None:
-        why = f": {choice.refused[0]}" if choice.refused else ""
-        raise ConfigError(f"cannot resume {run_dir}: no complete checkpoint in {run_dir / CHECKPOINTS}{why}")
+        raise _no_checkpoint(run_dir, choice)
     for why in choice.refused:  # (a newer one that is incomplete, corrupt or another job's)
         print(f"distsync: skipped {why}", file=sys.stderr, flush=True)
 
@@ -192,6 +201,124 @@ def resume_config(run_dir: Path) -> RunConfig:
     if cfg.task != "train":
         raise ConfigError(f"cannot resume {run_dir}: it is a {cfg.task} run, not training")
     return dataclasses.replace(cfg, resume=True, out=str(run_dir), master_port=None, link_latency_mode=None)
+
+
+#: what ``train --resume`` may change of a run: how long it goes on (``RUN_LENGTH``) and how
+#: it is watched and recovered; not what it computes (most of that is in the checkpoints'
+#: fingerprint), nor the checkpoint interval: step checkpoints are numbered step // interval,
+#: so another interval would number new checkpoints at or below the old ones, which choosing
+#: the newest and pruning the oldest would then take for older.
+RESUME_MAY_CHANGE = ("eval_every", "timeout_s", "max_restarts", "master_port", "faults")
+#: what sets a run's length: one of them
+RUN_LENGTH = ("steps", "epochs", "budget")
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, dict):
+        return ",".join(f"{k}={_shown(v)}" for k, v in sorted(value.items(), key=str)) or "none"
+    if isinstance(value, (list, tuple)):
+        return ",".join(map(_shown, value)) or "none"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return "none" if value is None else str(value)
+
+
+def _length(cfg: RunConfig) -> str:
+    """A run's length as its option says it: ``--steps 200``, ``--epochs 3``, ``--budget seconds=8``."""
+    if cfg.budget is not None:
+        return f"--budget {cfg.budget}"
+    return f"--epochs {cfg.epochs}" if cfg.epochs is not None else f"--steps {cfg.steps}"
+
+
+def _own(cfg: RunConfig, name: str, flag: str) -> str:
+    """The run's own setting of ``name``, as a refusal names it."""
+    value = getattr(cfg, name)
+    if name in ("solver_options", "workload_options"):
+        return f"{name.replace('_', ' ')} ({_shown(value) if value else 'none given'})"
+    return f"{flag} {_shown(value)}"
+
+
+def _same(cfg: RunConfig, name: str, value: Any, given: dict[str, Any]) -> bool:
+    """Whether ``--resume`` given ``name=value`` leaves the run's own setting as it is."""
+    from distsync.solvers import make_options, solver_class
+    from distsync.workloads import typed_options
+
+    own = getattr(cfg, name)
+    if name == "solver_options" and given.get("solver", cfg.solver) == cfg.solver:
+        # (options given are added to the run's own: it changes only if one differs)
+        cls = solver_class(cfg.solver)
+        return make_options(cls, {**own, **value}) == make_options(cls, own)
+    if name == "workload_options" and given.get("workload", cfg.workload) == cfg.workload:
+        return typed_options(cfg.workload, {**own, **value}) == own
+    if name == "out":
+        return Path(value).resolve() == Path(own).resolve()
+    return value == own
+
+
+def resume_run(run_dir: Path, given: dict[str, Any] | None = None,
+               flags: dict[str, str] | None = None) -> tuple[ResolvedRun, str]:
+    """The run in ``run_dir`` set to resume from its last complete checkpoint, and what the
+    options the user gave changed of it ("" for nothing), checked before anything starts.
+
+    ``given``: RunConfig fields the user set (``faults``: ones to add), by ``flags`` (the
+    option that set each, for messages). The run's length and :data:`RESUME_MAY_CHANGE` are
+    applied; any other field that differs from the run's own is refused in one line."""
+    given, flags = dict(given or {}), dict(flags or {})
+    cfg = resume_config(run_dir)
+    length = {n: given.pop(n) for n in RUN_LENGTH if n in given}
+    added = [f for f in given.pop("faults", None) or [] if f not in cfg.faults]
+    changed = {n: v for n, v in given.items() if not _same(cfg, n, v, given)}
+    fixed = [n for n in changed if n not in RESUME_MAY_CHANGE]
+    if fixed:
+        own = " and ".join(_own(cfg, n, flags.get(n, n)) for n in fixed)
+        raise ConfigError(f"--resume goes on with the run's own {own}; start a new run to change "
+                          f"{'it' if len(fixed) == 1 else 'them'}")
+    said = [f"{flags.get(n, n)} {_shown(getattr(cfg, n))} -> {_shown(v)}" for n, v in changed.items()
+            if n != "master_port"]  # (where the job meets is no part of the run)
+    new = dataclasses.replace(cfg, **changed, faults=cfg.faults + added)
+    if length:
+        new = dataclasses.replace(new, **{n: length.get(n) for n in RUN_LENGTH}, resolved=False)
+        if len(length) == 1 and _length(new) == _length(cfg):  # (two given: resolve names the conflict)
+            new = dataclasses.replace(new, steps=cfg.steps, resolved=True)
+    run = resolve(new)
+    if run.config.steps != cfg.steps or _length(run.config) != _length(cfg):
+        if cfg.lr_schedule != "constant":
+            raise ConfigError(f"--resume goes on with the run's own {_length(cfg)}: its {cfg.lr_schedule} "
+                              f"learning-rate schedule is laid over that length; start a new run to change it")
+        store, choice = _resume_point(run.config, run_dir, list(run.role_of))
+        if choice.index is None:
+            raise _no_checkpoint(run_dir, choice)
+        done = store.step_reached(choice.index)
+        if run.config.steps <= done:
+            per = "" if run.config.budget is None and run.config.epochs is None else \
+                f" ({run.config.steps} steps per worker)"
+            raise ConfigError(f"{_length(run.config)}{per}: the run's last complete checkpoint is at step {done} "
+                              f"already; resuming needs more than {done} steps")
+        (flag, _, _), (to_flag, _, to) = _length(cfg).partition(" "), _length(run.config).partition(" ")
+        steps = f" ({run.config.steps} steps per worker)" if run.config.epochs is not None else ""
+        said.insert(0, f"{_length(cfg)} -> {to if to_flag == flag else _length(run.config)}{steps}")
+    said += [f"--fault {f} added" for f in added]
+    return run, ", ".join(said)
+
+
+def resume_hint(run_dir: Path) -> str:
+    """How a stopped run in ``run_dir`` goes on: the command that resumes it from its last
+    checkpoint, or why it cannot (no checkpoint yet, or none asked for); "" if it is no run."""
+    try:
+        run = trusted(RunConfig.read(Path(run_dir) / "config.json", validate=False))
+    except Exception:  # noqa: BLE001 (stopped before its config was written: nothing to say)
+        return ""
+    if run.config.task != "train":
+        return ""
+    if run.config.checkpoint_every is None:
+        return ("it cannot be resumed: resuming (distsync train --resume RUN_DIR) needs checkpoints, and it ran "
+                "without --checkpoint-every")
+    store, choice = _resume_point(run.config, Path(run_dir), list(run.role_of))
+    if choice.index is None:
+        return (f"it cannot be resumed: it stopped before its first complete checkpoint (--checkpoint-every "
+                f"{run.config.checkpoint_every})")
+    return (f"resume it from its last checkpoint (step {store.step_reached(choice.index)}) with: "
+            f"distsync train --resume {run_dir}")
 
 
 #: the least memory one more process of a job holds of its own (its pages beyond what it
