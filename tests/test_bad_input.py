@@ -457,7 +457,9 @@ def test_bad_option_gives_exit_2_and_one_exact_line(tmp_path, capsys, no_launch,
     (["train", "--solver", "ea-wild", "--threads", "2", "--momentum", "0.9"],
      "ea-wild with 2 threads steps with plain lock-free SGD (Hogwild): it takes --optimizer sgd without --momentum "
      "or --weight-decay; got --optimizer sgd --momentum 0.9 --weight-decay 0"),
-    (["train", "--solver", "hogwild", "--optimizer", "adam"], "hogwild with 2 threads steps with plain lock-free SGD"),
+    # (hogwild's servers refuse it first: they apply plain SGD too)
+    (["train", "--solver", "hogwild", "--optimizer", "adam"],
+     "solver hogwild: lock-free servers apply plain SGD (Hogwild); optimizer adam needs a lock: use async-ps"),
     (["compare", "--solvers", "allreduce,shadow-ma", "--threads", "2", "--weight-decay", "0.01"],
      "shadow-ma with 2 threads steps with plain lock-free SGD"),
 ])
