@@ -334,7 +334,7 @@ def expected_refusal(name: str, habit: str) -> str | None:
         return f"solver {name}: optimizer.step() between `with solver.step(i):` blocks would step a second time"
     if habit in ("step, zero_grad in block", "fp16 GradScaler") and not cls.user_may_step:
         return f"solver {name} applies the update itself: do not call optimizer.step()"
-    if habit == "unused parameter" and cls.refuses_unused:
+    if habit == "unused parameter" and cls.refuses_unused:  # (allreduce: the reference's, tested)
         return f"solver {name}: 2 parameter(s) got no gradient in step 1 (extra.weight, extra.bias)"
     if cls.servers_apply_update and habit == "scheduler":
         return f"solver {name}: the servers apply the update at the learning rate given to distsync.serve()"

@@ -89,7 +89,7 @@ class AllReduce(GradientMeanSimulation, Solver):
     syncs_in_backward = True
     default_buffers = "broadcast"  # (DDP's broadcast_buffers)
     buffer_choices = ("broadcast", "average", "local")
-    refuses_unused = True  # (their zero gradients are averaged in)
+    skips_unused = True  # (their zero gradients are averaged in, unless no worker used them)
 
     def attach(self, model, optimizer, comm, **kw):
         super().attach(model, optimizer, comm, **kw)

@@ -418,6 +418,8 @@ class Solver:
         self._check_all_used(block)
         if not block.synced:
             self.after_backward(step)
+        if self.skips_unused and block.backward and not block.stepped:
+            self._skip_unused(block)
         if not block.stepped:
             self._check_gradients_kept(block)
             if self._grads_finite():
@@ -483,6 +485,8 @@ class Solver:
         if block.stepped:
             raise ConfigError(f"solver {self.name}: optimizer.step() called twice in one `with solver.step(i):`")
         self.synchronize()
+        if self.skips_unused and block.backward:
+            self._skip_unused(block)
 
     def _after_user_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._block is not None:
@@ -506,6 +510,21 @@ class Solver:
     #: average of zeros, a server's momentum or weight decay) where plain torch skips it:
     #: such a step is refused in a user's loop
     refuses_unused: ClassVar[bool] = False
+
+    #: True where a parameter gets an averaged gradient even when no worker's backward reached
+    #: it: in a user's loop, such parameters' gradients are set to None after the average (one
+    #: small all-reduce per step), so that the optimizer skips them as torch does
+    skips_unused: ClassVar[bool] = False
+
+    def _skip_unused(self, block: "_Block") -> None:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        used = torch.tensor([1.0 if p in block.used else 0.0 for p in params])
+        comm = self.comm
+        if comm is not None and comm.num_workers > 1:
+            comm.all_reduce(used, group=comm.worker_group)
+        for p, n in zip(params, used.tolist()):
+            if n == 0:
+                p.grad = None
 
     def _check_all_used(self, block: "_Block") -> None:
         if not self.refuses_unused or not block.backward:
