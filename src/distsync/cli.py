@@ -614,6 +614,8 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
         table.add_row(str(i), r["label"], ttt, f"{r['throughput_samples_per_s']:,.0f}",
                       f"{r['phase_share'].get('wait', 0):.0%}", r["reason"])
     _stdout().print(table)
+    if result.get("no_time_to_target"):  # (ranked by throughput only: say why, once)
+        _stdout().print(f"no time to target: {result['no_time_to_target']}", highlight=False, soft_wrap=True)
     best = result["ranked"][0]
     _stdout().print(f"run it: {best['command']}", highlight=False, soft_wrap=True)
     for v in result.get("verify", []):
