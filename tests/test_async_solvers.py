@@ -45,7 +45,13 @@ def _run(rank, world, solver_name, options, workers, steps, momentum, optimizer=
         out = ("server", solver.stats(), solver.shard.center.clone())  # the center once every worker is done
     else:
         model = _model()
-        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum)
+        # (the workers hold the optimizer the servers apply: attach checks that they agree)
+        if optimizer == "lars":
+            from distsync.solvers.lars import LARS
+
+            opt = LARS(model.parameters(), lr=LR, momentum=momentum, eta=0.01)
+        else:
+            opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum)
         run = solver.attach(model, opt, comm)
         sampler = ShardSampler(w.num_train, workers, comm.worker_index, BATCH, SEED)
         for step in range(steps):

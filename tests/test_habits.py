@@ -467,6 +467,35 @@ def test_a_buffer_policy_a_solver_cannot_keep_is_refused():
         distsync.make_solver("allreduce", buffers="rank0")
 
 
+def _mismatched_optimizer(rank, world, settings):
+    import distsync
+    from distsync.errors import CommError, ConfigError
+
+    comm = distsync.init_comm(timeout_s=20.0, roles={"server": 1})
+    solver = distsync.make_solver("async-ps")
+    try:
+        if distsync.serve(solver, comm, lambda: make_model("plain"), LR, **settings):
+            return "served"
+        solver.attach(make_model("plain"), make_optimizer("adamw", make_model("plain")), comm)
+    except (ConfigError, CommError) as e:  # (the server: the refused worker left)
+        return str(e)
+    finally:
+        comm.close()
+    return "attached"
+
+
+def test_servers_applying_another_optimizer_than_the_workers_are_refused_at_attach():
+    worker, server = run_ranks(_mismatched_optimizer, 2, {})
+    assert worker == ("solver async-ps: the servers apply SGD(lr=0.1, weight_decay=0) (distsync.serve's optimizer=, "
+                      "lr=, weight_decay=) but this worker's optimizer is AdamW(lr=0.01, weight_decay=0.01): give "
+                      "serve() the same")
+    assert server == "rank 1 (server): recv(from rank 0) failed: a peer closed its connection (its process died or was stopped)"
+    # an unknown optimizer name is refused on every rank, before anything is exchanged
+    msgs = run_ranks(_mismatched_optimizer, 2, {"optimizer": "adamx"})
+    assert msgs[0] == msgs[1] == ("optimizer 'adamx' is unknown to the servers; valid: sgd, adam, adamw, lars, or a "
+                                  "function params -> torch.optim.Optimizer")
+
+
 def markdown_table() -> str:
     """The matrix as docs/solvers.md shows it: = (the reference within ATOL), ~ (within
     BAND of the reference's loss: timing-dependent solvers), R (refused in one line)."""
