@@ -31,8 +31,8 @@ import torch.nn as nn
 
 from distsync.config import check_ranges, convert, show_names
 from distsync.errors import ConfigError
-from distsync.solvers.flat import FlatView
 from distsync.imports import load_attribute
+from distsync.solvers.flat import FlatView
 
 
 @dataclasses.dataclass
@@ -251,7 +251,8 @@ class Solver:
         if (self.same_start if same_start is None else same_start):
             self._broadcast_start()
         self._buffer_views = _by_dtype([b for b in model.buffers()])
-        self._float_buffers = [b for b in model.buffers() if b.is_floating_point()]
+        #: the floating-point buffers, which "average" averages (integer ones stay each worker's)
+        self.float_buffers = FlatView([b for b in model.buffers() if b.is_floating_point()])
         for p in model.parameters():
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._grad_accumulated)
@@ -260,14 +261,11 @@ class Solver:
         self._lrs = [g["lr"] for g in optimizer.param_groups]
         return model
 
-    def synced_state(self, model: nn.Module | None = None) -> list[torch.Tensor]:
+    def synced_state(self) -> list[torch.Tensor]:
         """What this solver's averaging synchronizes: the parameters, and with the "average"
         buffer policy the floating-point buffers after them."""
-        model = model if model is not None else self.model
-        params = list(model.parameters())
-        if self.buffers != "average":
-            return params
-        return params + [b for b in model.buffers() if b.is_floating_point()]
+        params = list(self.model.parameters())
+        return params + self.float_buffers.tensors if self.buffers == "average" else params
 
     def begin_step(self, step: int) -> None:
         """A step's start: the buffers as the policy keeps them (solvers whose workers meet at
@@ -292,11 +290,10 @@ class Solver:
                     flat = view.flat()
                     comm.broadcast(flat, src=comm.live_workers[0], group=group)
                     view.assign(flat)
-            elif self._float_buffers:
-                view = FlatView(self._float_buffers)
-                flat = view.flat()
+            elif self.float_buffers.numel:
+                flat = self.float_buffers.flat()
                 comm.all_reduce(flat, group=group)
-                view.assign(flat.div_(comm.group_size(group)))
+                self.float_buffers.assign(flat.div_(comm.group_size(group)))
 
     def _check_roles(self, comm: Any) -> None:
         """A job without the processes this solver needs beside the workers (a user's script
@@ -559,7 +556,9 @@ class Solver:
         otherwise. Call it after :meth:`close`."""
         import copy
 
-        if self.buffers == "broadcast":  # (the live model too: each forward since the last step's start moved them)
+        # "broadcast": rank 0's, in the live model too (each forward since the step's start moved
+        # them); the model evaluated is the live one for every solver that keeps this policy
+        if self.buffers == "broadcast":
             self.sync_buffers()
         model = copy.deepcopy(self.eval_model())
         comm = self.comm
@@ -569,10 +568,7 @@ class Solver:
         live = comm.group_size(group)
         with torch.no_grad():
             averaged = list(model.parameters()) if self.replicas_differ else []
-            if self.buffers == "broadcast":
-                for b in model.buffers():
-                    comm.broadcast(b.data, src=comm.live_workers[0], group=group)
-            else:  # (each worker's buffers moved on since their last synchronization)
+            if self.buffers != "broadcast":  # (each worker's buffers moved on since their last synchronization)
                 averaged += [b for b in model.buffers() if b.is_floating_point()]
             for t in averaged:
                 comm.all_reduce(t.data, group=group)
@@ -698,5 +694,4 @@ def make_solver(spec: str, buffers: str | None = None, **options: Any) -> Solver
     how the workers' buffers are kept (:data:`BUFFER_POLICIES`; default: the solver's
     :attr:`Solver.default_buffers`)."""
     cls = solver_class(spec)
-    check_buffers(cls, buffers)
-    return cls(make_options(cls, options), buffers=buffers)
+    return cls(make_options(cls, options), buffers=buffers)  # (the constructor checks ``buffers``)

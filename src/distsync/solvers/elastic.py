@@ -299,13 +299,12 @@ class SyncEASGD(Solver):
         sync_elastic_update(x, c, total, self.comm.group_size(group), self.alpha)
         mine.assign(x)
         center.assign(c)
-        if self._float_buffers:
-            live, kept = FlatView(self._float_buffers), FlatView([b for b in self.center.buffers() if b.is_floating_point()])
-            mean = live.flat()
+        if self.float_buffers.numel:
+            mean = self.float_buffers.flat()
             self.comm.all_reduce(mean, group=group)
             mean.div_(self.comm.group_size(group))
-            live.assign(mean)
-            kept.assign(mean)
+            self.float_buffers.assign(mean)
+            FlatView([b for b in self.center.buffers() if b.is_floating_point()]).assign(mean)
 
     def state_dict(self):
         return {"center": self.center.state_dict()}
