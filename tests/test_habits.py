@@ -159,6 +159,13 @@ def seen_loss(model: nn.Module, workers: int) -> float:
 def train(habit: str, model, opt, worker: int, solver=None) -> None:
     """``STEPS`` steps of the user's loop with ``habit``; without a solver, the reference's
     single-process loop (the habit's intended meaning)."""
+    for _ in steps(habit, model, opt, worker, solver):
+        pass
+
+
+def steps(habit: str, model, opt, worker: int, solver=None):
+    """:func:`train`'s loop, pausing after each step's update (yields the step): the
+    references synchronize their replicas there."""
     import contextlib
 
     run = model
@@ -198,6 +205,7 @@ def train(habit: str, model, opt, worker: int, solver=None) -> None:
             opt.step()
         if sched is not None:
             sched.step()
+        yield step
 
 
 def _cell(rank: int, habit: str, name: str, options: dict, comm):
@@ -261,17 +269,16 @@ def reference(kind: str, habit: str, name: str, options: dict) -> nn.Module:
                         p.sub_(d)
                         c.add_(d)
 
-        _train_with(habit, model, opt, 0, exchange)
+        for step in steps(habit, model, opt, 0):
+            exchange(step)
         with torch.no_grad():
             for p, c in zip(model.parameters(), center):
                 p.copy_(c)
         return model
     if kind == "pair":
         models = [make_model(habit) for _ in range(2)]
-        opts = [make_optimizer(habit, m) for m in models]
-        for step in range(STEPS):
-            for w in range(2):
-                _train_with(habit, models[w], opts[w], w, None, only=step)
+        loops = [steps(habit, m, make_optimizer(habit, m), w) for w, m in enumerate(models)]
+        for _ in zip(*loops):  # (each worker's step, then the average)
             with torch.no_grad():
                 for ts in zip(*(flat_tensors(m) for m in models)):
                     mean = sum(ts) / 2
@@ -283,42 +290,6 @@ def reference(kind: str, habit: str, name: str, options: dict) -> nn.Module:
 
 def flat_tensors(model):
     return [*model.parameters(), *(b for b in model.buffers() if b.is_floating_point())]
-
-
-def _train_with(habit, model, opt, worker, after_update, only=None):
-    """The reference loop, one step at a time, with ``after_update(step)`` after each update."""
-    steps = range(STEPS) if only is None else [only]
-    for step in steps:
-        _one_step(habit, model, opt, worker, step)
-        if after_update is not None:
-            after_update(step)
-
-
-def _one_step(habit, model, opt, worker, step):
-    state = model.__dict__.setdefault("_ref", {})
-    if "sched" not in state:
-        state["sched"] = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if habit == "scheduler" else None
-        state["scaler"] = torch.amp.GradScaler("cpu", init_scale=256.0) if habit == "fp16 GradScaler" else None
-    scaler = state["scaler"]
-    if habit == "no_sync accumulation":
-        loss_of(model, *batch(step, worker, 1)).backward()
-        loss_of(model, *batch(step, worker)).backward()
-    elif scaler is not None:
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = loss_of(model, *batch(step, worker))
-        scaler.scale(loss).backward()
-    else:
-        loss_of(model, *batch(step, worker)).backward()
-    if habit == "clip in block":
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-    if scaler is not None:
-        scaler.step(opt)
-        scaler.update()
-    else:
-        opt.step()
-    opt.zero_grad()
-    if state["sched"] is not None:
-        state["sched"].step()
 
 
 # ---- what each cell must be ------------------------------------------------------------
