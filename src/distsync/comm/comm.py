@@ -64,26 +64,10 @@ def make_group(store: Any, prefix: str, members: list[int], rank: int, timeout_s
     """A gloo process group over ``members`` (global ranks, this ``rank`` among them) under
     ``prefix`` of ``store``, registered with torch.distributed so that its functions (and
     DistributedDataParallel) accept it like a group from ``new_group``. Only the members
-    call this."""
-    from torch.distributed import distributed_c10d as c10d
+    call this. (torch has no public way: :func:`distsync.torch_private.gloo_group`.)"""
+    from distsync.torch_private import gloo_group
 
-    me = members.index(rank)
-    prefixed = dist.PrefixStore(prefix, store)
-    timeout = datetime.timedelta(seconds=timeout_s)
-    backend = dist.ProcessGroupGloo(dist.PrefixStore("gloo", prefixed), me, len(members), timeout)
-    backend.options.global_ranks_in_group = list(members)
-    backend.options.group_name = name
-    pg = dist.ProcessGroup(prefixed, me, len(members))
-    pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
-    config = "cpu:gloo"
-    if torch.cuda.is_available():  # (gloo takes CUDA tensors too: DDP's own calls on a live view)
-        pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.GLOO, backend)
-        config = "cpu:gloo,cuda:gloo"
-    pg._set_group_name(name)
-    c10d._register_pg_in_world(pg, backend_name="gloo", store=prefixed, group_name=name, backend_config=config,
-                               rank_mapping={g: i for i, g in enumerate(members)})
-    return pg
+    return gloo_group(store, prefix, members, rank, timeout_s, name)
 
 
 _retired: list[tuple[float, Any]] = []  # (when its last operation has surely ended, group)
@@ -620,7 +604,11 @@ class Comm:
 
     # ---- the job's key-value store (small agreements without a collective) --------------
     def _store(self):
-        return self._job_store if self._job_store is not None else dist.distributed_c10d._get_default_store()
+        if self._job_store is not None:
+            return self._job_store
+        from distsync.torch_private import default_store
+
+        return default_store(self.timeout_s)
 
     def raw_store(self) -> Any:
         """The job's key-value store (this attempt's keys)."""

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import inspect
 import ipaddress
 import os
 import socket
 import sys
+
+from distsync import torch_private
 
 
 def bind_listeners(host: str) -> None:
@@ -24,9 +25,9 @@ def bind_listeners(host: str) -> None:
       the workers), unless the user set those. With ``--link`` the worker sets
       ``GLOO_SOCKET_IFNAME=eth0`` inside its namespace itself.
 
-    The stores' part patches private names of torch's rendezvous modules; a torch without
-    them (:func:`missing_store_hooks`) keeps its own behaviour, the wildcard address, and this
-    says so once.
+    The stores' part patches private names of torch's rendezvous modules (through
+    :mod:`distsync.torch_private`); a torch without them (:func:`missing_store_hooks`) keeps
+    its own behaviour, the wildcard address, and this says so once.
 
     Idempotent; changes only this process (torch's rendezvous classes) and its environment.
     """
@@ -52,46 +53,25 @@ def _warn_wildcard(host: str, missing: list[str]) -> None:
     if _warned:
         return
     _warned = True
-    import torch
-
-    sys.stderr.write(f"distsync: warning: torch {torch.__version__} lacks {', '.join(missing)}: its rendezvous "
-                     f"stores listen on every address, not only {host}\n")
+    sys.stderr.write("distsync: warning: "
+                     + torch_private.lacks(missing, f"its rendezvous stores listen on every address, not only {host}")
+                     + "\n")
 
 
 def _store_takes_listen_fd() -> bool:
-    from torch.distributed import TCPStore
-
-    return "master_listen_fd" in (TCPStore.__init__.__doc__ or "")
+    return torch_private.tcp_store_takes_listen_fd()
 
 
 def missing_store_hooks() -> list[str]:
     """The private names of torch that binding the stores needs and this torch lacks (a
     version before 2.6, or one that renamed them); empty when the stores can be bound."""
-    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
-
-    missing = []
-    if not _store_takes_listen_fd():
-        missing.append("TCPStore(master_listen_fd=)")
-    if not isinstance(getattr(c10d_rendezvous_backend, "TCPStore", None), type):
-        missing.append("c10d_rendezvous_backend.TCPStore")
-    create = getattr(DynamicRendezvousHandler, "_create_tcp_store_server", None)
-    try:
-        params = list(inspect.signature(create).parameters) if callable(create) else None
-    except (TypeError, ValueError):
-        params = None
-    # (the replacement below is called as torch calls it: (self, master_addr, master_port))
-    if params != ["self", "master_addr", "master_port"]:
-        missing.append("DynamicRendezvousHandler._create_tcp_store_server(master_addr, master_port)")
-    return missing
+    return torch_private.missing_store_hooks(takes_listen_fd=_store_takes_listen_fd())
 
 
 def _bind_stores() -> None:
     from torch.distributed import TCPStore
-    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
-    if getattr(c10d_rendezvous_backend.TCPStore, "binds_its_host", False):
+    if getattr(torch_private.rendezvous_store_class(), "binds_its_host", False):
         return
 
     class BoundTCPStore(TCPStore):
@@ -121,7 +101,4 @@ def _bind_stores() -> None:
                 raise
             sock.detach()  # the store owns the socket now and closes it when it goes
 
-    c10d_rendezvous_backend.TCPStore = BoundTCPStore  # the rendezvous store
-    DynamicRendezvousHandler._create_tcp_store_server = (  # the agent's store (MASTER_PORT)
-        lambda self, master_addr, master_port: BoundTCPStore(
-            host_name=master_addr, port=master_port, is_master=True, multi_tenant=True))
+    torch_private.replace_rendezvous_stores(BoundTCPStore)

@@ -21,15 +21,19 @@ import traceback
 import warnings
 from typing import Callable
 
+from distsync import torch_private
+
 #: what the fork server imports once, for every process it forks
 PRELOAD = ("torch", "distsync.runtime.forkserver", "distsync.worker", "distsync.runtime.process",
            "distsync.workloads.digits", "distsync.cli",  # (the command's module: its forked children import it)
-           "torch._dynamo")
-# torch._dynamo: torch.optim imports it when a worker builds its optimizer, a second of CPU
-# per worker otherwise (a 2-worker, 2-step job: 1.1 s preloaded without it, 0.38 s with it).
-# It starts no thread at import. An older build of this server saw a forked 4-rank DDP job
-# hang with it preloaded; 305 four-worker jobs since (ddp, and every solver family) ran
-# without one, and a hang fails fast: every collective is bounded by --timeout.
+           torch_private.DYNAMO)
+# torch._dynamo (a private module of torch: distsync/torch_private.py): torch.optim imports it
+# when a worker builds its optimizer, a second of CPU per worker otherwise (a 2-worker,
+# 2-step job: 1.1 s preloaded without it, 0.38 s with it). It starts no thread at import. An
+# older build of this server saw a forked 4-rank DDP job hang with it preloaded; 305
+# four-worker jobs since (ddp, and every solver family) ran without one, and a hang fails
+# fast: every collective is bounded by --timeout. On a torch without it the fork server skips
+# it (multiprocessing's fork server passes over a preload it cannot import).
 
 # Launched as ``python -m distsync.cli``, each forked process runs that module again as its
 # ``__mp_main__`` (multiprocessing's preparation), which is preloaded here already: Python
@@ -52,7 +56,12 @@ def start_method() -> str:
 
 def _take_environment(launcher_env: dict[str, str]) -> None:
     """``os.environ`` as a fresh interpreter started now would have it: the launcher's
-    environment at launch time, plus what the agent set for this process (rank, store...)."""
+    environment at launch time, plus what the agent set for this process (rank, store...).
+
+    What the agent set is what differs from the fork server's environment: torch's agent
+    passes a function entry point its ``envs`` (``start_processes``, a documented parameter)
+    in ``os.environ`` of the process it starts, which a fork server's child inherits from the
+    server. No private name of torch is involved."""
     from_agent = {k: v for k, v in os.environ.items() if _SERVER_ENV.get(k) != v}
     os.environ.clear()
     os.environ.update(launcher_env)

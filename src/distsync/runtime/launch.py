@@ -60,19 +60,10 @@ def _no_rendezvous_skew() -> None:
     """torch's rendezvous sleeps a random 0-0.3 s before a node's first round, to spread
     many nodes' requests to the store; this process hosts one-node jobs only (several
     nodes are ``torchrun``'s), where it is a pure delay (0.15 s a job, on average). A torch
-    whose rendezvous has no such delay is left as it is."""
-    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+    whose rendezvous has no such delay is left as it is (:mod:`distsync.torch_private`)."""
+    from distsync.torch_private import skip_rendezvous_skew
 
-    delay = getattr(dr, "_delay", None)
-    if not callable(delay) or getattr(delay, "skips_skew", False):
-        return
-
-    def without_skew(seconds: Any) -> None:
-        if not isinstance(seconds, tuple):  # (a fixed delay, e.g. between polls, is kept)
-            delay(seconds=seconds)
-
-    without_skew.skips_skew = True  # type: ignore[attr-defined]
-    dr._delay = without_skew
+    skip_rendezvous_skew()
 
 
 def _failure_message(failures: dict[int, Any], role_of: list[str]) -> str:
