@@ -362,9 +362,12 @@ def _print_recovery(summary: dict[str, Any]) -> None:
     """One line per fault the run survived: dropped workers, restarts."""
     rec = summary.get("recovery") or {}
     went_on = [f for f in rec.get("faults", []) if f.get("dropped") or "went_on_s" in f]
-    for d in sorted(rec.get("dropped", []) + rec.get("replaced", []), key=lambda d: d.get("unix", 0)):
-        # (a rank may die more than once: its replacement too) the fault that ended this process
-        mine = [f for f in went_on if f["rank"] == d["rank"]]
+    marks = [(d, False) for d in rec.get("dropped", [])] + [(d, True) for d in rec.get("replaced", [])]
+    for d, taken_over in sorted(marks, key=lambda m: m[0].get("unix", 0)):
+        # the row of this death (injected or not: each death's row names its mark); a record
+        # without that: (a rank may die more than once: its replacement too) the nearest
+        mine = [f for f in went_on if "dropped_at" in f and f["dropped_at"] == d.get("unix")] or \
+            [f for f in went_on if f["rank"] == d["rank"] and "dropped_at" not in f]
         f = min(mine, key=lambda f: abs(f["step"] - 1 - (d.get("last_step") or 0))) if mine else None
         if f and "went_on_s" in f:
             how = (f"; the other {f['live_workers']} re-formed their group without it in {f['went_on_s'] * 1000:.0f} "
@@ -377,8 +380,10 @@ def _print_recovery(summary: dict[str, Any]) -> None:
         if f and f.get("replaced"):
             how += (f"; a replacement joined at step {f['joined_at_step']}, {f['healed_s']:.1f} s after the death, "
                     + (f"with rank {f['healed_from']}'s state" if f["healed_from"] >= 0 else "served on by the servers"))
-        elif d.get("replacement"):  # (its mark went back: the replacement came too late)
+        elif d.get("replacement") and not taken_over:  # (its mark went back: the replacement came too late)
             how += "; its replacement came after the others had finished training"
+        elif taken_over:  # (a replacement took its place but is not seen training)
+            how += "; a replacement took its place"
         what = "stalled" if d["signal"] == "stalled" else f"died ({d['signal']})"
         console.print(f"worker rank {d['rank']} {what} after step {d.get('last_step')} and was "
                       f"dropped{how}", highlight=False, soft_wrap=True)

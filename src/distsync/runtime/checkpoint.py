@@ -11,9 +11,11 @@ Checkpoint ``N`` is *complete* when every stateful rank (workers, parameter serv
 embedding servers; not coordinators, whose state is regenerated from the seed) has written
 its pair, each file matches its checksum, and each was written by this job (same workload,
 solver, options, workers, roles, seed). Every process picks the newest complete checkpoint
-by reading the same files, so all of them resume from the same one without talking; a
-newer one that is incomplete, corrupt or from another job is skipped with the reason, and
-the previous one is used. Each rank keeps its files of the two newest complete checkpoints
+whose every part also loads (:meth:`CheckpointStore.choose`: each process tries every part,
+so a part that passes its checksum but cannot be loaded is found alike by all) by reading
+the same files, so all of them resume from the same one without talking; a newer one that
+is incomplete, corrupt, unloadable or from another job is skipped with the reason, and the
+previous one is used. Each rank keeps its files of the two newest complete checkpoints
 and anything newer, and deletes older ones.
 
 States are loaded with ``torch.load(weights_only=True)``: tensors, numbers, strings, lists,
@@ -28,6 +30,7 @@ import os
 import re
 import shutil
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,6 +75,19 @@ def sha256_of(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def _load(path: Path, mmap: bool = False) -> Any:
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+
+
+def load_error(e: BaseException) -> str:
+    """What made a checkpoint's file fail to load, in one line: torch's reason, without its
+    advice to load it with ``weights_only=False`` (which would let the file run code)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    reasons = [line for line in lines if "weights_only" not in line and not line.startswith(
+        ("Weights only load failed", "Check the documentation", "Please file an issue"))]
+    return (reasons[0] if reasons else type(e).__name__)[:200]
 
 
 @dataclass
@@ -176,11 +192,30 @@ class CheckpointStore:
         meta = json.loads((d / f"rank-{self.rank if rank is None else rank}.json").read_text())
         return d / Path(str(meta["file"])).name
 
+    def unloadable(self, index: int) -> str | None:
+        """Why a part of checkpoint ``index`` (one that :meth:`check` passed) cannot be loaded
+        (None: every part loads). Every stateful rank's part is tried, not only this rank's,
+        so that every process finds the same. Tensors are mapped, not read (``mmap``): the
+        check costs each part's unpickling, not its size."""
+        d = self.folder(index)
+        for r in self.stateful:
+            meta_path = d / f"rank-{r}.json"
+            if not meta_path.exists() and r in self.gone:
+                continue
+            try:
+                data = self.data_file(index, r)
+                state = _load(data, mmap=zipfile.is_zipfile(data))  # (an older format is read whole)
+            except Exception as e:  # noqa: BLE001 (whatever makes it fail to load)
+                return f"rank {r}'s data cannot be loaded: {load_error(e)}"
+            del state
+        return None
+
     def choose(self) -> Choice:
-        """The newest complete checkpoint; every rank reading the same folder picks the same."""
+        """The newest complete checkpoint whose every part loads; every rank reading the same
+        folder picks the same."""
         refused = []
         for index in reversed(self.indices()):
-            why = self.check(index)
+            why = self.check(index) or self.unloadable(index)
             if why is None:
                 return Choice(index, refused)
             refused.append(f"checkpoint {self.folder(index).name}: {why}")
@@ -204,16 +239,17 @@ class CheckpointStore:
         """The newest checkpoint at or before ``index`` that has this rank's part (a dropped
         worker's last one)."""
         for i in reversed([i for i in self.indices() if i <= index]):
-            if (self.folder(i) / f"rank-{self.rank}.json").exists() and self.check(i) is None:
+            if (self.folder(i) / f"rank-{self.rank}.json").exists() and self.check(i) is None \
+                    and self.unloadable(i) is None:
                 return i
         return None
 
     def load(self, index: int) -> dict[str, Any]:
         path = self.data_file(index)
         try:
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return _load(path)
         except Exception as e:  # a file that passed its checksum but holds what we cannot read
-            raise ConfigError(f"checkpoint {path} cannot be loaded: {str(e).splitlines()[0][:200]}") from None
+            raise ConfigError(f"checkpoint {path} cannot be loaded: {load_error(e)}") from None
 
 
 def clear(root: Path) -> None:

@@ -49,7 +49,10 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
 def _quiet_torch_logs() -> None:
     # (torch's elastic modules give their loggers a level of their own: setting the
     # package's is not enough)
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run"):
+    # torch.multiprocessing.spawn: the agent's process context warns "Terminating process N
+    # via signal SIGTERM" for each process it stops when one fails, before distsync's line
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run",
+                 "torch.multiprocessing.spawn"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     for name in list(logging.root.manager.loggerDict):
         if name.startswith(("torch.distributed.elastic.", "torch.distributed.launcher.")):
@@ -64,6 +67,43 @@ def _no_rendezvous_skew() -> None:
     from distsync.torch_private import skip_rendezvous_skew
 
     skip_rendezvous_skew()
+
+
+#: what a restart by torch's agent of the job this thread launched does (``note``), said
+#: when it happens (:func:`_say_restarts`); a thread's own: crossover launches jobs from threads
+_restarts = threading.local()
+
+
+def restart_note(cfg: RunConfig) -> str | None:
+    """What restarting this job does, when that is not what a user would expect of
+    ``--max-restarts``: without ``--checkpoint-every``, every process starts again from step
+    0 (None otherwise)."""
+    if cfg.task != "train" or not cfg.max_restarts or cfg.checkpoint_every is not None:
+        return None
+    return "restarting from step 0: no checkpoint to resume from (--checkpoint-every)"
+
+
+def _say_restarts() -> None:
+    """Have torch's agent say, in one line on stderr, what a restart of the job does
+    (:data:`_restarts`), as it restarts it. A torch whose agent has no ``_restart_workers``
+    is left as it is."""
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+
+    restart = getattr(SimpleElasticAgent, "_restart_workers", None)
+    if not callable(restart) or getattr(restart, "says_what", False):
+        return
+
+    def restart_workers(self: Any, worker_group: Any) -> Any:
+        note = getattr(_restarts, "note", None)
+        if note:
+            spec = getattr(worker_group, "spec", None)
+            left, most = getattr(self, "_remaining_restarts", None), getattr(spec, "max_restarts", None)
+            which = f" (restart {most - left} of {most})" if isinstance(left, int) and isinstance(most, int) else ""
+            print(f"distsync: {note}{which}", file=sys.stderr, flush=True)
+        return restart(self, worker_group)
+
+    restart_workers.says_what = True  # type: ignore[attr-defined]
+    SimpleElasticAgent._restart_workers = restart_workers  # type: ignore[method-assign]
 
 
 def _failure_message(failures: dict[int, Any], role_of: list[str]) -> str:
@@ -423,6 +463,11 @@ def _start(run: ResolvedRun, run_dir: Path, on_progress: ProgressFn | None,
         entry, args = sys.executable, (str(Path(__file__).resolve().parents[1] / "supervise.py"), *argv)
     else:
         entry, args = sys.executable, ("-m", "distsync.worker", *argv)
+    _restarts.note = restart_note(cfg)
+    if _restarts.note:  # (said at start, and again as it restarts: torch's agent would restart it silently)
+        print(f"distsync: --max-restarts {cfg.max_restarts} without --checkpoint-every: a restarted job starts "
+              f"again from step 0", file=sys.stderr, flush=True)
+        _say_restarts()
     try:
         elastic_launch(lc, entry)(*args)
     except ChildFailedError as e:
@@ -439,6 +484,7 @@ def _start(run: ResolvedRun, run_dir: Path, on_progress: ProgressFn | None,
     except Exception as e:  # rendezvous or agent failures
         raise WorkerFailed(f"{cfg.solver}: the launcher failed: {type(e).__name__}: {e}") from None
     finally:
+        _restarts.note = None
         if poller:
             poller.stop.set()
             poller.join(timeout=2)

@@ -429,6 +429,10 @@ def recovery_for(cfg: RunConfig, run_dir: Path, comm: Comm) -> WorkerRecovery:
         if choice.index is None and cfg.resume:
             raise ConfigError(f"no complete checkpoint to resume from in {run_dir / CHECKPOINTS}"
                               + (f" ({choice.refused[0]})" if choice.refused else ""))
+        if choice.index is None and attempt > 0 and comm.rank == 0:  # (once for the job, not per rank)
+            why = ("no checkpoint to resume from (--checkpoint-every)" if cfg.checkpoint_every is None
+                   else "no complete checkpoint yet")
+            print(f"distsync: rank 0: restart {attempt}: restarting from step 0: {why}", file=sys.stderr, flush=True)
         store.forget_after(choice.index or 0)  # what a failed attempt left beyond it is stale
         if choice.index is not None and comm.role in STATEFUL_ROLES:
             # A worker dropped earlier comes back from its own last checkpoint (or from scratch).

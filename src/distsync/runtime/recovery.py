@@ -200,16 +200,44 @@ def summarize_views(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(views.values(), key=lambda v: v["unix"])
 
 
+def _claims(f: dict[str, Any], m: dict[str, Any]) -> bool:
+    """Whether injected fault ``f`` explains death mark ``m``: the same rank and attempt, at
+    or after the fault fired, a kill's death by a signal or a stall's left behind."""
+    if m["rank"] != f["rank"] or m["unix"] < f["unix"]:
+        return False
+    if "attempt" in f and "attempt" in m and m["attempt"] != f["attempt"]:
+        return False
+    stalled = m.get("signal") == "stalled"
+    return (f["kind"] == "kill" and not stalled) or (f["kind"] == "stall" and stalled)
+
+
+def death_row(mark: dict[str, Any]) -> dict[str, Any]:
+    """A row of the recovery record for a worker that died of a cause no injected fault
+    explains (a signal from outside, the OOM killer, a lost host; or left behind as
+    stalled), from the mark its death left (``RUN/dropped/``): ``step`` is the step it was
+    in (its journal's last step + 1), as an injected kill's is the step it fired at."""
+    last = mark.get("last_step")
+    return {"spec": None, "kind": "kill", "cause": mark.get("signal"), "injected": False, "rank": mark["rank"],
+            "role": "worker", "step": 0 if last is None else last + 1, "last_step": last, "unix": mark["unix"],
+            "attempt": mark.get("attempt", 0)}
+
+
 def summarize_recovery(events: list[dict[str, Any]], faults: list[dict[str, Any]],
                        dropped: list[dict[str, Any]] | None = None,
                        replaced: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """Faults injected, and for each that killed a process: the step the job resumed from,
-    the steps lost (the fault's step minus it) and the seconds from the kill until training
-    resumed; or that the dead worker was dropped and the others trained on (with the seconds
-    from the kill until they had re-formed their group without it, ``went_on_s``, and the
-    live workers after it); and for a worker replaced by one that healed from a live peer
-    (``replaced``: the marks it took over), the step it joined at, the steps that rank
-    lost (from the kill to the join) and ``healed_s`` (from the kill until it trained)."""
+    """Every death, injected (``faults``) or not, one row each (``faults``): for a kill that
+    restarted the job, the step the job resumed from, the steps lost (the fault's step minus
+    it) and the seconds from the kill until training resumed; or that the dead worker was
+    dropped and the others trained on (with the seconds from the death until they had
+    re-formed their group without it, ``went_on_s``, and the live workers after it); and for
+    a worker replaced by one that healed from a live peer (``replaced``: the marks it took
+    over), the step it joined at, the steps that rank lost (from the death to the join) and
+    ``healed_s`` (from the death until it trained).
+
+    A worker's death leaves a mark (``dropped``, or ``replaced`` once a replacement took it
+    over); a mark that no injected fault explains (each fault explains one) is a death of
+    its own: a row of kind ``kill`` with its ``cause`` (the signal, ``stalled``, or the exit
+    code of a replacement that failed) and ``injected`` false (:func:`death_row`)."""
     resumes = sorted((e for e in events if e["kind"] == "resume"), key=lambda e: e["unix"])
     joins = sorted((e for e in events if e["kind"] == "joined"), key=lambda e: e["unix"])
     dropped = dropped or []
@@ -227,27 +255,43 @@ def summarize_recovery(events: list[dict[str, Any]], faults: list[dict[str, Any]
             row.update(resumed_from_step=step, steps_lost=max(0, f["step"] - step),
                        recovery_s=min(e["unix"] for e in nxt) - f["unix"])
 
-    out = []
+    def went_on(row: dict[str, Any], f: dict[str, Any], mark: dict[str, Any]) -> None:
+        row.update(dropped=True, dropped_at=mark["unix"])
+        # from the death: an injected kill's, or when a worker was found dead (its mark): a
+        # stalled one's wait for the timeout is no part of the others' going on
+        died = f["unix"] if f["kind"] == "kill" and row.get("injected") else mark["unix"]
+        after = [v for v in views if v["unix"] >= died and f["rank"] not in v["members"]]
+        if after:
+            row.update(went_on_s=after[0]["unix"] - died, live_workers=len(after[0]["members"]),
+                       steps_lost=0)
+        else:  # the others did not go on without it (they failed trying): did the job restart?
+            resumed(row, f, later_attempt=True)
+        joined = [e for e in joins if e["rank"] == f["rank"] and e["unix"] >= died]
+        if joined:  # (its replacement's steps were lost to the job until it joined)
+            row.update(replaced=True, joined_at_step=joined[0]["step"], healed_s=joined[0]["unix"] - died,
+                       healed_from=joined[0]["from"],
+                       replaced_rank_steps_lost=max(0, joined[0]["step"] - f["step"]))
+
+    marks = sorted(dropped + replaced, key=lambda m: m["unix"])
+    claimed: set[int] = set()
+    rows = []
     for f in sorted(faults, key=lambda f: f["unix"]):
-        row = dict(f)
-        gone = dropped + replaced
-        if f["kind"] == "kill" and any(d["rank"] == f["rank"] and d["unix"] >= f["unix"] for d in gone):
-            row["dropped"] = True
-            after = [v for v in views if v["unix"] >= f["unix"] and f["rank"] not in v["members"]]
-            if after:
-                row.update(went_on_s=after[0]["unix"] - f["unix"], live_workers=len(after[0]["members"]),
-                           steps_lost=0)
-            else:  # the others did not go on without it (they failed trying): did the job restart?
-                resumed(row, f, later_attempt=True)
-            joined = [e for e in joins if e["rank"] == f["rank"] and e["unix"] >= f["unix"]]
-            if joined:  # (its replacement's steps were lost to the job until it joined)
-                row.update(replaced=True, joined_at_step=joined[0]["step"], healed_s=joined[0]["unix"] - f["unix"],
-                           healed_from=joined[0]["from"],
-                           replaced_rank_steps_lost=max(0, joined[0]["step"] - f["step"]))
+        row = dict(f, injected=True)
+        mine = next((i for i, m in enumerate(marks) if i not in claimed and _claims(f, m)), None)
+        if mine is not None:
+            claimed.add(mine)
+            row["cause"] = marks[mine].get("signal")
+            went_on(row, f, marks[mine])
         elif f["kind"] == "kill":
             resumed(row, f)
-        out.append(row)
-    return {"faults": out, "restarts": max([e.get("attempt", 0) for e in resumes] + [0]),
+        rows.append(row)
+    for i, m in enumerate(marks):
+        if i not in claimed:  # a death no injected fault explains
+            row = death_row(m)
+            went_on(row, row, m)
+            rows.append(row)
+    rows.sort(key=lambda r: r["unix"])
+    return {"faults": rows, "restarts": max([e.get("attempt", 0) for e in resumes] + [0]),
             "resumed_from_steps": [e["step"] for e in resumes if e["rank"] == 0], "dropped": dropped,
             "replaced": replaced, "views": views}
 
