@@ -75,3 +75,36 @@ def write_results(path: Path | str, payload: dict[str, Any], announce: bool = Tr
     if announce:
         print(f"\nwrote {path}")
     return path
+
+
+def provenance(script: str, argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """What a raw results file says about how it was made: the command line, the commit
+    measured (``git rev-parse HEAD``) and whether the working tree differed from it (the
+    tracked files that did), and the machine (cores, platform, Python and torch versions)."""
+    import os
+    import platform
+    import subprocess
+
+    repo = Path(__file__).resolve().parent.parent
+
+    def git(*a: str) -> str | None:
+        try:
+            done = subprocess.run(["git", "-C", str(repo), *a], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout if done.returncode == 0 else None
+
+    head = git("rev-parse", "HEAD")
+    changed = git("status", "--porcelain", "--untracked-files=no")
+    try:
+        import torch
+
+        torch_version = torch.__version__
+    except ImportError:
+        torch_version = None
+    return {"command": " ".join(["python", script, *(sys.argv[1:] if argv is None else argv)]),
+            "commit": head.strip() if head else None,
+            "dirty": bool(changed.strip()) if changed is not None else None,
+            "changed_files": [line[3:] for line in changed.splitlines() if line.strip()] if changed else [],
+            "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
+                        "python": platform.python_version(), "torch": torch_version}}

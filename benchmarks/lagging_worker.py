@@ -1,0 +1,314 @@
+"""A lagging worker must not be taken for a dead one; a stopped one must be dropped after
+``--timeout``, a killed one at once.
+
+(1) ``--runs`` times the same command, a slow worker and a short timeout:
+
+    distsync train --workload digits --solver ripples --schedule smart --workers 3 --slow 1:60 --steps 120 --timeout 4 --out TMP
+
+half of them (drawn) with a process burning a core beside it (``python -c 'while True: pass'``,
+started before the run and killed after it). Per run: its exit status (a pass is 0), its
+last line on stderr, the workers it dropped (a lagging worker dropped is a false alarm even
+when the run passes), and its seconds; a run that has not ended after 120 s is a hang (its
+process group is killed).
+
+(2) For each solver (``--families``), two runs of ``digits`` on 3 workers (emulated devices,
+``--device-ms 20``, 200 steps, ``--timeout 4``): a random worker stopped with SIGSTOP from
+outside (``os.kill(pid, SIGSTOP)``; the process named ``ds-worker-R``) must be dropped after
+the timeout and the run finish; a worker killed with SIGKILL must be dropped at once. For
+each: whether the run finished, hung, whether the worker was dropped (``RUN/dropped``) and
+how long after the stop or kill (the mark's time), and how long after it the survivors went
+on: the latest of the survivors' first steps finished after it (a step's time included: a
+survivor that never waited shows about one step), and the first view they formed without it
+(solvers that re-form their groups). The stopped process is sent SIGCONT and the run's
+process group killed once it has ended.
+
+    python benchmarks/lagging_worker.py [--runs 50] [--families a,b] [--parts lagging,stop] [--seed 0]
+                                        [--out benchmarks/results/lagging_worker.json]
+    python benchmarks/lagging_worker.py --table benchmarks/results/lagging_worker.json [--doc docs/benchmarks/kill_campaign.md]
+
+``--table`` renders the tables from a raw results file (nothing is run); ``--doc`` also
+writes them into that page, between its ``<!-- lagging_worker:begin -->`` and
+``<!-- lagging_worker:end -->`` lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from common import argument_parser, provenance, write_results
+from faults import leftovers, namespaces
+from kill_campaign import (DISTSYNC, SOLVER_ARGS, all_solvers, error_line, kill_group, launch, md_table,
+                           named, no_tmp, provenance_line, read_json, run_events, shown, stall_after, step_times, tail_lines,
+                           wait_end, wait_training, write_doc)
+
+LAGGING = ["train", "--workload", "digits", "--solver", "ripples", "--schedule", "smart", "--workers", "3",
+           "--slow", "1:60", "--steps", "120", "--timeout", "4"]
+HANG_S = 120.0
+BEGIN, END = "<!-- lagging_worker:begin -->", "<!-- lagging_worker:end -->"
+WORKERS, STEPS, DEVICE_MS, STOP_TIMEOUT = 3, 200, 20.0, 4
+
+
+# ---- (1) the lagging worker ----------------------------------------------------------------------
+def lagging_run(i: int, burner: bool, tmp: Path) -> dict[str, Any]:
+    out = tmp / f"lagging-{i:03d}"
+    cmd = [*DISTSYNC, *LAGGING, "--out", str(out)]
+    burn = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if burner else None
+    try:
+        t0 = time.monotonic()
+        proc = launch(cmd, out, str(out))
+        try:
+            ended = wait_end(proc, t0 + HANG_S)
+        except BaseException:  # (Ctrl-C: the run goes with the harness)
+            kill_group(proc)
+            raise
+        seconds = time.monotonic() - t0
+    finally:
+        if burn is not None:
+            burn.kill()
+            burn.wait()
+    left = leftovers(str(out), set(), grace_s=5 if ended else 0)[0]
+    err = tail_lines(f"{out}.stderr", 5)
+    s = read_json(out / "summary.json") or {}
+    rec = s.get("recovery") or {}
+    return {"i": i, "burner": burner, "rc": proc.returncode if ended else None, "passed": ended and proc.returncode == 0,
+            "hang": not ended, "seconds": seconds, "last_stderr": err[-1] if err else None,
+            "error": error_line(err) if ended and proc.returncode != 0 else None, "stderr_tail": err,
+            "dropped": [{k: d.get(k) for k in ("rank", "signal", "reason", "last_step", "unix")}
+                        for d in rec.get("dropped") or []],
+            "final_metric": s.get("final_metric"), "steps_by_worker": s.get("steps_by_worker"),
+            "wall_time_s": s.get("wall_time_s"), "left_processes": left}
+
+
+# ---- (2) a stopped worker, a killed worker -------------------------------------------------------
+def stop_run(solver: str, how: str, rank: int, at_fraction: float, timeout_s: int, tmp: Path) -> dict[str, Any]:
+    out = tmp / f"{how}-{solver}"
+    cmd = [*DISTSYNC, "train", "--workload", "digits", "--solver", solver, *SOLVER_ARGS.get(solver, []),
+           "--workers", str(WORKERS), "--steps", str(STEPS), "--eval-every", str(STEPS), "--device-ms", f"{DEVICE_MS:g}",
+           "--timeout", str(timeout_s), "--seed", "1", "--out", str(out)]
+    sig = signal.SIGSTOP if how == "stop" else signal.SIGKILL
+    r: dict[str, Any] = {"solver": solver, "how": how, "rank": rank, "command": shown(cmd), "timeout_s": timeout_s}
+    tag, ns = str(out), namespaces()
+    t0 = time.monotonic()
+    proc = launch(cmd, out, tag)
+    at_mono, target = None, None
+    try:
+        started = wait_training(proc, out, range(WORKERS), 90)
+        if started is None:
+            r["not_done"] = "ended before training" if proc.poll() is not None else "no step in 90 s"
+        else:
+            time.sleep(at_fraction * STEPS * DEVICE_MS / 1000)
+            found = named(tag, f"ds-worker-{rank}")
+            if proc.poll() is not None:
+                r["not_done"] = "ended before the signal"
+            elif not found:
+                r["not_done"] = f"no process named ds-worker-{rank}"
+            else:
+                target = found[0]
+                r["target"] = target
+                r["signal_unix"] = time.time()
+                os.kill(target["pid"], sig)
+                at_mono = time.monotonic()
+                r["signal_after_training_s"] = r["signal_unix"] - started
+        ended = wait_end(proc, at_mono + HANG_S if at_mono else t0 + HANG_S)
+    finally:
+        if target is not None:  # (a stopped worker the run left behind: let it end)
+            try:
+                os.kill(target["pid"], signal.SIGCONT)
+            except OSError:
+                pass
+        if proc.poll() is None:
+            kill_group(proc)
+    r["hang"] = not ended
+    r["rc"] = proc.returncode if ended else None
+    r["seconds"] = time.monotonic() - t0
+    r["left_processes"], r["left_namespaces"] = leftovers(tag, ns, grace_s=5 if ended else 0)
+    err = tail_lines(f"{out}.stderr", 5)
+    r["stderr_tail"] = err
+    s = read_json(out / "summary.json")
+    r["finished"] = bool(ended and proc.returncode == 0 and s and s.get("final_metric") is not None)
+    if ended and proc.returncode != 0:
+        r["error"] = error_line(err)
+    if "signal_unix" not in r:
+        return r
+    at = r["signal_unix"]
+    marks = []
+    for path in sorted((out / "dropped").glob("*.json")) if (out / "dropped").exists() else []:
+        m = read_json(path) or {}
+        if m.get("rank") == rank:
+            marks.append({"file": path.name, **m})
+    r["marks"] = marks
+    r["dropped"] = bool(marks)
+    if marks:
+        r["dropped_after_s"] = min(m.get("unix", at) for m in marks) - at
+    events = run_events(out)
+    waits = {str(w): stall_after([u for _, u in step_times(events, w)], at) for w in range(WORKERS) if w != rank}
+    r["survivors"] = waits
+    went = [g["first_step_after_s"] for g in waits.values() if g.get("first_step_after_s") is not None]
+    r["survivors_went_on_s"] = max(went) if went else None
+    rec = (s or {}).get("recovery") or {}
+    views = [v for v in rec.get("views") or [] if v.get("unix", 0) >= at and rank not in v.get("members", [])]
+    if views:
+        r["view_after_s"] = min(v["unix"] for v in views) - at
+    r["recovery_rows"] = [f for f in rec.get("faults") or [] if f.get("rank") == rank and f.get("unix", at) >= at - 1]
+    r["final_metric"] = (s or {}).get("final_metric")
+    return r
+
+
+# ---- tables --------------------------------------------------------------------------------------
+def fmt_s(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def render(payload: dict[str, Any]) -> list[str]:
+    lines = [provenance_line(payload) + f"; {payload.get('seconds', 0) / 60:.1f} min.", ""]
+    lag = payload.get("lagging") or []
+    if lag:
+        rows = []
+        for label, sel in (("alone", False), ("beside a core-burning process", True)):
+            runs = [r for r in lag if r["burner"] == sel]
+            if not runs:
+                continue
+            secs = [r["seconds"] for r in runs if not r["hang"]]
+            rows.append([label, len(runs), sum(r["passed"] for r in runs), sum(not r["passed"] for r in runs),
+                         sum(r["hang"] for r in runs), sum(bool(r["dropped"]) for r in runs),
+                         f"{statistics.median(secs):.1f} / {max(secs):.1f}" if secs else "-"])
+        lines += [f"`distsync {' '.join(LAGGING)} --out TMP`", ""]
+        lines += md_table(["runs", "n", "passed (exit 0)", "failed", "hangs", "runs that dropped a worker",
+                           "seconds (median / max)"], rows)
+        failed = {}
+        for r in lag:
+            if not r["passed"]:
+                key = no_tmp(r.get("error") or r.get("last_stderr") or ("hang" if r["hang"] else f"exit {r['rc']}"))
+                failed.setdefault(key, []).append(r)
+        if failed:
+            lines += ["", "Failures, by their last stderr line:", ""]
+            for key, rs in sorted(failed.items(), key=lambda kv: -len(kv[1])):  # (one line per distinct message)
+                lines.append(f"- {len(rs)}× ({sum(r['burner'] for r in rs)} beside the burner): `{no_tmp(key)[:300]}`")
+        dropped = [r for r in lag if r["dropped"]]
+        if dropped:
+            lines += ["", "Runs that dropped a worker: " + "; ".join(
+                f"run {r['i']}{' (burner)' if r['burner'] else ''}: rank "
+                + ", ".join(f"{d['rank']} ({d.get('reason') or d.get('signal')})" for d in r["dropped"]) for r in dropped)]
+        lines.append("")
+    stops = payload.get("stops") or []
+    if stops:
+        by = {}
+        for r in stops:
+            by.setdefault(r["solver"], {})[r["how"]] = r
+        rows = []
+        for solver, d in sorted(by.items()):
+            row = [solver]
+            for how in ("stop", "kill"):
+                r = d.get(how)
+                if r is None:
+                    row += ["-"] * 4
+                    continue
+                state = ("hang" if r["hang"] else "finished" if r["finished"] else f"exit {r['rc']}") + (
+                    f" ({r['not_done']})" if r.get("not_done") else "")
+                row += [f"{state} (rank {r['rank']})", "yes" if r.get("dropped") else "no",
+                        fmt_s(r.get("dropped_after_s")),
+                        f"{fmt_s(r.get('survivors_went_on_s'))} / {fmt_s(r.get('view_after_s'))}"]
+            rows.append(row)
+        t = stops[0].get("timeout_s")
+        lines += [f"Each solver: `digits`, {WORKERS} workers, `--device-ms {DEVICE_MS:g}`, {STEPS} steps, "
+                  f"`--timeout {t}`; a worker stopped (SIGSTOP) or killed (SIGKILL) from outside.", ""]
+        lines += md_table(["solver", "SIGSTOP: run", "dropped", "dropped after (s)",
+                           "survivors went on after (s): first step / new view", "SIGKILL: run", "dropped",
+                           "dropped after (s)", "survivors went on after (s): first step / new view"], rows)
+        bad = [r for r in stops if not r["finished"]]
+        if bad:
+            lines += ["", "Runs that did not finish:", ""]
+            lines += [f"- {r['solver']} {r['how']} rank {r['rank']}: "
+                      f"{'hang' if r['hang'] else 'exit ' + str(r['rc'])}; `{no_tmp(r.get('error') or r.get('not_done'))[:300]}`"
+                      for r in bad]
+    return lines
+
+
+def main() -> int:
+    p = argument_parser(__doc__)
+    p.add_argument("--runs", type=int, default=50, help="(1): runs of the lagging command (default 50; half beside a burner)")
+    p.add_argument("--families", help="(2): comma-separated solvers (default: every registered solver)")
+    p.add_argument("--parts", default="lagging,stop", help="which parts (default: both)")
+    p.add_argument("--timeout", type=int, default=STOP_TIMEOUT, help=f"(2): --timeout of its runs (default {STOP_TIMEOUT})")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="benchmarks/results/lagging_worker.json")
+    p.add_argument("--keep", action="store_true", help="keep the run folders")
+    p.add_argument("--table", metavar="JSON", help="only print the tables of this raw results file")
+    p.add_argument("--doc", metavar="MD", help="also write the tables into this page (between its "
+                                               "<!-- lagging_worker:begin --> and <!-- lagging_worker:end --> lines)")
+    args = p.parse_args()
+    if args.table:
+        lines = render(json.loads(Path(args.table).read_text()))
+        print("\n".join(lines))
+        if args.doc:
+            write_doc(Path(args.doc), lines, BEGIN, END)
+        return 0
+    parts = set(args.parts.split(","))
+    rng = random.Random(args.seed)
+    payload: dict[str, Any] = {**provenance("benchmarks/lagging_worker.py"), "seed": args.seed,
+                               "lagging_command": "distsync " + " ".join(LAGGING) + " --out TMP",
+                               "lagging": [], "stops": []}
+    tmp = Path(tempfile.mkdtemp(prefix="lagging_worker-"))
+    t0 = time.monotonic()
+
+    def save() -> None:
+        payload["seconds"] = time.monotonic() - t0
+        write_results(args.out, payload, announce=False)
+    try:
+        if "lagging" in parts:
+            burners = [True] * (args.runs // 2) + [False] * (args.runs - args.runs // 2)
+            rng.shuffle(burners)
+            for i, burner in enumerate(burners):
+                r = lagging_run(i, burner, tmp)
+                payload["lagging"].append(r)
+                print(f"[lagging {i + 1}/{args.runs} {time.monotonic() - t0:.0f} s]{' burner' if burner else ''}: "
+                      f"{'pass' if r['passed'] else 'FAIL'} in {r['seconds']:.1f} s"
+                      f"{'' if r['passed'] else '; ' + str(r['error'] or r['last_stderr'])}"
+                      f"{'; dropped ' + str(r['dropped']) if r['dropped'] else ''}", flush=True)
+                save()
+        if "stop" in parts:
+            families = args.families.split(",") if args.families else all_solvers()
+            for solver in families:
+                for how in ("stop", "kill"):
+                    rank, frac = rng.randrange(WORKERS), rng.uniform(0.1, 0.3)
+                    try:
+                        r = stop_run(solver, how, rank, frac, args.timeout, tmp)
+                    except KeyboardInterrupt:
+                        raise
+                    except Exception as e:  # (recorded: the others go on)
+                        r = {"solver": solver, "how": how, "rank": rank, "finished": False, "hang": False, "rc": None,
+                             "harness_error": f"{type(e).__name__}: {e}", "error": f"harness: {e}"}
+                    payload["stops"].append(r)
+                    print(f"[{how} {solver} {time.monotonic() - t0:.0f} s] rank {rank}: "
+                          f"{'finished' if r['finished'] else 'NOT finished'}{', hang' if r.get('hang') else ''}; "
+                          f"dropped {'after ' + fmt_s(r.get('dropped_after_s')) + ' s' if r.get('dropped') else 'no'}; "
+                          f"survivors went on after {fmt_s(r.get('survivors_went_on_s'))} s"
+                          f"{'; ' + str(r.get('error') or r.get('not_done')) if not r['finished'] else ''}", flush=True)
+                    save()
+    finally:
+        if args.keep:
+            print(f"run folders kept in {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    save()
+    print(f"\nwrote {args.out}\n")
+    lines = render(json.loads(Path(args.out).read_text()))
+    print("\n".join(lines))
+    if args.doc:
+        write_doc(Path(args.doc), lines, BEGIN, END)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
