@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import traceback
 from pathlib import Path
 from typing import Any, Callable
@@ -269,3 +270,48 @@ def assert_one_line(message: str) -> None:
     assert message.strip(), "empty message"
     assert len(message.strip("\n").splitlines()) == 1, f"not one line: {message!r}"
     assert "Traceback" not in message, message
+
+
+def journal_step(out: Path, rank: int) -> int:
+    """The last step worker ``rank`` of the run in ``out`` has journaled (-1: none yet)."""
+    import json
+
+    try:
+        lines = (out / "journal" / f"rank-{rank}.jsonl").read_text().splitlines()
+    except OSError:
+        return -1
+    steps = []
+    for line in lines:
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue  # (the line being written)
+        if event.get("kind") == "step":
+            steps.append(event["step"])
+    return max(steps, default=-1)
+
+
+class SignalRank(threading.Thread):
+    """Sends ``sig`` to rank ``rank``'s process proper (``ds-ROLE-RANK``, not its supervising
+    parent) from outside the job, once worker ``watch``'s journal shows step ``at``; then
+    :attr:`sent_at` is the ``time.time()`` it did."""
+
+    def __init__(self, out: Path, rank: int, at: int, sig: int, watch: int = 0):
+        super().__init__(daemon=True)
+        self.out, self.rank, self.at, self.sig, self.watch = out, rank, at, sig, watch
+        self.sent_at: float | None = None
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        import time
+
+        deadline = time.monotonic() + 50
+        while not self.stop.wait(0.01) and time.monotonic() < deadline:
+            if journal_step(self.out, self.watch) < self.at:
+                continue
+            pid = rank_processes(os.getpid()).get(self.rank)
+            if pid is None:
+                continue
+            os.kill(pid, self.sig)
+            self.sent_at = time.time()
+            return

@@ -636,7 +636,7 @@ def test_a_cut_keeps_a_dead_workers_pushes_before_its_own_last_checkpoint():
     checkpoint 2 after 4 steps (written already: no cut of its own) and dies at step 5. After a
     restart it comes back from that checkpoint of its own: its pushes of steps 2-3 belong in
     the cut, step 4's it makes again."""
-    from distsync.errors import CommError
+    from distsync.errors import PeerDied
     from distsync.solvers.shard_service import OP_PUSH, OP_SAVE, Request, ServerShard
 
     class _Comm:
@@ -652,7 +652,7 @@ def test_a_cut_keeps_a_dead_workers_pushes_before_its_own_last_checkpoint():
     shard.get_state = lambda: {"center": shard.center.clone(), "version": shard.version}
     shard.set_state = lambda state: (shard.center.copy_(state["center"]), setattr(shard, "version", state["version"]))
     shard.drop_dead_workers = True
-    died = CommError("rank 2: recv(from rank 1) failed: a peer closed its connection")
+    died = PeerDied("rank 2: recv(from rank 1) failed: a peer closed its connection", 1)
 
     def push(worker, *steps):
         for step in steps:

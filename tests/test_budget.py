@@ -195,7 +195,7 @@ def test_a_worker_lagging_longer_than_the_timeout_is_waited_for(tmp_path):
 
 
 @pytest.mark.parametrize("fault, message", [
-    ("stall:1@5:12", "worker rank 1 made no progress for 2 s"),
+    ("stall:1@5:12", "rank 1 made no progress for 2 s"),
     ("kill:1@5", "worker rank 1 died"),
 ])
 def test_a_stalled_or_dead_worker_still_fails_the_run_by_name(tmp_path, fault, message):

@@ -123,7 +123,8 @@ def test_only_restarts_without_checkpoints_have_a_note():
 def test_a_job_restarted_without_checkpoints_says_it_starts_again_from_step_0(tmp_path):
     run = tmp_path / "run"
     proc = run_cli("train", "--solver", "async-ps", "--workers", "2", "--steps", "40", "--max-restarts", "1",
-                   "--progress-every", "0", "--fault", "kill:server@10", "--out", str(run))
+                   "--progress-every", "0", "--on-failure", "restart", "--fault", "kill:server@10",
+                   "--out", str(run))
     assert proc.returncode == 0, proc.stderr
     lines = proc.stderr.splitlines()
     assert lines[0] == "distsync: --max-restarts 1 without --checkpoint-every: a restarted job starts again from step 0"

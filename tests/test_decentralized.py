@@ -142,8 +142,9 @@ def _partial_around_a_death(rank, world):
     with it, then without it."""
     from distsync.comm import Comm
 
-    comm = Comm.from_env(["worker"] * world, 20.0, torch.device("cpu"))
-    comm.drops_dead_peers = True
+    from distsync.comm.comm import FailurePolicy
+
+    comm = Comm.from_env(["worker"] * world, 20.0, torch.device("cpu"), policy=FailurePolicy(drops_dead_peers=True))
     x = torch.arange(10, dtype=torch.float32) + 100 * rank
     done = [(comm.partial_all_reduce(x, [0, 1, 2, 3]), x.clone())]
     if rank == 3:

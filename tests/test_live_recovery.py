@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from distsync.errors import CommError, Excluded
-from distsync.runtime.membership import VIEW, Membership, View
+from distsync.membership import VIEW, Liveness, Membership, View
 from distsync.runtime.recovery import summarize_recovery, summarize_views
 from helpers import run_cli
 
@@ -40,8 +40,10 @@ class _Comm:
 
 
 def _membership(rank: int, store: dict, dead: set, beats: dict | None = None) -> Membership:
-    m = Membership(_Comm(rank, store), [0, 1, 2, 3], lambda r: r in dead,
-                   lambda r: (beats or {}).get(r, "moving-" + str(time.monotonic())))
+    comm = _Comm(rank, store)
+    live = Liveness(rank, comm.timeout_s, comm.store_get, comm.store_check, lambda r: r in dead)
+    live.signs = lambda r: (beats or {}).get(r, "moving-" + str(time.monotonic()))
+    m = Membership(comm, [0, 1, 2, 3], live)
     # a group per view is made by real processes elsewhere: here, only who is in it
     m._form = lambda tag, epoch, members, ordered=True: m._views.__setitem__(tag, View(tag, epoch, tuple(members), None)) \
         or m._views[tag]
@@ -124,7 +126,7 @@ def test_a_replacement_is_not_taken_for_stalled_by_its_dead_predecessors_heartbe
     _in(_in(store, 1, 2, 3), 2, 2, 3)
     m = _membership(0, store, set(), beats={1: "7/-"})
     now = time.monotonic()
-    m._beats[1] = ("7/-", now - 20, now - 1)
+    m.liveness._seen[1] = ("7/-", now - 20, now - 1)
     view = m.reform("workers")
     assert (view.epoch, view.members, view.joined) == (2, (0, 1, 2, 3), (1,))
     assert m.dead_among(view.members) == set()
@@ -141,7 +143,7 @@ def test_a_worker_whose_heartbeat_stands_still_for_the_timeout_is_found_dead():
     m = _membership(0, {}, set(), beats={1: "5/-", 2: "9/3", 3: "9/4"})
     assert m.dead_among((1, 2, 3)) == set()  # first look
     time.sleep(0.35)
-    m._beats = {r: (b, t, t - 1.0) for r, (b, t, _) in m._beats.items()}  # (looked at half a second ago)
+    m.liveness._seen = {r: (b, t, t - 1.0) for r, (b, t, _) in m.liveness._seen.items()}  # (looked at half a second ago)
     assert m.dead_among((1, 2, 3)) == {1, 2, 3}  # none moved for 0.3 s
 
 

@@ -212,8 +212,9 @@ def test_the_listen_fd_check_reads_torchs_docstring(fresh, monkeypatch):
 
 
 def test_the_skew_is_skipped_and_a_fixed_delay_kept(fresh, monkeypatch):
-    monkeypatch.setattr(dynamic_rendezvous, "_delay", dynamic_rendezvous._delay)
-    torchs = dynamic_rendezvous._delay
+    # (torch's own, also after a launch in this process skipped it)
+    torchs = getattr(dynamic_rendezvous._delay, "original", dynamic_rendezvous._delay)
+    monkeypatch.setattr(dynamic_rendezvous, "_delay", torchs)
     assert tp.skip_rendezvous_skew() and tp.skip_rendezvous_skew()  # (idempotent)
     patched = dynamic_rendezvous._delay
     assert patched is not torchs and patched.skips_skew

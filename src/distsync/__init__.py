@@ -36,14 +36,18 @@ def init_comm(timeout_s: float = 60.0, roles: dict[str, int] | None = None, devi
     import os
 
     from distsync.comm import Comm
+    from distsync.comm.comm import FailurePolicy
     from distsync.comm.devices import enter, place_from_env
+    from distsync.membership import watching
     from distsync.runtime.roles import assign_roles
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     extra = sum((roles or {}).values())
     placement = place_from_env(device, backend, "cpu")
     enter(placement)
-    return Comm.from_env(assign_roles(world - extra, roles or {}), timeout_s, placement.device, placement=placement)
+    # (a wait on a peer goes on while it lives, and fails naming it once it is dead or stalled)
+    return Comm.from_env(assign_roles(world - extra, roles or {}), timeout_s, placement.device, placement=placement,
+                         policy=FailurePolicy(watch=watching()))
 
 
 def serve(solver: Solver, comm, make_model, lr: float, **settings) -> bool:

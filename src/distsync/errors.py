@@ -17,9 +17,32 @@ class WorkerFailed(DistsyncError):
     """A worker, server or coordinator process of a job ended abnormally."""
 
 
+class PeerDied(CommError):
+    """Peer ``rank``'s process is gone (its connection closed, or its supervisor marked it
+    dead): the caller leaves it behind, or fails the job naming it."""
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+
+
+class PeerStalled(CommError):
+    """Peer ``rank`` is alive but stood still (neither its heartbeat nor its progress moved)
+    for the comm timeout: it is treated as dead."""
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+
+
+class CommTimeout(CommError):
+    """A bounded operation did not complete within the comm timeout (no live peer was
+    waited for: e.g. a group's formation, the job's store)."""
+
+
 class PeerLost(CommError):
     """A member of a live group died: the group must be re-formed without it
-    (``runtime/membership.py``); ``tag`` names the group."""
+    (``membership/views.py``); ``tag`` names the group."""
 
     def __init__(self, message: str, tag: str):
         super().__init__(message)

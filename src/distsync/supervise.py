@@ -84,6 +84,7 @@ def _outlive(pid: int, wait, argv: list[str], drop: bool,
         stopped.append(signum)
         try:
             os.kill(current[0], signum)
+            os.kill(current[0], signal.SIGCONT)  # (a stopped child, e.g. a stalled one, takes it too)
         except ProcessLookupError:
             pass  # the child has ended already; wait() returns how
 
@@ -102,6 +103,9 @@ def _outlive(pid: int, wait, argv: list[str], drop: bool,
     workers = json.loads(Path(argv[argv.index("--config") + 1]).read_text())["workers"]
     mark = run_dir / "dropped" / f"attempt-{attempt}-rank-{rank}.json"
     replacements = int(argv[argv.index("--heal") + 1]) if respawn is not None and "--heal" in argv else 0
+    if rank >= workers:  # a server or coordinator: replaced live if the solver can (--replace-ranks R,..:N)
+        return _outlive_role(rank, attempt, run_dir, argv, code_of=wait, respawn=respawn if drop else None,
+                             current=current, stopped=stopped, end_if_stopped=end_if_stopped)
     ended = threading.Event()
     if drop and rank < workers:  # the others may go on without a stalled child: then end it
         threading.Thread(target=fence, args=(pid, mark, ended), daemon=True).start()
@@ -115,7 +119,7 @@ def _outlive(pid: int, wait, argv: list[str], drop: bool,
         if died and not mark.exists():
             mark_dropped(run_dir, rank, attempt, signal.Signals(-code).name)
         # a replacement: it waits until the others have gone on without the dead one, then
-        # takes the mark over (runtime/membership.py: join) and joins them
+        # takes the mark over (membership/views.py: join) and joins them
         pid, wait = respawn(n)
         current[0] = pid
         if stopped:  # (it came while the replacement was being forked: passed on to nobody)
@@ -143,9 +147,56 @@ def _outlive(pid: int, wait, argv: list[str], drop: bool,
     return code
 
 
+def _replaceable(argv: list[str], rank: int) -> int:
+    """How many replacements rank may have (``--replace-ranks R1,R2:N``; 0: none)."""
+    if "--replace-ranks" not in argv:
+        return 0
+    ranks, _, times = argv[argv.index("--replace-ranks") + 1].partition(":")
+    return int(times or 0) if str(rank) in ranks.split(",") else 0
+
+
+def _outlive_role(rank: int, attempt: str, run_dir: Path, argv: list[str], code_of, respawn, current: list[int],
+                  stopped: list[int], end_if_stopped) -> int:
+    """A server's or coordinator's parent: when the child dies (by a signal) and the solver
+    replaces its role live, mark it dead (``RUN/dead/``: the workers stop waiting on it at
+    once) and start a replacement, which meets the workers over channels of its own; else
+    end as the child ended (the job restarts or stops)."""
+    code = code_of()
+    end_if_stopped()
+    for n in range(1, (_replaceable(argv, rank) if respawn is not None else 0) + 1):
+        died = code < 0 and -code not in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+        if not died:
+            break
+        mark_dead(run_dir, rank, attempt, signal.Signals(-code).name)
+        pid, code_of = respawn(n)
+        current[0] = pid
+        if stopped:
+            os.kill(pid, stopped[0])
+        code = code_of()
+        end_if_stopped()
+    if code < 0:  # end as the child did, so the agent reports the signal
+        died = -code not in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+        if died:
+            report_death(rank, 0, signal.Signals(-code).name)
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    return code
+
+
+def mark_dead(run_dir: Path, rank: int, attempt: str, signal_name: str) -> None:
+    """``RUN/dead/attempt-A-rank-R.json``: that server or coordinator died, and a replacement
+    takes its place."""
+    marks = run_dir / "dead"
+    marks.mkdir(exist_ok=True)
+    tmp = marks / f".attempt-{attempt}-rank-{rank}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps({"rank": rank, "signal": signal_name, "unix": time.time(), "attempt": int(attempt)}))
+    os.replace(tmp, marks / f"attempt-{attempt}-rank-{rank}.json")
+
+
 def fence(pid: int, mark: Path, ended: threading.Event) -> None:
     """End child ``pid`` once ``mark`` appears: the other workers found it stalled and went
-    on without it (runtime/membership.py), so it must not come back into their groups."""
+    on without it (membership/views.py), so it must not come back into their groups."""
     while not ended.wait(0.25):
         if mark.exists():
             try:

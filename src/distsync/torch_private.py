@@ -122,6 +122,8 @@ DELAY = "dynamic_rendezvous._delay(seconds)"
 DYNAMO = "torch._dynamo"
 TREE_MAP = "torch.utils._pytree.tree_map"
 AGENT_STORE_VAR = "TORCHELASTIC_USE_AGENT_STORE"
+AGENT_API = "torch.distributed.elastic.agent.server.api"
+RESTART_WORKERS = "SimpleElasticAgent._restart_workers(worker_group)"  # (and its _remaining_restarts)
 
 
 def _tcp_store_takes_listen_fd() -> bool:
@@ -166,6 +168,14 @@ def _agent_sets_store_var() -> bool:
         return all(AGENT_STORE_VAR in inspect.getsource(m) for m in (agent, rendezvous))
     except (ImportError, OSError, TypeError):
         return False
+
+
+def _agent_restarts_workers() -> bool:
+    try:
+        agent = importlib.import_module(AGENT_API).SimpleElasticAgent
+    except (ImportError, AttributeError):
+        return False
+    return _params(getattr(agent, "_restart_workers", None)) == ("self", "worker_group")
 
 
 _GROUP_REFUSAL = "distsync cannot make a group of some ranks only (live membership, a dead worker's replacement)"
@@ -216,6 +226,10 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
                 "stacking the replicas' batches, tuples of tensors included (sim/train.py)",
                 "a tree_map of distsync's over tuples, lists and dicts", lambda: _module_has("torch.utils._pytree",
                                                                                                 "tree_map")),
+    PrivateName(RESTART_WORKERS, AGENT_API,
+                "a line said as the agent restarts a job (--max-restarts without --checkpoint-every: from step 0; "
+                "runtime/launch.py)",
+                "said at start only (and in rank 0's log at the restart)", _agent_restarts_workers),
     PrivateName(AGENT_STORE_VAR, "torch.distributed.elastic.agent.server.local_elastic_agent",
                 "the agent's store, under a prefix of each attempt (comm._attempt_store)",
                 "torch's env:// defaults (a restarted attempt shares its store keys with the last)",
@@ -401,6 +415,7 @@ def skip_rendezvous_skew() -> bool:
             delay(seconds=seconds)
 
     without_skew.skips_skew = True  # type: ignore[attr-defined]
+    without_skew.original = delay  # type: ignore[attr-defined]
     module._delay = without_skew
     return True
 
@@ -440,3 +455,27 @@ def agent_store_in_use(environ: Any = None) -> bool:
     defaults then apply)."""
     return (environ if environ is not None else os.environ).get(AGENT_STORE_VAR) == "True"
 
+
+
+def on_agent_restart(say: Callable[[int | None, int | None], None]) -> bool:
+    """Have torch's agent call ``say(restart, most)`` each time it restarts a job's processes,
+    before it does: the restart's number and ``--max-restarts`` (None where the agent does
+    not tell). Once per process: a second call changes nothing. False, and nothing changed,
+    where this torch's agent has no such method."""
+    if not _has(RESTART_WORKERS):
+        return False
+    agent = importlib.import_module(AGENT_API).SimpleElasticAgent
+    restart = agent._restart_workers
+    if getattr(restart, "distsync_says", False):
+        return True
+
+    def restart_workers(self: Any, worker_group: Any) -> Any:
+        left = getattr(self, "_remaining_restarts", None)  # (private too: without it, no number)
+        most = getattr(getattr(worker_group, "spec", None), "max_restarts", None)
+        known = isinstance(left, int) and isinstance(most, int)
+        say(most - left if known else None, most if known else None)
+        return restart(self, worker_group)
+
+    restart_workers.distsync_says = True  # type: ignore[attr-defined]
+    agent._restart_workers = restart_workers
+    return True

@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--run-dir", required=True)
         p.add_argument("--netns-prefix")  # consumed before start-up when not yet inside
         p.add_argument("--heal", type=int)  # (for the supervising parent: replacements per rank)
+        p.add_argument("--replace-ranks")  # (for the supervising parent: servers/coordinators replaced live)
         args = p.parse_args(argv)
         from distsync.runtime.resolve import trusted
 

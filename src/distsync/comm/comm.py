@@ -3,8 +3,10 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import queue
 import threading
 import time
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Sequence
 
@@ -12,10 +14,10 @@ import torch
 import torch.distributed as dist
 
 from distsync.comm.devices import HostStage, Placement, is_device
-from distsync.errors import CommError
+from distsync.comm.failures import cause as _cause
+from distsync.comm.failures import typed
+from distsync.errors import CommError, PeerDied, PeerStalled
 
-#: where, in the job's store, a peer and a dead worker's replacement agree on a channel
-HEAL = "distsync/heal/"
 #: the tag of :meth:`Comm.partial_all_reduce`'s messages (solvers use tags below 1000)
 TAG_PARTIAL = 1000
 
@@ -29,20 +31,6 @@ def ring_allreduce_bytes(nbytes: int, group_size: int) -> int:
     return (2 * (group_size - 1) * nbytes) // group_size
 
 
-def _cause(exc: BaseException, timeout_s: float) -> str:
-    text = str(exc)
-    low = text.lower()
-    if "monitoredbarrier" in low:
-        # gloo names the ranks that never arrived: keep its words.
-        return text.strip().splitlines()[0][:300]
-    if "timed out" in low or "timeout" in low:
-        return f"timed out after {timeout_s:g} s (a peer is stalled or has died)"
-    if any(s in low for s in ("connection reset", "connection closed", "broken pipe", "eof", "connection refused")):
-        return "a peer closed its connection (its process died or was stopped)"
-    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
-    return first[:300]
-
-
 def _attempt_store(timeout_s: float) -> dict[str, Any]:
     """Under torch's elastic agent: the agent's store, under a prefix of this attempt.
 
@@ -50,7 +38,9 @@ def _attempt_store(timeout_s: float) -> dict[str, Any]:
     attempt's addresses (gloo then connects to ports nobody listens on any more): each
     attempt gets keys of its own. Elsewhere (plain ``env://``) torch's defaults apply.
     """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    from distsync.torch_private import agent_store_in_use
+
+    if not agent_store_in_use():
         return {}
     world = int(os.environ["WORLD_SIZE"])
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
@@ -95,6 +85,93 @@ def retire_group(pg: Any, timeout_s: float) -> None:
     del expired  # (their operations have ended: letting them go does not wait)
 
 
+@dataclass(frozen=True)
+class FailurePolicy:
+    """How a rank's operations treat a peer's failure; given to :class:`Comm` at construction.
+
+    - ``watch(comm)``: what this rank knows of its peers' liveness (a
+      ``membership.liveness.Liveness``, its heartbeat started), made once the comm is up: a
+      wait on a peer goes on while the peer lives and fails, naming it, once it is dead or
+      stalled. None: every wait is bounded by the comm timeout alone.
+    - ``drops_dead_peers``: a peer whose process died is left behind and the job goes on
+      without it (``--on-failure continue`` under a supervisor); otherwise its death fails
+      this rank.
+    - ``admit_replacements``: a peer that serves workers from threads of its own lets a dead
+      worker's replacement in.
+    - ``replaced_ranks``: see below.
+    - ``views(comm)``: the live views of a job that re-forms its groups without the dead
+      (``membership.views.Membership``), made once the comm is up.
+    """
+
+    watch: Callable[["Comm"], Any] | None = None
+    drops_dead_peers: bool = False
+    admit_replacements: bool = False
+    #: servers or coordinators whose death the workers wait out: a replacement takes their
+    #: place while the job runs (``Solver.replaces_roles``)
+    replaced_ranks: frozenset = frozenset()
+    views: Callable[["Comm"], Any] | None = None
+
+
+#: how long a point-to-point wait on a live peer may last (gloo ends a wait that runs out by
+#: closing every connection of its group: it must not run out while the peer lives)
+_UNBOUNDED = datetime.timedelta(days=7)
+#: how often a wait on a peer asks whether it still lives
+_POLL_S = 0.02
+
+
+class _Box:
+    __slots__ = ("work", "done", "error")
+
+    def __init__(self, work: Any):
+        self.work, self.done, self.error = work, threading.Event(), None
+
+
+class _Waiters:
+    """Daemon threads that wait on point-to-point operations for the threads that started
+    them, so that those can watch the peer meanwhile: a gloo send or receive cannot be waited
+    for in short slices (a wait that runs out closes the group's connections)."""
+
+    def __init__(self):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = 0
+        self._lock = threading.Lock()
+
+    def submit(self, work: Any) -> _Box:
+        box = _Box(work)
+        with self._lock:
+            spawn = self._idle == 0
+            if not spawn:
+                self._idle -= 1
+        if spawn:
+            threading.Thread(target=self._run, name="distsync-p2p-wait", daemon=True).start()
+        self._queue.put(box)
+        return box
+
+    def _run(self) -> None:
+        while True:
+            box = self._queue.get()
+            try:
+                box.work.wait(_UNBOUNDED)
+            except BaseException as e:  # (handed to the thread that waits on the box)
+                box.error = e
+            box.done.set()
+            box = None
+            with self._lock:
+                self._idle += 1
+
+
+_waiters: _Waiters | None = None
+_waiters_lock = threading.Lock()
+
+
+def _waiter_pool() -> _Waiters:
+    global _waiters
+    with _waiters_lock:  # (made in the process that uses it: no thread crosses a fork)
+        if _waiters is None:
+            _waiters = _Waiters()
+        return _waiters
+
+
 class Pending:
     """An asynchronous operation in flight; :meth:`wait` is bounded by the comm timeout.
 
@@ -102,17 +179,20 @@ class Pending:
     """
 
     def __init__(self, comm: "Comm", work: Any, op: str, not_before: float = 0.0, group: Any = None,
-                 then: Callable[[], None] | None = None):
+                 then: Callable[[], None] | None = None, peer: int | None = None):
         self._comm = comm
         self._work = work
         self._op = op
+        self._peer = peer  # (a point-to-point operation's peer: waited on while it lives)
         self._not_before = not_before
         self._view = comm.membership.view_of(group) if comm.membership is not None else None
         self._then = then  # (a staged operation: the result's copy back to the device)
 
     def wait(self) -> None:
-        if self._view is not None:  # a live view: fails fast when a member dies (runtime/membership.py)
+        if self._view is not None:  # a live view: fails fast when a member dies (membership/views.py)
             self._comm.membership.wait(self._work, self._view, self._op, self._comm.timeout_s)
+        elif self._peer is not None:
+            self._comm.wait_on_peer(self._work, self._peer, self._op)
         else:
             try:
                 self._work.wait(datetime.timedelta(seconds=self._comm.timeout_s))
@@ -138,7 +218,7 @@ class Comm:
     """
 
     def __init__(self, rank: int, world_size: int, role_of: Sequence[str], timeout_s: float, device: torch.device,
-                 latency_s: float = 0.0, placement: Placement | None = None):
+                 latency_s: float = 0.0, placement: Placement | None = None, policy: FailurePolicy | None = None):
         self.latency_s = float(latency_s)
         self.rank = rank
         self.world_size = world_size
@@ -156,23 +236,40 @@ class Comm:
         self._groups: dict[str, Any] = {}
         #: the job's store (this attempt's keys) under torch's agent; None: the default group's
         self._job_store: Any = None
+        #: how this rank treats a peer's failure (:class:`FailurePolicy`)
+        self.policy = policy or FailurePolicy()
         #: the live views of a job that goes on without dead workers (None: a death fails the job)
         self.membership: Any = None
-        #: a peer whose process died is left behind and the job goes on without it
-        #: (``--on-failure continue``); otherwise its closed connection fails this rank
-        self.drops_dead_peers = False
+        #: what this rank knows of its peers' liveness (``membership.liveness.Liveness``;
+        #: None: waits are bounded by the comm timeout alone)
+        self.liveness: Any = None
         #: point-to-point channels of their own (a group of two) to peers outside the default
         #: group: a replacement for a dead worker and the peers it talks to (:meth:`open_channel`)
         self._channels: dict[int, Any] = {}
         #: this process replaces a dead worker: it is in no group the others made before
         self.replacement = False
-        #: (a peer that serves workers from threads of its own) let a dead worker's replacement in
-        self.admit_replacements = False
+
+    @property
+    def drops_dead_peers(self) -> bool:
+        return self.policy.drops_dead_peers
+
+    @property
+    def admit_replacements(self) -> bool:
+        return self.policy.admit_replacements
+
+    def _start_watching(self) -> None:
+        """Once the job's store is reachable: the liveness of peers, this rank's heartbeat,
+        and the live views the policy asks for."""
+        if self.policy.watch is not None:
+            self.liveness = self.policy.watch(self)
+        if self.policy.views is not None:
+            self.membership = self.policy.views(self)
 
     # ---- set-up -----------------------------------------------------------------------
     @classmethod
     def from_env(cls, role_of: Sequence[str], timeout_s: float, device: torch.device,
-                 latency_s: float = 0.0, placement: Placement | None = None) -> "Comm":
+                 latency_s: float = 0.0, placement: Placement | None = None,
+                 policy: FailurePolicy | None = None) -> "Comm":
         """Join the process group that torch's launcher described in the environment: over
         gloo, and with ``placement``'s nccl beside it for device tensors."""
         backend = placement.init_backend if placement is not None else "gloo"
@@ -182,7 +279,7 @@ class Comm:
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **found)
         except Exception as e:
             raise CommError(f"rank {rank}: init_process_group ({backend}) failed: {_cause(e, timeout_s)}") from None
-        comm = cls(dist.get_rank(), dist.get_world_size(), role_of, timeout_s, device, latency_s, placement)
+        comm = cls(dist.get_rank(), dist.get_world_size(), role_of, timeout_s, device, latency_s, placement, policy)
         comm._job_store = found.get("store")  # (keys a replacement, outside the default group, finds too)
         if len(comm.role_of) != comm.world_size:
             raise CommError(
@@ -192,11 +289,13 @@ class Comm:
         if len(comm.worker_ranks) < comm.world_size:
             # Every rank must take part in creating a group, members or not.
             comm._worker_group = comm._guard("new_group(workers)", dist.new_group, comm.worker_ranks)
+        comm._start_watching()
         return comm
 
     @classmethod
     def replacement_from_env(cls, role_of: Sequence[str], timeout_s: float, device: torch.device,
-                             latency_s: float = 0.0, placement: Placement | None = None) -> "Comm":
+                             latency_s: float = 0.0, placement: Placement | None = None,
+                             policy: FailurePolicy | None = None) -> "Comm":
         """A replacement for a dead worker (it heals from a live peer): it uses the job's store
         but cannot enter the job's default group, which the others made long ago; a group of
         its own stands in for it, and it meets the others in re-formed views only."""
@@ -211,13 +310,16 @@ class Comm:
                                     timeout=datetime.timedelta(seconds=timeout_s))
         except Exception as e:
             raise CommError(f"rank {rank}: init_process_group (replacement) failed: {_cause(e, timeout_s)}") from None
-        comm = cls(rank, found["world_size"], role_of, timeout_s, device, latency_s, placement)
+        comm = cls(rank, found["world_size"], role_of, timeout_s, device, latency_s, placement, policy)
         comm._job_store = found["store"]
         comm.replacement = True
+        comm._start_watching()
         return comm
 
     def close(self) -> None:
         """Leave the process group (idempotent); call before the process exits."""
+        if self.liveness is not None:
+            self.liveness.stop()
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -250,7 +352,7 @@ class Comm:
         """A group of all workers of its own (e.g. for a background thread's collectives),
         made on first use by every worker alike (and every other rank too, without live
         membership); with live membership, the current view of the live workers
-        (``ordered``: see ``runtime.membership.View``)."""
+        (``ordered``: see ``membership.views.View``)."""
         if self.membership is not None:
             return self.membership.view(tag, ordered).pg
         if tag not in self._groups:
@@ -274,13 +376,37 @@ class Comm:
         return dist.get_world_size(group) if group is not None else self.world_size
 
     # ---- errors -----------------------------------------------------------------------
-    def error(self, op: str, exc: BaseException) -> CommError:
-        return CommError(f"rank {self.rank} ({self.role}): {op} failed: {_cause(exc, self.timeout_s)}")
+    def error(self, op: str, exc: BaseException, peer: int | None = None) -> CommError:
+        """``exc`` (raised by torch.distributed) as a typed error naming this rank and ``op``
+        (``comm/failures.py``)."""
+        return typed(exc, f"rank {self.rank} ({self.role}): {op} failed: {_cause(exc, self.timeout_s)}", peer)
 
     def peer_died(self, exc: BaseException) -> bool:
-        """Whether ``exc`` (from a point-to-point operation) says the peer's process died and
-        this job goes on without it."""
-        return self.drops_dead_peers and isinstance(exc, CommError) and "closed its connection" in str(exc)
+        """Whether ``exc`` (from a point-to-point operation) says the peer's process died (or
+        stalled, and the others go on without it) and this job goes on without it."""
+        return self.drops_dead_peers and isinstance(exc, (PeerDied, PeerStalled))
+
+    def wait_on_peer(self, work: Any, peer: int, what: str) -> None:
+        """Wait for ``work``, a point-to-point operation with ``peer``: while the peer lives,
+        however long it takes (a slow peer is no dead one); :class:`PeerDied` or
+        :class:`PeerStalled` once it is dead or stalled. Without liveness, at most the comm
+        timeout."""
+        live = self.liveness
+        if live is None:
+            try:
+                work.wait(datetime.timedelta(seconds=self.timeout_s))
+            except Exception as e:  # gloo raises RuntimeError / DistBackendError
+                raise self.error(what, e, peer) from None
+            return
+        box = _waiter_pool().submit(work)
+        while not box.done.wait(_POLL_S):
+            live.check(peer, what)
+        if box.error is not None:
+            err = self.error(what, box.error, peer)
+            if isinstance(err, PeerDied) and not live.confirm_dead(peer):
+                # (its connection closed but it lives: a network failure, not a death)
+                raise CommError(str(err)) from None
+            raise err from None
 
     def _guard(self, what: str, fn, *args, **kwargs):
         try:
@@ -289,6 +415,13 @@ class Comm:
             raise
         except Exception as e:
             raise self.error(what, e) from None
+
+    def _p2p(self, what: str, peer: int, fn, *args, **kwargs) -> Any:
+        """Start ``fn`` (``dist.isend`` / ``dist.irecv``) with ``peer``; its work."""
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise self.error(what, e, peer) from None
 
     def _view(self, group: Any) -> Any:
         return self.membership.view_of(group) if self.membership is not None else None
@@ -371,7 +504,8 @@ class Comm:
         self.bytes_sent += tensor.numel() * tensor.element_size()
         group = self._channels.get(dst, group)
         wire = self.stage.down(tensor, "send") if is_device(tensor) else tensor
-        self._guard(f"send(to rank {dst})", dist.send, wire, dst=dst, group=group, tag=tag)
+        what = f"send(to rank {dst})"
+        self.wait_on_peer(self._p2p(what, dst, dist.isend, wire, dst=dst, group=group, tag=tag), dst, what)
 
     def recv(self, tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0) -> int:
         """Receive into ``tensor``; with ``src=None`` from whoever sends first. Returns the sender."""
@@ -379,7 +513,11 @@ class Comm:
         if src is not None:
             group = self._channels.get(src, group)
         wire = self.stage.buffer(tensor, "recv") if is_device(tensor) else tensor
-        sender = self._guard(what, dist.recv, wire, src=src, group=group, tag=tag)
+        if src is None:  # (from whoever sends first: bounded by the comm timeout)
+            sender = self._guard(what, dist.recv, wire, src=src, group=group, tag=tag)
+        else:
+            self.wait_on_peer(self._p2p(what, src, dist.irecv, wire, src=src, group=group, tag=tag), src, what)
+            sender = src
         self.stage.up(wire, tensor)
         self._delay(1)
         return sender
@@ -503,18 +641,19 @@ class Comm:
         what = f"partial_all_reduce(to rank {dst}, from rank {src})"
         if not tolerant:
             works = self._guard(what, dist.batch_isend_irecv, ops)
-            for work, name in zip(works, names):
-                Pending(self, work, f"partial_all_reduce({name})").wait()
+            for work, name, op in zip(works, names, ops):
+                Pending(self, work, f"partial_all_reduce({name})", peer=op.peer).wait()
             return
         started = []
         for op, name in zip(ops, names):  # each on its own: one of them may fail to start
             try:
-                started.append((op, name, self._guard(what, op.op, op.tensor, op.peer, group=group, tag=TAG_PARTIAL)))
+                started.append((op, name, self._p2p(what, op.peer, op.op, op.tensor, op.peer, group=group,
+                                                    tag=TAG_PARTIAL)))
             except CommError as e:
                 self._dead_end(e, op, recv)
         for op, name, work in started:
             try:
-                Pending(self, work, f"partial_all_reduce({name})").wait()
+                Pending(self, work, f"partial_all_reduce({name})", peer=op.peer).wait()
             except CommError as e:
                 self._dead_end(e, op, recv)
 
@@ -531,58 +670,7 @@ class Comm:
         self._guard("gather_object", dist.gather_object, obj, out, dst=dst)
         return out
 
-    # ---- channels: a replacement and the peers it talks to --------------------------------
-    # A peer that serves each worker from a thread of its own (a server, an AD-PSGD passive
-    # worker) lets a dead worker's replacement in: after the death it waits on round ``gen``
-    # of ``HEAL/peer/worker`` (``ready`` counts the rounds); the replacement claims the
-    # round's key with its number, or the peer closes it once it serves nobody else. One key
-    # decides, so a replacement is either served by a peer or told it came too late.
-    def accept_replacement(self, worker: int, alone: Callable[[], bool]) -> bool:
-        """(A peer, after ``worker``'s death) Wait for its replacement and open a channel with
-        it; False, and nobody is let in for it any more, once ``alone()`` (this peer serves no
-        other worker: the job is over)."""
-        base = f"{HEAL}{self.rank}/{worker}"
-        while True:
-            gen = self.store_add(f"{base}/ready", 1)
-            key = f"{base}/{gen}"
-            while not self.store_check(key) and not alone():
-                time.sleep(0.02)
-            if self.store_first(key, "closed") == "closed":
-                return False
-            try:
-                self.open_channel(worker, f"{self.rank}-{worker}-{gen}")
-                return True
-            except CommError:  # the replacement died while joining: wait for the next one
-                continue
-
-    def join_as_replacement(self, peers: Sequence[int], replacement: int, abandon: Callable[[int], None]) -> bool:
-        """(The ``replacement``-th replacement for dead worker ``self.rank``) A channel with
-        each of ``peers``, each of which waits for it (:meth:`accept_replacement`). False if
-        one no longer lets it in (the others finished): then ``abandon(peer)`` ends the
-        conversation begun with each that did."""
-        me, opened = f"open-{replacement}", []
-        for peer in peers:
-            base = f"{HEAL}{peer}/{self.rank}"
-            deadline = time.monotonic() + self.timeout_s
-            while True:
-                if self.store_check(f"{base}/ready"):
-                    gen = int(self.store_get(f"{base}/ready"))
-                    got = self.store_first(f"{base}/{gen}", me)
-                    if got == me:
-                        break
-                    if got == "closed":
-                        for p in opened:
-                            abandon(p)
-                        return False
-                    # (an earlier replacement's round: it died too, and the peer has not seen it yet)
-                if time.monotonic() > deadline:
-                    raise CommError(f"rank {self.rank}: rank {peer} did not let in a replacement for the dead "
-                                    f"worker within {self.timeout_s:g} s")
-                time.sleep(0.02)
-            self.open_channel(peer, f"{peer}-{self.rank}-{gen}")
-            opened.append(peer)
-        return True
-
+    # ---- channels: a replacement and the peers it talks to (membership/admission.py) -----
     def has_channel(self, peer: int) -> bool:
         return peer in self._channels
 

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from distsync.config import RunConfig, parse_link
-from distsync.errors import ConfigError, DistsyncError, Interrupted, WorkerFailed
+from distsync.errors import (CommTimeout, ConfigError, DistsyncError, Excluded, Interrupted, PeerDied, PeerLost,
+                             PeerStalled, WorkerFailed)
 from distsync.runtime import forkserver
 from distsync.runtime.bind import bind_listeners
 from distsync.runtime.checkpoint import CheckpointStore, Choice, fingerprint
@@ -85,25 +86,21 @@ def restart_note(cfg: RunConfig) -> str | None:
 
 def _say_restarts() -> None:
     """Have torch's agent say, in one line on stderr, what a restart of the job does
-    (:data:`_restarts`), as it restarts it. A torch whose agent has no ``_restart_workers``
-    is left as it is."""
-    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+    (:data:`_restarts`), as it restarts it (a torch whose agent cannot: said at start only)."""
+    from distsync.torch_private import on_agent_restart
 
-    restart = getattr(SimpleElasticAgent, "_restart_workers", None)
-    if not callable(restart) or getattr(restart, "says_what", False):
-        return
-
-    def restart_workers(self: Any, worker_group: Any) -> Any:
+    def say(restart: int | None, most: int | None) -> None:
         note = getattr(_restarts, "note", None)
         if note:
-            spec = getattr(worker_group, "spec", None)
-            left, most = getattr(self, "_remaining_restarts", None), getattr(spec, "max_restarts", None)
-            which = f" (restart {most - left} of {most})" if isinstance(left, int) and isinstance(most, int) else ""
+            which = f" (restart {restart} of {most})" if restart is not None else ""
             print(f"distsync: {note}{which}", file=sys.stderr, flush=True)
-        return restart(self, worker_group)
 
-    restart_workers.says_what = True  # type: ignore[attr-defined]
-    SimpleElasticAgent._restart_workers = restart_workers  # type: ignore[method-assign]
+    on_agent_restart(say)
+
+
+#: the errors that say a peer failed, not this rank (their names, as torch's record gives them)
+_CONSEQUENCES = frozenset(e.__name__ for e in (PeerDied, PeerStalled, PeerLost, CommTimeout, Excluded))
+_TYPED = _CONSEQUENCES | {"DistsyncError"}
 
 
 def _failure_message(failures: dict[int, Any], role_of: list[str]) -> str:
@@ -118,16 +115,16 @@ def _failure_message(failures: dict[int, Any], role_of: list[str]) -> str:
         sig = f.signal_name() if f.exitcode < 0 else ""
         if msg and "To enable traceback" not in msg and not msg.startswith("Signal "):
             # The process wrote its own error before it ended: that is the cause.
-            head, _, rest = msg.partition(": ")
-            text = rest if rest and head.endswith(("Error", "Failed", "Exception")) else msg
+            head, _, rest = msg.partition(": ")  # (torch's record: "ExceptionClass: message")
+            text = rest if rest and (head.endswith(("Error", "Failed", "Exception")) or head in _TYPED) else msg
             text = text.strip().splitlines()[0]
             if "rank" not in text:
                 text = f"{role} rank {rank}: {text}"
             elif text.startswith(f"rank {rank} died"):  # a supervising parent's report
                 text = f"{role} {text}"
-            # A peer-lost or timeout error is a consequence of another rank's failure.
-            secondary = "closed its connection" in text or "timed out" in text or "failed to pass" in text
-            return (2 if secondary else 1), text
+            # A peer lost, dead or stalled, or a wait that ran out, is a consequence of another
+            # rank's failure (told by the error's type: comm/failures.py)
+            return (2 if head in _CONSEQUENCES else 1), text
         if sig == "SIGTERM":
             return 3, f"{role} rank {rank} was stopped (SIGTERM)"
         if sig:
@@ -415,7 +412,7 @@ def _start(run: ResolvedRun, run_dir: Path, on_progress: ProgressFn | None,
     if cfg.resume:
         check_resumable(cfg, run_dir, role_of)
     else:  # a fresh run into an old folder starts with no checkpoints, faults or stop mark
-        for folder in (CHECKPOINTS, "dropped", "journal"):
+        for folder in (CHECKPOINTS, "dropped", "dead", "journal"):
             clear_folder(run_dir / folder)
         for stale in ("faults.jsonl", "stop.json"):
             (run_dir / stale).unlink(missing_ok=True)
@@ -457,6 +454,9 @@ def _start(run: ResolvedRun, run_dir: Path, on_progress: ProgressFn | None,
     argv += ["--netns-prefix", net.netns_prefix] if net else []
     if supervised and cfg.max_restarts and run.solver_cls.heals_from_peer and run.threads == 1:
         argv += ["--heal", str(cfg.max_restarts)]  # a dead worker's replacement heals from a live peer
+    replaced = [r for r, role in enumerate(role_of) if role in run.solver_cls.replaces_roles]
+    if supervised and cfg.max_restarts and replaced:  # a dead server or coordinator is replaced live
+        argv += ["--replace-ranks", f"{','.join(map(str, replaced))}:{cfg.max_restarts}"]
     if forked:
         entry, args = forkserver.run_process, (argv, dict(os.environ), supervised)
     elif supervised:  # a dead worker is dropped, not the job: each rank runs under distsync/supervise.py

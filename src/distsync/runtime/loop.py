@@ -23,7 +23,7 @@ from distsync.errors import DistsyncError, PeerLost
 from distsync.runtime.plugins import (Checkpointer, ComputeGate, DeviceStretch, EmbeddingTablesClient, Evaluator,
                                       FaultInjection, HogwildRunner, Plugins, Progress, RunState, SingleThread,
                                       StepState, TrainClock)
-from distsync.runtime.membership import POLL_S
+from distsync.membership.liveness import POLL_S
 from distsync.runtime.plugins.budget import Heartbeat, JobBudget
 from distsync.runtime.plugins.tensorboard import TensorBoardLog
 from distsync.runtime.plugins.training import (DataEnd, GradClip, LearningRate, LossScaler, check_accumulate,
@@ -217,14 +217,19 @@ def _step_body(run: RunState, s: StepState, t: int) -> tuple[torch.Tensor, torch
 
 def _peer_lost(run: RunState, e: BaseException) -> PeerLost | None:
     """The :class:`PeerLost` behind ``e`` (raised by the solver, or by a thread of torch's,
-    e.g. DDP's, whose failure comes back as another error), or None."""
+    e.g. DDP's, whose failure comes back as another error: then the one a thread of this
+    process raised during the step), or None."""
     membership = getattr(run.comm, "membership", None)
     if membership is None:
         return None
-    if isinstance(e, PeerLost):
-        return e
-    taken = membership.take_lost()
-    return taken if taken is not None and str(taken) in str(e) else None
+    cause: BaseException | None = e
+    while cause is not None:
+        if isinstance(cause, PeerLost):
+            membership.take_lost(cause.tag)
+            return cause
+        cause = cause.__cause__ or cause.__context__
+    # (torch's threads hand the error on as text: the PeerLost raised meanwhile is its cause)
+    return membership.take_lost("workers")
 
 
 def _go_on_without(run: RunState, s: StepState, lost: PeerLost) -> None:

@@ -20,14 +20,16 @@ from distsync.metrics.outputs import write_csv
 from distsync.runtime.checkpoint import STATEFUL_ROLES, CheckpointStore, fingerprint
 from distsync.runtime.linktest import run_linktest
 from distsync.runtime.loop import Progress, train_worker
-from distsync.runtime.membership import ALIVE, Membership, marked_dead
-from distsync.runtime.plugins.budget import BEAT
+from distsync.comm.comm import FailurePolicy
+from distsync.membership import BEAT, Membership, marked_dead, watching
+from distsync.membership.admission import join_as_replacement
 from distsync.runtime.recovery import (CheckpointPolicy, FaultInjector, WorkerRecovery, raise_if_stopped,
                                        read_faults, read_jsonl, restart_count,
                                        summarize_recovery)
 from distsync.runtime.resolve import ResolvedRun
 from distsync.runtime.roles import EMBEDDING_SERVER
 from distsync.solvers import ServeContext
+from distsync.torch_private import import_dynamo
 from distsync.sparse import EmbeddingServer, find_tables
 from distsync.sparse.tables import replace_module
 from distsync.workloads import Workload, load_workload
@@ -137,6 +139,12 @@ def wait_on_peer(comm: Comm, rank: int, ready: Callable[[], T | None], stalled: 
         got = ready()
         if got is not None:
             return got
+        live = getattr(comm, "liveness", None)
+        if live is not None:  # (its heartbeat or its progress moves: membership/liveness.py)
+            if live.stalled(rank) and not (comm.role_of[rank] == "worker" and live.leave_behind(rank)):
+                raise CommError(stalled("neither its heartbeat nor its progress moved"))
+            time.sleep(poll_s)
+            continue
         beat = comm.store_get(f"{BEAT}{rank}") if comm.store_check(f"{BEAT}{rank}") else None
         if beat != seen:
             seen, since = beat, time.monotonic()
@@ -321,65 +329,110 @@ def serve_embeddings(cfg: RunConfig, workload: Workload, comm: Comm, channels: i
     return server.stats()
 
 
-def live_membership(comm: Comm, run_dir: Path) -> Membership:
-    """The worker's live views: a worker is dead once its supervising parent has marked it
-    dropped (distsync/supervise.py) or its heartbeat stood still for the comm timeout."""
-    def heartbeat(rank: int) -> str:  # its progress, and its waits
-        got = [comm.store_get(k) if comm.store_check(k) else "-" for k in (f"{BEAT}{rank}", f"{ALIVE}{rank}")]
-        return "/".join(got)
+def failure_policy(run: ResolvedRun, run_dir: Path, rank: int) -> FailurePolicy:
+    """How process ``rank`` of this job treats a peer's failure (``comm.FailurePolicy``).
 
-    def mark_stalled(rank: int) -> None:
+    A training job's waits on a peer go on while it lives (``membership/liveness.py``). Under
+    a supervisor (``--on-failure continue``) a dead worker is left behind: its supervisor's
+    mark says it died, a stalled one is marked so that its supervisor ends it, and the
+    workers of a solver that re-forms its groups keep live views of each other."""
+    cfg = run.config
+    if cfg.task != "train":
+        return FailurePolicy()
+    drops = supervised()
+    role = run.role_of[rank] if 0 <= rank < len(run.role_of) else None
+
+    def mark_stalled(r: int) -> None:  # (a worker: a stalled server or coordinator fails the job)
         from distsync.supervise import mark_dropped
 
-        mark_dropped(run_dir, rank, str(restart_count()), "stalled")
+        if 0 <= r < len(run.role_of) and run.role_of[r] == "worker":
+            mark_dropped(run_dir, r, str(restart_count()), "stalled")
 
-    return Membership(comm, comm.worker_ranks, marked_dead(run_dir, restart_count()), heartbeat,
-                      mark_stalled=mark_stalled)
+    watch = watching(marked_dead(run_dir, restart_count()) if drops else None, mark_stalled if drops else None)
+    views = None
+    if drops and run.solver_cls.reforms_without_dead and role == "worker":
+        def views(comm: Comm) -> Membership:
+            return Membership(comm, comm.worker_ranks, comm.liveness)
+    replaced = frozenset(r for r, name in enumerate(run.role_of) if name in run.solver_cls.replaces_roles) \
+        if drops and cfg.max_restarts else frozenset()
+    return FailurePolicy(watch=watch, drops_dead_peers=drops, views=views, replaced_ranks=replaced,
+                         admit_replacements=bool(drops and cfg.max_restarts and run.solver_cls.heals_by_channels
+                                                 and run.threads == 1))
 
 
 class TooLate(Exception):
     """A replacement came after the other workers had finished: it ends without training."""
 
 
-def heal_from_peer(cfg: RunConfig, run_dir: Path, comm: Comm, replacement: int) -> WorkerRecovery:
-    """A replacement for a dead worker: once the others have gone on without it, it takes
-    the dead one's mark over (``RUN/dropped/replaced-...``: the dead one's steps still count,
-    from its journal), joins their group at a step's end and starts from the state of the
-    worker that admitted it."""
-    attempt = restart_count()
-    mark = run_dir / "dropped" / f"attempt-{attempt}-rank-{comm.rank}.json"
-    taken = run_dir / "dropped" / f"replaced-attempt-{attempt}-rank-{comm.rank}-{replacement}.json"
+class _DeadMark:
+    """The dead worker's mark (``RUN/dropped/attempt-A-rank-R.json``), which its replacement
+    takes over (``replaced-...``: the dead one's steps still count, from its journal) once it
+    joins, and gives back if it cannot (the dead one stays dropped: its journal is its part
+    of the results)."""
 
-    def replaces() -> None:
-        dead = json.loads(mark.read_text())
-        taken.write_text(json.dumps({**dead, "replaced_unix": time.time(), "replacement": replacement}))
-        mark.unlink()
+    def __init__(self, run_dir: Path, rank: int, replacement: int):
+        attempt = restart_count()
+        self.mark = run_dir / "dropped" / f"attempt-{attempt}-rank-{rank}.json"
+        self.taken = run_dir / "dropped" / f"replaced-attempt-{attempt}-rank-{rank}-{replacement}.json"
+        self.replacement = replacement
 
-    def over() -> bool:  # a worker has finished training: too late to join
-        return any(comm.store_check(f"distsync/results/{r}") for r in comm.worker_ranks if r != comm.rank)
+    def take(self) -> None:
+        dead = json.loads(self.mark.read_text())
+        self.taken.write_text(json.dumps({**dead, "replaced_unix": time.time(), "replacement": self.replacement}))
+        self.mark.unlink()
 
-    view = comm.membership.join("workers", replaces, over)
-    if view is None:
-        if not mark.exists():  # the dead one stays dropped: its journal is its part of the results
-            os.replace(taken, mark)
+    def give_back(self) -> None:
+        if self.taken.exists() and not self.mark.exists():
+            os.replace(self.taken, self.mark)
+
+
+def heal(cfg: RunConfig, run_dir: Path, comm: Comm, replacement: int, solver) -> WorkerRecovery:
+    """A replacement for a dead worker (the ``replacement``-th): once the others have gone on
+    without the dead one, it takes the dead one's mark over and joins them, one of two ways:
+
+    - a solver whose workers re-form their groups: it joins their group at a step's end and
+      starts from the state of the worker that admitted it (``membership.views.Membership.join``);
+    - a solver whose peers serve workers from threads of their own (``heals_by_channels``:
+      servers, AD-PSGD's passive workers): it opens a channel with each such peer, which
+      serves it on as the dead one (``membership/admission.py``), and goes on from the dead
+      one's next step, on its shard, with a model from them (the solver takes it before that
+      step): nothing the dead one sent is lost or sent again.
+
+    :class:`TooLate` if the others finished training first (or nobody can let it in)."""
+    dead = _DeadMark(run_dir, comm.rank, replacement)
+    try:
+        state = _join_by_channels(run_dir, comm, replacement, solver, dead) if solver.heals_by_channels else \
+            _join_view(run_dir, comm, dead)
+    except BaseException:
+        dead.give_back()
+        raise
+    if state is None:
+        dead.give_back()
         raise TooLate(f"rank {comm.rank}: the other workers finished training before this replacement could join")
-    state = comm.membership.hand_over(view, lambda: None)
-    state["events"] = read_jsonl(journal_path(run_dir, comm.rank))  # the dead one's history, to go on with
     policy = CheckpointPolicy(cfg.checkpoint_every, comm)
     store = CheckpointStore(run_dir / CHECKPOINTS, comm.rank, comm.role_of, fingerprint(cfg, comm.role_of),
                             dropped_ranks(run_dir))
     return WorkerRecovery(store=store if policy.enabled else None, policy=policy,
                           faults=FaultInjector(cfg.faults, run_dir, comm.rank, comm.role_of), restored=state,
-                          run_dir=run_dir, after_failure=True, attempt=attempt,
+                          run_dir=run_dir, after_failure=True, attempt=restart_count(),
                           journal=journal_path(run_dir, comm.rank), joined=True)
 
 
-def heal_over_channels(cfg: RunConfig, run_dir: Path, comm: Comm, replacement: int, solver) -> WorkerRecovery:
-    """A replacement for a dead worker of a solver whose peers served it from threads of
-    their own (``heals_by_channels``: servers, AD-PSGD's passive workers): it takes the dead
-    one's mark over, opens a channel with each such peer (each serves it on as the dead one)
-    and goes on from the dead one's next step, on its shard, with a model from them (the
-    solver takes it before that step): nothing the dead one sent is lost or sent again."""
+def _join_view(run_dir: Path, comm: Comm, dead: _DeadMark) -> dict[str, Any] | None:
+    """Join the workers' view; the admitting worker's state (None: too late)."""
+    def over() -> bool:  # a worker has finished training: too late to join
+        return any(comm.store_check(f"distsync/results/{r}") for r in comm.worker_ranks if r != comm.rank)
+
+    view = comm.membership.join("workers", dead.take, over)
+    if view is None:
+        return None
+    state = comm.membership.hand_over(view, lambda: None)
+    state["events"] = read_jsonl(journal_path(run_dir, comm.rank))  # the dead one's history, to go on with
+    return state
+
+
+def _join_by_channels(run_dir: Path, comm: Comm, replacement: int, solver, dead: _DeadMark) -> dict[str, Any] | None:
+    """Open a channel with each peer that served the dead one; the dead one's place (None: too late)."""
     peers = solver.channel_peers(comm)
     gone = dropped_ranks(run_dir)
     if peers is not None:
@@ -387,32 +440,14 @@ def heal_over_channels(cfg: RunConfig, run_dir: Path, comm: Comm, replacement: i
     if not peers:
         raise TooLate(f"rank {comm.rank}: this worker's part in {solver.name} cannot be taken over while the job "
                       f"runs; the others go on without it")
-    attempt = restart_count()
-    mark = run_dir / "dropped" / f"attempt-{attempt}-rank-{comm.rank}.json"
-    taken = run_dir / "dropped" / f"replaced-attempt-{attempt}-rank-{comm.rank}-{replacement}.json"
-    dead = json.loads(mark.read_text())
-    taken.write_text(json.dumps({**dead, "replaced_unix": time.time(), "replacement": replacement}))
-    mark.unlink()
-    try:
-        joined = comm.join_as_replacement(peers, replacement, lambda peer: solver.abandon_channel(comm, peer))
-    except BaseException:
-        os.replace(taken, mark)
-        raise
-    if not joined:
-        os.replace(taken, mark)  # the dead one stays dropped: its journal is its part of the results
-        raise TooLate(f"rank {comm.rank}: the other workers finished training before this replacement could join")
+    dead.take()
+    if not join_as_replacement(comm, peers, replacement, lambda peer: solver.abandon_channel(comm, peer)):
+        return None
     events = read_jsonl(journal_path(run_dir, comm.rank))
     steps = [e for e in events if e["kind"] == "step"]
     began = next((e["unix"] for e in events if e["kind"] == "start"), time.time())
-    state = {"index": 0, "step": max(e["step"] for e in steps) + 1 if steps else 0, "events": events,
-             "clock": 0.0, "unix": began, "last_loss": steps[-1]["loss"] if steps else float("nan"), "from": -1}
-    policy = CheckpointPolicy(cfg.checkpoint_every, comm)
-    store = CheckpointStore(run_dir / CHECKPOINTS, comm.rank, comm.role_of, fingerprint(cfg, comm.role_of),
-                            dropped_ranks(run_dir))
-    return WorkerRecovery(store=store if policy.enabled else None, policy=policy,
-                          faults=FaultInjector(cfg.faults, run_dir, comm.rank, comm.role_of), restored=state,
-                          run_dir=run_dir, after_failure=True, attempt=attempt,
-                          journal=journal_path(run_dir, comm.rank), joined=True)
+    return {"index": 0, "step": max(e["step"] for e in steps) + 1 if steps else 0, "events": events,
+            "clock": 0.0, "unix": began, "last_loss": steps[-1]["loss"] if steps else float("nan"), "from": -1}
 
 
 def recovery_for(cfg: RunConfig, run_dir: Path, comm: Comm) -> WorkerRecovery:
@@ -454,7 +489,7 @@ def run_process(run: ResolvedRun, run_dir: Path) -> None:
     # embedding servers) and linktest build none: they skip it.
     rank = int(os.environ.get("RANK", "-1") or -1)
     if cfg.task == "train" and (not 0 <= rank < len(run.role_of) or run.role_of[rank] == "worker"):
-        import torch._dynamo as _dynamo  # noqa: F401  (as: no local name torch in this function)
+        import_dynamo()
 
     torch.set_num_threads(cfg.intra_op_threads)
     placement = place_from_env(cfg.device, cfg.backend, cfg.server_device, run.role_of)
@@ -463,14 +498,9 @@ def run_process(run: ResolvedRun, run_dir: Path) -> None:
     solver = run.new_solver()
     latency = parse_link(cfg.link).latency_s if cfg.link and cfg.link_latency_mode == "comm" else 0.0
     replacement = int(os.environ.get("DISTSYNC_REPLACEMENT", "0") or 0)
-    comm = (Comm.replacement_from_env if replacement else Comm.from_env)(list(run.role_of), cfg.timeout_s, device,
-                                                                         latency, placement)
+    comm = (Comm.replacement_from_env if replacement else Comm.from_env)(
+        list(run.role_of), cfg.timeout_s, device, latency, placement, policy=failure_policy(run, run_dir, rank))
     name_process(comm.role, comm.rank)
-    comm.drops_dead_peers = supervised() and cfg.task == "train"
-    comm.admit_replacements = bool(comm.drops_dead_peers and cfg.max_restarts and run.solver_cls.heals_by_channels
-                                   and run.threads == 1)
-    if supervised() and cfg.task == "train" and run.solver_cls.reforms_without_dead and comm.role == "worker":
-        comm.membership = live_membership(comm, run_dir)
     try:
         if cfg.task == "linktest":
             run_linktest(cfg, comm, run_dir)
@@ -480,10 +510,11 @@ def run_process(run: ResolvedRun, run_dir: Path) -> None:
         try:
             if not replacement:
                 recovery = recovery_for(cfg, run_dir, comm)
-            elif run.solver_cls.heals_by_channels:
-                recovery = heal_over_channels(cfg, run_dir, comm, replacement, solver)
-            else:
-                recovery = heal_from_peer(cfg, run_dir, comm, replacement)
+            elif comm.role == "worker":
+                recovery = heal(cfg, run_dir, comm, replacement, solver)
+            else:  # a server's or coordinator's replacement: its state comes from the workers (solver.serve)
+                recovery = WorkerRecovery(run_dir=run_dir, after_failure=True, attempt=restart_count(),
+                                          faults=FaultInjector([], run_dir, comm.rank, comm.role_of))
         except TooLate as e:
             print(f"distsync: {e}", file=sys.stderr, flush=True)
             return
@@ -495,7 +526,7 @@ def run_process(run: ResolvedRun, run_dir: Path) -> None:
         served = dict(save=save if recovery.store is not None else None, restored=recovery.restored,
                       on_request=recovery.faults.at if recovery.faults.pending else None,
                       drop_dead_workers=supervised(),
-                      admit_replacements=comm.admit_replacements)
+                      admit_replacements=comm.admit_replacements, replacement=replacement)
         if comm.role == "worker":
             progress = Progress(run_dir / "progress.json" if comm.rank == 0 else None,
                                 cfg.steps if cfg.budget is None else None)

@@ -122,10 +122,21 @@ class FaultInjector:
             if f.kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif f.kind == "stall":
-                time.sleep(f.seconds)
+                freeze(f.seconds)
             else:
                 nan = f
         return nan
+
+
+def freeze(seconds: float) -> None:
+    """Stop this whole process, every thread of it (its heartbeat too), for ``seconds``, as a
+    hung host or a long pause would: a child of its own sends it SIGCONT then. (A process
+    killed meanwhile, e.g. by its supervisor once the others left it behind, stays dead.)"""
+    import subprocess
+
+    subprocess.Popen(["/bin/sh", "-c", f"sleep {float(seconds):.3f}; kill -CONT {os.getpid()} 2>/dev/null"],
+                     start_new_session=True, stdin=subprocess.DEVNULL)
+    os.kill(os.getpid(), signal.SIGSTOP)
 
 
 @dataclass
@@ -186,7 +197,7 @@ def read_faults(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def summarize_views(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each re-formed group (``runtime/membership.py``), once: its tag, epoch and members, the
+    """Each re-formed group (``membership/views.py``), once: its tag, epoch and members, the
     step the workers were at, when the first member had it (``unix``) and the longest
     re-forming (agreement and the new group) any member saw."""
     views: dict[tuple[str, int], dict[str, Any]] = {}

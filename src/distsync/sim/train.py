@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch.func import functional_call, grad, vmap
-from torch.utils._pytree import tree_map
+from distsync.torch_private import tree_map
 
 from distsync.errors import ConfigError
 from distsync.solvers import check_buffers, make_options, solver_class

@@ -68,6 +68,10 @@ class ServeContext:
     drop_dead_workers: bool = False
     #: a dead worker's replacement is let in and served on (``heals_by_channels``)
     admit_replacements: bool = False
+    #: this process replaces a dead one of its role (the n-th; 0: it is the first): it meets
+    #: the workers over channels of its own and takes its state from them
+    #: (:attr:`Solver.replaces_roles`)
+    replacement: int = 0
     #: where this process keeps its shard and the optimizer's state (``--server-device``);
     #: messages reach it in host memory (comm/devices.py)
     device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
@@ -124,7 +128,7 @@ class Solver:
     #: servers that serve each worker on its own): the job drops it instead of restarting
     survives_worker_loss: ClassVar[bool] = False
     #: True when the workers' groups can be re-formed without a dead worker and the others
-    #: go on from where they are (``runtime/membership.py``); the solver's operations on
+    #: go on from where they are (``membership/views.py``); the solver's operations on
     #: ``comm.worker_group`` and ``comm.group(tag)`` then raise ``PeerLost`` when a member
     #: dies, and :meth:`on_view_change` adapts the solver to the survivors
     reforms_without_dead: ClassVar[bool] = False
@@ -137,6 +141,11 @@ class Solver:
     #: workers) through a channel with each, goes on from the dead worker's next step, and
     #: takes its model from them (:meth:`join_peers`)
     heals_by_channels: ClassVar[bool] = False
+    #: the roles (``extra_roles``) whose dead process is replaced while the job runs
+    #: (``--max-restarts`` under ``--on-failure continue``): the replacement meets the workers
+    #: over channels of its own (``membership/admission.py``) and takes its state from them;
+    #: the workers wait for it instead of failing. Other roles' deaths restart the job.
+    replaces_roles: ClassVar[tuple[str, ...]] = ()
     #: True when the update is this worker's own ``optimizer.step()``: a user's loop may call
     #: it inside :meth:`step` (DDP's habit), after the solver's synchronization. False when
     #: the solver applies the update otherwise (servers apply it, or it needs the solver's

@@ -25,6 +25,7 @@
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import time
@@ -35,8 +36,10 @@ import torch
 
 from distsync.comm.devices import own_stream, queued_mark, run_after, synchronize
 from distsync.config import bounded
-from distsync.errors import CommError
-from distsync.solvers.base import Solver, join_background, register_solver
+from distsync.errors import CommError, PeerDied, PeerStalled
+from distsync.membership.admission import await_replacement, join_as_replacement
+from distsync.membership.peers import PeerService
+from distsync.solvers.base import Solver, register_solver
 from distsync.solvers.flat import FlatView
 from distsync.solvers.rules import group_mean, pairwise_average
 from distsync.solvers.schedules import (bipartite_roles, partner_rng, random_round, round_rng,
@@ -46,6 +49,8 @@ TAG_AVG_HEADER, TAG_AVG_MODEL, TAG_AVG_REPLY = 21, 22, 23
 TAG_COORD_REQ, TAG_COORD_REPLY = 31, 32
 OP_REQUEST, OP_DONE, OP_MODEL = 1, 2, 3  # (OP_MODEL: a replacement asks a passive for its model)
 OP_DEAD, OP_FAILED = -1, -2  # (the coordinator's own notes: a worker died, or hearing it failed)
+#: in the job's store: a worker that has said goodbye to the coordinator; the random schedule's rounds
+DONE, ROUND = "distsync/ripples/done/", "distsync/ripples/round/"
 
 
 def _as_random_state(state) -> tuple:
@@ -113,48 +118,35 @@ class ADPSGD(Solver):
         self.answered = Counter()
         self.lost: dict[int, int] = {}  # a dead peer's rank: this worker's averagings when it died
         self.replaced: Counter = Counter()  # actives whose replacement this passive let in
-        self._talking = set(self.actives)  # actives this passive still answers
-        self._talking_lock = threading.Lock()
         self._error: list[BaseException] = []
-        self._threads: list[threading.Thread] = []
+        self._answering: PeerService | None = None
         if not self.is_active:
-            # One thread per active, each receiving from its active only: a dead active's
-            # closed connection ends its thread, and nobody waits for its goodbye.
-            self._threads = [threading.Thread(target=self._answer, args=(a,), name=f"ad-psgd-answer{a}", daemon=True)
-                             for a in self.actives]
-            for t in self._threads:
-                t.start()
+            # One thread per active, each receiving from its active only: a dead active ends
+            # its thread (and, healing, its replacement is answered on), and nobody waits for
+            # its goodbye.
+            self._answering = PeerService(comm, self.actives, self._converse, "ad-psgd-answer",
+                                          on_dead=self._lost, on_back=self._back, admit=comm.admit_replacements)
+            self._error = self._answering.errors
+            self._answering.start()
         return model
 
-    def _answer(self, active: int) -> None:
-        """A passive's answers to ``active``, and (healing) to its replacements after a death."""
-        with own_stream(self.view.device):
-            while True:
-                died = self._converse(active)
-                with self._talking_lock:
-                    self._talking.discard(active)
-                if not (died and self.comm.admit_replacements and self.comm.accept_replacement(
-                        active, lambda: self._alone(active))):
-                    return
-                self.lost.pop(active, None)
-                self.replaced[active] += 1
-                with self._talking_lock:
-                    self._talking.add(active)
+    def _lost(self, active: int) -> None:
+        self.lost[active] = sum(self.answered.values())
 
-    def _alone(self, active: int) -> bool:
-        with self._talking_lock:
-            return not (self._talking - {active})
+    def _back(self, active: int) -> None:
+        self.lost.pop(active, None)
+        self.replaced[active] += 1
 
-    def _converse(self, active: int) -> bool:
-        """Answer ``active`` until it is done (False) or dies (True)."""
+    def _converse(self, active: int) -> None:
+        """Answer ``active`` until it is done."""
         head = torch.zeros(1, dtype=torch.int64)
         theirs = self.view.zeros()
-        try:
+        with own_stream(self.view.device):
             while True:
                 self.comm.recv(head, active, group=self.gossip, tag=TAG_AVG_HEADER)
                 op = int(head.item())
                 if op == OP_DONE:
-                    return False
+                    return
                 if op == OP_MODEL:  # a replacement's first question
                     with self.lock:
                         run_after(self._updated)  # (as below)
@@ -178,14 +170,8 @@ class ADPSGD(Solver):
                     synchronize(self.view.device)
                 self.comm.send(reply, active, group=self.gossip, tag=TAG_AVG_REPLY)
                 self.answered[active] += 1
-        except BaseException as e:  # raised on the training thread at its next step
-            if self.comm.peer_died(e):
-                self.lost[active] = sum(self.answered.values())
-                return True
-            self._error.append(e)
-            return False
 
-    # ---- a replacement for a dead active (runtime/process.py: heal_over_channels) -----------
+    # ---- a replacement for a dead active (runtime/process.py: heal) -----------
     def channel_peers(self, comm):
         actives, passives = bipartite_roles(comm.num_workers)
         return [comm.worker_ranks[i] for i in passives] if comm.worker_index in actives else None
@@ -249,11 +235,8 @@ class ADPSGD(Solver):
                 except CommError as e:
                     if not self.comm.peer_died(e):
                         raise
-        else:
-            for t in self._threads:
-                join_background(t, self._error, self.comm.timeout_s,
-                                f"rank {self.comm.rank}: ad-psgd answering thread",
-                                progress=lambda: sum(self.answered.values()))
+        else:  # (each thread ends once its active is done, or dead: a slow one is waited for)
+            self._answering.join()
             with self.lock:
                 self._apply_pending()
         if self._error:
@@ -303,6 +286,10 @@ class Ripples(Solver):
     #: A group with a dead member is dropped by all its members (their ring goes on around
     #: it: ``Comm.partial_all_reduce``); the coordinator draws later groups without it.
     survives_worker_loss = True
+    #: A dead coordinator is replaced while the job runs: the workers ask its replacement
+    #: (the random schedule's rounds drawn so far are in the job's store; the smart
+    #: schedule's waiting requests are asked again).
+    replaces_roles = ("coordinator",)
 
     @classmethod
     def extra_roles(cls, options) -> dict[str, int]:
@@ -362,6 +349,7 @@ class Ripples(Solver):
         self.coordinator = coordinators[0] if coordinators else None
         self.upcoming: list[tuple[int, ...]] = []
         self.round = 0
+        self.coordinator_replaced = 0
         self.joined = 0
         self.alone = 0
         self.broken = 0
@@ -379,21 +367,33 @@ class Ripples(Solver):
         with self.clock.waiting():
             if self.options.schedule == "random":
                 if not self.upcoming:
-                    self.comm.send(torch.tensor([OP_REQUEST, self.round], dtype=torch.int64), self.coordinator,
-                                   tag=TAG_COORD_REQ)
                     got = torch.zeros(self.options.buffer, self.k, dtype=torch.int64)
-                    self.comm.recv(got, self.coordinator, tag=TAG_COORD_REPLY)
+                    self._ask(torch.tensor([OP_REQUEST, self.round], dtype=torch.int64), got)
                     self.upcoming = [tuple(int(v) for v in row if v >= 0) for row in got]
                     self.round += len(self.upcoming)
                 group = self.upcoming.pop(0)
             else:
-                self.comm.send(torch.tensor([OP_REQUEST, step], dtype=torch.int64), self.coordinator,
-                               tag=TAG_COORD_REQ)
                 got = torch.zeros(self.k, dtype=torch.int64)
-                self.comm.recv(got, self.coordinator, tag=TAG_COORD_REPLY)
+                self._ask(torch.tensor([OP_REQUEST, step], dtype=torch.int64), got)
                 group = tuple(int(v) for v in got if v >= 0)
         self.group_wait_s += time.perf_counter() - t0
         return group
+
+    def _ask(self, request: torch.Tensor, reply: torch.Tensor | None) -> None:
+        """Send the coordinator ``request`` and receive its ``reply``; if it dies and the job
+        replaces it live (``replaces_roles``), ask its replacement (whose first answers come
+        from the schedule position the dead one left in the job's store)."""
+        while True:
+            try:
+                self.comm.send(request, self.coordinator, tag=TAG_COORD_REQ)
+                if reply is not None:
+                    self.comm.recv(reply, self.coordinator, tag=TAG_COORD_REPLY)
+                return
+            except (PeerDied, PeerStalled):
+                if self.coordinator not in self.comm.policy.replaced_ranks:
+                    raise
+                await_replacement(self.comm, self.coordinator, "ripples' coordinator")
+                self.coordinator_replaced += 1
 
     def after_update(self, step):
         if (step + 1) % self.options.every:
@@ -412,7 +412,9 @@ class Ripples(Solver):
 
     def close(self):
         if self.coordinator is not None:
-            self.comm.send(torch.tensor([OP_DONE, -1], dtype=torch.int64), self.coordinator, tag=TAG_COORD_REQ)
+            # (said in the job's store first: a replacement coordinator does not wait for it)
+            self.comm.store_set(f"{DONE}{self.comm.rank}", "1")
+            self._ask(torch.tensor([OP_DONE, -1], dtype=torch.int64), None)
 
     # ---- coordinator (Group Generator) -------------------------------------------------
     def serve(self, role, comm, ctx):
@@ -434,6 +436,11 @@ class Ripples(Solver):
         def hear(worker: int) -> None:
             head = torch.zeros(2, dtype=torch.int64)
             try:
+                if ctx.replacement and not join_as_replacement(  # (a channel with each worker still training)
+                        comm, [worker], ctx.replacement, abandon=lambda peer: None,
+                        over=lambda: comm.store_check(f"{DONE}{worker}")):
+                    on_request(worker, OP_DONE, -1)
+                    return
                 while True:
                     comm.recv(head, worker, tag=TAG_COORD_REQ)
                     op, value = (int(v) for v in head)
@@ -464,6 +471,11 @@ class Ripples(Solver):
         self._rng = round_rng(self.options.seed, ctx.seed)
         rounds: list[list[tuple[int, ...]]] = []
         lock = threading.Lock()
+        # The schedule's position: every round drawn is in the job's store, so that a
+        # replacement coordinator answers as the dead one would have.
+        while comm.store_check(f"{ROUND}{len(rounds)}"):
+            rounds.append([tuple(g) for g in json.loads(comm.store_get(f"{ROUND}{len(rounds)}"))])
+            self._draw_round(comm)  # (the generator goes on from about where it was)
 
         def on_request(sender: int, op: int, first: int) -> None:
             if op != OP_REQUEST:
@@ -475,6 +487,7 @@ class Ripples(Solver):
             with lock:
                 while len(rounds) < first + self.options.buffer:
                     rounds.append(self._draw_round(comm))
+                    comm.store_set(f"{ROUND}{len(rounds) - 1}", json.dumps(rounds[-1]))
                     for g in rounds[-1]:
                         self.formed[len(g)] += 1
                 out = torch.full((self.options.buffer, self.k), -1, dtype=torch.int64)
@@ -555,6 +568,7 @@ class Ripples(Solver):
     def stats(self):
         if self.model is not None:
             return {"groups_joined": self.joined, "rounds_alone": self.alone,
+                    **({"coordinator_replaced": self.coordinator_replaced} if self.coordinator_replaced else {}),
                     **({"groups_with_a_dead_member": self.broken} if self.broken else {}),
                     "group_wait_s": self.group_wait_s, "group_sizes": {str(k): v for k, v in self.sizes.items()}}
         if hasattr(self, "formed"):

@@ -88,6 +88,7 @@ class _ShadowAveraging(AveragingSolver):
         try:
             self.comm.all_reduce(msg, group=group)
         except PeerLost as e:
+            self.comm.membership.take_lost(e.tag)  # (handled here: no error of the training thread's)
             self.comm.membership.reform(e.tag)
             self.reforms += 1
             return None

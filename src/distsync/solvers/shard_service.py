@@ -40,7 +40,8 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from distsync.errors import CommError, ConfigError
+from distsync.errors import CommError, ConfigError, PeerDied, PeerStalled
+from distsync.membership.peers import PeerService
 from distsync.solvers.flat import FlatView
 from distsync.solvers.rules import staleness
 
@@ -332,51 +333,41 @@ class ServerShard:
         self.staleness[staleness(self.version, req.version_seen)] += 1
 
     def serve_each_worker_in_a_thread(self) -> None:
-        """First come, first served: one thread per worker, so none waits on another's turn.
-        With :attr:`admit_replacements`, a dead worker's thread waits for its replacement
-        and serves it on, as long as another worker is still served."""
-        talking = set(self.comm.worker_ranks)
-        talking_lock = threading.Lock()
+        """First come, first served: one thread per worker, so none waits on another's turn
+        (``membership/peers.py``). A dead worker is dropped and the others are served on;
+        with :attr:`admit_replacements`, its thread waits for its replacement and serves it
+        on, as long as another worker is still served."""
 
-        def alone(worker: int) -> bool:
-            with talking_lock:
-                return not (talking - {worker})
-
-        def conversation(worker: int) -> bool:
-            """Serve ``worker`` until it is done (False) or dies (True)."""
+        def converse(worker: int) -> None:
             try:
                 while True:
                     req = self._receive(worker)
                     if req.op == OP_DONE:
-                        return False
-                    self._process(req)
-            except CommError as e:
-                if not self._dead(worker, e):  # (a dead one is dropped: the others train on)
-                    self._errors.append(e)
-                    return False
-                return not isinstance(e, Refused)
-
-        def loop(worker: int) -> None:
-            try:
-                while True:
-                    died = conversation(worker)
-                    with talking_lock:
-                        talking.discard(worker)
-                    if not (died and self.admit_replacements and self._await_replacement(worker, alone)):
                         return
-                    with talking_lock:
-                        talking.add(worker)
-            except BaseException as e:  # surfaced by the serving thread below
-                self._errors.append(e)
+                    self._process(req)
+            except Refused as e:  # (its conversation is ended; the others are served on)
+                self._dead(worker, e)
 
-        threads = [threading.Thread(target=loop, args=(w,), name=f"ps-worker{w}", daemon=True)
-                   for w in self.comm.worker_ranks]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        def back(worker: int) -> None:
+            with self._exclusive():
+                self.dropped.pop(worker, None)
+                self.replaced[worker] += 1
+
+        service = PeerService(self.comm, self.comm.worker_ranks, converse, "ps-worker", on_dead=self._drop,
+                              on_back=back, admit=self.admit_replacements, drops=self.drop_dead_workers)
+        service.start()
+        try:
+            service.join()
+        finally:
+            self._errors.extend(service.errors)
         if self._errors:
             raise self._errors[0]
+
+    def _drop(self, worker: int) -> None:
+        """``worker`` died: it is dropped, the others are served on."""
+        with self._exclusive():
+            self.dropped[worker] = self._last_step.get(worker, -1)
+            self._finish_cut()  # (a cut waiting for it goes without it)
 
     def _dead(self, worker: int, e: CommError) -> bool:
         """Whether ``e`` says ``worker``'s process died and this server drops it (then it is
@@ -390,23 +381,10 @@ class ServerShard:
                 self.dropped[worker] = self._last_step.get(worker, -1)
                 self._finish_cut()
             return True
-        if self.drop_dead_workers and "closed its connection" in str(e):
-            with self._exclusive():
-                self.dropped[worker] = self._last_step.get(worker, -1)
-                self._finish_cut()  # (a cut waiting for it goes without it)
+        if self.drop_dead_workers and isinstance(e, (PeerDied, PeerStalled)):
+            self._drop(worker)
             return True
         return False
-
-    def _await_replacement(self, worker: int, alone: Callable[[int], bool]) -> bool:
-        """After ``worker``'s death: wait for its replacement and open a channel with it
-        (``Comm.accept_replacement``); then it is served on like the dead one (it goes on
-        from the dead one's steps). False once no other worker is served: the job is over."""
-        if not self.comm.accept_replacement(worker, lambda: alone(worker)):
-            return False
-        with self._exclusive():
-            self.dropped.pop(worker, None)
-            self.replaced[worker] += 1
-        return True
 
     def _receive_live(self, worker: int) -> Request | None:
         """The next request of ``worker``, or None if it died (and is dropped)."""

@@ -37,6 +37,7 @@ import torch
 import torch.nn as nn
 
 from distsync.errors import CommError
+from distsync.membership.peers import PeerService
 from distsync.sparse.tables import coalesce, sparse_adagrad_, sparse_sgd_
 
 OP_LOOKUP, OP_PUSH, OP_DONE, OP_SAVE = 1, 2, 3, 4
@@ -316,7 +317,9 @@ class EmbeddingServer:
                 else:
                     sparse_sgd_(weights[t], rows, g, self.lr)
 
-    def _serve_channel(self, worker: int, channel: int, errors: list[BaseException]) -> None:
+    def _serve_channel(self, key: tuple[int, int]) -> None:
+        """Serve trainer thread ``key`` (worker rank, channel) until it closes its channel."""
+        worker, channel = key
         head_tag, ids_tag, grad_tag, reply_tag = channel_tags(channel)
         tables = len(self.weights)
         try:
@@ -357,13 +360,6 @@ class EmbeddingServer:
             self.refused[f"{worker}.{channel}"] = str(e)
             print(f"distsync: embedding server rank {self.comm.rank}: refused worker rank {worker} (channel "
                   f"{channel}): {e}; its channel is ended, the others are served on", file=sys.stderr, flush=True)
-        except CommError as e:
-            if not (self.drop_dead_workers and "closed its connection" in str(e)):
-                errors.append(e)  # else a dead trainer's channel: the others go on
-        except BaseException as e:  # surfaced by serve()
-            errors.append(e)
-        finally:
-            self._channel_ended((worker, channel))
 
     def _tally(self, t0: float, **counts: int) -> None:
         with self._count:
@@ -372,16 +368,11 @@ class EmbeddingServer:
 
     def serve(self, workers: list[int], channels: int) -> None:
         """Serve every trainer thread until each has closed its channel."""
-        errors: list[BaseException] = []
-        self._channels = {(w, c) for w in workers for c in range(channels)}
-        threads = [threading.Thread(target=self._serve_channel, args=(w, c, errors), daemon=True,
-                                    name=f"emb-{w}.{c}") for w in workers for c in range(channels)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+        keys = [(w, c) for w in workers for c in range(channels)]
+        self._channels = set(keys)
+        # (a dead trainer's channels end and the others are served on: membership/peers.py)
+        PeerService(self.comm, keys, self._serve_channel, "emb-", on_end=self._channel_ended,
+                    rank_of=lambda key: key[0], drops=self.drop_dead_workers).start().join()
 
     def stats(self) -> dict[str, Any]:
         return {"embedding_server": {**{k: int(v) for k, v in self.counts.items()}, "busy_s": self.busy_s,

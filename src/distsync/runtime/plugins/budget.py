@@ -26,13 +26,13 @@ from typing import Any
 
 from distsync.config import Budget
 from distsync.errors import DistsyncError
+from distsync.membership.liveness import BEAT  # (a worker's progress: a sign of its life)
 from distsync.runtime.plugins.base import Plugin, RunState, StepState
 
 STOP = "distsync/budget/stop"
 STOP_AT = "distsync/budget/stop_k"
 SAMPLES = "distsync/budget/samples"
 METRIC = "distsync/budget/metric/"
-BEAT = "distsync/beat/"
 
 
 class JobBudget(Plugin):

@@ -11,9 +11,9 @@ When an operation on a view fails (a peer's connection closed) or, while it wait
 is found superseded (a member is known dead, or another member has proposed the next
 epoch), the operation raises :class:`PeerLost`. Its caller then calls :meth:`Membership.reform`:
 
-1. The dead are found: a worker whose supervising parent marked it dropped
-   (``RUN/dropped/``, written the moment it died) or whose heartbeat stood still for the comm
-   timeout (a stall).
+1. The dead are found: a worker that is dead or stalled (``membership/liveness.py``: its
+   supervising parent marked it dropped, written the moment it died, or its heartbeat and
+   progress stood still for the comm timeout).
 2. The next epoch's members are agreed through the store: the first proposal for
    ``distsync/view/TAG/E+1`` wins (``compare_set``) and everyone adopts it.
 3. Each member of the agreed view says it is in (its *fate*, decided once in the store);
@@ -30,13 +30,13 @@ without the dead one; a worker at a step's end admits it (:meth:`admit`: the nex
 it in), the others follow at their next operation, and the admitting worker hands it its
 state through the new group (:meth:`hand_over`).
 
-Waits on a view's collectives are bounded by the comm timeout as before, and every 20 ms
-they look whether the view is superseded: a member that is not the dead worker's
-neighbour would otherwise wait out the timeout (gloo has no abort that frees a waiting
-operation). Point-to-point messages are not watched this way: on gloo a send or receive
-whose wait times out closes its connection (so it cannot be waited for in short slices),
-and a receive from any rank does not fail when one of them dies; solvers built on them
-(AD-PSGD, Ripples) restart from a checkpoint instead.
+A wait on a view's collective goes on while every member lives (a slow member is waited
+for, however long its step: the view's group has no deadline of its own), and every 20 ms
+it looks whether the view is superseded: a member that is not the dead worker's neighbour
+would otherwise wait for nothing (gloo has no abort that frees a waiting operation). A
+view's group is formed the same way: a member that dies while the others connect to it
+ends the formation at once, and the next epoch leaves it out (several deaths at once, a
+lost host, need no wait either).
 """
 
 from __future__ import annotations
@@ -46,21 +46,21 @@ import json
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import torch.distributed as dist
 
 from distsync.comm.comm import make_group, retire_group
-from distsync.errors import CommError, Excluded, PeerLost
+from distsync.comm.failures import cause
+from distsync.errors import CommError, Excluded, PeerDied, PeerLost, PeerStalled
+from distsync.membership.liveness import POLL_S, Liveness
 
-__all__ = ["Excluded", "Membership", "PeerLost", "View", "make_group", "marked_dead"]
+__all__ = ["Excluded", "Membership", "PeerLost", "View", "make_group"]
 
 VIEW = "distsync/view/"
-#: a counter each worker moves while it waits on a view's operation
-ALIVE = "distsync/alive/"
-#: how often a waiting operation looks whether its view is superseded
-POLL_S = 0.02
+#: a view's group has no deadline of its own (a slow member is waited for while it lives);
+#: this bounds a wait only if liveness itself could not tell
+VIEW_GROUP_TIMEOUT_S = 3600.0
 
 
 @dataclass
@@ -91,26 +91,17 @@ class View:
 
 class Membership:
     """A process's views (one per tag), the dead it knows of, and the re-forming protocol.
+    ``liveness`` (``membership/liveness.py``) tells who is dead or stalled."""
 
-    ``is_marked_dead(rank)``: whether the launcher has marked worker ``rank`` dead;
-    ``heartbeat(rank)``: its last heartbeat value (None: none yet). Both are asked while an
-    operation waits or a view is re-formed.
-    """
-
-    def __init__(self, comm: Any, workers: list[int], is_marked_dead: Callable[[int], bool],
-                 heartbeat: Callable[[int], str | None], mark_stalled: Callable[[int], None] | None = None):
+    def __init__(self, comm: Any, workers: list[int], liveness: Liveness):
         self.comm = comm
         self.workers = list(workers)
-        self.is_marked_dead = is_marked_dead
-        self.heartbeat = heartbeat
-        self.mark_stalled = mark_stalled
-        self._alive_at = 0.0
+        self.liveness = liveness
         self._views: dict[str, View] = {}
         self._by_pg: dict[Any, View] = {}
         self._lock = threading.RLock()
-        self._beats: dict[int, tuple[str | None, float, float]] = {}
         self.dead: set[int] = set()
-        self.last_lost: PeerLost | None = None
+        self.last_lost: dict[str, PeerLost] = {}
         self.history: list[View] = []
 
     # ---- views -------------------------------------------------------------------------
@@ -128,9 +119,7 @@ class Membership:
         return self._by_pg.get(group) if group is not None else None
 
     def _form(self, tag: str, epoch: int, members: list[int], ordered: bool = True) -> View:
-        store = self.comm.raw_store()
-        pg = make_group(store, f"distsync/pg/{tag}/{epoch}", members, self.comm.rank, self.comm.timeout_s,
-                        f"distsync-{tag}-{epoch}")
+        pg = self._make_group(tag, epoch, members)
         v = View(tag, epoch, tuple(members), pg, ordered=ordered)
         superseded = self._views.get(tag)
         self._views[tag] = v
@@ -140,41 +129,46 @@ class Membership:
             self._retire(superseded)
         return v
 
+    def _make_group(self, tag: str, epoch: int, members: list[int]) -> Any:
+        """Epoch ``epoch``'s group over ``members``, formed while each lives: a member that is
+        dead or stalled while the others connect to it ends the formation at once
+        (:class:`PeerDied` / :class:`PeerStalled`) instead of the store's wait running out."""
+        store = self.comm.raw_store()
+        made: list[Any] = []
+        failed: list[BaseException] = []
+        done = threading.Event()
+
+        def form() -> None:
+            try:
+                made.append(make_group(store, f"distsync/pg/{tag}/{epoch}", members, self.comm.rank,
+                                       VIEW_GROUP_TIMEOUT_S, f"distsync-{tag}-{epoch}"))
+            except BaseException as e:  # (handed to the waiting thread)
+                failed.append(e)
+            done.set()
+
+        threading.Thread(target=form, name=f"distsync-form-{tag}-{epoch}", daemon=True).start()
+        what = f"forming the {tag} group (epoch {epoch})"
+        while not done.wait(POLL_S):
+            for r in members:
+                self.liveness.check(r, what)
+        if failed:
+            raise CommError(f"rank {self.comm.rank}: {what} failed: {cause(failed[0], self.comm.timeout_s)}")
+        return made[0]
+
     def _retire(self, view: View) -> None:
         """Destroy a superseded view's group: its threads and connections would otherwise
         stay for the whole run, a few per view change. (Without waiting for an operation
         still pending on it: :func:`retire_group`.)"""
         pg, view.pg = view.pg, None
         self._by_pg.pop(pg, None)
-        retire_group(pg, self.comm.timeout_s)
+        retire_group(pg, VIEW_GROUP_TIMEOUT_S)
 
     # ---- failure detection ------------------------------------------------------------------
-    def alive(self) -> None:
-        """Tell the others this worker is alive though it waits (at most every second): a
-        worker waiting for a stalled peer must not look stalled itself."""
-        now = time.monotonic()
-        if now - self._alive_at >= min(1.0, self.comm.timeout_s / 5):
-            self._alive_at = now
-            self.comm.store_add(f"{ALIVE}{self.comm.rank}", 1)
-
-    def _stalled(self, rank: int) -> bool:
-        """Whether ``rank``'s heartbeat stood still for the comm timeout (looked at every
-        half second at most: each look costs two store reads)."""
-        seen = self._beats.get(rank)  # (its heartbeat, when that was first seen, when last looked at)
-        now = time.monotonic()
-        if seen is not None and now - seen[2] < 0.5:
-            return seen[2] - seen[1] > self.comm.timeout_s
-        beat = self.heartbeat(rank)
-        if seen is None or seen[0] != beat:
-            self._beats[rank] = (beat, now, now)
-            return False
-        self._beats[rank] = (beat, seen[1], now)
-        return now - seen[1] > self.comm.timeout_s
-
     def dead_among(self, members: tuple[int, ...]) -> set[int]:
         """The members known dead now (marked by the launcher, or heartbeat stood still)."""
-        found = {r for r in members if r != self.comm.rank and
-                 (r in self.dead or self.is_marked_dead(r) or self._stalled(r))}
+        found = {r for r in members if r != self.comm.rank and r not in self.dead
+                 and self.liveness.state(r) != "alive"}
+        found |= {r for r in members if r in self.dead}
         self.dead |= found
         return found
 
@@ -193,19 +187,18 @@ class Membership:
     def lost(self, view: View, what: str, cause: str) -> PeerLost:
         e = PeerLost(f"rank {self.comm.rank}: {what} on the {view.tag} group (epoch {view.epoch}) failed: {cause}",
                      view.tag)
-        self.last_lost = e
+        self.last_lost[view.tag] = e
         return e
 
-    def take_lost(self) -> PeerLost | None:
-        """The last :class:`PeerLost` raised (by any thread), once."""
-        e, self.last_lost = self.last_lost, None
-        return e
+    def take_lost(self, tag: str = "workers") -> PeerLost | None:
+        """The last :class:`PeerLost` raised on ``tag``'s view (by any thread: torch's, e.g.
+        DDP's, hands its failure on as another error), once."""
+        return self.last_lost.pop(tag, None)
 
     def wait(self, work: Any, view: View, what: str, timeout_s: float) -> None:
-        """Wait for ``work`` on ``view``, at most ``timeout_s``, looking every :data:`POLL_S`
-        whether the view is superseded: :class:`PeerLost` if it is, as when the work fails."""
-        # (beyond the timeout, so that a stalled member is found, and left behind, first)
-        deadline = time.monotonic() + timeout_s + max(2.0, timeout_s / 2)
+        """Wait for ``work`` on ``view`` while its members live (however long a slow one
+        takes), looking every :data:`POLL_S` whether the view is superseded (a member is dead
+        or stalled for ``timeout_s``): :class:`PeerLost` if it is, as when the work fails."""
         step = datetime.timedelta(seconds=POLL_S)
         while True:
             try:
@@ -217,65 +210,30 @@ class Membership:
                         work.wait()
                         break
                     except Exception as e2:
-                        raise self.lost(view, what, _first_line(e2)) from None
+                        raise self.lost(view, what, cause(e2, timeout_s)) from None
                 if self.superseded(view):
                     raise self.lost(view, what, "a member died") from None
-                self.alive()
-                if time.monotonic() > deadline:
-                    raise CommError(f"rank {self.comm.rank}: {what} timed out after {timeout_s:g} s "
-                                    f"(a peer is stalled)") from None
         view.seq += 1
 
     # ---- re-forming ------------------------------------------------------------------------------
     def reform(self, tag: str) -> View:
         """After :class:`PeerLost` on ``tag``'s view: agree on the next view without the dead
-        and make its group. Returns the new view (it
-        may be several epochs on, if others re-formed meanwhile)."""
+        and make its group. Returns the new view (it may be several epochs on, if others
+        re-formed meanwhile, or if a member died while its group was being formed)."""
         with self._lock:
             old = self._views[tag]
             t0 = time.perf_counter()
-            deadline = time.monotonic() + self.comm.timeout_s + 2  # (a stall shows within the timeout)
             epoch, members = old.epoch, old.members
             while True:
-                key = f"{VIEW}{tag}/{epoch + 1}"
-                if self.comm.store_check(key):
-                    agreed = json.loads(self.comm.store_get(key))
-                else:
-                    dead = self.dead_among(members)
-                    self.alive()
-                    if not dead:
-                        if time.monotonic() > deadline:
-                            raise CommError(f"rank {self.comm.rank}: the {tag} group failed and no worker "
-                                            f"was found dead within {self.comm.timeout_s:g} s")
-                        time.sleep(0.01)
-                        continue
-                    proposal = json.dumps([r for r in members if r not in dead])
-                    if epoch > old.epoch:  # (epoch's group was never made: its admissions still stand)
-                        self._carry_joined(tag, epoch, [r for r in members if r not in dead])
-                    agreed = json.loads(self.comm.store_first(key, proposal))
-                    if self.mark_stalled is not None and json.dumps(agreed) == proposal:
-                        for r in dead:  # (the launcher ends a stalled one: distsync/supervise.py)
-                            if not self.is_marked_dead(r):
-                                self.mark_stalled(r)
-                if self.comm.rank not in agreed or self._fate(tag, epoch + 1, self.comm.rank, "in") != "in":
-                    raise Excluded(f"rank {self.comm.rank}: the other workers went on without this one "
-                                   f"(it made no progress for {self.comm.timeout_s:g} s)")
-                # a replacement for a dead worker (a newcomer, or one this rank found dead): alive,
-                # afresh. (Its heartbeat is the dead one's until its first beat: looked at with the
-                # dead one's times, it would be taken for stalled the moment it joins.)
-                for r in (set(agreed) - set(members)) | (self.dead & set(agreed)):
-                    self.dead.discard(r)
-                    self._beats.pop(r, None)
-                epoch, members = epoch + 1, tuple(agreed)
-                if self.comm.store_check(f"{VIEW}{tag}/{epoch + 1}"):
-                    continue  # later epochs already agreed (this rank is behind): follow them
-                if self._all_in(tag, epoch, members):
+                epoch, members = self._agree(tag, old, epoch, members)
+                joined, src = self._joined(tag, epoch)
+                if old.ordered:
+                    self.comm.store_set(f"{VIEW}{tag}/{epoch}/seq/{self.comm.rank}", str(old.seq))
+                try:
+                    new = self._form(tag, epoch, list(members), old.ordered)
                     break
-                # a member died before it came: this epoch's group is never made
-            joined, src = self._joined(tag, epoch)
-            if old.ordered:
-                self.comm.store_set(f"{VIEW}{tag}/{epoch}/seq/{self.comm.rank}", str(old.seq))
-            new = self._form(tag, epoch, list(members), old.ordered)
+                except (PeerDied, PeerStalled) as e:  # a member died while the group formed: the next leaves it out
+                    self.dead.add(e.rank)
             new.joined, new.src = joined, src
             seqs = ({r: int(self.comm.store_get(f"{VIEW}{tag}/{epoch}/seq/{r}")) for r in members if r not in joined}
                     if old.ordered else {})
@@ -284,6 +242,46 @@ class Membership:
                 raise CommError(f"rank {self.comm.rank}: the workers left the {tag} group at different "
                                 f"operations ({seqs}): a worker died as one finished; restart from a checkpoint")
             return new
+
+    def _agree(self, tag: str, old: View, epoch: int, members: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
+        """The next epoch after ``epoch`` (over ``members``) whose members are all in: the
+        first proposal in the store, or this rank's, without the dead it knows of."""
+        deadline = time.monotonic() + self.comm.timeout_s + 2  # (a stall shows within the timeout)
+        while True:
+            key = f"{VIEW}{tag}/{epoch + 1}"
+            if self.comm.store_check(key):
+                agreed = json.loads(self.comm.store_get(key))
+            else:
+                dead = self.dead_among(members)
+                if not dead:
+                    if time.monotonic() > deadline:
+                        raise CommError(f"rank {self.comm.rank}: the {tag} group failed and no worker "
+                                        f"was found dead within {self.comm.timeout_s:g} s")
+                    time.sleep(0.01)
+                    continue
+                proposal = json.dumps([r for r in members if r not in dead])
+                if epoch > old.epoch:  # (epoch's group was never made: its admissions still stand)
+                    self._carry_joined(tag, epoch, [r for r in members if r not in dead])
+                agreed = json.loads(self.comm.store_first(key, proposal))
+                if self.liveness.mark_stalled is not None and json.dumps(agreed) == proposal:
+                    for r in dead:  # (its supervisor ends a stalled one: distsync/supervise.py)
+                        if not self.liveness.dead(r):
+                            self.liveness.mark_stalled(r)
+            if self.comm.rank not in agreed or self._fate(tag, epoch + 1, self.comm.rank, "in") != "in":
+                raise Excluded(f"rank {self.comm.rank}: the other workers went on without this one "
+                               f"(it made no progress for {self.comm.timeout_s:g} s)")
+            # a replacement for a dead worker (a newcomer, or one this rank found dead): alive,
+            # afresh. (Its heartbeat is the dead one's until its first beat: looked at with the
+            # dead one's times, it would be taken for stalled the moment it joins.)
+            for r in (set(agreed) - set(members)) | (self.dead & set(agreed)):
+                self.dead.discard(r)
+                self.liveness.forget(r)
+            epoch, members = epoch + 1, tuple(agreed)
+            if self.comm.store_check(f"{VIEW}{tag}/{epoch + 1}"):
+                continue  # later epochs already agreed (this rank is behind): follow them
+            if self._all_in(tag, epoch, members):
+                return epoch, members
+            # a member died before it came: this epoch's group is never made
 
     # Each member of an agreed view decides once, through the store, whether it is in: the
     # member itself says "in" when it comes to make the group; another says "out" for it if
@@ -307,7 +305,6 @@ class Membership:
                         return False
                     undecided.remove(r)
             if undecided:
-                self.alive()
                 time.sleep(0.005)
         return True
 
@@ -379,11 +376,9 @@ class Membership:
                                 f"process replaces within {self.comm.timeout_s:g} s")
             time.sleep(0.01)
         replaces()
-        self.alive()  # (this rank's heartbeat moves on from the dead one's while it waits)
         self.comm.store_set(f"{VIEW}{tag}/join/{me}", "1")
         while True:
             while not self.comm.store_check(f"{VIEW}{tag}/{epoch + 1}"):
-                self.alive()
                 if over():
                     self.comm.store_set(f"{VIEW}{tag}/join/{me}", "")
                     if self.comm.store_check(f"{VIEW}{tag}/{epoch + 1}"):
@@ -404,17 +399,3 @@ class Membership:
             view.joined, view.src = self._joined(tag, epoch)
         self.comm.store_set(f"{VIEW}{tag}/join/{me}", "")  # (admitted: not asking any more)
         return view
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    low = text.lower()
-    if any(s in low for s in ("connection reset", "connection closed", "broken pipe", "eof")):
-        return "a peer closed its connection (its process died)"
-    return text.splitlines()[0][:200] if text else type(e).__name__
-
-
-def marked_dead(run_dir: Path, attempt: int) -> Callable[[int], bool]:
-    """``RUN/dropped/attempt-A-rank-R.json`` exists: the launcher saw worker R die."""
-    folder = Path(run_dir) / "dropped"
-    return lambda rank: (folder / f"attempt-{attempt}-rank-{rank}.json").exists()

@@ -1,0 +1,88 @@
+"""A dead worker's replacement let in by the peers that serve workers from threads of their
+own (parameter servers, AD-PSGD's passive workers).
+
+Such a peer, after a worker's death, waits on round ``gen`` of ``HEAL/peer/worker`` in the
+job's store (``ready`` counts the rounds); the replacement claims the round's key with its
+number, or the peer closes it once it serves nobody else. One key decides, so a replacement
+is either served by a peer or told it came too late. The two then meet over a channel, a
+group of two of their own (``Comm.open_channel``): the replacement is in no group the others
+made before it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Sequence
+
+from distsync.errors import CommError
+
+#: where, in the job's store, a peer and a dead worker's replacement agree on a channel
+HEAL = "distsync/heal/"
+
+
+def accept_replacement(comm: Any, worker: int, alone: Callable[[], bool]) -> bool:
+    """(A peer, after ``worker``'s death) Wait for its replacement and open a channel with it;
+    False, and nobody is let in for it any more, once ``alone()`` (this peer serves no other
+    worker: the job is over)."""
+    base = f"{HEAL}{comm.rank}/{worker}"
+    while True:
+        gen = comm.store_add(f"{base}/ready", 1)
+        key = f"{base}/{gen}"
+        while not comm.store_check(key) and not alone():
+            time.sleep(0.02)
+        if comm.store_first(key, "closed") == "closed":
+            return False
+        try:
+            comm.open_channel(worker, f"{comm.rank}-{worker}-{gen}")
+        except CommError:  # the replacement died while joining: wait for the next one
+            continue
+        if comm.liveness is not None:
+            comm.liveness.revive(worker)  # (a new process: alive afresh)
+        return True
+
+
+def join_as_replacement(comm: Any, peers: Sequence[int], replacement: int, abandon: Callable[[int], None],
+                        over: Callable[[], bool] | None = None) -> bool:
+    """(The ``replacement``-th replacement for dead rank ``comm.rank``) A channel with each of
+    ``peers``, each of which waits for it (:func:`accept_replacement`). False if one no longer
+    lets it in (the others finished), or ``over()`` says it need not wait any more: then
+    ``abandon(peer)`` ends the conversation begun with each that did."""
+    me, opened = f"open-{replacement}", []
+    for peer in peers:
+        base = f"{HEAL}{peer}/{comm.rank}"
+        deadline = time.monotonic() + comm.timeout_s
+        while True:
+            if comm.store_check(f"{base}/ready"):
+                gen = int(comm.store_get(f"{base}/ready"))
+                got = comm.store_first(f"{base}/{gen}", me)
+                if got == me:
+                    break
+                if got == "closed":
+                    for p in opened:
+                        abandon(p)
+                    return False
+                # (an earlier replacement's round: it died too, and the peer has not seen it yet)
+            if over is not None and over():
+                for p in opened:
+                    abandon(p)
+                return False
+            if comm.liveness is not None:
+                comm.liveness.check(peer, "joining as a replacement")
+            elif time.monotonic() > deadline:
+                raise CommError(f"rank {comm.rank}: rank {peer} did not let in a replacement for the dead "
+                                f"worker within {comm.timeout_s:g} s")
+            time.sleep(0.02)
+        comm.open_channel(peer, f"{peer}-{comm.rank}-{gen}")
+        opened.append(peer)
+    return True
+
+
+def await_replacement(comm: Any, rank: int, what: str) -> None:
+    """(A worker, after server or coordinator ``rank`` died) Wait for its replacement, which the
+    job starts (``FailurePolicy.replaced_ranks``), and open a channel with it; from then on
+    messages to ``rank`` go to the replacement. A :class:`CommError` naming ``what`` if none
+    comes within the comm timeout and a start-up's margin."""
+    deadline = time.monotonic() + comm.timeout_s + 30.0
+    if not accept_replacement(comm, rank, lambda: time.monotonic() > deadline):
+        raise CommError(f"rank {comm.rank}: {what}: rank {rank} died and no replacement came within "
+                        f"{comm.timeout_s + 30:g} s")

@@ -1,0 +1,198 @@
+"""Liveness: one definition of alive, stalled and dead, for every wait of a job.
+
+- **Alive**: the peer's heartbeat (a counter its heartbeat thread moves every
+  ``min(1, timeout / 5)`` seconds, :class:`Heartbeat`) or its progress (the steps it has
+  done, ``BEAT``) moved within the comm timeout. A slow worker is alive: a wait on it goes on
+  for as long as it takes.
+- **Stalled**: both stood still for the comm timeout (the process is stopped, e.g. SIGSTOP,
+  or frozen, or its host is cut off without its connections closing). A stalled peer is
+  treated as dead: the others go on without it, and its supervisor ends it.
+- **Dead**: its process is gone: its supervising parent marked it (``RUN/dropped/``, written
+  the moment it died), or its connection closed.
+
+Every blocking wait on a peer (a receive or send, a group's formation, a view's collective,
+a server round, the end-of-run gather) asks :meth:`Liveness.check` while it waits, and
+fails with :class:`~distsync.errors.PeerDied` or :class:`~distsync.errors.PeerStalled`,
+naming the rank, instead of waiting out a deadline.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from distsync.errors import PeerDied, PeerStalled
+
+#: a process's heartbeat counter in the job's store (its heartbeat thread moves it)
+ALIVE = "distsync/alive/"
+#: a worker's progress in the job's store: the steps it has done (runtime/plugins/budget.py)
+BEAT = "distsync/beat/"
+#: how often a wait asks whether its peer is still alive (a look at the drop marks; the
+#: store's counters are read every :data:`LOOK_S` at most)
+POLL_S = 0.02
+LOOK_S = 0.5
+
+
+class Heartbeat:
+    """A daemon thread that moves this process's ``ALIVE`` counter every ``interval`` seconds
+    while the process runs; a stopped process's stands still."""
+
+    def __init__(self, store_add: Callable[[str, int], Any], rank: int, interval: float):
+        self._add, self.rank, self.interval = store_add, rank, interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="distsync-heartbeat", daemon=True)
+
+    def start(self) -> "Heartbeat":
+        self._add(f"{ALIVE}{self.rank}", 1)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self._add(f"{ALIVE}{self.rank}", 1)
+            except Exception:  # (the job's store is gone: the job is ending)
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class Liveness:
+    """What this process knows of its peers' liveness.
+
+    ``store_get(key)`` / ``store_check(key)``: the job's store; ``marked_dead(rank)``: when
+    rank's supervisor marked it dead (a ``time.time()``; 0 or False: it did not; None: no
+    supervisor, a death shows as a closed connection only); ``mark_stalled(rank)``: record that the others go on without a stalled
+    rank (its supervisor then ends it)."""
+
+    def __init__(self, rank: int, timeout_s: float, store_get: Callable[[str], str],
+                 store_check: Callable[[str], bool], marked_dead: Callable[[int], bool] | None = None,
+                 mark_stalled: Callable[[int], None] | None = None):
+        self.rank, self.timeout_s = rank, float(timeout_s)
+        self._get, self._check = store_get, store_check
+        self.marked_dead = marked_dead
+        self.mark_stalled = mark_stalled
+        self._seen: dict[int, tuple[str | None, float, float]] = {}  # rank: (signs, since, looked at)
+        self._lock = threading.Lock()
+        self._revived: dict[int, float] = {}
+        #: this process's own heartbeat (:func:`watching` starts it)
+        self.heartbeat: Heartbeat | None = None
+
+    def stop(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+
+    def signs(self, rank: int) -> str:
+        """Rank's heartbeat and progress as one string: it changes while the rank lives."""
+        got = [self._get(k) if self._check(k) else "-" for k in (f"{BEAT}{rank}", f"{ALIVE}{rank}")]
+        return "/".join(got)
+
+    def dead(self, rank: int) -> bool:
+        """Whether rank's supervisor marked it dead (since its replacement, if it had one)."""
+        if self.marked_dead is None:
+            return False
+        marked = self.marked_dead(rank)
+        revived = self._revived.get(rank)
+        return bool(marked) and (revived is None or float(marked) > revived)
+
+    def revive(self, rank: int) -> None:
+        """Rank's replacement has come: alive afresh; a death marked before now was its
+        predecessor's."""
+        self._revived[rank] = time.time()
+        self.forget(rank)
+
+    def stalled(self, rank: int) -> bool:
+        """Whether rank's heartbeat and progress stood still for the comm timeout (looked at
+        every :data:`LOOK_S` at most: each look costs two store reads)."""
+        now = time.monotonic()
+        with self._lock:
+            seen = self._seen.get(rank)
+            if seen is not None and now - seen[2] < LOOK_S:
+                return seen[2] - seen[1] > self.timeout_s
+        signs = self.signs(rank)
+        with self._lock:
+            seen = self._seen.get(rank)
+            if seen is None or seen[0] != signs:
+                self._seen[rank] = (signs, now, now)
+                return False
+            self._seen[rank] = (signs, seen[1], now)
+            return now - seen[1] > self.timeout_s
+
+    def forget(self, rank: int) -> None:
+        """Rank is a new process (a replacement): alive afresh, whatever its predecessor's
+        heartbeat did."""
+        with self._lock:
+            self._seen.pop(rank, None)
+
+    def state(self, rank: int) -> str:
+        """``"dead"``, ``"stalled"`` or ``"alive"``."""
+        if self.dead(rank):
+            return "dead"
+        return "stalled" if self.stalled(rank) else "alive"
+
+    def check(self, rank: int, what: str) -> None:
+        """Raise :class:`PeerDied` or :class:`PeerStalled` (naming ``rank`` and ``what`` was
+        waiting) unless ``rank`` is alive."""
+        if rank == self.rank:
+            return
+        state = self.state(rank)
+        if state == "dead":
+            raise PeerDied(f"rank {self.rank}: {what} failed: rank {rank} died", rank)
+        if state == "stalled":
+            self.leave_behind(rank)
+            raise PeerStalled(f"rank {self.rank}: {what} failed: rank {rank} made no progress for "
+                              f"{self.timeout_s:g} s (it is stalled)", rank)
+
+    def leave_behind(self, rank: int) -> bool:
+        """Record that the others go on without stalled ``rank`` (its supervisor then ends it,
+        so that it cannot come back); whether this job does that (else a stall fails it)."""
+        if self.mark_stalled is None or self.dead(rank):
+            return self.mark_stalled is not None
+        self.mark_stalled(rank)
+        return True
+
+    def confirm_dead(self, rank: int, grace_s: float = 1.0) -> bool:
+        """After rank's connection closed: whether its supervisor marks it dead within
+        ``grace_s`` (without a supervisor: True, a closed connection is all there is)."""
+        if self.marked_dead is None:
+            return True
+        deadline = time.monotonic() + grace_s
+        while not self.marked_dead(rank):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+
+def watching(marked_dead: Callable[[int], bool] | None = None,
+             mark_stalled: Callable[[int], None] | None = None) -> Callable[[Any], Liveness]:
+    """A ``FailurePolicy.watch`` (comm/comm.py): once a rank's comm is up, its :class:`Liveness`
+    over the job's store, and its heartbeat started (every ``min(1, timeout / 5)`` s)."""
+
+    def watch(comm: Any) -> Liveness:
+        live = Liveness(comm.rank, comm.timeout_s, comm.store_get, comm.store_check, marked_dead, mark_stalled)
+        live.heartbeat = Heartbeat(comm.store_add, comm.rank, min(1.0, comm.timeout_s / 5)).start()
+        return live
+
+    return watch
+
+
+def marked_dead(run_dir: Path, attempt: int) -> Callable[[int], float]:
+    """When R's supervisor saw it die (0.0: it did not): ``RUN/dropped/attempt-A-rank-R.json``
+    (a worker) or ``RUN/dead/...`` (a server or coordinator, replaced while the job runs: each
+    death rewrites the mark)."""
+    name = f"attempt-{attempt}-rank-{{}}.json"
+    folders = (Path(run_dir) / "dropped", Path(run_dir) / "dead")
+
+    def marked(rank: int) -> float:
+        for folder in folders:
+            try:
+                return (folder / name.format(rank)).stat().st_mtime
+            except OSError:
+                continue
+        return 0.0
+
+    return marked

@@ -1,0 +1,175 @@
+"""Liveness, one definition (membership/liveness.py), and the waits built on it: a slow peer
+is waited for however long it takes, a dead one fails the wait at once and a stalled one
+after the timeout, each with a typed error naming the rank; torch's errors become typed
+ones in one module (comm/failures.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from distsync.comm.failures import kind_of
+from distsync.errors import CommError, CommTimeout, PeerDied, PeerStalled
+from distsync.membership.liveness import ALIVE, BEAT, Liveness, marked_dead, watching
+from helpers import run_ranks
+
+
+class _Store(dict):
+    def get_(self, key):
+        return self[key]
+
+    def check(self, key):
+        return key in self
+
+
+def _liveness(store: _Store, timeout_s: float = 0.3, dead=None) -> Liveness:
+    return Liveness(0, timeout_s, store.get_, store.check, dead)
+
+
+def test_a_peer_whose_heartbeat_moves_is_alive_however_long_its_step():
+    store = _Store({f"{BEAT}1": "3", f"{ALIVE}1": "1"})
+    live = _liveness(store)
+    for beat in range(2, 8):  # 0.7 s, over twice the timeout, its progress standing still
+        store[f"{ALIVE}1"] = str(beat)
+        live._seen = {r: (s, since, looked - 1.0) for r, (s, since, looked) in live._seen.items()}  # (look again)
+        assert live.state(1) == "alive"
+        time.sleep(0.1)
+
+
+def test_a_peer_whose_heartbeat_and_progress_stand_still_is_stalled_after_the_timeout():
+    store = _Store({f"{BEAT}1": "3", f"{ALIVE}1": "5"})
+    live = _liveness(store)
+    assert live.state(1) == "alive"  # first look
+    time.sleep(0.35)
+    live._seen = {r: (s, since, looked - 1.0) for r, (s, since, looked) in live._seen.items()}
+    assert live.state(1) == "stalled"
+    with pytest.raises(PeerStalled, match=r"^rank 0: recv\(from rank 1\) failed: rank 1 made no progress for 0.3 s") as e:
+        live.check(1, "recv(from rank 1)")
+    assert e.value.rank == 1
+    store[f"{BEAT}1"] = "4"  # it moves again: alive
+    live._seen = {r: (s, since, looked - 1.0) for r, (s, since, looked) in live._seen.items()}
+    assert live.state(1) == "alive"
+
+
+def test_a_peer_marked_dead_is_dead_at_once_until_its_replacement_comes(tmp_path):
+    marks = marked_dead(tmp_path, 0)
+    live = _liveness(_Store(), dead=marks)
+    assert live.state(3) == "alive" and marks(3) == 0.0
+    (tmp_path / "dead").mkdir()
+    (tmp_path / "dead" / "attempt-0-rank-3.json").write_text("{}")
+    assert live.state(3) == "dead"
+    with pytest.raises(PeerDied, match=r"^rank 0: send\(to rank 3\) failed: rank 3 died$"):
+        live.check(3, "send(to rank 3)")
+    live.revive(3)  # its replacement came
+    assert live.state(3) == "alive"
+    time.sleep(0.01)
+    os.utime(tmp_path / "dead" / "attempt-0-rank-3.json")  # it died again: the mark is rewritten
+    assert live.state(3) == "dead"
+    (tmp_path / "dropped").mkdir()
+    (tmp_path / "dropped" / "attempt-0-rank-1.json").write_text("{}")  # a worker's mark
+    assert live.dead(1) and not live.dead(2)
+
+
+@pytest.mark.parametrize("text, kind", [
+    ("[../gloo/transport/tcp/pair.cc:538] Connection closed by peer [127.0.0.1]:4321", PeerDied),
+    ("[../gloo/transport/tcp/pair.cc:598] Connection reset by peer", PeerDied),
+    ("[../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 2000ms for recv operation to complete",
+     CommTimeout),
+    ("Rank 1 failed to pass monitoredBarrier in 2000 ms", CommTimeout),
+    ("invalid argument", CommError),
+])
+def test_torch_errors_become_typed_ones_in_one_place(text, kind):
+    assert kind_of(RuntimeError(text)) is kind
+
+
+def _peer_dies(rank: int, world: int):
+    """Rank 1 leaves at once; rank 0's receive from it fails: the error torch gives, typed."""
+    import torch.distributed as dist
+
+    from distsync.comm import Comm
+    from distsync.comm.comm import FailurePolicy
+
+    comm = Comm.from_env(["worker"] * world, 10.0, torch.device("cpu"), policy=FailurePolicy(drops_dead_peers=True))
+    comm.barrier()
+    if rank == 1:
+        dist.destroy_process_group()  # (its connections close, as when its process ends)
+        return None
+    t0 = time.monotonic()
+    try:
+        comm.recv(torch.zeros(3), 1)
+    except CommError as e:
+        return type(e).__name__, time.monotonic() - t0, comm.peer_died(e)
+    finally:
+        dist.destroy_process_group()
+    return None
+
+
+@pytest.mark.slow
+def test_a_real_closed_connection_is_typed_peer_died():
+    """If a torch release rewords gloo's message, this fails (and comm/failures.py is where
+    to follow it), instead of a dead peer silently failing a job that should go on."""
+    result = run_ranks(_peer_dies, 2, timeout=40)
+    kind, waited, died = result[0]
+    assert (kind, died) == ("PeerDied", True) and waited < 5
+
+
+def _waits(rank: int, world: int, run_dir: str, case: str):
+    """Rank 0 receives from rank 1 with a 1 s timeout and liveness; rank 1 is slow (sends
+    after 3 s), stops itself (SIGSTOP), or dies (its supervisor's mark appears)."""
+    from distsync.comm import Comm
+    from distsync.comm.comm import FailurePolicy
+
+    policy = FailurePolicy(watch=watching(marked_dead(run_dir, 0)), drops_dead_peers=True)
+    comm = Comm.from_env(["worker"] * world, 1.0, torch.device("cpu"), policy=policy)
+    comm.barrier()
+    t = torch.zeros(3)
+    if rank == 1:
+        if case == "slow":
+            time.sleep(3.0)
+            comm.send(torch.ones(3), 0)
+        elif case == "stopped":
+            comm.store_set("pid/1", str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGSTOP)  # (rank 0 lets it go on once it has given up on it)
+        else:
+            (Path(run_dir) / "dropped").mkdir()
+            time.sleep(0.5)
+            (Path(run_dir) / "dropped" / "attempt-0-rank-1.json").write_text("{}")
+            time.sleep(3.0)
+        comm.close()
+        return None
+    t0 = time.monotonic()
+    try:
+        comm.recv(t, 1)
+        out = ("received", float(t.sum()))
+    except CommError as e:
+        out = (type(e).__name__, str(e))
+    waited = time.monotonic() - t0
+    if case == "stopped":
+        os.kill(int(comm.store_get("pid/1")), signal.SIGCONT)
+    comm.close()
+    return out, waited
+
+
+@pytest.mark.slow
+def test_a_receive_waits_for_a_slow_peer_past_the_timeout(tmp_path):
+    (out, waited), _ = run_ranks(_waits, 2, str(tmp_path), "slow", timeout=40)
+    assert out == ("received", 3.0) and waited > 2.5  # three times the 1 s timeout
+
+
+@pytest.mark.slow
+def test_a_receive_from_a_dead_peer_fails_at_once_naming_it(tmp_path):
+    (out, waited), _ = run_ranks(_waits, 2, str(tmp_path), "dead", timeout=40)
+    assert out == ("PeerDied", "rank 0: recv(from rank 1) failed: rank 1 died")
+    assert waited < 1.0  # the mark came after 0.5 s: no timeout waited out
+
+
+@pytest.mark.slow
+def test_a_receive_from_a_stopped_peer_fails_after_the_timeout_naming_it(tmp_path):
+    (out, waited), _ = run_ranks(_waits, 2, str(tmp_path), "stopped", timeout=40)
+    assert out[0] == "PeerStalled" and "rank 1 made no progress for 1 s (it is stalled)" in out[1]
+    assert 1.0 < waited < 4.0
