@@ -103,6 +103,10 @@ class _ElasticServerSolver(ServerSolver):
         model = super().attach(model, optimizer, comm, **kw)
         self.alpha = self.options.moving_rate(comm.num_workers)
         self._final = None
+        alpha = self.alpha
+        # A dead server's replacement rebuilds from the center each worker's latest exchange left
+        # on it: the center it was sent moved by this worker's half (as the server computes it)
+        self.client.center_after = lambda x, seen: seen + (x - seen).mul_(alpha)
         # Hogwild threads step on while one thread exchanges: its result is written back as a
         # correction through tensors of their own over the parameters' storage.
         self._live = (self.client.layout.views(storage_aliases(model.parameters())) if self.threads > 1 else None)

@@ -70,9 +70,15 @@ class HogwildOptions(HogwildThreadsOptions, AsyncPSOptions):
 
 
 class ServerSolver(Solver):
-    """Shared parts of solvers whose center lives on server processes."""
+    """Shared parts of solvers whose center lives on server processes.
+
+    A dead server is replaced while the job runs (``--max-restarts`` under ``--on-failure
+    continue``): its replacement rebuilds the shard from the workers' latest copies
+    (:meth:`ServerShard.rebuild`) and serves on; the workers wait for it, hand it their
+    copies and make the interrupted request again (:class:`PSClient`)."""
 
     lock_free = False
+    replaces_roles = ("server",)
 
     @classmethod
     def extra_roles(cls, options) -> dict[str, int]:
@@ -108,6 +114,8 @@ class ServerSolver(Solver):
         if ctx.restored is not None:
             self.load_server_state(shard, ctx.restored)
             shard.saved_index = int(ctx.restored.get("index", 0))
+        if ctx.replacement:  # a dead server's replacement: the center from the workers' copies
+            shard.rebuild(ctx.replacement)
         self.run_server(shard)
 
     def server_state_dict(self, shard: ServerShard) -> dict:
@@ -150,7 +158,9 @@ class ServerSolver(Solver):
         self.client.versions = [int(v) for v in state["versions"]]
 
     def stats(self):
-        return self.shard.stats() if hasattr(self, "shard") else {}
+        if hasattr(self, "shard"):
+            return self.shard.stats()
+        return self.client.stats() if hasattr(self, "client") else {}
 
     # ---- evaluation: the center -------------------------------------------------------
     def center_model(self, step: int):
@@ -260,7 +270,7 @@ class GradientServerSolver(ServerSolver):
         shard.count_update()
 
 
-TAG_OPTIMIZER = 15  # (shard_service's tags are 11-14)
+TAG_OPTIMIZER = 15  # (shard_service's tags are 11-14 and 16)
 REFUSED = "refused: "
 
 
@@ -350,8 +360,7 @@ class SyncPS(GradientServerSolver):
 
     def after_backward(self, step):
         c = self.client
-        c.push(step, [v.flat_grad() for v in c.views])
-        for view, vec in zip(c.views, c.receive()):
+        for view, vec in zip(c.views, c.push_and_receive(step, [v.flat_grad() for v in c.views])):
             view.assign(vec)
 
     def update(self, step):

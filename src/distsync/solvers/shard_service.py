@@ -26,12 +26,20 @@ once every live worker has asked, it writes the snapshot with the logged pushes 
 before each worker's checkpoint applied in order (the others, the workers do again after a
 restart), so a restart loses and repeats no update. Synchronous servers (every worker asks in
 the same round) write at once.
+
+A dead server replaced while the job runs (``Solver.replaces_roles``): each worker, at its
+next request, waits for the replacement (a channel: ``membership/admission.py``), hands it
+its latest copy of the shard on ``TAG_HANDOFF`` and makes the interrupted request again
+(:class:`PSClient`); the replacement rebuilds the center from the freshest copy and serves on
+(:meth:`ServerShard.rebuild`, :func:`choose_copy`).
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
+import time
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -41,18 +49,26 @@ import torch
 import torch.nn as nn
 
 from distsync.errors import CommError, ConfigError, PeerDied, PeerStalled
+from distsync.membership.admission import await_replacement, join_as_replacement
 from distsync.membership.peers import PeerService
 from distsync.solvers.flat import FlatView
 from distsync.solvers.rules import staleness
 
 OP_PULL, OP_PUSH, OP_EXCHANGE, OP_DONE, OP_SAVE = 1, 2, 3, 4, 5
 _OPS = (OP_PULL, OP_PUSH, OP_EXCHANGE, OP_DONE, OP_SAVE)
+_OP_NAMES = {OP_PULL: "pull", OP_PUSH: "push", OP_EXCHANGE: "exchange"}
+#: in the job's store: a worker that has said goodbye to the servers (a server's replacement
+#: does not wait for its copy)
+DONE = "distsync/ps/done/"
 _MOST_STEPS = 2**48  # (a header's step or version beyond this is no worker's)
 
 
 class Refused(CommError):
     """What a peer sent on a server's channel is no request (a hostile or broken peer)."""
 TAG_HEADER, TAG_PAYLOAD, TAG_REPLY_HEADER, TAG_REPLY = 11, 12, 13, 14
+#: a worker's copy of a dead server's shard, handed to its replacement: ``int64[version,
+#: has_copy, pushes_since_copy, op_redone]`` then, with has_copy, the flat center
+TAG_HANDOFF = 16
 
 
 def assign_shards(sizes: list[int], servers: int) -> list[list[int]]:
@@ -83,7 +99,15 @@ class Layout:
 
 
 class PSClient:
-    """A worker's side of the protocol, over every server at once."""
+    """A worker's side of the protocol, over every server at once.
+
+    A server the job replaces while it runs (``comm.policy.replaced_ranks``, see
+    :meth:`ServerShard.rebuild`): this worker keeps its latest copy of that server's shard
+    (the center of its latest pull, round or exchange, and its version). When a request to the
+    server fails because the server died (:class:`PeerDied`, :class:`PeerStalled`), the
+    worker waits for the replacement, hands it that copy (and how many pushes it sent since)
+    in a first message, and makes the interrupted request again (a save is not made again:
+    the replacement writes no checkpoint)."""
 
     def __init__(self, comm, model: nn.Module, server_ranks: list[int]):
         self.comm = comm
@@ -93,52 +117,211 @@ class PSClient:
         self.versions = [0] * len(server_ranks)
         #: where the model's parameters live: the servers' replies are moved there
         self.device = self.params[0].device if self.params else torch.device("cpu")
+        policy = getattr(comm, "policy", None)
+        replaced = getattr(policy, "replaced_ranks", frozenset())
+        #: the servers whose death this worker waits out (their replacement rebuilds from it)
+        self.replaceable = {s for s, rank in enumerate(server_ranks) if rank in replaced}
+        #: this worker's latest copy of each replaceable server's shard (None: none yet: the
+        #: initial center at version 0, or a restart's, before the first reply)
+        self.copies: list[torch.Tensor | None] = [None] * len(server_ranks)
+        #: pushes sent to each server since the copy (their updates are not in it)
+        self.pushes_since = [0] * len(server_ranks)
+        #: ``center_after(payload, reply)``: the center an exchange left on the server, from
+        #: what was sent and the center it answered with (elastic solvers); None: the reply is
+        #: the center at the version it came with
+        self.center_after: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        self.servers_replaced: Counter = Counter()
+        self.redone: Counter = Counter()
+        self.replacement_wait_s = 0.0
 
     def _header(self, op: int, step: int, s: int) -> torch.Tensor:
         return torch.tensor([op, step, self.versions[s]], dtype=torch.int64)
 
-    def _send_all(self, op: int, step: int, payloads: list[torch.Tensor] | None) -> None:
-        for s, rank in enumerate(self.layout.server_ranks):
-            self.comm.send(self._header(op, step, s), rank, tag=TAG_HEADER)
-            if payloads is not None:
-                self.comm.send(payloads[s], rank, tag=TAG_PAYLOAD)
+    def _send(self, s: int, op: int, step: int, payload: torch.Tensor | None, answered: bool) -> None:
+        rank = self.layout.server_ranks[s]
+        self.comm.send(self._header(op, step, s), rank, tag=TAG_HEADER)
+        if payload is not None:
+            self.comm.send(payload, rank, tag=TAG_PAYLOAD)
+        if op == OP_PUSH and not answered:  # (one answered is made again if its answer does not come)
+            self.pushes_since[s] += 1
+
+    def _recv(self, s: int, payload: torch.Tensor | None = None) -> torch.Tensor:
+        rank = self.layout.server_ranks[s]
+        head = torch.zeros(1, dtype=torch.int64)
+        self.comm.recv(head, rank, tag=TAG_REPLY_HEADER)
+        buf = self.views[s].zeros()  # (on the model's device: comm receives it through host memory)
+        self.comm.recv(buf, rank, tag=TAG_REPLY)
+        self.versions[s] = int(head.item())  # (once the center it labels has come too)
+        if s in self.replaceable:
+            self.copies[s] = buf if payload is None or self.center_after is None else self.center_after(payload, buf)
+            self.pushes_since[s] = 0
+        return buf
+
+    def _request(self, op: int, step: int, payloads: list[torch.Tensor] | None, reply: bool):
+        """``op`` to every server (with its payload), then (``reply``) every server's answer."""
+        def payload(s: int) -> torch.Tensor | None:
+            return payloads[s] if payloads is not None else None
+
+        for s in range(len(self.layout.server_ranks)):
+            self._surviving(s, op, lambda again, s=s: self._send(s, op, step, payload(s), reply))
+        if not reply:
+            return None
+
+        def answer(s: int) -> torch.Tensor:
+            def attempt(again: bool) -> torch.Tensor:
+                if again:  # (to the replacement: the dead server's answer never came)
+                    self._send(s, op, step, payload(s), reply)
+                return self._recv(s, payload(s) if op == OP_EXCHANGE else None)
+            return self._surviving(s, op, attempt)
+
+        return [answer(s) for s in range(len(self.layout.server_ranks))]
+
+    def _surviving(self, s: int, op: int, attempt: Callable[[bool], Any]) -> Any:
+        """``attempt(again)``, the part of request ``op`` that talks to server ``s``; if the
+        server dies and the job replaces it, once more with its replacement (``again``: the
+        request itself has to be sent again). The time from the interrupted attempt's start
+        to the end of the one that succeeded counts as waiting for the replacement."""
+        again, began = False, time.perf_counter()
+        while True:
+            try:
+                out = attempt(again)
+            except (PeerDied, PeerStalled):
+                if s not in self.replaceable:
+                    raise
+                self._replaced(s, op if op != OP_SAVE else 0)
+                if op != OP_SAVE:
+                    self.redone[op] += 1
+                again = True
+                continue
+            if again:
+                self.replacement_wait_s += time.perf_counter() - began
+            return out
+
+    def _replaced(self, s: int, redo: int) -> None:
+        """Server ``s`` died: wait for its replacement and hand it this worker's copy of the
+        shard (``redo``: the request this worker makes again, 0: none)."""
+        rank = self.layout.server_ranks[s]
+        while True:
+            await_replacement(self.comm, rank, f"parameter server {s}")
+            copy = self.copies[s]
+            head = torch.tensor([self.versions[s], int(copy is not None), self.pushes_since[s], redo],
+                                dtype=torch.int64)
+            try:
+                self.comm.send(head, rank, tag=TAG_HANDOFF)
+                if copy is not None:
+                    self.comm.send(copy, rank, tag=TAG_HANDOFF)
+            except (PeerDied, PeerStalled):
+                continue  # the replacement died too: the next one
+            self.servers_replaced[rank] += 1
+            return
 
     def receive(self) -> list[torch.Tensor]:
-        out = []
-        for s, rank in enumerate(self.layout.server_ranks):
-            head = torch.zeros(1, dtype=torch.int64)
-            self.comm.recv(head, rank, tag=TAG_REPLY_HEADER)
-            self.versions[s] = int(head.item())
-            buf = self.views[s].zeros()  # (on the model's device: comm receives it through host memory)
-            self.comm.recv(buf, rank, tag=TAG_REPLY)
-            out.append(buf)
-        return out
+        """Every server's answer to a request already sent (no second try on a server's death)."""
+        return [self._recv(s) for s in range(len(self.layout.server_ranks))]
 
     def pull(self, step: int) -> list[torch.Tensor]:
         """The center, one flat tensor per server."""
-        self._send_all(OP_PULL, step, None)
-        return self.receive()
+        return self._request(OP_PULL, step, None, reply=True)
 
     def pull_into_model(self, step: int) -> None:
         for view, vec in zip(self.views, self.pull(step)):
             view.assign(vec)
 
     def push(self, step: int, payloads: list[torch.Tensor]) -> None:
-        self._send_all(OP_PUSH, step, payloads)
+        self._request(OP_PUSH, step, payloads, reply=False)
+
+    def push_and_receive(self, step: int, payloads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """A push answered with the center (a synchronous round)."""
+        return self._request(OP_PUSH, step, payloads, reply=True)
 
     def exchange(self, step: int, payloads: list[torch.Tensor]) -> list[torch.Tensor]:
         """Send this worker's values; get back the center as it was before the server applied them."""
-        self._send_all(OP_EXCHANGE, step, payloads)
-        return self.receive()
+        return self._request(OP_EXCHANGE, step, payloads, reply=True)
 
     def done(self) -> None:
-        self._send_all(OP_DONE, -1, None)
+        """Say goodbye to every server. Said in the job's store first, with the version of this
+        worker's copy of each shard and the pushes it sent since: the replacement of a server
+        that dies now does not wait for this worker, and counts what only this worker had seen
+        among what is lost (a dead server is not waited for: nobody needs this goodbye)."""
+        if self.replaceable:
+            self.comm.store_set(f"{DONE}{self.comm.rank}", json.dumps(
+                {str(self.layout.server_ranks[s]): [self.versions[s], self.pushes_since[s]] for s in self.replaceable}))
+        for s, rank in enumerate(self.layout.server_ranks):
+            try:
+                self.comm.send(self._header(OP_DONE, -1, s), rank, tag=TAG_HEADER)
+            except (PeerDied, PeerStalled):
+                if s not in self.replaceable:
+                    raise
 
     def save(self, index: int, done: int) -> None:
         """Ask every server to write its part of checkpoint ``index``, which this worker takes
         after ``done`` steps (no reply)."""
-        for server in self.layout.server_ranks:
-            self.comm.send(torch.tensor([OP_SAVE, index, done], dtype=torch.int64), server, tag=TAG_HEADER)
+        for s, server in enumerate(self.layout.server_ranks):
+            self._surviving(s, OP_SAVE, lambda again, server=server: None if again else self.comm.send(
+                torch.tensor([OP_SAVE, index, done], dtype=torch.int64), server, tag=TAG_HEADER))
+
+    def stats(self) -> dict[str, Any]:
+        """What the replacement of a server cost this worker (empty: none was replaced)."""
+        if not self.servers_replaced:
+            return {}
+        return {"servers_replaced": {str(r): n for r, n in sorted(self.servers_replaced.items())},
+                "requests_redone": {_OP_NAMES[op]: n for op, n in sorted(self.redone.items())},
+                "replacement_wait_s": self.replacement_wait_s}
+
+
+@dataclass
+class Offer:
+    """A worker's copy of a dead server's shard, as it hands it to the replacement: the center
+    at ``version`` (``copy`` None: it holds none), the pushes it sent since (their updates are
+    not in the copy) and the request it makes again (an op; 0: none)."""
+
+    version: int
+    copy: torch.Tensor | None
+    pushes: int = 0
+    redo: int = 0
+
+
+@dataclass
+class Choice:
+    """Which copy a replacement rebuilds from: ``worker``'s (None: the initial center, version
+    0), at ``version``; ``newest_seen``: the newest version any worker saw (the dead server's
+    last one was at least that); ``lost_at_most``: the dead server's updates that are neither
+    in that copy nor made again."""
+
+    worker: int | None
+    version: int
+    newest_seen: int
+    lost_at_most: int
+
+
+def choose_copy(offers: dict[int, Offer]) -> Choice | None:
+    """The freshest copy wins: the highest version (between equals, the lowest rank's).
+
+    What it lacks of the dead server's center is the updates applied after that version: the
+    ones up to the newest version a worker saw without handing over a copy of it (one that
+    finished before the replacement came: its goodbye says the version), and beyond that,
+    pushes sent after their worker's latest copy (a server applies one worker's requests in
+    order, so a push sent before a worker's pull is in that pull's center). So at most those
+    updates and those pushes are lost (requests whose answer never came are made again, not
+    lost). None: no worker holds a copy but one saw an update (a job restarted from a
+    checkpoint, before its first reply)."""
+    seen = max((o.version for o in offers.values()), default=0)
+    held = {w: o for w, o in offers.items() if o.copy is not None}
+    if held:
+        worker = max(held, key=lambda w: (held[w].version, -w))
+        version = held[worker].version
+    elif seen == 0:
+        worker, version = None, 0  # (the initial center, which the replacement has too)
+    else:
+        return None
+    return Choice(worker, version, seen, seen - version + sum(o.pushes for o in offers.values()))
+
+
+def _turn_of(req: "Request") -> float:
+    """Where a request falls in the order of turns: its step (a checkpoint's request, the
+    steps done before it; a worker's last requests, step -1, come after every other)."""
+    step = req.version_seen if req.op == OP_SAVE else req.step
+    return float("inf") if step < 0 or req.op == OP_DONE else step
 
 
 class Request:
@@ -197,8 +380,20 @@ class ServerShard:
         #: :meth:`_await_replacement`
         self.admit_replacements = False
         self.replaced: Counter = Counter()
+        #: (a dead server's replacement) what :meth:`rebuild` found: see :meth:`stats`
+        self.rebuilt: dict[str, Any] | None = None
+        #: workers that had said goodbye before the rebuild (they are served no more)
+        self.finished: set[int] = set()
+        #: each worker's first request after the rebuild, received while the copies came
+        self._first: dict[int, Request] = {}
+        self._dead_at_rebuild: set[int] = set()
+        #: (sync rounds) redone pushes of a round the dead server had applied, answered at once
+        self.rounds_answered_from_copy = 0
 
     def _receive(self, worker: int) -> Request:
+        first = self._first.pop(worker, None)
+        if first is not None:
+            return first
         head = torch.zeros(3, dtype=torch.int64)
         self.comm.recv(head, worker, tag=TAG_HEADER)
         op, step, seen = (int(v) for v in head.tolist())
@@ -219,10 +414,14 @@ class ServerShard:
         self.comm.send(torch.tensor([version], dtype=torch.int64), worker, tag=TAG_REPLY_HEADER)
         self.comm.send(tensor, worker, tag=TAG_REPLY)
 
+    def _serving(self) -> list[int]:
+        """The workers this server still serves (neither dropped nor gone before a rebuild)."""
+        return [w for w in self.comm.worker_ranks if w not in self.dropped and w not in self.finished]
+
     def job_step(self) -> int:
         """How far the whole job has got: the step every live worker has asked about (-1
         until each has asked once)."""
-        live = [w for w in self.comm.worker_ranks if w not in self.dropped]
+        live = self._serving()
         if any(w not in self._last_step for w in live):
             return -1
         return min(self._last_step[w] for w in live)
@@ -284,7 +483,7 @@ class ServerShard:
     def _finish_cut(self) -> None:
         """Under :meth:`_exclusive`: write the cut if every live worker has asked for it."""
         cut = self._cut
-        if cut is None or any(w not in cut["done"] for w in self.comm.worker_ranks if w not in self.dropped):
+        if cut is None or any(w not in cut["done"] for w in self._serving()):
             return
         live = self.get_state()
         self.set_state(cut["state"])
@@ -339,6 +538,9 @@ class ServerShard:
         on, as long as another worker is still served."""
 
         def converse(worker: int) -> None:
+            if worker in self._dead_at_rebuild:  # (its own replacement, if one comes, is let in)
+                self._dead_at_rebuild.discard(worker)
+                raise PeerDied(f"worker rank {worker} died before this server was rebuilt", worker)
             try:
                 while True:
                     req = self._receive(worker)
@@ -353,7 +555,9 @@ class ServerShard:
                 self.dropped.pop(worker, None)
                 self.replaced[worker] += 1
 
-        service = PeerService(self.comm, self.comm.worker_ranks, converse, "ps-worker", on_dead=self._drop,
+        peers = [w for w in self.comm.worker_ranks  # (after a rebuild: not those gone, nor the refused)
+                 if w not in self.finished and (w not in self.dropped or w in self._dead_at_rebuild)]
+        service = PeerService(self.comm, peers, converse, "ps-worker", on_dead=self._drop,
                               on_back=back, admit=self.admit_replacements, drops=self.drop_dead_workers)
         service.start()
         try:
@@ -404,27 +608,46 @@ class ServerShard:
 
     def serve_round_robin(self) -> None:
         """One request from each worker in turn, in rank order (original EASGD); a worker
-        that died loses its turns."""
-        active = list(self.comm.worker_ranks)
+        that died loses its turns.
+
+        After a rebuild the turns go on from where the dead server was: the first requests
+        (one per worker, received while the copies came) are served in the order the turns
+        take them, by step and then rank, and the next turn is the next worker's after the
+        last of them. Every server of the job takes the workers' requests in that one order,
+        and a worker sends to every server before it waits for any answer: a replacement that
+        started its turns over at rank 0 would wait for a worker that waits, through another
+        server, for a later turn."""
+        active = self._serving()
+
+        def turn(worker: int) -> None:
+            req = self._receive_live(worker)
+            if req is None or req.op == OP_DONE:
+                active.remove(worker)
+                return
+            try:
+                self._process(req)
+            except CommError as e:
+                if not self._dead(worker, e):
+                    raise
+                active.remove(worker)
+
+        if self._first:
+            firsts = sorted(self._first.items(), key=lambda item: (_turn_of(item[1]), item[0]))
+            for worker, _ in firsts:
+                if worker in active:
+                    turn(worker)
+            last = firsts[-1][0]
+            active.sort(key=lambda w: (w <= last, w))  # (the workers after it first, then the others)
         while active:
             for worker in list(active):
-                req = self._receive_live(worker)
-                if req is None or req.op == OP_DONE:
-                    active.remove(worker)
-                    continue
-                try:
-                    self._process(req)
-                except CommError as e:
-                    if not self._dead(worker, e):
-                        raise
-                    active.remove(worker)
+                if worker in active:
+                    turn(worker)
 
     def serve_rounds(self, combine: Callable[["ServerShard", list[Request]], torch.Tensor]) -> None:
         """Synchronous rounds: one push from every live worker, ``combine`` them, send all the
         result. A worker that died is left out of the round it died in and every later one."""
         while True:
-            reqs = [r for r in (self._receive_live(w) for w in self.comm.worker_ranks if w not in self.dropped)
-                    if r is not None]
+            reqs = [r for r in (self._round_request(w) for w in self._serving()) if r is not None]
             if not reqs:
                 return
             ops = {r.op for r in reqs}
@@ -445,6 +668,113 @@ class ServerShard:
             for r in reqs:
                 self._reply_live(r.worker, out, self.version)
 
+    def _round_request(self, worker: int) -> Request | None:
+        """``worker``'s request for this round (None: it died). After a rebuild, a push made
+        again for a round the dead server had applied (the center rebuilt is newer than the
+        one the push was computed on: another worker's copy holds the round) is answered at
+        once with the center, as the dead server would have: that round is not applied twice."""
+        while True:
+            req = self._receive_live(worker)
+            if req is None or self.rebuilt is None or req.op != OP_PUSH or req.version_seen >= self.version:
+                return req
+            self.rounds_answered_from_copy += 1
+            self._reply_live(worker, self.center, self.version)
+            if worker in self.dropped:
+                return None
+
+    # ---- a dead server's replacement ------------------------------------------------------
+    def rebuild(self, replacement: int) -> None:
+        """(The ``replacement``-th replacement of a dead server, before it serves) Open a
+        channel with each worker still training, one thread per worker (a dead one is left
+        out, and one that has said goodbye, ``DONE`` in the job's store, is not waited for),
+        take each one's copy of this shard (:class:`PSClient`) and its next request (the one
+        the dead server's death interrupted, made again), and rebuild the center from the
+        freshest copy (:func:`choose_copy`), at its version. The rest of the dead server's
+        state is not rebuilt: the solver's (momentum, an optimizer's moments) starts afresh."""
+        t0 = time.perf_counter()
+        comm = self.comm
+        offers: dict[int, Offer] = {}
+        dead: set[int] = set()
+        errors: list[BaseException] = []
+        lock = threading.Lock()
+
+        def take(worker: int) -> None:
+            try:
+                if not join_as_replacement(comm, [worker], replacement, abandon=lambda peer: None,
+                                           over=lambda: comm.store_check(f"{DONE}{worker}")):
+                    with lock:
+                        self.finished.add(worker)
+                    return
+                offer = self._take_copy(worker)
+                with lock:
+                    offers[worker] = offer
+                first = self._receive(worker)
+                with lock:
+                    self._first[worker] = first
+            except (PeerDied, PeerStalled):
+                with lock:
+                    dead.add(worker)
+            except Refused as e:
+                self._dead(worker, e)
+            except BaseException as e:
+                with lock:
+                    errors.append(e)
+
+        threads = [threading.Thread(target=take, args=(w,), name=f"ps-rebuild{w}", daemon=True)
+                   for w in comm.worker_ranks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        gone = {w: self._goodbye(w) for w in self.finished}  # (what they had seen: counted, not used)
+        choice = choose_copy({**gone, **offers})
+        if choice is None and offers:
+            raise CommError(f"rank {comm.rank}: server replacement {replacement}: no worker holds a copy of this "
+                            f"shard (the newest version any saw is "
+                            f"{max(o.version for o in offers.values())}): it cannot be rebuilt")
+        if choice is not None and choice.worker is not None:
+            self.center.copy_(offers[choice.worker].copy)
+        self.version = choice.version if choice is not None else 0
+        for worker in dead:  # (dead while this replacement started: left behind, or replaced)
+            self.dropped[worker] = -1
+            self._dead_at_rebuild.add(worker)
+        self.rebuilt = {
+            "replacement": replacement,
+            "rebuilt_from_version": choice.version if choice is not None else None,
+            "rebuilt_from_worker": choice.worker if choice is not None else None,
+            "newest_version_seen": choice.newest_seen if choice is not None else None,
+            "versions_lost_at_most": choice.lost_at_most if choice is not None else None,
+            "copies_from": sorted(offers),
+            **({"finished_before": sorted(self.finished)} if self.finished else {}),
+            "requests_redone": dict(sorted(Counter(_OP_NAMES[o.redo] for o in offers.values() if o.redo).items())),
+            "rebuild_s": time.perf_counter() - t0,
+        }
+
+    def _goodbye(self, worker: int) -> "Offer":
+        """What ``worker``, finished before this replacement came, had of this shard (from its
+        goodbye in the job's store: :meth:`PSClient.done`): a version and pushes, no copy."""
+        try:
+            version, pushes = json.loads(self.comm.store_get(f"{DONE}{worker}"))[str(self.comm.rank)]
+            return Offer(max(0, int(version)), None, max(0, int(pushes)))
+        except (ValueError, KeyError, TypeError):
+            return Offer(0, None)
+
+    def _take_copy(self, worker: int) -> "Offer":
+        head = torch.zeros(4, dtype=torch.int64)
+        self.comm.recv(head, worker, tag=TAG_HANDOFF)
+        version, has_copy, pushes, redo = (int(v) for v in head.tolist())
+        if not (0 <= version < _MOST_STEPS and has_copy in (0, 1) and 0 <= pushes < _MOST_STEPS
+                and redo in (0, *_OP_NAMES)):
+            raise Refused(f"worker rank {worker}: it handed over a copy no worker hands over "
+                          f"([{version}, {has_copy}, {pushes}, {redo}])")
+        copy = None
+        if has_copy:
+            copy = torch.zeros_like(self.center)
+            self.comm.recv(copy, worker, tag=TAG_HANDOFF)
+        return Offer(version, copy, pushes, redo)
+
     def state_dict(self) -> dict[str, Any]:
         """A copy of the shard's state, its tensors in host memory (a checkpoint written by a
         server on a GPU loads anywhere)."""
@@ -462,6 +792,9 @@ class ServerShard:
             **({"dropped_workers": {str(w): s for w, s in sorted(self.dropped.items())}} if self.dropped else {}),
             **({"refused_workers": {str(w): r for w, r in sorted(self.refused.items())}} if self.refused else {}),
             **({"replaced_workers": {str(w): n for w, n in sorted(self.replaced.items())}} if self.replaced else {}),
+            **(self.rebuilt or {}),
+            **({"rounds_answered_from_copy": self.rounds_answered_from_copy}
+               if self.rounds_answered_from_copy else {}),
             "updates": self.version,
             "staleness": {str(k): v for k, v in sorted(self.staleness.items())},
             "requests": {name: self.requests[op] for op, name in
