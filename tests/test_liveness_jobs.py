@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -74,3 +75,27 @@ def test_a_killed_worker_is_left_behind_at_once(tmp_path, solver):
     assert row["cause"] == "SIGKILL" and row["dropped"], row
     assert row["dropped_at"] - sender.sent_at < 1.0
     assert _steps(tmp_path, 0)[-1] == 79 and _steps(tmp_path, 2)[-1] == 79
+
+
+@pytest.mark.slow
+def test_two_workers_killed_together_are_left_behind_without_waiting_out_the_timeout(tmp_path):
+    """A lost host: ranks 2 and 3 killed 15 ms apart, while the others re-form without the
+    first (a member that dies while a view's group forms ends the formation at once, and its
+    wait on the job's store holds up no one's other store operations)."""
+    first, second = SignalRank(tmp_path, 2, 40, signal.SIGKILL), SignalRank(tmp_path, 3, 40, signal.SIGKILL)
+
+    def host_lost() -> None:
+        first.run()
+        time.sleep(0.015)
+        second.run()
+
+    lost = threading.Thread(target=host_lost, daemon=True)
+    lost.start()
+    proc, s, _, took = _run(tmp_path, "--solver", "allreduce", "--workers", "4", "--steps", "120",
+                            "--device-ms", "20", "--timeout", "20")
+    lost.join()
+    assert first.sent_at and second.sent_at
+    assert proc.returncode == 0, proc.stderr
+    assert took < 20  # not the 20 s timeout waited out
+    assert {r["rank"] for r in s["recovery"]["faults"]} == {2, 3}
+    assert _steps(tmp_path, 0)[-1] == 119 and _steps(tmp_path, 1)[-1] == 119

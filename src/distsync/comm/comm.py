@@ -43,11 +43,15 @@ def _attempt_store(timeout_s: float) -> dict[str, Any]:
     if not agent_store_in_use():
         return {}
     world = int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                          timeout=datetime.timedelta(seconds=timeout_s))
+    return {"store": _agent_store_client(timeout_s), "rank": int(os.environ["RANK"]), "world_size": world}
+
+
+def _agent_store_client(timeout_s: float) -> Any:
+    """A connection of its own to the agent's store, under this attempt's prefix."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                          is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return {"store": dist.PrefixStore(f"distsync/attempt-{attempt}", store), "rank": int(os.environ["RANK"]),
-            "world_size": world}
+    return dist.PrefixStore(f"distsync/attempt-{attempt}", store)
 
 
 def make_group(store: Any, prefix: str, members: list[int], rank: int, timeout_s: float, name: str) -> Any:
@@ -682,7 +686,7 @@ class Comm:
         replaces is destroyed."""
         members = sorted((self.rank, peer))
         try:
-            pg = make_group(self.raw_store(), f"distsync/pg/channel/{name}", members, self.rank, self.timeout_s,
+            pg = make_group(self.store_client(), f"distsync/pg/channel/{name}", members, self.rank, self.timeout_s,
                             f"distsync-channel-{name}")
         except Exception as e:
             raise self.error(f"opening a channel with rank {peer}", e) from None
@@ -691,6 +695,17 @@ class Comm:
             retire_group(old, self.timeout_s)
 
     # ---- the job's key-value store (small agreements without a collective) --------------
+    def store_client(self) -> Any:
+        """A connection of its own to the job's store (this attempt's keys), for a thread
+        whose operations may wait on a key (a group's formation waits for its members'
+        addresses) or must never wait behind another's (the heartbeat): a store connection
+        serves one operation at a time, and a formation waiting for a dead member's address
+        would otherwise hold up every other store operation of this process for the store's
+        timeout. (Without the agent's store: the default group's, shared.)"""
+        if self._job_store is None:
+            return self._store()
+        return _agent_store_client(self.timeout_s)
+
     def _store(self):
         if self._job_store is not None:
             return self._job_store

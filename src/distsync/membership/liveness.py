@@ -174,7 +174,8 @@ def watching(marked_dead: Callable[[int], bool] | None = None,
 
     def watch(comm: Any) -> Liveness:
         live = Liveness(comm.rank, comm.timeout_s, comm.store_get, comm.store_check, marked_dead, mark_stalled)
-        live.heartbeat = Heartbeat(comm.store_add, comm.rank, min(1.0, comm.timeout_s / 5)).start()
+        own = comm.store_client()  # (a beat never waits behind another thread's store operation)
+        live.heartbeat = Heartbeat(own.add, comm.rank, min(1.0, comm.timeout_s / 5)).start()
         return live
 
     return watch

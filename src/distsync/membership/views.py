@@ -133,7 +133,7 @@ class Membership:
         """Epoch ``epoch``'s group over ``members``, formed while each lives: a member that is
         dead or stalled while the others connect to it ends the formation at once
         (:class:`PeerDied` / :class:`PeerStalled`) instead of the store's wait running out."""
-        store = self.comm.raw_store()
+        store = self.comm.store_client()  # (its wait for a dead member's address holds up no one else)
         made: list[Any] = []
         failed: list[BaseException] = []
         done = threading.Event()
