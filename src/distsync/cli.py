@@ -358,8 +358,14 @@ def _print_device(summary: dict[str, Any], which: str = "") -> None:
         console.print(f"[yellow]{summary['label']}{which}: {warning}[/]", highlight=False, soft_wrap=True)
 
 
+def _took(seconds: float) -> str:
+    """A recovery's duration as the console says it: ``26 ms``, ``4.1 s``."""
+    return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.1f} s"
+
+
 def _print_recovery(summary: dict[str, Any]) -> None:
-    """One line per fault the run survived: dropped workers, restarts."""
+    """One line per death the run survived or restarted on (workers dropped, servers and
+    coordinators replaced), and per injected kill that restarted the job."""
     rec = summary.get("recovery") or {}
     went_on = [f for f in rec.get("faults", []) if f.get("dropped") or "went_on_s" in f]
     marks = [(d, False) for d in rec.get("dropped", [])] + [(d, True) for d in rec.get("replaced", [])]
@@ -367,11 +373,13 @@ def _print_recovery(summary: dict[str, Any]) -> None:
         # the row of this death (injected or not: each death's row names its mark); a record
         # without that: (a rank may die more than once: its replacement too) the nearest
         mine = [f for f in went_on if "dropped_at" in f and f["dropped_at"] == d.get("unix")] or \
-            [f for f in went_on if f["rank"] == d["rank"] and "dropped_at" not in f]
+            [f for f in went_on if f["rank"] == d["rank"] and "dropped_at" not in f and "dead_at" not in f]
         f = min(mine, key=lambda f: abs(f["step"] - 1 - (d.get("last_step") or 0))) if mine else None
-        if f and "went_on_s" in f:
-            how = (f"; the other {f['live_workers']} re-formed their group without it in {f['went_on_s'] * 1000:.0f} "
-                   f"ms and trained on")
+        if f and "went_on_s" in f and "live_workers" in f:
+            how = (f"; the other {f['live_workers']} re-formed their group without it in {_took(f['went_on_s'])} "
+                   f"and trained on")
+        elif f and "went_on_s" in f:  # (no group to re-form: a survivor's step without it)
+            how = f"; the other workers went on in {_took(f['went_on_s'])}"
         elif f and "resumed_from_step" in f:  # (the workers' logs say why)
             how = (f", but the others failed to go on without it: the job restarted from step "
                    f"{f['resumed_from_step']} ({f['steps_lost']} steps lost, {f['recovery_s']:.1f} s to recover)")
@@ -384,11 +392,27 @@ def _print_recovery(summary: dict[str, Any]) -> None:
             how += "; its replacement came after the others had finished training"
         elif taken_over:  # (a replacement took its place but is not seen training)
             how += "; a replacement took its place"
-        what = "stalled" if d["signal"] == "stalled" else f"died ({d['signal']})"
-        console.print(f"worker rank {d['rank']} {what} after step {d.get('last_step')} and was "
-                      f"dropped{how}", highlight=False, soft_wrap=True)
+        if d["signal"] == "stalled":  # (its row's times count from its last step: the others' wait included)
+            stalled = f" {f['stalled_s']:.1f} s after it stopped making progress" if f and "stalled_s" in f else ""
+            what = f"stalled after step {d.get('last_step')} and was dropped{stalled}"
+        else:
+            what = f"died ({d['signal']}) after step {d.get('last_step')} and was dropped"
+        console.print(f"worker rank {d['rank']} {what}{how}", highlight=False, soft_wrap=True)
     for f in rec.get("faults", []):
-        if "resumed_from_step" in f and not f.get("dropped"):
+        if "dead_at" in f:  # a server's or coordinator's death
+            what = f"{f['role']} rank {f['rank']} died ({f.get('cause')}) at step {f['step']}"
+            if f.get("replaced") and "healed_s" in f:
+                how = f" and was replaced in {_took(f['healed_s'])}; training went on"
+            elif f.get("replaced"):
+                how = "; a replacement was started and training went on" if "went_on_s" in f else \
+                    "; a replacement was started"
+            elif "resumed_from_step" in f:
+                how = (f": the job restarted from step {f['resumed_from_step']} ({f['steps_lost']} steps lost, "
+                       f"{f['recovery_s']:.1f} s to recover)")
+            else:
+                how = ": the job did not go on"
+            console.print(what + how, highlight=False, soft_wrap=True)
+        elif "resumed_from_step" in f and not f.get("dropped"):
             console.print(f"{f['role']} rank {f['rank']} was killed at step {f['step']}: restarted from step "
                           f"{f['resumed_from_step']} ({f['steps_lost']} steps lost, {f['recovery_s']:.1f} s to "
                           f"recover)", highlight=False, soft_wrap=True)

@@ -100,16 +100,19 @@ def _outlive(pid: int, wait, argv: list[str], drop: bool,
         signal.signal(sig, forward)
     rank, attempt = int(os.environ.get("RANK", "0")), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     run_dir = Path(argv[argv.index("--run-dir") + 1])
-    workers = json.loads(Path(argv[argv.index("--config") + 1]).read_text())["workers"]
+    config = json.loads(Path(argv[argv.index("--config") + 1]).read_text())
+    workers = config["workers"]
     mark = run_dir / "dropped" / f"attempt-{attempt}-rank-{rank}.json"
     replacements = int(argv[argv.index("--heal") + 1]) if respawn is not None and "--heal" in argv else 0
     if rank >= workers:  # a server or coordinator: replaced live if the solver can (--replace-ranks R,..:N)
         return _outlive_role(rank, attempt, run_dir, argv, code_of=wait, respawn=respawn if drop else None,
-                             current=current, stopped=stopped, end_if_stopped=end_if_stopped)
+                             current=current, stopped=stopped, end_if_stopped=end_if_stopped,
+                             restarts=int(config.get("max_restarts") or 0) > int(attempt))
     ended = threading.Event()
     if drop and rank < workers:  # the others may go on without a stalled child: then end it
         threading.Thread(target=fence, args=(pid, mark, ended), daemon=True).start()
     code = wait()
+    died_unix = time.time()  # (the child's death, before anything is read or written)
     ended.set()
     end_if_stopped()
     for n in range(1, replacements + 1):
@@ -117,7 +120,7 @@ def _outlive(pid: int, wait, argv: list[str], drop: bool,
         if not (drop and rank < workers and (died or mark.exists())):
             break
         if died and not mark.exists():
-            mark_dropped(run_dir, rank, attempt, signal.Signals(-code).name)
+            mark_dropped(run_dir, rank, attempt, signal.Signals(-code).name, died_unix)
         # a replacement: it waits until the others have gone on without the dead one, then
         # takes the mark over (membership/views.py: join) and joins them
         pid, wait = respawn(n)
@@ -125,10 +128,11 @@ def _outlive(pid: int, wait, argv: list[str], drop: bool,
         if stopped:  # (it came while the replacement was being forked: passed on to nobody)
             os.kill(pid, stopped[0])
         code = wait()
+        died_unix = time.time()
         end_if_stopped()
         if code > 0:  # a replacement that failed: the others go on without it, as before
             if not mark.exists():
-                mark_dropped(run_dir, rank, attempt, f"exit code {code}")
+                mark_dropped(run_dir, rank, attempt, f"exit code {code}", died_unix)
             return 0
         if code == 0:  # it trained to the end (or came too late and left the dead one dropped)
             return 0
@@ -136,7 +140,7 @@ def _outlive(pid: int, wait, argv: list[str], drop: bool,
         return 0  # the others went on without it (they marked it stalled)
     died = code < 0 and -code not in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
     if died and drop and 0 <= rank < workers:
-        mark_dropped(run_dir, rank, attempt, signal.Signals(-code).name)
+        mark_dropped(run_dir, rank, attempt, signal.Signals(-code).name, died_unix)
         return 0
     if code < 0:  # end as the child did, so the agent reports the signal
         if died:
@@ -156,26 +160,32 @@ def _replaceable(argv: list[str], rank: int) -> int:
 
 
 def _outlive_role(rank: int, attempt: str, run_dir: Path, argv: list[str], code_of, respawn, current: list[int],
-                  stopped: list[int], end_if_stopped) -> int:
+                  stopped: list[int], end_if_stopped, restarts: bool = False) -> int:
     """A server's or coordinator's parent: when the child dies (by a signal) and the solver
     replaces its role live, mark it dead (``RUN/dead/``: the workers stop waiting on it at
     once) and start a replacement, which meets the workers over channels of its own; else
-    end as the child ended (the job restarts or stops)."""
+    end as the child ended: the job restarts (``restarts``: the agent has a restart left;
+    then the death no replacement took leaves ``RUN/dead/unreplaced-...``, for the run's
+    recovery record only) or stops (its error names the death)."""
     code = code_of()
+    died_unix = time.time()  # (the child's death)
     end_if_stopped()
     for n in range(1, (_replaceable(argv, rank) if respawn is not None else 0) + 1):
         died = code < 0 and -code not in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
         if not died:
             break
-        mark_dead(run_dir, rank, attempt, signal.Signals(-code).name)
+        mark_dead(run_dir, rank, attempt, signal.Signals(-code).name, died_unix, replacement=n)
         pid, code_of = respawn(n)
         current[0] = pid
         if stopped:
             os.kill(pid, stopped[0])
         code = code_of()
+        died_unix = time.time()
         end_if_stopped()
     if code < 0:  # end as the child did, so the agent reports the signal
         died = -code not in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+        if died and restarts:
+            mark_unreplaced(run_dir, rank, attempt, signal.Signals(-code).name, died_unix)
         if died:
             report_death(rank, 0, signal.Signals(-code).name)
         if -code not in (signal.SIGKILL, signal.SIGSTOP):
@@ -184,14 +194,46 @@ def _outlive_role(rank: int, attempt: str, run_dir: Path, argv: list[str], code_
     return code
 
 
-def mark_dead(run_dir: Path, rank: int, attempt: str, signal_name: str) -> None:
-    """``RUN/dead/attempt-A-rank-R.json``: that server or coordinator died, and a replacement
-    takes its place."""
+def mark_dead(run_dir: Path, rank: int, attempt: str, signal_name: str, died_unix: float | None = None,
+              replacement: int | None = None) -> None:
+    """``RUN/dead/attempt-A-rank-R.json``: that server or coordinator died (at ``died_unix``,
+    when its parent saw it), and a replacement (the ``replacement``-th) takes its place. Each
+    death of the rank rewrites the mark (the workers look at its time); the earlier deaths
+    of this attempt go with it, under ``earlier``, for the run's recovery record."""
     marks = run_dir / "dead"
     marks.mkdir(exist_ok=True)
+    path = marks / f"attempt-{attempt}-rank-{rank}.json"
+    earlier = []
+    try:
+        before = json.loads(path.read_text())
+        earlier = [*before.pop("earlier", []), before]
+    except (OSError, ValueError, AttributeError):
+        pass  # (its first death)
+    mark = {"rank": rank, "signal": signal_name, "unix": time.time(), "attempt": int(attempt)}
+    if died_unix is not None:
+        mark["died_unix"] = died_unix
+    if replacement is not None:
+        mark["replacement"] = replacement
+    if earlier:
+        mark["earlier"] = earlier
     tmp = marks / f".attempt-{attempt}-rank-{rank}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps({"rank": rank, "signal": signal_name, "unix": time.time(), "attempt": int(attempt)}))
-    os.replace(tmp, marks / f"attempt-{attempt}-rank-{rank}.json")
+    tmp.write_text(json.dumps(mark))
+    os.replace(tmp, path)
+
+
+def mark_unreplaced(run_dir: Path, rank: int, attempt: str, signal_name: str, died_unix: float) -> None:
+    """``RUN/dead/unreplaced-attempt-A-rank-R.json``: that server or coordinator died, no
+    replacement takes its place and the job restarts. The workers do not look at it (they
+    learn of the death as before); the run's recovery record makes it a row."""
+    marks = run_dir / "dead"
+    try:
+        marks.mkdir(exist_ok=True)
+        tmp = marks / f".unreplaced-attempt-{attempt}-rank-{rank}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps({"rank": rank, "signal": signal_name, "unix": time.time(), "died_unix": died_unix,
+                                   "attempt": int(attempt), "replaced": False}))
+        os.replace(tmp, marks / f"unreplaced-attempt-{attempt}-rank-{rank}.json")
+    except OSError:
+        pass  # (a record only: the job ends as the child did whatever)
 
 
 def fence(pid: int, mark: Path, ended: threading.Event) -> None:
@@ -218,22 +260,26 @@ def report_death(rank: int, workers: int, signal_name: str) -> None:
     Path(path).write_text(json.dumps({"message": message}))
 
 
-def mark_dropped(run_dir: Path, rank: int, attempt: str, signal_name: str) -> None:
-    """``RUN/dropped/attempt-A-rank-R.json``: that worker died and the others go on (with the
-    last step its journal shows)."""
+def mark_dropped(run_dir: Path, rank: int, attempt: str, signal_name: str, died_unix: float | None = None) -> None:
+    """``RUN/dropped/attempt-A-rank-R.json``: that worker died (at ``died_unix``, when its
+    parent saw it; None: found stalled by another worker) and the others go on, with the
+    last step its journal shows and when that step ended (``last_step_unix``)."""
     marks = run_dir / "dropped"
     marks.mkdir(exist_ok=True)
-    steps = []  # its journal (process.journal_path) says how far it got
+    last, last_unix = None, None  # its journal (process.journal_path) says how far it got
     journal = run_dir / "journal" / f"rank-{rank}.jsonl"
     for line in journal.read_text().splitlines() if journal.exists() else []:
         try:
             event = json.loads(line)
         except ValueError:
             continue  # the line it was writing when it died
-        if event.get("kind") == "step":
-            steps.append(event["step"])
-    mark = {"rank": rank, "signal": signal_name, "unix": time.time(), "attempt": int(attempt),
-            "last_step": max(steps) if steps else None}
+        if event.get("kind") == "step" and (last is None or event["step"] >= last):
+            last, last_unix = event["step"], event.get("unix")
+    mark = {"rank": rank, "signal": signal_name, "unix": time.time(), "attempt": int(attempt), "last_step": last}
+    if last_unix is not None:
+        mark["last_step_unix"] = last_unix
+    if died_unix is not None:
+        mark["died_unix"] = died_unix
     tmp = marks / f".attempt-{attempt}-rank-{rank}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(mark))
     os.replace(tmp, marks / f"attempt-{attempt}-rank-{rank}.json")  # (others poll for it)

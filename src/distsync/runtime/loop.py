@@ -158,7 +158,8 @@ def train_thread(run: RunState, t: int) -> None:
         run.events.append({
             "kind": "step", "rank": run.rank, "step": s.step, "t0": s.t0, "t": run.clock.now(), "loss": s.loss,
             "samples": len(y), "compute": s.compute_s, "comm": max(0.0, s.comm_s - solver_wait_s),
-            "wait": solver_wait_s + s.wait_s, "bytes": run.bytes_since_last(), "thread": t, **s.event_extra,
+            "wait": solver_wait_s + s.wait_s, "bytes": run.bytes_since_last(), "thread": t, "unix": time.time(),
+            **s.event_extra,
         })
         s.metric = runner.meet(run, s.done)  # evaluation and checkpoints, with every thread stopped
         hooks.on_step_end(run, s)

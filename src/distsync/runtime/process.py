@@ -90,10 +90,11 @@ def journal_path(run_dir: Path, rank: int) -> Path:
     return run_dir / "journal" / f"rank-{rank}.jsonl"
 
 
-def _marks(run_dir: Path, pattern: str) -> list[dict[str, Any]]:
-    """The marks in ``RUN/dropped/`` named like ``pattern``, in the order the workers died."""
+def _marks(run_dir: Path, pattern: str, folder: str = "dropped") -> list[dict[str, Any]]:
+    """The marks in ``RUN/dropped/`` (or ``RUN/<folder>/``) named like ``pattern``, in the
+    order the processes died."""
     marks = []
-    for path in (run_dir / "dropped").glob(pattern):
+    for path in (run_dir / folder).glob(pattern):
         try:
             marks.append(json.loads(path.read_text()))
         except (OSError, ValueError):
@@ -109,6 +110,50 @@ def dropped_marks(run_dir: Path) -> list[dict[str, Any]]:
 def replaced_marks(run_dir: Path) -> list[dict[str, Any]]:
     """The dead workers whose replacement healed from a live peer (it took their mark over)."""
     return _marks(run_dir, "replaced-attempt-*-rank-*.json")
+
+
+def dead_marks(run_dir: Path) -> list[dict[str, Any]]:
+    """The servers and coordinators that died, in any attempt, in the order they died, one
+    mark per death (distsync/supervise.py): ``replaced`` true for those a replacement took the
+    place of (``RUN/dead/attempt-A-rank-R.json``, the rank's latest death, holds its earlier
+    ones), false for the death the job restarted on (``unreplaced-...``)."""
+    marks = []
+    for m in _marks(run_dir, "attempt-*-rank-*.json", "dead"):
+        for death in [*m.pop("earlier", []), m]:
+            marks.append({**death, "replaced": True})
+    marks += _marks(run_dir, "unreplaced-attempt-*-rank-*.json", "dead")
+    return sorted(marks, key=lambda m: m.get("died_unix", m["unix"]))
+
+
+def served_marks(run_dir: Path) -> list[dict[str, Any]]:
+    """When each replacement of a server or coordinator started serving
+    (``RUN/dead/replaced-attempt-A-rank-R-N.json``, :func:`note_replaced`)."""
+    return _marks(run_dir, "replaced-attempt-*-rank-*-*.json", "dead")
+
+
+def note_replaced(run_dir: Path, rank: int, replacement: int) -> Callable[[], None]:
+    """``ServeContext.on_replaced`` for the ``replacement``-th replacement of server or
+    coordinator ``rank``: its first call leaves ``RUN/dead/replaced-attempt-A-rank-R-N.json``
+    with the time it started serving (the row of the death it replaced says ``healed_s``)."""
+    import threading
+
+    once = threading.Lock()
+
+    def on_replaced() -> None:
+        if not once.acquire(blocking=False):
+            return  # (the first call's time is the one)
+        attempt = restart_count()
+        mark = {"rank": rank, "attempt": attempt, "replacement": replacement, "unix": time.time()}
+        name = f"replaced-attempt-{attempt}-rank-{rank}-{replacement}.json"
+        try:
+            (run_dir / "dead").mkdir(exist_ok=True)
+            tmp = run_dir / "dead" / f".{name}.{os.getpid()}.tmp"
+            tmp.write_text(json.dumps(mark))
+            os.replace(tmp, run_dir / "dead" / name)
+        except OSError:
+            pass  # (a record only: serving goes on)
+
+    return on_replaced
 
 
 def dropped_ranks(run_dir: Path) -> set[int]:
@@ -276,7 +321,10 @@ def write_results(run: ResolvedRun, run_dir: Path, events: list[dict[str, Any]],
         **final_extra_metrics(events, meta["extra_metrics"]),
         "bytes_sent_by_servers": bytes_by_other_roles,
         "staleness": merge_staleness(stats),
-        "recovery": summarize_recovery(events, read_faults(run_dir), dropped or [], replaced or []),
+        "recovery": summarize_recovery(events, read_faults(run_dir), dropped or [], replaced or [],
+                                       dead=[dict(m, role=_role_name(run, m["rank"])) for m in dead_marks(run_dir)],
+                                       served=served_marks(run_dir),
+                                       reforms=bool(getattr(solver, "reforms_without_dead", False))),
         "solver_stats": stats,
     }
     summary["bytes_sent"] += bytes_by_other_roles  # servers' replies cross the network too
@@ -285,6 +333,11 @@ def write_results(run: ResolvedRun, run_dir: Path, events: list[dict[str, Any]],
     tmp.write_text(json.dumps(summary, indent=2) + "\n")
     os.replace(tmp, run_dir / "summary.json")
     return summary
+
+
+def _role_name(run: ResolvedRun, rank: int) -> str:
+    role_of = getattr(run, "role_of", None) or []
+    return role_of[rank] if 0 <= rank < len(role_of) else "server"
 
 
 def write_partial_results(run: ResolvedRun, run_dir: Path, reason: str) -> dict[str, Any] | None:
@@ -526,7 +579,9 @@ def run_process(run: ResolvedRun, run_dir: Path) -> None:
         served = dict(save=save if recovery.store is not None else None, restored=recovery.restored,
                       on_request=recovery.faults.at if recovery.faults.pending else None,
                       drop_dead_workers=supervised(),
-                      admit_replacements=comm.admit_replacements, replacement=replacement)
+                      admit_replacements=comm.admit_replacements, replacement=replacement,
+                      on_replaced=note_replaced(run_dir, comm.rank, replacement)
+                      if replacement and comm.role != "worker" else None)
         if comm.role == "worker":
             progress = Progress(run_dir / "progress.json" if comm.rank == 0 else None,
                                 cfg.steps if cfg.budget is None else None)

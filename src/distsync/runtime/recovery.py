@@ -226,34 +226,66 @@ def death_row(mark: dict[str, Any]) -> dict[str, Any]:
     """A row of the recovery record for a worker that died of a cause no injected fault
     explains (a signal from outside, the OOM killer, a lost host; or left behind as
     stalled), from the mark its death left (``RUN/dropped/``): ``step`` is the step it was
-    in (its journal's last step + 1), as an injected kill's is the step it fired at."""
+    in (its journal's last step + 1), as an injected kill's is the step it fired at; ``unix``
+    when it died (``died_unix``: when its supervising parent saw it; else the mark's time)."""
     last = mark.get("last_step")
     return {"spec": None, "kind": "kill", "cause": mark.get("signal"), "injected": False, "rank": mark["rank"],
-            "role": "worker", "step": 0 if last is None else last + 1, "last_step": last, "unix": mark["unix"],
+            "role": "worker", "step": 0 if last is None else last + 1, "last_step": last,
+            "unix": mark.get("died_unix", mark["unix"]), "attempt": mark.get("attempt", 0)}
+
+
+def role_death_row(mark: dict[str, Any], steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """A row for a server or coordinator that died of a cause no injected fault explains,
+    from its mark (``RUN/dead/``): ``step`` is the step the workers were in (the highest any
+    had finished before the death, + 1)."""
+    died = mark.get("died_unix", mark["unix"])
+    done = [e["step"] for e in steps if e["unix"] <= died]
+    return {"spec": None, "kind": "kill", "cause": mark.get("signal"), "injected": False, "rank": mark["rank"],
+            "role": mark.get("role", "server"), "step": max(done) + 1 if done else 0, "unix": died,
             "attempt": mark.get("attempt", 0)}
 
 
 def summarize_recovery(events: list[dict[str, Any]], faults: list[dict[str, Any]],
                        dropped: list[dict[str, Any]] | None = None,
-                       replaced: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                       replaced: list[dict[str, Any]] | None = None,
+                       dead: list[dict[str, Any]] | None = None,
+                       served: list[dict[str, Any]] | None = None,
+                       reforms: bool | None = None) -> dict[str, Any]:
     """Every death, injected (``faults``) or not, one row each (``faults``): for a kill that
     restarted the job, the step the job resumed from, the steps lost (the fault's step minus
     it) and the seconds from the kill until training resumed; or that the dead worker was
-    dropped and the others trained on (with the seconds from the death until they had
-    re-formed their group without it, ``went_on_s``, and the live workers after it); and for
-    a worker replaced by one that healed from a live peer (``replaced``: the marks it took
-    over), the step it joined at, the steps that rank lost (from the death to the join) and
-    ``healed_s`` (from the death until it trained).
+    dropped and the others trained on (``went_on_s``: from the death until the survivors had
+    re-formed their group without it, for solvers whose workers re-form groups, ``reforms``;
+    for the others, until a survivor finished a step the dead one had no part in; with the
+    live workers after it, for a new group); and for a worker replaced by one that healed
+    from a live peer (``replaced``: the marks it took over), the step it joined at, the steps
+    that rank lost (from the death to the join) and ``healed_s`` (from the death until it
+    trained).
+
+    Each row is timed from the death itself: when the dead process's supervising parent saw
+    it die (a mark's ``died_unix``), an injected kill's firing, or else its mark; for a
+    stalled worker, from when it stopped making progress (an injected stall's firing, or the
+    end of the last step its journal shows), with ``stalled_s`` from then until it was left
+    behind.
 
     A worker's death leaves a mark (``dropped``, or ``replaced`` once a replacement took it
     over); a mark that no injected fault explains (each fault explains one) is a death of
     its own: a row of kind ``kill`` with its ``cause`` (the signal, ``stalled``, or the exit
-    code of a replacement that failed) and ``injected`` false (:func:`death_row`)."""
+    code of a replacement that failed) and ``injected`` false (:func:`death_row`). A server's
+    or coordinator's death leaves one too (``dead``, each with its ``role``): its row says
+    whether a replacement took its place (``replaced``; ``healed_s`` until the replacement
+    served, from ``served``: when each started) or the job restarted (``restarted``,
+    ``resumed_from_step``)."""
     resumes = sorted((e for e in events if e["kind"] == "resume"), key=lambda e: e["unix"])
     joins = sorted((e for e in events if e["kind"] == "joined"), key=lambda e: e["unix"])
+    steps = sorted((e for e in events if e["kind"] == "step" and "unix" in e), key=lambda e: e["unix"])
     dropped = dropped or []
     replaced = replaced or []
+    dead = dead or []
+    served = served or []
     views = summarize_views(events)
+    if reforms is None:  # (a record of events alone: a solver whose workers re-form groups leaves views)
+        reforms = bool(views)
 
     def resumed(row: dict[str, Any], f: dict[str, Any], later_attempt: bool = False) -> None:
         # the attempt after the kill: the job resumed from its checkpoint's step (a worker
@@ -263,18 +295,60 @@ def summarize_recovery(events: list[dict[str, Any]], faults: list[dict[str, Any]
         nxt = [e for e in after if e.get("attempt") == min(a.get("attempt", 0) for a in after)] if after else []
         if nxt:
             step = max(e["step"] for e in nxt)
-            row.update(resumed_from_step=step, steps_lost=max(0, f["step"] - step),
+            row.update(restarted=True, resumed_from_step=step, steps_lost=max(0, f["step"] - step),
                        recovery_s=min(e["unix"] for e in nxt) - f["unix"])
+
+    def restart_after(died: float, attempt: int) -> float | None:
+        """When a later attempt of the job resumed after ``died`` (None: none did)."""
+        return next((e["unix"] for e in resumes if e["unix"] > died and e.get("attempt", 0) > attempt), None)
+
+    def first_step_after(died: float, rank: int, last_step: int | None, attempt: int) -> dict[str, Any] | None:
+        """The first step a worker other than ``rank`` finished after ``died`` (within that
+        attempt of the job) that the dead one had no part in: begun after the death, or one
+        beyond the dead worker's last step (a step of the same round, finished as it died, is
+        not going on without it)."""
+        until = restart_after(died, attempt)
+        for e in steps:
+            if e["unix"] <= died or e["rank"] == rank:
+                continue
+            if until is not None and e["unix"] >= until:
+                return None
+            began = e["unix"] - max(0.0, e.get("t", 0.0) - e.get("t0", e.get("t", 0.0)))
+            if began >= died or (last_step is not None and e["step"] > last_step):
+                return e
+        return None
+
+    def stalled_since(f: dict[str, Any], mark: dict[str, Any]) -> float:
+        """When a stalled worker stopped making progress: an injected stall fired; else the end
+        of its last step (its journal's, in the mark, or its events'); else when it was marked."""
+        if f["kind"] == "stall" and f.get("injected"):
+            return f["unix"]
+        if mark.get("last_step_unix") is not None:
+            return mark["last_step_unix"]
+        mine = [e["unix"] for e in steps if e["rank"] == mark["rank"] and e["step"] == mark.get("last_step")
+                and e["unix"] <= mark["unix"]]
+        return max(mine) if mine else mark["unix"]
 
     def went_on(row: dict[str, Any], f: dict[str, Any], mark: dict[str, Any]) -> None:
         row.update(dropped=True, dropped_at=mark["unix"])
-        # from the death: an injected kill's, or when a worker was found dead (its mark): a
-        # stalled one's wait for the timeout is no part of the others' going on
-        died = f["unix"] if f["kind"] == "kill" and row.get("injected") else mark["unix"]
-        after = [v for v in views if v["unix"] >= died and f["rank"] not in v["members"]]
+        if mark.get("signal") == "stalled":  # from when it stopped: the others' wait for the timeout counts
+            died = stalled_since(row, mark)
+            row.update(stalled_s=max(0.0, mark["unix"] - died))
+        elif "died_unix" in mark:  # (its supervising parent saw the death)
+            died = mark["died_unix"]
+        else:
+            died = f["unix"] if f["kind"] == "kill" and row.get("injected") else mark["unix"]
+        after = [v for v in views if v["unix"] >= died and f["rank"] not in v["members"]] if reforms else []
+        attempt = mark.get("attempt", 0)
+        # (no group to re-form, as for `local`: a survivor's step without it; a solver whose
+        # workers re-form groups and did not, before a restart, did not go on)
+        step = None if after or (reforms and restart_after(died, attempt) is not None) else \
+            first_step_after(died, f["rank"], mark.get("last_step"), attempt)
         if after:
-            row.update(went_on_s=after[0]["unix"] - died, live_workers=len(after[0]["members"]),
+            row.update(went_on_s=after[0]["unix"] - died, went_on_by="view", live_workers=len(after[0]["members"]),
                        steps_lost=0)
+        elif step is not None:
+            row.update(went_on_s=step["unix"] - died, went_on_by="step", steps_lost=0)
         else:  # the others did not go on without it (they failed trying): did the job restart?
             resumed(row, f, later_attempt=True)
         joined = [e for e in joins if e["rank"] == f["rank"] and e["unix"] >= died]
@@ -283,28 +357,44 @@ def summarize_recovery(events: list[dict[str, Any]], faults: list[dict[str, Any]
                        healed_from=joined[0]["from"],
                        replaced_rank_steps_lost=max(0, joined[0]["step"] - f["step"]))
 
-    marks = sorted(dropped + replaced, key=lambda m: m["unix"])
+    def role_went_on(row: dict[str, Any], f: dict[str, Any], mark: dict[str, Any]) -> None:
+        died = mark.get("died_unix", f["unix"] if row.get("injected") else mark["unix"])
+        row.update(dead_at=mark["unix"], replaced=bool(mark.get("replaced")))
+        if mark.get("replaced"):
+            n = mark.get("replacement")
+            came = [m for m in served if m["rank"] == mark["rank"] and m.get("attempt", 0) == mark.get("attempt", 0)
+                    and (m.get("replacement") == n if n is not None else m["unix"] >= died)]
+            if came:
+                row.update(healed_s=max(0.0, came[0]["unix"] - died))
+            step = first_step_after(died, mark["rank"], None, mark.get("attempt", 0))
+            if step is not None:  # (the workers' first step begun after the death and finished)
+                row.update(went_on_s=step["unix"] - died, went_on_by="step", steps_lost=0)
+        else:  # the job restarted (or ended) on it
+            resumed(row, f, later_attempt=True)
+
+    marks = sorted([(m, False) for m in dropped + replaced] + [(m, True) for m in dead], key=lambda m: m[0]["unix"])
     claimed: set[int] = set()
     rows = []
     for f in sorted(faults, key=lambda f: f["unix"]):
         row = dict(f, injected=True)
-        mine = next((i for i, m in enumerate(marks) if i not in claimed and _claims(f, m)), None)
+        mine = next((i for i, (m, _) in enumerate(marks) if i not in claimed and _claims(f, m)), None)
         if mine is not None:
             claimed.add(mine)
-            row["cause"] = marks[mine].get("signal")
-            went_on(row, f, marks[mine])
+            mark, role = marks[mine]
+            row["cause"] = mark.get("signal")
+            (role_went_on if role else went_on)(row, f, mark)
         elif f["kind"] == "kill":
             resumed(row, f)
         rows.append(row)
-    for i, m in enumerate(marks):
+    for i, (m, role) in enumerate(marks):
         if i not in claimed:  # a death no injected fault explains
-            row = death_row(m)
-            went_on(row, row, m)
+            row = role_death_row(m, steps) if role else death_row(m)
+            (role_went_on if role else went_on)(row, row, m)
             rows.append(row)
     rows.sort(key=lambda r: r["unix"])
     return {"faults": rows, "restarts": max([e.get("attempt", 0) for e in resumes] + [0]),
             "resumed_from_steps": [e["step"] for e in resumes if e["rank"] == 0], "dropped": dropped,
-            "replaced": replaced, "views": views}
+            "replaced": replaced, "dead": dead, "views": views}
 
 
 class EventJournal(list):

@@ -72,6 +72,10 @@ class ServeContext:
     #: the workers over channels of its own and takes its state from them
     #: (:attr:`Solver.replaces_roles`)
     replacement: int = 0
+    #: (a replacement) to call once it serves: when its first channel with a worker is open;
+    #: it leaves the time for the run's recovery record (``healed_s``). Once is enough: later
+    #: calls do nothing. None: not a replacement, or nobody records it
+    on_replaced: Callable[[], None] | None = None
     #: where this process keeps its shard and the optimizer's state (``--server-device``);
     #: messages reach it in host memory (comm/devices.py)
     device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))

@@ -441,6 +441,8 @@ class Ripples(Solver):
                         over=lambda: comm.store_check(f"{DONE}{worker}")):
                     on_request(worker, OP_DONE, -1)
                     return
+                if ctx.replacement and ctx.on_replaced is not None:
+                    ctx.on_replaced()  # (it serves: the first channel is open)
                 while True:
                     comm.recv(head, worker, tag=TAG_COORD_REQ)
                     op, value = (int(v) for v in head)
