@@ -116,6 +116,8 @@ class ServerSolver(Solver):
             shard.saved_index = int(ctx.restored.get("index", 0))
         if ctx.replacement:  # a dead server's replacement: the center from the workers' copies
             shard.rebuild(ctx.replacement)
+            if ctx.on_replaced is not None:
+                ctx.on_replaced()  # (the recovery record's healed_s: from the death until now)
         self.run_server(shard)
 
     def server_state_dict(self, shard: ServerShard) -> dict:
