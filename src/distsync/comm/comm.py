@@ -102,7 +102,8 @@ class FailurePolicy:
       this rank.
     - ``admit_replacements``: a peer that serves workers from threads of its own lets a dead
       worker's replacement in.
-    - ``replaced_ranks``: see below.
+    - ``replaced_ranks``: servers or coordinators whose death the workers wait out, as a
+      replacement takes their place while the job runs (``Solver.replaces_roles``).
     - ``views(comm)``: the live views of a job that re-forms its groups without the dead
       (``membership.views.Membership``), made once the comm is up.
     """
@@ -110,8 +111,6 @@ class FailurePolicy:
     watch: Callable[["Comm"], Any] | None = None
     drops_dead_peers: bool = False
     admit_replacements: bool = False
-    #: servers or coordinators whose death the workers wait out: a replacement takes their
-    #: place while the job runs (``Solver.replaces_roles``)
     replaced_ranks: frozenset = frozenset()
     views: Callable[["Comm"], Any] | None = None
 
@@ -164,16 +163,16 @@ class _Waiters:
                 self._idle += 1
 
 
-_waiters: _Waiters | None = None
+_waiters: tuple[int, _Waiters] | None = None  # (the process it serves, and the pool)
 _waiters_lock = threading.Lock()
 
 
 def _waiter_pool() -> _Waiters:
     global _waiters
-    with _waiters_lock:  # (made in the process that uses it: no thread crosses a fork)
-        if _waiters is None:
-            _waiters = _Waiters()
-        return _waiters
+    with _waiters_lock:  # (a forked process's threads did not come with it: a pool of its own)
+        if _waiters is None or _waiters[0] != os.getpid():
+            _waiters = (os.getpid(), _Waiters())
+        return _waiters[1]
 
 
 class Pending:
