@@ -54,3 +54,10 @@ def typed(exc: BaseException, message: str, peer: int | None = None) -> CommErro
     if kind is PeerDied:
         return PeerDied(message, peer)
     return kind(message)
+
+
+def wrote_its_own_error(message: str) -> bool:
+    """Whether a failed process's record (torch's elastic agent's, from its error file) holds
+    the error the process raised, rather than the agent's placeholder for a process that left
+    none (killed by a signal, or ended without one)."""
+    return bool(message) and "To enable traceback" not in message and not message.startswith("Signal ")

@@ -18,6 +18,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
+from distsync.comm.failures import wrote_its_own_error
 from distsync.config import RunConfig, parse_link
 from distsync.errors import (CommTimeout, ConfigError, DistsyncError, Excluded, Interrupted, PeerDied, PeerLost,
                              PeerStalled, WorkerFailed)
@@ -113,7 +114,7 @@ def _failure_message(failures: dict[int, Any], role_of: list[str]) -> str:
             msg = msg.get("message", "")
         msg = str(msg or "")
         sig = f.signal_name() if f.exitcode < 0 else ""
-        if msg and "To enable traceback" not in msg and not msg.startswith("Signal "):
+        if wrote_its_own_error(msg):
             # The process wrote its own error before it ended: that is the cause.
             head, _, rest = msg.partition(": ")  # (torch's record: "ExceptionClass: message")
             text = rest if rest and (head.endswith(("Error", "Failed", "Exception")) or head in _TYPED) else msg
