@@ -306,7 +306,7 @@ def bad_input(out: Path) -> list[dict]:
     config_case("config: a wrong type", {"workers": "two"}, "config field workers must be an integer")
     config_case("config: an unknown key", {"wrokers": 2}, "unknown config field(s): wrokers")
     one_line_case("an absurd size: 100,000 workers", "train", "--workers", "100000", "--out", str(out / "absurd"),
-                  want="use fewer --workers")
+                  want="--workers 44 or fewer")
     one_line_case("an absurd size: a batch of 10^15", "train", "--batch-size", str(10**15), "--out",
                   str(out / "absurd-batch"), want="fewer than the batch size")
     jobs = out / "jobs.toml"
