@@ -614,7 +614,7 @@ def test_train_worker_in_one_process_events_and_hook_order(tmp_path):
     assert [e["kind"] for e in events] == ["start"] + ["step"] * 3 + ["eval"] + ["step"] * 3 + ["done", "eval"]
     step = events[1]
     assert list(step) == ["kind", "rank", "step", "t0", "t", "loss", "samples", "compute", "comm", "wait", "bytes",
-                          "thread"]
+                          "thread", "unix"]
     assert all(e["compute"] >= 0.02 for e in events if e["kind"] == "step")  # the emulated device's time
     done = events[-2]
     assert list(done) == ["kind", "rank", "t", "close_s", "slept_s", "bytes"] and done["slept_s"] > 0
