@@ -414,7 +414,11 @@ class Ripples(Solver):
         if self.coordinator is not None:
             # (said in the job's store first: a replacement coordinator does not wait for it)
             self.comm.store_set(f"{DONE}{self.comm.rank}", "1")
-            self._ask(torch.tensor([OP_DONE, -1], dtype=torch.int64), None)
+            try:
+                self.comm.send(torch.tensor([OP_DONE, -1], dtype=torch.int64), self.coordinator, tag=TAG_COORD_REQ)
+            except (PeerDied, PeerStalled):
+                if self.coordinator not in self.comm.policy.replaced_ranks:
+                    raise  # (else its replacement, if one comes, finds the goodbye in the store)
 
     # ---- coordinator (Group Generator) -------------------------------------------------
     def serve(self, role, comm, ctx):
