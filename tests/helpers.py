@@ -315,3 +315,26 @@ class SignalRank(threading.Thread):
             os.kill(pid, self.sig)
             self.sent_at = time.time()
             return
+
+
+def worker_steps(out: Path, rank: int) -> list[int]:
+    """The steps worker ``rank`` of the finished run in ``out`` did (its step events)."""
+    import json
+
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    return sorted(e["step"] for e in events if e["kind"] == "step" and e["rank"] == rank)
+
+
+def train_signalled(out: Path, rank: int, at: int, sig: int, *args: str, watch: int = 0,
+                    **kwargs: Any) -> tuple[subprocess.CompletedProcess, SignalRank]:
+    """``distsync train ARGS --out OUT``, with ``sig`` sent to rank ``rank``'s process from
+    outside once worker ``watch``'s journal shows step ``at`` (:class:`SignalRank`); the
+    finished process and the sender (``sent_at`` None: it was never sent)."""
+    sender = SignalRank(out, rank, at, sig, watch)
+    sender.start()
+    try:
+        proc = run_cli("train", *args, "--out", str(out), **kwargs)
+    finally:
+        sender.stop.set()
+        sender.join()
+    return proc, sender

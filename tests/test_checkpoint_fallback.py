@@ -11,6 +11,7 @@ import torch
 from distsync.config import RunConfig
 from distsync.runtime.checkpoint import CheckpointStore, fingerprint, sha256_of
 from helpers import run_cli
+from helpers import worker_steps as _steps_of
 
 ROLES = ["worker", "worker", "server"]
 
@@ -74,10 +75,6 @@ def test_loading_an_unloadable_part_says_why_in_one_line_without_torch_s_advice(
         _store(tmp_path, 0).load(1)
     assert "posix.getcwd" in str(e.value) and "weights_only" not in str(e.value) and "\n" not in str(e.value)
 
-
-def _steps_of(run: Path, rank: int) -> list[int]:
-    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
-    return sorted(e["step"] for e in events if e["kind"] == "step" and e["rank"] == rank)
 
 
 @pytest.mark.slow

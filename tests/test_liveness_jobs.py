@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import SignalRank, run_cli
+from helpers import SignalRank, run_cli, train_signalled
+from helpers import worker_steps as _steps
 
 #: one solver of each family, on emulated devices (a step's device time is fixed)
 FAMILIES = [["--solver", "allreduce"], ["--solver", "async-ps"], ["--solver", "ad-psgd"],
@@ -20,23 +21,14 @@ FAMILIES = [["--solver", "allreduce"], ["--solver", "async-ps"], ["--solver", "a
 
 
 def _run(out: Path, *args: str, sig: int | None = None, rank: int = 1, at: int = 15) -> tuple:
-    sender = SignalRank(out, rank, at, sig) if sig is not None else None
-    if sender:
-        sender.start()
     t0 = time.monotonic()
-    try:
-        proc = run_cli("train", "--workload", "digits", "--workers", "3", "--out", str(out), *args)
-    finally:
-        if sender:
-            sender.stop.set()
-            sender.join()
+    args = ("--workload", "digits", "--workers", "3", *args)
+    if sig is not None:
+        proc, sender = train_signalled(out, rank, at, sig, *args)
+    else:
+        proc, sender = run_cli("train", *args, "--out", str(out)), None
     summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
     return proc, summary, sender, time.monotonic() - t0
-
-
-def _steps(out: Path, rank: int) -> list[int]:
-    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
-    return sorted(e["step"] for e in events if e["kind"] == "step" and e["rank"] == rank)
 
 
 @pytest.mark.slow

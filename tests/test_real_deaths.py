@@ -3,82 +3,30 @@ reported as injected kills are: a row in ``summary.json``'s ``recovery`` per dea
 console line that says what became of the job."""
 
 import json
-import os
 import signal
-import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from distsync.runtime.recovery import summarize_recovery
-from helpers import rank_processes, run_cli
+from helpers import SignalRank, run_cli, train_signalled
+from helpers import worker_steps as _steps
 
 
-def _last_step(journal: Path) -> int:
-    steps = []
-    try:
-        lines = journal.read_text().splitlines()
-    except OSError:
-        return -1
-    for line in lines:
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue
-        if event.get("kind") == "step":
-            steps.append(event["step"])
-    return max(steps, default=-1)
-
-
-class _Killer(threading.Thread):
-    """Kills worker ``rank``'s process proper (not its supervising parent) with SIGKILL once
-    its journal shows step ``at``, from outside the job, as an operator or the OOM killer
-    would."""
-
-    def __init__(self, out: Path, rank: int, at: int):
-        super().__init__(daemon=True)
-        self.journal = out / "journal" / f"rank-{rank}.jsonl"
-        self.rank, self.at = rank, at
-        self.killed_after: int | None = None
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        deadline = time.monotonic() + 50
-        while not self.stop.wait(0.01) and time.monotonic() < deadline:
-            step = _last_step(self.journal)
-            if step < self.at:
-                continue
-            pid = rank_processes(os.getpid()).get(self.rank)
-            if pid is None:
-                continue
-            os.kill(pid, signal.SIGKILL)
-            self.killed_after = _last_step(self.journal)
-            return
-
-
-def _train_and_kill(out: Path, *args: str, rank: int = 1, at: int = 20) -> tuple[int, str, dict, _Killer]:
-    killer = _Killer(out, rank, at)
-    killer.start()
-    try:
-        proc = run_cli("train", "--workers", "3", "--steps", "100", "--device-ms", "30", "--out", str(out), *args)
-    finally:
-        killer.stop.set()
-        killer.join()
+def _train_and_kill(out: Path, *args: str, rank: int = 1, at: int = 20) -> tuple[int, str, dict, SignalRank]:
+    """Kill worker ``rank``'s process proper (not its supervising parent) with SIGKILL once its
+    journal shows step ``at``, from outside the job, as an operator or the OOM killer would."""
+    proc, killer = train_signalled(out, rank, at, signal.SIGKILL, "--workers", "3", "--steps", "100",
+                                   "--device-ms", "30", *args, watch=rank)
     summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
     return proc.returncode, proc.stderr, summary, killer
-
-
-def _steps(out: Path, rank: int) -> list[int]:
-    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
-    return sorted(e["step"] for e in events if e["kind"] == "step" and e["rank"] == rank)
 
 
 @pytest.mark.slow
 def test_a_worker_killed_from_outside_is_a_row_of_the_recovery_record(tmp_path):
     code, err, s, killer = _train_and_kill(tmp_path, "--solver", "allreduce")
     assert code == 0, err
-    assert killer.killed_after is not None, "the worker was never killed"
+    assert killer.sent_at is not None, "the worker was never killed"
     [row] = s["recovery"]["faults"]
     last = row["last_step"]
     assert last >= 20 and row["step"] == last + 1
@@ -96,7 +44,7 @@ def test_a_worker_killed_from_outside_is_a_row_of_the_recovery_record(tmp_path):
 def test_a_worker_killed_from_outside_and_healed_says_when_its_replacement_joined(tmp_path):
     code, err, s, killer = _train_and_kill(tmp_path, "--solver", "allreduce", "--max-restarts", "1")
     assert code == 0, err
-    assert killer.killed_after is not None, "the worker was never killed"
+    assert killer.sent_at is not None, "the worker was never killed"
     [row] = s["recovery"]["faults"]
     assert (row["kind"], row["cause"], row["rank"], row["injected"]) == ("kill", "SIGKILL", 1, False), row
     assert row["dropped"] is True and row["replaced"] is True and row["steps_lost"] == 0, row
@@ -353,16 +301,8 @@ def test_the_marks_a_death_leaves(tmp_path):
 
 @pytest.mark.slow
 def test_a_worker_of_a_solver_without_groups_killed_from_outside_is_timed_to_the_others_next_step(tmp_path):
-    from helpers import SignalRank
-
-    sender = SignalRank(tmp_path, 1, 20, signal.SIGKILL, watch=1)
-    sender.start()
-    try:
-        proc = run_cli("train", "--workers", "3", "--steps", "100", "--device-ms", "20", "--solver", "async-ps",
-                       "--out", str(tmp_path))
-    finally:
-        sender.stop.set()
-        sender.join()
+    proc, sender = train_signalled(tmp_path, 1, 20, signal.SIGKILL, "--workers", "3", "--steps", "100",
+                                   "--device-ms", "20", "--solver", "async-ps", watch=1)
     assert proc.returncode == 0, proc.stderr
     assert sender.sent_at is not None, "the worker was never killed"
     s = json.loads((tmp_path / "summary.json").read_text())
@@ -376,16 +316,8 @@ def test_a_worker_of_a_solver_without_groups_killed_from_outside_is_timed_to_the
 
 @pytest.mark.slow
 def test_a_stopped_worker_s_row_counts_the_others_wait(tmp_path):
-    from helpers import SignalRank
-
-    sender = SignalRank(tmp_path, 1, 15, signal.SIGSTOP, watch=1)
-    sender.start()
-    try:
-        proc = run_cli("train", "--workers", "3", "--steps", "80", "--device-ms", "20", "--solver", "allreduce",
-                       "--timeout", "2", "--out", str(tmp_path))
-    finally:
-        sender.stop.set()
-        sender.join()
+    proc, sender = train_signalled(tmp_path, 1, 15, signal.SIGSTOP, "--workers", "3", "--steps", "80",
+                                   "--device-ms", "20", "--solver", "allreduce", "--timeout", "2", watch=1)
     assert proc.returncode == 0, proc.stderr
     s = json.loads((tmp_path / "summary.json").read_text())
     [row] = s["recovery"]["faults"]
@@ -398,16 +330,9 @@ def test_a_stopped_worker_s_row_counts_the_others_wait(tmp_path):
 
 @pytest.mark.slow
 def test_a_coordinator_killed_from_outside_and_replaced_is_a_row_of_the_recovery_record(tmp_path):
-    from helpers import SignalRank
-
-    sender = SignalRank(tmp_path, 3, 20, signal.SIGKILL)
-    sender.start()
-    try:
-        proc = run_cli("train", "--workers", "3", "--steps", "100", "--device-ms", "20", "--solver", "ripples",
-                       "--schedule", "smart", "--max-restarts", "1", "--out", str(tmp_path))
-    finally:
-        sender.stop.set()
-        sender.join()
+    proc, sender = train_signalled(tmp_path, 3, 20, signal.SIGKILL, "--workers", "3", "--steps", "100",
+                                   "--device-ms", "20", "--solver", "ripples", "--schedule", "smart",
+                                   "--max-restarts", "1")
     assert proc.returncode == 0, proc.stderr
     assert sender.sent_at is not None, "the coordinator was never killed"
     s = json.loads((tmp_path / "summary.json").read_text())
@@ -435,17 +360,9 @@ def test_an_injected_coordinator_kill_is_one_row_with_its_replacement_s_time(tmp
 
 @pytest.mark.slow
 def test_a_coordinator_killed_from_outside_without_a_replacement_is_the_restart_it_became(tmp_path):
-    from helpers import SignalRank
-
-    sender = SignalRank(tmp_path, 3, 25, signal.SIGKILL)
-    sender.start()
-    try:
-        proc = run_cli("train", "--workers", "3", "--steps", "60", "--device-ms", "20", "--solver", "ripples",
-                       "--schedule", "smart", "--on-failure", "restart", "--max-restarts", "1",
-                       "--checkpoint-every", "10", "--out", str(tmp_path))
-    finally:
-        sender.stop.set()
-        sender.join()
+    proc, sender = train_signalled(tmp_path, 3, 25, signal.SIGKILL, "--workers", "3", "--steps", "60",
+                                   "--device-ms", "20", "--solver", "ripples", "--schedule", "smart",
+                                   "--on-failure", "restart", "--max-restarts", "1", "--checkpoint-every", "10")
     assert proc.returncode == 0, proc.stderr
     assert sender.sent_at is not None, "the coordinator was never killed"
     s = json.loads((tmp_path / "summary.json").read_text())

@@ -15,6 +15,7 @@ from distsync.solvers.shard_service import (OP_DONE, OP_EXCHANGE, OP_PUSH, TAG_H
                                             TAG_PAYLOAD, TAG_REPLY, TAG_REPLY_HEADER, Offer, PSClient, Request,
                                             ServerShard, choose_copy)
 from helpers import run_cli
+from helpers import worker_steps as _steps
 
 
 # ---- the rule, in-process ---------------------------------------------------------------
@@ -173,10 +174,6 @@ def _train(out: Path, *args: str, steps: int = STEPS) -> tuple[int, str, dict]:
     summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
     return proc.returncode, proc.stderr, summary
 
-
-def _steps(out: Path, rank: int) -> list[int]:
-    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
-    return sorted(e["step"] for e in events if e["kind"] == "step" and e["rank"] == rank)
 
 
 @pytest.mark.slow
