@@ -3,18 +3,23 @@ import pytest
 from distsync.metrics import eval_curve, split_collective_wait, summarize
 
 
-def step(rank, s, t0, t, compute, comm, wait=0.0, samples=10, nbytes=100):
-    return {"kind": "step", "rank": rank, "step": s, "t0": t0, "t": t, "loss": 1.0, "samples": samples,
-            "compute": compute, "comm": comm, "wait": wait, "bytes": nbytes}
+def step(rank, s, t0, t, compute, comm, wait=0.0, samples=10, nbytes=100, meet=None):
+    e = {"kind": "step", "rank": rank, "step": s, "t0": t0, "t": t, "loss": 1.0, "samples": samples,
+         "compute": compute, "comm": comm, "wait": wait, "bytes": nbytes}
+    if meet is not None:
+        e["meet"] = meet  # the step met the others in a blocking collective (its key)
+    return e
 
 
 def test_split_collective_wait_moves_excess_over_fastest_to_wait():
-    events = [step(0, 0, 0.0, 1.0, 0.2, 0.8), step(1, 0, 0.0, 1.0, 0.9, 0.1),
-              step(0, 1, 1.0, 2.0, 0.5, 0.5), step(1, 1, 1.0, 2.0, 0.6, 0.3, wait=0.1)]
+    events = [step(0, 0, 0.0, 1.0, 0.2, 0.8, meet="0"), step(1, 0, 0.0, 1.0, 0.9, 0.1, meet="0"),
+              step(0, 1, 1.0, 2.0, 0.5, 0.5, meet="1"), step(1, 1, 1.0, 2.0, 0.6, 0.3, wait=0.1, meet="1"),
+              step(0, 2, 2.0, 3.0, 0.5, 0.4), step(1, 2, 2.0, 3.0, 0.6, 0.1)]  # (no meeting: as they are)
     out = split_collective_wait(events)
     assert [(e["comm"], e["wait"]) for e in out] == [
         (pytest.approx(0.1), pytest.approx(0.7)), (pytest.approx(0.1), pytest.approx(0.0)),
         (pytest.approx(0.3), pytest.approx(0.2)), (pytest.approx(0.3), pytest.approx(0.1)),
+        (0.4, 0.0), (0.1, 0.0),
     ]
     assert events[0]["comm"] == 0.8  # inputs untouched
 

@@ -1,7 +1,9 @@
 """Turn the per-step events of every worker into a run's summary.
 
 Events are dicts. A step event: ``{"kind": "step", "rank", "step", "t0", "t", "loss",
-"samples", "compute", "comm", "wait", "bytes"}``; an eval event: ``{"kind": "eval", "rank",
+"samples", "compute", "comm", "wait", "bytes"}`` and, when the step met other workers in a
+blocking collective, ``"meet"`` (equal across that meeting's members: see
+:func:`split_collective_wait`); an eval event: ``{"kind": "eval", "rank",
 "step", "t", "metric", "loss"}``. Times are seconds on each worker's training clock, which
 starts at a common barrier and stops while that worker evaluates.
 """
@@ -16,23 +18,26 @@ PHASES = ("compute", "comm", "wait")
 
 
 def split_collective_wait(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """For solvers with one blocking collective per step: split exposed communication.
+    """Waiting at collective meetings: split each member's exposed communication.
 
-    In a collective every worker leaves at about the same moment, so the worker that arrived
-    last saw only the transfer itself. Per step, the smallest exposed communication among
-    workers is counted as transfer for everyone, and each worker's excess over it as time
-    spent waiting for the slowest worker. Returns new event dicts.
+    A step event with a ``meet`` key held a blocking collective meeting in its exposed
+    communication (an all-reduce of all workers, a server round, a group's all-reduce); the
+    key is equal across the meeting's members and differs between meetings. In a collective
+    every member leaves at about the same moment, so the member that arrived last saw only
+    the transfer itself. Per meeting, the smallest exposed communication among its members
+    is counted as transfer for each of them, and each member's excess over it as time spent
+    waiting for the slowest member. Events without a key are left as they are (their solver
+    reports its own waiting). Returns new event dicts.
     """
-    by_step: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    floor: dict[Any, float] = {}
     for e in events:
-        if e["kind"] == "step":
-            by_step[e["step"]].append(e)
+        if e["kind"] == "step" and e.get("meet") is not None:
+            floor[e["meet"]] = min(floor.get(e["meet"], e["comm"]), e["comm"])
     out = []
-    floor = {s: min(e["comm"] for e in es) for s, es in by_step.items()}
     for e in events:
-        if e["kind"] == "step":
+        if e["kind"] == "step" and e.get("meet") is not None:
             e = dict(e)
-            excess = e["comm"] - floor[e["step"]]
+            excess = e["comm"] - floor[e["meet"]]
             e["comm"] -= excess
             e["wait"] += excess
         out.append(e)

@@ -154,12 +154,13 @@ def train_thread(run: RunState, t: int) -> None:
                     raise
                 s.wait_s += _seconds(_go_on_without, run, s, lost)
         solver_wait_s = solver.clock.take_wait()
+        meet = solver.clock.take_meeting()  # (a blocking collective's meeting: waiting beyond its fastest member's)
         s.loss = run.last_loss = _finite_loss(run, loss, s.step)
         run.events.append({
             "kind": "step", "rank": run.rank, "step": s.step, "t0": s.t0, "t": run.clock.now(), "loss": s.loss,
             "samples": len(y), "compute": s.compute_s, "comm": max(0.0, s.comm_s - solver_wait_s),
             "wait": solver_wait_s + s.wait_s, "bytes": run.bytes_since_last(), "thread": t, "unix": time.time(),
-            **s.event_extra,
+            **({"meet": meet} if meet is not None else {}), **s.event_extra,
         })
         s.metric = runner.meet(run, s.done)  # evaluation and checkpoints, with every thread stopped
         hooks.on_step_end(run, s)

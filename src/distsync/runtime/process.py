@@ -296,8 +296,7 @@ def write_results(run: ResolvedRun, run_dir: Path, events: list[dict[str, Any]],
     ``workload``: a Workload, or its :func:`workload_meta`."""
     cfg = run.config
     meta = workload if isinstance(workload, dict) else workload_meta(workload)
-    if solver.collective_per_step:
-        events = split_collective_wait(events)
+    events = split_collective_wait(events)  # (steps that met others in a collective: their `meet`)
     events.sort(key=lambda e: (e.get("t", 0.0), e["rank"]))
     with open(run_dir / "events.jsonl", "w") as f:
         for e in events:

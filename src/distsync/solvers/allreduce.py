@@ -141,6 +141,7 @@ class AllReduce(GradientMeanSimulation, Solver):
         self._next += 1
 
     def after_backward(self, step: int) -> None:
+        self.clock.meeting(str(step))  # every worker waits here for the step's all-reduce
         # Parameters that took no part in this step's graph contribute zeros, as on the others.
         for b in self.buckets[self._next :]:
             if b.waiting_for:

@@ -99,8 +99,11 @@ class PhaseClock:
 
     The loop charges each hook's time to ``comm``; inside a hook, a solver moves time it
     spent blocked on a peer (a lock, a slow worker, a server queue) to ``wait`` with
-    ``with clock.waiting(): ...``. Seconds, from ``time.perf_counter``; kept per thread, so
-    Hogwild training threads each account for their own steps.
+    ``with clock.waiting(): ...``. Waiting inside a blocking collective cannot be timed
+    apart from the transfer on one worker: a solver whose step meets others in one says so
+    with ``clock.meeting(key)``, and the summary counts each member's exposed communication
+    beyond the fastest member's as waiting. Seconds, from ``time.perf_counter``; kept per
+    thread, so Hogwild training threads each account for their own steps.
     """
 
     def __init__(self) -> None:
@@ -119,14 +122,30 @@ class PhaseClock:
         self._local.waited = 0.0
         return w
 
+    def meeting(self, key: str) -> None:
+        """This thread's step meets other workers in a blocking collective (its exposed
+        communication holds the meeting). ``key`` is equal across the meeting's members and
+        differs between meetings: for a whole-group collective at step s, ``str(s)``; for a
+        group of some workers, its members and a sequence number they agree on. The loop
+        copies it into the step event as ``meet``; the run's summary counts each member's
+        exposed communication beyond the fastest member's as waiting for the slowest
+        (:func:`distsync.metrics.split_collective_wait`)."""
+        self._local.meet = key
+
+    def take_meeting(self) -> str | None:
+        key = getattr(self._local, "meet", None)
+        self._local.meet = None
+        return key
+
 
 class Solver:
     """Base class: synchronizes nothing; subclasses override the hooks they need."""
 
     name: ClassVar[str] = ""
     Options: ClassVar[type] = NoOptions
-    #: True when every worker blocks in one collective per step, so a worker's exposed
-    #: communication beyond the fastest worker's is time spent waiting for the slowest.
+    #: True when every worker meets the others in a collective at every step: the buffers
+    #: are then synchronized at each step's start (:meth:`begin_step`). (Waiting at a
+    #: meeting is accounted for by the step's meeting key, :meth:`PhaseClock.meeting`.)
     collective_per_step: ClassVar[bool] = False
     #: True when the others can train on after a worker's process dies (its peers are
     #: servers that serve each worker on its own): the job drops it instead of restarting

@@ -120,6 +120,7 @@ class DDP(GradientMeanSimulation, Solver):
             self.ddp.register_comm_hook(self.comm.worker_group, self._hook)
 
     def after_backward(self, step: int) -> None:
+        self.clock.meeting(str(step))  # (DDP's all-reduce, whose last bucket ends inside backward)
         if self.comm.membership is None:  # (the comm layer counts the live hook's bytes)
             self.comm.count_bytes(self._bytes_per_step)
 

@@ -355,6 +355,7 @@ class Ripples(Solver):
         self.broken = 0
         self.group_wait_s = 0.0
         self.sizes: Counter = Counter()
+        self.met: Counter = Counter()  # per group (worker indices): the meetings of it so far
         return model
 
     def _next_group(self, step: int) -> tuple[int, ...]:
@@ -403,6 +404,10 @@ class Ripples(Solver):
         if len(group) < 2:
             self.alone += 1
             return
+        # The group's meeting: its members, and how often they met as this group before
+        # (every member is sent each group it is in, so they all count alike).
+        self.met[group] += 1
+        self.clock.meeting(f"ripples:{'-'.join(map(str, group))}#{self.met[group]}")
         flat = self.view.flat()
         if not self.comm.partial_all_reduce(flat, [self.comm.worker_ranks[i] for i in group]):
             self.broken += 1  # a member had died: the model stays as it was

@@ -258,7 +258,7 @@ class FrEASGD(HogwildThreads, AsyncEASGD):
 class SyncEASGD(Solver):
     name = "sync-easgd"
     Options = SyncElasticOptions
-    collective_per_step = True
+    collective_per_step = False  # (it meets every tau steps: those steps carry a meeting key)
     reforms_without_dead = True
     heals_from_peer = True
     # The center's buffers are the workers' average at each exchange (a center that never
@@ -298,6 +298,7 @@ class SyncEASGD(Solver):
         x = mine.flat()
         total = x.clone()  # a failed all-reduce leaves the model and center as they were
         group = self.comm.worker_group
+        self.clock.meeting(str(step))
         self.comm.all_reduce(total, group=group)
         c = center.flat()
         sync_elastic_update(x, c, total, self.comm.group_size(group), self.alpha)

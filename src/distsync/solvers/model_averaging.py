@@ -117,6 +117,7 @@ class AveragingSolver(HogwildThreads, Solver):
                 return
             mean = self.state_view.flat()  # a copy: a failed all-reduce leaves the model as it was
             group = self.comm.worker_group
+            self.clock.meeting(str(step))
             self.comm.all_reduce(mean, group=group)
             mean.div_(self.comm.group_size(group))
             self.state_view.assign(self._combine(mean))

@@ -362,6 +362,7 @@ class SyncPS(GradientServerSolver):
 
     def after_backward(self, step):
         c = self.client
+        self.clock.meeting(str(step))  # the servers' round waits for every worker's push
         for view, vec in zip(c.views, c.push_and_receive(step, [v.flat_grad() for v in c.views])):
             view.assign(vec)
 
