@@ -486,8 +486,18 @@ def test_forgetting_a_checkpoint_whose_folder_another_rank_just_removed_is_no_er
     _write_all(tmp_path, 1, 1.0)
     (tmp_path / store.folder(2).name).mkdir()
 
+    listed = []
+
     def gone(self, pattern):
+        listed.append(Path(self).name)
         raise FileNotFoundError(str(self))
 
     monkeypatch.setattr(Path, "glob", gone)
     store.forget_after(1)  # (ckpt 2's folder vanishes between the listing and the glob)
+    monkeypatch.undo()
+    # only checkpoint 2 was looked into (the one newer than 1), its vanishing was no error, and
+    # checkpoint 1 is left whole: every rank's part still loads
+    assert listed == [store.folder(2).name]
+    assert store.indices() == [1, 2] and store.check(1) is None
+    for rank in range(len(ROLES)):
+        assert torch.equal(_store(tmp_path, rank).load(1)["x"], torch.full((4,), 1.0))

@@ -99,6 +99,7 @@ def test_async_easgd_exchanges_with_the_center_in_arrival_order(solver, options)
         for n, p in params[w].items():
             p.grad = g[n]
         opts[w].step()
+        evaluated = {n: c.clone() for n, c in center.items()}  # (the center when the last step is done)
         if (k + 1) % 2 == 0:
             with torch.no_grad():
                 for n in center:
@@ -106,7 +107,15 @@ def test_async_easgd_exchanges_with_the_center_in_arrival_order(solver, options)
     res = _run(solver, {"tau": 2, "alpha": alpha, **options}, 2, 4, {1: 2.5})
     for w in range(2):
         _close({n: res.params[n][w] for n in res.params}, {n: p.detach() for n, p in params[w].items()})
-    assert res.curve[-1]["metric"] > 0  # evaluated on the center
+    _close(res.center, center)
+    # The one evaluation is on the center (not the replicas), as it stands when the 8th step is
+    # done: worker 1's last exchange has not landed yet (that evaluation is the curve's last
+    # point; the center reported above is after it).
+    x_eval, y_eval = d.w.take(d.w.eval_data, torch.arange(len(d.w.eval_data[1])))
+    with torch.no_grad():
+        on_center = d.w.metric_fn(functional_call(d.model, evaluated, (x_eval,)), y_eval)
+    assert [p["step"] for p in res.curve] == [3]
+    assert res.curve[-1]["metric"] == pytest.approx(on_center, abs=1e-9)
 
 
 def test_smart_groups_of_equally_fast_workers_average_every_step():

@@ -1,0 +1,474 @@
+"""Mutation probe: does the fast suite catch a broken update rule?
+
+Each mutation below breaks one rule of one solver (or of the simulator's train mode) by
+replacing one exact piece of source text. For each, the probe copies ``src/`` to a temporary
+directory, applies that one change there (the working tree is never touched), and runs the
+FAST SUITE against the copy (``PYTHONPATH=<copy>/src``, ``-x -q -p no:cacheprovider``). The
+mutation is *caught* when the suite fails, and the first failing test is recorded. A run that
+passes the per-mutation timeout counts as caught only because it did not pass, and says
+``timeout`` (none did when the probe was last run; see the JSON).
+
+The fast suite first runs unmutated: if it fails there, the probe stops (a mutation caught by
+a suite that fails anyway proves nothing).
+
+Usage (from the repository root; the file is not collected by pytest, its name does not
+start with ``test_``)::
+
+    nice -n 19 .venv/bin/python tests/mutation_probe.py            # every mutation
+    .venv/bin/python tests/mutation_probe.py --list                # names, files, rules
+    nice -n 19 .venv/bin/python tests/mutation_probe.py --only ripples-group-mean-divides-by-k
+    nice -n 19 .venv/bin/python tests/mutation_probe.py --check    # every snippet applies exactly once
+
+The JSON result (default ``docs/benchmarks/raw/mutation_probe.json``) holds each mutation's
+outcome, the failing test's id, the suite, its unmutated run time and the provenance of the
+run (benchmarks/common.py); :func:`render` turns it into the markdown table of the docs page.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from common import provenance, write_results  # noqa: E402  (benchmarks/common.py)
+
+DEFAULT_OUT = REPO / "docs" / "benchmarks" / "raw" / "mutation_probe.json"
+TIMEOUT_S = 300
+
+#: The fast suite: the reference tests of the rules, hand-computed numbers first (a mutation
+#: they catch is caught in seconds), then the multi-process references and train mode.
+FAST_SUITE = [
+    "tests/test_rules.py",
+    "tests/test_sim_rules.py",
+    "tests/test_rule_references.py",
+    "tests/test_decentralized.py",
+    "tests/test_async_solvers.py",
+    "tests/test_background.py",
+    "tests/test_allreduce.py",
+    "tests/test_sim_ordered.py",
+    "tests/test_sim.py::test_train_mode_reproduces_the_real_solver",
+    "tests/test_sim.py::test_train_mode_adpsgd_averages_before_each_applies_its_own_gradient",
+]
+#: (the slow end-to-end tests stay out: the suite must say in minutes what the rules are)
+SUITE_MARKER = "not slow"
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    file: str  # under src/distsync
+    old: str  # exact source text, found exactly once
+    new: str
+    breaks: str  # the rule it breaks
+
+
+M = Mutation
+MUTATIONS: list[Mutation] = [
+    # ---- the pure rules (solvers/rules.py: the runtime and the simulator both call them) ----
+    M("rule-elastic-exchange-center-stays", "solvers/rules.py",
+      "    x.sub_(d)\n    center.add_(d)\n    return d",
+      "    x.sub_(d)\n    return d",
+      "elastic exchange: the center moves by +d (x~ <- x~ + alpha (x - x~))"),
+    M("rule-elastic-pull-skipped", "solvers/rules.py",
+      "    d = (x - center_seen).mul_(alpha)\n    x.sub_(d)\n",
+      "    d = (x - center_seen).mul_(alpha)\n",
+      "elastic pull: the worker moves by -d toward the center it was sent"),
+    M("rule-sync-easgd-center-without-p", "solvers/rules.py",
+      "center.add_((sum_x - center * workers).mul_(alpha))",
+      "center.add_((sum_x - center).mul_(alpha))",
+      "sync EASGD: x~ <- x~ + alpha (sum_i x_i - p x~)"),
+    M("rule-server-sgd-wrong-sign", "solvers/rules.py",
+      "    center.add_(grad, alpha=-lr)",
+      "    center.add_(grad, alpha=lr)",
+      "server SGD: x~ <- x~ - lr g"),
+    M("rule-server-momentum-ignored", "solvers/rules.py",
+      "    buf.mul_(mu).add_(grad)\n    center.add_(buf, alpha=-lr)",
+      "    buf.mul_(mu).add_(grad)\n    center.add_(grad, alpha=-lr)",
+      "server momentum: x~ <- x~ - lr * buf, buf <- mu buf + g"),
+    M("rule-pairwise-average-one-sided", "solvers/rules.py",
+      "    x.add_(y).mul_(0.5)\n    y.copy_(x)\n",
+      "    x.add_(y).mul_(0.5)\n",
+      "AD-PSGD averaging: both partners take (x_i + x_j) / 2"),
+    M("rule-bmuf-no-nesterov", "solvers/rules.py",
+      "    if nesterov:\n        w_start.add_(delta, alpha=block_momentum)",
+      "    if False:\n        w_start.add_(delta, alpha=block_momentum)",
+      "BMUF: the next block starts from the Nesterov look-ahead w_g + m Delta"),
+    M("rule-bmuf-no-block-momentum", "solvers/rules.py",
+      "    delta.mul_(block_momentum).add_(g, alpha=block_lr)",
+      "    delta.mul_(0.0).add_(g, alpha=block_lr)",
+      "BMUF: Delta <- m Delta + zeta G"),
+    M("rule-correction-overwrites", "solvers/rules.py",
+      "    live.add_(new - read)",
+      "    live.copy_(new)",
+      "background sync written back as a correction live + (new - read)"),
+    M("rule-hogwild-sgd-first-parameter-only", "solvers/rules.py",
+      "        for p, g in zip(params, grads):\n            p.add_(g, alpha=-lr)",
+      "        for p, g in zip(params[:1], grads):\n            p.add_(g, alpha=-lr)",
+      "Hogwild step: every parameter p <- p - lr g"),
+    M("rule-weight-decay-dropped", "solvers/rules.py",
+      "    g = grad.add(w, alpha=weight_decay) if weight_decay else grad",
+      "    g = grad",
+      "server update: g = grad + weight_decay * w"),
+    # ---- allreduce / ddp ----
+    M("allreduce-sum-not-mean", "solvers/allreduce.py",
+      "            b.flat.div_(live)",
+      "            b.flat.div_(1)",
+      "allreduce: every worker steps with the MEAN of the gradients"),
+    M("ddp-live-hook-sum-not-mean", "solvers/ddp.py",
+      "fut.set_result(buf.div_(size))",
+      "fut.set_result(buf)",
+      "ddp (live membership): the bucket's all-reduce is divided by the group size"),
+    # ---- periodic averaging: ma, bmuf, local ----
+    M("ma-mean-wrong-divisor", "solvers/model_averaging.py",
+      "            mean.div_(self.comm.group_size(group))",
+      "            mean.div_(self.comm.group_size(group) + 1)",
+      "ma: every `every` steps each model becomes the mean over the p workers"),
+    M("ma-never-syncs", "solvers/model_averaging.py",
+      "            if (step + 1) % self.options.every:\n                return",
+      "            if True:\n                return",
+      "ma: a synchronization every `every` steps"),
+    M("bmuf-momentum-of-one-worker", "solvers/model_averaging.py",
+      "o.momentum_for(len(self.comm.live_workers))",
+      "o.momentum_for(1)",
+      "bmuf: block momentum 1 - 1/p over the p live workers"),
+    M("local-averages-like-ma", "solvers/model_averaging.py",
+      'class Local(HogwildThreads, Solver):\n    """`local`',
+      'class Local(ModelAveraging):\n    Options = AverageOptions\n    """`local`',
+      "local: no synchronization at all (each worker's own sequential SGD)"),
+    # ---- elastic averaging ----
+    M("elastic-worker-pulls-against-the-moved-center", "solvers/elastic.py",
+      "        seen = shard.center.clone()\n        d = elastic_exchange(req.payload, shard.center, self.alpha)",
+      "        d = elastic_exchange(req.payload, shard.center, self.alpha)\n        seen = shard.center.clone()",
+      "elastic exchange: both halves use the center as it was before the exchange"),
+    M("ea-wild-worker-skips-its-pull", "solvers/elastic.py",
+      "                elastic_pull(x, seen, self.alpha)",
+      "                x if self.lock_free else elastic_pull(x, seen, self.alpha)",
+      "ea-wild: the worker moves toward the center (x_i <- x_i - alpha (x_i - x~))"),
+    M("async-measgd-without-nesterov", "solvers/elastic.py",
+      '            group["nesterov"] = m > 0',
+      '            group["nesterov"] = False',
+      "async-measgd: local Nesterov momentum"),
+    M("async-measgd-without-momentum", "solvers/elastic.py",
+      '            group["momentum"] = m\n',
+      '            group["momentum"] = 0.0\n',
+      "async-measgd: local momentum delta"),
+    M("sync-easgd-center-never-kept", "solvers/elastic.py",
+      "        mine.assign(x)\n        center.assign(c)\n",
+      "        mine.assign(x)\n",
+      "sync-easgd: the center moves by alpha sum_i (x_i - x~) at every exchange"),
+    M("fr-easgd-never-exchanges", "solvers/elastic.py",
+      '    name = "fr-easgd"\n    Options = FrEASGDOptions\n',
+      '    name = "fr-easgd"\n    Options = FrEASGDOptions\n\n    def after_update(self, step):\n        pass\n',
+      "fr-easgd: the elastic exchange every tau steps on the training thread"),
+    M("easgd-exchanges-every-step", "solvers/elastic.py",
+      "        if (step + 1) % self.options.tau == 0:\n            self._exchange(step)",
+      "        if True:\n            self._exchange(step)",
+      "easgd family: an exchange every tau steps, local SGD in between"),
+    # ---- parameter servers ----
+    M("sync-ps-sums-the-gradients", "solvers/parameter_server.py",
+      "grad = torch.stack([r.payload for r in reqs]).mean(dim=0)",
+      "grad = torch.stack([r.payload for r in reqs]).sum(dim=0)",
+      "sync-ps: the server steps with the mean of the round's gradients"),
+    M("async-ps-never-pulls", "solvers/parameter_server.py",
+      "        if step % self.options.n_fetch == 0:",
+      "        if step % self.options.n_fetch == 1:",
+      "async-ps: the worker pulls the center every n_fetch steps"),
+    M("async-ps-pushes-only-the-last-gradient", "solvers/parameter_server.py",
+      "                acc.add_(g)",
+      "                acc.copy_(g)",
+      "async-ps: a push carries the gradients summed over n_push steps"),
+    M("async-msgd-without-server-momentum", "solvers/parameter_server.py",
+      "    momentum: float | None = bounded(0.9, ge=0, lt=1)",
+      "    momentum: float | None = bounded(0.0, ge=0, lt=1)",
+      "async-msgd: momentum (0.9) on the server"),
+    M("server-momentum-option-ignored", "solvers/parameter_server.py",
+      "        return self.ctx.momentum if m is None else m",
+      "        return self.ctx.momentum",
+      "async-ps/async-msgd: the solver's momentum option is the server's momentum"),
+    M("hogwild-threads-never-push", "solvers/parameter_server.py",
+      "        self._accumulate(step, [torch.cat([by_param[id(t)].reshape(-1) for t in v.tensors]) "
+      "for v in self.client.views])",
+      "        pass",
+      "hogwild: each thread's gradient is pushed to the servers"),
+    M("hogwild-thread-step-skipped", "solvers/hogwild_threads.py",
+      '        hogwild_sgd(params, grads, self.optimizer.param_groups[0]["lr"])',
+      "        pass",
+      "Hogwild threads: each thread's SGD step lands in the shared model"),
+    # ---- decentralized ----
+    M("ad-psgd-passive-applies-average-after-gradient", "solvers/decentralized.py",
+      "            self._apply_pending()\n            self.optimizer.step()",
+      "            self.optimizer.step()\n            self._apply_pending()",
+      "AD-PSGD: the average replaces the model BEFORE the gradient is applied (passive)"),
+    M("ad-psgd-active-keeps-its-own-model", "solvers/decentralized.py",
+      "        self.view.assign(mine)\n        self.averaged += 1",
+      "        self.averaged += 1",
+      "AD-PSGD: the active takes the pair's average"),
+    M("ripples-group-mean-divides-by-k", "solvers/decentralized.py",
+      "self.view.assign(group_mean(flat, len(group)))",
+      "self.view.assign(group_mean(flat, self.k))",
+      "Ripples: a group's sum is divided by the group's actual size"),
+    M("ripples-static-schedule-never-rotates", "solvers/decentralized.py",
+      "            return static_group(self.comm.num_workers, self.k, r, self.me)",
+      "            return static_group(self.comm.num_workers, self.k, 0, self.me)",
+      "Ripples static: round r of the repeating schedule"),
+    M("ripples-random-takes-buffered-groups-out-of-order", "solvers/decentralized.py",
+      "                group = self.upcoming.pop(0)",
+      "                group = self.upcoming.pop()",
+      "Ripples random: groups in the coordinator's one global order"),
+    M("ripples-smart-waits-for-finished-workers", "solvers/decentralized.py",
+      "            if pending and len(pending) >= comm.num_workers - len(done):",
+      "            if pending and len(pending) >= comm.num_workers:",
+      "Ripples smart: a group forms at once when every worker still training is ready"),
+    M("ripples-smart-ignores-max-wait", "solvers/decentralized.py",
+      "            if pending and time.monotonic() - pending[0][1] >= max_wait:",
+      "            if False:",
+      "Ripples smart: a worker waits at most max_wait_ms, then goes with whoever is ready"),
+    M("static-round-never-rotates", "solvers/schedules.py",
+      "    s = r % static_period(workers, k)\n    return [_arc(",
+      "    s = 0\n    return [_arc(",
+      "static schedule: round r chunks the workers rotated by r"),
+    # ---- background (ShadowSync) ----
+    M("shadow-ma-overwrites-instead-of-correcting", "solvers/shadow.py",
+      "                    apply_correction(live, read, new)",
+      "                    live.copy_(new)",
+      "shadow-ma: the sync's result is written back as live + (new - read)"),
+    M("shadow-ma-mean-wrong-divisor", "solvers/shadow.py",
+      "                    mean = msg[:-1].div_(n)",
+      "                    mean = msg[:-1].div_(n + 1)",
+      "shadow-ma: w <- all-reduce-MEAN(w) over the trainers"),
+    M("shadow-final-sync-skipped", "solvers/shadow.py",
+      "        self.state_view.assign(final.div_(n))",
+      "        final.div_(n)",
+      "shadow-ma/bmuf: close() leaves every worker with the mean of the final models"),
+    M("shadow-ea-worker-skips-its-pull", "solvers/shadow.py",
+      "            elastic_pull(new, seen, self.alpha)\n",
+      "",
+      "shadow-ea: w -= alpha (w - x~) in the shadow loop"),
+    # ---- the simulator's train-mode rules (sim/train.py) ----
+    M("sim-ready-group-mean-divides-by-all-workers", "sim/train.py",
+      "group_mean(p[idx].sum(0), len(members))",
+      "group_mean(p[idx].sum(0), self.workers)",
+      "simulator, Ripples smart: a ready group's sum divided by the group's size"),
+    M("sim-group-rounds-skip-pairs", "sim/train.py",
+      "            if len(group) < 2:\n                continue",
+      "            if len(group) < 3:\n                continue",
+      "simulator, Ripples static/random: every group of 2 or more averages"),
+    M("sim-pairwise-averages-after-the-gradient", "sim/train.py",
+      "        if self.passives:\n            for a in self.actives:\n                q = self.partner(a)\n"
+      "                for p in [*self.stack.values(), *self.averaged.values()]:\n"
+      "                    pairwise_average(p[a], p[q])\n        self.sgd(g)",
+      "        self.sgd(g)\n        if self.passives:\n            for a in self.actives:\n"
+      "                q = self.partner(a)\n                for p in [*self.stack.values(), *self.averaged.values()]:\n"
+      "                    pairwise_average(p[a], p[q])",
+      "simulator, AD-PSGD: average first, then each applies its own gradient"),
+    M("sim-mean-gradient-sums", "sim/train.py",
+      "self.sgd({n: v.mean(0, keepdim=True).expand_as(v) for n, v in g.items()})",
+      "self.sgd({n: v.sum(0, keepdim=True).expand_as(v) for n, v in g.items()})",
+      "simulator, allreduce/ddp/sync-ps: the mean gradient"),
+    M("sim-periodic-average-takes-replica-0", "sim/train.py",
+      "            mean = p.mean(0)\n",
+      "            mean = p[0].clone()\n",
+      "simulator, ma/bmuf: the mean of all replicas"),
+    M("sim-sync-elastic-wrong-p", "sim/train.py",
+      "sync_elastic_update(x, self.center[n], x.sum(0), len(x), self.alpha)",
+      "sync_elastic_update(x, self.center[n], x.sum(0), len(x) + 1, self.alpha)",
+      "simulator, sync-easgd: the center moves by alpha (sum_i x_i - p x~)"),
+    M("sim-server-sgd-ignores-momentum", "sim/train.py",
+      "server_apply(c, g[n], self.buf[n] if self.buf else None, self.lr, self.momentum)",
+      "server_apply(c, g[n], None, self.lr, 0.0)",
+      "simulator, async-msgd: server momentum"),
+    M("sim-server-sgd-never-pulls", "sim/train.py",
+      "        for n, p in self.stack.items():\n            p[w].copy_(self.center[n])",
+      "        for n, p in self.stack.items():\n            pass",
+      "simulator, async-ps: a pull replaces the worker's replica by the center"),
+    M("sim-elastic-heavy-ball-not-nesterov", "sim/train.py",
+      "p[w].sub_(g[n].add(b, alpha=self.momentum), alpha=self.lr)",
+      "p[w].sub_(b, alpha=self.lr)",
+      "simulator, async-measgd: local Nesterov momentum"),
+    M("sim-elastic-exchange-skipped", "sim/train.py",
+      "    def exchanged(self, w, t):\n        for n, p in self.stack.items():\n"
+      "            elastic_exchange(p[w], self.center[n], self.alpha)",
+      "    def exchanged(self, w, t):\n        for n, p in self.stack.items():\n            pass",
+      "simulator, async-easgd/ea-wild: the exchange when it reaches the server"),
+    M("sim-background-average-overwrites", "sim/train.py",
+      "            apply_correction(p, self.read[n], new.expand_as(p))",
+      "            p.copy_(new.expand_as(p))",
+      "simulator, shadow-ma/bmuf: the sync written back as a correction"),
+    M("sim-background-elastic-write-skipped", "sim/train.py",
+      "            apply_correction(p, self.read[n], self.new[n])",
+      "            pass",
+      "simulator, shadow-ea: the worker's half written back as a correction"),
+    M("sim-local-averages-every-step", "solvers/model_averaging.py",
+      "        return sim.local()",
+      "        return sim.periodic_average(1)",
+      "simulator, local: no synchronization at all"),
+]
+
+_BY_NAME = {m.name: m for m in MUTATIONS}
+assert len(_BY_NAME) == len(MUTATIONS), "two mutations share a name"
+
+
+class NotApplicable(Exception):
+    """A mutation's text is not in its file exactly once."""
+
+
+def apply(mutation: Mutation, src_root: Path) -> None:
+    """Apply ``mutation`` to the copy of ``src/`` at ``src_root`` (refuses unless its text is
+    found exactly once)."""
+    path = src_root / "distsync" / mutation.file
+    text = path.read_text()
+    count = text.count(mutation.old)
+    if count != 1:
+        raise NotApplicable(f"mutation {mutation.name}: its text is found {count} times in src/distsync/"
+                            f"{mutation.file} (exactly once needed): {mutation.old!r}")
+    path.write_text(text.replace(mutation.old, mutation.new))
+
+
+def copy_src(dest: Path) -> Path:
+    shutil.copytree(REPO / "src", dest / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    return dest / "src"
+
+
+_FAILED = re.compile(r"^(FAILED|ERROR) (\S+)")
+
+
+def run_suite(src_root: Path, timeout_s: float) -> dict:
+    """The fast suite against ``src_root``: passed, the first failing test, seconds, timeout."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src_root), os.environ.get("PYTHONPATH", "")]).rstrip(
+        os.pathsep), PYTHONDONTWRITEBYTECODE="1")
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-x", "-q", "-m", SUITE_MARKER, *FAST_SUITE]
+    t0 = time.monotonic()
+    # A session of its own: on a timeout (or ^C) the whole tree goes, the ranks its tests
+    # forked included.
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except BaseException as e:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        out, _ = proc.communicate()
+        if not isinstance(e, subprocess.TimeoutExpired):
+            raise
+        return {"passed": False, "timeout": True, "failing_test": None, "seconds": round(time.monotonic() - t0, 1),
+                "tail": (out or "")[-2000:]}
+    failing = next((m.group(2) for line in out.splitlines() if (m := _FAILED.match(line))), None)
+    return {"passed": proc.returncode == 0, "timeout": False, "failing_test": failing, "returncode": proc.returncode,
+            "seconds": round(time.monotonic() - t0, 1), "tail": out[-2000:]}
+
+
+def check_imports_copy(src_root: Path) -> None:
+    """The copy, not the working tree, is what ``import distsync`` finds under the probe's env."""
+    env = dict(os.environ, PYTHONPATH=str(src_root))
+    got = subprocess.run([sys.executable, "-c", "import distsync; print(distsync.__file__)"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=120).stdout.strip()
+    if not got.startswith(str(src_root)):
+        raise SystemExit(f"error: under PYTHONPATH={src_root} distsync was imported from {got!r}, not the copy")
+
+
+def render(raw: dict) -> str:
+    """The docs page's table: mutation, file, rule broken, the test that caught it (or
+    SURVIVED), then one line: N of M caught."""
+    rows = raw.get("mutations", [])
+    lines = ["| mutation | file | rule broken | caught by |", "|---|---|---|---|"]
+    for r in rows:
+        if r.get("caught"):
+            by = f"`{r['failing_test']}`" if r.get("failing_test") else "the suite (no test id)"
+            if r.get("timeout"):
+                by = f"TIMEOUT after {r['seconds']} s (counted as caught)"
+        elif r.get("error"):
+            by = f"NOT RUN: {r['error']}"
+        else:
+            by = "**SURVIVED**"
+        lines.append(f"| `{r['name']}` | `src/distsync/{r['file']}` | {r['breaks']} | {by} |")
+    caught = sum(1 for r in rows if r.get("caught"))
+    lines += ["", f"{caught} of {len(rows)} caught."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", help="comma-separated mutation names (default: all)")
+    p.add_argument("--list", action="store_true", help="list the mutations and exit")
+    p.add_argument("--check", action="store_true", help="check that every mutation applies exactly once, and exit")
+    p.add_argument("--json", type=Path, default=DEFAULT_OUT, help=f"result file (default {DEFAULT_OUT.relative_to(REPO)})")
+    p.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds per suite run (default %(default)s)")
+    p.add_argument("--skip-baseline", action="store_true", help="do not run the unmutated suite first (debugging only)")
+    args = p.parse_args(argv)
+
+    chosen = MUTATIONS
+    if args.only:
+        names = [n.strip() for n in args.only.split(",") if n.strip()]
+        unknown = [n for n in names if n not in _BY_NAME]
+        if unknown:
+            raise SystemExit(f"error: unknown mutation(s) {', '.join(unknown)} (see --list)")
+        chosen = [_BY_NAME[n] for n in names]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name:52s} {m.file:28s} {m.breaks}")
+        print(f"\n{len(chosen)} mutations; fast suite: {' '.join(FAST_SUITE)} -m '{SUITE_MARKER}'")
+        return 0
+
+    started = provenance("tests/mutation_probe.py", argv)
+    with tempfile.TemporaryDirectory(prefix="distsync-mutation-") as tmp:
+        pristine = copy_src(Path(tmp) / "pristine")
+        bad = []
+        for m in chosen:
+            try:
+                apply(m, Path(shutil.copytree(pristine, Path(tmp) / "check" / m.name)))
+            except NotApplicable as e:
+                bad.append(str(e))
+        if bad:
+            print("\n".join(bad), file=sys.stderr)
+            raise SystemExit(f"error: {len(bad)} mutation(s) do not apply exactly once: fix their text")
+        if args.check:
+            print(f"all {len(chosen)} mutations apply exactly once")
+            return 0
+        check_imports_copy(pristine)
+        baseline = None
+        if not args.skip_baseline:
+            print(f"unmutated fast suite ({len(FAST_SUITE)} entries) ...", flush=True)
+            baseline = run_suite(pristine, args.timeout)
+            print(f"  {'passed' if baseline['passed'] else 'FAILED'} in {baseline['seconds']} s", flush=True)
+            if not baseline["passed"]:
+                print(baseline["tail"], file=sys.stderr)
+                raise SystemExit("error: the fast suite fails unmutated: no mutation result would mean anything")
+        results = []
+        for i, m in enumerate(chosen, 1):
+            work = Path(tmp) / "m" / m.name
+            src_root = copy_src(work)
+            apply(m, src_root)
+            r = run_suite(src_root, args.timeout)
+            shutil.rmtree(work, ignore_errors=True)
+            caught = not r["passed"]
+            what = ("TIMEOUT (counted as caught)" if r["timeout"] else f"caught by {r['failing_test']}") if caught \
+                else "SURVIVED"
+            print(f"[{i}/{len(chosen)}] {m.name}: {what} ({r['seconds']} s)", flush=True)
+            results.append({**asdict(m), "caught": caught, "timeout": r["timeout"], "failing_test": r["failing_test"],
+                            "seconds": r["seconds"], **({} if caught else {"tail": r["tail"][-600:]})})
+    caught = sum(r["caught"] for r in results)
+    payload = {"provenance": started, "fast_suite": FAST_SUITE, "suite_marker": SUITE_MARKER,
+               "pytest_args": ["-p", "no:cacheprovider", "-x", "-q"], "timeout_s": args.timeout,
+               "timeout_counts_as_caught": True,
+               "baseline_seconds": baseline["seconds"] if baseline else None,
+               "caught": caught, "tried": len(results), "mutations": results}
+    write_results(args.json, payload)
+    print(f"{caught} of {len(results)} caught")
+    return 0 if caught == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
