@@ -22,7 +22,10 @@ the CPU-bound mode); compute-bound, the synchronous solvers at least as fast as 
 Writes a report with plots per model. Needs root (emulated links).
 
     python benchmarks/async_vs_sync.py [--out benchmarks/results/async_vs_sync]
-    python benchmarks/async_vs_sync.py --devices --workers 4,8 [--json docs/benchmarks/async_vs_sync_devices.json]
+    python benchmarks/async_vs_sync.py --devices --workers 4,8 [--seeds 1,2,3] [--settings wide] [--json PATH]
+
+Every job runs once per seed (``--seeds``, default 1); tables give the median and the range
+over seeds.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from common import argument_parser, launch_or_exit, print_checks, print_table, write_results
+from common import (argument_parser, launch_or_exit, print_checks, provenance, ratios, seed_list, shown,
+                    spread, verdict, write_record, write_results)
 from distsync.config import RunConfig, parse_key_values
 from distsync.experiments import write_report
 
@@ -51,6 +55,34 @@ def column(setting) -> str:
     return f"{model} @ {link}{device} ({kind})"
 
 
+def regime(devices: bool) -> str:
+    return ("emulated devices behind emulated 1 Gbit links" if devices
+            else "emulated cluster: CPU-bound workers behind emulated links")
+
+
+def render(raw: dict) -> dict[str, str]:
+    """The page's table: per setting and solver, time to target, speedup over allreduce and
+    final metric (median and range over seeds)."""
+    lines = [f"{raw['repeats']} seeds ({', '.join(map(str, raw['seeds']))}) per cell: median (min-max); "
+             f"speedup = allreduce's time to target / the solver's, per seed. Regime: {raw['regime']}.", "",
+             "| workers | setting | solver | time to target (s) | speedup over allreduce | vs 1.0 | final metric |",
+             "|---|---|---|---|---|---|---|"]
+    for setting in raw["settings"]:
+        model = setting[0]
+        for w, by_model in raw["results"].items():
+            if model not in by_model:
+                continue
+            base = {k: r["time_to_target_s"] for k, r in by_model[model]["allreduce"].items()}
+            for entry, by_seed in by_model[model].items():
+                t = {k: r["time_to_target_s"] for k, r in by_seed.items()}
+                r = ratios(base, t)
+                lines.append(f"| {w} | {column(setting)} | `{entry}` | {shown(t.values(), '{:.1f}')} | "
+                             f"{'-' if entry == 'allreduce' else shown(r, unit='x')} | "
+                             f"{'-' if entry == 'allreduce' else verdict(r)} | "
+                             f"{shown([x['final_metric'] for x in by_seed.values()], '{:.4f}')} |")
+    return {"async_vs_sync_devices" if raw.get("devices") else "async_vs_sync": "\n".join(lines)}
+
+
 def main() -> int:
     p = argument_parser(__doc__)
     p.add_argument("--out", default=None, help="run folders (default: benchmarks/results/async_vs_sync[_devices])")
@@ -58,61 +90,67 @@ def main() -> int:
     p.add_argument("--solvers", default=",".join(SOLVERS))
     p.add_argument("--devices", action="store_true", help="emulated devices, each job to its target")
     p.add_argument("--cap", type=float, default=60.0, help="with --devices: seconds a job may train at most")
+    p.add_argument("--seeds", default="1", help="one run of every job per seed (default: 1)")
+    p.add_argument("--settings", default=None, help="comma-separated models of the settings to run (default: all)")
     p.add_argument("--json", default=None, help="also write the raw results here")
     args = p.parse_args()
+    started = provenance("benchmarks/async_vs_sync.py")
     solvers = args.solvers.split(",")
+    if solvers[0] != "allreduce":
+        p.error("--solvers must start with allreduce (the baseline)")
+    seeds = seed_list(args.seeds)
     settings = DEVICE_SETTINGS if args.devices else CPU_SETTINGS
+    if args.settings:
+        settings = [s for s in settings if s[0] in args.settings.split(",")]
     out = Path(args.out or ("benchmarks/results/async_vs_sync" + ("_devices" if args.devices else "")))
     table: dict[str, dict[str, dict[str, dict]]] = {}
     from distsync.workloads import load_workload
 
-    for workers in [int(w) for w in args.workers.split(",")]:
-        for setting in settings:
-            model, link, steps, device_ms, _ = setting
-            w = load_workload(model)
-            base_lr = w.lr
-            # one server per worker, but no more servers than the model has tensors to shard
-            servers = min(workers, sum(1 for _ in w.make_model().parameters()))
-            dirs = []
-            for entry in solvers:
-                solver, _, given = entry.partition(":")  # NAME or NAME:KEY=VALUE (a tuned variant)
-                opts = {"servers": servers} if device_ms and solver in SERVER_SOLVERS else {}
-                opts.update(parse_key_values([given] if given else []))
-                cfg = RunConfig(workload=model, solver=solver, solver_options=opts, workers=workers, steps=steps,
-                                link=link, eval_every=10, lr=base_lr * LR_SCALE.get(solver, 1.0), timeout_s=120,
-                                device_ms=device_ms, budget=f"target,seconds={args.cap:g}" if device_ms else None)
-                run_dir = out / f"{workers}w" / model / entry.replace(":", "-").replace("=", "")
-                s = launch_or_exit(cfg, run_dir)
-                dirs.append(run_dir)
-                table.setdefault(str(workers), {}).setdefault(model, {})[entry] = {
-                    k: s.get(k) for k in ("time_to_target_s", "final_metric", "throughput_samples_per_s", "steps_by_worker",
-                                          "phase_share", "device", "bytes_sent", "wall_time_s", "budget",
-                                          "time_to_target_from")}
-                print(f"{workers}w {model:>5} @ {link:<7} {entry:<15} time to target {s['time_to_target_s']}  "
-                      f"final {s['final_metric']:.4f}  {s['throughput_samples_per_s']:,.0f} samples/s"
-                      + (f"  steps {s['steps_by_worker']}" if device_ms else ""), flush=True)
-            write_report(out / f"{workers}w" / model, dirs)
+    for seed in seeds:
+        for workers in [int(w) for w in args.workers.split(",")]:
+            for setting in settings:
+                model, link, steps, device_ms, _ = setting
+                w = load_workload(model)
+                base_lr = w.lr
+                # one server per worker, but no more servers than the model has tensors to shard
+                servers = min(workers, sum(1 for _ in w.make_model().parameters()))
+                dirs = []
+                for entry in solvers:
+                    solver, _, given = entry.partition(":")  # NAME or NAME:KEY=VALUE (a tuned variant)
+                    opts = {"servers": servers} if device_ms and solver in SERVER_SOLVERS else {}
+                    opts.update(parse_key_values([given] if given else []))
+                    cfg = RunConfig(workload=model, solver=solver, solver_options=opts, workers=workers, steps=steps,
+                                    link=link, eval_every=10, lr=base_lr * LR_SCALE.get(solver, 1.0), timeout_s=120,
+                                    device_ms=device_ms, seed=seed,
+                                    budget=f"target,seconds={args.cap:g}" if device_ms else None)
+                    run_dir = (out / f"{workers}w" / model / entry.replace(":", "-").replace("=", "")
+                               / (f"seed{seed}" if len(seeds) > 1 else ""))
+                    s = launch_or_exit(cfg, run_dir)
+                    dirs.append(run_dir)
+                    table.setdefault(str(workers), {}).setdefault(model, {}).setdefault(entry, {})[str(seed)] = {
+                        k: s.get(k) for k in ("time_to_target_s", "final_metric", "throughput_samples_per_s",
+                                              "steps_by_worker", "phase_share", "device", "bytes_sent", "wall_time_s",
+                                              "budget", "time_to_target_from")}
+                    print(f"seed {seed} {workers}w {model:>5} @ {link:<7} {entry:<15} time to target "
+                          f"{s['time_to_target_s']}  final {s['final_metric']:.4f}  "
+                          f"{s['throughput_samples_per_s']:,.0f} samples/s"
+                          + (f"  steps {s['steps_by_worker']}" if device_ms else ""), flush=True)
+                if seed == seeds[0]:
+                    write_report(out / f"{workers}w" / model, dirs)
 
     def ttt(w, m, s):
-        return table[w][m].get(s, {}).get("time_to_target_s")
+        """Median time to target over seeds (None when no seed reached it)."""
+        got = spread(r["time_to_target_s"] for r in table[w][m].get(s, {}).values())
+        return got[0] if got else None
 
-    def cells(w, s):
-        row = [w, s]
-        for model, *_ in settings:
-            r = table[w][model][s]
-            flag = " [CPU-bound]" if (r.get("device") or {}).get("cpu_bound") else ""
-            row += [("not reached" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.1f}") + flag,
-                    f"{r['final_metric']:.4f}"]
-        return row
-
+    raw = {"settings": settings, "results": table, "regime": regime(args.devices), "seeds": seeds,
+           "repeats": len(seeds), "devices": args.devices}
     print()
-    headers = ["workers", "solver"]
-    for setting in settings:
-        headers += [f"{column(setting)}: time to target (s)", "final"]
-    print_table(headers, [cells(w, s) for w in table for s in solvers])
+    print(render(raw)["async_vs_sync_devices" if args.devices else "async_vs_sync"])
     print()
     checks = []
-    comm_model, compute_model = settings[0][0], settings[1][0]
+    comm_model = settings[0][0]
+    compute_model = settings[1][0] if len(settings) > 1 else None
     rivals = ("allreduce",) if args.devices else ("allreduce", "sync-easgd")
     for w in table:
         ew = ttt(w, comm_model, "ea-wild")
@@ -128,6 +166,8 @@ def main() -> int:
                                f"(target >= 1.5x)", rv / ew >= 1.5))
             elif ew is not None:
                 checks.append((f"{w} workers, {comm_model}: {rival} did not reach the target, ea-wild did", True))
+        if compute_model is None:
+            continue
         ec = ttt(w, compute_model, "ea-wild")
         for sync in SYNC:
             sv = ttt(w, compute_model, sync)
@@ -135,11 +175,10 @@ def main() -> int:
                 checks.append((f"{w} workers, {compute_model}: ea-wild / {sync} time to target = {ec / sv:.2f}x "
                                f"(target >= 1.0x)", ec / sv >= 1.0))
     print_checks(checks, met="met:   ", missed="missed:")
-    payload = {"settings": settings, "results": table, "checks": checks}
+    payload = {"settings": settings, "results": table, "checks": checks, "devices": args.devices}
     write_results(out / "summary.json", payload, announce=False)
     if args.json:
-        write_results(args.json, {"command": "python benchmarks/async_vs_sync.py" + (" --devices" if args.devices else "")
-                                  + f" --workers {args.workers}", **payload})
+        write_record(args.json, started, regime=regime(args.devices), seeds=seeds, payload=payload)
     return 0
 
 

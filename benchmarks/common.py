@@ -80,7 +80,8 @@ def write_results(path: Path | str, payload: dict[str, Any], announce: bool = Tr
 def provenance(script: str, argv: Sequence[str] | None = None) -> dict[str, Any]:
     """What a raw results file says about how it was made: the command line, the commit
     measured (``git rev-parse HEAD``) and whether the working tree differed from it (the
-    tracked files that did), and the machine (cores, platform, Python and torch versions)."""
+    tracked files that did), the date, and the machine (cores, memory, platform, Python and
+    torch versions, GPU if any, the 1-minute load average when the run began)."""
     import os
     import platform
     import subprocess
@@ -96,15 +97,88 @@ def provenance(script: str, argv: Sequence[str] | None = None) -> dict[str, Any]
 
     head = git("rev-parse", "HEAD")
     changed = git("status", "--porcelain", "--untracked-files=no")
+    torch_version, gpu = None, None
     try:
         import torch
 
         torch_version = torch.__version__
+        if torch.cuda.is_available():
+            gpu = torch.cuda.get_device_name(0)
     except ImportError:
-        torch_version = None
+        pass
+    try:
+        memory_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError, AttributeError):
+        memory_gib = None
     return {"command": " ".join(["python", script, *(sys.argv[1:] if argv is None else argv)]),
             "commit": head.strip() if head else None,
             "dirty": bool(changed.strip()) if changed is not None else None,
             "changed_files": [line[3:] for line in changed.splitlines() if line.strip()] if changed else [],
-            "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
-                        "python": platform.python_version(), "torch": torch_version}}
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "machine": {"cpu_count": os.cpu_count(), "memory_gib": memory_gib, "platform": platform.platform(),
+                        "python": platform.python_version(), "torch": torch_version, "gpu": gpu,
+                        "load_average_at_start": os.getloadavg()[0]}}
+
+
+def seed_list(text: str) -> list[int]:
+    """``--seeds 1,2,3`` as integers (at least one)."""
+    seeds = [int(s) for s in text.split(",") if s.strip()]
+    if not seeds:
+        raise SystemExit("error: --seeds needs at least one integer")
+    return seeds
+
+
+def write_record(path: Path | str, started: dict[str, Any], *, regime: str, seeds: Sequence[int],
+                 payload: dict[str, Any], announce: bool = True) -> Path:
+    """A raw results file for the figures: ``started`` (the :func:`provenance` taken when the
+    run began), the regime, the seeds and the number of repeats, then ``payload``. The 1-minute
+    load average at the end goes beside the one at the start; a commit or working tree that
+    changed during the run is recorded (``changed_during_run``: the commit and changed files at
+    the end), so that a reader can tell whether what the benchmark measures changed under it."""
+    import os
+
+    record = json.loads(json.dumps(started))
+    now = provenance("")
+    if (now["commit"], now["changed_files"]) != (record["commit"], record["changed_files"]):
+        record["changed_during_run"] = {"commit": now["commit"], "changed_files": now["changed_files"]}
+    record["machine"]["load_average_at_end"] = os.getloadavg()[0]
+    return write_results(path, {**record, "regime": regime, "seeds": list(seeds), "repeats": len(seeds), **payload},
+                         announce=announce)
+
+
+def spread(values: Iterable[float | None]) -> tuple[float, float, float] | None:
+    """(median, min, max) of the values that exist; None when none does."""
+    import statistics
+
+    have = [v for v in values if v is not None]
+    return (statistics.median(have), min(have), max(have)) if have else None
+
+
+def shown(values: Iterable[float | None], fmt: str = "{:.2f}", unit: str = "") -> str:
+    """``median (min-max)`` of the repeats, with how many of them had a value when some did
+    not (``1.92x (1.71-2.05)``, ``8.1 s (7.9-8.6), 2 of 3``); ``-`` when none did."""
+    values = list(values)
+    s = spread(values)
+    if s is None:
+        return "-"
+    med, lo, hi = (fmt.format(v) for v in s)
+    text = f"{med}{unit}" if len(values) == 1 else f"{med}{unit} ({lo}-{hi})"
+    have = sum(v is not None for v in values)
+    return text + (f", {have} of {len(values)}" if have < len(values) else "")
+
+
+def ratios(base: dict[Any, float | None], other: dict[Any, float | None]) -> list[float | None]:
+    """Per repeat (same key in both), ``base / other``: a speedup of ``other`` over ``base``
+    when both are times; None for a repeat where either is missing or zero."""
+    return [base[k] / other[k] if base.get(k) and other.get(k) else None for k in base]
+
+
+def verdict(values: Iterable[float | None], than: float = 1.0) -> str:
+    """Whether repeats' ratios differ from ``than``: ``above``/``below`` when every repeat is,
+    else ``within the spread``."""
+    have = [v for v in values if v is not None]
+    if have and min(have) > than:
+        return "above"
+    if have and max(have) < than:
+        return "below"
+    return "within the spread"

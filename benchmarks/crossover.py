@@ -18,8 +18,12 @@ every mode to ``--json``. Targets: crossover <= 0.8x sequential where communicat
 large share of a step (communication-heavy, emulated device; the paper reports about 20%
 faster), and never worse than sequential. Needs root (emulated links).
 
+Every case runs ``--repeats`` times (default 1; repeat r gives the jobs seeds 2r+1 and 2r+2);
+the table gives the median and the range, and crossover is set against naive sharing (the
+strongest alternative that needs no scheduler) as well as against sequential.
+
     python benchmarks/crossover.py [--cases communication-heavy,compute-heavy,emulated-device]
-        [--workload cnn] [--steps 150] [--device-steps 60] [--out benchmarks/results/crossover]
+        [--workload cnn] [--steps 150] [--device-steps 60] [--repeats 3] [--out benchmarks/results/crossover]
         [--json PATH]
 """
 
@@ -29,7 +33,8 @@ import os
 import sys
 from pathlib import Path
 
-from common import argument_parser, exit_on_error, print_checks, table_header, table_row, write_results
+from common import (argument_parser, exit_on_error, print_checks, provenance, ratios, shown, spread, verdict,
+                    write_record, write_results)
 from distsync.config import RunConfig
 from distsync.experiments.crossover import CrossoverPlan, Job, run_crossover
 
@@ -44,14 +49,42 @@ CASES = {
 COMMUNICATION_BOUND = ("communication-heavy", "emulated-device")
 
 
-def _jobs(case: str, args) -> list[Job]:
+def _jobs(case: str, args, repeat: int = 0) -> list[Job]:
     if case == "emulated-device":
         settings = dict(workload=DEVICE_CASE["workload"], device_ms=DEVICE_CASE["device_ms"], steps=args.device_steps)
     else:
         settings = dict(workload=args.workload, steps=args.steps)
     return [Job(name, RunConfig(solver="allreduce", seed=seed, eval_every=settings["steps"], timeout_s=120,
                                 **settings))
-            for name, seed in (("a", 1), ("b", 2))]
+            for name, seed in (("a", 2 * repeat + 1), ("b", 2 * repeat + 2))]
+
+
+MODE_COLUMNS = (("sequential", "sequential"), ("naive", "naive"), ("crossover", "crossover, alternate"),
+                ("crossover (fcfs)", "crossover, fcfs"))
+
+
+def render(raw: dict) -> dict[str, str]:
+    """The page's table: per case, each way's makespan and crossover's ratio to naive sharing
+    and to sequential (median and range over repeats)."""
+    lines = [f"Two allreduce jobs on 2 workers; {raw['repeats']} repeats per case: median (min-max); ratios per "
+             f"repeat. Regime per row.", "",
+             "| case | regime | link | " + " | ".join(f"{label} (s)" for _, label in MODE_COLUMNS)
+             + " | alternate / naive | vs 1.0 | alternate / sequential | fcfs / naive | naive / sequential |",
+             "|" + "---|" * (3 + len(MODE_COLUMNS) + 5)]
+    for case, by_repeat in raw["cases"].items():
+        first = next(iter(by_repeat.values()))
+        span = {m: {k: r["modes"][m]["makespan_s"] for k, r in by_repeat.items()} for m, _ in MODE_COLUMNS}
+        regime = first["regime"] + (f" ({first['device_ms']:g} ms)" if first.get("device_ms") else "")
+        alt_naive = ratios(span["crossover"], span["naive"])
+        lines.append(f"| {case} | {regime} | {first['link'] or 'unshaped'} | "
+                     + " | ".join(shown(span[m].values()) for m, _ in MODE_COLUMNS)
+                     + f" | {shown(alt_naive, unit='x')} | {verdict(alt_naive)} | "
+                     f"{shown(ratios(span['crossover'], span['sequential']), unit='x')} | "
+                     f"{shown(ratios(span['crossover (fcfs)'], span['naive']), unit='x')} | "
+                     f"{shown(ratios(span['naive'], span['sequential']), unit='x')} |")
+    lines += ["", "(A ratio is the first way's makespan over the second's: below 1.0, the first is faster.)"]
+    return {"crossover": "\n".join(lines)}
+
 
 
 def main() -> int:
@@ -61,59 +94,60 @@ def main() -> int:
     p.add_argument("--workload", default="cnn", help="the CPU-bound cases' workload")
     p.add_argument("--steps", type=int, default=150, help="the CPU-bound cases' steps")
     p.add_argument("--device-steps", type=int, default=60, help="the emulated-device case's steps")
+    p.add_argument("--repeats", type=int, default=1, help="runs of every case (default: 1)")
     p.add_argument("--json", help="default: OUT/crossover.json")
     args = p.parse_args()
+    started = provenance("benchmarks/crossover.py")
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     bad = [c for c in cases if c not in CASES]
     if bad or not cases:
         p.error(f"unknown case(s) {', '.join(bad) or '(none given)'}; valid: {', '.join(CASES)}")
-    rows, load = [], {}
-    for case in cases:
-        load[case] = {"start": os.getloadavg()[0]}
-        link, jobs = CASES[case]["link"], _jobs(case, args)
-        with exit_on_error():
-            modes = run_crossover(CrossoverPlan(jobs=jobs, workers=2, policy="alternate", link=link,
-                                                out=str(Path(args.out) / case)))["modes"]
-            fcfs = run_crossover(CrossoverPlan(jobs=jobs, workers=2, policy="fcfs", link=link, modes=("crossover",),
-                                               out=str(Path(args.out) / f"{case}-fcfs")))["modes"]["crossover"]
-        modes["crossover (fcfs)"] = fcfs
-        load[case]["end"] = os.getloadavg()[0]
-        rows.append((case, link or "unshaped", modes, modes["sequential"]["makespan_s"], jobs[0].config))
-        print(f"{case:<20} " + "  ".join(f"{m} {modes[m]['makespan_s']:.2f} s" for m in modes)
-              + f"  (1-minute load average {load[case]['start']:.1f} -> {load[case]['end']:.1f})", flush=True)
+    results: dict[str, dict[str, dict]] = {}
+    for repeat in range(args.repeats):
+        for case in cases:
+            load = {"start": os.getloadavg()[0]}
+            link, jobs = CASES[case]["link"], _jobs(case, args, repeat)
+            where = Path(args.out) / case / (f"repeat{repeat}" if args.repeats > 1 else "")
+            with exit_on_error():
+                modes = run_crossover(CrossoverPlan(jobs=jobs, workers=2, policy="alternate", link=link,
+                                                    out=str(where)))["modes"]
+                fcfs = run_crossover(CrossoverPlan(jobs=jobs, workers=2, policy="fcfs", link=link,
+                                                   modes=("crossover",), out=str(where / "fcfs")))["modes"]["crossover"]
+            modes["crossover (fcfs)"] = fcfs
+            load["end"] = os.getloadavg()[0]
+            cfg = jobs[0].config
+            alone = modes["sequential"]["jobs"]["a"]["phase_share"]
+            results.setdefault(case, {})[str(repeat)] = {
+                "regime": CASES[case]["regime"], "link": link, "workload": cfg.workload, "steps": cfg.steps,
+                "device_ms": cfg.device_ms, "seeds": [j.config.seed for j in jobs],
+                "communication_share_alone": alone["comm"] + alone["wait"], "load_average_1min": load,
+                "modes": modes}
+            print(f"repeat {repeat} {case:<20} " + "  ".join(f"{m} {modes[m]['makespan_s']:.2f} s" for m in modes)
+                  + f"  (1-minute load average {load['start']:.1f} -> {load['end']:.1f})", flush=True)
+    raw = {"cases": results, "repeats": args.repeats}
     print()
-    print(f"two allreduce jobs on 2 workers: CPU-bound {args.workload} x {args.steps} steps; emulated device "
-          f"{DEVICE_CASE['workload']} x {args.device_steps} steps on {DEVICE_CASE['device_ms']:g} ms devices")
-    print()
-    table_header(["case", "regime", "link", "communication share of a step alone", "sequential (s)", "naive (s)",
-                  "crossover, alternate (s)", "crossover, fcfs (s)", "naive / seq.", "alternate / seq.",
-                  "fcfs / seq.", "alternate / naive", "naive device slowdown", "max token wait, alternate / fcfs (s)"])
+    print(render(raw)["crossover"])
     checks = []
-    results = {}
-    for case, link, modes, seq, cfg in rows:
-        naive, cross, ff = (modes[m]["makespan_s"] for m in ("naive", "crossover", "crossover (fcfs)"))
-        wait = lambda m: max(r["token"]["max_wait_s"] for r in modes[m]["jobs"].values())  # noqa: E731
-        alone = modes["sequential"]["jobs"]["a"]["phase_share"]
-        shares = [j["device_share"]["slowdown"] for j in modes["naive"]["jobs"].values() if "device_share" in j]
-        regime = CASES[case]["regime"] + (f" ({cfg.device_ms:g} ms)" if cfg.device_ms else "")
-        table_row([case, regime, link, f"{alone['comm'] + alone['wait']:.0%}", f"{seq:.2f}", f"{naive:.2f}",
-                   f"{cross:.2f}", f"{ff:.2f}", f"{naive / seq:.2f}x", f"{cross / seq:.2f}x", f"{ff / seq:.2f}x",
-                   f"{cross / naive:.2f}x", f"{max(shares):.2f}x" if shares else "-",
-                   f"{wait('crossover'):.3f} / {wait('crossover (fcfs)'):.3f}"])
-        for policy, value in (("alternate", cross), ("fcfs", ff)):
-            checks.append((f"{case}: crossover ({policy}) {value / seq:.2f}x sequential (never worse: <= 1.0)",
+    for case, by_repeat in results.items():
+        span = {m: {k: r["modes"][m]["makespan_s"] for k, r in by_repeat.items()} for m, _ in MODE_COLUMNS}
+        seq = spread(span["sequential"].values())[0]
+        naive = spread(span["naive"].values())[0]
+        for policy, mode in (("alternate", "crossover"), ("fcfs", "crossover (fcfs)")):
+            value = spread(span[mode].values())[0]
+            checks.append((f"{case}: crossover ({policy}) {value / seq:.2f}x sequential (median; never worse: <= 1.0)",
                            value <= seq))
+            checks.append((f"{case}: crossover ({policy}) {value / naive:.2f}x naive sharing (median; <= 1.0)",
+                           value <= naive))
             if case in COMMUNICATION_BOUND:
-                checks.append((f"{case}: crossover ({policy}) {value / seq:.2f}x sequential (<= 0.8)",
+                checks.append((f"{case}: crossover ({policy}) {value / seq:.2f}x sequential (median; <= 0.8)",
                                value <= 0.8 * seq))
-        results[case] = {"regime": CASES[case]["regime"], "link": link, "workload": cfg.workload, "steps": cfg.steps,
-                         "device_ms": cfg.device_ms, "communication_share_alone": alone["comm"] + alone["wait"],
-                         "load_average_1min": load[case], "modes": modes}
     print()
     print_checks(checks)
-    write_results(args.json or Path(args.out) / "crossover.json",
-                  {"command": "python " + " ".join(sys.argv), "cores": os.cpu_count(), "cases": results,
-                   "checks": [{"check": text, "met": ok} for text, ok in checks]})
+    regimes = sorted({CASES[c]["regime"] for c in cases})
+    write_record(args.json or Path(args.out) / "crossover.json", started, regime="; ".join(regimes),
+                 seeds=list(range(args.repeats)),
+                 payload={"cores": os.cpu_count(), "cases": results,
+                          "checks": [{"check": text, "met": ok} for text, ok in checks]})
     return 0
 
 

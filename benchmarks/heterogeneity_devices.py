@@ -11,20 +11,27 @@ a quarter of the workers 3x slow (8 workers), and every worker jittered (up to +
 step). Speedups are allreduce's time to target over the solver's. Targets (the paper's 2x
 and 1.1x): ripples (best schedule) >= 2.0x allreduce with one slow worker, >= 1.0x homogeneous.
 
-    python benchmarks/heterogeneity_devices.py [--workers 4,8] [--out benchmarks/results/heterogeneity_devices]
+Every job runs once per seed (``--seeds``, default 1,2,3); the table gives the median and
+the range over seeds, and a ratio whose range straddles 1 is said to be within the spread.
+
+    python benchmarks/heterogeneity_devices.py [--workers 4,8] [--seeds 1,2,3] [--cases ...]
+        [--out benchmarks/results/heterogeneity_devices] [--json PATH]
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
-from common import argument_parser, launch_or_exit, print_checks, table_header, table_row, write_results
+from common import (argument_parser, launch_or_exit, print_checks, provenance, ratios, seed_list, shown, spread, verdict,
+                    write_record)
 from distsync.config import RunConfig
 
-SOLVERS = [("allreduce", {}), ("async-ps", {}), ("ad-psgd", {}), ("ripples", {"schedule": "static"}),
+SOLVERS = [("allreduce", {}), ("async-ps", {}), ("ea-wild", {}), ("ad-psgd", {}), ("ripples", {"schedule": "static"}),
            ("ripples", {"schedule": "smart", "max_wait_ms": 10.0})]
 DEVICE_MS = 20.0
+REGIME = "emulated devices (20 ms a step, times the slow factor), loopback links"
 
 
 def cases(workers: int) -> list[tuple[str, dict[int, float], float]]:
@@ -40,58 +47,89 @@ def label(solver: str, opts: dict) -> str:
     return f"{solver}:{opts['schedule']}" if "schedule" in opts else solver
 
 
+def times(raw: dict[str, Any], workers: str, case: str, name: str) -> dict[str, float | None]:
+    """Time to target per seed."""
+    return {seed: r["time_to_target_s"] for seed, r in raw["results"][workers][case][name].items()}
+
+
+def render(raw: dict[str, Any]) -> dict[str, str]:
+    """The page's table: per case and solver, time to target and speedup over allreduce
+    (median and range over seeds)."""
+    names = raw["solvers"]
+    lines = [f"{raw['repeats']} seeds ({', '.join(map(str, raw['seeds']))}) per cell: median (min-max); "
+             f"speedup = allreduce's time to target / the solver's, per seed. Regime: {raw['regime']}.", "",
+             "| workers | case | solver | time to target (s) | speedup over allreduce | vs 1.0 | CPU-bound runs |",
+             "|---|---|---|---|---|---|---|"]
+    for w, by_case in raw["results"].items():
+        for case, by_name in by_case.items():
+            base = times(raw, w, case, "allreduce")
+            for name in names:
+                t = times(raw, w, case, name)
+                r = ratios(base, t)
+                over = sum(bool((x.get("device") or {}).get("cpu_bound")) for x in by_name[name].values())
+                lines.append(f"| {w} | {case} | `{name}` | {shown(t.values(), '{:.1f}')} | "
+                             f"{'-' if name == 'allreduce' else shown(r, unit='x')} | "
+                             f"{'-' if name == 'allreduce' else verdict(r)} | {over} of {len(t)} |")
+    return {"heterogeneity_devices": "\n".join(lines)}
+
+
 def main() -> int:
     p = argument_parser(__doc__)
     p.add_argument("--out", default="benchmarks/results/heterogeneity_devices")
     p.add_argument("--workers", default="4,8", help="comma-separated worker counts (default: 4,8)")
+    p.add_argument("--seeds", default="1,2,3", help="one run of every job per seed (default: 1,2,3)")
+    p.add_argument("--cases", default=None, help="comma-separated case names (default: all of a worker count's)")
+    p.add_argument("--solvers", default=None, help="comma-separated labels, e.g. allreduce,ripples:smart (default: all)")
     p.add_argument("--cap", type=float, default=20.0, help="seconds a job may train at most (default: 20)")
+    p.add_argument("--json", default=None, help="the raw results (default: OUT/heterogeneity_devices.json)")
     args = p.parse_args()
+    started = provenance("benchmarks/heterogeneity_devices.py")
     out = Path(args.out)
-    names = [label(s, o) for s, o in SOLVERS]
-    results: dict[str, dict[str, dict[str, dict]]] = {}
-    for workers in [int(w) for w in args.workers.split(",")]:
-        for case, slow, jitter in cases(workers):
-            for solver, opts in SOLVERS:
-                name = label(solver, opts)
-                cfg = RunConfig(workload="digits", solver=solver, solver_options=dict(opts), workers=workers,
-                                slow=dict(slow), jitter=jitter, device_ms=DEVICE_MS, eval_every=10,
-                                budget=f"target,seconds={args.cap:g}", timeout_s=120)
-                run_dir = out / f"{workers}w" / case.replace(" ", "-") / name.replace(":", "-")
-                s = launch_or_exit(cfg, run_dir)
-                results.setdefault(str(workers), {}).setdefault(case, {})[name] = {
-                    k: s[k] for k in ("time_to_target_s", "final_metric", "throughput_samples_per_s",
-                                      "steps_by_worker", "phase_share", "idle_after_done_s", "device")}
-                print(f"{workers}w {case:<18} {name:<16} to target {s['time_to_target_s']}  "
-                      f"steps {s['steps_by_worker']}  cpu-bound {s['device']['cpu_bound']}", flush=True)
-
-    def ttt(w, c, n):
-        return results[w][c][n]["time_to_target_s"]
-
-    print()
-    table_header(["workers", "case", *names])
-    for w, by_case in results.items():
-        for c in by_case:
-            base = ttt(w, c, "allreduce")
-            cells = []
-            for n in names:
-                t = ttt(w, c, n)
-                over = results[w][c][n]["device"]["share_over"]
-                flag = f" [CPU-bound {over:.0%}]" if results[w][c][n]["device"]["cpu_bound"] else ""
-                cells.append(("not reached" if t is None else f"{t:.1f} s ({base / t:.2f}x)" if base else f"{t:.1f} s")
-                             + flag)
-            table_row([w, c, *cells])
-    print()
+    seeds = seed_list(args.seeds)
+    plan = [(s, o) for s, o in SOLVERS if args.solvers is None or label(s, o) in args.solvers.split(",")]
+    if not plan or plan[0][0] != "allreduce":
+        p.error("--solvers must include allreduce (the baseline)")
+    names = [label(s, o) for s, o in plan]
+    wanted = None if args.cases is None else [c.strip() for c in args.cases.split(",")]
+    results: dict[str, dict[str, dict[str, dict[str, dict]]]] = {}
+    for seed in seeds:
+        for workers in [int(w) for w in args.workers.split(",")]:
+            for case, slow, jitter in cases(workers):
+                if wanted is not None and case not in wanted:
+                    continue
+                for solver, opts in plan:
+                    name = label(solver, opts)
+                    cfg = RunConfig(workload="digits", solver=solver, solver_options=dict(opts), workers=workers,
+                                    slow=dict(slow), jitter=jitter, device_ms=DEVICE_MS, eval_every=10, seed=seed,
+                                    budget=f"target,seconds={args.cap:g}", timeout_s=120)
+                    run_dir = out / f"{workers}w" / case.replace(" ", "-") / name.replace(":", "-") / f"seed{seed}"
+                    s = launch_or_exit(cfg, run_dir)
+                    results.setdefault(str(workers), {}).setdefault(case, {}).setdefault(name, {})[str(seed)] = {
+                        k: s[k] for k in ("time_to_target_s", "final_metric", "throughput_samples_per_s",
+                                          "steps_by_worker", "phase_share", "idle_after_done_s", "device")}
+                    print(f"seed {seed} {workers}w {case:<18} {name:<16} to target {s['time_to_target_s']}  "
+                          f"steps {s['steps_by_worker']}  cpu-bound {s['device']['cpu_bound']}", flush=True)
+    raw = {"solvers": names, "device_ms": DEVICE_MS, "cap_s": args.cap, "results": results, "regime": REGIME,
+           "seeds": seeds, "repeats": len(seeds)}
     checks = []
     for w, by_case in results.items():
-        for c, wanted in (("homogeneous", 1.0), ("one 3x slow", 2.0)):
-            base = ttt(w, c, "allreduce")
-            best = min((t, n) for n in ("ripples:static", "ripples:smart") if (t := ttt(w, c, n)) is not None)
-            if base is not None:
-                checks.append((f"{w} workers, {c}: {best[1]} {base / best[0]:.2f}x allreduce (target >= {wanted:.1f}x)",
-                               base / best[0] >= wanted))
+        for c, wanted_x in (("homogeneous", 1.0), ("one 3x slow", 2.0)):
+            if c not in by_case:
+                continue
+            base = times(raw, w, c, "allreduce")
+            for n in (n for n in ("ripples:static", "ripples:smart") if n in names):
+                r = [x for x in ratios(base, times(raw, w, c, n)) if x is not None]
+                if r:
+                    med = spread(r)[0]
+                    checks.append((f"{w} workers, {c}: {n} median {med:.2f}x allreduce over {len(r)} seeds "
+                                   f"(range {min(r):.2f}-{max(r):.2f}; target >= {wanted_x:.1f}x)", med >= wanted_x))
+    print()
+    print(render(raw)["heterogeneity_devices"])
+    print()
     print_checks(checks, met="met:   ", missed="missed:")
-    write_results(out / "summary.json", {"device_ms": DEVICE_MS, "results": results, "checks": checks},
-                  announce=True)
+    write_record(args.json or out / "heterogeneity_devices.json", started, regime=REGIME, seeds=seeds,
+                 payload={"solvers": names, "device_ms": DEVICE_MS, "cap_s": args.cap, "results": results,
+                          "checks": checks})
     return 0
 
 

@@ -17,7 +17,10 @@ device as it would on a dedicated trainer, not with the other trainers for this 
 cores; shadow solvers sync continuously only (the target's setting), 400 steps.
 
     python benchmarks/shadowsync.py [--out benchmarks/results/shadowsync] [--link 1gbit]
-    python benchmarks/shadowsync.py --devices [--json docs/benchmarks/shadowsync_devices.json]
+    python benchmarks/shadowsync.py --devices [--trainers 4] [--seeds 1,2,3] [--json PATH]
+
+Every job runs once per seed (``--seeds``, default 1); tables give the median and the range
+over seeds; a shadow solver is set against local (no sync) and against its foreground twin.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ import os
 import sys
 from pathlib import Path
 
-from common import argument_parser, launch_or_exit, print_checks, table_header, table_row, write_results
+from common import (argument_parser, launch_or_exit, print_checks, provenance, ratios, seed_list, shown, spread,
+                    verdict, write_record, write_results)
 from distsync.config import RunConfig
 from distsync.experiments import write_report
 
@@ -46,6 +50,36 @@ def runs(intervals: list[float]) -> list[tuple[str, str, dict]]:
     return out
 
 
+def regime(device_ms: float | None, link: str) -> str:
+    return (f"emulated devices of {device_ms:g} ms per step behind emulated {link} links (embedding server and sync "
+            f"threads not emulated: they share this machine's cores)" if device_ms
+            else f"emulated cluster: CPU-bound trainers behind emulated {link} links")
+
+
+def render(raw: dict) -> dict[str, str]:
+    """The page's table: per trainers and solver, throughput per trainer against local's and
+    the foreground twin's, and NE (median and range over seeds)."""
+    lines = [f"ctr, {raw['steps']} steps of 256 per trainer. {raw['repeats']} seeds "
+             f"({', '.join(map(str, raw['seeds']))}) per cell: median (min-max); ratios per seed. "
+             f"Regime: {raw['regime']}.", "",
+             "| trainers | solver | examples/s per trainer | vs local | vs foreground twin | vs 1.0 (twin) | NE | "
+             "NE vs twin |", "|---|---|---|---|---|---|---|---|"]
+    for n, by_name in raw["results"].items():
+        per = {name: {k: r["throughput_samples_per_s"] / int(n) for k, r in by_seed.items()}
+               for name, by_seed in by_name.items()}
+        ne = {name: {k: r["final_metric"] for k, r in by_seed.items()} for name, by_seed in by_name.items()}
+        for name in by_name:
+            twin = TWINS.get(name.split(" ")[0])
+            vs_twin = ratios(per[name], per[twin]) if twin in per else None
+            ne_rel = [None if x is None else x - 1 for x in ratios(ne[name], ne[twin])] if twin in ne else None
+            lines.append(f"| {n} | `{name}` | {shown(per[name].values(), '{:,.0f}')} | "
+                         f"{shown(ratios(per[name], per['local']), unit='x')} | "
+                         f"{shown(vs_twin, unit='x') if vs_twin else '-'} | {verdict(vs_twin) if vs_twin else '-'} | "
+                         f"{shown(ne[name].values(), '{:.4f}')} | "
+                         f"{shown([100 * x for x in ne_rel], '{:+.2f}', '%') if ne_rel else '-'} |")
+    return {"shadowsync_devices" if raw.get("device_ms") else "shadowsync": "\n".join(lines)}
+
+
 def main() -> int:
     p = argument_parser(__doc__)
     p.add_argument("--out", default="benchmarks/results/shadowsync")
@@ -56,8 +90,11 @@ def main() -> int:
     p.add_argument("--min-interval-ms", default=None,
                    help="shadow solvers' min_interval_ms values to run (default: 0,10,40; --devices: 0)")
     p.add_argument("--devices", action="store_true", help=f"emulated devices of {DEVICE_MS:g} ms per step")
+    p.add_argument("--seeds", default="1", help="one run of every job per seed (default: 1)")
     p.add_argument("--json", default=None, help="also write the raw results here")
     args = p.parse_args()
+    started = provenance("benchmarks/shadowsync.py")
+    seeds = seed_list(args.seeds)
     args.steps = args.steps or (400 if args.devices else 600)
     device_ms = DEVICE_MS if args.devices else None
     plan = runs([float(v) for v in (args.min_interval_ms or ("0" if args.devices else "0,10,40")).split(",")])
@@ -67,64 +104,57 @@ def main() -> int:
     trainers = [int(t) for t in args.trainers.split(",")]
     # one pass: enough generated logs for the most trainers
     logs = {"train": max(trainers) * args.steps * 256}
-    results: dict[int, dict[str, dict]] = {}
-    for n in trainers:
-        dirs = []
-        for name, solver, opts in plan:
-            opts = dict(opts, **({"threads": args.threads} if solver in THREADED and args.threads > 1 else {}))
-            cfg = RunConfig(workload="ctr", workload_options=logs, solver=solver, solver_options=opts, workers=n, steps=args.steps,
-                            link=args.link, eval_every=args.steps // 3, timeout_s=120, device_ms=device_ms)
-            run_dir = out / f"{n}-trainers" / name.replace(" >=", "-")
-            s = launch_or_exit(cfg, run_dir)
-            dirs.append(run_dir)
-            results.setdefault(n, {})[name] = s
-            over = f"  {s['device']['share_over']:.0%} steps over" if device_ms else ""
-            print(f"{n} trainers {name:<20} {s['throughput_samples_per_s']:>9,.0f} ex/s  NE {s['final_metric']:.4f}"
-                  f"  AUC {s['final_auc']:.4f}{over}", flush=True)
-        write_report(out / f"{n}-trainers", dirs)
+    results: dict[str, dict[str, dict[str, dict]]] = {}
+    keep = ("throughput_samples_per_s", "final_metric", "final_auc", "device", "phase_share", "solver_stats")
+    for seed in seeds:
+        for n in trainers:
+            dirs = []
+            for name, solver, opts in plan:
+                opts = dict(opts, **({"threads": args.threads} if solver in THREADED and args.threads > 1 else {}))
+                cfg = RunConfig(workload="ctr", workload_options=logs, solver=solver, solver_options=opts, workers=n,
+                                steps=args.steps, link=args.link, eval_every=args.steps // 3, timeout_s=120,
+                                device_ms=device_ms, seed=seed)
+                run_dir = out / f"{n}-trainers" / name.replace(" >=", "-") / (f"seed{seed}" if len(seeds) > 1 else "")
+                s = launch_or_exit(cfg, run_dir)
+                dirs.append(run_dir)
+                results.setdefault(str(n), {}).setdefault(name, {})[str(seed)] = {k: s.get(k) for k in keep}
+                over = f"  {s['device']['share_over']:.0%} steps over" if device_ms else ""
+                print(f"seed {seed} {n} trainers {name:<20} {s['throughput_samples_per_s']:>9,.0f} ex/s  "
+                      f"NE {s['final_metric']:.4f}  AUC {s['final_auc']:.4f}{over}", flush=True)
+            if seed == seeds[0]:
+                write_report(out / f"{n}-trainers", dirs)
 
     cores = os.cpu_count() or 1
+    raw = {"steps": args.steps, "device_ms": device_ms, "results": results, "regime": regime(device_ms, args.link),
+           "seeds": seeds, "repeats": len(seeds)}
     print()
-    regime = (f"emulated devices of {DEVICE_MS:g} ms per step (embedding server and sync threads not emulated)"
-              if device_ms else "CPU-bound trainers")
-    print(f"ctr, {args.steps} steps of 256 per trainer, {args.threads} thread(s) per trainer, {args.link} links, "
-          f"1 embedding server; {cores} CPU cores shared by all processes; {regime}")
+    print(f"{args.threads} thread(s) per trainer, 1 embedding server; {cores} CPU cores shared by all processes")
+    print(render(raw)["shadowsync_devices" if device_ms else "shadowsync"])
     print()
-    table_header(["trainers", "solver", "examples/s (total)", "per trainer", "vs local", "NE", "AUC", "syncs/step"])
-    for n in trainers:
-        base = results[n]["local"]["throughput_samples_per_s"] / n
-        for name, _, _ in plan:
-            s = results[n][name]
-            per = s["throughput_samples_per_s"] / n
-            syncs = [v["syncs_per_step"] for v in s["solver_stats"].values() if "syncs_per_step" in v]
-            sps = f"{sum(syncs) / len(syncs):.2f}" if syncs else "-"
-            shared = " (shares CPUs)" if n + 1 > cores and not device_ms else ""
-            flag = " [CPU-bound]" if device_ms and s["device"]["cpu_bound"] else ""
-            table_row([f"{n}{shared}", name + flag, f"{s['throughput_samples_per_s']:,.0f}", f"{per:,.0f}", f"{per / base:.2f}x",
-                       f"{s['final_metric']:.4f}", f"{s['final_auc']:.4f}", sps])
-    print()
+
+    def med(n: str, name: str, key: str) -> float:
+        return spread(r[key] for r in results[n][name].values())[0]
+
     checks = []
-    for n in trainers:
-        base = results[n]["local"]["throughput_samples_per_s"]
+    for n in results:
+        base = med(n, "local", "throughput_samples_per_s")
         for name, shadow, _ in plan:
             if shadow not in TWINS:
                 continue
             twin = TWINS[shadow]
-            s, f = results[n][name], results[n][twin]
-            ratio = s["throughput_samples_per_s"] / base
-            checks.append((f"{n} trainers: {name} per-trainer throughput {ratio:.2f}x local (>= 0.9)", ratio >= 0.9))
-            rel = s["final_metric"] / f["final_metric"] - 1
-            checks.append((f"{n} trainers: {name} NE {s['final_metric']:.4f} vs {twin} {f['final_metric']:.4f} "
-                           f"({rel:+.1%}, <= +1%)", rel <= 0.01))
+            ratio = med(n, name, "throughput_samples_per_s") / base
+            checks.append((f"{n} trainers: {name} per-trainer throughput {ratio:.2f}x local (median; >= 0.9)",
+                           ratio >= 0.9))
+            s_ne, f_ne = med(n, name, "final_metric"), med(n, twin, "final_metric")
+            rel = s_ne / f_ne - 1
+            checks.append((f"{n} trainers: {name} NE {s_ne:.4f} vs {twin} {f_ne:.4f} (medians; {rel:+.1%}, <= +1%)",
+                           rel <= 0.01))
     print_checks(checks)
-    keep = ("throughput_samples_per_s", "final_metric", "final_auc", "device", "phase_share", "solver_stats")
     payload = {"device_ms": device_ms, "link": args.link, "steps": args.steps, "threads": args.threads,
-               "results": {n: {name: {k: s.get(k) for k in keep} for name, s in by.items()} for n, by in results.items()},
-               "checks": checks}
+               "results": results, "checks": checks}
     write_results(out / "summary.json", payload, announce=False)
     if args.json:
-        write_results(args.json, {"command": "python benchmarks/shadowsync.py" + (" --devices" if args.devices else ""),
-                                  **payload})
+        write_record(args.json, started, regime=regime(device_ms, args.link), seeds=seeds, payload=payload)
     return 0
 
 

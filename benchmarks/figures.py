@@ -1,0 +1,295 @@
+"""Every published figure from one command: which benchmark backs which table, and whether the
+committed docs still say what the committed raw results say.
+
+A *figure* is a benchmark run whose raw results file is committed under
+``docs/benchmarks/raw/NAME.json`` (written by the benchmark script only, with the command,
+commit, date, machine, regime, seeds and repeats) and rendered into the docs by the script's
+own ``render(raw)``: each rendered block sits in a page between ``<!-- figure: BLOCK -->`` and
+``<!-- /figure: BLOCK -->``. The README's "which solver when" table is one such block,
+rendered here from several raw files.
+
+    python benchmarks/figures.py run [--quick] [NAME ...]   # run the benchmarks (make figures)
+    python benchmarks/figures.py render                     # rewrite the docs' blocks from raw
+    python benchmarks/figures.py check                      # make figures-check
+    python benchmarks/figures.py list
+
+``run`` writes the raw files (``--quick``: a small smoke run of each, into
+``benchmarks/results/quick/``, never over the committed ones) and renders. ``check`` fails
+(exit status 1) when a block differs from what its raw file renders, a raw file lacks its
+provenance or has fewer than 3 repeats, a table in ``docs/benchmarks/`` stands outside a
+rendered block, or a raw file is stale: a commit after the one it measured changed a source
+path its benchmark declares (or the tree it measured had uncommitted changes there).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parent.parent
+RAW = REPO / "docs" / "benchmarks" / "raw"
+QUICK = REPO / "benchmarks" / "results" / "quick"
+#: what every raw results file must say about how it was made
+PROVENANCE = ("command", "commit", "dirty", "date", "machine", "regime", "seeds", "repeats")
+MIN_REPEATS = 3
+
+#: what every training run exercises: a figure that measures training declares these too
+RUNTIME = ("src/distsync/comm", "src/distsync/runtime", "src/distsync/membership", "src/distsync/metrics",
+           "src/distsync/workloads", "src/distsync/solvers/base.py", "src/distsync/solvers/__init__.py",
+           "src/distsync/solvers/rules.py", "src/distsync/solvers/flat.py", "src/distsync/solvers/hogwild_threads.py",
+           "src/distsync/solvers/lars.py",
+           "src/distsync/config.py", "src/distsync/worker.py", "src/distsync/supervise.py")
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One benchmark run behind published figures."""
+
+    name: str  #: the raw file's name: docs/benchmarks/raw/NAME.json
+    script: str  #: the module in benchmarks/ (``render(raw) -> {block: markdown}`` is its renderer)
+    args: tuple[str, ...]  #: the full run's arguments
+    quick: tuple[str, ...]  #: a smoke run's arguments
+    sources: tuple[str, ...]  #: the source paths whose change makes its raw results stale
+    page: str  #: the docs page holding its blocks
+
+    def raw_path(self, quick: bool = False) -> Path:
+        return (QUICK if quick else RAW) / f"{self.name}.json"
+
+    def command(self, quick: bool = False) -> list[str]:
+        return [sys.executable, f"benchmarks/{self.script}.py", *(self.quick if quick else self.args),
+                "--json", str(self.raw_path(quick).relative_to(REPO))]
+
+    def renderer(self) -> Callable[[dict[str, Any]], dict[str, str]]:
+        return importlib.import_module(self.script).render
+
+
+FIGURES = [
+    Figure("allreduce_vs_ddp", "allreduce_vs_ddp", ("--rounds", "3"),
+           ("--rounds", "1", "--rows", "digits:2"),
+           RUNTIME + ("src/distsync/solvers/allreduce.py", "src/distsync/solvers/ddp.py"),
+           "docs/benchmarks/allreduce_vs_ddp.md"),
+    Figure("heterogeneity_devices", "heterogeneity_devices",
+           ("--workers", "4", "--cases", "homogeneous,one 3x slow", "--seeds", "1,2,3"),
+           ("--workers", "2", "--cases", "one 3x slow", "--seeds", "1", "--solvers", "allreduce,ripples:smart",
+            "--cap", "4"),
+           RUNTIME + ("src/distsync/solvers/allreduce.py", "src/distsync/solvers/decentralized.py",
+                      "src/distsync/solvers/schedules.py",
+                      "src/distsync/solvers/parameter_server.py", "src/distsync/solvers/elastic.py",
+                      "src/distsync/solvers/shard_service.py"),
+           "docs/benchmarks/heterogeneity.md"),
+    Figure("async_vs_sync_devices", "async_vs_sync",
+           ("--devices", "--workers", "4", "--settings", "wide", "--solvers",
+            "allreduce,sync-easgd,async-measgd,ea-wild,async-ps", "--seeds", "1,2,3"),
+           ("--devices", "--workers", "2", "--settings", "wide", "--solvers", "allreduce,sync-easgd", "--seeds", "1",
+            "--cap", "10"),
+           RUNTIME + ("src/distsync/solvers/allreduce.py", "src/distsync/solvers/elastic.py",
+                      "src/distsync/solvers/parameter_server.py", "src/distsync/solvers/shard_service.py"),
+           "docs/benchmarks/async_vs_sync.md"),
+    Figure("shadowsync_devices", "shadowsync",
+           ("--devices", "--trainers", "4", "--min-interval-ms", "0,40", "--seeds", "1,2,3"),
+           ("--devices", "--trainers", "2", "--steps", "30", "--min-interval-ms", "0", "--seeds", "1"),
+           RUNTIME + ("src/distsync/solvers/shadow.py", "src/distsync/solvers/model_averaging.py",
+                      "src/distsync/solvers/elastic.py", "src/distsync/solvers/allreduce.py", "src/distsync/sparse"),
+           "docs/benchmarks/shadowsync.md"),
+    Figure("crossover", "crossover", ("--cases", "emulated-device", "--repeats", "3"),
+           ("--cases", "emulated-device", "--device-steps", "6", "--repeats", "1"),
+           RUNTIME + ("src/distsync/solvers/allreduce.py", "src/distsync/experiments/crossover.py",
+                      "src/distsync/runtime/token.py"),
+           "docs/benchmarks/crossover.md"),
+]
+BY_NAME = {f.name: f for f in FIGURES}
+BLOCK = re.compile(r"(<!-- figure: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /figure: (?P=name) -->)", re.S)
+
+
+def git(*args: str) -> str:
+    done = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"git {' '.join(args)}: {done.stderr.strip()}")
+    return done.stdout
+
+
+def load_raw(fig: Figure, quick: bool = False) -> dict[str, Any] | None:
+    path = fig.raw_path(quick)
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def rendered_blocks(quick: bool = False) -> dict[str, tuple[str, str]]:
+    """Every block the raw files render: ``{block: (page, markdown)}``; a missing raw file
+    renders nothing (``check`` says so)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    out: dict[str, tuple[str, str]] = {}
+    raws: dict[str, dict[str, Any]] = {}
+    for fig in FIGURES:
+        raw = load_raw(fig, quick)
+        if raw is None:
+            continue
+        raws[fig.name] = raw
+        for block, text in fig.renderer()(raw).items():
+            out[block] = (fig.page, text)
+    from which_solver import render as which_solver
+
+    text = which_solver(raws)
+    if text is not None:
+        out["which_solver"] = ("README.md", text)
+    return out
+
+
+def stale(fig: Figure, raw: dict[str, Any]) -> str | None:
+    """Why ``raw`` no longer measures the code at HEAD (None when it does)."""
+    commit = raw.get("commit")
+    if not commit:
+        return "records no commit"
+    try:
+        changed = git("rev-list", f"{commit}..HEAD", "--", *fig.sources).split()
+    except RuntimeError:
+        return f"measured commit {commit[:10]}, which this repository does not have"
+    if changed:
+        return f"{len(changed)} commit(s) since {commit[:10]} changed what it measures (latest {changed[0][:10]})"
+    during = raw.get("changed_during_run") or {}
+    touched = set(raw.get("changed_files", [])) | set(during.get("changed_files", []))
+    if during.get("commit") and during["commit"] != commit:
+        touched |= set(git("diff", "--name-only", commit, during["commit"]).split())
+    dirty = sorted(f for f in touched if any(f == s or f.startswith(s.rstrip("/") + "/") for s in fig.sources))
+    if dirty:
+        return "measured uncommitted or changing code: " + ", ".join(dirty)
+    return None
+
+
+def provenance_problems(fig: Figure, raw: dict[str, Any]) -> list[str]:
+    problems = [f"{fig.name}: raw results lack {k!r}" for k in PROVENANCE if k not in raw]
+    if isinstance(raw.get("repeats"), int) and raw["repeats"] < MIN_REPEATS:
+        problems.append(f"{fig.name}: {raw['repeats']} repeat(s); a published figure needs at least {MIN_REPEATS}")
+    return problems
+
+
+def stray_tables(text: str) -> list[int]:
+    """Line numbers of markdown table rows outside rendered blocks."""
+    inside, lines = set(), text.split("\n")
+    for m in BLOCK.finditer(text):
+        first = text[:m.start("body")].count("\n")
+        inside.update(range(first, first + m.group("body").count("\n") + 1))
+    return [i + 1 for i, line in enumerate(lines) if line.startswith("|") and i not in inside]
+
+
+def apply(page_text: str, blocks: dict[str, str]) -> str:
+    def sub(m: re.Match) -> str:
+        name = m.group("name")
+        return m.group(1) + (blocks[name].rstrip("\n") + "\n" if name in blocks else m.group("body")) + m.group(4)
+
+    return BLOCK.sub(sub, page_text)
+
+
+def render_docs(write: bool) -> list[str]:
+    """Rewrite (or, without ``write``, compare) every page's blocks; returns the problems."""
+    problems = []
+    blocks = rendered_blocks()
+    pages: dict[str, dict[str, str]] = {}
+    for block, (page, text) in blocks.items():
+        pages.setdefault(page, {})[block] = text
+    for page, mine in sorted(pages.items()):
+        path = REPO / page
+        old = path.read_text()
+        present = {m.group("name") for m in BLOCK.finditer(old)}
+        problems += [f"{page}: has no <!-- figure: {b} --> block" for b in sorted(set(mine) - present)]
+        new = apply(old, mine)
+        if new != old:
+            if write:
+                path.write_text(new)
+            else:
+                changed = sorted(b for b in mine if b in present and mine[b].rstrip("\n") + "\n" != next(
+                    m.group("body") for m in BLOCK.finditer(old) if m.group("name") == b))
+                problems.append(f"{page}: block(s) {', '.join(changed)} differ from what the raw results render "
+                                f"(python benchmarks/figures.py render)")
+    return problems
+
+
+def check(with_staleness: bool = True) -> list[str]:
+    """Everything ``make figures-check`` fails on."""
+    problems = []
+    for fig in FIGURES:
+        raw = load_raw(fig)
+        if raw is None:
+            problems.append(f"{fig.name}: no raw results ({fig.raw_path().relative_to(REPO)}); "
+                            f"run: python benchmarks/figures.py run {fig.name}")
+            continue
+        problems += provenance_problems(fig, raw)
+        why = stale(fig, raw) if with_staleness else None
+        if why:
+            problems.append(f"{fig.name}: stale: {why}")
+    problems += render_docs(write=False)
+    for page in sorted((REPO / "docs" / "benchmarks").glob("*.md")) + [REPO / "README.md"]:
+        if page == REPO / "docs" / "benchmarks" / "README.md":
+            continue  # the index of pages: no figures
+        text = page.read_text()
+        rows = stray_tables(text)
+        if page == REPO / "README.md":  # only its "which solver when" table is a figure
+            start = text.find("## Which solver when")
+            end = text.find("\n## ", start + 1) if start >= 0 else -1
+            first, last = text[:start].count("\n") + 1, text[:end if end >= 0 else len(text)].count("\n") + 1
+            rows = [n for n in rows if start >= 0 and first <= n <= last]
+        if rows:
+            problems.append(f"{page.relative_to(REPO)}: a table outside a rendered block (line "
+                            f"{', '.join(map(str, rows[:5]))}{', ...' if len(rows) > 5 else ''}): "
+                            f"no raw results file backs it")
+    return problems
+
+
+def run(names: list[str], quick: bool) -> int:
+    todo = [BY_NAME[n] for n in names] if names else FIGURES
+    for fig in todo:
+        cmd = fig.command(quick)
+        fig.raw_path(quick).parent.mkdir(parents=True, exist_ok=True)
+        print(f"== {fig.name}: {' '.join(cmd[1:])}", flush=True)
+        rc = subprocess.run(cmd, cwd=REPO).returncode
+        if rc not in (0, 1):  # 1: the benchmark ran and a target was missed; the figure stands
+            print(f"figures: {fig.name} failed (exit status {rc})", file=sys.stderr)
+            return 2
+    if not quick:
+        render_docs(write=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="what", required=True)
+    r = sub.add_parser("run", help="run the benchmarks behind the figures, then render")
+    r.add_argument("names", nargs="*", help="figures to run (default: all): " + ", ".join(BY_NAME))
+    r.add_argument("--quick", action="store_true", help="a small smoke run of each (not committed)")
+    sub.add_parser("render", help="rewrite the docs' rendered blocks from the committed raw files")
+    c = sub.add_parser("check", help="fail on a block that differs, a stale or single-run raw file, a stray table")
+    c.add_argument("--no-staleness", action="store_true", help="skip the staleness test (git history)")
+    sub.add_parser("list", help="the figures, their commands and sources")
+    args = p.parse_args(argv)
+    if args.what == "run":
+        bad = [n for n in args.names if n not in BY_NAME]
+        if bad:
+            p.error(f"unknown figure(s) {', '.join(bad)}; known: {', '.join(BY_NAME)}")
+        return run(args.names, args.quick)
+    if args.what == "render":
+        problems = render_docs(write=True)
+        for line in problems:
+            print(f"figures: {line}", file=sys.stderr)
+        return 1 if problems else 0
+    if args.what == "list":
+        for fig in FIGURES:
+            raw = load_raw(fig)
+            state = "no raw results" if raw is None else (stale(fig, raw) or f"current ({raw['commit'][:10]})")
+            print(f"{fig.name}: {' '.join(fig.command()[1:])}\n    page {fig.page}; {state}")
+        return 0
+    problems = check(with_staleness=not args.no_staleness)
+    for line in problems:
+        print(f"figures-check: {line}")
+    print(f"figures-check: {'FAILED, ' + str(len(problems)) + ' problem(s)' if problems else 'ok'}")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
