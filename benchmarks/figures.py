@@ -102,6 +102,8 @@ FIGURES = [
            RUNTIME + ("src/distsync/solvers/allreduce.py", "src/distsync/experiments/crossover.py",
                       "src/distsync/runtime/token.py"),
            "docs/benchmarks/crossover.md"),
+    # -- reliability: faults, kills, a lagging worker, startup --
+    # -- the simulator, recommend, emulated devices, links --
 ]
 BY_NAME = {f.name: f for f in FIGURES}
 BLOCK = re.compile(r"(<!-- figure: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /figure: (?P=name) -->)", re.S)
