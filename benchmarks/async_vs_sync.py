@@ -33,7 +33,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from common import (argument_parser, launch_or_exit, print_checks, provenance, ratios, seed_list, shown,
+from common import (argument_parser, checks_markdown, launch_or_exit, print_checks, provenance, ratios, seed_list, shown,
                     spread, verdict, write_record, write_results)
 from distsync.config import RunConfig, parse_key_values
 from distsync.experiments import write_report
@@ -80,7 +80,8 @@ def render(raw: dict) -> dict[str, str]:
                              f"{'-' if entry == 'allreduce' else shown(r, unit='x')} | "
                              f"{'-' if entry == 'allreduce' else verdict(r)} | "
                              f"{shown([x['final_metric'] for x in by_seed.values()], '{:.4f}')} |")
-    return {"async_vs_sync_devices" if raw.get("devices") else "async_vs_sync": "\n".join(lines)}
+    name = "async_vs_sync_devices" if raw.get("devices") else "async_vs_sync"
+    return {name: "\n".join(lines), name + "_targets": checks_markdown(raw.get("checks", []))}
 
 
 def main() -> int:

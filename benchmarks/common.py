@@ -182,3 +182,13 @@ def verdict(values: Iterable[float | None], than: float = 1.0) -> str:
     if have and max(have) < than:
         return "below"
     return "within the spread"
+
+
+def checks_markdown(checks: Iterable[Any]) -> str:
+    """A raw file's targets as a markdown list: ``- **met**: TEXT`` / ``- **missed**: TEXT``
+    (checks as ``[text, ok]`` pairs or ``{"check": text, "met": ok}``)."""
+    lines = []
+    for c in checks:
+        text, ok = (c["check"], c["met"]) if isinstance(c, dict) else c
+        lines.append(f"- **{'met' if ok else 'missed'}**: {text}")
+    return "\n".join(lines)

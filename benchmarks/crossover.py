@@ -33,7 +33,7 @@ import os
 import sys
 from pathlib import Path
 
-from common import (argument_parser, exit_on_error, print_checks, provenance, ratios, shown, spread, verdict,
+from common import (argument_parser, checks_markdown, exit_on_error, print_checks, provenance, ratios, shown, spread, verdict,
                     write_record, write_results)
 from distsync.config import RunConfig
 from distsync.experiments.crossover import CrossoverPlan, Job, run_crossover
@@ -83,7 +83,7 @@ def render(raw: dict) -> dict[str, str]:
                      f"{shown(ratios(span['crossover (fcfs)'], span['naive']), unit='x')} | "
                      f"{shown(ratios(span['naive'], span['sequential']), unit='x')} |")
     lines += ["", "(A ratio is the first way's makespan over the second's: below 1.0, the first is faster.)"]
-    return {"crossover": "\n".join(lines)}
+    return {"crossover": "\n".join(lines), "crossover_targets": checks_markdown(raw.get("checks", []))}
 
 
 

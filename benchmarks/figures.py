@@ -85,7 +85,7 @@ FIGURES = [
            "docs/benchmarks/heterogeneity.md"),
     Figure("async_vs_sync_devices", "async_vs_sync",
            ("--devices", "--workers", "4", "--settings", "wide", "--solvers",
-            "allreduce,sync-easgd,async-measgd,ea-wild,async-ps", "--seeds", "1,2,3"),
+            "allreduce,sync-easgd,async-measgd,ea-wild,ea-wild:tau=16,async-ps", "--seeds", "1,2,3"),
            ("--devices", "--workers", "2", "--settings", "wide", "--solvers", "allreduce,sync-easgd", "--seeds", "1",
             "--cap", "10"),
            RUNTIME + ("src/distsync/solvers/allreduce.py", "src/distsync/solvers/elastic.py",

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from common import (argument_parser, launch_or_exit, print_checks, provenance, ratios, seed_list, shown, spread, verdict,
+from common import (argument_parser, checks_markdown, launch_or_exit, print_checks, provenance, ratios, seed_list, shown, spread, verdict,
                     write_record)
 from distsync.config import RunConfig
 
@@ -70,7 +70,8 @@ def render(raw: dict[str, Any]) -> dict[str, str]:
                 lines.append(f"| {w} | {case} | `{name}` | {shown(t.values(), '{:.1f}')} | "
                              f"{'-' if name == 'allreduce' else shown(r, unit='x')} | "
                              f"{'-' if name == 'allreduce' else verdict(r)} | {over} of {len(t)} |")
-    return {"heterogeneity_devices": "\n".join(lines)}
+    return {"heterogeneity_devices": "\n".join(lines),
+            "heterogeneity_devices_targets": checks_markdown(raw.get("checks", []))}
 
 
 def main() -> int:

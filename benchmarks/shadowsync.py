@@ -29,7 +29,7 @@ import os
 import sys
 from pathlib import Path
 
-from common import (argument_parser, launch_or_exit, print_checks, provenance, ratios, seed_list, shown, spread,
+from common import (argument_parser, checks_markdown, launch_or_exit, print_checks, provenance, ratios, seed_list, shown, spread,
                     verdict, write_record, write_results)
 from distsync.config import RunConfig
 from distsync.experiments import write_report
@@ -77,7 +77,8 @@ def render(raw: dict) -> dict[str, str]:
                          f"{shown(vs_twin, unit='x') if vs_twin else '-'} | {verdict(vs_twin) if vs_twin else '-'} | "
                          f"{shown(ne[name].values(), '{:.4f}')} | "
                          f"{shown([100 * x for x in ne_rel], '{:+.2f}', '%') if ne_rel else '-'} |")
-    return {"shadowsync_devices" if raw.get("device_ms") else "shadowsync": "\n".join(lines)}
+    name = "shadowsync_devices" if raw.get("device_ms") else "shadowsync"
+    return {name: "\n".join(lines), name + "_targets": checks_markdown(raw.get("checks", []))}
 
 
 def main() -> int:

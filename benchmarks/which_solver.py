@@ -1,8 +1,145 @@
-"""The README's "which solver when" table, rendered from the figures' raw results."""
+"""The README's "which solver when" table, rendered from the figures' raw results.
+
+Every figure in it is a median over the raw file's repeats with the range beside it, names
+the exact solver (and options) that produced it, and says its regime; a row whose raw file is
+missing says so instead of quoting anything. Which solvers a data-driven row names (the two
+fastest to target on slow links, the shadow variant closest to no sync) is decided by the
+medians, not typed.
+"""
+
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
+
+from common import ratios, shown, spread, verdict
+
+HEADER = ["| situation | solver | what was measured ([benchmarks](docs/benchmarks/README.md); median (range) over repeats) |",
+          "|---|---|---|"]
+SPEED = "over all-reduce (speedup to target)"
+NOT_MEASURED = "no current measurement (`make figures` makes it)"
 
 
-def render(raws: dict[str, dict[str, Any]]) -> str | None:
-    return None
+def _code(name: str) -> str:
+    """A solver label as a user types it: ``ripples:smart`` -> ``ripples --schedule smart``."""
+    solver, _, variant = name.partition(":")
+    if variant in ("static", "random", "smart"):
+        return f"`{solver} --schedule {variant}`"
+    if variant:
+        return f"`{solver} -o {variant}`"
+    return f"`{name}`"
+
+
+def _speedup(values: list[float | None], what: str) -> str:
+    if spread(values) is None:
+        return f"did not reach the target in any repeat ({what})"
+    v = verdict(values)
+    if v == "within the spread":
+        return f"{shown(values, unit='x')} {what} (within the spread: no clear difference)"
+    return f"{shown(values, unit='x')} {what}"
+
+
+def _allreduce(raw: dict[str, Any]) -> tuple[str, str]:
+    every = [a / d for r in raw["rows"] for a, d in zip(r["all"]["allreduce"], r["all"]["ddp"])]
+    rows = ", ".join(f"{r['workload']} x{r['workers']}" for r in raw["rows"])
+    ddp = _speedup(every, "DDP's")
+    return "`allreduce` (or `ddp`)", (
+        f"no staleness; throughput {ddp} ({rows}; {raw['repeats']} rounds each; "
+        f"CPU-bound real run)")
+
+
+def _ttt(raw: dict[str, Any], w: str, case: str, name: str) -> dict[str, float | None]:
+    return {k: r["time_to_target_s"] for k, r in raw["results"][w][case][name].items()}
+
+
+def _slow_worker(raw: dict[str, Any], names: tuple[str, ...], why: str) -> tuple[str, str] | None:
+    w = "4" if "4" in raw["results"] else next(iter(raw["results"]))
+    case = "one 3x slow"
+    if case not in raw["results"][w]:
+        return None
+    have = [n for n in names if n in raw["results"][w][case]]
+    if not have:
+        return None
+    base = _ttt(raw, w, case, "allreduce")
+    sp = {n: ratios(base, _ttt(raw, w, case, n)) for n in have}
+    have.sort(key=lambda n: -(spread(sp[n]) or (0.0,))[0])
+    figures = "; ".join(f"{_code(n)} {_speedup(sp[n], SPEED)}" for n in have)
+    return ", ".join(_code(n) for n in have), (
+        f"{why}: {figures} (digits, {w} emulated devices, one 3x slower; {raw['repeats']} seeds)")
+
+
+def _slow_links(raw: dict[str, Any]) -> tuple[str, str] | None:
+    w = next(iter(raw["results"]))
+    model = next(iter(raw["results"][w]))
+    by = raw["results"][w][model]
+    base = {k: r["time_to_target_s"] for k, r in by["allreduce"].items()}
+    sp = {n: ratios(base, {k: r["time_to_target_s"] for k, r in s.items()}) for n, s in by.items() if n != "allreduce"}
+    best = sorted(sp, key=lambda n: -(spread(sp[n]) or (0.0,))[0])[:2]
+    figures = "; ".join(f"{_code(n)} {_speedup(sp[n], SPEED)}" for n in best)
+    return ", ".join(_code(n) for n in best), (
+        f"the fastest to target where a step's all-reduce costs five times its compute: {figures} ({model} at 1 Gbit on 10 ms emulated devices, "
+        f"communication-bound, {w} workers; {raw['repeats']} seeds; the fastest two of "
+        f"{len(sp)} solvers against all-reduce)")
+
+
+def _shadow(raw: dict[str, Any]) -> tuple[str, str] | None:
+    from shadowsync import TWINS
+
+    n = max(raw["results"], key=int)
+    by = raw["results"][n]
+    per = {name: {k: r["throughput_samples_per_s"] for k, r in s.items()} for name, s in by.items()}
+    shadows = [name for name in by if name.split(" ")[0] in TWINS]
+    if not shadows or "local" not in per:
+        return None
+    best = max(shadows, key=lambda name: spread(ratios(per[name], per["local"]))[0])
+    solver, _, interval = best.partition(" >=")
+    twin = TWINS[solver]
+    twin_text = f"its foreground twin `{twin}`'s"
+    label = f"`{solver} -o min_interval_ms={interval.removesuffix('ms')}`" if interval else f"`{solver}`"
+    return f"{label}, `{twin}` + `--embedding-servers`", (
+        f"tables sharded on servers, dense sync off the training thread: {label} at "
+        f"{shown(ratios(per[best], per['local']), unit='x')} the throughput of no sync and "
+        f"{_speedup(ratios(per[best], per[twin]), twin_text)} (ctr, {n} trainers on 20 ms "
+        f"emulated devices, sync threads on 2 shared cores; {raw['repeats']} seeds; the best of "
+        f"{len(shadows)} shadow variants)")
+
+
+def _crossover(raw: dict[str, Any]) -> tuple[str, str] | None:
+    case = "emulated-device"
+    if case not in raw["cases"]:
+        return None
+    by = raw["cases"][case]
+    span = {m: {k: r["modes"][m]["makespan_s"] for k, r in by.items()}
+            for m in ("sequential", "naive", "crossover")}
+    naive = _speedup(ratios(span["crossover"], span["naive"]), "naive sharing's")
+    return "`distsync crossover`", (
+        f"one job computes while another communicates: makespan {naive}, "
+        f"{shown(ratios(span['crossover'], span['sequential']), unit='x')} sequential's (two jobs on 2 emulated "
+        f"50 ms devices behind 800 Mbit; {raw['repeats']} repeats)")
+
+
+#: (situation, the raw file it needs, how its cells are made)
+ROWS: list[tuple[str, str | None, Callable[[dict[str, Any]], tuple[str, str] | None] | None, str]] = [
+    ("equal devices, fast links, you want one large batch's math", "allreduce_vs_ddp", _allreduce,
+     "`allreduce` (or `ddp`)"),
+    ("one or a few slow workers", "heterogeneity_devices",
+     lambda raw: _slow_worker(raw, ("ripples:smart", "ad-psgd"), "nobody waits for the slow one"),
+     "`ripples --schedule smart`, `ad-psgd`"),
+    ("slow links, many parameters per FLOP", "async_vs_sync_devices", _slow_links, "`sync-easgd`, `async-measgd`"),
+    ("a parameter service, asynchrony tolerated", "heterogeneity_devices",
+     lambda raw: _slow_worker(raw, ("async-ps", "ea-wild"), "pushes never wait for a round"),
+     "`async-ps`, `ea-wild`"),
+    ("recommendation models with big embedding tables", "shadowsync_devices", _shadow,
+     "`shadow-ma`, `ma` + `--embedding-servers`"),
+    ("several jobs sharing the same devices", "crossover", _crossover, "`distsync crossover`"),
+]
+
+
+def render(raws: dict[str, dict[str, Any]]) -> str:
+    lines = list(HEADER)
+    for situation, name, cells, solvers in ROWS:
+        got = cells(raws[name]) if name in raws else None
+        solver, text = got if got else (solvers, NOT_MEASURED)
+        lines.append(f"| {situation} | {solver} | {text} |")
+    lines.append("| not sure, or thousands of workers | `distsync recommend` | simulates the candidates on your "
+                 "cluster's shape, `--verify` runs the top picks |")
+    return "\n".join(lines)
