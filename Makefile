@@ -2,7 +2,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup demo test bench gpu clean
+.PHONY: setup demo test bench figures figures-quick figures-check mutation gpu clean
 
 setup: $(VENV)/.installed
 
@@ -18,6 +18,23 @@ demo: setup
 test: setup
 	@start=$$(date +%s); $(BIN)/python -m pytest -q --durations=15; rc=$$?; \
 	echo "make test: $$(( $$(date +%s) - start )) s"; exit $$rc
+
+# Every published figure (docs/benchmarks/raw/*.json, then the docs' rendered blocks); needs
+# root for the emulated links; about an hour on 2 cores. figures-quick: a smoke run of each
+# (benchmarks/results/quick/, nothing committed changes). figures-check: the docs render from
+# the raw files, which carry their provenance and repeats and are not stale.
+figures: setup
+	$(BIN)/python benchmarks/figures.py run
+
+figures-quick: setup
+	$(BIN)/python benchmarks/figures.py run --quick
+
+figures-check: setup
+	$(BIN)/python benchmarks/figures.py check
+
+# Each declared mutation of an update rule must make the fast suite fail (docs/testing.md).
+mutation: setup
+	$(BIN)/python tests/mutation_probe.py --json docs/benchmarks/raw/mutation_probe.json
 
 bench: setup
 	$(BIN)/python benchmarks/allreduce_vs_ddp.py

@@ -58,8 +58,9 @@ def render(raw: dict[str, Any]) -> dict[str, str]:
     names = raw["solvers"]
     lines = [f"{raw['repeats']} seeds ({', '.join(map(str, raw['seeds']))}) per cell: median (min-max); "
              f"speedup = allreduce's time to target / the solver's, per seed. Regime: {raw['regime']}.", "",
-             "| workers | case | solver | time to target (s) | speedup over allreduce | vs 1.0 | CPU-bound runs |",
-             "|---|---|---|---|---|---|---|"]
+             "| workers | case | solver | time to target (s) | speedup over allreduce | vs 1.0 | "
+             "speedup over ad-psgd (ripples) | vs 1.0 | CPU-bound runs |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for w, by_case in raw["results"].items():
         for case, by_name in by_case.items():
             base = times(raw, w, case, "allreduce")
@@ -67,9 +68,13 @@ def render(raw: dict[str, Any]) -> dict[str, str]:
                 t = times(raw, w, case, name)
                 r = ratios(base, t)
                 over = sum(bool((x.get("device") or {}).get("cpu_bound")) for x in by_name[name].values())
+                ad = (ratios(times(raw, w, case, "ad-psgd"), t)
+                      if name.startswith("ripples") and "ad-psgd" in by_name else None)
                 lines.append(f"| {w} | {case} | `{name}` | {shown(t.values(), '{:.1f}')} | "
                              f"{'-' if name == 'allreduce' else shown(r, unit='x')} | "
-                             f"{'-' if name == 'allreduce' else verdict(r)} | {over} of {len(t)} |")
+                             f"{'-' if name == 'allreduce' else verdict(r)} | "
+                             f"{shown(ad, unit='x') if ad else '-'} | {verdict(ad) if ad else '-'} | "
+                             f"{over} of {len(t)} |")
     return {"heterogeneity_devices": "\n".join(lines),
             "heterogeneity_devices_targets": checks_markdown(raw.get("checks", []))}
 

@@ -1,0 +1,106 @@
+"""The published figures: every rendered block in the docs is what its committed raw results
+render, every raw file says how it was made and has repeats, no table in the benchmark pages
+stands outside a rendered block, and the staleness test finds a changed source."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import figures  # noqa: E402
+from common import ratios, shown, spread, verdict  # noqa: E402
+
+
+def test_committed_docs_render_from_committed_raw_results():
+    problems = figures.check(with_staleness=False)
+    assert problems == []
+
+
+def test_every_figure_has_a_committed_raw_file_and_a_block_on_its_page():
+    for fig in figures.FIGURES:
+        assert fig.raw_path().exists(), fig.name
+        blocks = fig.renderer()(json.loads(fig.raw_path().read_text()))
+        page = (REPO / fig.page).read_text()
+        for block in blocks:
+            assert f"<!-- figure: {block} -->" in page, (fig.name, block)
+
+
+def test_rendering_replaces_a_hand_edited_block(tmp_path):
+    fig = figures.FIGURES[0]
+    page = tmp_path / "page.md"
+    body = next(iter(fig.renderer()(json.loads(fig.raw_path().read_text())).values()))
+    block = next(iter(fig.renderer()(json.loads(fig.raw_path().read_text()))))
+    page.write_text(f"# p\n\n<!-- figure: {block} -->\n{body}\n<!-- /figure: {block} -->\n")
+    assert figures.apply(page.read_text(), {block: body}) == page.read_text()
+    edited = page.read_text().replace(body.splitlines()[-1], body.splitlines()[-1] + " typed by hand")
+    assert figures.apply(edited, {block: body}) == page.read_text()
+
+
+def test_a_table_outside_a_block_is_a_stray():
+    text = ("intro\n\n<!-- figure: x -->\n| a | b |\n|---|---|\n| 1 | 2 |\n<!-- /figure: x -->\n\n"
+            "| typed | table |\n|---|---|\n")
+    assert figures.stray_tables(text) == [9, 10]
+
+
+def test_a_raw_file_without_provenance_or_with_one_run_is_refused():
+    fig = figures.FIGURES[0]
+    raw = json.loads(fig.raw_path().read_text())
+    assert figures.provenance_problems(fig, raw) == []
+    one = dict(raw, repeats=1)
+    assert figures.provenance_problems(fig, one) == [
+        f"{fig.name}: 1 repeat(s); a published figure needs at least 3"]
+    bare = {k: v for k, v in raw.items() if k not in ("commit", "machine")}
+    assert figures.provenance_problems(fig, bare) == [f"{fig.name}: raw results lack 'commit'",
+                                                      f"{fig.name}: raw results lack 'machine'"]
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_a_raw_file_measured_before_a_change_to_its_sources_is_stale():
+    head = _git("rev-parse", "HEAD")
+    first = _git("log", "--format=%H", "--diff-filter=A", "--", "benchmarks/figures.py").splitlines()[-1]
+    before = _git("rev-parse", f"{first}~1")
+    fig = figures.Figure("probe", "heterogeneity_devices", (), (), ("benchmarks/figures.py",), "README.md")
+    assert figures.stale(fig, {"commit": head, "changed_files": []}) is None
+    why = figures.stale(fig, {"commit": before, "changed_files": []})
+    assert why is not None and "changed what it measures" in why
+    dirty = figures.stale(fig, {"commit": head, "changed_files": ["benchmarks/figures.py", "README.md"]})
+    assert dirty == "measured uncommitted or changing code: benchmarks/figures.py"
+    assert figures.stale(fig, {"commit": head, "changed_files": ["README.md"]}) is None
+    assert figures.stale(fig, {"commit": "0" * 40}).startswith("measured commit 0000000000")
+
+
+def test_spread_and_verdict_by_hand():
+    assert spread([3.0, None, 1.0, 2.0]) == (2.0, 1.0, 3.0)
+    assert shown([1.0, 2.0, 4.0], "{:.1f}", "x") == "2.0x (1.0-4.0)"
+    assert shown([2.0, None, 4.0], "{:.1f}") == "3.0 (2.0-4.0), 2 of 3"
+    assert shown([None]) == "-"
+    assert ratios({"1": 10.0, "2": 6.0, "3": None}, {"1": 5.0, "2": 4.0, "3": 1.0}) == [2.0, 1.5, None]
+    assert verdict([1.2, 1.5]) == "above"
+    assert verdict([0.8, 0.95]) == "below"
+    assert verdict([0.9, 1.1]) == "within the spread"
+
+
+@pytest.mark.slow
+def test_quick_figures_run_writes_provenance_and_renders(tmp_path):
+    """A smoke run of one figure (2 workers, one seed): the raw file says how it was made."""
+    done = subprocess.run([sys.executable, "benchmarks/figures.py", "run", "--quick", "heterogeneity_devices"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    fig = figures.BY_NAME["heterogeneity_devices"]
+    raw = json.loads(fig.raw_path(quick=True).read_text())
+    assert set(figures.PROVENANCE) <= set(raw)
+    assert raw["repeats"] == 1 and raw["seeds"] == [1]
+    assert raw["commit"] == _git("rev-parse", "HEAD")
+    assert raw["machine"]["cpu_count"] >= 1 and raw["machine"]["torch"]
+    table = fig.renderer()(raw)["heterogeneity_devices"]
+    assert "| 2 | one 3x slow | `ripples:smart` |" in table
