@@ -30,7 +30,16 @@ worker stalled for 2 s, in turn, every rank in turn); the job's processes' resid
 threads and open files are sampled every 5 s. Growth is the last sample against the first
 one taken after a warm-up minute (or a fifth of the soak).
 
-    python benchmarks/faults.py [--runs 20] [--soak 1200] [--out benchmarks/results/faults]
+    python benchmarks/faults.py [--runs 20] [--soak 1200] [--parts faults,bad-input,soak] [--seed 0]
+                                [--out benchmarks/results/faults] [--json PATH]
+
+The raw results (``--json``, default ``OUT/faults.json``; written after each part) hold the
+provenance (command, commit, machine, the seed of the faults drawn), every run and case, and
+``repeats``: the faulted runs per solver. ``render(raw)`` makes the page's blocks: ``faults``
+(part 1) and ``faults_bad_input`` (part 2), each when its part was run; the soak's table is
+printed by the run and kept in the raw results (``soak``), not rendered into the page.
+``python benchmarks/figures.py run faults`` runs parts 1 and 2 and renders them into
+docs/benchmarks/faults.md.
 """
 
 from __future__ import annotations
@@ -45,7 +54,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import argument_parser, print_checks, table_header, table_row
+from common import argument_parser, print_checks, provenance, table_header, table_row, write_record
 from distsync.metrics.processes import tree_usage
 from distsync.solvers import make_solver, solver_names
 
@@ -175,10 +184,18 @@ def fmt(value, pattern: str) -> str:
     return "-" if value is None else pattern.format(value)
 
 
+def fault_kinds(rows: list[dict]) -> list[str]:
+    """The kinds of fault drawn: kill, kill:server, nan, stall ..."""
+    out = set()
+    for r in rows:
+        kind, rest = r["fault"].split(":", 1)
+        target = rest.split("@")[0]
+        out.add(kind + ("" if target.isdigit() else ":" + target))
+    return sorted(out)
+
+
 def campaign(solvers: list[str], runs: int, rng: random.Random, out: Path) -> list[dict]:
     table = []
-    table_header(["solver", "faults injected", "ended as designed", "workers dropped", "restarts",
-                  "steps lost (median / max)", "max recovery (s)", "hangs", "lost updates", "left behind", "faults"])
     for solver in solvers:
         rows = [one_run(solver, random_fault(solver, rng), out / solver / f"run{i}") for i in range(runs)]
         lost = [x for r in rows for x in r.get("steps_lost", [])]
@@ -192,17 +209,87 @@ def campaign(solvers: list[str], runs: int, rng: random.Random, out: Path) -> li
                 "left_processes": sum(r["left_processes"] for r in rows),
                 "left_namespaces": sum(r["left_namespaces"] for r in rows)}
         table.append(line)
-        kinds = sorted({r["fault"].split(":")[0] + (":" + r["fault"].split(":")[1].split("@")[0]
-                        if not r["fault"].split(":")[1].split("@")[0].isdigit() else "") for r in rows})
-        cells = [solver, len(rows), line["as_designed"], line["dropped"], line["restarts"],
-                 "-" if not lost else f"{statistics.median(lost):g} / {max(lost)}",
-                 fmt(line["max_recovery_s"], "{:.2f}"), line["hangs"], fmt(line["lost_updates"], "{}"),
-                 f"{line['left_processes']} / {line['left_namespaces']}", ", ".join(kinds)]
-        table_row(cells, flush=True)
+        print(f"{solver}: {line['as_designed']} of {len(rows)} as designed, {line['hangs']} hangs "
+              f"({', '.join(r['fault'] for r in rows)})", flush=True)
         for r in rows:
             if not r["as_designed"]:
                 print(f"  {solver} {r['fault']}: {r.get('error', 'hang')}", flush=True)
     return table
+
+
+REGIME = {"faults": "CPU-bound real run (digits, 2 workers, loopback) on this machine's cores",
+          "bad-input": "CPU-bound real runs (digits, 2 workers) and an in-process server shard",
+          "soak": "emulated devices (allreduce, 4 workers, --device-ms), loopback"}
+
+
+def _md(headers: list[str], rows: list[list]) -> list[str]:
+    return ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers),
+            *["| " + " | ".join(str(c) for c in row) + " |" for row in rows]]
+
+
+def _no_tmp(text: str, raw: dict) -> str:
+    """``text`` with the run's output folder written ``RUN`` (and a table's ``|`` escaped)."""
+    out = raw.get("out")
+    if out:
+        text = text.replace(str(Path(out).resolve()), "RUN").replace(str(out), "RUN")
+    return text.replace("|", "\\|")
+
+
+def render(raw: dict) -> dict[str, str]:
+    """The page's blocks: ``faults`` (one fault per run, a row per solver) and
+    ``faults_bad_input``, each when its part was run."""
+    machine = raw.get("machine") or {}
+    head = (f"`{raw.get('command', '?')}` at commit {str(raw.get('commit'))[:10]}"
+            + (" (the working tree differed)" if raw.get("dirty") else "")
+            + f", {machine.get('cpu_count')} cores, torch {machine.get('torch')}, seed {raw.get('seed')}, "
+            f"{raw.get('date', '')}.")
+    blocks = {}
+    if raw.get("solvers"):
+        t = raw["solvers"]
+        rows = []
+        for x in t:
+            lost = [v for r in x["runs"] for v in r.get("steps_lost", [])]
+            rows.append([f"`{x['solver']}`", len(x["runs"]), x["as_designed"], x["dropped"], x["restarts"],
+                         "-" if not lost else f"{statistics.median(lost):g} / {max(lost)}",
+                         fmt(x["max_recovery_s"], "{:.2f}"), x["hangs"], fmt(x["lost_updates"], "{}"),
+                         f"{x['left_processes']} / {x['left_namespaces']}", ", ".join(fault_kinds(x["runs"]))])
+        runs = [r for x in t for r in x["runs"]]
+        kinds: dict[str, int] = {}
+        for r in runs:
+            kind, rest = r["fault"].split(":", 1)
+            target = rest.split("@")[0]
+            label = ({"stall": "stalls", "nan": "NaN losses"}.get(kind)
+                     or ("worker kills" if target.isdigit() else f"{target} kills"))
+            kinds[label] = kinds.get(label, 0) + 1
+        went_on = [g for x in t for r in x["runs"] if r.get("dropped") for g in r.get("recovery_s", []) if g is not None]
+        lines = [head, "", f"Regime: {REGIME['faults']}. {raw.get('runs_per_solver')} runs per solver, one fault "
+                 f"each, drawn with seed {raw.get('seed')}.", ""]
+        lines += _md(["solver", "faults injected", "ended as designed", "workers dropped", "restarts",
+                      "steps lost (median / max)", "max recovery (s)", "hangs", "lost updates",
+                      "left behind (processes / namespaces)", "fault kinds drawn"], rows)
+        lines += ["", f"Totals: {len(runs)} runs ("
+                  + ", ".join(f"{n} {k}" for k, n in kinds.items()) + f"), {sum(x['as_designed'] for x in t)} ended "
+                  f"as designed, {sum(x['hangs'] for x in t)} hangs, {sum(x['dropped'] for x in t)} workers dropped, "
+                  f"{sum(x['restarts'] for x in t)} restarts, lost updates at most "
+                  f"{max((x['lost_updates'] or 0) for x in t)}, {sum(x['left_processes'] for x in t)} processes and "
+                  f"{sum(x['left_namespaces'] for x in t)} namespaces left behind; going on without a dead worker: "
+                  + (f"{max(went_on):.3f} s at most over {len(went_on)} drops." if went_on else "no drop timed.")]
+        bad = [(x["solver"], r) for x in t for r in x["runs"] if not r["as_designed"]]
+        if bad:
+            lines += ["", "Runs that did not end as designed:", ""]
+            lines += [f"- `{s}` `{r['fault']}`: `{_no_tmp(str(r.get('error', 'hang')), raw)[:300]}`" for s, r in bad]
+        blocks["faults"] = "\n".join(lines)
+    if raw.get("bad_input"):
+        cases = raw["bad_input"]
+        rows = [[c["case"], "yes" if c["ok"] else "NO", fmt(c["exit"], "{}"), f"{c['seconds']:.1f}",
+                 f"`{_no_tmp(c.get('skipped_line') or (c['stderr'][-1] if c['stderr'] else ''), raw).strip()[:200]}`"
+                 + (f"; resumed from step {c['resumed_from_step']}" if c.get("resumed_from_step") is not None else "")]
+                for c in cases]
+        lines = [head, "", f"Regime: {REGIME['bad-input']}; each case once.", ""]
+        lines += _md(["bad input", "handled", "exit", "seconds", "what it said"], rows)
+        lines += ["", f"{sum(c['ok'] for c in cases)} of {len(cases)} handled."]
+        blocks["faults_bad_input"] = "\n".join(lines)
+    return blocks
 
 
 # ---- (2) bad input ----------------------------------------------------------------------------------
@@ -439,30 +526,32 @@ def main() -> int:
     p.add_argument("--solvers", help="comma-separated (default: every registered solver)")
     p.add_argument("--parts", default="faults,bad-input,soak", help="which parts to run (default: all three)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="benchmarks/results/faults")
+    p.add_argument("--out", default="benchmarks/results/faults", help="the runs' folders")
+    p.add_argument("--json", help="the raw results (default: OUT/faults.json)")
     args = p.parse_args()
+    started = provenance("benchmarks/faults.py")
     out = Path(args.out)
     parts = set(args.parts.split(","))
     rng = random.Random(args.seed)
     solvers = args.solvers.split(",") if args.solvers else solver_names()
-    results: dict = {"runs_per_solver": args.runs}
+    results: dict = {"runs_per_solver": args.runs, "seed": args.seed, "parts": sorted(parts), "out": str(out)}
     out.mkdir(parents=True, exist_ok=True)
+    regime = "; ".join(f"{k}: {v}" for k, v in REGIME.items() if k in parts and (k != "soak" or args.soak > 0))
 
-    def save() -> None:  # after each part: a later part's failure keeps what was measured
-        (out / "faults.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    def save(announce: bool = False) -> None:  # after each part: a later part's failure keeps what was measured
+        write_record(args.json or out / "faults.json", started, regime=regime, seeds=[args.seed],
+                     payload={**results, "repeats": args.runs}, announce=announce)
     if "faults" in parts:
         results["solvers"] = campaign(solvers, args.runs, rng, out)
         save()
     if "bad-input" in parts:
         print()
-        cases = bad_input(out / "bad-input")
-        table_header(["bad input", "handled", "exit", "seconds", "what it said (last line)"])
-        for c in cases:
-            said = (c["stderr"][-1] if c["stderr"] else "").replace("|", "\\|")
-            table_row([c["case"], "yes" if c["ok"] else "NO", fmt(c["exit"], "{}"), f"{c['seconds']:.1f}",
-                       f"`{said[:160]}`"], flush=True)
-        results["bad_input"] = cases
+        results["bad_input"] = bad_input(out / "bad-input")
         save()
+    if "faults" in parts or "bad-input" in parts:
+        for text in render(json.loads(Path(args.json or out / "faults.json").read_text())).values():
+            print()
+            print(text)
     if "soak" in parts and args.soak > 0:
         print()
         s = soak(args.soak, out / "soak", args.soak_device_ms)
@@ -497,6 +586,8 @@ def main() -> int:
         checks.append(("soak: no hang, ended cleanly", not s["hang"] and s["exit"] == 0))
     print()
     print_checks(checks)
+    results["checks"] = [{"check": text, "met": ok} for text, ok in checks]
+    save(announce=True)
     return 0
 
 

@@ -45,12 +45,14 @@ coordinator, the solvers' stats) or the job restarted (a ``resume`` event), and 
 accuracy against the clean run.
 
     python benchmarks/kill_campaign.py [--runs 100] [--seed 0] [--solvers a,b] [--cases worker,server]
-                                       [--out benchmarks/results/kill_campaign.json]
-    python benchmarks/kill_campaign.py --table benchmarks/results/kill_campaign.json [--doc docs/benchmarks/kill_campaign.md]
+                                       [--json PATH]
 
-``--table`` renders the tables from a raw results file (nothing is run); ``--doc`` also
-writes them into that page, between its ``<!-- kill_campaign:begin -->`` and
-``<!-- kill_campaign:end -->`` lines.
+The raw results (``--json``, default ``benchmarks/results/kill_campaign.json``; written after
+every run, ``partial`` until the campaign ends) hold the provenance (command, commit, machine,
+the campaign's seed), every run and the number of kills per case (``repeats``: the fewest of
+any case). ``render(raw)`` makes the page's blocks (``kill_campaign``): a row per case, and a
+line per case naming the solvers that were killed in it; ``python benchmarks/figures.py run
+kill_campaign`` runs the published campaign and renders it into docs/benchmarks/kill_campaign.md.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from common import argument_parser, provenance, write_results
+from common import argument_parser, provenance, write_record
 from faults import leftovers, marked_processes, namespaces, run_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -89,7 +91,6 @@ KNOWN_SOLVERS = ["ad-psgd", "allreduce", "async-easgd", "async-measgd", "async-m
                  "shadow-ma", "sync-easgd", "sync-ps"]
 KNOWN_SERVERS = {"async-easgd", "async-measgd", "async-msgd", "async-ps", "ea-wild", "easgd", "fr-easgd", "hogwild",
                  "shadow-ea", "sync-ps"}
-BEGIN, END = "<!-- kill_campaign:begin -->", "<!-- kill_campaign:end -->"
 
 
 # ---- the solvers ---------------------------------------------------------------------------------
@@ -640,29 +641,49 @@ def no_tmp(text: str | None) -> str:
     return re.sub(r"/[^\s;:()'\"]*/(kill_campaign|lagging_worker)-[^/\s]+/[^/\s;:()'\"]+", "RUN", text or "")
 
 
-def provenance_line(payload: dict[str, Any]) -> str:
-    changed = payload.get("changed_files") or []
+REGIME = ("emulated devices (--device-ms: each step lasts a fixed device time, the real math inside it), "
+          "loopback, on this machine's cores shared with other work")
+
+
+def provenance_line(raw: dict[str, Any]) -> str:
+    """Where a raw file's figures come from: command, commit (and a working tree that
+    differed), machine, seed, date."""
+    changed = raw.get("changed_files") or []
     src = [f for f in changed if "src/" in f]
-    machine = payload.get("machine") or {}
-    return (f"`{payload.get('command', '?')}` at commit {str(payload.get('commit'))[:10]}"
-            + (f" (the working tree differed in {len(changed)} files, {len(src)} under src/)" if payload.get("dirty") else "")
-            + f", {machine.get('cpu_count')} cores, torch {machine.get('torch')}, seed {payload.get('seed')}, "
-            f"{payload.get('when', '')}")
+    machine = raw.get("machine") or {}
+    return (f"`{raw.get('command', '?')}` at commit {str(raw.get('commit'))[:10]}"
+            + (f" (the working tree differed in {len(changed)} files, {len(src)} under src/)" if raw.get("dirty") else "")
+            + f", {machine.get('cpu_count')} cores, torch {machine.get('torch')}, seed {raw.get('seed')}, "
+            f"{raw.get('date') or raw.get('when', '')}")
 
 
-def render(payload: dict[str, Any]) -> list[str]:
-    """The tables of a raw results file, as markdown lines."""
-    runs = payload.get("runs", [])
-    lines = [provenance_line(payload) + f"; {len(runs)} kills and {len(payload.get('clean', []))} clean runs in "
-             f"{payload.get('seconds', 0) / 60:.1f} min ({payload.get('per_kill_s', 0):.1f} s a kill, all included).", ""]
+def kills_per_case(runs: list[dict]) -> dict[str, int]:
+    """Kills made per case (runs whose target was found and killed)."""
+    out: dict[str, int] = {}
+    for r in runs:
+        if r.get("kill_unix") and not r.get("not_killed"):
+            out[r["case"]] = out.get(r["case"], 0) + 1
+    return out
+
+
+def render(raw: dict[str, Any]) -> dict[str, str]:
+    """The page's block ``kill_campaign``: a row per case (and all), the solvers killed in each
+    case, the second kill's delay, and every run that did not finish, crashed a survivor, hung
+    or was not killed."""
+    runs = raw.get("runs", [])
+    lines = [provenance_line(raw) + f"; {len(runs)} kills and {len(raw.get('clean', []))} clean runs in "
+             f"{raw.get('seconds', 0) / 60:.1f} min ({raw.get('per_kill_s', 0):.1f} s a kill, all included)"
+             + ("; **partial: the campaign did not end**" if raw.get("partial") else "") + ".", "",
+             f"Regime: {raw.get('regime', REGIME)}. Each row sums its case's kills (at least "
+             f"{raw.get('repeats', '?')} per case); stalls are the median and the worst over the kills.", ""]
     by_case = [[case, *[summarize_runs([r for r in runs if r["case"] == case])[k] for k in KEYS]]
                for case in CASES if any(r["case"] == case for r in runs)]
     lines += md_table(["case", *HEAD], by_case + [["**all**", *[summarize_runs(runs)[k] for k in KEYS]]])
-    lines.append("")
-    cells = sorted({(r["case"], r["solver"]) for r in runs}, key=lambda c: (CASES.index(c[0]), c[1]))
-    lines += md_table(["case", "solver", *HEAD],
-                      [[c, s, *[summarize_runs([r for r in runs if (r["case"], r["solver"]) == (c, s)])[k]
-                                for k in KEYS]] for c, s in cells])
+    lines += ["", "Solvers killed, per case (kills):", ""]
+    for case in CASES:
+        here = [r["solver"] for r in runs if r["case"] == case]
+        if here:
+            lines.append(f"- {case}: " + ", ".join(f"`{s}` {here.count(s)}" for s in sorted(set(here))))
     gaps = [r["kill_gap_ms"] for r in runs if r.get("kill_gap_ms") is not None]
     if gaps:
         lines += ["", f"Two workers at once: the second kill came {statistics.median(gaps):.0f} ms (median) / "
@@ -672,27 +693,16 @@ def render(payload: dict[str, Any]) -> list[str]:
         lines += ["", "Runs that did not finish, crashed a survivor, hung or were not killed:", ""]
         for r in bad:
             what = ", ".join(f"{t['comm']}" for t in r.get("targets", [])) or "-"
-            why = r.get("not_killed") or ("hang" if r.get("hang") else r.get("error") or "")
+            why = r.get("not_killed") or ("hang" if r.get("hang") else r.get("error") or r.get("harness_error") or "")
             crash = "; ".join(f"rank {f['rank']} ({f['attempt']}): {f['line']}" for f in r.get("survivor_failures", []))
             lines.append(f"- {r['case']} {r['solver']} (kill {what}{', max-restarts 1' if r.get('max_restarts') else ''}): "
                          f"exit {r.get('rc')}; `{no_tmp(why)[:300]}`" + (f"; survivors: `{no_tmp(crash)[:400]}`" if crash else ""))
-    clean_bad = [c for c in payload.get("clean", []) if c.get("rc") != 0]
+    clean_bad = [c for c in raw.get("clean", []) if c.get("rc") != 0]
     if clean_bad:
         lines += ["", "Clean runs (no kill) that failed:", ""]
         lines += [f"- {c['solver']} ({c['workers']} workers): exit {c.get('rc')}; `{no_tmp(c.get('error'))}`"
                   for c in clean_bad]
-    return lines
-
-
-def write_doc(doc: Path, lines: list[str], begin: str = BEGIN, end: str = END) -> None:
-    """``lines`` into page ``doc``, in place of what stands between its ``begin`` and ``end`` lines."""
-    text = doc.read_text() if doc.exists() else f"{begin}\n{end}\n"
-    if begin not in text or end not in text:
-        raise SystemExit(f"{doc} has no {begin} ... {end} block to write the tables into")
-    head, rest = text.split(begin, 1)
-    tail = rest.split(end, 1)[1]
-    doc.write_text(head + begin + "\n" + "\n".join(lines) + "\n" + end + tail)
-    print(f"wrote the tables into {doc}")
+    return {"kill_campaign": "\n".join(lines)}
 
 
 # ---- the campaign --------------------------------------------------------------------------------
@@ -706,26 +716,25 @@ def main() -> int:
     p.add_argument("--device-ms", type=float, default=20.0, help="emulated device time of a step (default 20)")
     p.add_argument("--hang-s", type=float, default=HANG_S,
                    help=f"a run not ended this long after the kill is a hang (default {HANG_S:g})")
-    p.add_argument("--out", default="benchmarks/results/kill_campaign.json")
+    p.add_argument("--json", default="benchmarks/results/kill_campaign.json",
+                   help="the raw results (written after every run; default: benchmarks/results/kill_campaign.json)")
     p.add_argument("--keep", action="store_true", help="keep the run folders (their path is printed)")
-    p.add_argument("--table", metavar="JSON", help="only print the tables of this raw results file")
-    p.add_argument("--doc", metavar="MD", help="also write the tables into this page (between its markers)")
     args = p.parse_args()
-    if args.table:
-        lines = render(json.loads(Path(args.table).read_text()))
-        print("\n".join(lines))
-        if args.doc:
-            write_doc(Path(args.doc), lines)
-        return 0
+    started = provenance("benchmarks/kill_campaign.py")
     rng = random.Random(args.seed)
     solvers = args.solvers.split(",") if args.solvers else all_solvers()
     cases = args.cases.split(",") if args.cases else list(CASES)
     specs = plan(args.runs, cases, solvers, rng)
-    payload: dict[str, Any] = {**provenance("benchmarks/kill_campaign.py"), "seed": args.seed,
+    payload: dict[str, Any] = {"seed": args.seed,
                                "settings": {"steps": args.steps, "device_ms": args.device_ms, "timeout_s": TIMEOUT_S,
                                             "hang_s": args.hang_s, "checkpoint_every": CHECKPOINT_EVERY,
                                             "workload": "digits", "seed_of_runs": 1},
                                "clean": [], "runs": []}
+
+    def save(partial: bool) -> None:  # (after each run: an abort keeps what was measured)
+        per_case = kills_per_case(payload["runs"])
+        payload.update(partial=partial, kills_per_case=per_case, repeats=min(per_case.values(), default=0))
+        write_record(args.json, started, regime=REGIME, seeds=[args.seed], payload=payload, announce=not partial)
     tmp = Path(tempfile.mkdtemp(prefix="kill_campaign-"))
     t0 = time.monotonic()
     cleans: dict[tuple[str, int], dict] = {}
@@ -759,7 +768,7 @@ def main() -> int:
                   flush=True)
             payload["seconds"] = time.monotonic() - t0
             payload["per_kill_s"] = payload["seconds"] / len(payload["runs"])
-            write_results(args.out, payload, announce=False)  # (after each run: an abort keeps what was measured)
+            save(partial=True)
     finally:
         if args.keep:
             print(f"run folders kept in {tmp}")
@@ -767,12 +776,9 @@ def main() -> int:
             shutil.rmtree(tmp, ignore_errors=True)
     payload["seconds"] = time.monotonic() - t0
     payload["per_kill_s"] = payload["seconds"] / max(1, len(payload["runs"]))
-    write_results(args.out, payload)
+    save(partial=False)
     print()
-    lines = render(json.loads(Path(args.out).read_text()))
-    print("\n".join(lines))
-    if args.doc:
-        write_doc(Path(args.doc), lines)
+    print(render(json.loads(Path(args.json).read_text()))["kill_campaign"])
     return 0
 
 

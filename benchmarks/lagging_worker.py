@@ -11,24 +11,26 @@ last line on stderr, the workers it dropped (a lagging worker dropped is a false
 when the run passes), and its seconds; a run that has not ended after 120 s is a hang (its
 process group is killed).
 
-(2) For each solver (``--families``), two runs of ``digits`` on 3 workers (emulated devices,
-``--device-ms 20``, 200 steps, ``--timeout 4``): a random worker stopped with SIGSTOP from
-outside (``os.kill(pid, SIGSTOP)``; the process named ``ds-worker-R``) must be dropped after
-the timeout and the run finish; a worker killed with SIGKILL must be dropped at once. For
-each: whether the run finished, hung, whether the worker was dropped (``RUN/dropped``) and
-how long after the stop or kill (the mark's time), and how long after it the survivors went
-on: the latest of the survivors' first steps finished after it (a step's time included: a
-survivor that never waited shows about one step), and the first view they formed without it
-(solvers that re-form their groups). The stopped process is sent SIGCONT and the run's
-process group killed once it has ended.
+(2) For each solver (``--families``), ``--repeats`` runs of each of two kinds, ``digits`` on 3
+workers (emulated devices, ``--device-ms 20``, 200 steps, ``--timeout 4``): a random worker
+stopped with SIGSTOP from outside (``os.kill(pid, SIGSTOP)``; the process named
+``ds-worker-R``) must be dropped after the timeout and the run finish; a worker killed with
+SIGKILL must be dropped at once. For each: whether the run finished, hung, whether the worker
+was dropped (``RUN/dropped``) and how long after the stop or kill (the mark's time), and how
+long after it the survivors went on: the latest of the survivors' first steps finished after
+it (a step's time included: a survivor that never waited shows about one step), and the first
+view they formed without it (solvers that re-form their groups). The stopped process is sent
+SIGCONT and the run's process group killed once it has ended.
 
-    python benchmarks/lagging_worker.py [--runs 50] [--families a,b] [--parts lagging,stop] [--seed 0]
-                                        [--out benchmarks/results/lagging_worker.json]
-    python benchmarks/lagging_worker.py --table benchmarks/results/lagging_worker.json [--doc docs/benchmarks/kill_campaign.md]
+    python benchmarks/lagging_worker.py [--runs 50] [--families a,b] [--repeats 3] [--parts lagging,stop] [--seed 0]
+                                        [--json PATH]
 
-``--table`` renders the tables from a raw results file (nothing is run); ``--doc`` also
-writes them into that page, between its ``<!-- lagging_worker:begin -->`` and
-``<!-- lagging_worker:end -->`` lines.
+The raw results (``--json``, default ``benchmarks/results/lagging_worker.json``; written after
+every run, ``partial`` until the end) hold the provenance, every run, and ``repeats``: the
+fewest runs of any cell (part (1): alone / beside the burner; part (2): a solver and a
+signal). ``render(raw)`` makes the page's blocks: ``lagging_worker`` (part 1) and
+``stopped_worker`` (part 2), each when its part was run; ``python benchmarks/figures.py run``
+runs them as two figures (``lagging_worker``, ``stopped_worker``).
 """
 
 from __future__ import annotations
@@ -46,16 +48,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import argument_parser, provenance, write_results
+from common import argument_parser, provenance, shown as spread_shown, write_record
 from faults import leftovers, namespaces
 from kill_campaign import (DISTSYNC, SOLVER_ARGS, all_solvers, error_line, kill_group, launch, md_table,
                            named, no_tmp, provenance_line, read_json, run_events, shown, stall_after, step_times, tail_lines,
-                           wait_end, wait_training, write_doc)
+                           wait_end, wait_training)
 
 LAGGING = ["train", "--workload", "digits", "--solver", "ripples", "--schedule", "smart", "--workers", "3",
            "--slow", "1:60", "--steps", "120", "--timeout", "4"]
 HANG_S = 120.0
-BEGIN, END = "<!-- lagging_worker:begin -->", "<!-- lagging_worker:end -->"
 WORKERS, STEPS, DEVICE_MS, STOP_TIMEOUT = 3, 200, 20.0, 4
 
 
@@ -91,13 +92,15 @@ def lagging_run(i: int, burner: bool, tmp: Path) -> dict[str, Any]:
 
 
 # ---- (2) a stopped worker, a killed worker -------------------------------------------------------
-def stop_run(solver: str, how: str, rank: int, at_fraction: float, timeout_s: int, tmp: Path) -> dict[str, Any]:
-    out = tmp / f"{how}-{solver}"
+def stop_run(solver: str, how: str, rank: int, at_fraction: float, timeout_s: int, tmp: Path,
+             repeat: int = 0) -> dict[str, Any]:
+    out = tmp / f"{how}-{solver}-{repeat}"
     cmd = [*DISTSYNC, "train", "--workload", "digits", "--solver", solver, *SOLVER_ARGS.get(solver, []),
            "--workers", str(WORKERS), "--steps", str(STEPS), "--eval-every", str(STEPS), "--device-ms", f"{DEVICE_MS:g}",
            "--timeout", str(timeout_s), "--seed", "1", "--out", str(out)]
     sig = signal.SIGSTOP if how == "stop" else signal.SIGKILL
-    r: dict[str, Any] = {"solver": solver, "how": how, "rank": rank, "command": shown(cmd), "timeout_s": timeout_s}
+    r: dict[str, Any] = {"solver": solver, "how": how, "rank": rank, "repeat": repeat, "command": shown(cmd),
+                         "timeout_s": timeout_s}
     tag, ns = str(out), namespaces()
     t0 = time.monotonic()
     proc = launch(cmd, out, tag)
@@ -170,10 +173,33 @@ def fmt_s(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}"
 
 
-def render(payload: dict[str, Any]) -> list[str]:
-    lines = [provenance_line(payload) + f"; {payload.get('seconds', 0) / 60:.1f} min.", ""]
-    lag = payload.get("lagging") or []
+REGIME = {"lagging": "CPU-bound real run (digits, 3 workers, one of them 60x slow) on this machine's cores, "
+                      "half of the runs beside a process burning a core",
+          "stop": "emulated devices (--device-ms 20: each step lasts 20 ms of device time, the real math inside it), "
+                  "loopback, on this machine's cores"}
+
+
+def cells(raw: dict[str, Any]) -> dict[str, int]:
+    """Runs per cell: part (1) by burner, part (2) by solver and signal."""
+    out: dict[str, int] = {}
+    for r in raw.get("lagging") or []:
+        key = f"lagging, {'burner' if r['burner'] else 'alone'}"
+        out[key] = out.get(key, 0) + 1
+    for r in raw.get("stops") or []:
+        key = f"{r['solver']} {r['how']}"
+        out[key] = out.get(key, 0) + 1
+    return out
+
+
+def render(raw: dict[str, Any]) -> dict[str, str]:
+    """The page's blocks: ``lagging_worker`` (part 1) and ``stopped_worker`` (part 2), each
+    when its part was run."""
+    head = provenance_line(raw) + f"; {raw.get('seconds', 0) / 60:.1f} min" + (
+        "; **partial: the run did not end**" if raw.get("partial") else "") + "."
+    blocks = {}
+    lag = raw.get("lagging") or []
     if lag:
+        lines = [head, "", f"Regime: {REGIME['lagging']}.", ""]
         rows = []
         for label, sel in (("alone", False), ("beside a core-burning process", True)):
             runs = [r for r in lag if r["burner"] == sel]
@@ -182,10 +208,10 @@ def render(payload: dict[str, Any]) -> list[str]:
             secs = [r["seconds"] for r in runs if not r["hang"]]
             rows.append([label, len(runs), sum(r["passed"] for r in runs), sum(not r["passed"] for r in runs),
                          sum(r["hang"] for r in runs), sum(bool(r["dropped"]) for r in runs),
-                         f"{statistics.median(secs):.1f} / {max(secs):.1f}" if secs else "-"])
-        lines += [f"`distsync {' '.join(LAGGING)} --out TMP`", ""]
+                         spread_shown(secs, "{:.1f}")])
+        lines += [f"`{raw.get('lagging_command') or 'distsync ' + ' '.join(LAGGING) + ' --out TMP'}`", ""]
         lines += md_table(["runs", "n", "passed (exit 0)", "failed", "hangs", "runs that dropped a worker",
-                           "seconds (median / max)"], rows)
+                           "seconds: median (min-max)"], rows)
         failed = {}
         for r in lag:
             if not r["passed"]:
@@ -200,71 +226,73 @@ def render(payload: dict[str, Any]) -> list[str]:
             lines += ["", "Runs that dropped a worker: " + "; ".join(
                 f"run {r['i']}{' (burner)' if r['burner'] else ''}: rank "
                 + ", ".join(f"{d['rank']} ({d.get('reason') or d.get('signal')})" for d in r["dropped"]) for r in dropped)]
-        lines.append("")
-    stops = payload.get("stops") or []
+        blocks["lagging_worker"] = "\n".join(lines)
+    stops = raw.get("stops") or []
     if stops:
-        by = {}
+        by: dict[str, dict[str, list[dict]]] = {}
         for r in stops:
-            by.setdefault(r["solver"], {})[r["how"]] = r
+            by.setdefault(r["solver"], {}).setdefault(r["how"], []).append(r)
         rows = []
         for solver, d in sorted(by.items()):
-            row = [solver]
+            row = [f"`{solver}`"]
             for how in ("stop", "kill"):
-                r = d.get(how)
-                if r is None:
+                rs = d.get(how) or []
+                if not rs:
                     row += ["-"] * 4
                     continue
-                state = ("hang" if r["hang"] else "finished" if r["finished"] else f"exit {r['rc']}") + (
-                    f" ({r['not_done']})" if r.get("not_done") else "")
-                row += [f"{state} (rank {r['rank']})", "yes" if r.get("dropped") else "no",
-                        fmt_s(r.get("dropped_after_s")),
-                        f"{fmt_s(r.get('survivors_went_on_s'))} / {fmt_s(r.get('view_after_s'))}"]
+                row += [f"{sum(bool(r.get('finished')) for r in rs)} of {len(rs)}"
+                        + (f", {sum(bool(r.get('hang')) for r in rs)} hung" if any(r.get("hang") for r in rs) else ""),
+                        f"{sum(bool(r.get('dropped')) for r in rs)} of {len(rs)}",
+                        spread_shown([r.get("dropped_after_s") for r in rs]),
+                        f"{spread_shown([r.get('survivors_went_on_s') for r in rs])} / "
+                        f"{spread_shown([r.get('view_after_s') for r in rs])}"]
             rows.append(row)
         t = stops[0].get("timeout_s")
-        lines += [f"Each solver: `digits`, {WORKERS} workers, `--device-ms {DEVICE_MS:g}`, {STEPS} steps, "
-                  f"`--timeout {t}`; a worker stopped (SIGSTOP) or killed (SIGKILL) from outside.", ""]
-        lines += md_table(["solver", "SIGSTOP: run", "dropped", "dropped after (s)",
-                           "survivors went on after (s): first step / new view", "SIGKILL: run", "dropped",
+        n = min(len(x) for d in by.values() for x in d.values())
+        lines = [head, "", f"Regime: {REGIME['stop']}. Each solver: `digits`, {WORKERS} workers, {STEPS} steps, "
+                 f"`--timeout {t}`; a random worker stopped (SIGSTOP) or killed (SIGKILL) from outside, at least {n} "
+                 f"runs of each: median (min-max) over the runs (a time a run did not have is left out, and the "
+                 f"count of those that had it is given).", ""]
+        lines += md_table(["solver", "SIGSTOP: finished", "dropped", "dropped after (s)",
+                           "survivors went on after (s): first step / new view", "SIGKILL: finished", "dropped",
                            "dropped after (s)", "survivors went on after (s): first step / new view"], rows)
-        bad = [r for r in stops if not r["finished"]]
+        bad = [r for r in stops if not r.get("finished")]
         if bad:
             lines += ["", "Runs that did not finish:", ""]
             lines += [f"- {r['solver']} {r['how']} rank {r['rank']}: "
-                      f"{'hang' if r['hang'] else 'exit ' + str(r['rc'])}; `{no_tmp(r.get('error') or r.get('not_done'))[:300]}`"
-                      for r in bad]
-    return lines
+                      f"{'hang' if r.get('hang') else 'exit ' + str(r.get('rc'))}; "
+                      f"`{no_tmp(r.get('error') or r.get('not_done'))[:300]}`" for r in bad]
+        blocks["stopped_worker"] = "\n".join(lines)
+    return blocks
 
 
 def main() -> int:
     p = argument_parser(__doc__)
     p.add_argument("--runs", type=int, default=50, help="(1): runs of the lagging command (default 50; half beside a burner)")
     p.add_argument("--families", help="(2): comma-separated solvers (default: every registered solver)")
+    p.add_argument("--repeats", type=int, default=1, help="(2): runs of each solver and signal (default 1)")
     p.add_argument("--parts", default="lagging,stop", help="which parts (default: both)")
     p.add_argument("--timeout", type=int, default=STOP_TIMEOUT, help=f"(2): --timeout of its runs (default {STOP_TIMEOUT})")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="benchmarks/results/lagging_worker.json")
+    p.add_argument("--json", default="benchmarks/results/lagging_worker.json",
+                   help="the raw results (written after every run; default: benchmarks/results/lagging_worker.json)")
     p.add_argument("--keep", action="store_true", help="keep the run folders")
-    p.add_argument("--table", metavar="JSON", help="only print the tables of this raw results file")
-    p.add_argument("--doc", metavar="MD", help="also write the tables into this page (between its "
-                                               "<!-- lagging_worker:begin --> and <!-- lagging_worker:end --> lines)")
     args = p.parse_args()
-    if args.table:
-        lines = render(json.loads(Path(args.table).read_text()))
-        print("\n".join(lines))
-        if args.doc:
-            write_doc(Path(args.doc), lines, BEGIN, END)
-        return 0
+    started = provenance("benchmarks/lagging_worker.py")
     parts = set(args.parts.split(","))
     rng = random.Random(args.seed)
-    payload: dict[str, Any] = {**provenance("benchmarks/lagging_worker.py"), "seed": args.seed,
+    payload: dict[str, Any] = {"seed": args.seed, "parts": sorted(parts),
                                "lagging_command": "distsync " + " ".join(LAGGING) + " --out TMP",
                                "lagging": [], "stops": []}
+    regime = "; ".join(f"({i}) {REGIME[k]}" for i, k in ((1, "lagging"), (2, "stop")) if k in parts)
     tmp = Path(tempfile.mkdtemp(prefix="lagging_worker-"))
     t0 = time.monotonic()
 
-    def save() -> None:
-        payload["seconds"] = time.monotonic() - t0
-        write_results(args.out, payload, announce=False)
+    def save(partial: bool = True) -> None:
+        per_cell = cells(payload)
+        payload.update(seconds=time.monotonic() - t0, partial=partial, runs_per_cell=per_cell,
+                       repeats=min(per_cell.values(), default=0))
+        write_record(args.json, started, regime=regime, seeds=[args.seed], payload=payload, announce=not partial)
     try:
         if "lagging" in parts:
             burners = [True] * (args.runs // 2) + [False] * (args.runs - args.runs // 2)
@@ -279,36 +307,36 @@ def main() -> int:
                 save()
         if "stop" in parts:
             families = args.families.split(",") if args.families else all_solvers()
-            for solver in families:
-                for how in ("stop", "kill"):
-                    rank, frac = rng.randrange(WORKERS), rng.uniform(0.1, 0.3)
-                    try:
-                        r = stop_run(solver, how, rank, frac, args.timeout, tmp)
-                    except KeyboardInterrupt:
-                        raise
-                    except Exception as e:  # (recorded: the others go on)
-                        r = {"solver": solver, "how": how, "rank": rank, "finished": False, "hang": False, "rc": None,
-                             "harness_error": f"{type(e).__name__}: {e}", "error": f"harness: {e}"}
-                    payload["stops"].append(r)
-                    print(f"[{how} {solver} {time.monotonic() - t0:.0f} s] rank {rank}: "
-                          f"{'finished' if r['finished'] else 'NOT finished'}{', hang' if r.get('hang') else ''}; "
-                          f"dropped {'after ' + fmt_s(r.get('dropped_after_s')) + ' s' if r.get('dropped') else 'no'}; "
-                          f"survivors went on after {fmt_s(r.get('survivors_went_on_s'))} s"
-                          f"{'; ' + str(r.get('error') or r.get('not_done')) if not r['finished'] else ''}", flush=True)
-                    save()
+            for repeat in range(args.repeats):
+                for solver in families:
+                    for how in ("stop", "kill"):
+                        rank, frac = rng.randrange(WORKERS), rng.uniform(0.1, 0.3)
+                        try:
+                            r = stop_run(solver, how, rank, frac, args.timeout, tmp, repeat)
+                        except KeyboardInterrupt:
+                            raise
+                        except Exception as e:  # (recorded: the others go on)
+                            r = {"solver": solver, "how": how, "rank": rank, "repeat": repeat, "finished": False,
+                                 "hang": False, "rc": None, "harness_error": f"{type(e).__name__}: {e}",
+                                 "error": f"harness: {e}"}
+                        payload["stops"].append(r)
+                        print(f"[{how} {solver} {repeat + 1}/{args.repeats} {time.monotonic() - t0:.0f} s] rank {rank}: "
+                              f"{'finished' if r['finished'] else 'NOT finished'}{', hang' if r.get('hang') else ''}; "
+                              f"dropped {'after ' + fmt_s(r.get('dropped_after_s')) + ' s' if r.get('dropped') else 'no'}; "
+                              f"survivors went on after {fmt_s(r.get('survivors_went_on_s'))} s"
+                              f"{'; ' + str(r.get('error') or r.get('not_done')) if not r['finished'] else ''}",
+                              flush=True)
+                        save()
     finally:
         if args.keep:
             print(f"run folders kept in {tmp}")
         else:
             shutil.rmtree(tmp, ignore_errors=True)
-    save()
-    print(f"\nwrote {args.out}\n")
-    lines = render(json.loads(Path(args.out).read_text()))
-    print("\n".join(lines))
-    if args.doc:
-        write_doc(Path(args.doc), lines, BEGIN, END)
+    save(partial=False)
+    for text in render(json.loads(Path(args.json).read_text())).values():
+        print()
+        print(text)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -40,6 +40,14 @@ process does before and after the job).
     python benchmarks/startup.py --breakdown [--workers 4]
     python benchmarks/startup.py --full          # both, one JSON
     python benchmarks/startup.py --src DIR       # measure the distsync package under DIR (e.g. an old checkout's src)
+
+The raw results (``--json``) hold the provenance (command, commit, machine, load), the regime,
+every timed run and, with ``--breakdown``/``--full``, the traced runs; ``repeats`` is the
+number of timed runs of each command per worker count. ``render(raw)`` makes the page's
+blocks: ``startup`` (the timing table), and with a breakdown ``startup_breakdown`` (where one
+job's seconds go, per phase) and ``startup_isolated`` (costs measured in isolation).
+``python benchmarks/figures.py run startup`` runs ``--full`` and renders them into
+docs/benchmarks/startup.md.
 """
 
 from __future__ import annotations
@@ -58,6 +66,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import provenance, ratios, shown, write_record  # noqa: E402  (benchmarks/common.py)
+
 BIN = Path(sys.executable).parent
 REGIME = "CPU-bound real run on this machine ({cores} cores): every process of a job shares them"
 
@@ -1011,6 +1022,104 @@ def print_breakdown(b: dict) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# The page's tables
+# ---------------------------------------------------------------------------------------------
+def _md(headers: list[str], rows: list[list]) -> list[str]:
+    return ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers),
+            *["| " + " | ".join(str(c) for c in row) + " |" for row in rows]]
+
+
+def _head(raw: dict) -> str:
+    m = raw.get("machine") or {}
+    return (f"`{raw.get('command', '?')}` at commit {str(raw.get('commit'))[:10]}"
+            + (" (the working tree differed)" if raw.get("dirty") else "")
+            + f", {m.get('cpu_count') or m.get('cores')} cores, torch {m.get('torch')}, {raw.get('date') or raw.get('when', '')}.")
+
+
+def _joined(tables: dict[int, list[dict]], cols: list[tuple[str, str]]) -> tuple[list[str], list[list]]:
+    """One row per phase (in the order first seen), for each worker count the columns ``cols``
+    ((key, label)) of that count's row for the phase."""
+    order: list[str] = []
+    for rows in tables.values():
+        order += [r["phase"] for r in rows if r["phase"] not in order]
+    headers = ["phase"] + [f"N={n} {label}" for n in tables for _, label in cols]
+    out = []
+    for phase in order:
+        row = [phase]
+        for n, rows in tables.items():
+            r = next((x for x in rows if x["phase"] == phase), None)
+            row += ["-" if r is None or r.get(k) is None else f"{r[k]:.2f}" for k, _ in cols]
+        out.append(row)
+    return headers, out
+
+
+def render(raw: dict) -> dict[str, str]:
+    """The page's blocks: ``startup`` (timing), ``startup_breakdown`` and ``startup_isolated``
+    (when the raw results have a breakdown)."""
+    blocks = {}
+    t = raw.get("timing")
+    if t:
+        load = t["load_average_1min"]
+        lines = [_head(raw), "", f"Regime: {raw.get('regime')}. {t['repeats']} timed runs of each command per worker "
+                 f"count, alternated (after {t['warmup']} warm-up round(s)): median (min-max); the ratio to torchrun "
+                 f"per repeat (the runs of one round). 1-minute load average during the runs: {load['min']:.2f} to "
+                 f"{load['max']:.2f} (median {load['median']:.2f}). Wall: command start to exit; CPU: user+system "
+                 f"seconds of the command and every process it started.", ""]
+        rows = []
+        names = ["distsync", "torchrun"] + [f"distsync+{w}" for w in t.get("whatifs", [])]
+        for r in t["rows"]:
+            n = r["workers"]
+            runs = {name: {x["repeat"]: x for x in t["runs"] if x["command"] == name and x["workers"] == n}
+                    for name in names}
+            base = {k: x["wall_s"] for k, x in runs["torchrun"].items()}
+            for name in names:
+                walls = {k: x["wall_s"] for k, x in runs[name].items()}
+                ratio = ratios(walls, base)
+                label = name if "+" not in name else f"what-if: distsync with {name.split('+', 1)[1]} cut"
+                target = "" if name == "torchrun" else ("met" if r[name]["median_wall_s"] / r["torchrun"]["median_wall_s"]
+                                                        <= 1.5 else "MISSED") + " (median)"
+                rows.append([n, label, shown(walls.values()), shown(x["cpu_s"] for x in runs[name].values()),
+                             "1.00x" if name == "torchrun" else shown(ratio, unit="x"), target])
+        lines += _md(["workers", "command", "wall (s)", "CPU (s)", "/ torchrun", "target <= 1.5x"], rows)
+        if t.get("whatifs"):
+            lines += ["", "(what-if rows: the cuts simulated by a sitecustomize, see WHATIF in benchmarks/startup.py; "
+                          "not the code as it is)"]
+        blocks["startup"] = "\n".join(lines)
+    b = raw.get("breakdown")
+    if b:
+        lines = [_head(raw), "", "One traced run of each command per worker count (tracing adds a little to each "
+                 "process; a single run's walls are noisier than the timing's medians). Launcher: wall and CPU of "
+                 "each phase of the launching process (serial). Workers: wall, the median over the workers; CPU, "
+                 "summed over them.", ""]
+        for kind in ("distsync", "torchrun"):
+            entries = {e["workers"]: e[kind] for e in b["by_workers"] if kind in e}
+            if not entries:
+                continue
+            summary = "; ".join(f"N={n}: {a['wall_s']:.2f} s wall, {a['cpu_s']:.2f} s CPU (all processes), load "
+                                f"{a['load_before']:.2f}" for n, a in entries.items())
+            lines += [f"**{kind}** ({summary}), the launching process:", ""]
+            headers, rows = _joined({n: a["launcher"] for n, a in entries.items()},
+                                    [("wall_s", "wall (s)"), ("cpu_s", "CPU (s)")])
+            lines += _md(headers, rows) + ["", f"**{kind}**, each worker:", ""]
+            headers, rows = _joined({n: a["workers"] for n, a in entries.items()},
+                                    [("wall_median_s", "wall (s)"), ("cpu_sum_s", "CPU (s)")])
+            lines += _md(headers, rows) + [""]
+            after = "; ".join(f"N={n}: {a['cpu_after_last_event_s']:.2f}" for n, a in entries.items())
+            lines += [f"CPU seconds after every process's last traced event (interpreter finalization): {after}.", ""]
+        blocks["startup_breakdown"] = "\n".join(lines).rstrip("\n")
+        iso = b.get("isolated")
+        if iso:
+            lines = [_head(raw), "", f"Each piece as its own `python -c`, median of {iso['repeats']}: CPU seconds of "
+                     "that process before its exit, and what it adds over the line named.", ""]
+            rows = [[f"`{r['what']}`", "failed" if "error" in r else f"{r['cpu_s']:.2f}",
+                     f"{r['adds_cpu_s']:.2f} over `{r['over']}`" if "adds_cpu_s" in r else ""] for r in iso["rows"]]
+            rows += [[f"interpreter exit: {r['what']}", f"{r['exit_cpu_s']:.2f}", ""] for r in iso["interpreter_exit"]]
+            lines += _md(["what", "CPU (s)", "adds (CPU s)"], rows)
+            blocks["startup_isolated"] = "\n".join(lines)
+    return blocks
+
+
+# ---------------------------------------------------------------------------------------------
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", default="2,4", help="comma-separated worker counts (default: 2,4)")
@@ -1033,12 +1142,12 @@ def main() -> int:
         p.error(f"bad --workers {args.workers!r}")
     if not workers or min(workers) < 1 or args.repeats < 1 or args.warmup < 0:
         p.error("--workers must be >= 1, --repeats >= 1, --warmup >= 0")
+    started = provenance("benchmarks/startup.py")
     src = str(Path(args.src).resolve()) if args.src else None
     cores = os.cpu_count() or 1
     become_subreaper()
     print(f"regime: {REGIME.format(cores=cores)}; uptime load average {os.getloadavg()}", flush=True)
-    out: dict = {"benchmark": "startup", "regime": REGIME.format(cores=cores), "machine": machine(),
-                 "git": git_state(src), "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    out: dict = {"benchmark": "startup", "versions": machine(), "git": git_state(src),
                  "load_average_at_start": os.getloadavg()}
     tmp = Path(tempfile.mkdtemp(prefix="distsync-startup-"))
     try:
@@ -1057,9 +1166,9 @@ def main() -> int:
     out["load_average_at_end"] = os.getloadavg()
     default = "startup-breakdown.json" if args.breakdown else "startup.json"
     path = Path(args.json) if args.json else REPO / "benchmarks" / "results" / default
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(compact(out), separators=(",", ":")) + "\n")
-    print(f"\nresults: {path}")
+    # (every run of a command here is the same job, seed 0: the repeats are runs, not seeds)
+    write_record(path, started, regime=REGIME.format(cores=cores), seeds=[0],
+                 payload={**compact(out), "repeats": 1 if args.breakdown else args.repeats})
     return 0
 
 
