@@ -171,6 +171,10 @@ MUTATIONS: list[Mutation] = [
       '    name = "fr-easgd"\n    Options = FrEASGDOptions\n',
       '    name = "fr-easgd"\n    Options = FrEASGDOptions\n\n    def after_update(self, step):\n        pass\n',
       "fr-easgd: the elastic exchange every tau steps on the training thread"),
+    M("easgd-serves-in-reverse-rank-order", "solvers/shard_service.py",
+      "            for worker in list(active):",
+      "            for worker in reversed(list(active)):",
+      "easgd: the master serves the workers one at a time in round-robin RANK order"),
     M("easgd-exchanges-every-step", "solvers/elastic.py",
       "        if (step + 1) % self.options.tau == 0:\n            self._exchange(step)",
       "        if True:\n            self._exchange(step)",
@@ -343,11 +347,12 @@ def copy_src(dest: Path) -> Path:
 _FAILED = re.compile(r"^(FAILED|ERROR) (\S+)")
 
 
-def run_suite(src_root: Path, timeout_s: float) -> dict:
-    """The fast suite against ``src_root``: passed, the first failing test, seconds, timeout."""
+def run_suite(src_root: Path, timeout_s: float, suite: list[str] | None = None) -> dict:
+    """The fast suite (or ``suite``) against ``src_root``: passed, the first failing test,
+    seconds, timeout."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src_root), os.environ.get("PYTHONPATH", "")]).rstrip(
         os.pathsep), PYTHONDONTWRITEBYTECODE="1")
-    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-x", "-q", "-m", SUITE_MARKER, *FAST_SUITE]
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-x", "-q", "-m", SUITE_MARKER, *(suite or FAST_SUITE)]
     t0 = time.monotonic()
     # A session of its own: on a timeout (or ^C) the whole tree goes, the ranks its tests
     # forked included.
@@ -407,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=DEFAULT_OUT, help=f"result file (default {DEFAULT_OUT.relative_to(REPO)})")
     p.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds per suite run (default %(default)s)")
     p.add_argument("--skip-baseline", action="store_true", help="do not run the unmutated suite first (debugging only)")
+    p.add_argument("--suite", help="comma-separated test files or ids to run instead of the fast suite (debugging "
+                                   "only: the result is not written)")
     args = p.parse_args(argv)
 
     chosen = MUTATIONS
@@ -422,6 +429,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{len(chosen)} mutations; fast suite: {' '.join(FAST_SUITE)} -m '{SUITE_MARKER}'")
         return 0
 
+    suite = [t.strip() for t in args.suite.split(",") if t.strip()] if args.suite else None
     started = provenance("tests/mutation_probe.py", argv)
     with tempfile.TemporaryDirectory(prefix="distsync-mutation-") as tmp:
         pristine = copy_src(Path(tmp) / "pristine")
@@ -441,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         baseline = None
         if not args.skip_baseline:
             print(f"unmutated fast suite ({len(FAST_SUITE)} entries) ...", flush=True)
-            baseline = run_suite(pristine, args.timeout)
+            baseline = run_suite(pristine, args.timeout, suite)
             print(f"  {'passed' if baseline['passed'] else 'FAILED'} in {baseline['seconds']} s", flush=True)
             if not baseline["passed"]:
                 print(baseline["tail"], file=sys.stderr)
@@ -451,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
             work = Path(tmp) / "m" / m.name
             src_root = copy_src(work)
             apply(m, src_root)
-            r = run_suite(src_root, args.timeout)
+            r = run_suite(src_root, args.timeout, suite)
             shutil.rmtree(work, ignore_errors=True)
             caught = not r["passed"]
             what = ("TIMEOUT (counted as caught)" if r["timeout"] else f"caught by {r['failing_test']}") if caught \
@@ -460,6 +468,9 @@ def main(argv: list[str] | None = None) -> int:
             results.append({**asdict(m), "caught": caught, "timeout": r["timeout"], "failing_test": r["failing_test"],
                             "seconds": r["seconds"], **({} if caught else {"tail": r["tail"][-600:]})})
     caught = sum(r["caught"] for r in results)
+    if suite:
+        print(f"{caught} of {len(results)} caught by {' '.join(suite)} (not written: --suite is for debugging)")
+        return 0 if caught == len(results) else 1
     payload = {"provenance": started, "fast_suite": FAST_SUITE, "suite_marker": SUITE_MARKER,
                "pytest_args": ["-p", "no:cacheprovider", "-x", "-q"], "timeout_s": args.timeout,
                "timeout_counts_as_caught": True,

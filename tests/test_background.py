@@ -370,12 +370,16 @@ def test_background_and_foreground_solvers_reach_the_digits_target(tmp_path, sol
         per_worker = [v for v in s["solver_stats"].values() if "syncs" in v]
         assert len(per_worker) == 2 and all(v["syncs"] > 0 for v in per_worker)
     # what training alone cannot show: the workers' models, at the last checkpoint (before
-    # close() and its final sync), are far closer together than `local` leaves them
-    # (measured: 0 for ma and bmuf, which have just synced; 0.04 to 0.09 of local's distance
-    # for the shadow solvers and fr-easgd)
+    # close() and its final sync), are far closer together than `local` leaves them.
+    # ma and bmuf have just synced (step 300, every 4): equal models. Measured as a share of
+    # local's distance: 0.04 to 0.09 for the shadow solvers and fr-easgd on a quiet machine;
+    # on a loaded one (two runs each) shadow-ma 0.17 and 0.13, shadow-bmuf 0.14 and 0.015,
+    # shadow-ea 0.16 and 0.05 (the shadow thread syncs less often when the cores are busy),
+    # fr-easgd 0.08 and 0.03. Bounds: 1.7x the largest.
     step, flats = checkpointed_models(tmp_path / "r", 2)
     assert step == local_distance[0]
-    assert consensus_distance(flats) < 0.3 * local_distance[1], (consensus_distance(flats), local_distance)
+    bound = {"ma": 1e-6, "bmuf": 1e-6, "fr-easgd": 0.15}.get(solver, 0.3)
+    assert consensus_distance(flats) < bound * local_distance[1], (consensus_distance(flats), local_distance)
 
 
 def _last_step_rank(rank, world, solver_name, options, workers):

@@ -509,14 +509,16 @@ def test_decentralized_solvers_reach_the_digits_target(tmp_path, solver, local_d
     s = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert s["time_to_target_s"] is not None, s["final_metric"]
     # what training alone cannot show: the averagings keep the workers' models close together
-    # (at the last checkpoint, before close()), far closer than `local` leaves them. Measured:
-    # ripples about 0.01 (static) and 0.03 (smart) of local's distance; ad-psgd about 0.25,
-    # because its passive workers never wait and run about 3x ahead of the actives on this
-    # machine, so at the same step they are further apart in time (0.7 when the actives keep
-    # their own model instead of the average)
+    # (at the last checkpoint, before close()), far closer than `local` leaves them. Measured,
+    # as a share of local's distance: ripples static 0.01 on a quiet machine and 0.0076 twice
+    # on a loaded one (the static schedule is deterministic); smart 0.03, then 0.033 and 0.026
+    # loaded; ad-psgd about 0.25, then 0.28 and 0.33 loaded, because its passive workers never
+    # wait and run about 3x ahead of the actives, so at the same step they are further apart in
+    # time (0.7 when the actives keep their own model instead of the average). Each bound is
+    # the largest of these times 2 (ripples) or 1.4 (ad-psgd: below the 0.7 of that mistake).
     step, flats = checkpointed_models(tmp_path / "r", 4)
     assert step == local_distance[0]
-    bound = 0.5 if name == "ad-psgd" else 0.2
+    bound = {"ad-psgd": 0.45, "ripples:static": 0.02, "ripples:smart": 0.07}[solver]
     assert consensus_distance(flats) < bound * local_distance[1], (consensus_distance(flats), local_distance)
 
 

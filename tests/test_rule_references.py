@@ -1,8 +1,12 @@
 """Real multi-process runs held against plain-PyTorch references computed by hand, where the
 order of events is forced so that the reference is exact: `local` (no synchronization at
-all), `async-msgd` with several workers pushing in a known order, and Ripples' smart schedule
-with groups formed by hand-ordered readiness (smaller than the whole, around slow workers)
-and the static schedule with a group smaller than ``group_size``."""
+all), `ddp` under live membership (its own all-reduce hook), `async-msgd` with several
+workers pushing in a known order, and Ripples' smart schedule with groups formed by
+hand-ordered readiness (smaller than the whole, around slow workers) and its static schedule
+with a group smaller than ``group_size``.
+
+Each closes a gap the mutation probe (tests/mutation_probe.py) found: a rule broken there
+that the other reference tests let through."""
 
 from __future__ import annotations
 
@@ -72,6 +76,57 @@ def test_local_workers_each_train_their_own_model_with_no_sync():
         _close(res[r]["state"], m.state_dict(), f"worker {r}")
         finals.append(_flat(m))
     assert min(float((finals[a] - finals[b]).abs().max()) for a, b in ((0, 1), (0, 2), (1, 2))) > 1e-3
+
+
+# ---- ddp under live membership ----------------------------------------------------------
+def _ddp_live_rank(rank, world, steps):
+    """ddp under live membership (as a job under --on-failure continue runs it): its
+    all-reduces go through the comm layer's hook, which divides the sum itself."""
+    import copy
+
+    from distsync.comm import Comm
+    from distsync.comm.comm import FailurePolicy
+    from distsync.membership.liveness import watching
+    from distsync.membership.views import Membership
+    from distsync.solvers import make_solver
+    from distsync.workloads import ShardSampler, load_workload
+
+    policy = FailurePolicy(watch=watching(), drops_dead_peers=True,
+                           views=lambda comm: Membership(comm, comm.worker_ranks, comm.liveness))
+    comm = Comm.from_env(["worker"] * world, 30.0, torch.device("cpu"), policy=policy)
+    assert comm.membership is not None
+    w = load_workload("digits")
+    model = _model()
+    s = make_solver("ddp")
+    run = s.attach(model, torch.optim.SGD(model.parameters(), lr=LR), comm)
+    sampler = ShardSampler(w.num_train, world, rank, BATCH, SEED)
+    for step in range(steps):
+        x, y = w.take(w.train_data, sampler.indices(step))
+        with s.step(step):
+            w.loss_fn(run(x), y).backward()
+    s.close()
+    out = copy.deepcopy(model.state_dict())
+    comm.barrier()
+    comm.close()
+    return out
+
+
+def test_ddp_under_live_membership_equals_large_batch_sgd():
+    """Plain PyTorch: one model, SGD on the union of both workers' batches (the mean of their
+    gradients)."""
+    world, steps = 2, 4
+    w, samplers = _data(world)
+    ref = _model()
+    for step in range(steps):
+        x, y = w.take(w.train_data, torch.cat([s.indices(step) for s in samplers]))
+        ref.zero_grad()
+        w.loss_fn(ref(x), y).backward()
+        with torch.no_grad():
+            for p in ref.parameters():
+                p -= LR * p.grad
+    for r, state in enumerate(run_ranks(_ddp_live_rank, world, steps)):
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(state[k], v, rtol=0, atol=1e-5, msg=f"worker {r}: {k}")
 
 
 # ---- async-msgd, several workers ---------------------------------------------------------
