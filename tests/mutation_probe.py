@@ -398,7 +398,8 @@ def render(raw: dict) -> str:
             by = f"NOT RUN: {r['error']}"
         else:
             by = "**SURVIVED**"
-        lines.append(f"| `{r['name']}` | `src/distsync/{r['file']}` | {r['breaks']} | {by} |")
+        breaks = r["breaks"].replace("|", "\\|")  # (a table cell)
+        lines.append(f"| `{r['name']}` | `src/distsync/{r['file']}` | {breaks} | {by} |")
     caught = sum(1 for r in rows if r.get("caught"))
     lines += ["", f"{caught} of {len(rows)} caught."]
     return "\n".join(lines) + "\n"

@@ -238,25 +238,32 @@ HEARD = "test/smart/heard/"
 
 def _smart_in_order_rank(rank, world, workers, steps):
     """A ripples smart-schedule job whose workers ask for groups in :data:`SMART_SCRIPT`'s
-    order: a worker asks once the coordinator has heard the request before its own (the
-    coordinator notes each request it hears in the job's store)."""
+    order: a worker asks once the coordinator has queued the request before its own (the
+    coordinator's queue of arrivals notes each request in the job's store once it is in)."""
+    import queue
     import threading
+    import types
 
     from distsync.comm import Comm
     from distsync.runtime import assign_roles
-    from distsync.solvers import ServeContext, make_solver
+    from distsync.solvers import ServeContext, decentralized, make_solver
 
     s = make_solver("ripples", schedule="smart", group_size=3, max_wait_ms=10_000)
     comm = Comm.from_env(assign_roles(workers, s.roles), 30.0, torch.device("cpu"))
     if comm.role != "worker":
         heard, lock = [0], threading.Lock()
 
-        def note(step):
-            with lock:
-                comm.store_set(f"{HEARD}{heard[0]}", str(step))
-                heard[0] += 1
+        class NotedArrivals(queue.Queue):
+            def put(self, item, *args, **kwargs):
+                super().put(item, *args, **kwargs)
+                if item[1] == decentralized.OP_REQUEST:
+                    with lock:
+                        comm.store_set(f"{HEARD}{heard[0]}", "1")
+                        heard[0] += 1
 
-        s.serve(comm.role, comm, ServeContext(make_model=_model, lr=LR, on_request=note))
+        # (this process is the coordinator alone: its module sees the noting queue)
+        decentralized.queue = types.SimpleNamespace(Queue=NotedArrivals, Empty=queue.Empty)
+        s.serve(comm.role, comm, ServeContext(make_model=_model, lr=LR))
         out = (None, s.stats())
     else:
         w, samplers = _data(workers)
@@ -273,9 +280,8 @@ def _smart_in_order_rank(rank, world, workers, steps):
             if turn:
                 deadline = time.monotonic() + 20
                 while not comm.store_check(f"{HEARD}{turn - 1}"):
-                    assert time.monotonic() < deadline, f"worker {me}: request {turn - 1} never heard"
+                    assert time.monotonic() < deadline, f"worker {me}: request {turn - 1} never queued"
                     time.sleep(0.005)
-                time.sleep(0.05)  # (the coordinator queues a request just after noting it)
             s.after_update(step)  # asks for its group, and averages in it
             s.zero_grad()
         s.close()
