@@ -7,7 +7,10 @@ A run is an emulation of N dedicated devices while its steps stay within their d
 (at most 5% over, the threshold of `summary.json`'s `device.cpu_bound`); past that it is
 CPU-bound and its numbers speak for this machine, not for the devices.
 
-    python benchmarks/devices.py [--workers 4,8,16] [--out benchmarks/results/devices]
+Every run is made once per seed (``--seeds``, default 1,2,3); the table gives the median and
+the range over seeds. ``--steps-scale`` shortens every run (the full figure uses 0.5).
+
+    python benchmarks/devices.py [--workers 4,8,16] [--seeds 1,2,3] [--steps-scale 0.5] [--json PATH]
 """
 
 from __future__ import annotations
@@ -20,11 +23,16 @@ import threading
 import time
 from pathlib import Path
 
-from common import argument_parser, launch_or_exit, table_header, table_row, write_results
+from typing import Any
+
+from common import argument_parser, launch_or_exit, provenance, seed_list, shown, write_record
 from distsync.config import RunConfig
 
-#: (workload, device ms per step, steps): device times a few times each one's real math alone
-WORKLOADS = [("digits", 10.0, 200), ("mnist", 20.0, 150), ("cnn", 40.0, 100), ("ctr", 40.0, 100)]
+#: (workload, device ms per step, steps, worker counts or None for --workers): device times a few
+#: times each one's real math alone; cnn twice, at 40 ms (CPU-bound) and at 150 ms
+WORKLOADS = [("digits", 10.0, 200, None), ("mnist", 20.0, 150, None), ("cnn", 40.0, 100, (4, 8)),
+             ("cnn", 150.0, 100, (4, 8)), ("ctr", 40.0, 100, None)]
+REGIME = "emulated devices, loopback links (no --link)"
 
 
 def cpu_jiffies() -> tuple[int, int]:
@@ -67,60 +75,71 @@ def training_window(run_dir: Path) -> tuple[float, float]:
     return min(starts.values()), max(ends)
 
 
+def render(raw: dict[str, Any]) -> dict[str, str]:
+    """The page's table: per workload, device time and worker count, the overrun, the real
+    math, the step and the cores' load (median and range over seeds)."""
+    seeds = [str(s) for s in raw["seeds"]]
+    lines = [f"{raw['repeats']} seeds ({', '.join(seeds)}) per row: median (min-max). allreduce, {raw['cores']} cores; "
+             f"a step is over when its real math exceeds its device time. Regime: {raw['regime']}.", "",
+             "| workload | workers | device ms | steps | steps over | mean overrun (ms) | real math (ms) | step (ms) | "
+             "cores busy while training | CPU-bound runs |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for by_seed in raw["results"].values():
+        rs = [by_seed[s] for s in seeds if s in by_seed]
+        r0 = rs[0]
+        busy = [None if r["cores_busy_training"] is None else 100 * r["cores_busy_training"] for r in rs]
+        lines.append(f"| {r0['workload']} | {r0['workers']} | {r0['device_ms']:g} | {r0['steps']} | "
+                     f"{shown([100 * r['share_over'] for r in rs], '{:.1f}', '%')} | "
+                     f"{shown([r['mean_over_ms'] for r in rs], '{:.1f}')} | {shown([r['math_ms'] for r in rs], '{:.1f}')} | "
+                     f"{shown([r['step_ms'] for r in rs], '{:.1f}')} | {shown(busy, '{:.0f}', '%')} | "
+                     f"{sum(bool(r['cpu_bound']) for r in rs)} of {len(rs)} |")
+    return {"devices": "\n".join(lines)}
+
+
 def main() -> int:
     p = argument_parser(__doc__)
     p.add_argument("--out", default="benchmarks/results/devices")
     p.add_argument("--workers", default="4,8,16")
-    p.add_argument("--workloads", default=",".join(w for w, _, _ in WORKLOADS))
-    p.add_argument("--device-ms", type=float, default=None, help="one device time for every workload given")
-    p.add_argument("--json", default=None, help="also write the rows here (e.g. docs/benchmarks/devices.json)")
-    p.add_argument("--append", action="store_true", help="add the rows to those already in --json")
+    p.add_argument("--workloads", default=",".join(dict.fromkeys(w for w, *_ in WORKLOADS)))
+    p.add_argument("--seeds", default="1,2,3", help="one run of every row per seed (default: 1,2,3)")
+    p.add_argument("--steps-scale", type=float, default=1.0, help="multiply every workload's steps (default: 1)")
+    p.add_argument("--json", default=None, help="the raw results (default: OUT/devices.json)")
     args = p.parse_args()
+    started = provenance("benchmarks/devices.py")
     out = Path(args.out)
+    seeds = seed_list(args.seeds)
     wanted = args.workloads.split(",")
-    rows = []
-    plan = [(w, args.device_ms or ms, steps) for w, ms, steps in WORKLOADS if w in wanted]
-    for workload, device_ms, steps in plan:
-        for workers in [int(w) for w in args.workers.split(",")]:
-            cfg = RunConfig(workload=workload, solver="allreduce", workers=workers, steps=steps, eval_every=steps,
-                            device_ms=device_ms, timeout_s=120)
-            run_dir = out / f"{workload}-{device_ms:g}ms-{workers}w"
-            sampler = CpuSampler()
-            sampler.start()
-            t0 = time.monotonic()
-            s = launch_or_exit(cfg, run_dir)
-            seconds = time.monotonic() - t0
-            sampler.done.set()
-            sampler.join()
-            rows.append({"workload": workload, "workers": workers, "device_ms": device_ms, "steps": steps,
-                         "share_over": s["device"]["share_over"], "mean_over_ms": s["device"]["mean_over_ms"],
-                         "cpu_bound": s["device"]["cpu_bound"],
-                         "math_ms": s["device"]["math_ms"],
-                         "step_ms": 1000 * statistics.median(s["wall_time_s"] / w["steps"] for w in s["per_worker"].values()),
-                         "cores_busy_training": sampler.busy_between(*training_window(run_dir)),
-                         "command_s": seconds, "cores": os.cpu_count()})
-            r = rows[-1]
-            busy = "?" if r["cores_busy_training"] is None else f"{r['cores_busy_training']:.0%}"
-            print(f"{workload} {workers}w: over {r['share_over']:.0%}, real math {r['math_ms']:.1f} ms, step {r['step_ms']:.1f} ms, "
-                  f"cores busy {busy}, {seconds:.0f} s", flush=True)
+    given = [int(w) for w in args.workers.split(",")]
+    results: dict[str, dict[str, dict]] = {}
+    plan = [(w, ms, max(10, round(steps * args.steps_scale)), [n for n in (counts or given) if n in given])
+            for w, ms, steps, counts in WORKLOADS if w in wanted]
+    for seed in seeds:
+        for workload, device_ms, steps, counts in plan:
+            for workers in counts:
+                cfg = RunConfig(workload=workload, solver="allreduce", workers=workers, steps=steps, eval_every=steps,
+                                device_ms=device_ms, seed=seed, timeout_s=120)
+                run_dir = out / f"seed{seed}" / f"{workload}-{device_ms:g}ms-{workers}w"
+                sampler = CpuSampler()
+                sampler.start()
+                t0 = time.monotonic()
+                s = launch_or_exit(cfg, run_dir)
+                seconds = time.monotonic() - t0
+                sampler.done.set()
+                sampler.join()
+                r = {"workload": workload, "workers": workers, "device_ms": device_ms, "steps": steps,
+                     "share_over": s["device"]["share_over"], "mean_over_ms": s["device"]["mean_over_ms"],
+                     "cpu_bound": s["device"]["cpu_bound"], "math_ms": s["device"]["math_ms"],
+                     "step_ms": 1000 * statistics.median(s["wall_time_s"] / w["steps"]
+                                                         for w in s["per_worker"].values()),
+                     "cores_busy_training": sampler.busy_between(*training_window(run_dir)), "command_s": seconds}
+                results.setdefault(f"{workload} {device_ms:g}ms {workers}w", {})[str(seed)] = r
+                busy = "?" if r["cores_busy_training"] is None else f"{r['cores_busy_training']:.0%}"
+                print(f"seed {seed} {workload} {device_ms:g} ms {workers}w: over {r['share_over']:.0%}, real math "
+                      f"{r['math_ms']:.1f} ms, step {r['step_ms']:.1f} ms, cores busy {busy}, {seconds:.0f} s",
+                      flush=True)
+    payload = {"cores": os.cpu_count(), "results": results}
     print()
-    print(f"allreduce, loopback links, {os.cpu_count()} cores; a step is over when its real math exceeds its device time")
-    print()
-    table_header(["workload", "workers", "device ms", "steps over", "mean overrun (ms)", "real math (ms)",
-                  "step (ms)",
-                  "cores busy while training", "emulation"])
-    for r in rows:
-        busy = "?" if r["cores_busy_training"] is None else f"{r['cores_busy_training']:.0%}"
-        table_row([r["workload"], r["workers"], f"{r['device_ms']:g}", f"{r['share_over']:.1%}",
-                   f"{r['mean_over_ms']:.1f}", f"{r['math_ms']:.1f}", f"{r['step_ms']:.1f}", busy,
-                   "CPU-bound" if r["cpu_bound"] else "holds"])
-    write_results(out / "summary.json", {"rows": rows})
-    if args.json:
-        command = " ".join(["python benchmarks/devices.py", *sys.argv[1:]])
-        runs = [{"command": command, "rows": rows}]
-        if args.append and Path(args.json).exists():
-            runs = json.loads(Path(args.json).read_text())["runs"] + runs
-        write_results(args.json, {"runs": runs})
+    print(render({**payload, "regime": REGIME, "seeds": seeds, "repeats": len(seeds)})["devices"])
+    write_record(args.json or out / "devices.json", started, regime=REGIME, seeds=seeds, payload=payload)
     return 0
 
 

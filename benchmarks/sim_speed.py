@@ -9,33 +9,32 @@ process.
     workload on ``distsync.sim.engine.EventLoop`` (a callback per event) and on simpy (a
     process per source, ``yield env.timeout(delay)`` per event; simpy also starts and ends
     each process, 2 events per source on top, inside its time). Microseconds per timed
-    event, best of ``--repeats`` (default 3). simpy is optional: without it its column is
-    skipped (``pip install simpy``, or ``pip install -e '.[bench]'``).
+    event, once per seed. simpy is optional: without it its row is skipped
+    (``pip install simpy``, or ``pip install -e '.[bench]'``).
 (2) Timing mode: ``distsync.sim.simulate`` of allreduce, ripples (static), ad-psgd and
     async-ps at ``--workers`` workers (default 100,000) x ``--steps`` steps (default 100),
     with the cluster of docs/simulator.md's first command: 20 ms compute per step, 10% of the
-    workers 3x slower, a 100 MB model, 10 Gbit links with 5 us latency. Wall time of one
-    run each, and the events the run's event loop handled (0 for the solvers stepped with
-    numpy). ``--workers-for SOLVER=N`` runs one solver at another worker count; ``--skip``
-    leaves solvers out. async-ps at 100,000 workers takes about 3 minutes (every pull, push
-    and reply is an event); ripples (static) about 16 s (each round's groups are computed
-    when it comes, O(N) work and memory).
+    workers 3x slower (drawn from the seed), a 100 MB model, 10 Gbit links with 5 us latency.
+    Wall time of one run per seed, and the events the run's event loop handled (0 for the
+    solvers stepped with numpy). ``--workers-for SOLVER=N`` runs one solver at another
+    worker count; ``--skip`` leaves solvers out. async-ps is event-bound (every pull, push
+    and reply is an event), so the full run takes it at 20,000 workers.
 
-    python benchmarks/sim_speed.py                                          # about 4 minutes
+Every measurement runs once per seed (``--seeds``, default 1,2,3); the tables give the
+median and the range.
+
+    python benchmarks/sim_speed.py --workers-for async-ps=20000 [--seeds 1,2,3] [--json PATH]
     python benchmarks/sim_speed.py --skip allreduce,ad-psgd,async-ps       # ripples alone
-
-Raw results: ``--json`` (default docs/benchmarks/sim_speed.json).
 """
 
 from __future__ import annotations
 
 import gc
-import platform
 import sys
 import time
-from pathlib import Path
+from typing import Any
 
-from common import argument_parser, print_table, table_header, table_row, write_results
+from common import argument_parser, provenance, seed_list, shown, write_record
 from distsync.sim import Cluster, Link, Work, WorkerModel, simulate
 from distsync.sim.engine import EventLoop
 
@@ -81,66 +80,70 @@ def simpy_loop(sources: int, timeouts: int) -> tuple[float, int]:
     return time.perf_counter() - t0, done[0]
 
 
-def best_of(fn, repeats: int, *args) -> tuple[float, int]:
-    best, events = float("inf"), 0
-    for _ in range(repeats):
-        gc.collect()
-        took, events = fn(*args)
-        best = min(best, took)
-    return best, events
+REGIME = "simulated; wall time of one Python process on this machine"
 
 
-def event_loops(sources: int, timeouts: int, repeats: int) -> dict:
-    out: dict = {"sources": sources, "timeouts_per_source": timeouts, "repeats": repeats}
-    took, events = best_of(distsync_loop, repeats, sources, timeouts)
+def timed(fn, *args) -> tuple[float, int]:
+    gc.collect()
+    return fn(*args)
+
+
+def event_loop(sources: int, timeouts: int) -> dict[str, Any]:
+    """One run of each loop: seconds, events and microseconds per event."""
+    out: dict[str, Any] = {}
+    took, events = timed(distsync_loop, sources, timeouts)
     assert events == sources * timeouts, events
-    out["distsync"] = {"events": events, "best_s": took, "us_per_event": 1e6 * took / events}
+    out["distsync"] = {"events": events, "s": took, "us_per_event": 1e6 * took / events}
     try:
         import simpy  # noqa: F401
     except ImportError:
         out["simpy"] = None
-        print("simpy is not installed: its column is skipped (pip install simpy, or pip install -e '.[bench]')\n")
     else:
-        took, events = best_of(simpy_loop, repeats, sources, timeouts)
+        took, events = timed(simpy_loop, sources, timeouts)
         assert events == sources * timeouts, events
-        out["simpy"] = {"events": events, "best_s": took, "us_per_event": 1e6 * took / events}
-    rows = [["distsync EventLoop", f"{out['distsync']['events']:,}", f"{out['distsync']['best_s']:.3f}",
-             f"{out['distsync']['us_per_event']:.2f}"]]
-    if out["simpy"]:
-        rows.append([f"simpy {simpy_version()}", f"{out['simpy']['events']:,}", f"{out['simpy']['best_s']:.3f}",
-                     f"{out['simpy']['us_per_event']:.2f}"])
-    print_table([f"{sources:,} sources x {timeouts} timed events", "events", f"best of {repeats}, s",
-                 "us per event"], rows)
+        out["simpy"] = {"events": events, "s": took, "us_per_event": 1e6 * took / events}
     return out
 
 
-def timing_mode(solvers: list[str], workers: dict[str, int], steps: int) -> list[dict]:
-    rows = []
-    table_header(["solver", "workers", "steps", "wall s", "events", "virtual wall s"])
-    for solver in solvers:
-        n = workers[solver]
-        cluster = Cluster(n, Link(BANDWIDTH_BPS, LATENCY_S))
-        model = WorkerModel(COMPUTE_S, slow_fraction=SLOW_FRACTION, slow_factor=SLOW_FACTOR)
-        gc.collect()
-        t0 = time.perf_counter()
-        res = simulate(solver, {}, cluster, model, Work(steps=steps, model_bytes=MODEL_BYTES))
-        took = time.perf_counter() - t0
-        rows.append({"solver": solver, "workers": n, "steps": steps, "wall_s": took, "events": res.events,
-                     "virtual_wall_s": res.wall_s})
-        table_row([solver, f"{n:,}", steps, f"{took:.2f}", f"{res.events:,}", f"{res.wall_s:.2f}"], flush=True)
-    return rows
+def timing_mode(solver: str, workers: int, steps: int, seed: int) -> dict[str, Any]:
+    cluster = Cluster(workers, Link(BANDWIDTH_BPS, LATENCY_S))
+    model = WorkerModel(COMPUTE_S, slow_fraction=SLOW_FRACTION, slow_factor=SLOW_FACTOR, seed=seed)
+    gc.collect()
+    t0 = time.perf_counter()
+    res = simulate(solver, {}, cluster, model, Work(steps=steps, model_bytes=MODEL_BYTES))
+    took = time.perf_counter() - t0
+    return {"solver": solver, "workers": workers, "steps": steps, "wall_s": took, "events": res.events,
+            "virtual_wall_s": res.wall_s}
 
 
-def git_state() -> dict:
-    """The commit measured, and the files under src/ that differ from it."""
-    import subprocess
-
-    def git(*a: str) -> str:
-        repo = Path(__file__).resolve().parent.parent
-        return subprocess.run(["git", "-C", str(repo), *a], capture_output=True, text=True, check=False).stdout.strip()
-
-    return {"commit": git("rev-parse", "--short", "HEAD") or None,
-            "src_modified": git("diff", "--name-only", "HEAD", "--", "src").splitlines()}
+def render(raw: dict[str, Any]) -> dict[str, str]:
+    """The event loop's table and timing mode's (median and range over seeds)."""
+    seeds = [str(s) for s in raw["seeds"]]
+    loop = raw["event_loop"]
+    head = (f"{raw['repeats']} runs (seeds {', '.join(seeds)}): median (min-max) of wall time on one Python "
+            f"process of this machine. Regime: {raw['regime']}.")
+    lines = [head, "",
+             f"| loop: {loop['sources']:,} sources x {loop['timeouts_per_source']} timed events | events | s | "
+             "us per event |", "|---|---|---|---|"]
+    for key, name in (("distsync", "distsync EventLoop"), ("simpy", f"simpy {raw.get('simpy_version') or ''}".strip())):
+        runs = [loop["runs"][s][key] for s in seeds]
+        if any(r is None for r in runs):
+            lines.append(f"| {name} | not installed | - | - |")
+            continue
+        lines.append(f"| {name} | {runs[0]['events']:,} | {shown([r['s'] for r in runs], '{:.3f}')} | "
+                     f"{shown([r['us_per_event'] for r in runs])} |")
+    tm = raw["timing_mode"]
+    timing = [head, "",
+              f"Timing mode: {tm['compute_s'] * 1000:g} ms compute a step, {tm['slow_fraction']:.0%} of the workers "
+              f"{tm['slow_factor']:g}x slower, {tm['model_bytes'] / 1e6:g} MB model, "
+              f"{tm['bandwidth_bps'] / 1e9:g} Gbit / {tm['latency_s'] * 1e6:g} us links.", "",
+              "| solver | workers | steps | wall s | events | virtual wall s |", "|---|---|---|---|---|---|"]
+    for solver, by_seed in tm["runs"].items():
+        runs = [by_seed[s] for s in seeds]
+        timing.append(f"| {solver} | {runs[0]['workers']:,} | {runs[0]['steps']} | "
+                      f"{shown([r['wall_s'] for r in runs])} | {shown([r['events'] for r in runs], '{:,.0f}')} | "
+                      f"{shown([r['virtual_wall_s'] for r in runs])} |")
+    return {"sim_speed_event_loop": "\n".join(lines), "sim_speed_timing": "\n".join(timing)}
 
 
 def simpy_version() -> str | None:
@@ -156,14 +159,16 @@ def main() -> int:
     p = argument_parser(__doc__)
     p.add_argument("--sources", type=int, default=1000, help="(1): event chains (default: 1000)")
     p.add_argument("--timeouts", type=int, default=200, help="(1): timed events per chain (default: 200)")
-    p.add_argument("--repeats", type=int, default=3, help="(1): runs of each loop, the best counts (default: 3)")
+    p.add_argument("--seeds", default="1,2,3", help="one run of everything per seed (default: 1,2,3)")
     p.add_argument("--workers", type=int, default=100_000, help="(2): simulated workers (default: 100000)")
     p.add_argument("--workers-for", action="append", default=[], metavar="SOLVER=N",
                    help="(2): another worker count for one solver (repeatable)")
     p.add_argument("--steps", type=int, default=100, help="(2): steps per worker (default: 100)")
     p.add_argument("--skip", default="", help="(2): comma-separated solvers to leave out")
-    p.add_argument("--json", default="docs/benchmarks/sim_speed.json", help="where to write the raw results")
+    p.add_argument("--json", default="benchmarks/results/sim_speed.json", help="where to write the raw results")
     args = p.parse_args()
+    started = provenance("benchmarks/sim_speed.py")
+    seeds = seed_list(args.seeds)
 
     skip = {s for s in args.skip.split(",") if s}
     unknown = skip - set(SOLVERS)
@@ -177,30 +182,29 @@ def main() -> int:
         p.error(f"--skip: unknown solvers {', '.join(sorted(unknown))}; valid: {', '.join(SOLVERS)}")
     solvers = [s for s in SOLVERS if s not in skip]
 
-    import numpy
-    import torch
-
-    git = git_state()  # before the runs, which take minutes
-
-    print("(1) event loop\n")
-    loops = event_loops(args.sources, args.timeouts, args.repeats)
-    print(f"\n(2) timing mode: 20 ms compute, {SLOW_FRACTION:.0%} of workers {SLOW_FACTOR:g}x slower, "
-          f"{MODEL_BYTES / 1e6:g} MB model, 10 Gbit / 5 us links\n")
-    timing = timing_mode(solvers, workers, args.steps)
-
-    write_results(args.json, {
-        "benchmark": "sim_speed",
-        "command": "python benchmarks/sim_speed.py " + " ".join(sys.argv[1:]),
-        "regime": "simulated; wall time of one Python process on this machine",
-        "machine": {"python": platform.python_version(), "platform": platform.platform(),
-                    "processor": platform.processor() or platform.machine(),
-                    "torch": torch.__version__, "numpy": numpy.__version__, "simpy": simpy_version()},
-        "git": git,
-        "event_loop": loops,
+    loops: dict[str, Any] = {}
+    runs: dict[str, dict[str, Any]] = {s: {} for s in solvers}
+    for seed in seeds:
+        loops[str(seed)] = event_loop(args.sources, args.timeouts)
+        d = loops[str(seed)]
+        print(f"seed {seed} event loop: distsync {d['distsync']['us_per_event']:.2f} us/event"
+              + (f", simpy {d['simpy']['us_per_event']:.2f}" if d["simpy"] else " (simpy not installed)"), flush=True)
+        for solver in solvers:
+            r = runs[solver][str(seed)] = timing_mode(solver, workers[solver], args.steps, seed)
+            print(f"seed {seed} {solver} x {r['workers']:,}: {r['wall_s']:.2f} s, {r['events']:,} events",
+                  flush=True)
+    payload = {
+        "simpy_version": simpy_version(),
+        "event_loop": {"sources": args.sources, "timeouts_per_source": args.timeouts, "runs": loops},
         "timing_mode": {"compute_s": COMPUTE_S, "slow_fraction": SLOW_FRACTION, "slow_factor": SLOW_FACTOR,
                         "model_bytes": MODEL_BYTES, "bandwidth_bps": BANDWIDTH_BPS, "latency_s": LATENCY_S,
-                        "options": {}, "rows": timing},
-    })
+                        "options": {}, "runs": runs},
+    }
+    raw = {**payload, "regime": REGIME, "seeds": seeds, "repeats": len(seeds)}
+    for text in render(raw).values():
+        print()
+        print(text)
+    write_record(args.json, started, regime=REGIME, seeds=seeds, payload=payload)
     return 0
 
 
