@@ -88,7 +88,8 @@ def main() -> int:
                 [[r["workload"], r["workers"], f"{r['allreduce_samples_per_s']:,.0f}", f"{r['ddp_samples_per_s']:,.0f}",
                   f"{r['ratio']:.2f}"] for r in results])
     write_record(args.json or f"benchmarks/results/allreduce_vs_ddp{'-' + args.link if args.link else ''}.json",
-                 started, regime=regime(args.link, args.device), seeds=list(range(args.rounds)), payload={"rows": results})
+                 started, regime=regime(args.link, args.device), seeds=list(range(args.rounds)),
+                 payload={"rows": results})
     return 0 if all(r["ratio"] >= 1.0 for r in results) else 1
 
 

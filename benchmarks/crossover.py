@@ -33,8 +33,8 @@ import os
 import sys
 from pathlib import Path
 
-from common import (argument_parser, checks_markdown, exit_on_error, print_checks, provenance, ratios, shown, spread, verdict,
-                    write_record, write_results)
+from common import (argument_parser, checks_markdown, exit_on_error, print_checks, provenance, ratios, shown, spread,
+                    verdict, write_record)
 from distsync.config import RunConfig
 from distsync.experiments.crossover import CrossoverPlan, Job, run_crossover
 
@@ -83,7 +83,28 @@ def render(raw: dict) -> dict[str, str]:
                      f"{shown(ratios(span['crossover (fcfs)'], span['naive']), unit='x')} | "
                      f"{shown(ratios(span['naive'], span['sequential']), unit='x')} |")
     lines += ["", "(A ratio is the first way's makespan over the second's: below 1.0, the first is faster.)"]
-    return {"crossover": "\n".join(lines), "crossover_targets": checks_markdown(raw.get("checks", []))}
+    return {"crossover": "\n".join(lines), "crossover_targets": checks_markdown(targets(raw))}
+
+
+def targets(raw: dict) -> list[tuple[str, bool]]:
+    """Crossover's targets, on the median over repeats of each repeat's ratio: never worse than
+    sequential; <= 0.8x sequential where communication is a large share of a step; and, the
+    fair baseline, no worse than naive sharing."""
+    out = []
+    for case, by_repeat in raw["cases"].items():
+        span = {m: {k: r["modes"][m]["makespan_s"] for k, r in by_repeat.items()} for m, _ in MODE_COLUMNS}
+        for policy, mode in (("alternate", "crossover"), ("fcfs", "crossover (fcfs)")):
+            seq = spread(ratios(span[mode], span["sequential"]))
+            naive = spread(ratios(span[mode], span["naive"]))
+            rng = lambda s: f"median over repeats, range {s[1]:.2f}-{s[2]:.2f}"  # noqa: E731
+            out.append((f"{case}: crossover ({policy}) {seq[0]:.2f}x sequential's makespan ({rng(seq)}; never worse: "
+                        f"<= 1.0)", seq[0] <= 1.0))
+            if case in COMMUNICATION_BOUND:
+                out.append((f"{case}: crossover ({policy}) {seq[0]:.2f}x sequential's makespan ({rng(seq)}; <= 0.8)",
+                            seq[0] <= 0.8))
+            out.append((f"{case}: crossover ({policy}) {naive[0]:.2f}x naive sharing's makespan ({rng(naive)}; "
+                        f"<= 1.0)", naive[0] <= 1.0))
+    return out
 
 
 
@@ -127,20 +148,7 @@ def main() -> int:
     raw = {"cases": results, "repeats": args.repeats}
     print()
     print(render(raw)["crossover"])
-    checks = []
-    for case, by_repeat in results.items():
-        span = {m: {k: r["modes"][m]["makespan_s"] for k, r in by_repeat.items()} for m, _ in MODE_COLUMNS}
-        seq = spread(span["sequential"].values())[0]
-        naive = spread(span["naive"].values())[0]
-        for policy, mode in (("alternate", "crossover"), ("fcfs", "crossover (fcfs)")):
-            value = spread(span[mode].values())[0]
-            checks.append((f"{case}: crossover ({policy}) {value / seq:.2f}x sequential (median; never worse: <= 1.0)",
-                           value <= seq))
-            checks.append((f"{case}: crossover ({policy}) {value / naive:.2f}x naive sharing (median; <= 1.0)",
-                           value <= naive))
-            if case in COMMUNICATION_BOUND:
-                checks.append((f"{case}: crossover ({policy}) {value / seq:.2f}x sequential (median; <= 0.8)",
-                               value <= 0.8 * seq))
+    checks = targets(raw)
     print()
     print_checks(checks)
     regimes = sorted({CASES[c]["regime"] for c in cases})

@@ -24,6 +24,7 @@ path its benchmark declares (or the tree it measured had uncommitted changes the
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import re
 import subprocess
@@ -52,21 +53,34 @@ class Figure:
     """One benchmark run behind published figures."""
 
     name: str  #: the raw file's name: docs/benchmarks/raw/NAME.json
-    script: str  #: the module in benchmarks/ (``render(raw) -> {block: markdown}`` is its renderer)
+    #: the script: a module in benchmarks/, or a path from the repository's root without
+    #: ``.py`` (its ``render(raw) -> {block: markdown}`` is the renderer)
+    script: str
     args: tuple[str, ...]  #: the full run's arguments
     quick: tuple[str, ...]  #: a smoke run's arguments
     sources: tuple[str, ...]  #: the source paths whose change makes its raw results stale
     page: str  #: the docs page holding its blocks
+    #: repeats a published figure needs (1 only where a repeat cannot differ: a pass/fail census)
+    min_repeats: int = 3
+
+    @property
+    def path(self) -> str:
+        return f"{self.script}.py" if "/" in self.script else f"benchmarks/{self.script}.py"
 
     def raw_path(self, quick: bool = False) -> Path:
         return (QUICK if quick else RAW) / f"{self.name}.json"
 
     def command(self, quick: bool = False) -> list[str]:
-        return [sys.executable, f"benchmarks/{self.script}.py", *(self.quick if quick else self.args),
+        return [sys.executable, self.path, *(self.quick if quick else self.args),
                 "--json", str(self.raw_path(quick).relative_to(REPO))]
 
     def renderer(self) -> Callable[[dict[str, Any]], dict[str, str]]:
-        return importlib.import_module(self.script).render
+        if "/" not in self.script:
+            return importlib.import_module(self.script).render
+        spec = importlib.util.spec_from_file_location(Path(self.script).name, REPO / self.path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.render
 
 
 FIGURES = [
@@ -225,8 +239,8 @@ def stale(fig: Figure, raw: dict[str, Any]) -> str | None:
 
 def provenance_problems(fig: Figure, raw: dict[str, Any]) -> list[str]:
     problems = [f"{fig.name}: raw results lack {k!r}" for k in PROVENANCE if k not in raw]
-    if isinstance(raw.get("repeats"), int) and raw["repeats"] < MIN_REPEATS:
-        problems.append(f"{fig.name}: {raw['repeats']} repeat(s); a published figure needs at least {MIN_REPEATS}")
+    if isinstance(raw.get("repeats"), int) and raw["repeats"] < fig.min_repeats:
+        problems.append(f"{fig.name}: {raw['repeats']} repeat(s); a published figure needs at least {fig.min_repeats}")
     return problems
 
 

@@ -24,8 +24,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from common import (argument_parser, checks_markdown, launch_or_exit, print_checks, provenance, ratios, seed_list, shown, spread, verdict,
-                    write_record)
+from common import (argument_parser, checks_markdown, launch_or_exit, print_checks, provenance, ratios, seed_list,
+                    shown, spread, verdict, write_record)
 from distsync.config import RunConfig
 
 SOLVERS = [("allreduce", {}), ("async-ps", {}), ("ea-wild", {}), ("ad-psgd", {}), ("ripples", {"schedule": "static"}),
