@@ -75,12 +75,21 @@ class Figure:
                 "--json", str(self.raw_path(quick).relative_to(REPO))]
 
     def renderer(self) -> Callable[[dict[str, Any]], dict[str, str]]:
+        """The script's ``render``; one that returns a single markdown text renders the block
+        named after the figure."""
         if "/" not in self.script:
-            return importlib.import_module(self.script).render
-        spec = importlib.util.spec_from_file_location(Path(self.script).name, REPO / self.path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module.render
+            render = importlib.import_module(self.script).render
+        else:
+            spec = importlib.util.spec_from_file_location(Path(self.script).name, REPO / self.path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            render = module.render
+
+        def blocks(raw: dict[str, Any]) -> dict[str, str]:
+            out = render(raw)
+            return {self.name: out} if isinstance(out, str) else out
+
+        return blocks
 
 
 FIGURES = [

@@ -1,9 +1,9 @@
 """A small discrete-event core: a heap of timed callbacks, and FIFO links.
 
-A heap of ``(time, sequence, callback)`` is all the solvers' timing models need. Measured on
-this machine (200,000 timed events from 1,000 sources, ``python benchmarks/sim_speed.py``,
-docs/benchmarks/sim_speed.json): 1.06 us per event, against 1.28 us for simpy 4.1.2's
-process-based timeouts; and it adds no dependency. Deterministic: ties run in scheduling order.
+A heap of ``(time, sequence, callback)`` is all the solvers' timing models need; it adds no
+dependency, and its time per event against simpy's process-based timeouts is measured by
+``python benchmarks/sim_speed.py`` (the table in docs/benchmarks/simulator.md, rendered from
+docs/benchmarks/raw/sim_speed.json). Deterministic: ties run in scheduling order.
 """
 
 from __future__ import annotations
