@@ -4,9 +4,13 @@ Each mutation below breaks one rule of one solver (or of the simulator's train m
 replacing one exact piece of source text. For each, the probe copies ``src/`` to a temporary
 directory, applies that one change there (the working tree is never touched), and runs the
 FAST SUITE against the copy (``PYTHONPATH=<copy>/src``, ``-x -q -p no:cacheprovider``). The
-mutation is *caught* when the suite fails, and the first failing test is recorded. A run that
-passes the per-mutation timeout counts as caught only because it did not pass, and says
-``timeout`` (none did when the probe was last run; see the JSON).
+mutation is *caught* when the suite fails, and the first failing test is recorded. A failure
+counts only once confirmed: that test, run alone, fails again on the mutant and passes on the
+unmutated copy; a test that does not (a timing test on a loaded machine) is set aside as
+flaky and the suite runs again without it. A run that passes the per-mutation timeout counts
+as caught only because it did not pass, and says ``timeout`` (see the JSON's ``outcome``).
+``--confirm`` re-checks the caught rows of an existing result file that carry no
+confirmation yet; ``--only NAMES --merge`` re-probes some mutations into it.
 
 The fast suite first runs unmutated: if it fails there, the probe stops (a mutation caught by
 a suite that fails anyway proves nothing).
@@ -347,12 +351,14 @@ def copy_src(dest: Path) -> Path:
 _FAILED = re.compile(r"^(FAILED|ERROR) (\S+)")
 
 
-def run_suite(src_root: Path, timeout_s: float, suite: list[str] | None = None) -> dict:
-    """The fast suite (or ``suite``) against ``src_root``: passed, the first failing test,
-    seconds, timeout."""
+def run_suite(src_root: Path, timeout_s: float, suite: list[str] | None = None,
+              deselect: list[str] = ()) -> dict:
+    """The fast suite (or ``suite``) against ``src_root`` (less ``deselect``): passed, the
+    first failing test, seconds, timeout."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src_root), os.environ.get("PYTHONPATH", "")]).rstrip(
         os.pathsep), PYTHONDONTWRITEBYTECODE="1")
-    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-x", "-q", "-m", SUITE_MARKER, *(suite or FAST_SUITE)]
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-x", "-q", "-m", SUITE_MARKER, *(suite or FAST_SUITE),
+           *(a for t in deselect for a in ("--deselect", t))]
     t0 = time.monotonic()
     # A session of its own: on a timeout (or ^C) the whole tree goes, the ranks its tests
     # forked included.
@@ -384,6 +390,73 @@ def check_imports_copy(src_root: Path) -> None:
         raise SystemExit(f"error: under PYTHONPATH={src_root} distsync was imported from {got!r}, not the copy")
 
 
+def probe(m: Mutation, src_root: Path, pristine: Path, timeout_s: float, suite: list[str] | None) -> dict:
+    """One mutation's row. A failure counts only when it is the mutation's: the failing test
+    is run again alone, on the mutant (it must fail again) and on the unmutated copy (it must
+    pass). A test that does not (a timing test on a loaded machine) is set aside as flaky and
+    the suite runs again without it (at most twice)."""
+    flaky: list[str] = []
+    seconds, confirmed = 0.0, False
+    while True:
+        r = run_suite(src_root, timeout_s, suite, flaky)
+        seconds += r["seconds"]
+        test = r["failing_test"]
+        if r["passed"] or r["timeout"] or test is None or len(flaky) >= 2:
+            break
+        again = run_suite(src_root, timeout_s, [test])
+        clean = run_suite(pristine, timeout_s, [test])
+        seconds += again["seconds"] + clean["seconds"]
+        if not again["passed"] and clean["passed"]:
+            confirmed = True  # the mutation's own failure
+            break
+        flaky.append(test)
+    caught = not r["passed"]
+    return {**asdict(m), "caught": caught, "outcome": ("timeout" if r["timeout"] else "caught") if caught else "survived",
+            "timeout": r["timeout"], "failing_test": test if caught else None, "confirmed": confirmed,
+            "seconds": round(seconds, 1), **({"flaky_tests": flaky} if flaky else {}),
+            **({} if caught else {"tail": r["tail"][-600:]})}
+
+
+def confirm(args, chosen: list[Mutation], pristine: Path, started: dict, baseline: dict | None,
+            suite: list[str] | None) -> int:
+    """``--confirm``: each caught row of the result file (among ``chosen``) checked again."""
+    import json
+
+    raw = json.loads(args.json.read_text())
+    names = {m.name for m in chosen}
+    tmp = pristine.parent.parent
+    for i, row in enumerate(raw["mutations"]):
+        if row["name"] not in names or not row["caught"] or row.get("confirmed"):
+            continue
+        m = _BY_NAME[row["name"]]
+        work = tmp / "confirm" / m.name
+        src_root = copy_src(work)
+        apply(m, src_root)
+        test = row.get("failing_test")
+        ok = False
+        if test and not row.get("timeout"):
+            again = run_suite(src_root, args.timeout, [test])
+            clean = run_suite(pristine, args.timeout, [test])
+            ok = not again["passed"] and clean["passed"]
+        if ok:
+            row["confirmed"] = True
+            print(f"{m.name}: confirmed ({test} fails on the mutant, passes unmutated)", flush=True)
+        else:
+            raw["mutations"][i] = row = probe(m, src_root, pristine, args.timeout, suite)
+            print(f"{m.name}: not confirmed ({test}); probed again: {row['outcome']} by {row['failing_test']}"
+                  f"{' (flaky set aside: ' + ', '.join(row['flaky_tests']) + ')' if row.get('flaky_tests') else ''}",
+                  flush=True)
+        shutil.rmtree(work, ignore_errors=True)
+    raw["caught"], raw["tried"] = sum(r["caught"] for r in raw["mutations"]), len(raw["mutations"])
+    raw.setdefault("confirm_runs", []).append({"provenance": started,
+                                               "baseline_seconds": baseline["seconds"] if baseline else None})
+    raw.pop("when", None)
+    write_results(args.json, raw)
+    unconfirmed = [r["name"] for r in raw["mutations"] if r["caught"] and not r.get("confirmed")]
+    print(f"{raw['caught']} of {raw['tried']} caught; unconfirmed: {', '.join(unconfirmed) or 'none'}")
+    return 0 if raw["caught"] == raw["tried"] and not unconfirmed else 1
+
+
 def render(raw: dict) -> str:
     """The docs page's table: mutation, file, rule broken, the test that caught it (or
     SURVIVED), then one line: N of M caught."""
@@ -392,6 +465,8 @@ def render(raw: dict) -> str:
     for r in rows:
         if r.get("caught"):
             by = f"`{r['failing_test']}`" if r.get("failing_test") else "the suite (no test id)"
+            if not r.get("confirmed"):
+                by += " (unconfirmed)"
             if r.get("timeout"):
                 by = f"TIMEOUT after {r['seconds']} s (counted as caught)"
         elif r.get("error"):
@@ -413,6 +488,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=DEFAULT_OUT, help=f"result file (default {DEFAULT_OUT.relative_to(REPO)})")
     p.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds per suite run (default %(default)s)")
     p.add_argument("--skip-baseline", action="store_true", help="do not run the unmutated suite first (debugging only)")
+    p.add_argument("--confirm", action="store_true",
+                   help="re-check the existing --json file's caught rows (or --only's): each failing test run alone "
+                        "on the mutant (must fail) and unmutated (must pass); a row that is not confirmed is probed "
+                        "again in full (flaky tests set aside)")
+    p.add_argument("--merge", action="store_true",
+                   help="with --only: replace those mutations' rows in the existing --json file (its other rows "
+                        "and provenance kept; this run's provenance added under merged_runs)")
     p.add_argument("--suite", help="comma-separated test files or ids to run instead of the fast suite (debugging "
                                    "only: the result is not written)")
     args = p.parse_args(argv)
@@ -424,6 +506,10 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             raise SystemExit(f"error: unknown mutation(s) {', '.join(unknown)} (see --list)")
         chosen = [_BY_NAME[n] for n in names]
+    if args.confirm and not args.json.exists():
+        raise SystemExit(f"error: --confirm needs an existing result file ({args.json} is not there)")
+    if args.merge and not (args.only and args.json.exists()):
+        raise SystemExit(f"error: --merge needs --only and an existing result file ({args.json} is not there)")
     if args.list:
         for m in chosen:
             print(f"{m.name:52s} {m.file:28s} {m.breaks}")
@@ -455,23 +541,37 @@ def main(argv: list[str] | None = None) -> int:
             if not baseline["passed"]:
                 print(baseline["tail"], file=sys.stderr)
                 raise SystemExit("error: the fast suite fails unmutated: no mutation result would mean anything")
+        if args.confirm:
+            return confirm(args, chosen, pristine, started, baseline, suite)
         results = []
         for i, m in enumerate(chosen, 1):
             work = Path(tmp) / "m" / m.name
             src_root = copy_src(work)
             apply(m, src_root)
-            r = run_suite(src_root, args.timeout, suite)
+            row = probe(m, src_root, pristine, args.timeout, suite)
             shutil.rmtree(work, ignore_errors=True)
-            caught = not r["passed"]
-            what = ("TIMEOUT (counted as caught)" if r["timeout"] else f"caught by {r['failing_test']}") if caught \
-                else "SURVIVED"
-            print(f"[{i}/{len(chosen)}] {m.name}: {what} ({r['seconds']} s)", flush=True)
-            results.append({**asdict(m), "caught": caught, "timeout": r["timeout"], "failing_test": r["failing_test"],
-                            "seconds": r["seconds"], **({} if caught else {"tail": r["tail"][-600:]})})
+            what = ("TIMEOUT (counted as caught)" if row["timeout"] else f"caught by {row['failing_test']}") \
+                if row["caught"] else "SURVIVED"
+            flaky = f"; not counted, flaky: {', '.join(row['flaky_tests'])}" if row.get("flaky_tests") else ""
+            print(f"[{i}/{len(chosen)}] {m.name}: {what} ({row['seconds']} s{flaky})", flush=True)
+            results.append(row)
     caught = sum(r["caught"] for r in results)
     if suite:
         print(f"{caught} of {len(results)} caught by {' '.join(suite)} (not written: --suite is for debugging)")
         return 0 if caught == len(results) else 1
+    if args.merge:
+        import json
+
+        raw = json.loads(args.json.read_text())
+        fresh = {r["name"]: r for r in results}
+        raw["mutations"] = [fresh.pop(r["name"], r) for r in raw["mutations"]] + list(fresh.values())
+        raw["caught"], raw["tried"] = sum(r["caught"] for r in raw["mutations"]), len(raw["mutations"])
+        raw.setdefault("merged_runs", []).append({"provenance": started, "mutations": [r["name"] for r in results],
+                                                  "baseline_seconds": baseline["seconds"] if baseline else None})
+        raw.pop("when", None)
+        write_results(args.json, raw)
+        print(f"{raw['caught']} of {raw['tried']} caught (after merging {len(results)})")
+        return 0 if raw["caught"] == raw["tried"] else 1
     payload = {"provenance": started, "fast_suite": FAST_SUITE, "suite_marker": SUITE_MARKER,
                "pytest_args": ["-p", "no:cacheprovider", "-x", "-q"], "timeout_s": args.timeout,
                "timeout_counts_as_caught": True,
