@@ -255,10 +255,14 @@ MUTATIONS: list[Mutation] = [
       "                    mean = msg[:-1].div_(n)",
       "                    mean = msg[:-1].div_(n + 1)",
       "shadow-ma: w <- all-reduce-MEAN(w) over the trainers"),
-    M("shadow-final-sync-skipped", "solvers/shadow.py",
+    # (Skipping close()'s final sync altogether is an equivalent mutant: the shadow thread's
+    # last sync, the one every worker joins once done, has just averaged the final models;
+    # the final sync only covers a read taken a moment before the last step. The probe's run
+    # of 2026-11-26 let it through; it is not declared.)
+    M("shadow-final-sync-wrong-divisor", "solvers/shadow.py",
       "        self.state_view.assign(final.div_(n))",
-      "        final.div_(n)",
-      "shadow-ma/bmuf: close() leaves every worker with the mean of the final models"),
+      "        self.state_view.assign(final.div_(n + 1))",
+      "shadow-ma/bmuf: close() leaves every worker with the MEAN of the final models"),
     M("shadow-ea-worker-skips-its-pull", "solvers/shadow.py",
       "            elastic_pull(new, seen, self.alpha)\n",
       "",
@@ -563,8 +567,12 @@ def main(argv: list[str] | None = None) -> int:
         import json
 
         raw = json.loads(args.json.read_text())
-        fresh = {r["name"]: r for r in results}
-        raw["mutations"] = [fresh.pop(r["name"], r) for r in raw["mutations"]] + list(fresh.values())
+        rows = {r["name"]: r for r in raw["mutations"]}
+        rows.update({r["name"]: r for r in results})
+        retired = [n for n in rows if n not in _BY_NAME]  # (rows of mutations no longer declared)
+        raw["mutations"] = [rows[m.name] for m in MUTATIONS if m.name in rows]
+        if retired:
+            raw.setdefault("retired_mutations", []).extend(retired)
         raw["caught"], raw["tried"] = sum(r["caught"] for r in raw["mutations"]), len(raw["mutations"])
         raw.setdefault("merged_runs", []).append({"provenance": started, "mutations": [r["name"] for r in results],
                                                   "baseline_seconds": baseline["seconds"] if baseline else None})
