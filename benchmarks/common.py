@@ -162,7 +162,8 @@ def shown(values: Iterable[float | None], fmt: str = "{:.2f}", unit: str = "") -
     if s is None:
         return "-"
     med, lo, hi = (fmt.format(v) for v in s)
-    text = f"{med}{unit}" if len(values) == 1 else f"{med}{unit} ({lo}-{hi})"
+    dash = " to " if lo[:1] in "+-" or hi[:1] in "+-" else "-"  # (signed figures: -0.3% to +0.5%)
+    text = f"{med}{unit}" if len(values) == 1 else f"{med}{unit} ({lo}{dash}{hi})"
     have = sum(v is not None for v in values)
     return text + (f", {have} of {len(values)}" if have < len(values) else "")
 

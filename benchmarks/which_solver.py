@@ -15,7 +15,6 @@ from common import ratios, shown, spread, verdict
 
 HEADER = ["| situation | solver | what was measured ([benchmarks](docs/benchmarks/README.md); median (range) over repeats) |",
           "|---|---|---|"]
-SPEED = "over all-reduce (speedup to target)"
 NOT_MEASURED = "no current measurement (`make figures` makes it)"
 
 
@@ -29,13 +28,12 @@ def _code(name: str) -> str:
     return f"`{name}`"
 
 
-def _speedup(values: list[float | None], what: str) -> str:
+def _speedup(values: list[float | None], what: str = "") -> str:
+    """``1.78x (1.60-1.92)`` [``WHAT``], and ``, within the spread`` when the range straddles 1."""
     if spread(values) is None:
-        return f"did not reach the target in any repeat ({what})"
-    v = verdict(values)
-    if v == "within the spread":
-        return f"{shown(values, unit='x')} {what} (within the spread: no clear difference)"
-    return f"{shown(values, unit='x')} {what}"
+        return "did not reach the target in any repeat"
+    within = " (within the spread: no clear difference)" if verdict(values) == "within the spread" else ""
+    return f"{shown(values, unit='x')}{' ' + what if what else ''}{within}"
 
 
 def _allreduce(raw: dict[str, Any]) -> tuple[str, str]:
@@ -62,9 +60,10 @@ def _slow_worker(raw: dict[str, Any], names: tuple[str, ...], why: str) -> tuple
     base = _ttt(raw, w, case, "allreduce")
     sp = {n: ratios(base, _ttt(raw, w, case, n)) for n in have}
     have.sort(key=lambda n: -(spread(sp[n]) or (0.0,))[0])
-    figures = "; ".join(f"{_code(n)} {_speedup(sp[n], SPEED)}" for n in have)
+    figures = "; ".join(f"{_code(n)} {_speedup(sp[n])}" for n in have)
     return ", ".join(_code(n) for n in have), (
-        f"{why}: {figures} (digits, {w} emulated devices, one 3x slower; {raw['repeats']} seeds)")
+        f"{why}; speedup to target over all-reduce: {figures} (digits, {w} emulated devices, one 3x slower; "
+        f"{raw['repeats']} seeds)")
 
 
 def _slow_links(raw: dict[str, Any]) -> tuple[str, str] | None:
@@ -74,11 +73,11 @@ def _slow_links(raw: dict[str, Any]) -> tuple[str, str] | None:
     base = {k: r["time_to_target_s"] for k, r in by["allreduce"].items()}
     sp = {n: ratios(base, {k: r["time_to_target_s"] for k, r in s.items()}) for n, s in by.items() if n != "allreduce"}
     best = sorted(sp, key=lambda n: -(spread(sp[n]) or (0.0,))[0])[:2]
-    figures = "; ".join(f"{_code(n)} {_speedup(sp[n], SPEED)}" for n in best)
+    figures = "; ".join(f"{_code(n)} {_speedup(sp[n])}" for n in best)
     return ", ".join(_code(n) for n in best), (
-        f"the fastest to target where a step's all-reduce costs five times its compute: {figures} ({model} at 1 Gbit on 10 ms emulated devices, "
-        f"communication-bound, {w} workers; {raw['repeats']} seeds; the fastest two of "
-        f"{len(sp)} solvers against all-reduce)")
+        f"fewer or asynchronous exchanges; speedup to target over all-reduce, the best two of {len(sp)} solvers: "
+        f"{figures} ({model} on 10 ms emulated devices behind 1 Gbit: an all-reduce costs five times a step's "
+        f"compute; {w} workers; {raw['repeats']} seeds)")
 
 
 def _shadow(raw: dict[str, Any]) -> tuple[str, str] | None:
@@ -112,9 +111,9 @@ def _crossover(raw: dict[str, Any]) -> tuple[str, str] | None:
             for m in ("sequential", "naive", "crossover")}
     naive = _speedup(ratios(span["crossover"], span["naive"]), "naive sharing's")
     return "`distsync crossover`", (
-        f"one job computes while another communicates: makespan {naive}, "
-        f"{shown(ratios(span['crossover'], span['sequential']), unit='x')} sequential's (two jobs on 2 emulated "
-        f"50 ms devices behind 800 Mbit; {raw['repeats']} repeats)")
+        f"one job computes while another communicates: makespan "
+        f"{shown(ratios(span['crossover'], span['sequential']), unit='x')} sequential's and {naive} (two jobs on 2 "
+        f"emulated 50 ms devices behind 800 Mbit; {raw['repeats']} repeats)")
 
 
 #: (situation, the raw file it needs, how its cells are made)
