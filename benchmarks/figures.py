@@ -82,6 +82,7 @@ class Figure:
         else:
             spec = importlib.util.spec_from_file_location(Path(self.script).name, REPO / self.path)
             module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module  # (dataclasses look their module up there)
             spec.loader.exec_module(module)
             render = module.render
 
