@@ -16,8 +16,8 @@ rendered here from several raw files.
 ``run`` writes the raw files (``--quick``: a small smoke run of each, into
 ``benchmarks/results/quick/``, never over the committed ones) and renders. ``check`` fails
 (exit status 1) when a block differs from what its raw file renders, a raw file lacks its
-provenance or has fewer than 3 repeats, a table in ``docs/benchmarks/`` stands outside a
-rendered block, or a raw file is stale: a commit after the one it measured changed a source
+provenance, was made by another command than the registry's, or has fewer than 3 repeats, a
+table in ``docs/benchmarks/`` stands outside a rendered block, or a raw file is stale: a commit after the one it measured changed a source
 path its benchmark declares (or the tree it measured had uncommitted changes there).
 """
 
@@ -257,6 +257,9 @@ def stale(fig: Figure, raw: dict[str, Any]) -> str | None:
 
 def provenance_problems(fig: Figure, raw: dict[str, Any]) -> list[str]:
     problems = [f"{fig.name}: raw results lack {k!r}" for k in PROVENANCE if k not in raw]
+    wanted = "python " + " ".join(fig.command()[1:])
+    if "command" in raw and raw["command"] != wanted:
+        problems.append(f"{fig.name}: made by `{raw['command']}`, not by the registry's `{wanted}`")
     if isinstance(raw.get("repeats"), int) and raw["repeats"] < fig.min_repeats:
         problems.append(f"{fig.name}: {raw['repeats']} repeat(s); a published figure needs at least {fig.min_repeats}")
     return problems

@@ -56,6 +56,10 @@ def test_a_raw_file_without_provenance_or_with_one_run_is_refused():
     one = dict(raw, repeats=1)
     assert figures.provenance_problems(fig, one) == [
         f"{fig.name}: 1 repeat(s); a published figure needs at least 3"]
+    other = dict(raw, command="python benchmarks/elsewhere.py --seeds 1")
+    assert figures.provenance_problems(fig, other) == [
+        f"{fig.name}: made by `python benchmarks/elsewhere.py --seeds 1`, not by the registry's "
+        f"`python {' '.join(fig.command()[1:])}`"]
     bare = {k: v for k, v in raw.items() if k not in ("commit", "machine")}
     assert figures.provenance_problems(fig, bare) == [f"{fig.name}: raw results lack 'commit'",
                                                       f"{fig.name}: raw results lack 'machine'"]
