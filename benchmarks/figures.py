@@ -101,7 +101,7 @@ FIGURES = [
     Figure("heterogeneity_devices", "heterogeneity_devices",
            ("--workers", "4", "--cases", "homogeneous,one 3x slow", "--seeds", "1,2,3"),
            ("--workers", "2", "--cases", "one 3x slow", "--seeds", "1", "--solvers", "allreduce,ripples:smart",
-            "--cap", "4"),
+            "--cap", "2"),
            RUNTIME + ("src/distsync/solvers/allreduce.py", "src/distsync/solvers/decentralized.py",
                       "src/distsync/solvers/schedules.py",
                       "src/distsync/solvers/parameter_server.py", "src/distsync/solvers/elastic.py",
