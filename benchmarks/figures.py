@@ -188,15 +188,14 @@ FIGURES = [
            ("--repeats", "1", "--sizes", "1", "--links", "1gbit,unshaped"),
            RUNTIME,
            "docs/benchmarks/link_efficiency.md"),
+    # -- the mutation probe: which broken rules the fast suite catches (a census: one run each) --
+    Figure("mutation_probe", "tests/mutation_probe", (), ("--check",),
+           ("src/distsync/solvers", "src/distsync/sim", "tests/mutation_probe.py", "tests/helpers.py",
+            "tests/conftest.py", "tests/test_rules.py", "tests/test_sim_rules.py", "tests/test_rule_references.py",
+            "tests/test_decentralized.py", "tests/test_async_solvers.py", "tests/test_background.py",
+            "tests/test_allreduce.py", "tests/test_sim_ordered.py", "tests/test_sim.py"),
+           "docs/benchmarks/mutation_probe.md", min_repeats=1),
 ]
-#: the mutation probe: which broken rules the fast suite catches (a census: one run each)
-FIGURES.append(Figure(
-    "mutation_probe", "tests/mutation_probe", (), ("--check",),
-    ("src/distsync/solvers", "src/distsync/sim", "tests/mutation_probe.py", "tests/helpers.py", "tests/conftest.py",
-     "tests/test_rules.py", "tests/test_sim_rules.py", "tests/test_rule_references.py", "tests/test_decentralized.py",
-     "tests/test_async_solvers.py", "tests/test_background.py", "tests/test_allreduce.py", "tests/test_sim_ordered.py",
-     "tests/test_sim.py"),
-    "docs/benchmarks/mutation_probe.md", min_repeats=1))
 BY_NAME = {f.name: f for f in FIGURES}
 BLOCK = re.compile(r"(<!-- figure: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /figure: (?P=name) -->)", re.S)
 
