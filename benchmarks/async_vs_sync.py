@@ -33,7 +33,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from common import (argument_parser, checks_markdown, launch_or_exit, print_checks, provenance, ratios, seed_list,
+from common import (argument_parser, checks_markdown, launch_or_exit, per_seed, print_checks, provenance, ratios,
+                    seed_list,
                     shown, spread, verdict, write_record, write_results)
 from distsync.config import RunConfig, parse_key_values
 from distsync.experiments import write_report
@@ -72,9 +73,9 @@ def render(raw: dict) -> dict[str, str]:
         for w, by_model in raw["results"].items():
             if model not in by_model:
                 continue
-            base = {k: r["time_to_target_s"] for k, r in by_model[model]["allreduce"].items()}
+            base = per_seed(by_model[model]["allreduce"], "time_to_target_s")
             for entry, by_seed in by_model[model].items():
-                t = {k: r["time_to_target_s"] for k, r in by_seed.items()}
+                t = per_seed(by_seed, "time_to_target_s")
                 r = ratios(base, t)
                 lines.append(f"| {w} | {column(setting)} | `{entry}` | {shown(t.values(), '{:.1f}')} | "
                              f"{'-' if entry == 'allreduce' else shown(r, unit='x')} | "
@@ -95,7 +96,7 @@ def targets(raw: dict) -> list[tuple[str, bool]]:
     out = []
 
     def ttt(w: str, m: str, s: str) -> dict[str, float | None]:
-        return {k: r["time_to_target_s"] for k, r in raw["results"][w][m].get(s, {}).items()}
+        return per_seed(raw["results"][w][m].get(s, {}), "time_to_target_s")
 
     def med(values: list[float | None]) -> tuple[float, float, float] | None:
         return spread(values)

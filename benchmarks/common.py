@@ -168,6 +168,12 @@ def shown(values: Iterable[float | None], fmt: str = "{:.2f}", unit: str = "") -
     return text + (f", {have} of {len(values)}" if have < len(values) else "")
 
 
+def per_seed(by_seed: dict[str, dict[str, Any]], key: str) -> dict[str, Any]:
+    """One figure of every repeat: ``{seed: result[key]}`` (a raw file's results are kept per
+    seed, each a run's summary)."""
+    return {seed: r[key] for seed, r in by_seed.items()}
+
+
 def ratios(base: dict[Any, float | None], other: dict[Any, float | None]) -> list[float | None]:
     """Per repeat (same key in both), ``base / other``: a speedup of ``other`` over ``base``
     when both are times; None for a repeat where either is missing or zero."""

@@ -63,6 +63,11 @@ MODE_COLUMNS = (("sequential", "sequential"), ("naive", "naive"), ("crossover", 
                 ("crossover (fcfs)", "crossover, fcfs"))
 
 
+def makespans(by_repeat: dict[str, dict]) -> dict[str, dict[str, float]]:
+    """A case's makespans: ``{mode: {repeat: seconds}}`` for every mode of the table."""
+    return {m: {k: r["modes"][m]["makespan_s"] for k, r in by_repeat.items()} for m, _ in MODE_COLUMNS}
+
+
 def render(raw: dict) -> dict[str, str]:
     """The page's table: per case, each way's makespan and crossover's ratio to naive sharing
     and to sequential (median and range over repeats)."""
@@ -73,7 +78,7 @@ def render(raw: dict) -> dict[str, str]:
              "|" + "---|" * (3 + len(MODE_COLUMNS) + 5)]
     for case, by_repeat in raw["cases"].items():
         first = next(iter(by_repeat.values()))
-        span = {m: {k: r["modes"][m]["makespan_s"] for k, r in by_repeat.items()} for m, _ in MODE_COLUMNS}
+        span = makespans(by_repeat)
         regime = first["regime"] + (f" ({first['device_ms']:g} ms)" if first.get("device_ms") else "")
         alt_naive = ratios(span["crossover"], span["naive"])
         lines.append(f"| {case} | {regime} | {first['link'] or 'unshaped'} | "
@@ -92,7 +97,7 @@ def targets(raw: dict) -> list[tuple[str, bool]]:
     fair baseline, no worse than naive sharing."""
     out = []
     for case, by_repeat in raw["cases"].items():
-        span = {m: {k: r["modes"][m]["makespan_s"] for k, r in by_repeat.items()} for m, _ in MODE_COLUMNS}
+        span = makespans(by_repeat)
         for policy, mode in (("alternate", "crossover"), ("fcfs", "crossover (fcfs)")):
             seq = spread(ratios(span[mode], span["sequential"]))
             naive = spread(ratios(span[mode], span["naive"]))

@@ -24,7 +24,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from common import (argument_parser, checks_markdown, launch_or_exit, print_checks, provenance, ratios, seed_list,
+from common import (argument_parser, checks_markdown, launch_or_exit, per_seed, print_checks, provenance, ratios,
+                    seed_list,
                     shown, spread, verdict, write_record)
 from distsync.config import RunConfig
 
@@ -49,7 +50,7 @@ def label(solver: str, opts: dict) -> str:
 
 def times(raw: dict[str, Any], workers: str, case: str, name: str) -> dict[str, float | None]:
     """Time to target per seed."""
-    return {seed: r["time_to_target_s"] for seed, r in raw["results"][workers][case][name].items()}
+    return per_seed(raw["results"][workers][case][name], "time_to_target_s")
 
 
 def render(raw: dict[str, Any]) -> dict[str, str]:
@@ -85,7 +86,8 @@ def main() -> int:
     p.add_argument("--workers", default="4,8", help="comma-separated worker counts (default: 4,8)")
     p.add_argument("--seeds", default="1,2,3", help="one run of every job per seed (default: 1,2,3)")
     p.add_argument("--cases", default=None, help="comma-separated case names (default: all of a worker count's)")
-    p.add_argument("--solvers", default=None, help="comma-separated labels, e.g. allreduce,ripples:smart (default: all)")
+    p.add_argument("--solvers", default=None,
+                   help="comma-separated labels, e.g. allreduce,ripples:smart (default: all)")
     p.add_argument("--cap", type=float, default=20.0, help="seconds a job may train at most (default: 20)")
     p.add_argument("--json", default=None, help="the raw results (default: OUT/heterogeneity_devices.json)")
     args = p.parse_args()

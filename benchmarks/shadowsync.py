@@ -29,7 +29,8 @@ import os
 import sys
 from pathlib import Path
 
-from common import (argument_parser, checks_markdown, launch_or_exit, print_checks, provenance, ratios, seed_list,
+from common import (argument_parser, checks_markdown, launch_or_exit, per_seed, print_checks, provenance, ratios,
+                    seed_list,
                     shown, spread, verdict, write_record, write_results)
 from distsync.config import RunConfig
 from distsync.experiments import write_report
@@ -65,9 +66,9 @@ def render(raw: dict) -> dict[str, str]:
              "| trainers | solver | examples/s per trainer | vs local | vs foreground twin | vs 1.0 (twin) | NE | "
              "NE vs twin |", "|---|---|---|---|---|---|---|---|"]
     for n, by_name in raw["results"].items():
-        per = {name: {k: r["throughput_samples_per_s"] / int(n) for k, r in by_seed.items()}
+        per = {name: {k: v / int(n) for k, v in per_seed(by_seed, "throughput_samples_per_s").items()}
                for name, by_seed in by_name.items()}
-        ne = {name: {k: r["final_metric"] for k, r in by_seed.items()} for name, by_seed in by_name.items()}
+        ne = {name: per_seed(by_seed, "final_metric") for name, by_seed in by_name.items()}
         for name in by_name:
             twin = TWINS.get(name.split(" ")[0])
             vs_twin = ratios(per[name], per[twin]) if twin in per else None
@@ -87,8 +88,8 @@ def targets(raw: dict) -> list[tuple[str, bool]]:
     twin's, or better."""
     out = []
     for n, by_name in raw["results"].items():
-        tput = {name: {k: r["throughput_samples_per_s"] for k, r in s.items()} for name, s in by_name.items()}
-        ne = {name: {k: r["final_metric"] for k, r in s.items()} for name, s in by_name.items()}
+        tput = {name: per_seed(s, "throughput_samples_per_s") for name, s in by_name.items()}
+        ne = {name: per_seed(s, "final_metric") for name, s in by_name.items()}
         for name in by_name:
             twin = TWINS.get(name.split(" ")[0])
             if twin is None or twin not in by_name:

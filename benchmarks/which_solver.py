@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from common import ratios, shown, spread, verdict
+from common import per_seed, ratios, shown, spread, verdict
+from crossover import makespans
+from heterogeneity_devices import times
 
 HEADER = ["| situation | solver | what was measured ([benchmarks](docs/benchmarks/README.md); median (range) over repeats) |",
           "|---|---|---|"]
@@ -45,10 +47,6 @@ def _allreduce(raw: dict[str, Any]) -> tuple[str, str]:
         f"CPU-bound real run)")
 
 
-def _ttt(raw: dict[str, Any], w: str, case: str, name: str) -> dict[str, float | None]:
-    return {k: r["time_to_target_s"] for k, r in raw["results"][w][case][name].items()}
-
-
 def _slow_worker(raw: dict[str, Any], names: tuple[str, ...], why: str) -> tuple[str, str] | None:
     w = "4" if "4" in raw["results"] else next(iter(raw["results"]))
     case = "one 3x slow"
@@ -57,8 +55,8 @@ def _slow_worker(raw: dict[str, Any], names: tuple[str, ...], why: str) -> tuple
     have = [n for n in names if n in raw["results"][w][case]]
     if not have:
         return None
-    base = _ttt(raw, w, case, "allreduce")
-    sp = {n: ratios(base, _ttt(raw, w, case, n)) for n in have}
+    base = times(raw, w, case, "allreduce")
+    sp = {n: ratios(base, times(raw, w, case, n)) for n in have}
     have.sort(key=lambda n: -(spread(sp[n]) or (0.0,))[0])
     figures = "; ".join(f"{_code(n)} {_speedup(sp[n])}" for n in have)
     return ", ".join(_code(n) for n in have), (
@@ -70,8 +68,8 @@ def _slow_links(raw: dict[str, Any]) -> tuple[str, str] | None:
     w = next(iter(raw["results"]))
     model = next(iter(raw["results"][w]))
     by = raw["results"][w][model]
-    base = {k: r["time_to_target_s"] for k, r in by["allreduce"].items()}
-    sp = {n: ratios(base, {k: r["time_to_target_s"] for k, r in s.items()}) for n, s in by.items() if n != "allreduce"}
+    base = per_seed(by["allreduce"], "time_to_target_s")
+    sp = {n: ratios(base, per_seed(s, "time_to_target_s")) for n, s in by.items() if n != "allreduce"}
     best = sorted(sp, key=lambda n: -(spread(sp[n]) or (0.0,))[0])[:2]
     figures = "; ".join(f"{_code(n)} {_speedup(sp[n])}" for n in best)
     return ", ".join(_code(n) for n in best), (
@@ -85,7 +83,7 @@ def _shadow(raw: dict[str, Any]) -> tuple[str, str] | None:
 
     n = max(raw["results"], key=int)
     by = raw["results"][n]
-    per = {name: {k: r["throughput_samples_per_s"] for k, r in s.items()} for name, s in by.items()}
+    per = {name: per_seed(s, "throughput_samples_per_s") for name, s in by.items()}
     shadows = [name for name in by if name.split(" ")[0] in TWINS]
     if not shadows or "local" not in per:
         return None
@@ -106,9 +104,7 @@ def _crossover(raw: dict[str, Any]) -> tuple[str, str] | None:
     case = "emulated-device"
     if case not in raw["cases"]:
         return None
-    by = raw["cases"][case]
-    span = {m: {k: r["modes"][m]["makespan_s"] for k, r in by.items()}
-            for m in ("sequential", "naive", "crossover")}
+    span = makespans(raw["cases"][case])
     naive = _speedup(ratios(span["crossover"], span["naive"]), "naive sharing's")
     return "`distsync crossover`", (
         f"one job computes while another communicates: makespan "
