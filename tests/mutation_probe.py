@@ -63,7 +63,6 @@ FAST_SUITE = [
     "tests/test_allreduce.py",
     "tests/test_sim_ordered.py",
     "tests/test_sim.py::test_train_mode_reproduces_the_real_solver",
-    "tests/test_sim.py::test_train_mode_adpsgd_averages_before_each_applies_its_own_gradient",
 ]
 #: (the slow end-to-end tests stay out: the suite must say in minutes what the rules are)
 SUITE_MARKER = "not slow"
@@ -278,13 +277,11 @@ MUTATIONS: list[Mutation] = [
       "            if len(group) < 3:\n                continue",
       "simulator, Ripples static/random: every group of 2 or more averages"),
     M("sim-pairwise-averages-after-the-gradient", "sim/train.py",
-      "        if self.passives:\n            for a in self.actives:\n                q = self.partner(a)\n"
-      "                for p in [*self.stack.values(), *self.averaged.values()]:\n"
-      "                    pairwise_average(p[a], p[q])\n        self.sgd(g)",
-      "        self.sgd(g)\n        if self.passives:\n            for a in self.actives:\n"
-      "                q = self.partner(a)\n                for p in [*self.stack.values(), *self.averaged.values()]:\n"
-      "                    pairwise_average(p[a], p[q])",
-      "simulator, AD-PSGD: average first, then each applies its own gradient"),
+      "        for x in [*self.stack.values(), *self.averaged.values()]:\n"
+      "            pairwise_average(x[a], x[p])\n        self._apply(a)",
+      "        self._apply(a)\n        for x in [*self.stack.values(), *self.averaged.values()]:\n"
+      "            pairwise_average(x[a], x[p])",
+      "simulator, AD-PSGD: the active averages first, then applies its own gradient"),
     M("sim-mean-gradient-sums", "sim/train.py",
       "self.sgd({n: v.mean(0, keepdim=True).expand_as(v) for n, v in g.items()})",
       "self.sgd({n: v.sum(0, keepdim=True).expand_as(v) for n, v in g.items()})",

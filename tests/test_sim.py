@@ -244,19 +244,6 @@ def test_lock_free_servers_apply_concurrent_updates_at_once(locked, lock_free):
     assert slow.wait_s.sum() > 10 * fast.wait_s.sum()
 
 
-def test_train_mode_adpsgd_averages_before_each_applies_its_own_gradient():
-    """AD-PSGD: the gradient is taken before the averaging and applied after it, so each of
-    the pair ends at avg(x_a, x_p) - lr g_own (not the average of the two updated models)."""
-    import torch
-
-    from distsync.sim.train import TrainContext
-
-    stack = {"w": torch.tensor([[1.0, 2.0], [3.0, 6.0]])}
-    rule = TrainContext(stack, 0.5, 2).pairwise([0], [1], lambda a: 1)
-    rule(0, {"w": torch.tensor([[2.0, 0.0], [0.0, 4.0]])})
-    assert stack["w"].tolist() == [[2.0 - 1.0, 4.0 - 0.0], [2.0 - 0.0, 4.0 - 2.0]]
-
-
 def test_simulated_partners_and_random_groups_are_the_real_workers_draws():
     """The simulator draws AD-PSGD partners and Ripples' random rounds from the same seeded
     generators as the real workers and coordinator (seed 3, run seed 5)."""

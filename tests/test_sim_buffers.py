@@ -37,6 +37,17 @@ class CausalAttention(nn.Module):
         return self.head((x + a @ v).mean(1))
 
 
+class Broken(nn.Module):
+    """A forward that fails on every batch (a shape the user got wrong)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.lin(x.view(-1, 5))
+
+
 class Flag(nn.Module):
     """A forward that reads a buffer's value in Python: vmap cannot batch that."""
 
@@ -113,6 +124,12 @@ def pair():
 def flag():
     train, test = _data((6,))
     return Workload(name="flag", make_model=Flag, train_data=train, eval_data=test, target=0.8,
+                    batch_size=8, lr=0.2, steps=60, eval_every=8)
+
+
+def broken():
+    train, test = _data((6,))
+    return Workload(name="broken", make_model=Broken, train_data=train, eval_data=test, target=0.8,
                     batch_size=8, lr=0.2, steps=60, eval_every=8)
 
 
@@ -305,25 +322,33 @@ def test_sync_easgds_center_keeps_the_buffers_of_its_last_exchange():
 
 
 @pytest.mark.parametrize("factory, message", [
-    ("flag", "train mode cannot run flag's model: torch.func.vmap fails on its forward pass or loss (RuntimeError: vmap: "),
+    ("broken", "train mode cannot run broken's model: its forward pass or loss fails on a batch (RuntimeError: "),
     ("rebind", "train mode cannot run rebind's model: its forward pass rebinds buffer 'calls' to a new tensor"),
 ])
-def test_a_model_train_mode_cannot_batch_is_refused_in_one_line(factory, message):
+def test_a_model_train_mode_cannot_run_is_refused_in_one_line(factory, message):
     with pytest.raises(ConfigError) as e:
         simulate_training("allreduce", {}, W[factory](), 2, 2)
     assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
 
 
+def test_a_model_vmap_cannot_batch_trains_one_replica_at_a_time(capfd):
+    """Flag reads a buffer's value in Python: vmap refuses it, the loop over replicas runs it,
+    each replica's buffer written in place in its own row."""
+    res = simulate_training("local", {}, W["flag"](), 2, 2)
+    assert res.buffers["ready"].tolist() == [True, True]
+    assert "torch.func cannot batch flag's model" in capfd.readouterr().err
+
+
 def test_recommend_without_accuracy_says_why_once_and_does_not_ask_for_the_target(workload_file, tmp_path):
     from distsync.experiments.recommend import write_outputs
 
-    res = recommend(Request(workload=f"{workload_file}:flag", workers=2, device_ms=5, solvers=["allreduce", "ma"]))
-    assert res["no_time_to_target"].startswith("train mode cannot run flag's model: torch.func.vmap fails")
+    res = recommend(Request(workload=f"{workload_file}:broken", workers=2, device_ms=5, solvers=["allreduce", "ma"]))
+    assert res["no_time_to_target"].startswith("train mode cannot run broken's model: its forward pass or loss fails")
     assert all(r["time_to_target_s"] is None and not r["trained"] for r in res["ranked"])
     assert all("train mode cannot run this model" in r["reason"] for r in res["ranked"])
     assert not any("--budget" in r["command"] for r in res["ranked"])
     report = write_outputs(tmp_path / "out", res).read_text()
-    assert report.count("No time to target (ranked by throughput): train mode cannot run flag's model") == 1
+    assert report.count("No time to target (ranked by throughput): train mode cannot run broken's model") == 1
 
 
 def test_inputs_given_as_a_tuple_train_in_lockstep():

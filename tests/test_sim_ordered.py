@@ -99,7 +99,6 @@ def test_async_easgd_exchanges_with_the_center_in_arrival_order(solver, options)
         for n, p in params[w].items():
             p.grad = g[n]
         opts[w].step()
-        evaluated = {n: c.clone() for n, c in center.items()}  # (the center when the last step is done)
         if (k + 1) % 2 == 0:
             with torch.no_grad():
                 for n in center:
@@ -108,12 +107,11 @@ def test_async_easgd_exchanges_with_the_center_in_arrival_order(solver, options)
     for w in range(2):
         _close({n: res.params[n][w] for n in res.params}, {n: p.detach() for n, p in params[w].items()})
     _close(res.center, center)
-    # The one evaluation is on the center (not the replicas), as it stands when the 8th step is
-    # done: worker 1's last exchange has not landed yet (that evaluation is the curve's last
-    # point; the center reported above is after it).
+    # The one evaluation is on the center (not the replicas) of the finished run: after worker
+    # 1's last exchange, which lands after its 4th step is done (the model a real run reports).
     x_eval, y_eval = d.w.take(d.w.eval_data, torch.arange(len(d.w.eval_data[1])))
     with torch.no_grad():
-        on_center = d.w.metric_fn(functional_call(d.model, evaluated, (x_eval,)), y_eval)
+        on_center = d.w.metric_fn(functional_call(d.model, center, (x_eval,)), y_eval)
     assert [p["step"] for p in res.curve] == [3]
     assert res.curve[-1]["metric"] == pytest.approx(on_center, abs=1e-9)
 
@@ -212,3 +210,53 @@ def test_every_order_dependent_solver_trains_in_train_mode(solver, options):
     assert [p["step"] for p in res.curve] == [49, 99, 149]
     assert res.curve[0]["t"] < res.curve[1]["t"] < res.curve[2]["t"]
     assert res.curve[-1]["metric"] > 0.93, res.curve
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_adpsgd_passive_applies_its_gradient_to_the_average_that_landed_during_its_step(momentum):
+    """One active (worker 0), one passive (worker 1), both 10 ms a step; an averaging takes
+    0.2 ms (two 0.1 ms messages). The passive never waits: its step k+1 starts (its gradient
+    taken) at (k+1) x 10 ms, before the active's averaging of step k lands at (k+1) x 10 +
+    (k + 0.5) x 0.2 ms; so the passive applies that gradient to the averaged model, and the
+    active applies its own gradient (taken before the averaging) to the average. With
+    momentum, each worker's own torch SGD (its buffer never averaged)."""
+    d = Digits(2)
+    params = [{n: torch.nn.Parameter(v) for n, v in d.copy().items()} for _ in range(2)]
+    opts = [torch.optim.SGD(params[w].values(), lr=LR, momentum=momentum) for w in range(2)]
+
+    def apply(w, g):
+        for n, p in params[w].items():
+            p.grad = g[n]
+        opts[w].step()
+
+    def now(w):
+        return {n: p.detach().clone() for n, p in params[w].items()}
+
+    g = [d.grad(now(0), 0, 0), d.grad(now(1), 1, 0)]
+    steps = 4
+    for k in range(steps):
+        apply(1, g[1])  # the passive's step k ends
+        if k + 1 < steps:
+            g[1] = d.grad(now(1), 1, k + 1)  # ... and its next one starts
+        with torch.no_grad():  # the active's averaging lands
+            for n in params[0]:
+                mean = (params[0][n] + params[1][n]) / 2
+                params[0][n].copy_(mean)
+                params[1][n].copy_(mean)
+        apply(0, g[0])
+        if k + 1 < steps:
+            g[0] = d.grad(now(0), 0, k + 1)
+    x = [now(0), now(1)]
+    cluster = Cluster(2, Link(1e18, 1e-4))
+    res = simulate_training("ad-psgd", {}, load_workload("digits"), 2, steps, batch_size=BATCH, lr=LR, seed=SEED,
+                            eval_every=steps, cluster=cluster, worker_model=WorkerModel(0.01), momentum=momentum)
+    for w in range(2):
+        _close({n: res.params[n][w] for n in res.params}, x[w])
+    assert res.steps_by == [steps, steps]
+    # in lockstep (each step's averaging before either gradient is taken) the result differs
+    lockstep = [d.copy(), d.copy()]
+    for k in range(steps):
+        grads = [d.grad(lockstep[w], w, k) for w in range(2)]
+        mean = {n: (lockstep[0][n] + lockstep[1][n]) / 2 for n in lockstep[0]}
+        lockstep = [{n: v - LR * grads[w][n] for n, v in mean.items()} for w in range(2)]
+    assert _differ(lockstep[1], x[1])

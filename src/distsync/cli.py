@@ -93,8 +93,10 @@ def _add_run_commands(sub) -> None:
 
 
 def _add_sim_commands(sub) -> None:
-    """simulate, sweep: the simulator."""
-    from distsync.options import finite_float
+    """simulate, sweep, recommend: the simulator."""
+    from distsync.options import add_training_options, finite_float
+
+    training = "how the model trains, as `distsync train` takes it"
 
     sm = sub.add_parser("simulate", help="simulate solvers on many virtual workers (timing), or a real run")
     sm.add_argument("--solvers", default="allreduce", help="comma-separated solver names (default: allreduce)")
@@ -102,7 +104,11 @@ def _add_sim_commands(sub) -> None:
                     help="a solver option; with SOLVER. for one solver only; repeatable")
     sm.add_argument("--workers", type=int, default=8)
     sm.add_argument("--steps", type=int, default=100, help="steps per worker (default: 100)")
-    sm.add_argument("--batch-size", type=int, default=32, help="samples per worker per step (default: 32)")
+    sm.add_argument("--budget", metavar="KIND[=VALUE][,...]",
+                    help="a budget for the job as a whole, as `distsync train` takes it: samples=N, seconds=S (of "
+                         "virtual time), target or target=VALUE (train mode); each worker at its own pace, the job "
+                         "stopping where a real run with that budget stops (--steps: the first guess, or with a "
+                         "target alone, a tenth of the cap)")
     sm.add_argument("--compute-ms", type=finite_float, default=10.0, help="a normal worker's compute per step (default: 10)")
     sm.add_argument("--model-mb", type=finite_float, help="model size in MB (default: the --workload's)")
     sm.add_argument("--workload", default="digits", help="whose model size to use (default: digits)")
@@ -117,8 +123,7 @@ def _add_sim_commands(sub) -> None:
     sm.add_argument("--seed", type=int, default=0)
     sm.add_argument("--mode", default="timing", help="timing (no math) | train (real rules on stacked replicas of "
                                                      "the --workload's model; metric against virtual time)")
-    sm.add_argument("--lr", type=finite_float, help="train mode: learning rate (default: the workload's)")
-    sm.add_argument("--eval-every", type=int, help="train mode: evaluate every N steps (default: the workload's)")
+    add_training_options(sm.add_argument_group(f"{training} (train mode follows it; timing takes the batch size)"))
     sm.add_argument("--calibrate", metavar="RUN_DIR", help="simulate this real run and compare with what it measured")
     sm.add_argument("--fit-from", metavar="RUN_DIR",
                     help="with --calibrate: fit compute and per-message cost on this other run (out of sample)")
@@ -141,10 +146,15 @@ def _add_sim_commands(sub) -> None:
                     help="a real run of this workload: fit the per-message cost (and, without --device-ms, the "
                          "compute per step) on it")
     rc.add_argument("--solvers", help="comma-separated solvers to consider (default: every solver)")
-    rc.add_argument("--batch-size", type=int, help="samples per worker per step (default: the workload's)")
     rc.add_argument("--seed", type=int, default=0)
+    rc.add_argument("--budget", metavar="target[=VALUE]",
+                    help="the target time to target is predicted for: target (the workload's, the default) or "
+                         "target=VALUE; the printed commands carry it")
     rc.add_argument("--verify", type=int, default=0, metavar="K",
                     help="run the top K (and allreduce) for real on this machine's emulated devices")
+    rc.add_argument("--verify-seconds", type=finite_float, default=60.0, metavar="S",
+                    help="with --verify: each run stops at its target or after S seconds of training (default: 60)")
+    add_training_options(rc.add_argument_group(f"{training} (train mode follows it; so do the printed commands)"))
     rc.add_argument("--out", help="output folder (default: runs/<time>-recommend-<workload>)")
 
     sw = sub.add_parser("sweep", help="simulate a grid of workers x computation/communication x slow share")
@@ -157,7 +167,8 @@ def _add_sim_commands(sub) -> None:
                     help="a solver option; with SOLVER. for one solver only; servers=workers/K: per worker count")
     sw.add_argument("--workload", default="digits")
     sw.add_argument("--steps", type=int, default=300)
-    sw.add_argument("--batch-size", type=int, default=8)
+    add_training_options(sw.add_argument_group(f"{training} (train mode follows it)"),
+                         defaults={"batch_size": 8, "eval_every": 10})
     sw.add_argument("--out", help="output folder (default: runs/<time>-sweep)")
 
 
@@ -543,7 +554,10 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
                                      host_cores=args.host_cores),
                            args.json)
         return 0
-    scenario = Scenario(**{name: getattr(args, name) for name in scenario_fields()})
+    from distsync.options import TRAINING_FIELDS, training_from_args
+
+    scenario = Scenario(**{name: getattr(args, name) for name in scenario_fields() if name not in TRAINING_FIELDS},
+                        **training_from_args(args))
     solvers = [s.strip() for s in args.solvers.split(",") if s.strip()]
     results = simulate_scenario(scenario, solvers, split_solver_options(solvers, parse_key_values(args.solver_option)))
     if args.json:
@@ -574,6 +588,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 def _cmd_sweep(args: argparse.Namespace) -> int:
     from distsync.config import parse_key_values
     from distsync.experiments import split_solver_options
+    from distsync.options import training_from_args
     from distsync.sim.sweep import run_sweep, winners
 
     workers = _numbers(args.workers, "workers", int)
@@ -582,8 +597,10 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-sweep"
     solvers = [s.strip() for s in args.solvers.split(",") if s.strip()]
     options = split_solver_options(solvers, parse_key_values(args.solver_option))
+    training = training_from_args(args)
     rows = run_sweep(solvers, workers, ratios, shares, workload=args.workload, steps=args.steps,
-                     batch_size=args.batch_size, out=out, options=options)
+                     batch_size=training.pop("batch_size"), eval_every=training.pop("eval_every"), out=out,
+                     options=options, training=training)
     table = Table(title=f"time to target (virtual s), {args.workload}, no slow workers, "
                         f"computation/communication {ratios[len(ratios) // 2]:g}")
     table.add_column("solver")
@@ -612,14 +629,17 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 def _cmd_recommend(args: argparse.Namespace) -> int:
     from distsync.errors import ConfigError
     from distsync.experiments.recommend import Request, recommend, verify, write_outputs
+    from distsync.options import training_from_args
 
     solvers = [s.strip() for s in args.solvers.split(",") if s.strip()] if args.solvers else None
     request = Request(workload=args.workload, workers=args.workers, link=args.link, slow_fraction=args.slow_fraction,
                       slow_factor=args.slow_factor, jitter=args.jitter, device_ms=args.device_ms, solvers=solvers,
-                      seed=args.seed, batch_size=args.batch_size, per_message_ms=args.per_message_ms,
-                      fit_from=args.fit_from)
+                      seed=args.seed, per_message_ms=args.per_message_ms, fit_from=args.fit_from,
+                      budget=args.budget, **training_from_args(args))
     if args.verify < 0:
         raise ConfigError(f"--verify must be >= 0, got {args.verify}")
+    if not args.verify_seconds > 0:
+        raise ConfigError(f"--verify-seconds must be > 0, got {args.verify_seconds:g}")
     tag = args.workload.replace("/", "_").replace(":", "_").replace(".py", "")
     out = Path(args.out) if args.out else Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-recommend-{tag}"
     with _progress() as bar:
@@ -630,7 +650,7 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
 
         result = recommend(request, on_step)
     if args.verify:
-        result["verify"] = verify(request, result, args.verify, out)
+        result["verify"] = verify(request, result, args.verify, out, cap_s=args.verify_seconds)
     report = write_outputs(out, result)
     where = result["compute_from"]
     table = Table(title=f"{args.workload} on {args.workers} workers, {args.link}: compute "

@@ -1,9 +1,11 @@
-"""Command-line options shared by ``distsync train/compare`` and ``python -m distsync.worker``."""
+"""Command-line options shared by ``distsync train/compare`` and ``python -m distsync.worker``;
+how the model trains (:func:`add_training_options`) is shared with the simulator's commands too."""
 
 from __future__ import annotations
 
 import argparse
 import math
+from typing import Any
 
 from distsync.config import RunConfig, parse_key_values, parse_slow
 
@@ -20,12 +22,79 @@ def finite_float(text: str) -> float:
     return value
 
 
+#: RunConfig's fields for how the model trains: ``distsync train`` and the simulator's commands
+#: (simulate, sweep, recommend) take them alike (:func:`add_training_options`) and resolve them
+#: alike (:func:`resolve_training`)
+TRAINING_FIELDS = ("workload_options", "batch_size", "lr", "optimizer", "momentum", "weight_decay", "lars_eta",
+                   "precision", "eval_every")
+
+
+def add_training_options(g: Any, *, defaults: dict[str, int] | None = None) -> None:
+    """How the model trains, on parser or argument group ``g``: ``-w/--workload-option``,
+    ``--batch-size``, ``--lr``, ``--optimizer``, ``--momentum``, ``--weight-decay``,
+    ``--lars-eta``, ``--precision``, ``--eval-every`` (read back with :func:`training_from_args`).
+    ``defaults``: a command's own ``batch_size`` or ``eval_every`` instead of the workload's
+    (a sweep up to 64 workers needs smaller batches than digits' 32)."""
+    defaults = defaults or {}
+    if set(defaults) - {"batch_size", "eval_every"}:
+        raise ValueError(f"add_training_options: no command default for {sorted(defaults)}")
+    shown = {name: defaults.get(name, "the workload's") for name in ("batch_size", "eval_every")}
+    g.add_argument("--workload-option", "-w", action="append", metavar="KEY=VALUE",
+                   help="an option of the workload's factory, repeatable (e.g. -w rows=200000 for ctr)")
+    g.add_argument("--batch-size", type=int, default=defaults.get("batch_size"),
+                   help=f"samples per worker per step (default: {shown['batch_size']})")
+    g.add_argument("--lr", type=finite_float, help="learning rate (default: the workload's)")
+    g.add_argument("--optimizer", default="sgd",
+                   help="sgd | adam | adamw | lars, on the workers and on servers that apply updates (default: sgd)")
+    g.add_argument("--momentum", type=finite_float, default=0.0, help="the optimizer's momentum (default: 0)")
+    g.add_argument("--weight-decay", type=finite_float, default=0.0, help="the optimizer's weight decay (default: 0)")
+    g.add_argument("--lars-eta", type=finite_float, default=0.001, help="LARS trust coefficient (default: 0.001)")
+    g.add_argument("--precision", default="fp32",
+                   help="fp32 | bf16 | fp16: the forward pass and the loss under bfloat16 or float16 autocast "
+                        "(fp16 with a dynamic loss scaler); parameters, gradients and communication stay fp32 "
+                        "(default: fp32)")
+    g.add_argument("--eval-every", type=int, default=defaults.get("eval_every"),
+                   help=f"evaluate every N steps (default: {shown['eval_every']})")
+
+
+def training_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The options of :func:`add_training_options` as given, by RunConfig's field names
+    (:data:`TRAINING_FIELDS`); ``-w`` items parsed into a dict of strings."""
+    return {"workload_options": parse_key_values(args.workload_option, "--workload-option"),
+            **{name: getattr(args, name) for name in TRAINING_FIELDS if name != "workload_options"}}
+
+
+def resolve_training(workload: str, training: dict[str, Any]) -> tuple[RunConfig, Any]:
+    """``training`` (RunConfig's :data:`TRAINING_FIELDS`; absent or None: the workload's) for
+    ``workload``, checked and filled in by the code that resolves a ``distsync train`` job, so a
+    value is refused with train's one-line message (``--lr must be > 0``, ``unknown
+    --optimizer``, a workload option its factory does not take). Returns the config and the
+    workload, built with its options. Raises :class:`ConfigError`."""
+    from distsync.runtime.resolve import _with_workload_defaults
+    from distsync.workloads import load_workload
+
+    unknown = set(training) - set(TRAINING_FIELDS)
+    if unknown:
+        raise TypeError(f"resolve_training: not a training option: {sorted(unknown)}")
+    given = {k: v for k, v in training.items() if v is not None}
+    cfg = RunConfig(workload=workload, **given).validate()  # the values given, before anything is built
+    cfg, built = _with_workload_defaults(cfg)
+    cfg.validate()  # and the workload's defaults, like the values given
+    return cfg, built if built is not None else load_workload(cfg.workload, cfg.workload_options)
+
+
+def train_mode_kwargs(cfg: RunConfig) -> dict[str, Any]:
+    """The keyword arguments of :func:`distsync.sim.train.simulate_training` that make train
+    mode follow ``cfg``'s training options (``cfg`` resolved: :func:`resolve_training`)."""
+    return {"batch_size": cfg.batch_size, "lr": cfg.lr, "optimizer": cfg.optimizer, "momentum": cfg.momentum,
+            "weight_decay": cfg.weight_decay, "lars_eta": cfg.lars_eta, "precision": cfg.precision}
+
+
 def add_run_options(p: argparse.ArgumentParser, *, workers_default: int | None = 2) -> None:
     g = p.add_argument_group("job")
     g.add_argument("--workload", default="digits",
                    help="digits | mnist | cnn | path/to/file.py:make_workload (default: digits)")
-    g.add_argument("--workload-option", "-w", action="append", metavar="KEY=VALUE",
-                   help="an option of the workload's factory, repeatable (e.g. -w rows=200000 for ctr)")
+    add_training_options(g)
     g.add_argument("--rows", type=int, help="embedding rows per table (ctr; shortcut for -w rows=N)")
     g.add_argument("--workers", type=int, default=workers_default, help="worker processes (default: 2)")
     g.add_argument("--steps", type=int, help="steps per worker (default: the workload's)")
@@ -36,17 +105,10 @@ def add_run_options(p: argparse.ArgumentParser, *, workers_default: int | None =
                    help="a budget for the job as a whole instead of --steps: samples=N (over all workers), "
                         "seconds=S (of training), target or target=VALUE (the metric reached, checked at "
                         "evaluations); fast workers keep training while a slow one lags")
-    g.add_argument("--batch-size", type=int, help="samples per worker per step (default: the workload's)")
-    g.add_argument("--lr", type=finite_float, help="learning rate (default: the workload's)")
-    g.add_argument("--optimizer", default="sgd",
-                   help="sgd | adam | adamw | lars, on the workers and on servers that apply updates (default: sgd)")
     g.add_argument("--buffers", default="auto",
                    help="the model's buffers (BatchNorm statistics): broadcast (rank 0's at every step, as DDP) | "
                         "average (with the parameters, at each synchronization) | local (default: auto, the "
                         "solver's own: docs/solvers.md)")
-    g.add_argument("--momentum", type=finite_float, default=0.0)
-    g.add_argument("--weight-decay", type=finite_float, default=0.0)
-    g.add_argument("--lars-eta", type=finite_float, default=0.001, help="LARS trust coefficient (default: 0.001)")
     g.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up steps (default: 0)")
     g.add_argument("--lr-schedule", default="constant",
                    help="the learning rate after the warm-up: constant | cosine | linear | step (x0.1 at half the "
@@ -54,15 +116,10 @@ def add_run_options(p: argparse.ArgumentParser, *, workers_default: int | None =
     g.add_argument("--accumulate", type=int, default=1, metavar="N",
                    help="micro-batches of --batch-size per step, their gradients added up and synchronized once "
                         "(default: 1)")
-    g.add_argument("--precision", default="fp32",
-                   help="fp32 | bf16 | fp16: the forward pass and the loss under bfloat16 or float16 autocast "
-                        "(fp16 with a dynamic loss scaler); parameters, gradients and communication stay fp32 "
-                        "(default: fp32)")
     g.add_argument("--clip-grad-norm", type=finite_float, metavar="NORM",
                    help="clip each update's gradient to this norm (the averaged gradient for allreduce and ddp; "
                         "each worker's own, before it is pushed or applied, for the others)")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--eval-every", type=int, help="evaluate every N steps (default: the workload's)")
     g = p.add_argument_group("embedding tables (models with EmbeddingTables, e.g. ctr)")
     g.add_argument("--embedding-servers", type=int,
                    help="processes holding the tables, sharded row-wise (default: the workload's; 0: in each worker)")
@@ -118,12 +175,12 @@ def add_run_options(p: argparse.ArgumentParser, *, workers_default: int | None =
 def config_from_args(args: argparse.Namespace, solver: str, solver_options: dict) -> RunConfig:
     """A :class:`RunConfig` from parsed options, as given (:func:`distsync.runtime.resolve.resolve`
     checks it and fills in the defaults)."""
-    workload_options = parse_key_values(args.workload_option, "--workload-option")
+    training = training_from_args(args)
     if args.rows is not None:
-        workload_options["rows"] = str(args.rows)
+        training["workload_options"]["rows"] = str(args.rows)
     return RunConfig(
         workload=args.workload,
-        workload_options=workload_options,
+        **training,
         embedding_servers=args.embedding_servers,
         embedding_optimizer=args.embedding_optimizer,
         embedding_lr=args.embedding_lr,
@@ -134,22 +191,14 @@ def config_from_args(args: argparse.Namespace, solver: str, solver_options: dict
         epochs=args.epochs,
         budget=args.budget,
         device_ms=args.device_ms,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        optimizer=args.optimizer,
         buffers=args.buffers,
-        momentum=args.momentum,
-        weight_decay=args.weight_decay,
-        lars_eta=args.lars_eta,
         warmup_steps=args.warmup_steps,
         lr_schedule=args.lr_schedule,
         clip_grad_norm=args.clip_grad_norm,
         accumulate=args.accumulate,
-        precision=args.precision,
         seed=args.seed,
         slow=parse_slow(args.slow),
         jitter=args.jitter,
-        eval_every=args.eval_every,
         timeout_s=args.timeout_s,
         intra_op_threads=args.intra_op_threads,
         device=args.device,

@@ -12,28 +12,40 @@ predicted time to target:
   jitter), each worker at its own pace as under a job budget (fast workers that never wait
   for a slow one run on);
 - their product is the predicted time to target. Order-dependent solvers (servers, elastic
-  exchanges, shadow threads, smart groups) train in the order their timing model gives on
-  the request's link, slow workers and jitter at the train-mode size. A solver without a
+  exchanges, shadow threads, smart groups, AD-PSGD's averagings) train in the order their
+  timing model gives on the request's link, slow workers and jitter at the train-mode size,
+  each worker at its own pace until the job reaches the target; on a cluster no larger than
+  that size, their time to target is the event loop's own (waiting and queueing included). A solver without a
   train-mode rule (a user's own) gets its throughput and no time to target, and is ranked
   after those that have one. A model train mode cannot run, or a workload without a target,
   leaves every candidate so (``no_time_to_target``: why, in one line), ranked by throughput;
   no command asks for ``--budget target`` without a predicted time to target.
 
+The model trains as ``distsync train`` would train it: the request's training options
+(``--lr``, ``--momentum``, ``--optimizer``, ``-w``, ...) are resolved by train's code
+(:func:`distsync.options.resolve_training`), followed by train mode, and carried by every
+printed command; a candidate whose solver ``train`` refuses with them is left out.
+
 ``verify`` runs the top candidates and allreduce for real on this machine (emulated devices
-of the same compute, ``--link`` when given) and sets predicted against measured.
+of the same compute, the request's link when run as root) and sets predicted against measured.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
+import math
+import shlex
 import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from distsync.config import parse_link
+from distsync.config import RunConfig, parse_budget, parse_link
 from distsync.errors import ConfigError, DistsyncError
+from distsync.options import TRAINING_FIELDS, resolve_training, train_mode_kwargs
 
 #: train mode runs at most this many replicas (a larger cluster: the steps to target at this size)
 TRAIN_WORKERS_MAX = 16
@@ -48,7 +60,7 @@ _NO_TIME = ("no", "time to target")
 
 @dataclass
 class Request:
-    """The user's question: a workload and a cluster."""
+    """The user's question: a workload, how it trains and a cluster."""
 
     workload: str = "digits"
     workers: int = 8
@@ -65,6 +77,18 @@ class Request:
     per_message_ms: float = 0.0
     #: a real run of this workload to fit compute per step and per-message cost on
     fit_from: str | None = None
+    #: how the model trains, as `distsync train` takes it (with ``batch_size`` and ``lr``
+    #: above; None: the workload's): resolved as train resolves it, followed by train mode
+    #: and carried by the printed commands
+    workload_options: dict[str, Any] = field(default_factory=dict)
+    optimizer: str = "sgd"
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    lars_eta: float = 0.001
+    precision: str = "fp32"
+    eval_every: int | None = None
+    #: the target time to target is predicted for: "target" (the workload's) or "target=VALUE"
+    budget: str | None = None
 
     def check(self) -> None:
         if self.workers < 1:
@@ -80,6 +104,19 @@ class Request:
             raise ConfigError(f"--device-ms must be > 0 milliseconds, got {self.device_ms}")
         if not self.per_message_ms >= 0:
             raise ConfigError(f"--per-message-ms must be >= 0, got {self.per_message_ms}")
+        budget = parse_budget(self.budget)
+        if budget is not None and (budget.samples is not None or budget.seconds is not None):
+            raise ConfigError(f"--budget {self.budget}: recommend ranks candidates by time to target; give "
+                              f"--budget target or target=VALUE")
+
+    def training(self) -> dict[str, Any]:
+        """The training options as given, by RunConfig's field names."""
+        return {name: getattr(self, name) for name in TRAINING_FIELDS}
+
+    def target_value(self) -> float | None:
+        """The target ``--budget target=VALUE`` names (None: the workload's)."""
+        budget = parse_budget(self.budget)
+        return budget.target_value if budget is not None else None
 
 
 @dataclass
@@ -92,8 +129,12 @@ class Candidate:
     steps_to_target: int | None = None
     time_to_target_s: float | None = None
     trained: bool = False  # train mode ran it
+    #: an order-dependent rule's time to target from its event loop on the whole cluster
+    train_time_to_target_s: float | None = None
     syncs_per_step: float | None = None  # a background solver's, from its timing
     note: str = ""
+    #: its rank among its own solver's option sets, 1 for the solver's best (set by :func:`rank`)
+    solver_rank: int = 0
 
     @property
     def label(self) -> str:
@@ -103,7 +144,7 @@ class Candidate:
         return {"solver": self.solver, "options": self.options, "label": self.label,
                 "throughput_samples_per_s": self.throughput, "step_s": self.step_s, "phase_share": self.phase_share,
                 "steps_to_target": self.steps_to_target, "time_to_target_s": self.time_to_target_s,
-                "trained": self.trained, "note": self.note}
+                "trained": self.trained, "note": self.note, "solver_rank": self.solver_rank}
 
 
 def measure_compute_s(workload: Any, batch_size: int, steps: int = 20) -> float:
@@ -184,30 +225,96 @@ def _train_cluster(request: Request, n: int, compute_s: float):
         seed=request.seed)
 
 
-def _train_steps(request: Request, workload: Any, cand: Candidate, cache: dict, compute_s: float,
-                 nbytes: float) -> None:
-    """Steps to target from train mode (the solver's own rule; an order-dependent one in the
-    order its timing model gives on the request's cluster at ``n`` workers), cached per rule:
-    lockstep rules do not depend on the servers' count."""
+@dataclass
+class _Setting:
+    """What every candidate of a request is simulated with."""
+
+    request: Request
+    #: the request's training options, resolved (:func:`_resolve`)
+    training: RunConfig
+    #: built with the request's workload options; its target, the request's
+    workload: Any
+    #: a step's compute, seconds
+    compute_s: float
+    #: the model's parameters, bytes
+    nbytes: float
+
+
+def _resolve(request: Request) -> tuple[RunConfig, Any]:
+    """The request's training options resolved as `distsync train` resolves them, and its
+    workload built with its options (its target: ``--budget target=VALUE``'s, when given)."""
+    try:
+        training, workload = resolve_training(request.workload, request.training())
+    except DistsyncError:
+        raise
+    except Exception as e:  # a user's workload file that fails to build
+        raise ConfigError(f"workload {request.workload!r} cannot be built: {type(e).__name__}: {e}") from None
+    value = request.target_value()
+    if value is not None:
+        workload = copy.copy(workload)  # (the built workload, not the factory's, takes the target)
+        workload.target = value
+    return training, workload
+
+
+def _run_config(request: Request, training: RunConfig, cand: Candidate, workers: int, **more: Any) -> RunConfig:
+    """The `distsync train` job of ``cand`` on ``workers`` with the request's training options;
+    ``more``: RunConfig's other fields."""
+    return dataclasses.replace(training, solver=cand.solver, solver_options=dict(cand.options), workers=workers,
+                               seed=request.seed, **more)
+
+
+def _runnable(request: Request, training: RunConfig, cands: list[Candidate]) -> list[Candidate]:
+    """The candidates `distsync train` accepts with the request's training options (a server
+    that cannot apply the optimizer, Hogwild threads that take plain SGD), checked by its own
+    code; a solver asked for by name none of whose option sets is accepted is refused."""
+    from distsync.runtime.resolve import resolve
+
+    out, refused = [], {}
+    for cand in cands:
+        try:
+            resolve(_run_config(request, training, cand, request.workers))
+        except ConfigError as e:
+            refused.setdefault(cand.solver, str(e))
+            continue
+        out.append(cand)
+    kept = {c.solver for c in out}
+    for solver, why in refused.items():
+        if solver not in kept and (request.solvers or not out):
+            raise ConfigError(why)
+    return out
+
+
+def _train_steps(s: _Setting, cand: Candidate, cache: dict) -> None:
+    """Steps to target from train mode (the solver's own rule, with the request's training
+    options; an order-dependent one in the order its timing model gives on the request's
+    cluster at ``n`` workers), cached per rule: lockstep rules do not depend on the servers'
+    count."""
     from distsync.sim.train import ModelNotTrainable, rule_is_ordered, simulate_training
 
     if _NO_TIME in cache:
         cand.note = cache[_NO_TIME][1]
         return
+    request = s.request
     n = min(request.workers, TRAIN_WORKERS_MAX)
     ordered = rule_is_ordered(cand.solver, cand.options)
     options = cand.options if ordered else {k: v for k, v in cand.options.items() if k != "servers"}
     key = (cand.solver, json.dumps(options, sort_keys=True, default=str))
+    steps = s.training.steps * TRAIN_STEPS_FACTOR
+    if ordered and request.slow_fraction > 0:
+        # each worker at its own pace until the job reaches the target: fast workers may take
+        # up to the slow ones' factor times their steps
+        steps = math.ceil(steps * request.slow_factor * (1 + request.jitter))
     if key not in cache:
-        cluster, worker_model = _train_cluster(request, n, compute_s) if ordered else (None, None)
-        steps = workload.steps * TRAIN_STEPS_FACTOR
+        cluster, worker_model = _train_cluster(request, n, s.compute_s) if ordered else (None, None)
         try:
-            # evaluated 4x as often as the workload says: steps to target at a finer grain
-            res = simulate_training(cand.solver, cand.options, workload, n, steps, batch_size=request.batch_size,
-                                    lr=request.lr, seed=request.seed, until_target=True, cluster=cluster,
-                                    worker_model=worker_model, model_bytes=nbytes,
-                                    eval_every=max(1, workload.eval_every // TRAIN_EVAL_FINER))
-            cache[key] = ("ok", res.steps_to_target)
+            # evaluated 4x as often as the run would be: steps to target at a finer grain
+            res = simulate_training(cand.solver, cand.options, s.workload, n, steps, **train_mode_kwargs(s.training),
+                                    seed=request.seed, until_target=True, cluster=cluster,
+                                    worker_model=worker_model, model_bytes=s.nbytes,
+                                    eval_every=max(1, s.training.eval_every // TRAIN_EVAL_FINER))
+            # an ordered rule on the request's whole cluster: its event loop's own time to target
+            at = res.time_to_target_s if ordered and n == request.workers else None
+            cache[key] = ("ok", (res.steps_to_target, at))
         except ModelNotTrainable as e:  # whatever the solver: the others are not tried
             cache[_NO_TIME] = (str(e), "timing only: train mode cannot run this model")
             cand.note = cache[_NO_TIME][1]
@@ -219,8 +326,9 @@ def _train_steps(request: Request, workload: Any, cand: Candidate, cache: dict, 
         cand.note = f"timing only: {value}"
         return
     cand.trained = True
+    value, cand.train_time_to_target_s = value
     if value is None:
-        cand.note = f"did not reach the target in {workload.steps * TRAIN_STEPS_FACTOR} steps (train mode)"
+        cand.note = f"did not reach the target in {steps} steps (train mode)"
         return
     # Above the train-mode size the steps are taken as they are: on the benchmark's runs (digits,
     # 16 workers) steps to target did not fall with more workers (a larger batch per step
@@ -229,15 +337,15 @@ def _train_steps(request: Request, workload: Any, cand: Candidate, cache: dict, 
     cand.steps_to_target = value
 
 
-def _timing(request: Request, cand: Candidate, compute_s: float, nbytes: float, batch: int) -> None:
+def _timing(s: _Setting, cand: Candidate) -> None:
     from distsync.sim import Cluster, Work, WorkerModel, simulate
 
-    steps = 100
+    request, batch, steps = s.request, s.training.batch_size, 100
     cluster = Cluster(request.workers, _link(request))
     res = simulate(cand.solver, cand.options, cluster,
-                   WorkerModel(compute_s, slow_fraction=request.slow_fraction, slow_factor=request.slow_factor,
+                   WorkerModel(s.compute_s, slow_fraction=request.slow_fraction, slow_factor=request.slow_factor,
                                jitter=request.jitter, seed=request.seed),
-                   Work(steps=steps, model_bytes=nbytes, batch_size=batch), seed=request.seed)
+                   Work(steps=steps, model_bytes=s.nbytes, batch_size=batch), seed=request.seed)
     summary = res.summary()
     cand.step_s = res.paced_step_s  # each worker at its own pace, as under a job budget
     cand.throughput = request.workers / cand.step_s * batch
@@ -246,7 +354,12 @@ def _timing(request: Request, cand: Candidate, compute_s: float, nbytes: float, 
 
 
 def _predict(cand: Candidate) -> None:
-    if cand.steps_to_target is not None:
+    """Time to target: an order-dependent rule's from its event loop on the whole cluster
+    (each worker at its own pace, waiting and queueing included); else the steps to target
+    times the seconds per step."""
+    if cand.train_time_to_target_s is not None:
+        cand.time_to_target_s = cand.train_time_to_target_s
+    elif cand.steps_to_target is not None:
         cand.time_to_target_s = cand.steps_to_target * cand.step_s
 
 
@@ -264,41 +377,55 @@ def reason(cand: Candidate, baseline: Candidate | None) -> str:
     return text
 
 
+#: the training options a printed command carries where the request sets them: (Request's
+#: field, train's flag); RunConfig's defaults are left out
+_TRAIN_FLAGS = (("batch_size", "--batch-size"), ("lr", "--lr"), ("optimizer", "--optimizer"),
+                ("momentum", "--momentum"), ("weight_decay", "--weight-decay"), ("lars_eta", "--lars-eta"),
+                ("precision", "--precision"),
+                ("eval_every", "--eval-every"), ("seed", "--seed"))
+
+
 def command(request: Request, cand: Candidate) -> str:
-    """The `distsync train` command that runs this candidate on the user's cluster."""
-    parts = ["distsync train", f"--workload {request.workload}", f"--solver {cand.solver}"]
+    """The `distsync train` command that runs this candidate on the user's cluster, with the
+    request's training options: it trains what was simulated."""
+    parts = ["distsync train", f"--workload {shlex.quote(request.workload)}"]
+    parts += [f"-w {shlex.quote(f'{k}={v}')}" for k, v in request.workload_options.items()]
+    parts.append(f"--solver {cand.solver}")
     parts += [f"-o {k}={v}" for k, v in cand.options.items()]
     parts.append(f"--workers {request.workers}")
+    defaults = RunConfig()
+    for name, flag in _TRAIN_FLAGS:
+        value = getattr(request, name)
+        if value is not None and value != getattr(defaults, name):
+            parts.append(f"{flag} {shlex.quote(str(value))}")
     if cand.time_to_target_s is not None:  # (predicted to reach it; otherwise the workload's steps)
-        parts.append("--budget target")
+        value = request.target_value()
+        parts.append("--budget target" + ("" if value is None else f"={value}"))
     return " ".join(parts)
 
 
 def rank(cands: list[Candidate]) -> list[Candidate]:
-    """Predicted time to target first (fastest first); then those without one, by throughput."""
+    """Predicted time to target first (fastest first); then those without one, by throughput.
+    Sets each candidate's ``solver_rank``: its place among its own solver's option sets."""
     with_time = sorted((c for c in cands if c.time_to_target_s is not None), key=lambda c: c.time_to_target_s)
     rest = sorted((c for c in cands if c.time_to_target_s is None), key=lambda c: -c.throughput)
-    return with_time + rest
+    ranked = with_time + rest
+    seen: dict[str, int] = {}
+    for c in ranked:
+        seen[c.solver] = c.solver_rank = seen.get(c.solver, 0) + 1
+    return ranked
 
 
 def recommend(request: Request, on_step: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
     """Measure, search and rank; returns what ``recommend.json`` holds. ``on_step(label,
     done, total)`` follows the search."""
-    from distsync.workloads import load_workload
-
     request.check()
-    try:
-        workload = load_workload(request.workload)
-    except DistsyncError:
-        raise
-    except Exception as e:  # a user's workload file that fails to build
-        raise ConfigError(f"workload {request.workload!r} cannot be built: {type(e).__name__}: {e}") from None
-    batch = request.batch_size or workload.batch_size
+    training, workload = _resolve(request)
     try:
         params = list(workload.make_model().parameters())
     except Exception as e:
         raise ConfigError(f"workload {request.workload!r} cannot be measured: {type(e).__name__}: {e}") from None
-    cands = candidates(request, max_servers=len(params))
+    cands = _runnable(request, training, candidates(request, max_servers=len(params)))
     nbytes = sum(p.numel() * p.element_size() for p in params)
     fitted = _fit(request) if request.fit_from else None
     try:
@@ -307,11 +434,12 @@ def recommend(request: Request, on_step: Callable[[str, int, int], None] | None 
         elif fitted is not None:
             compute_s, measured_here = fitted, False
         else:
-            compute_s, measured_here = measure_compute_s(workload, batch), True
+            compute_s, measured_here = measure_compute_s(workload, training.batch_size), True
     except DistsyncError:
         raise
     except Exception as e:
         raise ConfigError(f"workload {request.workload!r} cannot be measured: {type(e).__name__}: {e}") from None
+    setting = _Setting(request, training, workload, compute_s, nbytes)
     cache: dict = {}
     if workload.target is None:  # (train mode would run to its step limit for nothing)
         cache[_NO_TIME] = (f"workload {workload.name} has no target", "timing only: the workload has no target")
@@ -319,8 +447,8 @@ def recommend(request: Request, on_step: Callable[[str, int, int], None] | None 
     for i, cand in enumerate(cands):
         if on_step is not None:
             on_step(cand.label, i, len(cands))
-        _timing(request, cand, compute_s, nbytes, batch)
-        _train_steps(request, workload, cand, cache, compute_s, nbytes)
+        _timing(setting, cand)
+        _train_steps(setting, cand, cache)
         _predict(cand)
     if on_step is not None:
         on_step("done", len(cands), len(cands))
@@ -333,9 +461,11 @@ def recommend(request: Request, on_step: Callable[[str, int, int], None] | None 
         rows.append(row)
     compute_from = ("measured here, one thread" if measured_here else "--device-ms" if request.device_ms is not None
                     else f"fitted on {request.fit_from}")
-    return {"request": request.__dict__, "compute_s": compute_s, "compute_measured_here": measured_here,
+    return {"request": request.__dict__, "training": {name: getattr(training, name) for name in TRAINING_FIELDS},
+            "compute_s": compute_s, "compute_measured_here": measured_here,
             "compute_from": compute_from, "per_message_ms": request.per_message_ms,
-            "model_bytes": nbytes, "batch_size": batch, "train_workers": min(request.workers, TRAIN_WORKERS_MAX),
+            "model_bytes": nbytes, "batch_size": training.batch_size,
+            "train_workers": min(request.workers, TRAIN_WORKERS_MAX),
             "no_time_to_target": cache[_NO_TIME][0] if _NO_TIME in cache else None,
             "target": workload.target, "metric": workload.metric_name,
             "search_seconds": time.perf_counter() - t0, "ranked": rows}
@@ -345,14 +475,18 @@ def verify(request: Request, result: dict[str, Any], top: int, out: Path, worker
            cap_s: float = 60.0) -> list[dict[str, Any]]:
     """Run the ``top`` candidates (and allreduce) for real on this machine, on ``workers``
     emulated devices of the compute the recommendation used (slow workers and jitter as the
-    request says, ``--link`` when it is given: root), each to its target; return predicted
-    (re-simulated at ``workers``) against measured time to target."""
-    from distsync.config import RunConfig
+    request says, its link when this process may shape links: root), each to its target
+    or for ``cap_s`` seconds of training, with the request's training options; return
+    predicted (re-simulated at ``workers``) against measured time to target."""
     from distsync.runtime import launch
 
+    if not cap_s > 0:
+        raise ConfigError(f"--verify-seconds must be > 0, got {cap_s:g}")
     n = min(workers, request.workers)
     small = Request(**{**request.__dict__, "workers": n, "device_ms": result["compute_s"] * 1000,
                        "solvers": None})
+    training, workload = _resolve(small)
+    setting = _Setting(small, training, workload, result["compute_s"], result["model_bytes"])
     picks = [r for r in result["ranked"] if r["time_to_target_s"] is not None][:top]
     if not any(r["solver"] == "allreduce" and not r["options"] for r in picks):
         base = next((r for r in result["ranked"] if r["solver"] == "allreduce" and not r["options"]), None)
@@ -360,28 +494,24 @@ def verify(request: Request, result: dict[str, Any], top: int, out: Path, worker
             picks.append(base)
     slow_count = round(request.slow_fraction * n)
     slow = {r: request.slow_factor for r in range(1, 1 + slow_count)} if slow_count else {}
+    value = request.target_value()
+    budget = "target" + ("" if value is None else f"={value}") + f",seconds={cap_s:g}"
     rows = []
     for r in picks:
         cand = Candidate(r["solver"], dict(r["options"]))
-        _timing(small, cand, result["compute_s"], result["model_bytes"], result["batch_size"])
-        _train_steps(small, _load(request.workload), cand, {}, result["compute_s"], result["model_bytes"])
+        _timing(setting, cand)
+        _train_steps(setting, cand, {})
         _predict(cand)
-        cfg = RunConfig(workload=request.workload, solver=r["solver"], solver_options=dict(r["options"]), workers=n,
-                        slow=slow, jitter=request.jitter, device_ms=result["compute_s"] * 1000,
-                        link=request.link if _can_shape() else None, budget=f"target,seconds={cap_s:g}",
-                        seed=request.seed, timeout_s=120)
+        # (steps: the budget's; the others as the workload says, as the printed command)
+        cfg = _run_config(small, training, cand, n, steps=None, embedding_servers=None, embedding_lr=None,
+                          budget=budget, slow=slow, jitter=request.jitter, device_ms=result["compute_s"] * 1000,
+                          link=request.link if _can_shape() else None, timeout_s=120)
         s = launch(cfg, out / "verify" / cand.label.replace(" ", "_").replace("=", "-"))
         rows.append({"label": cand.label, "workers": n, "predicted_time_to_target_s": cand.time_to_target_s,
                      "measured_time_to_target_s": s["time_to_target_s"],
                      "predicted_throughput": cand.throughput, "measured_throughput": s["throughput_samples_per_s"],
                      "link": cfg.link, "cpu_bound": (s.get("device") or {}).get("cpu_bound")})
     return rows
-
-
-def _load(name: str) -> Any:
-    from distsync.workloads import load_workload
-
-    return load_workload(name)
 
 
 def _can_shape() -> bool:
@@ -404,6 +534,13 @@ def write_outputs(out: Path, result: dict[str, Any]) -> Path:
              + f"; {result['per_message_ms']:.3g} ms per message beyond the link's latency"
              + f"; model {result['model_bytes'] / 1e6:.3g} MB; slow workers: {req['slow_fraction']:.0%} "
                f"x{req['slow_factor']:g}; jitter {req['jitter']:g}.", ""]
+    t = result.get("training")
+    if t:
+        given = ", ".join(f"{k}={v}" for k, v in t["workload_options"].items())
+        lines += [f"Training, as `distsync train` would: batch {t['batch_size']}, lr {t['lr']:g}, {t['optimizer']} "
+                  f"(momentum {t['momentum']:g}, weight decay {t['weight_decay']:g}), {t['precision']}"
+                  + (f"; workload options {given}" if given else "")
+                  + f"; target {result['target']}.", ""]
     if result.get("no_time_to_target"):
         lines += [f"No time to target (ranked by throughput): {result['no_time_to_target']}.", ""]
     lines += ["| rank | solver | predicted time to target (s) | samples/s | waiting | why | command |",

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Any
 
-from distsync.config import RunConfig, parse_link
+from distsync.config import Budget, RunConfig, parse_budget, parse_link
 from distsync.errors import ConfigError
 from distsync.sim.cluster import Cluster, Link, WorkerModel
+from distsync.sim.budget import simulate_budget
 from distsync.sim.timing import Work, simulate
 
 
@@ -33,9 +35,6 @@ def _read(run_dir: Path, default_link: str) -> dict[str, Any]:
         measured = json.loads((run_dir / "summary.json").read_text())
     except FileNotFoundError as e:
         raise ConfigError(f"--calibrate {run_dir}: not a finished run folder ({Path(e.filename).name} missing)") from None
-    if len(set((measured.get("steps_by_worker") or {}).values())) > 1:
-        raise ConfigError(f"--calibrate {run_dir}: its workers took different numbers of steps (a job budget); "
-                          f"the simulator gives every worker the same steps, so it cannot be compared yet")
     # A step's own work: its time minus communication and waiting (so loading the batch and
     # other per-step overheads count as computation), per normal-speed worker.
     own: dict[int, list[float]] = {}
@@ -49,21 +48,30 @@ def _read(run_dir: Path, default_link: str) -> dict[str, Any]:
     normal = [statistics.mean(v) for r, v in own.items() if r not in cfg.slow]
     if not normal:
         normal = [statistics.mean(v) / cfg.slow[r] for r, v in own.items()]
-    steps = measured["steps_per_worker"]
-    return {"dir": run_dir, "cfg": cfg, "measured": measured,
+    steps = measured["steps_per_worker"]  # (under a budget: the most any worker took)
+    budget = parse_budget(cfg.budget)
+    return {"dir": run_dir, "cfg": cfg, "measured": measured, "budget": budget,
             # A --jitter run's steps include their mean stretch (jitter / 2 of a step).
             "compute": statistics.median(normal) / (1 + cfg.jitter / 2),
             "comm": statistics.mean(comm_per_step) if comm_per_step else 0.0, "steps": steps,
-            "batch": round(measured["samples"] / max(1, steps * cfg.workers)),
+            "batch": (cfg.batch_size * cfg.accumulate if budget is not None
+                      else round(measured["samples"] / max(1, steps * cfg.workers))),
             "link": parse_link(cfg.link or default_link),
             "bytes": model_bytes(cfg.workload, cfg.workload_options)}
 
 
-def _simulate_run(run: dict[str, Any], compute: float, latency: float):
-    cfg = run["cfg"]
+def _simulate_run(run: dict[str, Any], compute: float, latency: float, until_s: float | None = None):
+    """The timing of the run, under its budget's samples and seconds (``until_s``: the
+    seconds of a target predicted to be reached then); a target alone: its steps."""
+    cfg, budget = run["cfg"], run["budget"]
     cluster = Cluster(cfg.workers, Link(run["link"].bandwidth_bps, latency))
     workers = WorkerModel(compute, slow=dict(cfg.slow), jitter=cfg.jitter, seed=cfg.seed)
     work = Work(steps=run["steps"], model_bytes=run["bytes"], batch_size=run["batch"])
+    if budget is not None:
+        seconds = min(budget.seconds or math.inf, until_s or math.inf)
+        spend = Budget(samples=budget.samples, seconds=None if math.isinf(seconds) else seconds)
+        if spend.samples is not None or spend.seconds is not None:
+            return simulate_budget(cfg.solver, cfg.solver_options, cluster, workers, work, spend, seed=cfg.seed)
     return simulate(cfg.solver, cfg.solver_options, cluster, workers, work, seed=cfg.seed)
 
 
@@ -71,15 +79,17 @@ def _fit_latency(run: dict[str, Any]) -> float:
     """The per-message cost: the link's latency plus what the software stack adds per
     message, fitted so that the simulated communication per step matches the run's (the
     simulated communication is linear in the latency)."""
-    cfg, steps, lat = run["cfg"], run["steps"], run["link"].latency_s
+    lat = run["link"].latency_s
     base, probe = _simulate_run(run, run["compute"], lat), _simulate_run(run, run["compute"], lat + 1e-3)
-    per_ms = (probe.comm_s.sum() - base.comm_s.sum()) / (cfg.workers * steps)
-    extra = (run["comm"] - base.comm_s.sum() / (cfg.workers * steps)) / per_ms * 1e-3 if per_ms > 0 else 0.0
+    per_step = lambda r: r.comm_s.sum() / max(1, r.total_steps)  # noqa: E731
+    per_ms = per_step(probe) - per_step(base)
+    extra = (run["comm"] - per_step(base)) / per_ms * 1e-3 if per_ms > 0 else 0.0
     return lat + max(0.0, extra)
 
 
-#: the host's per-message cost grows as (processes per core) ** HOST_EXP: chosen on the
-#: fidelity benchmark's runs (docs/benchmarks/simulator.md), so not an out-of-sample term
+#: the host's per-message cost grows as (processes per core) ** HOST_EXP: fitted on the
+#: fidelity benchmark's development runs (``python benchmarks/fidelity.py --set dev``, the
+#: fidelity_dev_host_fit table of docs/benchmarks/simulator.md) and scored on its test runs
 HOST_EXP = 0.5
 
 
@@ -103,7 +113,7 @@ def _per_core(run: dict[str, Any], cores: int) -> float:
 
 
 def calibrate(run_dir: Path, default_link: str = "10gbit", fit_from: Path | None = None,
-              host_cores: int | None = None) -> dict[str, Any]:
+              host_cores: int | None = None, host_exp: float | None = None, time_to_target: bool = True) -> dict[str, Any]:
     """Simulate the real run in ``run_dir`` and return predicted against measured.
 
     The compute per step (of its normal-speed workers) and the per-message cost are fitted
@@ -113,7 +123,9 @@ def calibrate(run_dir: Path, default_link: str = "10gbit", fit_from: Path | None
 
     ``host_cores``: the runs shared this many cores (emulated devices on one machine); the
     fitted per-message cost of an unshaped run then scales as the square root of the
-    processes per core (:data:`HOST_EXP`)."""
+    processes per core (:data:`HOST_EXP`, or ``host_exp``). ``time_to_target``: False
+    skips train mode (throughput only)."""
+    host_exp = HOST_EXP if host_exp is None else host_exp
     run = _read(run_dir, default_link)
     fit = _read(fit_from, default_link) if fit_from is not None else run
     if fit is not run and (fit["cfg"].workload, fit["cfg"].link, fit["cfg"].device_ms) != (
@@ -124,11 +136,13 @@ def calibrate(run_dir: Path, default_link: str = "10gbit", fit_from: Path | None
     if host_cores and not run["cfg"].link:
         # An unshaped run's per-message cost is this host's software stack: waking a process
         # that shares the cores with the others. It grows with the processes per core.
-        share = (_per_core(run, host_cores) / _per_core(fit, host_cores)) ** HOST_EXP
+        share = (_per_core(run, host_cores) / _per_core(fit, host_cores)) ** host_exp
         base = fit["link"].latency_s
         latency = base + (latency - base) * share
     compute = fit["compute"]
-    sim = _simulate_run(run, compute, latency)
+    ttt, ttt_from = _predict_target(run, compute, latency) if time_to_target else (None, "not asked")
+    budget = run["budget"]
+    sim = _simulate_run(run, compute, latency, until_s=ttt if budget is not None and budget.target else None)
     predicted = sim.summary()
     cfg, measured = run["cfg"], run["measured"]
     out = {
@@ -143,29 +157,40 @@ def calibrate(run_dir: Path, default_link: str = "10gbit", fit_from: Path | None
         "measured_time_to_target_s": measured.get("time_to_target_s"),
         "predicted_time_to_target_s": None,
     }
-    out["predicted_time_to_target_s"], out["predicted_time_to_target_from"] = _predict_target(run, compute, latency,
-                                                                                              sim.wall_s)
+    out["predicted_time_to_target_s"], out["predicted_time_to_target_from"] = ttt, ttt_from
+    out["budget"] = cfg.budget
+    if budget is not None:
+        out["measured_steps_by_worker"] = [measured.get("steps_by_worker", {}).get(str(r)) for r in range(cfg.workers)]
+        out["predicted_steps_by_worker"] = predicted.get("steps_by_worker")
     out["throughput_error"] = out["predicted_throughput"] / out["measured_throughput"] - 1
     m, p = out["measured_time_to_target_s"], out["predicted_time_to_target_s"]
     out["time_to_target_error"] = (p / m - 1) if m and p else None
     return out
 
 
-def _predict_target(run: dict[str, Any], compute: float, latency: float, wall_s: float):
+def _predict_target(run: dict[str, Any], compute: float, latency: float):
     """The run's time to target from train mode: the solver's own rule on the run's cluster
-    (fitted compute and per-message cost, its slow workers, seed, shards and evaluation
-    interval), nothing measured of the run itself; (None, why) where train mode cannot run it."""
-    from distsync.sim.train import simulate_training
+    (fitted compute and per-message cost, its slow workers, seed, shards, evaluation interval,
+    training settings and budget), nothing measured of the run itself; (None, why) where
+    train mode cannot run it."""
+    from distsync.sim.train import rule_is_ordered, simulate_training
     from distsync.workloads import load_workload
 
-    cfg = run["cfg"]
+    cfg, budget = run["cfg"], run["budget"]
+    steps = cfg.steps if budget is not None else run["steps"]  # (under a budget: the run's cap)
+    wall_s = None
+    if not rule_is_ordered(cfg.solver, cfg.solver_options) and (
+            budget is None or (budget.samples is None and budget.seconds is None)):
+        wall_s = _simulate_run({**run, "budget": None, "steps": steps}, compute, latency).wall_s
     try:
         workload = load_workload(cfg.workload, cfg.workload_options)
-        res = simulate_training(cfg.solver, cfg.solver_options, workload, cfg.workers, run["steps"],
+        res = simulate_training(cfg.solver, cfg.solver_options, workload, cfg.workers, steps,
                                 batch_size=run["batch"], lr=cfg.lr, seed=cfg.seed, eval_every=cfg.eval_every,
                                 wall_s=wall_s, cluster=Cluster(cfg.workers, Link(run["link"].bandwidth_bps, latency)),
                                 worker_model=WorkerModel(compute, slow=dict(cfg.slow), jitter=cfg.jitter, seed=cfg.seed),
-                                model_bytes=run["bytes"], buffers=cfg.buffers)
+                                model_bytes=run["bytes"], buffers=cfg.buffers, budget=budget, optimizer=cfg.optimizer,
+                                momentum=cfg.momentum, weight_decay=cfg.weight_decay, precision=cfg.precision,
+                                lars_eta=cfg.lars_eta)
     except ConfigError as e:
         return None, f"train mode: {e}"
     return res.time_to_target_s, "train mode"

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from distsync.config import bounded, check_ranges, parse_link, parse_slow
+from distsync.config import Budget, bounded, check_ranges, parse_budget, parse_link, parse_slow
+from distsync.errors import ConfigError
+from distsync.runtime.resolve import TARGET_CAP
 from distsync.sim.calibrate import model_bytes
 from distsync.sim.cluster import Cluster, Link, WorkerModel
 from distsync.sim.timing import Work, simulate
@@ -22,7 +25,8 @@ class Scenario:
 
     workers: int = bounded(8, ge=1, flag="--workers")
     steps: int = bounded(100, ge=1, flag="--steps")
-    batch_size: int = bounded(32, ge=1, flag="--batch-size")
+    #: samples per worker per step (None: the workload's)
+    batch_size: int | None = bounded(None, ge=1, flag="--batch-size")
     compute_ms: float = bounded(10.0, gt=0, flag="--compute-ms")
     #: model size in MB (None: the workload's)
     model_mb: float | None = bounded(None, gt=0, flag="--model-mb")
@@ -37,9 +41,18 @@ class Scenario:
     jitter: float = 0.0
     seed: int = 0
     mode: str = bounded("timing", choices=MODES, flag="--mode")
-    #: train mode: learning rate and evaluation interval (None: the workload's)
+    #: train mode: how the model trains, as ``distsync train`` takes it (None: the workload's),
+    #: resolved by train's code (:func:`distsync.options.resolve_training`)
     lr: float | None = None
     eval_every: int | None = None
+    workload_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    optimizer: str = "sgd"
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    lars_eta: float = 0.001
+    precision: str = "fp32"
+    #: a job budget, as ``--budget`` (samples=N, seconds=S, target[=VALUE]); None: ``steps`` each
+    budget: str | None = None
 
     def cluster(self) -> Cluster:
         spec = parse_link(self.link)
@@ -52,7 +65,7 @@ class Scenario:
                            slow_factor=self.slow_factor, jitter=self.jitter, seed=self.seed)
 
     def model_bytes(self) -> float:
-        return self.model_mb * 1e6 if self.model_mb is not None else model_bytes(self.workload)
+        return self.model_mb * 1e6 if self.model_mb is not None else model_bytes(self.workload, self.workload_options)
 
 
 def simulate_scenario(scenario: Scenario, solvers: list[str],
@@ -61,26 +74,71 @@ def simulate_scenario(scenario: Scenario, solvers: list[str],
     against virtual time (``curve``, ``final_metric``, ``time_to_target_s``); ``sim_seconds``
     is how long simulating it took. Raises :class:`ConfigError` on a bad scenario."""
     check_ranges(scenario)
+    from distsync.options import TRAINING_FIELDS, resolve_training
+
+    training, _ = resolve_training(scenario.workload, {name: getattr(scenario, name) for name in TRAINING_FIELDS})
+    scenario = dataclasses.replace(scenario, **{name: getattr(training, name) for name in TRAINING_FIELDS})
+    budget = parse_budget(scenario.budget)
+    if budget is not None and budget.target and scenario.mode != "train" and budget.samples is None \
+            and budget.seconds is None:
+        raise ConfigError("timing mode has no metric to reach: --budget target needs --mode train "
+                          "(or add samples=N or seconds=S)")
     cluster, workers = scenario.cluster(), scenario.worker_model()
     work = Work(steps=scenario.steps, model_bytes=scenario.model_bytes(), batch_size=scenario.batch_size)
     options = options or {}
     results = []
     for name in solvers:
         t0 = time.perf_counter()
-        res = simulate(name, options.get(name, {}), cluster, workers, work, seed=scenario.seed).summary()
+        opts = options.get(name, {})
+        trained = None
         if scenario.mode == "train":
-            from distsync.sim.train import simulate_training
-            from distsync.workloads import load_workload
-
-            trained = simulate_training(name, options.get(name, {}), load_workload(scenario.workload),
-                                        scenario.workers, scenario.steps, batch_size=scenario.batch_size,
-                                        lr=scenario.lr, seed=scenario.seed, eval_every=scenario.eval_every,
-                                        wall_s=res["wall_time_s"])
+            trained = _train(scenario, name, opts, cluster, workers, work, budget)
+        res = _timing(name, opts, cluster, workers, work, budget, trained, scenario.seed).summary()
+        if trained is not None:
+            if trained.steps_by is not None:  # an ordered rule's run: its own steps
+                res["steps_by_worker"] = trained.steps_by
             res.update(curve=trained.curve, final_metric=trained.curve[-1]["metric"],
                        time_to_target_s=trained.time_to_target_s)
         res["sim_seconds"] = time.perf_counter() - t0
         results.append(res)
     return results
+
+
+def _timing(name: str, options: dict[str, Any], cluster: Cluster, workers: WorkerModel, work: Work,
+            budget: Budget | None, trained: Any, seed: int):
+    """The timing of one solver: under the budget's samples or seconds, or, with a target
+    reached in train mode, up to that moment (each worker at its own pace)."""
+    from distsync.sim.budget import simulate_budget
+
+    if budget is not None and trained is not None and trained.time_to_target_s is not None:
+        seconds = min(budget.seconds or math.inf, trained.time_to_target_s)
+        budget = Budget(samples=budget.samples, seconds=seconds)
+    if budget is None or (budget.samples is None and budget.seconds is None):
+        return simulate(name, options, cluster, workers, work, seed=seed)
+    return simulate_budget(name, options, cluster, workers, work, budget, seed)
+
+
+def _train(scenario: Scenario, name: str, options: dict[str, Any], cluster: Cluster, workers: WorkerModel,
+           work: Work, budget: Budget | None):
+    """Train mode on the scenario's cluster (its links, slow workers and jitter): a lockstep
+    rule over the timing model's wall time, an ordered one inside it."""
+    from distsync.sim.train import rule_is_ordered, simulate_training
+    from distsync.workloads import load_workload
+
+    steps = scenario.steps
+    if budget is not None and budget.samples is None and budget.seconds is None:
+        steps = TARGET_CAP * scenario.steps  # a target alone: as a real run caps it
+    wall_s = None  # (an ordered rule's times are its timing model's; a budget's steps come with theirs)
+    if not rule_is_ordered(name, options) and (budget is None or (budget.samples is None and budget.seconds is None)):
+        wall_s = simulate(name, options, cluster, workers, dataclasses.replace(work, steps=steps),
+                          seed=scenario.seed).wall_s
+    return simulate_training(name, options, load_workload(scenario.workload, scenario.workload_options),
+                             scenario.workers, steps, batch_size=scenario.batch_size, lr=scenario.lr,
+                             optimizer=scenario.optimizer, momentum=scenario.momentum,
+                             weight_decay=scenario.weight_decay, lars_eta=scenario.lars_eta, precision=scenario.precision,
+                             seed=scenario.seed,
+                             eval_every=scenario.eval_every, wall_s=wall_s, cluster=cluster, worker_model=workers,
+                             model_bytes=work.model_bytes, budget=budget)
 
 
 def scenario_fields() -> list[str]:

@@ -10,7 +10,10 @@ at every grid point, inside its timing model on that point's cluster, at up to
 each worker at its own pace (``SimResult.paced_step_s``, as ``recommend`` takes it). The
 model size at a grid point is chosen so that one all-reduce over all workers takes
 ``compute / ratio`` (ratio = computation / communication). A solver option ``servers`` may
-be ``workers`` or ``workers/K``: that many servers at each worker count.
+be ``workers`` or ``workers/K``: that many servers at each worker count. The model trains as
+``distsync train`` would train it: the training options (learning rate, optimizer, momentum,
+the workload's options, ...) are resolved by train's code
+(:func:`distsync.options.resolve_training`) and train mode follows them.
 """
 
 from __future__ import annotations
@@ -20,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from distsync.errors import ConfigError
+from distsync.options import resolve_training, train_mode_kwargs
 from distsync.sim.cluster import Cluster, Link, WorkerModel
 from distsync.sim.timing import Work, simulate
 from distsync.sim.train import rule_is_ordered, simulate_training, train_mode_solvers
-from distsync.workloads import load_workload
 
 #: order-dependent solvers train at most this many replicas at a grid point
 ORDERED_TRAIN_MAX = 16
@@ -51,18 +54,25 @@ def _reached(workload, curve) -> int | None:
 
 
 def run_sweep(solvers: list[str], workers: list[int], ratios: list[float], slow_shares: list[float], *,
-              workload: str = "digits", steps: int = 300, batch_size: int = 8, compute_s: float = 0.02,
-              link: Link = Link(10e9, 5e-6), slow_factor: float = 3.0, eval_every: int = 10,
+              workload: str = "digits", steps: int = 300, batch_size: int | None = 8, compute_s: float = 0.02,
+              link: Link = Link(10e9, 5e-6), slow_factor: float = 3.0, eval_every: int | None = 10,
               out: Path | None = None, seed: int = 0,
-              options: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+              options: dict[str, dict[str, Any]] | None = None,
+              training: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Every solver at every grid point (workers x ratio x slow share): one row each, with its
+    steps to target, time to target (virtual seconds) and throughput. ``training``: the other
+    training options (RunConfig's fields, e.g. ``{"lr": 0.05, "momentum": 0.9,
+    "workload_options": {"rows": "2000"}}``), resolved with ``batch_size`` and ``eval_every``
+    (None: the workload's) as ``distsync train`` resolves them."""
     if min(workers) < 1 or min(ratios) <= 0 or not all(0 <= s <= 1 for s in slow_shares):
         raise ConfigError("--workers must be >= 1, --ratios > 0 and --slow-shares in [0, 1]")
+    cfg, w = resolve_training(workload, {**(training or {}), "batch_size": batch_size, "eval_every": eval_every})
+    batch_size, eval_every, trains = cfg.batch_size, cfg.eval_every, train_mode_kwargs(cfg)
     trainable = train_mode_solvers()
     bad = [s for s in solvers if s not in trainable]
     if bad:
         raise ConfigError(f"sweep needs solvers with a train mode ({', '.join(trainable)}); not {', '.join(bad)}")
     options = options or {}
-    w = load_workload(workload)
     rows = []
     for n in workers:
         for solver in solvers:
@@ -71,8 +81,7 @@ def run_sweep(solvers: list[str], workers: list[int], ratios: list[float], slow_
             m = min(n, ORDERED_TRAIN_MAX) if ordered else n  # the replicas it trains
             train_opts = cell_options(options.get(solver, {}), m)
             if not ordered:
-                trained = simulate_training(solver, opts, w, n, steps, batch_size=batch_size, seed=seed,
-                                            eval_every=eval_every)
+                trained = simulate_training(solver, opts, w, n, steps, **trains, seed=seed, eval_every=eval_every)
                 reached = _reached(w, trained.curve)
             for ratio in ratios:
                 per_byte = Cluster(n, link).allreduce_s(1e6) / 1e6 if n > 1 else 0.0
@@ -82,9 +91,9 @@ def run_sweep(solvers: list[str], workers: list[int], ratios: list[float], slow_
                     timing = simulate(solver, opts, Cluster(n, link), model,
                                       Work(steps=steps, model_bytes=nbytes, batch_size=batch_size), seed=seed)
                     if ordered:
-                        trained = simulate_training(solver, train_opts, w, m, steps,
-                                                    batch_size=batch_size, seed=seed, eval_every=eval_every,
-                                                    cluster=Cluster(m, link), worker_model=model, model_bytes=nbytes)
+                        trained = simulate_training(solver, train_opts, w, m, steps, **trains, seed=seed,
+                                                    eval_every=eval_every, cluster=Cluster(m, link),
+                                                    worker_model=model, model_bytes=nbytes)
                         reached = _reached(w, trained.curve)  # (steps at m taken as steps at n)
                     per_step = timing.paced_step_s
                     summary = timing.summary()

@@ -37,6 +37,17 @@ class SimResult:
     staleness: Counter = field(default_factory=Counter)
     syncs_per_step: float | None = None
     events: int = 0
+    #: ``[steps, workers]``: when each worker finished each step, its synchronization
+    #: included (what a job budget is cut on: :mod:`distsync.sim.budget`)
+    ends: np.ndarray | None = None
+    #: under a job budget: the steps each worker took (None: ``steps`` each)
+    steps_by: np.ndarray | None = None
+    #: under a job budget: what ended the job (samples, seconds)
+    spent: str | None = None
+
+    @property
+    def total_steps(self) -> int:
+        return int(self.steps_by.sum()) if self.steps_by is not None else self.workers * self.steps
 
     @property
     def paced_step_s(self) -> float:
@@ -45,13 +56,14 @@ class SimResult:
         for a slow one runs on instead of idling until the slow one is done. For solvers that
         meet every step this is the slowest worker's pace; for those that do not, faster."""
         busy = self.compute_s + self.comm_s + self.wait_s
-        steps_per_s = float((self.steps / busy[busy > 0]).sum())
+        steps = self.steps_by if self.steps_by is not None else np.full(self.workers, self.steps)
+        steps_per_s = float((steps[busy > 0] / busy[busy > 0]).sum())
         return self.workers / steps_per_s if steps_per_s > 0 else float("inf")
 
     @property
     def throughput(self) -> float:
         """Samples per second over all workers."""
-        return self.workers * self.steps * self.batch_size / self.wall_s if self.wall_s > 0 else float("inf")
+        return self.total_steps * self.batch_size / self.wall_s if self.wall_s > 0 else float("inf")
 
     def summary(self) -> dict[str, Any]:
         busy = float(self.compute_s.sum() + self.comm_s.sum() + self.wait_s.sum()) or 1.0
@@ -62,6 +74,10 @@ class SimResult:
                             "wait": float(self.wait_s.sum()) / busy},
             "idle_share": float(self.wait_s.sum()) / busy, "events": self.events,
         }
+        if self.steps_by is not None:
+            out["steps_by_worker"] = [int(k) for k in self.steps_by]
+            out["steps_per_worker"] = self.total_steps / self.workers
+            out["budget_spent"] = self.spent
         if self.staleness:
             n = sum(self.staleness.values())
             out["staleness"] = {"mean": sum(k * v for k, v in self.staleness.items()) / n, "max": max(self.staleness),
@@ -88,6 +104,7 @@ def _zeros(n: int) -> np.ndarray:
 def _periodic(name: str, cluster: Cluster, c: np.ndarray, work: Work, every: int, cost: float) -> SimResult:
     n = cluster.workers
     t, comp, comm, wait = _zeros(n), _zeros(n), _zeros(n), _zeros(n)
+    ends = np.empty((work.steps, n))
     for k in range(work.steps):
         t += c[k]
         comp += c[k]
@@ -96,7 +113,8 @@ def _periodic(name: str, cluster: Cluster, c: np.ndarray, work: Work, every: int
             wait += m - t
             t[:] = m + cost
             comm += cost
-    return SimResult(name, n, work.steps, work.batch_size, float(t.max()), comp, comm, wait)
+        ends[k] = t
+    return SimResult(name, n, work.steps, work.batch_size, float(t.max()), comp, comm, wait, ends=ends)
 
 
 def _sync_ps_cost(cluster: Cluster, work: Work, servers: int) -> float:
@@ -151,6 +169,7 @@ class _ServerLoop:
 
         self.loop = EventLoop()
         self.comp, self.comm, self.wait, self.done_at = _zeros(n), _zeros(n), _zeros(n), _zeros(n)
+        self.ends = np.empty((work.steps, n))
         self.seen = [0] * n
         self.staleness: Counter = Counter()
         self.turn = 0  # round robin: whose exchange the server takes next
@@ -195,6 +214,8 @@ class _ServerLoop:
 
     def step(self, w: int, k: int) -> None:
         t = self.loop.now
+        if k:
+            self.ends[k - 1, w] = t
         if k == self.work.steps:
             self.done_at[w] = t
             return
@@ -255,34 +276,58 @@ class _ServerLoop:
         if self.parked:
             raise RuntimeError(f"simulated {name}: workers {sorted(self.parked)} never got their turn")
         return SimResult(name, len(self.seen), self.work.steps, self.work.batch_size, wall, self.comp, self.comm,
-                         self.wait, self.staleness, events=self.loop.events)
+                         self.wait, self.staleness, events=self.loop.events, ends=self.ends)
 
 
 # ---- decentralized -----------------------------------------------------------------------
 def _pairwise(name: str, cluster: Cluster, c: np.ndarray, work: Work, actives: list[int], passives: list[int],
-              partner: Callable[[int], int]) -> SimResult:
+              partner: Callable[[int], int], math: Any = None) -> SimResult:
     """After each step every active worker averages with a passive one (``partner(active)``:
-    the passive's index); a passive answers one active at a time, from a background thread
-    (its compute goes on). Actives reach their averagings in the order they finish computing."""
+    the passive's index, each active drawing from its own generator); a passive answers one
+    active at a time, from a background thread (its compute goes on). On the event loop, so
+    averagings reach a passive in the order of virtual time. With ``math``: a worker's
+    gradient is taken when its step starts (``begin``), a passive applies it when the step
+    ends (``step``: an averaging meanwhile changed the model it is applied to), an active
+    when its averaging is done (``average``, at the moment the passive averages)."""
     n = cluster.workers
-    t, comp, comm, wait = _zeros(n), _zeros(n), _zeros(n), _zeros(n)
+    loop = EventLoop()
+    comp, comm, wait = _zeros(n), _zeros(n), _zeros(n)
+    ends = np.empty((work.steps, n))
     busy = {int(p): 0.0 for p in passives}
-    act = np.array(actives, dtype=np.int64)
+    is_active = set(actives) if passives else set()
     cost = 2 * cluster.p2p_s(work.model_bytes)
-    for k in range(work.steps):
-        t += c[k]
-        comp += c[k]
-        if not passives:
-            continue
-        picks = {a: partner(a) for a in actives}  # each active draws its partner, in rank order
-        for a in act[np.argsort(t[act], kind="stable")]:
-            p = picks[int(a)]
-            start = max(t[a], busy[p])
-            wait[a] += start - t[a]
-            busy[p] = start + cost
-            comm[a] += cost
-            t[a] = start + cost
-    return SimResult(name, n, work.steps, work.batch_size, float(t.max()), comp, comm, wait)
+
+    def start(w: int, k: int) -> None:
+        if k == work.steps:
+            return
+        comp[w] += c[k, w]
+        if math:
+            math.begin(w, k, loop.now)
+        loop.at(loop.now + c[k, w], computed, w, k)
+
+    def computed(w: int, k: int) -> None:
+        t = loop.now
+        if w not in is_active:
+            if math:
+                math.step(w, k, t)
+            ends[k, w] = t
+            start(w, k + 1)
+            return
+        p = partner(w)
+        begin = max(t, busy[p])
+        wait[w] += begin - t
+        busy[p] = begin + cost
+        comm[w] += cost
+        ends[k, w] = begin + cost
+        if math:
+            loop.at(begin + cost / 2, math.average, w, p, k, begin + cost)
+        loop.at(begin + cost, start, w, k + 1)
+
+    for w in range(n):
+        loop.at(0.0, start, w, 0)
+    loop.run()
+    wall = float(ends[-1].max()) if work.steps else 0.0
+    return SimResult(name, n, work.steps, work.batch_size, wall, comp, comm, wait, events=loop.events, ends=ends)
 
 
 def _group_rounds(name: str, cluster: Cluster, c: np.ndarray, work: Work, every: int,
@@ -291,10 +336,12 @@ def _group_rounds(name: str, cluster: Cluster, c: np.ndarray, work: Work, every:
     all-reduces once all its members are ready; a group of one goes on alone."""
     n = cluster.workers
     t, comp, comm, wait = _zeros(n), _zeros(n), _zeros(n), _zeros(n)
+    ends = np.empty((work.steps, n))
     costs: dict[int, float] = {}
     for step in range(work.steps):
         t += c[step]
         comp += c[step]
+        ends[step] = t
         if (step + 1) % every:
             continue
         for group in next_round():
@@ -308,7 +355,8 @@ def _group_rounds(name: str, cluster: Cluster, c: np.ndarray, work: Work, every:
             wait[g] += start - t[g]
             t[g] = start + cost
             comm[g] += cost
-    return SimResult(name, n, work.steps, work.batch_size, float(t.max()), comp, comm, wait)
+        ends[step] = t
+    return SimResult(name, n, work.steps, work.batch_size, float(t.max()), comp, comm, wait, ends=ends)
 
 
 def _ready_groups(name: str, cluster: Cluster, c: np.ndarray, work: Work, k: int, every: int,
@@ -324,6 +372,7 @@ def _ready_groups(name: str, cluster: Cluster, c: np.ndarray, work: Work, k: int
     forming: list[tuple[int, float, int]] = []  # (worker, ready at, step)
     generation = [0]
     done_at = _zeros(n)
+    ends = np.empty((work.steps, n))
     training = [n]
 
     def start_group() -> None:
@@ -356,6 +405,8 @@ def _ready_groups(name: str, cluster: Cluster, c: np.ndarray, work: Work, k: int
             start_group()
 
     def step(w: int, s: int) -> None:
+        if s:
+            ends[s - 1, w] = loop.now
         if s == work.steps:
             done_at[w] = loop.now
             training[0] -= 1
@@ -375,7 +426,7 @@ def _ready_groups(name: str, cluster: Cluster, c: np.ndarray, work: Work, k: int
     for w in range(n):
         loop.at(0.0, step, w, 0)
     wall = max(loop.run(), float(done_at.max()))
-    return SimResult(name, n, work.steps, work.batch_size, wall, comp, comm, wait, events=loop.events)
+    return SimResult(name, n, work.steps, work.batch_size, wall, comp, comm, wait, events=loop.events, ends=ends)
 
 
 # ---- background --------------------------------------------------------------------------
@@ -440,7 +491,8 @@ class TimingContext:
     work: Work
     seed: int = 0
     #: train mode's :class:`~distsync.sim.train.OrderedRule` (None: timing only); the blocks
-    #: ``servers``, ``ready_groups`` and ``background`` call its hooks in virtual-time order
+    #: ``servers``, ``pairwise``, ``ready_groups`` and ``background`` call its hooks in
+    #: virtual-time order
     math: Any = None
 
     @property
@@ -478,7 +530,7 @@ class TimingContext:
 
     def pairwise(self, actives: list[int], passives: list[int], partner: Callable[[int], int]) -> SimResult:
         """Active workers average with a passive one after each step (see :func:`_pairwise`)."""
-        return _pairwise(self.name, self.cluster, self.c, self.work, actives, passives, partner)
+        return _pairwise(self.name, self.cluster, self.c, self.work, actives, passives, partner, self.math)
 
     def group_rounds(self, every: int, next_round: Callable[[], list[tuple[int, ...]]]) -> SimResult:
         """Rounds of disjoint groups, each a partial all-reduce (see :func:`_group_rounds`)."""

@@ -7,7 +7,12 @@ rules of :mod:`distsync.solvers.rules`, schedules and seeding functions as the r
 All workers' models are stacked (one tensor per parameter, leading dimension = workers) and
 their gradients computed at once with ``torch.func`` (``vmap`` of ``grad`` of a functional
 call), each worker on its own shard of the data exactly as in real runs
-(:class:`~distsync.workloads.ShardSampler`, same seed). After each step the solver's rule
+(:class:`~distsync.workloads.ShardSampler`, same seed). Where ``vmap`` cannot batch the model
+(an ``nn.LSTM``'s forward, dropout's random numbers, a value read in Python) the replicas'
+gradients, or evaluations, are computed one replica at a time instead (the same numbers,
+slower: said once on stderr). Each replica steps with its own optimizer, the one the runtime
+builds from the run's settings (:class:`ReplicaOptimizers`), its forward pass under the
+run's ``--precision`` autocast. After each step the solver's rule
 from :mod:`distsync.solvers.rules` is applied to the stacks: the same rule in the same order
 as a real run of the synchronous and round-based solvers, so with the same seed the
 parameters match a real run's. Time comes from the timing model of the same run: step ``k``
@@ -32,15 +37,19 @@ floating-point ones wherever the rule averages parameters, "local" leaves them a
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import sys
+import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 from torch.func import functional_call, grad, vmap
 from distsync.torch_private import tree_map
 
+from distsync.config import parse_budget
 from distsync.errors import ConfigError
 from distsync.solvers import check_buffers, make_options, solver_class
 from distsync.solvers.rules import (apply_correction, bmuf_update, elastic_exchange, group_mean, pairwise_average,
@@ -62,15 +71,23 @@ class TrainResult:
     buffer_policy: str = "local"
     time_to_target_s: float | None = None
     steps_to_target: int | None = None
+    #: an ordered rule's: the steps each worker took (under a budget they differ)
+    steps_by: list[int] | None = None
 
 
 def simulate_training(solver: str, options: dict[str, Any], workload: Workload, workers: int, steps: int, *,
                       batch_size: int | None = None, lr: float | None = None, seed: int = 0,
                       eval_every: int | None = None, wall_s: float | None = None,
                       until_target: bool = False, cluster: Any = None, worker_model: Any = None,
-                      model_bytes: float | None = None, buffers: str | None = None) -> TrainResult:
-    """Train ``workers`` stacked replicas of ``workload``'s model with ``solver``'s rule (plain
-    SGD locally, as the runtime's default optimizer). ``wall_s``: the virtual duration of
+                      model_bytes: float | None = None, buffers: str | None = None, budget: Any = None,
+                      optimizer: str = "sgd", momentum: float = 0.0, weight_decay: float = 0.0,
+                      precision: str = "fp32", lars_eta: float = 0.001) -> TrainResult:
+    """Train ``workers`` stacked replicas of ``workload``'s model with ``solver``'s rule, each
+    replica stepping locally with its own optimizer as the runtime builds it from
+    ``optimizer`` (sgd, adam, adamw, lars), ``momentum``, ``weight_decay`` and ``lars_eta``
+    (:class:`ReplicaOptimizers`; so far plain SGD only for an order-dependent rule), its
+    forward pass and loss in ``precision`` (fp32, or bf16 under the runtime's autocast; fp16
+    is refused: its loss scaling is not simulated). ``wall_s``: the virtual duration of
     the run (from the timing model); the curve's times scale with it. ``until_target``:
     stop at the first evaluation that reaches the workload's target.
 
@@ -78,9 +95,22 @@ def simulate_training(solver: str, options: dict[str, Any], workload: Workload, 
     ``workers`` on a 10 Gbit/s link) with ``worker_model``'s compute per step (default: 10 ms
     on every worker) and ``model_bytes`` (default: the model's); the curve's times are that
     model's virtual times (scaled to ``wall_s`` when given). ``buffers``: the buffer policy
-    (default: the solver's ``default_buffers``)."""
+    (default: the solver's ``default_buffers``).
+
+    ``budget`` (a :class:`~distsync.config.Budget` or its ``--budget`` text): the job stops
+    where a real run with that budget stops, each worker at its own pace
+    (:mod:`distsync.sim.budget`); ``steps`` is then a cap per worker. An order-dependent
+    rule stops inside its timing model once the samples or seconds are spent (the rule's
+    ``finish`` then runs, as a real solver's close); a lockstep rule takes the steps the
+    budgeted timing model gives its workers (their mean, for ``local``'s workers that step on
+    their own), over that model's wall time. A target (``target`` or ``target=VALUE``) stops
+    at the first evaluation that reaches it."""
+    budget = parse_budget(budget) if isinstance(budget, str) else budget
+    if budget is not None and budget.target:
+        until_target = True
     cls = solver_class(solver)
     o = make_options(cls, options)
+    run_optimizer = _run_optimizer(cls, o, solver, optimizer, momentum, weight_decay, precision, lars_eta)
     batch_size = batch_size or workload.batch_size
     lr = lr or workload.lr
     eval_every = eval_every or workload.eval_every
@@ -98,32 +128,44 @@ def simulate_training(solver: str, options: dict[str, Any], workload: Workload, 
                                                                            samplers[0].indices(0))),
                     workers, policy)
     model.train()
-
-    def loss(params, written, x, y):
-        return workload.loss_fn(functional_call(model, (params, written, bufs.constant), (x,)), y)
-
-    grads_of = vmap(grad(loss))
-    grad_one = grad(loss)
-    _check_vmap(workload, model, stack, bufs, grads_of, samplers[0])
+    replica_math = _ReplicaMath(workload, model, bufs, precision)
 
     def one_gradient(w: int, step: int) -> dict[str, torch.Tensor]:
         bufs.broadcast(w)
         x, y = workload.take(workload.train_data, samplers[w].indices(step))
-        return grad_one({n: stack[n][w] for n in names}, bufs.replica(w), x, y)
+        return replica_math.gradient({n: stack[n][w] for n in names}, bufs.replica(w), x, y, step)
 
-    ctx = TrainContext(stack, lr, workers, seed, gradient=one_gradient, averaged=bufs.averaged())
+    ctx = TrainContext(stack, lr, workers, seed, gradient=one_gradient, averaged=bufs.averaged(),
+                       optimizer=ReplicaOptimizers(stack, lr, run_optimizer))
     rule = cls.simulate_rule(o, ctx)
     if rule is None:
         raise ConfigError(f"train mode has no rule for {solver!r}: its class needs a simulate_rule(options, sim) "
                           f"classmethod (see docs/simulator.md)")
+    if isinstance(rule, OrderedRule) and not rule.follows_optimizer and not ctx.optimizer.plain:
+        asked = " ".join(f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}" for flag, value in
+                         [("--optimizer", optimizer), ("--momentum", momentum), ("--weight-decay", weight_decay)]
+                         if value not in ("sgd", 0.0))
+        raise ConfigError(f"train mode cannot follow {asked} for {solver}: its workers' updates are applied by "
+                          f"servers, whose optimizer train mode does not model yet; simulate it with --optimizer sgd "
+                          f"without --momentum or --weight-decay")
+    replica_math.probe(stack, samplers[0], batch_gradients=not isinstance(rule, OrderedRule))
+    if budget is not None and (budget.samples is not None or budget.seconds is not None):
+        steps, wall_s = _budget_steps(solver, options, budget, workers, steps, batch_size, seed, cluster, worker_model,
+                                      model_bytes or _nbytes(model), isinstance(rule, OrderedRule), wall_s)
     result = TrainResult(solver, workers, steps)
+    target_value = budget.target_value if budget is not None else None
+
+    def reached(metric: float) -> bool:
+        if target_value is None:
+            return workload.reached(metric)
+        return metric >= target_value if workload.higher_is_better else metric <= target_value
 
     def report(step: int, t: float) -> bool:
         """An evaluation after ``step`` steps at virtual time ``t``; True: stop here."""
         result.eval_buffers = bufs.evaluated(rule.eval_buffers())
-        metric, loss_value = _evaluate(workload, model, rule.eval_params(stack), result.eval_buffers)
+        metric, loss_value = _evaluate(workload, replica_math, rule.eval_params(stack), result.eval_buffers)
         result.curve.append({"step": step, "t": t, "metric": metric, "loss": loss_value})
-        if result.time_to_target_s is None and workload.reached(metric):
+        if result.time_to_target_s is None and reached(metric):
             result.time_to_target_s, result.steps_to_target = t, step + 1
             return until_target
         return False
@@ -131,15 +173,14 @@ def simulate_training(solver: str, options: dict[str, Any], workload: Workload, 
     if isinstance(rule, OrderedRule):
         if model_bytes is None:
             model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        _run_ordered(cls, o, rule, solver, workers, steps, batch_size, seed, eval_every, wall_s, report,
-                     cluster, worker_model, model_bytes)
+        result.steps_by = _run_ordered(cls, o, rule, solver, workers, steps, batch_size, seed, eval_every, wall_s,
+                                       report, cluster, worker_model, model_bytes, budget)
     else:
         pace = (wall_s / steps) if wall_s else 1.0
         for step in range(steps):
             batches = [workload.take(workload.train_data, s.indices(step)) for s in samplers]
-            xs, ys = tree_map(lambda *t: torch.stack(t), *batches)  # (inputs may be tuples of tensors)
             bufs.broadcast()
-            g = grads_of(stack, bufs.stack, xs, ys)
+            g = replica_math.gradients(stack, bufs.stack, batches, step)
             rule(step, g)
             if ((step + 1) % eval_every == 0 or step + 1 == steps) and report(step, pace * (step + 1)):
                 break
@@ -154,63 +195,104 @@ class _Reached(Exception):
     """Raised inside the event loop: the target is reached and the run stops there."""
 
 
+class _Spent(Exception):
+    """Raised inside the event loop: the job's samples or seconds are spent."""
+
+
+def _nbytes(model: torch.nn.Module) -> float:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _train_cluster(workers: int, cluster: Any, worker_model: Any):
+    from distsync.sim.cluster import Cluster, Link, WorkerModel
+
+    return cluster or Cluster(workers, Link(10e9, 0.0)), worker_model or WorkerModel(0.01)
+
+
+def _budget_steps(solver: str, options: dict[str, Any], budget: Any, workers: int, steps: int, batch_size: int,
+                  seed: int, cluster: Any, worker_model: Any, nbytes: float, ordered: bool,
+                  wall_s: float | None) -> tuple[int, float | None]:
+    """The steps per worker (a cap, for an ordered rule) and wall time of a lockstep rule
+    under a samples or seconds ``budget``: those of the budgeted timing model."""
+    import math
+
+    from distsync.sim.budget import simulate_budget
+    from distsync.sim.timing import Work
+
+    cluster, worker_model = _train_cluster(workers, cluster, worker_model)
+    timed = simulate_budget(solver, options, cluster, worker_model,
+                            Work(steps=max(1, steps), model_bytes=nbytes, batch_size=batch_size), budget, seed)
+    took = timed.steps_by if timed.steps_by is not None else [timed.steps] * workers
+    if ordered:  # a cap: the rule stops where the budget is spent
+        return int(max(took)) + 2, None
+    return max(1, math.ceil(sum(took) / workers)), timed.wall_s
+
+
 def _run_ordered(cls, o, rule: "OrderedRule", solver: str, workers: int, steps: int, batch_size: int, seed: int,
                  eval_every: int, wall_s: float | None, report, cluster: Any, worker_model: Any,
-                 nbytes: float) -> None:
+                 nbytes: float, budget: Any = None) -> list[int]:
     """Run ``cls``'s timing model with ``rule`` attached: the rule's hooks apply the math in
     the order of virtual time; an evaluation whenever the workers have taken ``eval_every``
-    more steps on average, at that moment's virtual time."""
-    from distsync.sim.cluster import Cluster, Link, WorkerModel
+    more steps on average, at that moment's virtual time, and one of the final model (after
+    the rule's ``finish``). With a samples or seconds ``budget`` the run stops at the step
+    that spends it. Returns the steps each worker took."""
     from distsync.sim.timing import TimingContext, Work
 
-    cluster = cluster or Cluster(workers, Link(10e9, 0.0))
+    cluster, worker_model = _train_cluster(workers, cluster, worker_model)
     if cluster.workers != workers:
         raise ConfigError(f"train mode: the cluster has {cluster.workers} workers, the run {workers}")
-    worker_model = worker_model or WorkerModel(0.01)
     work = Work(steps=steps, model_bytes=nbytes, batch_size=batch_size)
     sim = TimingContext(solver, cluster, worker_model.sample(workers, steps), work, seed, math=rule)
     scale = [1.0]
     every = eval_every * workers
     last = [0.0]
+    took = [0] * workers
+    samples = budget.samples if budget is not None else None
+    seconds = budget.seconds if budget is not None else None
 
     def on_step(done: int, t: float) -> None:
         last[0] = t
-        if done % every == 0 and report(done // workers - 1, float(t) * scale[0]):
+        if (samples is not None and done * batch_size >= samples) or (seconds is not None and t >= seconds):
+            raise _Spent
+        if done % every == 0 and done < workers * steps and report(done // workers - 1, float(t) * scale[0]):
             raise _Reached
 
     rule.on_step = on_step
+    rule.on_worker_step = lambda w: took.__setitem__(w, took[w] + 1)
     if wall_s:
         # the virtual times of this very timing model, scaled to the wall time asked for
         scale[0] = wall_s / max(1e-12, cls.simulate_timing(o, TimingContext(solver, cluster, sim.c, work, seed)).wall_s)
     try:
         timed = cls.simulate_timing(o, sim)
     except _Reached:
-        return
-    if timed is None:
-        raise ConfigError(f"solver {solver!r} has an ordered train-mode rule but no timing model to run it in")
-    if rule.steps_done != workers * steps:
-        raise ConfigError(f"solver {solver!r}: its timing model ran {rule.steps_done} of {workers * steps} steps of "
-                          f"its ordered rule (its blocks do not call the rule's hooks)")
+        return took
+    except _Spent:
+        pass
+    else:
+        if timed is None:
+            raise ConfigError(f"solver {solver!r} has an ordered train-mode rule but no timing model to run it in")
+        if rule.steps_done != workers * steps:
+            raise ConfigError(f"solver {solver!r}: its timing model ran {rule.steps_done} of {workers * steps} steps "
+                              f"of its ordered rule (its blocks do not call the rule's hooks)")
     rule.finish()
-    if (workers * steps) % every:
-        report(steps - 1, float(last[0]) * scale[0])
+    report(max(0, rule.steps_done // workers - 1), float(last[0]) * scale[0])
+    return took
 
 
 @torch.no_grad()
-def _evaluate(workload: Workload, model: torch.nn.Module, stack: dict[str, torch.Tensor],
+def _evaluate(workload: Workload, replica_math: "_ReplicaMath", stack: dict[str, torch.Tensor],
               buffers: dict[str, torch.Tensor]) -> tuple[float, float]:
     """The mean over replicas of the workload's metric and loss on its eval set, each replica
     with ``buffers`` (one model's), in eval mode as the runtime evaluates (BatchNorm on its
     running statistics)."""
     x, y = workload.take(workload.eval_data, torch.arange(len(workload.eval_data[1])))
-    model.eval()
+    outs = replica_math.outputs(stack, buffers, x)
     try:
-        # a copy: a forward that writes a buffer even in eval mode leaves training's alone
-        outs = vmap(lambda p: functional_call(model, (p, {n: b.clone() for n, b in buffers.items()}), (x,)))(stack)
-    finally:
-        model.train()
-    return (float(np.mean([workload.metric_fn(o, y) for o in outs])),
-            float(np.mean([float(workload.loss_fn(o, y)) for o in outs])))
+        return (float(np.mean([workload.metric_fn(o, y) for o in outs])),
+                float(np.mean([float(workload.loss_fn(o, y)) for o in outs])))
+    except Exception as e:
+        raise ModelNotTrainable(f"train mode cannot run {workload.name}: its metric or loss fails on the eval set "
+                                f"({type(e).__name__}: {_first_line(e)})") from None
 
 
 class ModelNotTrainable(ConfigError):
@@ -238,27 +320,6 @@ def _written_buffers(model: torch.nn.Module, workload: Workload, batch: tuple) -
                                 f"{rebound[0]!r} to a new tensor (write it in place, e.g. with copy_)")
     return {n for n, (b, version, old) in before.items()
             if b._version != version or not torch.equal(b, old)}
-
-
-def _check_vmap(workload: Workload, model: torch.nn.Module, stack: dict[str, torch.Tensor], bufs: "_Buffers",
-                grads_of, sampler: ShardSampler) -> None:
-    """One batched gradient and one evaluation forward on copies of two replicas: a model
-    that torch.func cannot batch (a buffer's value read in Python, ``.item()``) is refused
-    in one line before the run starts."""
-    x, y = workload.take(workload.train_data, sampler.indices(0))
-    two = {n: p[:1].repeat(2, *([1] * (p.dim() - 1))) for n, p in stack.items()}
-    written = {n: b[:1].repeat(2, *([1] * (b.dim() - 1))) for n, b in bufs.stack.items()}
-    try:
-        with torch.random.fork_rng(devices=[]):
-            grads_of(two, written, *tree_map(lambda t: torch.stack([t, t]), (x, y)))
-            model.eval()
-            with torch.no_grad():
-                vmap(lambda p: functional_call(model, (p, bufs.evaluated()), (x,)))(two)
-    except Exception as e:
-        raise ModelNotTrainable(f"train mode cannot run {workload.name}'s model: torch.func.vmap fails on its "
-                                f"forward pass or loss ({type(e).__name__}: {_first_line(e)})") from None
-    finally:
-        model.train()
 
 
 def _first_line(e: BaseException) -> str:
@@ -310,6 +371,224 @@ class _Buffers:
         return out
 
 
+#: the notes said on stderr in this process: each once per run of the CLI, however many
+#: solvers a recommendation or sweep trains
+_SAID: set[str] = set()
+
+
+def _say_once(note: str) -> None:
+    if note not in _SAID:
+        _SAID.add(note)
+        sys.stderr.write(note + "\n")
+
+
+class _ReplicaMath:
+    """The replicas' gradients and evaluation forwards: all replicas at once (``vmap``) where
+    torch.func can batch the model, else one replica at a time (:meth:`probe` decides, and
+    says so once on stderr): ``grad`` on that replica's rows of the stacks and its own batch,
+    its written buffers (BatchNorm's statistics) updated in place in their stack rows, as
+    ``vmap`` writes them. ``precision``: the forward pass and loss under the runtime's
+    autocast (:func:`~distsync.runtime.plugins.training.forward_precision`); evaluation in
+    fp32, as the runtime's. An error of the model itself is one line naming the workload
+    (:class:`ModelNotTrainable`)."""
+
+    def __init__(self, workload: Workload, model: torch.nn.Module, bufs: "_Buffers", precision: str = "fp32"):
+        self.workload, self.model, self.bufs = workload, model, bufs
+        self.batched_gradients = self.batched_evaluation = True
+        forward_precision = _forward_precision(precision)
+
+        def loss(params, written, x, y):
+            with forward_precision():
+                return workload.loss_fn(functional_call(model, (params, written, bufs.constant), (x,)), y)
+
+        self.grad_one = grad(loss)
+        batched = vmap(self.grad_one)
+
+        def grads_all(*args):
+            with warnings.catch_warnings():
+                # torch's own loop for an operation it has no batching rule for (an LSTM
+                # layer's): still faster than ours over whole replicas, and not the user's to fix
+                warnings.filterwarnings("ignore", "There is a performance drop because we have not yet implemented",
+                                        UserWarning)
+                return batched(*args)
+
+        self.grads_all = grads_all
+
+    def _fails(self, e: Exception, where: str) -> "ModelNotTrainable":
+        return ModelNotTrainable(f"train mode cannot run {self.workload.name}'s model: its forward pass or loss fails "
+                                 f"{where} ({type(e).__name__}: {_first_line(e)})")
+
+    def _looped(self, stack: dict[str, torch.Tensor], written: dict[str, torch.Tensor],
+                batches: list[tuple]) -> dict[str, torch.Tensor]:
+        each = [self.grad_one({n: p[w] for n, p in stack.items()}, {n: b[w] for n, b in written.items()}, x, y)
+                for w, (x, y) in enumerate(batches)]
+        return {n: torch.stack([g[n] for g in each]) for n in stack}
+
+    def gradients(self, stack: dict[str, torch.Tensor], written: dict[str, torch.Tensor], batches: list[tuple],
+                  step: int) -> dict[str, torch.Tensor]:
+        """Every replica's gradient on its batch (``batches[w]``), stacked; ``written``: the
+        buffer stacks the forward writes (in place)."""
+        try:
+            if not self.batched_gradients:
+                return self._looped(stack, written, batches)
+            xs, ys = tree_map(lambda *t: torch.stack(t), *batches)  # (inputs may be tuples of tensors)
+            return self.grads_all(stack, written, xs, ys)
+        except Exception as e:
+            raise self._fails(e, f"at step {step}") from None
+
+    def gradient(self, params: dict[str, torch.Tensor], written: dict[str, torch.Tensor], x, y,
+                 step: int) -> dict[str, torch.Tensor]:
+        """One replica's gradient (``params``, ``written``: its rows) on its batch."""
+        try:
+            return self.grad_one(params, written, x, y)
+        except Exception as e:
+            raise self._fails(e, f"at step {step}") from None
+
+    def _forwards(self, stack: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], x) -> list[torch.Tensor]:
+        model = self.model
+        one = lambda p: functional_call(model, (p, {n: b.clone() for n, b in buffers.items()}), (x,))  # noqa: E731
+        model.eval()
+        try:
+            with torch.no_grad():
+                if self.batched_evaluation:
+                    return list(vmap(one)(stack))
+                return [one({n: p[w] for n, p in stack.items()}) for w in range(len(next(iter(stack.values()))))]
+        finally:
+            model.train()
+
+    def outputs(self, stack: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], x) -> list[torch.Tensor]:
+        """Each replica's outputs on ``x`` in eval mode with ``buffers`` (one model's; each
+        forward writes a copy: training's stay as they are)."""
+        try:
+            return self._forwards(stack, buffers, x)
+        except Exception as e:
+            raise self._fails(e, "on the eval set") from None
+
+    def probe(self, stack: dict[str, torch.Tensor], sampler: ShardSampler, batch_gradients: bool = True) -> None:
+        """One batched gradient (``batch_gradients``: wanted; an ordered rule takes each
+        gradient alone anyway) and one batched evaluation forward on copies of two replicas
+        (replica 0's start): what ``vmap`` cannot batch (a value read in Python, ``.item()``,
+        random numbers, an operation without a batching rule such as ``nn.LSTM``'s forward) is
+        computed one replica at a time; a forward or loss that fails on one replica too is
+        refused in one line, before the run starts."""
+        workload, bufs = self.workload, self.bufs
+        x, y = workload.take(workload.train_data, sampler.indices(0))
+        two = {n: p[:1].repeat(2, *([1] * (p.dim() - 1))) for n, p in stack.items()}
+        written = {n: b[:1].repeat(2, *([1] * (b.dim() - 1))) for n, b in bufs.stack.items()}
+        why, looped = None, []
+        self.batched_gradients = batch_gradients
+        with torch.random.fork_rng(devices=[]):
+            if batch_gradients:
+                try:
+                    self.grads_all(two, written, *tree_map(lambda t: torch.stack([t, t]), (x, y)))
+                except Exception as e:
+                    why, self.batched_gradients = e, False
+                    looped.append("computing")
+            if not self.batched_gradients:
+                try:
+                    self._looped(two, written, [(x, y)])
+                except Exception as e:
+                    raise self._fails(e, "on a batch") from None
+            try:
+                self._forwards(two, bufs.evaluated(), x)
+            except Exception as e:
+                why, self.batched_evaluation = why or e, False
+                looped.append("evaluating")
+                try:
+                    self._forwards(two, bufs.evaluated(), x)
+                except Exception as again:
+                    raise self._fails(again, "on a batch in eval mode") from None
+        if why is not None:
+            _say_once(f"train mode: torch.func cannot batch {workload.name}'s model ({_first_line(why)}); "
+                      f"{' and '.join(looped)} the {len(next(iter(stack.values()), []))} replicas one at a time "
+                      f"(slower)")
+
+
+def _forward_precision(precision: str) -> Callable[[], Any]:
+    """The context the forward pass and loss run in: the runtime's autocast for ``--precision``."""
+    if precision == "fp32":
+        return contextlib.nullcontext
+    from distsync.runtime.plugins.training import forward_precision
+
+    return lambda: forward_precision(precision, torch.device("cpu"))
+
+
+class ReplicaOptimizers:
+    """Each replica's local update, as each worker of a real run applies its own optimizer:
+    the runtime's :func:`~distsync.runtime.loop.make_optimizer` with the run's settings
+    (``cfg``: its ``optimizer``, ``momentum``, ``weight_decay``, ``lars_eta``), one torch
+    optimizer per replica over that replica's rows of the stacks (views: each step writes the
+    stacks in place). Its state (momentum, Adam's moments and step count, LARS's per-layer
+    trust ratio from that replica's own norms) is that replica's alone: a rule that averages
+    parameters leaves it as it is, as real runs keep optimizer state local to each worker.
+    Plain SGD (``cfg`` None, or sgd without momentum or weight decay) is ``p -= lr * g`` on
+    the whole stacks at once, torch's SGD step for every replica.
+
+    The stacks must stay the tensors they are (rules write them in place), and no learning
+    rate schedule is followed (the runtime's ``--warmup-steps``, ``--lr-schedule``)."""
+
+    def __init__(self, stack: dict[str, torch.Tensor], lr: float, cfg: Any = None):
+        self.stack, self.lr = stack, lr
+        self.plain = cfg is None or (cfg.optimizer == "sgd" and not cfg.momentum and not cfg.weight_decay)
+        self.rows: list[dict[str, torch.Tensor]] = []
+        self.optimizers: list[torch.optim.Optimizer] = []
+        if not self.plain and stack:
+            from distsync.runtime.loop import make_optimizer
+
+            self.rows = [{n: p[w] for n, p in stack.items()} for w in range(len(next(iter(stack.values()))))]
+            self.optimizers = [make_optimizer(cfg, list(rows.values()), lr) for rows in self.rows]
+
+    def step(self, g: dict[str, torch.Tensor]) -> None:
+        """Every replica's step, replica ``w`` with its gradient ``g[n][w]``."""
+        if self.plain:
+            for n, p in self.stack.items():
+                p.sub_(g[n], alpha=self.lr)
+            return
+        for w in range(len(self.optimizers)):
+            self.step_one(w, {n: v[w] for n, v in g.items()})
+
+    def step_one(self, w: int, g: dict[str, torch.Tensor]) -> None:
+        """Replica ``w``'s step alone, with its gradient ``g[n]`` (one replica's shape), its
+        state advancing by one step (Adam's step count included) and no other replica's."""
+        if self.plain:
+            for n, p in self.stack.items():
+                p[w].sub_(g[n], alpha=self.lr)
+            return
+        rows = self.rows[w]
+        for n, p in rows.items():
+            p.grad = g[n]
+        self.optimizers[w].step()
+        for p in rows.values():
+            p.grad = None
+
+
+def _run_optimizer(cls, o, solver: str, optimizer: str, momentum: float, weight_decay: float, precision: str,
+                   lars_eta: float) -> Any:
+    """The run's optimizer settings as a :class:`~distsync.config.RunConfig`, checked as the
+    runtime checks them (types and ranges, the servers' and Hogwild threads' optimizer), each
+    refusal in one line."""
+    from distsync.config import RunConfig, check_field_types, check_ranges
+
+    given = dict(optimizer=optimizer, momentum=momentum, weight_decay=weight_decay, precision=precision,
+                 lars_eta=lars_eta)
+    check_field_types(RunConfig, given, "train mode: option")
+    cfg = RunConfig(**given)
+    check_ranges(cfg, "train mode: ")
+    if precision == "fp16":
+        raise ConfigError("train mode cannot follow --precision fp16 (its loss scaling, a dynamic scale per worker "
+                          "that skips the steps whose gradient overflowed, is not simulated); simulate with fp32 "
+                          "or bf16")
+    if hasattr(cls, "check_server_optimizer"):
+        cls.check_server_optimizer(o, optimizer)
+    threads = cls.training_threads(o)
+    if threads > 1 and getattr(cls, "threads_take_plain_sgd", False) and (optimizer != "sgd" or momentum or
+                                                                          weight_decay):
+        raise ConfigError(f"{solver} with {threads} threads steps with plain lock-free SGD (Hogwild): it takes "
+                          f"--optimizer sgd without --momentum or --weight-decay; got --optimizer {optimizer} "
+                          f"--momentum {momentum:g} --weight-decay {weight_decay:g}")
+    return cfg
+
+
 def train_mode_solvers() -> list[str]:
     """The registered solvers that train mode can run (those whose class has a rule)."""
     from distsync.solvers import solver_names
@@ -336,17 +615,21 @@ def rule_is_ordered(solver: str, options: dict[str, Any]) -> bool:
 
 
 class Rule:
-    """The update of one step on the stacks, in place: plain SGD on each replica's own
-    gradient, then :meth:`after`; ``eval_params`` the models the run reports."""
+    """The update of one step on the stacks, in place: each replica's local step on its own
+    gradient (its optimizer's: :attr:`optimizer`), then :meth:`after`; ``eval_params`` the
+    models the run reports."""
 
     def __init__(self, stack: dict[str, torch.Tensor], lr: float):
         self.stack, self.lr = stack, lr
         #: buffer stacks averaged with the parameters (the "average" policy's): :meth:`use_buffers`
         self.averaged: dict[str, torch.Tensor] = {}
+        #: each replica's local update: plain SGD, or the run's optimizer a TrainContext hands in
+        self.optimizer = ReplicaOptimizers(stack, lr)
 
     def sgd(self, g: dict[str, torch.Tensor]) -> None:
-        for n, p in self.stack.items():
-            p.sub_(g[n], alpha=self.lr)
+        """Each replica's local step with its gradient ``g[n][w]`` (the run's optimizer; the
+        name is plain SGD's, the default)."""
+        self.optimizer.step(g)
 
     def __call__(self, step: int, g: dict[str, torch.Tensor]) -> None:
         self.sgd(g)
@@ -455,24 +738,6 @@ class GroupRounds(Rule):
                 p[idx] = group_mean(p[idx].sum(0), len(group)).expand(len(group), *p.shape[1:])
 
 
-class PairwiseAverage(Rule):
-    """After each backward every active replica, in rank order, averages with its partner
-    (``partner(active)``) (:func:`~distsync.solvers.rules.pairwise_average`): both become
-    the mean; then every replica applies its own gradient, taken before the averaging."""
-
-    def __init__(self, stack, lr, actives, passives, partner):
-        super().__init__(stack, lr)
-        self.actives, self.passives, self.partner = actives, passives, partner
-
-    def __call__(self, step, g):
-        if self.passives:
-            for a in self.actives:
-                q = self.partner(a)
-                for p in [*self.stack.values(), *self.averaged.values()]:
-                    pairwise_average(p[a], p[q])
-        self.sgd(g)
-
-
 class OrderedRule:
     """A rule whose math runs inside the solver's timing model, in virtual-time order: the
     blocks of :class:`~distsync.sim.timing.TimingContext` call these hooks as the moments
@@ -480,25 +745,37 @@ class OrderedRule:
     its replica as it stands (plain SGD on its own gradient). The other hooks do nothing
     here; each subclass gives the ones its block calls their meaning."""
 
+    #: whether the workers' own update is the run's optimizer (``optimizer.step_one``)
+    follows_optimizer = True
+
     def __init__(self, stack: dict[str, torch.Tensor], lr: float, workers: int, gradient):
         self.stack, self.lr, self.workers, self.gradient = stack, lr, workers, gradient
         self.averaged: dict[str, torch.Tensor] = {}  # as Rule's
+        self.optimizer = ReplicaOptimizers(stack, lr)  # each worker's own update (the run's: TrainContext)
         self.steps_done = 0
-        self.on_step = lambda done, t: None  # set by the train loop: evaluations
+        self.on_step = lambda done, t: None  # set by the train loop: evaluations, budgets
+        self.on_worker_step = lambda w: None  # ... and each worker's steps
 
     def local_step(self, w: int, k: int) -> dict[str, torch.Tensor]:
         g = self.gradient(w, k)
-        for n, p in self.stack.items():
-            p[w].sub_(g[n], alpha=self.lr)
+        self.optimizer.step_one(w, g)
         return g
 
     def step(self, w: int, k: int, t: float) -> None:
         self.local_step(w, k)
-        self.done(t)
+        self.done(t, w)
 
-    def done(self, t: float) -> None:
+    def done(self, t: float, w: int) -> None:
+        """Worker ``w`` finished a step at ``t``."""
         self.steps_done += 1
+        self.on_worker_step(w)
         self.on_step(self.steps_done, t)
+
+    def begin(self, w: int, k: int, t: float) -> None:  # worker w starts computing step k
+        pass
+
+    def average(self, a: int, p: int, k: int, t: float) -> None:  # active a averages with passive p
+        pass
 
     def pull(self, w: int, t: float) -> None:  # a server sends worker w the center
         pass
@@ -542,6 +819,8 @@ class ServerSGD(OrderedRule):
     pushes its gradients (summed over its pushes' steps); each push is applied to the center
     on arrival (:func:`~distsync.solvers.rules.server_apply`, with server momentum)."""
 
+    follows_optimizer = False  # (the servers' update is server_apply's)
+
     def __init__(self, stack, lr, workers, gradient, momentum: float = 0.0):
         super().__init__(stack, lr, workers, gradient)
         self.center = {n: p[0].clone() for n, p in stack.items()}
@@ -558,7 +837,7 @@ class ServerSGD(OrderedRule):
         g = self.local_step(w, k)
         for n, a in self.acc[w].items():
             a.add_(g[n])
-        self.done(t)
+        self.done(t, w)
 
     def push(self, w, t):
         self.pending[w].append(self.acc[w])
@@ -586,6 +865,8 @@ class ServerElastic(OrderedRule):
     momentum with ``momentum``) and, when its exchange reaches the servers, it and the
     center move toward each other (:func:`~distsync.solvers.rules.elastic_exchange`)."""
 
+    follows_optimizer = False  # (its local momentum is the solver's own option)
+
     def __init__(self, stack, lr, workers, gradient, alpha: float, momentum: float = 0.0):
         super().__init__(stack, lr, workers, gradient)
         self.center = {n: p[0].clone() for n, p in stack.items()}
@@ -599,7 +880,7 @@ class ServerElastic(OrderedRule):
         for n, p in self.stack.items():
             b = self.buf[w][n].mul_(self.momentum).add_(g[n])
             p[w].sub_(g[n].add(b, alpha=self.momentum), alpha=self.lr)
-        self.done(t)
+        self.done(t, w)
 
     def exchanged(self, w, t):
         for n, p in self.stack.items():
@@ -617,6 +898,35 @@ class ReadyGroups(OrderedRule):
         idx = torch.tensor(members)
         for p in [*self.stack.values(), *self.averaged.values()]:
             p[idx] = group_mean(p[idx].sum(0), len(members)).expand(len(members), *p.shape[1:])
+
+
+class PairwiseOrdered(OrderedRule):
+    """AD-PSGD in virtual-time order: each worker's gradient is taken on its replica when its
+    step starts; a passive applies it when the step ends (an averaging may have changed its
+    replica meanwhile, as the real passive's pending average replaces its model before the
+    update); an active, once its averaging with its passive is done: both replicas become
+    their mean (:func:`~distsync.solvers.rules.pairwise_average`), then it applies its own
+    gradient, taken before the averaging."""
+
+    def __init__(self, stack, lr, workers, gradient):
+        super().__init__(stack, lr, workers, gradient)
+        self.grads: dict[int, dict[str, torch.Tensor]] = {}
+
+    def begin(self, w, k, t):
+        self.grads[w] = self.gradient(w, k)
+
+    def _apply(self, w: int) -> None:
+        self.optimizer.step_one(w, self.grads.pop(w))
+
+    def step(self, w, k, t):  # a passive's step ends
+        self._apply(w)
+        self.done(t, w)
+
+    def average(self, a, p, k, t):
+        for x in [*self.stack.values(), *self.averaged.values()]:
+            pairwise_average(x[a], x[p])
+        self._apply(a)
+        self.done(t, a)
 
 
 class BackgroundAverage(OrderedRule):
@@ -705,9 +1015,18 @@ class TrainContext:
     #: buffer stacks (leading dimension = workers) the rule averages wherever it averages
     #: parameters: the floating-point buffers the forward writes, under the "average" policy
     averaged: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: each replica's local update (the run's optimizer; default: plain SGD with ``lr``):
+    #: every rule gets it as ``rule.optimizer``; an ordered rule steps one replica with
+    #: ``rule.optimizer.step_one(w, g)``
+    optimizer: "ReplicaOptimizers | None" = None
+
+    def __post_init__(self):
+        if self.optimizer is None:
+            self.optimizer = ReplicaOptimizers(self.stack, self.lr)
 
     def _bind(self, rule):
         rule.use_buffers(self.averaged)
+        rule.optimizer = self.optimizer
         return rule
 
     def local(self) -> Rule:
@@ -727,8 +1046,10 @@ class TrainContext:
             return self.local()
         return self._bind(GroupRounds(self.stack, self.lr, every, next_round))
 
-    def pairwise(self, actives: list[int], passives: list[int], partner) -> Rule:
-        return self._bind(PairwiseAverage(self.stack, self.lr, actives, passives, partner))
+    def pairwise(self, actives: list[int], passives: list[int], partner) -> OrderedRule:
+        """Actives average with passives in virtual-time order (the ``pairwise`` block, which
+        draws each active's partner with ``partner``: the rule is handed the pair)."""
+        return self._bind(PairwiseOrdered(self.stack, self.lr, self.workers, self.gradient))
 
     # ordered: the math runs inside the solver's timing model, in virtual-time order
     def server_sgd(self, momentum: float = 0.0) -> OrderedRule:

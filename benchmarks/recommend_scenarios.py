@@ -1,0 +1,196 @@
+"""The scenarios `benchmarks/recommend.py` scores `distsync recommend` on.
+
+- :data:`DEV`, the development set: the 12 scenarios the recommender was corrected on
+  (digits and mnist, written by hand). Scores on it are in sample.
+- :func:`test_set`, the test set: scenarios drawn by numpy's ``default_rng(GENERATOR_SEED)``
+  from the ranges declared below, nobody picking them. The seed was fixed before the
+  recommender was frozen for the test; it never changes to improve a score.
+
+Draws, in this order per scenario (one generator, so the whole set follows from the seed):
+
+1. the workload: :data:`WORKLOADS` in rounds, each round a fresh random order of all of them
+   (so 16 scenarios hold every workload 3 or 4 times);
+2. the workers: uniform over those of :data:`WORKERS` that the feasibility rule allows for
+   that workload (below);
+3. the device time: log-uniform over the feasible part of :data:`DEVICE_MS`, rounded to 0.1 ms;
+4. the link: log-uniform over :data:`LINK_MBIT`, rounded to a whole Mbit;
+5. the slow workers: a count uniform over 0 .. workers / 2 (:data:`SLOW_SHARE_MAX`), each
+   :data:`SLOW_FACTOR` times slower (uniform, rounded to 0.1; drawn even when the count is 0);
+6. the jitter: uniform over :data:`JITTER` (rounded to 0.01).
+
+The feasibility rule, declared before any scoring: an emulated device is one whose real
+math fits inside its device time. All workers share this machine's :data:`CORES` cores, so a
+scenario needs ``device_ms >= COMPUTE_MS[workload] * workers / CORES * HEADROOM``
+(:func:`floor_ms`). The generator draws only inside that region (workers whose floor is above
+the device-time range are not drawn); nothing is redrawn after a run. Runs that were
+CPU-bound anyway are flagged in the table, never replaced.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: the benchmark-only workload (benchmarks/workloads/motifs.py), named by path from the
+#: repository's root; runs are launched from there
+MOTIFS = "benchmarks/workloads/motifs.py:make_workload"
+REPO = Path(__file__).resolve().parent.parent
+
+#: FIXED before the recommender was frozen for the test set. Never change it to improve a
+#: score: a new seed is a new test set, and every result on the old one stands.
+GENERATOR_SEED = 20261126
+#: the test set's size
+TEST_SIZE = 16
+
+# -- the declared ranges --
+WORKLOADS = ("mnist", "cnn", "ctr", "wide", MOTIFS)
+WORKERS = (4, 8, 16)
+#: emulated device time per step, milliseconds (log-uniform)
+DEVICE_MS = (5.0, 200.0)
+#: link bandwidth, Mbit/s (log-uniform): 100 Mbit to 10 Gbit
+LINK_MBIT = (100.0, 10_000.0)
+#: slow workers: at most this share of the workers (a count from 0, uniform)
+SLOW_SHARE_MAX = 0.5
+#: how many times slower a slow worker's device is (uniform)
+SLOW_FACTOR = (2.0, 5.0)
+#: random extra compute per step, up to this share of a step (every worker; uniform)
+JITTER = (0.0, 0.5)
+
+#: a workload's own settings in this benchmark: ctr has no target of its own, so the
+#: benchmark gives it one (NE, lower is better: reached by a 4-worker allreduce run in about
+#: 120 steps here)
+WORKLOAD_SETUP: dict[str, dict[str, Any]] = {"ctr": {"target": 0.95}}
+
+# -- the feasibility rule --
+#: one forward and backward at the workload's batch size, milliseconds, on one thread of
+#: this machine (``distsync.experiments.recommend.measure_compute_s``, median of 20 steps,
+#: measured once at commit f3bc138, 2 cores, torch 2.13.0+cpu). Fixed here so that the test
+#: set does not depend on the load of the moment it is drawn.
+COMPUTE_MS = {"digits": 0.19, "mnist": 3.3, "cnn": 27.7, "ctr": 2.8, "wide": 3.7, MOTIFS: 1.6}
+CORES = 2
+#: room beyond the math: the step's optimizer, communication, the runtime's own work,
+#: evaluations and server processes share the same cores
+HEADROOM = 2.0
+
+
+def floor_ms(workload: str, workers: int) -> float:
+    """The least device time (ms) at which ``workers`` emulated devices of ``workload`` fit
+    on this machine: its one-thread compute x workers / cores x headroom."""
+    return COMPUTE_MS[workload] * workers / CORES * HEADROOM
+
+
+def short_name(workload: str) -> str:
+    """``motifs`` for the benchmark's workload file; a shipped name as it is."""
+    return Path(workload.split(":")[0]).stem if ":" in workload else workload
+
+
+@dataclass
+class Scenario:
+    """A workload on a cluster: ``workers`` emulated devices of ``device_ms`` per step behind
+    a ``link`` each, ``slow_fraction`` of them ``slow_factor`` times slower, ``jitter``."""
+
+    workload: str
+    workers: int
+    link: str
+    device_ms: float
+    slow_fraction: float = 0.0
+    slow_factor: float = 1.0
+    jitter: float = 0.0
+    #: the workload factory's keyword arguments
+    workload_options: dict[str, Any] = field(default_factory=dict)
+    #: the metric's target when the benchmark sets it (None: the workload's own)
+    target: float | None = None
+
+    @property
+    def slow_count(self) -> int:
+        return round(self.slow_fraction * self.workers)
+
+    @property
+    def slow(self) -> dict[int, float]:
+        """The slow workers' ranks and factor, as ``RunConfig.slow`` takes them (ranks 1..k)."""
+        return {r: self.slow_factor for r in range(1, 1 + self.slow_count)}
+
+    @property
+    def workload_path(self) -> str:
+        """The workload as a run names it: a workload file by its absolute path (every
+        process imports it, whatever its working directory)."""
+        if ":" not in self.workload:
+            return self.workload
+        path, fn = self.workload.split(":")
+        return f"{REPO / path}:{fn}"
+
+    @property
+    def label(self) -> str:
+        slow = ""
+        if self.slow_count:
+            k = self.slow_count
+            slow = f", {'one' if k == 1 else k} slow x{self.slow_factor:g}"
+        jitter = f", jitter {self.jitter:g}" if self.jitter else ""
+        return f"{short_name(self.workload)} {self.workers}w {self.link} ({self.device_ms:g} ms){slow}{jitter}"
+
+
+#: the development set: today's 12 scenarios, as they were
+DEV = [
+    Scenario("digits", 4, "1gbit", 10),
+    Scenario("digits", 4, "100mbit", 10),
+    Scenario("digits", 4, "1gbit", 10, 0.25, 4),
+    Scenario("digits", 4, "100mbit", 10, jitter=1.0),
+    Scenario("digits", 8, "1gbit", 10),
+    Scenario("digits", 8, "100mbit", 10, 0.125, 4),
+    Scenario("digits", 8, "1gbit", 10, 0.25, 3),
+    Scenario("digits", 8, "100mbit", 10, jitter=1.0),
+    Scenario("digits", 16, "1gbit", 10),
+    Scenario("digits", 16, "1gbit", 10, 0.25, 3),
+    Scenario("mnist", 4, "1gbit", 20, 0.25, 3),
+    Scenario("mnist", 8, "100mbit", 20),
+]
+
+
+def _log_uniform(rng, lo: float, hi: float) -> float:
+    return math.exp(rng.uniform(math.log(lo), math.log(hi)))
+
+
+def _link(mbit: float) -> str:
+    from distsync.config import format_rate
+
+    return format_rate(round(mbit) * 1e6)
+
+
+def test_set(seed: int = GENERATOR_SEED, n: int = TEST_SIZE) -> list[Scenario]:
+    """``n`` scenarios drawn from the declared ranges by ``numpy.random.default_rng(seed)``
+    (the draws and the feasibility rule: the module's docstring)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    order: list[str] = []
+    while len(order) < n:
+        order += [WORKLOADS[i] for i in rng.permutation(len(WORKLOADS))]
+    out = []
+    for workload in order[:n]:
+        feasible = [w for w in WORKERS if floor_ms(workload, w) <= DEVICE_MS[1]]
+        if not feasible:
+            raise ValueError(f"{workload}: no worker count of {WORKERS} fits under {DEVICE_MS[1]:g} ms")
+        workers = int(rng.choice(feasible))
+        device_ms = round(_log_uniform(rng, max(DEVICE_MS[0], floor_ms(workload, workers)), DEVICE_MS[1]), 1)
+        link = _link(_log_uniform(rng, *LINK_MBIT))
+        slow_count = int(rng.integers(0, int(SLOW_SHARE_MAX * workers) + 1))
+        slow_factor = round(float(rng.uniform(*SLOW_FACTOR)), 1)
+        jitter = round(float(rng.uniform(*JITTER)), 2)
+        setup = WORKLOAD_SETUP.get(workload, {})
+        out.append(Scenario(workload, workers, link, device_ms, slow_fraction=slow_count / workers,
+                            slow_factor=slow_factor if slow_count else 1.0, jitter=jitter,
+                            workload_options=dict(setup.get("options", {})), target=setup.get("target")))
+    return out
+
+
+def declared() -> dict[str, Any]:
+    """The generator's seed, ranges and rule, as the raw results record them."""
+    return {"generator_seed": GENERATOR_SEED, "size": TEST_SIZE, "workloads": list(WORKLOADS),
+            "workers": list(WORKERS), "device_ms": list(DEVICE_MS), "link_mbit": list(LINK_MBIT),
+            "slow_share_max": SLOW_SHARE_MAX, "slow_factor": list(SLOW_FACTOR), "jitter": list(JITTER),
+            "workload_setup": WORKLOAD_SETUP,
+            "feasibility": {"rule": "device_ms >= compute_ms x workers / cores x headroom",
+                            "compute_ms": COMPUTE_MS, "cores": CORES, "headroom": HEADROOM}}
+test_set.__test__ = False  # (a function of the benchmark, not a pytest test)

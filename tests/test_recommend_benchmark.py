@@ -1,0 +1,73 @@
+"""The recommend benchmark's scoring, by hand: what a hit is, the measured set, the
+baselines, and that the test set is drawn by its seed alone."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import recommend as bench  # noqa: E402
+import recommend_scenarios  # noqa: E402
+
+
+def _config(key, solver, times, defaults=False):
+    return {"key": key, "solver": solver, "defaults": defaults,
+            "runs": {str(s): {"scored_s": t} for s, t in enumerate(times, 1)}}
+
+
+def test_a_hit_is_within_the_best_spread_or_ten_percent():
+    """Best: b at a median of 10 s over seeds 9-12 (spread 3 s > 10% of 10): a hit is a
+    median up to 13 s; c at 12.5 s hits, d at 13.5 s does not."""
+    configs = [_config("a", "x", [20, 21, 22]), _config("b", "y", [9, 10, 12]), _config("c", "z", [12, 12.5, 13]),
+               _config("d", "w", [13, 13.5, 14])]
+    s = bench.score_scenario(configs)
+    assert s["best"] == "b" and s["best_median_s"] == 10 and s["margin_s"] == 3
+    assert s["hits"] == ["b", "c"]
+    # a tight best: the 10% floor (100 s -> 110 s)
+    s = bench.score_scenario([_config("a", "x", [100, 100, 100]), _config("b", "y", [109, 109, 109]),
+                              _config("c", "z", [111, 111, 111])])
+    assert s["margin_s"] == pytest.approx(10) and s["hits"] == ["a", "b"]
+
+
+def test_baselines_count_always_x_with_its_defaults_and_a_random_pick():
+    """Two scenarios: in the first the hits are allreduce's defaults and ma every=16, in the
+    second ad-psgd's defaults; recommend hit the first only."""
+    one = {"hit": True, "best_at_cap": False, "hits": ["allreduce", "ma every=16"],
+           "configs": [{"key": "allreduce", "solver": "allreduce", "defaults": True},
+                       {"key": "ma every=16", "solver": "ma", "defaults": False},
+                       {"key": "ma", "solver": "ma", "defaults": True},
+                       {"key": "ad-psgd", "solver": "ad-psgd", "defaults": True}]}
+    two = {"hit": False, "best_at_cap": False, "hits": ["ad-psgd"],
+           "configs": [{"key": "allreduce", "solver": "allreduce", "defaults": True},
+                       {"key": "ad-psgd", "solver": "ad-psgd", "defaults": True}]}
+    s = bench.summarize([one, two], ["allreduce", "ma", "ad-psgd"])
+    assert s["hits"] == 1 and s["hit_share"] == 0.5
+    assert {x: v["hits"] for x, v in s["always"].items()} == {"allreduce": 1, "ma": 0, "ad-psgd": 1}
+    assert s["best_fixed"] == "allreduce" and s["best_fixed_share"] == 0.5 and s["margin_points"] == 0
+    assert s["oracle_options"]["ma"]["hits"] == 1  # ma with its best options, in hindsight
+    assert s["random_expected_hits"] == pytest.approx(2 / 4 + 1 / 2)
+
+
+def test_the_measured_set_is_each_solvers_top_two_and_its_defaults():
+    ranked = [{"solver": "ma", "options": {"every": 16}, "label": "ma every=16"},
+              {"solver": "allreduce", "options": {}, "label": "allreduce"},
+              {"solver": "ma", "options": {"every": 8}, "label": "ma every=8"},
+              {"solver": "ma", "options": {"every": 2}, "label": "ma every=2"}]
+    got = bench.measured_set(ranked, ["allreduce", "ma"])
+    labels = [c["label"] for c in got]
+    assert labels[:1] == ["allreduce"] and "ma every=16" in labels and "ma every=8" in labels
+    assert "ma every=2" not in labels  # third of its solver
+    assert any(c["solver"] == "ma" and c["defaults"] for c in got)  # ma's defaults measured too
+    assert [c["recommended"] for c in got if c["label"] == "ma every=16"] == [True]
+
+
+def test_the_test_set_is_drawn_by_its_seed_alone():
+    a, b = recommend_scenarios.test_set(), recommend_scenarios.test_set()
+    assert [x.label for x in a] == [x.label for x in b] and len(a) >= 16
+    assert [x.label for x in recommend_scenarios.test_set(seed=1)] != [x.label for x in a]
+    assert {x.workers for x in a} <= {4, 8, 16}
