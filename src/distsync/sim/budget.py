@@ -35,9 +35,11 @@ from distsync.sim.cluster import Cluster, WorkerModel
 from distsync.sim.timing import SimResult, Work, simulate
 
 #: doublings of the simulated steps before giving up (a budget no run can spend)
-MAX_DOUBLINGS = 12
+MAX_DOUBLINGS = 16
 #: at most this many steps per worker are simulated
 MAX_STEPS = 2_000_000
+#: the fewest steps per worker simulated first
+FIRST_GUESS = 64
 
 
 def lead_of(solver: str, options: dict[str, Any], workers: int) -> int | None:
@@ -55,7 +57,7 @@ def equal_steps(budget: Budget, batch: int, workers: int) -> int | None:
 def simulate_budget(solver: str, options: dict[str, Any], cluster: Cluster, worker_model: WorkerModel,
                     work: Work, budget: Budget, seed: int = 0) -> SimResult:
     """``solver``'s timing on ``cluster`` under ``budget`` (samples and/or seconds; a target
-    alone is refused: timing mode has no metric). ``work.steps`` is the first guess of the
+    alone is refused: timing mode has no metric). ``work.steps`` caps the first guess of the
     steps per worker to simulate (doubled as needed)."""
     if budget.samples is None and budget.seconds is None:
         raise ConfigError("timing mode has no metric to reach: --budget target needs --mode train "
@@ -63,7 +65,9 @@ def simulate_budget(solver: str, options: dict[str, Any], cluster: Cluster, work
     n = cluster.workers
     lead = lead_of(solver, options, n)
     fixed = equal_steps(budget, work.batch_size, n) if lead is not None else None
-    steps = fixed if fixed is not None else max(1, work.steps)
+    # a first guess (a run's own cap may be "unlimited"), doubled until the budget is spent
+    guess = math.ceil(budget.samples / (work.batch_size * n)) if budget.samples is not None else FIRST_GUESS
+    steps = fixed if fixed is not None else max(1, min(work.steps, max(guess, FIRST_GUESS)))
     for _ in range(MAX_DOUBLINGS + 1):
         res = simulate(solver, options, cluster, worker_model, dataclasses.replace(work, steps=steps), seed=seed)
         if fixed is not None and (budget.seconds is None or res.wall_s <= budget.seconds):
