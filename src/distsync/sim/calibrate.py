@@ -90,7 +90,7 @@ def _fit_latency(run: dict[str, Any]) -> float:
 #: the host's per-message cost grows as (processes per core) ** HOST_EXP: fitted on the
 #: fidelity benchmark's development runs (``python benchmarks/fidelity.py --set dev``, the
 #: fidelity_dev_host_fit table of docs/benchmarks/simulator.md) and scored on its test runs
-HOST_EXP = 0.5
+HOST_EXP = 0.05
 
 
 def fit_run(run_dir: Path, default_link: str = "10gbit") -> dict[str, Any]:
