@@ -172,3 +172,33 @@ def test_a_forward_that_fails_on_a_later_batch_is_refused_in_one_line(fresh_note
         simulate_training("ma", {}, w, 2, 10)
     assert str(e.value) == (f"train mode cannot run poisoned's model: its forward pass or loss fails at step {step} "
                             f"(ValueError: a NaN in the batch)")
+
+
+@pytest.mark.parametrize("workload", [LSTM, BN])
+def test_recommend_ranks_a_recurrent_and_a_batchnorm_model_by_time_to_target(workload, fresh_notes):
+    """Each candidate trains in train mode (the LSTM's evaluation one replica at a time) and
+    gets a predicted time to target; the LSTM's note is said once for the whole search."""
+    from distsync.experiments.recommend import Request, recommend
+
+    res = recommend(Request(workload=workload, workers=2, device_ms=5, solvers=["allreduce", "ma"]))
+    assert res["no_time_to_target"] is None
+    assert all(r["trained"] and r["time_to_target_s"] is not None for r in res["ranked"]), res["ranked"]
+
+
+def test_calibrate_takes_a_recurrent_models_run(tmp_path):
+    """A real allreduce run of the LSTM language model, simulated from its own measurements:
+    throughput and a time to target from train mode, no traceback."""
+    import json
+
+    from helpers import run_cli
+
+    out = tmp_path / "r"
+    proc = run_cli("train", "--workload", LSTM, "--workers", "2", "--steps", "150", "--device-ms", "5",
+                   "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    proc = run_cli("simulate", "--calibrate", str(out), "--json")
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout)
+    assert abs(r["throughput_error"]) < 0.25, r
+    assert r["predicted_time_to_target_from"] == "train mode"
+    assert (r["measured_time_to_target_s"] is None) == (r["predicted_time_to_target_s"] is None), r

@@ -492,8 +492,12 @@ def verify(request: Request, result: dict[str, Any], top: int, out: Path, worker
         base = next((r for r in result["ranked"] if r["solver"] == "allreduce" and not r["options"]), None)
         if base is not None:
             picks.append(base)
-    slow_count = round(request.slow_fraction * n)
-    slow = {r: request.slow_factor for r in range(1, 1 + slow_count)} if slow_count else {}
+    # the slow workers the simulator draws (the request's seed), so the real run is the one predicted
+    from distsync.sim import WorkerModel
+
+    factors = WorkerModel(result["compute_s"], slow_fraction=request.slow_fraction, slow_factor=request.slow_factor,
+                          seed=request.seed).factors(n)
+    slow = {int(r): float(f) for r, f in enumerate(factors) if f > 1}
     value = request.target_value()
     budget = "target" + ("" if value is None else f"={value}") + f",seconds={cap_s:g}"
     rows = []
