@@ -496,9 +496,22 @@ def main() -> None:
     from distsync.experiments.recommend import recommend
     from distsync.errors import DistsyncError
 
-    root = Path(args.out) / (args.which if args.which == "dev" else f"test-{time.strftime('%Y%m%dT%H%M%S')}")
-    results = []
+    # The test set's scenarios are scored one by one into PARTIAL at this commit: a run that
+    # was stopped goes on from the next scenario at the same commit (none is measured twice).
+    root = Path(args.out) / (args.which if args.which == "dev" else f"test-{started['commit'][:10]}")
+    partial = root / "partial.json"
+    results: list[dict[str, Any]] = []
+    if args.which == "test" and partial.exists():
+        kept = json.loads(partial.read_text())
+        if kept.get("commit") == started["commit"]:
+            results = kept["results"]
+            print(f"going on at commit {started['commit'][:10]}: {len(results)} of {len(chosen)} scenarios already "
+                  f"scored (started {kept['started']})", flush=True)
+    done = {r["scenario"] for r in results}
+    first_started = json.loads(partial.read_text())["started"] if results else started["date"]
     for i, sc in chosen:
+        if i in done:
+            continue
         cap_s = cap_for(sc, args.cap)
         with exit_on_error():
             fit = str(make_fit_run(sc, root, seeds[0])) if args.fit else None
@@ -531,6 +544,10 @@ def main() -> None:
                         "per_message_ms": answer["per_message_ms"] if answer else None,
                         "no_time_to_target": answer.get("no_time_to_target") if answer else None,
                         "ranked": ranked, "configs": configs})
+        if args.which == "test":
+            root.mkdir(parents=True, exist_ok=True)
+            partial.write_text(json.dumps({"commit": started["commit"], "started": first_started,
+                                           "results": results}, default=str) + "\n")
         best = next(c for c in configs if c["key"] == scored["best"])
         print(f"{i}. {sc.label}: recommended {next((c['label'] for c in configs if c['recommended']), 'nothing')}, "
               f"best {best['label']} ({scored['best_median_s']:.1f} s), hit {results[-1]['hit']}, "
@@ -539,7 +556,8 @@ def main() -> None:
     payload = {"set": args.which, "set_size": len(DEV) if args.which == "dev" else len(chosen),
                "scored_once": args.which == "test", "declared": declared(), "solvers": solvers,
                "top_per_solver": TOP_PER_SOLVER, "tolerance": TOLERANCE, "cap_s": args.cap, "fit": args.fit,
-               "reuse": args.reuse, "eval_finer": EVAL_FINER, "summary": summary, "scenarios": results}
+               "reuse": args.reuse, "eval_finer": EVAL_FINER, "first_started": first_started,
+               "summary": summary, "scenarios": results}
     raw = {**payload, "regime": REGIME, "seeds": seeds, "repeats": len(seeds), "commit": started["commit"]}
     for text in render(raw).values():
         print()
