@@ -417,6 +417,14 @@ def unrecorded_changes() -> list[str]:
     return [line[3:] for line in done.stdout.splitlines() if line.strip()]
 
 
+def measured_commit() -> str:
+    """The last commit that changed a measured file: a stopped test-set run goes on while it
+    is the same (commits of docs and raw files in between change nothing measured)."""
+    done = subprocess.run(["git", "-C", str(REPO), "log", "-1", "--format=%H", "--", *MEASURED_PATHS],
+                          capture_output=True, text=True)
+    return done.stdout.strip() or "unknown"
+
+
 def planned_configs(sc: Scenario, solvers: list[str]) -> int:
     """At most how many configurations the scenario's measured set holds (before `recommend`
     answers): per solver, its distinct option sets and defaults, at most TOP_PER_SOLVER + 1."""
@@ -496,16 +504,17 @@ def main() -> None:
     from distsync.experiments.recommend import recommend
     from distsync.errors import DistsyncError
 
-    # The test set's scenarios are scored one by one into PARTIAL at this commit: a run that
-    # was stopped goes on from the next scenario at the same commit (none is measured twice).
-    root = Path(args.out) / (args.which if args.which == "dev" else f"test-{started['commit'][:10]}")
+    # The test set's scenarios are scored one by one into PARTIAL: a run that was stopped goes
+    # on from the next scenario while no measured file has changed since (none is measured twice).
+    measured = measured_commit()
+    root = Path(args.out) / (args.which if args.which == "dev" else f"test-{measured[:10]}")
     partial = root / "partial.json"
     results: list[dict[str, Any]] = []
     if args.which == "test" and partial.exists():
         kept = json.loads(partial.read_text())
-        if kept.get("commit") == started["commit"]:
+        if kept.get("measured_commit") == measured:
             results = kept["results"]
-            print(f"going on at commit {started['commit'][:10]}: {len(results)} of {len(chosen)} scenarios already "
+            print(f"going on at measured commit {measured[:10]}: {len(results)} of {len(chosen)} scenarios already "
                   f"scored (started {kept['started']})", flush=True)
     done = {r["scenario"] for r in results}
     first_started = json.loads(partial.read_text())["started"] if results else started["date"]
@@ -546,8 +555,8 @@ def main() -> None:
                         "ranked": ranked, "configs": configs})
         if args.which == "test":
             root.mkdir(parents=True, exist_ok=True)
-            partial.write_text(json.dumps({"commit": started["commit"], "started": first_started,
-                                           "results": results}, default=str) + "\n")
+            partial.write_text(json.dumps({"measured_commit": measured, "commit": started["commit"],
+                                           "started": first_started, "results": results}, default=str) + "\n")
         best = next(c for c in configs if c["key"] == scored["best"])
         print(f"{i}. {sc.label}: recommended {next((c['label'] for c in configs if c['recommended']), 'nothing')}, "
               f"best {best['label']} ({scored['best_median_s']:.1f} s), hit {results[-1]['hit']}, "
@@ -557,6 +566,7 @@ def main() -> None:
                "scored_once": args.which == "test", "declared": declared(), "solvers": solvers,
                "top_per_solver": TOP_PER_SOLVER, "tolerance": TOLERANCE, "cap_s": args.cap, "fit": args.fit,
                "reuse": args.reuse, "eval_finer": EVAL_FINER, "first_started": first_started,
+               "measured_commit": measured,
                "summary": summary, "scenarios": results}
     raw = {**payload, "regime": REGIME, "seeds": seeds, "repeats": len(seeds), "commit": started["commit"]}
     for text in render(raw).values():
