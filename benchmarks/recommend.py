@@ -22,7 +22,10 @@ at least 15 points above the best fixed choice.
 
 ``--set test`` scores the test set once per published result: at a recorded commit (refused
 on a working tree whose measured files differ from it), never with ``--reuse`` and never in
-part (``--only``); the raw file says ``scored_once: true``. With ``--fit``, `recommend` is
+part (``--only``); the raw file says ``scored_once: true``. It may be stopped: a file named
+STOP in its folder stops it between two runs; SIGTERM or Ctrl-C stops it at once, dropping the
+run in progress. The same command goes on from there while no measured file has changed, with
+the same answers; a dropped run is run again from its start. With ``--fit``, `recommend` is
 given ``--fit-from`` a real allreduce run of the scenario's workload, link and device time (4
 workers, homogeneous, 60 steps): the per-message cost of this machine's software stack. The
 cap: ``--cap S`` for every scenario, or by default the larger of 40 s and 1.5 x the
@@ -38,6 +41,8 @@ import dataclasses
 import functools
 import json
 import os
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -198,6 +203,43 @@ def request_for(sc: Scenario, solvers: list[str], fit: str | None):
     if sc.target is not None:
         wanted.update(target=sc.target, budget=f"target={sc.target:g}")
     return Request(**{k: v for k, v in wanted.items() if k in have and v is not None})
+
+
+#: written beside a finished run of the test set: what it measured (a stopped run goes on after it)
+MEASURED_FILE = "measured.json"
+
+
+class Stop(Exception):
+    """Asked to stop (SIGTERM, SIGINT, or a STOP file in the run's folder) between two runs."""
+
+
+_stop_asked: list[str] = []
+
+
+def _ask_stop(signum, _frame) -> None:
+    _stop_asked.append(signal.Signals(signum).name)
+    print(f"{signal.Signals(signum).name}: stopping after the run in progress (the same command goes on)",
+          flush=True)
+
+
+def check_stop(root: Path) -> None:
+    """Raise :class:`Stop` where a stop was asked for: between runs, never inside one."""
+    if _stop_asked or (root / "STOP").exists():
+        raise Stop(_stop_asked[0] if _stop_asked else f"{root / 'STOP'} exists")
+
+
+def run_kept(sc: Scenario, cfg: dict[str, Any], run_dir: Path, cap_s: float, seed: int) -> dict[str, Any]:
+    """A test-set run: the one already finished at this measured commit (its MEASURED_FILE), or a
+    fresh one in a cleared folder (a run stopped part-way is run again from its start)."""
+    kept = run_dir / MEASURED_FILE
+    if kept.exists():
+        return json.loads(kept.read_text())
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    out = run_once(sc, cfg, run_dir, cap_s, seed, reuse=False)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    kept.write_text(json.dumps(out) + "\n")
+    return out
 
 
 def run_once(sc: Scenario, cfg: dict[str, Any], run_dir: Path, cap_s: float, seed: int, reuse: bool) -> dict[str, Any]:
@@ -518,18 +560,35 @@ def main() -> None:
                   f"scored (started {kept['started']})", flush=True)
     done = {r["scenario"] for r in results}
     first_started = json.loads(partial.read_text())["started"] if results else started["date"]
+    if args.which == "test":  # (the first start, kept while no scenario is scored yet)
+        began = root / "started"
+        if not results and began.exists():
+            first_started = began.read_text().strip()
+        root.mkdir(parents=True, exist_ok=True)
+        began.write_text(first_started + "\n")
+        signal.signal(signal.SIGTERM, _ask_stop)
+        signal.signal(signal.SIGINT, _ask_stop)
     for i, sc in chosen:
         if i in done:
             continue
         cap_s = cap_for(sc, args.cap)
         with exit_on_error():
             fit = str(make_fit_run(sc, root, seeds[0])) if args.fit else None
-        answer, error = None, None
-        try:
-            answer = recommend(request_for(sc, solvers, fit))
-        except DistsyncError as e:  # no answer: a miss; the measured set is then every solver's defaults
-            error = f"{type(e).__name__}: {e}"
-            print(f"{i}. {sc.label}: recommend failed ({error})", flush=True)
+        # (test set: the answer is kept beside the scenario's runs, so a stopped run goes on
+        # measuring the same measured set)
+        kept_answer = root / f"{i:02d}" / "answer.json"
+        if args.which == "test" and kept_answer.exists():
+            answer, error = (json.loads(kept_answer.read_text())[k] for k in ("answer", "error"))
+        else:
+            answer, error = None, None
+            try:
+                answer = recommend(request_for(sc, solvers, fit))
+            except DistsyncError as e:  # no answer: a miss; the measured set is then every solver's defaults
+                error = f"{type(e).__name__}: {e}"
+                print(f"{i}. {sc.label}: recommend failed ({error})", flush=True)
+            if args.which == "test":
+                kept_answer.parent.mkdir(parents=True, exist_ok=True)
+                kept_answer.write_text(json.dumps({"answer": answer, "error": error}, default=str) + "\n")
         ranked = answer["ranked"] if answer else []
         configs = measured_set(ranked, solvers)
         # every configuration trains as the answer says its runs train (what was simulated)
@@ -537,8 +596,14 @@ def main() -> None:
         for c in configs:
             c["training"] = {**training, **c["training"]}
             d = c["label"].replace(" ", "_").replace("=", "-")
-            c["runs"] = {str(seed): run_once(sc, c, root / f"{i:02d}" / f"seed{seed}" / d, cap_s, seed, args.reuse)
-                         for seed in seeds}
+            c["runs"] = {}
+            for seed in seeds:
+                run_dir = root / f"{i:02d}" / f"seed{seed}" / d
+                if args.which == "test":
+                    check_stop(root)
+                    c["runs"][str(seed)] = run_kept(sc, c, run_dir, cap_s, seed)
+                else:
+                    c["runs"][str(seed)] = run_once(sc, c, run_dir, cap_s, seed, args.reuse)
         scored = score_scenario(configs)
         for c, m, sp in zip(configs, scored["medians"], scored["spreads"]):
             c.update(median_s=m, spread_s=sp)
@@ -581,4 +646,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except Stop as stop:
+        sys.exit(f"stopped between two runs ({stop}): the runs finished so far are kept; the same command goes on")
+    except KeyboardInterrupt:  # (a signal during a run: that run is dropped, and run again by the same command)
+        sys.exit("stopped during a run: the runs finished before it are kept; the same command goes on")

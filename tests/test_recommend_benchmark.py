@@ -71,3 +71,28 @@ def test_the_test_set_is_drawn_by_its_seed_alone():
     assert [x.label for x in a] == [x.label for x in b] and len(a) >= 16
     assert [x.label for x in recommend_scenarios.test_set(seed=1)] != [x.label for x in a]
     assert {x.workers for x in a} <= {4, 8, 16}
+
+
+def test_a_stopped_test_set_run_keeps_finished_runs_and_reruns_a_dropped_one(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_run_once(sc, cfg, run_dir, cap_s, seed, reuse):
+        calls.append(seed)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "summary.json").write_text("{}")
+        return {"scored_s": 10.0 + seed}
+
+    monkeypatch.setattr(bench, "run_once", fake_run_once)
+    done = tmp_path / "a"
+    assert bench.run_kept(None, {}, done, 40.0, 1) == {"scored_s": 11.0}
+    assert bench.run_kept(None, {}, done, 40.0, 1) == {"scored_s": 11.0}  # kept: not run again
+    assert calls == [1]
+    dropped = tmp_path / "b"  # stopped part-way: a folder without its measured file
+    dropped.mkdir()
+    (dropped / "journal").write_text("left by the dropped run")
+    assert bench.run_kept(None, {}, dropped, 40.0, 2) == {"scored_s": 12.0}
+    assert calls == [1, 2] and not (dropped / "journal").exists()
+    bench.check_stop(tmp_path)  # nothing asked: goes on
+    (tmp_path / "STOP").write_text("")
+    with pytest.raises(bench.Stop, match="STOP exists"):
+        bench.check_stop(tmp_path)
