@@ -153,7 +153,7 @@ FIGURES = [
            ("--workers", "2", "--repeats", "1", "--warmup", "0"),
            RUNTIME + ("src/distsync/cli.py", "src/distsync/__init__.py", "src/distsync/imports.py",
                       "src/distsync/options.py", "src/distsync/errors.py", "src/distsync/torch_private.py",
-                      "src/distsync/solvers/allreduce.py", "src/distsync/experiments"),
+                      "src/distsync/solvers/allreduce.py", "src/distsync/experiments", "benchmarks/startup_profile"),
            "docs/benchmarks/startup.md"),
     # -- the simulator, recommend, emulated devices, links --
     Figure("simulator", "simulator", ("--seeds", "1,2,3"),

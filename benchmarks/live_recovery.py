@@ -34,7 +34,7 @@ import tempfile
 from pathlib import Path
 
 from common import argument_parser, table_header, table_row
-from distsync.solvers import solver_class, solver_names
+from distsync.solvers import Capability, solver_class, solver_names
 
 DISTSYNC = [sys.executable, "-m", "distsync.cli"]
 WORKERS, STEPS = 3, 120
@@ -89,8 +89,9 @@ def main() -> None:
     args = p.parse_args()
     parts = set(args.parts.split(","))
     rng = random.Random(args.seed)
-    solvers = [s for s in solver_names() if solver_class(s).reforms_without_dead] if "re-form" in parts else []
-    healers = [s for s in solver_names() if solver_class(s).heals_from_peer
+    solvers = [s for s in solver_names() if Capability.REFORMS_WITHOUT_DEAD in solver_class(s).capabilities] \
+        if "re-form" in parts else []
+    healers = [s for s in solver_names() if Capability.HEALS_FROM_PEER in solver_class(s).capabilities
                and solver_class(s).training_threads(solver_class(s).Options()) == 1]  # (Hogwild threads: never)
     only = set(args.solvers.split(",")) if args.solvers else None
     if only:

@@ -16,14 +16,16 @@ distsync's workers, calls ``init_process_group("gloo")``, all-reduces a 4-elemen
 target is at most 1.5), and the CPU seconds the whole job used (the command and every process
 it started; this script is their child subreaper, so processes a command leaves behind, such
 as a fork server, are waited for and counted). The load average is recorded before and after
-each run. ``--what-if`` adds distsync runs with cuts simulated (see WHATIF below; a cut whose
-target code is gone no longer applies).
+each run. ``--what-if`` adds distsync runs with cuts simulated (see
+benchmarks/startup_profile/whatif/sitecustomize.py; a cut whose target code is gone no longer
+applies).
 
 (2) ``--breakdown``: where the seconds of one job go, for each N. One ``distsync train`` run and
-one torchrun run under a tracer: a ``sitecustomize`` module put first on every process's
-``PYTHONPATH`` (children inherit it) that writes one JSON line per event to a trace file
-(unix time and the process's CPU time): interpreter up, import spans of torch, sklearn,
-scipy, matplotlib, rich, ..., and enter/exit of the functions that mark the phases (the CLI's
+one torchrun run under a tracer (benchmarks/startup_profile/tracer/sitecustomize.py): a
+``sitecustomize`` module put first on every process's ``PYTHONPATH`` (children inherit it)
+that writes one JSON line per event to a trace file (unix time and the process's CPU time):
+interpreter up, import spans of torch, sklearn, scipy, matplotlib, rich, ..., and enter/exit
+of the functions that mark the phases (the CLI's
 ``main``, ``load_workload``, ``launch``, torch's ``launch_agent``, the agent's rendezvous,
 ``_start_workers``, ``_monitor_workers`` (the poll that sees the workers done), exit barrier and
 shutdown; in each worker ``run_process``, ``Comm.from_env`` (init_process_group),
@@ -34,7 +36,7 @@ interpreter start of their own; the fork server (and any other helper process) i
 with its CPU and import spans. Besides the traced runs, measured in isolation:
 ``python -X importtime`` of what the launching process and each worker import, and a cProfile
 of ``distsync.cli.main([...])`` with ``launch`` patched to return at once (what the launching
-process does before and after the job).
+process does before and after the job; benchmarks/startup_profile/profile_main.py).
 
     python benchmarks/startup.py [--workers 2,4] [--repeats 3] [--json benchmarks/results/startup.json]
     python benchmarks/startup.py --breakdown [--workers 4]
@@ -83,243 +85,13 @@ dist.all_reduce(t)
 dist.destroy_process_group()
 """
 
-# ---------------------------------------------------------------------------------------------
-# The tracer: imported by every Python process of a traced job as ``sitecustomize``.
-# ---------------------------------------------------------------------------------------------
-TRACER = r'''
-import os
-_PATH = os.environ.get("STARTUP_TRACE")
-if _PATH:
-    import sys, time, json, atexit, functools
-    _fd = os.open(_PATH, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-
-    def _emit(ev, **kw):
-        rec = {"pid": os.getpid(), "ppid": os.getppid(), "rank": os.environ.get("RANK"), "ev": ev,
-               "t": time.time(), "cpu": time.process_time()}
-        rec.update(kw)
-        os.write(_fd, (json.dumps(rec) + "\n").encode())
-
-    def _started():
-        """Unix time at which the kernel started this process (10 ms resolution)."""
-        try:
-            with open("/proc/self/stat") as f:
-                ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-            return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
-        except Exception:
-            return None
-
-    try:
-        with open("/proc/self/cmdline", "rb") as f:
-            _cmd = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-    except OSError:
-        _cmd = []
-    _emit("site", started=_started(), cmd=_cmd[:8])
-
-    # Import spans (inclusive: a package's imports of others count in it too).
-    _SPANS = {"torch", "numpy", "sklearn", "scipy", "matplotlib", "matplotlib.pyplot", "rich", "distsync",
-              "distsync.cli", "distsync.runtime", "distsync.runtime.process", "distsync.experiments",
-              "distsync.workloads.digits", "torch._dynamo", "torch.distributed.run", "torch.distributed.launcher.api",
-              "torch.distributed.elastic.multiprocessing.errors"}
-    # Functions timed on every call, wrapped when their module has been executed.
-    _PATCH = {
-        "distsync.cli": ["main", "_cmd_train", "_quiet_native_logs", "_summary_table", "_run_with_progress"],
-        "distsync.workloads": ["load_workload", "check_workload_spec"],
-        "distsync.workloads.digits": ["make_workload"],
-        "distsync.workloads.base": ["Workload.evaluate"],
-        "distsync.runtime.launch": ["launch", "_start"],
-        "distsync.runtime.resolve": ["resolve", "trusted"],
-        "distsync.runtime.bind": ["bind_listeners"],
-        "distsync.runtime.process": ["run_process", "recovery_for", "gather_through_store", "write_results"],
-        "distsync.runtime.loop": ["train_worker", "make_optimizer"],
-        "distsync.comm.comm": ["Comm.from_env", "Comm.close", "Comm.barrier", "Comm.gather_object"],
-        "torch.distributed.distributed_c10d": ["init_process_group", "destroy_process_group", "all_reduce",
-                                               "monitored_barrier", "gather_object"],
-        "torch.distributed.run": ["main", "run"],
-        "torch.distributed.launcher.api": ["launch_agent"],
-        "torch.distributed.elastic.agent.server.api": ["SimpleElasticAgent._rendezvous",
-                                                       "SimpleElasticAgent._exit_barrier", "SimpleElasticAgent.run"],
-        "torch.distributed.elastic.agent.server.local_elastic_agent": ["LocalElasticAgent._start_workers",
-                                                                       "LocalElasticAgent._shutdown",
-                                                                       "LocalElasticAgent._monitor_workers"],
-        "torch.distributed.elastic.rendezvous.dynamic_rendezvous": ["DynamicRendezvousHandler.next_rendezvous",
-                                                                    "DynamicRendezvousHandler.shutdown"],
-    }
-
-    def _wrap(label, fn):
-        quiet = label.endswith("_monitor_workers")  # polled every monitor_interval: only the verdict
-
-        @functools.wraps(fn)
-        def traced(*a, **k):
-            t0, c0 = time.time(), time.process_time()
-            try:
-                out = fn(*a, **k)
-            except BaseException as e:
-                _emit("call", fn=label, t0=t0, cpu0=c0, raised=type(e).__name__)
-                raise
-            if quiet:
-                state = getattr(getattr(out, "state", None), "name", "")
-                if state == "HEALTHY":
-                    return out
-                _emit("call", fn=label, t0=t0, cpu0=c0, state=state)
-            else:
-                _emit("call", fn=label, t0=t0, cpu0=c0)
-            return out
-        return traced
-
-    def _patch(modname, module):
-        for path in _PATCH.get(modname, ()):
-            try:
-                owner, _, name = path.rpartition(".")
-                holder = getattr(module, owner) if owner else module
-                raw = holder.__dict__[name] if owner else getattr(module, name)
-                label = modname.rsplit(".", 1)[-1] + "." + path
-                if isinstance(raw, classmethod):
-                    new = classmethod(_wrap(label, raw.__func__))
-                elif isinstance(raw, staticmethod):
-                    new = staticmethod(_wrap(label, raw.__func__))
-                else:
-                    new = _wrap(label, raw)
-                setattr(holder, name, new)
-            except Exception as e:  # the code moved: the phase is missing, the run goes on
-                _emit("patch-failed", fn=modname + "." + path, error=repr(e))
-
-    _busy = set()
-
-    class _Finder:
-        def find_spec(self, name, path=None, target=None):
-            if (name not in _SPANS and name not in _PATCH) or name in _busy:
-                return None
-            _busy.add(name)
-            try:
-                spec = None
-                for finder in sys.meta_path:
-                    if finder is self or not hasattr(finder, "find_spec"):
-                        continue
-                    spec = finder.find_spec(name, path, target)
-                    if spec is not None:
-                        break
-            finally:
-                _busy.discard(name)
-            if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-                return spec
-            inner = spec.loader.exec_module
-
-            def exec_module(module, _inner=inner, _name=name):
-                t0, c0 = time.time(), time.process_time()
-                try:
-                    _inner(module)
-                finally:
-                    if _name in _SPANS:
-                        _emit("import", mod=_name, t0=t0, cpu0=c0)
-                _patch(_name, module)
-            try:
-                spec.loader.exec_module = exec_module
-            except Exception:
-                pass
-            return spec
-
-    sys.meta_path.insert(0, _Finder())
-
-    _real_exit = os._exit
-
-    def _exit(code, _real=_real_exit):
-        _emit("os_exit", code=code)
-        _real(code)
-    os._exit = _exit
-    atexit.register(lambda: _emit("atexit"))
-'''
-
-
-# ---------------------------------------------------------------------------------------------
-# What-if: a ``sitecustomize`` that simulates cuts in a distsync run without touching src/, to
-# check the estimated savings (``--what-if sklearn,matplotlib,exit,dynamo``). Cuts:
-#   sklearn     distsync.workloads.digits loads sklearn's digits.csv.gz with numpy and splits
-#               with numpy (a stratified split, not sklearn's exact one): no sklearn/scipy/pandas
-#               import, in the launcher and in every worker
-#   matplotlib  stand-in matplotlib modules: the summary table's import of distsync.experiments
-#               costs no matplotlib (a train run draws no plots)
-#   exit        the launcher leaves with os._exit after main() returns: no interpreter finalization
-#   dynamo      a stand-in torch._dynamo (graph_break, disable): torch.optim's first call does
-#               not import the real one
-# ---------------------------------------------------------------------------------------------
-WHATIF = r'''
-import os as _os
-_CUTS = set(filter(None, _os.environ.get("STARTUP_WHATIF", "").split(",")))
-if _CUTS:
-    import sys as _sys, types as _types
-    if "dynamo" in _CUTS:
-        _stub = _types.ModuleType("torch._dynamo")
-        _stub.graph_break = lambda: None
-        def _disable(fn=None, recursive=True, wrapping=True, reason=None):
-            return fn if fn is not None else (lambda f: f)
-        _stub.disable = _disable
-        _stub.is_compiling = lambda: False
-        _stub.trace_rules = _types.SimpleNamespace(clear_lru_cache=lambda: None)  # init_process_group calls it
-        _sys.modules["torch._dynamo"] = _stub
-    if "matplotlib" in _CUTS:
-        for _n in ("matplotlib", "matplotlib.pyplot"):
-            _m = _types.ModuleType(_n)
-            _m.use = lambda *a, **k: None
-            _sys.modules[_n] = _m
-        _sys.modules["matplotlib"].pyplot = _sys.modules["matplotlib.pyplot"]
-    _PRELUDE = (
-        "import numpy as _np\n"
-        "def load_digits(return_X_y=True):\n"
-        "    import importlib.util, os\n"
-        "    d = os.path.join(importlib.util.find_spec('sklearn').submodule_search_locations[0], 'datasets', 'data')\n"
-        "    a = _np.loadtxt(os.path.join(d, 'digits.csv.gz'), delimiter=',')\n"
-        "    return a[:, :-1], a[:, -1].astype(_np.int64)\n"
-        "def train_test_split(x, y, test_size=0.2, random_state=0, stratify=None):\n"
-        "    rng = _np.random.RandomState(random_state)\n"
-        "    ev = _np.sort(_np.concatenate([rng.permutation(_np.flatnonzero(y == c))\n"
-        "                                   [:int(round(test_size * (y == c).sum()))]\n"
-        "                                  for c in _np.unique(y)]))\n"
-        "    tr = _np.setdiff1d(_np.arange(len(y)), ev)\n"
-        "    return x[tr], x[ev], y[tr], y[ev]\n")
-
-    class _WhatIf:
-        def find_spec(self, name, path=None, target=None):
-            if not ((name == "distsync.workloads.digits" and "sklearn" in _CUTS)
-                    or (name == "distsync.cli" and "exit" in _CUTS)):
-                return None
-            spec = None
-            for finder in _sys.meta_path:
-                if finder is self or not hasattr(finder, "find_spec"):
-                    continue
-                spec = finder.find_spec(name, path, target)
-                if spec is not None:
-                    break
-            if spec is None or spec.loader is None:
-                return spec
-            inner = spec.loader.exec_module
-            if name == "distsync.workloads.digits":
-                def exec_module(module, _origin=spec.origin):
-                    src = open(_origin).read()
-                    lines = ("from sklearn.datasets import load_digits\n",
-                             "from sklearn.model_selection import train_test_split\n")
-                    new = src.replace(lines[0], "").replace(lines[1], _PRELUDE)
-                    if not all(line in src for line in lines):
-                        _sys.stderr.write("what-if: digits.py changed; the sklearn cut is not applied\n")
-                        return inner(module)
-                    exec(compile(new, _origin, "exec"), module.__dict__)
-            else:
-                def exec_module(module):
-                    inner(module)
-                    real = module.main
-
-                    def main(argv=None):
-                        code = real(argv)
-                        if argv is None:  # the console script: leave without finalization
-                            _sys.stdout.flush()
-                            _sys.stderr.flush()
-                            _os._exit(code if isinstance(code, int) else 0)
-                        return code
-                    module.main = main
-            spec.loader.exec_module = exec_module
-            return spec
-
-    _sys.meta_path.insert(0, _WhatIf())
-'''
+# The start-up profiling harness, a tool of its own (benchmarks/startup_profile/): the tracer, a
+# ``sitecustomize`` every Python process of a traced job imports; the what-if cuts, another; and
+# the profile of the launching process's ``main``. Each is loaded by its path.
+PROFILER = Path(__file__).resolve().parent / "startup_profile"
+TRACER_DIR = PROFILER / "tracer"  # holds the tracer's sitecustomize.py
+WHATIF_DIR = PROFILER / "whatif"  # holds the what-if cuts' sitecustomize.py
+PROFILE_MAIN = PROFILER / "profile_main.py"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -432,11 +204,9 @@ def git_state(src: str | None) -> dict:
 # (1) Timing
 # ---------------------------------------------------------------------------------------------
 def whatif_env(src: str | None, cuts: str, tmp: Path) -> dict[str, str]:
-    """The environment of a distsync run that simulates the cuts ``cuts`` (see WHATIF)."""
-    folder = tmp / "whatif"
-    folder.mkdir(exist_ok=True)
-    (folder / "sitecustomize.py").write_text(WHATIF)
-    env = base_env(src, str(folder))
+    """The environment of a distsync run that simulates the cuts ``cuts`` (see
+    benchmarks/startup_profile/whatif/sitecustomize.py)."""
+    env = base_env(src, str(WHATIF_DIR))
     env["STARTUP_WHATIF"] = cuts
     return env
 
@@ -511,7 +281,8 @@ def print_timing(t: dict, cores: int) -> None:
                   f"{d['median_cpu_s']:.2f} | {ratio:.2f}x | "
                   f"{'' if name == 'torchrun' else ('met' if ratio <= 1.5 else 'MISSED')} |")
     if t.get("whatifs"):
-        print("(what-if rows: the cuts simulated by a sitecustomize, see WHATIF in this file; not the code as it is)")
+        print("(what-if rows: the cuts simulated by a sitecustomize, see "
+              "benchmarks/startup_profile/whatif/sitecustomize.py; not the code as it is)")
 
 
 def compact(obj, drop=("per_worker", "t_start", "t_end", "from")):
@@ -529,12 +300,9 @@ def compact(obj, drop=("per_worker", "t_start", "t_end", "from")):
 # (2) Breakdown
 # ---------------------------------------------------------------------------------------------
 def traced_run(cmd: list[str], src: str | None, tmp: Path, name: str) -> tuple[dict, list[dict]]:
-    tracer_dir = tmp / "tracer"
-    tracer_dir.mkdir(exist_ok=True)
-    (tracer_dir / "sitecustomize.py").write_text(TRACER)
     trace = tmp / f"{name}.trace.jsonl"
     trace.unlink(missing_ok=True)
-    env = base_env(src, str(tracer_dir))
+    env = base_env(src, str(TRACER_DIR))
     env["STARTUP_TRACE"] = str(trace)
     res = timed(cmd, env, tmp / f"{name}.log")
     if res["rc"] != 0:
@@ -756,43 +524,8 @@ def importtime(code: str, src: str | None) -> dict:
     return {"code": code, "total_s": total, "self_s_by_package": top}
 
 
-PROFILE = r'''
-import cProfile, io, json, pstats, sys, time
-t0 = time.perf_counter()
-import distsync.cli as cli
-t1 = time.perf_counter()
-import distsync.runtime
-import distsync.runtime.launch
-summary = json.loads(open(sys.argv[1]).read())
-marks = {}
-def fake_launch(*args, **kwargs):
-    marks["launch"] = time.perf_counter()
-    return summary
-# the package's attribute `launch` is the function (it shadows the module's name)
-sys.modules["distsync.runtime"].launch = sys.modules["distsync.runtime.launch"].launch = fake_launch
-prof = cProfile.Profile()
-t2 = time.perf_counter()
-prof.enable()
-cli.main(["train", "--overwrite", "--workload", "digits", "--steps", "1", "--workers", sys.argv[2], "--out", sys.argv[3]])
-prof.disable()
-t3 = time.perf_counter()
-st = pstats.Stats(prof)
-rows = []
-for (fn, line, name), (cc, nc, tt, ct, callers) in st.stats.items():
-    rows.append({"function": f"{fn.split('site-packages/')[-1].split('/src/')[-1]}:{line}({name})", "cum_s": ct,
-                 "calls": nc})
-rows.sort(key=lambda r: -r["cum_s"])
-keep = [r for r in rows if not r["function"].startswith(("<frozen", "{built-in"))
-        and "importlib" not in r["function"]][:25]
-print(json.dumps({"import_cli_s": t1 - t0, "main_s": t3 - t2, "main_before_launch_s": marks["launch"] - t2,
-                  "main_after_launch_s": t3 - marks["launch"], "top_cumulative": keep}))
-'''
-
-
 def profile_main(summary_path: Path, n: int, src: str | None, tmp: Path) -> dict:
-    script = tmp / "profile_main.py"
-    script.write_text(PROFILE)
-    out = subprocess.run([sys.executable, str(script), str(summary_path), str(n), str(tmp / "profiled-run")],
+    out = subprocess.run([sys.executable, str(PROFILE_MAIN), str(summary_path), str(n), str(tmp / "profiled-run")],
                          capture_output=True, text=True, env=base_env(src), cwd=REPO, timeout=300)
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     if out.returncode != 0 or not lines:
@@ -1082,7 +815,8 @@ def render(raw: dict) -> dict[str, str]:
                              "1.00x" if name == "torchrun" else shown(ratio, unit="x"), target])
         lines += _md(["workers", "command", "wall (s)", "CPU (s)", "/ torchrun", "target <= 1.5x"], rows)
         if t.get("whatifs"):
-            lines += ["", "(what-if rows: the cuts simulated by a sitecustomize, see WHATIF in benchmarks/startup.py; "
+            lines += ["", "(what-if rows: the cuts simulated by a sitecustomize, see "
+                          "benchmarks/startup_profile/whatif/sitecustomize.py; "
                           "not the code as it is)"]
         blocks["startup"] = "\n".join(lines)
     b = raw.get("breakdown")
@@ -1133,7 +867,7 @@ def main() -> int:
                                  "(default: the installed one)")
     p.add_argument("--what-if", action="append", metavar="CUTS",
                    help="also time distsync with these cuts simulated (comma-separated, of sklearn, matplotlib, exit, "
-                        "dynamo; see WHATIF in this file); repeatable")
+                        "dynamo; see benchmarks/startup_profile/whatif/sitecustomize.py); repeatable")
     p.add_argument("--keep", action="store_true", help="keep the temporary folder (traces, logs)")
     args = p.parse_args()
     try:

@@ -149,7 +149,7 @@ def test_any_config_file_content_is_read_or_refused_in_one_line(tmp_path, conten
     ({"faults": "kill:1@3"}, "config field faults must be a list of strings, got 'kill:1@3'"),
     ({"checkpoint_every": 2.5}, "config field checkpoint_every must be an integer, a string or null, got 2.5"),
     ({"checkpoint_every": "9" * 400 + "s"}, "bad --checkpoint-every '999"),
-    ({"resume": "yes"}, "config field resume must be true or false, got 'yes'"),
+    ({"tensorboard": "yes"}, "config field tensorboard must be true or false, got 'yes'"),
     ({"a\nb": 1}, "unknown config field(s): 'a\\nb'"),
 ])
 def test_config_file_type_errors_name_field_and_kind(tmp_path, obj, message):

@@ -297,19 +297,20 @@ def expected_refusal(name: str, habit: str) -> str | None:
     """The start of the one line a cell is refused with, or None where it must train as its
     reference."""
     import distsync
+    from distsync.solvers import Capability
 
-    cls = type(distsync.make_solver(name))
+    can = type(distsync.make_solver(name)).capabilities
     if habit in ("zero_grad after backward", "model.zero_grad after backward"):
         return f"solver {name}: the gradients were zeroed between backward and the update"
     if habit == "step after block":
         return f"solver {name}: optimizer.step() between `with solver.step(i):` blocks would step a second time"
-    if habit in ("step, zero_grad in block", "fp16 GradScaler") and not cls.user_may_step:
+    if habit in ("step, zero_grad in block", "fp16 GradScaler") and Capability.USER_MAY_STEP not in can:
         return f"solver {name} applies the update itself: do not call optimizer.step()"
-    if habit == "unused parameter" and cls.refuses_unused:  # (allreduce: the reference's, tested)
+    if habit == "unused parameter" and Capability.REFUSES_UNUSED in can:  # (allreduce: the reference's, tested)
         return f"solver {name}: 2 parameter(s) got no gradient in step 1 (extra.weight, extra.bias)"
-    if cls.servers_apply_update and habit == "scheduler":
+    if Capability.SERVERS_APPLY_UPDATE in can and habit == "scheduler":
         return f"solver {name}: the servers apply the update at the learning rate given to distsync.serve()"
-    if cls.servers_apply_update and habit == "frozen parameter":
+    if Capability.SERVERS_APPLY_UPDATE in can and habit == "frozen parameter":
         return f"solver {name}: the servers update every parameter of the model, frozen ones too"
     if habit == "adamw" and name == "async-msgd":
         return "solver async-msgd: momentum=0.9 is SGD's server momentum"

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from distsync.config import LinkSpec, parse_link
+from distsync.config import Link, parse_link
 from distsync.errors import ConfigError
 from helpers import DISTSYNC, REPO, free_port, kill_tree, run_cli, run_ranks, children_of, env_of
 
@@ -33,9 +33,9 @@ def our_leftovers(pid: int) -> list[str]:
 
 
 def test_parse_link():
-    assert parse_link("200mbit") == LinkSpec(200e6, 0.0)
-    assert parse_link("1gbit,2ms") == LinkSpec(1e9, 0.002)
-    assert parse_link("1.5Gbit, 300us") == LinkSpec(1.5e9, 300e-6)
+    assert parse_link("200mbit") == Link(200e6, 0.0)
+    assert parse_link("1gbit,2ms") == Link(1e9, 0.002)
+    assert parse_link("1.5Gbit, 300us") == Link(1.5e9, 300e-6)
     for bad, msg in [("fast", "bad --link bandwidth 'fast'"), ("100mbit,2", "bad --link latency '2'"),
                      ("1mbit,2ms,3", "expected BANDWIDTH[,LATENCY]")]:
         with pytest.raises(ConfigError, match=msg.replace("[", r"\[").replace("]", r"\]")):

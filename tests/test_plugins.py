@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from distsync.config import Cadence, parse_fault
 from distsync.errors import DistsyncError
 from distsync.runtime import loop
 from distsync.runtime.plugins import (Checkpointer, ComputeGate, DeviceStretch, EmbeddingTablesClient,
@@ -21,7 +22,7 @@ from distsync.runtime.plugins import (Checkpointer, ComputeGate, DeviceStretch, 
                                       use_embedding_servers)
 from distsync.runtime.plugins import stretch as stretch_module
 from distsync.runtime.recovery import CheckpointPolicy, FaultInjector, WorkerRecovery
-from distsync.solvers.base import Solver
+from distsync.solvers.base import Capability, Solver
 
 CHECKPOINT_KEYS = ["index", "step", "model", "optimizer", "solver", "rng", "events", "clock", "unix", "last_loss"]
 
@@ -215,7 +216,7 @@ def test_gate_refuses_hogwild_threads():
 # ---- faults -------------------------------------------------------------------------------
 
 def test_nan_fault_poisons_exactly_the_named_step(tmp_path):
-    plugin = FaultInjection(FaultInjector(["nan:0@3", "nan:1@2"], tmp_path, 0, ["worker", "worker"]))
+    plugin = FaultInjection(FaultInjector([parse_fault("nan:0@3"), parse_fault("nan:1@2")], tmp_path, 0, ["worker", "worker"]))
     run = make_run([plugin])
     losses = []
     for step in range(6):
@@ -335,7 +336,7 @@ def test_checkpointer_writes_the_same_keys_when_due():
     store, log = FakeStore(), []
     solver = Solver()
     solver.checkpoint_peers = lambda index, done: log.append(("solver", index, done))
-    ckpt = Checkpointer(WorkerRecovery(store=store, policy=CheckpointPolicy(4)))
+    ckpt = Checkpointer(WorkerRecovery(store=store, policy=CheckpointPolicy(Cadence(steps=4))))
     run = make_run([PeerLog(log), DeviceStretch(1.0, 0.0, [3]), Evaluator(), ckpt], solver=solver)
     run.last_loss, run.events = 0.5, [{"kind": "start"}]
     for done in range(1, 9):
@@ -362,7 +363,7 @@ def test_no_store_no_checkpoint():
 
 def _checkpoint_state():
     store = FakeStore()
-    ckpt = Checkpointer(WorkerRecovery(store=store, policy=CheckpointPolicy(6)))
+    ckpt = Checkpointer(WorkerRecovery(store=store, policy=CheckpointPolicy(Cadence(steps=6))))
     run = make_run([DeviceStretch(1.0, 0.5, [7]), ckpt])
     run.model(torch.ones(1, 3)).sum().backward()
     run.optimizer.step()  # momentum buffers to restore
@@ -661,7 +662,7 @@ def test_train_worker_stops_on_a_nan_loss(tmp_path):
     from distsync.workloads import load_workload
 
     cfg, workload = _digits_cfg(), load_workload("digits")
-    recovery = WorkerRecovery(faults=FaultInjector(["nan:0@2"], tmp_path, 0, ["worker"]), run_dir=tmp_path)
+    recovery = WorkerRecovery(faults=FaultInjector([parse_fault("nan:0@2")], tmp_path, 0, ["worker"]), run_dir=tmp_path)
     with pytest.raises(DistsyncError, match=r"^worker rank 0: loss is nan at step 2; stopping \(try a lower --lr\)$"):
         loop.train_worker(cfg, workload, Solver(), FakeComm(), torch.device("cpu"), Progress(None, 6),
                           recovery=recovery)
@@ -713,12 +714,13 @@ def test_stretch_asks_the_shared_device_for_the_emulated_time_instead_of_sleepin
 
 
 def test_stretch_shares_its_device_only_when_crossover_says_so():
-    cfg = SimpleNamespace(slow={}, jitter=0.0, seed=0, device_ms=10.0, timeout_s=5.0,
-                          crossover={"address": "/nowhere", "job": 1, "token": False, "share": True})
-    assert DeviceStretch.for_worker(cfg, rank=0, threads=1)._share is not None
-    for change in ({"device_ms": None}, {"crossover": {"address": "/nowhere", "job": 1, "token": True,
-                                                        "share": False}}, {"crossover": None}):
-        plugin = DeviceStretch.for_worker(SimpleNamespace(**{**vars(cfg), **change}), rank=0, threads=1)
+    cfg = SimpleNamespace(slow={}, jitter=0.0, seed=0, device_ms=10.0, timeout_s=5.0)
+    shared = {"address": "/nowhere", "job": 1, "token": False, "share": True}
+    assert DeviceStretch.for_worker(cfg, rank=0, threads=1, crossover=shared)._share is not None
+    for change, crossover in (({"device_ms": None}, shared),
+                              ({}, {"address": "/nowhere", "job": 1, "token": True, "share": False}), ({}, None)):
+        plugin = DeviceStretch.for_worker(SimpleNamespace(**{**vars(cfg), **change}), rank=0, threads=1,
+                                          crossover=crossover)
         assert plugin._share is None
         plugin.on_ready(make_run([plugin]))  # nothing to connect
         assert plugin.stretches[0].shared is None
@@ -726,6 +728,8 @@ def test_stretch_shares_its_device_only_when_crossover_says_so():
 
 class CommunicationStartSolver(Solver):
     """A solver that says, inside backward, when only its communication is left (as ddp)."""
+
+    capabilities = Solver.capabilities | {Capability.SIGNALS_COMMUNICATION}
 
     def on_communication(self, callback) -> None:
         self.callback = callback
@@ -750,8 +754,8 @@ def test_gate_gives_the_token_back_where_the_solvers_communication_starts():
 
 
 def test_no_gate_where_the_jobs_run_without_the_token():
-    cfg = SimpleNamespace(crossover={"address": "/nowhere", "job": 0, "token": False, "share": True}, timeout_s=5.0)
+    cfg = SimpleNamespace(timeout_s=5.0)
     solver = SimpleNamespace(threads=1, name="allreduce")
-    assert ComputeGate.for_worker(cfg, FakeComm(), solver) is None
-    cfg.crossover = {"address": "/nowhere", "job": 0}
-    assert isinstance(ComputeGate.for_worker(cfg, FakeComm(), solver), ComputeGate)
+    naive = {"address": "/nowhere", "job": 0, "token": False, "share": True}
+    assert ComputeGate.for_worker(naive, cfg, FakeComm(), solver) is None
+    assert isinstance(ComputeGate.for_worker({"address": "/nowhere", "job": 0}, cfg, FakeComm(), solver), ComputeGate)

@@ -192,7 +192,7 @@ def test_training_options_reach_train_mode_the_request_and_the_printed_command(t
     assert "--lr 0.05" in slow["ranked"][0]["command"] and "--lr 0.05" in proc.stdout
     args = _build_parser().parse_args(shlex.split(row["command"])[1:])
     cfg = config_from_args(args, args.solver, {})
-    assert (cfg.momentum, cfg.optimizer, cfg.lr, cfg.budget) == (0.9, "sgd", None, "target")
+    assert (cfg.momentum, cfg.optimizer, cfg.lr, str(cfg.budget)) == (0.9, "sgd", None, "target")
 
 
 def test_a_target_value_ranks_by_the_time_to_reach_it():

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distsync.config import RunConfig
+from distsync.config import Cadence, RunConfig, parse_fault
 from distsync.runtime.checkpoint import CheckpointStore, fingerprint
 from distsync.runtime.recovery import CheckpointPolicy, FaultInjector, summarize_recovery
 from helpers import alive, children_of, run_cli
@@ -86,22 +86,22 @@ def test_kill_9_while_writing_a_checkpoint_leaves_a_loadable_one(tmp_path):
 
 
 def test_faults_fire_once_per_run(tmp_path):
-    faults = FaultInjector(["stall:1@3:0.01", "stall:0@3:5"], tmp_path, 1, ["worker", "worker"])
+    faults = FaultInjector([parse_fault("stall:1@3:0.01"), parse_fault("stall:0@3:5")], tmp_path, 1, ["worker", "worker"])
     assert [f.spec for f in faults.pending] == ["stall:1@3:0.01"]  # only this rank's
     assert faults.at(2) is None and faults.pending
     faults.at(3)
     assert not faults.pending
     fired = [json.loads(line) for line in (tmp_path / "faults.jsonl").read_text().splitlines()]
     assert [(f["spec"], f["rank"], f["step"]) for f in fired] == [("stall:1@3:0.01", 1, 3)]
-    again = FaultInjector(["stall:1@3:0.01"], tmp_path, 1, ["worker", "worker"])  # a restarted process
+    again = FaultInjector([parse_fault("stall:1@3:0.01")], tmp_path, 1, ["worker", "worker"])  # a restarted process
     assert again.pending == []
-    server = FaultInjector(["kill:server@5"], tmp_path, 2, ["worker", "worker", "server", "server"])
+    server = FaultInjector([parse_fault("kill:server@5")], tmp_path, 2, ["worker", "worker", "server", "server"])
     assert [f.spec for f in server.pending] == ["kill:server@5"]  # the first server only
-    assert FaultInjector(["kill:server@5"], tmp_path, 3, ["worker", "worker", "server", "server"]).pending == []
+    assert FaultInjector([parse_fault("kill:server@5")], tmp_path, 3, ["worker", "worker", "server", "server"]).pending == []
 
 
 def test_step_policy_and_recovery_figures():
-    policy = CheckpointPolicy(20)
+    policy = CheckpointPolicy(Cadence(steps=20))
     assert [d for d in range(1, 101) if policy.due(d) is not None] == [20, 40, 60, 80, 100]
     assert policy.index == 5
     assert CheckpointPolicy(None).due(20) is None
@@ -134,14 +134,14 @@ def test_time_policy_takes_worker_0s_announced_step_on_every_worker(monkeypatch)
     now = [0.0]
     monkeypatch.setattr(time, "monotonic", lambda: now[0])
     store: dict = {}
-    lead, other = CheckpointPolicy("10s", _FakeStoreComm(store, 0)), CheckpointPolicy("10s", _FakeStoreComm(store, 1))
+    lead, other = CheckpointPolicy(Cadence(seconds=10), _FakeStoreComm(store, 0)), CheckpointPolicy(Cadence(seconds=10), _FakeStoreComm(store, 1))
     assert [lead.due(d) for d in (1, 2)] == [None, None] and other.due(1) is None
     now[0] = 10.5  # worker 0's interval is up at its step 3: it announces step 3 + 3
     assert lead.due(3) is None
     assert other.due(2) is None and other.due(5) is None  # the other worker learns it, a step behind
     assert lead.due(6) == 1 and other.due(6) == 1
     assert lead.due(7) is None and other.due(7) is None  # the next one only after another 10 s
-    behind = CheckpointPolicy("10s", _FakeStoreComm(store, 1))
+    behind = CheckpointPolicy(Cadence(seconds=10), _FakeStoreComm(store, 1))
     assert behind.due(40) == 1  # a worker already past the announced step takes it at once
 
 
@@ -309,7 +309,7 @@ def test_a_stopped_run_says_how_to_resume_it_or_why_it_cannot(tmp_path, monkeypa
 
     def stopped_launch(run, out, progress):  # stopped at step 12, as Ctrl-C would
         out.mkdir(parents=True, exist_ok=True)
-        run.config.write(out / "config.json")
+        run.write(out / "config.json")
         if written:
             for rank in range(2):
                 CheckpointStore(out / "checkpoints", rank, list(run.role_of),

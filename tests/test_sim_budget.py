@@ -111,7 +111,7 @@ def test_an_ordered_rule_stops_inside_its_timing_model_at_the_budget():
     at the job's 250th step; the fast workers took about 3x the slow one's steps."""
     res = simulate_training("ad-psgd", {}, load_workload("digits"), 4, 10, batch_size=16, lr=0.1,
                             cluster=Cluster(4, GBIT), worker_model=WorkerModel(0.02, slow={1: 3.0}),
-                            budget="samples=4000")
+                            budget=parse_budget("samples=4000"))
     assert sum(res.steps_by) == 250
     fast = [k for w, k in enumerate(res.steps_by) if w != 1]
     assert min(fast) >= 2.5 * res.steps_by[1]
@@ -120,7 +120,7 @@ def test_an_ordered_rule_stops_inside_its_timing_model_at_the_budget():
 
 def test_a_lockstep_rule_takes_the_budgeted_timing_models_steps():
     res = simulate_training("allreduce", {}, load_workload("digits"), 2, 10, batch_size=16, lr=0.1,
-                            cluster=Cluster(2, GBIT), worker_model=TWO, budget="samples=640")
+                            cluster=Cluster(2, GBIT), worker_model=TWO, budget=parse_budget("samples=640"))
     assert len(res.curve) and res.curve[-1]["step"] == 640 // 32 - 1
     step = 0.03 + Cluster(2, GBIT).allreduce_s(sum(p.numel() * 4 for p in load_workload("digits").make_model()
                                                    .parameters()))

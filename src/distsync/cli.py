@@ -236,37 +236,6 @@ def _solver_option_items(args: argparse.Namespace) -> list[str]:
     return items
 
 
-def _out_folder(path: Path, overwrite: bool, finished: str) -> Path:
-    """``--out``, checked before anything runs: a folder this process can write, that holds
-    no finished run (``finished``: the file a finished run leaves) unless ``overwrite``."""
-    from distsync.errors import ConfigError
-
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"--out {path} is a file, not a folder")
-    if (path / finished).exists() and not overwrite:
-        what = "a finished run"
-        try:
-            if json.loads((path / finished).read_text()).get("partial"):
-                what = "the partial results of a run that did not finish"
-        except (OSError, ValueError, AttributeError):
-            pass
-        raise ConfigError(f"--out {path} holds {what} ({finished}): pass --overwrite to replace it, "
-                          f"or choose another --out")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".distsync-write-test-{os.getpid()}"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError(f"--out {path}: cannot write there ({e.strerror or e})") from None
-    return path
-
-
-def _default_out(kind: str, workload: str, solver: str) -> Path:
-    tag = workload.replace("/", "_").replace(":", "_").replace(".py", "")
-    return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{kind}-{tag}-{solver}"
-
-
 def _progress() -> Progress:
     return Progress(
         TextColumn("[bold]{task.description:<12}"),
@@ -337,6 +306,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from distsync.options import config_from_args
     from distsync.runtime.resolve import resolve
     from distsync.runtime.launch import launch
+    from distsync.runtime.run_folder import train_folder
 
     if args.resume:
         run = _resume(args)
@@ -344,9 +314,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     else:
         cfg = config_from_args(args, args.solver, parse_key_values(_solver_option_items(args)))
         run = resolve(cfg)
-    out = Path(run.config.out) if run.config.out else _default_out("train", cfg.workload, cfg.solver)
-    if not args.resume:  # (a resumed run goes on in its own folder)
-        _out_folder(out, args.overwrite, "summary.json")
+    out = train_folder(run.config.out, cfg.workload, cfg.solver, resuming=bool(args.resume), overwrite=args.overwrite)
 
     def start(on_start, on_progress):
         on_start(cfg.solver, run.config)
@@ -377,15 +345,10 @@ def _took(seconds: float) -> str:
 def _print_recovery(summary: dict[str, Any]) -> None:
     """One line per death the run survived or restarted on (workers dropped, servers and
     coordinators replaced), and per injected kill that restarted the job."""
+    from distsync.runtime.fault_match import worker_deaths
+
     rec = summary.get("recovery") or {}
-    went_on = [f for f in rec.get("faults", []) if f.get("dropped") or "went_on_s" in f]
-    marks = [(d, False) for d in rec.get("dropped", [])] + [(d, True) for d in rec.get("replaced", [])]
-    for d, taken_over in sorted(marks, key=lambda m: m[0].get("unix", 0)):
-        # the row of this death (injected or not: each death's row names its mark); a record
-        # without that: (a rank may die more than once: its replacement too) the nearest
-        mine = [f for f in went_on if "dropped_at" in f and f["dropped_at"] == d.get("unix")] or \
-            [f for f in went_on if f["rank"] == d["rank"] and "dropped_at" not in f and "dead_at" not in f]
-        f = min(mine, key=lambda f: abs(f["step"] - 1 - (d.get("last_step") or 0))) if mine else None
+    for d, taken_over, f in worker_deaths(rec):
         if f and "went_on_s" in f and "live_workers" in f:
             how = (f"; the other {f['live_workers']} re-formed their group without it in {_took(f['went_on_s'])} "
                    f"and trained on")
@@ -433,14 +396,14 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     from distsync.config import parse_key_values
     from distsync.experiments.compare import check_repeats, compare, fixed_steps_note, resolve_comparison
     from distsync.options import config_from_args
+    from distsync.runtime.run_folder import compare_folder
 
     solvers = [s.strip() for s in args.solvers.split(",") if s.strip()]
     runs = resolve_comparison(config_from_args(args, "allreduce", {}), solvers,
                               parse_key_values(_solver_option_items(args)))
     base = runs[0].config
     check_repeats(args.repeats, base.seed)
-    out = _out_folder(Path(base.out) if base.out else _default_out("compare", base.workload, "-".join(solvers[:4])),
-                      args.overwrite, "report.md")
+    out = compare_folder(base.out, base.workload, solvers, args.overwrite)
     groups = _run_with_progress(
         lambda on_start, on_progress: compare(runs, out, on_start, on_progress, repeats=args.repeats),
         args.progress_every)
@@ -475,8 +438,9 @@ def _numbers(text: str, what: str, kind=float) -> list:
 def _cmd_linktest(args: argparse.Namespace) -> int:
     from distsync.config import format_rate
     from distsync.runtime.linktest import linktest
+    from distsync.runtime.run_folder import out_or_default
 
-    out = Path(args.out) if args.out else Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-linktest"
+    out = out_or_default(args.out, "linktest")
     result = linktest(args.workers, args.link, _numbers(args.sizes, "sizes"), args.repeats, args.timeout_s, out)
     rate = result["configured_bps"]
     table = Table(title=f"linktest: {args.workers} workers, link {args.link or 'loopback (unshaped)'}")
@@ -495,11 +459,11 @@ def _cmd_linktest(args: argparse.Namespace) -> int:
 
 def _cmd_crossover(args: argparse.Namespace) -> int:
     from distsync.experiments.crossover import load_plan, run_crossover
+    from distsync.runtime.run_folder import crossover_folder
 
     plan = load_plan(Path(args.jobs), {"policy": args.policy, "modes": args.modes, "workers": args.workers,
                                        "link": args.link, "out": args.out})
-    if args.out is None and plan.out == "runs/crossover":
-        plan.out = str(Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-crossover")
+    plan.out = crossover_folder(plan.out, args.out)
     names = [j.name for j in plan.jobs]
 
     def finished(mode: str, job: str) -> None:
@@ -589,12 +553,13 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     from distsync.config import parse_key_values
     from distsync.experiments import split_solver_options
     from distsync.options import training_from_args
+    from distsync.runtime.run_folder import out_or_default
     from distsync.sim.sweep import run_sweep, winners
 
     workers = _numbers(args.workers, "workers", int)
     ratios = _numbers(args.ratios, "ratios")
     shares = _numbers(args.slow_shares, "slow-shares")
-    out = Path(args.out) if args.out else Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-sweep"
+    out = out_or_default(args.out, "sweep")
     solvers = [s.strip() for s in args.solvers.split(",") if s.strip()]
     options = split_solver_options(solvers, parse_key_values(args.solver_option))
     training = training_from_args(args)
@@ -630,6 +595,7 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
     from distsync.errors import ConfigError
     from distsync.experiments.recommend import Request, recommend, verify, write_outputs
     from distsync.options import training_from_args
+    from distsync.runtime.run_folder import out_or_default, workload_tag
 
     solvers = [s.strip() for s in args.solvers.split(",") if s.strip()] if args.solvers else None
     request = Request(workload=args.workload, workers=args.workers, link=args.link, slow_fraction=args.slow_fraction,
@@ -640,8 +606,7 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
         raise ConfigError(f"--verify must be >= 0, got {args.verify}")
     if not args.verify_seconds > 0:
         raise ConfigError(f"--verify-seconds must be > 0, got {args.verify_seconds:g}")
-    tag = args.workload.replace("/", "_").replace(":", "_").replace(".py", "")
-    out = Path(args.out) if args.out else Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-recommend-{tag}"
+    out = out_or_default(args.out, "recommend", workload_tag(args.workload))
     with _progress() as bar:
         task = bar.add_task("searching", total=None, status="measuring", where="")
 

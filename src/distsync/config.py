@@ -260,8 +260,12 @@ class Budget:
     seconds: float | None = None
     target: bool = False
     target_value: float | None = None
+    #: the text it was parsed from (what config.json and messages show)
+    spec: str = field(default="", compare=False)
 
     def __str__(self) -> str:
+        if self.spec:
+            return self.spec
         parts = [f"samples={self.samples}" if self.samples is not None else "",
                  f"seconds={self.seconds:g}" if self.seconds is not None else "",
                  ("target" + (f"={self.target_value:g}" if self.target_value is not None else "")) if self.target
@@ -299,7 +303,7 @@ def parse_budget(spec: str | None) -> Budget | None:
             raise ConfigError(f"bad --budget {part.strip()!r}: {kind} must be > 0")
         found[kind] = number
     return Budget(samples=found.get("samples"), seconds=found.get("seconds"), target="target" in found,
-                  target_value=found.get("target"))
+                  target_value=found.get("target"), spec=spec)
 
 
 def parse_slow(spec: str | None) -> dict[int, float]:
@@ -329,15 +333,30 @@ def parse_slow(spec: str | None) -> dict[int, float]:
 
 
 @dataclass(frozen=True)
-class LinkSpec:
-    """A host's link: bandwidth in bits per second (each direction), one-way latency in seconds."""
+class Link:
+    """A link: bandwidth in bits per second (each direction) and one-way latency in seconds.
+    One type for real runs (``--link``, an emulated network) and the simulator (the
+    alpha-beta model). ``spec``: the text it was parsed from, kept for messages."""
 
     bandwidth_bps: float
     latency_s: float = 0.0
+    spec: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth_bps > 0 or not self.latency_s >= 0 or not math.isfinite(self.bandwidth_bps + self.latency_s):
+            raise ConfigError(f"a link needs bandwidth > 0 and latency >= 0, got {self.bandwidth_bps}, {self.latency_s}")
 
     @property
     def text(self) -> str:
+        """``BANDWIDTH[,LATENCY]`` as the command line takes it (the numbers', not ``spec``)."""
         return f"{format_rate(self.bandwidth_bps)}" + (f",{self.latency_s * 1e3:g}ms" if self.latency_s else "")
+
+    def __str__(self) -> str:
+        return self.spec or self.text
+
+    def transfer_s(self, nbytes: float) -> float:
+        """One message of ``nbytes``: latency plus serialization."""
+        return self.latency_s + 8.0 * nbytes / self.bandwidth_bps
 
 
 def format_rate(bps: float) -> str:
@@ -347,7 +366,7 @@ def format_rate(bps: float) -> str:
     return f"{bps:g}bit"
 
 
-def parse_link(spec: str) -> LinkSpec:
+def parse_link(spec: str) -> Link:
     """``BANDWIDTH[,LATENCY]``: e.g. ``200mbit``, ``1gbit,2ms``, ``500kbit,300us``."""
     parts = [p.strip().lower() for p in spec.split(",")]
     if not 1 <= len(parts) <= 2:
@@ -368,7 +387,7 @@ def parse_link(spec: str) -> LinkSpec:
         latency = float(m.group(1)) * _UNITS_S[m.group(2)]
         if not math.isfinite(latency):
             raise ConfigError(f"bad --link latency {parts[1]!r}: expected a finite number, e.g. 2ms")
-    return LinkSpec(bps, latency)
+    return Link(bps, latency, spec.strip())
 
 
 def parse_key_values(items: list[str] | None, what: str = "--solver-option") -> dict[str, str]:
@@ -405,6 +424,9 @@ class Fault:
     seconds: float = 0.0
     spec: str = ""
 
+    def __str__(self) -> str:
+        return self.spec or f"{self.kind}:{self.target}@{self.step}" + (f":{self.seconds:g}" if self.kind == "stall" else "")
+
 
 def parse_fault(spec: str) -> Fault:
     """``kill:RANK@STEP``, ``kill:server@STEP`` (also coordinator, embedding-server),
@@ -431,24 +453,83 @@ def parse_fault(spec: str) -> Fault:
     return Fault(kind, target, step, float(seconds or 0.0), spec.strip())
 
 
-def checkpoint_interval(value: Any) -> tuple[int | None, float | None]:
-    """``(steps, seconds)`` of ``--checkpoint-every``: ``50`` is every 50 steps, ``"30s"``
-    every 30 seconds; ``None`` never."""
+@dataclass(frozen=True)
+class Cadence:
+    """How often checkpoints are written (``--checkpoint-every``): every ``steps`` steps or
+    every ``seconds`` seconds; neither: never."""
+
+    steps: int | None = None
+    seconds: float | None = None
+
+    def __bool__(self) -> bool:
+        return self.steps is not None or self.seconds is not None
+
+    def __str__(self) -> str:
+        return str(self.steps) if self.steps is not None else f"{self.seconds:g}s" if self.seconds is not None else ""
+
+    @property
+    def value(self) -> int | str | None:
+        """As config.json holds it: the steps as an integer, seconds as ``"Ns"``, never as None."""
+        return self.steps if self.steps is not None else str(self) or None
+
+
+def checkpoint_interval(value: Any) -> Cadence:
+    """The cadence of ``--checkpoint-every``: ``50`` is every 50 steps, ``"30s"`` every 30
+    seconds; ``None`` never."""
     if value is None:
-        return None, None
+        return Cadence()
     if isinstance(value, bool):
         raise ConfigError(f"bad --checkpoint-every {value!r}: expected STEPS or SECONDS with s, e.g. 50 or 30s")
     if isinstance(value, int):
         if value < 1:
             raise ConfigError(f"--checkpoint-every must be >= 1 step, got {value}")
-        return value, None
+        return Cadence(steps=value)
     m = re.fullmatch(r"\s*([0-9]{1,18})\s*", value) if isinstance(value, str) else None
     if m:
         return checkpoint_interval(int(m.group(1)))
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*s\s*", value) if isinstance(value, str) else None
     if not m or not 0 < float(m.group(1)) < math.inf:
         raise ConfigError(f"bad --checkpoint-every {value!r}: expected STEPS or SECONDS with s, e.g. 50 or 30s")
-    return None, float(m.group(1))
+    return Cadence(seconds=float(m.group(1)))
+
+
+#: what a launcher writes into a run folder's config.json beside the config
+#: (:class:`distsync.runtime.resolve.Launch`)
+LAUNCH_KEYS = ("resolved", "link_latency_mode", "crossover", "resume")
+
+
+@dataclass
+class RunOptionText:
+    """The run options as a command line or config file gives them (what RunConfig takes)."""
+
+    link: str | None = None
+    budget: str | None = None
+    checkpoint_every: int | str | None = None
+    faults: list[str] = field(default_factory=list)
+
+
+_RUN_OPTION_TEXT = {f.name: f.type for f in dataclasses.fields(RunOptionText)}
+#: the RunConfig fields given as text and held as values (:func:`run_option`)
+RUN_OPTION_NAMES = tuple(_RUN_OPTION_TEXT)
+_RUN_OPTION_TYPES: dict[str, Any] = {"link": (Link, type(None)), "budget": (Budget, type(None)),
+                                     "checkpoint_every": (Cadence, type(None)), "faults": ()}
+
+
+def run_option(name: str, value: Any) -> Any:
+    """``value`` of run option ``name`` as its type (text parsed; values kept as they are)."""
+    if isinstance(value, _RUN_OPTION_TYPES[name]) or (
+            name == "faults" and isinstance(value, (list, tuple)) and value and all(isinstance(f, Fault) for f in value)):
+        return list(value) if name == "faults" else value
+    check_field_types(RunOptionText, {name: value})
+    return _RUN_OPTION_PARSE[name](value)
+
+
+_RUN_OPTION_PARSE: dict[str, Callable[[Any], Any]] = {
+    "link": lambda v: None if v is None else parse_link(v),
+    "budget": parse_budget,
+    "checkpoint_every": lambda v: checkpoint_interval(v) or None,
+    "faults": lambda v: [parse_fault(f) for f in v],
+}
 
 
 @dataclass
@@ -502,7 +583,7 @@ class RunConfig:
     device_ms: float | None = bounded(None, gt=0, flag="--device-ms", note=" milliseconds")
     #: a budget for the job as a whole instead of steps per worker: "samples=N",
     #: "seconds=S", "target" or "target=VALUE", several joined by commas (:func:`parse_budget`)
-    budget: str | None = None
+    budget: Budget | None = None
     timeout_s: float = bounded(60.0, gt=0, flag="--timeout", note=" seconds")
     intra_op_threads: int = bounded(1, ge=1, flag="--intra-op-threads")
     device: str = bounded("auto", choices=DEVICES, flag="--device")
@@ -516,23 +597,17 @@ class RunConfig:
     #: each worker writes TensorBoard event files as it trains (RUN/tensorboard/worker-RANK)
     tensorboard: bool = False
     #: emulated link of every process, ``BANDWIDTH[,LATENCY]`` (see :func:`parse_link`)
-    link: str | None = None
-    #: how the link's latency was applied: "netem", "comm" (per operation in the comm
-    #: layer) or "none"; set by the launcher
-    link_latency_mode: str | None = None
+    link: Link | None = None
     #: processes holding the model's embedding tables (None: the workload's default)
     embedding_servers: int | None = bounded(None, ge=0, flag="--embedding-servers")
     #: how embedding servers update rows: "adagrad" or "sgd"
     embedding_optimizer: str = bounded("adagrad", choices=EMBEDDING_OPTIMIZERS, flag="--embedding-optimizer")
     #: their learning rate (None: the workload's)
     embedding_lr: float | None = bounded(None, gt=0, flag="--embedding-lr")
-    #: set by ``distsync crossover``: ``{"address": UNIX_SOCKET_PATH, "job": index}`` of the
-    #: compute-token server this job's workers ask before computing
-    crossover: dict[str, Any] | None = None
     task: str = bounded("train", choices=TASKS, flag="task")
     task_options: dict[str, Any] = field(default_factory=dict)
     #: write a checkpoint every N steps (an int) or every N seconds (``"30s"``); None: never
-    checkpoint_every: int | str | None = None
+    checkpoint_every: Cadence | None = None
     #: how many times torch's elastic agent restarts the job (from its last checkpoint)
     #: after a process fails; 0: the first failure ends the job
     max_restarts: int = bounded(0, ge=0, le=100, flag="--max-restarts")
@@ -542,13 +617,16 @@ class RunConfig:
     #: once the job goes on with fewer workers: "keep" the learning rate, or "scale" it by
     #: live workers / workers (the global batch shrank by that much)
     shrink_lr: str = bounded("keep", choices=SHRINK_LR, flag="--shrink-lr")
-    #: continue from the run folder's last complete checkpoint (``distsync train --resume``)
-    resume: bool = False
     #: injected faults, e.g. ``["kill:1@40", "kill:server@30", "stall:0@20:3"]`` (:func:`parse_fault`)
-    faults: list[str] = field(default_factory=list)
-    #: set by :func:`distsync.runtime.resolve.resolve`: every default filled in and every value
-    #: checked, so the job's processes take this config as it is
-    resolved: bool = False
+    faults: list[Fault] = field(default_factory=list)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # The run options given as text (command line, config file, Python, or set later)
+        # become values here, where they enter a config: nothing below parses them again.
+        # Values of other types are left for validate() to name.
+        if name in _RUN_OPTION_TEXT:
+            value = run_option(name, value)
+        object.__setattr__(self, name, value)
 
     def validate(self) -> "RunConfig":
         """Check every field; raise :class:`ConfigError` with a one-line message."""
@@ -557,12 +635,8 @@ class RunConfig:
         check_ranges(self)
         if not -SEED_LIMIT <= self.seed <= SEED_LIMIT:
             raise ConfigError(f"--seed must be an integer in -{SEED_LIMIT}..{SEED_LIMIT}, got {self.seed!r}")
-        if self.link is not None:
-            parse_link(self.link)
-        checkpoint_interval(self.checkpoint_every)
-        parse_budget(self.budget)
-        for spec in self.faults:
-            fault = parse_fault(spec)
+        for fault in self.faults:
+            spec = fault.spec
             if isinstance(fault.target, int) and not 0 <= fault.target < self.workers:
                 raise ConfigError(f"bad --fault {spec!r}: rank {fault.target} is not a worker "
                                   f"(workers are ranks 0..{self.workers - 1}; use server, coordinator or "
@@ -577,18 +651,26 @@ class RunConfig:
         return self
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
+        """The config as config.json holds it: run options as their text."""
+        typed = {n: getattr(self, n) for n in _RUN_OPTION_TEXT}
+        d = dataclasses.asdict(dataclasses.replace(self, **{n: None if n != "faults" else [] for n in typed}))
         d["slow"] = {str(k): v for k, v in self.slow.items()}
+        d.update(link=None if self.link is None else str(self.link),
+                 budget=None if self.budget is None else str(self.budget),
+                 checkpoint_every=None if self.checkpoint_every is None else self.checkpoint_every.value,
+                 faults=[f.spec for f in self.faults])
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "RunConfig":
         """A config from a parsed file's object; types and values are checked by :meth:`validate`."""
         known = {f.name for f in dataclasses.fields(cls)}
+        # (a run folder's config.json also holds what its launcher decided: read by
+        # distsync.runtime.resolve.read_resolved, never part of a config)
+        d = {k: v for k, v in d.items() if k not in LAUNCH_KEYS}
         unknown = sorted(set(d) - known, key=str)
         if unknown:
             raise ConfigError(f"unknown config field(s): {show_names(unknown)}")
-        d = dict(d)
         slow = {} if d.get("slow") is None else d["slow"]  # null: no slow workers, as before
         if isinstance(slow, dict):
             # JSON and TOML keys are strings: "1" is rank 1. Anything else is left for

@@ -4,10 +4,11 @@ how the model trains (:func:`add_training_options`) is shared with the simulator
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 from typing import Any
 
-from distsync.config import RunConfig, parse_key_values, parse_slow
+from distsync.config import ON_FAILURE, SHRINK_LR, RunConfig, parse_key_values, parse_slow
 
 
 def finite_float(text: str) -> float:
@@ -20,6 +21,13 @@ def finite_float(text: str) -> float:
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
     return value
+
+
+def run_default(name: str) -> Any:
+    """RunConfig's default for field ``name``: a command-line option's default comes from the
+    dataclass (its allowed values too, checked when the config is validated)."""
+    f = next(f for f in dataclasses.fields(RunConfig) if f.name == name)
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
 #: RunConfig's fields for how the model trains: ``distsync train`` and the simulator's commands
@@ -44,15 +52,19 @@ def add_training_options(g: Any, *, defaults: dict[str, int] | None = None) -> N
     g.add_argument("--batch-size", type=int, default=defaults.get("batch_size"),
                    help=f"samples per worker per step (default: {shown['batch_size']})")
     g.add_argument("--lr", type=finite_float, help="learning rate (default: the workload's)")
-    g.add_argument("--optimizer", default="sgd",
-                   help="sgd | adam | adamw | lars, on the workers and on servers that apply updates (default: sgd)")
-    g.add_argument("--momentum", type=finite_float, default=0.0, help="the optimizer's momentum (default: 0)")
-    g.add_argument("--weight-decay", type=finite_float, default=0.0, help="the optimizer's weight decay (default: 0)")
-    g.add_argument("--lars-eta", type=finite_float, default=0.001, help="LARS trust coefficient (default: 0.001)")
-    g.add_argument("--precision", default="fp32",
-                   help="fp32 | bf16 | fp16: the forward pass and the loss under bfloat16 or float16 autocast "
-                        "(fp16 with a dynamic loss scaler); parameters, gradients and communication stay fp32 "
-                        "(default: fp32)")
+    g.add_argument("--optimizer", default=run_default("optimizer"),
+                   help=f"sgd | adam | adamw | lars, on the workers and on servers that apply updates "
+                        f"(default: {run_default('optimizer')})")
+    g.add_argument("--momentum", type=finite_float, default=run_default("momentum"),
+                   help=f"the optimizer's momentum (default: {run_default('momentum'):g})")
+    g.add_argument("--weight-decay", type=finite_float, default=run_default("weight_decay"),
+                   help=f"the optimizer's weight decay (default: {run_default('weight_decay'):g})")
+    g.add_argument("--lars-eta", type=finite_float, default=run_default("lars_eta"),
+                   help=f"LARS trust coefficient (default: {run_default('lars_eta'):g})")
+    g.add_argument("--precision", default=run_default("precision"),
+                   help=f"fp32 | bf16 | fp16: the forward pass and the loss under bfloat16 or float16 autocast "
+                        f"(fp16 with a dynamic loss scaler); parameters, gradients and communication stay fp32 "
+                        f"(default: {run_default('precision')})")
     g.add_argument("--eval-every", type=int, default=defaults.get("eval_every"),
                    help=f"evaluate every N steps (default: {shown['eval_every']})")
 
@@ -92,11 +104,12 @@ def train_mode_kwargs(cfg: RunConfig) -> dict[str, Any]:
 
 def add_run_options(p: argparse.ArgumentParser, *, workers_default: int | None = 2) -> None:
     g = p.add_argument_group("job")
-    g.add_argument("--workload", default="digits",
-                   help="digits | mnist | cnn | path/to/file.py:make_workload (default: digits)")
+    g.add_argument("--workload", default=run_default("workload"),
+                   help=f"digits | mnist | cnn | path/to/file.py:make_workload (default: {run_default('workload')})")
     add_training_options(g)
     g.add_argument("--rows", type=int, help="embedding rows per table (ctr; shortcut for -w rows=N)")
-    g.add_argument("--workers", type=int, default=workers_default, help="worker processes (default: 2)")
+    g.add_argument("--workers", type=int, default=workers_default,
+                   help=f"worker processes (default: {run_default('workers')})")
     g.add_argument("--steps", type=int, help="steps per worker (default: the workload's)")
     g.add_argument("--epochs", type=int, metavar="E",
                    help="passes over the training data instead of --steps: the steps per worker follow from the "
@@ -105,30 +118,38 @@ def add_run_options(p: argparse.ArgumentParser, *, workers_default: int | None =
                    help="a budget for the job as a whole instead of --steps: samples=N (over all workers), "
                         "seconds=S (of training), target or target=VALUE (the metric reached, checked at "
                         "evaluations); fast workers keep training while a slow one lags")
-    g.add_argument("--buffers", default="auto",
+    g.add_argument("--buffers", default=run_default("buffers"),
                    help="the model's buffers (BatchNorm statistics): broadcast (rank 0's at every step, as DDP) | "
                         "average (with the parameters, at each synchronization) | local (default: auto, the "
                         "solver's own: docs/solvers.md)")
-    g.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up steps (default: 0)")
-    g.add_argument("--lr-schedule", default="constant",
-                   help="the learning rate after the warm-up: constant | cosine | linear | step (x0.1 at half the "
-                        "steps, x0.01 at three quarters) (default: constant)")
-    g.add_argument("--accumulate", type=int, default=1, metavar="N",
-                   help="micro-batches of --batch-size per step, their gradients added up and synchronized once "
-                        "(default: 1)")
+    g.add_argument("--warmup-steps", type=int, default=run_default("warmup_steps"),
+                   help=f"linear learning-rate warm-up steps (default: {run_default('warmup_steps')})")
+    g.add_argument("--lr-schedule", default=run_default("lr_schedule"),
+                   help=f"the learning rate after the warm-up: constant | cosine | linear | step (x0.1 at half the "
+                        f"steps, x0.01 at three quarters) (default: {run_default('lr_schedule')})")
+    g.add_argument("--accumulate", type=int, default=run_default("accumulate"), metavar="N",
+                   help=f"micro-batches of --batch-size per step, their gradients added up and synchronized once "
+                        f"(default: {run_default('accumulate')})")
     g.add_argument("--clip-grad-norm", type=finite_float, metavar="NORM",
                    help="clip each update's gradient to this norm (the averaged gradient for allreduce and ddp; "
                         "each worker's own, before it is pushed or applied, for the others)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=run_default("seed"))
+    _add_cluster_options(p)
+    _add_reliability_options(p)
+
+
+def _add_cluster_options(p: argparse.ArgumentParser) -> None:
+    """Embedding tables, the emulated cluster, where processes compute and what a run writes."""
     g = p.add_argument_group("embedding tables (models with EmbeddingTables, e.g. ctr)")
     g.add_argument("--embedding-servers", type=int,
                    help="processes holding the tables, sharded row-wise (default: the workload's; 0: in each worker)")
-    g.add_argument("--embedding-optimizer", default="adagrad", help="adagrad | sgd (default: adagrad)")
+    g.add_argument("--embedding-optimizer", default=run_default("embedding_optimizer"),
+                   help=f"adagrad | sgd (default: {run_default('embedding_optimizer')})")
     g.add_argument("--embedding-lr", type=finite_float, help="embedding servers' learning rate (default: the workload's)")
     g = p.add_argument_group("cluster")
     g.add_argument("--slow", metavar="RANK:FACTOR[,...]",
                    help="stretch these workers' compute FACTOR times (e.g. --slow 1:3)")
-    g.add_argument("--jitter", type=finite_float, default=0.0,
+    g.add_argument("--jitter", type=finite_float, default=run_default("jitter"),
                    help="random per-step extra compute on every worker, up to this share of a step (e.g. 0.5)")
     g.add_argument("--device-ms", type=finite_float, metavar="MS",
                    help="emulate a device: each step's compute lasts MS milliseconds (times the worker's --slow "
@@ -136,16 +157,19 @@ def add_run_options(p: argparse.ArgumentParser, *, workers_default: int | None =
     g.add_argument("--link", metavar="BANDWIDTH[,LATENCY]",
                    help="emulate a cluster: every process on its own network host behind a link of this "
                         "rate (e.g. 200mbit, 1gbit,2ms); needs root")
-    g.add_argument("--timeout", type=finite_float, default=60.0, dest="timeout_s",
-                   help="seconds any blocking communication may take before the job fails (default: 60)")
-    g.add_argument("--intra-op-threads", type=int, default=1, help="torch threads per process (default: 1)")
-    g.add_argument("--device", default="auto",
+    g.add_argument("--timeout", type=finite_float, default=run_default("timeout_s"), dest="timeout_s",
+                   help=f"seconds any blocking communication may take before the job fails "
+                        f"(default: {run_default('timeout_s'):g})")
+    g.add_argument("--intra-op-threads", type=int, default=run_default("intra_op_threads"),
+                   help=f"torch threads per process (default: {run_default('intra_op_threads')})")
+    g.add_argument("--device", default=run_default("device"),
                    help="auto | cpu | cuda: each worker computes on cuda:LOCAL_RANK (auto: where CUDA is present)")
-    g.add_argument("--backend", default="auto",
+    g.add_argument("--backend", default=run_default("backend"),
                    help="auto | nccl | gloo: what carries collectives of CUDA tensors; nccl needs a GPU per worker, "
                         "gloo goes through pinned host memory (auto: nccl where every worker has a GPU of its own)")
-    g.add_argument("--server-device", default="cpu",
-                   help="cpu | cuda: where parameter and embedding servers keep their shard (default: cpu)")
+    g.add_argument("--server-device", default=run_default("server_device"),
+                   help=f"cpu | cuda: where parameter and embedding servers keep their shard "
+                        f"(default: {run_default('server_device')})")
     g.add_argument("--master-port", type=int, help="rendezvous port (default: a free one)")
     g.add_argument("--out", help="run folder (default: runs/<time>-<workload>-<solver>)")
     g.add_argument("--tensorboard", action="store_true",
@@ -155,6 +179,10 @@ def add_run_options(p: argparse.ArgumentParser, *, workers_default: int | None =
                    help="off a terminal (logs, CI), a progress line per run at most this often (default: 5; 0: none)")
     g.add_argument("--overwrite", action="store_true",
                    help="write into an --out that holds a finished run (default: refuse)")
+
+
+def _add_reliability_options(p: argparse.ArgumentParser) -> None:
+    """Checkpoints, restarts, what happens when a worker dies, injected faults."""
     g = p.add_argument_group("reliability")
     g.add_argument("--checkpoint-every", metavar="STEPS|SECONDSs",
                    help="write a checkpoint every N steps (e.g. 50) or N seconds (e.g. 30s) into RUN/checkpoints")
@@ -162,10 +190,10 @@ def add_run_options(p: argparse.ArgumentParser, *, workers_default: int | None =
                    help="restart the job from its last checkpoint up to N times after a process fails; with "
                         "--on-failure continue, also replace each dead worker up to N times while the others go "
                         "on, where its solver heals (default: 0)")
-    g.add_argument("--on-failure", choices=("continue", "restart"), default="continue",
+    g.add_argument("--on-failure", choices=ON_FAILURE, default=run_default("on_failure"),
                    help="when a worker dies: the others go on without it (continue, default) or every process "
                         "restarts from the last checkpoint (restart, up to --max-restarts)")
-    g.add_argument("--shrink-lr", choices=("keep", "scale"), default="keep",
+    g.add_argument("--shrink-lr", choices=SHRINK_LR, default=run_default("shrink_lr"),
                    help="once fewer workers go on: keep the learning rate (default) or scale it by live/all workers")
     g.add_argument("--fault", action="append", metavar="SPEC", dest="faults",
                    help="inject a fault, repeatable: kill:RANK@STEP, kill:server@STEP, stall:RANK@STEP:SECONDS, "

@@ -3,7 +3,7 @@
 Run as a script (``python .../distsync/supervise.py ARGS``), not as ``-m distsync...``: it
 imports nothing but the standard library, so it costs no torch import and little memory.
 The launcher starts it in place of ``python -m distsync.worker ARGS`` for solvers with
-``survives_worker_loss``.
+``Capability.SURVIVES_WORKER_LOSS``.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Callable
 
-from distsync.config import RunConfig, check_field_types, parse_link, read_file, show, show_names
+from distsync.config import Link, RunConfig, RunOptionText, check_field_types, parse_link, read_file, show, show_names
 from distsync.errors import ConfigError, DistsyncError, WorkerFailed
 from distsync.runtime.launch import launch
 from distsync.runtime.network import EmulatedNetwork
@@ -45,9 +45,8 @@ from distsync.runtime.token import POLICIES, TokenServer
 
 MODES = ("crossover", "sequential", "naive")
 _HEAD_KEYS = ("workers", "policy", "modes", "link", "out")
-_JOB_KEYS = {f.name for f in dataclasses.fields(RunConfig)} - {"workers", "link", "out", "master_port", "crossover",
-                                                                 "task", "task_options", "link_latency_mode",
-                                                                 "resolved"}
+_JOB_KEYS = {f.name for f in dataclasses.fields(RunConfig)} - {"workers", "link", "out", "master_port", "task",
+                                                                 "task_options"}
 
 
 @dataclasses.dataclass
@@ -64,8 +63,13 @@ class CrossoverPlan:
     workers: int = 2
     policy: str = "alternate"
     modes: tuple[str, ...] = MODES
-    link: str | None = None
+    #: the link of every host (text, as ``--link`` takes it, is read when the plan is made)
+    link: Link | None = None
     out: str = "runs/crossover"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.link, str):
+            self.link = parse_link(self.link)
 
 
 def _check_plan(plan: CrossoverPlan) -> CrossoverPlan:
@@ -81,8 +85,6 @@ def _check_plan(plan: CrossoverPlan) -> CrossoverPlan:
     bad = [m for m in plan.modes if m not in MODES]
     if bad or not plan.modes:
         raise ConfigError(f"unknown crossover mode(s) {show_names(bad) or '(none given)'}; valid: {', '.join(MODES)}")
-    if plan.link is not None:
-        parse_link(plan.link)
     for job in plan.jobs:
         job.config.workers = plan.workers
         job.config.link = plan.link
@@ -115,7 +117,8 @@ def load_plan(path: Path, overrides: dict[str, Any] | None = None) -> CrossoverP
         raise ConfigError(f"{where}: unknown [crossover] key(s) {show_names(unknown)}; valid: {', '.join(_HEAD_KEYS)}")
     if isinstance(head.get("modes"), str):  # "crossover,sequential" as on the command line
         head["modes"] = [m.strip() for m in head["modes"].split(",") if m.strip()]
-    check_field_types(CrossoverPlan, head, f"{where}: [crossover] key")
+    check_field_types(CrossoverPlan, {k: v for k, v in head.items() if k != "link"}, f"{where}: [crossover] key")
+    check_field_types(RunOptionText, {k: v for k, v in head.items() if k == "link"}, f"{where}: [crossover] key")
     entries = data.get("job", [])
     if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
         raise ConfigError(f"{where}: job must be an array of tables (one [[job]] per job), got {show(entries)}")
@@ -153,7 +156,8 @@ def _job_span(run_dir: Path) -> tuple[float, float]:
 def _run_job(job: Job, out: Path, net: EmulatedNetwork | None, token: dict[str, Any] | None = None) -> dict[str, Any]:
     """Job ``job`` on the shared devices (and network), into ``out``: its summary."""
     assert job.run is not None, "check the plan first"
-    run = dataclasses.replace(job.run, config=dataclasses.replace(job.run.config, out=str(out), crossover=token))
+    run = dataclasses.replace(job.run, config=dataclasses.replace(job.run.config, out=str(out)),
+                              launch=dataclasses.replace(job.run.launch, crossover=token))
     return launch(run, out, None, network=net)
 
 
@@ -206,8 +210,9 @@ def run_crossover(plan: CrossoverPlan, on_job: Callable[[str, str], None] | None
     out = Path(plan.out)
     out.mkdir(parents=True, exist_ok=True)
     hosts = max(j.run.world_size for j in plan.jobs)
-    net = EmulatedNetwork(hosts, parse_link(plan.link)) if plan.link else None
-    report: dict[str, Any] = {"policy": plan.policy, "workers": plan.workers, "link": plan.link, "modes": {}}
+    net = EmulatedNetwork(hosts, plan.link) if plan.link else None
+    report: dict[str, Any] = {"policy": plan.policy, "workers": plan.workers,
+                              "link": None if plan.link is None else str(plan.link), "modes": {}}
     failures: list[str] = []
     if net:
         net.__enter__()

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from distsync.config import RunConfig, parse_budget, parse_link
+from distsync.config import Budget, Link, RunConfig, bounded, check_ranges, parse_budget, parse_link
 from distsync.errors import ConfigError, DistsyncError
 from distsync.options import TRAINING_FIELDS, resolve_training, train_mode_kwargs
 
@@ -63,18 +63,18 @@ class Request:
     """The user's question: a workload, how it trains and a cluster."""
 
     workload: str = "digits"
-    workers: int = 8
-    link: str = "10gbit"
-    slow_fraction: float = 0.0
-    slow_factor: float = 3.0
-    jitter: float = 0.0
-    device_ms: float | None = None
+    workers: int = bounded(8, ge=1, flag="--workers")
+    link: Link = Link(10e9, 0.0, "10gbit")
+    slow_fraction: float = bounded(0.0, ge=0, le=1, flag="--slow-fraction")
+    slow_factor: float = bounded(3.0, ge=1, flag="--slow-factor")
+    jitter: float = bounded(0.0, ge=0, le=10, flag="--jitter")
+    device_ms: float | None = bounded(None, gt=0, flag="--device-ms", note=" milliseconds")
     solvers: list[str] | None = None  # None: every registered solver
     seed: int = 0
     batch_size: int | None = None
     lr: float | None = None
     #: what each message costs beyond the link's latency (a software stack's wake-ups)
-    per_message_ms: float = 0.0
+    per_message_ms: float = bounded(0.0, ge=0, flag="--per-message-ms")
     #: a real run of this workload to fit compute per step and per-message cost on
     fit_from: str | None = None
     #: how the model trains, as `distsync train` takes it (with ``batch_size`` and ``lr``
@@ -88,26 +88,26 @@ class Request:
     precision: str = "fp32"
     eval_every: int | None = None
     #: the target time to target is predicted for: "target" (the workload's) or "target=VALUE"
-    budget: str | None = None
+    budget: Budget | None = None
+
+    def __post_init__(self) -> None:
+        # The link and the budget given as text (the command line) become values here.
+        if isinstance(self.link, str):
+            self.link = parse_link(self.link)
+        if isinstance(self.budget, str):
+            self.budget = parse_budget(self.budget)
 
     def check(self) -> None:
-        if self.workers < 1:
-            raise ConfigError(f"--workers must be an integer >= 1, got {self.workers}")
-        parse_link(self.link)  # a one-line error for a link that does not parse
-        if not 0 <= self.slow_fraction <= 1:
-            raise ConfigError(f"--slow-fraction must be in [0, 1], got {self.slow_fraction}")
-        if not self.slow_factor >= 1:
-            raise ConfigError(f"--slow-factor must be >= 1, got {self.slow_factor}")
-        if not 0 <= self.jitter <= 10:
-            raise ConfigError(f"--jitter must be in [0, 10], got {self.jitter}")
-        if self.device_ms is not None and not self.device_ms > 0:
-            raise ConfigError(f"--device-ms must be > 0 milliseconds, got {self.device_ms}")
-        if not self.per_message_ms >= 0:
-            raise ConfigError(f"--per-message-ms must be >= 0, got {self.per_message_ms}")
-        budget = parse_budget(self.budget)
+        check_ranges(self)
+        budget = self.budget
         if budget is not None and (budget.samples is not None or budget.seconds is not None):
-            raise ConfigError(f"--budget {self.budget}: recommend ranks candidates by time to target; give "
+            raise ConfigError(f"--budget {budget}: recommend ranks candidates by time to target; give "
                               f"--budget target or target=VALUE")
+
+    def as_dict(self) -> dict[str, Any]:
+        """The request as the answer reports it: the link and budget as their text."""
+        return {**self.__dict__, "link": str(self.link),
+                "budget": None if self.budget is None else str(self.budget)}
 
     def training(self) -> dict[str, Any]:
         """The training options as given, by RunConfig's field names."""
@@ -115,8 +115,7 @@ class Request:
 
     def target_value(self) -> float | None:
         """The target ``--budget target=VALUE`` names (None: the workload's)."""
-        budget = parse_budget(self.budget)
-        return budget.target_value if budget is not None else None
+        return self.budget.target_value if self.budget is not None else None
 
 
 @dataclass
@@ -197,10 +196,7 @@ def candidates(request: Request, max_servers: int | None = None) -> list[Candida
 
 def _link(request: Request):
     """The request's link, with the per-message cost on top of its latency."""
-    from distsync.sim import Link
-
-    spec = parse_link(request.link)
-    return Link(spec.bandwidth_bps, spec.latency_s + request.per_message_ms / 1000)
+    return Link(request.link.bandwidth_bps, request.link.latency_s + request.per_message_ms / 1000)
 
 
 def _fit(request: Request) -> float | None:
@@ -461,7 +457,7 @@ def recommend(request: Request, on_step: Callable[[str, int, int], None] | None 
         rows.append(row)
     compute_from = ("measured here, one thread" if measured_here else "--device-ms" if request.device_ms is not None
                     else f"fitted on {request.fit_from}")
-    return {"request": request.__dict__, "training": {name: getattr(training, name) for name in TRAINING_FIELDS},
+    return {"request": request.as_dict(), "training": {name: getattr(training, name) for name in TRAINING_FIELDS},
             "compute_s": compute_s, "compute_measured_here": measured_here,
             "compute_from": compute_from, "per_message_ms": request.per_message_ms,
             "model_bytes": nbytes, "batch_size": training.batch_size,
@@ -514,7 +510,7 @@ def verify(request: Request, result: dict[str, Any], top: int, out: Path, worker
         rows.append({"label": cand.label, "workers": n, "predicted_time_to_target_s": cand.time_to_target_s,
                      "measured_time_to_target_s": s["time_to_target_s"],
                      "predicted_throughput": cand.throughput, "measured_throughput": s["throughput_samples_per_s"],
-                     "link": cfg.link, "cpu_bound": (s.get("device") or {}).get("cpu_bound")})
+                     "link": str(cfg.link) if cfg.link else None, "cpu_bound": (s.get("device") or {}).get("cpu_bound")})
     return rows
 
 

@@ -85,10 +85,11 @@ def run_process(argv: list[str], launcher_env: dict[str, str], supervised: bool)
     # is the platform's: a user's DataLoader with worker processes would otherwise start each
     # of them through the fork server, pickling its dataset (seen: 11 s to over 120 s).
     multiprocessing.set_start_method(None, force=True)
-    from distsync import supervise, worker
+    from distsync import supervise
+    from distsync.runtime.entry import run_and_exit
 
     def start(replacement: int) -> tuple[int, Callable[[], int]]:
-        return fork_rank(lambda: worker.run_and_exit(argv), supervised, replacement)
+        return fork_rank(lambda: run_and_exit(argv), supervised, replacement)
 
     pid, wait = start(0)
     code = supervise.outlive(pid, wait, argv, drop=supervised, respawn=start if supervised else None)
@@ -111,7 +112,7 @@ def fork_rank(run: Callable[[], None], supervised: bool, replacement: int) -> tu
                 os.environ["DISTSYNC_SUPERVISED"] = "1"
             if replacement:
                 os.environ["DISTSYNC_REPLACEMENT"] = str(replacement)
-            run()  # (worker.run_and_exit leaves by itself)
+            run()  # (run_and_exit leaves by itself)
             code = 0
         except BaseException:
             traceback.print_exc()

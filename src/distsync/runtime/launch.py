@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from distsync.comm.failures import wrote_its_own_error
-from distsync.config import RunConfig, parse_link
+from distsync.config import RUN_OPTION_NAMES, RunConfig, run_option
 from distsync.errors import (CommTimeout, ConfigError, DistsyncError, Excluded, Interrupted, PeerDied, PeerLost,
                              PeerStalled, WorkerFailed)
 from distsync.runtime import forkserver
@@ -28,7 +28,8 @@ from distsync.runtime.checkpoint import CheckpointStore, Choice, fingerprint
 from distsync.runtime.checkpoint import clear as clear_folder
 from distsync.runtime.network import EmulatedNetwork
 from distsync.runtime.process import CHECKPOINTS, dropped_ranks, write_partial_results
-from distsync.runtime.resolve import ResolvedRun, resolve, trusted
+from distsync.runtime.resolve import Launch, ResolvedRun, read_resolved, resolve
+from distsync.solvers import Capability
 
 ProgressFn = Callable[[dict[str, Any]], None]
 
@@ -223,13 +224,13 @@ def check_resumable(cfg: RunConfig, run_dir: Path, role_of: list[str]) -> None:
 
 
 def resume_config(run_dir: Path) -> RunConfig:
-    """The configuration of the run in ``run_dir``, set to resume from its last checkpoint."""
+    """The configuration of the run in ``run_dir``, to resume from its last checkpoint."""
     if not (run_dir / "config.json").is_file():
         raise ConfigError(f"cannot resume {run_dir}: it has no config.json (not a distsync run folder)")
     cfg = RunConfig.read(run_dir / "config.json")
     if cfg.task != "train":
         raise ConfigError(f"cannot resume {run_dir}: it is a {cfg.task} run, not training")
-    return dataclasses.replace(cfg, resume=True, out=str(run_dir), master_port=None, link_latency_mode=None)
+    return dataclasses.replace(cfg, out=str(run_dir), master_port=None)
 
 
 #: what ``train --resume`` may change of a run: how long it goes on (``RUN_LENGTH``) and how
@@ -293,6 +294,7 @@ def resume_run(run_dir: Path, given: dict[str, Any] | None = None,
     option that set each, for messages). The run's length and :data:`RESUME_MAY_CHANGE` are
     applied; any other field that differs from the run's own is refused in one line."""
     given, flags = dict(given or {}), dict(flags or {})
+    given = {n: run_option(n, v) if n in RUN_OPTION_NAMES else v for n, v in given.items()}
     cfg = resume_config(run_dir)
     length = {n: given.pop(n) for n in RUN_LENGTH if n in given}
     added = [f for f in given.pop("faults", None) or [] if f not in cfg.faults]
@@ -305,11 +307,13 @@ def resume_run(run_dir: Path, given: dict[str, Any] | None = None,
     said = [f"{flags.get(n, n)} {_shown(getattr(cfg, n))} -> {_shown(v)}" for n, v in changed.items()
             if n != "master_port"]  # (where the job meets is no part of the run)
     new = dataclasses.replace(cfg, **changed, faults=cfg.faults + added)
+    # (a launcher's config.json: its steps were set from its budget or epochs when it started)
+    steps_set = json.loads((run_dir / "config.json").read_text()).get("resolved") is True
     if length:
-        new = dataclasses.replace(new, **{n: length.get(n) for n in RUN_LENGTH}, resolved=False)
+        new, steps_set = dataclasses.replace(new, **{n: length.get(n) for n in RUN_LENGTH}), False
         if len(length) == 1 and _length(new) == _length(cfg):  # (two given: resolve names the conflict)
-            new = dataclasses.replace(new, steps=cfg.steps, resolved=True)
-    run = resolve(new)
+            new, steps_set = dataclasses.replace(new, steps=cfg.steps), True
+    run = resolve(new, steps_set=steps_set, launch=Launch(resume=True))
     if run.config.steps != cfg.steps or _length(run.config) != _length(cfg):
         if cfg.lr_schedule != "constant":
             raise ConfigError(f"--resume goes on with the run's own {_length(cfg)}: its {cfg.lr_schedule} "
@@ -334,7 +338,7 @@ def resume_hint(run_dir: Path) -> str:
     """How a stopped run in ``run_dir`` goes on: the command that resumes it from its last
     checkpoint, or why it cannot (no checkpoint yet, or none asked for); "" if it is no run."""
     try:
-        run = trusted(RunConfig.read(Path(run_dir) / "config.json", validate=False))
+        run = read_resolved(Path(run_dir) / "config.json")
     except Exception:  # noqa: BLE001 (stopped before its config was written: nothing to say)
         return ""
     if run.config.task != "train":
@@ -389,19 +393,20 @@ def launch(cfg: RunConfig | ResolvedRun, run_dir: Path, on_progress: ProgressFn 
     run = resolve(cfg)
     check_room(run.world_size)
     if network is None and run.config.link is not None:
-        with EmulatedNetwork(run.world_size, parse_link(run.config.link)) as net:
+        with EmulatedNetwork(run.world_size, run.config.link) as net:
             return launch(run, run_dir, on_progress, net)
     if network is not None:
-        run = dataclasses.replace(run, config=dataclasses.replace(run.config, link_latency_mode=network.latency_mode))
+        run = dataclasses.replace(run, launch=dataclasses.replace(run.launch, latency_mode=network.latency_mode))
     return _start(run, run_dir, on_progress, network)
 
 
 def _start(run: ResolvedRun, run_dir: Path, on_progress: ProgressFn | None,
            net: EmulatedNetwork | None) -> dict[str, Any]:
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    # torch's launcher, imported before _quiet_torch_logs quiets the loggers its modules make
+    import torch.distributed.elastic.multiprocessing  # noqa: F401
+    import torch.distributed.elastic.multiprocessing.api  # noqa: F401
+    import torch.distributed.elastic.multiprocessing.errors  # noqa: F401
+    import torch.distributed.launcher.api  # noqa: F401
 
     cfg, role_of = run.config, list(run.role_of)
     host = net.gateway_ip if net else "127.0.0.1"
@@ -409,26 +414,69 @@ def _start(run: ResolvedRun, run_dir: Path, on_progress: ProgressFn | None,
         raise ConfigError(
             f"port {cfg.master_port} on {host} is in use; pick another --master-port or leave it out to use a free one"
         )
+    result_path = _prepare_run_dir(run, run_dir)
+    _quiet_torch_logs()
+    bind_listeners(host)  # the stores and the workers' gloo listen on host only
+    _no_rendezvous_skew()
+    lc = _launch_config(cfg, run_dir, host, len(role_of))
+    # Under --on-failure continue a dead worker is dropped, not the job (each rank runs under
+    # distsync/supervise.py): servers end its conversation, or the workers' groups re-form.
+    supervised = cfg.task == "train" and cfg.on_failure == "continue" and (
+        {Capability.SURVIVES_WORKER_LOSS, Capability.REFORMS_WITHOUT_DEAD} & run.solver_cls.capabilities)
+    # Forked from a preloaded server (runtime/forkserver.py) unless the processes must enter
+    # network namespaces, which ``ip netns exec`` does for a fresh interpreter.
+    forked = net is None and os.environ.get("DISTSYNC_FORK_WORKERS", "1") != "0"
+    lc.start_method = forkserver.start_method() if forked else "spawn"
+    poller = _ProgressPoller(run_dir / "progress.json", on_progress) if on_progress else None
+    if poller:
+        poller.start()
+    entry, args = _entry(_worker_argv(run, run_dir, net, supervised), forked, supervised)
+    _restarts.note = restart_note(cfg)
+    if _restarts.note:  # (said at start, and again as it restarts: torch's agent would restart it silently)
+        print(f"distsync: --max-restarts {cfg.max_restarts} without --checkpoint-every: a restarted job starts "
+              f"again from step 0", file=sys.stderr, flush=True)
+        _say_restarts()
+    try:
+        _run_agent(run, run_dir, lc, entry, args)
+    finally:
+        _restarts.note = None
+        if poller:
+            poller.stop.set()
+            poller.join(timeout=2)
+    if not result_path.exists():
+        raise WorkerFailed(f"{cfg.solver}: the job ended without writing {result_path}")
+    return json.loads(result_path.read_text())
+
+
+def _prepare_run_dir(run: ResolvedRun, run_dir: Path) -> Path:
+    """The run folder ready for the job: its configuration written, what an earlier run left
+    there cleared (a resumed run keeps its checkpoints); the path of the result it will write."""
+    cfg = run.config
     run_dir.mkdir(parents=True, exist_ok=True)
-    if cfg.resume:
-        check_resumable(cfg, run_dir, role_of)
+    if run.launch.resume:
+        check_resumable(cfg, run_dir, list(run.role_of))
     else:  # a fresh run into an old folder starts with no checkpoints, faults or stop mark
         for folder in (CHECKPOINTS, "dropped", "dead", "journal"):
             clear_folder(run_dir / folder)
         for stale in ("faults.jsonl", "stop.json"):
             (run_dir / stale).unlink(missing_ok=True)
-    cfg.write(run_dir / "config.json")
+    run.write(run_dir / "config.json")
     result_path = run_dir / RESULT_FILES[cfg.task]
     for stale in ("summary.json", "events.jsonl", "steps.csv", "evals.csv", "progress.json", "linktest.json",
                   "model.pt"):
         (run_dir / stale).unlink(missing_ok=True)
-    _quiet_torch_logs()
-    bind_listeners(host)  # the stores and the workers' gloo listen on host only
-    _no_rendezvous_skew()
-    lc = LaunchConfig(
+    return result_path
+
+
+def _launch_config(cfg: RunConfig, run_dir: Path, host: str, processes: int):
+    """torch's ``LaunchConfig`` for a one-node job of ``processes`` processes meeting on ``host``."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return LaunchConfig(
         min_nodes=1,
         max_nodes=1,
-        nproc_per_node=len(role_of),
+        nproc_per_node=processes,
         run_id=f"distsync-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
         rdzv_endpoint=f"{host}:{cfg.master_port or free_port(host)}",
@@ -440,39 +488,43 @@ def _start(run: ResolvedRun, run_dir: Path, on_progress: ProgressFn | None,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=Std.ALL, tee=Std.NONE),
         shutdown_timeout=5,
     )
-    # Under --on-failure continue a dead worker is dropped, not the job (each rank runs under
-    # distsync/supervise.py): servers end its conversation, or the workers' groups re-form.
-    supervised = cfg.task == "train" and cfg.on_failure == "continue" and (
-        run.solver_cls.survives_worker_loss or run.solver_cls.reforms_without_dead)
-    # Forked from a preloaded server (runtime/forkserver.py) unless the processes must enter
-    # network namespaces, which ``ip netns exec`` does for a fresh interpreter.
-    forked = net is None and os.environ.get("DISTSYNC_FORK_WORKERS", "1") != "0"
-    lc.start_method = forkserver.start_method() if forked else "spawn"
-    poller = _ProgressPoller(run_dir / "progress.json", on_progress) if on_progress else None
-    if poller:
-        poller.start()
+
+
+def _worker_argv(run: ResolvedRun, run_dir: Path, net: EmulatedNetwork | None, supervised: bool) -> list[str]:
+    """The command line of every process of the job (``python -m distsync.worker ARGV``)."""
+    cfg, role_of = run.config, list(run.role_of)
     argv = ["--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)]
     argv += ["--netns-prefix", net.netns_prefix] if net else []
-    if supervised and cfg.max_restarts and run.solver_cls.heals_from_peer and run.threads == 1:
+    if (supervised and cfg.max_restarts and Capability.HEALS_FROM_PEER in run.solver_cls.capabilities
+            and run.threads == 1):
         argv += ["--heal", str(cfg.max_restarts)]  # a dead worker's replacement heals from a live peer
     replaced = [r for r, role in enumerate(role_of) if role in run.solver_cls.replaces_roles]
     if supervised and cfg.max_restarts and replaced:  # a dead server or coordinator is replaced live
         argv += ["--replace-ranks", f"{','.join(map(str, replaced))}:{cfg.max_restarts}"]
+    return argv
+
+
+def _entry(argv: list[str], forked: bool, supervised: bool) -> tuple[Any, tuple]:
+    """What torch's agent starts for each process, and its arguments."""
     if forked:
-        entry, args = forkserver.run_process, (argv, dict(os.environ), supervised)
-    elif supervised:  # a dead worker is dropped, not the job: each rank runs under distsync/supervise.py
-        entry, args = sys.executable, (str(Path(__file__).resolve().parents[1] / "supervise.py"), *argv)
-    else:
-        entry, args = sys.executable, ("-m", "distsync.worker", *argv)
-    _restarts.note = restart_note(cfg)
-    if _restarts.note:  # (said at start, and again as it restarts: torch's agent would restart it silently)
-        print(f"distsync: --max-restarts {cfg.max_restarts} without --checkpoint-every: a restarted job starts "
-              f"again from step 0", file=sys.stderr, flush=True)
-        _say_restarts()
+        return forkserver.run_process, (argv, dict(os.environ), supervised)
+    if supervised:  # a dead worker is dropped, not the job: each rank runs under distsync/supervise.py
+        return sys.executable, (str(Path(__file__).resolve().parents[1] / "supervise.py"), *argv)
+    return sys.executable, ("-m", "distsync.worker", *argv)
+
+
+def _run_agent(run: ResolvedRun, run_dir: Path, lc, entry: Any, args: tuple) -> None:
+    """Run the job under torch's elastic agent; a failure, stop or interruption raised as
+    distsync's error (with the partial results it leaves)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    cfg = run.config
     try:
         elastic_launch(lc, entry)(*args)
     except ChildFailedError as e:
-        why = _failure_message(e.failures, role_of)
+        why = _failure_message(e.failures, list(run.role_of))
         raise WorkerFailed(f"{cfg.solver}: {why} (logs: {run_dir / 'logs'}{_partial(run, run_dir, why)})") from None
     except SignalException as e:
         if e.sigval == signal.SIGINT:
@@ -484,11 +536,3 @@ def _start(run: ResolvedRun, run_dir: Path, on_progress: ProgressFn | None,
         raise
     except Exception as e:  # rendezvous or agent failures
         raise WorkerFailed(f"{cfg.solver}: the launcher failed: {type(e).__name__}: {e}") from None
-    finally:
-        _restarts.note = None
-        if poller:
-            poller.stop.set()
-            poller.join(timeout=2)
-    if not result_path.exists():
-        raise WorkerFailed(f"{cfg.solver}: the job ended without writing {result_path}")
-    return json.loads(result_path.read_text())

@@ -1,84 +1,14 @@
-"""`distsync linktest`: the bandwidth the (emulated) links actually deliver.
-
-Point-to-point: worker 0 sends a tensor of each size to worker 1; the time is the
-receiver's, from a common barrier to the data in hand. All-reduce: every worker all-reduces
-a tensor of each size; the time is the slowest worker's, and the bus bandwidth is
-``2 (p - 1) / p * bytes / time`` (what each rank's link carries in a ring all-reduce, so it
-is directly comparable with the link rate). Medians over ``repeats``.
-"""
+"""`distsync linktest`: the bandwidth the (emulated) links actually deliver, measured by a job
+whose processes run :func:`distsync.runtime.linkmeasure.run_linktest`."""
 
 from __future__ import annotations
 
-import json
-import os
-import statistics
-import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from distsync.comm import Comm, ring_allreduce_bytes
-from distsync.config import RunConfig, parse_link
+from distsync.config import RunConfig
 from distsync.errors import ConfigError
-
-DEFAULT_SIZES_MB = (1.0, 10.0)
-
-
-def measure(comm: Comm, sizes_mb, repeats: int) -> dict[str, list[float]]:
-    """This rank's seconds per (size, repeat) for p2p (receiver only) and all-reduce."""
-    out: dict[str, list[float]] = {}
-    for mb in sizes_mb:
-        t = torch.zeros(int(mb * 2**20) // 4)
-        p2p, ar = [], []
-        for _ in range(repeats):
-            if comm.num_workers >= 2:
-                comm.barrier()
-                t0 = time.perf_counter()
-                if comm.rank == 0:
-                    comm.send(t, dst=1)
-                elif comm.rank == 1:
-                    comm.recv(t, src=0)
-                p2p.append(time.perf_counter() - t0)
-            comm.barrier()
-            t0 = time.perf_counter()
-            comm.all_reduce(t, group=comm.worker_group)
-            ar.append(time.perf_counter() - t0)
-        out[f"p2p:{mb}"] = p2p
-        out[f"allreduce:{mb}"] = ar
-    return out
-
-
-def run_linktest(cfg: RunConfig, comm: Comm, run_dir: Path) -> None:
-    sizes = [float(s) for s in cfg.task_options.get("sizes_mb", DEFAULT_SIZES_MB)]
-    repeats = int(cfg.task_options.get("repeats", 3))
-    mine = measure(comm, sizes, repeats)
-    gathered = comm.gather_object(mine)
-    if comm.rank != 0:
-        return
-    p = comm.num_workers
-    rows: list[dict[str, Any]] = []
-    for mb in sizes:
-        nbytes = int(mb * 2**20) // 4 * 4
-        row: dict[str, Any] = {"size_mb": mb, "bytes": nbytes}
-        if p >= 2:
-            p2p_s = statistics.median(gathered[1][f"p2p:{mb}"])
-            row.update(p2p_s=p2p_s, p2p_bps=nbytes * 8 / p2p_s)
-        ar = [max(g[f"allreduce:{mb}"][i] for g in gathered) for i in range(repeats)]
-        ar_s = statistics.median(ar)
-        row.update(allreduce_s=ar_s, allreduce_bus_bps=ring_allreduce_bytes(nbytes, p) * 8 / ar_s if p > 1 else None)
-        rows.append(row)
-    result = {
-        "link": cfg.link,
-        "configured_bps": parse_link(cfg.link).bandwidth_bps if cfg.link else None,
-        "latency_mode": cfg.link_latency_mode,
-        "workers": p,
-        "repeats": repeats,
-        "rows": rows,
-    }
-    tmp = run_dir / "linktest.json.tmp"
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(tmp, run_dir / "linktest.json")
+from distsync.runtime.launch import launch
 
 
 def linktest(workers: int, link: str | None, sizes_mb: list[float], repeats: int, timeout_s: float,
@@ -86,8 +16,6 @@ def linktest(workers: int, link: str | None, sizes_mb: list[float], repeats: int
     """Measure what ``workers`` processes behind ``link`` (None: loopback) get: point-to-point
     and all-reduce bandwidth per message size in MiB, medians over ``repeats``; the result is
     also written to ``out/linktest.json``. Raises :class:`ConfigError` on bad input."""
-    from distsync.runtime.launch import launch  # the launcher starts processes that import this module
-
     if not sizes_mb or min(sizes_mb) <= 0:
         raise ConfigError(f"bad --sizes {','.join(f'{s:g}' for s in sizes_mb)}: sizes must be > 0")
     if repeats < 1:

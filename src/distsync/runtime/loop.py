@@ -29,6 +29,7 @@ from distsync.runtime.plugins.tensorboard import TensorBoardLog
 from distsync.runtime.plugins.training import (DataEnd, GradClip, LearningRate, LossScaler, check_accumulate,
                                                forward_precision)
 from distsync.runtime.recovery import EventJournal, WorkerRecovery, write_stop
+from distsync.solvers.base import Capability
 from distsync.solvers.lars import LARS
 from distsync.workloads import Workload, train_batches
 from distsync.workloads.base import to_device
@@ -49,24 +50,25 @@ def make_optimizer(cfg: RunConfig, params, lr: float) -> torch.optim.Optimizer:
 
 def train_worker(cfg: RunConfig, workload: Workload, solver, comm, device: torch.device,
                  progress: Progress, save_to: Path | None = None,
-                 recovery: WorkerRecovery | None = None) -> list[dict[str, Any]]:
+                 recovery: WorkerRecovery | None = None, crossover: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Run ``cfg.steps`` steps on this worker (``cfg`` resolved: :func:`~distsync.runtime.resolve.resolve`);
     return its events. With ``save_to``, write the
     final model's state (the one the run reports on) there. ``recovery``: checkpoints to
-    write and resume from, and faults to inject."""
+    write and resume from, and faults to inject. ``crossover``: the compute-token slot
+    ``distsync crossover`` gave the job (:class:`~distsync.runtime.resolve.Launch`)."""
     recovery = recovery or WorkerRecovery()
-    plugins, runner = worker_plugins(cfg, workload, solver, comm, progress, save_to, recovery)
+    plugins, runner = worker_plugins(cfg, workload, solver, comm, progress, save_to, recovery, crossover)
     run = start_run(cfg, workload, solver, comm, device, plugins, runner, recovery)
     runner.run(run, train_thread)
     return finish_run(run)
 
 
 def worker_plugins(cfg: RunConfig, workload: Workload, solver, comm, progress: Progress, save_to: Path | None,
-                   recovery: WorkerRecovery) -> tuple[Plugins, SingleThread]:
+                   recovery: WorkerRecovery, crossover: dict[str, Any] | None = None) -> tuple[Plugins, SingleThread]:
     """A worker's plug-ins, in the order their hooks are called, and its thread runner.
     Each refuses, when built, a combination that makes no sense."""
     check_accumulate(cfg, solver)
-    gate = ComputeGate.for_worker(cfg, comm, solver) if cfg.crossover else None
+    gate = ComputeGate.for_worker(crossover, cfg, comm, solver) if crossover else None
     runner = HogwildRunner(solver.threads, cfg.steps) if solver.threads > 1 else SingleThread()
     return Plugins([
         progress,  # first: it closes last, with the final evaluation's metric
@@ -76,7 +78,7 @@ def worker_plugins(cfg: RunConfig, workload: Workload, solver, comm, progress: P
         FaultInjection(recovery.faults),
         JobBudget.for_worker(cfg, solver, workload),  # with --budget: when this worker stops
         Heartbeat(min(1.0, cfg.timeout_s / 5)),
-        DeviceStretch.for_worker(cfg, comm.rank, solver.threads),  # after the lookups: they are not compute
+        DeviceStretch.for_worker(cfg, comm.rank, solver.threads, crossover),  # after the lookups: they are not compute
         LearningRate(cfg),
         LossScaler.for_worker(cfg, solver),  # before clipping: the norm of the true gradient
         GradClip.for_worker(cfg, solver),
@@ -116,7 +118,7 @@ def start_run(cfg: RunConfig, workload: Workload, solver, comm, device: torch.de
     run.params = [p for p in run.model.parameters() if p.requires_grad]
     if not recovery.joined:  # (a replacement meets the others in the view that admitted it)
         comm.barrier(comm.worker_group)
-    run.heal = bool(cfg.max_restarts and solver.heals_from_peer and run.threads == 1
+    run.heal = bool(cfg.max_restarts and Capability.HEALS_FROM_PEER in solver.capabilities and run.threads == 1
                     and getattr(comm, "membership", None) is not None)
     run.clock = TrainClock(run.start_at)
     if recovery.journal is not None:

@@ -23,7 +23,7 @@ import shutil
 import socket
 import subprocess
 from pathlib import Path
-from distsync.config import LinkSpec
+from distsync.config import Link
 from distsync.errors import ConfigError, DistsyncError
 
 _counter = itertools.count()
@@ -101,7 +101,7 @@ class EmulatedNetwork:
     every host: the launcher's rendezvous store listens there).
     """
 
-    def __init__(self, hosts: int, link: LinkSpec):
+    def __init__(self, hosts: int, link: Link):
         if not 1 <= hosts <= 250:
             raise ConfigError(f"--link supports 1..250 processes, got {hosts}")
         self.hosts = hosts

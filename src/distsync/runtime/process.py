@@ -13,12 +13,12 @@ import torch
 
 from distsync.comm import Comm
 from distsync.comm.devices import enter, place_from_env
-from distsync.config import RunConfig, parse_link
+from distsync.config import Budget, RunConfig
 from distsync.errors import CommError, ConfigError
 from distsync.metrics import device_summary, split_collective_wait, summarize
 from distsync.metrics.outputs import write_csv
 from distsync.runtime.checkpoint import STATEFUL_ROLES, CheckpointStore, fingerprint
-from distsync.runtime.linktest import run_linktest
+from distsync.runtime.linkmeasure import run_linktest
 from distsync.runtime.loop import Progress, train_worker
 from distsync.comm.comm import FailurePolicy
 from distsync.membership import BEAT, Membership, marked_dead, watching
@@ -28,7 +28,7 @@ from distsync.runtime.recovery import (CheckpointPolicy, FaultInjector, WorkerRe
                                        summarize_recovery)
 from distsync.runtime.resolve import ResolvedRun
 from distsync.runtime.roles import EMBEDDING_SERVER
-from distsync.solvers import ServeContext
+from distsync.solvers import Capability, ServeContext
 from distsync.torch_private import import_dynamo
 from distsync.sparse import EmbeddingServer, find_tables
 from distsync.sparse.tables import replace_module
@@ -262,12 +262,12 @@ def _results_of(comm: Comm, rank: int, run_dir: Path, attempt: int) -> dict[str,
     return {"events": events, "role": "worker", "stats": {}, "bytes": 0, "dropped": mark}
 
 
-def _budget_summary(budget: str | None, events: list[dict[str, Any]]) -> dict[str, Any] | None:
+def _budget_summary(budget: Budget | None, events: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The job's budget and what ended it (None: steps per worker)."""
     if budget is None:
         return None
     seen = sorted((e for e in events if e["kind"] == "budget"), key=lambda e: e["t"])
-    return {"budget": budget, "spent": seen[0]["spent"] if seen else None,
+    return {"budget": str(budget), "spent": seen[0]["spent"] if seen else None,
             "spent_at_s": seen[0]["t"] if seen else None}
 
 
@@ -323,7 +323,7 @@ def write_results(run: ResolvedRun, run_dir: Path, events: list[dict[str, Any]],
         "recovery": summarize_recovery(events, read_faults(run_dir), dropped or [], replaced or [],
                                        dead=[dict(m, role=_role_name(run, m["rank"])) for m in dead_marks(run_dir)],
                                        served=served_marks(run_dir),
-                                       reforms=bool(getattr(solver, "reforms_without_dead", False))),
+                                       reforms=Capability.REFORMS_WITHOUT_DEAD in run.solver_cls.capabilities),
         "solver_stats": stats,
     }
     summary["bytes_sent"] += bytes_by_other_roles  # servers' replies cross the network too
@@ -402,13 +402,14 @@ def failure_policy(run: ResolvedRun, run_dir: Path, rank: int) -> FailurePolicy:
 
     watch = watching(marked_dead(run_dir, restart_count()) if drops else None, mark_stalled if drops else None)
     views = None
-    if drops and run.solver_cls.reforms_without_dead and role == "worker":
+    if drops and Capability.REFORMS_WITHOUT_DEAD in run.solver_cls.capabilities and role == "worker":
         def views(comm: Comm) -> Membership:
             return Membership(comm, comm.worker_ranks, comm.liveness)
     replaced = frozenset(r for r, name in enumerate(run.role_of) if name in run.solver_cls.replaces_roles) \
         if drops and cfg.max_restarts else frozenset()
     return FailurePolicy(watch=watch, drops_dead_peers=drops, views=views, replaced_ranks=replaced,
-                         admit_replacements=bool(drops and cfg.max_restarts and run.solver_cls.heals_by_channels
+                         admit_replacements=bool(drops and cfg.max_restarts
+                                                 and Capability.HEALS_BY_CHANNELS in run.solver_cls.capabilities
                                                  and run.threads == 1))
 
 
@@ -444,7 +445,7 @@ def heal(cfg: RunConfig, run_dir: Path, comm: Comm, replacement: int, solver) ->
 
     - a solver whose workers re-form their groups: it joins their group at a step's end and
       starts from the state of the worker that admitted it (``membership.views.Membership.join``);
-    - a solver whose peers serve workers from threads of their own (``heals_by_channels``:
+    - a solver whose peers serve workers from threads of their own (``HEALS_BY_CHANNELS``:
       servers, AD-PSGD's passive workers): it opens a channel with each such peer, which
       serves it on as the dead one (``membership/admission.py``), and goes on from the dead
       one's next step, on its shard, with a model from them (the solver takes it before that
@@ -453,7 +454,8 @@ def heal(cfg: RunConfig, run_dir: Path, comm: Comm, replacement: int, solver) ->
     :class:`TooLate` if the others finished training first (or nobody can let it in)."""
     dead = _DeadMark(run_dir, comm.rank, replacement)
     try:
-        state = _join_by_channels(run_dir, comm, replacement, solver, dead) if solver.heals_by_channels else \
+        state = _join_by_channels(run_dir, comm, replacement, solver, dead) \
+            if Capability.HEALS_BY_CHANNELS in solver.capabilities else \
             _join_view(run_dir, comm, dead)
     except BaseException:
         dead.give_back()
@@ -502,18 +504,19 @@ def _join_by_channels(run_dir: Path, comm: Comm, replacement: int, solver, dead:
             "clock": 0.0, "unix": began, "last_loss": steps[-1]["loss"] if steps else float("nan"), "from": -1}
 
 
-def recovery_for(cfg: RunConfig, run_dir: Path, comm: Comm) -> WorkerRecovery:
-    """This process's checkpoints, the state it resumes from and the faults aimed at it."""
+def recovery_for(cfg: RunConfig, run_dir: Path, comm: Comm, resume: bool = False) -> WorkerRecovery:
+    """This process's checkpoints, the state it resumes from (``resume``: the run folder's last
+    complete checkpoint, as ``train --resume`` asks) and the faults aimed at it."""
     raise_if_stopped(run_dir)
     attempt = restart_count()
     gone = dropped_ranks(run_dir)
     store = CheckpointStore(run_dir / CHECKPOINTS, comm.rank, comm.role_of, fingerprint(cfg, comm.role_of), gone)
     restored = None
-    if cfg.resume or attempt > 0:
+    if resume or attempt > 0:
         choice = store.choose()
         for why in choice.refused:
             print(f"distsync: rank {comm.rank}: skipped {why}", file=sys.stderr, flush=True)
-        if choice.index is None and cfg.resume:
+        if choice.index is None and resume:
             raise ConfigError(f"no complete checkpoint to resume from in {run_dir / CHECKPOINTS}"
                               + (f" ({choice.refused[0]})" if choice.refused else ""))
         if choice.index is None and attempt > 0 and comm.rank == 0:  # (once for the job, not per rank)
@@ -546,81 +549,102 @@ def run_process(run: ResolvedRun, run_dir: Path) -> None:
     torch.set_num_threads(cfg.intra_op_threads)
     placement = place_from_env(cfg.device, cfg.backend, cfg.server_device, run.role_of)
     enter(placement)  # (torch.cuda.set_device: nccl, streams and unnamed CUDA calls use this GPU)
-    device = placement.device
     solver = run.new_solver()
-    latency = parse_link(cfg.link).latency_s if cfg.link and cfg.link_latency_mode == "comm" else 0.0
+    latency = cfg.link.latency_s if cfg.link and run.launch.latency_mode == "comm" else 0.0
     replacement = int(os.environ.get("DISTSYNC_REPLACEMENT", "0") or 0)
     comm = (Comm.replacement_from_env if replacement else Comm.from_env)(
-        list(run.role_of), cfg.timeout_s, device, latency, placement, policy=failure_policy(run, run_dir, rank))
+        list(run.role_of), cfg.timeout_s, placement.device, latency, placement,
+        policy=failure_policy(run, run_dir, rank))
     name_process(comm.role, comm.rank)
     try:
         if cfg.task == "linktest":
-            run_linktest(cfg, comm, run_dir)
+            run_linktest(cfg, comm, run_dir, run.launch.latency_mode)
             comm.barrier()
             return
         workload = load_workload(cfg.workload, cfg.workload_options)
         try:
-            if not replacement:
-                recovery = recovery_for(cfg, run_dir, comm)
-            elif comm.role == "worker":
-                recovery = heal(cfg, run_dir, comm, replacement, solver)
-            else:  # a server's or coordinator's replacement: its state comes from the workers (solver.serve)
-                recovery = WorkerRecovery(run_dir=run_dir, after_failure=True, attempt=restart_count(),
-                                          faults=FaultInjector([], run_dir, comm.rank, comm.role_of))
+            recovery = _recovery(run, run_dir, comm, replacement, solver)
         except TooLate as e:
             print(f"distsync: {e}", file=sys.stderr, flush=True)
             return
-        stats = None
-
-        def save(index: int, step: int, state: dict) -> None:
-            recovery.store.write(index, step, {**state, "index": index})
-
-        served = dict(save=save if recovery.store is not None else None, restored=recovery.restored,
-                      on_request=recovery.faults.at if recovery.faults.pending else None,
-                      drop_dead_workers=supervised(),
-                      admit_replacements=comm.admit_replacements, replacement=replacement,
-                      on_replaced=note_replaced(run_dir, comm.rank, replacement)
-                      if replacement and comm.role != "worker" else None)
-        if comm.role == "worker":
-            progress = Progress(run_dir / "progress.json" if comm.rank == 0 else None,
-                                cfg.steps if cfg.budget is None else None)
-            events = train_worker(cfg, workload, solver, comm, device, progress,
-                                  save_to=run_dir / "model.pt" if comm.rank == 0 else None, recovery=recovery)
-        elif comm.role == EMBEDDING_SERVER:
-            stats = serve_embeddings(cfg, workload, comm, solver.threads,
-                                     ServeContext(make_model=workload.make_model, lr=0.0,
-                                                  device=placement.server_device, **served))
-            events = []
-        else:
-            def make_model():
-                torch.manual_seed(cfg.seed)  # the workers' initial model
-                model = workload.make_model()
-                found = find_tables(model) if cfg.embedding_servers else None
-                if found:  # the embedding servers hold the tables; this role sees the dense part
-                    replace_module(model, found[0], torch.nn.Identity())
-                return model
-
-            solver.serve(comm.role, comm, ServeContext(
-                make_model=make_model, lr=cfg.lr, momentum=cfg.momentum, lr_schedule=cfg.lr_schedule,
-                weight_decay=cfg.weight_decay, optimizer=cfg.optimizer, lars_eta=cfg.lars_eta,
-                warmup_steps=cfg.warmup_steps, steps=cfg.steps, seed=cfg.seed, device=placement.server_device,
-                check_workers=False, **served))
-            events = []
-        mine = {"events": list(events), "role": comm.role, "stats": stats if stats is not None else solver.stats(),
-                "bytes": comm.bytes_sent}
-        if comm.role == "worker" and not supervised():
-            wait_for_workers(comm)  # a slow worker still training is no stalled one
-        if not supervised():
-            gathered = comm.gather_object(mine)
-        else:  # some workers may be gone: results travel through the store, dead ranks' from disk
-            gathered = gather_through_store(comm, mine, run_dir, recovery.attempt)
-        if gathered is not None:
-            all_events = [e for g in gathered for e in g["events"]]
-            stats = {str(r): g["stats"] for r, g in enumerate(gathered) if g["stats"]}
-            others = sum(g["bytes"] for g in gathered if g["role"] != "worker")
-            write_results(run, run_dir, all_events, solver, workload, stats, others, dropped=dropped_marks(run_dir),
-                          replaced=replaced_marks(run_dir))
-        if not supervised():
-            comm.barrier()
+        events, stats = _play_role(run, run_dir, comm, solver, workload, recovery, placement, replacement)
+        _finish(run, run_dir, comm, solver, workload, recovery, events, stats)
     finally:
         comm.close()
+
+
+def _recovery(run: ResolvedRun, run_dir: Path, comm: Comm, replacement: int, solver) -> WorkerRecovery:
+    """What this process resumes from: its checkpoints, or (the ``replacement``-th for a dead
+    rank, when not 0) what it takes the dead one's place with. :class:`TooLate` for a
+    replacement that came after the others finished."""
+    if not replacement:
+        return recovery_for(run.config, run_dir, comm, resume=run.launch.resume)
+    if comm.role == "worker":
+        return heal(run.config, run_dir, comm, replacement, solver)
+    # a server's or coordinator's replacement: its state comes from the workers (solver.serve)
+    return WorkerRecovery(run_dir=run_dir, after_failure=True, attempt=restart_count(),
+                          faults=FaultInjector([], run_dir, comm.rank, comm.role_of))
+
+
+def _play_role(run: ResolvedRun, run_dir: Path, comm: Comm, solver, workload: Workload,
+               recovery: WorkerRecovery, placement, replacement: int) -> tuple[list, dict[str, Any] | None]:
+    """This rank's part of the job: a worker trains, an embedding server or a solver's server
+    or coordinator serves. Its events and (an embedding server's) counters."""
+    cfg = run.config
+
+    def save(index: int, step: int, state: dict) -> None:
+        recovery.store.write(index, step, {**state, "index": index})
+
+    served = dict(save=save if recovery.store is not None else None, restored=recovery.restored,
+                  on_request=recovery.faults.at if recovery.faults.pending else None,
+                  drop_dead_workers=supervised(),
+                  admit_replacements=comm.admit_replacements, replacement=replacement,
+                  on_replaced=note_replaced(run_dir, comm.rank, replacement)
+                  if replacement and comm.role != "worker" else None)
+    if comm.role == "worker":
+        progress = Progress(run_dir / "progress.json" if comm.rank == 0 else None,
+                            cfg.steps if cfg.budget is None else None)
+        return train_worker(cfg, workload, solver, comm, placement.device, progress,
+                            save_to=run_dir / "model.pt" if comm.rank == 0 else None, recovery=recovery,
+                            crossover=run.launch.crossover), None
+    if comm.role == EMBEDDING_SERVER:
+        stats = serve_embeddings(cfg, workload, comm, solver.threads,
+                                 ServeContext(make_model=workload.make_model, lr=0.0,
+                                              device=placement.server_device, **served))
+        return [], stats
+
+    def make_model():
+        torch.manual_seed(cfg.seed)  # the workers' initial model
+        model = workload.make_model()
+        found = find_tables(model) if cfg.embedding_servers else None
+        if found:  # the embedding servers hold the tables; this role sees the dense part
+            replace_module(model, found[0], torch.nn.Identity())
+        return model
+
+    solver.serve(comm.role, comm, ServeContext(
+        make_model=make_model, lr=cfg.lr, momentum=cfg.momentum, lr_schedule=cfg.lr_schedule,
+        weight_decay=cfg.weight_decay, optimizer=cfg.optimizer, lars_eta=cfg.lars_eta,
+        warmup_steps=cfg.warmup_steps, steps=cfg.steps, seed=cfg.seed, device=placement.server_device,
+        check_workers=False, **served))
+    return [], None
+
+
+def _finish(run: ResolvedRun, run_dir: Path, comm: Comm, solver, workload: Workload, recovery: WorkerRecovery,
+            events: list, stats: dict[str, Any] | None) -> None:
+    """Gather every rank's events and counters; the rank that gets them writes the run's results."""
+    mine = {"events": list(events), "role": comm.role, "stats": stats if stats is not None else solver.stats(),
+            "bytes": comm.bytes_sent}
+    if comm.role == "worker" and not supervised():
+        wait_for_workers(comm)  # a slow worker still training is no stalled one
+    if not supervised():
+        gathered = comm.gather_object(mine)
+    else:  # some workers may be gone: results travel through the store, dead ranks' from disk
+        gathered = gather_through_store(comm, mine, run_dir, recovery.attempt)
+    if gathered is not None:
+        all_events = [e for g in gathered for e in g["events"]]
+        stats = {str(r): g["stats"] for r, g in enumerate(gathered) if g["stats"]}
+        others = sum(g["bytes"] for g in gathered if g["role"] != "worker")
+        write_results(run, run_dir, all_events, solver, workload, stats, others, dropped=dropped_marks(run_dir),
+                      replaced=replaced_marks(run_dir))
+    if not supervised():
+        comm.barrier()

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from distsync.config import Fault, checkpoint_interval, parse_fault
+from distsync.config import Cadence, Fault
 from distsync.runtime.checkpoint import CheckpointStore
 from distsync.errors import DistsyncError
 
@@ -37,8 +37,9 @@ def restart_count() -> int:
 class CheckpointPolicy:
     """Decides after which steps this worker writes a checkpoint, and its index."""
 
-    def __init__(self, every: Any, comm: Any = None, last_index: int = 0):
-        self.every_steps, self.every_s = checkpoint_interval(every)
+    def __init__(self, every: Cadence | None, comm: Any = None, last_index: int = 0):
+        cadence = every or Cadence()
+        self.every_steps, self.every_s = cadence.steps, cadence.seconds
         self.comm = comm
         self.index = last_index
         self._announced_at: int | None = None
@@ -81,7 +82,7 @@ class CheckpointPolicy:
 class FaultInjector:
     """The faults aimed at this process; :meth:`at` fires the ones due at a step."""
 
-    def __init__(self, specs: list[str], run_dir: Path, rank: int, role_of: list[str]):
+    def __init__(self, faults: list[Fault], run_dir: Path, rank: int, role_of: list[str]):
         self.log = Path(run_dir) / "faults.jsonl"
         fired = set()
         if self.log.exists():
@@ -93,8 +94,7 @@ class FaultInjector:
         self.rank = rank
         self.role = role_of[rank]
         self.pending: list[Fault] = []
-        for spec in specs:
-            f = parse_fault(spec)
+        for f in faults:
             mine = (f.target == rank and self.role == "worker") or (
                 isinstance(f.target, str) and f.target in role_of and role_of.index(f.target) == rank)
             if mine and f.spec not in fired:
@@ -276,103 +276,9 @@ def summarize_recovery(events: list[dict[str, Any]], faults: list[dict[str, Any]
     whether a replacement took its place (``replaced``; ``healed_s`` until the replacement
     served, from ``served``: when each started) or the job restarted (``restarted``,
     ``resumed_from_step``)."""
-    resumes = sorted((e for e in events if e["kind"] == "resume"), key=lambda e: e["unix"])
-    joins = sorted((e for e in events if e["kind"] == "joined"), key=lambda e: e["unix"])
-    steps = sorted((e for e in events if e["kind"] == "step" and "unix" in e), key=lambda e: e["unix"])
-    dropped = dropped or []
-    replaced = replaced or []
-    dead = dead or []
-    served = served or []
-    views = summarize_views(events)
-    if reforms is None:  # (a record of events alone: a solver whose workers re-form groups leaves views)
-        reforms = bool(views)
-
-    def resumed(row: dict[str, Any], f: dict[str, Any], later_attempt: bool = False) -> None:
-        # the attempt after the kill: the job resumed from its checkpoint's step (a worker
-        # dropped earlier comes back from an older one of its own)
-        after = [e for e in resumes if e["unix"] > f["unix"]
-                 and (not later_attempt or e.get("attempt", 0) > f.get("attempt", 0))]
-        nxt = [e for e in after if e.get("attempt") == min(a.get("attempt", 0) for a in after)] if after else []
-        if nxt:
-            step = max(e["step"] for e in nxt)
-            row.update(restarted=True, resumed_from_step=step, steps_lost=max(0, f["step"] - step),
-                       recovery_s=min(e["unix"] for e in nxt) - f["unix"])
-
-    def restart_after(died: float, attempt: int) -> float | None:
-        """When a later attempt of the job resumed after ``died`` (None: none did)."""
-        return next((e["unix"] for e in resumes if e["unix"] > died and e.get("attempt", 0) > attempt), None)
-
-    def first_step_after(died: float, rank: int, last_step: int | None, attempt: int) -> dict[str, Any] | None:
-        """The first step a worker other than ``rank`` finished after ``died`` (within that
-        attempt of the job) that the dead one had no part in: begun after the death, or one
-        beyond the dead worker's last step (a step of the same round, finished as it died, is
-        not going on without it)."""
-        until = restart_after(died, attempt)
-        for e in steps:
-            if e["unix"] <= died or e["rank"] == rank:
-                continue
-            if until is not None and e["unix"] >= until:
-                return None
-            began = e["unix"] - max(0.0, e.get("t", 0.0) - e.get("t0", e.get("t", 0.0)))
-            if began >= died or (last_step is not None and e["step"] > last_step):
-                return e
-        return None
-
-    def stalled_since(f: dict[str, Any], mark: dict[str, Any]) -> float:
-        """When a stalled worker stopped making progress: an injected stall fired; else the end
-        of its last step (its journal's, in the mark, or its events'); else when it was marked."""
-        if f["kind"] == "stall" and f.get("injected"):
-            return f["unix"]
-        if mark.get("last_step_unix") is not None:
-            return mark["last_step_unix"]
-        mine = [e["unix"] for e in steps if e["rank"] == mark["rank"] and e["step"] == mark.get("last_step")
-                and e["unix"] <= mark["unix"]]
-        return max(mine) if mine else mark["unix"]
-
-    def went_on(row: dict[str, Any], f: dict[str, Any], mark: dict[str, Any]) -> None:
-        row.update(dropped=True, dropped_at=mark["unix"])
-        if mark.get("signal") == "stalled":  # from when it stopped: the others' wait for the timeout counts
-            died = stalled_since(row, mark)
-            row.update(stalled_s=max(0.0, mark["unix"] - died))
-        elif "died_unix" in mark:  # (its supervising parent saw the death)
-            died = mark["died_unix"]
-        else:
-            died = f["unix"] if f["kind"] == "kill" and row.get("injected") else mark["unix"]
-        after = [v for v in views if v["unix"] >= died and f["rank"] not in v["members"]] if reforms else []
-        attempt = mark.get("attempt", 0)
-        # (no group to re-form, as for `local`: a survivor's step without it; a solver whose
-        # workers re-form groups and did not, before a restart, did not go on)
-        step = None if after or (reforms and restart_after(died, attempt) is not None) else \
-            first_step_after(died, f["rank"], mark.get("last_step"), attempt)
-        if after:
-            row.update(went_on_s=after[0]["unix"] - died, went_on_by="view", live_workers=len(after[0]["members"]),
-                       steps_lost=0)
-        elif step is not None:
-            row.update(went_on_s=step["unix"] - died, went_on_by="step", steps_lost=0)
-        else:  # the others did not go on without it (they failed trying): did the job restart?
-            resumed(row, f, later_attempt=True)
-        joined = [e for e in joins if e["rank"] == f["rank"] and e["unix"] >= died]
-        if joined:  # (its replacement's steps were lost to the job until it joined)
-            row.update(replaced=True, joined_at_step=joined[0]["step"], healed_s=joined[0]["unix"] - died,
-                       healed_from=joined[0]["from"],
-                       replaced_rank_steps_lost=max(0, joined[0]["step"] - f["step"]))
-
-    def role_went_on(row: dict[str, Any], f: dict[str, Any], mark: dict[str, Any]) -> None:
-        died = mark.get("died_unix", f["unix"] if row.get("injected") else mark["unix"])
-        row.update(dead_at=mark["unix"], replaced=bool(mark.get("replaced")))
-        if mark.get("replaced"):
-            n = mark.get("replacement")
-            came = [m for m in served if m["rank"] == mark["rank"] and m.get("attempt", 0) == mark.get("attempt", 0)
-                    and (m.get("replacement") == n if n is not None else m["unix"] >= died)]
-            if came:
-                row.update(healed_s=max(0.0, came[0]["unix"] - died))
-            step = first_step_after(died, mark["rank"], None, mark.get("attempt", 0))
-            if step is not None:  # (the workers' first step begun after the death and finished)
-                row.update(went_on_s=step["unix"] - died, went_on_by="step", steps_lost=0)
-        else:  # the job restarted (or ended) on it
-            resumed(row, f, later_attempt=True)
-
-    marks = sorted([(m, False) for m in dropped + replaced] + [(m, True) for m in dead], key=lambda m: m[0]["unix"])
+    timeline = _Timeline(events, dropped or [], replaced or [], dead or [], served or [], reforms)
+    marks = sorted([(m, False) for m in timeline.dropped + timeline.replaced] + [(m, True) for m in timeline.dead],
+                   key=lambda m: m[0]["unix"])
     claimed: set[int] = set()
     rows = []
     for f in sorted(faults, key=lambda f: f["unix"]):
@@ -382,20 +288,126 @@ def summarize_recovery(events: list[dict[str, Any]], faults: list[dict[str, Any]
             claimed.add(mine)
             mark, role = marks[mine]
             row["cause"] = mark.get("signal")
-            (role_went_on if role else went_on)(row, f, mark)
+            (timeline.role_went_on if role else timeline.went_on)(row, f, mark)
         elif f["kind"] == "kill":
-            resumed(row, f)
+            timeline.resumed(row, f)
         rows.append(row)
     for i, (m, role) in enumerate(marks):
         if i not in claimed:  # a death no injected fault explains
-            row = role_death_row(m, steps) if role else death_row(m)
-            (role_went_on if role else went_on)(row, row, m)
+            row = role_death_row(m, timeline.steps) if role else death_row(m)
+            (timeline.role_went_on if role else timeline.went_on)(row, row, m)
             rows.append(row)
     rows.sort(key=lambda r: r["unix"])
+    resumes = timeline.resumes
     return {"faults": rows, "restarts": max([e.get("attempt", 0) for e in resumes] + [0]),
-            "resumed_from_steps": [e["step"] for e in resumes if e["rank"] == 0], "dropped": dropped,
-            "replaced": replaced, "dead": dead, "views": views}
+            "resumed_from_steps": [e["step"] for e in resumes if e["rank"] == 0], "dropped": timeline.dropped,
+            "replaced": timeline.replaced, "dead": timeline.dead, "views": timeline.views}
 
+
+class _Timeline:
+    """A run's events and marks in time order, and how each death's row is completed from them
+    (:func:`summarize_recovery`)."""
+
+    def __init__(self, events: list[dict[str, Any]], dropped: list[dict[str, Any]],
+                 replaced: list[dict[str, Any]], dead: list[dict[str, Any]], served: list[dict[str, Any]],
+                 reforms: bool | None):
+        self.resumes = sorted((e for e in events if e["kind"] == "resume"), key=lambda e: e["unix"])
+        self.joins = sorted((e for e in events if e["kind"] == "joined"), key=lambda e: e["unix"])
+        self.steps = sorted((e for e in events if e["kind"] == "step" and "unix" in e), key=lambda e: e["unix"])
+        self.dropped, self.replaced, self.dead, self.served = dropped, replaced, dead, served
+        self.views = summarize_views(events)
+        # (a record of events alone: a solver whose workers re-form groups leaves views)
+        self.reforms = bool(self.views) if reforms is None else reforms
+
+    def resumed(self, row: dict[str, Any], f: dict[str, Any], later_attempt: bool = False) -> None:
+        # the attempt after the kill: the job resumed from its checkpoint's step (a worker
+        # dropped earlier comes back from an older one of its own)
+        after = [e for e in self.resumes if e["unix"] > f["unix"]
+                 and (not later_attempt or e.get("attempt", 0) > f.get("attempt", 0))]
+        nxt = [e for e in after if e.get("attempt") == min(a.get("attempt", 0) for a in after)] if after else []
+        if nxt:
+            step = max(e["step"] for e in nxt)
+            row.update(restarted=True, resumed_from_step=step, steps_lost=max(0, f["step"] - step),
+                       recovery_s=min(e["unix"] for e in nxt) - f["unix"])
+
+    def restart_after(self, died: float, attempt: int) -> float | None:
+        """When a later attempt of the job resumed after ``died`` (None: none did)."""
+        return next((e["unix"] for e in self.resumes if e["unix"] > died and e.get("attempt", 0) > attempt), None)
+
+    def first_step_after(self, died: float, rank: int, last_step: int | None, attempt: int) -> dict[str, Any] | None:
+        """The first step a worker other than ``rank`` finished after ``died`` (within that
+        attempt of the job) that the dead one had no part in: begun after the death, or one
+        beyond the dead worker's last step (a step of the same round, finished as it died, is
+        not going on without it)."""
+        until = self.restart_after(died, attempt)
+        for e in self.steps:
+            if e["unix"] <= died or e["rank"] == rank:
+                continue
+            if until is not None and e["unix"] >= until:
+                return None
+            began = e["unix"] - max(0.0, e.get("t", 0.0) - e.get("t0", e.get("t", 0.0)))
+            if began >= died or (last_step is not None and e["step"] > last_step):
+                return e
+        return None
+
+    def stalled_since(self, f: dict[str, Any], mark: dict[str, Any]) -> float:
+        """When a stalled worker stopped making progress: an injected stall fired; else the end
+        of its last step (its journal's, in the mark, or its events'); else when it was marked."""
+        if f["kind"] == "stall" and f.get("injected"):
+            return f["unix"]
+        if mark.get("last_step_unix") is not None:
+            return mark["last_step_unix"]
+        mine = [e["unix"] for e in self.steps if e["rank"] == mark["rank"] and e["step"] == mark.get("last_step")
+                and e["unix"] <= mark["unix"]]
+        return max(mine) if mine else mark["unix"]
+
+    def went_on(self, row: dict[str, Any], f: dict[str, Any], mark: dict[str, Any]) -> None:
+        """A dead worker's row: when the others went on without it, or whether the job
+        restarted; when a replacement that healed from a live peer joined."""
+        row.update(dropped=True, dropped_at=mark["unix"])
+        if mark.get("signal") == "stalled":  # from when it stopped: the others' wait for the timeout counts
+            died = self.stalled_since(row, mark)
+            row.update(stalled_s=max(0.0, mark["unix"] - died))
+        elif "died_unix" in mark:  # (its supervising parent saw the death)
+            died = mark["died_unix"]
+        else:
+            died = f["unix"] if f["kind"] == "kill" and row.get("injected") else mark["unix"]
+        after = [v for v in self.views if v["unix"] >= died and f["rank"] not in v["members"]] if self.reforms else []
+        attempt = mark.get("attempt", 0)
+        # (no group to re-form, as for `local`: a survivor's step without it; a solver whose
+        # workers re-form groups and did not, before a restart, did not go on)
+        step = None if after or (self.reforms and self.restart_after(died, attempt) is not None) else \
+            self.first_step_after(died, f["rank"], mark.get("last_step"), attempt)
+        if after:
+            row.update(went_on_s=after[0]["unix"] - died, went_on_by="view", live_workers=len(after[0]["members"]),
+                       steps_lost=0)
+        elif step is not None:
+            row.update(went_on_s=step["unix"] - died, went_on_by="step", steps_lost=0)
+        else:  # the others did not go on without it (they failed trying): did the job restart?
+            self.resumed(row, f, later_attempt=True)
+        joined = [e for e in self.joins if e["rank"] == f["rank"] and e["unix"] >= died]
+        if joined:  # (its replacement's steps were lost to the job until it joined)
+            row.update(replaced=True, joined_at_step=joined[0]["step"], healed_s=joined[0]["unix"] - died,
+                       healed_from=joined[0]["from"],
+                       replaced_rank_steps_lost=max(0, joined[0]["step"] - f["step"]))
+
+    def role_went_on(self, row: dict[str, Any], f: dict[str, Any], mark: dict[str, Any]) -> None:
+        """A dead server's or coordinator's row: when its replacement served and the workers
+        went on, or whether the job restarted."""
+        died = mark.get("died_unix", f["unix"] if row.get("injected") else mark["unix"])
+        row.update(dead_at=mark["unix"], replaced=bool(mark.get("replaced")))
+        if mark.get("replaced"):
+            n = mark.get("replacement")
+            came = [m for m in self.served
+                    if m["rank"] == mark["rank"] and m.get("attempt", 0) == mark.get("attempt", 0)
+                    and (m.get("replacement") == n if n is not None else m["unix"] >= died)]
+            if came:
+                row.update(healed_s=max(0.0, came[0]["unix"] - died))
+            step = self.first_step_after(died, mark["rank"], None, mark.get("attempt", 0))
+            if step is not None:  # (the workers' first step begun after the death and finished)
+                row.update(went_on_s=step["unix"] - died, went_on_by="step", steps_lost=0)
+        else:  # the job restarted (or ended) on it
+            self.resumed(row, f, later_attempt=True)
 
 class EventJournal(list):
     """A worker's events, also written to a file as they happen (one write each, to the

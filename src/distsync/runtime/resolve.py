@@ -5,27 +5,42 @@ Whatever the input (command line, config file, crossover job file, Python API), 
 every field set (the workload's defaults filled in: no ``None`` left), every value checked,
 the solver's options typed, the role of every rank and the training threads known without
 building a solver. The launcher writes the resolved config to ``config.json``; every process
-of the job reads it back with :func:`trusted`, which neither validates again nor builds the
+of the job reads it back with :func:`read_resolved`, which neither validates again nor builds the
 workload.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from distsync.config import RunConfig, parse_budget
+from distsync.config import RunConfig, read_file
 from distsync.errors import ConfigError
 from distsync.runtime.roles import EMBEDDING_SERVER, assign_roles
-from distsync.solvers import Solver, check_buffers, make_options, solver_class
+from distsync.solvers import Capability, Solver, check_buffers, make_options, solver_class
 
 #: fields a workload decides when the run does not
 WORKLOAD_DEFAULTS = ("steps", "batch_size", "lr", "eval_every", "embedding_servers", "embedding_lr")
 #: every field that resolving takes from (or checks against) the workload
 WORKLOAD_FIELDS = (*WORKLOAD_DEFAULTS, "workload_options")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What a launcher decided for one start of a job, beside its config: how the link's
+    latency is applied (``"netem"``, ``"comm"``: per operation in the comm layer, or
+    ``"none"``), the compute-token slot ``distsync crossover`` gives the job
+    (``{"address": UNIX_SOCKET_PATH, "job": index, ...}``), and whether this start resumes from
+    the run folder's last complete checkpoint."""
+
+    latency_mode: str | None = None
+    crossover: dict[str, Any] | None = None
+    resume: bool = False
 
 
 @dataclass(frozen=True)
@@ -37,6 +52,7 @@ class ResolvedRun:
     solver_cls: type[Solver]
     options: Any
     role_of: tuple[str, ...]
+    launch: Launch = Launch()
 
     @property
     def threads(self) -> int:
@@ -46,6 +62,13 @@ class ResolvedRun:
     @property
     def world_size(self) -> int:
         return len(self.role_of)
+
+    def write(self, path: Path) -> None:
+        """``config.json``: the config, and what the launcher decided (the job's processes read
+        both with :func:`read_resolved`)."""
+        d = {**self.config.to_dict(), "resolved": True, "link_latency_mode": self.launch.latency_mode,
+             "crossover": self.launch.crossover, "resume": self.launch.resume}
+        path.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
 
     def new_solver(self) -> Solver:
         return self.solver_cls(self.options, buffers=self.config.buffers)
@@ -97,22 +120,25 @@ def _with_workload_defaults(cfg: RunConfig) -> tuple[RunConfig, Any]:
     return dataclasses.replace(cfg, **filled), workload
 
 
-def resolve(cfg: RunConfig, *, world_size: int | None = None) -> ResolvedRun:
+def resolve(cfg: RunConfig, *, world_size: int | None = None, steps_set: bool = False,
+            launch: Launch = Launch()) -> ResolvedRun:
     """Check ``cfg`` and fill in everything it leaves to the workload and the solver.
 
     The workload is built only when a default is missing. ``world_size``: under
     ``torchrun``, the number of processes; the workers are what the roles leave of it.
+    ``steps_set``: ``cfg`` comes from a run folder, its steps already set from its budget or
+    epochs (which are then kept as they are). ``launch``: what the launcher decided.
     Raises :class:`ConfigError` with a one-line message.
     """
     if isinstance(cfg, ResolvedRun):
         return cfg
-    if cfg.budget is not None and cfg.steps is not None and not cfg.resolved:
+    if cfg.budget is not None and cfg.steps is not None and not steps_set:
         raise ConfigError("--budget and --steps conflict: a job budget replaces the steps per worker; give one")
-    if cfg.epochs is not None and not cfg.resolved and (cfg.steps is not None or cfg.budget is not None):
+    if cfg.epochs is not None and not steps_set and (cfg.steps is not None or cfg.budget is not None):
         other = "--steps" if cfg.steps is not None else "--budget"
         raise ConfigError(f"--epochs and {other} conflict: --epochs sets the steps per worker; give one")
-    was_resolved = cfg.resolved  # a config.json written by a launcher (its budget's steps are set)
-    cfg = dataclasses.replace(cfg, resolved=False)
+    was_resolved = steps_set  # (a run folder's config: its budget's steps are set, its warnings said)
+    cfg = dataclasses.replace(cfg)
     cls = solver_class(cfg.solver)
     _check_solver_class(cls)
     options = make_options(cls, cfg.solver_options)
@@ -147,9 +173,9 @@ def resolve(cfg: RunConfig, *, world_size: int | None = None) -> ResolvedRun:
         cfg.steps = epoch_steps(cfg, workload, threads)
     if workload is not None:
         _check_train_data(cfg, workload, threads)
-    if threads > 1 and cfg.crossover:
+    if threads > 1 and launch.crossover:
         raise ConfigError(f"crossover scheduling runs one training thread per worker; {cls.name} asks for {threads}")
-    if threads > 1 and getattr(cls, "threads_take_plain_sgd", False) and (
+    if threads > 1 and Capability.THREADS_TAKE_PLAIN_SGD in cls.capabilities and (
             cfg.optimizer != "sgd" or cfg.momentum or cfg.weight_decay):
         raise ConfigError(f"{cls.name} with {threads} threads steps with plain lock-free SGD (Hogwild): it takes "
                           f"--optimizer sgd without --momentum or --weight-decay; got --optimizer {cfg.optimizer} "
@@ -165,8 +191,7 @@ def resolve(cfg: RunConfig, *, world_size: int | None = None) -> ResolvedRun:
         from distsync.runtime.plugins.tensorboard import check_tensorboard
 
         check_tensorboard()
-    cfg.resolved = True
-    return ResolvedRun(cfg, cls, options, tuple(assign_roles(cfg.workers, _roles(cfg, cls, options))))
+    return ResolvedRun(cfg, cls, options, tuple(assign_roles(cfg.workers, _roles(cfg, cls, options))), launch)
 
 
 #: with a budget of seconds only, a cap no run reaches
@@ -178,7 +203,7 @@ TARGET_CAP = 10
 def _budget_steps(cfg: RunConfig, lead: int | None, threads: int) -> int:
     """Steps per worker under ``cfg.budget``: all of them for solvers whose workers take
     equal steps and a samples budget, else a cap the budget ends the run before."""
-    budget = parse_budget(cfg.budget)
+    budget = cfg.budget
     if lead is None and cfg.checkpoint_every is not None:
         raise ConfigError(f"--budget with --checkpoint-every needs a solver whose workers take equal steps; "
                           f"{cfg.solver}'s workers step on their own")
@@ -272,10 +297,15 @@ def _check_train_data(cfg: RunConfig, workload: Any, threads: int) -> None:
 _said_one_shot: set[str] = set()
 
 
-def trusted(cfg: RunConfig) -> ResolvedRun:
-    """In a process of a job: the config its launcher resolved, taken as it is."""
-    if not cfg.resolved:
-        raise ConfigError("this config was not resolved by a launcher (distsync.runtime.resolve.resolve)")
+def read_resolved(path: Path) -> ResolvedRun:
+    """In a process of a job: the run its launcher resolved and wrote to ``path``
+    (:meth:`ResolvedRun.write`), taken as it is: neither validated again nor its workload built."""
+    d = read_file(path, "config file", json.loads, "JSON")
+    if not isinstance(d, dict) or d.get("resolved") is not True:
+        raise ConfigError(f"{path} was not written by a launcher (distsync.runtime.resolve.ResolvedRun.write)")
+    launch = Launch(latency_mode=d.get("link_latency_mode"), crossover=d.get("crossover"),
+                    resume=bool(d.get("resume")))
+    cfg = RunConfig.from_dict(d)
     cls = solver_class(cfg.solver)
     options = cls.Options(**cfg.solver_options)
-    return ResolvedRun(cfg, cls, options, tuple(assign_roles(cfg.workers, _roles(cfg, cls, options))))
+    return ResolvedRun(cfg, cls, options, tuple(assign_roles(cfg.workers, _roles(cfg, cls, options))), launch)

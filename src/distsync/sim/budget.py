@@ -82,6 +82,20 @@ def simulate_budget(solver: str, options: dict[str, Any], cluster: Cluster, work
     raise ConfigError(f"simulated {solver}: the budget {budget} was not spent in {steps} steps per worker")
 
 
+def simulate_spent(solver: str, options: dict[str, Any], cluster: Cluster, worker_model: WorkerModel, work: Work,
+                   budget: Budget | None, seed: int = 0, until_s: float | None = None) -> SimResult:
+    """The timing a run under ``budget`` has: cut where its samples or seconds are spent, or at
+    ``until_s`` (the moment its target is predicted to be reached), whichever comes first; with
+    no budget, or a target alone and no ``until_s``, ``work``'s steps each."""
+    if budget is None:
+        return simulate(solver, options, cluster, worker_model, work, seed=seed)
+    seconds = min(budget.seconds or math.inf, until_s if until_s is not None else math.inf)
+    if budget.samples is None and math.isinf(seconds):
+        return simulate(solver, options, cluster, worker_model, work, seed=seed)
+    spend = Budget(samples=budget.samples, seconds=None if math.isinf(seconds) else seconds)
+    return simulate_budget(solver, options, cluster, worker_model, work, spend, seed)
+
+
 def _cut(res: SimResult, budget: Budget, lead: int | None) -> SimResult | None:
     """``res`` cut where ``budget`` stops the job; None: some worker ran out of simulated
     steps before then (simulate more)."""

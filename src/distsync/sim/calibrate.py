@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import json
-import math
 import statistics
 from pathlib import Path
 from typing import Any
 
-from distsync.config import Budget, RunConfig, parse_budget, parse_link
+from distsync.config import Link, RunConfig
 from distsync.errors import ConfigError
-from distsync.sim.cluster import Cluster, Link, WorkerModel
-from distsync.sim.budget import simulate_budget
-from distsync.sim.timing import Work, simulate
+from distsync.sim.cluster import Cluster, WorkerModel
+from distsync.sim.budget import simulate_spent
+from distsync.sim.timing import Work
 
+
+#: the link assumed for a run made without --link
+UNSHAPED = Link(10e9, 0.0, "10gbit")
 
 def model_bytes(workload: str, options: dict[str, Any] | None = None) -> int:
     """Bytes of a workload's model parameters (float32)."""
@@ -26,7 +28,7 @@ def model_bytes(workload: str, options: dict[str, Any] | None = None) -> int:
     return sum(p.numel() * p.element_size() for p in w.make_model().parameters())
 
 
-def _read(run_dir: Path, default_link: str) -> dict[str, Any]:
+def _read(run_dir: Path, default_link: Link) -> dict[str, Any]:
     """A finished run's config and what it measured: a normal-speed worker's compute per
     step, communication per step, steps, batch, link and model bytes."""
     run_dir = Path(run_dir)
@@ -49,14 +51,14 @@ def _read(run_dir: Path, default_link: str) -> dict[str, Any]:
     if not normal:
         normal = [statistics.mean(v) / cfg.slow[r] for r, v in own.items()]
     steps = measured["steps_per_worker"]  # (under a budget: the most any worker took)
-    budget = parse_budget(cfg.budget)
+    budget = cfg.budget
     return {"dir": run_dir, "cfg": cfg, "measured": measured, "budget": budget,
             # A --jitter run's steps include their mean stretch (jitter / 2 of a step).
             "compute": statistics.median(normal) / (1 + cfg.jitter / 2),
             "comm": statistics.mean(comm_per_step) if comm_per_step else 0.0, "steps": steps,
             "batch": (cfg.batch_size * cfg.accumulate if budget is not None
                       else round(measured["samples"] / max(1, steps * cfg.workers))),
-            "link": parse_link(cfg.link or default_link),
+            "link": cfg.link or default_link,
             "bytes": model_bytes(cfg.workload, cfg.workload_options)}
 
 
@@ -67,12 +69,7 @@ def _simulate_run(run: dict[str, Any], compute: float, latency: float, until_s: 
     cluster = Cluster(cfg.workers, Link(run["link"].bandwidth_bps, latency))
     workers = WorkerModel(compute, slow=dict(cfg.slow), jitter=cfg.jitter, seed=cfg.seed)
     work = Work(steps=run["steps"], model_bytes=run["bytes"], batch_size=run["batch"])
-    if budget is not None:
-        seconds = min(budget.seconds or math.inf, until_s or math.inf)
-        spend = Budget(samples=budget.samples, seconds=None if math.isinf(seconds) else seconds)
-        if spend.samples is not None or spend.seconds is not None:
-            return simulate_budget(cfg.solver, cfg.solver_options, cluster, workers, work, spend, seed=cfg.seed)
-    return simulate(cfg.solver, cfg.solver_options, cluster, workers, work, seed=cfg.seed)
+    return simulate_spent(cfg.solver, cfg.solver_options, cluster, workers, work, budget, cfg.seed, until_s=until_s)
 
 
 def _fit_latency(run: dict[str, Any]) -> float:
@@ -93,7 +90,7 @@ def _fit_latency(run: dict[str, Any]) -> float:
 HOST_EXP = 0.05
 
 
-def fit_run(run_dir: Path, default_link: str = "10gbit") -> dict[str, Any]:
+def fit_run(run_dir: Path, default_link: Link = UNSHAPED) -> dict[str, Any]:
     """What a real run says of its workload, link and device: ``workload``, ``compute_s``
     (a normal-speed worker's compute per step) and ``per_message_s`` (what each message cost
     beyond the link's latency: the software stack's share)."""
@@ -112,7 +109,7 @@ def _per_core(run: dict[str, Any], cores: int) -> float:
     return max(1.0, processes / cores)
 
 
-def calibrate(run_dir: Path, default_link: str = "10gbit", fit_from: Path | None = None,
+def calibrate(run_dir: Path, default_link: Link = UNSHAPED, fit_from: Path | None = None,
               host_cores: int | None = None, host_exp: float | None = None, time_to_target: bool = True) -> dict[str, Any]:
     """Simulate the real run in ``run_dir`` and return predicted against measured.
 
@@ -147,7 +144,7 @@ def calibrate(run_dir: Path, default_link: str = "10gbit", fit_from: Path | None
     cfg, measured = run["cfg"], run["measured"]
     out = {
         "run": str(run_dir), "solver": measured.get("label", cfg.solver), "workload": cfg.workload,
-        "workers": cfg.workers, "link": cfg.link or f"{default_link} (assumed: unshaped run)",
+        "workers": cfg.workers, "link": str(cfg.link) if cfg.link else f"{default_link} (assumed: unshaped run)",
         "fitted_on": str(fit["dir"]), "out_of_sample": fit is not run,
         "compute_per_step_s": compute, "model_bytes": run["bytes"], "fitted_latency_s": latency,
         "host_share": share,
@@ -158,7 +155,7 @@ def calibrate(run_dir: Path, default_link: str = "10gbit", fit_from: Path | None
         "predicted_time_to_target_s": None,
     }
     out["predicted_time_to_target_s"], out["predicted_time_to_target_from"] = ttt, ttt_from
-    out["budget"] = cfg.budget
+    out["budget"] = None if cfg.budget is None else str(cfg.budget)
     if budget is not None:
         out["measured_steps_by_worker"] = [measured.get("steps_by_worker", {}).get(str(r)) for r in range(cfg.workers)]
         out["predicted_steps_by_worker"] = predicted.get("steps_by_worker")

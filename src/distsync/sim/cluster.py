@@ -18,23 +18,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from distsync.config import Link
 from distsync.errors import ConfigError
-
-
-@dataclass(frozen=True)
-class Link:
-    """Bandwidth in bits per second (each direction) and one-way latency in seconds."""
-
-    bandwidth_bps: float
-    latency_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not self.bandwidth_bps > 0 or self.latency_s < 0:
-            raise ConfigError(f"a link needs bandwidth > 0 and latency >= 0, got {self.bandwidth_bps}, {self.latency_s}")
-
-    def transfer_s(self, nbytes: float) -> float:
-        """One message of ``nbytes``: latency plus serialization."""
-        return self.latency_s + 8.0 * nbytes / self.bandwidth_bps
 
 
 def ring_allreduce_s(link: Link, nbytes: float, p: int) -> float:

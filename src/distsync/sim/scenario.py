@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from distsync.config import Budget, bounded, check_ranges, parse_budget, parse_link, parse_slow
+from distsync.config import Budget, Link, bounded, check_ranges, parse_budget, parse_link, parse_slow
 from distsync.errors import ConfigError
 from distsync.runtime.resolve import TARGET_CAP
 from distsync.sim.calibrate import model_bytes
-from distsync.sim.cluster import Cluster, Link, WorkerModel
+from distsync.sim.cluster import Cluster, WorkerModel
 from distsync.sim.timing import Work, simulate
 
 MODES = ("timing", "train")
@@ -31,11 +30,12 @@ class Scenario:
     #: model size in MB (None: the workload's)
     model_mb: float | None = bounded(None, gt=0, flag="--model-mb")
     workload: str = "digits"
-    link: str = "1gbit"
+    link: Link = Link(1e9, 0.0, "1gbit")
     per_node: int = bounded(1, ge=1, flag="--per-node")
-    intra_link: str | None = None
+    intra_link: Link | None = None
     algorithm: str = "ring"
-    slow: str | None = None
+    #: {rank: factor}; text as ``--slow`` takes it is read when the scenario is made
+    slow: dict[int, float] = dataclasses.field(default_factory=dict)
     slow_fraction: float = 0.0
     slow_factor: float = 3.0
     jitter: float = 0.0
@@ -52,16 +52,26 @@ class Scenario:
     lars_eta: float = 0.001
     precision: str = "fp32"
     #: a job budget, as ``--budget`` (samples=N, seconds=S, target[=VALUE]); None: ``steps`` each
-    budget: str | None = None
+    budget: Budget | None = None
+
+    def __post_init__(self) -> None:
+        # Links, slow workers and the budget given as text (the command line) become values
+        # where the scenario is made.
+        if isinstance(self.link, str):
+            self.link = parse_link(self.link)
+        if isinstance(self.intra_link, str):
+            self.intra_link = parse_link(self.intra_link)
+        if self.slow is None or isinstance(self.slow, str):
+            self.slow = parse_slow(self.slow)
+        if isinstance(self.budget, str):
+            self.budget = parse_budget(self.budget)
 
     def cluster(self) -> Cluster:
-        spec = parse_link(self.link)
-        intra = parse_link(self.intra_link) if self.intra_link else None
-        return Cluster(self.workers, Link(spec.bandwidth_bps, spec.latency_s), per_node=self.per_node,
-                       intra=Link(intra.bandwidth_bps, intra.latency_s) if intra else None, algorithm=self.algorithm)
+        return Cluster(self.workers, self.link, per_node=self.per_node, intra=self.intra_link,
+                       algorithm=self.algorithm)
 
     def worker_model(self) -> WorkerModel:
-        return WorkerModel(self.compute_ms / 1000, slow=parse_slow(self.slow), slow_fraction=self.slow_fraction,
+        return WorkerModel(self.compute_ms / 1000, slow=dict(self.slow), slow_fraction=self.slow_fraction,
                            slow_factor=self.slow_factor, jitter=self.jitter, seed=self.seed)
 
     def model_bytes(self) -> float:
@@ -78,7 +88,7 @@ def simulate_scenario(scenario: Scenario, solvers: list[str],
 
     training, _ = resolve_training(scenario.workload, {name: getattr(scenario, name) for name in TRAINING_FIELDS})
     scenario = dataclasses.replace(scenario, **{name: getattr(training, name) for name in TRAINING_FIELDS})
-    budget = parse_budget(scenario.budget)
+    budget = scenario.budget
     if budget is not None and budget.target and scenario.mode != "train" and budget.samples is None \
             and budget.seconds is None:
         raise ConfigError("timing mode has no metric to reach: --budget target needs --mode train "
@@ -108,14 +118,10 @@ def _timing(name: str, options: dict[str, Any], cluster: Cluster, workers: Worke
             budget: Budget | None, trained: Any, seed: int):
     """The timing of one solver: under the budget's samples or seconds, or, with a target
     reached in train mode, up to that moment (each worker at its own pace)."""
-    from distsync.sim.budget import simulate_budget
+    from distsync.sim.budget import simulate_spent
 
-    if budget is not None and trained is not None and trained.time_to_target_s is not None:
-        seconds = min(budget.seconds or math.inf, trained.time_to_target_s)
-        budget = Budget(samples=budget.samples, seconds=seconds)
-    if budget is None or (budget.samples is None and budget.seconds is None):
-        return simulate(name, options, cluster, workers, work, seed=seed)
-    return simulate_budget(name, options, cluster, workers, work, budget, seed)
+    reached = trained.time_to_target_s if trained is not None else None
+    return simulate_spent(name, options, cluster, workers, work, budget, seed, until_s=reached)
 
 
 def _train(scenario: Scenario, name: str, options: dict[str, Any], cluster: Cluster, workers: WorkerModel,

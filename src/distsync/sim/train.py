@@ -49,9 +49,9 @@ import torch
 from torch.func import functional_call, grad, vmap
 from distsync.torch_private import tree_map
 
-from distsync.config import parse_budget
+from distsync.config import Budget
 from distsync.errors import ConfigError
-from distsync.solvers import check_buffers, make_options, solver_class
+from distsync.solvers import Capability, check_buffers, make_options, solver_class
 from distsync.solvers.rules import (apply_correction, bmuf_update, elastic_exchange, group_mean, pairwise_average,
                                     server_apply, sync_elastic_update)
 from distsync.workloads import ShardSampler, Workload
@@ -79,7 +79,7 @@ def simulate_training(solver: str, options: dict[str, Any], workload: Workload, 
                       batch_size: int | None = None, lr: float | None = None, seed: int = 0,
                       eval_every: int | None = None, wall_s: float | None = None,
                       until_target: bool = False, cluster: Any = None, worker_model: Any = None,
-                      model_bytes: float | None = None, buffers: str | None = None, budget: Any = None,
+                      model_bytes: float | None = None, buffers: str | None = None, budget: Budget | None = None,
                       optimizer: str = "sgd", momentum: float = 0.0, weight_decay: float = 0.0,
                       precision: str = "fp32", lars_eta: float = 0.001) -> TrainResult:
     """Train ``workers`` stacked replicas of ``workload``'s model with ``solver``'s rule, each
@@ -97,7 +97,7 @@ def simulate_training(solver: str, options: dict[str, Any], workload: Workload, 
     model's virtual times (scaled to ``wall_s`` when given). ``buffers``: the buffer policy
     (default: the solver's ``default_buffers``).
 
-    ``budget`` (a :class:`~distsync.config.Budget` or its ``--budget`` text): the job stops
+    ``budget`` (a :class:`~distsync.config.Budget`, e.g. ``parse_budget("samples=4000")``): the job stops
     where a real run with that budget stops, each worker at its own pace
     (:mod:`distsync.sim.budget`); ``steps`` is then a cap per worker. An order-dependent
     rule stops inside its timing model once the samples or seconds are spent (the rule's
@@ -105,7 +105,6 @@ def simulate_training(solver: str, options: dict[str, Any], workload: Workload, 
     budgeted timing model gives its workers (their mean, for ``local``'s workers that step on
     their own), over that model's wall time. A target (``target`` or ``target=VALUE``) stops
     at the first evaluation that reaches it."""
-    budget = parse_budget(budget) if isinstance(budget, str) else budget
     if budget is not None and budget.target:
         until_target = True
     cls = solver_class(solver)
@@ -120,23 +119,60 @@ def simulate_training(solver: str, options: dict[str, Any], workload: Workload, 
     names = [n for n, _ in model.named_parameters()]
     stack = {n: p.detach().unsqueeze(0).repeat(workers, *([1] * p.dim())).clone()
              for n, p in model.named_parameters()}
-    try:
-        samplers = [ShardSampler(workload.num_train, workers, r, batch_size, seed) for r in range(workers)]
-    except ValueError as e:
-        raise ConfigError(f"train mode on {workload.name}: {e} (use a smaller --batch-size)") from None
+    samplers = _samplers(workload, workers, batch_size, seed)
     bufs = _Buffers(model, _written_buffers(model, workload, workload.take(workload.train_data,
                                                                            samplers[0].indices(0))),
                     workers, policy)
     model.train()
     replica_math = _ReplicaMath(workload, model, bufs, precision)
+    gradient = _one_gradient(workload, samplers, bufs, replica_math, stack, names)
+    ctx = TrainContext(stack, lr, workers, seed, gradient=gradient, averaged=bufs.averaged(),
+                       optimizer=ReplicaOptimizers(stack, lr, run_optimizer))
+    rule = _simulate_rule(cls, o, ctx, solver, optimizer, momentum, weight_decay)
+    replica_math.probe(stack, samplers[0], batch_gradients=not isinstance(rule, OrderedRule))
+    if budget is not None and (budget.samples is not None or budget.seconds is not None):
+        steps, wall_s = _budget_steps(solver, options, budget, workers, steps, batch_size, seed, cluster, worker_model,
+                                      model_bytes or _nbytes(model), isinstance(rule, OrderedRule), wall_s)
+    result = TrainResult(solver, workers, steps)
+    report = _reporter(result, workload, replica_math, bufs, rule, stack,
+                       budget.target_value if budget is not None else None, until_target)
+    if isinstance(rule, OrderedRule):
+        if model_bytes is None:
+            model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        result.steps_by = _run_ordered(cls, o, rule, solver, workers, steps, batch_size, seed, eval_every, wall_s,
+                                       report, cluster, worker_model, model_bytes, budget)
+    else:
+        _run_lockstep(rule, workload, samplers, bufs, replica_math, stack, steps, eval_every, wall_s, report)
+    result.params = {n: stack[n] for n in names}
+    result.buffers, result.buffer_policy = bufs.stack, policy
+    center = getattr(rule, "center", None)
+    result.center = {n: center[n] for n in names} if center is not None else None
+    return result
+
+
+def _samplers(workload: Workload, workers: int, batch_size: int, seed: int) -> list[ShardSampler]:
+    """Each replica's sampler of its shard, as the runtime's workers have them."""
+    try:
+        return [ShardSampler(workload.num_train, workers, r, batch_size, seed) for r in range(workers)]
+    except ValueError as e:
+        raise ConfigError(f"train mode on {workload.name}: {e} (use a smaller --batch-size)") from None
+
+
+def _one_gradient(workload: Workload, samplers: list[ShardSampler], bufs: "_Buffers", replica_math: "_ReplicaMath",
+                  stack: dict[str, torch.Tensor], names: list[str]) -> Callable[[int, int], dict[str, torch.Tensor]]:
+    """``gradient(w, step)``: replica ``w``'s gradient on its batch of ``step`` (:class:`TrainContext`)."""
 
     def one_gradient(w: int, step: int) -> dict[str, torch.Tensor]:
         bufs.broadcast(w)
         x, y = workload.take(workload.train_data, samplers[w].indices(step))
         return replica_math.gradient({n: stack[n][w] for n in names}, bufs.replica(w), x, y, step)
 
-    ctx = TrainContext(stack, lr, workers, seed, gradient=one_gradient, averaged=bufs.averaged(),
-                       optimizer=ReplicaOptimizers(stack, lr, run_optimizer))
+    return one_gradient
+
+
+def _simulate_rule(cls, o, ctx: "TrainContext", solver: str, optimizer: str, momentum: float, weight_decay: float):
+    """The solver's train-mode rule on ``ctx``; a :class:`ConfigError` when it has none, or
+    when its updates are a server's and the replicas' optimizer is not plain SGD."""
     rule = cls.simulate_rule(o, ctx)
     if rule is None:
         raise ConfigError(f"train mode has no rule for {solver!r}: its class needs a simulate_rule(options, sim) "
@@ -148,12 +184,14 @@ def simulate_training(solver: str, options: dict[str, Any], workload: Workload, 
         raise ConfigError(f"train mode cannot follow {asked} for {solver}: its workers' updates are applied by "
                           f"servers, whose optimizer train mode does not model yet; simulate it with --optimizer sgd "
                           f"without --momentum or --weight-decay")
-    replica_math.probe(stack, samplers[0], batch_gradients=not isinstance(rule, OrderedRule))
-    if budget is not None and (budget.samples is not None or budget.seconds is not None):
-        steps, wall_s = _budget_steps(solver, options, budget, workers, steps, batch_size, seed, cluster, worker_model,
-                                      model_bytes or _nbytes(model), isinstance(rule, OrderedRule), wall_s)
-    result = TrainResult(solver, workers, steps)
-    target_value = budget.target_value if budget is not None else None
+    return rule
+
+
+def _reporter(result: TrainResult, workload: Workload, replica_math: "_ReplicaMath", bufs: "_Buffers", rule,
+              stack: dict[str, torch.Tensor], target_value: float | None,
+              until_target: bool) -> Callable[[int, float], bool]:
+    """``report(step, t)``: an evaluation after ``step`` steps at virtual time ``t``, kept in
+    ``result``; True: stop here (``until_target``, and the target is reached)."""
 
     def reached(metric: float) -> bool:
         if target_value is None:
@@ -170,25 +208,22 @@ def simulate_training(solver: str, options: dict[str, Any], workload: Workload, 
             return until_target
         return False
 
-    if isinstance(rule, OrderedRule):
-        if model_bytes is None:
-            model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        result.steps_by = _run_ordered(cls, o, rule, solver, workers, steps, batch_size, seed, eval_every, wall_s,
-                                       report, cluster, worker_model, model_bytes, budget)
-    else:
-        pace = (wall_s / steps) if wall_s else 1.0
-        for step in range(steps):
-            batches = [workload.take(workload.train_data, s.indices(step)) for s in samplers]
-            bufs.broadcast()
-            g = replica_math.gradients(stack, bufs.stack, batches, step)
-            rule(step, g)
-            if ((step + 1) % eval_every == 0 or step + 1 == steps) and report(step, pace * (step + 1)):
-                break
-    result.params = {n: stack[n] for n in names}
-    result.buffers, result.buffer_policy = bufs.stack, policy
-    center = getattr(rule, "center", None)
-    result.center = {n: center[n] for n in names} if center is not None else None
-    return result
+    return report
+
+
+def _run_lockstep(rule, workload: Workload, samplers: list[ShardSampler], bufs: "_Buffers",
+                  replica_math: "_ReplicaMath", stack: dict[str, torch.Tensor], steps: int, eval_every: int,
+                  wall_s: float | None, report: Callable[[int, float], bool]) -> None:
+    """A lockstep rule's run: every replica's gradient on its batch, then the rule, step by
+    step; an evaluation every ``eval_every`` steps and at the end (``report``)."""
+    pace = (wall_s / steps) if wall_s else 1.0
+    for step in range(steps):
+        batches = [workload.take(workload.train_data, s.indices(step)) for s in samplers]
+        bufs.broadcast()
+        g = replica_math.gradients(stack, bufs.stack, batches, step)
+        rule(step, g)
+        if ((step + 1) % eval_every == 0 or step + 1 == steps) and report(step, pace * (step + 1)):
+            break
 
 
 class _Reached(Exception):
@@ -581,7 +616,7 @@ def _run_optimizer(cls, o, solver: str, optimizer: str, momentum: float, weight_
     if hasattr(cls, "check_server_optimizer"):
         cls.check_server_optimizer(o, optimizer)
     threads = cls.training_threads(o)
-    if threads > 1 and getattr(cls, "threads_take_plain_sgd", False) and (optimizer != "sgd" or momentum or
+    if threads > 1 and Capability.THREADS_TAKE_PLAIN_SGD in cls.capabilities and (optimizer != "sgd" or momentum or
                                                                           weight_decay):
         raise ConfigError(f"{solver} with {threads} threads steps with plain lock-free SGD (Hogwild): it takes "
                           f"--optimizer sgd without --momentum or --weight-decay; got --optimizer {optimizer} "

@@ -1,6 +1,7 @@
 """Solvers: one module per family, each registered under its ``--solver`` name."""
 
 from distsync.solvers.base import (
+    Capability,
     NoOptions,
     PhaseClock,
     ServeContext,
@@ -23,6 +24,7 @@ from distsync.solvers import (  # noqa: F401  (importing a module registers its 
 )
 
 __all__ = [
+    "Capability",
     "NoOptions",
     "PhaseClock",
     "ServeContext",

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from distsync.config import bounded
-from distsync.solvers.base import Solver, register_solver
+from distsync.solvers.base import Capability, Solver, register_solver
 
 
 @dataclass
@@ -83,13 +83,12 @@ class GradientMeanSimulation:
 class AllReduce(GradientMeanSimulation, Solver):
     name = "allreduce"
     Options = AllReduceOptions
-    collective_per_step = True
-    reforms_without_dead = True
-    heals_from_peer = True
-    syncs_in_backward = True
+    # SKIPS_UNUSED: their zero gradients are averaged in, unless no worker used them
+    capabilities = Solver.capabilities | {Capability.COLLECTIVE_PER_STEP, Capability.REFORMS_WITHOUT_DEAD,
+                                          Capability.HEALS_FROM_PEER, Capability.SYNCS_IN_BACKWARD,
+                                          Capability.SKIPS_UNUSED}
     default_buffers = "broadcast"  # (DDP's broadcast_buffers)
     buffer_choices = ("broadcast", "average", "local")
-    skips_unused = True  # (their zero gradients are averaged in, unless no worker used them)
 
     def attach(self, model, optimizer, comm, **kw):
         super().attach(model, optimizer, comm, **kw)

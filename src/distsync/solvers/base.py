@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import threading
 import time
 import typing
@@ -64,9 +65,9 @@ class ServeContext:
     restored: dict | None = None
     #: called with the step of each request a server receives (fault injection)
     on_request: Callable[[int], None] | None = None
-    #: a worker whose process died is dropped and the others go on (``survives_worker_loss``)
+    #: a worker whose process died is dropped and the others go on (:attr:`Capability.SURVIVES_WORKER_LOSS`)
     drop_dead_workers: bool = False
-    #: a dead worker's replacement is let in and served on (``heals_by_channels``)
+    #: a dead worker's replacement is let in and served on (:attr:`Capability.HEALS_BY_CHANNELS`)
     admit_replacements: bool = False
     #: this process replaces a dead one of its role (the n-th; 0: it is the first): it meets
     #: the workers over channels of its own and takes its state from them
@@ -138,49 +139,81 @@ class PhaseClock:
         return key
 
 
+class Capability(enum.Enum):
+    """What a solver can do and how it behaves, as the launcher, the training loop and the
+    own-loop API ask about it. A solver class declares the ones it has in
+    :attr:`Solver.capabilities`; ``Capability.X in cls.capabilities`` asks."""
+
+    #: every worker meets the others in a collective at every step: the buffers are then
+    #: synchronized at each step's start (:meth:`Solver.begin_step`). (Waiting at a meeting is
+    #: accounted for by the step's meeting key, :meth:`PhaseClock.meeting`.)
+    COLLECTIVE_PER_STEP = "collective_per_step"
+    #: with :attr:`COLLECTIVE_PER_STEP` and a buffer policy other than "local", the solver
+    #: synchronizes the buffers at each step's start (absent: something else keeps them, e.g.
+    #: DDP's own broadcast)
+    SYNCS_BUFFERS_PER_STEP = "syncs_buffers_per_step"
+    #: the others can train on after a worker's process dies (its peers are servers that
+    #: serve each worker on its own): the job drops it instead of restarting
+    SURVIVES_WORKER_LOSS = "survives_worker_loss"
+    #: the workers' groups can be re-formed without a dead worker and the others go on from
+    #: where they are (``membership/views.py``); the solver's operations on
+    #: ``comm.worker_group`` and ``comm.group(tag)`` then raise ``PeerLost`` when a member
+    #: dies, and :meth:`Solver.on_view_change` adapts the solver to the survivors
+    REFORMS_WITHOUT_DEAD = "reforms_without_dead"
+    #: a replacement for a dead worker can join the running job and copy a live peer's model,
+    #: optimizer and solver state (the training thread's ``workers`` group is the solver's only
+    #: one, and its workers keep no state of their own a peer lacks)
+    HEALS_FROM_PEER = "heals_from_peer"
+    #: (with :attr:`HEALS_FROM_PEER`) the replacement is let in by the peers that served the
+    #: dead worker from threads of their own (:meth:`Solver.channel_peers`: servers, AD-PSGD's
+    #: passive workers) through a channel with each, goes on from the dead worker's next step,
+    #: and takes its model from them (:meth:`Solver.join_peers`)
+    HEALS_BY_CHANNELS = "heals_by_channels"
+    #: the update is this worker's own ``optimizer.step()``: a user's loop may call it inside
+    #: :meth:`Solver.step` (DDP's habit), after the solver's synchronization. Absent where the
+    #: solver applies the update otherwise (servers apply it, or it needs the solver's lock):
+    #: calling it inside :meth:`Solver.step` is then an error that says so
+    USER_MAY_STEP = "user_may_step"
+    #: the gradients are averaged at the end of each backward pass (so that inside
+    #: :meth:`Solver.step`, after ``loss.backward()``, they can be unscaled and clipped as the
+    #: optimizer will see them); absent: the solver synchronizes just before the update
+    SYNCS_IN_BACKWARD = "syncs_in_backward"
+    #: the workers' models differ at the end (averaged only every few steps, or gossiped):
+    #: :meth:`Solver.final_model` averages them
+    REPLICAS_DIFFER = "replicas_differ"
+    #: with more than one training thread, every thread's step is plain SGD at the optimizer's
+    #: learning rate (another optimizer, momentum or weight decay is refused)
+    THREADS_TAKE_PLAIN_SGD = "threads_take_plain_sgd"
+    #: the solver's ``on_communication(callback)`` calls ``callback()`` inside backward once the
+    #: gradients are all computed and only their communication is left (crossover's compute gate)
+    SIGNALS_COMMUNICATION = "signals_communication"
+    #: servers apply the update at a learning rate of their own (``serve()``'s): a scheduler
+    #: on the workers' optimizer would not reach them, and is refused in a user's loop
+    SERVERS_APPLY_UPDATE = "servers_apply_update"
+    #: a parameter that got no gradient in a step would still be moved (an average of zeros, a
+    #: server's momentum or weight decay) where plain torch skips it: such a step is refused in
+    #: a user's loop
+    REFUSES_UNUSED = "refuses_unused"
+    #: a parameter gets an averaged gradient even when no worker's backward reached it: in a
+    #: user's loop, such parameters' gradients are set to None after the average (one small
+    #: all-reduce per step), so that the optimizer skips them as torch does
+    SKIPS_UNUSED = "skips_unused"
+
+
 class Solver:
     """Base class: synchronizes nothing; subclasses override the hooks they need."""
 
     name: ClassVar[str] = ""
     Options: ClassVar[type] = NoOptions
-    #: True when every worker meets the others in a collective at every step: the buffers
-    #: are then synchronized at each step's start (:meth:`begin_step`). (Waiting at a
-    #: meeting is accounted for by the step's meeting key, :meth:`PhaseClock.meeting`.)
-    collective_per_step: ClassVar[bool] = False
-    #: True when the others can train on after a worker's process dies (its peers are
-    #: servers that serve each worker on its own): the job drops it instead of restarting
-    survives_worker_loss: ClassVar[bool] = False
-    #: True when the workers' groups can be re-formed without a dead worker and the others
-    #: go on from where they are (``membership/views.py``); the solver's operations on
-    #: ``comm.worker_group`` and ``comm.group(tag)`` then raise ``PeerLost`` when a member
-    #: dies, and :meth:`on_view_change` adapts the solver to the survivors
-    reforms_without_dead: ClassVar[bool] = False
-    #: True when a replacement for a dead worker can join the running job and copy a live
-    #: peer's model, optimizer and solver state (the training thread's ``workers`` group is
-    #: the solver's only one, and its workers keep no state of their own a peer lacks)
-    heals_from_peer: ClassVar[bool] = False
-    #: (with ``heals_from_peer``) the replacement is let in by the peers that served the dead
-    #: worker from threads of their own (:meth:`channel_peers`: servers, AD-PSGD's passive
-    #: workers) through a channel with each, goes on from the dead worker's next step, and
-    #: takes its model from them (:meth:`join_peers`)
-    heals_by_channels: ClassVar[bool] = False
+    #: what this solver can do and how it behaves (:class:`Capability`), declared on each class:
+    #: a subclass lists its own, or its parent's with ``|`` / ``-``
+    capabilities: ClassVar[frozenset[Capability]] = frozenset({Capability.USER_MAY_STEP,
+                                                              Capability.SYNCS_BUFFERS_PER_STEP})
     #: the roles (``extra_roles``) whose dead process is replaced while the job runs
     #: (``--max-restarts`` under ``--on-failure continue``): the replacement meets the workers
     #: over channels of its own (``membership/admission.py``) and takes its state from them;
     #: the workers wait for it instead of failing. Other roles' deaths restart the job.
     replaces_roles: ClassVar[tuple[str, ...]] = ()
-    #: True when the update is this worker's own ``optimizer.step()``: a user's loop may call
-    #: it inside :meth:`step` (DDP's habit), after the solver's synchronization. False when
-    #: the solver applies the update otherwise (servers apply it, or it needs the solver's
-    #: lock): calling it inside :meth:`step` is then an error that says so
-    user_may_step: ClassVar[bool] = True
-    #: True when the gradients are averaged at the end of each backward pass (so that inside
-    #: :meth:`step`, after ``loss.backward()``, they can be unscaled and clipped as the
-    #: optimizer will see them); otherwise the solver synchronizes just before the update
-    syncs_in_backward: ClassVar[bool] = False
-    #: True when the workers' models differ at the end (averaged only every few steps, or
-    #: gossiped): :meth:`final_model` averages them
-    replicas_differ: ClassVar[bool] = False
     #: How the workers' buffers (BatchNorm's running statistics, ...) are kept, unless the
     #: user chooses (``make_solver(name, buffers=...)``, ``--buffers``), one of BUFFER_POLICIES:
     #: "broadcast": rank 0's at the start of every step, as DDP's ``broadcast_buffers`` (for
@@ -219,9 +252,10 @@ class Solver:
     @classmethod
     def training_threads(cls, options: Any) -> int:
         """Training threads per worker on one shared model (Hogwild) with ``options``. With
-        more than one, the loop calls :meth:`hogwild_update` from each thread instead of
-        ``after_backward`` and ``update``; ``before_step`` and ``after_update`` may then run
-        concurrently."""
+        more than one, the loop calls the solver's ``hogwild_update(step, params, grads)``
+        (:class:`~distsync.solvers.hogwild_threads.HogwildThreads` has it) from each thread
+        instead of ``after_backward`` and ``update``; ``before_step`` and ``after_update`` may
+        then run concurrently."""
         return 1
 
     @classmethod
@@ -302,12 +336,11 @@ class Solver:
     def begin_step(self, step: int) -> None:
         """A step's start: the buffers as the policy keeps them (solvers whose workers meet at
         every step), then :meth:`before_step`."""
-        if self.collective_per_step and self.buffers != "local" and self.syncs_buffers_per_step:
+        can = self.capabilities
+        if (Capability.COLLECTIVE_PER_STEP in can and Capability.SYNCS_BUFFERS_PER_STEP in can
+                and self.buffers != "local"):
             self.sync_buffers()
         self.before_step(step)
-
-    #: False where something else keeps the buffers at each step (DDP's own broadcast)
-    syncs_buffers_per_step: ClassVar[bool] = True
 
     def sync_buffers(self) -> None:
         """Rank 0's buffers on every worker ("broadcast"), or the workers' average of the
@@ -361,10 +394,6 @@ class Solver:
     def after_update(self, step: int) -> None:
         pass
 
-    def hogwild_update(self, step: int, params: list[torch.Tensor], grads: tuple[torch.Tensor, ...]) -> None:
-        """A training thread's update with its own gradients, taking no lock (Hogwild)."""
-        raise NotImplementedError(f"solver {self.name} does not run Hogwild threads")
-
     def zero_grad(self) -> None:
         assert self.optimizer is not None, "attach() first"
         self.optimizer.zero_grad(set_to_none=True)
@@ -386,16 +415,16 @@ class Solver:
         return None
 
     def channel_peers(self, comm: Any) -> list[int] | None:
-        """(``heals_by_channels``) The ranks a replacement for worker ``comm.rank`` opens a
+        """(:attr:`Capability.HEALS_BY_CHANNELS`) The ranks a replacement for worker ``comm.rank`` opens a
         channel with; None: that worker cannot be replaced (it stays dropped)."""
         return None
 
     def abandon_channel(self, comm: Any, peer: int) -> None:
-        """(``heals_by_channels``) End the conversation a replacement began with ``peer``
+        """(:attr:`Capability.HEALS_BY_CHANNELS`) End the conversation a replacement began with ``peer``
         when another peer let it in no more (the job is over)."""
 
     def join_peers(self, step: int) -> int | None:
-        """(``heals_by_channels``) In a replacement, attached, before its first step
+        """(:attr:`Capability.HEALS_BY_CHANNELS`) In a replacement, attached, before its first step
         ``step``: take the model from the peers it has channels with; the rank of the worker
         it came from (None: from servers)."""
         raise NotImplementedError(f"solver {self.name} does not heal over channels")
@@ -447,7 +476,7 @@ class Solver:
         self._check_all_used(block)
         if not block.synced:
             self.after_backward(step)
-        if self.skips_unused and block.backward and not block.stepped:
+        if Capability.SKIPS_UNUSED in self.capabilities and block.backward and not block.stepped:
             self._skip_unused(block)
         if not block.stepped:
             self._check_gradients_kept(block)
@@ -487,7 +516,8 @@ class Solver:
         if block is not None:
             block.backward = True
             block.used.add(p)
-        if block is None or not self.syncs_in_backward or self._no_sync or block.queued:
+        if (block is None or Capability.SYNCS_IN_BACKWARD not in self.capabilities or self._no_sync
+                or block.queued):
             return
         block.queued = True
         torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
@@ -508,25 +538,21 @@ class Solver:
                                   f"step a second time (the block's end applied this step's update): call it inside "
                                   f"the block, or not at all")
             return
-        if not self.user_may_step:
+        if Capability.USER_MAY_STEP not in self.capabilities:
             raise ConfigError(f"solver {self.name} applies the update itself: do not call optimizer.step() "
                               f"inside `with solver.step(i):` (the block's end does it)")
         if block.stepped:
             raise ConfigError(f"solver {self.name}: optimizer.step() called twice in one `with solver.step(i):`")
         self.synchronize()
-        if self.skips_unused and block.backward:
+        if Capability.SKIPS_UNUSED in self.capabilities and block.backward:
             self._skip_unused(block)
 
     def _after_user_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._block is not None:
             self._block.stepped = True
 
-    #: True where servers apply the update at a learning rate of their own (``serve()``'s):
-    #: a scheduler on the workers' optimizer would not reach them
-    servers_apply_update: ClassVar[bool] = False
-
     def _check_lr_unchanged(self) -> None:
-        if not self.servers_apply_update:
+        if Capability.SERVERS_APPLY_UPDATE not in self.capabilities:
             return
         now = [g["lr"] for g in self.optimizer.param_groups]
         if now != self._lrs:
@@ -534,16 +560,6 @@ class Solver:
                 f"solver {self.name}: the servers apply the update at the learning rate given to distsync.serve(); "
                 f"this worker's optimizer changed its lr ({self._lrs[0]:g} -> {now[0]:g}, a scheduler?) and that "
                 f"does not reach them: give serve() lr_schedule=, warmup_steps= and steps= instead")
-
-    #: True where a parameter that got no gradient in a step would still be moved (an
-    #: average of zeros, a server's momentum or weight decay) where plain torch skips it:
-    #: such a step is refused in a user's loop
-    refuses_unused: ClassVar[bool] = False
-
-    #: True where a parameter gets an averaged gradient even when no worker's backward reached
-    #: it: in a user's loop, such parameters' gradients are set to None after the average (one
-    #: small all-reduce per step), so that the optimizer skips them as torch does
-    skips_unused: ClassVar[bool] = False
 
     def _skip_unused(self, block: "_Block") -> None:
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -556,7 +572,7 @@ class Solver:
                 p.grad = None
 
     def _check_all_used(self, block: "_Block") -> None:
-        if not self.refuses_unused or not block.backward:
+        if Capability.REFUSES_UNUSED not in self.capabilities or not block.backward:
             return
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         unused = [n for n, p in named if p not in block.used]
@@ -599,7 +615,7 @@ class Solver:
         group = comm.worker_group
         live = comm.group_size(group)
         with torch.no_grad():
-            averaged = list(model.parameters()) if self.replicas_differ else []
+            averaged = list(model.parameters()) if Capability.REPLICAS_DIFFER in self.capabilities else []
             if self.buffers != "broadcast":  # (each worker's buffers moved on since their last synchronization)
                 averaged += [b for b in model.buffers() if b.is_floating_point()]
             for t in averaged:

@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from distsync.comm import ring_allreduce_bytes
 from distsync.config import bounded
 from distsync.solvers.allreduce import GradientMeanSimulation
-from distsync.solvers.base import Solver, register_solver
+from distsync.solvers.base import Capability, Solver, register_solver
 
 
 @dataclass
@@ -35,14 +35,14 @@ class DDPOptions:
 class DDP(GradientMeanSimulation, Solver):
     name = "ddp"
     Options = DDPOptions
-    collective_per_step = True
-    reforms_without_dead = True
-    heals_from_peer = True
-    syncs_in_backward = True  # (DDP's own all-reduce, inside backward)
+    # SYNCS_IN_BACKWARD: DDP's own all-reduce, inside backward; no SYNCS_BUFFERS_PER_STEP: DDP
+    # broadcasts them itself, at each forward; REFUSES_UNUSED: DDP itself fails at the next
+    # forward, in many lines
+    capabilities = frozenset({Capability.COLLECTIVE_PER_STEP, Capability.REFORMS_WITHOUT_DEAD,
+                              Capability.HEALS_FROM_PEER, Capability.SYNCS_IN_BACKWARD, Capability.USER_MAY_STEP,
+                              Capability.REFUSES_UNUSED, Capability.SIGNALS_COMMUNICATION})
     default_buffers = "broadcast"  # (DDP's own broadcast_buffers=True; "local": False)
     buffer_choices = ("broadcast", "local")
-    syncs_buffers_per_step = False  # DDP broadcasts them itself, at each forward
-    refuses_unused = True  # (DDP itself fails at the next forward, in many lines)
 
     @classmethod
     def search_space(cls, workers):

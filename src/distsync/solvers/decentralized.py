@@ -39,7 +39,7 @@ from distsync.config import bounded
 from distsync.errors import CommError, PeerDied, PeerStalled
 from distsync.membership.admission import await_replacement, join_as_replacement
 from distsync.membership.peers import PeerService
-from distsync.solvers.base import Solver, register_solver
+from distsync.solvers.base import Capability, Solver, register_solver
 from distsync.solvers.flat import FlatView
 from distsync.solvers.rules import group_mean, pairwise_average
 from distsync.solvers.schedules import (bipartite_roles, partner_rng, random_round, round_rng,
@@ -72,14 +72,16 @@ class ADPSGD(Solver):
     Options = ADPSGDOptions
 
     min_workers = 2
-    survives_worker_loss = True  # a dead partner's averagings are skipped; the others go on
-    user_may_step = False  # the update is applied under the lock the answering thread takes
-    replicas_differ = True
+    # SURVIVES_WORKER_LOSS: a dead partner's averagings are skipped; the others go on. No
+    # USER_MAY_STEP: the update is applied under the lock the answering thread takes.
+    # HEALS_BY_CHANNELS: a dead active's replacement is let in and answered on by each passive;
+    # it takes a passive's model. (A dead passive is not replaced: every active would have to
+    # learn of it.)
+    capabilities = Solver.capabilities - {Capability.USER_MAY_STEP} | {
+        Capability.SURVIVES_WORKER_LOSS, Capability.REPLICAS_DIFFER, Capability.HEALS_FROM_PEER,
+        Capability.HEALS_BY_CHANNELS}
     default_buffers = "average"  # (with the parameters, at each synchronization)
     buffer_choices = ("average", "local")
-    # A dead active's replacement: each passive lets it in and answers it on; it takes a
-    # passive's model. (A dead passive is not replaced: every active would have to learn of it.)
-    heals_from_peer = heals_by_channels = True
 
     @classmethod
     def lockstep_lead(cls, options, workers):
@@ -279,17 +281,22 @@ class RipplesOptions:
 class Ripples(Solver):
     name = "ripples"
     Options = RipplesOptions
-    replicas_differ = True
+    #: A group with a dead member is dropped by all its members (their ring goes on around
+    #: it: ``Comm.partial_all_reduce``); the coordinator draws later groups without it
+    #: (SURVIVES_WORKER_LOSS).
+    capabilities = Solver.capabilities | {Capability.REPLICAS_DIFFER, Capability.SURVIVES_WORKER_LOSS}
     default_buffers = "average"  # (with the parameters, at each synchronization)
     buffer_choices = ("average", "local")
     min_workers = 2  # (alone, a worker would train plain local SGD)
-    #: A group with a dead member is dropped by all its members (their ring goes on around
-    #: it: ``Comm.partial_all_reduce``); the coordinator draws later groups without it.
-    survives_worker_loss = True
     #: A dead coordinator is replaced while the job runs: the workers ask its replacement
     #: (the random schedule's rounds drawn so far are in the job's store; the smart
     #: schedule's waiting requests are asked again).
     replaces_roles = ("coordinator",)
+
+    def __init__(self, options=None, buffers=None) -> None:
+        super().__init__(options, buffers)
+        #: (the coordinator, once serving) the Group Generator
+        self.generator: GroupGenerator | None = None
 
     @classmethod
     def extra_roles(cls, options) -> dict[str, int]:
@@ -338,6 +345,11 @@ class Ripples(Solver):
         if sim.workers < 2:
             return sim.local()
         return sim.group_rounds(options.every, cls._rounds(options, sim.workers, sim.seed))
+
+    # ---- coordinator ----------------------------------------------------------------------
+    def serve(self, role, comm, ctx):
+        self.generator = GroupGenerator(self.options, comm.num_workers)
+        self.generator.serve(comm, ctx)
 
     # ---- worker -------------------------------------------------------------------------
     def attach(self, model, optimizer, comm, **kw):
@@ -425,12 +437,45 @@ class Ripples(Solver):
                 if self.coordinator not in self.comm.policy.replaced_ranks:
                     raise  # (else its replacement, if one comes, finds the goodbye in the store)
 
-    # ---- coordinator (Group Generator) -------------------------------------------------
-    def serve(self, role, comm, ctx):
-        self.k = min(self.options.group_size, comm.num_workers)
+    def state_dict(self):
+        return {"round": self.round, "upcoming": [list(g) for g in self.upcoming], "joined": self.joined,
+                "alone": self.alone, "group_wait_s": self.group_wait_s, "sizes": dict(self.sizes)}
+
+    def load_state_dict(self, state):
+        self.round = int(state["round"])
+        self.upcoming = [tuple(int(v) for v in g) for g in state["upcoming"]]
+        self.joined, self.alone = int(state["joined"]), int(state["alone"])
+        self.group_wait_s = float(state["group_wait_s"])
+        self.sizes = Counter({int(k): v for k, v in state["sizes"].items()})
+
+    def stats(self):
+        if self.model is not None:
+            return {"groups_joined": self.joined, "rounds_alone": self.alone,
+                    **({"coordinator_replaced": self.coordinator_replaced} if self.coordinator_replaced else {}),
+                    **({"groups_with_a_dead_member": self.broken} if self.broken else {}),
+                    "group_wait_s": self.group_wait_s, "group_sizes": {str(k): v for k, v in self.sizes.items()}}
+        if self.generator is not None:
+            return self.generator.stats()
+        return {}
+
+
+class GroupGenerator:
+    """Ripples' coordinator (the random and smart schedules' Group Generator): it hands each
+    worker its groups, drawn in one global order (random) or formed from whoever is ready
+    (smart)."""
+
+    def __init__(self, options: RipplesOptions, workers: int) -> None:
+        self.options = options
+        self.k = min(options.group_size, workers)
+        #: groups formed, by size
         self.formed: Counter = Counter()
+        #: (smart) rounds a worker skipped, grouped with nobody
         self.skips = 0
+        #: the workers (ranks) whose death this coordinator heard of
         self.dead: set[int] = set()
+
+    def serve(self, comm, ctx) -> None:
+        """Answer the workers' requests for groups until every one is done (or dead)."""
         if self.options.schedule == "random":
             self._serve_random(comm, ctx)
         else:
@@ -565,24 +610,6 @@ class Ripples(Solver):
                 if not comm.peer_died(e):
                     raise
 
-    def state_dict(self):
-        return {"round": self.round, "upcoming": [list(g) for g in self.upcoming], "joined": self.joined,
-                "alone": self.alone, "group_wait_s": self.group_wait_s, "sizes": dict(self.sizes)}
-
-    def load_state_dict(self, state):
-        self.round = int(state["round"])
-        self.upcoming = [tuple(int(v) for v in g) for g in state["upcoming"]]
-        self.joined, self.alone = int(state["joined"]), int(state["alone"])
-        self.group_wait_s = float(state["group_wait_s"])
-        self.sizes = Counter({int(k): v for k, v in state["sizes"].items()})
-
-    def stats(self):
-        if self.model is not None:
-            return {"groups_joined": self.joined, "rounds_alone": self.alone,
-                    **({"coordinator_replaced": self.coordinator_replaced} if self.coordinator_replaced else {}),
-                    **({"groups_with_a_dead_member": self.broken} if self.broken else {}),
-                    "group_wait_s": self.group_wait_s, "group_sizes": {str(k): v for k, v in self.sizes.items()}}
-        if hasattr(self, "formed"):
-            return {"groups_formed": {str(k): v for k, v in sorted(self.formed.items())}, "skips": self.skips,
-                    **({"dead_workers": sorted(self.dead)} if self.dead else {})}
-        return {}
+    def stats(self) -> dict:
+        return {"groups_formed": {str(k): v for k, v in sorted(self.formed.items())}, "skips": self.skips,
+                **({"dead_workers": sorted(self.dead)} if self.dead else {})}

@@ -30,7 +30,7 @@ import torch
 
 from distsync.config import bounded
 from distsync.errors import ConfigError
-from distsync.solvers.base import Solver, register_solver
+from distsync.solvers.base import Capability, Solver, register_solver
 from distsync.solvers.flat import FlatView, storage_aliases
 from distsync.solvers.hogwild_threads import HogwildThreads, HogwildThreadsOptions
 from distsync.solvers.parameter_server import ServerSolver
@@ -72,12 +72,36 @@ class WildOptions(HogwildThreadsOptions, ElasticOptions):
     one model."""
 
 
+class ExchangeBook:
+    """A center server's record of the exchanges it applies: how many overlapped another
+    (ea-wild's races), and the center it started from with the sum of the moves, from which
+    :meth:`lost_update_share` measures what the races lost."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()  # bookkeeping only; never held around the center update
+        self.in_flight = 0
+        self.overlapping = 0
+        self.center0: torch.Tensor | None = None
+        self.sum_d: torch.Tensor | None = None
+
+    def lost_update_share(self, center: torch.Tensor) -> float:
+        """``||center - center_0 - sum(d)|| / ||sum(d)||`` (with at least one exchange)."""
+        drift = (center.double() - self.center0.double()) - self.sum_d
+        return float(drift.norm() / self.sum_d.norm().clamp_min(1e-30))
+
+
 class _ElasticServerSolver(ServerSolver):
     Options = ElasticOptions
-    survives_worker_loss = True  # first come, first served: nobody waits for a dead worker
-    # A dead worker's replacement is let in by the servers and starts from the center (its
-    # momentum, async-measgd's, afresh).
-    heals_from_peer = heals_by_channels = True
+    # SURVIVES_WORKER_LOSS: first come, first served, nobody waits for a dead worker.
+    # HEALS_BY_CHANNELS: a dead worker's replacement is let in by the servers and starts from the
+    # center (its momentum, async-measgd's, afresh).
+    capabilities = ServerSolver.capabilities | {
+        Capability.SURVIVES_WORKER_LOSS, Capability.HEALS_FROM_PEER, Capability.HEALS_BY_CHANNELS}
+
+    def __init__(self, options=None, buffers=None) -> None:
+        super().__init__(options, buffers)
+        #: (a server, once serving) its record of the exchanges
+        self.book: ExchangeBook | None = None
 
     @classmethod
     def lockstep_lead(cls, options, workers):
@@ -115,52 +139,51 @@ class _ElasticServerSolver(ServerSolver):
     # ---- server -------------------------------------------------------------------------
     def serve(self, role, comm, ctx):
         self.alpha = self.options.moving_rate(comm.num_workers)
-        self._book = threading.Lock()  # bookkeeping only; never held around the center update
-        self._in_flight = 0
-        self.overlapping = 0
-        self._sum_d = None
+        self.book = ExchangeBook()
         super().serve(role, comm, ctx)
 
     def handle(self, shard: ServerShard, req: Request):
         if req.op != OP_EXCHANGE:
             raise RuntimeError(f"elastic server got op {req.op}")
-        with self._book:
-            if self._in_flight:
-                self.overlapping += 1
-            self._in_flight += 1
-            if self._sum_d is None:
-                self._center0 = shard.center.clone()
-                self._sum_d = torch.zeros_like(shard.center, dtype=torch.float64)
+        book = self.book
+        with book.lock:
+            if book.in_flight:
+                book.overlapping += 1
+            book.in_flight += 1
+            if book.sum_d is None:
+                book.center0 = shard.center.clone()
+                book.sum_d = torch.zeros_like(shard.center, dtype=torch.float64)
         shard.record_staleness(req)  # other exchanges since this worker's last one
         seen = shard.center.clone()
         d = elastic_exchange(req.payload, shard.center, self.alpha)
         shard.count_update()
-        with self._book:
-            self._in_flight -= 1
-            self._sum_d += d.double()
+        with book.lock:
+            book.in_flight -= 1
+            book.sum_d += d.double()
         return seen
 
     def server_state_dict(self, shard):
         state = super().server_state_dict(shard)
-        with self._book:
-            if self._sum_d is not None:
-                state.update(overlapping=self.overlapping, center0=self._center0.to("cpu", copy=True),
-                             sum_d=self._sum_d.to("cpu", copy=True))
+        book = self.book
+        with book.lock:
+            if book.sum_d is not None:
+                state.update(overlapping=book.overlapping, center0=book.center0.to("cpu", copy=True),
+                             sum_d=book.sum_d.to("cpu", copy=True))
         return state
 
     def load_server_state(self, shard, state):
         super().load_server_state(shard, state)
         if "sum_d" in state:
-            self.overlapping = int(state["overlapping"])
+            book = self.book
+            book.overlapping = int(state["overlapping"])
             device = shard.center.device  # (a checkpoint holds host copies)
-            self._center0, self._sum_d = state["center0"].to(device, copy=True), state["sum_d"].to(device, copy=True)
+            book.center0, book.sum_d = state["center0"].to(device, copy=True), state["sum_d"].to(device, copy=True)
 
     def stats(self):
         out = super().stats()
-        if hasattr(self, "shard") and self._sum_d is not None:
-            drift = (self.shard.center.double() - self._center0.double()) - self._sum_d
-            out["overlapping_exchanges"] = self.overlapping
-            out["lost_update_share"] = float(drift.norm() / self._sum_d.norm().clamp_min(1e-30))
+        if self.shard is not None and self.book.sum_d is not None:
+            out["overlapping_exchanges"] = self.book.overlapping
+            out["lost_update_share"] = self.book.lost_update_share(self.shard.center)
         return out
 
     # ---- worker -------------------------------------------------------------------------
@@ -193,8 +216,9 @@ class _ElasticServerSolver(ServerSolver):
 @register_solver
 class EASGD(_ElasticServerSolver):
     name = "easgd"
-    survives_worker_loss = True  # a dead worker loses its turns
-    heals_from_peer = heals_by_channels = False  # (its server serves in turns, not a thread per worker)
+    # SURVIVES_WORKER_LOSS: a dead worker loses its turns; no healing: its server serves in
+    # turns, not a thread per worker
+    capabilities = _ElasticServerSolver.capabilities - {Capability.HEALS_FROM_PEER, Capability.HEALS_BY_CHANNELS}
     round_robin = True
 
     def run_server(self, shard):
@@ -232,6 +256,7 @@ class AsyncMEASGD(_ElasticServerSolver):
 class EAWild(HogwildThreads, _ElasticServerSolver):
     name = "ea-wild"
     Options = WildOptions
+    capabilities = _ElasticServerSolver.capabilities | {Capability.THREADS_TAKE_PLAIN_SGD}
     lock_free = True
 
 
@@ -248,6 +273,7 @@ class FrEASGD(HogwildThreads, AsyncEASGD):
 
     name = "fr-easgd"
     Options = FrEASGDOptions
+    capabilities = AsyncEASGD.capabilities | {Capability.THREADS_TAKE_PLAIN_SGD}
 
     @classmethod
     def search_space(cls, workers):
@@ -258,14 +284,13 @@ class FrEASGD(HogwildThreads, AsyncEASGD):
 class SyncEASGD(Solver):
     name = "sync-easgd"
     Options = SyncElasticOptions
-    collective_per_step = False  # (it meets every tau steps: those steps carry a meeting key)
-    reforms_without_dead = True
-    heals_from_peer = True
+    # no COLLECTIVE_PER_STEP: it meets every tau steps (those steps carry a meeting key); no
+    # SYNCS_BUFFERS_PER_STEP: the buffers are averaged at each exchange
+    capabilities = frozenset({Capability.USER_MAY_STEP, Capability.REFORMS_WITHOUT_DEAD, Capability.HEALS_FROM_PEER})
     # The center's buffers are the workers' average at each exchange (a center that never
     # trains has no statistics of its own)
     default_buffers = "average"
     buffer_choices = ("average",)
-    syncs_buffers_per_step = False
 
     @classmethod
     def lockstep_lead(cls, options, workers):

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from distsync.config import bounded
 from distsync.solvers.rules import hogwild_sgd
 
@@ -30,16 +32,16 @@ class HogwildThreadsOptions:
 class HogwildThreads:
     """Solver mixin (list it before the Solver base) for options with ``threads``: each
     training thread applies plain SGD to the shared parameters, taking no lock (so a run with
-    more than one thread refuses another optimizer, momentum or weight decay)."""
+    more than one thread refuses another optimizer, momentum or weight decay: the solver
+    declares :attr:`~distsync.solvers.base.Capability.THREADS_TAKE_PLAIN_SGD`)."""
 
     options: Any
     optimizer: Any
-    #: with threads > 1, every thread's step is plain SGD at the optimizer's learning rate
-    threads_take_plain_sgd = True
 
     @classmethod
     def training_threads(cls, options: Any) -> int:
         return options.threads
 
-    def hogwild_update(self, step: int, params, grads) -> None:
+    def hogwild_update(self, step: int, params: list[torch.Tensor], grads: tuple[torch.Tensor, ...]) -> None:
+        """A training thread's update with its own gradients, taking no lock (Hogwild)."""
         hogwild_sgd(params, grads, self.optimizer.param_groups[0]["lr"])

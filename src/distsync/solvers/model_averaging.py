@@ -21,7 +21,7 @@ import torch
 
 from distsync.comm.devices import synchronize
 from distsync.config import bounded
-from distsync.solvers.base import Solver, register_solver
+from distsync.solvers.base import Capability, Solver, register_solver
 from distsync.solvers.flat import FlatView
 from distsync.solvers.hogwild_threads import HogwildThreads, HogwildThreadsOptions
 from distsync.solvers.rules import bmuf_update
@@ -57,10 +57,9 @@ class AveragingSolver(HogwildThreads, Solver):
     """Model averaging over all workers every ``every`` steps, on the training thread, with
     BMUF's filter when the options are :class:`BMUFOptions`."""
 
-    collective_per_step = False
-    reforms_without_dead = True
-    heals_from_peer = True
-    replicas_differ = True  # (averaged every tau steps only)
+    # REPLICAS_DIFFER: averaged every `every` steps only
+    capabilities = Solver.capabilities | {Capability.REFORMS_WITHOUT_DEAD, Capability.HEALS_FROM_PEER,
+                                          Capability.REPLICAS_DIFFER, Capability.THREADS_TAKE_PLAIN_SGD}
     default_buffers = "average"  # (with the parameters, at each synchronization)
     buffer_choices = ("average", "local")
 
@@ -165,7 +164,8 @@ class Local(HogwildThreads, Solver):
 
     name = "local"
     Options = HogwildThreadsOptions
-    reforms_without_dead = True  # nothing to re-form: the workers never meet
+    # REFORMS_WITHOUT_DEAD: nothing to re-form, the workers never meet
+    capabilities = Solver.capabilities | {Capability.REFORMS_WITHOUT_DEAD, Capability.THREADS_TAKE_PLAIN_SGD}
 
     @classmethod
     def lockstep_lead(cls, options, workers):

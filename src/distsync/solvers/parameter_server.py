@@ -32,7 +32,7 @@ import torch
 from distsync.comm.devices import synchronize
 from distsync.config import bounded
 from distsync.errors import ConfigError
-from distsync.solvers.base import ServeContext, Solver, register_solver
+from distsync.solvers.base import Capability, ServeContext, Solver, register_solver
 from distsync.solvers.hogwild_threads import HogwildThreads, HogwildThreadsOptions, threads_option
 from distsync.solvers.lars import LARS
 from distsync.solvers.rules import lr_factor, server_apply
@@ -80,6 +80,14 @@ class ServerSolver(Solver):
     lock_free = False
     replaces_roles = ("server",)
 
+    def __init__(self, options=None, buffers=None) -> None:
+        super().__init__(options, buffers)
+        #: (a worker, once attached) its side of the protocol with every server
+        self.client: PSClient | None = None
+        #: (a server, once serving) the settings it serves with, and its shard of the center
+        self.ctx: ServeContext | None = None
+        self.shard: ServerShard | None = None
+
     @classmethod
     def extra_roles(cls, options) -> dict[str, int]:
         return {"server": options.servers}
@@ -103,17 +111,17 @@ class ServerSolver(Solver):
         servers = comm.ranks_with_role("server")
         layout = Layout.of(params, servers)
         tensors = [params[i].detach().to(ctx.device) for i in layout.shards[servers.index(comm.rank)]]
-        self.shard = shard = ServerShard(comm, tensors, self.handle, lock=not self.lock_free)
-        shard.on_request = ctx.on_request
-        shard.drop_dead_workers = ctx.drop_dead_workers and self.survives_worker_loss
-        shard.admit_replacements = shard.drop_dead_workers and ctx.admit_replacements and self.heals_by_channels
+        drops = ctx.drop_dead_workers and Capability.SURVIVES_WORKER_LOSS in self.capabilities
+        self.shard = shard = ServerShard(
+            comm, tensors, self.handle, lock=not self.lock_free, on_request=ctx.on_request, drop_dead_workers=drops,
+            admit_replacements=drops and ctx.admit_replacements and Capability.HEALS_BY_CHANNELS in self.capabilities,
+            saved_index=int(ctx.restored.get("index", 0)) if ctx.restored is not None else 0)
         if ctx.save is not None:
-            shard.on_save = lambda index: ctx.save(index, shard.version, self.server_state_dict(shard))
-            shard.get_state = lambda: self.server_state_dict(shard)
-            shard.set_state = lambda state: self.load_server_state(shard, state)
+            shard.keep_checkpoints(lambda index: ctx.save(index, shard.version, self.server_state_dict(shard)),
+                                   lambda: self.server_state_dict(shard),
+                                   lambda state: self.load_server_state(shard, state))
         if ctx.restored is not None:
             self.load_server_state(shard, ctx.restored)
-            shard.saved_index = int(ctx.restored.get("index", 0))
         if ctx.replacement:  # a dead server's replacement: the center from the workers' copies
             shard.rebuild(ctx.replacement)
             if ctx.on_replaced is not None:
@@ -122,15 +130,10 @@ class ServerSolver(Solver):
 
     def server_state_dict(self, shard: ServerShard) -> dict:
         """A copy of the server's state, in host memory (checkpoints load on any machine)."""
-        state = shard.state_dict()
-        if hasattr(shard, "momentum_buffer"):
-            state["momentum_buffer"] = shard.momentum_buffer.to("cpu", copy=True)
-        return state
+        return shard.state_dict()
 
     def load_server_state(self, shard: ServerShard, state: dict) -> None:
         shard.load_state_dict(state)
-        if "momentum_buffer" in state:
-            shard.momentum_buffer = state["momentum_buffer"].to(shard.center.device, copy=True)
 
     def run_server(self, shard: ServerShard) -> None:
         shard.serve_each_worker_in_a_thread()
@@ -160,9 +163,9 @@ class ServerSolver(Solver):
         self.client.versions = [int(v) for v in state["versions"]]
 
     def stats(self):
-        if hasattr(self, "shard"):
+        if self.shard is not None:
             return self.shard.stats()
-        return self.client.stats() if hasattr(self, "client") else {}
+        return self.client.stats() if self.client is not None else {}
 
     # ---- evaluation: the center -------------------------------------------------------
     def center_model(self, step: int):
@@ -184,8 +187,18 @@ class GradientServerSolver(ServerSolver):
     LARS through :func:`~distsync.solvers.rules.server_apply`, Adam and AdamW (or the user's
     factory) as a torch optimizer over the shard's layers, its state on the server."""
 
-    servers_apply_update = True
-    refuses_unused = True  # (the servers apply zeros with their momentum and weight decay)
+    # REFUSES_UNUSED: the servers apply zeros with their momentum and weight decay
+    capabilities = ServerSolver.capabilities | {Capability.SERVERS_APPLY_UPDATE, Capability.REFUSES_UNUSED}
+
+    def __init__(self, options=None, buffers=None) -> None:
+        super().__init__(options, buffers)
+        #: (a server) its update rule's state beside the center: SGD's (and LARS's) momentum
+        #: buffer, made at the first update ...
+        self.momentum_buffer: torch.Tensor | None = None
+        #: ... or a torch optimizer over the shard's layers (Adam, AdamW, the user's), and its
+        #: learning rates before the schedule
+        self.shard_optimizer: torch.optim.Optimizer | None = None
+        self.base_lrs: list[float] = []
 
     def server_momentum(self) -> float:
         m = getattr(self.options, "momentum", None)
@@ -232,20 +245,24 @@ class GradientServerSolver(ServerSolver):
 
     def server_state_dict(self, shard):
         state = super().server_state_dict(shard)
-        if hasattr(shard, "optimizer"):
-            state["optimizer"] = _to_host(shard.optimizer.state_dict())
+        if self.momentum_buffer is not None:
+            state["momentum_buffer"] = self.momentum_buffer.to("cpu", copy=True)
+        if self.shard_optimizer is not None:
+            state["optimizer"] = _to_host(self.shard_optimizer.state_dict())
         return state
 
     def load_server_state(self, shard, state):
         super().load_server_state(shard, state)
+        if "momentum_buffer" in state:
+            self.momentum_buffer = state["momentum_buffer"].to(shard.center.device, copy=True)
         if "optimizer" in state:
             self._shard_optimizer(shard).load_state_dict(state["optimizer"])
 
     def _shard_optimizer(self, shard: ServerShard) -> torch.optim.Optimizer:
-        if not hasattr(shard, "optimizer"):
-            shard.optimizer = server_optimizer(self.ctx, shard.view.split(shard.center), self.server_momentum())
-            shard.base_lrs = [g["lr"] for g in shard.optimizer.param_groups]
-        return shard.optimizer
+        if self.shard_optimizer is None:
+            self.shard_optimizer = server_optimizer(self.ctx, shard.view.split(shard.center), self.server_momentum())
+            self.base_lrs = [g["lr"] for g in self.shard_optimizer.param_groups]
+        return self.shard_optimizer
 
     def apply_gradient(self, shard: ServerShard, grad: torch.Tensor, step: int) -> None:
         """Apply ``grad``, pushed at the worker's ``step`` (the warm-up follows the workers'
@@ -256,18 +273,18 @@ class GradientServerSolver(ServerSolver):
             opt = self._shard_optimizer(shard)
             for w, g in zip(opt.param_groups[0]["params"], shard.view.split(grad)):
                 w.grad = g
-            for group, base in zip(opt.param_groups, shard.base_lrs):
+            for group, base in zip(opt.param_groups, self.base_lrs):
                 group["lr"] = base * factor
             opt.step()
             shard.count_update()
             return
         mu = self.server_momentum()
-        if not hasattr(shard, "momentum_buffer"):
-            shard.momentum_buffer = torch.zeros_like(shard.center)
+        if self.momentum_buffer is None:
+            self.momentum_buffer = torch.zeros_like(shard.center)
         lr = ctx.lr * factor
         lars = ctx.lars_eta if ctx.optimizer == "lars" else None
         for w, g, b in zip(shard.view.split(shard.center), shard.view.split(grad),
-                           shard.view.split(shard.momentum_buffer)):
+                           shard.view.split(self.momentum_buffer)):
             server_apply(w, g, b, lr, mu, ctx.weight_decay, lars)
         shard.count_update()
 
@@ -338,9 +355,10 @@ def _to_host(obj):
 class SyncPS(GradientServerSolver):
     name = "sync-ps"
     Options = SyncPSOptions
-    collective_per_step = True
-    survives_worker_loss = True  # a round goes on with the workers still alive
-    user_may_step = False  # the server applies the update
+    # SURVIVES_WORKER_LOSS: a round goes on with the workers still alive; no USER_MAY_STEP: the
+    # server applies the update
+    capabilities = GradientServerSolver.capabilities - {Capability.USER_MAY_STEP} | {
+        Capability.COLLECTIVE_PER_STEP, Capability.SURVIVES_WORKER_LOSS}
     default_buffers = "broadcast"  # (DDP's broadcast_buffers)
     buffer_choices = ("broadcast", "average", "local")
 
@@ -377,8 +395,9 @@ class SyncPS(GradientServerSolver):
 class AsyncPS(GradientServerSolver):
     name = "async-ps"
     Options = AsyncPSOptions
-    survives_worker_loss = True
-    heals_from_peer = heals_by_channels = True  # (a replacement pulls the center and pushes on)
+    # HEALS_BY_CHANNELS: a replacement pulls the center and pushes on
+    capabilities = GradientServerSolver.capabilities | {
+        Capability.SURVIVES_WORKER_LOSS, Capability.HEALS_FROM_PEER, Capability.HEALS_BY_CHANNELS}
 
     @classmethod
     def lockstep_lead(cls, options, workers):
@@ -461,6 +480,7 @@ class Hogwild(HogwildThreads, AsyncPS):
 
     name = "hogwild"
     Options = HogwildOptions
+    capabilities = AsyncPS.capabilities | {Capability.THREADS_TAKE_PLAIN_SGD}
     lock_free = True
 
     @classmethod

@@ -33,7 +33,7 @@ import torch
 from distsync.comm.devices import own_stream, queued_mark, run_after, synchronize
 from distsync.config import bounded
 from distsync.errors import PeerLost
-from distsync.solvers.base import join_background, register_solver
+from distsync.solvers.base import Capability, join_background, register_solver
 from distsync.solvers.elastic import AsyncEASGD, WildOptions
 from distsync.solvers.flat import FlatView, storage_aliases
 from distsync.solvers.hogwild_threads import HogwildThreads
@@ -44,7 +44,8 @@ from distsync.solvers.rules import apply_correction, elastic_pull
 class _ShadowAveraging(AveragingSolver):
     """Model averaging (with BMUF's filter for :class:`BMUFOptions`) in a shadow thread."""
 
-    heals_from_peer = False  # (a replacement would have to join the shadow group too)
+    # no HEALS_FROM_PEER: a replacement would have to join the shadow group too
+    capabilities = AveragingSolver.capabilities - {Capability.HEALS_FROM_PEER}
 
     @classmethod
     def lockstep_lead(cls, options, workers):
@@ -166,6 +167,7 @@ class ShadowEA(HogwildThreads, AsyncEASGD):
 
     name = "shadow-ea"
     Options = ShadowEAOptions
+    capabilities = AsyncEASGD.capabilities | {Capability.THREADS_TAKE_PLAIN_SGD}
 
     @classmethod
     def search_space(cls, workers):

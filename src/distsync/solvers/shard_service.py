@@ -337,11 +337,14 @@ class ServerShard:
 
     ``handle(request)`` is the solver's rule; it returns the tensor to send back (for pulls
     and exchanges) or ``None``. ``lock``: hold the server lock around ``handle`` (every
-    solver but the lock-free ones).
+    solver but the lock-free ones). ``on_request``, ``drop_dead_workers``,
+    ``admit_replacements``, ``saved_index``: see the attributes of those names; checkpoints
+    are written once :meth:`keep_checkpoints` says how.
     """
 
     def __init__(self, comm, tensors: list[torch.Tensor], handle: Callable[["ServerShard", Request], Any],
-                 lock: bool = True):
+                 lock: bool = True, on_request: Callable[[int], None] | None = None,
+                 drop_dead_workers: bool = False, admit_replacements: bool = False, saved_index: int = 0):
         self.comm = comm
         self.view = FlatView(tensors)
         self.center = self.view.flat().clone()
@@ -357,13 +360,14 @@ class ServerShard:
         self._paused = False
         self._errors: list[BaseException] = []
         #: called with each request's step before it is served (fault injection)
-        self.on_request: Callable[[int], None] | None = None
+        self.on_request = on_request
         #: called with a checkpoint index to write this shard's state (at most once per index)
         self.on_save: Callable[[int], None] | None = None
-        self.saved_index = 0
+        #: the latest checkpoint this shard's part is written of (a restart: the one it resumed from)
+        self.saved_index = saved_index
         self._save_lock = threading.Lock()
         #: end a worker's conversation when its process dies, instead of failing the server
-        self.drop_dead_workers = False
+        self.drop_dead_workers = drop_dead_workers
         #: workers whose process died (or that were refused), with the last step each asked about
         self.dropped: dict[int, int] = {}
         #: workers whose messages were no requests, with what was wrong
@@ -378,7 +382,7 @@ class ServerShard:
         self._save_done: dict[int, int] = {}
         #: after a worker's death, wait for its replacement and serve it on (healing): see
         #: :meth:`_await_replacement`
-        self.admit_replacements = False
+        self.admit_replacements = admit_replacements
         self.replaced: Counter = Counter()
         #: (a dead server's replacement) what :meth:`rebuild` found: see :meth:`stats`
         self.rebuilt: dict[str, Any] | None = None
@@ -389,6 +393,13 @@ class ServerShard:
         self._dead_at_rebuild: set[int] = set()
         #: (sync rounds) redone pushes of a round the dead server had applied, answered at once
         self.rounds_answered_from_copy = 0
+
+    def keep_checkpoints(self, on_save: Callable[[int], None], get_state: Callable[[], dict[str, Any]],
+                         set_state: Callable[[dict[str, Any]], None]) -> None:
+        """Write this shard's part of each checkpoint asked for: ``on_save(index)`` writes it;
+        ``get_state()`` and ``set_state(state)`` take and put back the shard's whole state (the
+        solver's too), so that an asynchronous server writes a consistent cut."""
+        self.on_save, self.get_state, self.set_state = on_save, get_state, set_state
 
     def _receive(self, worker: int) -> Request:
         first = self._first.pop(worker, None)

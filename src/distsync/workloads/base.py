@@ -1,19 +1,42 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Union
+from typing import Any, Callable, Iterable, Union
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
 #: ``(inputs, targets)``, where inputs is a tensor or a tuple of tensors of equal length
 #: (e.g. dense features and categorical ids), or a map-style Dataset. Training data may also be
 #: an iterable of ``(inputs, targets)`` batches or a function ``(worker_index, num_workers)`` ->
 #: such an iterable (:mod:`distsync.workloads.batches`).
 Data = Union[tuple, Dataset, Iterable, Callable]
+
+
+#: what a workload's training data may be (:func:`train_kind`)
+KINDS = ("tensors", "dataset", "iterable", "function")
+
+
+def train_kind(data: Any) -> str:
+    """Which of :data:`KINDS` ``data`` is (a list, being indexable, is a dataset of samples);
+    ``ValueError`` when none."""
+    if isinstance(data, tuple):
+        return "tensors"
+    if isinstance(data, (IterableDataset, DataLoader)):
+        return "iterable"
+    if isinstance(data, Dataset):
+        return "dataset"
+    if callable(data):
+        return "function"
+    if hasattr(data, "__getitem__") and hasattr(data, "__len__"):
+        return "dataset"
+    if hasattr(data, "__iter__"):
+        return "iterable"
+    raise ValueError(f"train_data must be (inputs, targets), a Dataset, an iterable of (inputs, targets) batches "
+                     f"or a function (worker_index, num_workers) -> such an iterable; got {type(data).__name__}")
 
 
 def _rows(inputs) -> int:
@@ -70,8 +93,6 @@ class Workload:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from distsync.workloads.batches import train_kind
-
         for which in ("train_data", "eval_data"):
             data = getattr(self, which)
             if isinstance(data, tuple):
@@ -91,9 +112,7 @@ class Workload:
 
     @property
     def train_kind(self) -> str:
-        """"tensors", "dataset", "iterable" or "function" (:func:`~distsync.workloads.batches.train_kind`)."""
-        from distsync.workloads.batches import train_kind
-
+        """"tensors", "dataset", "iterable" or "function" (:func:`train_kind`)."""
         return train_kind(self.train_data)
 
     @property

@@ -30,33 +30,14 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset
 
 from distsync.errors import DistsyncError
+from distsync.workloads.base import ShardSampler
 
-KINDS = ("tensors", "dataset", "iterable", "function")
 _END = object()
 _RNG = threading.RLock()  # (Hogwild threads open passes concurrently; torch's generator is global)
 _PASS, _SAMPLER, _FUNCTION, _LOADER = 1, 2, 3, 4  # what a seed is for
-
-
-def train_kind(data: Any) -> str:
-    """Which of :data:`KINDS` ``data`` is (a list, being indexable, is a dataset of samples);
-    ``ValueError`` when none."""
-    if isinstance(data, tuple):
-        return "tensors"
-    if isinstance(data, (IterableDataset, DataLoader)):
-        return "iterable"
-    if isinstance(data, Dataset):
-        return "dataset"
-    if callable(data):
-        return "function"
-    if hasattr(data, "__getitem__") and hasattr(data, "__len__"):
-        return "dataset"
-    if hasattr(data, "__iter__"):
-        return "iterable"
-    raise ValueError(f"train_data must be (inputs, targets), a Dataset, an iterable of (inputs, targets) batches "
-                     f"or a function (worker_index, num_workers) -> such an iterable; got {type(data).__name__}")
 
 
 def one_shot(data: Any) -> bool:
@@ -133,8 +114,6 @@ class IndexedBatches:
     ends = False
 
     def __init__(self, workload: Any, shard: int, shards: int, batch_size: int, seed: int):
-        from distsync.workloads.base import ShardSampler
-
         self.sampler = ShardSampler(workload.num_train, shards, shard, batch_size, seed)
         self.data, self.take = workload.train_data, workload.take
 

@@ -52,9 +52,7 @@ class JobBudget(Plugin):
 
     @classmethod
     def for_worker(cls, cfg: Any, solver: Any, workload: Any) -> "JobBudget | None":
-        from distsync.config import parse_budget
-
-        budget = parse_budget(cfg.budget)
+        budget = cfg.budget
         if budget is None:
             return None
         lead = type(solver).lockstep_lead(solver.options, cfg.workers)

@@ -3,8 +3,9 @@ the worker computes (a step's forward and backward, an evaluation) and given bac
 communicates, so another job on the same device computes meanwhile.
 
 A solver whose communication starts inside backward (``ddp``: its all-reduce is waited for
-before backward returns) says so with ``on_communication(callback)``: the token goes back
-when its gradients are all computed and only their communication is left."""
+before backward returns) declares ``Capability.SIGNALS_COMMUNICATION`` and calls the callback
+given to its ``on_communication(callback)``: the token goes back when its gradients are all
+computed and only their communication is left."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any, Callable, Iterator
 from distsync.errors import DistsyncError
 from distsync.runtime.plugins.base import Plugin, RunState, StepState
 from distsync.runtime.token import TokenClient
+from distsync.solvers.base import Capability
 
 
 class ComputeGate(Plugin):
@@ -30,18 +32,17 @@ class ComputeGate(Plugin):
         self._held = False
 
     @classmethod
-    def for_worker(cls, cfg: Any, comm: Any, solver: Any) -> "ComputeGate | None":
-        """The gate of ``cfg.crossover`` (``{"address": ..., "job": ...}``) for this worker's
-        device; None where the jobs run with no token (``"token": False``: mode ``naive``)."""
-        if not cfg.crossover.get("token", True):
+    def for_worker(cls, crossover: dict[str, Any], cfg: Any, comm: Any, solver: Any) -> "ComputeGate | None":
+        """The gate of the job's ``crossover`` slot (``{"address": ..., "job": ...}``) for this
+        worker's device; None where the jobs run with no token (``"token": False``: mode ``naive``)."""
+        if not crossover.get("token", True):
             return None
-        return cls(lambda: TokenClient(cfg.crossover["address"], cfg.crossover["job"], comm.worker_index,
+        return cls(lambda: TokenClient(crossover["address"], crossover["job"], comm.worker_index,
                                        cfg.timeout_s), solver.threads, solver.name)
 
     def on_attach(self, run: RunState) -> None:
-        on_communication = getattr(run.solver, "on_communication", None)
-        if on_communication is not None:
-            on_communication(self._release)
+        if Capability.SIGNALS_COMMUNICATION in run.solver.capabilities:
+            run.solver.on_communication(self._release)
 
     def on_ready(self, run: RunState) -> None:
         self.client = self._connect()

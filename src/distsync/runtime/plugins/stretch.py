@@ -118,10 +118,10 @@ class DeviceStretch(Plugin):
         self.shared: Any = None
 
     @classmethod
-    def for_worker(cls, cfg: Any, rank: int, threads: int) -> "DeviceStretch":
+    def for_worker(cls, cfg: Any, rank: int, threads: int, crossover: dict[str, Any] | None = None) -> "DeviceStretch":
         """Worker ``rank``'s stretch: its ``--slow`` factor, the run's ``--jitter`` and ``--device-ms``;
-        its device is shared when ``distsync crossover`` says so (``cfg.crossover["share"]``)."""
-        crossover = getattr(cfg, "crossover", None) or {}
+        its device is shared when ``distsync crossover`` says so (``crossover["share"]``)."""
+        crossover = crossover or {}
         share = None
         if cfg.device_ms is not None and crossover.get("share"):
             share = lambda: DeviceShareClient(crossover["address"], crossover["job"], rank, cfg.timeout_s)  # noqa: E731

@@ -13,6 +13,7 @@ import torch
 
 from distsync.errors import ConfigError
 from distsync.runtime.plugins.base import Plugin, RunState, StepState
+from distsync.solvers.base import Capability
 from distsync.solvers.rules import lr_factor
 
 
@@ -60,7 +61,7 @@ class GradClip(Plugin):
         if cfg.clip_grad_norm is None:
             return None
         _one_thread("--clip-grad-norm", "clipping", solver)
-        return cls(cfg.clip_grad_norm, solver.syncs_in_backward)
+        return cls(cfg.clip_grad_norm, Capability.SYNCS_IN_BACKWARD in solver.capabilities)
 
     def _clip(self, run: RunState) -> None:
         torch.nn.utils.clip_grad_norm_(run.params, self.max_norm)
@@ -95,7 +96,7 @@ class LossScaler(Plugin):
         if cfg.precision != "fp16":
             return None
         _one_thread("--precision fp16", "loss scaling", solver)
-        return cls(solver.syncs_in_backward)
+        return cls(Capability.SYNCS_IN_BACKWARD in solver.capabilities)
 
     def on_ready(self, run: RunState) -> None:  # (before the checkpointer's, which may restore its state)
         self.scaler = torch.amp.GradScaler(run.device.type)

@@ -1,0 +1,153 @@
+"""Start-up tracer: imported as ``sitecustomize`` by every Python process of a traced job.
+
+    STARTUP_TRACE=trace.jsonl PYTHONPATH=benchmarks/startup_profile/tracer:$PYTHONPATH distsync train ...
+
+With ``STARTUP_TRACE`` set (children inherit it and the ``PYTHONPATH``), each process appends
+one JSON line per event to that file, with its unix time and CPU time: ``site`` (the
+interpreter is up, with the time the kernel started the process), ``import`` spans of the
+modules in ``_SPANS``, ``call`` for each call of the functions in ``_PATCH`` (wrapped when
+their module is first executed; nothing under src/ is changed), ``os_exit`` and ``atexit``.
+Without it, importing this module does nothing. ``benchmarks/startup.py --breakdown`` runs
+a job under it and analyses the trace.
+"""
+
+import os
+_PATH = os.environ.get("STARTUP_TRACE")
+if _PATH:
+    import sys, time, json, atexit, functools
+    _fd = os.open(_PATH, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def _emit(ev, **kw):
+        rec = {"pid": os.getpid(), "ppid": os.getppid(), "rank": os.environ.get("RANK"), "ev": ev,
+               "t": time.time(), "cpu": time.process_time()}
+        rec.update(kw)
+        os.write(_fd, (json.dumps(rec) + "\n").encode())
+
+    def _started():
+        """Unix time at which the kernel started this process (10 ms resolution)."""
+        try:
+            with open("/proc/self/stat") as f:
+                ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+            return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
+        except Exception:
+            return None
+
+    try:
+        with open("/proc/self/cmdline", "rb") as f:
+            _cmd = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        _cmd = []
+    _emit("site", started=_started(), cmd=_cmd[:8])
+
+    # Import spans (inclusive: a package's imports of others count in it too).
+    _SPANS = {"torch", "numpy", "sklearn", "scipy", "matplotlib", "matplotlib.pyplot", "rich", "distsync",
+              "distsync.cli", "distsync.runtime", "distsync.runtime.process", "distsync.experiments",
+              "distsync.workloads.digits", "torch._dynamo", "torch.distributed.run", "torch.distributed.launcher.api",
+              "torch.distributed.elastic.multiprocessing.errors"}
+    # Functions timed on every call, wrapped when their module has been executed.
+    _PATCH = {
+        "distsync.cli": ["main", "_cmd_train", "_quiet_native_logs", "_summary_table", "_run_with_progress"],
+        "distsync.workloads": ["load_workload", "check_workload_spec"],
+        "distsync.workloads.digits": ["make_workload"],
+        "distsync.workloads.base": ["Workload.evaluate"],
+        "distsync.runtime.launch": ["launch", "_start"],
+        "distsync.runtime.resolve": ["resolve", "read_resolved"],
+        "distsync.runtime.bind": ["bind_listeners"],
+        "distsync.runtime.process": ["run_process", "recovery_for", "gather_through_store", "write_results"],
+        "distsync.runtime.loop": ["train_worker", "make_optimizer"],
+        "distsync.comm.comm": ["Comm.from_env", "Comm.close", "Comm.barrier", "Comm.gather_object"],
+        "torch.distributed.distributed_c10d": ["init_process_group", "destroy_process_group", "all_reduce",
+                                               "monitored_barrier", "gather_object"],
+        "torch.distributed.run": ["main", "run"],
+        "torch.distributed.launcher.api": ["launch_agent"],
+        "torch.distributed.elastic.agent.server.api": ["SimpleElasticAgent._rendezvous",
+                                                       "SimpleElasticAgent._exit_barrier", "SimpleElasticAgent.run"],
+        "torch.distributed.elastic.agent.server.local_elastic_agent": ["LocalElasticAgent._start_workers",
+                                                                       "LocalElasticAgent._shutdown",
+                                                                       "LocalElasticAgent._monitor_workers"],
+        "torch.distributed.elastic.rendezvous.dynamic_rendezvous": ["DynamicRendezvousHandler.next_rendezvous",
+                                                                    "DynamicRendezvousHandler.shutdown"],
+    }
+
+    def _wrap(label, fn):
+        quiet = label.endswith("_monitor_workers")  # polled every monitor_interval: only the verdict
+
+        @functools.wraps(fn)
+        def traced(*a, **k):
+            t0, c0 = time.time(), time.process_time()
+            try:
+                out = fn(*a, **k)
+            except BaseException as e:
+                _emit("call", fn=label, t0=t0, cpu0=c0, raised=type(e).__name__)
+                raise
+            if quiet:
+                state = getattr(getattr(out, "state", None), "name", "")
+                if state == "HEALTHY":
+                    return out
+                _emit("call", fn=label, t0=t0, cpu0=c0, state=state)
+            else:
+                _emit("call", fn=label, t0=t0, cpu0=c0)
+            return out
+        return traced
+
+    def _patch(modname, module):
+        for path in _PATCH.get(modname, ()):
+            try:
+                owner, _, name = path.rpartition(".")
+                holder = getattr(module, owner) if owner else module
+                raw = holder.__dict__[name] if owner else getattr(module, name)
+                label = modname.rsplit(".", 1)[-1] + "." + path
+                if isinstance(raw, classmethod):
+                    new = classmethod(_wrap(label, raw.__func__))
+                elif isinstance(raw, staticmethod):
+                    new = staticmethod(_wrap(label, raw.__func__))
+                else:
+                    new = _wrap(label, raw)
+                setattr(holder, name, new)
+            except Exception as e:  # the code moved: the phase is missing, the run goes on
+                _emit("patch-failed", fn=modname + "." + path, error=repr(e))
+
+    _busy = set()
+
+    class _Finder:
+        def find_spec(self, name, path=None, target=None):
+            if (name not in _SPANS and name not in _PATCH) or name in _busy:
+                return None
+            _busy.add(name)
+            try:
+                spec = None
+                for finder in sys.meta_path:
+                    if finder is self or not hasattr(finder, "find_spec"):
+                        continue
+                    spec = finder.find_spec(name, path, target)
+                    if spec is not None:
+                        break
+            finally:
+                _busy.discard(name)
+            if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+                return spec
+            inner = spec.loader.exec_module
+
+            def exec_module(module, _inner=inner, _name=name):
+                t0, c0 = time.time(), time.process_time()
+                try:
+                    _inner(module)
+                finally:
+                    if _name in _SPANS:
+                        _emit("import", mod=_name, t0=t0, cpu0=c0)
+                _patch(_name, module)
+            try:
+                spec.loader.exec_module = exec_module
+            except Exception:
+                pass
+            return spec
+
+    sys.meta_path.insert(0, _Finder())
+
+    _real_exit = os._exit
+
+    def _exit(code, _real=_real_exit):
+        _emit("os_exit", code=code)
+        _real(code)
+    os._exit = _exit
+    atexit.register(lambda: _emit("atexit"))

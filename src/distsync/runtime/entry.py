@@ -1,0 +1,78 @@
+"""A job's process from its command line to :func:`~distsync.runtime.process.run_process`: what
+``python -m distsync.worker`` runs (distsync/worker.py), and what a process forked from the
+fork server runs (runtime/forkserver.py)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import NoReturn
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from distsync.options import add_run_options, config_from_args, solver_options_from
+from distsync.runtime.resolve import ResolvedRun
+
+
+def _run_from_torchrun(argv: list[str]) -> tuple[ResolvedRun, Path]:
+    """Under torchrun: the job from the command line, resolved in every process alike (the
+    same options give the same result); rank 0 writes it to the run folder."""
+    from distsync.runtime.resolve import resolve
+
+    p = argparse.ArgumentParser(prog="python -m distsync.worker")
+    p.add_argument("--solver", default="allreduce")
+    p.add_argument("--solver-option", "-o", action="append", metavar="KEY=VALUE")
+    add_run_options(p, workers_default=None)
+    args = p.parse_args(argv)
+    run = resolve(config_from_args(args, args.solver, solver_options_from(args.solver_option)),
+                  world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    cfg = run.config
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", time.strftime("%Y%m%d-%H%M%S"))
+    run_dir = Path(cfg.out or f"runs/{run_id}-{cfg.workload.replace('/', '_')}-{cfg.solver}")
+    if int(os.environ.get("RANK", "0")) == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        run.write(run_dir / "config.json")
+    return run, run_dir
+
+
+@record
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    from distsync.runtime.process import run_process
+
+    if "--config" in argv:
+        p = argparse.ArgumentParser(prog="python -m distsync.worker")
+        p.add_argument("--config", required=True)
+        p.add_argument("--run-dir", required=True)
+        p.add_argument("--netns-prefix")  # consumed before start-up when not yet inside
+        p.add_argument("--heal", type=int)  # (for the supervising parent: replacements per rank)
+        p.add_argument("--replace-ranks")  # (for the supervising parent: servers/coordinators replaced live)
+        args = p.parse_args(argv)
+        from distsync.runtime.resolve import read_resolved
+
+        run, run_dir = read_resolved(Path(args.config)), Path(args.run_dir)
+    else:
+        run, run_dir = _run_from_torchrun(argv)
+    run_process(run, run_dir)
+
+
+def run_and_exit(argv: list[str] | None = None) -> NoReturn:
+    """:func:`main`, then leave without running C++ destructors: a gloo thread torn down at
+    interpreter exit can abort the process ("terminate called without an active
+    exception") after the work is done and the error file written, which would hide the
+    real outcome."""
+    code = 0
+    try:
+        main(argv)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
