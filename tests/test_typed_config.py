@@ -31,12 +31,16 @@ def test_text_becomes_values_and_config_json_keeps_the_text():
     assert RunConfig(checkpoint_every=50).to_dict()["checkpoint_every"] == 50
 
 
-def test_a_value_set_later_is_typed_too():
+def test_a_config_changes_only_into_a_new_one_typed_too():
+    import dataclasses
+
     cfg = RunConfig()
-    cfg.link = "100mbit"  # (crossover sets every job's link after the job file is read)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.link = "100mbit"
+    cfg = dataclasses.replace(cfg, link="100mbit")  # (crossover gives every job the plan's link)
     assert cfg.link == Link(100e6, 0.0) and str(cfg.link) == "100mbit"
     with pytest.raises(ConfigError, match=r"^bad --link bandwidth 'fast'"):
-        cfg.link = "fast"
+        dataclasses.replace(cfg, link="fast")
     with pytest.raises(ConfigError, match=r"^config field faults must be a list of strings, got 'kill:1@3'$"):
         RunConfig(faults="kill:1@3")
 

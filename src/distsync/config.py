@@ -263,6 +263,11 @@ class Budget:
     #: the text it was parsed from (what config.json and messages show)
     spec: str = field(default="", compare=False)
 
+    @property
+    def limited(self) -> bool:
+        """Whether samples or seconds end the job (else a target alone: its steps are capped)."""
+        return self.samples is not None or self.seconds is not None
+
     def __str__(self) -> str:
         if self.spec:
             return self.spec
@@ -532,7 +537,7 @@ _RUN_OPTION_PARSE: dict[str, Callable[[Any], Any]] = {
 }
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunConfig:
     """One training job: workload, solver, cluster shape and budget.
 
@@ -620,13 +625,13 @@ class RunConfig:
     #: injected faults, e.g. ``["kill:1@40", "kill:server@30", "stall:0@20:3"]`` (:func:`parse_fault`)
     faults: list[Fault] = field(default_factory=list)
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        # The run options given as text (command line, config file, Python, or set later)
-        # become values here, where they enter a config: nothing below parses them again.
-        # Values of other types are left for validate() to name.
-        if name in _RUN_OPTION_TEXT:
-            value = run_option(name, value)
-        object.__setattr__(self, name, value)
+    def __post_init__(self) -> None:
+        # The run options given as text (command line, config file, Python) become values
+        # here, where a config is made: nothing below parses them again. Values of other
+        # types are left for validate() to name. (A config changes only by
+        # dataclasses.replace, which makes a new one through here.)
+        for name in _RUN_OPTION_TEXT:
+            object.__setattr__(self, name, run_option(name, getattr(self, name)))
 
     def validate(self) -> "RunConfig":
         """Check every field; raise :class:`ConfigError` with a one-line message."""

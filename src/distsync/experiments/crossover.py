@@ -86,8 +86,7 @@ def _check_plan(plan: CrossoverPlan) -> CrossoverPlan:
     if bad or not plan.modes:
         raise ConfigError(f"unknown crossover mode(s) {show_names(bad) or '(none given)'}; valid: {', '.join(MODES)}")
     for job in plan.jobs:
-        job.config.workers = plan.workers
-        job.config.link = plan.link
+        job.config = dataclasses.replace(job.config, workers=plan.workers, link=plan.link)
         try:
             job.run = resolve(job.config)
         except ConfigError as e:  # say which job

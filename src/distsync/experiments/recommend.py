@@ -100,7 +100,7 @@ class Request:
     def check(self) -> None:
         check_ranges(self)
         budget = self.budget
-        if budget is not None and (budget.samples is not None or budget.seconds is not None):
+        if budget is not None and budget.limited:
             raise ConfigError(f"--budget {budget}: recommend ranks candidates by time to target; give "
                               f"--budget target or target=VALUE")
 

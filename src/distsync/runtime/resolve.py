@@ -138,22 +138,21 @@ def resolve(cfg: RunConfig, *, world_size: int | None = None, steps_set: bool = 
         other = "--steps" if cfg.steps is not None else "--budget"
         raise ConfigError(f"--epochs and {other} conflict: --epochs sets the steps per worker; give one")
     was_resolved = steps_set  # (a run folder's config: its budget's steps are set, its warnings said)
-    cfg = dataclasses.replace(cfg)
     cls = solver_class(cfg.solver)
     _check_solver_class(cls)
     options = make_options(cls, cfg.solver_options)
     check_buffers(cls, cfg.buffers)
-    if hasattr(cls, "check_server_optimizer"):
+    if Capability.SERVERS_APPLY_UPDATE in cls.capabilities:  # (servers step with the run's optimizer)
         cls.check_server_optimizer(options, cfg.optimizer)
     # The options as given, typed (config.json and labels keep what the user chose).
-    cfg.solver_options = {k: getattr(options, k) for k in cfg.solver_options}
+    cfg = dataclasses.replace(cfg, solver_options={k: getattr(options, k) for k in cfg.solver_options})
     if world_size is not None:
         cfg, _ = _with_workload_defaults(cfg)
         extra = sum(_roles(cfg, cls, options).values())
         if cfg.workers is not None and cfg.workers != world_size - extra:
             raise ConfigError(f"--workers {cfg.workers} does not match WORLD_SIZE {world_size} minus "
                               f"{extra} extra role(s)")
-        cfg.workers = world_size - extra
+        cfg = dataclasses.replace(cfg, workers=world_size - extra)
     cfg.validate()  # the values given, before anything is built from them
     cfg, workload = _with_workload_defaults(cfg)
     cfg.validate()  # and the workload's defaults, like the values given
@@ -168,9 +167,9 @@ def resolve(cfg: RunConfig, *, world_size: int | None = None, steps_set: bool = 
     if workload is not None:
         _check_shards(cfg, workload, threads, cls.min_workers)
     if cfg.budget is not None and cfg.task == "train" and not was_resolved:
-        cfg.steps = _budget_steps(cfg, cls.lockstep_lead(options, cfg.workers), threads)
+        cfg = dataclasses.replace(cfg, steps=_budget_steps(cfg, cls.lockstep_lead(options, cfg.workers), threads))
     if cfg.epochs is not None and cfg.task == "train" and not was_resolved:
-        cfg.steps = epoch_steps(cfg, workload, threads)
+        cfg = dataclasses.replace(cfg, steps=epoch_steps(cfg, workload, threads))
     if workload is not None:
         _check_train_data(cfg, workload, threads)
     if threads > 1 and launch.crossover:

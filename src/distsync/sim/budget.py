@@ -59,7 +59,7 @@ def simulate_budget(solver: str, options: dict[str, Any], cluster: Cluster, work
     """``solver``'s timing on ``cluster`` under ``budget`` (samples and/or seconds; a target
     alone is refused: timing mode has no metric). ``work.steps`` caps the first guess of the
     steps per worker to simulate (doubled as needed)."""
-    if budget.samples is None and budget.seconds is None:
+    if not budget.limited:
         raise ConfigError("timing mode has no metric to reach: --budget target needs --mode train "
                           "(or add samples=N or seconds=S)")
     n = cluster.workers

@@ -170,6 +170,7 @@ def _predict_target(run: dict[str, Any], compute: float, latency: float):
     (fitted compute and per-message cost, its slow workers, seed, shards, evaluation interval,
     training settings and budget), nothing measured of the run itself; (None, why) where
     train mode cannot run it."""
+    from distsync.options import train_mode_kwargs
     from distsync.sim.train import rule_is_ordered, simulate_training
     from distsync.workloads import load_workload
 
@@ -177,17 +178,16 @@ def _predict_target(run: dict[str, Any], compute: float, latency: float):
     steps = cfg.steps if budget is not None else run["steps"]  # (under a budget: the run's cap)
     wall_s = None
     if not rule_is_ordered(cfg.solver, cfg.solver_options) and (
-            budget is None or (budget.samples is None and budget.seconds is None)):
+            budget is None or not budget.limited):
         wall_s = _simulate_run({**run, "budget": None, "steps": steps}, compute, latency).wall_s
     try:
         workload = load_workload(cfg.workload, cfg.workload_options)
         res = simulate_training(cfg.solver, cfg.solver_options, workload, cfg.workers, steps,
-                                batch_size=run["batch"], lr=cfg.lr, seed=cfg.seed, eval_every=cfg.eval_every,
+                                **{**train_mode_kwargs(cfg), "batch_size": run["batch"]}, seed=cfg.seed,
+                                eval_every=cfg.eval_every,
                                 wall_s=wall_s, cluster=Cluster(cfg.workers, Link(run["link"].bandwidth_bps, latency)),
                                 worker_model=WorkerModel(compute, slow=dict(cfg.slow), jitter=cfg.jitter, seed=cfg.seed),
-                                model_bytes=run["bytes"], buffers=cfg.buffers, budget=budget, optimizer=cfg.optimizer,
-                                momentum=cfg.momentum, weight_decay=cfg.weight_decay, precision=cfg.precision,
-                                lars_eta=cfg.lars_eta)
+                                model_bytes=run["bytes"], buffers=cfg.buffers, budget=budget)
     except ConfigError as e:
         return None, f"train mode: {e}"
     return res.time_to_target_s, "train mode"

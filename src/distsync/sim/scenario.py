@@ -128,21 +128,19 @@ def _train(scenario: Scenario, name: str, options: dict[str, Any], cluster: Clus
            work: Work, budget: Budget | None):
     """Train mode on the scenario's cluster (its links, slow workers and jitter): a lockstep
     rule over the timing model's wall time, an ordered one inside it."""
+    from distsync.options import train_mode_kwargs
     from distsync.sim.train import rule_is_ordered, simulate_training
     from distsync.workloads import load_workload
 
     steps = scenario.steps
-    if budget is not None and budget.samples is None and budget.seconds is None:
+    if budget is not None and not budget.limited:
         steps = TARGET_CAP * scenario.steps  # a target alone: as a real run caps it
     wall_s = None  # (an ordered rule's times are its timing model's; a budget's steps come with theirs)
-    if not rule_is_ordered(name, options) and (budget is None or (budget.samples is None and budget.seconds is None)):
+    if not rule_is_ordered(name, options) and (budget is None or not budget.limited):
         wall_s = simulate(name, options, cluster, workers, dataclasses.replace(work, steps=steps),
                           seed=scenario.seed).wall_s
     return simulate_training(name, options, load_workload(scenario.workload, scenario.workload_options),
-                             scenario.workers, steps, batch_size=scenario.batch_size, lr=scenario.lr,
-                             optimizer=scenario.optimizer, momentum=scenario.momentum,
-                             weight_decay=scenario.weight_decay, lars_eta=scenario.lars_eta, precision=scenario.precision,
-                             seed=scenario.seed,
+                             scenario.workers, steps, **train_mode_kwargs(scenario), seed=scenario.seed,
                              eval_every=scenario.eval_every, wall_s=wall_s, cluster=cluster, worker_model=workers,
                              model_bytes=work.model_bytes, budget=budget)
 

@@ -130,7 +130,7 @@ def simulate_training(solver: str, options: dict[str, Any], workload: Workload, 
                        optimizer=ReplicaOptimizers(stack, lr, run_optimizer))
     rule = _simulate_rule(cls, o, ctx, solver, optimizer, momentum, weight_decay)
     replica_math.probe(stack, samplers[0], batch_gradients=not isinstance(rule, OrderedRule))
-    if budget is not None and (budget.samples is not None or budget.seconds is not None):
+    if budget is not None and budget.limited:
         steps, wall_s = _budget_steps(solver, options, budget, workers, steps, batch_size, seed, cluster, worker_model,
                                       model_bytes or _nbytes(model), isinstance(rule, OrderedRule), wall_s)
     result = TrainResult(solver, workers, steps)
@@ -613,7 +613,7 @@ def _run_optimizer(cls, o, solver: str, optimizer: str, momentum: float, weight_
         raise ConfigError("train mode cannot follow --precision fp16 (its loss scaling, a dynamic scale per worker "
                           "that skips the steps whose gradient overflowed, is not simulated); simulate with fp32 "
                           "or bf16")
-    if hasattr(cls, "check_server_optimizer"):
+    if Capability.SERVERS_APPLY_UPDATE in cls.capabilities:  # (servers step with the run's optimizer)
         cls.check_server_optimizer(o, optimizer)
     threads = cls.training_threads(o)
     if threads > 1 and Capability.THREADS_TAKE_PLAIN_SGD in cls.capabilities and (optimizer != "sgd" or momentum or
