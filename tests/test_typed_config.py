@@ -108,3 +108,9 @@ def test_a_config_no_launcher_wrote_is_refused_where_a_process_reads_it(tmp_path
     RunConfig(workers=2).write(tmp_path / "config.json")
     with pytest.raises(ConfigError, match="was not written by a launcher"):
         read_resolved(tmp_path / "config.json")
+
+
+def test_a_budget_keeps_the_users_text_beside_its_own_form():
+    b = RunConfig(budget="target=0.9, samples=10").budget
+    assert (b.text, str(b)) == ("target=0.9, samples=10", "samples=10,target=0.9")
+    assert RunConfig(budget=b).to_dict()["budget"] == "target=0.9, samples=10"

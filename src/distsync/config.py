@@ -268,9 +268,12 @@ class Budget:
         """Whether samples or seconds end the job (else a target alone: its steps are capped)."""
         return self.samples is not None or self.seconds is not None
 
+    @property
+    def text(self) -> str:
+        """As the user gave it (``spec``), else as :meth:`__str__` writes it."""
+        return self.spec or str(self)
+
     def __str__(self) -> str:
-        if self.spec:
-            return self.spec
         parts = [f"samples={self.samples}" if self.samples is not None else "",
                  f"seconds={self.seconds:g}" if self.seconds is not None else "",
                  ("target" + (f"={self.target_value:g}" if self.target_value is not None else "")) if self.target
@@ -661,7 +664,7 @@ class RunConfig:
         d = dataclasses.asdict(dataclasses.replace(self, **{n: None if n != "faults" else [] for n in typed}))
         d["slow"] = {str(k): v for k, v in self.slow.items()}
         d.update(link=None if self.link is None else str(self.link),
-                 budget=None if self.budget is None else str(self.budget),
+                 budget=None if self.budget is None else self.budget.text,
                  checkpoint_every=None if self.checkpoint_every is None else self.checkpoint_every.value,
                  faults=[f.spec for f in self.faults])
         return d

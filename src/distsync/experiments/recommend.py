@@ -101,13 +101,13 @@ class Request:
         check_ranges(self)
         budget = self.budget
         if budget is not None and budget.limited:
-            raise ConfigError(f"--budget {budget}: recommend ranks candidates by time to target; give "
+            raise ConfigError(f"--budget {budget.text}: recommend ranks candidates by time to target; give "
                               f"--budget target or target=VALUE")
 
     def as_dict(self) -> dict[str, Any]:
         """The request as the answer reports it: the link and budget as their text."""
         return {**self.__dict__, "link": str(self.link),
-                "budget": None if self.budget is None else str(self.budget)}
+                "budget": None if self.budget is None else self.budget.text}
 
     def training(self) -> dict[str, Any]:
         """The training options as given, by RunConfig's field names."""

@@ -256,7 +256,7 @@ def _shown(value: Any) -> str:
 def _length(cfg: RunConfig) -> str:
     """A run's length as its option says it: ``--steps 200``, ``--epochs 3``, ``--budget seconds=8``."""
     if cfg.budget is not None:
-        return f"--budget {cfg.budget}"
+        return f"--budget {cfg.budget.text}"
     return f"--epochs {cfg.epochs}" if cfg.epochs is not None else f"--steps {cfg.steps}"
 
 

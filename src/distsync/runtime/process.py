@@ -267,7 +267,7 @@ def _budget_summary(budget: Budget | None, events: list[dict[str, Any]]) -> dict
     if budget is None:
         return None
     seen = sorted((e for e in events if e["kind"] == "budget"), key=lambda e: e["t"])
-    return {"budget": str(budget), "spent": seen[0]["spent"] if seen else None,
+    return {"budget": budget.text, "spent": seen[0]["spent"] if seen else None,
             "spent_at_s": seen[0]["t"] if seen else None}
 
 

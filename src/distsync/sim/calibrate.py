@@ -155,7 +155,7 @@ def calibrate(run_dir: Path, default_link: Link = UNSHAPED, fit_from: Path | Non
         "predicted_time_to_target_s": None,
     }
     out["predicted_time_to_target_s"], out["predicted_time_to_target_from"] = ttt, ttt_from
-    out["budget"] = None if cfg.budget is None else str(cfg.budget)
+    out["budget"] = None if cfg.budget is None else cfg.budget.text
     if budget is not None:
         out["measured_steps_by_worker"] = [measured.get("steps_by_worker", {}).get(str(r)) for r in range(cfg.workers)]
         out["predicted_steps_by_worker"] = predicted.get("steps_by_worker")
