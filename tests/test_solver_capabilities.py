@@ -146,3 +146,25 @@ def test_serve_hands_the_shard_its_settings_and_checkpoint_callbacks(monkeypatch
     s, _ = _serving("easgd", monkeypatch, drop_dead_workers=True, admit_replacements=True)
     assert s.shard.drop_dead_workers and not s.shard.admit_replacements
     assert s.book is not None and s.stats()["updates"] == 0
+
+
+def test_a_solver_written_for_the_old_flags_is_refused_where_its_class_is_made():
+    from distsync.errors import ConfigError
+    from distsync.solvers import Capability, Solver
+
+    with pytest.raises(ConfigError, match=r"^solver Mine sets replicas_differ: declare capabilities = "
+                                          r"<parent>\.capabilities \| \{Capability\.REPLICAS_DIFFER\} instead$"):
+        class Mine(Solver):  # noqa: F841
+            replicas_differ = True
+    with pytest.raises(ConfigError, match=r"capabilities must be a frozenset of Capability members"):
+        class Strings(Solver):  # noqa: F841
+            capabilities = frozenset({"replicas_differ"})
+    with pytest.raises(ConfigError, match=r"defines on_communication but its capabilities leave out"):
+        class Quiet(Solver):  # noqa: F841
+            def on_communication(self, callback):
+                pass
+
+    class Declared(Solver):
+        capabilities = Solver.capabilities | {Capability.REPLICAS_DIFFER}
+
+    assert Capability.REPLICAS_DIFFER in Declared.capabilities

@@ -209,6 +209,24 @@ class Solver:
     #: a subclass lists its own, or its parent's with ``|`` / ``-``
     capabilities: ClassVar[frozenset[Capability]] = frozenset({Capability.USER_MAY_STEP,
                                                               Capability.SYNCS_BUFFERS_PER_STEP})
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # A solver class written for the flags that capabilities replaced would be taken for
+        # one without them, silently: refused where the class is made.
+        super().__init_subclass__(**kwargs)
+        name = cls.__dict__.get("name") or cls.__name__
+        old = [f for f in cls.__dict__ if f.upper() in Capability.__members__ and f.islower()]
+        if old:
+            wanted = ", ".join(f"Capability.{f.upper()}" for f in old)
+            raise ConfigError(f"solver {name} sets {', '.join(old)}: declare capabilities = "
+                              f"<parent>.capabilities | {{{wanted}}} instead")
+        caps = cls.__dict__.get("capabilities", cls.capabilities)
+        if not (isinstance(caps, frozenset) and all(isinstance(c, Capability) for c in caps)):
+            raise ConfigError(f"solver {name}: capabilities must be a frozenset of Capability members "
+                              f"(e.g. Solver.capabilities | {{Capability.REPLICAS_DIFFER}}), got {caps!r}")
+        if "on_communication" in cls.__dict__ and Capability.SIGNALS_COMMUNICATION not in caps:
+            raise ConfigError(f"solver {name} defines on_communication but its capabilities leave out "
+                              f"Capability.SIGNALS_COMMUNICATION: nothing would call it")
+
     #: the roles (``extra_roles``) whose dead process is replaced while the job runs
     #: (``--max-restarts`` under ``--on-failure continue``): the replacement meets the workers
     #: over channels of its own (``membership/admission.py``) and takes its state from them;
