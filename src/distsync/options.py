@@ -8,7 +8,7 @@ import dataclasses
 import math
 from typing import Any
 
-from distsync.config import ON_FAILURE, SHRINK_LR, RunConfig, parse_key_values, parse_slow
+from distsync.config import ON_FAILURE, SHRINK_LR, RunConfig, bounded, parse_key_values, parse_slow
 
 
 def finite_float(text: str) -> float:
@@ -30,11 +30,28 @@ def run_default(name: str) -> Any:
     return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
+@dataclasses.dataclass
+class Training:
+    """How the model trains, as ``distsync train`` takes it (None: the workload's): the
+    simulator's questions (``distsync simulate``'s scenario, ``distsync recommend``'s request)
+    hold these fields of RunConfig, with its defaults, and resolve them as train does
+    (:func:`resolve_training`)."""
+
+    workload_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    batch_size: int | None = bounded(None, ge=1, flag="--batch-size")
+    lr: float | None = None
+    optimizer: str = run_default("optimizer")
+    momentum: float = run_default("momentum")
+    weight_decay: float = run_default("weight_decay")
+    lars_eta: float = run_default("lars_eta")
+    precision: str = run_default("precision")
+    eval_every: int | None = None
+
+
 #: RunConfig's fields for how the model trains: ``distsync train`` and the simulator's commands
 #: (simulate, sweep, recommend) take them alike (:func:`add_training_options`) and resolve them
 #: alike (:func:`resolve_training`)
-TRAINING_FIELDS = ("workload_options", "batch_size", "lr", "optimizer", "momentum", "weight_decay", "lars_eta",
-                   "precision", "eval_every")
+TRAINING_FIELDS = tuple(f.name for f in dataclasses.fields(Training))
 
 
 def add_training_options(g: Any, *, defaults: dict[str, int] | None = None) -> None:

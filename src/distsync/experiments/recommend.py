@@ -45,7 +45,7 @@ from typing import Any, Callable
 
 from distsync.config import Budget, Link, RunConfig, bounded, check_ranges, parse_budget, parse_link
 from distsync.errors import ConfigError, DistsyncError
-from distsync.options import TRAINING_FIELDS, resolve_training, train_mode_kwargs
+from distsync.options import TRAINING_FIELDS, Training, resolve_training, train_mode_kwargs
 
 #: train mode runs at most this many replicas (a larger cluster: the steps to target at this size)
 TRAIN_WORKERS_MAX = 16
@@ -59,8 +59,10 @@ _NO_TIME = ("no", "time to target")
 
 
 @dataclass
-class Request:
-    """The user's question: a workload, how it trains and a cluster."""
+class Request(Training):
+    """The user's question: a workload, how it trains (:class:`~distsync.options.Training`:
+    resolved as train resolves it, followed by train mode and carried by the printed
+    commands) and a cluster."""
 
     workload: str = "digits"
     workers: int = bounded(8, ge=1, flag="--workers")
@@ -71,22 +73,10 @@ class Request:
     device_ms: float | None = bounded(None, gt=0, flag="--device-ms", note=" milliseconds")
     solvers: list[str] | None = None  # None: every registered solver
     seed: int = 0
-    batch_size: int | None = None
-    lr: float | None = None
     #: what each message costs beyond the link's latency (a software stack's wake-ups)
     per_message_ms: float = bounded(0.0, ge=0, flag="--per-message-ms")
     #: a real run of this workload to fit compute per step and per-message cost on
     fit_from: str | None = None
-    #: how the model trains, as `distsync train` takes it (with ``batch_size`` and ``lr``
-    #: above; None: the workload's): resolved as train resolves it, followed by train mode
-    #: and carried by the printed commands
-    workload_options: dict[str, Any] = field(default_factory=dict)
-    optimizer: str = "sgd"
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-    lars_eta: float = 0.001
-    precision: str = "fp32"
-    eval_every: int | None = None
     #: the target time to target is predicted for: "target" (the workload's) or "target=VALUE"
     budget: Budget | None = None
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from distsync.config import Budget, Link, bounded, check_ranges, parse_budget, parse_link, parse_slow
 from distsync.errors import ConfigError
+from distsync.options import Training
 from distsync.runtime.resolve import TARGET_CAP
 from distsync.sim.calibrate import model_bytes
 from distsync.sim.cluster import Cluster, WorkerModel
@@ -18,14 +19,12 @@ MODES = ("timing", "train")
 
 
 @dataclass
-class Scenario:
+class Scenario(Training):
     """A virtual cluster and a job: what ``distsync simulate`` takes (times in milliseconds
     where the name says so, links as ``BANDWIDTH[,LATENCY]``)."""
 
     workers: int = bounded(8, ge=1, flag="--workers")
     steps: int = bounded(100, ge=1, flag="--steps")
-    #: samples per worker per step (None: the workload's)
-    batch_size: int | None = bounded(None, ge=1, flag="--batch-size")
     compute_ms: float = bounded(10.0, gt=0, flag="--compute-ms")
     #: model size in MB (None: the workload's)
     model_mb: float | None = bounded(None, gt=0, flag="--model-mb")
@@ -41,16 +40,6 @@ class Scenario:
     jitter: float = 0.0
     seed: int = 0
     mode: str = bounded("timing", choices=MODES, flag="--mode")
-    #: train mode: how the model trains, as ``distsync train`` takes it (None: the workload's),
-    #: resolved by train's code (:func:`distsync.options.resolve_training`)
-    lr: float | None = None
-    eval_every: int | None = None
-    workload_options: dict[str, Any] = dataclasses.field(default_factory=dict)
-    optimizer: str = "sgd"
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-    lars_eta: float = 0.001
-    precision: str = "fp32"
     #: a job budget, as ``--budget`` (samples=N, seconds=S, target[=VALUE]); None: ``steps`` each
     budget: Budget | None = None
 
