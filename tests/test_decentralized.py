@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 import torch
 
+from distsync.errors import ConfigError
+
 from distsync.solvers.schedules import (
     bipartite_roles, chunk, is_connected, mixing_matrix, random_round, static_group, static_period, static_round,
     static_schedule,
@@ -135,6 +137,49 @@ def test_partial_all_reduce_is_the_group_sum_in_any_order_of_overlapping_groups(
         assert all(torch.equal(res[r][i][0], res[group[0]][i][0]) for r in group)
         for r in set(range(5)) - set(group):
             assert torch.equal(res[r][i][0], res[r][i - 1][0] if i else _partial_start(r)[0])
+
+
+def _partial_collective(rank, world):
+    from distsync.comm import Comm
+
+    comm = Comm.from_env(["worker"] * world, 20.0, torch.device("cpu"))
+    x, tiny = _partial_start(rank)
+    after = []
+    for group in PARTIAL_GROUPS:
+        if rank in group:
+            comm.partial_all_reduce(x, group, collective=True)
+            comm.partial_all_reduce(tiny, group, collective=True)
+        after.append((x.clone(), tiny.clone()))
+    kept = len([k for k in comm._groups if isinstance(k, tuple)])
+    comm.barrier()
+    comm.close()
+    return after, kept
+
+
+def test_a_collective_partial_all_reduce_is_the_group_sum_in_any_order_of_overlapping_groups():
+    res = run_ranks(_partial_collective, 5)
+    x = {r: _partial_start(r) for r in range(5)}
+    for i, group in enumerate(PARTIAL_GROUPS):
+        total = tuple(sum(x[r][j] for r in group) for j in range(2))
+        x.update({r: total for r in group})
+        for r in range(5):
+            for j in range(2):
+                torch.testing.assert_close(res[r][0][i][j], x[r][j], rtol=1e-6, atol=1e-6)
+    # one group kept per set a rank was in (each made once, however often it meets)
+    assert [res[r][1] for r in range(5)] == [sum(r in g for g in PARTIAL_GROUPS) for r in range(5)]
+
+
+def test_ripples_collective_refuses_more_sets_than_it_keeps_groups_for():
+    from distsync.solvers import make_options, solver_class
+    from distsync.solvers.decentralized import MAX_MEMBER_GROUPS, Ripples
+
+    ok = make_options(solver_class("ripples"), {"reduce": "collective", "group_size": 3})
+    Ripples.check_member_groups(ok, 8)  # 28 + 56 sets
+    with pytest.raises(ConfigError, match=rf"^ripples reduce=collective: 16 workers in groups of up to 3 make 680 "
+                                          rf"possible sets, more than {MAX_MEMBER_GROUPS} kept groups; use "
+                                          rf"reduce=ring or a smaller group_size$"):
+        Ripples.check_member_groups(ok, 16)
+    Ripples.check_member_groups(make_options(solver_class("ripples"), {"group_size": 3}), 16)  # the ring: any
 
 
 def _partial_around_a_death(rank, world):
@@ -499,10 +544,10 @@ def local_distance(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("solver", ["ad-psgd", "ripples:static", "ripples:smart"])
+@pytest.mark.parametrize("solver", ["ad-psgd", "ripples:static", "ripples:smart", "ripples:smart:collective"])
 def test_decentralized_solvers_reach_the_digits_target(tmp_path, solver, local_distance):
-    name, _, schedule = solver.partition(":")
-    opts = ["-o", f"schedule={schedule}"] if schedule else []
+    name, *how = solver.split(":")
+    opts = [x for key, value in zip(("schedule", "reduce"), how) for x in ("-o", f"{key}={value}")]
     proc = run_cli("train", "--solver", name, *opts, "--workers", "4", "--checkpoint-every", "100",
                    "--out", str(tmp_path / "r"))
     assert proc.returncode == 0, proc.stderr
@@ -518,7 +563,7 @@ def test_decentralized_solvers_reach_the_digits_target(tmp_path, solver, local_d
     # the largest of these times 2 (ripples) or 1.4 (ad-psgd: below the 0.7 of that mistake).
     step, flats = checkpointed_models(tmp_path / "r", 4)
     assert step == local_distance[0]
-    bound = {"ad-psgd": 0.45, "ripples:static": 0.02, "ripples:smart": 0.07}[solver]
+    bound = {"ad-psgd": 0.45, "ripples:static": 0.02, "ripples:smart": 0.07, "ripples:smart:collective": 0.07}[solver]
     assert consensus_distance(flats) < bound * local_distance[1], (consensus_distance(flats), local_distance)
 
 

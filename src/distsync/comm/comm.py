@@ -236,7 +236,7 @@ class Comm:
         self.worker_ranks = [r for r, role in enumerate(self.role_of) if role == "worker"]
         self.bytes_sent = 0
         self._worker_group: Any = None
-        self._groups: dict[str, Any] = {}
+        self._groups: dict[Any, Any] = {}  # by tag (self.group), or by members (self.members_group)
         #: the job's store (this attempt's keys) under torch's agent; None: the default group's
         self._job_store: Any = None
         #: how this rank treats a peer's failure (:class:`FailurePolicy`)
@@ -549,11 +549,16 @@ class Comm:
             **({"backend": "gloo"} if host_only and self.placement.backend == "nccl" else {}),
         )
 
-    def partial_all_reduce(self, tensor: torch.Tensor, members: Sequence[int]) -> bool:
+    def partial_all_reduce(self, tensor: torch.Tensor, members: Sequence[int], collective: bool = False) -> bool:
         """Replace ``tensor`` by the sum of the members' tensors (worker ranks), with nobody
         else taking part. (The solver turns the sum into what its rule needs, e.g. Ripples'
         group mean.) Returns whether it did: with :attr:`drops_dead_peers`, a member that died
         leaves the others' tensors as they were (False), and every live member finds that out.
+
+        ``collective``: one all-reduce on a gloo group of the members alone
+        (:meth:`members_group`, made the first time they meet and kept), instead of the ring
+        below; where dead peers are dropped (:attr:`drops_dead_peers`), the ring all the same
+        (it is what lets the live members find out together).
 
         A ring over the sorted members made of point-to-point messages on the workers' group:
         a reduce-scatter of ``len(members)`` chunks, then an all-gather. It sends the bytes of a
@@ -584,6 +589,9 @@ class Comm:
             return True
         if not tensor.is_contiguous():
             raise ValueError("partial_all_reduce needs a contiguous tensor")
+        if collective and not self.drops_dead_peers:
+            self.all_reduce(tensor, group=self.members_group(ring))
+            return True
         if not is_device(tensor):
             return self._partial_all_reduce(tensor.view(-1), ring)
         host = self.stage.down(tensor, "partial")  # (point-to-point messages: over gloo, from host memory)
@@ -676,6 +684,24 @@ class Comm:
     # ---- channels: a replacement and the peers it talks to (membership/admission.py) -----
     def has_channel(self, peer: int) -> bool:
         return peer in self._channels
+
+    def members_group(self, members: Sequence[int]) -> Any:
+        """A gloo group of ``members`` alone (this rank among them), made by them the first
+        time they meet and kept for the run. Each set has its own prefix in the job's store,
+        so ranks may meet their sets in any order (a group made by ``new_group`` with
+        ``use_local_synchronization`` cannot serve [0,1,2] then [1,2,3]); each group holds
+        threads and connections of its own, so a solver keeps to few sets."""
+        key = tuple(sorted(members))
+        pg = self._groups.get(key)
+        if pg is None:
+            name = "-".join(map(str, key))
+            try:
+                pg = make_group(self.store_client(), f"distsync/pg/members/{name}", list(key), self.rank,
+                                self.timeout_s, f"distsync-members-{name}")
+            except Exception as e:
+                raise self.error(f"forming the group of ranks {list(key)}", e) from None
+            self._groups[key] = pg
+        return pg
 
     def open_channel(self, peer: int, name: str) -> None:
         """A group of two with ``peer`` (both call this with the same ``name``, unique in the

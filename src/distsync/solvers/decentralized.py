@@ -26,6 +26,7 @@
 from __future__ import annotations
 
 import json
+import math
 import queue
 import threading
 import time
@@ -36,7 +37,7 @@ import torch
 
 from distsync.comm.devices import own_stream, queued_mark, run_after, synchronize
 from distsync.config import bounded
-from distsync.errors import CommError, PeerDied, PeerStalled
+from distsync.errors import CommError, ConfigError, PeerDied, PeerStalled
 from distsync.membership.admission import await_replacement, join_as_replacement
 from distsync.membership.peers import PeerService
 from distsync.solvers.base import Capability, Solver, register_solver
@@ -267,7 +268,10 @@ class ADPSGD(Solver):
 class RipplesOptions:
     """group_size: workers per Partial All-Reduce; schedule: static | random | smart;
     every: steps between Partial All-Reduces; buffer: groups per coordinator round trip
-    (random); max_wait_ms: longest a worker waits for partners (smart); seed: random groups."""
+    (random); max_wait_ms: longest a worker waits for partners (smart); seed: random groups;
+    reduce: ring (point-to-point messages among the members, nothing set up) or collective
+    (one all-reduce on a group of the members, made when they first meet and kept: at most
+    MAX_MEMBER_GROUPS possible sets; under --on-failure continue, the ring)."""
 
     group_size: int = bounded(3, ge=2)
     schedule: str = bounded("static", choices=("static", "random", "smart"))
@@ -275,6 +279,12 @@ class RipplesOptions:
     buffer: int = bounded(16, ge=1)
     max_wait_ms: float = bounded(20.0, gt=0)
     seed: int = 0
+    reduce: str = bounded("ring", choices=("ring", "collective"))
+
+
+#: with ``reduce=collective``: the most sets of workers (groups of 2 to group_size) a job may
+#: keep a group for (each holds threads and connections of its own)
+MAX_MEMBER_GROUPS = 128
 
 
 @register_solver
@@ -357,6 +367,7 @@ class Ripples(Solver):
         self.view = FlatView(self.synced_state())  # (with the "average" policy, the buffers too)
         self.k = min(self.options.group_size, comm.num_workers)
         self.me = comm.worker_index
+        self.check_member_groups(self.options, comm.num_workers)
         coordinators = comm.ranks_with_role("coordinator")
         self.coordinator = coordinators[0] if coordinators else None
         self.upcoming: list[tuple[int, ...]] = []
@@ -369,6 +380,17 @@ class Ripples(Solver):
         self.sizes: Counter = Counter()
         self.met: Counter = Counter()  # per group (worker indices): the meetings of it so far
         return model
+
+    @staticmethod
+    def check_member_groups(options: RipplesOptions, workers: int) -> None:
+        """Refuse ``reduce=collective`` where the sets of workers that may meet (groups of 2 to
+        group_size) are more than :data:`MAX_MEMBER_GROUPS`: a group kept for each."""
+        k = min(options.group_size, workers)
+        sets = sum(math.comb(workers, j) for j in range(2, k + 1))
+        if options.reduce == "collective" and sets > MAX_MEMBER_GROUPS:
+            raise ConfigError(f"ripples reduce=collective: {workers} workers in groups of up to {k} make {sets} "
+                              f"possible sets, more than {MAX_MEMBER_GROUPS} kept groups; use reduce=ring or a "
+                              f"smaller group_size")
 
     def _next_group(self, step: int) -> tuple[int, ...]:
         if self.options.schedule == "static":
@@ -421,7 +443,8 @@ class Ripples(Solver):
         self.met[group] += 1
         self.clock.meeting(f"ripples:{'-'.join(map(str, group))}#{self.met[group]}")
         flat = self.view.flat()
-        if not self.comm.partial_all_reduce(flat, [self.comm.worker_ranks[i] for i in group]):
+        if not self.comm.partial_all_reduce(flat, [self.comm.worker_ranks[i] for i in group],
+                                            collective=self.options.reduce == "collective"):
             self.broken += 1  # a member had died: the model stays as it was
             return
         self.view.assign(group_mean(flat, len(group)))
