@@ -108,7 +108,8 @@ def _partial_start(rank):
             torch.tensor([1.5, -2.0]) * (rank + 1))
 
 
-def _partial(rank, world):
+def _partial(rank, world, collective=False):
+    """Each rank's tensors after each group of PARTIAL_GROUPS, and how many groups it keeps."""
     from distsync.comm import Comm
 
     comm = Comm.from_env(["worker"] * world, 20.0, torch.device("cpu"))
@@ -116,16 +117,17 @@ def _partial(rank, world):
     after = []
     for group in PARTIAL_GROUPS:
         if rank in group:
-            comm.partial_all_reduce(x, group)
-            comm.partial_all_reduce(tiny, group)
+            comm.partial_all_reduce(x, group, collective=collective)
+            comm.partial_all_reduce(tiny, group, collective=collective)
         after.append((x.clone(), tiny.clone()))
+    kept = len([k for k in comm._groups if isinstance(k, tuple)])
     comm.barrier()
     comm.close()
-    return after
+    return after, kept
 
 
 def test_partial_all_reduce_is_the_group_sum_in_any_order_of_overlapping_groups():
-    res = run_ranks(_partial, 5)
+    res = [after for after, _ in run_ranks(_partial, 5)]
     x = {r: _partial_start(r) for r in range(5)}  # by hand: each member takes the group's sum
     for i, group in enumerate(PARTIAL_GROUPS):
         total = tuple(sum(x[r][j] for r in group) for j in range(2))  # Ripples divides (rules.group_mean)
@@ -139,25 +141,8 @@ def test_partial_all_reduce_is_the_group_sum_in_any_order_of_overlapping_groups(
             assert torch.equal(res[r][i][0], res[r][i - 1][0] if i else _partial_start(r)[0])
 
 
-def _partial_collective(rank, world):
-    from distsync.comm import Comm
-
-    comm = Comm.from_env(["worker"] * world, 20.0, torch.device("cpu"))
-    x, tiny = _partial_start(rank)
-    after = []
-    for group in PARTIAL_GROUPS:
-        if rank in group:
-            comm.partial_all_reduce(x, group, collective=True)
-            comm.partial_all_reduce(tiny, group, collective=True)
-        after.append((x.clone(), tiny.clone()))
-    kept = len([k for k in comm._groups if isinstance(k, tuple)])
-    comm.barrier()
-    comm.close()
-    return after, kept
-
-
 def test_a_collective_partial_all_reduce_is_the_group_sum_in_any_order_of_overlapping_groups():
-    res = run_ranks(_partial_collective, 5)
+    res = run_ranks(_partial, 5, True)
     x = {r: _partial_start(r) for r in range(5)}
     for i, group in enumerate(PARTIAL_GROUPS):
         total = tuple(sum(x[r][j] for r in group) for j in range(2))

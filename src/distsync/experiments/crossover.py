@@ -36,7 +36,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Callable
 
-from distsync.config import Link, RunConfig, RunOptionText, check_field_types, parse_link, read_file, show, show_names
+from distsync.config import Link, RunConfig, RunOptionText, check_field_types, read_file, run_option, show, show_names
 from distsync.errors import ConfigError, DistsyncError, WorkerFailed
 from distsync.runtime.launch import launch
 from distsync.runtime.network import EmulatedNetwork
@@ -68,8 +68,7 @@ class CrossoverPlan:
     out: str = "runs/crossover"
 
     def __post_init__(self) -> None:
-        if isinstance(self.link, str):
-            self.link = parse_link(self.link)
+        self.link = run_option("link", self.link)
 
 
 def _check_plan(plan: CrossoverPlan) -> CrossoverPlan:

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from distsync.config import Budget, Link, RunConfig, bounded, check_ranges, parse_budget, parse_link
+from distsync.config import Budget, Link, RunConfig, bounded, check_ranges, run_option
 from distsync.errors import ConfigError, DistsyncError
 from distsync.options import TRAINING_FIELDS, Training, resolve_training, train_mode_kwargs
 
@@ -82,10 +82,7 @@ class Request(Training):
 
     def __post_init__(self) -> None:
         # The link and the budget given as text (the command line) become values here.
-        if isinstance(self.link, str):
-            self.link = parse_link(self.link)
-        if isinstance(self.budget, str):
-            self.budget = parse_budget(self.budget)
+        self.link, self.budget = run_option("link", self.link), run_option("budget", self.budget)
 
     def check(self) -> None:
         check_ranges(self)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from distsync.comm.failures import wrote_its_own_error
-from distsync.config import RUN_OPTION_NAMES, RunConfig, run_option
+from distsync.config import RUN_OPTION_NAMES, RunConfig, read_file, run_option
 from distsync.errors import (CommTimeout, ConfigError, DistsyncError, Excluded, Interrupted, PeerDied, PeerLost,
                              PeerStalled, WorkerFailed)
 from distsync.runtime import forkserver
@@ -223,14 +223,18 @@ def check_resumable(cfg: RunConfig, run_dir: Path, role_of: list[str]) -> None:
         print(f"distsync: skipped {why}", file=sys.stderr, flush=True)
 
 
-def resume_config(run_dir: Path) -> RunConfig:
-    """The configuration of the run in ``run_dir``, to resume from its last checkpoint."""
+def resume_config(run_dir: Path) -> tuple[RunConfig, bool]:
+    """The configuration of the run in ``run_dir``, to resume from its last checkpoint, and
+    whether a launcher wrote it (its steps were then set from its budget or epochs)."""
     if not (run_dir / "config.json").is_file():
         raise ConfigError(f"cannot resume {run_dir}: it has no config.json (not a distsync run folder)")
-    cfg = RunConfig.read(run_dir / "config.json")
+    d = read_file(run_dir / "config.json", "config file", json.loads, "JSON")
+    if not isinstance(d, dict):
+        raise ConfigError(f"config file {run_dir / 'config.json'} must hold a JSON object")
+    cfg = RunConfig.from_dict(d).validate()
     if cfg.task != "train":
         raise ConfigError(f"cannot resume {run_dir}: it is a {cfg.task} run, not training")
-    return dataclasses.replace(cfg, out=str(run_dir), master_port=None)
+    return dataclasses.replace(cfg, out=str(run_dir), master_port=None), d.get("resolved") is True
 
 
 #: what ``train --resume`` may change of a run: how long it goes on (``RUN_LENGTH``) and how
@@ -295,7 +299,7 @@ def resume_run(run_dir: Path, given: dict[str, Any] | None = None,
     applied; any other field that differs from the run's own is refused in one line."""
     given, flags = dict(given or {}), dict(flags or {})
     given = {n: run_option(n, v) if n in RUN_OPTION_NAMES else v for n, v in given.items()}
-    cfg = resume_config(run_dir)
+    cfg, steps_set = resume_config(run_dir)
     length = {n: given.pop(n) for n in RUN_LENGTH if n in given}
     added = [f for f in given.pop("faults", None) or [] if f not in cfg.faults]
     changed = {n: v for n, v in given.items() if not _same(cfg, n, v, given)}
@@ -307,8 +311,6 @@ def resume_run(run_dir: Path, given: dict[str, Any] | None = None,
     said = [f"{flags.get(n, n)} {_shown(getattr(cfg, n))} -> {_shown(v)}" for n, v in changed.items()
             if n != "master_port"]  # (where the job meets is no part of the run)
     new = dataclasses.replace(cfg, **changed, faults=cfg.faults + added)
-    # (a launcher's config.json: its steps were set from its budget or epochs when it started)
-    steps_set = json.loads((run_dir / "config.json").read_text()).get("resolved") is True
     if length:
         new, steps_set = dataclasses.replace(new, **{n: length.get(n) for n in RUN_LENGTH}), False
         if len(length) == 1 and _length(new) == _length(cfg):  # (two given: resolve names the conflict)

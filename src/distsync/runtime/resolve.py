@@ -137,7 +137,6 @@ def resolve(cfg: RunConfig, *, world_size: int | None = None, steps_set: bool = 
     if cfg.epochs is not None and not steps_set and (cfg.steps is not None or cfg.budget is not None):
         other = "--steps" if cfg.steps is not None else "--budget"
         raise ConfigError(f"--epochs and {other} conflict: --epochs sets the steps per worker; give one")
-    was_resolved = steps_set  # (a run folder's config: its budget's steps are set, its warnings said)
     cls = solver_class(cfg.solver)
     _check_solver_class(cls)
     options = make_options(cls, cfg.solver_options)
@@ -160,15 +159,15 @@ def resolve(cfg: RunConfig, *, world_size: int | None = None, steps_set: bool = 
         raise ConfigError(f"solver {cls.name} needs at least {cls.min_workers} workers, got --workers {cfg.workers} "
                           f"(alone, a worker would train plain local SGD)")
     group = getattr(options, "group_size", None)
-    if group is not None and group > cfg.workers and not was_resolved:
+    if group is not None and group > cfg.workers and not steps_set:  # (a run folder's: said when it began)
         sys.stderr.write(f"distsync: warning: solver {cls.name}: group_size {group} is more than the "
                          f"{cfg.workers} workers; groups of {cfg.workers} instead\n")
     threads = cls.training_threads(options)
     if workload is not None:
         _check_shards(cfg, workload, threads, cls.min_workers)
-    if cfg.budget is not None and cfg.task == "train" and not was_resolved:
+    if cfg.budget is not None and cfg.task == "train" and not steps_set:
         cfg = dataclasses.replace(cfg, steps=_budget_steps(cfg, cls.lockstep_lead(options, cfg.workers), threads))
-    if cfg.epochs is not None and cfg.task == "train" and not was_resolved:
+    if cfg.epochs is not None and cfg.task == "train" and not steps_set:
         cfg = dataclasses.replace(cfg, steps=epoch_steps(cfg, workload, threads))
     if workload is not None:
         _check_train_data(cfg, workload, threads)

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from distsync.config import Budget, Link, bounded, check_ranges, parse_budget, parse_link, parse_slow
+from distsync.config import Budget, Link, bounded, check_ranges, parse_slow, run_option
 from distsync.errors import ConfigError
 from distsync.options import Training
 from distsync.runtime.resolve import TARGET_CAP
@@ -46,14 +46,10 @@ class Scenario(Training):
     def __post_init__(self) -> None:
         # Links, slow workers and the budget given as text (the command line) become values
         # where the scenario is made.
-        if isinstance(self.link, str):
-            self.link = parse_link(self.link)
-        if isinstance(self.intra_link, str):
-            self.intra_link = parse_link(self.intra_link)
+        self.link, self.intra_link = run_option("link", self.link), run_option("link", self.intra_link)
+        self.budget = run_option("budget", self.budget)
         if self.slow is None or isinstance(self.slow, str):
             self.slow = parse_slow(self.slow)
-        if isinstance(self.budget, str):
-            self.budget = parse_budget(self.budget)
 
     def cluster(self) -> Cluster:
         return Cluster(self.workers, self.link, per_node=self.per_node, intra=self.intra_link,
