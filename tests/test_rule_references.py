@@ -227,10 +227,10 @@ def test_ripples_static_groups_smaller_than_group_size_divide_by_their_own_size(
 
 
 #: The order in which the workers ask the smart coordinator for a group: (worker, step). With
-#: groups of three and no time limit that matters (10 s), the coordinator forms {0, 1, 2},
-#: then {0, 1, 3}, then {0, 1, 2}; then workers 0 and 1 are done, so the slow workers 2 and 3
-#: form a group of two at once (everyone still training is there), and worker 3's last step
-#: goes alone.
+#: groups of three and no time limit that matters (10 s, whatever the pace), the coordinator
+#: forms {0, 1, 2}, then {0, 1, 3}, then {0, 1, 2}; then workers 0 and 1 are done, so the
+#: slow workers 2 and 3 form a group of two at once (everyone still training is there), and
+#: worker 3's last step goes alone.
 SMART_SCRIPT = [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (3, 0), (0, 2), (1, 2), (2, 1), (3, 1), (2, 2), (3, 2)]
 SMART_GROUPS = [(0, 1, 2), (0, 1, 3), (0, 1, 2), (2, 3), (3,)]
 HEARD = "test/smart/heard/"
@@ -238,31 +238,29 @@ HEARD = "test/smart/heard/"
 
 def _smart_in_order_rank(rank, world, workers, steps):
     """A ripples smart-schedule job whose workers ask for groups in :data:`SMART_SCRIPT`'s
-    order: a worker asks once the coordinator has queued the request before its own (the
-    coordinator's queue of arrivals notes each request in the job's store once it is in)."""
-    import queue
+    order: a worker asks once the coordinator has taken the request before its own (the
+    coordinator's grouper notes each request in the job's store once it has it)."""
     import threading
-    import types
 
     from distsync.comm import Comm
     from distsync.runtime import assign_roles
     from distsync.solvers import ServeContext, decentralized, make_solver
 
-    s = make_solver("ripples", schedule="smart", group_size=3, max_wait_ms=10_000)
+    s = make_solver("ripples", schedule="smart", group_size=3, max_wait_ms=10_000, wait_share=10_000)
     comm = Comm.from_env(assign_roles(workers, s.roles), 30.0, torch.device("cpu"))
     if comm.role != "worker":
         heard, lock = [0], threading.Lock()
 
-        class NotedArrivals(queue.Queue):
-            def put(self, item, *args, **kwargs):
-                super().put(item, *args, **kwargs)
-                if item[1] == decentralized.OP_REQUEST:
-                    with lock:
-                        comm.store_set(f"{HEARD}{heard[0]}", "1")
-                        heard[0] += 1
+        class NotingGrouper(decentralized.ReadyGrouper):
+            def arrive(self, w, now):
+                groups = super().arrive(w, now)
+                with lock:
+                    comm.store_set(f"{HEARD}{heard[0]}", "1")
+                    heard[0] += 1
+                return groups
 
-        # (this process is the coordinator alone: its module sees the noting queue)
-        decentralized.queue = types.SimpleNamespace(Queue=NotedArrivals, Empty=queue.Empty)
+        # (this process is the coordinator alone: its module sees the noting grouper)
+        decentralized.ReadyGrouper = NotingGrouper
         s.serve(comm.role, comm, ServeContext(make_model=_model, lr=LR))
         out = (None, s.stats())
     else:
@@ -311,4 +309,6 @@ def test_ripples_smart_groups_follow_readiness_and_form_around_slow_workers():
         _close(state, models[r].state_dict(), f"worker {r}")
         assert stats["groups_joined"] == sum(r in g for g in SMART_GROUPS if len(g) > 1)
         assert stats["rounds_alone"] == (1 if r == 3 else 0)
-    assert res[workers][1] == {"groups_formed": {"1": 1, "2": 1, "3": 3}, "skips": 1}
+    coordinator = res[workers][1]
+    assert (coordinator["groups_formed"], coordinator["skips"]) == ({"1": 1, "2": 1, "3": 3}, 1)
+    assert coordinator["requests_answered"] == len(SMART_SCRIPT)

@@ -125,9 +125,9 @@ def test_smart_groups_of_equally_fast_workers_average_every_step():
 
 
 def test_smart_group_waits_no_longer_than_its_limit():
-    """Worker 1 is 3.3x slower and the wait limit 5 ms: worker 0 waits in [10, 15], [25, 30],
-    [40, 45] and [55, 60] ms, worker 1 in [33, 38] ms and then is the last one training: no
-    group ever forms, each goes on alone: local SGD."""
+    """Worker 1 is 3.3x slower and the wait limit 5 ms: worker 0 waits at most 5 ms after
+    each step (less once its pace is known), worker 1 never finds it ready, and then is the
+    last one training: no group ever forms, each goes on alone: local SGD."""
     smart = _run("ripples", {"schedule": "smart", "group_size": 2, "max_wait_ms": 5}, 2, 4, {1: 3.3})
     local = simulate_training("local", {}, load_workload("digits"), 2, 4, batch_size=BATCH, lr=LR, seed=SEED)
     _close(smart.params, local.params)

@@ -451,6 +451,17 @@ def _cmd_linktest(args: argparse.Namespace) -> int:
         table.add_row(f"{r['size_mb']:g}", f"{r['p2p_bps'] / 1e6:,.1f}", f"{r['allreduce_bus_bps'] / 1e6:,.1f}",
                       f"{rate / 1e6:,.1f}" if rate else "-", share(r["p2p_bps"]), share(r["allreduce_bus_bps"]))
     _stdout().print(table)
+    if result["partial_group"]:
+        group = Table(title=f"Partial All-Reduce of {result['partial_group']} workers (Ripples' group), against "
+                            f"the all-reduce of all {args.workers}")
+        for h in ("size (MiB)", "all-reduce (ms)", "ring (ms)", "ring / all-reduce", "collective (ms)",
+                  "collective / all-reduce"):
+            group.add_column(h, justify="right", no_wrap=True)
+        for r in result["rows"]:
+            group.add_row(f"{r['size_mb']:g}", f"{r['allreduce_s'] * 1e3:,.2f}", f"{r['partial_ring_s'] * 1e3:,.2f}",
+                          f"{r['partial_ring_vs_allreduce']:.2f}", f"{r['partial_collective_s'] * 1e3:,.2f}",
+                          f"{r['partial_collective_vs_allreduce']:.2f}")
+        _stdout().print(group)
     if rate:
         console.print(f"configured {format_rate(rate)} per host and direction (latency: {result['latency_mode']})")
     console.print(f"run folder: {out}")

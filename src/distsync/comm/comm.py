@@ -401,11 +401,19 @@ class Comm:
             except Exception as e:  # gloo raises RuntimeError / DistBackendError
                 raise self.error(what, e, peer) from None
             return
-        box = _waiter_pool().submit(work)
-        while not box.done.wait(_POLL_S):
-            live.check(peer, what)
-        if box.error is not None:
-            err = self.error(what, box.error, peer)
+        error = None
+        if work.is_completed():  # (a short send often is by now: no thread to wake)
+            try:
+                work.wait()
+            except Exception as e:
+                error = e
+        else:
+            box = _waiter_pool().submit(work)
+            while not box.done.wait(_POLL_S):
+                live.check(peer, what)
+            error = box.error
+        if error is not None:
+            err = self.error(what, error, peer)
             if isinstance(err, PeerDied) and not live.confirm_dead(peer):
                 # (its connection closed but it lives: a network failure, not a death)
                 raise CommError(str(err)) from None

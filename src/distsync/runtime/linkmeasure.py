@@ -5,7 +5,11 @@ Point-to-point: worker 0 sends a tensor of each size to worker 1; the time is th
 receiver's, from a common barrier to the data in hand. All-reduce: every worker all-reduces
 a tensor of each size; the time is the slowest worker's, and the bus bandwidth is
 ``2 (p - 1) / p * bytes / time`` (what each rank's link carries in a ring all-reduce, so it
-is directly comparable with the link rate). Medians over ``repeats``.
+is directly comparable with the link rate). Partial All-Reduce (with 3 or more workers): the
+first ``group`` workers sum a tensor of each size among themselves, as a ring of point-to-point
+messages and as one all-reduce on a group of them (Ripples' ``reduce=ring`` and
+``reduce=collective``), while the others wait; the time is the slowest member's, set against
+the all-reduce of every worker. Medians over ``repeats``.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from distsync.comm import Comm, ring_allreduce_bytes
 from distsync.config import RunConfig
 
 DEFAULT_SIZES_MB = (1.0, 10.0)
+#: the Partial All-Reduce's group: Ripples' default group size
+GROUP = 3
 
 
 def measure(comm: Comm, sizes_mb, repeats: int) -> dict[str, list[float]]:
@@ -46,7 +52,25 @@ def measure(comm: Comm, sizes_mb, repeats: int) -> dict[str, list[float]]:
             ar.append(time.perf_counter() - t0)
         out[f"p2p:{mb}"] = p2p
         out[f"allreduce:{mb}"] = ar
+        if comm.num_workers >= GROUP:
+            for reduce in ("ring", "collective"):
+                out[f"partial-{reduce}:{mb}"] = _partial(comm, t, reduce == "collective", repeats)
     return out
+
+
+def _partial(comm: Comm, t: torch.Tensor, collective: bool, repeats: int) -> list[float]:
+    """This rank's seconds per repeat of the first :data:`GROUP` workers' Partial All-Reduce
+    (0 for the others); the first one, which may make the group, is not timed."""
+    members = comm.worker_ranks[:GROUP]
+    times = []
+    for i in range(repeats + 1):
+        comm.barrier()
+        t0 = time.perf_counter()
+        if comm.rank in members:
+            comm.partial_all_reduce(t, members, collective=collective)
+        if i:
+            times.append(time.perf_counter() - t0)
+    return times
 
 
 def run_linktest(cfg: RunConfig, comm: Comm, run_dir: Path, latency_mode: str | None = None) -> None:
@@ -67,12 +91,18 @@ def run_linktest(cfg: RunConfig, comm: Comm, run_dir: Path, latency_mode: str | 
         ar = [max(g[f"allreduce:{mb}"][i] for g in gathered) for i in range(repeats)]
         ar_s = statistics.median(ar)
         row.update(allreduce_s=ar_s, allreduce_bus_bps=ring_allreduce_bytes(nbytes, p) * 8 / ar_s if p > 1 else None)
+        for reduce in ("ring", "collective"):
+            key = f"partial-{reduce}:{mb}"
+            if key in gathered[0]:
+                part = statistics.median(max(g[key][i] for g in gathered) for i in range(repeats))
+                row.update({f"partial_{reduce}_s": part, f"partial_{reduce}_vs_allreduce": part / ar_s})
         rows.append(row)
     result = {
         "link": None if cfg.link is None else str(cfg.link),
         "configured_bps": cfg.link.bandwidth_bps if cfg.link else None,
         "latency_mode": latency_mode,
         "workers": p,
+        "partial_group": GROUP if p >= GROUP else None,
         "repeats": repeats,
         "rows": rows,
     }

@@ -360,58 +360,50 @@ def _group_rounds(name: str, cluster: Cluster, c: np.ndarray, work: Work, every:
 
 
 def _ready_groups(name: str, cluster: Cluster, c: np.ndarray, work: Work, k: int, every: int,
-                  max_wait_s: float, math: Any = None) -> SimResult:
-    """Groups form in the order workers become ready, asked of a coordinator (a round trip):
-    a group starts when ``k`` are ready, or ``max_wait_s`` after its first member arrived
-    (with 2 or more; a worker alone goes on), or at once when every worker still training
-    is in it."""
+                  max_wait_s: float, wait_share: float, math: Any = None) -> SimResult:
+    """Groups form in the order workers become ready, asked of a coordinator (a round trip),
+    by the coordinator's own rule (:class:`~distsync.solvers.schedules.ReadyGrouper`): a
+    group starts when ``k`` are ready; a worker waits for more only while one is due, at
+    most ``wait_share`` of its own interval between requests (and ``max_wait_s``); a worker
+    alone goes on; everyone still training ready goes at once."""
+    from distsync.solvers.schedules import ReadyGrouper
+
     n = cluster.workers
     loop = EventLoop()
     comp, comm, wait = _zeros(n), _zeros(n), _zeros(n)
     rtt = 2 * cluster.link.latency_s  # asking the coordinator
-    forming: list[tuple[int, float, int]] = []  # (worker, ready at, step)
-    generation = [0]
+    grouper = ReadyGrouper(n, k, max_wait_s, wait_share)
+    at_step, ready_at = [0] * n, _zeros(n)
     done_at = _zeros(n)
     ends = np.empty((work.steps, n))
-    training = [n]
 
-    def start_group() -> None:
-        members = list(forming)
-        forming.clear()
-        generation[0] += 1
+    def start(groups: list[tuple[int, ...]]) -> None:
         now = loop.now
-        if len(members) == 1:
-            w, ready, s = members[0]
-            wait[w] += now - ready
-            loop.at(now, step, w, s + 1)
-            return
-        cost = cluster.allreduce_s(work.model_bytes, len(members))
-        if math:
-            math.group([w for w, _, _ in members], now)
-        for w, ready, s in members:
-            wait[w] += now - ready
-            comm[w] += cost
-            loop.at(now + cost, step, w, s + 1)
+        for group in groups:
+            cost = cluster.allreduce_s(work.model_bytes, len(group)) if len(group) > 1 else 0.0
+            if math and len(group) > 1:
+                math.group(list(group), now)
+            for w in group:
+                wait[w] += now - ready_at[w]
+                comm[w] += cost
+                loop.at(now + cost, step, w, at_step[w] + 1)
+        due = grouper.due()
+        if due is not None:
+            loop.at(due, expire)
 
-    def timeout(gen: int) -> None:
-        if gen == generation[0] and forming:
-            start_group()
+    def expire() -> None:
+        start(grouper.expire(loop.now))
 
     def ready(w: int, s: int) -> None:
-        forming.append((w, loop.now, s))
-        if len(forming) == 1:
-            loop.at(loop.now + max_wait_s, timeout, generation[0])
-        if len(forming) >= min(k, training[0]):
-            start_group()
+        at_step[w], ready_at[w] = s, loop.now
+        start(grouper.arrive(w, loop.now))
 
     def step(w: int, s: int) -> None:
         if s:
             ends[s - 1, w] = loop.now
         if s == work.steps:
             done_at[w] = loop.now
-            training[0] -= 1
-            if forming and len(forming) >= training[0]:
-                start_group()  # nobody else is coming
+            start(grouper.leave(w, loop.now))  # nobody waits for it any more
             return
         t = loop.now + c[s, w]
         comp[w] += c[s, w]
@@ -425,7 +417,8 @@ def _ready_groups(name: str, cluster: Cluster, c: np.ndarray, work: Work, k: int
 
     for w in range(n):
         loop.at(0.0, step, w, 0)
-    wall = max(loop.run(), float(done_at.max()))
+    loop.run()
+    wall = float(done_at.max())  # (not a wait's end armed after its group had formed)
     return SimResult(name, n, work.steps, work.batch_size, wall, comp, comm, wait, events=loop.events, ends=ends)
 
 
@@ -538,12 +531,12 @@ class TimingContext:
             return self.meet_every(0, 0.0)
         return _group_rounds(self.name, self.cluster, self.c, self.work, every, next_round)
 
-    def ready_groups(self, k: int, every: int, max_wait_s: float) -> SimResult:
+    def ready_groups(self, k: int, every: int, max_wait_s: float, wait_share: float = 1.0) -> SimResult:
         """Groups of up to ``k`` formed as workers become ready (see :func:`_ready_groups`)."""
         if self.workers < 2:
             return self.meet_every(0, 0.0)
         return _ready_groups(self.name, self.cluster, self.c, self.work, min(k, self.workers), every, max_wait_s,
-                             self.math)
+                             wait_share, self.math)
 
     def background(self, sync_s: float, min_interval_s: float) -> SimResult:
         """Training never waits; a background thread syncs back to back (``sync_s`` each, at

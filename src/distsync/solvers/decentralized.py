@@ -17,17 +17,18 @@
     groups in one global order and hands each worker ``buffer`` of its upcoming groups per
     round trip (Group Buffer), so no two workers can wait on each other in opposite orders;
   * ``smart``: heterogeneity-aware: the coordinator groups workers in the order they become
-    ready, ``group_size`` at a time; a worker left waiting ``max_wait_ms`` is grouped with
-    whoever is ready (or skips the round alone), and at once when every worker still
-    training is ready. A slow worker joins fewer groups and the fast ones keep mixing among
-    themselves without waiting on it.
+    ready, ``group_size`` at a time (:class:`schedules.ReadyGrouper`); a worker waits for
+    partners only while one is due (its pace says it asks soon), at most ``wait_share`` of
+    its own interval between requests and ``max_wait_ms``, then goes with whoever is ready
+    (or skips the round alone), and at once when every worker still training is ready. A
+    slow worker joins fewer groups and the fast ones keep mixing among themselves without
+    waiting on it.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import queue
 import threading
 import time
 from collections import Counter
@@ -43,8 +44,8 @@ from distsync.membership.peers import PeerService
 from distsync.solvers.base import Capability, Solver, register_solver
 from distsync.solvers.flat import FlatView
 from distsync.solvers.rules import group_mean, pairwise_average
-from distsync.solvers.schedules import (bipartite_roles, partner_rng, random_round, round_rng,
-                                        static_group, static_round)
+from distsync.solvers.schedules import (ReadyGrouper, bipartite_roles, partner_rng, random_round,
+                                        round_rng, static_group, static_round)
 
 TAG_AVG_HEADER, TAG_AVG_MODEL, TAG_AVG_REPLY = 21, 22, 23
 TAG_COORD_REQ, TAG_COORD_REPLY = 31, 32
@@ -268,7 +269,9 @@ class ADPSGD(Solver):
 class RipplesOptions:
     """group_size: workers per Partial All-Reduce; schedule: static | random | smart;
     every: steps between Partial All-Reduces; buffer: groups per coordinator round trip
-    (random); max_wait_ms: longest a worker waits for partners (smart); seed: random groups;
+    (random); max_wait_ms: longest a worker waits for partners (smart); wait_share: (smart) a
+    worker waits for partners only while one is due, at most this share of its own interval
+    between requests (and max_wait_ms); seed: random groups;
     reduce: ring (point-to-point messages among the members, nothing set up) or collective
     (one all-reduce on a group of the members, made when they first meet and kept: at most
     MAX_MEMBER_GROUPS possible sets; under --on-failure continue, the ring)."""
@@ -278,6 +281,7 @@ class RipplesOptions:
     every: int = bounded(1, ge=1)
     buffer: int = bounded(16, ge=1)
     max_wait_ms: float = bounded(20.0, gt=0)
+    wait_share: float = bounded(0.2, gt=0)
     seed: int = 0
     reduce: str = bounded("ring", choices=("ring", "collective"))
 
@@ -343,7 +347,7 @@ class Ripples(Solver):
     @classmethod
     def simulate_timing(cls, options, sim):
         if options.schedule == "smart":
-            return sim.ready_groups(options.group_size, options.every, options.max_wait_ms / 1000)
+            return sim.ready_groups(options.group_size, options.every, options.max_wait_ms / 1000, options.wait_share)
         if sim.workers < 2:
             return sim.meet_every(0, 0.0)
         return sim.group_rounds(options.every, cls._rounds(options, sim.workers, sim.seed))
@@ -496,6 +500,8 @@ class GroupGenerator:
         self.skips = 0
         #: the workers (ranks) whose death this coordinator heard of
         self.dead: set[int] = set()
+        #: (smart) the rule that forms the groups
+        self.grouper: ReadyGrouper | None = None
 
     def serve(self, comm, ctx) -> None:
         """Answer the workers' requests for groups until every one is done (or dead)."""
@@ -583,56 +589,59 @@ class GroupGenerator:
             raise errors[0]
 
     def _serve_smart(self, comm, ctx):
-        arrivals: queue.Queue = queue.Queue()
-        threads, errors = self._hear_each_worker(
-            comm, ctx, lambda sender, op, value: arrivals.put((sender, op, time.monotonic())))
-        pending: list[tuple[int, float]] = []
+        """Each worker's request is decided on the thread that heard it (no hand-over to
+        another thread on the way to its reply); this thread ends the waits that run out."""
+        grouper = self.grouper = ReadyGrouper(comm.num_workers, self.k, self.options.max_wait_ms / 1000,
+                                              self.options.wait_share)
+        turn = threading.Condition()
         done: set[int] = set()
-        max_wait = self.options.max_wait_ms / 1000
-        while len(done) < comm.num_workers or pending:
-            timeout = max_wait - (time.monotonic() - pending[0][1]) if pending else None
-            try:
-                item = arrivals.get(timeout=max(0.0, timeout) if timeout is not None else comm.timeout_s)
-            except queue.Empty:
-                item = None
-            if item is not None:
-                sender, op, t = item
+        failed: list[bool] = []
+
+        def on_request(sender: int, op: int, value: int) -> None:
+            with turn:
+                now, w = time.monotonic(), comm.worker_ranks.index(sender)
                 if op == OP_FAILED:
-                    raise errors[0]
-                if op == OP_REQUEST:
-                    pending.append((sender, t))
+                    failed.append(True)
+                elif op == OP_REQUEST:
+                    self._form_all(comm, grouper.arrive(w, now))
                 else:  # its goodbye, or its death: nobody waits for it any more
                     done.add(sender)
                     if op == OP_DEAD:
                         self.dead.add(sender)
-            while len(pending) >= self.k:
-                self._form(comm, [r for r, _ in pending[: self.k]])
-                pending = pending[self.k :]
-            if pending and len(pending) >= comm.num_workers - len(done):
-                # Every worker still training is here: nobody else is coming.
-                self._form(comm, [r for r, _ in pending])
-                pending = []
-            if pending and time.monotonic() - pending[0][1] >= max_wait:
-                # Nobody else is ready soon enough: group whoever is (or let one skip).
-                self._form(comm, [r for r, _ in pending])
-                pending = []
+                    self._form_all(comm, grouper.leave(w, now))
+                turn.notify_all()
+
+        threads, errors = self._hear_each_worker(comm, ctx, on_request)
+        with turn:
+            while len(done) < comm.num_workers or grouper.pending:
+                if failed:
+                    raise errors[0]
+                due = grouper.due()
+                turn.wait(timeout=max(0.0, due - time.monotonic()) if due is not None else comm.timeout_s)
+                self._form_all(comm, grouper.expire(time.monotonic()))
         for t in threads:
             t.join(timeout=comm.timeout_s)
 
-    def _form(self, comm, ranks: list[int]) -> None:
-        group = sorted(comm.worker_ranks.index(r) for r in ranks)
+    def _form_all(self, comm, groups: list[tuple[int, ...]]) -> None:
+        for group in groups:
+            self._form(comm, group)
+
+    def _form(self, comm, group: tuple[int, ...]) -> None:
         self.formed[len(group)] += 1
         if len(group) == 1:
             self.skips += 1
         out = torch.full((self.k,), -1, dtype=torch.int64)
         out[: len(group)] = torch.tensor(group)
-        for r in ranks:
+        for w in group:
             try:
-                comm.send(out, r, tag=TAG_COORD_REPLY)
+                comm.send(out, comm.worker_ranks[w], tag=TAG_COORD_REPLY)
             except CommError as e:  # it died after asking: its group-mates find out in their ring
                 if not comm.peer_died(e):
                     raise
 
     def stats(self) -> dict:
-        return {"groups_formed": {str(k): v for k, v in sorted(self.formed.items())}, "skips": self.skips,
-                **({"dead_workers": sorted(self.dead)} if self.dead else {})}
+        out = {"groups_formed": {str(k): v for k, v in sorted(self.formed.items())}, "skips": self.skips,
+               **({"dead_workers": sorted(self.dead)} if self.dead else {})}
+        if self.grouper is not None:  # (what the workers' group_wait_s holds beside the round trips)
+            out.update(requests_answered=self.grouper.answered, partner_wait_s=self.grouper.waited_s)
+        return out

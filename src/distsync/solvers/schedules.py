@@ -124,3 +124,93 @@ def partner_rng(option_seed: int, rank: int) -> random.Random:
 def bipartite_roles(workers: int) -> tuple[list[int], list[int]]:
     """AD-PSGD's deadlock-free split: even workers are active, odd ones passive."""
     return list(range(0, workers, 2)), list(range(1, workers, 2))
+
+
+class ReadyGrouper:
+    """The smart schedule's Group Generator rule, with no communication: groups of up to
+    ``k`` workers formed in the order they become ready. The coordinator drives it with wall
+    time and the simulator with its event loop's, so both form the same groups.
+
+    A worker ready with fewer than ``k`` others waits for partners only while one is *due*:
+    a worker still training whose next request (its last one plus its own interval between
+    requests, a moving average) falls within the wait, and the wait is at most
+    ``wait_share`` of the waiting worker's own interval and never more than ``max_wait_s``
+    (before a worker's interval is known, the whole ``max_wait_s``). So a fast worker is
+    never held for a slow one that is not about to arrive, and a slow one waits (a small
+    share of its own longer step) for the fast ones due soon. With nobody due, the ready
+    workers go at once: together if two or more, alone (a skip) if one. Everyone still
+    training ready: they go at once. Groups are of worker indices, sorted."""
+
+    #: weight of the newest interval in each worker's moving average
+    SMOOTHING = 0.3
+
+    def __init__(self, workers: int, k: int, max_wait_s: float, wait_share: float) -> None:
+        self.k = max(1, min(k, workers))
+        self.max_wait_s = max_wait_s
+        self.wait_share = wait_share
+        self.live: set[int] = set(range(workers))
+        #: (worker, ready at), in arrival order
+        self.pending: list[tuple[int, float]] = []
+        self.last: dict[int, float] = {}
+        self.interval: dict[int, float] = {}
+        #: requests answered, and the seconds their workers waited here for partners in all
+        self.answered = 0
+        self.waited_s = 0.0
+
+    def _bound(self, w: int) -> float:
+        """The longest worker ``w`` waits for partners."""
+        if w not in self.interval:
+            return self.max_wait_s
+        return min(self.max_wait_s, self.wait_share * self.interval[w])
+
+    def due(self) -> float | None:
+        """When the first pending worker's wait ends (None: nobody waits)."""
+        if not self.pending:
+            return None
+        w, ready = self.pending[0]
+        return ready + self._bound(w)
+
+    def _someone_due(self, until: float) -> bool:
+        waiting = {w for w, _ in self.pending}
+        for j in self.live - waiting:
+            if j not in self.interval or self.last[j] + self.interval[j] <= until:
+                return True
+        return False
+
+    def arrive(self, w: int, now: float) -> list[tuple[int, ...]]:
+        """Worker ``w`` is ready at ``now``: the groups that form (its own, or none yet)."""
+        if w in self.last:
+            gap = now - self.last[w]
+            old = self.interval.get(w)
+            self.interval[w] = gap if old is None else old + self.SMOOTHING * (gap - old)
+        self.last[w] = now
+        self.pending.append((w, now))
+        return self._settle(now)
+
+    def leave(self, w: int, now: float) -> list[tuple[int, ...]]:
+        """Worker ``w`` is done (or dead): nobody waits for it any more."""
+        self.live.discard(w)
+        self.pending = [(v, t) for v, t in self.pending if v != w]
+        return self._settle(now)
+
+    def expire(self, now: float) -> list[tuple[int, ...]]:
+        """The groups whose wait has ended by ``now``."""
+        return self._settle(now)
+
+    def _take(self, n: int, now: float) -> tuple[int, ...]:
+        group, self.pending = self.pending[:n], self.pending[n:]
+        self.answered += len(group)
+        self.waited_s += sum(max(0.0, now - t) for _, t in group)
+        return tuple(sorted(w for w, _ in group))
+
+    def _settle(self, now: float) -> list[tuple[int, ...]]:
+        groups = []
+        while len(self.pending) >= self.k:
+            groups.append(self._take(self.k, now))
+        if self.pending and len(self.pending) >= len(self.live):
+            groups.append(self._take(len(self.pending), now))  # nobody else is coming
+        if self.pending:
+            end = self.due()
+            if now >= end or not self._someone_due(end):
+                groups.append(self._take(len(self.pending), now))
+        return groups
