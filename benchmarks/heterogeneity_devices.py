@@ -78,8 +78,49 @@ def render(raw: dict[str, Any]) -> dict[str, str]:
                              f"{'-' if name == 'allreduce' else verdict(r)} | "
                              f"{shown(ad, unit='x') if ad else '-'} | {verdict(ad) if ad else '-'} | "
                              f"{over} of {len(t)} |")
-    return {"heterogeneity_devices": "\n".join(lines),
+    return {"heterogeneity_devices": "\n".join(lines), "heterogeneity_devices_overhead": render_overhead(raw),
             "heterogeneity_devices_targets": checks_markdown(raw.get("checks", []))}
+
+
+def overhead(run: dict[str, Any], slow: set[str]) -> dict[str, float | None]:
+    """One run's cost of synchronizing, on its workers that are not slow: the largest share
+    of time waiting, communication per step (ms), and for a coordinator's groups (Ripples
+    smart) per request, the round trip and the wait there for partners (ms)."""
+    fast = {r: v for r, v in run["per_worker"].items() if r not in slow and v["steps"]}
+    out: dict[str, float | None] = {
+        "fast_wait_share": max(v["wait"] / (v["compute"] + v["comm"] + v["wait"]) for v in fast.values()),
+        "comm_ms_per_step": 1e3 * sum(v["comm"] for v in fast.values()) / sum(v["steps"] for v in fast.values()),
+        "round_trip_ms": None, "partner_wait_ms": None}
+    stats = run.get("solver_stats") or {}
+    coordinator = next((v for v in stats.values() if "requests_answered" in v), None)
+    if coordinator and coordinator["requests_answered"]:
+        asked = coordinator["requests_answered"]
+        waited = sum(v.get("group_wait_s", 0.0) for v in stats.values())
+        out["round_trip_ms"] = 1e3 * (waited - coordinator["partner_wait_s"]) / asked
+        out["partner_wait_ms"] = 1e3 * coordinator["partner_wait_s"] / asked
+    return out
+
+
+def render_overhead(raw: dict[str, Any]) -> str:
+    """What each averaging costs the workers that are not slow: allreduce's all-reduce, AD-PSGD's
+    pairwise averaging and Ripples' Partial All-Reduce side by side (median and range over seeds)."""
+    lines = ["The cost of synchronizing on the workers that are not slow, per run: the largest share of "
+             "time waiting, communication per step, and (Ripples smart) per request to its coordinator, the "
+             "round trip and the wait there for partners. Median (min-max) over seeds.", "",
+             "| workers | case | solver | fast workers' waiting (largest share) | communication per step (ms) | "
+             "coordinator round trip (ms) | wait for partners (ms) |", "|---|---|---|---|---|---|---|"]
+    for w, by_case in raw["results"].items():
+        for case, by_name in by_case.items():
+            slow = {str(r) for r, _ in next((x for x in cases(int(w)) if x[0] == case), (case, {}, 0))[1].items()}
+            for name in raw["solvers"]:
+                runs = [r for r in by_name.get(name, {}).values() if "per_worker" in r]
+                if not runs or not (name == "allreduce" or name.startswith(("ripples", "ad-psgd"))):
+                    continue
+                got = [overhead(r, slow) for r in runs]
+                cell = lambda key, fmt="{:.2f}": shown([g[key] for g in got], fmt) if got[0][key] is not None else "-"  # noqa: E731
+                lines.append(f"| {w} | {case} | `{name}` | {shown([g['fast_wait_share'] * 100 for g in got], '{:.1f}')}% | "
+                             f"{cell('comm_ms_per_step')} | {cell('round_trip_ms')} | {cell('partner_wait_ms')} |")
+    return "\n".join(lines)
 
 
 def main() -> int:
@@ -115,8 +156,9 @@ def main() -> int:
                     run_dir = out / f"{workers}w" / case.replace(" ", "-") / name.replace(":", "-") / f"seed{seed}"
                     s = launch_or_exit(cfg, run_dir)
                     results.setdefault(str(workers), {}).setdefault(case, {}).setdefault(name, {})[str(seed)] = {
-                        k: s[k] for k in ("time_to_target_s", "final_metric", "throughput_samples_per_s",
-                                          "steps_by_worker", "phase_share", "idle_after_done_s", "device")}
+                        k: s.get(k) for k in ("time_to_target_s", "final_metric", "throughput_samples_per_s",
+                                              "steps_by_worker", "phase_share", "idle_after_done_s", "device",
+                                              "per_worker", "solver_stats")}
                     print(f"seed {seed} {workers}w {case:<18} {name:<16} to target {s['time_to_target_s']}  "
                           f"steps {s['steps_by_worker']}  cpu-bound {s['device']['cpu_bound']}", flush=True)
     raw = {"solvers": names, "device_ms": DEVICE_MS, "cap_s": args.cap, "results": results, "regime": REGIME,

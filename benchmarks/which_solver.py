@@ -21,13 +21,13 @@ NOT_MEASURED = "no current measurement (`make figures` makes it)"
 
 
 def _code(name: str) -> str:
-    """A solver label as a user types it: ``ripples:smart`` -> ``ripples --schedule smart``."""
-    solver, _, variant = name.partition(":")
-    if variant in ("static", "random", "smart"):
-        return f"`{solver} --schedule {variant}`"
-    if variant:
-        return f"`{solver} -o {variant}`"
-    return f"`{name}`"
+    """A solver label as a user types it: ``ripples:smart`` -> ``ripples --schedule smart``,
+    ``ripples:smart:every=2`` -> ``ripples --schedule smart -o every=2``."""
+    solver, *parts = name.split(":")
+    words = [solver]
+    for part in parts:
+        words += ["--schedule", part] if part in ("static", "random", "smart") else ["-o", part]
+    return f"`{' '.join(words)}`"
 
 
 def _speedup(values: list[float | None], what: str = "") -> str:
@@ -117,7 +117,8 @@ ROWS: list[tuple[str, str | None, Callable[[dict[str, Any]], tuple[str, str] | N
     ("equal devices, fast links, you want one large batch's math", "allreduce_vs_ddp", _allreduce,
      "`allreduce` (or `ddp`)"),
     ("one or a few slow workers", "heterogeneity_devices",
-     lambda raw: _slow_worker(raw, ("ripples:smart", "ad-psgd"), "nobody waits for the slow one"),
+     lambda raw: _slow_worker(raw, ("ripples:smart", "ripples:smart:every=2", "ad-psgd"),
+                              "nobody waits for the slow one"),
      "`ripples --schedule smart`, `ad-psgd`"),
     ("slow links, many parameters per FLOP", "async_vs_sync_devices", _slow_links, "`sync-easgd`, `async-measgd`"),
     ("a parameter service, asynchrony tolerated", "heterogeneity_devices",
