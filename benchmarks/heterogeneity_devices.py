@@ -108,7 +108,8 @@ def render_overhead(raw: dict[str, Any]) -> str:
              "time waiting, communication per step, and (Ripples smart) per request to its coordinator, the "
              "round trip and the wait there for partners. Median (min-max) over seeds.", "",
              "| workers | case | solver | fast workers' waiting (largest share) | communication per step (ms) | "
-             "coordinator round trip (ms) | wait for partners (ms) |", "|---|---|---|---|---|---|---|"]
+             "round trip to the coordinator, per request (ms) | wait there for partners, per request (ms) |",
+             "|---|---|---|---|---|---|---|"]
     for w, by_case in raw["results"].items():
         for case, by_name in by_case.items():
             slow = {str(r) for r, _ in next((x for x in cases(int(w)) if x[0] == case), (case, {}, 0))[1].items()}
