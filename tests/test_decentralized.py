@@ -108,7 +108,7 @@ def _partial_start(rank):
             torch.tensor([1.5, -2.0]) * (rank + 1))
 
 
-def _partial(rank, world, collective=False):
+def _partial(rank, world, reduce="ring"):
     """Each rank's tensors after each group of PARTIAL_GROUPS, and how many groups it keeps."""
     from distsync.comm import Comm
 
@@ -117,8 +117,8 @@ def _partial(rank, world, collective=False):
     after = []
     for group in PARTIAL_GROUPS:
         if rank in group:
-            comm.partial_all_reduce(x, group, collective=collective)
-            comm.partial_all_reduce(tiny, group, collective=collective)
+            comm.partial_all_reduce(x, group, reduce=reduce)
+            comm.partial_all_reduce(tiny, group, reduce=reduce)
         after.append((x.clone(), tiny.clone()))
     kept = len([k for k in comm._groups if isinstance(k, tuple)])
     comm.barrier()
@@ -141,8 +141,26 @@ def test_partial_all_reduce_is_the_group_sum_in_any_order_of_overlapping_groups(
             assert torch.equal(res[r][i][0], res[r][i - 1][0] if i else _partial_start(r)[0])
 
 
+def test_a_direct_partial_all_reduce_is_the_group_sum_in_rank_order_with_the_same_bits_everywhere():
+    """One round of messages, each member's tensor to each other, summed in rank order: the
+    sum taken by hand in that order, bit for bit, on every member; the others untouched."""
+    res = [after for after, _ in run_ranks(_partial, 5, "direct")]
+    x = {r: _partial_start(r) for r in range(5)}
+    for i, group in enumerate(PARTIAL_GROUPS):
+        total = []
+        for j in range(2):
+            acc = x[group[0]][j].clone()
+            for r in group[1:]:
+                acc += x[r][j]
+            total.append(acc)
+        x.update({r: tuple(total) for r in group})
+        for r in range(5):
+            for j in range(2):
+                assert torch.equal(res[r][i][j], x[r][j]), (i, r, j)
+
+
 def test_a_collective_partial_all_reduce_is_the_group_sum_in_any_order_of_overlapping_groups():
-    res = run_ranks(_partial, 5, True)
+    res = run_ranks(_partial, 5, "collective")
     x = {r: _partial_start(r) for r in range(5)}
     for i, group in enumerate(PARTIAL_GROUPS):
         total = tuple(sum(x[r][j] for r in group) for j in range(2))
@@ -542,8 +560,9 @@ def test_smart_coordinator_groups_by_readiness_and_never_waits_past_max_wait():
         assert 0.04 <= sent - ready < gap / 2, (sent, ready)
     stats = s.stats()
     assert (stats["groups_formed"], stats["skips"], stats["requests_answered"]) == ({"1": 1, "2": 1, "3": 1}, 1, 6)
-    # workers 1, then 3 and 0, waited max_wait each for partners (0.04 s); the first three none
-    assert 0.12 <= stats["partner_wait_s"] < 0.12 + gap / 2, stats
+    # worker 1, then 3 and 0, waited max_wait for partners (0.04 s each, less the moment
+    # between 3's and 0's requests); the first three about none
+    assert 0.1 <= stats["partner_wait_s"] < 0.12 + gap / 2, stats
 
 
 @pytest.mark.slow
@@ -627,9 +646,12 @@ def test_smart_schedule_slow_worker_joins_fewer_groups_and_nobody_waits_for_it(t
     # every worker does its steps; the slow one is grouped for a smaller share of them...
     share = {r: stats[str(r)]["group_sizes"].get("3", 0) / steps for r in range(4)}
     assert min(share[r] for r in fast) > share[1], share
-    # ...while the fast ones keep forming full groups among themselves (the coordinator's
-    # groups of three, less those the slow worker was in)...
-    assert stats["4"]["groups_formed"]["3"] - stats["1"]["group_sizes"].get("3", 0) >= steps / 3, stats
+    # ...while the fast ones keep forming groups among themselves (the coordinator's groups of
+    # two or three, less those the slow worker was in; measured on a loaded machine, where a
+    # fast worker with no partner due goes alone more often: 49 and 58 of 100)...
+    formed, slow_in = stats["4"]["groups_formed"], stats["1"]["group_sizes"]
+    among_fast = sum(formed.get(k, 0) - slow_in.get(k, 0) for k in ("2", "3"))
+    assert among_fast >= steps / 3, stats
     # ...without waiting for it: its extra device time is 100 x 30 ms = 3 s; a scheduler that
     # waited for it would have the fast ones wait at least that long and finish with it
     # (measured: each fast one waited about 0.8 s for its groups and idled 2.4 s at the end)

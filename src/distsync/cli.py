@@ -454,13 +454,13 @@ def _cmd_linktest(args: argparse.Namespace) -> int:
     if result["partial_group"]:
         group = Table(title=f"Partial All-Reduce of {result['partial_group']} workers (Ripples' group), against "
                             f"the all-reduce of all {args.workers}")
-        for h in ("size (MiB)", "all-reduce (ms)", "ring (ms)", "ring / all-reduce", "collective (ms)",
-                  "collective / all-reduce"):
+        reduces = ("ring", "collective", "direct")
+        for h in ("size (MiB)", "all-reduce (ms)", *(f"{how} (ms, x all-reduce)" for how in reduces)):
             group.add_column(h, justify="right", no_wrap=True)
         for r in result["rows"]:
-            group.add_row(f"{r['size_mb']:g}", f"{r['allreduce_s'] * 1e3:,.2f}", f"{r['partial_ring_s'] * 1e3:,.2f}",
-                          f"{r['partial_ring_vs_allreduce']:.2f}", f"{r['partial_collective_s'] * 1e3:,.2f}",
-                          f"{r['partial_collective_vs_allreduce']:.2f}")
+            group.add_row(f"{r['size_mb']:g}", f"{r['allreduce_s'] * 1e3:,.2f}",
+                          *(f"{r[f'partial_{how}_s'] * 1e3:,.2f} ({r[f'partial_{how}_vs_allreduce']:.2f}x)"
+                            for how in reduces))
         _stdout().print(group)
     if rate:
         console.print(f"configured {format_rate(rate)} per host and direction (latency: {result['latency_mode']})")

@@ -7,8 +7,8 @@ a tensor of each size; the time is the slowest worker's, and the bus bandwidth i
 ``2 (p - 1) / p * bytes / time`` (what each rank's link carries in a ring all-reduce, so it
 is directly comparable with the link rate). Partial All-Reduce (with 3 or more workers): the
 first ``group`` workers sum a tensor of each size among themselves, as a ring of point-to-point
-messages and as one all-reduce on a group of them (Ripples' ``reduce=ring`` and
-``reduce=collective``), while the others wait; the time is the slowest member's, set against
+messages, as one all-reduce on a group of them and in one round of messages from each to each
+(Ripples' ``reduce=ring``, ``reduce=collective`` and ``reduce=direct``), while the others wait; the time is the slowest member's, set against
 the all-reduce of every worker. Medians over ``repeats``.
 """
 
@@ -27,8 +27,9 @@ from distsync.comm import Comm, ring_allreduce_bytes
 from distsync.config import RunConfig
 
 DEFAULT_SIZES_MB = (1.0, 10.0)
-#: the Partial All-Reduce's group: Ripples' default group size
+#: the Partial All-Reduce's group: Ripples' default group size; how it may sum
 GROUP = 3
+REDUCES = ("ring", "collective", "direct")
 
 
 def measure(comm: Comm, sizes_mb, repeats: int) -> dict[str, list[float]]:
@@ -53,12 +54,12 @@ def measure(comm: Comm, sizes_mb, repeats: int) -> dict[str, list[float]]:
         out[f"p2p:{mb}"] = p2p
         out[f"allreduce:{mb}"] = ar
         if comm.num_workers >= GROUP:
-            for reduce in ("ring", "collective"):
-                out[f"partial-{reduce}:{mb}"] = _partial(comm, t, reduce == "collective", repeats)
+            for reduce in REDUCES:
+                out[f"partial-{reduce}:{mb}"] = _partial(comm, t, reduce, repeats)
     return out
 
 
-def _partial(comm: Comm, t: torch.Tensor, collective: bool, repeats: int) -> list[float]:
+def _partial(comm: Comm, t: torch.Tensor, reduce: str, repeats: int) -> list[float]:
     """This rank's seconds per repeat of the first :data:`GROUP` workers' Partial All-Reduce
     (0 for the others); the first one, which may make the group, is not timed."""
     members = comm.worker_ranks[:GROUP]
@@ -67,7 +68,7 @@ def _partial(comm: Comm, t: torch.Tensor, collective: bool, repeats: int) -> lis
         comm.barrier()
         t0 = time.perf_counter()
         if comm.rank in members:
-            comm.partial_all_reduce(t, members, collective=collective)
+            comm.partial_all_reduce(t, members, reduce=reduce)
         if i:
             times.append(time.perf_counter() - t0)
     return times
@@ -91,7 +92,7 @@ def run_linktest(cfg: RunConfig, comm: Comm, run_dir: Path, latency_mode: str | 
         ar = [max(g[f"allreduce:{mb}"][i] for g in gathered) for i in range(repeats)]
         ar_s = statistics.median(ar)
         row.update(allreduce_s=ar_s, allreduce_bus_bps=ring_allreduce_bytes(nbytes, p) * 8 / ar_s if p > 1 else None)
-        for reduce in ("ring", "collective"):
+        for reduce in REDUCES:
             key = f"partial-{reduce}:{mb}"
             if key in gathered[0]:
                 part = statistics.median(max(g[key][i] for g in gathered) for i in range(repeats))

@@ -272,9 +272,11 @@ class RipplesOptions:
     (random); max_wait_ms: longest a worker waits for partners (smart); wait_share: (smart) a
     worker waits for partners only while one is due, at most this share of its own interval
     between requests (and max_wait_ms); seed: random groups;
-    reduce: ring (point-to-point messages among the members, nothing set up) or collective
+    reduce: ring (point-to-point messages among the members, nothing set up), collective
     (one all-reduce on a group of the members, made when they first meet and kept: at most
-    MAX_MEMBER_GROUPS possible sets; under --on-failure continue, the ring)."""
+    MAX_MEMBER_GROUPS possible sets) or direct (each member's model to each other member in one
+    round, summed in rank order: for small models, whose averaging is latency; group_size - 1
+    times the model's bytes sent by each); under --on-failure continue, the ring."""
 
     group_size: int = bounded(3, ge=2)
     schedule: str = bounded("static", choices=("static", "random", "smart"))
@@ -283,7 +285,7 @@ class RipplesOptions:
     max_wait_ms: float = bounded(20.0, gt=0)
     wait_share: float = bounded(0.2, gt=0)
     seed: int = 0
-    reduce: str = bounded("ring", choices=("ring", "collective"))
+    reduce: str = bounded("ring", choices=("ring", "collective", "direct"))
 
 
 #: with ``reduce=collective``: the most sets of workers (groups of 2 to group_size) a job may
@@ -448,7 +450,7 @@ class Ripples(Solver):
         self.clock.meeting(f"ripples:{'-'.join(map(str, group))}#{self.met[group]}")
         flat = self.view.flat()
         if not self.comm.partial_all_reduce(flat, [self.comm.worker_ranks[i] for i in group],
-                                            collective=self.options.reduce == "collective"):
+                                            reduce=self.options.reduce):
             self.broken += 1  # a member had died: the model stays as it was
             return
         self.view.assign(group_mean(flat, len(group)))
