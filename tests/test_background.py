@@ -432,3 +432,37 @@ def test_shadow_ea_final_exchange_takes_the_last_step_to_the_center():
         # d = 0.5 * ((w0 + 0.1) - w0): the worker keeps w0 + 0.05 and so does the center
         torch.testing.assert_close(state[k], v + 0.05, rtol=0, atol=1e-6)
         torch.testing.assert_close(center[k], v + 0.05, rtol=0, atol=1e-6)
+
+
+def test_the_shadow_pacer_keeps_syncing_to_its_share_of_the_time():
+    """Pauses by hand: half the time syncing pauses as long as the fastest recent sync took
+    (a slow sync, one that waited for the other workers, does not lengthen the pause); the
+    min interval counts from the sync's start; a share of 1 syncs back to back."""
+    from distsync.solvers.shadow import Pacer
+
+    half = Pacer(0.5, 0.0)
+    assert half.pause_after(0.010) == pytest.approx(0.010)
+    assert half.pause_after(0.030) == pytest.approx(0.010)  # (it waited 20 ms for the others)
+    assert half.pause_after(0.008) == pytest.approx(0.008)
+    quarter = Pacer(0.25, 0.040)
+    assert quarter.pause_after(0.004) == pytest.approx(0.036)  # the interval: 40 ms from its start
+    assert quarter.pause_after(0.020) == pytest.approx(0.020)  # 3 x 4 ms < 40 - 20
+    assert Pacer(1.0, 0.0).pause_after(0.010) == 0.0
+    window = Pacer(0.5, 0.0)
+    for took in [0.001] + [0.010] * Pacer.WINDOW:  # the fastest is forgotten after WINDOW syncs
+        pause = window.pause_after(took)
+    assert pause == pytest.approx(0.010)
+
+
+@pytest.mark.parametrize("solver", ["shadow-ma", "shadow-bmuf", "shadow-ea"])
+def test_the_simulator_paces_the_shadow_thread_as_the_solver_does(solver):
+    """A sync of the same length, half the time syncing: half as many syncs per step as back to
+    back."""
+    from distsync.sim import Cluster, Link, WorkerModel
+    from distsync.sim.timing import Work, simulate
+
+    cluster = Cluster(workers=4, link=Link(1e9, 1e-3), servers=1 if solver == "shadow-ea" else 0)
+    work, model = Work(steps=100, model_bytes=1_000_000), WorkerModel(0.02)
+    paced, back_to_back = (simulate(solver, {"sync_share": share}, cluster, model, work) for share in (0.5, 1.0))
+    assert paced.syncs_per_step == pytest.approx(back_to_back.syncs_per_step / 2)
+    assert back_to_back.syncs_per_step > 0.25  # (a sync takes less than a few steps)

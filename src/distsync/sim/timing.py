@@ -424,10 +424,11 @@ def _ready_groups(name: str, cluster: Cluster, c: np.ndarray, work: Work, k: int
 
 # ---- background --------------------------------------------------------------------------
 def _background(name: str, cluster: Cluster, c: np.ndarray, work: Work, sync_s: float,
-                min_interval_s: float, math: Any = None) -> SimResult:
-    """Training never waits; a shadow thread syncs back to back (at most every min interval)."""
+                min_interval_s: float, math: Any = None, share: float = 1.0) -> SimResult:
+    """Training never waits; a shadow thread syncs, at most ``share`` of its time (a sync,
+    then a pause) and at most every min interval."""
     res = _periodic(name, cluster, c, work, 0, 0.0)
-    per_sync = max(sync_s, min_interval_s)
+    per_sync = max(sync_s / share, min_interval_s)
     res.syncs_per_step = (res.wall_s / per_sync) / work.steps if per_sync > 0 else float("inf")
     if math:
         _background_math(math, c, res.wall_s, sync_s, per_sync)
@@ -538,10 +539,10 @@ class TimingContext:
         return _ready_groups(self.name, self.cluster, self.c, self.work, min(k, self.workers), every, max_wait_s,
                              wait_share, self.math)
 
-    def background(self, sync_s: float, min_interval_s: float) -> SimResult:
-        """Training never waits; a background thread syncs back to back (``sync_s`` each, at
-        most every ``min_interval_s``)."""
-        return _background(self.name, self.cluster, self.c, self.work, sync_s, min_interval_s, self.math)
+    def background(self, sync_s: float, min_interval_s: float, share: float = 1.0) -> SimResult:
+        """Training never waits; a background thread syncs (``sync_s`` each), at most ``share``
+        of its time and at most every ``min_interval_s``."""
+        return _background(self.name, self.cluster, self.c, self.work, sync_s, min_interval_s, self.math, share)
 
 
 def simulate(solver: str, options: dict[str, Any], cluster: Cluster, workers: WorkerModel, work: Work,

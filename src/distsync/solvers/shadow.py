@@ -12,8 +12,10 @@ group, while the training thread keeps stepping:
 A sync's result is written back as a correction, ``w <- w + (new - read)``
 (:func:`rules.apply_correction`): local steps taken meanwhile are kept. Writes go through
 tensors of their own over the parameters' storage, so they race with the training thread on
-the data (as ShadowSync's Hogwild copy does) without tripping autograd. ``min_interval_ms``
-spaces syncs out. On close the loop stops once every worker is done, and one final sync
+the data (as ShadowSync's Hogwild copy does) without tripping autograd. The loop is paced
+(:class:`Pacer`): ``sync_share`` is the most of its time it spends syncing (from its fastest
+recent syncs: 0.5 pauses as long as a sync takes; 1 syncs back to back), so that its work beside
+the trainer stays a bounded share; ``min_interval_ms`` spaces syncs out further. On close the loop stops once every worker is done, and one final sync
 leaves every worker with the same model (the center, for ``shadow-ea``). ``stats`` reports
 syncs and syncs per training step.
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +42,38 @@ from distsync.solvers.flat import FlatView, storage_aliases
 from distsync.solvers.hogwild_threads import HogwildThreads
 from distsync.solvers.model_averaging import AverageOptions, AveragingSolver, BMUFOptions
 from distsync.solvers.rules import apply_correction, elastic_pull
+
+
+class Pacer:
+    """How long a shadow thread pauses after each sync: long enough that syncing takes at most
+    ``share`` of its time, judged by the fastest of its last :attr:`WINDOW` syncs (a sync's
+    time also holds its wait for the other workers' threads, which must not feed back into
+    the pace), and at least until ``min_interval_s`` after the sync began."""
+
+    WINDOW = 8
+
+    def __init__(self, share: float, min_interval_s: float) -> None:
+        self.share = share
+        self.min_interval_s = min_interval_s
+        self.recent: deque[float] = deque(maxlen=self.WINDOW)
+
+    def pause_after(self, took_s: float) -> float:
+        self.recent.append(took_s)
+        return max(0.0, self.min_interval_s - took_s, min(self.recent) * (1.0 / self.share - 1.0))
+
+
+@dataclass
+class ShadowAverageOptions(AverageOptions):
+    """sync_share: the most of its time the shadow thread spends syncing (1: back to back)."""
+
+    sync_share: float = bounded(0.5, gt=0, le=1)
+
+
+@dataclass
+class ShadowBMUFOptions(BMUFOptions):
+    """sync_share: the most of its time the shadow thread spends syncing (1: back to back)."""
+
+    sync_share: float = bounded(0.5, gt=0, le=1)
 
 
 class _ShadowAveraging(AveragingSolver):
@@ -57,7 +92,7 @@ class _ShadowAveraging(AveragingSolver):
 
     @classmethod
     def simulate_timing(cls, options, sim):
-        return sim.background(sim.allreduce_s(), options.min_interval_ms / 1000)
+        return sim.background(sim.allreduce_s(), options.min_interval_ms / 1000, options.sync_share)
 
     @classmethod
     def simulate_rule(cls, options, sim):
@@ -99,6 +134,7 @@ class _ShadowAveraging(AveragingSolver):
         if self.comm.num_workers == 1:  # nobody to average with: stay out of the training thread's way
             self._done.wait()
             return
+        pacer = Pacer(self.options.sync_share, self.options.min_interval_ms / 1000)
         try:
             with own_stream(self.live.device):
                 while True:
@@ -123,7 +159,7 @@ class _ShadowAveraging(AveragingSolver):
                     if msg[-1].item() >= n:
                         synchronize(self.live.device)  # (close() reads the model on the training thread)
                         return
-                    pause = self.options.min_interval_ms / 1000 - (time.perf_counter() - t0)
+                    pause = pacer.pause_after(time.perf_counter() - t0)
                     if pause > 0:
                         self._done.wait(pause)  # close() cuts the pause short
         except BaseException as e:  # raised on the training thread by close()
@@ -145,20 +181,22 @@ class _ShadowAveraging(AveragingSolver):
 @register_solver
 class ShadowMA(_ShadowAveraging):
     name = "shadow-ma"
-    Options = AverageOptions
+    Options = ShadowAverageOptions
 
 
 @register_solver
 class ShadowBMUF(_ShadowAveraging):
     name = "shadow-bmuf"
-    Options = BMUFOptions
+    Options = ShadowBMUFOptions
 
 
 @dataclass
 class ShadowEAOptions(WildOptions):
-    """min_interval_ms: least time between background exchanges."""
+    """min_interval_ms: least time between background exchanges; sync_share: the most of its
+    time the shadow thread spends exchanging (1: back to back)."""
 
     min_interval_ms: float = bounded(0.0, ge=0)
+    sync_share: float = bounded(0.5, gt=0, le=1)
 
 
 @register_solver
@@ -175,7 +213,8 @@ class ShadowEA(HogwildThreads, AsyncEASGD):
 
     @classmethod
     def simulate_timing(cls, options, sim):
-        return sim.background(sim.server_exchange_s(options.servers), options.min_interval_ms / 1000)
+        return sim.background(sim.server_exchange_s(options.servers), options.min_interval_ms / 1000,
+                              options.sync_share)
 
     @classmethod
     def simulate_rule(cls, options, sim):
@@ -208,6 +247,7 @@ class ShadowEA(HogwildThreads, AsyncEASGD):
             self._trained = queued_mark(self._device)
 
     def _shadow_loop(self) -> None:
+        pacer = Pacer(self.options.sync_share, self.options.min_interval_ms / 1000)
         try:
             with own_stream(self._device):
                 while not self._done.is_set():
@@ -215,7 +255,7 @@ class ShadowEA(HogwildThreads, AsyncEASGD):
                     # (the steps the training thread has done: the server's faults and checkpoint
                     # cuts follow the workers' steps)
                     self._exchange_live(self.steps_done)
-                    pause = self.options.min_interval_ms / 1000 - (time.perf_counter() - t0)
+                    pause = pacer.pause_after(time.perf_counter() - t0)
                     if pause > 0:
                         self._done.wait(pause)  # close() cuts the pause short
                 synchronize(self._device)  # (close() reads the model on the training thread)
