@@ -115,7 +115,8 @@ def test_shadow_sync_is_written_back_as_a_correction_that_keeps_steps_taken_mean
     p = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
     model = torch.nn.ParameterList([p])
     comm = _StubComm()
-    s = make_solver(solver, **options)
+    # (its "training steps" land without the solver's hooks: syncs unpaced, back to back)
+    s = make_solver(solver, steps_per_sync=0, sync_share=1.0, **options)
     s.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), comm, same_start=False)  # (a stub: no broadcast)
     for i, (other, want) in enumerate(zip(([3.0, 6.0], [2.5, 5.0]), expected)):
         sent = comm.calls.get(timeout=10)  # the shadow thread has read the model: its sync is under way
@@ -277,10 +278,10 @@ def test_shadow_ea_exchanges_at_known_steps_equal_the_elastic_rule():
         torch.testing.assert_close(got, center, rtol=0, atol=1e-5)
 
 
-def _free_running_rank(rank, world, solver_name, steps):
-    """The shadow thread syncing as fast as it can while the worker trains: the models just
+def _free_running_rank(rank, world, solver_name, steps, options):
+    """The shadow thread syncing as its pace lets it while the worker trains: the models just
     after the last step and after a short pause with no training (both before close()), the
-    final models, the syncs by then, and whether the thread is still alive after close()."""
+    final models, the syncs at both, and whether the thread is still alive after close()."""
     from distsync.comm import Comm
     from distsync.solvers import make_solver
     from distsync.workloads import ShardSampler, load_workload
@@ -290,7 +291,7 @@ def _free_running_rank(rank, world, solver_name, steps):
     w = load_workload("digits")
     torch.manual_seed(SEED)
     model = make_model()
-    s = make_solver(solver_name)
+    s = make_solver(solver_name, **options)
     run = s.attach(model, torch.optim.SGD(model.parameters(), lr=LR), comm)
     sampler = ShardSampler(w.num_train, world, rank, BATCH, SEED)
     flat = lambda: torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()  # noqa: E731
@@ -300,11 +301,11 @@ def _free_running_rank(rank, world, solver_name, steps):
             w.loss_fn(run(x), y).backward()
         time.sleep(0.003)  # room for the shadow thread between steps
     comm.barrier()
-    trained = flat()
-    time.sleep(0.2)  # no training: the shadow thread keeps syncing
+    trained, trained_syncs = flat(), s.syncs
+    time.sleep(0.2)  # no training: unpaced, the shadow thread keeps syncing; paced by steps, it waits
     idle, syncs = flat(), s.syncs
     s.close()
-    out = trained, idle, flat(), syncs, s._thread.is_alive()
+    out = trained, idle, flat(), (trained_syncs, syncs), s._thread.is_alive()
     comm.barrier()
     comm.close()
     return out
@@ -332,18 +333,28 @@ def _local_replicas(steps):
     return out
 
 
-@pytest.mark.parametrize("solver", ["shadow-ma", "shadow-bmuf"])
-def test_shadow_thread_brings_the_replicas_together_before_close_and_stops(solver):
+@pytest.mark.parametrize("solver, options", [("shadow-ma", {}), ("shadow-bmuf", {"steps_per_sync": 0, "sync_share": 1.0})])
+def test_shadow_thread_brings_the_replicas_together_before_close_and_stops(solver, options):
+    """Paced (shadow-ma's defaults: a sync per training step at most) or back to back
+    (shadow-bmuf here): the syncs keep the replicas close while they train; with no training,
+    back to back syncs make them equal before close(), paced ones wait for a step; close()
+    leaves them equal."""
     steps = 40
     local = consensus_distance(_local_replicas(steps))  # how far apart no synchronization leaves them
     (trained_a, idle_a, final_a, syncs_a, alive_a), (trained_b, idle_b, final_b, syncs_b, alive_b) = \
-        run_ranks(_free_running_rank, 2, solver, steps)
+        run_ranks(_free_running_rank, 2, solver, steps, options)
     assert not alive_a and not alive_b  # joined on close
-    assert syncs_a > 5 and syncs_b > 5  # every sync is a collective of both, but one may be a sync ahead
+    for trained_syncs, idle_syncs in (syncs_a, syncs_b):
+        assert trained_syncs > 5  # every sync is a collective of both, but one may be a sync ahead
+        if options:
+            assert idle_syncs > trained_syncs + 5  # no training, yet it syncs on
+        else:
+            assert idle_syncs <= trained_syncs + 1  # (one may have read the last step's model)
+            assert trained_syncs <= steps + 1  # a sync per step at most (and one at start)
     # the syncs during training kept the replicas far closer than training alone would
     assert consensus_distance([trained_a, trained_b]) < 0.5 * local, (consensus_distance([trained_a, trained_b]), local)
-    # with no training going on, the shadow thread alone makes them equal, before close()
-    assert consensus_distance([idle_a, idle_b]) < 1e-4 * local
+    if options:  # with no training going on, the shadow thread alone makes them equal, before close()
+        assert consensus_distance([idle_a, idle_b]) < 1e-4 * local
     torch.testing.assert_close(final_a, final_b, rtol=0, atol=1e-6)  # and close() leaves them equal
 
 
@@ -457,12 +468,16 @@ def test_the_shadow_pacer_keeps_syncing_to_its_share_of_the_time():
 @pytest.mark.parametrize("solver", ["shadow-ma", "shadow-bmuf", "shadow-ea"])
 def test_the_simulator_paces_the_shadow_thread_as_the_solver_does(solver):
     """A sync of the same length, half the time syncing: half as many syncs per step as back to
-    back."""
+    back; a sync quicker than a step, at most one per two steps: half a sync per step."""
     from distsync.sim import Cluster, Link, WorkerModel
     from distsync.sim.timing import Work, simulate
 
     cluster = Cluster(workers=4, link=Link(1e9, 1e-3), servers=1 if solver == "shadow-ea" else 0)
     work, model = Work(steps=100, model_bytes=1_000_000), WorkerModel(0.02)
-    paced, back_to_back = (simulate(solver, {"sync_share": share}, cluster, model, work) for share in (0.5, 1.0))
+    paced, back_to_back = (simulate(solver, {"sync_share": share, "steps_per_sync": 0}, cluster, model, work)
+                           for share in (0.5, 1.0))
     assert paced.syncs_per_step == pytest.approx(back_to_back.syncs_per_step / 2)
     assert back_to_back.syncs_per_step > 0.25  # (a sync takes less than a few steps)
+    small = Work(steps=100, model_bytes=1_000)
+    two = simulate(solver, {"sync_share": 1.0, "steps_per_sync": 2}, cluster, model, small)
+    assert two.syncs_per_step == pytest.approx(0.5)

@@ -424,11 +424,13 @@ def _ready_groups(name: str, cluster: Cluster, c: np.ndarray, work: Work, k: int
 
 # ---- background --------------------------------------------------------------------------
 def _background(name: str, cluster: Cluster, c: np.ndarray, work: Work, sync_s: float,
-                min_interval_s: float, math: Any = None, share: float = 1.0) -> SimResult:
+                min_interval_s: float, math: Any = None, share: float = 1.0, steps_per_sync: int = 0) -> SimResult:
     """Training never waits; a shadow thread syncs, at most ``share`` of its time (a sync,
-    then a pause) and at most every min interval."""
+    then a pause), at most every min interval and at most once per ``steps_per_sync`` steps
+    (of the slowest worker: the syncs are collective)."""
     res = _periodic(name, cluster, c, work, 0, 0.0)
-    per_sync = max(sync_s / share, min_interval_s)
+    step_s = float(c.mean(axis=0).max()) if c.size else 0.0
+    per_sync = max(sync_s / share, min_interval_s, steps_per_sync * step_s)
     res.syncs_per_step = (res.wall_s / per_sync) / work.steps if per_sync > 0 else float("inf")
     if math:
         _background_math(math, c, res.wall_s, sync_s, per_sync)
@@ -539,10 +541,13 @@ class TimingContext:
         return _ready_groups(self.name, self.cluster, self.c, self.work, min(k, self.workers), every, max_wait_s,
                              wait_share, self.math)
 
-    def background(self, sync_s: float, min_interval_s: float, share: float = 1.0) -> SimResult:
+    def background(self, sync_s: float, min_interval_s: float, share: float = 1.0,
+                   steps_per_sync: int = 0) -> SimResult:
         """Training never waits; a background thread syncs (``sync_s`` each), at most ``share``
-        of its time and at most every ``min_interval_s``."""
-        return _background(self.name, self.cluster, self.c, self.work, sync_s, min_interval_s, self.math, share)
+        of its time, at most every ``min_interval_s`` and at most once per ``steps_per_sync``
+        steps of a worker."""
+        return _background(self.name, self.cluster, self.c, self.work, sync_s, min_interval_s, self.math, share,
+                           steps_per_sync)
 
 
 def simulate(solver: str, options: dict[str, Any], cluster: Cluster, workers: WorkerModel, work: Work,

@@ -13,9 +13,11 @@ A sync's result is written back as a correction, ``w <- w + (new - read)``
 (:func:`rules.apply_correction`): local steps taken meanwhile are kept. Writes go through
 tensors of their own over the parameters' storage, so they race with the training thread on
 the data (as ShadowSync's Hogwild copy does) without tripping autograd. The loop is paced
-(:class:`Pacer`): ``sync_share`` is the most of its time it spends syncing (from its fastest
-recent syncs: 0.5 pauses as long as a sync takes; 1 syncs back to back), so that its work beside
-the trainer stays a bounded share; ``min_interval_ms`` spaces syncs out further. On close the loop stops once every worker is done, and one final sync
+(:class:`Pacer`): a sync reads the model once the trainer took ``steps_per_sync`` steps since
+the previous read (default 1: a model that did not move needs no sync), ``sync_share`` is the
+most of its time it spends syncing (from its fastest recent syncs: 0.5 pauses as long as a
+sync takes; 1 syncs back to back), so that its work beside the trainer stays bounded;
+``min_interval_ms`` spaces syncs out further. On close the loop stops once every worker is done, and one final sync
 leaves every worker with the same model (the center, for ``shadow-ea``). ``stats`` reports
 syncs and syncs per training step.
 
@@ -30,6 +32,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -45,35 +48,57 @@ from distsync.solvers.rules import apply_correction, elastic_pull
 
 
 class Pacer:
-    """How long a shadow thread pauses after each sync: long enough that syncing takes at most
-    ``share`` of its time, judged by the fastest of its last :attr:`WINDOW` syncs (a sync's
-    time also holds its wait for the other workers' threads, which must not feed back into
-    the pace), and at least until ``min_interval_s`` after the sync began."""
+    """How often a shadow thread syncs. Before each sync it waits until its trainer has taken
+    ``steps_per_sync`` steps since the previous sync read the model (a model that did not move
+    needs no sync; 0: no such wait), and after each sync it pauses long enough that syncing
+    takes at most ``share`` of its time, judged by the fastest of its last :attr:`WINDOW` syncs
+    (a sync's time also holds its wait for the other workers' threads, which must not feed
+    back into the pace), and at least until ``min_interval_s`` after the sync began."""
 
     WINDOW = 8
 
-    def __init__(self, share: float, min_interval_s: float) -> None:
+    def __init__(self, share: float, min_interval_s: float, steps_per_sync: int = 0) -> None:
         self.share = share
         self.min_interval_s = min_interval_s
+        self.steps_per_sync = steps_per_sync
         self.recent: deque[float] = deque(maxlen=self.WINDOW)
+        self.next_read = 0
+        self._turn = threading.Condition()
+
+    def wake(self) -> None:
+        """(the training thread, after each step, and close()) a waiting sync may go."""
+        with self._turn:
+            self._turn.notify_all()
+
+    def wait_for_steps(self, steps_done: Callable[[], int], done: threading.Event) -> None:
+        """Until the trainer's ``steps_done()`` reaches the next read's, or it is ``done``."""
+        with self._turn:
+            self._turn.wait_for(lambda: done.is_set() or steps_done() >= self.next_read)
+        self.next_read = steps_done() + self.steps_per_sync
 
     def pause_after(self, took_s: float) -> float:
         self.recent.append(took_s)
         return max(0.0, self.min_interval_s - took_s, min(self.recent) * (1.0 / self.share - 1.0))
 
 
+_PACING_DOC = """sync_share: the most of its time the shadow thread spends syncing (1: back to back);
+    steps_per_sync: the least training steps between two syncs' reads of the model (0: none)."""
+
+
 @dataclass
 class ShadowAverageOptions(AverageOptions):
-    """sync_share: the most of its time the shadow thread spends syncing (1: back to back)."""
+    __doc__ = _PACING_DOC
 
     sync_share: float = bounded(0.5, gt=0, le=1)
+    steps_per_sync: int = bounded(1, ge=0)
 
 
 @dataclass
 class ShadowBMUFOptions(BMUFOptions):
-    """sync_share: the most of its time the shadow thread spends syncing (1: back to back)."""
+    __doc__ = _PACING_DOC
 
     sync_share: float = bounded(0.5, gt=0, le=1)
+    steps_per_sync: int = bounded(1, ge=0)
 
 
 class _ShadowAveraging(AveragingSolver):
@@ -92,7 +117,8 @@ class _ShadowAveraging(AveragingSolver):
 
     @classmethod
     def simulate_timing(cls, options, sim):
-        return sim.background(sim.allreduce_s(), options.min_interval_ms / 1000, options.sync_share)
+        return sim.background(sim.allreduce_s(), options.min_interval_ms / 1000, options.sync_share,
+                              options.steps_per_sync)
 
     @classmethod
     def simulate_rule(cls, options, sim):
@@ -108,6 +134,7 @@ class _ShadowAveraging(AveragingSolver):
         self._trained = queued_mark(self.live.device)  # (on a GPU: after the training thread's latest step)
         self._done = threading.Event()
         self._errors: list[BaseException] = []
+        self.pacer = Pacer(self.options.sync_share, self.options.min_interval_ms / 1000, self.options.steps_per_sync)
         self._thread = threading.Thread(target=self._shadow_loop, name=f"shadow-{self.name}", daemon=True)
         self._thread.start()
         return model
@@ -116,6 +143,7 @@ class _ShadowAveraging(AveragingSolver):
         with self._fg_lock:
             self.steps_done += 1  # the shadow thread does the syncs
             self._trained = queued_mark(self.live.device)
+        self.pacer.wake()
 
     def _all_reduce_live(self, msg: torch.Tensor) -> int | None:
         """All-reduce ``msg`` over the live workers; their number, or None when a worker died
@@ -134,10 +162,11 @@ class _ShadowAveraging(AveragingSolver):
         if self.comm.num_workers == 1:  # nobody to average with: stay out of the training thread's way
             self._done.wait()
             return
-        pacer = Pacer(self.options.sync_share, self.options.min_interval_ms / 1000)
+        pacer = self.pacer
         try:
             with own_stream(self.live.device):
                 while True:
+                    pacer.wait_for_steps(lambda: self.steps_done, self._done)
                     t0 = time.perf_counter()
                     # On a GPU the training thread's steps are kernels queued on its stream: the
                     # model is read once its latest step has run (as on the CPU, where a step is
@@ -167,6 +196,7 @@ class _ShadowAveraging(AveragingSolver):
 
     def close(self):
         self._done.set()
+        self.pacer.wake()
         join_background(self._thread, self._errors, self.comm.timeout_s + 5,
                         f"rank {self.comm.rank}: {self.name} shadow thread", progress=lambda: self.syncs)
         # Final sync: every worker leaves with the mean of the final models.
@@ -193,10 +223,12 @@ class ShadowBMUF(_ShadowAveraging):
 @dataclass
 class ShadowEAOptions(WildOptions):
     """min_interval_ms: least time between background exchanges; sync_share: the most of its
-    time the shadow thread spends exchanging (1: back to back)."""
+    time the shadow thread spends exchanging (1: back to back); steps_per_sync: the least
+    training steps between two exchanges' reads of the model (0: none)."""
 
     min_interval_ms: float = bounded(0.0, ge=0)
     sync_share: float = bounded(0.5, gt=0, le=1)
+    steps_per_sync: int = bounded(1, ge=0)
 
 
 @register_solver
@@ -214,7 +246,7 @@ class ShadowEA(HogwildThreads, AsyncEASGD):
     @classmethod
     def simulate_timing(cls, options, sim):
         return sim.background(sim.server_exchange_s(options.servers), options.min_interval_ms / 1000,
-                              options.sync_share)
+                              options.sync_share, options.steps_per_sync)
 
     @classmethod
     def simulate_rule(cls, options, sim):
@@ -230,6 +262,7 @@ class ShadowEA(HogwildThreads, AsyncEASGD):
         self._count_lock = threading.Lock()
         self._done = threading.Event()
         self._errors: list[BaseException] = []
+        self.pacer = Pacer(self.options.sync_share, self.options.min_interval_ms / 1000, self.options.steps_per_sync)
         self._thread = threading.Thread(target=self._shadow_loop, name="shadow-ea", daemon=True)
         if not comm.replacement:  # (a replacement's starts once it has the center: join_peers)
             self._thread.start()
@@ -245,12 +278,16 @@ class ShadowEA(HogwildThreads, AsyncEASGD):
         with self._count_lock:
             self.steps_done += 1  # the shadow thread does the exchanges
             self._trained = queued_mark(self._device)
+        self.pacer.wake()
 
     def _shadow_loop(self) -> None:
-        pacer = Pacer(self.options.sync_share, self.options.min_interval_ms / 1000)
+        pacer = self.pacer
         try:
             with own_stream(self._device):
                 while not self._done.is_set():
+                    pacer.wait_for_steps(lambda: self.steps_done, self._done)
+                    if self._done.is_set():
+                        break
                     t0 = time.perf_counter()
                     # (the steps the training thread has done: the server's faults and checkpoint
                     # cuts follow the workers' steps)
@@ -286,6 +323,7 @@ class ShadowEA(HogwildThreads, AsyncEASGD):
 
     def close(self):
         self._done.set()
+        self.pacer.wake()
         join_background(self._thread, self._errors, self.comm.timeout_s + 5, f"rank {self.comm.rank}: shadow-ea thread")
         self._exchange_live(-1)  # final sync after the last training step
         super().close()
