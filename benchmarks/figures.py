@@ -116,7 +116,7 @@ FIGURES = [
                       "src/distsync/solvers/parameter_server.py", "src/distsync/solvers/shard_service.py"),
            "docs/benchmarks/async_vs_sync.md"),
     Figure("shadowsync_devices", "shadowsync",
-           ("--devices", "--trainers", "4", "--min-interval-ms", "0,40", "--seeds", "1,2,3"),
+           ("--devices", "--trainers", "1,2,4", "--min-interval-ms", "0", "--seeds", "1,2,3"),
            ("--devices", "--trainers", "2", "--steps", "30", "--min-interval-ms", "0", "--seeds", "1"),
            RUNTIME + ("src/distsync/solvers/shadow.py", "src/distsync/solvers/model_averaging.py",
                       "src/distsync/solvers/elastic.py", "src/distsync/solvers/allreduce.py", "src/distsync/sparse"),
