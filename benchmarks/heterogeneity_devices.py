@@ -2,7 +2,7 @@
 fixed device time (``--device-ms``), the real math inside it, so a slow worker does not speed
 the others up and the CPU of this machine is not what sets the pace.
 
-digits, 20 ms of device time per step (times the slow factor), loopback links: each step's
+digits (``--workload``: any other), 20 ms of device time per step (times the slow factor), loopback links: each step's
 communication is a few ms against 20 ms of compute, the compute-dominated regime of the
 paper's GPU runs. Every job has the budget ``target,seconds=CAP``: it trains until the job's
 metric (the mean over workers of each one's latest evaluation) reaches the workload's target,
@@ -55,12 +55,18 @@ def times(raw: dict[str, Any], workers: str, case: str, name: str) -> dict[str, 
     return per_seed(raw["results"][workers][case][name], "time_to_target_s")
 
 
+def blocks_of(workload: str) -> str:
+    """The page's block names for a workload's figure: ``heterogeneity_devices`` (digits),
+    ``heterogeneity_devices_cnn``, ..."""
+    return "heterogeneity_devices" + ("" if workload == "digits" else f"_{workload}")
+
+
 def render(raw: dict[str, Any]) -> dict[str, str]:
     """The page's table: per case and solver, time to target and speedup over allreduce
     (median and range over seeds)."""
-    names = raw["solvers"]
-    lines = [f"{raw['repeats']} seeds ({', '.join(map(str, raw['seeds']))}) per cell: median (min-max); "
-             f"speedup = allreduce's time to target / the solver's, per seed. Regime: {raw['regime']}.", "",
+    names, workload = raw["solvers"], raw.get("workload", "digits")
+    lines = [f"`{workload}`, {raw['repeats']} seeds ({', '.join(map(str, raw['seeds']))}) per cell: median "
+             f"(min-max); speedup = allreduce's time to target / the solver's, per seed. Regime: {raw['regime']}.", "",
              "| workers | case | solver | time to target (s) | speedup over allreduce | vs 1.0 | "
              "speedup over ad-psgd (ripples) | vs 1.0 | CPU-bound runs |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -78,8 +84,9 @@ def render(raw: dict[str, Any]) -> dict[str, str]:
                              f"{'-' if name == 'allreduce' else verdict(r)} | "
                              f"{shown(ad, unit='x') if ad else '-'} | {verdict(ad) if ad else '-'} | "
                              f"{over} of {len(t)} |")
-    return {"heterogeneity_devices": "\n".join(lines), "heterogeneity_devices_overhead": render_overhead(raw),
-            "heterogeneity_devices_targets": checks_markdown(raw.get("checks", []))}
+    block = blocks_of(workload)
+    return {block: "\n".join(lines), f"{block}_overhead": render_overhead(raw),
+            f"{block}_targets": checks_markdown(raw.get("checks", []))}
 
 
 def overhead(run: dict[str, Any], slow: set[str]) -> dict[str, float | None]:
@@ -133,6 +140,7 @@ def main() -> int:
     p.add_argument("--solvers", default=None,
                    help="comma-separated labels, e.g. allreduce,ripples:smart (default: all)")
     p.add_argument("--cap", type=float, default=20.0, help="seconds a job may train at most (default: 20)")
+    p.add_argument("--workload", default="digits", help="the model and data (default: digits)")
     p.add_argument("--json", default=None, help="the raw results (default: OUT/heterogeneity_devices.json)")
     args = p.parse_args()
     started = provenance("benchmarks/heterogeneity_devices.py")
@@ -151,7 +159,7 @@ def main() -> int:
                     continue
                 for solver, opts in plan:
                     name = label(solver, opts)
-                    cfg = RunConfig(workload="digits", solver=solver, solver_options=dict(opts), workers=workers,
+                    cfg = RunConfig(workload=args.workload, solver=solver, solver_options=dict(opts), workers=workers,
                                     slow=dict(slow), jitter=jitter, device_ms=DEVICE_MS, eval_every=10, seed=seed,
                                     budget=f"target,seconds={args.cap:g}", timeout_s=120)
                     run_dir = out / f"{workers}w" / case.replace(" ", "-") / name.replace(":", "-") / f"seed{seed}"
@@ -163,7 +171,7 @@ def main() -> int:
                     print(f"seed {seed} {workers}w {case:<18} {name:<16} to target {s['time_to_target_s']}  "
                           f"steps {s['steps_by_worker']}  cpu-bound {s['device']['cpu_bound']}", flush=True)
     raw = {"solvers": names, "device_ms": DEVICE_MS, "cap_s": args.cap, "results": results, "regime": REGIME,
-           "seeds": seeds, "repeats": len(seeds)}
+           "seeds": seeds, "repeats": len(seeds), "workload": args.workload}
     checks = []
     for w, by_case in results.items():
         for c, wanted_x in (("homogeneous", 1.0), ("one 3x slow", 2.0)):
@@ -176,15 +184,16 @@ def main() -> int:
                     r = [v for v in ratios(times(raw, w, c, against), times(raw, w, c, n)) if v is not None]
                     if r:
                         med = spread(r)[0]
-                        checks.append((f"{w} workers, {c}: {n} median {med:.2f}x {against} over {len(r)} seeds "
+                        checks.append((f"{args.workload}, {w} workers, {c}: {n} median {med:.2f}x {against} over "
+                                       f"{len(r)} seeds "
                                        f"(range {min(r):.2f}-{max(r):.2f}; target >= {x:.1f}x)", med >= x))
     print()
-    print(render(raw)["heterogeneity_devices"])
+    print(render(raw)[blocks_of(args.workload)])
     print()
     print_checks(checks, met="met:   ", missed="missed:")
     write_record(args.json or out / "heterogeneity_devices.json", started, regime=REGIME, seeds=seeds,
                  payload={"solvers": names, "device_ms": DEVICE_MS, "cap_s": args.cap, "results": results,
-                          "checks": checks})
+                          "checks": checks, "workload": args.workload})
     return 0
 
 
