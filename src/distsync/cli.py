@@ -454,7 +454,7 @@ def _cmd_linktest(args: argparse.Namespace) -> int:
     if result["partial_group"]:
         group = Table(title=f"Partial All-Reduce of {result['partial_group']} workers (Ripples' group), against "
                             f"the all-reduce of all {args.workers}")
-        reduces = ("ring", "collective", "direct")
+        from distsync.comm import PARTIAL_REDUCES as reduces
         for h in ("size (MiB)", "all-reduce (ms)", *(f"{how} (ms, x all-reduce)" for how in reduces)):
             group.add_column(h, justify="right", no_wrap=True)
         for r in result["rows"]:

@@ -8,6 +8,6 @@ one, every blocking call is bounded by the timeout. Every failure becomes a type
 operation and, where it can be told, the cause. It also counts the bytes this rank sends.
 """
 
-from distsync.comm.comm import Comm, FailurePolicy, Pending, ring_allreduce_bytes
+from distsync.comm.comm import PARTIAL_REDUCES, Comm, FailurePolicy, Pending, ring_allreduce_bytes
 
-__all__ = ["Comm", "FailurePolicy", "Pending", "ring_allreduce_bytes"]
+__all__ = ["Comm", "FailurePolicy", "PARTIAL_REDUCES", "Pending", "ring_allreduce_bytes"]

@@ -120,6 +120,8 @@ class FailurePolicy:
 _UNBOUNDED = datetime.timedelta(days=7)
 #: how often a wait on a peer asks whether it still lives
 _POLL_S = 0.02
+#: how :meth:`Comm.partial_all_reduce` may sum a group's tensors
+PARTIAL_REDUCES = ("ring", "collective", "direct")
 
 
 class _Box:
@@ -600,7 +602,7 @@ class Comm:
             return True
         if not tensor.is_contiguous():
             raise ValueError("partial_all_reduce needs a contiguous tensor")
-        if reduce not in ("ring", "collective", "direct"):
+        if reduce not in PARTIAL_REDUCES:
             raise ValueError(f"reduce must be ring, collective or direct, got {reduce!r}")
         if reduce == "collective" and not self.drops_dead_peers:
             self.all_reduce(tensor, group=self.members_group(ring))

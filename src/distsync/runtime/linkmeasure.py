@@ -8,8 +8,8 @@ a tensor of each size; the time is the slowest worker's, and the bus bandwidth i
 is directly comparable with the link rate). Partial All-Reduce (with 3 or more workers): the
 first ``group`` workers sum a tensor of each size among themselves, as a ring of point-to-point
 messages, as one all-reduce on a group of them and in one round of messages from each to each
-(Ripples' ``reduce=ring``, ``reduce=collective`` and ``reduce=direct``), while the others wait; the time is the slowest member's, set against
-the all-reduce of every worker. Medians over ``repeats``.
+(Ripples' ``reduce=ring``, ``reduce=collective`` and ``reduce=direct``), while the others
+wait; the time is the slowest member's, set against the all-reduce of every worker. Medians over ``repeats``.
 """
 
 from __future__ import annotations
@@ -23,13 +23,12 @@ from typing import Any
 
 import torch
 
-from distsync.comm import Comm, ring_allreduce_bytes
+from distsync.comm import PARTIAL_REDUCES, Comm, ring_allreduce_bytes
 from distsync.config import RunConfig
 
 DEFAULT_SIZES_MB = (1.0, 10.0)
-#: the Partial All-Reduce's group: Ripples' default group size; how it may sum
+#: the Partial All-Reduce's group: Ripples' default group size
 GROUP = 3
-REDUCES = ("ring", "collective", "direct")
 
 
 def measure(comm: Comm, sizes_mb, repeats: int) -> dict[str, list[float]]:
@@ -54,7 +53,7 @@ def measure(comm: Comm, sizes_mb, repeats: int) -> dict[str, list[float]]:
         out[f"p2p:{mb}"] = p2p
         out[f"allreduce:{mb}"] = ar
         if comm.num_workers >= GROUP:
-            for reduce in REDUCES:
+            for reduce in PARTIAL_REDUCES:
                 out[f"partial-{reduce}:{mb}"] = _partial(comm, t, reduce, repeats)
     return out
 
@@ -92,7 +91,7 @@ def run_linktest(cfg: RunConfig, comm: Comm, run_dir: Path, latency_mode: str | 
         ar = [max(g[f"allreduce:{mb}"][i] for g in gathered) for i in range(repeats)]
         ar_s = statistics.median(ar)
         row.update(allreduce_s=ar_s, allreduce_bus_bps=ring_allreduce_bytes(nbytes, p) * 8 / ar_s if p > 1 else None)
-        for reduce in REDUCES:
+        for reduce in PARTIAL_REDUCES:
             key = f"partial-{reduce}:{mb}"
             if key in gathered[0]:
                 part = statistics.median(max(g[key][i] for g in gathered) for i in range(repeats))

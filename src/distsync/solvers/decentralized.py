@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from distsync.comm import PARTIAL_REDUCES
 from distsync.comm.devices import own_stream, queued_mark, run_after, synchronize
 from distsync.config import bounded
 from distsync.errors import CommError, ConfigError, PeerDied, PeerStalled
@@ -285,7 +286,7 @@ class RipplesOptions:
     max_wait_ms: float = bounded(20.0, gt=0)
     wait_share: float = bounded(0.2, gt=0)
     seed: int = 0
-    reduce: str = bounded("ring", choices=("ring", "collective", "direct"))
+    reduce: str = bounded("ring", choices=PARTIAL_REDUCES)
 
 
 #: with ``reduce=collective``: the most sets of workers (groups of 2 to group_size) a job may
