@@ -16,7 +16,7 @@ demo: setup
 	$(BIN)/distsync compare --workload digits --solvers allreduce,ripples,ad-psgd --schedule smart --workers 4 --slow 1:3 --device-ms 10 --budget seconds=5 --repeats 3 --out runs/demo --overwrite
 
 test: setup
-	@start=$$(date +%s); $(BIN)/python -m pytest -q --durations=15; rc=$$?; \
+	@start=$$(date +%s); $(BIN)/python -m pytest -q -n 2 --durations=15; rc=$$?; \
 	echo "make test: $$(( $$(date +%s) - start )) s"; exit $$rc
 
 # Every published figure (docs/benchmarks/raw/*.json, then the docs' rendered blocks); needs
