@@ -210,6 +210,11 @@ class Pending:
             time.sleep(remaining)
 
 
+def _op_name(op: Any) -> str:
+    """A point-to-point op as its error names it: ``send to rank 2``, ``recv from rank 1``."""
+    return f"{'recv from' if op.op is dist.irecv else 'send to'} rank {op.peer}"
+
+
 class Comm:
     """A rank's view of the job: its rank and role, the workers' group, bounded operations.
 
@@ -622,10 +627,7 @@ class Comm:
         got = {r: torch.empty_like(flat) for r in ring if r != self.rank}
         ops = [dist.P2POp(dist.irecv, t, r, group=group, tag=TAG_PARTIAL) for r, t in got.items()]
         ops += [dist.P2POp(dist.isend, flat, r, group=group, tag=TAG_PARTIAL) for r in got]
-        works = self._guard(f"partial_all_reduce(direct, ranks {ring})", dist.batch_isend_irecv, ops)
-        for work, op in zip(works, ops):
-            name = f"{'recv from' if op.op is dist.irecv else 'send to'} rank {op.peer}"
-            Pending(self, work, f"partial_all_reduce({name})", peer=op.peer).wait()
+        self._batch(f"partial_all_reduce(direct, ranks {ring})", ops)
         self.bytes_sent += len(got) * flat.numel() * flat.element_size()
         total = (flat if ring[0] == self.rank else got[ring[0]]).clone()
         for r in ring[1:]:
@@ -675,33 +677,36 @@ class Comm:
         and its receiver both know it is empty. ``tolerant``: a dead ``dst`` is not sent to,
         and what a dead ``src`` did not send is zeros."""
         group = self.worker_group
-        ops, names = [], []
+        ops = []
         if send.numel():
             ops.append(dist.P2POp(dist.isend, send, dst, group=group, tag=TAG_PARTIAL))
-            names.append(f"send to rank {dst}")
         if recv.numel():
             ops.append(dist.P2POp(dist.irecv, recv, src, group=group, tag=TAG_PARTIAL))
-            names.append(f"recv from rank {src}")
         if not ops:
             return
         what = f"partial_all_reduce(to rank {dst}, from rank {src})"
         if not tolerant:
-            works = self._guard(what, dist.batch_isend_irecv, ops)
-            for work, name, op in zip(works, names, ops):
-                Pending(self, work, f"partial_all_reduce({name})", peer=op.peer).wait()
+            self._batch(what, ops)
             return
         started = []
-        for op, name in zip(ops, names):  # each on its own: one of them may fail to start
+        for op in ops:  # each on its own: one of them may fail to start
             try:
-                started.append((op, name, self._p2p(what, op.peer, op.op, op.tensor, op.peer, group=group,
-                                                    tag=TAG_PARTIAL)))
+                started.append((op, self._p2p(what, op.peer, op.op, op.tensor, op.peer, group=group,
+                                              tag=TAG_PARTIAL)))
             except CommError as e:
                 self._dead_end(e, op, recv)
-        for op, name, work in started:
+        for op, work in started:
             try:
-                Pending(self, work, f"partial_all_reduce({name})", peer=op.peer).wait()
+                Pending(self, work, f"partial_all_reduce({_op_name(op)})", peer=op.peer).wait()
             except CommError as e:
                 self._dead_end(e, op, recv)
+
+    def _batch(self, what: str, ops: list[Any]) -> None:
+        """Start the point-to-point ``ops`` together (``batch_isend_irecv``) and wait for each,
+        a failure naming its peer."""
+        works = self._guard(what, dist.batch_isend_irecv, ops)
+        for work, op in zip(works, ops):
+            Pending(self, work, f"partial_all_reduce({_op_name(op)})", peer=op.peer).wait()
 
     def _dead_end(self, e: CommError, op: Any, recv: torch.Tensor) -> None:
         """A tolerant ring step's message to or from a dead member: nothing arrives (zeros)."""
