@@ -596,6 +596,15 @@ def test_smart_coordinator_does_not_wait_for_workers_that_are_done():
     assert stats["partner_wait_s"] < 0.1
 
 
+def test_ripples_overlap_needs_the_smart_schedule():
+    from distsync.solvers import make_solver
+
+    for schedule in ("static", "random"):
+        with pytest.raises(ConfigError, match=f"solver ripples: overlap=true needs schedule=smart \\(the {schedule} "):
+            make_solver("ripples", schedule=schedule, overlap="true")
+    assert make_solver("ripples", schedule="smart", overlap="true").options.overlap is True
+
+
 @pytest.fixture(scope="module")
 def local_distance(tmp_path_factory):
     """How far apart `local` (no synchronization at all) leaves four digits workers at its
@@ -608,10 +617,11 @@ def local_distance(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("solver", ["ad-psgd", "ripples:static", "ripples:smart:collective"])
+@pytest.mark.parametrize("solver", ["ad-psgd", "ripples:static", "ripples:smart:collective",
+                                    "ripples:smart:ring:true"])
 def test_decentralized_solvers_reach_the_digits_target(tmp_path, solver, local_distance):
     name, *how = solver.split(":")
-    opts = [x for key, value in zip(("schedule", "reduce"), how) for x in ("-o", f"{key}={value}")]
+    opts = [x for key, value in zip(("schedule", "reduce", "overlap"), how) for x in ("-o", f"{key}={value}")]
     proc = run_cli("train", "--solver", name, *opts, "--workers", "4", "--checkpoint-every", "100",
                    "--out", str(tmp_path / "r"))
     assert proc.returncode == 0, proc.stderr
@@ -628,7 +638,8 @@ def test_decentralized_solvers_reach_the_digits_target(tmp_path, solver, local_d
     # the largest of these times 2 (ripples) or 1.4 (ad-psgd: below the 0.7 of that mistake).
     step, flats = checkpointed_models(tmp_path / "r", 4)
     assert step == local_distance[0]
-    bound = {"ad-psgd": 0.45, "ripples:static": 0.02, "ripples:smart:collective": 0.16}[solver]
+    bound = {"ad-psgd": 0.45, "ripples:static": 0.02, "ripples:smart:collective": 0.16,
+             "ripples:smart:ring:true": 0.16}[solver]
     assert consensus_distance(flats) < bound * local_distance[1], (consensus_distance(flats), local_distance)
 
 

@@ -124,6 +124,26 @@ def test_smart_groups_of_equally_fast_workers_average_every_step():
     _close(smart.params, ma.params)
 
 
+def test_ripples_overlap_takes_each_groups_mean_at_the_next_update():
+    """Two workers of the same speed in groups of 2, overlap: the averaging of the models
+    step k left runs while step k + 1 computes, whose gradient is taken on the model before
+    the averaging; at its update the model becomes the mean, then that gradient is applied:
+    x(k + 1) = mean(x(k)) - lr g(x(k)). Step 0 has no mean yet."""
+    d = Digits(2)
+    x = [d.copy(), d.copy()]
+    steps = 4
+    for k in range(steps):
+        g = [d.grad(x[w], w, k) for w in range(2)]
+        base = x if k == 0 else [{n: (x[0][n] + x[1][n]) / 2 for n in x[0]}] * 2
+        x = [{n: base[w][n] - LR * g[w][n] for n in base[w]} for w in range(2)]
+    res = _run("ripples", {"schedule": "smart", "group_size": 2, "overlap": True}, 2, steps, {})
+    for w in range(2):
+        _close({n: res.params[n][w] for n in res.params}, x[w])
+    # without overlap the mean comes before the next gradient is taken: another result
+    plain = _run("ripples", {"schedule": "smart", "group_size": 2}, 2, steps, {})
+    assert _differ({n: plain.params[n][0] for n in plain.params}, x[0])
+
+
 def test_smart_group_waits_no_longer_than_its_limit():
     """Worker 1 is 3.3x slower and the wait limit 5 ms: worker 0 waits at most 5 ms after
     each step (less once its pace is known), worker 1 never finds it ready, and then is the
@@ -199,7 +219,7 @@ def test_shadow_syncs_are_written_back_as_corrections(solver):
 @pytest.mark.parametrize("solver, options", [
     ("async-ps", {}), ("async-msgd", {"momentum": 0.5}), ("async-easgd", {}), ("async-measgd", {}),
     ("ea-wild", {"threads": 1}), ("easgd", {}), ("shadow-ma", {}), ("shadow-bmuf", {}), ("shadow-ea", {}),
-    ("ripples", {"schedule": "smart"}),
+    ("ripples", {"schedule": "smart"}), ("ripples", {"schedule": "smart", "overlap": True}),
 ])
 def test_every_order_dependent_solver_trains_in_train_mode(solver, options):
     """4 replicas, 150 steps on digits, a slow worker and jitter: each learns (local SGD on a

@@ -147,12 +147,14 @@ def test_a_grad_scalers_skipped_step_is_skipped_on_every_worker():
         assert torch.allclose(a[step][1], _flat(model), atol=1e-6) and torch.equal(a[step][1], b[step][1])
 
 
-def _user_calls(rank, world, solver_name, what, servers=0):
+def _user_calls(rank, world, solver_name, what, servers=0, options=None):
     import distsync
     from distsync.errors import ConfigError
 
-    comm = distsync.init_comm(timeout_s=20.0, roles={"server": servers} if servers else None)
-    solver = distsync.make_solver(solver_name)
+    solver = distsync.make_solver(solver_name, **(options or {}))
+    # (with options, the roles the solver asks for; else ``servers`` of them, maybe too few)
+    comm = distsync.init_comm(timeout_s=20.0, roles=solver.roles if options else
+                              {"server": servers} if servers else None)
     try:
         if distsync.serve(solver, comm, _model, LR):
             return "served"
@@ -191,6 +193,19 @@ def test_a_solver_that_applies_the_update_itself_refuses_the_users_optimizer_ste
     msgs = run_ranks(_user_calls, 3, "sync-ps", "step", 1)
     assert msgs[0] == msgs[1] == ("solver sync-ps applies the update itself: do not call optimizer.step() inside "
                                   "`with solver.step(i):` (the block's end does it)")
+
+
+def test_ripples_overlap_applies_the_update_itself_and_trains_from_a_users_loop():
+    """With overlap, a group's mean replaces the model just before the update, which a user's
+    own optimizer.step() would skip: refused at once. Without one, the block's end applies
+    it, and the two workers' loss goes down."""
+    overlap = {"schedule": "smart", "overlap": True}
+    msgs = run_ranks(_user_calls, 3, "ripples", "step", 0, overlap)
+    assert msgs[0] == msgs[1] == ("solver ripples applies the update itself: do not call optimizer.step() inside "
+                                  "`with solver.step(i):` (the block's end does it)")
+    out = run_ranks(_user_calls, 3, "ripples", "plain", 0, overlap)
+    start = _seen_loss(_model())
+    assert out[0] < 0.98 * start and out[1] < 0.98 * start, (out, start)
 
 
 def test_server_solvers_run_from_a_users_script_with_serve():

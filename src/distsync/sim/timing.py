@@ -422,6 +422,90 @@ def _ready_groups(name: str, cluster: Cluster, c: np.ndarray, work: Work, k: int
     return SimResult(name, n, work.steps, work.batch_size, wall, comp, comm, wait, events=loop.events, ends=ends)
 
 
+def _ready_groups_overlapped(name: str, cluster: Cluster, c: np.ndarray, work: Work, k: int, every: int,
+                             max_wait_s: float, wait_share: float, math: Any = None) -> SimResult:
+    """:func:`_ready_groups` with the averaging off the training's path (Ripples'
+    ``overlap``): after a sync step's update the worker's averaging thread asks the
+    coordinator (a round trip) and averages with its group while the worker computes its
+    next step; the group's mean replaces the model at that step's update, which waits for
+    the averaging if it has not ended (the only time the worker loses). One averaging at a
+    time per worker; none after a worker's last step (the real worker's close() waits for
+    that one: an averaging's time, not counted here)."""
+    from distsync.solvers.schedules import ReadyGrouper
+
+    n = cluster.workers
+    loop = EventLoop()
+    comp, comm, wait = _zeros(n), _zeros(n), _zeros(n)
+    rtt = 2 * cluster.link.latency_s  # asking the coordinator (on the averaging thread)
+    grouper = ReadyGrouper(n, k, max_wait_s, wait_share)
+    #: per worker: when its averaging in flight ends (inf: its group has not formed yet;
+    #: None: none in flight), and the step whose update waits for it
+    ends_at: list[float | None] = [None] * n
+    held: list[int | None] = [None] * n
+    computed_at = _zeros(n)
+    done_at = _zeros(n)
+    ends = np.empty((work.steps, n))
+
+    def start(groups: list[tuple[int, ...]]) -> None:
+        now = loop.now
+        for group in groups:
+            cost = cluster.allreduce_s(work.model_bytes, len(group)) if len(group) > 1 else 0.0
+            if math and len(group) > 1:
+                math.group(list(group), now)
+            for w in group:
+                ends_at[w] = now + cost
+                if held[w] is not None:
+                    loop.at(now + cost, update, w, held[w])
+                    held[w] = None
+        due = grouper.due()
+        if due is not None:
+            loop.at(due, expire)
+
+    def expire() -> None:
+        start(grouper.expire(loop.now))
+
+    def ready(w: int) -> None:
+        start(grouper.arrive(w, loop.now))
+
+    def computed(w: int, s: int) -> None:
+        computed_at[w] = loop.now
+        end = ends_at[w]
+        if end is None or end <= loop.now:
+            update(w, s)
+        elif end == np.inf:
+            held[w] = s  # its group forms later: start() schedules the update
+        else:
+            loop.at(end, update, w, s)
+
+    def update(w: int, s: int) -> None:
+        now = loop.now
+        wait[w] += now - computed_at[w]
+        ends_at[w] = None
+        ends[s, w] = now
+        if math:
+            math.step(w, s, now)  # (the group's mean first, then this step's gradient)
+        if (s + 1) % every == 0 and s + 1 < work.steps:
+            ends_at[w] = np.inf
+            loop.at(now + rtt, ready, w)
+        begin(w, s + 1)
+
+    def begin(w: int, s: int) -> None:
+        if s == work.steps:
+            done_at[w] = loop.now
+            start(grouper.leave(w, loop.now))  # nobody waits for it any more
+            return
+        comp[w] += c[s, w]
+        if math:
+            math.begin(w, s, loop.now)
+        loop.at(loop.now + c[s, w], computed, w, s)
+
+    for w in range(n):
+        loop.at(0.0, begin, w, 0)
+    loop.run()
+    wall = float(done_at.max())
+    return SimResult(name, n, work.steps, work.batch_size, wall, comp, comm, wait, events=loop.events, ends=ends)
+
+
 # ---- background --------------------------------------------------------------------------
 def _background(name: str, cluster: Cluster, c: np.ndarray, work: Work, sync_s: float,
                 min_interval_s: float, math: Any = None, share: float = 1.0, steps_per_sync: int = 0) -> SimResult:
@@ -534,12 +618,16 @@ class TimingContext:
             return self.meet_every(0, 0.0)
         return _group_rounds(self.name, self.cluster, self.c, self.work, every, next_round)
 
-    def ready_groups(self, k: int, every: int, max_wait_s: float, wait_share: float = 1.0) -> SimResult:
-        """Groups of up to ``k`` formed as workers become ready (see :func:`_ready_groups`)."""
+    def ready_groups(self, k: int, every: int, max_wait_s: float, wait_share: float = 1.0,
+                     overlap: bool = False) -> SimResult:
+        """Groups of up to ``k`` formed as workers become ready (see :func:`_ready_groups`);
+        ``overlap``: each averaging runs while the next step computes
+        (:func:`_ready_groups_overlapped`)."""
         if self.workers < 2:
             return self.meet_every(0, 0.0)
-        return _ready_groups(self.name, self.cluster, self.c, self.work, min(k, self.workers), every, max_wait_s,
-                             wait_share, self.math)
+        block = _ready_groups_overlapped if overlap else _ready_groups
+        return block(self.name, self.cluster, self.c, self.work, min(k, self.workers), every, max_wait_s,
+                     wait_share, self.math)
 
     def background(self, sync_s: float, min_interval_s: float, share: float = 1.0,
                    steps_per_sync: int = 0) -> SimResult:

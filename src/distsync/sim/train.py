@@ -935,6 +935,41 @@ class ReadyGroups(OrderedRule):
             p[idx] = group_mean(p[idx].sum(0), len(members)).expand(len(members), *p.shape[1:])
 
 
+class ReadyGroupsOverlapped(OrderedRule):
+    """Ripples' ``overlap``: a group reads its members' replicas when it forms and each
+    member's replica becomes the group's mean at its next update, before that step's
+    gradient (taken when the step started, on the replica before the averaging) is applied,
+    as the real worker's averaging thread hands its mean to the update."""
+
+    def __init__(self, stack, lr, workers, gradient):
+        super().__init__(stack, lr, workers, gradient)
+        self.grads: dict[int, dict[str, torch.Tensor]] = {}
+        self.means: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def begin(self, w, k, t):
+        self.grads[w] = self.gradient(w, k)
+
+    def group(self, members, t):
+        idx = torch.tensor(members)
+        for x in [*self.stack.values(), *self.averaged.values()]:
+            mean = group_mean(x[idx].sum(0), len(members))
+            for w in members:
+                self.means.setdefault(w, []).append((x, mean))
+
+    def _take_mean(self, w: int) -> None:
+        for x, mean in self.means.pop(w, []):
+            x[w] = mean
+
+    def step(self, w, k, t):
+        self._take_mean(w)
+        self.optimizer.step_one(w, self.grads.pop(w))
+        self.done(t, w)
+
+    def finish(self):
+        for w in list(self.means):
+            self._take_mean(w)
+
+
 class PairwiseOrdered(OrderedRule):
     """AD-PSGD in virtual-time order: each worker's gradient is taken on its replica when its
     step starts; a passive applies it when the step ends (an averaging may have changed its
@@ -1097,9 +1132,11 @@ class TrainContext:
         ``servers`` block's exchanges); ``momentum``: local Nesterov momentum."""
         return self._bind(ServerElastic(self.stack, self.lr, self.workers, self.gradient, alpha, momentum))
 
-    def ready_group_mean(self) -> OrderedRule:
-        """Each group averages when it forms (the ``ready_groups`` block)."""
-        return self._bind(ReadyGroups(self.stack, self.lr, self.workers, self.gradient))
+    def ready_group_mean(self, overlap: bool = False) -> OrderedRule:
+        """Each group averages when it forms (the ``ready_groups`` block); ``overlap``: each
+        member takes the mean at its next update (:class:`ReadyGroupsOverlapped`)."""
+        rule = ReadyGroupsOverlapped if overlap else ReadyGroups
+        return self._bind(rule(self.stack, self.lr, self.workers, self.gradient))
 
     def background_average(self, block_filter: Any = None) -> OrderedRule:
         """Background averaging written back as a correction (the ``background`` block)."""

@@ -27,8 +27,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import queue
 import threading
 import time
 from collections import Counter
@@ -277,7 +279,11 @@ class RipplesOptions:
     (one all-reduce on a group of the members, made when they first meet and kept: at most
     MAX_MEMBER_GROUPS possible sets) or direct (each member's model to each other member in one
     round, summed in rank order: for small models, whose averaging is latency; group_size - 1
-    times the model's bytes sent by each); under --on-failure continue, the ring."""
+    times the model's bytes sent by each); under --on-failure continue, the ring;
+    overlap: (smart) each averaging runs on a thread of its own while the next step computes,
+    and the group's mean replaces the model at that step's update, before its gradient (taken
+    on the model before the averaging) is applied: AD-PSGD's rule; one averaging at a time,
+    and the update waits for it only if it has not ended."""
 
     group_size: int = bounded(3, ge=2)
     schedule: str = bounded("static", choices=("static", "random", "smart"))
@@ -287,6 +293,12 @@ class RipplesOptions:
     wait_share: float = bounded(0.2, gt=0)
     seed: int = 0
     reduce: str = bounded("ring", choices=PARTIAL_REDUCES)
+    overlap: bool = False
+
+    def __post_init__(self) -> None:
+        if self.overlap and self.schedule != "smart":
+            raise ValueError(f"overlap=true needs schedule=smart (the {self.schedule} schedule's rounds run on the "
+                             f"training thread), got schedule={self.schedule}")
 
 
 #: with ``reduce=collective``: the most sets of workers (groups of 2 to group_size) a job may
@@ -350,7 +362,8 @@ class Ripples(Solver):
     @classmethod
     def simulate_timing(cls, options, sim):
         if options.schedule == "smart":
-            return sim.ready_groups(options.group_size, options.every, options.max_wait_ms / 1000, options.wait_share)
+            return sim.ready_groups(options.group_size, options.every, options.max_wait_ms / 1000, options.wait_share,
+                                    options.overlap)
         if sim.workers < 2:
             return sim.meet_every(0, 0.0)
         return sim.group_rounds(options.every, cls._rounds(options, sim.workers, sim.seed))
@@ -358,7 +371,7 @@ class Ripples(Solver):
     @classmethod
     def simulate_rule(cls, options, sim):
         if options.schedule == "smart":
-            return sim.ready_group_mean() if sim.workers >= 2 else sim.local()
+            return sim.ready_group_mean(options.overlap) if sim.workers >= 2 else sim.local()
         if sim.workers < 2:
             return sim.local()
         return sim.group_rounds(options.every, cls._rounds(options, sim.workers, sim.seed))
@@ -386,6 +399,18 @@ class Ripples(Solver):
         self.group_wait_s = 0.0
         self.sizes: Counter = Counter()
         self.met: Counter = Counter()  # per group (worker indices): the meetings of it so far
+        self._thread: threading.Thread | None = None
+        if self.options.overlap:
+            # The update takes the averaging thread's mean first: a user's own optimizer.step()
+            # would skip it, so the block's end applies the update (solver.update).
+            self.capabilities = type(self).capabilities - {Capability.USER_MAY_STEP}
+            self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+            self._idle = threading.Event()
+            self._idle.set()
+            self._mean: torch.Tensor | None = None
+            self._errors: list[BaseException] = []
+            self._thread = threading.Thread(target=self._averaging_loop, name="ripples-averaging", daemon=True)
+            self._thread.start()
         return model
 
     @staticmethod
@@ -399,14 +424,14 @@ class Ripples(Solver):
                               f"possible sets, more than {MAX_MEMBER_GROUPS} kept groups; use reduce=ring or a "
                               f"smaller group_size")
 
-    def _next_group(self, step: int) -> tuple[int, ...]:
+    def _next_group(self, step: int, on_path: bool = True) -> tuple[int, ...]:
         if self.options.schedule == "static":
             r, self.round = self.round, self.round + 1
             if self.comm.num_workers < 2:
                 return (self.me,)
             return static_group(self.comm.num_workers, self.k, r, self.me)
         t0 = time.perf_counter()
-        with self.clock.waiting():
+        with self.clock.waiting() if on_path else contextlib.nullcontext():
             if self.options.schedule == "random":
                 if not self.upcoming:
                     got = torch.zeros(self.options.buffer, self.k, dtype=torch.int64)
@@ -440,24 +465,79 @@ class Ripples(Solver):
     def after_update(self, step):
         if (step + 1) % self.options.every:
             return
-        group = self._next_group(step)
+        if self._thread is not None:  # (overlap) the model as this step left it, to the averaging thread
+            self._settle()  # (a checkpoint's state_dict may have taken it already)
+            flat = self.view.flat().clone()
+            synchronize(self.view.device)
+            self._idle.clear()
+            self._jobs.put((step, flat))
+            return
+        mean = self._average(step, self.view.flat(), on_path=True)
+        if mean is not None:
+            self.view.assign(mean)
+
+    def _average(self, step: int, flat: torch.Tensor, on_path: bool) -> torch.Tensor | None:
+        """Ask for this step's group and average ``flat`` with it: the group's mean, or None
+        (alone, or a member had died). ``on_path``: on the training thread, whose clock
+        counts the waiting and the meeting (an averaging thread's time is its own)."""
+        group = self._next_group(step, on_path)
         self.sizes[len(group)] += 1
         if len(group) < 2:
             self.alone += 1
-            return
+            return None
         # The group's meeting: its members, and how often they met as this group before
         # (every member is sent each group it is in, so they all count alike).
         self.met[group] += 1
-        self.clock.meeting(f"ripples:{'-'.join(map(str, group))}#{self.met[group]}")
-        flat = self.view.flat()
+        if on_path:
+            self.clock.meeting(f"ripples:{'-'.join(map(str, group))}#{self.met[group]}")
         if not self.comm.partial_all_reduce(flat, [self.comm.worker_ranks[i] for i in group],
                                             reduce=self.options.reduce):
             self.broken += 1  # a member had died: the model stays as it was
-            return
-        self.view.assign(group_mean(flat, len(group)))
+            return None
         self.joined += 1
+        return group_mean(flat, len(group))
+
+    # ---- overlap: the averaging thread -------------------------------------------------
+    def _averaging_loop(self) -> None:
+        """Average each snapshot handed over by :meth:`after_update`, one at a time; the
+        mean waits in ``_mean`` for the training thread's next update (:meth:`_settle`)."""
+        try:
+            with own_stream(self.view.device):
+                while True:
+                    job = self._jobs.get()
+                    if job is None:
+                        return
+                    step, flat = job
+                    self._mean = self._average(step, flat, on_path=False)
+                    synchronize(self.view.device)  # (the training thread reads it next)
+                    self._idle.set()
+        except BaseException as e:  # raised on the training thread at its next update
+            self._errors.append(e)
+            self._idle.set()
+
+    def _settle(self) -> None:
+        """(overlap) Wait for the averaging in flight, if any (the comm bounds its waits: a
+        dead peer ends it, a slow one is waited for), and replace the model by its mean. The
+        model did not change since the averaging's snapshot: the update comes after."""
+        if not self._idle.is_set():
+            with self.clock.waiting():
+                self._idle.wait()
+        if self._errors:
+            raise self._errors[0]
+        mean, self._mean = self._mean, None
+        if mean is not None:
+            self.view.assign(mean)
+
+    def update(self, step):
+        if self._thread is not None:
+            self._settle()
+        self.optimizer.step()
 
     def close(self):
+        if self._thread is not None:  # the last averaging's mean is the model's (asked before the goodbye)
+            self._jobs.put(None)
+            self._thread.join()
+            self._settle()
         if self.coordinator is not None:
             # (said in the job's store first: a replacement coordinator does not wait for it)
             self.comm.store_set(f"{DONE}{self.comm.rank}", "1")
@@ -468,6 +548,8 @@ class Ripples(Solver):
                     raise  # (else its replacement, if one comes, finds the goodbye in the store)
 
     def state_dict(self):
+        if self._thread is not None:
+            self._settle()  # (an averaging in flight belongs to the model that is saved with this)
         return {"round": self.round, "upcoming": [list(g) for g in self.upcoming], "joined": self.joined,
                 "alone": self.alone, "group_wait_s": self.group_wait_s, "sizes": dict(self.sizes)}
 
