@@ -30,7 +30,8 @@ from common import (argument_parser, checks_markdown, launch_or_exit, per_seed, 
 from distsync.config import RunConfig
 
 SOLVERS = [("allreduce", {}), ("async-ps", {}), ("ea-wild", {}), ("ad-psgd", {}), ("ripples", {"schedule": "static"}),
-           ("ripples", {"schedule": "smart"}), ("ripples", {"schedule": "smart", "every": 2})]
+           ("ripples", {"schedule": "smart"}), ("ripples", {"schedule": "smart", "every": 2}),
+           ("ripples", {"schedule": "smart", "overlap": True})]
 DEVICE_MS = 20.0
 REGIME = "emulated devices (20 ms a step, times the slow factor), loopback links"
 
@@ -45,9 +46,11 @@ def cases(workers: int) -> list[tuple[str, dict[int, float], float]]:
 
 
 def label(solver: str, opts: dict) -> str:
-    """``ripples:smart``, ``ripples:smart:every=2``: the solver, its schedule, other options."""
+    """``ripples:smart``, ``ripples:smart:every=2``, ``ripples:smart:overlap=true``: the
+    solver, its schedule, other options (as ``-o`` takes them)."""
     return ":".join([solver, *([opts["schedule"]] if "schedule" in opts else []),
-                     *(f"{k}={v}" for k, v in opts.items() if k != "schedule")])
+                     *(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in opts.items()
+                       if k != "schedule")])
 
 
 def times(raw: dict[str, Any], workers: str, case: str, name: str) -> dict[str, float | None]:

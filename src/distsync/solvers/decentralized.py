@@ -274,7 +274,7 @@ class RipplesOptions:
     every: steps between Partial All-Reduces; buffer: groups per coordinator round trip
     (random); max_wait_ms: longest a worker waits for partners (smart); wait_share: (smart) a
     worker waits for partners only while one is due, at most this share of its own interval
-    between requests (and max_wait_ms); seed: random groups;
+    between requests (and max_wait_ms; default 0.2, with overlap 0.5); seed: random groups;
     reduce: ring (point-to-point messages among the members, nothing set up), collective
     (one all-reduce on a group of the members, made when they first meet and kept: at most
     MAX_MEMBER_GROUPS possible sets) or direct (each member's model to each other member in one
@@ -290,12 +290,16 @@ class RipplesOptions:
     every: int = bounded(1, ge=1)
     buffer: int = bounded(16, ge=1)
     max_wait_ms: float = bounded(20.0, gt=0)
-    wait_share: float = bounded(0.2, gt=0)
+    wait_share: float | None = bounded(None, gt=0)
     seed: int = 0
     reduce: str = bounded("ring", choices=PARTIAL_REDUCES)
     overlap: bool = False
 
     def __post_init__(self) -> None:
+        if self.wait_share is None:
+            # Waiting for partners holds up the worker's own step, or (overlap) only its
+            # averaging thread: there it is free while the averaging still ends within the step.
+            self.wait_share = 0.5 if self.overlap else 0.2
         if self.overlap and self.schedule != "smart":
             raise ValueError(f"overlap=true needs schedule=smart (the {self.schedule} schedule's rounds run on the "
                              f"training thread), got schedule={self.schedule}")
