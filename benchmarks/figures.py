@@ -99,7 +99,7 @@ FIGURES = [
            RUNTIME + ("src/distsync/solvers/allreduce.py", "src/distsync/solvers/ddp.py"),
            "docs/benchmarks/allreduce_vs_ddp.md"),
     Figure("heterogeneity_devices", "heterogeneity_devices",
-           ("--workers", "4", "--cases", "homogeneous,one 3x slow", "--seeds", "1,2,3"),
+           ("--workers", "4,8", "--cases", "homogeneous,one 3x slow", "--seeds", "1,2,3"),
            ("--workers", "2", "--cases", "one 3x slow", "--seeds", "1", "--solvers", "allreduce,ripples:smart",
             "--cap", "2"),
            RUNTIME + ("src/distsync/solvers/allreduce.py", "src/distsync/solvers/decentralized.py",
