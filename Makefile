@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	touch $@
 
 demo: setup
-	$(BIN)/distsync compare --workload digits --solvers allreduce,ripples,ad-psgd --schedule smart --workers 4 --slow 1:3 --device-ms 10 --budget seconds=5 --repeats 3 --out runs/demo --overwrite
+	$(BIN)/distsync compare --workload digits --solvers allreduce,ripples,ad-psgd --schedule smart -o ripples.overlap=true --workers 4 --slow 1:3 --device-ms 10 --budget seconds=5 --repeats 3 --out runs/demo --overwrite
 
 test: setup
 	@start=$$(date +%s); $(BIN)/python -m pytest -q -n 2 --durations=15; rc=$$?; \
