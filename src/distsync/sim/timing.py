@@ -464,9 +464,6 @@ def _ready_groups_overlapped(name: str, cluster: Cluster, c: np.ndarray, work: W
     def expire() -> None:
         start(grouper.expire(loop.now))
 
-    def ready(w: int) -> None:
-        start(grouper.arrive(w, loop.now))
-
     def computed(w: int, s: int) -> None:
         computed_at[w] = loop.now
         end = ends_at[w]
@@ -485,8 +482,8 @@ def _ready_groups_overlapped(name: str, cluster: Cluster, c: np.ndarray, work: W
         if math:
             math.step(w, s, now)  # (the group's mean first, then this step's gradient)
         if (s + 1) % every == 0 and s + 1 < work.steps:
-            ends_at[w] = np.inf
-            loop.at(now + rtt, ready, w)
+            ends_at[w] = np.inf  # (its request reaches the coordinator a round trip later)
+            loop.at(now + rtt, lambda: start(grouper.arrive(w, loop.now)))
         begin(w, s + 1)
 
     def begin(w: int, s: int) -> None:
