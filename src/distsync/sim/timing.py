@@ -359,6 +359,23 @@ def _group_rounds(name: str, cluster: Cluster, c: np.ndarray, work: Work, every:
     return SimResult(name, n, work.steps, work.batch_size, float(t.max()), comp, comm, wait, ends=ends)
 
 
+def _start_groups(loop: EventLoop, grouper: Any, cluster: Cluster, work: Work, math: Any,
+                  groups: list[tuple[int, ...]], member: Callable[[int, float], None]) -> None:
+    """Start the groups a :class:`~distsync.solvers.schedules.ReadyGrouper` formed now: each
+    one's averaging (its cost; its math), ``member(w, cost)`` for each of its members; then
+    arm the end of the next wait for partners, when the groups that formed meanwhile start."""
+    now = loop.now
+    for group in groups:
+        cost = cluster.allreduce_s(work.model_bytes, len(group)) if len(group) > 1 else 0.0
+        if math and len(group) > 1:
+            math.group(list(group), now)
+        for w in group:
+            member(w, cost)
+    due = grouper.due()
+    if due is not None:
+        loop.at(due, lambda: _start_groups(loop, grouper, cluster, work, math, grouper.expire(loop.now), member))
+
+
 def _ready_groups(name: str, cluster: Cluster, c: np.ndarray, work: Work, k: int, every: int,
                   max_wait_s: float, wait_share: float, math: Any = None) -> SimResult:
     """Groups form in the order workers become ready, asked of a coordinator (a round trip),
@@ -377,22 +394,13 @@ def _ready_groups(name: str, cluster: Cluster, c: np.ndarray, work: Work, k: int
     done_at = _zeros(n)
     ends = np.empty((work.steps, n))
 
-    def start(groups: list[tuple[int, ...]]) -> None:
-        now = loop.now
-        for group in groups:
-            cost = cluster.allreduce_s(work.model_bytes, len(group)) if len(group) > 1 else 0.0
-            if math and len(group) > 1:
-                math.group(list(group), now)
-            for w in group:
-                wait[w] += now - ready_at[w]
-                comm[w] += cost
-                loop.at(now + cost, step, w, at_step[w] + 1)
-        due = grouper.due()
-        if due is not None:
-            loop.at(due, expire)
+    def joined(w: int, cost: float) -> None:  # its group starts now
+        wait[w] += loop.now - ready_at[w]
+        comm[w] += cost
+        loop.at(loop.now + cost, step, w, at_step[w] + 1)
 
-    def expire() -> None:
-        start(grouper.expire(loop.now))
+    def start(groups: list[tuple[int, ...]]) -> None:
+        _start_groups(loop, grouper, cluster, work, math, groups, joined)
 
     def ready(w: int, s: int) -> None:
         at_step[w], ready_at[w] = s, loop.now
@@ -446,23 +454,14 @@ def _ready_groups_overlapped(name: str, cluster: Cluster, c: np.ndarray, work: W
     done_at = _zeros(n)
     ends = np.empty((work.steps, n))
 
-    def start(groups: list[tuple[int, ...]]) -> None:
-        now = loop.now
-        for group in groups:
-            cost = cluster.allreduce_s(work.model_bytes, len(group)) if len(group) > 1 else 0.0
-            if math and len(group) > 1:
-                math.group(list(group), now)
-            for w in group:
-                ends_at[w] = now + cost
-                if held[w] is not None:
-                    loop.at(now + cost, update, w, held[w])
-                    held[w] = None
-        due = grouper.due()
-        if due is not None:
-            loop.at(due, expire)
+    def joined(w: int, cost: float) -> None:  # its group starts now (on its averaging thread)
+        ends_at[w] = loop.now + cost
+        if held[w] is not None:
+            loop.at(loop.now + cost, update, w, held[w])
+            held[w] = None
 
-    def expire() -> None:
-        start(grouper.expire(loop.now))
+    def start(groups: list[tuple[int, ...]]) -> None:
+        _start_groups(loop, grouper, cluster, work, math, groups, joined)
 
     def computed(w: int, s: int) -> None:
         computed_at[w] = loop.now

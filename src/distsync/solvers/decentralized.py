@@ -470,7 +470,7 @@ class Ripples(Solver):
         if (step + 1) % self.options.every:
             return
         if self._thread is not None:  # (overlap) the model as this step left it, to the averaging thread
-            self._settle()  # (a checkpoint's state_dict may have taken it already)
+            self._settle()  # (the update took it, unless a step with non-finite gradients skipped the update)
             flat = self.view.flat().clone()
             synchronize(self.view.device)
             self._idle.clear()
