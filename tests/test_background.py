@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from distsync.solvers.rules import apply_correction, bmuf_update, elastic_exchange
+from distsync.solvers.rules import apply_correction, bmuf_update, diloco_outer_step, elastic_exchange
 from helpers import (checkpointed_models, consensus_distance, run_cli, run_ranks, train_digits_rank,
                      two_replica_reference)
 
@@ -34,6 +34,26 @@ def test_bmuf_rule_by_hand():
     assert steps == pytest.approx([0.875 * 1.875 * 0.875 ** k for k in range(4)])
 
 
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_diloco_outer_step_is_torch_sgd_on_the_pseudo_gradient(nesterov):
+    # the outer model as torch's own parameter, stepped by torch.optim.SGD on start - mean
+    outer = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
+    opt = torch.optim.SGD([outer], lr=0.7, momentum=0.9, nesterov=nesterov)
+    w, start, buf = torch.zeros(2), outer.detach().clone(), torch.zeros(2)
+    for mean in ([0.5, -1.0], [0.25, -1.5], [0.4, -1.2]):
+        outer.grad = outer.detach() - torch.tensor(mean)
+        opt.step()
+        diloco_outer_step(w, start, buf, torch.tensor(mean), 0.7, 0.9, nesterov)
+        assert w.tolist() == start.tolist() == pytest.approx(outer.tolist(), abs=1e-6)
+    # by hand, the first round: g = (0.5, -1); buf = g; Nesterov: start - 0.7 * 1.9 * g
+    w, start, buf = torch.zeros(2), torch.tensor([1.0, -2.0]), torch.zeros(2)
+    diloco_outer_step(w, start, buf, torch.tensor([0.5, -1.0]), 0.7, 0.9, nesterov)
+    assert w.tolist() == pytest.approx([0.335, -0.67] if nesterov else [0.65, -1.3])
+    # lr 1 without momentum: the plain mean
+    diloco_outer_step(w, start, torch.zeros(2), torch.tensor([3.0, 4.0]), 1.0, 0.0, nesterov)
+    assert w.tolist() == [3.0, 4.0]
+
+
 def test_correction_keeps_steps_taken_during_a_sync():
     live, read, new = torch.tensor([5.0]), torch.tensor([4.0]), torch.tensor([2.0])
     apply_correction(live, read, new)  # the training thread moved 4 -> 5 meanwhile
@@ -45,15 +65,24 @@ def _rank(rank, world, solver, options, steps):
     return r["state"], r["stats"], r["thread_alive"]
 
 
-def _reference(steps, every, bmuf=None):
+def _reference(steps, every, bmuf=None, outer_sgd=None):
+    """Two replicas averaged every ``every`` steps; the mean filtered by BMUF's rule (``bmuf``:
+    its arguments) or by DiLoCo's outer step, written here as torch's SGD over an outer model
+    (``outer_sgd``: its lr, momentum and nesterov)."""
     from distsync.workloads.digits import make_model
 
     torch.manual_seed(SEED)
     start = torch.nn.utils.parameters_to_vector(make_model().parameters()).detach()
     wg, delta = start.clone(), torch.zeros_like(start)
+    outer = torch.nn.Parameter(start.clone())
+    opt = torch.optim.SGD([outer], *outer_sgd[:2], nesterov=outer_sgd[2]) if outer_sgd else None
 
     def combine(a, b):
         mean = (a + b) / 2
+        if opt is not None:
+            outer.grad = outer.detach() - mean
+            opt.step()
+            return outer.detach().clone()
         if not bmuf:
             return mean
         new = torch.empty_like(mean)
@@ -63,14 +92,57 @@ def _reference(steps, every, bmuf=None):
     return two_replica_reference(steps, SEED, BATCH, LR, every, combine)
 
 
-@pytest.mark.parametrize("solver, bmuf", [("ma", None), ("bmuf", (1.0, 0.5, True))])  # 0.5 = 1 - 1/p
-def test_foreground_twins_equal_plain_pytorch(solver, bmuf):
-    steps, every = 6, 3
-    ref = _reference(steps, every, bmuf)
+@pytest.mark.parametrize("solver, bmuf, outer_sgd", [
+    ("ma", None, None), ("bmuf", (1.0, 0.5, True), None),  # 0.5 = 1 - 1/p
+    ("diloco", None, (0.7, 0.9, True)),  # the paper's outer optimizer
+])
+def test_foreground_twins_equal_plain_pytorch(solver, bmuf, outer_sgd):
+    steps, every = 9, 3
+    ref = _reference(steps, every, bmuf, outer_sgd)
     for state, stats, _ in run_ranks(_rank, 2, solver, {"every": every}, steps):
         for k, v in ref.items():
             torch.testing.assert_close(state[k], v, rtol=0, atol=1e-5)
         assert stats["syncs"] == steps // every
+
+
+def _diloco_resumed_mid_round(rank, world):
+    """Worker state_dict mid-round, loaded into a fresh solver: both go on alike (the outer
+    model and its momentum are the solver's state; a replacement takes them from a peer)."""
+    import distsync
+
+    comm = distsync.init_comm(timeout_s=20.0)
+    torch.manual_seed(rank)
+    data = [(torch.randn(8, 5), torch.randn(8, 1)) for _ in range(12)]
+
+    def steps(model, opt, solver, batches, first):
+        for i, (x, y) in enumerate(batches, first):
+            with solver.step(i):
+                torch.nn.functional.mse_loss(model(x), y).backward()
+
+    def fresh(model, same_start=True):  # (b starts from a's replica, not rank 0's)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        solver = distsync.make_solver("diloco", every=4)
+        return solver.attach(model, opt, comm, same_start=same_start), opt, solver
+
+    torch.manual_seed(0)
+    a = torch.nn.Linear(5, 1)
+    a_run, a_opt, a_solver = fresh(a)
+    steps(a_run, a_opt, a_solver, data[:6], 0)  # an outer step after step 3, then 2 inner ones
+    b = torch.nn.Linear(5, 1)  # (not a deep copy: that would copy a's hooks, which call a's solver)
+    b.load_state_dict(a.state_dict())
+    b_run, b_opt, b_solver = fresh(b, same_start=False)
+    b_opt.load_state_dict(copy.deepcopy(a_opt.state_dict()))  # (torch shares the tensors loaded)
+    b_solver.load_state_dict(a_solver.state_dict())
+    steps(a_run, a_opt, a_solver, data[6:], 6)  # two more outer steps, each with a's state
+    steps(b_run, b_opt, b_solver, data[6:], 6)
+    a_solver.close(), b_solver.close()
+    comm.close()
+    return [(pa - pb).abs().max().item() for pa, pb in zip(a.parameters(), b.parameters())]
+
+
+def test_diloco_goes_on_alike_from_its_state_dict_mid_round():
+    for diffs in run_ranks(_diloco_resumed_mid_round, 2):
+        assert max(diffs) == 0.0, diffs
 
 
 class _StubComm:

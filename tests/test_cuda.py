@@ -115,7 +115,7 @@ def test_two_workers_sharing_the_gpu_over_gloo_end_where_the_same_run_on_the_cpu
 
 
 # ---- 2. model averaging ----------------------------------------------------------------------
-@pytest.mark.parametrize("solver", ["ma", "bmuf"])
+@pytest.mark.parametrize("solver", ["ma", "bmuf", "diloco"])
 def test_model_averaging_on_a_shared_gpu_reaches_the_digits_floor(tmp_path, solver):
     out, s = _train(tmp_path, "r", "--solver", solver, "--workers", "2", *SHARED_GPU)
     _assert_trained_on_gpu(out, s)

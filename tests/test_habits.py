@@ -11,6 +11,9 @@ The references, written here in plain torch:
   distsync;
 - ``elastic``: one worker's local steps and the elastic exchange with a center every ``tau``
   steps (x -= a (x - c); c += a (x - c)); the final model is the center;
+- ``outer``: one worker's local steps and, every ``every`` steps, DiLoCo's outer step: torch's
+  SGD (lr 0.7, Nesterov momentum 0.9) on an outer copy of the parameters, its gradient the
+  copy minus the model, the model then set to the copy;
 - ``pair``: two workers, each training on its own batches, their models (and BatchNorm's
   floating-point statistics) averaged after every update (Ripples' groups of two);
 - ``band``: a solver whose result depends on thread timing (AD-PSGD's answering thread, a
@@ -64,6 +67,7 @@ SOLVERS = {
     "hogwild": (1, 1, {"threads": 1}, "plain"),
     "ma": (1, 0, {}, "plain"),
     "bmuf": (1, 0, {}, "plain"),
+    "diloco": (1, 0, {"every": 2}, "outer"),
     "local": (1, 0, {}, "plain"),
     "shadow-ma": (1, 0, {}, "plain"),
     "shadow-bmuf": (1, 0, {}, "plain"),
@@ -274,6 +278,20 @@ def reference(kind: str, habit: str, name: str, options: dict) -> nn.Module:
         with torch.no_grad():
             for p, c in zip(model.parameters(), center):
                 p.copy_(c)
+        return model
+    if kind == "outer":
+        model = make_model(habit)
+        opt = make_optimizer(habit, model, name)
+        outer = [nn.Parameter(p.detach().clone()) for p in model.parameters()]
+        outer_opt = torch.optim.SGD(outer, lr=0.7, momentum=0.9, nesterov=True)
+        for step in steps(habit, model, opt, 0):
+            if (step + 1) % options["every"] == 0:
+                for o, p in zip(outer, model.parameters()):
+                    o.grad = o.detach() - p.detach()
+                outer_opt.step()
+                with torch.no_grad():
+                    for o, p in zip(outer, model.parameters()):
+                        p.copy_(o)
         return model
     if kind == "pair":
         models = [make_model(habit) for _ in range(2)]

@@ -52,7 +52,7 @@ from distsync.torch_private import tree_map
 from distsync.config import Budget
 from distsync.errors import ConfigError
 from distsync.solvers import Capability, check_buffers, make_options, solver_class
-from distsync.solvers.rules import (apply_correction, bmuf_update, elastic_exchange, group_mean, pairwise_average,
+from distsync.solvers.rules import (apply_correction, elastic_exchange, group_mean, pairwise_average,
                                     server_apply, sync_elastic_update)
 from distsync.workloads import ShardSampler, Workload
 
@@ -697,15 +697,15 @@ class MeanGradient(Rule):
 
 class PeriodicAverage(Rule):
     """Every ``every`` steps every replica becomes the mean of all (``block_filter``: the
-    options of a block-momentum update of that mean, :func:`~distsync.solvers.rules.bmuf_update`)."""
+    options of an outer step from that mean, :class:`~distsync.solvers.model_averaging.OuterStep`:
+    BMUF's block momentum, DiLoCo's outer optimizer)."""
 
     def __init__(self, stack, lr, every, block_filter=None, workers=1):
         super().__init__(stack, lr)
-        self.every, self.block_filter = every, block_filter
+        self.every, self.block_filter, self.workers = every, block_filter, workers
         if block_filter:
             self.start = {n: p[0].clone() for n, p in stack.items()}
             self.delta = {n: torch.zeros_like(p[0]) for n, p in stack.items()}
-            self.momentum = block_filter.momentum_for(workers)
 
     def after(self, step):
         if (step + 1) % self.every:
@@ -714,8 +714,7 @@ class PeriodicAverage(Rule):
             mean = p.mean(0)
             if self.block_filter:
                 new = torch.empty_like(mean)
-                bmuf_update(new, self.start[n], self.delta[n], mean, self.block_filter.block_lr, self.momentum,
-                            self.block_filter.nesterov)
+                self.block_filter.outer_update(new, self.start[n], self.delta[n], mean, self.workers)
                 mean = new
             p.copy_(mean.expand_as(p))
         for b in self.averaged.values():  # the plain mean: the block filter is the parameters' own
@@ -1001,7 +1000,7 @@ class PairwiseOrdered(OrderedRule):
 
 class BackgroundAverage(OrderedRule):
     """A background thread per worker averages the live models: it reads them all, and when
-    the all-reduce is done writes the mean (BMUF's filter of it with ``block_filter``) back as
+    the all-reduce is done writes the mean (the outer step from it with ``block_filter``) back as
     a correction (:func:`~distsync.solvers.rules.apply_correction`): the steps taken meanwhile
     are kept. At the end one final average leaves every worker with the same model."""
 
@@ -1011,7 +1010,6 @@ class BackgroundAverage(OrderedRule):
         if block_filter:
             self.start = {n: p[0].clone() for n, p in stack.items()}
             self.delta = self._zeros()
-            self.block_momentum = block_filter.momentum_for(workers)
         self.read: dict[str, torch.Tensor] | None = None
         self.read_buffers: list[torch.Tensor] = []
 
@@ -1024,8 +1022,7 @@ class BackgroundAverage(OrderedRule):
             new = self.read[n].mean(0)
             if self.block_filter:
                 mean, new = new, torch.empty_like(new)
-                bmuf_update(new, self.start[n], self.delta[n], mean, self.block_filter.block_lr,
-                            self.block_momentum, self.block_filter.nesterov)
+                self.block_filter.outer_update(new, self.start[n], self.delta[n], mean, self.workers)
             apply_correction(p, self.read[n], new.expand_as(p))
         for b, read in zip(self.averaged.values(), self.read_buffers):  # the plain mean, as a correction too
             apply_correction(b, read, read.mean(0).expand_as(b))

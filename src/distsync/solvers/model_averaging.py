@@ -5,8 +5,11 @@ share.
 Workers train on their own and every ``every`` steps replace their models by the mean over
 all workers (one all-reduce): ``ma``. ``bmuf`` (Chen & Huo 2016) filters that mean through
 block momentum, so a block's progress is kept rather than averaged away
-(:func:`distsync.solvers.rules.bmuf_update`). ``local`` synchronizes nothing: the baseline a
-trainer's throughput is measured against.
+(:func:`distsync.solvers.rules.bmuf_update`). ``diloco`` (Douillard et al. 2023) takes an
+outer optimizer's step (SGD with Nesterov momentum) on the mean's distance from where the
+round began, the pseudo-gradient (:func:`distsync.solvers.rules.diloco_outer_step`); the inner
+steps are the worker's own optimizer's, whose state stays local. ``local`` synchronizes
+nothing: the baseline a trainer's throughput is measured against.
 
 All of them take ``threads``: Hogwild training threads per worker on one shared copy of the
 dense parameters, each applying plain SGD without a lock.
@@ -24,7 +27,7 @@ from distsync.config import bounded
 from distsync.solvers.base import Capability, Solver, register_solver
 from distsync.solvers.flat import FlatView
 from distsync.solvers.hogwild_threads import HogwildThreads, HogwildThreadsOptions
-from distsync.solvers.rules import bmuf_update
+from distsync.solvers.rules import bmuf_update, diloco_outer_step
 
 
 @dataclass
@@ -39,8 +42,19 @@ class AverageOptions(HogwildThreadsOptions, _AverageSchedule):
     background syncs; threads: Hogwild training threads per worker on its one model."""
 
 
+class OuterStep:
+    """Options whose solver filters each synchronization's mean through an outer step that
+    every worker takes alike: from ``start`` (the outer model: where this round began) and
+    ``state`` (its momentum), both the size of the parameters and kept by the solver, to
+    ``new``. Workers that heal take both from a peer (the solver's state)."""
+
+    def outer_update(self, new: torch.Tensor, start: torch.Tensor, state: torch.Tensor, mean: torch.Tensor,
+                     workers: int) -> None:
+        raise NotImplementedError
+
+
 @dataclass
-class BMUFOptions(AverageOptions):
+class BMUFOptions(AverageOptions, OuterStep):
     """block_lr (zeta); block_momentum (m), by default the classical 1 - 1/p, which makes up
     for averaging p workers' progress (fairseq's 0.875 suits about 8; with 2 workers it
     amplifies each block's progress 15-fold and training diverges); nesterov."""
@@ -52,10 +66,29 @@ class BMUFOptions(AverageOptions):
     def momentum_for(self, workers: int) -> float:
         return self.block_momentum if self.block_momentum is not None else 1.0 - 1.0 / workers
 
+    def outer_update(self, new, start, state, mean, workers):
+        bmuf_update(new, start, state, mean, self.block_lr, self.momentum_for(workers), self.nesterov)
+
+
+@dataclass
+class DiLoCoOptions(AverageOptions, OuterStep):
+    """every (H): inner steps between outer steps (the paper's 500 on language models of
+    88,000 steps; the default suits runs of a few thousand); outer_lr, outer_momentum,
+    nesterov: the outer optimizer, SGD on the pseudo-gradient (the paper's 0.7, 0.9, Nesterov).
+    The inner optimizer is the run's (``--optimizer``; the paper's is AdamW)."""
+
+    every: int = bounded(50, ge=1)
+    outer_lr: float = bounded(0.7, gt=0)
+    outer_momentum: float = bounded(0.9, ge=0, lt=1)
+    nesterov: bool = True
+
+    def outer_update(self, new, start, state, mean, workers):
+        diloco_outer_step(new, start, state, mean, self.outer_lr, self.outer_momentum, self.nesterov)
+
 
 class AveragingSolver(HogwildThreads, Solver):
-    """Model averaging over all workers every ``every`` steps, on the training thread, with
-    BMUF's filter when the options are :class:`BMUFOptions`."""
+    """Model averaging over all workers every ``every`` steps, on the training thread, through
+    an outer step when the options are an :class:`OuterStep` (BMUF's, DiLoCo's)."""
 
     # REPLICAS_DIFFER: averaged every `every` steps only
     capabilities = Solver.capabilities | {Capability.REFORMS_WITHOUT_DEAD, Capability.HEALS_FROM_PEER,
@@ -73,7 +106,7 @@ class AveragingSolver(HogwildThreads, Solver):
 
     @classmethod
     def simulate_rule(cls, options, sim):
-        return sim.periodic_average(options.every, options if isinstance(options, BMUFOptions) else None)
+        return sim.periodic_average(options.every, options if isinstance(options, OuterStep) else None)
 
     @classmethod
     def lockstep_lead(cls, options, workers):
@@ -90,22 +123,20 @@ class AveragingSolver(HogwildThreads, Solver):
         self._counted = -1  # the last step counted (a sync done again after a worker died is not a step)
         # Training threads of one worker take their foreground syncs one at a time.
         self._fg_lock = threading.Lock()
-        if isinstance(self.options, BMUFOptions):
+        if isinstance(self.options, OuterStep):
             self.w_start = self.view.flat().clone()
             self.delta = torch.zeros_like(self.w_start)
         return model
 
     def _combine(self, mean: torch.Tensor) -> torch.Tensor:
         """The new model from the workers' mean (of :attr:`state_view`): the mean itself, or
-        BMUF's filter of the parameters' (buffers take the plain mean)."""
-        if not isinstance(self.options, BMUFOptions):
+        the outer step's from the parameters' (buffers take the plain mean)."""
+        if not isinstance(self.options, OuterStep):
             return mean
         if mean.numel() > self.view.numel:
             return torch.cat([self._combine(mean[: self.view.numel]), mean[self.view.numel :]])
         new = torch.empty_like(mean)
-        o = self.options
-        bmuf_update(new, self.w_start, self.delta, mean, o.block_lr,
-                    o.momentum_for(len(self.comm.live_workers)), o.nesterov)
+        self.options.outer_update(new, self.w_start, self.delta, mean, len(self.comm.live_workers))
         return new
 
     def after_update(self, step):
@@ -128,13 +159,13 @@ class AveragingSolver(HogwildThreads, Solver):
 
     def state_dict(self):
         state = {"syncs": self.syncs, "steps_done": self.steps_done}
-        if isinstance(self.options, BMUFOptions):
+        if isinstance(self.options, OuterStep):
             state.update(w_start=self.w_start.clone(), delta=self.delta.clone())
         return state
 
     def load_state_dict(self, state):
         self.syncs, self.steps_done = int(state["syncs"]), int(state["steps_done"])
-        if isinstance(self.options, BMUFOptions):
+        if isinstance(self.options, OuterStep):
             self.w_start.copy_(state["w_start"])
             self.delta.copy_(state["delta"])
 
@@ -154,6 +185,20 @@ class ModelAveraging(AveragingSolver):
 class BMUF(AveragingSolver):
     name = "bmuf"
     Options = BMUFOptions
+
+
+@register_solver
+class DiLoCo(AveragingSolver):
+    """`diloco`: ``every`` inner steps with the worker's own optimizer, then an outer step of
+    SGD with Nesterov momentum on the pseudo-gradient (the outer model minus the workers'
+    mean), the same on every worker."""
+
+    name = "diloco"
+    Options = DiLoCoOptions
+
+    @classmethod
+    def search_space(cls, workers):
+        return []  # (not among recommend's candidates yet: its scores are for the solvers before it)
 
 
 @register_solver

@@ -160,6 +160,22 @@ def bmuf_update(w: torch.Tensor, w_start: torch.Tensor, delta: torch.Tensor, mea
     w.copy_(w_start)
 
 
+def diloco_outer_step(w: torch.Tensor, w_start: torch.Tensor, buf: torch.Tensor, mean_w: torch.Tensor,
+                      outer_lr: float, outer_momentum: float, nesterov: bool = True) -> None:
+    """DiLoCo's outer step (Douillard et al. 2023), in place: SGD with momentum on the
+    pseudo-gradient, in ``torch.optim.SGD``'s form (no dampening).
+
+    ``w_start`` is the outer model, where the workers started these inner steps. g = w_start -
+    mean_w (the pseudo-gradient); buf <- m * buf + g; w_start <- w_start - lr * (g + m * buf)
+    with Nesterov, w_start - lr * buf without; w <- w_start. With lr 1 and m 0 it is the plain
+    mean (model averaging).
+    """
+    g = w_start - mean_w
+    buf.mul_(outer_momentum).add_(g)
+    w_start.sub_(g.add_(buf, alpha=outer_momentum) if nesterov else buf, alpha=outer_lr)
+    w.copy_(w_start)
+
+
 def apply_correction(live: torch.Tensor, read: torch.Tensor, new: torch.Tensor) -> None:
     """Write a background sync's result into a model that kept training meanwhile:
     live <- live + (new - read), so the local steps taken since ``read`` are kept."""

@@ -43,7 +43,7 @@ from distsync.solvers.base import Capability, join_background, register_solver
 from distsync.solvers.elastic import AsyncEASGD, WildOptions
 from distsync.solvers.flat import FlatView, storage_aliases
 from distsync.solvers.hogwild_threads import HogwildThreads
-from distsync.solvers.model_averaging import AverageOptions, AveragingSolver, BMUFOptions
+from distsync.solvers.model_averaging import AverageOptions, AveragingSolver, BMUFOptions, OuterStep
 from distsync.solvers.rules import apply_correction, elastic_pull
 
 
@@ -122,7 +122,7 @@ class _ShadowAveraging(AveragingSolver):
 
     @classmethod
     def simulate_rule(cls, options, sim):
-        return sim.background_average(options if isinstance(options, BMUFOptions) else None)
+        return sim.background_average(options if isinstance(options, OuterStep) else None)
 
     def attach(self, model, optimizer, comm, **kw):
         super().attach(model, optimizer, comm, **kw)
