@@ -105,46 +105,6 @@ def test_foreground_twins_equal_plain_pytorch(solver, bmuf, outer_sgd):
         assert stats["syncs"] == steps // every
 
 
-def _diloco_resumed_mid_round(rank, world):
-    """Worker state_dict mid-round, loaded into a fresh solver: both go on alike (the outer
-    model and its momentum are the solver's state; a replacement takes them from a peer)."""
-    import distsync
-
-    comm = distsync.init_comm(timeout_s=20.0)
-    torch.manual_seed(rank)
-    data = [(torch.randn(8, 5), torch.randn(8, 1)) for _ in range(12)]
-
-    def steps(model, opt, solver, batches, first):
-        for i, (x, y) in enumerate(batches, first):
-            with solver.step(i):
-                torch.nn.functional.mse_loss(model(x), y).backward()
-
-    def fresh(model, same_start=True):  # (b starts from a's replica, not rank 0's)
-        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
-        solver = distsync.make_solver("diloco", every=4)
-        return solver.attach(model, opt, comm, same_start=same_start), opt, solver
-
-    torch.manual_seed(0)
-    a = torch.nn.Linear(5, 1)
-    a_run, a_opt, a_solver = fresh(a)
-    steps(a_run, a_opt, a_solver, data[:6], 0)  # an outer step after step 3, then 2 inner ones
-    b = torch.nn.Linear(5, 1)  # (not a deep copy: that would copy a's hooks, which call a's solver)
-    b.load_state_dict(a.state_dict())
-    b_run, b_opt, b_solver = fresh(b, same_start=False)
-    b_opt.load_state_dict(copy.deepcopy(a_opt.state_dict()))  # (torch shares the tensors loaded)
-    b_solver.load_state_dict(a_solver.state_dict())
-    steps(a_run, a_opt, a_solver, data[6:], 6)  # two more outer steps, each with a's state
-    steps(b_run, b_opt, b_solver, data[6:], 6)
-    a_solver.close(), b_solver.close()
-    comm.close()
-    return [(pa - pb).abs().max().item() for pa, pb in zip(a.parameters(), b.parameters())]
-
-
-def test_diloco_goes_on_alike_from_its_state_dict_mid_round():
-    for diffs in run_ranks(_diloco_resumed_mid_round, 2):
-        assert max(diffs) == 0.0, diffs
-
-
 class _StubComm:
     """Two workers' shadow-thread collectives, played by the test: each all-reduce hands the
     tensor it was given to the test and returns once the test has turned it into the sum."""

@@ -13,7 +13,10 @@ The references, written here in plain torch:
   steps (x -= a (x - c); c += a (x - c)); the final model is the center;
 - ``outer``: one worker's local steps and, every ``every`` steps, DiLoCo's outer step: torch's
   SGD (lr 0.7, Nesterov momentum 0.9) on an outer copy of the parameters, its gradient the
-  copy minus the model, the model then set to the copy;
+  copy minus the model, the model then set to the copy; Streaming DiLoCo's (``fragments``,
+  ``delay``, ``alpha``): the same per fragment of whole layers (strided), its gradient from
+  the fragment as it was ``delay`` steps before, the model then ``alpha`` itself and the rest
+  the copy;
 - ``pair``: two workers, each training on its own batches, their models (and BatchNorm's
   floating-point statistics) averaged after every update (Ripples' groups of two);
 - ``band``: a solver whose result depends on thread timing (AD-PSGD's answering thread, a
@@ -68,6 +71,7 @@ SOLVERS = {
     "ma": (1, 0, {}, "plain"),
     "bmuf": (1, 0, {}, "plain"),
     "diloco": (1, 0, {"every": 2}, "outer"),
+    "streaming-diloco": (1, 0, {"every": 4, "fragments": 2, "delay": 1}, "outer"),
     "local": (1, 0, {}, "plain"),
     "shadow-ma": (1, 0, {}, "plain"),
     "shadow-bmuf": (1, 0, {}, "plain"),
@@ -280,19 +284,7 @@ def reference(kind: str, habit: str, name: str, options: dict) -> nn.Module:
                 p.copy_(c)
         return model
     if kind == "outer":
-        model = make_model(habit)
-        opt = make_optimizer(habit, model, name)
-        outer = [nn.Parameter(p.detach().clone()) for p in model.parameters()]
-        outer_opt = torch.optim.SGD(outer, lr=0.7, momentum=0.9, nesterov=True)
-        for step in steps(habit, model, opt, 0):
-            if (step + 1) % options["every"] == 0:
-                for o, p in zip(outer, model.parameters()):
-                    o.grad = o.detach() - p.detach()
-                outer_opt.step()
-                with torch.no_grad():
-                    for o, p in zip(outer, model.parameters()):
-                        p.copy_(o)
-        return model
+        return outer_reference(habit, name, options)
     if kind == "pair":
         models = [make_model(habit) for _ in range(2)]
         loops = [steps(habit, m, make_optimizer(habit, m), w) for w, m in enumerate(models)]
@@ -304,6 +296,35 @@ def reference(kind: str, habit: str, name: str, options: dict) -> nn.Module:
                         t.copy_(mean)
         return models[0]
     raise ValueError(kind)
+
+
+def outer_reference(habit: str, name: str, options: dict) -> nn.Module:
+    """The ``outer`` reference: DiLoCo's outer steps (Streaming DiLoCo's, per fragment) on one
+    worker, in plain torch."""
+    model = make_model(habit)
+    opt = make_optimizer(habit, model, name)
+    count, delay, alpha = options.get("fragments", 1), options.get("delay", 0), 0.5 if "fragments" in options else 0.0
+    layers: dict[str, list[nn.Parameter]] = {}
+    for n, p in model.named_parameters():
+        layers.setdefault(n.rpartition(".")[0], []).append(p)
+    parts = [sum(list(layers.values())[i::count], []) for i in range(count)]
+    outer = [[nn.Parameter(p.detach().clone()) for p in part] for part in parts]
+    opts = [torch.optim.SGD(o, lr=0.7, momentum=0.9, nesterov=True) for o in outer]
+    interval, in_flight = options["every"] // count, None
+    for step in steps(habit, model, opt, 0):
+        if (step + 1 + delay) % interval == 0:
+            k = ((step + 1 + delay) // interval - 1) % count
+            in_flight = (k, step + delay, [p.detach().clone() for p in parts[k]])
+        if in_flight is not None and step == in_flight[1]:
+            k, _, sent = in_flight
+            for o, p in zip(outer[k], sent):
+                o.grad = o.detach() - p
+            opts[k].step()
+            with torch.no_grad():
+                for o, p in zip(outer[k], parts[k]):
+                    p.mul_(alpha).add_(o, alpha=1 - alpha)
+            in_flight = None
+    return model
 
 
 def flat_tensors(model):

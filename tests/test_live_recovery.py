@@ -182,7 +182,8 @@ def _steps(out: Path, rank: int) -> list[int]:
 @pytest.mark.slow
 @pytest.mark.parametrize("solver", [
     ["--solver", "allreduce"], ["--solver", "ddp"], ["--solver", "ma", "-o", "every=4"],
-    ["--solver", "diloco", "-o", "every=4"], ["--solver", "sync-easgd", "-o", "tau=4"], ["--solver", "shadow-ma"], ["--solver", "local"],
+    ["--solver", "diloco", "-o", "every=4"], ["--solver", "streaming-diloco", "-o", "every=8"],
+    ["--solver", "sync-easgd", "-o", "tau=4"], ["--solver", "shadow-ma"], ["--solver", "local"],
     ["--solver", "sync-ps"], ["--solver", "easgd"], ["--solver", "async-ps"], ["--solver", "ad-psgd"],
     ["--solver", "ripples", "-o", "schedule=random"], ["--solver", "ripples", "-o", "schedule=smart", "-o", "overlap=true"],
 ], ids=lambda s: s[1] + ("-overlap" if "overlap=true" in s else ""))
@@ -257,7 +258,8 @@ def test_a_stalled_worker_is_left_behind_after_the_timeout_and_ended(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("solver", [["--solver", "allreduce"], ["--solver", "ma", "-o", "every=4"],
-                                    ["--solver", "diloco", "-o", "every=4"]], ids=lambda s: s[1])
+                                    ["--solver", "diloco", "-o", "every=4"],
+                                    ["--solver", "streaming-diloco", "-o", "every=8"]], ids=lambda s: s[1])
 def test_a_replacement_heals_from_a_live_peer_and_the_job_is_whole_again(tmp_path, solver):
     code, err, s = _train(tmp_path, *solver, "--fault", "kill:1@20", "--max-restarts", "1", "--steps", "100",
                           "--device-ms", "30")

@@ -135,6 +135,7 @@ FOUR_WORKERS = {  # options: the solver's defaults
     "ma": 8 * 0.01 + 2 * _ring(4),  # every 4 steps
     "bmuf": 8 * 0.01 + 2 * _ring(4),
     "diloco": 8 * 0.01,  # every 50 steps: not within 8
+    "streaming-diloco": 8 * 0.01,  # a fragment every 50 steps: not within 8
     "sync-easgd": 8 * 0.01 + 2 * _ring(4),  # tau 4
     "local": 8 * 0.01,  # nothing to wait for
     "shadow-ma": 8 * 0.01,  # the shadow thread is off the training thread's path
@@ -219,6 +220,7 @@ SEED, BATCH, LR = 6, 16, 0.2
 @pytest.mark.parametrize("solver, options, world", [
     ("allreduce", {}, 2), ("sync-easgd", {"tau": 3, "alpha": 0.3}, 2), ("ma", {"every": 3}, 2),
     ("bmuf", {"every": 3, "block_momentum": 0.5}, 2), ("diloco", {"every": 3}, 2),
+    ("streaming-diloco", {"every": 4, "fragments": 2, "delay": 1}, 2),  # the last one in flight at close()
     ("ripples", {"schedule": "static", "group_size": 2}, 3),  # groups smaller than the world, rotating
 ])
 def test_train_mode_reproduces_the_real_solver(solver, options, world):

@@ -117,6 +117,30 @@ def _periodic(name: str, cluster: Cluster, c: np.ndarray, work: Work, every: int
     return SimResult(name, n, work.steps, work.batch_size, float(t.max()), comp, comm, wait, ends=ends)
 
 
+def _periodic_overlapped(name: str, cluster: Cluster, c: np.ndarray, work: Work, every: int, cost: float,
+                         delay: int) -> SimResult:
+    """A collective every ``every`` steps that runs while the workers take ``delay`` more
+    steps: it starts when the last worker has started it and lasts ``cost``; at the end of
+    the ``delay``-th step after, a worker waits for it if it is not done (counted as waiting)."""
+    if delay == 0:
+        return _periodic(name, cluster, c, work, every, cost)
+    n = cluster.workers
+    t, comp, comm, wait = _zeros(n), _zeros(n), _zeros(n), _zeros(n)
+    ends = np.empty((work.steps, n))
+    done_at, due = 0.0, -1
+    for k in range(work.steps):
+        t += c[k]
+        comp += c[k]
+        if k == due:
+            late = np.maximum(0.0, done_at - t)
+            wait += late
+            t += late
+        if every and (k + 1 + delay) % every == 0:
+            done_at, due = float(t.max()) + cost, k + delay
+        ends[k] = t
+    return SimResult(name, n, work.steps, work.batch_size, float(t.max()), comp, comm, wait, ends=ends)
+
+
 def _sync_ps_cost(cluster: Cluster, work: Work, servers: int) -> float:
     """Every worker sends its gradient shard to every server, whose links take them in turn;
     then the servers send the new parameters back the same way."""
@@ -576,9 +600,9 @@ class TimingContext:
         return self.cluster.workers
 
     # costs
-    def allreduce_s(self, p: int | None = None) -> float:
-        """An all-reduce of the model over ``p`` workers (default: all)."""
-        return self.cluster.allreduce_s(self.work.model_bytes, p)
+    def allreduce_s(self, p: int | None = None, share: float = 1.0) -> float:
+        """An all-reduce of the model (``share`` of it) over ``p`` workers (default: all)."""
+        return self.cluster.allreduce_s(self.work.model_bytes * share, p)
 
     def sync_ps_s(self, servers: int) -> float:
         """A synchronous parameter-server round: gradients to the servers, parameters back."""
@@ -594,6 +618,11 @@ class TimingContext:
         """Every ``every`` steps all workers wait for the slowest, then spend ``cost``
         together (0: they never meet)."""
         return _periodic(self.name, self.cluster, self.c, self.work, every, cost)
+
+    def meet_every_overlapped(self, every: int, cost: float, delay: int) -> SimResult:
+        """Every ``every`` steps all workers start a collective of ``cost`` and go on
+        computing; ``delay`` steps later each waits for its end (0: :meth:`meet_every`)."""
+        return _periodic_overlapped(self.name, self.cluster, self.c, self.work, every, cost, delay)
 
     def servers(self, servers: int, *, push_every: int = 0, pull_every: int = 0, exchange_every: int = 0,
                 round_robin: bool = False, locked: bool = True) -> SimResult:

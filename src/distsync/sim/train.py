@@ -52,8 +52,8 @@ from distsync.torch_private import tree_map
 from distsync.config import Budget
 from distsync.errors import ConfigError
 from distsync.solvers import Capability, check_buffers, make_options, solver_class
-from distsync.solvers.rules import (apply_correction, elastic_exchange, group_mean, pairwise_average,
-                                    server_apply, sync_elastic_update)
+from distsync.solvers.rules import (apply_correction, diloco_outer_step, elastic_exchange, group_mean,
+                                    pairwise_average, server_apply, streaming_merge, sync_elastic_update)
 from distsync.workloads import ShardSampler, Workload
 
 
@@ -222,6 +222,8 @@ def _run_lockstep(rule, workload: Workload, samplers: list[ShardSampler], bufs: 
         bufs.broadcast()
         g = replica_math.gradients(stack, bufs.stack, batches, step)
         rule(step, g)
+        if step + 1 == steps:
+            rule.finish()
         if ((step + 1) % eval_every == 0 or step + 1 == steps) and report(step, pace * (step + 1)):
             break
 
@@ -684,6 +686,10 @@ class Rule:
         policy's (:meth:`_Buffers.evaluated`)."""
         return None
 
+    def finish(self) -> None:
+        """After the last step: what the solver's ``close()`` still does (a synchronization in
+        flight)."""
+
 
 class MeanGradient(Rule):
     """Every replica steps with the mean of all replicas' gradients (and, under the "average"
@@ -719,6 +725,40 @@ class PeriodicAverage(Rule):
             p.copy_(mean.expand_as(p))
         for b in self.averaged.values():  # the plain mean: the block filter is the parameters' own
             b.copy_(b.mean(0, keepdim=True).expand_as(b))
+
+
+class StreamingOuter(Rule):
+    """Streaming DiLoCo (:class:`~distsync.solvers.diloco.StreamingDiLoCo`): after the step
+    that starts a fragment's synchronization, the replicas' mean of it (what that all-reduce
+    returns); ``delay`` steps later, the outer step on it, merged into every replica
+    (:func:`~distsync.solvers.rules.streaming_merge`). Buffers stay each replica's."""
+
+    def __init__(self, stack, lr, options):
+        super().__init__(stack, lr)
+        from distsync.solvers.diloco import layer_fragments
+
+        self.options = options
+        self.fragments = layer_fragments(list(stack), options.fragments)
+        self.outer = {n: p[0].clone() for n, p in stack.items()}
+        self.momentum = {n: torch.zeros_like(p[0]) for n, p in stack.items()}
+        self.in_flight: tuple[int, dict[str, torch.Tensor]] | None = None  # (apply at step, the means)
+
+    def after(self, step):
+        k = self.options.due(step)
+        if k is not None:
+            self.in_flight = (step + self.options.delay, {n: self.stack[n].mean(0) for n in self.fragments[k]})
+        if self.in_flight is not None and step == self.in_flight[0]:
+            self.finish()
+
+    def finish(self):
+        if self.in_flight is None:
+            return
+        o = self.options
+        for n, mean in self.in_flight[1].items():
+            new = torch.empty_like(mean)
+            diloco_outer_step(new, self.outer[n], self.momentum[n], mean, o.outer_lr, o.outer_momentum, o.nesterov)
+            streaming_merge(self.stack[n], new.expand_as(self.stack[n]), o.alpha)
+        self.in_flight = None
 
 
 class SyncElastic(Rule):
@@ -1104,6 +1144,10 @@ class TrainContext:
 
     def periodic_average(self, every: int, block_filter: Any = None) -> Rule:
         return self._bind(PeriodicAverage(self.stack, self.lr, every, block_filter, self.workers))
+
+    def streaming_outer(self, options: Any) -> Rule:
+        """Streaming DiLoCo's fragments, outer steps and merges (``options``: its own)."""
+        return self._bind(StreamingOuter(self.stack, self.lr, options))
 
     def sync_elastic(self, tau: int, alpha: float) -> Rule:
         return self._bind(SyncElastic(self.stack, self.lr, tau, alpha))

@@ -17,6 +17,7 @@ from distsync.solvers import (  # noqa: F401  (importing a module registers its 
     allreduce,
     ddp,
     decentralized,
+    diloco,
     elastic,
     model_averaging,
     parameter_server,

@@ -5,11 +5,9 @@ share.
 Workers train on their own and every ``every`` steps replace their models by the mean over
 all workers (one all-reduce): ``ma``. ``bmuf`` (Chen & Huo 2016) filters that mean through
 block momentum, so a block's progress is kept rather than averaged away
-(:func:`distsync.solvers.rules.bmuf_update`). ``diloco`` (Douillard et al. 2023) takes an
-outer optimizer's step (SGD with Nesterov momentum) on the mean's distance from where the
-round began, the pseudo-gradient (:func:`distsync.solvers.rules.diloco_outer_step`); the inner
-steps are the worker's own optimizer's, whose state stays local. ``local`` synchronizes
-nothing: the baseline a trainer's throughput is measured against.
+(:func:`distsync.solvers.rules.bmuf_update`); ``diloco`` (:mod:`~distsync.solvers.diloco`)
+takes DiLoCo's outer step on it. ``local`` synchronizes nothing: the baseline a trainer's
+throughput is measured against.
 
 All of them take ``threads``: Hogwild training threads per worker on one shared copy of the
 dense parameters, each applying plain SGD without a lock.
@@ -27,7 +25,7 @@ from distsync.config import bounded
 from distsync.solvers.base import Capability, Solver, register_solver
 from distsync.solvers.flat import FlatView
 from distsync.solvers.hogwild_threads import HogwildThreads, HogwildThreadsOptions
-from distsync.solvers.rules import bmuf_update, diloco_outer_step
+from distsync.solvers.rules import bmuf_update
 
 
 @dataclass
@@ -68,22 +66,6 @@ class BMUFOptions(AverageOptions, OuterStep):
 
     def outer_update(self, new, start, state, mean, workers):
         bmuf_update(new, start, state, mean, self.block_lr, self.momentum_for(workers), self.nesterov)
-
-
-@dataclass
-class DiLoCoOptions(AverageOptions, OuterStep):
-    """every (H): inner steps between outer steps (the paper's 500 on language models of
-    88,000 steps; the default suits runs of a few thousand); outer_lr, outer_momentum,
-    nesterov: the outer optimizer, SGD on the pseudo-gradient (the paper's 0.7, 0.9, Nesterov).
-    The inner optimizer is the run's (``--optimizer``; the paper's is AdamW)."""
-
-    every: int = bounded(50, ge=1)
-    outer_lr: float = bounded(0.7, gt=0)
-    outer_momentum: float = bounded(0.9, ge=0, lt=1)
-    nesterov: bool = True
-
-    def outer_update(self, new, start, state, mean, workers):
-        diloco_outer_step(new, start, state, mean, self.outer_lr, self.outer_momentum, self.nesterov)
 
 
 class AveragingSolver(HogwildThreads, Solver):
@@ -185,20 +167,6 @@ class ModelAveraging(AveragingSolver):
 class BMUF(AveragingSolver):
     name = "bmuf"
     Options = BMUFOptions
-
-
-@register_solver
-class DiLoCo(AveragingSolver):
-    """`diloco`: ``every`` inner steps with the worker's own optimizer, then an outer step of
-    SGD with Nesterov momentum on the pseudo-gradient (the outer model minus the workers'
-    mean), the same on every worker."""
-
-    name = "diloco"
-    Options = DiLoCoOptions
-
-    @classmethod
-    def search_space(cls, workers):
-        return []  # (not among recommend's candidates yet: its scores are for the solvers before it)
 
 
 @register_solver

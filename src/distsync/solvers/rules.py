@@ -176,6 +176,13 @@ def diloco_outer_step(w: torch.Tensor, w_start: torch.Tensor, buf: torch.Tensor,
     w.copy_(w_start)
 
 
+def streaming_merge(local: torch.Tensor, outer: torch.Tensor, alpha: float) -> None:
+    """Streaming DiLoCo's merge of a fragment's new outer model into the worker's parameters,
+    which took more inner steps while it was being synchronized, in place:
+    local <- alpha * local + (1 - alpha) * outer (alpha 0: the outer model alone)."""
+    local.mul_(alpha).add_(outer, alpha=1.0 - alpha)
+
+
 def apply_correction(live: torch.Tensor, read: torch.Tensor, new: torch.Tensor) -> None:
     """Write a background sync's result into a model that kept training meanwhile:
     live <- live + (new - read), so the local steps taken since ``read`` are kept."""
