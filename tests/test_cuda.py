@@ -121,6 +121,13 @@ def test_model_averaging_on_a_shared_gpu_reaches_the_digits_floor(tmp_path, solv
     _assert_trained_on_gpu(out, s)
 
 
+@pytest.mark.parametrize("compress", ["fp16", "powersgd"])
+def test_compressed_allreduce_on_a_shared_gpu_reaches_the_digits_floor(tmp_path, compress):
+    out, s = _train(tmp_path, "r", "--solver", "allreduce", "-o", f"compress={compress}", "--workers", "2",
+                    *SHARED_GPU)
+    _assert_trained_on_gpu(out, s)
+
+
 # ---- 3. parameter servers --------------------------------------------------------------------
 @pytest.mark.parametrize("server_device", ["cpu", "cuda"])
 @pytest.mark.parametrize("solver", ["async-ps", "sync-ps"])

@@ -181,12 +181,12 @@ def _steps(out: Path, rank: int) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("solver", [
-    ["--solver", "allreduce"], ["--solver", "ddp"], ["--solver", "ma", "-o", "every=4"],
-    ["--solver", "diloco", "-o", "every=4"], ["--solver", "streaming-diloco", "-o", "every=8"],
+    ["--solver", "allreduce"], ["--solver", "allreduce", "-o", "compress=powersgd"], ["--solver", "ddp"],
+    ["--solver", "ma", "-o", "every=4"], ["--solver", "diloco", "-o", "every=4"], ["--solver", "streaming-diloco", "-o", "every=8"],
     ["--solver", "sync-easgd", "-o", "tau=4"], ["--solver", "shadow-ma"], ["--solver", "local"],
     ["--solver", "sync-ps"], ["--solver", "easgd"], ["--solver", "async-ps"], ["--solver", "ad-psgd"],
     ["--solver", "ripples", "-o", "schedule=random"], ["--solver", "ripples", "-o", "schedule=smart", "-o", "overlap=true"],
-], ids=lambda s: s[1] + ("-overlap" if "overlap=true" in s else ""))
+], ids=lambda s: s[1] + ("-overlap" if "overlap=true" in s else "") + ("-powersgd" if "compress=powersgd" in s else ""))
 def test_every_family_goes_on_without_a_dead_worker(tmp_path, solver):
     code, err, s = _train(tmp_path, *solver, "--fault", "kill:1@20")
     assert code == 0, err

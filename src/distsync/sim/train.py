@@ -53,7 +53,8 @@ from distsync.config import Budget
 from distsync.errors import ConfigError
 from distsync.solvers import Capability, check_buffers, make_options, solver_class
 from distsync.solvers.rules import (apply_correction, diloco_outer_step, elastic_exchange, group_mean,
-                                    pairwise_average, server_apply, streaming_merge, sync_elastic_update)
+                                    pairwise_average, server_apply, streaming_merge, sync_elastic_update,
+                                    wire_mean_share)
 from distsync.workloads import ShardSampler, Workload
 
 
@@ -693,10 +694,53 @@ class Rule:
 
 class MeanGradient(Rule):
     """Every replica steps with the mean of all replicas' gradients (and, under the "average"
-    buffer policy, its buffers become their mean: every step is a synchronization)."""
+    buffer policy, its buffers become their mean: every step is a synchronization). With a
+    ``wire`` dtype, the mean as the all-reduce of each replica's share in it returns it
+    (:func:`~distsync.solvers.rules.wire_mean_share`, summed in that dtype in replica order)."""
+
+    def __init__(self, stack, lr, wire: torch.dtype | None = None):
+        super().__init__(stack, lr)
+        self.wire = wire
+
+    def _mean(self, v: torch.Tensor) -> torch.Tensor:
+        if self.wire is None:
+            return v.mean(0, keepdim=True)
+        shares = [wire_mean_share(x, len(v), self.wire) for x in v]
+        total = shares[0]
+        for x in shares[1:]:
+            total = total + x
+        return total.to(v.dtype).unsqueeze(0)
 
     def __call__(self, step, g):
-        self.sgd({n: v.mean(0, keepdim=True).expand_as(v) for n, v in g.items()})
+        self.sgd({n: self._mean(v).expand_as(v) for n, v in g.items()})
+        for b in self.averaged.values():
+            b.copy_(b.mean(0, keepdim=True).expand_as(b))
+
+
+class PowerSGDMean(MeanGradient):
+    """Every replica steps with PowerSGD's approximation of the mean gradient
+    (:class:`~distsync.solvers.compression.PowerSGD`, the runtime's own code, its reduce a sum
+    over the replicas), the exact mean before ``powersgd_start``."""
+
+    def __init__(self, stack, lr, options, workers):
+        super().__init__(stack, lr)
+        from distsync.solvers.compression import PowerSGD
+
+        self.start = options.powersgd_start
+        #: (in the runtime's order: its buckets hold the parameters last first)
+        self.names = list(reversed(list(stack)))
+        first = stack[self.names[0]]
+        self.powersgd = PowerSGD([stack[n].shape[1:] for n in self.names], options.powersgd_rank,
+                                 options.warm_start, options.error_feedback, options.seed, replicas=workers,
+                                 dtype=first.dtype, device=first.device)
+
+    def __call__(self, step, g):
+        if step < self.start:
+            return super().__call__(step, g)
+        grads = [g[n].clone() for n in self.names]
+        self.powersgd.mean(grads, lambda flat: flat.copy_(flat.sum(0, keepdim=True).expand_as(flat)),
+                           len(grads[0]))
+        self.sgd(dict(zip(self.names, grads)))
         for b in self.averaged.values():
             b.copy_(b.mean(0, keepdim=True).expand_as(b))
 
@@ -1139,8 +1183,12 @@ class TrainContext:
     def local(self) -> Rule:
         return self._bind(Rule(self.stack, self.lr))
 
-    def mean_gradient(self) -> Rule:
-        return self._bind(MeanGradient(self.stack, self.lr))
+    def mean_gradient(self, wire: torch.dtype | None = None) -> Rule:
+        return self._bind(MeanGradient(self.stack, self.lr, wire))
+
+    def powersgd_mean(self, options: Any) -> Rule:
+        """PowerSGD's approximation of the mean gradient (``options``: allreduce's)."""
+        return self._bind(PowerSGDMean(self.stack, self.lr, options, self.workers))
 
     def periodic_average(self, every: int, block_filter: Any = None) -> Rule:
         return self._bind(PeriodicAverage(self.stack, self.lr, every, block_filter, self.workers))

@@ -16,16 +16,29 @@ import torch
 import torch.nn as nn
 
 from distsync.config import bounded
+from distsync.errors import ConfigError
 from distsync.solvers.base import Capability, Solver, register_solver
+from distsync.solvers.compression import WIRE_DTYPES, PowerSGD
+from distsync.solvers.rules import wire_mean_share
 
 
 @dataclass
 class AllReduceOptions:
     """bucket_mb: largest bucket in MiB (smaller buckets start communicating earlier, larger
-    ones pay the per-message latency fewer times). overlap: start buckets during backward."""
+    ones pay the per-message latency fewer times). overlap: start buckets during backward.
+    compress: none, fp16 or bf16 (each worker's share of the mean on the wire in half
+    precision), or powersgd (low-rank approximation of the mean, after the step's backward:
+    :mod:`~distsync.solvers.compression`); powersgd_rank, warm_start, error_feedback,
+    powersgd_start (exact all-reduces before that step), seed (the first Q's)."""
 
     bucket_mb: float = bounded(25.0, gt=0)
     overlap: bool = True
+    compress: str = bounded("none", choices=("none", "fp16", "bf16", "powersgd"))
+    powersgd_rank: int = bounded(1, ge=1)
+    warm_start: bool = True
+    error_feedback: bool = True
+    powersgd_start: int = bounded(0, ge=0)
+    seed: int = 0
 
 
 class _Bucket:
@@ -40,6 +53,7 @@ class _Bucket:
             offset += p.numel()
         self.waiting_for = len(params)
         self.pending = None
+        self.wire: torch.Tensor | None = None  # (fp16, bf16: the share of the mean sent)
 
     @property
     def nbytes(self) -> int:
@@ -68,15 +82,24 @@ def plan_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Par
 
 class GradientMeanSimulation:
     """Solver mixin (list it before the Solver base): the simulation of every worker stepping
-    with the mean of all gradients, an all-reduce each step (allreduce, ddp)."""
+    with the mean of all gradients, an all-reduce each step (allreduce, ddp); with a
+    narrower wire format, of its bytes and its rounding."""
 
     @classmethod
     def simulate_timing(cls, options, sim):
-        return sim.meet_every(1, sim.allreduce_s())  # every step, an all-reduce of the gradients
+        compress = getattr(options, "compress", "none")
+        if compress == "powersgd":
+            raise ConfigError(f"solver {cls.name} with compress=powersgd has no timing model: its bytes depend on "
+                              f"the model's matrix shapes, which the simulator does not know (fp16 and bf16 have one)")
+        share = 0.5 if compress in WIRE_DTYPES else 1.0
+        return sim.meet_every(1, sim.allreduce_s(share=share))  # every step, an all-reduce of the gradients
 
     @classmethod
     def simulate_rule(cls, options, sim):
-        return sim.mean_gradient()
+        compress = getattr(options, "compress", "none")
+        if compress == "powersgd":
+            return sim.powersgd_mean(options)
+        return sim.mean_gradient(WIRE_DTYPES.get(compress))
 
 
 @register_solver
@@ -96,7 +119,14 @@ class AllReduce(GradientMeanSimulation, Solver):
         # Backward produces gradients roughly from the last layer to the first.
         cap = int(self.options.bucket_mb * 2**20)
         self._make_buckets(plan_buckets(list(reversed(params)), cap))
-        if self.options.overlap:
+        o = self.options
+        self.wire_dtype = WIRE_DTYPES.get(o.compress)
+        self.powersgd = None
+        if o.compress == "powersgd":  # (its all-reduces follow the whole backward: no overlap)
+            flat = [p for b in self.buckets for p in b.params]
+            self.powersgd = PowerSGD([p.shape for p in flat], o.powersgd_rank, o.warm_start, o.error_feedback,
+                                     o.seed, dtype=flat[0].dtype, device=flat[0].device)
+        elif o.overlap:
             for p in params:
                 p.register_post_accumulate_grad_hook(self._grad_ready)
         return model
@@ -136,7 +166,11 @@ class AllReduce(GradientMeanSimulation, Solver):
     def _launch(self, b: _Bucket) -> None:
         # (``key``, the bucket's index: buckets of one size in flight together each have a
         # host buffer of their own where they are staged through host memory)
-        b.pending = self.comm.all_reduce(b.flat, group=self.comm.worker_group, async_op=True, key=self._next)
+        group = self.comm.worker_group
+        sent = b.flat
+        if self.wire_dtype is not None:
+            sent = b.wire = wire_mean_share(b.flat, self.comm.group_size(group), self.wire_dtype)
+        b.pending = self.comm.all_reduce(sent, group=group, async_op=True, key=self._next)
         self._next += 1
 
     def after_backward(self, step: int) -> None:
@@ -147,14 +181,40 @@ class AllReduce(GradientMeanSimulation, Solver):
                 for i, p in enumerate(b.params):
                     self._adopt_grad(p, b, i)
                 b.waiting_for = 0
-            self._launch(b)
+            if self.powersgd is None or step < self.options.powersgd_start:
+                self._launch(b)
+        if self.powersgd is not None and step >= self.options.powersgd_start:
+            self._powersgd_mean()
+            return
         live = self.comm.group_size(self.comm.worker_group)
         for b in self.buckets:
             b.pending.wait()
             b.pending = None
-            b.flat.div_(live)
+            if b.wire is not None:  # (the sum of the shares: the mean)
+                b.flat.copy_(b.wire)
+                b.wire = None
+            else:
+                b.flat.div_(live)
             b.waiting_for = len(b.params)
         self._next = 0
+
+    def _powersgd_mean(self) -> None:
+        """Every gradient replaced by PowerSGD's mean (the buckets' views, as one worker's
+        replica)."""
+        group = self.comm.worker_group
+        views = [v.unsqueeze(0) for b in self.buckets for v in b.views]
+        self.powersgd.mean(views, lambda flat: self.comm.all_reduce(flat[0], group=group),
+                           self.comm.group_size(group))
+        for b in self.buckets:
+            b.waiting_for = len(b.params)
+        self._next = 0
+
+    def state_dict(self):
+        return {"powersgd": self.powersgd.state_dict()} if self.powersgd is not None else {}
+
+    def load_state_dict(self, state):
+        if self.powersgd is not None:
+            self.powersgd.load_state_dict(state["powersgd"])
 
     def zero_grad(self) -> None:
         for b in self.buckets:

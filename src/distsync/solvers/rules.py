@@ -183,6 +183,26 @@ def streaming_merge(local: torch.Tensor, outer: torch.Tensor, alpha: float) -> N
     local.mul_(alpha).add_(outer, alpha=1.0 - alpha)
 
 
+def gram_schmidt(m: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
+    """Orthonormalize the columns of ``m`` (its last two dimensions: rows x columns, any
+    leading ones batched), in place, in order: each column less its projections on the ones
+    before it, then divided by its norm (plus ``eps``). PowerSGD's orthogonalization."""
+    for i in range(m.shape[-1]):
+        col = m[..., i : i + 1]
+        col.div_(col.norm(dim=-2, keepdim=True).add_(eps))
+        if i + 1 < m.shape[-1]:
+            rest = m[..., i + 1 :]
+            rest.sub_(col * (col * rest).sum(dim=-2, keepdim=True))
+    return m
+
+
+def wire_mean_share(flat: torch.Tensor, workers: int, dtype: torch.dtype) -> torch.Tensor:
+    """What a worker sends to an all-reduce of means in a narrower wire format: its share of
+    the mean, flat / workers, cast to ``dtype`` (divided first, so that the sum cannot
+    overflow fp16's range where the gradients themselves fit)."""
+    return flat.div(workers).to(dtype)
+
+
 def apply_correction(live: torch.Tensor, read: torch.Tensor, new: torch.Tensor) -> None:
     """Write a background sync's result into a model that kept training meanwhile:
     live <- live + (new - read), so the local steps taken since ``read`` are kept."""
