@@ -123,33 +123,55 @@ def test_compressed_allreduce_equals_plain_pytorch(compress):
     else:
         ref = _half_reference({"fp16": torch.float16, "bf16": torch.bfloat16}[compress])
     exact = _half_reference(torch.float32)
+
+    def distance(a, b):
+        return sum(float((a[k] - b[k]).norm() ** 2) for k in ref) ** 0.5
+
+    # the compressed run lands on its reference, 20 times closer to it than compression moved
+    # the model away from the exact mean's (summation order may differ in the last bit)
+    moved = distance(ref, exact)
+    assert moved > 1e-4
     for r in run_ranks(train_digits_rank, 2, "allreduce", {"compress": compress}, STEPS, SEED, BATCH, LR):
-        for k, v in ref.items():
-            torch.testing.assert_close(r["state"][k], v, rtol=0, atol=5e-6)
-    # (and compression changed the result: the reference is not the exact mean's)
-    assert max((ref[k] - exact[k]).abs().max().item() for k in ref) > 1e-5
+        assert distance(r["state"], ref) < moved / 20, (distance(r["state"], ref), moved)
 
 
-def _bytes_sent(rank, world, compress):
+def _bytes_sent(rank, world, name, options, steps=1):
+    """Bytes one worker sent in its last step of ``steps``."""
     import distsync
     from distsync.solvers import make_solver
 
     comm = distsync.init_comm(timeout_s=20.0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 10))
-    solver = make_solver("allreduce", compress=compress)
+    solver = make_solver(name, **options)
     run = solver.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), comm)
-    before = comm.bytes_sent
-    with solver.step(0):
-        run(torch.randn(8, 64)).sum().backward()
+    for i in range(steps):
+        before = comm.bytes_sent
+        with solver.step(i):
+            run(torch.randn(8, 64)).sum().backward()
     sent = comm.bytes_sent - before
+    solver.close()
     comm.close()
     return sent
 
 
 def test_bytes_on_the_wire():
-    plain, half, low = (run_ranks(_bytes_sent, 2, c)[0] for c in ("none", "fp16", "powersgd"))
+    plain, half, low = (run_ranks(_bytes_sent, 2, "allreduce", {"compress": c})[0] for c in ("none", "fp16", "powersgd"))
     used = 4 * 4  # (each step's all-reduce of which of the 4 parameters got a gradient: fp32)
     grads = 4 * (64 * 128 + 128 + 128 * 10 + 10)
     assert plain == grads + used and half == grads / 2 + used
     # rank 1: 128 x 64 and 10 x 128 as P and Q, (128 + 64) + (10 + 128) floats, and the biases, 138
     assert low == 4 * (192 + 138 + 138) + used
+
+
+def test_torch_hooks_the_peers_send_what_they_say():
+    plain = run_ranks(_bytes_sent, 2, "ddp", {})[0]
+    assert run_ranks(_bytes_sent, 2, "ddp", {"comm_hook": "fp16"})[0] == plain // 2
+    # torch's PowerSGD: exact all-reduces for its first powersgd_start steps, then P and Q and the biases
+    assert run_ranks(_bytes_sent, 2, "ddp", {"comm_hook": "powersgd"}, 2)[0] == plain
+    assert run_ranks(_bytes_sent, 2, "ddp", {"comm_hook": "powersgd"}, 3)[0] == 4 * (192 + 138 + 138)
+
+
+def test_torchs_powersgd_start_rule_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match=r"solver ddp: comm_hook=powersgd with warm_start or error_feedback needs "
+                                          r"powersgd_start >= 2 \(torch's own rule for DDP\), got powersgd_start=0"):
+        make_options(solver_class("ddp"), {"comm_hook": "powersgd", "powersgd_start": 0})

@@ -80,30 +80,8 @@ def plan_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Par
     return buckets
 
 
-class GradientMeanSimulation:
-    """Solver mixin (list it before the Solver base): the simulation of every worker stepping
-    with the mean of all gradients, an all-reduce each step (allreduce, ddp); with a
-    narrower wire format, of its bytes and its rounding."""
-
-    @classmethod
-    def simulate_timing(cls, options, sim):
-        compress = getattr(options, "compress", "none")
-        if compress == "powersgd":
-            raise ConfigError(f"solver {cls.name} with compress=powersgd has no timing model: its bytes depend on "
-                              f"the model's matrix shapes, which the simulator does not know (fp16 and bf16 have one)")
-        share = 0.5 if compress in WIRE_DTYPES else 1.0
-        return sim.meet_every(1, sim.allreduce_s(share=share))  # every step, an all-reduce of the gradients
-
-    @classmethod
-    def simulate_rule(cls, options, sim):
-        compress = getattr(options, "compress", "none")
-        if compress == "powersgd":
-            return sim.powersgd_mean(options)
-        return sim.mean_gradient(WIRE_DTYPES.get(compress))
-
-
 @register_solver
-class AllReduce(GradientMeanSimulation, Solver):
+class AllReduce(Solver):
     name = "allreduce"
     Options = AllReduceOptions
     # SKIPS_UNUSED: their zero gradients are averaged in, unless no worker used them
@@ -112,6 +90,24 @@ class AllReduce(GradientMeanSimulation, Solver):
                                           Capability.SKIPS_UNUSED}
     default_buffers = "broadcast"  # (DDP's broadcast_buffers)
     buffer_choices = ("broadcast", "average", "local")
+
+    # The simulation: every worker steps with the mean of all gradients, an all-reduce each
+    # step; with a narrower wire format, of its bytes and its rounding.
+    @classmethod
+    def simulate_timing(cls, options, sim):
+        compress = options.compress
+        if compress == "powersgd":
+            raise ConfigError(f"solver {cls.name} with compress=powersgd has no timing model: its bytes depend on "
+                              f"the model's matrix shapes, which the simulator does not know (fp16 and bf16 have one)")
+        share = 0.5 if compress in WIRE_DTYPES else 1.0
+        return sim.meet_every(1, sim.allreduce_s(share=share))  # every step, an all-reduce of the gradients
+
+    @classmethod
+    def simulate_rule(cls, options, sim):
+        compress = options.compress
+        if compress == "powersgd":
+            return sim.powersgd_mean(options)
+        return sim.mean_gradient(WIRE_DTYPES.get(compress))
 
     def attach(self, model, optimizer, comm, **kw):
         super().attach(model, optimizer, comm, **kw)

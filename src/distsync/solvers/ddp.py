@@ -20,19 +20,35 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distsync.comm import ring_allreduce_bytes
 from distsync.config import bounded
-from distsync.solvers.allreduce import GradientMeanSimulation
+from distsync.errors import ConfigError
 from distsync.solvers.base import Capability, Solver, register_solver
+from distsync.solvers.compression import PowerSGD
 
 
 @dataclass
 class DDPOptions:
-    """bucket_mb: DDP's bucket_cap_mb."""
+    """bucket_mb: DDP's bucket_cap_mb. comm_hook: torch's own compression hook (none,
+    fp16, bf16: ``fp16_compress_hook``, ``bf16_compress_hook``; powersgd: ``powerSGD_hook``
+    with powersgd_rank, powersgd_start (its start_powerSGD_iter: at least 2, as torch asks
+    with warm start or error feedback), warm_start, error_feedback, seed): the peer of
+    ``allreduce -o compress=...``."""
 
     bucket_mb: float = bounded(25.0, gt=0)
+    comm_hook: str = bounded("none", choices=("none", "fp16", "bf16", "powersgd"))
+    powersgd_rank: int = bounded(1, ge=1)
+    powersgd_start: int = bounded(2, ge=0)
+    warm_start: bool = True
+    error_feedback: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.comm_hook == "powersgd" and self.powersgd_start < 2 and (self.warm_start or self.error_feedback):
+            raise ValueError(f"comm_hook=powersgd with warm_start or error_feedback needs powersgd_start >= 2 "
+                             f"(torch's own rule for DDP), got powersgd_start={self.powersgd_start}")
 
 
 @register_solver
-class DDP(GradientMeanSimulation, Solver):
+class DDP(Solver):
     name = "ddp"
     Options = DDPOptions
     # SYNCS_IN_BACKWARD: DDP's own all-reduce, inside backward; no SYNCS_BUFFERS_PER_STEP: DDP
@@ -47,6 +63,20 @@ class DDP(GradientMeanSimulation, Solver):
     @classmethod
     def search_space(cls, workers):
         return []  # allreduce's timing and math
+
+    @classmethod
+    def simulate_timing(cls, options, sim):
+        if options.comm_hook == "powersgd":
+            raise ConfigError("solver ddp with comm_hook=powersgd has no timing model: its bytes depend on the "
+                              "model's matrix shapes, which the simulator does not know")
+        return sim.meet_every(1, sim.allreduce_s(share=1.0 if options.comm_hook == "none" else 0.5))
+
+    @classmethod
+    def simulate_rule(cls, options, sim):
+        if options.comm_hook != "none":
+            raise ConfigError(f"solver ddp with comm_hook={options.comm_hook}: train mode does not model torch's "
+                              f"compression hooks (allreduce -o compress={options.comm_hook} is modelled)")
+        return sim.mean_gradient()
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -73,11 +103,32 @@ class DDP(GradientMeanSimulation, Solver):
                                            broadcast_buffers=self.buffers == "broadcast")
         grad_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
         self._bytes_per_step = ring_allreduce_bytes(grad_bytes, self.comm.group_size(group))
-        if self.comm.membership is not None:
+        if self.options.comm_hook != "none":
+            self._torch_hook(group)
+        elif self.comm.membership is not None:
             self._waiter = self._waiter or ThreadPoolExecutor(1, thread_name_prefix="ddp-wait")
             self.ddp.register_comm_hook(group, self._live_hook)
         elif self._on_comm is not None:
             self.ddp.register_comm_hook(group, self._hook)
+
+    def _torch_hook(self, group) -> None:
+        """torch's compression hook (a dead peer is then found by the comm timeout only: the
+        hook's collectives are torch's, not the comm layer's); the bytes it sends a step."""
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+        o, n = self.options, self.comm.group_size(group)
+        grads = [p for p in self.model.parameters() if p.requires_grad]
+        if o.comm_hook == "powersgd":
+            state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=o.powersgd_rank,
+                                                start_powerSGD_iter=o.powersgd_start, warm_start=o.warm_start,
+                                                use_error_feedback=o.error_feedback, random_seed=o.seed)
+            self.ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+            numel = PowerSGD([p.shape for p in grads], o.powersgd_rank).wire_numel()
+            self._compressed_bytes = ring_allreduce_bytes(numel * grads[0].element_size(), n)
+        else:
+            hook = default_hooks.fp16_compress_hook if o.comm_hook == "fp16" else default_hooks.bf16_compress_hook
+            self.ddp.register_comm_hook(group, hook)
+            self._compressed_bytes = self._bytes_per_step // 2
 
     def _hook(self, group, bucket):
         if bucket.is_last() and self._on_comm is not None:
@@ -121,7 +172,11 @@ class DDP(GradientMeanSimulation, Solver):
 
     def after_backward(self, step: int) -> None:
         self.clock.meeting(str(step))  # (DDP's all-reduce, whose last bucket ends inside backward)
-        if self.comm.membership is None:  # (the comm layer counts the live hook's bytes)
+        o = self.options
+        if o.comm_hook != "none":  # (torch's hook: exact all-reduces before PowerSGD starts)
+            exact = o.comm_hook == "powersgd" and step < o.powersgd_start
+            self.comm.count_bytes(self._bytes_per_step if exact else self._compressed_bytes)
+        elif self.comm.membership is None:  # (the comm layer counts the live hook's bytes)
             self.comm.count_bytes(self._bytes_per_step)
 
     def close(self) -> None:
