@@ -217,3 +217,13 @@ def _resumed_mid_round(rank, world, name, options, first):
 ])
 def test_a_solver_goes_on_alike_from_its_state_dict_mid_round(name, options, first):
     assert run_ranks(_resumed_mid_round, 2, name, options, first) == [0.0, 0.0]
+
+
+def test_torchs_post_local_sgd_takes_mas_schedule_and_math():
+    steps, every = 9, 3
+    ours = run_ranks(train_digits_rank, 2, "ma", {"every": every}, steps, SEED, BATCH, LR)
+    torchs = run_ranks(train_digits_rank, 2, "torch-local-sgd", {"every": every}, steps, SEED, BATCH, LR)
+    for a, b in zip(ours, torchs):
+        for k, v in a["state"].items():
+            torch.testing.assert_close(b["state"][k], v, rtol=0, atol=1e-6)
+    assert torchs[0]["stats"] == {"averager_steps": steps}

@@ -21,6 +21,7 @@ from distsync.solvers import (  # noqa: F401  (importing a module registers its 
     elastic,
     model_averaging,
     parameter_server,
+    peers,
     shadow,
 )
 
