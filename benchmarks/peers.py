@@ -1,0 +1,160 @@
+"""distsync's solvers against the peers' own implementations, side by side in one run.
+
+Each pair runs ours and the peer's on the same workload, seed (so the same data order),
+emulated device time and link, one after the other (which goes first alternates with the
+repeat), each with the budget ``target,seconds=CAP``: it trains until the job's metric
+reaches the workload's target. Per pair the table gives each side's throughput and time to
+target, and per repeat the ratios (ours / peer's throughput: above 1 ours is faster; peer's /
+ours time to target: above 1 ours gets there sooner) with their median and range.
+
+    python benchmarks/peers.py [--seeds 1,2,3] [--pairs NAME,...] [--device-ms 20] [--link 1gbit]
+
+The peers are torch's own: DDP (``ddp``), its compression hooks (``ddp -o comm_hook=...``,
+``fp16_compress_hook``, ``powerSGD_hook``), its post-local SGD optimizer with a periodic model
+averager (``torch-local-sgd``); each is a distsync solver wrapping torch's code, so both sides
+get the same harness. Peers that do not run here are listed with the reason.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from common import (argument_parser, launch_or_exit, print_checks, provenance, ratios, seed_list, shown, spread,
+                    write_record)
+from distsync.config import RunConfig
+
+#: name -> (ours, ours' options, peer, peer's options, what the peer is)
+PAIRS = {
+    "allreduce/ddp": ("allreduce", {}, "ddp", {}, "torch DistributedDataParallel"),
+    "fp16/torch-fp16-hook": ("allreduce", {"compress": "fp16"}, "ddp", {"comm_hook": "fp16"},
+                             "DDP with torch's fp16_compress_hook"),
+    "powersgd/torch-powersgd-hook": ("allreduce", {"compress": "powersgd", "powersgd_start": 2}, "ddp",
+                                     {"comm_hook": "powersgd", "powersgd_start": 2},
+                                     "DDP with torch's powerSGD_hook (rank 1, both exact for 2 steps)"),
+    "ma/torch-post-local-sgd": ("ma", {"every": 4}, "torch-local-sgd", {"every": 4},
+                                "torch's PostLocalSGDOptimizer with a PeriodicModelAverager"),
+}
+#: peers that do not run here, and why
+NOT_RUN = [
+    ("diloco, streaming-diloco", "torchft's DiLoCo and Streaming DiLoCo",
+     "not built yet: torchft's Manager needs its lighthouse and quorum around every step"),
+    ("ad-psgd, ripples", "hivemind's decentralized averaging", "not built yet"),
+]
+WORKLOAD, CAP_S = "digits", 20.0
+
+
+def regime(device_ms: float, link: str | None) -> str:
+    return (f"emulated devices ({device_ms:g} ms a step, the real math inside it), "
+            + (f"emulated {link} links" if link else "loopback links"))
+
+
+def _row(raw: dict, name: str) -> dict:
+    return raw["results"][name]
+
+
+def _per_seed(side: dict, key: str) -> dict:
+    return {seed: r.get(key) for seed, r in side.items()}
+
+
+def pair_ratios(raw: dict, name: str) -> tuple[list, list]:
+    """Per seed: ours / peer's throughput, and peer's / ours time to target."""
+    row = _row(raw, name)
+    thr = ratios(_per_seed(row["ours"], "throughput_samples_per_s"), _per_seed(row["peer"], "throughput_samples_per_s"))
+    return thr, ratios(_per_seed(row["peer"], "time_to_target_s"), _per_seed(row["ours"], "time_to_target_s"))
+
+
+def render(raw: dict) -> dict[str, str]:
+    lines = [f"`{raw['workload']}`, {raw['repeats']} seeds ({', '.join(map(str, raw['seeds']))}) per pair: median "
+             f"(min-max). Regime: {raw['regime']}. Each job to its target (cap {raw['cap_s']:g} s).", "",
+             "| pair | ours | peer | ours (samples/s) | peer (samples/s) | throughput ours / peer | ours to target (s) "
+             "| peer to target (s) | time to target peer / ours | final metric ours | final metric peer |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name in raw["pairs"]:
+        row = _row(raw, name)
+        thr, ttt = pair_ratios(raw, name)
+
+        def col(side, key, fmt="{:.2f}"):
+            return shown(_per_seed(row[side], key).values(), fmt)
+
+        lines.append(f"| {name} | `{row['ours_label']}` | {row['peer_what']} | "
+                     f"{col('ours', 'throughput_samples_per_s', '{:,.0f}')} | "
+                     f"{col('peer', 'throughput_samples_per_s', '{:,.0f}')} | {shown(thr, unit='x')} | "
+                     f"{col('ours', 'time_to_target_s')} | {col('peer', 'time_to_target_s')} | {shown(ttt, unit='x')} | "
+                     f"{col('ours', 'final_metric', '{:.3f}')} | {col('peer', 'final_metric', '{:.3f}')} |")
+    lines += ["", "Not run here:", ""]
+    lines += [f"- {ours} against {peer}: {why}" for ours, peer, why in raw["not_run"]]
+    return {"peers": "\n".join(lines)}
+
+
+def checks(raw: dict) -> list[tuple[str, bool]]:
+    """The targets: ours at least 1.0x the peer's throughput, and its time to target within
+    the spread (the ranges of the two overlap) or better."""
+    out = []
+    for name in raw["pairs"]:
+        row = _row(raw, name)
+        thr, _ = pair_ratios(raw, name)
+        s = spread(thr)
+        if s is not None:
+            out.append((f"{name}: throughput ours / peer median {s[0]:.2f}x (range {s[1]:.2f}-{s[2]:.2f}; "
+                        f"target >= 1.0x)", s[0] >= 1.0))
+        ours, peer = (spread(_per_seed(row[k], "time_to_target_s").values()) for k in ("ours", "peer"))
+        if ours is not None and peer is not None:
+            out.append((f"{name}: time to target ours {ours[0]:.2f} s ({ours[1]:.2f}-{ours[2]:.2f}), peer "
+                        f"{peer[0]:.2f} s ({peer[1]:.2f}-{peer[2]:.2f}); target: within the spread or sooner",
+                        ours[1] <= peer[2]))
+    return out
+
+
+def label(solver: str, options: dict) -> str:
+    return " ".join([solver, *(f"-o {k}={v}" for k, v in options.items())])
+
+
+def main() -> int:
+    p = argument_parser(__doc__)
+    p.add_argument("--seeds", default="1,2,3")
+    p.add_argument("--pairs", help=f"comma-separated, of: {', '.join(PAIRS)} (default: all)")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--device-ms", type=float, default=20.0)
+    p.add_argument("--link", help="emulated link for every worker, e.g. 1gbit (needs root)")
+    p.add_argument("--cap", type=float, default=CAP_S, help="seconds each job may train at most")
+    p.add_argument("--out", default="benchmarks/results/peers")
+    p.add_argument("--json", help="default: OUT/peers.json")
+    args = p.parse_args()
+    started = provenance("benchmarks/peers.py")
+    names = list(PAIRS) if not args.pairs else args.pairs.split(",")
+    unknown = [n for n in names if n not in PAIRS]
+    if unknown:
+        p.error(f"unknown pair(s) {', '.join(unknown)}; valid: {', '.join(PAIRS)}")
+    seeds, out = seed_list(args.seeds), Path(args.out)
+    results: dict[str, dict] = {}
+    for k, seed in enumerate(seeds):
+        for name in names:
+            ours, ours_o, peer, peer_o, what = PAIRS[name]
+            row = results.setdefault(name, {"ours_label": label(ours, ours_o), "peer_what": what, "ours": {},
+                                            "peer": {}})
+            sides = [("ours", ours, ours_o), ("peer", peer, peer_o)]
+            for side, solver, opts in (sides if k % 2 == 0 else sides[::-1]):
+                cfg = RunConfig(workload=WORKLOAD, solver=solver, solver_options=dict(opts), workers=args.workers,
+                                device_ms=args.device_ms, link=args.link, eval_every=10, seed=seed,
+                                budget=f"target,seconds={args.cap:g}", timeout_s=120)
+                s = launch_or_exit(cfg, out / name.replace("/", "--") / side / f"seed{seed}")
+                row[side][str(seed)] = {key: s.get(key) for key in (
+                    "time_to_target_s", "final_metric", "throughput_samples_per_s", "bytes_sent", "phase_share",
+                    "device")}
+                print(f"seed {seed} {name:<30} {side:<4} to target {s['time_to_target_s']}  "
+                      f"{s['throughput_samples_per_s']:,.0f} samples/s", flush=True)
+    raw = {"pairs": names, "results": results, "workload": WORKLOAD, "cap_s": args.cap, "seeds": seeds,
+           "repeats": len(seeds), "regime": regime(args.device_ms, args.link), "not_run": NOT_RUN}
+    print()
+    print(render(raw)["peers"])
+    print()
+    found = checks(raw)
+    print_checks(found, met="met:   ", missed="missed:")
+    write_record(args.json or out / "peers.json", started, regime=raw["regime"], seeds=seeds,
+                 payload={k: v for k, v in raw.items() if k not in ("seeds", "repeats", "regime")} | {"checks": found})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
