@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -70,3 +72,23 @@ def test_digits_is_sklearns_data_and_split_without_importing_sklearn():
             "print(sorted(m for m in ('sklearn', 'scipy', 'matplotlib') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
+
+
+def test_lm_is_next_byte_prediction_on_pythons_own_source():
+    from distsync.workloads.lm import VOCAB, python_text
+
+    w = load_workload("lm")
+    x, y = w.train_data
+    assert x.shape[1] == 64 and x.dtype == torch.long and int(x.max()) < VOCAB
+    text = python_text()
+    assert bytes(x[0].tolist()) == text[:64] and bytes(y[0].tolist()) == text[1:65]  # one byte on
+    assert len(w.eval_data[0]) == (len(text) - len(text) * 9 // 10 - 1) // 64  # the last tenth
+    torch.manual_seed(0)
+    model = w.make_model().requires_grad_(False)
+    out = model(x[:4])
+    assert out.shape == (4, 64, VOCAB)
+    # untrained: about uniform over 256 bytes; causal: a position does not see the ones after it
+    assert abs(float(w.loss_fn(out, y[:4])) - math.log(VOCAB)) < 0.5
+    changed = x[:1].clone()
+    changed[0, 40:] = (changed[0, 40:] + 1) % VOCAB
+    torch.testing.assert_close(model(changed)[0, :40], out[0, :40])
