@@ -1,0 +1,172 @@
+"""DiLoCo's and Streaming DiLoCo's claims, in the regime this machine allows.
+
+DiLoCo: far fewer synchronizations for a model of about the same quality (the paper: 500
+inner steps between them on language models, 8 workers, C4). Streaming DiLoCo: the bytes of
+one synchronization (its peak bandwidth) cut by the fragment count, and its communication
+hidden behind the inner steps.
+
+Part ``quality`` (simulated: the simulator's train mode, the same math as real runs, tested
+against them to 1e-5): the `lm` workload (a small causal transformer on Python's own source),
+``--workers`` replicas, AdamW inner steps (lr 0.003), the same steps for every solver:
+all-reduce every step, model averaging, DiLoCo with two intervals, Streaming DiLoCo. Per
+solver: synchronizations per worker, bytes per worker and the largest single
+synchronization (from the model's and the fragments' sizes), and the final evaluation's loss,
+perplexity and next-byte accuracy, median (range) over the seeds.
+
+Part ``overlap`` (emulated devices behind an emulated link; root): real runs of DiLoCo and
+Streaming DiLoCo (with and without overlap) on `lm`, the share of a worker's time spent
+communicating or waiting.
+
+    python benchmarks/diloco.py [--part quality|overlap|both] [--seeds 1,2,3] [--steps 600]
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+from common import argument_parser, launch_or_exit, provenance, seed_list, shown, spread, write_record
+from distsync.comm import ring_allreduce_bytes
+from distsync.config import RunConfig
+
+#: (label, solver, options) of the quality part
+QUALITY = [
+    ("allreduce", "allreduce", {}),
+    ("ma every=50", "ma", {"every": 50}),
+    ("diloco every=10", "diloco", {"every": 10}),
+    ("diloco every=50", "diloco", {"every": 50}),
+    ("streaming-diloco every=50 fragments=5", "streaming-diloco", {"every": 50, "fragments": 5, "delay": 1}),
+]
+#: (label, solver, options) of the overlap part
+OVERLAP = [
+    ("diloco every=20", "diloco", {"every": 20}),
+    ("streaming-diloco every=20 fragments=4 delay=0", "streaming-diloco", {"every": 20, "fragments": 4, "delay": 0}),
+    ("streaming-diloco every=20 fragments=4 delay=2", "streaming-diloco", {"every": 20, "fragments": 4, "delay": 2}),
+]
+ADAMW_LR = 0.003
+
+
+def sync_bytes(solver: str, options: dict, steps: int, workers: int) -> tuple[float, float, int]:
+    """Per worker: bytes sent over ``steps``, the largest single synchronization's, and the
+    number of synchronizations (ring all-reduces of fp32 parameters)."""
+    from distsync.solvers.diloco import layer_fragments
+    from distsync.workloads import load_workload
+
+    model = load_workload("lm").make_model()
+    sizes = {n: p.numel() * 4 for n, p in model.named_parameters()}
+    whole = ring_allreduce_bytes(sum(sizes.values()), workers)
+    if solver == "allreduce":
+        return steps * whole, whole, steps
+    if solver != "streaming-diloco":
+        n = steps // options["every"]
+        return n * whole, whole, n
+    parts = [ring_allreduce_bytes(sum(sizes[k] for k in names), workers)
+             for names in layer_fragments(list(sizes), options["fragments"])]
+    interval = options["every"] // options["fragments"]
+    n = steps // interval
+    return sum(parts[i % len(parts)] for i in range(n)), max(parts), n
+
+
+def quality(seeds: list[int], steps: int, workers: int) -> dict:
+    from distsync.sim.train import simulate_training
+    from distsync.workloads import load_workload
+
+    w = load_workload("lm")
+    out: dict[str, dict] = {}
+    for label, solver, options in QUALITY:
+        total, peak, syncs = sync_bytes(solver, options, steps, workers)
+        row = out.setdefault(label, {"solver": solver, "options": options, "bytes_per_worker": total,
+                                     "peak_sync_bytes": peak, "syncs": syncs, "seeds": {}})
+        for seed in seeds:
+            r = simulate_training(solver, options, w, workers, steps, lr=ADAMW_LR, optimizer="adamw", seed=seed,
+                                  eval_every=steps)
+            last = r.curve[-1]
+            row["seeds"][str(seed)] = {"loss": last["loss"], "metric": last["metric"],
+                                       "perplexity": math.exp(last["loss"])}
+            print(f"seed {seed} {label:<40} loss {last['loss']:.3f}  accuracy {last['metric']:.3f}", flush=True)
+    return out
+
+
+def overlap(seeds: list[int], workers: int, device_ms: float, link: str, steps: int, out_dir: Path) -> dict:
+    out: dict[str, dict] = {}
+    for seed in seeds:
+        for label, solver, options in OVERLAP:
+            cfg = RunConfig(workload="lm", solver=solver, solver_options=dict(options), workers=workers, steps=steps,
+                            optimizer="adamw", lr=ADAMW_LR, device_ms=device_ms, link=link, eval_every=10**6,
+                            seed=seed, timeout_s=120)
+            s = launch_or_exit(cfg, out_dir / label.replace(" ", "_").replace("=", "-") / f"seed{seed}")
+            share = s.get("phase_share") or {}
+            out.setdefault(label, {"solver": solver, "options": options, "seeds": {}})["seeds"][str(seed)] = {
+                "comm_share": share.get("comm"), "wait_share": share.get("wait"),
+                "throughput_samples_per_s": s["throughput_samples_per_s"], "device": s.get("device")}
+            print(f"seed {seed} {label:<48} comm {share.get('comm')}  wait {share.get('wait')}", flush=True)
+    return out
+
+
+def _col(row: dict, key: str, fmt: str) -> str:
+    return shown([r.get(key) for r in row["seeds"].values()], fmt)
+
+
+def render(raw: dict) -> dict[str, str]:
+    blocks = {}
+    q = raw.get("quality")
+    if q:
+        lines = [f"`lm`, {raw['workers']} workers, {raw['steps']} steps each, AdamW inner steps (lr {ADAMW_LR:g}), "
+                 f"{raw['repeats']} seeds: median (min-max). Regime: simulated (train mode: the same math as real runs).",
+                 "", "| solver | syncs per worker | MB sent per worker | largest sync (MB) | eval loss | perplexity | "
+                 "next-byte accuracy |", "|---|---|---|---|---|---|---|"]
+        for label, row in q.items():
+            lines.append(f"| `{label}` | {row['syncs']} | {row['bytes_per_worker'] / 1e6:.1f} | "
+                         f"{row['peak_sync_bytes'] / 1e6:.3f} | {_col(row, 'loss', '{:.3f}')} | "
+                         f"{_col(row, 'perplexity', '{:.2f}')} | {_col(row, 'metric', '{:.3f}')} |")
+        blocks["diloco_quality"] = "\n".join(lines)
+    o = raw.get("overlap")
+    if o:
+        lines = [f"`lm`, {raw['workers']} workers, {raw['overlap_steps']} steps, {raw['device_ms']:g} ms emulated "
+                 f"devices behind {raw['link']} links: the share of a worker's time communicating and waiting, median "
+                 f"(min-max) over {raw['repeats']} seeds.", "",
+                 "| solver | communicating | waiting | samples/s |", "|---|---|---|---|"]
+        for label, row in o.items():
+            lines.append(f"| `{label}` | {_col(row, 'comm_share', '{:.1%}')} | {_col(row, 'wait_share', '{:.1%}')} | "
+                         f"{_col(row, 'throughput_samples_per_s', '{:,.0f}')} |")
+        blocks["diloco_overlap"] = "\n".join(lines)
+    return blocks
+
+
+def main() -> int:
+    p = argument_parser(__doc__)
+    p.add_argument("--part", default="both", choices=("quality", "overlap", "both"))
+    p.add_argument("--seeds", default="1,2,3")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--steps", type=int, default=600, help="steps per worker of the quality part")
+    p.add_argument("--overlap-steps", type=int, default=100)
+    p.add_argument("--device-ms", type=float, default=50.0)
+    p.add_argument("--link", default="100mbit")
+    p.add_argument("--out", default="benchmarks/results/diloco")
+    p.add_argument("--json", help="default: OUT/diloco.json")
+    args = p.parse_args()
+    started = provenance("benchmarks/diloco.py")
+    seeds = seed_list(args.seeds)
+    raw: dict = {"workers": args.workers, "steps": args.steps, "overlap_steps": args.overlap_steps,
+                 "device_ms": args.device_ms, "link": args.link, "repeats": len(seeds)}
+    if args.part in ("quality", "both"):
+        raw["quality"] = quality(seeds, args.steps, args.workers)
+    if args.part in ("overlap", "both"):
+        raw["overlap"] = overlap(seeds, args.workers, args.device_ms, args.link, args.overlap_steps, Path(args.out))
+    for text in render(raw).values():
+        print()
+        print(text)
+    regime = {"quality": "simulated (train mode)", "overlap": "emulated devices behind emulated links",
+              "both": "simulated (train mode); emulated devices behind emulated links"}[args.part]
+    write_record(args.json or Path(args.out) / "diloco.json", started, regime=regime, seeds=seeds,
+                 payload={k: v for k, v in raw.items() if k != "repeats"})
+    if "quality" in raw:
+        ar = spread(r["loss"] for r in raw["quality"]["allreduce"]["seeds"].values())
+        print(f"\nallreduce's eval loss {ar[0]:.3f}; DiLoCo's claim: a loss within a few percent of it with far "
+              f"fewer synchronizations")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
