@@ -9,7 +9,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -c constraints.txt -e '.[test,workloads]'
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[test,workloads,peers]'
 	touch $@
 
 demo: setup

@@ -9,10 +9,11 @@ ours time to target: above 1 ours gets there sooner) with their median and range
 
     python benchmarks/peers.py [--seeds 1,2,3] [--pairs NAME,...] [--device-ms 20] [--link 1gbit]
 
-The peers are torch's own: DDP (``ddp``), its compression hooks (``ddp -o comm_hook=...``,
+The peers: torch's DDP (``ddp``), its compression hooks (``ddp -o comm_hook=...``,
 ``fp16_compress_hook``, ``powerSGD_hook``), its post-local SGD optimizer with a periodic model
-averager (``torch-local-sgd``); each is a distsync solver wrapping torch's code, so both sides
-get the same harness. Peers that do not run here are listed with the reason.
+averager (``torch-local-sgd``), and torchft's DiLoCo and Streaming DiLoCo (``torchft-diloco``,
+the ``peers`` extra); each is a distsync solver wrapping the peer's code, so both sides get
+the same harness. Peers that do not run here are listed with the reason.
 """
 
 from __future__ import annotations
@@ -34,11 +35,14 @@ PAIRS = {
                                      "DDP with torch's powerSGD_hook (rank 1, both exact for 2 steps)"),
     "ma/torch-post-local-sgd": ("ma", {"every": 4}, "torch-local-sgd", {"every": 4},
                                 "torch's PostLocalSGDOptimizer with a PeriodicModelAverager"),
+    "diloco/torchft-diloco": ("diloco", {"every": 20}, "torchft-diloco", {"every": 20},
+                              "torchft's DiLoCo (its Manager, lighthouse and process group)"),
+    "streaming-diloco/torchft-streaming": ("streaming-diloco", {"every": 20, "fragments": 2, "delay": 1, "alpha": 0.5},
+                                           "torchft-diloco", {"every": 20, "fragments": 2, "delay": 1, "alpha": 0.5},
+                                           "torchft's Streaming DiLoCo"),
 }
 #: peers that do not run here, and why
 NOT_RUN = [
-    ("diloco, streaming-diloco", "torchft's DiLoCo and Streaming DiLoCo",
-     "not built yet: torchft's Manager needs its lighthouse and quorum around every step"),
     ("ad-psgd, ripples", "hivemind's decentralized averaging", "not built yet"),
 ]
 WORKLOAD, CAP_S = "digits", 20.0

@@ -227,3 +227,19 @@ def test_torchs_post_local_sgd_takes_mas_schedule_and_math():
         for k, v in a["state"].items():
             torch.testing.assert_close(b["state"][k], v, rtol=0, atol=1e-6)
     assert torchs[0]["stats"] == {"averager_steps": steps}
+
+
+@pytest.mark.parametrize("options", [
+    {"every": 3},  # DiLoCo
+    {"every": 4, "fragments": 2, "delay": 1, "alpha": 0.5},  # Streaming DiLoCo
+])
+def test_torchfts_diloco_equals_ours(options):
+    pytest.importorskip("torchft")
+    steps = 8  # (a multiple of both intervals: torchft leaves no synchronization in flight at the end)
+    ours = run_ranks(train_digits_rank, 2, "streaming-diloco",
+                     {"fragments": 1, "delay": 0, "alpha": 0.0} | options, steps, SEED, BATCH, LR)
+    peer = run_ranks(train_digits_rank, 2, "torchft-diloco", options, steps, SEED, BATCH, LR)
+    for a, b in zip(ours, peer):
+        for k, v in a["state"].items():
+            torch.testing.assert_close(b["state"][k], v, rtol=0, atol=1e-5)
+    assert peer[0]["stats"]["syncs"] == ours[0]["stats"]["syncs"]

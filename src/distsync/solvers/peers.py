@@ -1,5 +1,5 @@
-"""torch's own algorithms as solvers, run by the same harness as ours so that a benchmark can
-set them side by side (``benchmarks/peers.py``): `torch-local-sgd`.
+"""The peers' own algorithms as solvers, run by the same harness as ours so that a benchmark
+can set them side by side (``benchmarks/peers.py``): `torch-local-sgd`, `torchft-diloco`.
 
 (``ddp`` and its ``comm_hook`` option, torch's compression hooks, are in
 :mod:`~distsync.solvers.ddp`.)
@@ -11,14 +11,33 @@ steps puts those on ma's steps (every ``every``-th), so the two take the same sc
 averages the parameters only (ma's default also averages floating-point buffers: compare with
 ``--buffers local``). Its all-reduce is torch's own, on the group: a dead peer is found by the
 comm timeout, and the job ends.
+
+``torchft-diloco``: torchft's ``DiLoCo`` (Streaming DiLoCo with ``fragments`` > 1), its
+``Manager`` and lighthouse (worker 0 starts the lighthouse; each worker is a replica group of
+one, with a store of its own), over the same strided layer fragments as ours and one torch
+SGD (Nesterov) outer optimizer per fragment: the peer of ``diloco`` and ``streaming-diloco``.
+Its options are ``streaming-diloco``'s (torchft's ``sync_every``, ``fragment_sync_delay``,
+``fragment_update_alpha``), with torchft's defaults: one fragment, no delay, alpha 0. Needs
+the ``peers`` extra (``pip install 'distsync[peers]'``). torchft's recovery is its own: in a
+distsync job a dead worker ends the job.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
+import torch
+import torch.nn as nn
+
+from distsync.comm import ring_allreduce_bytes
 from distsync.config import bounded
+from distsync.errors import ConfigError
 from distsync.solvers.base import Capability, Solver, register_solver
+from distsync.solvers.diloco import StreamingDiLoCo, StreamingOptions, layer_fragments
+
+#: the store key under which worker 0 leaves its lighthouse's address
+LIGHTHOUSE_KEY = "torchft-lighthouse"
 
 
 @dataclass
@@ -68,3 +87,97 @@ class TorchLocalSGD(Solver):
 
     def stats(self):
         return {} if self.model is None else {"averager_steps": self.post.averager.step}
+
+
+@dataclass
+class TorchftOptions(StreamingOptions):
+    """As ``streaming-diloco``'s, with torchft's defaults: every (sync_every) 50, one
+    fragment, delay (fragment_sync_delay) 0, alpha (fragment_update_alpha) 0."""
+
+    every: int = bounded(50, ge=1)
+    fragments: int = bounded(1, ge=1)
+    delay: int = bounded(0, ge=0)
+    alpha: float = bounded(0.0, ge=0, le=1)
+
+
+@register_solver
+class TorchftDiLoCo(Solver):
+    """`torchft-diloco`: torchft's DiLoCo / Streaming DiLoCo on its Manager and lighthouse."""
+
+    name = "torchft-diloco"
+    Options = TorchftOptions
+    capabilities = Solver.capabilities | {Capability.REPLICAS_DIFFER}
+
+    @classmethod
+    def search_space(cls, workers):
+        return []  # a peer, to measure against: streaming-diloco's timing and math
+
+    lockstep_lead = StreamingDiLoCo.lockstep_lead
+    simulate_timing = StreamingDiLoCo.simulate_timing
+    simulate_rule = StreamingDiLoCo.simulate_rule
+
+    def attach(self, model, optimizer, comm, **kw):
+        try:
+            from torch.distributed import TCPStore
+            from torchft.local_sgd import DiLoCo as TorchftDiLoCoRun
+            from torchft.manager import Manager
+            from torchft.process_group import ProcessGroupGloo
+        except ImportError:
+            raise ConfigError(f"solver {self.name} needs torchft, which is not installed: "
+                              f"pip install 'distsync[peers]'") from None
+        super().attach(model, optimizer, comm, **kw)
+        o = self.options
+        self.lighthouse = None
+        if comm.rank == comm.worker_ranks[0]:
+            from torchft._torchft import LighthouseServer
+
+            self.lighthouse = LighthouseServer(bind="[::]:0", min_replicas=comm.num_workers)
+            comm.store_set(LIGHTHOUSE_KEY, self.lighthouse.address())
+        self.store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)  # (this replica group's)
+        self.manager = Manager(pg=ProcessGroupGloo(), min_replica_size=comm.num_workers,
+                               load_state_dict=lambda state: model.load_state_dict(state["model"]),
+                               state_dict=lambda: {"model": model.state_dict()}, replica_id=str(comm.rank),
+                               store_addr="localhost", store_port=self.store.port, rank=0, world_size=1,
+                               lighthouse_addr=comm.store_get(LIGHTHOUSE_KEY), port=0,
+                               timeout=timedelta(seconds=comm.timeout_s), use_async_quorum=False,
+                               init_sync=False)  # (the workers start alike: attach broadcast rank 0's model)
+        params = dict(model.named_parameters())
+        self.fragments = [_Fragment([params[n] for n in names])
+                          for names in layer_fragments(list(params), o.fragments)]
+        outer = [torch.optim.SGD(f.parameters(), lr=o.outer_lr, momentum=o.outer_momentum, nesterov=o.nesterov)
+                 for f in self.fragments]
+        self.run = TorchftDiLoCoRun(self.manager, self.fragments, optimizer, outer, sync_every=o.every,
+                                    fragment_sync_delay=o.delay, fragment_update_alpha=o.alpha)
+        self.run.__enter__()  # (its hooks on the optimizer's step: the inner steps and the syncs)
+        #: what each fragment's synchronization sends (torchft's process group is not the comm's)
+        self._fragment_bytes = [ring_allreduce_bytes(sum(p.numel() * p.element_size() for p in f.parameters()),
+                                                     comm.num_workers) for f in self.fragments]
+        return model
+
+    def update(self, step):
+        before = self.manager.current_step()
+        super().update(step)  # (torchft synchronizes in the optimizer's step)
+        for n in range(before, self.manager.current_step()):
+            self.comm.count_bytes(self._fragment_bytes[n % len(self._fragment_bytes)])
+
+    def close(self):
+        if getattr(self, "run", None) is None:
+            return
+        self.run.__exit__(None, None, None)
+        self.comm.barrier(self.comm.worker_group)  # (every worker past its last sync before the lighthouse goes)
+        self.manager.shutdown(wait=False)
+        if self.lighthouse is not None:
+            self.lighthouse.shutdown()
+        self.run = None
+
+    def stats(self):
+        return {} if self.model is None else {"syncs": self.manager.current_step()}
+
+
+class _Fragment(nn.Module):
+    """A fragment for torchft: the model's own parameters (the same tensors), registered here."""
+
+    def __init__(self, params: list[nn.Parameter]):
+        super().__init__()
+        for i, p in enumerate(params):
+            self.register_parameter(f"p{i}", p)
