@@ -21,8 +21,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from common import (argument_parser, launch_or_exit, print_checks, provenance, ratios, seed_list, shown, spread,
-                    write_record)
+from common import (argument_parser, checks_markdown, launch_or_exit, print_checks, provenance, ratios, seed_list,
+                    shown, spread, write_record)
 from distsync.config import RunConfig
 
 #: name -> (ours, ours' options, peer, peer's options, what the peer is)
@@ -89,7 +89,7 @@ def render(raw: dict) -> dict[str, str]:
                      f"{col('ours', 'final_metric', '{:.3f}')} | {col('peer', 'final_metric', '{:.3f}')} |")
     lines += ["", "Not run here:", ""]
     lines += [f"- {ours} against {peer}: {why}" for ours, peer, why in raw["not_run"]]
-    return {"peers": "\n".join(lines)}
+    return {"peers": "\n".join(lines), "peers_targets": checks_markdown(checks(raw))}
 
 
 def checks(raw: dict) -> list[tuple[str, bool]]:
