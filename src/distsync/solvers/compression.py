@@ -10,8 +10,8 @@
   e; P = M Q (Q warm-started from the last step, orthonormalized; at first drawn from a
   generator seeded alike on every worker); P summed over the workers and orthonormalized;
   Q = M^T P averaged over the workers; the mean's approximation P Q^T; the worker keeps e =
-  M - P Q^T. The other gradients (biases, small matrices) are averaged exactly, in one
-  all-reduce. Two small all-reduces replace the matrices' one.
+  M - P Q^T. The other gradients (biases, small matrices) are averaged exactly, in P's
+  all-reduce. Two small all-reduces replace the gradients' one.
 
 :class:`PowerSGD` works on tensors with a leading replica dimension: 1 on a worker, whose
 ``reduce`` is the all-reduce; every replica in the simulator's train mode, whose ``reduce``
@@ -92,20 +92,19 @@ class PowerSGD:
     def _mean(self, grads: list[torch.Tensor], reduce: Callable[[torch.Tensor], None], workers: int) -> None:
         replicas = grads[0].shape[0]
         plain = [g for i, g in enumerate(grads) if i not in self.q]
-        if plain:
-            flat = torch.cat([g.reshape(replicas, -1) for g in plain], dim=1)
-            reduce(flat)
-            flat.div_(workers)
-            _unpack(flat, plain)
-        if not self.compressed:
-            return
         ms = [(grads[i] + self.error[i] if self.error_feedback else grads[i]).reshape(replicas, *matrix_shape(self.shapes[i]))
               for i in self.compressed]
         qs = [self._start_q(i) for i in self.compressed]
         ps = [m @ q for m, q in zip(ms, qs)]
-        flat = torch.cat([p.reshape(replicas, -1) for p in ps], dim=1)
-        reduce(flat)  # (the sum: orthonormalized next, its scale does not matter)
-        _unpack(flat, ps)
+        # One all-reduce carries the uncompressed gradients (their mean) and the Ps (their sum:
+        # orthonormalized next, its scale does not matter)
+        flat = torch.cat([t.reshape(replicas, -1) for t in [*plain, *ps]], dim=1)
+        reduce(flat)
+        exact = sum(g[0].numel() for g in plain)
+        flat[:, :exact].div_(workers)
+        _unpack(flat, [*plain, *ps])
+        if not self.compressed:
+            return
         for p in ps:
             gram_schmidt(p)
         new_qs = [m.transpose(-2, -1) @ p for m, p in zip(ms, ps)]
