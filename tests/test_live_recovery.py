@@ -213,6 +213,19 @@ def test_every_family_goes_on_without_a_dead_worker(tmp_path, solver):
 
 
 @pytest.mark.slow
+def test_a_streaming_synchronization_in_flight_at_the_end_is_finished_by_the_survivors(tmp_path):
+    # a fragment every 7 steps, started 3 before its outer step: the one started after step 59
+    # is due after step 62, past the last: close() finishes it, without worker 1 (dead before 59)
+    code, err, s = _train(tmp_path, "--solver", "streaming-diloco", "-o", "every=14", "-o", "fragments=2",
+                          "-o", "delay=3", "--fault", "kill:1@59")
+    assert code == 0, err
+    assert "worker rank 1 died (SIGKILL) after step 58 and was dropped" in err
+    stats = s["solver_stats"]
+    assert stats["0"]["syncs"] == stats["2"]["syncs"] == 9  # 8 in the steps and the one at close
+    assert s["final_metric"] > 0.85
+
+
+@pytest.mark.slow
 def test_the_survivors_of_an_all_reduce_stay_identical_and_rank_0s_death_is_survived(tmp_path):
     code, err, clean = _train(tmp_path / "clean", "--solver", "allreduce")
     assert code == 0, err

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from distsync.config import bounded
-from distsync.errors import ConfigError
+from distsync.errors import ConfigError, PeerLost
 from distsync.solvers.base import Capability, Solver, register_solver
 from distsync.solvers.flat import FlatView
 from distsync.solvers.model_averaging import AverageOptions, AveragingSolver, OuterStep
@@ -224,11 +224,21 @@ class StreamingDiLoCo(Solver):
         return None
 
     def close(self):
-        """A synchronization still in flight (the last steps started it) is finished and applied."""
+        """A synchronization still in flight (the last steps started it) is finished and
+        applied; a worker lost meanwhile, the others finish it among themselves."""
         job = self.in_flight
-        if job is not None and self.comm is not None:
-            self._apply(job, self._mean(job, job.apply_at))
-            self.in_flight = None
+        if job is None or self.comm is None:
+            return
+        while True:
+            try:
+                mean = self._mean(job, job.apply_at)
+                break
+            except PeerLost as e:  # (no step left for the loop to finish again: done here)
+                self.comm.membership.take_lost(e.tag)
+                self.comm.membership.reform(e.tag)
+                job.work = job.buf = None
+        self._apply(job, mean)
+        self.in_flight = None
 
     def state_dict(self):
         job = self.in_flight
