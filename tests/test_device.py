@@ -107,3 +107,28 @@ def test_a_device_faster_than_the_cpu_is_reported_cpu_bound(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["device"]["cpu_bound"] is True and summary["device"]["share_over"] > 0.9
     assert "CPU-bound" in proc.stdout + proc.stderr
+
+
+def test_an_all_reduce_inside_backward_is_not_device_time(slept, monkeypatch):
+    """DDP's all-reduce ends inside its backward: the math ends where DDP says its gradients
+    are all computed, and the rest is communication after the device time, as for any
+    solver (not absorbed into the next step's device time)."""
+    from types import SimpleNamespace
+
+    from distsync.solvers import Capability
+
+    told = []
+    solver = SimpleNamespace(capabilities={Capability.SIGNALS_COMMUNICATION}, on_communication=told.append)
+    plugin = DeviceStretch(1.0, 0.0, seeds=[0], device_ms=20.0)
+    plugin.on_attach(SimpleNamespace(solver=solver))
+    [math_done] = told
+    clock = iter([100.0, 100.005])  # the gradients all computed; backward returns 5 ms later
+    monkeypatch.setattr(stretch_module.time, "perf_counter", lambda: next(clock))
+    s = step(0.003)
+    plugin.after_forward(None, s)  # 20 - 3 - 6 (twice the forward) = 11 ms
+    math_done()
+    s.backward_s = 0.009  # 4 ms of math, then 5 ms of all-reduce
+    plugin.after_backward(None, s)
+    assert s.event_extra["device_math"] == pytest.approx(0.007)
+    plugin.after_forward(None, step(0.003))  # the next step's device time leaves 4 ms of backward
+    assert slept == pytest.approx([0.011, 0.002, 0.013])

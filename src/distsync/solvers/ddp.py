@@ -85,7 +85,8 @@ class DDP(Solver):
 
     def attach(self, model, optimizer, comm, **kw):
         super().attach(model, optimizer, comm, **kw)
-        self._on_comm: Callable[[], None] | None = None
+        #: called in each backward once the last bucket is ready (:meth:`on_communication`)
+        self._on_comm: list[Callable[[], None]] = []
         self._waiter: ThreadPoolExecutor | None = None
         self._wrap()
         return self.ddp
@@ -108,7 +109,7 @@ class DDP(Solver):
         elif self.comm.membership is not None:
             self._waiter = self._waiter or ThreadPoolExecutor(1, thread_name_prefix="ddp-wait")
             self.ddp.register_comm_hook(group, self._live_hook)
-        elif self._on_comm is not None:
+        elif self._on_comm:
             self.ddp.register_comm_hook(group, self._hook)
 
     def _torch_hook(self, group) -> None:
@@ -122,22 +123,32 @@ class DDP(Solver):
             state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=o.powersgd_rank,
                                                 start_powerSGD_iter=o.powersgd_start, warm_start=o.warm_start,
                                                 use_error_feedback=o.error_feedback, random_seed=o.seed)
-            self.ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+            self.ddp.register_comm_hook(state, self._signalling(powerSGD_hook.powerSGD_hook))
             numel = PowerSGD([p.shape for p in grads], o.powersgd_rank).wire_numel()
             self._compressed_bytes = ring_allreduce_bytes(numel * grads[0].element_size(), n)
         else:
             hook = default_hooks.fp16_compress_hook if o.comm_hook == "fp16" else default_hooks.bf16_compress_hook
-            self.ddp.register_comm_hook(group, hook)
+            self.ddp.register_comm_hook(group, self._signalling(hook))
             self._compressed_bytes = self._bytes_per_step // 2
 
+    def _signal(self, bucket) -> None:
+        if bucket.is_last():
+            for callback in self._on_comm:
+                callback()
+
+    def _signalling(self, hook):
+        """``hook`` (torch's), telling :meth:`on_communication`'s callbacks first."""
+        def signalled(state, bucket):
+            self._signal(bucket)
+            return hook(state, bucket)
+        return signalled
+
     def _hook(self, group, bucket):
-        if bucket.is_last() and self._on_comm is not None:
-            self._on_comm()
+        self._signal(bucket)
         return allreduce_hook(group, bucket)
 
     def _live_hook(self, group, bucket):
-        if bucket.is_last() and self._on_comm is not None:
-            self._on_comm()
+        self._signal(bucket)
         buf = bucket.buffer()
         # (``key``: buckets in flight together each have a host buffer of their own where
         # they are staged through host memory)
@@ -162,12 +173,16 @@ class DDP(Solver):
         return self.ddp
 
     def on_communication(self, callback: Callable[[], None]) -> None:
-        """Call ``callback()`` in each backward when DDP's last bucket is ready, before its
-        all-reduce starts: no gradient is left to compute. The all-reduce is DDP's own
-        (``allreduce_hook``: the same mean of the gradients)."""
+        """Call ``callback()`` (and the ones given before) in each backward when DDP's last
+        bucket is ready, before its all-reduce starts: no gradient is left to compute. The
+        all-reduce is DDP's own (``allreduce_hook``: the same mean of the gradients), or the
+        ``comm_hook``'s."""
 
-        self._on_comm = callback
-        if self.comm.membership is None:  # (the live hook calls it already)
+        first = not self._on_comm
+        self._on_comm.append(callback)
+        # (the live hook and torch's, wrapped, tell them already; else DDP's own all-reduce
+        # becomes the hook that tells them, registered once)
+        if first and self.comm.membership is None and self.options.comm_hook == "none":
             self.ddp.register_comm_hook(self.comm.worker_group, self._hook)
 
     def after_backward(self, step: int) -> None:

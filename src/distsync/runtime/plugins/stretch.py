@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 from distsync.runtime.plugins.base import Plugin, RunState, StepState
 from distsync.runtime.token import DeviceShareClient
+from distsync.solvers.base import Capability
 
 #: a step's real math may exceed its device time by this much before it counts as over
 OVER_GRACE_S = 0.0002
@@ -116,6 +117,7 @@ class DeviceStretch(Plugin):
         self.stretches = [ComputeStretch(factor, jitter, seed=seed, device_s=device_s) for seed in seeds]
         self._share = share
         self.shared: Any = None
+        self._math_done_at: float | None = None  # (this step's, told by the solver: on_attach)
 
     @classmethod
     def for_worker(cls, cfg: Any, rank: int, threads: int, crossover: dict[str, Any] | None = None) -> "DeviceStretch":
@@ -145,9 +147,25 @@ class DeviceStretch(Plugin):
     def after_forward(self, run: RunState, s: StepState) -> None:
         self.stretches[s.thread].after_forward(s.forward_s)
 
+    def on_attach(self, run: RunState) -> None:
+        # A solver whose all-reduce ends inside backward (DDP) tells when the gradients are
+        # all computed: the emulated device's math ends there, and the rest of backward is
+        # communication, exposed after the device time as any other solver's (not absorbed
+        # into the next step's device time)
+        if (any(st.device_s is not None for st in self.stretches)
+                and Capability.SIGNALS_COMMUNICATION in run.solver.capabilities):
+            run.solver.on_communication(self._math_done)
+
+    def _math_done(self) -> None:
+        self._math_done_at = time.perf_counter()
+
     def after_backward(self, run: RunState, s: StepState) -> None:
         stretch = self.stretches[s.thread]
-        over = stretch.after_backward(s.backward_s)
+        backward_s, done_at = s.backward_s, self._math_done_at
+        if done_at is not None:  # (backward's math: up to the signal; the rest was its all-reduce)
+            backward_s = max(0.0, backward_s - (time.perf_counter() - done_at))
+            self._math_done_at = None
+        over = stretch.after_backward(backward_s)
         if stretch.device_s is not None:
             s.event_extra["device_math"] = stretch.math_s
         if over is not None:
