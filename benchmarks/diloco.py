@@ -26,7 +26,7 @@ import math
 import sys
 from pathlib import Path
 
-from common import argument_parser, launch_or_exit, provenance, seed_list, shown, spread, write_record
+from common import argument_parser, launch_or_exit, per_seed, provenance, seed_list, shown, spread, write_record
 from distsync.comm import ring_allreduce_bytes
 from distsync.config import RunConfig
 
@@ -105,7 +105,7 @@ def overlap(seeds: list[int], workers: int, device_ms: float, link: str, steps: 
 
 
 def _col(row: dict, key: str, fmt: str) -> str:
-    return shown([r.get(key) for r in row["seeds"].values()], fmt)
+    return shown(per_seed(row["seeds"], key).values(), fmt)
 
 
 def render(raw: dict) -> dict[str, str]:

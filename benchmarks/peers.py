@@ -21,8 +21,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from common import (argument_parser, checks_markdown, launch_or_exit, print_checks, provenance, ratios, seed_list,
-                    shown, spread, write_record)
+from common import (argument_parser, checks_markdown, launch_or_exit, per_seed, print_checks, provenance, ratios,
+                    seed_list, shown, spread, write_record)
 from distsync.config import RunConfig
 
 #: name -> (ours, ours' options, peer, peer's options, what the peer is)
@@ -54,19 +54,11 @@ def regime(device_ms: float, link: str | None) -> str:
             + (f"emulated {link} links" if link else "loopback links"))
 
 
-def _row(raw: dict, name: str) -> dict:
-    return raw["results"][name]
-
-
-def _per_seed(side: dict, key: str) -> dict:
-    return {seed: r.get(key) for seed, r in side.items()}
-
-
 def pair_ratios(raw: dict, name: str) -> tuple[list, list]:
     """Per seed: ours / peer's throughput, and peer's / ours time to target."""
-    row = _row(raw, name)
-    thr = ratios(_per_seed(row["ours"], "throughput_samples_per_s"), _per_seed(row["peer"], "throughput_samples_per_s"))
-    return thr, ratios(_per_seed(row["peer"], "time_to_target_s"), _per_seed(row["ours"], "time_to_target_s"))
+    row = raw["results"][name]
+    thr = ratios(per_seed(row["ours"], "throughput_samples_per_s"), per_seed(row["peer"], "throughput_samples_per_s"))
+    return thr, ratios(per_seed(row["peer"], "time_to_target_s"), per_seed(row["ours"], "time_to_target_s"))
 
 
 def render(raw: dict) -> dict[str, str]:
@@ -76,11 +68,11 @@ def render(raw: dict) -> dict[str, str]:
              "| peer to target (s) | time to target peer / ours | final metric ours | final metric peer |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name in raw["pairs"]:
-        row = _row(raw, name)
+        row = raw["results"][name]
         thr, ttt = pair_ratios(raw, name)
 
         def col(side, key, fmt="{:.2f}"):
-            return shown(_per_seed(row[side], key).values(), fmt)
+            return shown(per_seed(row[side], key).values(), fmt)
 
         lines.append(f"| {name} | `{row['ours_label']}` | {row['peer_what']} | "
                      f"{col('ours', 'throughput_samples_per_s', '{:,.0f}')} | "
@@ -97,13 +89,13 @@ def checks(raw: dict) -> list[tuple[str, bool]]:
     the spread (the ranges of the two overlap) or better."""
     out = []
     for name in raw["pairs"]:
-        row = _row(raw, name)
+        row = raw["results"][name]
         thr, _ = pair_ratios(raw, name)
         s = spread(thr)
         if s is not None:
             out.append((f"{name}: throughput ours / peer median {s[0]:.2f}x (range {s[1]:.2f}-{s[2]:.2f}; "
                         f"target >= 1.0x)", s[0] >= 1.0))
-        ours, peer = (spread(_per_seed(row[k], "time_to_target_s").values()) for k in ("ours", "peer"))
+        ours, peer = (spread(per_seed(row[k], "time_to_target_s").values()) for k in ("ours", "peer"))
         if ours is not None and peer is not None:
             out.append((f"{name}: time to target ours {ours[0]:.2f} s ({ours[1]:.2f}-{ours[2]:.2f}), peer "
                         f"{peer[0]:.2f} s ({peer[1]:.2f}-{peer[2]:.2f}); target: within the spread or sooner",
