@@ -83,14 +83,36 @@ def test_a_group_is_refused_in_one_line_without_a_process_group_method(fresh, mo
 
 
 def test_a_group_is_refused_without_the_registry_function_or_its_parameters(fresh, monkeypatch):
+    monkeypatch.delattr(c10d, "_register_process_group")  # (its route one by one, torch 2.11's)
     monkeypatch.setattr(c10d, "_register_pg_in_world", lambda pg, backend_name, store, group_name: None)
     with pytest.raises(CommError) as e:
         tp.gloo_group(dist.HashStore(), "p", [0, 1], 0, 1.0, "refused")
     _one_line_naming(str(e.value), "_register_pg_in_world(")
     monkeypatch.setattr(tp, "_CHECKED", {})
     monkeypatch.delattr(c10d, "_register_pg_in_world")
-    with pytest.raises(CommError, match="lacks _register_pg_in_world"):
+    with pytest.raises(CommError, match=r"lacks _register_pg_in_world\(.*\), _world\.pg_\* and _register_process_group"):
         tp.gloo_group(dist.HashStore(), "p", [0, 1], 0, 1.0, "refused")
+
+
+def test_without_the_registry_function_a_group_is_entered_one_by_one_as_new_group_does(fresh, monkeypatch):
+    monkeypatch.delattr(c10d, "_register_pg_in_world")  # (as on torch 2.11)
+    pg = tp.gloo_group(dist.HashStore(), "p", [3], 3, 5.0, "by-hand")  # (a group of one: no peer to wait for)
+    try:
+        w = c10d._world
+        assert (w.pg_names[pg], w.pg_group_ranks[pg], w.pg_backend_config[pg]) == ("by-hand", {3: 0}, tp_config())
+        assert w.pg_map[pg][0] == "gloo" and w.pg_to_tag[pg] == "ptd:by-hand" and pg in w.tags_to_pg["ptd:by-hand"]
+        assert c10d._resolve_process_group("by-hand") is pg  # (the name registered: what functional collectives use)
+        t = torch.ones(2)
+        dist.all_reduce(t, group=pg)
+        assert t.tolist() == [1.0, 1.0]
+        assert dist.get_process_group_ranks(pg) == [3]
+    finally:
+        dist.destroy_process_group(pg)
+    assert pg not in c10d._world.pg_map and pg not in c10d._world.pg_to_tag
+
+
+def tp_config() -> str:
+    return "cpu:gloo,cuda:gloo" if torch.cuda.is_available() else "cpu:gloo"
 
 
 def test_make_group_refuses_through_the_door(fresh, monkeypatch):
@@ -276,7 +298,7 @@ def test_the_agent_store_is_used_only_where_the_agent_says_so():
 # ---- a group made through the door, for real -----------------------------------------------------
 
 
-def _group_of_two(rank, world, unlabelled):
+def _group_of_two(rank, world, unlabelled, by_hand=False):
     from torch.nn.parallel import DistributedDataParallel
 
     from distsync import torch_private
@@ -285,6 +307,8 @@ def _group_of_two(rank, world, unlabelled):
 
     if unlabelled:  # (as on a torch without the gloo options' labels)
         torch_private._CHECKED[torch_private.GLOO_RANKS] = torch_private._CHECKED[torch_private.GLOO_NAME] = False
+    if by_hand:  # (as on a torch without _register_pg_in_world: 2.11)
+        torch_private._CHECKED[torch_private.REGISTER_PG] = False
     comm = Comm.from_env(["worker"] * world, 20.0, torch.device("cpu"))
     out = {}
     if rank in (0, 2):  # only the members make it: rank 1 takes no part
@@ -311,9 +335,10 @@ def _group_of_two(rank, world, unlabelled):
     return out
 
 
-@pytest.mark.parametrize("unlabelled", [False, True], ids=["labelled", "unlabelled"])
-def test_a_group_made_through_the_door_serves_collectives_and_ddp(unlabelled):
-    res = run_ranks(_group_of_two, 3, unlabelled)
+@pytest.mark.parametrize("unlabelled,by_hand", [(False, False), (True, False), (False, True)],
+                         ids=["labelled", "unlabelled", "registered-one-by-one"])
+def test_a_group_made_through_the_door_serves_collectives_and_ddp(unlabelled, by_hand):
+    res = run_ranks(_group_of_two, 3, unlabelled, by_hand)
     assert res[1] == {}
     for rank, r in ((0, res[0]), (2, res[2])):
         assert r["sum"] == [4.0] * 3

@@ -112,6 +112,9 @@ SET_DEFAULT_BACKEND = "ProcessGroup._set_default_backend"
 REGISTER_BACKEND = "ProcessGroup._register_backend"
 SET_GROUP_NAME = "ProcessGroup._set_group_name"
 REGISTER_PG = "_register_pg_in_world(pg, backend_name, store, group_name, backend_config, rank_mapping)"
+#: what REGISTER_PG gathers into one function, one by one (torch 2.11's route)
+WORLD_REGISTRY = "_world.pg_* and _register_process_group(group_name, pg)"
+_WORLD_DICTS = ("pg_map", "pg_names", "pg_backend_config", "pg_group_ranks", "pg_to_tag", "tags_to_pg")
 GLOO_RANKS = "ProcessGroupGloo.options.global_ranks_in_group"
 GLOO_NAME = "ProcessGroupGloo.options.group_name"
 LISTEN_FD = "TCPStore(master_listen_fd=)"
@@ -124,6 +127,12 @@ TREE_MAP = "torch.utils._pytree.tree_map"
 AGENT_STORE_VAR = "TORCHELASTIC_USE_AGENT_STORE"
 AGENT_API = "torch.distributed.elastic.agent.server.api"
 RESTART_WORKERS = "SimpleElasticAgent._restart_workers(worker_group)"  # (and its _remaining_restarts)
+
+
+def _world_registry_is_there() -> bool:
+    world = getattr(_c10d(), "_world", None)
+    return (all(isinstance(getattr(world, d, None), dict) for d in _WORLD_DICTS)
+            and callable(getattr(_c10d(), "_register_process_group", None)))
 
 
 def _tcp_store_takes_listen_fd() -> bool:
@@ -197,9 +206,14 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName(REGISTER_PG, "torch.distributed.distributed_c10d",
                 "as above: the group in torch's registry, so that dist.* with group=, DistributedDataParallel "
                 "and destroy_process_group accept it",
-                "refused, as above",
+                "the same entries written one by one (the next name); refused without both, as above",
                 lambda: _takes(getattr(_c10d(), "_register_pg_in_world", None), "pg", "backend_name", "store",
                                "group_name", "backend_config", "rank_mapping")),
+    PrivateName(WORLD_REGISTRY, "torch.distributed.distributed_c10d",
+                "as above, on a torch without _register_pg_in_world (2.11): the group's entries in _world's "
+                "dictionaries (" + ", ".join(_WORLD_DICTS) + ") and its name registered, as new_group writes them",
+                "not needed where _register_pg_in_world is there; refused without both, as above",
+                _world_registry_is_there),
     PrivateName(GLOO_RANKS, "torch.distributed",
                 "as above: the group's global ranks, as torch's own groups carry them",
                 "left unset (they label the group in torch's logs and debug records)",
@@ -299,8 +313,10 @@ def default_store(timeout_s: float) -> Any:
 
 # ---- groups of some ranks only ----------------------------------------------------------------
 
-#: what :func:`gloo_group` cannot do without
-GROUP_NAMES = (SET_DEFAULT_BACKEND, REGISTER_BACKEND, SET_GROUP_NAME, REGISTER_PG)
+#: what :func:`gloo_group` cannot do without (and one of :data:`GROUP_REGISTRIES`)
+GROUP_NAMES = (SET_DEFAULT_BACKEND, REGISTER_BACKEND, SET_GROUP_NAME)
+#: the two ways of entering a group in torch's registry: the first this torch has is taken
+GROUP_REGISTRIES = (REGISTER_PG, WORLD_REGISTRY)
 
 
 def gloo_group(store: Any, prefix: str, members: list[int], rank: int, timeout_s: float, name: str) -> Any:
@@ -318,8 +334,9 @@ def gloo_group(store: Any, prefix: str, members: list[int], rank: int, timeout_s
     this attempt's prefix of the agent's); ``split_group`` and ``shrink_group`` need the
     parent group's ranks (and nccl). Refused in one line on a torch without what it needs."""
     gone = missing(GROUP_NAMES)
-    if gone:
-        raise CommError(lacks(gone, _GROUP_REFUSAL))
+    registries = [r for r in GROUP_REGISTRIES if _has(r)]
+    if gone or not registries:
+        raise CommError(lacks(gone + ([] if registries else list(GROUP_REGISTRIES)), _GROUP_REFUSAL))
     import torch
     import torch.distributed as dist
 
@@ -340,9 +357,27 @@ def gloo_group(store: Any, prefix: str, members: list[int], rank: int, timeout_s
         pg._register_backend(torch.device("cuda"), gloo, backend)
         config = "cpu:gloo,cuda:gloo"
     pg._set_group_name(name)
-    _c10d()._register_pg_in_world(pg, backend_name="gloo", store=prefixed, group_name=name, backend_config=config,
-                                  rank_mapping={g: i for i, g in enumerate(members)})
+    ranks = {g: i for i, g in enumerate(members)}
+    if registries[0] == REGISTER_PG:
+        _c10d()._register_pg_in_world(pg, backend_name="gloo", store=prefixed, group_name=name,
+                                      backend_config=config, rank_mapping=ranks)
+    else:
+        _register_in_world(pg, prefixed, name, config, ranks)
     return pg
+
+
+def _register_in_world(pg: Any, store: Any, name: str, config: str, ranks: dict[int, int]) -> None:
+    """What ``_register_pg_in_world`` does, on a torch without it: the entries ``new_group``
+    writes for a group, one by one (its tag as torch's default, ``ptd:NAME``)."""
+    c10d = _c10d()
+    world = c10d._world
+    world.pg_map[pg] = ("gloo", store)
+    world.pg_names[pg] = name
+    world.pg_backend_config[pg] = config
+    c10d._register_process_group(name, pg)
+    world.pg_group_ranks[pg] = ranks
+    world.tags_to_pg.setdefault(f"ptd:{name}", []).append(pg)
+    world.pg_to_tag[pg] = f"ptd:{name}"
 
 
 # ---- the launcher's rendezvous stores ---------------------------------------------------------

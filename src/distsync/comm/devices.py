@@ -169,6 +169,9 @@ class HostStage:
             return
         if tensor.device.type == "cuda":
             stream = _side_stream(tensor.device)
+            # (after what the caller queued: a tensor just made with zeros() is filled by then,
+            # or the fill, still queued, would overwrite what came)
+            stream.wait_stream(torch.cuda.current_stream(tensor.device))
             with torch.cuda.stream(stream):
                 tensor.copy_(host, non_blocking=True)
             torch.cuda.current_stream(tensor.device).wait_stream(stream)

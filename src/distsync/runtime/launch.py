@@ -475,6 +475,8 @@ def _launch_config(cfg: RunConfig, run_dir: Path, host: str, processes: int):
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import LaunchConfig
 
+    # (5 s from SIGTERM to SIGKILL as a job ends; torch 2.11 has no such field and waits 30 s)
+    shutdown = {"shutdown_timeout": 5} if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)} else {}
     return LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -488,7 +490,7 @@ def _launch_config(cfg: RunConfig, run_dir: Path, host: str, processes: int):
         monitor_interval=0.1,
         local_addr=host,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=Std.ALL, tee=Std.NONE),
-        shutdown_timeout=5,
+        **shutdown,
     )
 
 
