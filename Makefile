@@ -44,7 +44,7 @@ bench: setup
 # and the heterogeneity benchmark with 8 and 16 real workers (no emulation) on its cores.
 gpu: setup
 	$(BIN)/python -m pytest -q -rs -m cuda tests/test_cuda.py
-	$(BIN)/python benchmarks/allreduce_vs_ddp.py --device cuda --rows digits:1,cnn:1 --json benchmarks/results/allreduce_vs_ddp-gpu.json
+	$(BIN)/python benchmarks/figures.py run allreduce_vs_ddp-gpu
 	$(BIN)/python benchmarks/heterogeneity.py --link none --device cpu --workers 8 --out benchmarks/results/heterogeneity-real-8
 	$(BIN)/python benchmarks/heterogeneity.py --link none --device cpu --workers 16 --out benchmarks/results/heterogeneity-real-16
 

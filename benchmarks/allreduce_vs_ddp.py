@@ -47,7 +47,8 @@ def render(raw: dict) -> dict[str, str]:
     every = [x for r in raw["rows"] for x in round_ratios(r)]
     med, lo, hi = spread(every)
     lines += ["", f"Over every row and round: ours / DDP {med:.2f}x (range {lo:.2f}-{hi:.2f}x)."]
-    return {"allreduce_vs_ddp": "\n".join(lines)}
+    on_gpu = any(r.get("device") == "cuda" for r in raw["rows"])
+    return {"allreduce_vs_ddp-gpu" if on_gpu else "allreduce_vs_ddp": "\n".join(lines)}
 
 
 def main() -> int:

@@ -62,6 +62,8 @@ class Figure:
     page: str  #: the docs page holding its blocks
     #: repeats a published figure needs (1 only where a repeat cannot differ: a pass/fail census)
     min_repeats: int = 3
+    #: it measures a CUDA GPU: ``run`` skips it, saying so, on a machine without one (``make gpu``)
+    needs_gpu: bool = False
 
     @property
     def path(self) -> str:
@@ -98,6 +100,10 @@ FIGURES = [
            ("--rounds", "1", "--rows", "digits:2"),
            RUNTIME + ("src/distsync/solvers/allreduce.py", "src/distsync/solvers/ddp.py"),
            "docs/benchmarks/allreduce_vs_ddp.md"),
+    Figure("allreduce_vs_ddp-gpu", "allreduce_vs_ddp", ("--device", "cuda", "--rows", "digits:1,cnn:1"),
+           ("--device", "cuda", "--rounds", "1", "--rows", "digits:1"),
+           RUNTIME + ("src/distsync/solvers/allreduce.py", "src/distsync/solvers/ddp.py"),
+           "docs/gpu.md", needs_gpu=True),
     Figure("peers", "peers", ("--seeds", "1,2,3"),
            ("--seeds", "1", "--pairs", "ma/torch-post-local-sgd", "--workers", "2", "--cap", "3"),
            RUNTIME + ("src/distsync/solvers/allreduce.py", "src/distsync/solvers/ddp.py",
@@ -268,11 +274,16 @@ def stale(fig: Figure, raw: dict[str, Any]) -> str | None:
 def provenance_problems(fig: Figure, raw: dict[str, Any]) -> list[str]:
     problems = [f"{fig.name}: raw results lack {k!r}" for k in PROVENANCE if k not in raw]
     wanted = "python " + " ".join(fig.command()[1:])
-    if "command" in raw and raw["command"] != wanted:
+    if "command" in raw and _without_json(raw["command"]) != _without_json(wanted):
         problems.append(f"{fig.name}: made by `{raw['command']}`, not by the registry's `{wanted}`")
     if isinstance(raw.get("repeats"), int) and raw["repeats"] < fig.min_repeats:
         problems.append(f"{fig.name}: {raw['repeats']} repeat(s); a published figure needs at least {fig.min_repeats}")
     return problems
+
+
+def _without_json(command: str) -> str:
+    """``command`` less its ``--json PATH``: where a run wrote its raw file is not what it measured."""
+    return re.sub(r" --json \S+", "", command)
 
 
 def stray_tables(text: str) -> list[int]:
@@ -347,9 +358,18 @@ def check(with_staleness: bool = True) -> list[str]:
     return problems
 
 
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def run(names: list[str], quick: bool) -> int:
     todo = [BY_NAME[n] for n in names] if names else FIGURES
     for fig in todo:
+        if fig.needs_gpu and not _has_gpu():
+            print(f"== {fig.name}: skipped: it measures a CUDA GPU and none is visible here (make gpu)", flush=True)
+            continue
         cmd = fig.command(quick)
         fig.raw_path(quick).parent.mkdir(parents=True, exist_ok=True)
         print(f"== {fig.name}: {' '.join(cmd[1:])}", flush=True)

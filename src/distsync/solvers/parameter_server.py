@@ -437,12 +437,13 @@ class AsyncPS(GradientServerSolver):
         with self.client_lock:
             for acc, g in zip(self._acc, flat_grads):
                 acc.add_(g)
-            # (Hogwild threads on a GPU each queue on a stream of their own: the sum must be
-            # done before another thread, holding the lock next, pushes or replaces it)
-            synchronize(self.client.device)
             self._pending += 1
             if self._pending == self.options.n_push:
                 self._push(step)
+            # (Hogwild threads on a GPU each queue on a stream of their own: what this thread
+            # wrote, the sum or a push's fresh zeros, is done before another thread, holding
+            # the lock next, adds to it; else its sum lands in memory not yet zeroed)
+            synchronize(self.client.device)
 
     def _push(self, step):
         self.client.push(step, self._acc)
