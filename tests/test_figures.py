@@ -60,6 +60,10 @@ def test_a_raw_file_without_provenance_or_with_one_run_is_refused():
     assert figures.provenance_problems(fig, other) == [
         f"{fig.name}: made by `python benchmarks/elsewhere.py --seeds 1`, not by the registry's "
         f"`python {' '.join(fig.command()[1:])}`"]
+    elsewhere = dict(raw, command=f"python {' '.join(fig.command()[1:])}".replace(
+        f"--json {fig.raw_path().relative_to(REPO)}", "--json /tmp/out/x.json"))
+    assert elsewhere["command"] != raw["command"]
+    assert figures.provenance_problems(fig, elsewhere) == []  # (where it wrote its file is not what it measured)
     bare = {k: v for k, v in raw.items() if k not in ("commit", "machine")}
     assert figures.provenance_problems(fig, bare) == [f"{fig.name}: raw results lack 'commit'",
                                                       f"{fig.name}: raw results lack 'machine'"]
@@ -81,6 +85,14 @@ def test_a_raw_file_measured_before_a_change_to_its_sources_is_stale():
     assert dirty == "measured uncommitted or changing code: benchmarks/figures.py"
     assert figures.stale(fig, {"commit": head, "changed_files": ["README.md"]}) is None
     assert figures.stale(fig, {"commit": "0" * 40}).startswith("measured commit 0000000000")
+
+
+def test_a_figure_that_measures_a_gpu_is_skipped_in_one_line_without_one(monkeypatch, capsys):
+    monkeypatch.setattr(figures, "_has_gpu", lambda: False)
+    monkeypatch.setattr(figures.subprocess, "run", lambda *a, **k: pytest.fail(f"ran {a}"))
+    assert figures.run(["allreduce_vs_ddp-gpu"], quick=True) == 0
+    assert capsys.readouterr().out == ("== allreduce_vs_ddp-gpu: skipped: it measures a CUDA GPU and none is "
+                                       "visible here (make gpu)\n")
 
 
 def test_spread_and_verdict_by_hand():
