@@ -234,22 +234,29 @@ def consensus_distance(flats: list[Any]) -> float:
     return float((x - x.mean(dim=0)).pow(2).sum(dim=1).mean().sqrt())
 
 
-def two_replica_reference(steps: int, seed: int, batch: int, lr: float, every: int, combine) -> dict:
-    """Plain PyTorch, one process: two replicas of the digits MLP from one seed, each training
-    its worker's shard with SGD; after every ``every`` steps ``combine(flat0, flat1)`` (flat
-    parameter vectors) gives the parameters both take. Returns replica 0's state."""
+def digits_replicas(n: int, seed: int) -> list:
+    """``n`` replicas of the digits MLP, each made from ``seed`` (alike, as a job's workers start)."""
+    import torch
+
+    from distsync.workloads.digits import make_model
+
+    models = []
+    for _ in range(n):
+        torch.manual_seed(seed)
+        models.append(make_model())
+    return models
+
+
+def sgd_steps(models: list, steps: int, seed: int, batch: int, lr: float):
+    """Plain PyTorch, one process: each of ``models`` (replica r is worker r of
+    ``len(models)``) takes an SGD step on its digits shard; yields each step's index once
+    every replica has taken it, for the caller to synchronize them as its solver would."""
     import torch
 
     from distsync.workloads import ShardSampler, load_workload
-    from distsync.workloads.digits import make_model
 
     w = load_workload("digits")
-    models = []
-    for _ in range(2):
-        torch.manual_seed(seed)
-        models.append(make_model())
-    samplers = [ShardSampler(w.num_train, 2, r, batch, seed) for r in range(2)]
-    flat = lambda m: torch.nn.utils.parameters_to_vector(m.parameters()).detach()  # noqa: E731
+    samplers = [ShardSampler(w.num_train, len(models), r, batch, seed) for r in range(len(models))]
     for step in range(steps):
         for m, s in zip(models, samplers):
             x, y = w.take(w.train_data, s.indices(step))
@@ -258,6 +265,18 @@ def two_replica_reference(steps: int, seed: int, batch: int, lr: float, every: i
             with torch.no_grad():
                 for p in m.parameters():
                     p -= lr * p.grad
+        yield step
+
+
+def two_replica_reference(steps: int, seed: int, batch: int, lr: float, every: int, combine) -> dict:
+    """Plain PyTorch, one process: two replicas of the digits MLP from one seed, each training
+    its worker's shard with SGD; after every ``every`` steps ``combine(flat0, flat1)`` (flat
+    parameter vectors) gives the parameters both take. Returns replica 0's state."""
+    import torch
+
+    models = digits_replicas(2, seed)
+    flat = lambda m: torch.nn.utils.parameters_to_vector(m.parameters()).detach()  # noqa: E731
+    for step in sgd_steps(models, steps, seed, batch, lr):
         if (step + 1) % every == 0:
             new = combine(flat(models[0]), flat(models[1]))
             for m in models:

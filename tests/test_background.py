@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from distsync.solvers.rules import apply_correction, bmuf_update, diloco_outer_step, elastic_exchange
-from helpers import (checkpointed_models, consensus_distance, run_cli, run_ranks, train_digits_rank,
-                     two_replica_reference)
+from helpers import (checkpointed_models, consensus_distance, digits_replicas, run_cli, run_ranks, sgd_steps,
+                     train_digits_rank, two_replica_reference)
 
 SEED, BATCH, LR = 6, 16, 0.2
 
@@ -275,26 +275,11 @@ def test_shadow_syncs_at_known_steps_equal_the_foreground_rule(solver, bmuf):
 def test_shadow_ea_exchanges_at_known_steps_equal_the_elastic_rule():
     """Two workers' shadow threads exchange with the server after steps 3 and 6, worker 0
     first: plain PyTorch applies the elastic exchange in that order (alpha = 0.9 / 2)."""
-    from distsync.workloads import ShardSampler, load_workload
-    from distsync.workloads.digits import make_model
-
     steps, every, alpha = 6, 3, 0.45
-    w = load_workload("digits")
-    xs = []
-    for _ in range(2):
-        torch.manual_seed(SEED)
-        xs.append(make_model())
+    xs = digits_replicas(2, SEED)
     flat = lambda m: torch.nn.utils.parameters_to_vector(m.parameters()).detach().clone()  # noqa: E731
     center = flat(xs[0])
-    samplers = [ShardSampler(w.num_train, 2, r, BATCH, SEED) for r in range(2)]
-    for step in range(steps):
-        for m, sampler in zip(xs, samplers):
-            x, y = w.take(w.train_data, sampler.indices(step))
-            m.zero_grad()
-            w.loss_fn(m(x), y).backward()
-            with torch.no_grad():
-                for p in m.parameters():
-                    p -= LR * p.grad
+    for step in sgd_steps(xs, steps, SEED, BATCH, LR):
         if (step + 1) % every == 0:
             for m in xs:
                 v = flat(m)

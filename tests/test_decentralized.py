@@ -13,8 +13,8 @@ from distsync.solvers.schedules import (
     bipartite_roles, chunk, is_connected, mixing_matrix, random_round, static_group, static_period, static_round,
     static_schedule,
 )
-from helpers import (checkpointed_models, consensus_distance, run_cli, run_ranks, train_digits_rank,
-                     two_replica_reference)
+from helpers import (checkpointed_models, consensus_distance, digits_replicas, run_cli, run_ranks, sgd_steps,
+                     train_digits_rank, two_replica_reference)
 
 
 @pytest.mark.parametrize("workers, k", [(4, 2), (4, 3), (6, 3), (8, 3), (5, 2), (3, 3)])
@@ -239,27 +239,13 @@ def _ripples_overlapping_rank(rank, world, steps):
 def test_ripples_overlapping_groups_equal_plain_pytorch_reference():
     # 4 workers in groups of 3: [0,1,2], then [1,2,3], [0,2,3], [0,1,3] (a worker alone
     # waits a round); consecutive groups overlap, so members meet in different company.
-    from distsync.workloads import ShardSampler, load_workload
-    from distsync.workloads.digits import make_model
 
     workers, steps = 4, 6
     rounds = static_schedule(workers, 3)
     assert rounds[1][0] == (1, 2, 3)
-    w = load_workload("digits")
-    models = []
-    for _ in range(workers):
-        torch.manual_seed(SEED)
-        models.append(make_model())
-    samplers = [ShardSampler(w.num_train, workers, r, BATCH, SEED) for r in range(workers)]
+    models = digits_replicas(workers, SEED)
     flat = lambda m: torch.nn.utils.parameters_to_vector(m.parameters()).detach()  # noqa: E731
-    for step in range(steps):
-        for m, sampler in zip(models, samplers):
-            x, y = w.take(w.train_data, sampler.indices(step))
-            m.zero_grad()
-            w.loss_fn(m(x), y).backward()
-            with torch.no_grad():
-                for p in m.parameters():
-                    p -= LR * p.grad
+    for step in sgd_steps(models, steps, SEED, BATCH, LR):
         for group in rounds[step % len(rounds)]:
             mean = torch.stack([flat(models[i]) for i in group]).mean(dim=0)
             for i in group:

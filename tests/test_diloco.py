@@ -10,7 +10,7 @@ from distsync.errors import ConfigError
 from distsync.solvers import make_options, make_solver, solver_class
 from distsync.solvers.diloco import layer_fragments
 from distsync.solvers.rules import streaming_merge
-from helpers import run_ranks, train_digits_rank
+from helpers import digits_replicas, run_ranks, sgd_steps, train_digits_rank
 
 SEED, BATCH, LR = 6, 16, 0.2
 
@@ -53,15 +53,7 @@ def _streaming_reference(steps, every, fragments, delay, alpha):
     steps later torch's SGD (Nesterov) steps that fragment's outer copy on outer - mean, and
     every replica becomes alpha * itself + (1 - alpha) * the outer copy. One still in flight
     after the last step is finished then. Returns each replica's state."""
-    from distsync.workloads import ShardSampler, load_workload
-    from distsync.workloads.digits import make_model
-
-    w = load_workload("digits")
-    models = []
-    for _ in range(2):
-        torch.manual_seed(SEED)
-        models.append(make_model())
-    samplers = [ShardSampler(w.num_train, 2, r, BATCH, SEED) for r in range(2)]
+    models = digits_replicas(2, SEED)
     layers = [["0.weight", "0.bias"], ["2.weight", "2.bias"]]  # (the MLP's two Linear layers)
     parts = [sum(layers[i::fragments], []) for i in range(fragments)]
     params = [dict(m.named_parameters()) for m in models]
@@ -78,14 +70,7 @@ def _streaming_reference(steps, every, fragments, delay, alpha):
                 for o, n in zip(outer[k], parts[k]):
                     p[n].mul_(alpha).add_(o, alpha=1 - alpha)
 
-    for step in range(steps):
-        for m, s in zip(models, samplers):
-            x, y = w.take(w.train_data, s.indices(step))
-            m.zero_grad()
-            w.loss_fn(m(x), y).backward()
-            with torch.no_grad():
-                for p in m.parameters():
-                    p -= LR * p.grad
+    for step in sgd_steps(models, steps, SEED, BATCH, LR):
         if (step + 1 + delay) % interval == 0:
             k = ((step + 1 + delay) // interval - 1) % fragments
             in_flight = (k, step + delay, {n: (params[0][n] + params[1][n]).detach() / 2 for n in parts[k]})
