@@ -713,6 +713,10 @@ class MeanGradient(Rule):
 
     def __call__(self, step, g):
         self.sgd({n: self._mean(v).expand_as(v) for n, v in g.items()})
+        self._average_buffers()
+
+    def _average_buffers(self) -> None:
+        """Under the "average" buffer policy: every replica's buffers become their mean."""
         for b in self.averaged.values():
             b.copy_(b.mean(0, keepdim=True).expand_as(b))
 
@@ -741,8 +745,7 @@ class PowerSGDMean(MeanGradient):
         self.powersgd.mean(grads, lambda flat: flat.copy_(flat.sum(0, keepdim=True).expand_as(flat)),
                            len(grads[0]))
         self.sgd(dict(zip(self.names, grads)))
-        for b in self.averaged.values():
-            b.copy_(b.mean(0, keepdim=True).expand_as(b))
+        self._average_buffers()
 
 
 class PeriodicAverage(Rule):
