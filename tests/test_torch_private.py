@@ -99,20 +99,25 @@ def test_without_the_registry_function_a_group_is_entered_one_by_one_as_new_grou
     pg = tp.gloo_group(dist.HashStore(), "p", [3], 3, 5.0, "by-hand")  # (a group of one: no peer to wait for)
     try:
         w = c10d._world
-        assert (w.pg_names[pg], w.pg_group_ranks[pg], w.pg_backend_config[pg]) == ("by-hand", {3: 0}, tp_config())
+        assert (w.pg_names[pg], w.pg_group_ranks[pg], w.pg_backend_config[pg]) == ("by-hand", {3: 0}, _gloo_config())
         assert w.pg_map[pg][0] == "gloo" and w.pg_to_tag[pg] == "ptd:by-hand" and pg in w.tags_to_pg["ptd:by-hand"]
         assert c10d._resolve_process_group("by-hand") is pg  # (the name registered: what functional collectives use)
-        t = torch.ones(2)
-        dist.all_reduce(t, group=pg)
-        assert t.tolist() == [1.0, 1.0]
-        assert dist.get_process_group_ranks(pg) == [3]
+        _serves_rank_3_alone(pg)
     finally:
         dist.destroy_process_group(pg)
     assert pg not in c10d._world.pg_map and pg not in c10d._world.pg_to_tag
 
 
-def tp_config() -> str:
+def _gloo_config() -> str:
     return "cpu:gloo,cuda:gloo" if torch.cuda.is_available() else "cpu:gloo"
+
+
+def _serves_rank_3_alone(pg) -> None:
+    """``pg``, a group of global rank 3 alone, serves an all-reduce and names its rank."""
+    t = torch.ones(2)
+    dist.all_reduce(t, group=pg)
+    assert t.tolist() == [1.0, 1.0]
+    assert dist.get_process_group_ranks(pg) == [3]
 
 
 def test_make_group_refuses_through_the_door(fresh, monkeypatch):
@@ -128,10 +133,7 @@ def test_without_the_gloo_labels_a_group_is_made_unlabelled(fresh, monkeypatch):
     monkeypatch.delattr(dist.ProcessGroupGloo.Options, "group_name")
     pg = tp.gloo_group(dist.HashStore(), "p", [3], 3, 5.0, "unlabelled")  # (a group of one: no peer to wait for)
     try:
-        t = torch.ones(2)
-        dist.all_reduce(t, group=pg)
-        assert t.tolist() == [1.0, 1.0]
-        assert dist.get_process_group_ranks(pg) == [3]
+        _serves_rank_3_alone(pg)
     finally:
         dist.destroy_process_group(pg)
 
