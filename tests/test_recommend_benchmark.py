@@ -96,3 +96,30 @@ def test_a_stopped_test_set_run_keeps_finished_runs_and_reruns_a_dropped_one(tmp
     (tmp_path / "STOP").write_text("")
     with pytest.raises(bench.Stop, match="STOP exists"):
         bench.check_stop(tmp_path)
+
+
+def test_progress_saved_on_one_clone_goes_on_from_another(tmp_path):
+    """A results folder's state files (and only those) round-trip through one JSON file; a file
+    that differs is not overwritten, and another measured commit's progress is refused."""
+    import progress
+
+    src = tmp_path / "a" / "test-1234567890"
+    (src / "03" / "seed1" / "ma_every-4").mkdir(parents=True)
+    (src / "partial.json").write_text('{"results": []}\n')
+    (src / "started").write_text("2026-11-26T21:30:00+0000\n")
+    (src / "03" / "answer.json").write_text('{"answer": null, "error": "x"}\n')
+    (src / "03" / "seed1" / "ma_every-4" / "measured.json").write_text('{"scored_s": 12.5}\n')
+    (src / "03" / "seed1" / "ma_every-4" / "events.jsonl").write_text("not kept\n")
+    packed = tmp_path / "progress.json"
+    assert progress.save(src, packed) == 4
+    dst = tmp_path / "b" / "test-1234567890"
+    assert progress.restore(packed, dst) == 4
+    assert (dst / "03" / "seed1" / "ma_every-4" / "measured.json").read_text() == '{"scored_s": 12.5}\n'
+    assert not (dst / "03" / "seed1" / "ma_every-4" / "events.jsonl").exists()
+    assert progress.restore(packed, dst) == 0  # (the same files again: nothing to write)
+    (dst / "started").write_text("another start\n")
+    with pytest.raises(progress.ProgressError, match="exists and differs"):
+        progress.restore(packed, dst)
+    with pytest.raises(progress.ProgressError, match="not test-other"):
+        progress.restore(packed, tmp_path / "test-other")
+    assert progress.main(["restore", str(tmp_path / "missing.json"), str(dst)]) == 2
