@@ -15,6 +15,9 @@ def test_every_solver_offers_its_search_space_and_baselines_stay_out():
     labels = {c.label for c in candidates(Request(workers=8))}
     assert "allreduce" in labels and "ripples schedule=smart group_size=4" in labels
     assert "ea-wild tau=16 servers=2" in labels and "sync-easgd tau=16" in labels
+    assert "ripples schedule=smart group_size=4 overlap=true" in labels
+    assert "ripples schedule=static group_size=4 overlap=true" not in labels  # (static rounds cannot overlap)
+    assert {"diloco every=16", "diloco every=64", "streaming-diloco every=16 fragments=2 delay=1"} <= labels
     assert not any(label.split()[0] in ("local", "ddp", "fr-easgd", "hogwild") for label in labels)
     assert not any(c.solver == "ad-psgd" for c in candidates(Request(workers=1)))  # needs 2
 

@@ -124,7 +124,7 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        return self.solver + "".join(f" {k}={v}" for k, v in self.options.items())
+        return self.solver + "".join(f" {k}={_spelled(v)}" for k, v in self.options.items())
 
     def as_dict(self) -> dict[str, Any]:
         return {"solver": self.solver, "options": self.options, "label": self.label,
@@ -368,13 +368,18 @@ _TRAIN_FLAGS = (("batch_size", "--batch-size"), ("lr", "--lr"), ("optimizer", "-
                 ("eval_every", "--eval-every"), ("seed", "--seed"))
 
 
+def _spelled(value: Any) -> str:
+    """An option's value as the command line spells it (``overlap=true``)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def command(request: Request, cand: Candidate) -> str:
     """The `distsync train` command that runs this candidate on the user's cluster, with the
     request's training options: it trains what was simulated."""
     parts = ["distsync train", f"--workload {shlex.quote(request.workload)}"]
     parts += [f"-w {shlex.quote(f'{k}={v}')}" for k, v in request.workload_options.items()]
     parts.append(f"--solver {cand.solver}")
-    parts += [f"-o {k}={v}" for k, v in cand.options.items()]
+    parts += [f"-o {k}={_spelled(v)}" for k, v in cand.options.items()]
     parts.append(f"--workers {request.workers}")
     defaults = RunConfig()
     for name, flag in _TRAIN_FLAGS:

@@ -344,8 +344,9 @@ class Ripples(Solver):
 
     @classmethod
     def search_space(cls, workers):
-        return [{"schedule": s, "group_size": k} for s in ("static", "random", "smart") for k in (3, 4)
-                if k <= max(2, workers)]
+        space = [{"schedule": s, "group_size": k} for s in ("static", "random", "smart") for k in (3, 4)
+                 if k <= max(2, workers)]
+        return space + [{**o, "overlap": True} for o in space if o["schedule"] == "smart"]
 
     @classmethod
     def _rounds(cls, options, workers: int, run_seed: int):

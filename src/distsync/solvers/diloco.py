@@ -66,7 +66,7 @@ class DiLoCo(AveragingSolver):
 
     @classmethod
     def search_space(cls, workers):
-        return []  # (not among recommend's candidates yet: its scores are for the solvers before it)
+        return [{"every": 16}, {"every": 64}]
 
 
 @dataclass
@@ -148,7 +148,9 @@ class StreamingDiLoCo(Solver):
 
     @classmethod
     def search_space(cls, workers):
-        return []  # (not among recommend's candidates yet: its scores are for the solvers before it)
+        # (two fragments: every model of two layers or more has them; a model of one layer
+        # refuses it, and recommend leaves the candidate out saying why)
+        return [{"every": 16, "fragments": 2, "delay": 1}, {"every": 64, "fragments": 2, "delay": 1}]
 
     @classmethod
     def lockstep_lead(cls, options, workers):
