@@ -65,10 +65,11 @@ def _rank(rank, world, solver, options, steps):
     return r["state"], r["stats"], r["thread_alive"]
 
 
-def _reference(steps, every, bmuf=None, outer_sgd=None):
+def _reference(steps, every, bmuf=None, outer_sgd=None, wire=None):
     """Two replicas averaged every ``every`` steps; the mean filtered by BMUF's rule (``bmuf``:
     its arguments) or by DiLoCo's outer step, written here as torch's SGD over an outer model
-    (``outer_sgd``: its lr, momentum and nesterov)."""
+    (``outer_sgd``: its lr, momentum and nesterov). ``wire``: the mean sent in that dtype as
+    each replica's half of its distance from the last synchronized model."""
     from distsync.workloads.digits import make_model
 
     torch.manual_seed(SEED)
@@ -76,9 +77,18 @@ def _reference(steps, every, bmuf=None, outer_sgd=None):
     wg, delta = start.clone(), torch.zeros_like(start)
     outer = torch.nn.Parameter(start.clone())
     opt = torch.optim.SGD([outer], *outer_sgd[:2], nesterov=outer_sgd[2]) if outer_sgd else None
+    last = [start.clone()]  # the last synchronized model
+
+    def average(a, b):
+        if wire is None:
+            return (a + b) / 2
+        return last[0] + (((a - last[0]) / 2).to(wire) + ((b - last[0]) / 2).to(wire)).float()
 
     def combine(a, b):
-        mean = (a + b) / 2
+        last[0] = outer_model(average(a, b))
+        return last[0]
+
+    def outer_model(mean):
         if opt is not None:
             outer.grad = outer.detach() - mean
             opt.step()
@@ -102,6 +112,28 @@ def test_foreground_twins_equal_plain_pytorch(solver, bmuf, outer_sgd):
     for state, stats, _ in run_ranks(_rank, 2, solver, {"every": every}, steps):
         for k, v in ref.items():
             torch.testing.assert_close(state[k], v, rtol=0, atol=1e-5)
+        assert stats["syncs"] == steps // every
+
+
+@pytest.mark.parametrize("solver, outer_sgd, compress", [
+    ("ma", None, "fp16"), ("diloco", (0.7, 0.9, True), "bf16"),
+])
+def test_a_narrower_wire_rounds_the_progress_not_the_weights(solver, outer_sgd, compress):
+    """compress=fp16/bf16: each worker sends half its distance from the last synchronized
+    model in that format; the result lands on the plain-PyTorch version, which the rounding
+    moved away from the exact mean's (so the test sees the wire format)."""
+    steps, every = 9, 3
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[compress]
+    ref, exact = _reference(steps, every, outer_sgd=outer_sgd, wire=dtype), _reference(steps, every, outer_sgd=outer_sgd)
+
+    def share_apart(a, b):  # the share of the parameters more than 1e-6 apart
+        return sum(int(((a[k] - b[k]).abs() > 1e-6).sum()) for k in ref) / sum(v.numel() for v in ref.values())
+
+    # (an element whose fp32 steps differ in the last bit may round to the neighbouring
+    # half-precision value: a few in a thousand)
+    assert share_apart(ref, exact) > 0.3
+    for state, stats, _ in run_ranks(_rank, 2, solver, {"every": every, "compress": compress}, steps):
+        assert share_apart(state, ref) < 0.01, share_apart(state, ref)
         assert stats["syncs"] == steps // every
 
 

@@ -163,6 +163,13 @@ def test_bytes_on_the_wire():
     assert low == 4 * (192 + 138 + 138) + used
 
 
+def test_averaging_sends_half_the_bytes_in_half_precision():
+    """ma every step: one all-reduce of the parameters, fp32 or fp16 on the wire."""
+    params = 64 * 128 + 128 + 128 * 10 + 10
+    plain, half = (run_ranks(_bytes_sent, 2, "ma", {"every": 1, "compress": c})[0] for c in ("none", "fp16"))
+    assert plain == 4 * params and half == 2 * params
+
+
 def test_torch_hooks_the_peers_send_what_they_say():
     plain = run_ranks(_bytes_sent, 2, "ddp", {})[0]
     assert run_ranks(_bytes_sent, 2, "ddp", {"comm_hook": "fp16"})[0] == plain // 2

@@ -221,6 +221,7 @@ SEED, BATCH, LR = 6, 16, 0.2
     ("allreduce", {}, 2), ("allreduce", {"compress": "fp16"}, 2), ("allreduce", {"compress": "powersgd"}, 2),
     ("sync-easgd", {"tau": 3, "alpha": 0.3}, 2), ("ma", {"every": 3}, 2),
     ("bmuf", {"every": 3, "block_momentum": 0.5}, 2), ("diloco", {"every": 3}, 2),
+    ("ma", {"every": 3, "compress": "fp16"}, 2), ("diloco", {"every": 3, "compress": "bf16"}, 2),
     ("streaming-diloco", {"every": 4, "fragments": 2, "delay": 1}, 2),  # the last one in flight at close()
     ("ripples", {"schedule": "static", "group_size": 2}, 3),  # groups smaller than the world, rotating
 ])

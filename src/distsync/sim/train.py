@@ -54,7 +54,7 @@ from distsync.errors import ConfigError
 from distsync.solvers import Capability, check_buffers, make_options, solver_class
 from distsync.solvers.rules import (apply_correction, diloco_outer_step, elastic_exchange, group_mean,
                                     pairwise_average, server_apply, streaming_merge, sync_elastic_update,
-                                    wire_mean_share)
+                                    wire_average_share, wire_mean_share)
 from distsync.workloads import ShardSampler, Workload
 
 
@@ -751,27 +751,50 @@ class PowerSGDMean(MeanGradient):
 class PeriodicAverage(Rule):
     """Every ``every`` steps every replica becomes the mean of all (``block_filter``: the
     options of an outer step from that mean, :class:`~distsync.solvers.model_averaging.OuterStep`:
-    BMUF's block momentum, DiLoCo's outer optimizer)."""
+    BMUF's block momentum, DiLoCo's outer optimizer). With a ``wire`` dtype, the mean as the
+    all-reduce of each replica's share of its distance from the last synchronized state
+    returns it (:func:`~distsync.solvers.rules.wire_average_share`, summed in that dtype in
+    replica order)."""
 
-    def __init__(self, stack, lr, every, block_filter=None, workers=1):
+    def __init__(self, stack, lr, every, block_filter=None, workers=1, wire: torch.dtype | None = None):
         super().__init__(stack, lr)
-        self.every, self.block_filter, self.workers = every, block_filter, workers
+        self.every, self.block_filter, self.workers, self.wire = every, block_filter, workers, wire
         if block_filter:
             self.start = {n: p[0].clone() for n, p in stack.items()}
             self.delta = {n: torch.zeros_like(p[0]) for n, p in stack.items()}
+        self.anchor = {n: p[0].clone() for n, p in stack.items()} if wire is not None else {}
+
+    def use_buffers(self, averaged):
+        super().use_buffers(averaged)
+        if self.wire is not None:  # (the buffers start alike too)
+            self.anchor.update({("buffer", n): b[0].clone() for n, b in averaged.items()})
+
+    def _mean(self, key, v: torch.Tensor) -> torch.Tensor:
+        if self.wire is None:
+            return v.mean(0)
+        anchor = self.anchor[key]
+        total = wire_average_share(v[0], anchor, len(v), self.wire)
+        for x in v[1:]:
+            total = total + wire_average_share(x, anchor, len(v), self.wire)
+        return anchor + total.to(anchor.dtype)
 
     def after(self, step):
         if (step + 1) % self.every:
             return
         for n, p in self.stack.items():
-            mean = p.mean(0)
+            mean = self._mean(n, p)
             if self.block_filter:
                 new = torch.empty_like(mean)
                 self.block_filter.outer_update(new, self.start[n], self.delta[n], mean, self.workers)
                 mean = new
             p.copy_(mean.expand_as(p))
-        for b in self.averaged.values():  # the plain mean: the block filter is the parameters' own
-            b.copy_(b.mean(0, keepdim=True).expand_as(b))
+            if self.wire is not None:
+                self.anchor[n] = mean.clone()
+        for n, b in self.averaged.items():  # the plain mean: the block filter is the parameters' own
+            mean = self._mean(("buffer", n), b)
+            b.copy_(mean.unsqueeze(0).expand_as(b))
+            if self.wire is not None:
+                self.anchor[("buffer", n)] = mean.clone()
 
 
 class StreamingOuter(Rule):
@@ -1193,8 +1216,8 @@ class TrainContext:
         """PowerSGD's approximation of the mean gradient (``options``: allreduce's)."""
         return self._bind(PowerSGDMean(self.stack, self.lr, options, self.workers))
 
-    def periodic_average(self, every: int, block_filter: Any = None) -> Rule:
-        return self._bind(PeriodicAverage(self.stack, self.lr, every, block_filter, self.workers))
+    def periodic_average(self, every: int, block_filter: Any = None, wire: torch.dtype | None = None) -> Rule:
+        return self._bind(PeriodicAverage(self.stack, self.lr, every, block_filter, self.workers, wire))
 
     def streaming_outer(self, options: Any) -> Rule:
         """Streaming DiLoCo's fragments, outer steps and merges (``options``: its own)."""

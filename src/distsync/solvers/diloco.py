@@ -35,16 +35,17 @@ from distsync.config import bounded
 from distsync.errors import ConfigError, PeerLost
 from distsync.solvers.base import Capability, Solver, register_solver
 from distsync.solvers.flat import FlatView
-from distsync.solvers.model_averaging import AverageOptions, AveragingSolver, OuterStep
+from distsync.solvers.model_averaging import AverageOptions, AveragingSolver, OuterStep, WireOptions
 from distsync.solvers.rules import diloco_outer_step, streaming_merge
 
 
 @dataclass
-class DiLoCoOptions(AverageOptions, OuterStep):
+class DiLoCoOptions(AverageOptions, OuterStep, WireOptions):
     """every (H): inner steps between outer steps (the paper's 500 on language models of
     88,000 steps; the default suits runs of a few thousand); outer_lr, outer_momentum,
     nesterov: the outer optimizer, SGD on the pseudo-gradient (the paper's 0.7, 0.9, Nesterov).
-    The inner optimizer is the run's (``--optimizer``; the paper's is AdamW)."""
+    The inner optimizer is the run's (``--optimizer``; the paper's is AdamW). compress: the
+    pseudo-gradient's wire format (:class:`~distsync.solvers.model_averaging.WireOptions`)."""
 
     every: int = bounded(50, ge=1)
     outer_lr: float = bounded(0.7, gt=0)

@@ -23,9 +23,10 @@ import torch
 from distsync.comm.devices import synchronize
 from distsync.config import bounded
 from distsync.solvers.base import Capability, Solver, register_solver
+from distsync.solvers.compression import WIRE_DTYPES
 from distsync.solvers.flat import FlatView
 from distsync.solvers.hogwild_threads import HogwildThreads, HogwildThreadsOptions
-from distsync.solvers.rules import bmuf_update
+from distsync.solvers.rules import bmuf_update, wire_average_share
 
 
 @dataclass
@@ -38,6 +39,27 @@ class _AverageSchedule:
 class AverageOptions(HogwildThreadsOptions, _AverageSchedule):
     """every: steps between syncs (foreground); min_interval_ms: least time between
     background syncs; threads: Hogwild training threads per worker on its one model."""
+
+
+@dataclass
+class WireOptions:
+    """compress: none, fp16 or bf16: each synchronization sends the worker's share of the
+    mean's distance from the last synchronized model (which every worker holds alike) in half
+    precision: half the bytes, the rounding on the progress since then, not on the weights
+    (:func:`~distsync.solvers.rules.wire_average_share`)."""
+
+    compress: str = bounded("none", choices=("none", "fp16", "bf16"))
+
+
+def wire_dtype(options: object) -> torch.dtype | None:
+    """The wire format of a synchronization under ``options`` (None: fp32, the model's)."""
+    return WIRE_DTYPES.get(getattr(options, "compress", "none")) if isinstance(options, WireOptions) else None
+
+
+@dataclass
+class MAOptions(AverageOptions, WireOptions):
+    """every: steps between synchronizations; threads: Hogwild training threads per worker;
+    compress: the synchronization's wire format (:class:`WireOptions`)."""
 
 
 class OuterStep:
@@ -84,11 +106,12 @@ class AveragingSolver(HogwildThreads, Solver):
 
     @classmethod
     def simulate_timing(cls, options, sim):
-        return sim.meet_every(options.every, sim.allreduce_s())
+        return sim.meet_every(options.every, sim.allreduce_s(share=0.5 if wire_dtype(options) else 1.0))
 
     @classmethod
     def simulate_rule(cls, options, sim):
-        return sim.periodic_average(options.every, options if isinstance(options, OuterStep) else None)
+        return sim.periodic_average(options.every, options if isinstance(options, OuterStep) else None,
+                                    wire=wire_dtype(options))
 
     @classmethod
     def lockstep_lead(cls, options, workers):
@@ -108,6 +131,9 @@ class AveragingSolver(HogwildThreads, Solver):
         if isinstance(self.options, OuterStep):
             self.w_start = self.view.flat().clone()
             self.delta = torch.zeros_like(self.w_start)
+        self.wire = wire_dtype(self.options)
+        #: (a narrower wire format) the last synchronized state, alike on every worker
+        self.anchor = self.state_view.flat().clone() if self.wire is not None else None
         return model
 
     def _combine(self, mean: torch.Tensor) -> torch.Tensor:
@@ -130,9 +156,17 @@ class AveragingSolver(HogwildThreads, Solver):
             mean = self.state_view.flat()  # a copy: a failed all-reduce leaves the model as it was
             group = self.comm.worker_group
             self.clock.meeting(str(step))
-            self.comm.all_reduce(mean, group=group)
-            mean.div_(self.comm.group_size(group))
-            self.state_view.assign(self._combine(mean))
+            if self.wire is None:
+                self.comm.all_reduce(mean, group=group)
+                mean.div_(self.comm.group_size(group))
+            else:
+                share = wire_average_share(mean, self.anchor, self.comm.group_size(group), self.wire)
+                self.comm.all_reduce(share, group=group)
+                mean = self.anchor + share.to(self.anchor.dtype)
+            new = self._combine(mean)
+            self.state_view.assign(new)
+            if self.anchor is not None:
+                self.anchor.copy_(new)
             self.syncs += 1
             # With Hogwild threads the next sync may be another thread's, on a GPU stream of its
             # own: the model and BMUF's state it reads are written by then
@@ -143,6 +177,8 @@ class AveragingSolver(HogwildThreads, Solver):
         state = {"syncs": self.syncs, "steps_done": self.steps_done}
         if isinstance(self.options, OuterStep):
             state.update(w_start=self.w_start.clone(), delta=self.delta.clone())
+        if self.anchor is not None:
+            state["anchor"] = self.anchor.clone()
         return state
 
     def load_state_dict(self, state):
@@ -150,6 +186,8 @@ class AveragingSolver(HogwildThreads, Solver):
         if isinstance(self.options, OuterStep):
             self.w_start.copy_(state["w_start"])
             self.delta.copy_(state["delta"])
+        if self.anchor is not None:
+            self.anchor.copy_(state["anchor"])
 
     def stats(self):
         if self.model is None:
@@ -160,7 +198,7 @@ class AveragingSolver(HogwildThreads, Solver):
 @register_solver
 class ModelAveraging(AveragingSolver):
     name = "ma"
-    Options = AverageOptions
+    Options = MAOptions
 
 
 @register_solver

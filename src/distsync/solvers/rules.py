@@ -203,6 +203,14 @@ def wire_mean_share(flat: torch.Tensor, workers: int, dtype: torch.dtype) -> tor
     return flat.div(workers).to(dtype)
 
 
+def wire_average_share(flat: torch.Tensor, anchor: torch.Tensor, workers: int, dtype: torch.dtype) -> torch.Tensor:
+    """What a worker sends to an averaging all-reduce in a narrower wire format: its share of
+    the mean's distance from ``anchor`` (the model every worker last agreed on, held alike by
+    all), (flat - anchor) / workers in ``dtype``. The mean is anchor + the sum of the shares:
+    the rounding falls on the progress since the last synchronization, not on the weights."""
+    return wire_mean_share(flat - anchor, workers, dtype)
+
+
 def apply_correction(live: torch.Tensor, read: torch.Tensor, new: torch.Tensor) -> None:
     """Write a background sync's result into a model that kept training meanwhile:
     live <- live + (new - read), so the local steps taken since ``read`` are kept."""
