@@ -672,3 +672,21 @@ def test_dynamic_schedules_need_no_group_per_possible_group(tmp_path, schedule):
     assert sum(stats[str(r)]["groups_joined"] for r in range(9)) >= 9
     # the coordinator (rank 9) formed groups of two or more
     assert sum(n for size, n in stats["9"]["groups_formed"].items() if int(size) >= 2) >= 3
+
+
+def test_hivemind_averaging_of_two_workers_in_pairs_is_ma(tmp_path):
+    """The peer of ad-psgd and ripples: hivemind's DecentralizedAverager, every 3 steps, in
+    groups of 2; with 2 workers each round that finds its partner averages both models, which
+    is ma every 3 (itself tested against plain PyTorch)."""
+    pytest.importorskip("hivemind")
+    models = {}
+    for solver in ("hivemind-averaging", "ma"):
+        out = tmp_path / solver
+        proc = run_cli("train", "--solver", solver, "-o", "every=3", "--workers", "2", "--steps", "9",
+                       "--eval-every", "9", "--out", str(out))
+        assert proc.returncode == 0, proc.stderr
+        models[solver] = torch.load(out / "model.pt", weights_only=True)
+    stats = json.loads((tmp_path / "hivemind-averaging" / "summary.json").read_text())["solver_stats"]
+    assert stats["0"] == stats["1"] == {"rounds": 3, "averaged": 3}
+    for k, v in models["ma"].items():
+        torch.testing.assert_close(models["hivemind-averaging"][k], v, rtol=0, atol=1e-6)

@@ -1,5 +1,6 @@
 """The peers' own algorithms as solvers, run by the same harness as ours so that a benchmark
-can set them side by side (``benchmarks/peers.py``): `torch-local-sgd`, `torchft-diloco`.
+can set them side by side (``benchmarks/peers.py``): `torch-local-sgd`, `torchft-diloco`,
+`hivemind-averaging`.
 
 (``ddp`` and its ``comm_hook`` option, torch's compression hooks, are in
 :mod:`~distsync.solvers.ddp`.)
@@ -20,6 +21,15 @@ Its options are ``streaming-diloco``'s (torchft's ``sync_every``, ``fragment_syn
 ``fragment_update_alpha``), with torchft's defaults: one fragment, no delay, alpha 0. Needs
 the ``peers`` extra (``pip install 'distsync[peers]'``). torchft's recovery is its own: in a
 distsync job a dead worker ends the job.
+
+``hivemind-averaging``: hivemind's ``DecentralizedAverager`` on a hivemind DHT (worker 0's
+DHT is the others' first peer): every ``every`` steps a worker asks for a group of
+``group_size`` (hivemind's matchmaking, at most ``matchmaking_s`` to fill it) and the group
+all-reduces its parameters to their mean, in hivemind's own process over libp2p: the peer of
+``ad-psgd`` (groups of two) and ``ripples`` (larger groups). A round that finds no partner
+leaves the worker's model as it was (``stats``: rounds asked for, rounds averaged). The
+parameters only; buffers stay each worker's. Needs the ``peers`` extra. hivemind's fault
+tolerance is its own: in a distsync job a dead worker ends the job.
 """
 
 from __future__ import annotations
@@ -38,6 +48,8 @@ from distsync.solvers.diloco import StreamingDiLoCo, StreamingOptions, layer_fra
 
 #: the store key under which worker 0 leaves its lighthouse's address
 LIGHTHOUSE_KEY = "torchft-lighthouse"
+#: the store key under which worker 0 leaves its hivemind DHT's addresses
+HIVEMIND_KEY = "hivemind-dht"
 
 
 @dataclass
@@ -181,3 +193,90 @@ class _Fragment(nn.Module):
         super().__init__()
         for i, p in enumerate(params):
             self.register_parameter(f"p{i}", p)
+
+
+@dataclass
+class HivemindOptions:
+    """every: steps between averaging rounds; group_size: hivemind's target_group_size (2:
+    pairs, as AD-PSGD's); matchmaking_s: its min_matchmaking_time, the longest a round waits
+    for its group to fill (it starts at once when the group is full)."""
+
+    every: int = bounded(1, ge=1)
+    group_size: int = bounded(2, ge=2)
+    matchmaking_s: float = bounded(0.5, gt=0)
+
+
+@register_solver
+class HivemindAveraging(Solver):
+    """`hivemind-averaging`: hivemind's decentralized averaging of the parameters in groups."""
+
+    name = "hivemind-averaging"
+    Options = HivemindOptions
+    capabilities = Solver.capabilities | {Capability.REPLICAS_DIFFER}
+    min_workers = 2
+
+    @classmethod
+    def search_space(cls, workers):
+        return []  # a peer, to measure against
+
+    @classmethod
+    def lockstep_lead(cls, options, workers):
+        return None  # a round without a partner is skipped: nobody waits for a worker that stopped
+
+    # The simulation: ripples' smart groups' blocks, groups of up to group_size workers as they
+    # become ready, formed within matchmaking_s, averaged on the step's path.
+    @classmethod
+    def simulate_timing(cls, options, sim):
+        return sim.ready_groups(options.group_size, options.every, options.matchmaking_s)
+
+    @classmethod
+    def simulate_rule(cls, options, sim):
+        return sim.ready_group_mean(False) if sim.workers >= 2 else sim.local()
+
+    def attach(self, model, optimizer, comm, **kw):
+        try:
+            import hivemind
+        except ImportError:
+            raise ConfigError(f"solver {self.name} needs hivemind, which is not installed: "
+                              f"pip install 'distsync[peers]'") from None
+        super().attach(model, optimizer, comm, **kw)
+        o = self.options
+        first = comm.rank == comm.worker_ranks[0]
+        peers = [] if first else comm.store_get(HIVEMIND_KEY).split()
+        self.dht = hivemind.DHT(start=True, host_maddrs=["/ip4/0.0.0.0/tcp/0"], initial_peers=peers)
+        if first:
+            comm.store_set(HIVEMIND_KEY, " ".join(str(a) for a in self.dht.get_visible_maddrs()))
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.averager = hivemind.averaging.DecentralizedAverager(
+            [p.detach().clone() for p in self.params], self.dht, prefix="distsync", target_group_size=o.group_size,
+            min_matchmaking_time=o.matchmaking_s, request_timeout=max(1.0, o.matchmaking_s), start=True)
+        self._nbytes = sum(p.numel() * p.element_size() for p in self.params)
+        self.rounds = self.averaged = 0
+        return model
+
+    def after_update(self, step):
+        if (step + 1) % self.options.every:
+            return
+        self.rounds += 1
+        with torch.no_grad(), self.averager.get_tensors() as tensors:
+            for t, p in zip(tensors, self.params):
+                t.copy_(p)
+        group = self.averager.step(timeout=self.comm.timeout_s)  # (None: no group this round)
+        if not group or len(group) < 2:
+            return
+        with torch.no_grad(), self.averager.get_tensors() as tensors:
+            for t, p in zip(tensors, self.params):
+                p.copy_(t)
+        self.averaged += 1
+        self.comm.count_bytes(ring_allreduce_bytes(self._nbytes, len(group)))
+
+    def close(self):
+        if getattr(self, "averager", None) is None:
+            return
+        self.comm.barrier(self.comm.worker_group)  # (every worker past its last round before the DHTs go)
+        self.averager.shutdown()
+        self.dht.shutdown()
+        self.averager = None
+
+    def stats(self):
+        return {} if self.model is None else {"rounds": self.rounds, "averaged": self.averaged}
