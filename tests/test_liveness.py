@@ -173,3 +173,32 @@ def test_a_receive_from_a_stopped_peer_fails_after_the_timeout_naming_it(tmp_pat
     (out, waited), _ = run_ranks(_waits, 2, str(tmp_path), "stopped", timeout=40)
     assert out[0] == "PeerStalled" and "rank 1 made no progress for 1 s (it is stalled)" in out[1]
     assert 1.0 < waited < 4.0
+
+
+def _sleep_forever():
+    time.sleep(600)
+
+
+def test_a_worker_leaving_ends_the_processes_it_left_running():
+    """A library's helper processes (hivemind's DHT and averager are multiprocessing
+    children) end with the worker, which leaves by os._exit and so runs no exit handler:
+    one that ignores SIGTERM is killed after the grace period."""
+    import multiprocessing
+
+    from distsync.runtime.entry import end_children
+
+    ctx = multiprocessing.get_context("fork")
+    polite = ctx.Process(target=_sleep_forever, daemon=True)
+    stubborn = ctx.Process(target=_ignore_term_and_sleep)
+    polite.start(), stubborn.start()
+    time.sleep(0.3)  # (the stubborn one has set its handler)
+    t0 = time.monotonic()
+    end_children(grace_s=0.5)
+    assert not polite.is_alive() and not stubborn.is_alive()
+    assert stubborn.exitcode == -signal.SIGKILL and polite.exitcode == -signal.SIGTERM
+    assert time.monotonic() - t0 < 5
+
+
+def _ignore_term_and_sleep():
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(600)

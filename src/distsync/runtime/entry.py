@@ -73,6 +73,24 @@ def run_and_exit(argv: list[str] | None = None) -> NoReturn:
     except BaseException:
         traceback.print_exc()
         code = 1
+    end_children()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def end_children(grace_s: float = 2.0) -> None:
+    """End the processes this one started with multiprocessing and left running (a
+    library's helpers: hivemind's DHT and averager; a worker that failed never shut them
+    down): ``os._exit`` runs no exit handler, which would have ended the daemonic ones, and
+    a child left behind would outlive the job."""
+    import multiprocessing
+
+    children = multiprocessing.active_children()
+    for child in children:
+        child.terminate()
+    for child in children:
+        child.join(grace_s)
+        if child.is_alive():
+            child.kill()
+            child.join(grace_s)

@@ -203,7 +203,7 @@ class HivemindOptions:
 
     every: int = bounded(1, ge=1)
     group_size: int = bounded(2, ge=2)
-    matchmaking_s: float = bounded(0.5, gt=0)
+    matchmaking_s: float = bounded(1.0, gt=0)
 
 
 @register_solver
@@ -249,8 +249,9 @@ class HivemindAveraging(Solver):
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.averager = hivemind.averaging.DecentralizedAverager(
             [p.detach().clone() for p in self.params], self.dht, prefix="distsync", target_group_size=o.group_size,
-            min_matchmaking_time=o.matchmaking_s, request_timeout=max(1.0, o.matchmaking_s), start=True)
+            min_matchmaking_time=o.matchmaking_s, request_timeout=o.matchmaking_s / 2, start=True)
         self._nbytes = sum(p.numel() * p.element_size() for p in self.params)
+        self._failed = hivemind.averaging.partition.AllreduceException
         self.rounds = self.averaged = 0
         return model
 
@@ -261,7 +262,10 @@ class HivemindAveraging(Solver):
         with torch.no_grad(), self.averager.get_tensors() as tensors:
             for t, p in zip(tensors, self.params):
                 t.copy_(p)
-        group = self.averager.step(timeout=self.comm.timeout_s)  # (None: no group this round)
+        try:  # one try: matchmaking within matchmaking_s, then the group's all-reduce
+            group = self.averager.step(timeout=2 * self.options.matchmaking_s + 1.0, allow_retries=False)
+        except (self._failed, TimeoutError):
+            group = None  # (no group this round: hivemind's averaging is best effort)
         if not group or len(group) < 2:
             return
         with torch.no_grad(), self.averager.get_tensors() as tensors:
