@@ -12,8 +12,9 @@ ours time to target: above 1 ours gets there sooner) with their median and range
 The peers: torch's DDP (``ddp``), its compression hooks (``ddp -o comm_hook=...``,
 ``fp16_compress_hook``, ``powerSGD_hook``), its post-local SGD optimizer with a periodic model
 averager (``torch-local-sgd``), torchft's DiLoCo and Streaming DiLoCo (``torchft-diloco``) and
-hivemind's decentralized averaging (``hivemind-averaging``; both in the ``peers`` extra); each is a distsync solver wrapping the peer's code, so both sides get
-the same harness. Peers that do not run here are listed with the reason.
+hivemind's decentralized averaging (``hivemind-averaging``; both in the ``peers`` extra); each
+is a distsync solver wrapping the peer's code, so both sides get the same harness. Peers that
+do not run here are listed with the reason.
 """
 
 from __future__ import annotations
