@@ -428,6 +428,33 @@ def test_ripples_smart_schedule_groups_everyone_ready_within_the_wait():
     assert res[workers][1]["requests_answered"] == workers * steps
 
 
+def test_ripples_overlap_takes_each_groups_mean_at_the_next_update_then_its_gradient():
+    """2 workers in groups of 2, a wait longer than any step, overlap: the averaging of the
+    models step k left runs while step k + 1 computes its gradient on them; at its update the
+    model becomes the mean, then that gradient is applied: x(k + 1) = mean(x(k)) - lr g(x(k)).
+    Step 0 has no mean yet; close() takes the last averaging's mean."""
+    workers, steps = 2, 5
+    w, models, samplers = _replicas(workers)
+    for step in range(steps):
+        grads = _grads(w, models, samplers, step)
+        if step:
+            mean = (_flat(models[0]) + _flat(models[1])) / 2
+            for m in models:
+                torch.nn.utils.vector_to_parameters(mean.clone(), m.parameters())
+        for m, g in zip(models, grads):
+            with torch.no_grad():
+                for p, gi in zip(m.parameters(), g):
+                    p -= LR * gi
+    final = (_flat(models[0]) + _flat(models[1])) / 2
+    options = {"schedule": "smart", "group_size": 2, "max_wait_ms": 10_000, "wait_share": 10_000, "overlap": True}
+    res = run_ranks(_ripples_with_coordinator_rank, workers + 1, options, workers, steps)
+    for r in range(workers):
+        state, stats = res[r]
+        got = torch.cat([state[k].reshape(-1) for k in models[0].state_dict()])
+        torch.testing.assert_close(got, final, rtol=0, atol=1e-5, msg=f"worker {r}")
+        assert stats["groups_joined"] == steps
+
+
 def test_ready_grouper_never_holds_a_fast_worker_for_a_slow_one_that_is_not_due():
     """Groups of 3 of 4 workers, waits at most 0.2 of a worker's own interval (50 ms cap):
     worker 1 asks every 0.3 s, the others every 0.1 s. Hand-computed: a worker left over
