@@ -112,6 +112,28 @@ def _crossover(raw: dict[str, Any]) -> tuple[str, str] | None:
         f"emulated 50 ms devices behind 800 Mbit; {raw['repeats']} repeats)")
 
 
+def _label_code(label: str) -> str:
+    """A benchmark's configuration label as a user types it: ``diloco every=50`` ->
+    ``diloco -o every=50``."""
+    solver, *options = label.split()
+    return f"`{' '.join([solver, *(f'-o {o}' for o in options)])}`"
+
+
+def _rare_sync(raw: dict[str, Any]) -> tuple[str, str] | None:
+    q = raw.get("quality") or {}
+    if "allreduce" not in q or len(q) < 2:
+        return None
+    loss = {label: [s["loss"] for s in row["seeds"].values()] for label, row in q.items()}
+    best = min((label for label in q if label != "allreduce"), key=lambda label: spread(loss[label])[0])
+    row, ar = q[best], q["allreduce"]
+    return _label_code(best), (
+        f"{ar['syncs'] / row['syncs']:.0f}x fewer synchronizations than an all-reduce every step ({row['syncs']} "
+        f"against {ar['syncs']} per worker), eval loss {shown(loss[best])} against all-reduce's "
+        f"{shown(loss['allreduce'])} (the lowest loss of {len(q) - 1} rare-sync configurations; lm, "
+        f"{raw['workers']} workers, {raw['steps']} steps, AdamW; simulated train mode, the same math as real runs; "
+        f"{len(next(iter(q.values()))['seeds'])} seeds)")
+
+
 #: (situation, the raw file it needs, how its cells are made)
 ROWS: list[tuple[str, str | None, Callable[[dict[str, Any]], tuple[str, str] | None] | None, str]] = [
     ("equal devices, fast links, you want one large batch's math", "allreduce_vs_ddp", _allreduce,
@@ -127,6 +149,7 @@ ROWS: list[tuple[str, str | None, Callable[[dict[str, Any]], tuple[str, str] | N
     ("recommendation models with big embedding tables", "shadowsync_devices", _shadow,
      "`shadow-ma`, `ma` + `--embedding-servers`"),
     ("several jobs sharing the same devices", "crossover", _crossover, "`distsync crossover`"),
+    ("slow links between sites, synchronizing rarely", "diloco_quality", _rare_sync, "`diloco`, `ma -o every=50`"),
 ]
 
 
