@@ -249,7 +249,9 @@ class HivemindAveraging(Solver):
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.averager = hivemind.averaging.DecentralizedAverager(
             [p.detach().clone() for p in self.params], self.dht, prefix="distsync", target_group_size=o.group_size,
-            min_matchmaking_time=o.matchmaking_s, request_timeout=o.matchmaking_s / 2, start=True)
+            min_matchmaking_time=o.matchmaking_s, request_timeout=o.matchmaking_s / 2,
+            # (a partner gone mid-round, e.g. to its end of the job: the round fails, nobody hangs)
+            allreduce_timeout=2 * o.matchmaking_s + 1.0, next_chunk_timeout=o.matchmaking_s, start=True)
         self._nbytes = sum(p.numel() * p.element_size() for p in self.params)
         self._failed = hivemind.averaging.partition.AllreduceException
         self.rounds = self.averaged = 0
