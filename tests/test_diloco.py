@@ -198,6 +198,7 @@ def _resumed_mid_round(rank, world, name, options, first):
 
 @pytest.mark.parametrize("name, options, first", [
     ("diloco", {"every": 4}, 6),  # an outer step after step 3, then 2 inner steps
+    ("diloco", {"every": 4, "compress": "bf16"}, 6),  # (and the anchor a narrower wire rounds from)
     ("streaming-diloco", {"every": 8, "fragments": 2, "delay": 1}, 7),  # fragment 1's sync in flight
 ])
 def test_a_solver_goes_on_alike_from_its_state_dict_mid_round(name, options, first):
