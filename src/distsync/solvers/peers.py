@@ -34,6 +34,7 @@ tolerance is its own: in a distsync job a dead worker ends the job.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -45,6 +46,7 @@ from distsync.config import bounded
 from distsync.errors import ConfigError
 from distsync.solvers.base import Capability, Solver, register_solver
 from distsync.solvers.diloco import StreamingDiLoCo, StreamingOptions, layer_fragments
+from distsync.supervise import die_with_parent
 
 #: the store key under which worker 0 leaves its lighthouse's address
 LIGHTHOUSE_KEY = "torchft-lighthouse"
@@ -241,6 +243,10 @@ class HivemindAveraging(Solver):
                               f"pip install 'distsync[peers]'") from None
         super().attach(model, optimizer, comm, **kw)
         o = self.options
+        # hivemind's DHT and averager are processes forked from this one, and the DHT starts
+        # its p2p daemon: each dies with its parent, so a worker killed outright leaves none
+        # of them behind (a graceful exit ends them: runtime.entry.end_children)
+        os.register_at_fork(after_in_child=die_with_parent)
         first = comm.rank == comm.worker_ranks[0]
         peers = [] if first else comm.store_get(HIVEMIND_KEY).split()
         self.dht = hivemind.DHT(start=True, host_maddrs=["/ip4/0.0.0.0/tcp/0"], initial_peers=peers)
