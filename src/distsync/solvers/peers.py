@@ -46,7 +46,6 @@ from distsync.config import bounded
 from distsync.errors import ConfigError
 from distsync.solvers.base import Capability, Solver, register_solver
 from distsync.solvers.diloco import StreamingDiLoCo, StreamingOptions, layer_fragments
-from distsync.supervise import die_with_parent
 
 #: the store key under which worker 0 leaves its lighthouse's address
 LIGHTHOUSE_KEY = "torchft-lighthouse"
@@ -197,6 +196,14 @@ class _Fragment(nn.Module):
             self.register_parameter(f"p{i}", p)
 
 
+def _killed_with_parent() -> None:
+    """In a forked child: SIGKILL when the parent dies (PR_SET_PDEATHSIG; kept across exec)."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+
+
 @dataclass
 class HivemindOptions:
     """every: steps between averaging rounds; group_size: hivemind's target_group_size (2:
@@ -246,7 +253,7 @@ class HivemindAveraging(Solver):
         # hivemind's DHT and averager are processes forked from this one, and the DHT starts
         # its p2p daemon: each dies with its parent, so a worker killed outright leaves none
         # of them behind (a graceful exit ends them: runtime.entry.end_children)
-        os.register_at_fork(after_in_child=die_with_parent)
+        os.register_at_fork(after_in_child=_killed_with_parent)
         first = comm.rank == comm.worker_ranks[0]
         peers = [] if first else comm.store_get(HIVEMIND_KEY).split()
         self.dht = hivemind.DHT(start=True, host_maddrs=["/ip4/0.0.0.0/tcp/0"], initial_peers=peers)
