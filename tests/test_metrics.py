@@ -97,3 +97,15 @@ def test_descendants_and_tree_usage_of_a_process_tree():
             p.kill()
             p.wait()
         parent.stdout.close()
+
+
+def test_a_run_whose_loss_fell_less_than_one_percent_did_not_learn():
+    from distsync.metrics.summary import did_not_learn
+
+    def curve(*losses):
+        return [{"step": i, "loss": x, "metric": 0.1} for i, x in enumerate(losses)]
+
+    assert did_not_learn(curve(2.30, 1.10, 2.29))  # (back at chance: 2.29 > 0.99 * 2.30 = 2.277)
+    assert not did_not_learn(curve(2.30, 2.27))  # 1.3% lower
+    assert not did_not_learn(curve(2.30))  # one evaluation: not said
+    assert not did_not_learn(curve(2.30, float("nan")))  # (a run that diverged ends with its own error)

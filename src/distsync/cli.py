@@ -324,8 +324,21 @@ def _cmd_train(args: argparse.Namespace) -> int:
     _stdout().print(_comparison_table([{"summaries": [summary], "repeats": 1}]))  # (compare's, for one run)
     _print_device(summary)
     _print_recovery(summary)
+    _print_not_learned(summary, run.config)
     console.print(f"run folder: {out}")
     return 0
+
+
+def _print_not_learned(summary: dict[str, Any], cfg: Any) -> None:
+    """A line when the run did not learn (its last evaluation loss within 1% of its first)."""
+    if not summary.get("did_not_learn"):
+        return
+    stale = (summary.get("staleness") or {}).get("mean")
+    lr = "the workload's" if cfg.lr is None else f"{cfg.lr:g}"
+    console.print(f"note: this run did not learn: its evaluation loss went from {summary['first_loss']:.4g} to "
+                  f"{summary['final_loss']:.4g}. Check --lr (now {lr}): too high a rate"
+                  + (f" for gradients {stale:.1f} server updates stale on average" if stale else "")
+                  + " stalls a run at chance; too low a one never moves it", highlight=False, soft_wrap=True)
 
 
 def _print_device(summary: dict[str, Any], which: str = "") -> None:

@@ -10,6 +10,8 @@ starts at a common barrier and stops while that worker evaluates.
 
 from __future__ import annotations
 
+import math
+
 import statistics
 from collections import defaultdict
 from typing import Any, Iterable
@@ -101,6 +103,21 @@ def eval_curve(events: Iterable[dict[str, Any]]) -> list[dict[str, float]]:
     return curve
 
 
+#: a run whose evaluation loss fell by less than this share from its first evaluation to its
+#: last did not learn
+LEARNED_SHARE = 0.01
+
+
+def did_not_learn(curve: list[dict[str, Any]]) -> bool:
+    """Whether the evaluation loss at the end is no more than 1% below the first evaluation's
+    (a run stuck at chance: too high a learning rate, stale gradients). Fewer than two
+    evaluations, or a loss that is not finite: not said."""
+    losses = [p["loss"] for p in curve if p.get("loss") is not None]
+    if len(losses) < 2 or not all(math.isfinite(x) for x in (losses[0], losses[-1])):
+        return False
+    return losses[-1] > (1 - LEARNED_SHARE) * losses[0]
+
+
 def summarize(
     events: list[dict[str, Any]],
     *,
@@ -147,6 +164,8 @@ def summarize(
         "step_at_target": reached["step"] if reached else None,
         "final_metric": curve[-1]["metric"] if curve else None,
         "final_loss": curve[-1]["loss"] if curve else None,
+        "first_loss": curve[0]["loss"] if curve else None,
+        "did_not_learn": did_not_learn(curve),
         # bytes sent at close (a final synchronization) count too
         "bytes_sent": sum(v["bytes"] for v in per_rank.values()) + sum(e.get("bytes", 0) for e in done_events),
         "phase_seconds": totals,
