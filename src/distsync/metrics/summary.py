@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 
 import statistics
-from collections import defaultdict
 from typing import Any, Iterable
 
 PHASES = ("compute", "comm", "wait")
