@@ -74,6 +74,7 @@ SOLVERS = {
     "streaming-diloco": (1, 0, {"every": 4, "fragments": 2, "delay": 1}, "outer"),
     "local": (1, 0, {}, "plain"),
     "torch-local-sgd": (1, 0, {"every": 2}, "plain"),
+    "torchft-diloco": (1, 0, {"every": 2}, "outer"),
     "shadow-ma": (1, 0, {}, "plain"),
     "shadow-bmuf": (1, 0, {}, "plain"),
     "easgd": (1, 1, {"tau": 2}, "elastic"),
