@@ -261,7 +261,8 @@ class HivemindAveraging(Solver):
             comm.store_set(HIVEMIND_KEY, " ".join(str(a) for a in self.dht.get_visible_maddrs()))
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.averager = hivemind.averaging.DecentralizedAverager(
-            [p.detach().clone() for p in self.params], self.dht, prefix="distsync", target_group_size=o.group_size,
+            [p.detach().to("cpu", copy=True) for p in self.params],  # (hivemind averages host memory)
+            self.dht, prefix="distsync", target_group_size=o.group_size,
             min_matchmaking_time=o.matchmaking_s, request_timeout=o.matchmaking_s / 2,
             # (a partner gone mid-round, e.g. to its end of the job: the round fails, nobody hangs)
             allreduce_timeout=2 * o.matchmaking_s + 1.0, next_chunk_timeout=o.matchmaking_s, start=True)
