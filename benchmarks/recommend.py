@@ -323,6 +323,117 @@ def targets(raw: dict[str, Any]) -> list[tuple[str, bool]]:
              s["scenarios"] > 0 and s["margin_points"] >= 15)]
 
 
+def _link_group(r: dict[str, Any]) -> str:
+    from distsync.config import parse_link
+
+    return "under 1 Gbit" if parse_link(r["link"]).bandwidth_bps < 1e9 else "1 Gbit or more"
+
+
+#: how the scenarios are grouped for "when to trust": a regime's name and its group per scenario
+REGIMES = (("workload", lambda r: r["label"].split()[0]),
+           ("workers", lambda r: f"{r['workers']} workers"),
+           ("slow workers", lambda r: "some" if r["slow_fraction"] else "none"),
+           ("link", _link_group),
+           ("device time", lambda r: "under 100 ms" if r["device_ms"] < 100 else "100 ms or more"))
+#: a predicted time to target within this share of the measured one counts as close
+CLOSE = 0.25
+#: and a predicted throughput within this share (the simulator's fidelity targets)
+THROUGHPUT_CLOSE = 0.15
+
+
+def _reached(c: dict[str, Any]) -> bool:
+    """The configuration's median is a real time to target (most of its seeds reached it)."""
+    runs = list(c["runs"].values())
+    return 2 * sum(bool(r.get("reached")) for r in runs) > len(runs)
+
+
+def trust(raw: dict[str, Any]) -> dict[str, Any]:
+    """When to trust `recommend`, from the scored scenarios: hits per regime (beside the best
+    fixed choice's), how far a miss reaches (the recommended configuration's measured median
+    over the best's), and the simulator's time to target against the measured one for every
+    configuration whose median reached the target (signed error per solver; and how many it
+    predicted to reach the cap's time that did not, or the other way), and how well its
+    predicted order matches the measured one (Spearman's rank correlation per scenario); and its
+    throughput against the median measured one, every configuration."""
+    from scipy.stats import spearmanr
+
+    scenarios, fixed = raw["scenarios"], raw["summary"]["best_fixed"]
+    groups: dict[tuple[str, str], dict[str, int]] = {}
+    for r in scenarios:
+        fixed_hit = any(c["solver"] == fixed and c["defaults"] and c["key"] in r["hits"] for c in r["configs"])
+        for name, group_of in REGIMES:
+            g = groups.setdefault((name, group_of(r)), {"scenarios": 0, "hits": 0, "fixed_hits": 0})
+            g["scenarios"] += 1
+            g["hits"] += bool(r["hit"])
+            g["fixed_hits"] += fixed_hit
+    regret, errors, rates, rho = [], {}, [], []
+    wrong_side = {"predicted_reach_missed": 0, "predicted_miss_reached": 0}
+    for r in scenarios:
+        by = {c["key"]: c for c in r["configs"]}
+        rec = by.get(r["recommended"])
+        if rec is not None:
+            regret.append({"scenario": r["scenario"], "hit": bool(r["hit"]),
+                           "ratio": statistics.median(x["scored_s"] for x in rec["runs"].values()) / r["best_median_s"],
+                           "at_cap": not _reached(rec)})
+        pairs = []
+        for c in r["configs"]:
+            rate = [x["throughput"] for x in c["runs"].values() if x.get("throughput")]
+            if c.get("predicted_throughput") and rate:
+                rates.append(c["predicted_throughput"] / statistics.median(rate) - 1)
+            p = c.get("predicted_time_to_target_s")
+            if p is None:
+                continue
+            m = statistics.median(x["scored_s"] for x in c["runs"].values())
+            pairs.append((p, m))
+            if _reached(c):
+                errors.setdefault(c["solver"], []).append(p / m - 1)
+            elif p <= r["cap_s"]:
+                wrong_side["predicted_reach_missed"] += 1
+            if _reached(c) and p > r["cap_s"]:
+                wrong_side["predicted_miss_reached"] += 1
+        if len(pairs) >= 3 and len({m for _, m in pairs}) > 1:
+            rho.append(float(spearmanr([p for p, _ in pairs], [m for _, m in pairs]).statistic))
+    every = [e for es in errors.values() for e in es]
+    per_solver = {x: {"configs": len(es), "median_error": statistics.median(es),
+                      "close": sum(abs(e) <= CLOSE for e in es)} for x, es in errors.items()}
+    order = {n: i for i, (n, _) in enumerate(REGIMES)}
+    keys = sorted(groups, key=lambda k: (order[k[0]], len(k[1]), k[1]))
+    return {"regimes": [{"regime": n, "group": g, **groups[n, g]} for n, g in keys],
+            "throughput_close": sum(abs(e) <= THROUGHPUT_CLOSE for e in rates), "throughput_rows": len(rates),
+            "regret": regret, "errors": per_solver,
+            "close": sum(abs(e) <= CLOSE for e in every), "reached": len(every),
+            "median_abs_error": statistics.median(abs(e) for e in every) if every else None,
+            **wrong_side, "spearman": rho}
+
+
+def render_trust(raw: dict[str, Any]) -> str:
+    """:func:`trust`'s tables."""
+    t, fixed = trust(raw), raw["summary"]["best_fixed"]
+    lines = [f"Hits per regime (each scenario counted once in every grouping), beside always-{fixed} (the best "
+             "fixed choice):", "", f"| regime | group | scenarios | recommend hits | always-{fixed} hits |",
+             "|---|---|---|---|---|"]
+    for g in t["regimes"]:
+        lines.append(f"| {g['regime']} | {g['group']} | {g['scenarios']} | {g['hits']} | {g['fixed_hits']} |")
+    ratios = [x["ratio"] for x in t["regret"]]
+    misses = [x for x in t["regret"] if not x["hit"]]
+    lines += ["", f"The recommended configuration's measured median over the measured best's: "
+              f"{shown(ratios)} over the scenarios (1.00 is the best); on the misses: "
+              + (", ".join(f"{x['scenario']}: {x['ratio']:.2f}{' (at cap)' if x['at_cap'] else ''}" for x in misses)
+                 or "none") + ".", "",
+              f"The simulator's time to target against the measured median, on the configurations whose median "
+              f"reached the target: within {CLOSE:.0%} on {t['close']} of {t['reached']}"
+              + (f" (median absolute error {t['median_abs_error']:.0%})" if t["median_abs_error"] is not None else "")
+              + f"; predicted within the cap but missed it: {t['predicted_reach_missed']}; predicted past the cap "
+              f"but reached it: {t['predicted_miss_reached']}. Throughput within {THROUGHPUT_CLOSE:.0%} of the "
+              f"measured median: {t['throughput_close']} of {t['throughput_rows']} configurations. Rank agreement of the predicted and measured order "
+              f"(Spearman, per scenario): {shown(t['spearman'])}.", "",
+              f"| solver | configurations that reached the target | predicted / measured - 1 (median) | "
+              f"within {CLOSE:.0%} |", "|---|---|---|---|"]
+    for x, v in t["errors"].items():
+        lines.append(f"| {x} | {v['configs']} | {v['median_error']:+.0%} | {v['close']} of {v['configs']} |")
+    return "\n".join(lines)
+
+
 # -- the tables --
 
 def _times(c: dict[str, Any], fmt: str = "{:.1f}") -> str:
@@ -403,7 +514,10 @@ def render(raw: dict[str, Any]) -> dict[str, str]:
             cand.append(f"| {r['scenario']} | {c['label']}{' (' + ', '.join(marks) + ')' if marks else ''} | "
                         f"{c['solver_rank'] or '-'} | {'-' if p is None else f'{p:.2f}'} | {_times(c)} | "
                         f"{'yes' if c['key'] in r['hits'] else 'no'} | {_cpu([c])} |")
-    return {"recommend": "\n".join(lines), "recommend_candidates": "\n".join(cand)}
+    out = {"recommend": "\n".join(lines), "recommend_candidates": "\n".join(cand)}
+    if raw["set"] == "test":
+        out["recommend_trust"] = render_trust(raw)
+    return out
 
 
 def _median(values) -> float | None:

@@ -123,3 +123,48 @@ def test_progress_saved_on_one_clone_goes_on_from_another(tmp_path):
     with pytest.raises(progress.ProgressError, match="not test-other"):
         progress.restore(packed, tmp_path / "test-other")
     assert progress.main(["restore", str(tmp_path / "missing.json"), str(dst)]) == 2
+
+
+def _measured(key, solver, predicted, rate, times, reached, rates, defaults=True):
+    return {"key": key, "solver": solver, "defaults": defaults, "predicted_time_to_target_s": predicted,
+            "predicted_throughput": rate,
+            "runs": {str(s): {"scored_s": t, "reached": ok, "throughput": x}
+                     for s, (t, ok, x) in enumerate(zip(times, reached, rates), 1)}}
+
+
+def test_when_to_trust_counts_regimes_regret_and_prediction_errors_by_hand():
+    """Scenario 1 (mnist, 4 workers, 500 Mbit, 50 ms, none slow; a hit): allreduce predicted 12 s
+    against 10 (+20%), ma predicted 30 s under the 40 s cap but at the cap in every seed, ad-psgd
+    predicted 50 s (past the cap) and reached in 20 s; predicted order 1,2,3 against measured
+    1,3,2: Spearman 0.5. Scenario 2 (cnn, 8 workers, 2 Gbit, 150 ms, some slow; a miss):
+    ad-psgd recommended, median 16 s (two of three seeds reached) against allreduce's 10 s:
+    1.6x; two configurations only, so no rank correlation."""
+    one = {"scenario": 1, "label": "mnist 4w 500mbit (50 ms)", "workers": 4, "link": "500mbit", "device_ms": 50,
+           "slow_fraction": 0.0, "cap_s": 40, "hit": True, "recommended": "a", "best": "a", "best_median_s": 10,
+           "hits": ["a"], "best_at_cap": False,
+           "configs": [_measured("a", "allreduce", 12, 110, [9, 10, 11], [True] * 3, [100] * 3),
+                       _measured("b", "ma", 30, 50, [40, 40, 40], [False] * 3, [40] * 3),
+                       _measured("c", "ad-psgd", 50, 100, [20, 20, 20], [True] * 3, [100] * 3)]}
+    two = {"scenario": 2, "label": "cnn 8w 2gbit (150 ms)", "workers": 8, "link": "2gbit", "device_ms": 150,
+           "slow_fraction": 0.25, "cap_s": 60, "hit": False, "recommended": "c2", "best": "a2", "best_median_s": 10,
+           "hits": ["a2"], "best_at_cap": False,
+           "configs": [_measured("a2", "allreduce", 20, 100, [10, 10, 10], [True] * 3, [100] * 3),
+                       _measured("c2", "ad-psgd", 5, 50, [15, 16, 60], [True, True, False], [50] * 3)]}
+    raw = {"set": "test", "scenarios": [one, two]}
+    raw["summary"] = bench.summarize(raw["scenarios"], ["allreduce", "ma", "ad-psgd"])
+    t = bench.trust(raw)
+    rows = {(g["regime"], g["group"]): (g["scenarios"], g["hits"], g["fixed_hits"]) for g in t["regimes"]}
+    assert rows[("workload", "mnist")] == (1, 1, 1) and rows[("workload", "cnn")] == (1, 0, 1)
+    assert rows[("link", "under 1 Gbit")] == (1, 1, 1) and rows[("link", "1 Gbit or more")] == (1, 0, 1)
+    assert rows[("slow workers", "none")] == (1, 1, 1) and rows[("device time", "100 ms or more")] == (1, 0, 1)
+    assert [r["group"] for r in t["regimes"] if r["regime"] == "workers"] == ["4 workers", "8 workers"]
+    assert [(x["scenario"], x["hit"], x["ratio"]) for x in t["regret"]] == [(1, True, 1.0), (2, False, 1.6)]
+    assert t["errors"]["allreduce"] == {"configs": 2, "median_error": pytest.approx(0.6), "close": 1}
+    assert t["errors"]["ad-psgd"]["median_error"] == pytest.approx((1.5 - 0.6875) / 2)
+    assert "ma" not in t["errors"]  # its median is the cap: no time to compare
+    assert (t["close"], t["reached"]) == (1, 4) and t["median_abs_error"] == pytest.approx((0.6875 + 1.0) / 2)
+    assert (t["predicted_reach_missed"], t["predicted_miss_reached"]) == (1, 1)
+    assert (t["throughput_close"], t["throughput_rows"]) == (4, 5)  # ma's +25% is the one outside 15%
+    assert t["spearman"] == [pytest.approx(0.5)]
+    text = bench.render_trust(raw)
+    assert "| workload | cnn | 1 | 0 | 1 |" in text and "on the misses: 2: 1.60." in text
