@@ -247,6 +247,37 @@ def digits_replicas(n: int, seed: int) -> list:
     return models
 
 
+class DigitsByHand:
+    """Worker ``w``'s gradient at step ``k`` of ``workers`` on any parameters (a dict of
+    tensors), as the simulator's train mode takes it: the digits MLP made from ``seed``, each
+    worker's shard of ``batch`` samples a step. For replaying a solver's rule by hand."""
+
+    def __init__(self, workers: int, seed: int, batch: int, lr: float):
+        import torch
+
+        from distsync.workloads import ShardSampler, load_workload
+
+        self.w, self.lr = load_workload("digits"), lr
+        torch.manual_seed(seed)
+        self.model = self.w.make_model()
+        self.init = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        self.samplers = [ShardSampler(self.w.num_train, workers, r, batch, seed) for r in range(workers)]
+
+    def grad(self, params, w, k):
+        from torch.func import functional_call, grad
+
+        x, y = self.w.take(self.w.train_data, self.samplers[w].indices(k))
+        return grad(lambda p: self.w.loss_fn(functional_call(self.model, p, (x,)), y))(params)
+
+    def step(self, params, w, k):
+        """Plain SGD: ``params - lr * grad``."""
+        g = self.grad(params, w, k)
+        return {n: params[n] - self.lr * g[n] for n in params}
+
+    def copy(self, params=None):
+        return {n: v.clone() for n, v in (params or self.init).items()}
+
+
 def sgd_steps(models: list, steps: int, seed: int, batch: int, lr: float):
     """Plain PyTorch, one process: each of ``models`` (replica r is worker r of
     ``len(models)``) takes an SGD step on its digits shard; yields each step's index once

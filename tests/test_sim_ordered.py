@@ -6,34 +6,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.func import functional_call, grad
+from torch.func import functional_call
 
 from distsync.sim import Cluster, Link, WorkerModel
 from distsync.sim.train import simulate_training
 from distsync.solvers.rules import apply_correction, elastic_exchange
-from distsync.workloads import ShardSampler, load_workload
+from distsync.workloads import load_workload
+from helpers import DigitsByHand
 
 SEED, BATCH, LR = 3, 16, 0.1
 #: links and servers that take no time: only compute orders the events
 INSTANT = Link(1e18, 0.0)
 
 
-class Digits:
-    """Worker ``w``'s gradient at step ``k`` on any parameters, as train mode takes it."""
-
-    def __init__(self, workers: int):
-        self.w = load_workload("digits")
-        torch.manual_seed(SEED)
-        self.model = self.w.make_model()
-        self.init = {n: p.detach().clone() for n, p in self.model.named_parameters()}
-        self.samplers = [ShardSampler(self.w.num_train, workers, r, BATCH, SEED) for r in range(workers)]
-
-    def grad(self, params, w, k):
-        x, y = self.w.take(self.w.train_data, self.samplers[w].indices(k))
-        return grad(lambda p: self.w.loss_fn(functional_call(self.model, p, (x,)), y))(params)
-
-    def copy(self, params=None):
-        return {n: v.clone() for n, v in (params or self.init).items()}
+def Digits(workers: int) -> DigitsByHand:
+    return DigitsByHand(workers, SEED, BATCH, LR)
 
 
 def _run(solver, options, workers, steps, slow, **kw):

@@ -5,11 +5,11 @@ smaller than the whole, formed around slow workers) replayed by hand on digits."
 from __future__ import annotations
 
 import torch
-from torch.func import functional_call, grad
 
 from distsync.sim import Cluster, Link, WorkerModel
 from distsync.sim.train import TrainContext, simulate_training
-from distsync.workloads import ShardSampler, load_workload
+from distsync.workloads import load_workload
+from helpers import DigitsByHand
 
 SEED, BATCH, LR = 3, 16, 0.1
 #: links that take no time: only compute orders the events
@@ -60,23 +60,8 @@ def test_sync_elastic_rule_by_hand():
     assert rule.center["w"].tolist() == [1.0 + 0.25 * (4.0 - 2.0)]
 
 
-class Digits:
-    """Worker ``w``'s gradient at step ``k`` on any parameters, as train mode takes it."""
-
-    def __init__(self, workers: int):
-        self.w = load_workload("digits")
-        torch.manual_seed(SEED)
-        self.model = self.w.make_model()
-        self.init = {n: p.detach().clone() for n, p in self.model.named_parameters()}
-        self.samplers = [ShardSampler(self.w.num_train, workers, r, BATCH, SEED) for r in range(workers)]
-
-    def grad(self, params, w, k):
-        x, y = self.w.take(self.w.train_data, self.samplers[w].indices(k))
-        return grad(lambda p: self.w.loss_fn(functional_call(self.model, p, (x,)), y))(params)
-
-    def step(self, params, w, k):
-        g = self.grad(params, w, k)
-        return {n: params[n] - LR * g[n] for n in params}
+def Digits(workers: int) -> DigitsByHand:
+    return DigitsByHand(workers, SEED, BATCH, LR)
 
 
 def _mean(*replicas):
