@@ -348,13 +348,15 @@ def _reached(c: dict[str, Any]) -> bool:
 
 
 def trust(raw: dict[str, Any]) -> dict[str, Any]:
-    """When to trust `recommend`, from the scored scenarios: hits per regime (beside the best
-    fixed choice's), how far a miss reaches (the recommended configuration's measured median
-    over the best's), and the simulator's time to target against the measured one for every
-    configuration whose median reached the target (signed error per solver; and how many it
-    predicted to reach the cap's time that did not, or the other way), and how well its
-    predicted order matches the measured one (Spearman's rank correlation per scenario); and its
-    throughput against the median measured one, every configuration."""
+    """When to trust `recommend`, from the scored scenarios:
+
+    - hits per regime, beside the best fixed choice's;
+    - how far each miss reaches: the recommended configuration's measured median over the best's;
+    - the simulator's time to target against the measured median, for every configuration whose
+      median reached the target (signed error per solver), and how many it put on the wrong
+      side of the cap;
+    - its throughput against the measured median, for every configuration;
+    - how well its order matches the measured one (Spearman's rank correlation per scenario)."""
     from scipy.stats import spearmanr
 
     scenarios, fixed = raw["scenarios"], raw["summary"]["best_fixed"]
@@ -425,8 +427,8 @@ def render_trust(raw: dict[str, Any]) -> str:
               + (f" (median absolute error {t['median_abs_error']:.0%})" if t["median_abs_error"] is not None else "")
               + f"; predicted within the cap but missed it: {t['predicted_reach_missed']}; predicted past the cap "
               f"but reached it: {t['predicted_miss_reached']}. Throughput within {THROUGHPUT_CLOSE:.0%} of the "
-              f"measured median: {t['throughput_close']} of {t['throughput_rows']} configurations. Rank agreement of the predicted and measured order "
-              f"(Spearman, per scenario): {shown(t['spearman'])}.", "",
+              f"measured median: {t['throughput_close']} of {t['throughput_rows']} configurations. Rank agreement "
+              f"of the predicted and measured order (Spearman, per scenario): {shown(t['spearman'])}.", "",
               f"| solver | configurations that reached the target | predicted / measured - 1 (median) | "
               f"within {CLOSE:.0%} |", "|---|---|---|---|"]
     for x, v in t["errors"].items():
