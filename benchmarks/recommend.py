@@ -291,6 +291,11 @@ def score_scenario(configs: list[dict[str, Any]], tolerance: float = TOLERANCE) 
             "hits": [configs[i]["key"] for i in range(len(configs)) if stats[i][0] <= best_median + margin + 1e-9]}
 
 
+def defaults_hit(scenario: dict[str, Any], solver: str) -> bool:
+    """Whether ``solver`` with its defaults (always-X) hits in the scored ``scenario``."""
+    return any(c["solver"] == solver and c["defaults"] and c["key"] in scenario["hits"] for c in scenario["configs"])
+
+
 def summarize(scenarios: list[dict[str, Any]], solvers: list[str]) -> dict[str, Any]:
     """Hits of `recommend` and of the baselines over the scored scenarios."""
     n = len(scenarios)
@@ -298,8 +303,7 @@ def summarize(scenarios: list[dict[str, Any]], solvers: list[str]) -> dict[str, 
     always = {}
     oracle = {}
     for x in solvers:
-        always[x] = sum(any(c["solver"] == x and c["defaults"] and c["key"] in s["hits"] for c in s["configs"])
-                        for s in scenarios)
+        always[x] = sum(defaults_hit(s, x) for s in scenarios)
         oracle[x] = sum(any(c["solver"] == x and c["key"] in s["hits"] for c in s["configs"]) for s in scenarios)
     best_fixed = max(solvers, key=lambda x: always[x]) if solvers else None
     random_hits = sum(len(s["hits"]) / len(s["configs"]) for s in scenarios if s["configs"])
@@ -362,7 +366,7 @@ def trust(raw: dict[str, Any]) -> dict[str, Any]:
     scenarios, fixed = raw["scenarios"], raw["summary"]["best_fixed"]
     groups: dict[tuple[str, str], dict[str, int]] = {}
     for r in scenarios:
-        fixed_hit = any(c["solver"] == fixed and c["defaults"] and c["key"] in r["hits"] for c in r["configs"])
+        fixed_hit = defaults_hit(r, fixed)
         for name, group_of in REGIMES:
             g = groups.setdefault((name, group_of(r)), {"scenarios": 0, "hits": 0, "fixed_hits": 0})
             g["scenarios"] += 1
@@ -375,7 +379,7 @@ def trust(raw: dict[str, Any]) -> dict[str, Any]:
         rec = by.get(r["recommended"])
         if rec is not None:
             regret.append({"scenario": r["scenario"], "hit": bool(r["hit"]),
-                           "ratio": statistics.median(x["scored_s"] for x in rec["runs"].values()) / r["best_median_s"],
+                           "ratio": rec["median_s"] / r["best_median_s"],
                            "at_cap": not _reached(rec)})
         pairs = []
         for c in r["configs"]:
@@ -385,7 +389,7 @@ def trust(raw: dict[str, Any]) -> dict[str, Any]:
             p = c.get("predicted_time_to_target_s")
             if p is None:
                 continue
-            m = statistics.median(x["scored_s"] for x in c["runs"].values())
+            m = c["median_s"]
             pairs.append((p, m))
             if _reached(c):
                 errors.setdefault(c["solver"], []).append(p / m - 1)

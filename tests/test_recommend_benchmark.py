@@ -3,6 +3,7 @@ baselines, and that the test set is drawn by its seed alone."""
 
 from __future__ import annotations
 
+import statistics
 import sys
 from pathlib import Path
 
@@ -127,7 +128,7 @@ def test_progress_saved_on_one_clone_goes_on_from_another(tmp_path):
 
 def _measured(key, solver, predicted, rate, times, reached, rates, defaults=True):
     return {"key": key, "solver": solver, "defaults": defaults, "predicted_time_to_target_s": predicted,
-            "predicted_throughput": rate,
+            "predicted_throughput": rate, "median_s": statistics.median(times),
             "runs": {str(s): {"scored_s": t, "reached": ok, "throughput": x}
                      for s, (t, ok, x) in enumerate(zip(times, reached, rates), 1)}}
 
