@@ -41,10 +41,13 @@ bench: setup
 	$(BIN)/python benchmarks/link_efficiency.py
 
 # On a machine with a GPU (docs/gpu.md): the CUDA tests, allreduce against DDP on the GPU,
-# and the heterogeneity benchmark with 8 and 16 real workers (no emulation) on its cores.
+# the cnn and mnist rows of the emulated-device heterogeneity benchmark (each worker's math on the
+# GPU), and the heterogeneity benchmark with 8 and 16 real workers (no emulation) on its cores.
 gpu: setup
 	$(BIN)/python -m pytest -q -rs -m cuda tests/test_cuda.py
 	$(BIN)/python benchmarks/figures.py run allreduce_vs_ddp-gpu
+	$(BIN)/python benchmarks/figures.py run heterogeneity_devices_cnn-gpu
+	$(BIN)/python benchmarks/figures.py run heterogeneity_devices_mnist-gpu
 	$(BIN)/python benchmarks/heterogeneity.py --link none --device cpu --workers 8 --out benchmarks/results/heterogeneity-real-8
 	$(BIN)/python benchmarks/heterogeneity.py --link none --device cpu --workers 16 --out benchmarks/results/heterogeneity-real-16
 

@@ -129,6 +129,14 @@ FIGURES = [
                       "src/distsync/solvers/parameter_server.py", "src/distsync/solvers/elastic.py",
                       "src/distsync/solvers/shard_service.py"),
            "docs/benchmarks/heterogeneity.md"),
+    *(Figure(f"heterogeneity_devices_{w}-gpu", "heterogeneity_devices",
+             ("--workload", w, "--device", "cuda", "--workers", "4,8", "--cases", "one 3x slow", "--solvers",
+              "allreduce,ad-psgd,ripples:smart:overlap=true", "--seeds", "1,2,3", "--cap", "40"),
+             ("--workload", w, "--device", "cuda", "--workers", "2", "--cases", "one 3x slow", "--seeds", "1",
+              "--solvers", "allreduce,ripples:smart", "--cap", "2"),
+             RUNTIME + ("src/distsync/solvers/allreduce.py", "src/distsync/solvers/decentralized.py",
+                        "src/distsync/solvers/schedules.py"),
+             "docs/benchmarks/heterogeneity.md", needs_gpu=True) for w in ("cnn", "mnist")),
     Figure("async_vs_sync_devices", "async_vs_sync",
            ("--devices", "--workers", "4", "--settings", "wide", "--solvers",
             "allreduce,sync-easgd,async-measgd,ea-wild,ea-wild:tau=16,async-ps", "--seeds", "1,2,3"),
@@ -284,16 +292,17 @@ def stale(fig: Figure, raw: dict[str, Any]) -> str | None:
 def provenance_problems(fig: Figure, raw: dict[str, Any]) -> list[str]:
     problems = [f"{fig.name}: raw results lack {k!r}" for k in PROVENANCE if k not in raw]
     wanted = "python " + " ".join(fig.command()[1:])
-    if "command" in raw and _without_json(raw["command"]) != _without_json(wanted):
+    if "command" in raw and _without_places(raw["command"]) != _without_places(wanted):
         problems.append(f"{fig.name}: made by `{raw['command']}`, not by the registry's `{wanted}`")
     if isinstance(raw.get("repeats"), int) and raw["repeats"] < fig.min_repeats:
         problems.append(f"{fig.name}: {raw['repeats']} repeat(s); a published figure needs at least {fig.min_repeats}")
     return problems
 
 
-def _without_json(command: str) -> str:
-    """``command`` less its ``--json PATH``: where a run wrote its raw file is not what it measured."""
-    return re.sub(r" --json \S+", "", command)
+def _without_places(command: str) -> str:
+    """``command`` less its ``--json PATH`` and ``--out DIR``: where a run wrote its raw file
+    and its runs' folders is not what it measured."""
+    return re.sub(r" --(json|out) \S+", "", command)
 
 
 def stray_tables(text: str) -> list[int]:

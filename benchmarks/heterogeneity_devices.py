@@ -76,15 +76,21 @@ def blocks_of(workload: str, device: str = "cpu") -> str:
             + ("" if device == "cpu" else "_gpu"))
 
 
+def slow_of(workers: str, case: str) -> set[str]:
+    """The ranks that a case makes slow, as the raw file's keys."""
+    return {str(r) for r in next((x for x in cases(int(workers)) if x[0] == case), (case, {}, 0))[1]}
+
+
 def render(raw: dict[str, Any]) -> dict[str, str]:
-    """The page's table: per case and solver, time to target and speedup over allreduce
-    (median and range over seeds)."""
+    """The page's table: per case and solver, time to target, the steps a fast worker had
+    taken by then (the most among the workers not slow) and speedup over allreduce (median and
+    range over seeds)."""
     names, workload = raw["solvers"], raw.get("workload", "digits")
     lines = [f"`{workload}`, {raw['repeats']} seeds ({', '.join(map(str, raw['seeds']))}) per cell: median "
              f"(min-max); speedup = allreduce's time to target / the solver's, per seed. Regime: {raw['regime']}.", "",
-             "| workers | case | solver | time to target (s) | speedup over allreduce | vs 1.0 | "
+             "| workers | case | solver | time to target (s) | a fast worker's steps | speedup over allreduce | vs 1.0 | "
              "speedup over ad-psgd (ripples) | vs 1.0 | CPU-bound runs |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for w, by_case in raw["results"].items():
         for case, by_name in by_case.items():
             base = times(raw, w, case, "allreduce")
@@ -94,7 +100,9 @@ def render(raw: dict[str, Any]) -> dict[str, str]:
                 over = sum(bool((x.get("device") or {}).get("cpu_bound")) for x in by_name[name].values())
                 ad = (ratios(times(raw, w, case, "ad-psgd"), t)
                       if name.startswith("ripples") and "ad-psgd" in by_name else None)
-                lines.append(f"| {w} | {case} | `{name}` | {shown(t.values(), '{:.1f}')} | "
+                steps = [max(n for r, n in x["steps_by_worker"].items() if r not in slow_of(w, case))
+                         for x in by_name[name].values()]
+                lines.append(f"| {w} | {case} | `{name}` | {shown(t.values(), '{:.1f}')} | {shown(steps, '{:.0f}')} | "
                              f"{'-' if name == 'allreduce' else shown(r, unit='x')} | "
                              f"{'-' if name == 'allreduce' else verdict(r)} | "
                              f"{shown(ad, unit='x') if ad else '-'} | {verdict(ad) if ad else '-'} | "
@@ -134,7 +142,7 @@ def render_overhead(raw: dict[str, Any]) -> str:
              "|---|---|---|---|---|---|---|"]
     for w, by_case in raw["results"].items():
         for case, by_name in by_case.items():
-            slow = {str(r) for r, _ in next((x for x in cases(int(w)) if x[0] == case), (case, {}, 0))[1].items()}
+            slow = slow_of(w, case)
             for name in raw["solvers"]:
                 runs = [r for r in by_name.get(name, {}).values() if "per_worker" in r]
                 if not runs or not (name == "allreduce" or name.startswith(("ripples", "ad-psgd"))):

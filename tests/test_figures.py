@@ -64,6 +64,10 @@ def test_a_raw_file_without_provenance_or_with_one_run_is_refused():
         f"--json {fig.raw_path().relative_to(REPO)}", "--json /tmp/out/x.json"))
     assert elsewhere["command"] != raw["command"]
     assert figures.provenance_problems(fig, elsewhere) == []  # (where it wrote its file is not what it measured)
+    runs_elsewhere = dict(elsewhere, command=elsewhere["command"] + " --out /tmp/runs")
+    assert figures.provenance_problems(fig, runs_elsewhere) == []  # (nor where its runs' folders went)
+    more_seeds = dict(raw, command=raw["command"] + " --seeds 9")
+    assert figures.provenance_problems(fig, more_seeds) != []  # (an argument that changes what it measures counts)
     bare = {k: v for k, v in raw.items() if k not in ("commit", "machine")}
     assert figures.provenance_problems(fig, bare) == [f"{fig.name}: raw results lack 'commit'",
                                                       f"{fig.name}: raw results lack 'machine'"]
