@@ -47,7 +47,9 @@ def _allreduce(raw: dict[str, Any]) -> tuple[str, str]:
         f"CPU-bound real run)")
 
 
-def _slow_worker(raw: dict[str, Any], names: tuple[str, ...], why: str) -> tuple[str, str] | None:
+def _slow_speedups(raw: dict[str, Any], names: tuple[str, ...]) -> tuple[str, dict[str, list]] | None:
+    """(workers, {solver: speedups to target over all-reduce per seed}) with one 3x slow worker,
+    at 4 workers where measured, fastest first; None where the raw file has none of ``names``."""
     w = "4" if "4" in raw["results"] else next(iter(raw["results"]))
     case = "one 3x slow"
     if case not in raw["results"][w]:
@@ -57,11 +59,27 @@ def _slow_worker(raw: dict[str, Any], names: tuple[str, ...], why: str) -> tuple
         return None
     base = times(raw, w, case, "allreduce")
     sp = {n: ratios(base, times(raw, w, case, n)) for n in have}
-    have.sort(key=lambda n: -(spread(sp[n]) or (0.0,))[0])
-    figures = "; ".join(f"{_code(n)} {_speedup(sp[n])}" for n in have)
-    return ", ".join(_code(n) for n in have), (
+    return w, dict(sorted(sp.items(), key=lambda kv: -(spread(kv[1]) or (0.0,))[0]))
+
+
+def _slow_worker(raw: dict[str, Any], names: tuple[str, ...], why: str,
+                 gpu: tuple[dict[str, Any], ...] = ()) -> tuple[str, str] | None:
+    """The row from digits' figure; ``gpu``: other workloads' figures of the same benchmark
+    (each worker's math on a GPU), their speedups after digits'."""
+    got = _slow_speedups(raw, names)
+    if got is None:
+        return None
+    w, sp = got
+    figures = "; ".join(f"{_code(n)} {_speedup(v)}" for n, v in sp.items())
+    more = []
+    for other in gpu:
+        also = _slow_speedups(other, names)
+        if also is not None:
+            more.append(f"{other['workload']}: " + "; ".join(f"{_code(n)} {_speedup(v)}" for n, v in also[1].items())
+                        + f" ({also[0]} emulated devices, the math on a GPU; {other['repeats']} seeds)")
+    return ", ".join(_code(n) for n in sp), (
         f"{why}; speedup to target over all-reduce: {figures} (digits, {w} emulated devices, one 3x slower; "
-        f"{raw['repeats']} seeds)")
+        f"{raw['repeats']} seeds)" + "".join(f"; {m}" for m in more))
 
 
 def _slow_links(raw: dict[str, Any]) -> tuple[str, str] | None:
@@ -134,29 +152,41 @@ def _rare_sync(raw: dict[str, Any]) -> tuple[str, str] | None:
         f"{len(next(iter(q.values()))['seeds'])} seeds)")
 
 
-#: (situation, the raw file it needs, how its cells are made)
-ROWS: list[tuple[str, str | None, Callable[[dict[str, Any]], tuple[str, str] | None] | None, str]] = [
-    ("equal devices, fast links, you want one large batch's math", "allreduce_vs_ddp", _allreduce,
+Cells = Callable[[dict[str, Any], dict[str, dict[str, Any]]], "tuple[str, str] | None"]
+
+#: the slow-worker row's other workloads: the same benchmark with each worker's math on a GPU
+SLOW_ON_GPU = ("heterogeneity_devices_mnist-gpu", "heterogeneity_devices_cnn-gpu")
+
+
+def _alone(cells: Callable[[dict[str, Any]], tuple[str, str] | None]) -> Cells:
+    """A row's cells made from its own raw file alone."""
+    return lambda raw, raws: cells(raw)
+
+
+#: (situation, the raw file it needs, how its cells are made from it and every other raw file)
+ROWS: list[tuple[str, str | None, Cells | None, str]] = [
+    ("equal devices, fast links, you want one large batch's math", "allreduce_vs_ddp", _alone(_allreduce),
      "`allreduce` (or `ddp`)"),
     ("one or a few slow workers", "heterogeneity_devices",
-     lambda raw: _slow_worker(raw, ("ripples:smart", "ripples:smart:every=2", "ripples:smart:overlap=true",
-                                    "ad-psgd"), "nobody waits for the slow one"),
+     lambda raw, raws: _slow_worker(raw, ("ripples:smart", "ripples:smart:every=2", "ripples:smart:overlap=true",
+                                          "ad-psgd"), "nobody waits for the slow one",
+                                    tuple(raws[n] for n in SLOW_ON_GPU if n in raws)),
      "`ripples --schedule smart -o overlap=true`, `ad-psgd`"),
-    ("slow links, many parameters per FLOP", "async_vs_sync_devices", _slow_links, "`sync-easgd`, `async-measgd`"),
+    ("slow links, many parameters per FLOP", "async_vs_sync_devices", _alone(_slow_links), "`sync-easgd`, `async-measgd`"),
     ("a parameter service, asynchrony tolerated", "heterogeneity_devices",
-     lambda raw: _slow_worker(raw, ("async-ps", "ea-wild"), "pushes never wait for a round"),
+     _alone(lambda raw: _slow_worker(raw, ("async-ps", "ea-wild"), "pushes never wait for a round")),
      "`async-ps`, `ea-wild`"),
-    ("recommendation models with big embedding tables", "shadowsync_devices", _shadow,
+    ("recommendation models with big embedding tables", "shadowsync_devices", _alone(_shadow),
      "`shadow-ma`, `ma` + `--embedding-servers`"),
-    ("several jobs sharing the same devices", "crossover", _crossover, "`distsync crossover`"),
-    ("slow links between sites, synchronizing rarely", "diloco_quality", _rare_sync, "`diloco`, `ma -o every=50`"),
+    ("several jobs sharing the same devices", "crossover", _alone(_crossover), "`distsync crossover`"),
+    ("slow links between sites, synchronizing rarely", "diloco_quality", _alone(_rare_sync), "`diloco`, `ma -o every=50`"),
 ]
 
 
 def render(raws: dict[str, dict[str, Any]]) -> str:
     lines = list(HEADER)
     for situation, name, cells, solvers in ROWS:
-        got = cells(raws[name]) if name in raws else None
+        got = cells(raws[name], raws) if name in raws else None
         solver, text = got if got else (solvers, NOT_MEASURED)
         lines.append(f"| {situation} | {solver} | {text} |")
     lines.append("| not sure, or thousands of workers | `distsync recommend` | simulates the candidates on your "
