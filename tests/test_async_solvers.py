@@ -93,6 +93,15 @@ def _grad(model, w, x, y):
     return [p.grad.detach().clone() for p in model.parameters()]
 
 
+def _step_and_sum(model, grads, total=None):
+    """Plain SGD by hand: ``model -= LR * grads``, and each gradient added into ``total``."""
+    with torch.no_grad():
+        for p, g, t in zip(model.parameters(), grads, total if total is not None else grads):
+            p -= LR * g
+            if total is not None:
+                t += g
+
+
 def _close(a, b):
     for k in b:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-5, msg=f"{k} differs")
@@ -133,15 +142,10 @@ def test_async_ps_fetch_and_push_every_two_steps_follows_downpour():
     for step, (x, y) in enumerate(batches[0]):
         if step % 2 == 0:
             local.load_state_dict(center.state_dict())
-        g = _grad(local, w, x, y)
-        with torch.no_grad():
-            for p, gi, a in zip(local.parameters(), g, acc):
-                p -= LR * gi
-                a += gi
-            if (step + 1) % 2 == 0:
-                for c, a in zip(center.parameters(), acc):
-                    c -= LR * a
-                    a.zero_()
+        _step_and_sum(local, _grad(local, w, x, y), acc)
+        if (step + 1) % 2 == 0:
+            _step_and_sum(center, acc)
+            acc = [torch.zeros_like(a) for a in acc]
     (_, _, got), (_, stats, _) = run_ranks(_run, 2, "async-ps", {"n_fetch": 2, "n_push": 2}, 1, steps, 0.0)
     _close(got, center.state_dict())
     assert stats["updates"] == steps // 2
@@ -149,10 +153,7 @@ def test_async_ps_fetch_and_push_every_two_steps_follows_downpour():
 
 def _local_sgd(models, w, batches, step):
     for model, b in zip(models, batches):
-        g = _grad(model, w, *b[step])
-        with torch.no_grad():
-            for p, gi in zip(model.parameters(), g):
-                p -= LR * gi
+        _step_and_sum(model, _grad(model, w, *b[step]))
 
 
 def _flat(model):
@@ -277,15 +278,9 @@ def test_async_ps_three_workers_server_applies_every_push_once():
     for b in batches:
         x = _model()
         for step in range(steps):
-            g = _grad(x, w, *b[step])
-            with torch.no_grad():
-                for p, gi, t in zip(x.parameters(), g, total):
-                    p -= LR * gi
-                    t += gi
+            _step_and_sum(x, _grad(x, w, *b[step]), total)
         mine.append(x)
-    with torch.no_grad():
-        for c, t in zip(center.parameters(), total):
-            c -= LR * t
+    _step_and_sum(center, total)
     res = run_ranks(_run_in_turns, workers + 1, "async-ps", {"n_fetch": 1000, "n_push": n_push}, workers, steps)
     for r in range(workers):
         _close(res[r][1], mine[r].state_dict())
@@ -397,16 +392,10 @@ def test_hogwild_threads_apply_and_push_every_threads_gradient():
         x = _model()
         samplers = [ShardSampler(w.num_train, 2 * workers, 2 * r + t, BATCH, SEED) for t in range(2)]
         for k in range(rounds):
-            gs = [_grad(x, w, *w.take(w.train_data, s.indices(k))) for s in samplers]
-            with torch.no_grad():
-                for g in gs:
-                    for p, gi, tot in zip(x.parameters(), g, total):
-                        p -= LR * gi
-                        tot += gi
+            for g in [_grad(x, w, *w.take(w.train_data, s.indices(k))) for s in samplers]:
+                _step_and_sum(x, g, total)
         mine.append(x)
-    with torch.no_grad():
-        for c, tot in zip(center.parameters(), total):
-            c -= LR * tot
+    _step_and_sum(center, total)
     res = run_ranks(_two_threads_rank, workers + 1, "hogwild", {"n_fetch": 1000, "n_push": n_push}, workers, rounds)
     for r in range(workers):
         _close(res[r][1], mine[r].state_dict())
@@ -428,9 +417,7 @@ def test_ea_wild_threads_exchange_every_tau_steps_of_the_worker():
     for k in range(rounds):
         gs = [_grad(x, w, *w.take(w.train_data, s.indices(k))) for s in samplers]
         for t, g in enumerate(gs):
-            with torch.no_grad():
-                for p, gi in zip(x.parameters(), g):
-                    p -= LR * gi
+            _step_and_sum(x, g)
             if (2 * k + t + 1) % tau == 0:
                 v = _flat(x)
                 elastic_exchange(v, center, 0.9)
