@@ -171,6 +171,24 @@ def kill_tree(pid: int) -> None:
             pass
 
 
+def train_with(comm: Any, w: Any, model: Any, solver: str, options: dict, lr: float, sampler: Any,
+               steps: int) -> Any:
+    """A user's loop on one worker: plain SGD on ``sampler``'s batches of workload ``w``, inside
+    the solver's ``step()`` hooks; the closed solver. For the ranks of :func:`run_ranks`."""
+    import torch
+
+    from distsync.solvers import make_solver
+
+    s = make_solver(solver, **options)
+    run = s.attach(model, torch.optim.SGD(model.parameters(), lr=lr), comm)
+    for step in range(steps):
+        x, y = w.take(w.train_data, sampler.indices(step))
+        with s.step(step):
+            w.loss_fn(run(x), y).backward()
+    s.close()
+    return s
+
+
 def train_digits_rank(rank: int, world: int, solver: str, options: dict, steps: int, seed: int, batch: int,
                       lr: float) -> dict[str, Any]:
     """One worker of a real job on digits (plain SGD, the solver's ``step()`` hooks): the
@@ -181,21 +199,13 @@ def train_digits_rank(rank: int, world: int, solver: str, options: dict, steps: 
     import torch
 
     from distsync.comm import Comm
-    from distsync.solvers import make_solver
     from distsync.workloads import ShardSampler, load_workload
 
     comm = Comm.from_env(["worker"] * world, 20.0, torch.device("cpu"))
     w = load_workload("digits")
     torch.manual_seed(seed)
     model = w.make_model()
-    s = make_solver(solver, **options)
-    run = s.attach(model, torch.optim.SGD(model.parameters(), lr=lr), comm)
-    sampler = ShardSampler(w.num_train, world, rank, batch, seed)
-    for step in range(steps):
-        x, y = w.take(w.train_data, sampler.indices(step))
-        with s.step(step):
-            w.loss_fn(run(x), y).backward()
-    s.close()
+    s = train_with(comm, w, model, solver, options, lr, ShardSampler(w.num_train, world, rank, batch, seed), steps)
     thread = getattr(s, "_thread", None)
     out = {"state": copy.deepcopy(model.state_dict()), "eval_state": copy.deepcopy(s.eval_model().state_dict()),
            "stats": s.stats(), "thread_alive": thread is not None and thread.is_alive()}

@@ -88,8 +88,8 @@ def _ddp_live_rank(rank, world, steps):
     from distsync.comm.comm import FailurePolicy
     from distsync.membership.liveness import watching
     from distsync.membership.views import Membership
-    from distsync.solvers import make_solver
     from distsync.workloads import ShardSampler, load_workload
+    from helpers import train_with
 
     policy = FailurePolicy(watch=watching(), drops_dead_peers=True,
                            views=lambda comm: Membership(comm, comm.worker_ranks, comm.liveness))
@@ -97,14 +97,7 @@ def _ddp_live_rank(rank, world, steps):
     assert comm.membership is not None
     w = load_workload("digits")
     model = _model()
-    s = make_solver("ddp")
-    run = s.attach(model, torch.optim.SGD(model.parameters(), lr=LR), comm)
-    sampler = ShardSampler(w.num_train, world, rank, BATCH, SEED)
-    for step in range(steps):
-        x, y = w.take(w.train_data, sampler.indices(step))
-        with s.step(step):
-            w.loss_fn(run(x), y).backward()
-    s.close()
+    train_with(comm, w, model, "ddp", {}, LR, ShardSampler(w.num_train, world, rank, BATCH, SEED), steps)
     out = copy.deepcopy(model.state_dict())
     comm.barrier()
     comm.close()

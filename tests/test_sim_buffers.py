@@ -248,20 +248,13 @@ def train_batchnorm_rank(rank: int, world: int, solver: str, options: dict, step
     """One worker of a real job on the BatchNorm workload (plain SGD, the solver's hooks): its
     final model's state. For :func:`helpers.run_ranks`."""
     from distsync.comm import Comm
-    from distsync.solvers import make_solver
+    from helpers import train_with
 
     comm = Comm.from_env(["worker"] * world, 20.0, torch.device("cpu"))
     w = W["batchnorm"]()
     torch.manual_seed(0)
     model = w.make_model()
-    s = make_solver(solver, **options)
-    run = s.attach(model, torch.optim.SGD(model.parameters(), lr=w.lr), comm)
-    sampler = ShardSampler(w.num_train, world, rank, w.batch_size, 0)
-    for step in range(steps):
-        x, y = w.take(w.train_data, sampler.indices(step))
-        with s.step(step):
-            w.loss_fn(run(x), y).backward()
-    s.close()
+    train_with(comm, w, model, solver, options, w.lr, ShardSampler(w.num_train, world, rank, w.batch_size, 0), steps)
     out = copy.deepcopy(model.state_dict())
     comm.barrier()
     comm.close()
