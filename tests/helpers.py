@@ -244,6 +244,18 @@ def consensus_distance(flats: list[Any]) -> float:
     return float((x - x.mean(dim=0)).pow(2).sum(dim=1).mean().sqrt())
 
 
+def local_distance(tmp_path_factory: Any, workers: int) -> tuple[int, float]:
+    """How far apart `local` (no synchronization at all) leaves ``workers`` digits workers at
+    its last checkpoint: the step and the distance. The yardstick of the "stays together"
+    tests (a module fixture's body)."""
+    out = tmp_path_factory.mktemp("local") / "r"
+    proc = run_cli("train", "--solver", "local", "--workers", str(workers), "--checkpoint-every", "100",
+                   "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    step, flats = checkpointed_models(out, workers)
+    return step, consensus_distance(flats)
+
+
 def digits_replicas(n: int, seed: int) -> list:
     """``n`` replicas of the digits MLP, each made from ``seed`` (alike, as a job's workers start)."""
     import torch

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from distsync.solvers.rules import apply_correction, bmuf_update, diloco_outer_step, elastic_exchange
+import helpers
 from helpers import (checkpointed_models, consensus_distance, digits_replicas, run_cli, run_ranks, sgd_steps,
                      train_digits_rank, two_replica_reference)
 
@@ -409,13 +410,8 @@ def test_shadow_thread_brings_the_replicas_together_before_close_and_stops(solve
 
 @pytest.fixture(scope="module")
 def local_distance(tmp_path_factory):
-    """How far apart `local` (no synchronization at all) leaves two digits workers at its
-    last checkpoint: the step and the distance."""
-    out = tmp_path_factory.mktemp("local") / "r"
-    proc = run_cli("train", "--solver", "local", "--workers", "2", "--checkpoint-every", "100", "--out", str(out))
-    assert proc.returncode == 0, proc.stderr
-    step, flats = checkpointed_models(out, 2)
-    return step, consensus_distance(flats)
+    """How far apart `local` leaves two digits workers (:func:`helpers.local_distance`)."""
+    return helpers.local_distance(tmp_path_factory, 2)
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ from distsync.solvers.schedules import (
     bipartite_roles, chunk, is_connected, mixing_matrix, random_round, static_group, static_period, static_round,
     static_schedule,
 )
+import helpers
 from helpers import (checkpointed_models, consensus_distance, digits_replicas, run_cli, run_ranks, sgd_steps,
                      train_digits_rank, two_replica_reference)
 
@@ -620,13 +621,8 @@ def test_ripples_overlap_needs_the_smart_schedule():
 
 @pytest.fixture(scope="module")
 def local_distance(tmp_path_factory):
-    """How far apart `local` (no synchronization at all) leaves four digits workers at its
-    last checkpoint: the step and the distance."""
-    out = tmp_path_factory.mktemp("local") / "r"
-    proc = run_cli("train", "--solver", "local", "--workers", "4", "--checkpoint-every", "100", "--out", str(out))
-    assert proc.returncode == 0, proc.stderr
-    step, flats = checkpointed_models(out, 4)
-    return step, consensus_distance(flats)
+    """How far apart `local` leaves four digits workers (:func:`helpers.local_distance`)."""
+    return helpers.local_distance(tmp_path_factory, 4)
 
 
 @pytest.mark.slow
