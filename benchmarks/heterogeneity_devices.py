@@ -88,8 +88,8 @@ def render(raw: dict[str, Any]) -> dict[str, str]:
     names, workload = raw["solvers"], raw.get("workload", "digits")
     lines = [f"`{workload}`, {raw['repeats']} seeds ({', '.join(map(str, raw['seeds']))}) per cell: median "
              f"(min-max); speedup = allreduce's time to target / the solver's, per seed. Regime: {raw['regime']}.", "",
-             "| workers | case | solver | time to target (s) | a fast worker's steps | speedup over allreduce | vs 1.0 | "
-             "speedup over ad-psgd (ripples) | vs 1.0 | CPU-bound runs |",
+             "| workers | case | solver | time to target (s) | a fast worker's steps | speedup over allreduce | "
+             "vs 1.0 | speedup over ad-psgd (ripples) | vs 1.0 | CPU-bound runs |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for w, by_case in raw["results"].items():
         for case, by_name in by_case.items():
