@@ -93,14 +93,14 @@ def render(raw: dict[str, Any]) -> dict[str, str]:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for w, by_case in raw["results"].items():
         for case, by_name in by_case.items():
-            base = times(raw, w, case, "allreduce")
+            base, slow = times(raw, w, case, "allreduce"), slow_of(w, case)
             for name in names:
                 t = times(raw, w, case, name)
                 r = ratios(base, t)
                 over = sum(bool((x.get("device") or {}).get("cpu_bound")) for x in by_name[name].values())
                 ad = (ratios(times(raw, w, case, "ad-psgd"), t)
                       if name.startswith("ripples") and "ad-psgd" in by_name else None)
-                steps = [max(n for r, n in x["steps_by_worker"].items() if r not in slow_of(w, case))
+                steps = [max(n for r, n in x["steps_by_worker"].items() if r not in slow)
                          for x in by_name[name].values()]
                 lines.append(f"| {w} | {case} | `{name}` | {shown(t.values(), '{:.1f}')} | {shown(steps, '{:.0f}')} | "
                              f"{'-' if name == 'allreduce' else shown(r, unit='x')} | "
@@ -218,17 +218,16 @@ def main() -> int:
                     print(f"seed {seed} {workers}w {case:<18} {name:<16} to target {s['time_to_target_s']}  "
                           f"steps {s['steps_by_worker']}  cpu-bound {s['device']['cpu_bound']}", flush=True)
         # (rewritten after each seed: a run stopped early keeps the seeds it finished)
-        raw = {"solvers": names, "device_ms": DEVICE_MS, "cap_s": args.cap, "results": results,
-               "regime": regime(args.device), "seeds": seeds[:done], "repeats": done, "workload": args.workload,
-               "worker_device": args.device}
-        write_record(args.json or out / "heterogeneity_devices.json", started, regime=regime(args.device),
-                     seeds=seeds[:done], announce=done == len(seeds),
-                     payload={"solvers": names, "device_ms": DEVICE_MS, "cap_s": args.cap, "results": results,
-                              "checks": checks_of(raw), "workload": args.workload, "worker_device": args.device})
+        payload = {"solvers": names, "device_ms": DEVICE_MS, "cap_s": args.cap, "results": results,
+                   "workload": args.workload, "worker_device": args.device}
+        raw = {**payload, "regime": regime(args.device), "seeds": seeds[:done], "repeats": done}
+        raw["checks"] = payload["checks"] = checks_of(raw)
+        write_record(args.json or out / "heterogeneity_devices.json", started, regime=raw["regime"],
+                     seeds=raw["seeds"], announce=done == len(seeds), payload=payload)
     print()
     print(render(raw)[blocks_of(args.workload, args.device)])
     print()
-    print_checks(checks_of(raw), met="met:   ", missed="missed:")
+    print_checks(raw["checks"], met="met:   ", missed="missed:")
     return 0
 
 

@@ -70,16 +70,15 @@ def _slow_worker(raw: dict[str, Any], names: tuple[str, ...], why: str,
     if got is None:
         return None
     w, sp = got
-    figures = "; ".join(f"{_code(n)} {_speedup(v)}" for n, v in sp.items())
-    more = []
-    for other in gpu:
-        also = _slow_speedups(other, names)
-        if also is not None:
-            more.append(f"{other['workload']}: " + "; ".join(f"{_code(n)} {_speedup(v)}" for n, v in also[1].items())
-                        + f" ({also[0]} emulated devices, the math on a GPU; {other['repeats']} seeds)")
+
+    def listed(speedups: dict[str, list]) -> str:
+        return "; ".join(f"{_code(n)} {_speedup(v)}" for n, v in speedups.items())
+
+    more = [f"; {other['workload']}: {listed(also[1])} ({also[0]} emulated devices, the math on a GPU; "
+            f"{other['repeats']} seeds)" for other in gpu if (also := _slow_speedups(other, names)) is not None]
     return ", ".join(_code(n) for n in sp), (
-        f"{why}; speedup to target over all-reduce: {figures} (digits, {w} emulated devices, one 3x slower; "
-        f"{raw['repeats']} seeds)" + "".join(f"; {m}" for m in more))
+        f"{why}; speedup to target over all-reduce: {listed(sp)} (digits, {w} emulated devices, one 3x slower; "
+        f"{raw['repeats']} seeds)" + "".join(more))
 
 
 def _slow_links(raw: dict[str, Any]) -> tuple[str, str] | None:
@@ -172,14 +171,16 @@ ROWS: list[tuple[str, str | None, Cells | None, str]] = [
                                           "ad-psgd"), "nobody waits for the slow one",
                                     tuple(raws[n] for n in SLOW_ON_GPU if n in raws)),
      "`ripples --schedule smart -o overlap=true`, `ad-psgd`"),
-    ("slow links, many parameters per FLOP", "async_vs_sync_devices", _alone(_slow_links), "`sync-easgd`, `async-measgd`"),
+    ("slow links, many parameters per FLOP", "async_vs_sync_devices", _alone(_slow_links),
+     "`sync-easgd`, `async-measgd`"),
     ("a parameter service, asynchrony tolerated", "heterogeneity_devices",
      _alone(lambda raw: _slow_worker(raw, ("async-ps", "ea-wild"), "pushes never wait for a round")),
      "`async-ps`, `ea-wild`"),
     ("recommendation models with big embedding tables", "shadowsync_devices", _alone(_shadow),
      "`shadow-ma`, `ma` + `--embedding-servers`"),
     ("several jobs sharing the same devices", "crossover", _alone(_crossover), "`distsync crossover`"),
-    ("slow links between sites, synchronizing rarely", "diloco_quality", _alone(_rare_sync), "`diloco`, `ma -o every=50`"),
+    ("slow links between sites, synchronizing rarely", "diloco_quality", _alone(_rare_sync),
+     "`diloco`, `ma -o every=50`"),
 ]
 
 

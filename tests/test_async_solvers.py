@@ -96,10 +96,10 @@ def _grad(model, w, x, y):
 def _step_and_sum(model, grads, total=None):
     """Plain SGD by hand: ``model -= LR * grads``, and each gradient added into ``total``."""
     with torch.no_grad():
-        for p, g, t in zip(model.parameters(), grads, total if total is not None else grads):
+        for p, g in zip(model.parameters(), grads):
             p -= LR * g
-            if total is not None:
-                t += g
+        for t, g in zip(total or [], grads):
+            t += g
 
 
 def _close(a, b):
