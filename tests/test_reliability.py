@@ -172,7 +172,12 @@ FAMILIES = [  # (solver and options, the process to kill; allreduce's restart: t
 @pytest.mark.slow
 @pytest.mark.parametrize("solver, victim", FAMILIES,
                          ids=[f[0][1] + ("-overlap" if "overlap=true" in f[0] else "") for f in FAMILIES])
-def test_killed_process_costs_at_most_the_checkpoint_interval(tmp_path, solver, victim):
+def test_killed_process_costs_at_most_the_steps_since_the_newest_complete_checkpoint(tmp_path, solver, victim):
+    # At most the interval when the workers keep the same pace. Ripples' groups let a worker
+    # run ahead (a starved one is left behind: the suite's load does it), and a step-based
+    # checkpoint is complete only when the slowest worker has written it
+    # (docs/reliability.md): every newer one the dead worker had written is then skipped, as
+    # incomplete, by name.
     every, steps = 20, 100
     kill_at = random.Random(" ".join(solver)).randint(30, steps - 25)
     common = ["--steps", str(steps), "--eval-every", "40", "--seed", "3", *solver]
@@ -184,7 +189,11 @@ def test_killed_process_costs_at_most_the_checkpoint_interval(tmp_path, solver, 
     clean, fault = _summary(tmp_path / "clean"), _summary(tmp_path / "fault")
     [record] = fault["recovery"]["faults"]
     assert record["spec"] == f"kill:{victim}@{kill_at}" and fault["recovery"]["restarts"] == 1
-    assert 0 <= record["steps_lost"] <= every, record
+    resumed = record["resumed_from_step"]
+    assert resumed % every == 0 and record["steps_lost"] == kill_at - resumed, record
+    logs = "".join(p.read_text() for p in (tmp_path / "fault").glob("logs/*/attempt_1/*/stderr.log"))
+    for index in range(resumed // every + 1, (kill_at - 1) // every + 1):
+        assert f"skipped checkpoint ckpt-{index:06d}: incomplete (rank " in logs, (record, logs)
     if solver[1] in ("async-ps", "ea-wild"):  # the server's part is a consistent cut (lock-free too):
         # no push or exchange (every tau = 2 steps) lost or repeated
         want = 2 * steps if solver[1] == "async-ps" else steps
@@ -193,6 +202,26 @@ def test_killed_process_costs_at_most_the_checkpoint_interval(tmp_path, solver, 
     workers = 3 if "ripples" in solver else 2
     for rank in range(workers):  # every step taken once in the surviving history
         assert _steps_of(tmp_path / "fault", rank) == list(range(steps))
+
+
+@pytest.mark.slow
+def test_a_slow_worker_holds_back_the_checkpoint_a_killed_fast_one_resumes_from(tmp_path):
+    # Ripples' smart groups leave a 3x slower rank 0 behind: when rank 2 dies at step 57 the
+    # newest checkpoint rank 0 has written is older than rank 2's, so more than the interval
+    # is lost, and each newer checkpoint is skipped as incomplete, naming rank 0
+    every, kill_at = 20, 57
+    run = tmp_path / "run"
+    proc = _train(run, "--solver", "ripples", "--workers", "3", "--group-size", "2", "-o", "schedule=smart",
+                  "--steps", "70", "--seed", "3", "--slow", "0:3", "--checkpoint-every", str(every),
+                  "--max-restarts", "1", "--on-failure", "restart", "--fault", f"kill:2@{kill_at}")
+    assert proc.returncode == 0, proc.stderr
+    [record] = _summary(run)["recovery"]["faults"]
+    resumed = record["resumed_from_step"]
+    assert resumed < every * ((kill_at - 1) // every) and record["steps_lost"] == kill_at - resumed > every, record
+    logs = "".join(p.read_text() for p in run.glob("logs/*/attempt_1/*/stderr.log"))
+    for index in range(resumed // every + 1, (kill_at - 1) // every + 1):
+        assert f"skipped checkpoint ckpt-{index:06d}: incomplete (rank 0 did not finish writing it)" in logs, logs
+    assert _steps_of(run, 0) == _steps_of(run, 2) == list(range(70))
 
 
 @pytest.mark.slow
