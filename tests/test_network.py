@@ -12,7 +12,7 @@ import torch
 
 from distsync.config import Link, parse_link
 from distsync.errors import ConfigError
-from helpers import DISTSYNC, REPO, free_port, kill_tree, run_cli, run_ranks, children_of, env_of
+from helpers import DISTSYNC, REPO, kill_tree, run_cli, run_ranks, children_of, env_of
 
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0 or subprocess.run(["which", "ip", "tc"], capture_output=True).returncode != 0,
