@@ -323,7 +323,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     summary = _run_with_progress(start, args.progress_every)
     _stdout().print(_comparison_table([{"summaries": [summary], "repeats": 1}]))  # (compare's, for one run)
     _print_device(summary)
-    _print_recovery(summary)
+    _print_recovery(summary, run.config.checkpoint_every.steps if run.config.checkpoint_every else None)
     _print_not_learned(summary, run.config)
     console.print(f"run folder: {out}")
     return 0
@@ -355,9 +355,19 @@ def _took(seconds: float) -> str:
     return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.1f} s"
 
 
-def _print_recovery(summary: dict[str, Any]) -> None:
+def _restarted(f: dict[str, Any], every: int | None) -> str:
+    """How a restart went: from which step, the steps lost and the time to recover; and why,
+    when more than the checkpoint interval (``every`` steps) was lost."""
+    why = (f"; more than the {every}-step interval: a slower worker had not written a newer checkpoint, "
+           "each rank's log names it" if every and f["steps_lost"] > every else "")
+    return (f"restarted from step {f['resumed_from_step']} ({f['steps_lost']} steps lost, {f['recovery_s']:.1f} s "
+            f"to recover{why})")
+
+
+def _print_recovery(summary: dict[str, Any], every: int | None = None) -> None:
     """One line per death the run survived or restarted on (workers dropped, servers and
-    coordinators replaced), and per injected kill that restarted the job."""
+    coordinators replaced), and per injected kill that restarted the job (``every``: the
+    checkpoint interval in steps, if it is one)."""
     from distsync.runtime.fault_match import worker_deaths
 
     rec = summary.get("recovery") or {}
@@ -368,8 +378,7 @@ def _print_recovery(summary: dict[str, Any]) -> None:
         elif f and "went_on_s" in f:  # (no group to re-form: a survivor's step without it)
             how = f"; the other workers went on in {_took(f['went_on_s'])}"
         elif f and "resumed_from_step" in f:  # (the workers' logs say why)
-            how = (f", but the others failed to go on without it: the job restarted from step "
-                   f"{f['resumed_from_step']} ({f['steps_lost']} steps lost, {f['recovery_s']:.1f} s to recover)")
+            how = f", but the others failed to go on without it: the job {_restarted(f, every)}"
         else:
             how = "; the other workers trained on"
         if f and f.get("replaced"):
@@ -394,15 +403,13 @@ def _print_recovery(summary: dict[str, Any]) -> None:
                 how = "; a replacement was started and training went on" if "went_on_s" in f else \
                     "; a replacement was started"
             elif "resumed_from_step" in f:
-                how = (f": the job restarted from step {f['resumed_from_step']} ({f['steps_lost']} steps lost, "
-                       f"{f['recovery_s']:.1f} s to recover)")
+                how = f": the job {_restarted(f, every)}"
             else:
                 how = ": the job did not go on"
             console.print(what + how, highlight=False, soft_wrap=True)
         elif "resumed_from_step" in f and not f.get("dropped"):
-            console.print(f"{f['role']} rank {f['rank']} was killed at step {f['step']}: restarted from step "
-                          f"{f['resumed_from_step']} ({f['steps_lost']} steps lost, {f['recovery_s']:.1f} s to "
-                          f"recover)", highlight=False, soft_wrap=True)
+            console.print(f"{f['role']} rank {f['rank']} was killed at step {f['step']}: {_restarted(f, every)}",
+                          highlight=False, soft_wrap=True)
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
