@@ -30,6 +30,9 @@ def _child(fn: Callable, rank: int, world: int, port: int, conn, args: tuple) ->
     import gc
 
     gc.freeze()  # what the fork server imported is never garbage: as runtime/forkserver.run_process does
+    # a rank's own processes start as in a fresh interpreter's (the platform's start method,
+    # not the fork server's: hivemind's DHT could not be pickled through it)
+    mp.set_start_method(None, force=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     import torch
@@ -58,18 +61,19 @@ def _context():
     return ctx
 
 
-def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 50.0) -> list[Any]:
+def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 50.0, daemon: bool = True) -> list[Any]:
     """Run ``fn(rank, world, *args)`` in ``world`` spawned processes; return their results.
 
     A process that fails raises here with its traceback; one that hangs past ``timeout``
-    seconds is killed and the test fails.
+    seconds is killed and the test fails. ``daemon=False`` for ranks that start processes of
+    their own (hivemind's DHT): a daemonic process may not, and these are killed here anyway.
     """
     ctx = _context()
     port = free_port()
     pipes, procs = [], []
     for rank in range(world):
         parent, child = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_child, args=(fn, rank, world, port, child, args), daemon=True)
+        p = ctx.Process(target=_child, args=(fn, rank, world, port, child, args), daemon=daemon)
         p.start()
         child.close()
         pipes.append(parent)

@@ -34,7 +34,9 @@ tolerance is its own: in a distsync job a dead worker ends the job.
 
 from __future__ import annotations
 
+import itertools
 import os
+from collections import defaultdict
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -51,6 +53,14 @@ from distsync.solvers.diloco import StreamingDiLoCo, StreamingOptions, layer_fra
 LIGHTHOUSE_KEY = "torchft-lighthouse"
 #: the store key under which worker 0 leaves its hivemind DHT's addresses
 HIVEMIND_KEY = "hivemind-dht"
+#: this process's attaches per key, counted: every worker attaches in the same order, so its
+#: nth attach reads the nth address (a second attach on the same comm would otherwise read the
+#: first one's, whose lighthouse or DHT is gone)
+_ATTACHES: defaultdict[str, itertools.count] = defaultdict(lambda: itertools.count(1))
+
+
+def _attach_key(key: str) -> str:
+    return f"{key}/{next(_ATTACHES[key])}"
 
 
 @dataclass
@@ -140,18 +150,18 @@ class TorchftDiLoCo(Solver):
                               f"pip install 'distsync[peers]'") from None
         super().attach(model, optimizer, comm, **kw)
         o = self.options
-        self.lighthouse = None
+        self.lighthouse, key = None, _attach_key(LIGHTHOUSE_KEY)
         if comm.rank == comm.worker_ranks[0]:
             from torchft._torchft import LighthouseServer
 
             self.lighthouse = LighthouseServer(bind="[::]:0", min_replicas=comm.num_workers)
-            comm.store_set(LIGHTHOUSE_KEY, self.lighthouse.address())
+            comm.store_set(key, self.lighthouse.address())
         self.store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)  # (this replica group's)
         self.manager = Manager(pg=ProcessGroupGloo(), min_replica_size=comm.num_workers,
                                load_state_dict=lambda state: model.load_state_dict(state["model"]),
                                state_dict=lambda: {"model": model.state_dict()}, replica_id=str(comm.rank),
                                store_addr="localhost", store_port=self.store.port, rank=0, world_size=1,
-                               lighthouse_addr=comm.store_get(LIGHTHOUSE_KEY), port=0,
+                               lighthouse_addr=comm.store_get(key), port=0,
                                timeout=timedelta(seconds=comm.timeout_s), use_async_quorum=False,
                                init_sync=False)  # (the workers start alike: attach broadcast rank 0's model)
         params = dict(model.named_parameters())
@@ -254,11 +264,11 @@ class HivemindAveraging(Solver):
         # its p2p daemon: each dies with its parent, so a worker killed outright leaves none
         # of them behind (a graceful exit ends them: runtime.entry.end_children)
         os.register_at_fork(after_in_child=_killed_with_parent)
-        first = comm.rank == comm.worker_ranks[0]
-        peers = [] if first else comm.store_get(HIVEMIND_KEY).split()
+        first, key = comm.rank == comm.worker_ranks[0], _attach_key(HIVEMIND_KEY)
+        peers = [] if first else comm.store_get(key).split()
         self.dht = hivemind.DHT(start=True, host_maddrs=["/ip4/0.0.0.0/tcp/0"], initial_peers=peers)
         if first:
-            comm.store_set(HIVEMIND_KEY, " ".join(str(a) for a in self.dht.get_visible_maddrs()))
+            comm.store_set(key, " ".join(str(a) for a in self.dht.get_visible_maddrs()))
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.averager = hivemind.averaging.DecentralizedAverager(
             [p.detach().to("cpu", copy=True) for p in self.params],  # (hivemind averages host memory)
