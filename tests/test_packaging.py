@@ -64,6 +64,20 @@ def test_a_shipped_workload_without_its_extra_is_a_one_line_error_naming_the_pip
     load_workload("cnn")
 
 
+@pytest.mark.parametrize("solver,package", [("torchft-diloco", "torchft"), ("hivemind-averaging", "hivemind")])
+def test_a_peers_solver_without_its_package_is_refused_in_one_line_at_attach(monkeypatch, solver, package):
+    import torch
+
+    import distsync
+    from distsync.errors import ConfigError
+
+    monkeypatch.setitem(sys.modules, package, None)
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(ConfigError) as e:  # (before anything touches the comm)
+        distsync.make_solver(solver).attach(model, torch.optim.SGD(model.parameters(), lr=0.1), None)
+    assert str(e.value) == f"solver {solver} needs {package}, which is not installed: pip install 'distsync[peers]'"
+
+
 @pytest.fixture
 def fresh_bind(monkeypatch):
     """runtime/bind.py as if no job had started in this process: torch's classes unpatched

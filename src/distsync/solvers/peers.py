@@ -34,6 +34,7 @@ tolerance is its own: in a distsync job a dead worker ends the job.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import os
 from collections import defaultdict
@@ -48,6 +49,7 @@ from distsync.config import bounded
 from distsync.errors import ConfigError
 from distsync.solvers.base import Capability, Solver, register_solver
 from distsync.solvers.diloco import StreamingDiLoCo, StreamingOptions, layer_fragments
+from distsync.supervise import die_with_parent
 
 #: the store key under which worker 0 leaves its lighthouse's address
 LIGHTHOUSE_KEY = "torchft-lighthouse"
@@ -61,6 +63,12 @@ _ATTACHES: defaultdict[str, itertools.count] = defaultdict(lambda: itertools.cou
 
 def _attach_key(key: str) -> str:
     return f"{key}/{next(_ATTACHES[key])}"
+
+
+def _needs(package: str, solver: str) -> None:
+    """Refuse, in one line, a peer's solver whose package is not installed."""
+    if importlib.util.find_spec(package) is None:
+        raise ConfigError(f"solver {solver} needs {package}, which is not installed: pip install 'distsync[peers]'")
 
 
 @dataclass
@@ -140,14 +148,12 @@ class TorchftDiLoCo(Solver):
     simulate_rule = StreamingDiLoCo.simulate_rule
 
     def attach(self, model, optimizer, comm, **kw):
-        try:
-            from torch.distributed import TCPStore
-            from torchft.local_sgd import DiLoCo as TorchftDiLoCoRun
-            from torchft.manager import Manager
-            from torchft.process_group import ProcessGroupGloo
-        except ImportError:
-            raise ConfigError(f"solver {self.name} needs torchft, which is not installed: "
-                              f"pip install 'distsync[peers]'") from None
+        _needs("torchft", self.name)
+        from torch.distributed import TCPStore
+        from torchft.local_sgd import DiLoCo as TorchftDiLoCoRun
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo
+
         super().attach(model, optimizer, comm, **kw)
         o = self.options
         self.lighthouse, key = None, _attach_key(LIGHTHOUSE_KEY)
@@ -206,14 +212,6 @@ class _Fragment(nn.Module):
             self.register_parameter(f"p{i}", p)
 
 
-def _killed_with_parent() -> None:
-    """In a forked child: SIGKILL when the parent dies (PR_SET_PDEATHSIG; kept across exec)."""
-    import ctypes
-    import signal
-
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)
-
-
 @dataclass
 class HivemindOptions:
     """every: steps between averaging rounds; group_size: hivemind's target_group_size (2:
@@ -253,17 +251,15 @@ class HivemindAveraging(Solver):
         return sim.ready_group_mean(False) if sim.workers >= 2 else sim.local()
 
     def attach(self, model, optimizer, comm, **kw):
-        try:
-            import hivemind
-        except ImportError:
-            raise ConfigError(f"solver {self.name} needs hivemind, which is not installed: "
-                              f"pip install 'distsync[peers]'") from None
+        _needs("hivemind", self.name)
+        import hivemind
+
         super().attach(model, optimizer, comm, **kw)
         o = self.options
         # hivemind's DHT and averager are processes forked from this one, and the DHT starts
         # its p2p daemon: each dies with its parent, so a worker killed outright leaves none
         # of them behind (a graceful exit ends them: runtime.entry.end_children)
-        os.register_at_fork(after_in_child=_killed_with_parent)
+        os.register_at_fork(after_in_child=die_with_parent)  # (PR_SET_PDEATHSIG: kept across exec)
         first, key = comm.rank == comm.worker_ranks[0], _attach_key(HIVEMIND_KEY)
         peers = [] if first else comm.store_get(key).split()
         self.dht = hivemind.DHT(start=True, host_maddrs=["/ip4/0.0.0.0/tcp/0"], initial_peers=peers)
