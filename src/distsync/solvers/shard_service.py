@@ -49,6 +49,7 @@ import torch
 import torch.nn as nn
 
 from distsync.errors import CommError, ConfigError, PeerDied, PeerStalled
+from distsync.gate import PauseGate
 from distsync.membership.admission import await_replacement, join_as_replacement
 from distsync.membership.peers import PeerService
 from distsync.solvers.flat import FlatView
@@ -355,9 +356,7 @@ class ServerShard:
         self._lock = threading.Lock() if lock else None
         # A lock-free server's updates run at once, unlocked; this gate only counts them, so
         # that a checkpoint's cut can pause them for a moment (:meth:`_exclusive`).
-        self._gate = threading.Condition()
-        self._applying = 0
-        self._paused = False
+        self._gate = PauseGate()
         self._errors: list[BaseException] = []
         #: called with each request's step before it is served (fault injection)
         self.on_request = on_request
@@ -460,36 +459,19 @@ class ServerShard:
     def _exclusive(self):
         """No update in flight or starting meanwhile: the lock, or (lock-free) a pause of the
         updates until the ones in flight are done."""
-        if self._lock is not None:
-            with self._lock:
-                yield
-            return
-        with self._gate:
-            self._paused = True
-            self._gate.wait_for(lambda: self._applying == 0)
-        try:
+        with self._lock or self._gate.paused():
             yield
-        finally:
-            with self._gate:
-                self._paused = False
-                self._gate.notify_all()
 
     @contextmanager
     def _counted_in(self, logged: Request | None = None):
         """A lock-free server's access to its state: it waits while :meth:`_exclusive` pauses
         the updates, and is counted while it runs (``logged``: a push the open cut logs)."""
-        with self._gate:
-            self._gate.wait_for(lambda: not self._paused)
-            self._applying += 1
+        def log() -> None:
             if logged is not None and self._cut is not None:
                 self._cut["log"].append(logged)
-        try:
+
+        with self._gate.counted(log):
             yield
-        finally:
-            with self._gate:
-                self._applying -= 1
-                if not self._applying:
-                    self._gate.notify_all()
 
     def _finish_cut(self) -> None:
         """Under :meth:`_exclusive`: write the cut if every live worker has asked for it."""
@@ -536,7 +518,7 @@ class ServerShard:
         if self._lock is not None:
             self.version += 1
             return
-        with self._gate:
+        with self._gate.lock:
             self.version += 1
 
     def record_staleness(self, req: Request) -> None:

@@ -37,6 +37,7 @@ import torch
 import torch.nn as nn
 
 from distsync.errors import CommError
+from distsync.gate import PauseGate
 from distsync.membership.peers import PeerService
 from distsync.sparse.tables import coalesce, sparse_adagrad_, sparse_sgd_
 
@@ -192,9 +193,7 @@ class EmbeddingServer:
         # pushes of the channels that have not asked yet are logged, and once every channel
         # still served has asked they are replayed onto the snapshot. Pushes are counted in and
         # out through this gate so that the snapshot and the writing can pause them.
-        self._gate = threading.Condition()
-        self._applying = 0
-        self._paused = False
+        self._gate = PauseGate()
         self._cut: dict[str, Any] | None = None
         self._save_lock = threading.Lock()
         self._channels: set[tuple[int, int]] = set()  # (trainer, channel) pairs still served
@@ -260,32 +259,19 @@ class EmbeddingServer:
     @contextmanager
     def _exclusive(self):
         """No push in flight or starting meanwhile (the ones in flight finish first)."""
-        with self._gate:
-            self._paused = True
-            self._gate.wait_for(lambda: self._applying == 0)
-        try:
+        with self._gate.paused():
             yield
-        finally:
-            with self._gate:
-                self._paused = False
-                self._gate.notify_all()
 
     @contextmanager
     def _counted_in(self, who: tuple[int, int], push: tuple | None = None):
         """A push or lookup: waits while :meth:`_exclusive` pauses them, counted while it runs;
         ``push`` is logged for the open cut if ``who`` has not asked for it yet."""
-        with self._gate:
-            self._gate.wait_for(lambda: not self._paused)
-            self._applying += 1
+        def log() -> None:
             if push is not None and self._cut is not None and who not in self._cut["asked"]:
                 self._cut["log"].append(push)
-        try:
+
+        with self._gate.counted(log):
             yield
-        finally:
-            with self._gate:
-                self._applying -= 1
-                if not self._applying:
-                    self._gate.notify_all()
 
     def _channel_ended(self, who: tuple[int, int]) -> None:
         """A channel's trainer said goodbye or died: no cut waits for it any more."""
