@@ -28,7 +28,7 @@ LAYERS = (
     ("workloads", "sparse"),
     ("membership",),
     ("comm", "metrics"),
-    ("config", "errors", "imports", "torch_private"),
+    ("config", "errors", "gate", "imports", "torch_private"),
 )
 MAX_FUNCTION_LINES = 80
 

@@ -49,7 +49,6 @@ from distsync.config import bounded
 from distsync.errors import ConfigError
 from distsync.solvers.base import Capability, Solver, register_solver
 from distsync.solvers.diloco import StreamingDiLoCo, StreamingOptions, layer_fragments
-from distsync.supervise import die_with_parent
 
 #: the store key under which worker 0 leaves its lighthouse's address
 LIGHTHOUSE_KEY = "torchft-lighthouse"
@@ -203,6 +202,16 @@ class TorchftDiLoCo(Solver):
         return {} if self.model is None else {"syncs": self.manager.current_step()}
 
 
+def _killed_with_parent() -> None:
+    """In a forked child: SIGKILL when the parent dies (PR_SET_PDEATHSIG; kept across exec).
+    (supervise.die_with_parent's twin: that module runs as a script, importing no distsync
+    module, and solvers may not import it.)"""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+
+
 class _Fragment(nn.Module):
     """A fragment for torchft: the model's own parameters (the same tensors), registered here."""
 
@@ -259,7 +268,7 @@ class HivemindAveraging(Solver):
         # hivemind's DHT and averager are processes forked from this one, and the DHT starts
         # its p2p daemon: each dies with its parent, so a worker killed outright leaves none
         # of them behind (a graceful exit ends them: runtime.entry.end_children)
-        os.register_at_fork(after_in_child=die_with_parent)  # (PR_SET_PDEATHSIG: kept across exec)
+        os.register_at_fork(after_in_child=_killed_with_parent)
         first, key = comm.rank == comm.worker_ranks[0], _attach_key(HIVEMIND_KEY)
         peers = [] if first else comm.store_get(key).split()
         self.dht = hivemind.DHT(start=True, host_maddrs=["/ip4/0.0.0.0/tcp/0"], initial_peers=peers)
