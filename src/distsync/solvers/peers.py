@@ -202,6 +202,15 @@ class TorchftDiLoCo(Solver):
         return {} if self.model is None else {"syncs": self.manager.current_step()}
 
 
+class _Fragment(nn.Module):
+    """A fragment for torchft: the model's own parameters (the same tensors), registered here."""
+
+    def __init__(self, params: list[nn.Parameter]):
+        super().__init__()
+        for i, p in enumerate(params):
+            self.register_parameter(f"p{i}", p)
+
+
 def _killed_with_parent() -> None:
     """In a forked child: SIGKILL when the parent dies (PR_SET_PDEATHSIG; kept across exec).
     (supervise.die_with_parent's twin: that module runs as a script, importing no distsync
@@ -210,15 +219,6 @@ def _killed_with_parent() -> None:
     import signal
 
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)
-
-
-class _Fragment(nn.Module):
-    """A fragment for torchft: the model's own parameters (the same tensors), registered here."""
-
-    def __init__(self, params: list[nn.Parameter]):
-        super().__init__()
-        for i, p in enumerate(params):
-            self.register_parameter(f"p{i}", p)
 
 
 @dataclass
