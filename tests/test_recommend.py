@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from distsync.errors import ConfigError
 from distsync.experiments.recommend import Candidate, Request, candidates, rank, recommend
-from helpers import assert_one_line, run_cli
+from helpers import REPO, assert_one_line, run_cli
 
 
 def test_every_solver_offers_its_search_space_and_baselines_stay_out():
@@ -68,6 +69,23 @@ def test_order_dependent_solvers_train_in_the_order_of_their_timing_model():
     assert "estimated" not in ps["reason"] and "timing only" not in ps["reason"]
     wild = rows["ea-wild tau=16 servers=1"]
     assert wild["steps_to_target"] and wild["steps_to_target"] != ar["steps_to_target"]
+
+
+def test_a_candidate_the_model_refuses_is_left_out_and_a_solver_asked_for_by_name_is_refused():
+    from distsync.experiments.recommend import left_out_lines
+
+    one_layer = str(REPO / "tests" / "fixtures" / "tiny_workload.py") + ":make_workload"
+    res = recommend(Request(workload=one_layer, workers=4, device_ms=10))
+    why = ("solver streaming-diloco: fragments=2, but the model has 1 layer(s) with parameters; give fragments=1 "
+           "or fewer")
+    assert res["left_out"] == [{"label": f"streaming-diloco every={e} fragments=2 delay=1", "why": why}
+                               for e in (16, 64)]
+    assert not any(r["solver"] == "streaming-diloco" for r in res["ranked"])
+    assert res["ranked"] and all(r["time_to_target_s"] is not None for r in res["ranked"])  # (the rest as ever)
+    assert left_out_lines(res) == ["left out streaming-diloco every=16 fragments=2 delay=1, streaming-diloco every=64 "
+                                   f"fragments=2 delay=1: {why}"]
+    with pytest.raises(ConfigError, match=re.escape(why)):
+        recommend(Request(workload=one_layer, workers=4, device_ms=10, solvers=["streaming-diloco", "allreduce"]))
 
 
 def test_a_solver_without_a_train_mode_rule_is_timing_only(tmp_path):

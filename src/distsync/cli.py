@@ -624,7 +624,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 def _cmd_recommend(args: argparse.Namespace) -> int:
     from distsync.errors import ConfigError
-    from distsync.experiments.recommend import Request, recommend, verify, write_outputs
+    from distsync.experiments.recommend import Request, left_out_lines, recommend, verify, write_outputs
     from distsync.options import training_from_args
     from distsync.runtime.run_folder import out_or_default, workload_tag
 
@@ -659,6 +659,8 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
         table.add_row(str(i), r["label"], ttt, f"{r['throughput_samples_per_s']:,.0f}",
                       f"{r['phase_share'].get('wait', 0):.0%}", r["reason"])
     _stdout().print(table)
+    for line in left_out_lines(result):  # (candidates whose solver cannot run this model)
+        _stdout().print(line, highlight=False, soft_wrap=True)
     if result.get("no_time_to_target"):  # (ranked by throughput only: say why, once)
         _stdout().print(f"no time to target: {result['no_time_to_target']}", highlight=False, soft_wrap=True)
     best = result["ranked"][0]

@@ -9,6 +9,11 @@ class ConfigError(DistsyncError):
     """An option, config field or input file is wrong; the message says what would be right."""
 
 
+class ModelRefused(ConfigError):
+    """A solver cannot run this model with these options (more fragments than the model has
+    layers): ``recommend`` leaves such a candidate out instead of ranking it."""
+
+
 class CommError(DistsyncError):
     """A torch.distributed operation failed or timed out; the message names rank and operation."""
 

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from distsync.config import Budget, Link, RunConfig, bounded, check_ranges, run_option
-from distsync.errors import ConfigError, DistsyncError
+from distsync.errors import ConfigError, DistsyncError, ModelRefused
 from distsync.options import TRAINING_FIELDS, Training, resolve_training, train_mode_kwargs
 
 #: train mode runs at most this many replicas (a larger cluster: the steps to target at this size)
@@ -119,6 +119,8 @@ class Candidate:
     train_time_to_target_s: float | None = None
     syncs_per_step: float | None = None  # a background solver's, from its timing
     note: str = ""
+    #: why its solver cannot run this model with its options (train mode found it): left out
+    refused: str = ""
     #: its rank among its own solver's option sets, 1 for the solver's best (set by :func:`rank`)
     solver_rank: int = 0
 
@@ -302,9 +304,14 @@ def _train_steps(s: _Setting, cand: Candidate, cache: dict) -> None:
             cache[_NO_TIME] = (str(e), "timing only: train mode cannot run this model")
             cand.note = cache[_NO_TIME][1]
             return
+        except ModelRefused as e:  # (the solver cannot run this model: no timing can make it a choice)
+            cache[key] = ("refused", str(e))
         except ConfigError as e:
             cache[key] = ("no rule", str(e))
     kind, value = cache[key]
+    if kind == "refused":
+        cand.refused = value
+        return
     if kind == "no rule":
         cand.note = f"timing only: {value}"
         return
@@ -440,6 +447,7 @@ def recommend(request: Request, on_step: Callable[[str, int, int], None] | None 
         _predict(cand)
     if on_step is not None:
         on_step("done", len(cands), len(cands))
+    cands, left_out = _fitting(request, cands)
     ranked = rank(cands)
     baseline = next((c for c in cands if c.solver == "allreduce" and not c.options), None)
     rows = []
@@ -456,7 +464,27 @@ def recommend(request: Request, on_step: Callable[[str, int, int], None] | None 
             "train_workers": min(request.workers, TRAIN_WORKERS_MAX),
             "no_time_to_target": cache[_NO_TIME][0] if _NO_TIME in cache else None,
             "target": workload.target, "metric": workload.metric_name,
-            "search_seconds": time.perf_counter() - t0, "ranked": rows}
+            "search_seconds": time.perf_counter() - t0, "ranked": rows, "left_out": left_out}
+
+
+def left_out_lines(result: dict[str, Any]) -> list[str]:
+    """"left out LABEL, LABEL: why", one line per reason (a recommendation without them: none)."""
+    by_why: dict[str, list[str]] = {}
+    for left in result.get("left_out", []):
+        by_why.setdefault(left["why"], []).append(left["label"])
+    return [f"left out {', '.join(labels)}: {why}" for why, labels in by_why.items()]
+
+
+def _fitting(request: Request, cands: list[Candidate]) -> tuple[list[Candidate], list[dict[str, str]]]:
+    """The candidates whose solver runs the model, and the others (label and why): left out,
+    never ranked. A solver asked for by name none of whose option sets runs it is refused in
+    one line, as :func:`_runnable` refuses one that `distsync train` does not accept."""
+    out = [c for c in cands if not c.refused]
+    kept = {c.solver for c in out}
+    for c in cands:
+        if c.refused and c.solver not in kept and (request.solvers or not out):
+            raise ConfigError(c.refused)
+    return out, [{"label": c.label, "why": c.refused} for c in cands if c.refused]
 
 
 def verify(request: Request, result: dict[str, Any], top: int, out: Path, workers: int = 4,
@@ -535,6 +563,7 @@ def write_outputs(out: Path, result: dict[str, Any]) -> Path:
                   + f"; target {result['target']}.", ""]
     if result.get("no_time_to_target"):
         lines += [f"No time to target (ranked by throughput): {result['no_time_to_target']}.", ""]
+    lines += [f"{line[0].upper()}{line[1:]}.\n" for line in left_out_lines(result)]
     lines += ["| rank | solver | predicted time to target (s) | samples/s | waiting | why | command |",
               "|---|---|---|---|---|---|---|"]
     for i, r in enumerate(result["ranked"], 1):

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from distsync.config import bounded
-from distsync.errors import ConfigError, PeerLost
+from distsync.errors import ModelRefused, PeerLost
 from distsync.solvers.base import Capability, Solver, register_solver
 from distsync.solvers.flat import FlatView
 from distsync.solvers.model_averaging import AverageOptions, AveragingSolver, OuterStep, WireOptions
@@ -117,7 +117,7 @@ def layer_fragments(names: list[str], count: int) -> list[list[str]]:
     for name in names:
         layers.setdefault(name.rpartition(".")[0], []).append(name)
     if len(layers) < count:
-        raise ConfigError(f"solver streaming-diloco: fragments={count}, but the model has {len(layers)} layer(s) "
+        raise ModelRefused(f"solver streaming-diloco: fragments={count}, but the model has {len(layers)} layer(s) "
                           f"with parameters; give fragments={len(layers)} or fewer")
     out: list[list[str]] = [[] for _ in range(count)]
     for i, members in enumerate(layers.values()):
