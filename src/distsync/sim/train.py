@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import operator
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -705,11 +707,9 @@ class MeanGradient(Rule):
     def _mean(self, v: torch.Tensor) -> torch.Tensor:
         if self.wire is None:
             return v.mean(0, keepdim=True)
+        # (summed in replica order, in the wire's dtype, as the all-reduce sums them)
         shares = [wire_mean_share(x, len(v), self.wire) for x in v]
-        total = shares[0]
-        for x in shares[1:]:
-            total = total + x
-        return total.to(v.dtype).unsqueeze(0)
+        return functools.reduce(operator.add, shares).to(v.dtype).unsqueeze(0)
 
     def __call__(self, step, g):
         self.sgd({n: self._mean(v).expand_as(v) for n, v in g.items()})
@@ -773,10 +773,8 @@ class PeriodicAverage(Rule):
         if self.wire is None:
             return v.mean(0)
         anchor = self.anchor[key]
-        total = wire_average_share(v[0], anchor, len(v), self.wire)
-        for x in v[1:]:
-            total = total + wire_average_share(x, anchor, len(v), self.wire)
-        return anchor + total.to(anchor.dtype)
+        shares = [wire_average_share(x, anchor, len(v), self.wire) for x in v]
+        return anchor + functools.reduce(operator.add, shares).to(anchor.dtype)  # (in replica order, as above)
 
     def after(self, step):
         if (step + 1) % self.every:

@@ -53,7 +53,7 @@ class WireOptions:
 
 def wire_dtype(options: object) -> torch.dtype | None:
     """The wire format of a synchronization under ``options`` (None: fp32, the model's)."""
-    return WIRE_DTYPES.get(getattr(options, "compress", "none")) if isinstance(options, WireOptions) else None
+    return WIRE_DTYPES.get(options.compress) if isinstance(options, WireOptions) else None
 
 
 @dataclass
