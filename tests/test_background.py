@@ -363,24 +363,10 @@ def _free_running_rank(rank, world, solver_name, steps, options):
 
 def _local_replicas(steps):
     """Plain PyTorch: the two workers' models after ``steps`` of SGD with no synchronization."""
-    from distsync.workloads import ShardSampler, load_workload
-    from distsync.workloads.digits import make_model
-
-    w = load_workload("digits")
-    out = []
-    for r in range(2):
-        torch.manual_seed(SEED)
-        m = make_model()
-        sampler = ShardSampler(w.num_train, 2, r, BATCH, SEED)
-        for step in range(steps):
-            x, y = w.take(w.train_data, sampler.indices(step))
-            m.zero_grad()
-            w.loss_fn(m(x), y).backward()
-            with torch.no_grad():
-                for p in m.parameters():
-                    p -= LR * p.grad
-        out.append(torch.nn.utils.parameters_to_vector(m.parameters()).detach())
-    return out
+    models = digits_replicas(2, SEED)
+    for _ in sgd_steps(models, steps, SEED, BATCH, LR):
+        pass
+    return [torch.nn.utils.parameters_to_vector(m.parameters()).detach() for m in models]
 
 
 @pytest.mark.parametrize("solver, options", [("shadow-ma", {}), ("shadow-bmuf", {"steps_per_sync": 0, "sync_share": 1.0})])
