@@ -373,6 +373,7 @@ def trust(raw: dict[str, Any]) -> dict[str, Any]:
             g["hits"] += bool(r["hit"])
             g["fixed_hits"] += fixed_hit
     regret, errors, rates, rho = [], {}, [], []
+    rates_by_workload: dict[str, list[float]] = {}
     wrong_side = {"predicted_reach_missed": 0, "predicted_miss_reached": 0}
     for r in scenarios:
         by = {c["key"]: c for c in r["configs"]}
@@ -386,6 +387,7 @@ def trust(raw: dict[str, Any]) -> dict[str, Any]:
             rate = [x["throughput"] for x in c["runs"].values() if x.get("throughput")]
             if c.get("predicted_throughput") and rate:
                 rates.append(c["predicted_throughput"] / statistics.median(rate) - 1)
+                rates_by_workload.setdefault(r["label"].split()[0], []).append(rates[-1])
             p = c.get("predicted_time_to_target_s")
             if p is None:
                 continue
@@ -406,6 +408,10 @@ def trust(raw: dict[str, Any]) -> dict[str, Any]:
     keys = sorted(groups, key=lambda k: (order[k[0]], len(k[1]), k[1]))
     return {"regimes": [{"regime": n, "group": g, **groups[n, g]} for n, g in keys],
             "throughput_close": sum(abs(e) <= THROUGHPUT_CLOSE for e in rates), "throughput_rows": len(rates),
+            "throughput_by_workload": {w: {"configs": len(es), "median_error": statistics.median(es),
+                                           "min_error": min(es), "max_error": max(es),
+                                           "close": sum(abs(e) <= THROUGHPUT_CLOSE for e in es)}
+                                       for w, es in rates_by_workload.items()},
             "regret": regret, "errors": per_solver,
             "close": sum(abs(e) <= CLOSE for e in every), "reached": len(every),
             "median_abs_error": statistics.median(abs(e) for e in every) if every else None,
@@ -437,6 +443,11 @@ def render_trust(raw: dict[str, Any]) -> str:
               f"within {CLOSE:.0%} |", "|---|---|---|---|"]
     for x, v in t["errors"].items():
         lines.append(f"| {x} | {v['configs']} | {v['median_error']:+.0%} | {v['close']} of {v['configs']} |")
+    lines += ["", f"| workload | configurations | predicted / measured throughput - 1 (median, min to max) | "
+              f"within {THROUGHPUT_CLOSE:.0%} |", "|---|---|---|---|"]
+    for w, v in t["throughput_by_workload"].items():
+        lines.append(f"| {w} | {v['configs']} | {v['median_error']:+.0%} ({v['min_error']:+.0%} to "
+                     f"{v['max_error']:+.0%}) | {v['close']} of {v['configs']} |")
     return "\n".join(lines)
 
 

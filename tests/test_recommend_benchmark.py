@@ -166,6 +166,12 @@ def test_when_to_trust_counts_regimes_regret_and_prediction_errors_by_hand():
     assert (t["close"], t["reached"]) == (1, 4) and t["median_abs_error"] == pytest.approx((0.6875 + 1.0) / 2)
     assert (t["predicted_reach_missed"], t["predicted_miss_reached"]) == (1, 1)
     assert (t["throughput_close"], t["throughput_rows"]) == (4, 5)  # ma's +25% is the one outside 15%
+    # per workload: mnist's +10%, +25% and 0; cnn's 0 and 0
+    assert t["throughput_by_workload"] == {
+        "mnist": {"configs": 3, "median_error": pytest.approx(0.1), "min_error": 0.0,
+                  "max_error": pytest.approx(0.25), "close": 2},
+        "cnn": {"configs": 2, "median_error": 0.0, "min_error": 0.0, "max_error": 0.0, "close": 2}}
     assert t["spearman"] == [pytest.approx(0.5)]
     text = bench.render_trust(raw)
     assert "| workload | cnn | 1 | 0 | 1 |" in text and "on the misses: 2: 1.60." in text
+    assert "| mnist | 3 | +10% (+0% to +25%) | 2 of 3 |" in text
