@@ -97,12 +97,12 @@ SOLVERS = {
 PART = {"hivemind-averaging": ("plain", "no_sync accumulation", "batchnorm", "frozen parameter",
                                "unused parameter", "step after block")}
 
+#: solvers whose workers start processes of their own (hivemind's DHT)
+STARTS_PROCESSES = ("hivemind-averaging",)
+
 
 def habits_of(name: str) -> tuple[str, ...]:
     return PART.get(name, tuple(HABITS))
-
-#: solvers whose workers start processes of their own (hivemind's DHT)
-STARTS_PROCESSES = ("hivemind-averaging",)
 
 
 # ---- the models and the data ------------------------------------------------------------
