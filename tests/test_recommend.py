@@ -88,6 +88,24 @@ def test_a_candidate_the_model_refuses_is_left_out_and_a_solver_asked_for_by_nam
         recommend(Request(workload=one_layer, workers=4, device_ms=10, solvers=["streaming-diloco", "allreduce"]))
 
 
+def test_embedding_tables_on_embedding_servers_are_not_counted_as_synchronized_bytes():
+    # ctr's 8 tables of 50,000 x 16 floats sit on its embedding server (the workload's
+    # default, as train takes it): a solver synchronizes the dense MLPs only (13,585 floats)
+    from distsync.sim.calibrate import model_bytes
+
+    tables, dense = 8 * 50_000 * 16 * 4, (64 * 13 + 64 + 16 * 64 + 16 + 64 * 180 + 64 + 64 + 1) * 4
+    assert model_bytes("ctr") == dense and model_bytes("ctr", embedding_servers=0) == dense + tables
+    res = recommend(Request(workload="ctr", workers=4, device_ms=100, link="266mbit", solvers=["allreduce"]))
+    assert (res["model_bytes"], res["tables_on_servers_bytes"]) == (dense, tables)
+    from distsync.experiments.recommend import tables_note
+
+    assert tables_note(res) == (" synchronized (its embedding tables, 25.6 MB, sit on embedding servers: their "
+                                "lookups and pushes are not simulated)")
+    # an all-reduce of 54 kB over 266 Mbit: the 100 ms device step bounds the pace (it was 25.6
+    # MB more, about 0.77 s a step at 266 Mbit, and a third of the measured throughput)
+    assert res["ranked"][0]["step_s"] < 0.15
+
+
 def test_a_solver_without_a_train_mode_rule_is_timing_only(tmp_path):
     mine = tmp_path / "mine.py"
     mine.write_text("from distsync.solvers import Solver\n\nclass Mine(Solver):\n    name = 'mine'\n\n"

@@ -624,7 +624,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 def _cmd_recommend(args: argparse.Namespace) -> int:
     from distsync.errors import ConfigError
-    from distsync.experiments.recommend import Request, left_out_lines, recommend, verify, write_outputs
+    from distsync.experiments.recommend import Request, left_out_lines, recommend, tables_note, verify, write_outputs
     from distsync.options import training_from_args
     from distsync.runtime.run_folder import out_or_default, workload_tag
 
@@ -651,7 +651,7 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
     where = result["compute_from"]
     table = Table(title=f"{args.workload} on {args.workers} workers, {args.link}: compute "
                         f"{result['compute_s'] * 1000:.2f} ms a step ({where}), model "
-                        f"{result['model_bytes'] / 1e6:.3g} MB; simulated")
+                        f"{result['model_bytes'] / 1e6:.3g} MB{tables_note(result)}; simulated")
     for h in ("rank", "solver", "time to target (s)", "samples/s", "waiting", "why"):
         table.add_column(h, justify="left" if h in ("solver", "why") else "right", overflow="fold")
     for i, r in enumerate(result["ranked"][:12], 1):

@@ -414,14 +414,19 @@ def rank(cands: list[Candidate]) -> list[Candidate]:
 def recommend(request: Request, on_step: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
     """Measure, search and rank; returns what ``recommend.json`` holds. ``on_step(label,
     done, total)`` follows the search."""
+    from distsync.sim.calibrate import synced_bytes
+
     request.check()
     training, workload = _resolve(request)
     try:
-        params = list(workload.make_model().parameters())
+        model = workload.make_model()
     except Exception as e:
         raise ConfigError(f"workload {request.workload!r} cannot be measured: {type(e).__name__}: {e}") from None
+    params = list(model.parameters())
     cands = _runnable(request, training, candidates(request, max_servers=len(params)))
-    nbytes = sum(p.numel() * p.element_size() for p in params)
+    # (what the solver synchronizes: embedding tables on embedding servers are not in it)
+    nbytes = synced_bytes(model, training.embedding_servers or 0)
+    tables_bytes = sum(p.numel() * p.element_size() for p in params) - nbytes
     fitted = _fit(request) if request.fit_from else None
     try:
         if request.device_ms is not None:
@@ -460,11 +465,18 @@ def recommend(request: Request, on_step: Callable[[str, int, int], None] | None 
     return {"request": request.as_dict(), "training": {name: getattr(training, name) for name in TRAINING_FIELDS},
             "compute_s": compute_s, "compute_measured_here": measured_here,
             "compute_from": compute_from, "per_message_ms": request.per_message_ms,
-            "model_bytes": nbytes, "batch_size": training.batch_size,
+            "model_bytes": nbytes, "tables_on_servers_bytes": tables_bytes, "batch_size": training.batch_size,
             "train_workers": min(request.workers, TRAIN_WORKERS_MAX),
             "no_time_to_target": cache[_NO_TIME][0] if _NO_TIME in cache else None,
             "target": workload.target, "metric": workload.metric_name,
             "search_seconds": time.perf_counter() - t0, "ranked": rows, "left_out": left_out}
+
+
+def tables_note(result: dict[str, Any]) -> str:
+    """What the model's bytes leave out: embedding tables on embedding servers ("" if none)."""
+    tables = result.get("tables_on_servers_bytes") or 0
+    return (f" synchronized (its embedding tables, {tables / 1e6:.3g} MB, sit on embedding servers: their lookups "
+            f"and pushes are not simulated)" if tables else "")
 
 
 def left_out_lines(result: dict[str, Any]) -> list[str]:
@@ -552,7 +564,8 @@ def write_outputs(out: Path, result: dict[str, Any]) -> Path:
              + ("(measured here, one thread; pass --device-ms for your device's)" if result["compute_measured_here"]
                 else f"({result['compute_from']})")
              + f"; {result['per_message_ms']:.3g} ms per message beyond the link's latency"
-             + f"; model {result['model_bytes'] / 1e6:.3g} MB; slow workers: {req['slow_fraction']:.0%} "
+             + f"; model {result['model_bytes'] / 1e6:.3g} MB{tables_note(result)}"
+             + f"; slow workers: {req['slow_fraction']:.0%} "
                f"x{req['slow_factor']:g}; jitter {req['jitter']:g}.", ""]
     t = result.get("training")
     if t:

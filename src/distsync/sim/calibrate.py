@@ -17,15 +17,27 @@ from distsync.sim.timing import Work
 #: the link assumed for a run made without --link
 UNSHAPED = Link(10e9, 0.0, "10gbit")
 
-def model_bytes(workload: str, options: dict[str, Any] | None = None) -> int:
-    """Bytes of a workload's model parameters (float32)."""
+def synced_bytes(model: Any, embedding_servers: int) -> int:
+    """Bytes of the parameters a solver synchronizes: all of them, but the embedding tables
+    where embedding servers hold them (their rows travel as sparse lookups and pushes, which
+    the simulator leaves out)."""
+    from distsync.sparse.tables import find_tables
+
+    found = find_tables(model) if embedding_servers else None
+    on_servers = {id(p) for p in found[1].parameters()} if found else set()
+    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in on_servers)
+
+
+def model_bytes(workload: str, options: dict[str, Any] | None = None, embedding_servers: int | None = None) -> int:
+    """Bytes of a workload's model parameters that a solver synchronizes (:func:`synced_bytes`;
+    ``embedding_servers``: the run's, None for the workload's own, as `distsync train` takes)."""
     import torch
 
     from distsync.workloads import load_workload
 
     w = load_workload(workload, options or {})
     torch.manual_seed(0)
-    return sum(p.numel() * p.element_size() for p in w.make_model().parameters())
+    return synced_bytes(w.make_model(), w.embedding_servers if embedding_servers is None else embedding_servers)
 
 
 def _read(run_dir: Path, default_link: Link) -> dict[str, Any]:
@@ -59,7 +71,7 @@ def _read(run_dir: Path, default_link: Link) -> dict[str, Any]:
             "batch": (cfg.batch_size * cfg.accumulate if budget is not None
                       else round(measured["samples"] / max(1, steps * cfg.workers))),
             "link": cfg.link or default_link,
-            "bytes": model_bytes(cfg.workload, cfg.workload_options)}
+            "bytes": model_bytes(cfg.workload, cfg.workload_options, cfg.embedding_servers)}
 
 
 def _simulate_run(run: dict[str, Any], compute: float, latency: float, until_s: float | None = None):
