@@ -252,6 +252,36 @@ def test_train_mode_reproduces_the_real_solver(solver, options, world):
     assert sim.curve[0]["metric"] == pytest.approx(real_metric, abs=1 / len(y) + 1e-9), (sim.curve, real_metric)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("workers, atol", [(1, 1e-6), (2, 5e-3)])
+def test_train_mode_keeps_embedding_tables_on_the_servers_as_a_real_run_does(tmp_path, workers, atol):
+    """ctr's tables sit on its embedding server (the workload's default): one copy, looked up
+    by every worker and updated by sparse Adagrad at embedding_lr from each worker's push;
+    only the dense layers are the solver's. One worker: the real run's dense layers exactly;
+    two: within the pushes' arrival order (train mode applies a step's pushes in replica
+    order, after every lookup of that step; Adagrad's first step on a row both touched moves
+    it by lr whichever comes first). Replicated tables, as train mode had them, miss both by
+    far more."""
+    import torch
+
+    from distsync.sim.train import simulate_training
+    from distsync.workloads import load_workload
+
+    run = tmp_path / "run"
+    proc = run_cli("train", "--workload", "ctr", "--workers", str(workers), "--solver", "allreduce", "--steps", "5",
+                   "--eval-every", "5", "--seed", "3", "--out", str(run))
+    assert proc.returncode == 0, proc.stderr
+    real = torch.load(run / "model.pt", weights_only=True)  # (the dense layers: the tables are the server's)
+    w = load_workload("ctr")
+    sim = simulate_training("allreduce", {}, w, workers, 5, seed=3, eval_every=5)
+    assert sorted(sim.tables) == [f"tables.weights.{t}" for t in range(8)] and set(sim.params) == set(real)
+    assert max(float((sim.params[n][0] - v).abs().max()) for n, v in real.items()) <= atol
+    metric = json.loads((run / "summary.json").read_text())["final_metric"]
+    assert sim.curve[-1]["metric"] == pytest.approx(metric, abs=atol)
+    replicated = simulate_training("allreduce", {}, w, workers, 5, seed=3, eval_every=5, embedding_servers=0)
+    assert max(float((replicated.params[n][0] - v).abs().max()) for n, v in real.items()) > 5 * atol + 0.01
+
+
 @pytest.mark.parametrize("locked, lock_free", [("async-easgd", "ea-wild"), ("async-ps", "hogwild")])
 def test_lock_free_servers_apply_concurrent_updates_at_once(locked, lock_free):
     """8 workers, one server whose applies (1 MB at 0.1 GB/s: 10 ms each) outlast a step's

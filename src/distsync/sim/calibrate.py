@@ -199,7 +199,9 @@ def _predict_target(run: dict[str, Any], compute: float, latency: float):
                                 eval_every=cfg.eval_every,
                                 wall_s=wall_s, cluster=Cluster(cfg.workers, Link(run["link"].bandwidth_bps, latency)),
                                 worker_model=WorkerModel(compute, slow=dict(cfg.slow), jitter=cfg.jitter, seed=cfg.seed),
-                                model_bytes=run["bytes"], buffers=cfg.buffers, budget=budget)
+                                model_bytes=run["bytes"], buffers=cfg.buffers, budget=budget,
+                                embedding_servers=cfg.embedding_servers, embedding_lr=cfg.embedding_lr,
+                                embedding_optimizer=cfg.embedding_optimizer)
     except ConfigError as e:
         return None, f"train mode: {e}"
     return res.time_to_target_s, "train mode"

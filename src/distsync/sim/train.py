@@ -76,6 +76,8 @@ class TrainResult:
     steps_to_target: int | None = None
     #: an ordered rule's: the steps each worker took (under a budget they differ)
     steps_by: list[int] | None = None
+    #: embedding tables on embedding servers: the servers' one copy (not in ``params``)
+    tables: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def simulate_training(solver: str, options: dict[str, Any], workload: Workload, workers: int, steps: int, *,
@@ -84,13 +86,19 @@ def simulate_training(solver: str, options: dict[str, Any], workload: Workload, 
                       until_target: bool = False, cluster: Any = None, worker_model: Any = None,
                       model_bytes: float | None = None, buffers: str | None = None, budget: Budget | None = None,
                       optimizer: str = "sgd", momentum: float = 0.0, weight_decay: float = 0.0,
-                      precision: str = "fp32", lars_eta: float = 0.001) -> TrainResult:
+                      precision: str = "fp32", lars_eta: float = 0.001, embedding_servers: int | None = None,
+                      embedding_lr: float | None = None, embedding_optimizer: str = "adagrad") -> TrainResult:
     """Train ``workers`` stacked replicas of ``workload``'s model with ``solver``'s rule, each
     replica stepping locally with its own optimizer as the runtime builds it from
     ``optimizer`` (sgd, adam, adamw, lars), ``momentum``, ``weight_decay`` and ``lars_eta``
     (:class:`ReplicaOptimizers`; so far plain SGD only for an order-dependent rule), its
     forward pass and loss in ``precision`` (fp32, or bf16 under the runtime's autocast; fp16
-    is refused: its loss scaling is not simulated). ``wall_s``: the virtual duration of
+    is refused: its loss scaling is not simulated). With ``embedding_servers`` (None: the
+    workload's own, as `distsync train` takes it) the model's embedding tables are the
+    servers' one copy, as a real run with embedding servers keeps them
+    (:class:`_ServedTables`): not replicated, not synchronized by the solver, each replica's
+    sparse gradient applied to them with ``embedding_optimizer`` (adagrad, sgd) at
+    ``embedding_lr`` (None: the workload's, else ``lr``, as train resolves it). ``wall_s``: the virtual duration of
     the run (from the timing model); the curve's times scale with it. ``until_target``:
     stop at the first evaluation that reaches the workload's target.
 
@@ -119,15 +127,17 @@ def simulate_training(solver: str, options: dict[str, Any], workload: Workload, 
     policy = check_buffers(cls, buffers)
     torch.manual_seed(seed)  # the runtime's initial model
     model = workload.make_model()
-    names = [n for n, _ in model.named_parameters()]
+    served = _ServedTables.of(model, workload.embedding_servers if embedding_servers is None else embedding_servers,
+                              embedding_lr or workload.embedding_lr or lr, embedding_optimizer)
+    names = [n for n, _ in model.named_parameters() if n not in served.tables]
     stack = {n: p.detach().unsqueeze(0).repeat(workers, *([1] * p.dim())).clone()
-             for n, p in model.named_parameters()}
+             for n, p in model.named_parameters() if n in names}
     samplers = _samplers(workload, workers, batch_size, seed)
     bufs = _Buffers(model, _written_buffers(model, workload, workload.take(workload.train_data,
                                                                            samplers[0].indices(0))),
                     workers, policy)
     model.train()
-    replica_math = _ReplicaMath(workload, model, bufs, precision)
+    replica_math = _ReplicaMath(workload, model, bufs, precision, served)
     gradient = _one_gradient(workload, samplers, bufs, replica_math, stack, names)
     ctx = TrainContext(stack, lr, workers, seed, gradient=gradient, averaged=bufs.averaged(),
                        optimizer=ReplicaOptimizers(stack, lr, run_optimizer))
@@ -135,18 +145,19 @@ def simulate_training(solver: str, options: dict[str, Any], workload: Workload, 
     replica_math.probe(stack, samplers[0], batch_gradients=not isinstance(rule, OrderedRule))
     if budget is not None and budget.limited:
         steps, wall_s = _budget_steps(solver, options, budget, workers, steps, batch_size, seed, cluster, worker_model,
-                                      model_bytes or _nbytes(model), isinstance(rule, OrderedRule), wall_s)
+                                      model_bytes or _nbytes(stack), isinstance(rule, OrderedRule), wall_s)
     result = TrainResult(solver, workers, steps)
     report = _reporter(result, workload, replica_math, bufs, rule, stack,
                        budget.target_value if budget is not None else None, until_target)
     if isinstance(rule, OrderedRule):
         if model_bytes is None:
-            model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+            model_bytes = _nbytes(stack)
         result.steps_by = _run_ordered(cls, o, rule, solver, workers, steps, batch_size, seed, eval_every, wall_s,
                                        report, cluster, worker_model, model_bytes, budget)
     else:
         _run_lockstep(rule, workload, samplers, bufs, replica_math, stack, steps, eval_every, wall_s, report)
     result.params = {n: stack[n] for n in names}
+    result.tables = served.tables
     result.buffers, result.buffer_policy = bufs.stack, policy
     center = getattr(rule, "center", None)
     result.center = {n: center[n] for n in names} if center is not None else None
@@ -239,8 +250,9 @@ class _Spent(Exception):
     """Raised inside the event loop: the job's samples or seconds are spent."""
 
 
-def _nbytes(model: torch.nn.Module) -> float:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+def _nbytes(stack: dict[str, torch.Tensor]) -> float:
+    """Bytes of one replica's parameters: what a solver synchronizes (served tables are not stacked)."""
+    return sum(p[0].numel() * p.element_size() for p in stack.values())
 
 
 def _train_cluster(workers: int, cluster: Any, worker_model: Any):
@@ -422,6 +434,40 @@ def _say_once(note: str) -> None:
         sys.stderr.write(note + "\n")
 
 
+class _ServedTables:
+    """The embedding tables a real run's embedding servers hold (``--embedding-servers``):
+    one copy, not replicated and not synchronized by the solver. Every replica looks its rows
+    up in it; its sparse gradient is applied to it as the servers apply a push (the touched
+    rows, with Adagrad or SGD at ``lr``). In lockstep every replica's gradient of a step is
+    taken before any is applied (the lookups precede the pushes), then they are applied in
+    replica order; an ordered rule applies each as the worker's step happens."""
+
+    def __init__(self, tables: dict[str, torch.Tensor], lr: float, optimizer: str):
+        self.tables, self.lr, self.optimizer = tables, lr, optimizer
+        self.state = {n: torch.zeros_like(t) for n, t in tables.items()} if optimizer == "adagrad" else {}
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, embedding_servers: int, lr: float, optimizer: str) -> "_ServedTables":
+        from distsync.sparse.tables import find_tables
+
+        found = find_tables(model) if embedding_servers else None
+        if found is None:
+            return cls({}, lr, optimizer)
+        name, module = found
+        return cls({f"{name}.{n}": p.detach().clone() for n, p in module.named_parameters()}, lr, optimizer)
+
+    def apply(self, grads: dict[str, torch.Tensor]) -> None:
+        """One replica's push: its gradient of each table, on the rows it touched."""
+        from distsync.sparse.tables import sparse_adagrad_, sparse_sgd_
+
+        for n, g in grads.items():
+            rows = g.abs().sum(1).nonzero().squeeze(1)  # (a touched row's gradient of 0 changes nothing)
+            if self.optimizer == "adagrad":
+                sparse_adagrad_(self.tables[n], self.state[n], rows, g[rows], self.lr)
+            else:
+                sparse_sgd_(self.tables[n], rows, g[rows], self.lr)
+
+
 class _ReplicaMath:
     """The replicas' gradients and evaluation forwards: all replicas at once (``vmap``) where
     torch.func can batch the model, else one replica at a time (:meth:`probe` decides, and
@@ -432,17 +478,22 @@ class _ReplicaMath:
     fp32, as the runtime's. An error of the model itself is one line naming the workload
     (:class:`ModelNotTrainable`)."""
 
-    def __init__(self, workload: Workload, model: torch.nn.Module, bufs: "_Buffers", precision: str = "fp32"):
+    def __init__(self, workload: Workload, model: torch.nn.Module, bufs: "_Buffers", precision: str = "fp32",
+                 served: _ServedTables | None = None):
         self.workload, self.model, self.bufs = workload, model, bufs
+        self.served = served or _ServedTables({}, 0.0, "sgd")
         self.batched_gradients = self.batched_evaluation = True
         forward_precision = _forward_precision(precision)
+        tables = self.served.tables
 
-        def loss(params, written, x, y):
+        def loss(params, looked_up, written, x, y):
             with forward_precision():
-                return workload.loss_fn(functional_call(model, (params, written, bufs.constant), (x,)), y)
+                return workload.loss_fn(functional_call(model, (params, looked_up, written, bufs.constant), (x,)), y)
 
-        self.grad_one = grad(loss)
-        batched = vmap(self.grad_one)
+        # (the gradients of the replica's parameters and of the served tables it looked up)
+        both = grad(loss, argnums=(0, 1))
+        self.grad_one = lambda params, written, x, y: both(params, tables, written, x, y)
+        batched = vmap(both, in_dims=(0, None, 0, 0, 0))
 
         def grads_all(*args):
             with warnings.catch_warnings():
@@ -450,7 +501,7 @@ class _ReplicaMath:
                 # layer's): still faster than ours over whole replicas, and not the user's to fix
                 warnings.filterwarnings("ignore", "There is a performance drop because we have not yet implemented",
                                         UserWarning)
-                return batched(*args)
+                return batched(args[0], tables, *args[1:])
 
         self.grads_all = grads_all
 
@@ -459,34 +510,46 @@ class _ReplicaMath:
                                  f"{where} ({type(e).__name__}: {_first_line(e)})")
 
     def _looped(self, stack: dict[str, torch.Tensor], written: dict[str, torch.Tensor],
-                batches: list[tuple]) -> dict[str, torch.Tensor]:
+                batches: list[tuple]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         each = [self.grad_one({n: p[w] for n, p in stack.items()}, {n: b[w] for n, b in written.items()}, x, y)
                 for w, (x, y) in enumerate(batches)]
-        return {n: torch.stack([g[n] for g in each]) for n in stack}
+        return ({n: torch.stack([g[n] for g, _ in each]) for n in stack},
+                {n: torch.stack([t[n] for _, t in each]) for n in self.served.tables})
 
     def gradients(self, stack: dict[str, torch.Tensor], written: dict[str, torch.Tensor], batches: list[tuple],
                   step: int) -> dict[str, torch.Tensor]:
         """Every replica's gradient on its batch (``batches[w]``), stacked; ``written``: the
-        buffer stacks the forward writes (in place)."""
+        buffer stacks the forward writes (in place). The served tables' gradients are then
+        applied to them, in replica order."""
         try:
             if not self.batched_gradients:
-                return self._looped(stack, written, batches)
-            xs, ys = tree_map(lambda *t: torch.stack(t), *batches)  # (inputs may be tuples of tensors)
-            return self.grads_all(stack, written, xs, ys)
+                g, looked_up = self._looped(stack, written, batches)
+            else:
+                xs, ys = tree_map(lambda *t: torch.stack(t), *batches)  # (inputs may be tuples of tensors)
+                g, looked_up = self.grads_all(stack, written, xs, ys)
         except Exception as e:
             raise self._fails(e, f"at step {step}") from None
+        for w in range(len(batches)):
+            self.served.apply({n: t[w] for n, t in looked_up.items()})
+        return g
 
     def gradient(self, params: dict[str, torch.Tensor], written: dict[str, torch.Tensor], x, y,
                  step: int) -> dict[str, torch.Tensor]:
-        """One replica's gradient (``params``, ``written``: its rows) on its batch."""
+        """One replica's gradient (``params``, ``written``: its rows) on its batch; its
+        gradient of the served tables is applied to them at once."""
         try:
-            return self.grad_one(params, written, x, y)
+            g, looked_up = self.grad_one(params, written, x, y)
         except Exception as e:
             raise self._fails(e, f"at step {step}") from None
+        self.served.apply(looked_up)
+        return g
 
     def _forwards(self, stack: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], x) -> list[torch.Tensor]:
-        model = self.model
-        one = lambda p: functional_call(model, (p, {n: b.clone() for n, b in buffers.items()}), (x,))  # noqa: E731
+        model, tables = self.model, self.served.tables
+
+        def one(p):
+            return functional_call(model, (p, tables, {n: b.clone() for n, b in buffers.items()}), (x,))
+
         model.eval()
         try:
             with torch.no_grad():
