@@ -2,7 +2,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup demo test bench figures figures-quick figures-check mutation gpu clean
+.PHONY: setup demo test bench figures figures-stale figures-quick figures-check mutation gpu clean
 
 setup: $(VENV)/.installed
 
@@ -25,6 +25,9 @@ test: setup
 # the raw files, which carry their provenance and repeats and are not stale.
 figures: setup
 	$(BIN)/python benchmarks/figures.py run
+
+figures-stale: setup
+	$(BIN)/python benchmarks/figures.py run --stale
 
 figures-quick: setup
 	$(BIN)/python benchmarks/figures.py run --quick

@@ -8,7 +8,7 @@ own ``render(raw)``: each rendered block sits in a page between ``<!-- figure: B
 ``<!-- /figure: BLOCK -->``. The README's "which solver when" table is one such block,
 rendered here from several raw files.
 
-    python benchmarks/figures.py run [--quick] [NAME ...]   # run the benchmarks (make figures)
+    python benchmarks/figures.py run [--quick | --stale] [NAME ...]   # run the benchmarks (make figures)
     python benchmarks/figures.py render                     # rewrite the docs' blocks from raw
     python benchmarks/figures.py check                      # make figures-check
     python benchmarks/figures.py list
@@ -64,6 +64,9 @@ class Figure:
     min_repeats: int = 3
     #: it measures a CUDA GPU: ``run`` skips it, saying so, on a machine without one (``make gpu``)
     needs_gpu: bool = False
+    #: why ``run`` without names leaves it out (a test set scored once per published result, at
+    #: its measured commit): it runs when named
+    by_name_only: str = ""
 
     @property
     def path(self) -> str:
@@ -213,7 +216,8 @@ FIGURES = [
            ("--quick", "--solvers", "allreduce,ad-psgd", "--out", "benchmarks/results/quick/recommend"),
            RUNTIME + ("src/distsync/sim", "src/distsync/solvers", "src/distsync/experiments/recommend.py",
                       "benchmarks/recommend_scenarios.py", "benchmarks/workloads"),
-           "docs/benchmarks/recommend.md"),
+           "docs/benchmarks/recommend.md",
+           by_name_only="its test set is scored once per published result, at its measured commit, over hours"),
     Figure("devices", "devices", ("--steps-scale", "0.5", "--seeds", "1,2,3"),
            ("--workloads", "digits", "--workers", "4", "--steps-scale", "0.25", "--seeds", "1",
             "--out", "benchmarks/results/quick/devices"),
@@ -383,11 +387,21 @@ def _has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-def run(names: list[str], quick: bool) -> int:
+def run(names: list[str], quick: bool, stale_only: bool = False) -> int:
+    """Run the figures named (none: every one but those run by name only), then render;
+    ``stale_only``: only those whose raw file is missing or stale, so that a run cut short
+    goes on where it stopped."""
     todo = [BY_NAME[n] for n in names] if names else FIGURES
     for fig in todo:
         if fig.needs_gpu and not _has_gpu():
             print(f"== {fig.name}: skipped: it measures a CUDA GPU and none is visible here (make gpu)", flush=True)
+            continue
+        if not names and not quick and fig.by_name_only:
+            print(f"== {fig.name}: skipped: {fig.by_name_only} (figures.py run {fig.name})", flush=True)
+            continue
+        raw = load_raw(fig) if stale_only and not quick else None
+        if raw is not None and stale(fig, raw) is None:
+            print(f"== {fig.name}: current ({raw['commit'][:10]}): not run", flush=True)
             continue
         cmd = fig.command(quick)
         fig.raw_path(quick).parent.mkdir(parents=True, exist_ok=True)
@@ -409,6 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run", help="run the benchmarks behind the figures, then render")
     r.add_argument("names", nargs="*", help="figures to run (default: all): " + ", ".join(BY_NAME))
     r.add_argument("--quick", action="store_true", help="a small smoke run of each (not committed)")
+    r.add_argument("--stale", action="store_true", help="only those whose raw file is missing or stale")
     sub.add_parser("render", help="rewrite the docs' rendered blocks from the committed raw files")
     c = sub.add_parser("check", help="fail on a block that differs, a stale or single-run raw file, a stray table")
     c.add_argument("--no-staleness", action="store_true", help="skip the staleness test (git history)")
@@ -418,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         bad = [n for n in args.names if n not in BY_NAME]
         if bad:
             p.error(f"unknown figure(s) {', '.join(bad)}; known: {', '.join(BY_NAME)}")
-        return run(args.names, args.quick)
+        return run(args.names, args.quick, args.stale)
     if args.what == "render":
         problems = render_docs(write=True)
         for line in problems:

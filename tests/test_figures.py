@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -97,6 +98,37 @@ def test_a_figure_that_measures_a_gpu_is_skipped_in_one_line_without_one(monkeyp
     assert figures.run(["allreduce_vs_ddp-gpu"], quick=True) == 0
     assert capsys.readouterr().out == ("== allreduce_vs_ddp-gpu: skipped: it measures a CUDA GPU and none is "
                                        "visible here (make gpu)\n")
+
+
+def test_run_stale_goes_on_where_a_run_stopped_and_a_by_name_figure_runs_only_when_named(monkeypatch, capsys):
+    fresh, old, once = (figures.Figure(n, "heterogeneity_devices", (), (), ("benchmarks/figures.py",), "README.md",
+                                       by_name_only="scored once" if n == "once" else "")
+                        for n in ("fresh", "old", "once"))
+    raws = {"fresh": {"commit": _git("rev-parse", "HEAD"), "changed_files": []}, "old": None}
+    ran = []
+    monkeypatch.setattr(figures, "FIGURES", [fresh, old, once])
+    monkeypatch.setattr(figures, "BY_NAME", {f.name: f for f in (fresh, old, once)})
+    monkeypatch.setattr(figures, "load_raw", lambda fig: raws.get(fig.name))
+    monkeypatch.setattr(figures, "render_docs", lambda write: [])
+    real_run = subprocess.run
+
+    def fake_run(cmd, **kw):  # (git answers; a benchmark is only noted)
+        if cmd[0] != sys.executable:
+            return real_run(cmd, **kw)
+        ran.append(cmd[-1])
+        return SimpleNamespace(returncode=0)
+
+    monkeypatch.setattr(figures.subprocess, "run", fake_run)
+    assert figures.run([], quick=False, stale_only=True) == 0
+    out = capsys.readouterr().out
+    assert ran == ["docs/benchmarks/raw/old.json"]  # (no raw file: missing counts as stale)
+    assert f"== fresh: current ({raws['fresh']['commit'][:10]}): not run" in out
+    assert "== once: skipped: scored once (figures.py run once)" in out
+    ran.clear()
+    assert figures.run(["once"], quick=False) == 0 and ran == ["docs/benchmarks/raw/once.json"]
+    ran.clear()
+    assert figures.run([], quick=False) == 0  # (make figures: every one but those run by name)
+    assert ran == ["docs/benchmarks/raw/fresh.json", "docs/benchmarks/raw/old.json"]
 
 
 def test_spread_and_verdict_by_hand():
