@@ -314,12 +314,15 @@ def no_launch(monkeypatch):
 def run_main(argv: list[str], capsys) -> tuple[int | str, str]:
     """``(exit code or "launched", stderr)`` of ``distsync ARGV``."""
     capsys.readouterr()
+    handler = signal.getsignal(signal.SIGTERM)  # (cli.main installs its own: a process forked later inherits it)
     try:
         code: int | str = cli.main(argv)
     except Launched:
         code = "launched"
     except SystemExit as e:
         code = e.code
+    finally:
+        signal.signal(signal.SIGTERM, handler)
     return code, capsys.readouterr().err
 
 

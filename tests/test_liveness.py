@@ -176,6 +176,7 @@ def test_a_receive_from_a_stopped_peer_fails_after_the_timeout_naming_it(tmp_pat
 
 
 def _sleep_forever():
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (polite: as a fresh process, whatever this one inherited)
     time.sleep(600)
 
 

@@ -94,11 +94,10 @@ def simulate_training(solver: str, options: dict[str, Any], workload: Workload, 
     (:class:`ReplicaOptimizers`; so far plain SGD only for an order-dependent rule), its
     forward pass and loss in ``precision`` (fp32, or bf16 under the runtime's autocast; fp16
     is refused: its loss scaling is not simulated). With ``embedding_servers`` (None: the
-    workload's own, as `distsync train` takes it) the model's embedding tables are the
-    servers' one copy, as a real run with embedding servers keeps them
-    (:class:`_ServedTables`): not replicated, not synchronized by the solver, each replica's
-    sparse gradient applied to them with ``embedding_optimizer`` (adagrad, sgd) at
-    ``embedding_lr`` (None: the workload's, else ``lr``, as train resolves it). ``wall_s``: the virtual duration of
+    workload's, as `distsync train` takes it) the embedding tables are the servers' one copy,
+    as a real run keeps them (:class:`_ServedTables`): not replicated nor synchronized by the
+    solver, each replica's sparse gradient applied with ``embedding_optimizer`` (adagrad, sgd)
+    at ``embedding_lr`` (None: the workload's, else ``lr``). ``wall_s``: the virtual duration of
     the run (from the timing model); the curve's times scale with it. ``until_target``:
     stop at the first evaluation that reaches the workload's target.
 
@@ -129,9 +128,8 @@ def simulate_training(solver: str, options: dict[str, Any], workload: Workload, 
     model = workload.make_model()
     served = _ServedTables.of(model, workload.embedding_servers if embedding_servers is None else embedding_servers,
                               embedding_lr or workload.embedding_lr or lr, embedding_optimizer)
-    names = [n for n, _ in model.named_parameters() if n not in served.tables]
-    stack = {n: p.detach().unsqueeze(0).repeat(workers, *([1] * p.dim())).clone()
-             for n, p in model.named_parameters() if n in names}
+    stack = _stacked(model, workers, served)
+    names = list(stack)
     samplers = _samplers(workload, workers, batch_size, seed)
     bufs = _Buffers(model, _written_buffers(model, workload, workload.take(workload.train_data,
                                                                            samplers[0].indices(0))),
@@ -162,6 +160,12 @@ def simulate_training(solver: str, options: dict[str, Any], workload: Workload, 
     center = getattr(rule, "center", None)
     result.center = {n: center[n] for n in names} if center is not None else None
     return result
+
+
+def _stacked(model: torch.nn.Module, workers: int, served: "_ServedTables") -> dict[str, torch.Tensor]:
+    """Every parameter but the served tables, one row per replica (all alike: the initial model)."""
+    return {n: p.detach().unsqueeze(0).repeat(workers, *([1] * p.dim())).clone()
+            for n, p in model.named_parameters() if n not in served.tables}
 
 
 def _samplers(workload: Workload, workers: int, batch_size: int, seed: int) -> list[ShardSampler]:
