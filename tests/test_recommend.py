@@ -99,8 +99,8 @@ def test_embedding_tables_on_embedding_servers_are_not_counted_as_synchronized_b
     assert (res["model_bytes"], res["tables_on_servers_bytes"]) == (dense, tables)
     from distsync.experiments.recommend import tables_note
 
-    assert tables_note(res) == (" synchronized (its embedding tables, 25.6 MB, sit on embedding servers: their "
-                                "lookups and pushes are not simulated)")
+    assert tables_note(res) == (" synchronized (its embedding tables, 25.6 MB, sit on embedding servers: the "
+                                "time of their lookups and pushes is not simulated)")
     # an all-reduce of 54 kB over 266 Mbit: the 100 ms device step bounds the pace (it was 25.6
     # MB more, about 0.77 s a step at 266 Mbit, and a third of the measured throughput)
     assert res["ranked"][0]["step_s"] < 0.15

@@ -475,8 +475,8 @@ def recommend(request: Request, on_step: Callable[[str, int, int], None] | None 
 def tables_note(result: dict[str, Any]) -> str:
     """What the model's bytes leave out: embedding tables on embedding servers ("" if none)."""
     tables = result.get("tables_on_servers_bytes") or 0
-    return (f" synchronized (its embedding tables, {tables / 1e6:.3g} MB, sit on embedding servers: their lookups "
-            f"and pushes are not simulated)" if tables else "")
+    return (f" synchronized (its embedding tables, {tables / 1e6:.3g} MB, sit on embedding servers: the time of "
+            f"their lookups and pushes is not simulated)" if tables else "")
 
 
 def left_out_lines(result: dict[str, Any]) -> list[str]:
