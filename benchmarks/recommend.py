@@ -333,8 +333,12 @@ def _link_group(r: dict[str, Any]) -> str:
     return "under 1 Gbit" if parse_link(r["link"]).bandwidth_bps < 1e9 else "1 Gbit or more"
 
 
+def _workload(r: dict[str, Any]) -> str:
+    return r["label"].split()[0]
+
+
 #: how the scenarios are grouped for "when to trust": a regime's name and its group per scenario
-REGIMES = (("workload", lambda r: r["label"].split()[0]),
+REGIMES = (("workload", _workload),
            ("workers", lambda r: f"{r['workers']} workers"),
            ("slow workers", lambda r: "some" if r["slow_fraction"] else "none"),
            ("link", _link_group),
@@ -387,7 +391,7 @@ def trust(raw: dict[str, Any]) -> dict[str, Any]:
             rate = [x["throughput"] for x in c["runs"].values() if x.get("throughput")]
             if c.get("predicted_throughput") and rate:
                 rates.append(c["predicted_throughput"] / statistics.median(rate) - 1)
-                rates_by_workload.setdefault(r["label"].split()[0], []).append(rates[-1])
+                rates_by_workload.setdefault(_workload(r), []).append(rates[-1])
             p = c.get("predicted_time_to_target_s")
             if p is None:
                 continue

@@ -160,6 +160,14 @@ def _steps_of(out: Path, rank: int) -> list[int]:
     return sorted(e["step"] for e in events if e["kind"] == "step" and e["rank"] == rank)
 
 
+def _assert_newer_ones_skipped(run: Path, resumed: int, kill_at: int, every: int, why: str) -> None:
+    """Every step checkpoint newer than the one resumed from, up to the killed process's
+    newest, was skipped as incomplete (``why``: how each rank's log says so)."""
+    logs = "".join(p.read_text() for p in run.glob("logs/*/attempt_1/*/stderr.log"))
+    for index in range(resumed // every + 1, (kill_at - 1) // every + 1):
+        assert f"skipped checkpoint ckpt-{index:06d}: incomplete {why}" in logs, logs
+
+
 FAMILIES = [  # (solver and options, the process to kill; allreduce's restart: test_nothing_is_left_behind...)
     (["--solver", "async-ps"], "server"),  # (a dead async-ps worker is dropped: below)
     (["--solver", "ea-wild", "--tau", "2"], "server"),
@@ -191,9 +199,7 @@ def test_killed_process_costs_at_most_the_steps_since_the_newest_complete_checkp
     assert record["spec"] == f"kill:{victim}@{kill_at}" and fault["recovery"]["restarts"] == 1
     resumed = record["resumed_from_step"]
     assert resumed % every == 0 and record["steps_lost"] == kill_at - resumed, record
-    logs = "".join(p.read_text() for p in (tmp_path / "fault").glob("logs/*/attempt_1/*/stderr.log"))
-    for index in range(resumed // every + 1, (kill_at - 1) // every + 1):
-        assert f"skipped checkpoint ckpt-{index:06d}: incomplete (rank " in logs, (record, logs)
+    _assert_newer_ones_skipped(tmp_path / "fault", resumed, kill_at, every, "(rank ")
     if solver[1] in ("async-ps", "ea-wild"):  # the server's part is a consistent cut (lock-free too):
         # no push or exchange (every tau = 2 steps) lost or repeated
         want = 2 * steps if solver[1] == "async-ps" else steps
@@ -231,9 +237,7 @@ def test_a_slow_worker_holds_back_the_checkpoint_a_killed_fast_one_resumes_from(
     [record] = _summary(run)["recovery"]["faults"]
     resumed = record["resumed_from_step"]
     assert resumed in (0, 20, 40) and record["steps_lost"] == kill_at - resumed, record
-    logs = "".join(p.read_text() for p in run.glob("logs/*/attempt_1/*/stderr.log"))
-    for index in range(resumed // every + 1, (kill_at - 1) // every + 1):
-        assert f"skipped checkpoint ckpt-{index:06d}: incomplete (rank 0 did not finish writing it)" in logs, logs
+    _assert_newer_ones_skipped(run, resumed, kill_at, every, "(rank 0 did not finish writing it)")
     from distsync.cli import _restarted
 
     assert f"worker rank 2 was killed at step 57: {_restarted(record, every)}" in proc.stdout + proc.stderr

@@ -21,11 +21,10 @@ def synced_bytes(model: Any, embedding_servers: int) -> int:
     """Bytes of the parameters a solver synchronizes: all of them, but the embedding tables
     where embedding servers hold them (their rows travel as sparse lookups and pushes, which
     the simulator leaves out)."""
-    from distsync.sparse.tables import find_tables
+    from distsync.sparse.tables import served_parameters
 
-    found = find_tables(model) if embedding_servers else None
-    on_servers = {id(p) for p in found[1].parameters()} if found else set()
-    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in on_servers)
+    served = served_parameters(model, embedding_servers)
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n not in served)
 
 
 def model_bytes(workload: str, options: dict[str, Any] | None = None, embedding_servers: int | None = None) -> int:

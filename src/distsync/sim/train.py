@@ -452,13 +452,10 @@ class _ServedTables:
 
     @classmethod
     def of(cls, model: torch.nn.Module, embedding_servers: int, lr: float, optimizer: str) -> "_ServedTables":
-        from distsync.sparse.tables import find_tables
+        from distsync.sparse.tables import served_parameters
 
-        found = find_tables(model) if embedding_servers else None
-        if found is None:
-            return cls({}, lr, optimizer)
-        name, module = found
-        return cls({f"{name}.{n}": p.detach().clone() for n, p in module.named_parameters()}, lr, optimizer)
+        return cls({n: p.detach().clone() for n, p in served_parameters(model, embedding_servers).items()}, lr,
+                   optimizer)
 
     def apply(self, grads: dict[str, torch.Tensor]) -> None:
         """One replica's push: its gradient of each table, on the rows it touched."""
@@ -499,13 +496,13 @@ class _ReplicaMath:
         self.grad_one = lambda params, written, x, y: both(params, tables, written, x, y)
         batched = vmap(both, in_dims=(0, None, 0, 0, 0))
 
-        def grads_all(*args):
+        def grads_all(stack, written, xs, ys):
             with warnings.catch_warnings():
                 # torch's own loop for an operation it has no batching rule for (an LSTM
                 # layer's): still faster than ours over whole replicas, and not the user's to fix
                 warnings.filterwarnings("ignore", "There is a performance drop because we have not yet implemented",
                                         UserWarning)
-                return batched(args[0], tables, *args[1:])
+                return batched(stack, tables, written, xs, ys)
 
         self.grads_all = grads_all
 

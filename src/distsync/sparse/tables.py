@@ -36,6 +36,17 @@ def find_tables(model: nn.Module) -> tuple[str, EmbeddingTables] | None:
     return found[0] if found else None
 
 
+def served_parameters(model: nn.Module, embedding_servers: int) -> dict[str, nn.Parameter]:
+    """The model's parameters that embedding servers hold in a run with ``embedding_servers``
+    (its tables', by their names in the model; none without servers or tables): a solver
+    neither replicates nor synchronizes them."""
+    found = find_tables(model) if embedding_servers else None
+    if found is None:
+        return {}
+    name, tables = found
+    return {f"{name}.{n}": p for n, p in tables.named_parameters()}
+
+
 def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
