@@ -212,7 +212,7 @@ FIGURES = [
            ("--set", "test", "--rows", "1", "--seeds", "1", "--out", "benchmarks/results/quick/fidelity"),
            RUNTIME + ("src/distsync/sim", "src/distsync/solvers", "benchmarks/fidelity.py"),
            "docs/benchmarks/simulator.md"),
-    Figure("recommend", "recommend", ("--fit", "--only", "1,3,7", "--seeds", "1,2,3"),
+    Figure("recommend", "recommend", ("--set", "test", "--fit", "--seeds", "1,2,3"),
            ("--quick", "--solvers", "allreduce,ad-psgd", "--out", "benchmarks/results/quick/recommend"),
            RUNTIME + ("src/distsync/sim", "src/distsync/solvers", "src/distsync/experiments/recommend.py",
                       "benchmarks/recommend_scenarios.py", "benchmarks/workloads"),

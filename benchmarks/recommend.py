@@ -482,7 +482,9 @@ def render(raw: dict[str, Any]) -> dict[str, str]:
     if raw["set"] == "test":
         where = (f"**Test set**: {len(raw['scenarios'])} scenarios drawn by the generator (seed "
                  f"{raw['declared']['generator_seed']}, benchmarks/recommend_scenarios.py), scored once"
-                 f"{' (scored_once)' if raw.get('scored_once') else ''} at commit {str(raw.get('commit'))[:10]}.")
+                 f"{' (scored_once)' if raw.get('scored_once') else ''} at measured commit "
+                 f"{str(raw.get('measured_commit') or raw.get('commit'))[:10]} (the last commit that changed a "
+                 f"measured file; the run itself at {str(raw.get('commit'))[:10]}).")
     else:
         where = (f"**Development set** (scenarios {', '.join(str(x['scenario']) for x in raw['scenarios'])} of "
                  f"{raw['set_size']}): **in sample**: the recommender was corrected on these scenarios.")
