@@ -2,7 +2,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup demo test bench figures figures-stale figures-quick figures-check mutation gpu clean
+.PHONY: setup bench-setup demo test bench figures figures-stale figures-quick figures-check mutation gpu clean
 
 setup: $(VENV)/.installed
 
@@ -23,10 +23,14 @@ test: setup
 # root for the emulated links; about an hour on 2 cores. figures-quick: a smoke run of each
 # (benchmarks/results/quick/, nothing committed changes). figures-check: the docs render from
 # the raw files, which carry their provenance and repeats and are not stale.
-figures: setup
+# the benchmarks' own extras (simpy, which sim_speed measures the event loop against)
+bench-setup: setup
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[bench]'
+
+figures: bench-setup
 	$(BIN)/python benchmarks/figures.py run
 
-figures-stale: setup
+figures-stale: bench-setup
 	$(BIN)/python benchmarks/figures.py run --stale
 
 figures-quick: setup
