@@ -24,8 +24,11 @@ test: setup
 # (benchmarks/results/quick/, nothing committed changes). figures-check: the docs render from
 # the raw files, which carry their provenance and repeats and are not stale.
 # the benchmarks' own extras (simpy, which sim_speed measures the event loop against)
-bench-setup: setup
+bench-setup: $(VENV)/.bench-installed
+
+$(VENV)/.bench-installed: $(VENV)/.installed
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[bench]'
+	touch $@
 
 figures: bench-setup
 	$(BIN)/python benchmarks/figures.py run

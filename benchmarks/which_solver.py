@@ -203,7 +203,6 @@ def _recommend(raw: dict[str, Any] | None) -> str:
     s = raw["summary"]
     fixed, workers = s["best_fixed"], raw["declared"]["workers"]
     return (f"{text}; its first pick hit (within the measured best's spread or {raw['tolerance']:.0%}) in "
-            f"{s['hits']} of {s['scenarios']} drawn scenarios of {min(workers)}-{max(workers)} workers ({s['hit_share']:.0%}; "
-            f"out of sample, emulated devices "
-            f"and links, {len(raw['seeds'])} seeds each), always-{fixed} with its defaults in "
-            f"{s['always'][fixed]['hits']}")
+            f"{s['hits']} of {s['scenarios']} drawn scenarios of {min(workers)}-{max(workers)} workers "
+            f"({s['hit_share']:.0%}; out of sample, emulated devices and links, {len(raw['seeds'])} seeds each), "
+            f"always-{fixed} with its defaults in {s['always'][fixed]['hits']}")

@@ -164,7 +164,7 @@ def test_the_readme_quotes_recommend_only_from_a_test_set():
     summary = {"hits": 7, "scenarios": 10, "hit_share": 0.7, "best_fixed": "ad-psgd",
                "always": {"ad-psgd": {"hits": 6}}}
     raw = {"set": "test", "tolerance": 0.1, "seeds": [1, 2], "summary": summary, "declared": {"workers": [4, 8]}}
-    assert _recommend(raw).endswith("hit (within the measured best's spread or 10%) in 7 of 10 drawn scenarios of "
-                                    "4-8 workers (70%; out of sample, emulated devices and links, 2 seeds each), always-ad-psgd "
-                                    "with its defaults in 6")
+    assert _recommend(raw).endswith("hit (within the measured best's spread or 10%) in 7 of 10 drawn scenarios "
+                                    "of 4-8 workers (70%; out of sample, emulated devices and links, 2 seeds "
+                                    "each), always-ad-psgd with its defaults in 6")
     assert "hit" not in _recommend({**raw, "set": "dev"}) and "hit" not in _recommend(None)
