@@ -2,7 +2,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup bench-setup demo test bench figures figures-stale figures-quick figures-check mutation gpu clean
+.PHONY: setup bench-setup demo test bench figures figures-stale figures-quick figures-check mutation gpu gpu-real-workers other-torch clean
 
 setup: $(VENV)/.installed
 
@@ -50,16 +50,28 @@ bench: setup
 	$(BIN)/python benchmarks/allreduce_vs_ddp.py
 	$(BIN)/python benchmarks/link_efficiency.py
 
-# On a machine with a GPU (docs/gpu.md): the CUDA tests, allreduce against DDP on the GPU,
-# the cnn and mnist rows of the emulated-device heterogeneity benchmark (each worker's math on the
-# GPU), and the heterogeneity benchmark with 8 and 16 real workers (no emulation) on its cores.
-gpu: setup
-	$(BIN)/python -m pytest -q -rs -m cuda tests/test_cuda.py
-	$(BIN)/python benchmarks/figures.py run allreduce_vs_ddp-gpu
-	$(BIN)/python benchmarks/figures.py run heterogeneity_devices_cnn-gpu
-	$(BIN)/python benchmarks/figures.py run heterogeneity_devices_mnist-gpu
-	$(BIN)/python benchmarks/heterogeneity.py --link none --device cpu --workers 8 --out benchmarks/results/heterogeneity-real-8
-	$(BIN)/python benchmarks/heterogeneity.py --link none --device cpu --workers 16 --out benchmarks/results/heterogeneity-real-16
+# On a machine with a GPU (docs/gpu.md), from a fresh copy, on the torch already there (nothing
+# installed, nothing fetched: the lent GPU machines reach no network): every CUDA test and every
+# GPU figure, their raw files in docs/benchmarks/raw/; about 6 minutes. GPU_PYTHON: the Python
+# that holds that machine's torch.
+GPU_PYTHON ?= python3
+gpu:
+	PYTHONPATH=$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) benchmarks/gpu_kit.py
+
+# The heterogeneity benchmark with 8 and 16 real workers (no emulation) on a many-core machine's
+# CPUs (the GPU machine's 16 cores); not part of make gpu (over 10 minutes).
+gpu-real-workers:
+	PYTHONPATH=$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) benchmarks/heterogeneity.py --link none --device cpu --workers 8 --out benchmarks/results/heterogeneity-real-8
+	PYTHONPATH=$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) benchmarks/heterogeneity.py --link none --device cpu --workers 16 --out benchmarks/results/heterogeneity-real-16
+
+# distsync beside another torch (docs/torch-versions.md): TORCH=2.15.0 makes .venv-torch-2.15.0
+# with that torch, installs distsync over it (the check: pip leaves it as it was), runs the fast
+# suite and a short train per solver family; the result is docs/benchmarks/raw/torch_versions-2.15.json.
+# PyPI's torch for Linux is the CUDA build (about 5 GB): a one-off, not part of make test.
+TORCH ?=
+other-torch: setup
+	@test -n "$(TORCH)" || { echo "make other-torch: say which torch, e.g. make other-torch TORCH=2.15.0" >&2; exit 2; }
+	$(BIN)/python benchmarks/torch_versions.py --torch $(TORCH)
 
 clean:
-	rm -rf $(VENV) runs build src/*.egg-info
+	rm -rf $(VENV) .venv-torch-* runs build src/*.egg-info

@@ -57,7 +57,7 @@ class Figure:
     #: ``.py`` (its ``render(raw) -> {block: markdown}`` is the renderer)
     script: str
     args: tuple[str, ...]  #: the full run's arguments
-    quick: tuple[str, ...]  #: a smoke run's arguments
+    quick: tuple[str, ...]  #: a smoke run's arguments (none: no smoke run, as with ``by_name_only``)
     sources: tuple[str, ...]  #: the source paths whose change makes its raw results stale
     page: str  #: the docs page holding its blocks
     #: repeats a published figure needs (1 only where a repeat cannot differ: a pass/fail census)
@@ -133,7 +133,7 @@ FIGURES = [
                       "src/distsync/solvers/shard_service.py"),
            "docs/benchmarks/heterogeneity.md"),
     *(Figure(f"heterogeneity_devices_{w}-gpu", "heterogeneity_devices",
-             ("--workload", w, "--device", "cuda", "--workers", "4,8", "--cases", "one 3x slow", "--solvers",
+             ("--workload", w, "--device", "cuda", "--workers", "4", "--cases", "one 3x slow", "--solvers",
               "allreduce,ad-psgd,ripples:smart:overlap=true", "--seeds", "1,2,3", "--cap", "40"),
              ("--workload", w, "--device", "cuda", "--workers", "2", "--cases", "one 3x slow", "--seeds", "1",
               "--solvers", "allreduce,ripples:smart", "--cap", "2"),
@@ -227,6 +227,13 @@ FIGURES = [
            ("--repeats", "1", "--sizes", "1", "--links", "1gbit,unshaped"),
            RUNTIME,
            "docs/benchmarks/link_efficiency.md"),
+    # -- distsync beside other torch releases (a venv each, torch from PyPI: GBs, so by name only) --
+    *(Figure(f"torch_versions-{v}", "torch_versions", ("--torch", f"{v}.0"), (),
+             ("pyproject.toml", "src/distsync/torch_private.py", "src/distsync/comm", "src/distsync/runtime",
+              "src/distsync/solvers/ddp.py", "benchmarks/torch_versions.py"),
+             "docs/torch-versions.md", min_repeats=1,
+             by_name_only="it installs another torch beside the pinned one (about 5 GB from PyPI)")
+      for v in ("2.11", "2.15")),
     # -- the mutation probe: which broken rules the fast suite catches (a census: one run each) --
     Figure("mutation_probe", "tests/mutation_probe", (), ("--check",),
            ("src/distsync/solvers", "src/distsync/sim", "tests/mutation_probe.py", "tests/helpers.py",
@@ -396,7 +403,7 @@ def run(names: list[str], quick: bool, stale_only: bool = False) -> int:
         if fig.needs_gpu and not _has_gpu():
             print(f"== {fig.name}: skipped: it measures a CUDA GPU and none is visible here (make gpu)", flush=True)
             continue
-        if not names and not quick and fig.by_name_only:
+        if not names and fig.by_name_only and (not quick or not fig.quick):  # (no smoke run: by name only too)
             print(f"== {fig.name}: skipped: {fig.by_name_only} (figures.py run {fig.name})", flush=True)
             continue
         raw = load_raw(fig) if stale_only and not quick else None

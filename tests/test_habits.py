@@ -486,6 +486,39 @@ def test_batchnorm_buffers_follow_the_policy_on_every_rank():
     assert not torch.equal(a_seen[4][0], b_seen[4][0])
 
 
+def _ddp_rewrap_job(rank, world, buffers):
+    import warnings
+
+    import distsync
+
+    comm = distsync.init_comm(timeout_s=20.0)
+    solver = distsync.make_solver("ddp", buffers=buffers)
+    model = make_model("batchnorm")
+    run = solver.attach(model, make_optimizer("batchnorm", model), comm)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            with solver.step(step):
+                loss_of(run, *batch(step, rank)).backward()
+        mine = [b.clone() for b in model.buffers()]
+        solver._wrap()  # (as the group re-formed after a dead worker wraps the model again)
+        after = [b.clone() for b in model.buffers()]
+    solver.close()
+    comm.close()
+    return mine, after, [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+
+
+@pytest.mark.parametrize("buffers", ["broadcast", "local"])
+def test_ddp_keeps_its_buffer_policy_when_it_wraps_again_and_says_it_without_a_deprecated_argument(buffers):
+    (a_mine, a_after, a_warned), (b_mine, b_after, b_warned) = run_ranks(_ddp_rewrap_job, 2, buffers)
+    assert a_warned == b_warned == []  # (torch 2.13 on deprecates broadcast_buffers, with a FutureWarning)
+    assert not torch.equal(a_mine[0], b_mine[0])  # (each rank's last forward moved its own statistics)
+    if buffers == "local":  # each keeps its own through the new wrapper
+        assert all(torch.equal(x, y) for x, y in zip(a_mine + b_mine, a_after + b_after))
+    else:  # the new wrapper starts from rank 0's, as DDP's own does
+        assert all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(a_mine, a_after, b_after))
+
+
 def test_a_buffer_policy_a_solver_cannot_keep_is_refused():
     import distsync
     from distsync.errors import ConfigError

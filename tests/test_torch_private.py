@@ -5,17 +5,20 @@ import collections
 import importlib
 import re
 import time
+import types
 
 import pytest
 import torch
 import torch.distributed as dist
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 from torch.distributed import distributed_c10d as c10d
 from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, dynamic_rendezvous
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
 from distsync import torch_private as tp
-from distsync.errors import CommError
-from helpers import run_ranks
+from distsync.errors import CommError, ConfigError
+from helpers import assert_one_line, run_ranks
 
 
 @pytest.fixture
@@ -32,24 +35,123 @@ def _one_line_naming(message: str, *names: str) -> None:
         assert name in message, message
 
 
-# ---- this torch has every name ----------------------------------------------------------------
+# ---- which releases have each name; what runs where one lacks it -----------------------------------
+
+#: this torch's release (2.13.0 for 2.13.0+cpu; a pre-release counts as its release)
+RELEASE = Version(Version(torch.__version__).base_version)
+
+
+def _has_here(private) -> bool:
+    return SpecifierSet(private.versions).contains(RELEASE, prereleases=True)
+
+
+def needs(*names: str):
+    """Skip where this torch lacks one of ``names`` (and their fallback is tested by hiding
+    them on a torch that has them): a release without a name is no failure."""
+    gone = [n for n in names if not tp._BY_NAME[n].present()]
+    return pytest.mark.skipif(bool(gone), reason=f"torch {torch.__version__} lacks {', '.join(gone)}")
 
 
 @pytest.mark.parametrize("private", tp.PRIVATE_NAMES, ids=lambda p: p.name)
-def test_this_torch_has_it(private):
-    # A torch upgrade that drops or renames one fails here: move distsync to what replaced
-    # it, or let its fallback take over (docs/reliability.md, torch's private names).
-    assert private.present(), f"torch {torch.__version__} lacks {private.name} ({private.module}): {private.use}"
+def test_this_torch_has_it_where_its_versions_say(private):
+    # A torch that drops or renames a name, or a release that its versions do not describe,
+    # fails here: correct its versions (benchmarks/torch_versions.py reads them off a release)
+    # and let its fallback take over, or move distsync to what replaced it.
+    assert private.present() == _has_here(private), (
+        f"torch {torch.__version__} {'has' if private.present() else 'lacks'} {private.name} "
+        f"({private.module}), which its versions {private.versions!r} say it "
+        f"{'lacks' if private.present() else 'has'}")
+
+
+def test_the_supported_range_is_the_one_pyproject_asks_for():
+    from helpers import REPO
+
+    deps = re.search(r"^dependencies = \[(.*?)^\]", (REPO / "pyproject.toml").read_text(), re.S | re.M).group(1)
+    assert SpecifierSet(re.search(r'"torch([^"]*)"', deps).group(1)) == SpecifierSet(tp.SUPPORTED)
+    first, last = tp.SUPPORTED_RANGE.split(" to ")
+    assert Version(first) in SpecifierSet(tp.SUPPORTED) and Version(last + ".99") in SpecifierSet(tp.SUPPORTED)
+    assert Version(str(float(last) + 0.01)) not in SpecifierSet(tp.SUPPORTED)
+    # (each name's versions start at or before the range's first release, or after it: never outside it)
+    for p in tp.PRIVATE_NAMES:
+        assert SpecifierSet(p.versions).contains(Version(last), prereleases=True), p.name
 
 
 def test_the_registry_names_each_once_with_what_it_is_for_and_what_happens_without_it():
     names = [p.name for p in tp.PRIVATE_NAMES]
     assert len(names) == len(set(names))
-    assert all(p.module and p.use and p.fallback for p in tp.PRIVATE_NAMES)
-    assert tp.missing() == []
+    assert all(p.module and p.use and p.fallback and p.versions for p in tp.PRIVATE_NAMES)
+    assert tp.missing() == [p.name for p in tp.PRIVATE_NAMES if not _has_here(p)]
     for group in (tp.GROUP_NAMES, tp.STORE_HOOKS, (tp.DEFAULT_STORE, tp.DELAY, tp.DYNAMO, tp.TREE_MAP,
                                                   tp.GLOO_RANKS, tp.GLOO_NAME, tp.AGENT_STORE_VAR)):
         assert set(group) <= set(names)
+    assert {p.name for p in tp.PRIVATE_NAMES if p.required} == set(tp.GROUP_NAMES)
+
+
+#: the test that hides each name with a fallback on this torch and checks what runs instead
+FALLBACK_TESTS = {
+    tp.DEFAULT_STORE: "test_without_the_default_store_getter_the_ranks_meet_in_the_env_store",
+    tp.REGISTER_PG: "test_without_the_registry_function_a_group_is_entered_one_by_one_as_new_group_does",
+    tp.WORLD_REGISTRY: "test_a_group_is_refused_without_the_registry_function_or_its_parameters",
+    tp.GLOO_RANKS: "test_without_the_gloo_labels_a_group_is_made_unlabelled",
+    tp.GLOO_NAME: "test_without_the_gloo_labels_a_group_is_made_unlabelled",
+    tp.LISTEN_FD: "test_without_a_hook_torchs_stores_stay",
+    tp.RDZV_STORE: "test_without_a_hook_torchs_stores_stay",
+    tp.AGENT_STORE_SERVER: "test_without_a_hook_torchs_stores_stay",
+    tp.DELAY: "test_without_the_delay_function_the_skew_stays",
+    tp.DYNAMO: "test_dynamo_is_imported_where_torch_has_it_and_skipped_where_not",
+    tp.TREE_MAP: "test_tree_map_with_and_without_torchs",
+    tp.RESTART_WORKERS: "test_without_the_agents_restart_method_nothing_is_patched",
+    tp.AGENT_STORE_VAR: "test_without_the_agents_word_torchs_env_defaults_apply",
+}
+
+
+def test_every_fallback_has_a_test_that_hides_its_name():
+    with_fallback = {p.name for p in tp.PRIVATE_NAMES if not p.required}
+    assert set(FALLBACK_TESTS) == with_fallback
+    for test in FALLBACK_TESTS.values():
+        assert callable(globals().get(test)), test
+
+
+# ---- a torch without a name distsync cannot do without: refused at start -------------------------
+
+
+@pytest.mark.parametrize("take_away", ["_set_default_backend", "_register_backend", "_set_group_name", "registries"])
+def test_a_torch_without_a_required_name_is_refused_at_start_naming_its_version_and_the_range(
+        fresh, monkeypatch, take_away):
+    if take_away == "registries":
+        monkeypatch.delattr(c10d, "_register_pg_in_world", raising=False)
+        monkeypatch.delattr(c10d, "_register_process_group")
+        names = ("_register_pg_in_world(", "_world.pg_* and _register_process_group")
+    else:
+        monkeypatch.delattr(dist.ProcessGroup, take_away)
+        names = (take_away,)
+    refusal = tp.start_refusal()
+    _one_line_naming(refusal, *names)
+    assert refusal.endswith(f"distsync cannot run without {'them' if take_away == 'registries' else 'it'}; "
+                            f"it supports torch {tp.SUPPORTED_RANGE} (pip install 'torch{tp.SUPPORTED}')")
+    with pytest.raises(ConfigError, match=re.escape(refusal)):
+        tp.check_torch()
+
+
+def test_the_command_line_and_init_comm_refuse_such_a_torch_before_anything_starts(fresh, monkeypatch, tmp_path):
+    import distsync
+    from helpers import run_cli
+
+    monkeypatch.delattr(dist.ProcessGroup, "_set_group_name")
+    proc = run_cli("train", "--workers", "2", "--steps", "5", "--out", str(tmp_path / "run"))
+    assert proc.returncode == 2
+    assert_one_line(proc.stdout + proc.stderr)
+    assert (proc.stdout + proc.stderr).startswith(f"distsync: error: torch {torch.__version__} lacks "
+                                                   f"ProcessGroup._set_group_name")
+    assert not (tmp_path / "run").exists()  # (nothing started)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # (a job's environment, which the refusal comes before)
+    with pytest.raises(ConfigError, match=r"lacks ProcessGroup\._set_group_name: .* it supports torch"):
+        distsync.init_comm(timeout_s=1.0)
+
+
+def test_the_pinned_torch_is_accepted(fresh):
+    assert tp.start_refusal() is None
+    tp.check_torch()
 
 
 def test_the_docs_table_names_each():
@@ -84,18 +186,19 @@ def test_a_group_is_refused_in_one_line_without_a_process_group_method(fresh, mo
 
 def test_a_group_is_refused_without_the_registry_function_or_its_parameters(fresh, monkeypatch):
     monkeypatch.delattr(c10d, "_register_process_group")  # (its route one by one, torch 2.11's)
-    monkeypatch.setattr(c10d, "_register_pg_in_world", lambda pg, backend_name, store, group_name: None)
+    monkeypatch.setattr(c10d, "_register_pg_in_world", lambda pg, backend_name, store, group_name: None,
+                        raising=False)
     with pytest.raises(CommError) as e:
         tp.gloo_group(dist.HashStore(), "p", [0, 1], 0, 1.0, "refused")
     _one_line_naming(str(e.value), "_register_pg_in_world(")
     monkeypatch.setattr(tp, "_CHECKED", {})
-    monkeypatch.delattr(c10d, "_register_pg_in_world")
+    monkeypatch.delattr(c10d, "_register_pg_in_world", raising=False)
     with pytest.raises(CommError, match=r"lacks _register_pg_in_world\(.*\), _world\.pg_\* and _register_process_group"):
         tp.gloo_group(dist.HashStore(), "p", [0, 1], 0, 1.0, "refused")
 
 
 def test_without_the_registry_function_a_group_is_entered_one_by_one_as_new_group_does(fresh, monkeypatch):
-    monkeypatch.delattr(c10d, "_register_pg_in_world")  # (as on torch 2.11)
+    monkeypatch.delattr(c10d, "_register_pg_in_world", raising=False)  # (as on torch 2.11)
     pg = tp.gloo_group(dist.HashStore(), "p", [3], 3, 5.0, "by-hand")  # (a group of one: no peer to wait for)
     try:
         w = c10d._world
@@ -128,6 +231,7 @@ def test_make_group_refuses_through_the_door(fresh, monkeypatch):
         make_group(dist.HashStore(), "p", [0, 1], 1, 1.0, "refused")
 
 
+@needs(tp.GLOO_RANKS, tp.GLOO_NAME)
 def test_without_the_gloo_labels_a_group_is_made_unlabelled(fresh, monkeypatch):
     monkeypatch.delattr(dist.ProcessGroupGloo.Options, "global_ranks_in_group")
     monkeypatch.delattr(dist.ProcessGroupGloo.Options, "group_name")
@@ -141,6 +245,7 @@ def test_without_the_gloo_labels_a_group_is_made_unlabelled(fresh, monkeypatch):
 # ---- the default group's store ----------------------------------------------------------------
 
 
+@needs(tp.DEFAULT_STORE)
 def test_without_the_default_store_getter_and_no_env_store_the_refusal_is_one_line(fresh, monkeypatch):
     monkeypatch.delattr(c10d, "_get_default_store")
     monkeypatch.delenv("MASTER_ADDR", raising=False)
@@ -168,6 +273,7 @@ def _env_store_route(rank, world):
     return seen, counted, first, total
 
 
+@needs(tp.DEFAULT_STORE)
 def test_without_the_default_store_getter_the_ranks_meet_in_the_env_store():
     res = run_ranks(_env_store_route, 2)
     assert [r[0] for r in res] == ["1", "0"]
@@ -190,6 +296,7 @@ class _Marked(dist.TCPStore):
     pass
 
 
+@needs(*tp.STORE_HOOKS)
 def test_the_rendezvous_stores_are_replaced_where_torch_has_the_hooks(fresh, torchs_stores):
     assert tp.missing_store_hooks() == []
     assert tp.replace_rendezvous_stores(_Marked)
@@ -198,6 +305,7 @@ def test_the_rendezvous_stores_are_replaced_where_torch_has_the_hooks(fresh, tor
     assert isinstance(store, _Marked) and store.port > 0
 
 
+@needs(*tp.STORE_HOOKS)
 @pytest.mark.parametrize("take_away", ["handler", "signature", "module", "listen_fd"])
 def test_without_a_hook_torchs_stores_stay(fresh, torchs_stores, monkeypatch, take_away):
     handler_before = DynamicRendezvousHandler._create_tcp_store_server
@@ -220,6 +328,7 @@ def test_without_a_hook_torchs_stores_stay(fresh, torchs_stores, monkeypatch, ta
         assert getattr(DynamicRendezvousHandler, "_create_tcp_store_server", handler_before) is handler_before
 
 
+@needs(tp.LISTEN_FD)
 def test_the_listen_fd_check_reads_torchs_docstring(fresh, monkeypatch):
     doc = dist.TCPStore.__init__.__doc__
     assert "master_listen_fd" in doc
@@ -235,6 +344,7 @@ def test_the_listen_fd_check_reads_torchs_docstring(fresh, monkeypatch):
 # ---- the rendezvous's skew ----------------------------------------------------------------------
 
 
+@needs(tp.DELAY)
 def test_the_skew_is_skipped_and_a_fixed_delay_kept(fresh, monkeypatch):
     # (torch's own, also after a launch in this process skipped it)
     torchs = getattr(dynamic_rendezvous._delay, "original", dynamic_rendezvous._delay)
@@ -249,12 +359,14 @@ def test_the_skew_is_skipped_and_a_fixed_delay_kept(fresh, monkeypatch):
     assert slept == [0.05]
 
 
+@needs(tp.DELAY)
 def test_without_the_delay_function_the_skew_stays(fresh, monkeypatch):
     monkeypatch.delattr(dynamic_rendezvous, "_delay")
     assert not tp.skip_rendezvous_skew()
     assert not hasattr(dynamic_rendezvous, "_delay")
 
 
+@needs(tp.DELAY)
 def test_launch_skips_the_skew_through_the_door(fresh, monkeypatch):
     launch = importlib.import_module("distsync.runtime.launch")  # (the package's launch is a function)
     monkeypatch.setattr(dynamic_rendezvous, "_delay", dynamic_rendezvous._delay)
@@ -265,6 +377,7 @@ def test_launch_skips_the_skew_through_the_door(fresh, monkeypatch):
 # ---- preloads, pytrees, the agent's environment -------------------------------------------------
 
 
+@needs(tp.DYNAMO)
 def test_dynamo_is_imported_where_torch_has_it_and_skipped_where_not(fresh, monkeypatch):
     from distsync.runtime import forkserver
 
@@ -278,6 +391,7 @@ def test_dynamo_is_imported_where_torch_has_it_and_skipped_where_not(fresh, monk
 Point = collections.namedtuple("Point", "x y")
 
 
+@needs(tp.TREE_MAP)
 @pytest.mark.parametrize("with_torchs", [True, False])
 def test_tree_map_with_and_without_torchs(fresh, monkeypatch, with_torchs):
     if not with_torchs:
@@ -289,6 +403,36 @@ def test_tree_map_with_and_without_torchs(fresh, monkeypatch, with_torchs):
     tree = {"a": [1, Point(2, 3)], "b": None, "c": (4,)}
     assert tp.tree_map(lambda v: "none" if v is None else v * 10, tree) == {
         "a": [10, Point(20, 30)], "b": "none", "c": (40,)}
+
+
+@needs(tp.RESTART_WORKERS)
+def test_without_the_agents_restart_method_nothing_is_patched(fresh, monkeypatch):
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+
+    monkeypatch.delattr(SimpleElasticAgent, "_restart_workers")
+    said = []
+    assert not tp.on_agent_restart(lambda *a: said.append(a))
+    assert not hasattr(SimpleElasticAgent, "_restart_workers") and said == []
+
+
+@needs(tp.RESTART_WORKERS)
+def test_the_agents_restarts_are_said_before_torch_restarts(fresh, monkeypatch):
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+
+    calls = []
+    monkeypatch.setattr(SimpleElasticAgent, "_restart_workers", lambda self, worker_group: calls.append("torch"))
+    said = []
+    assert tp.on_agent_restart(lambda restart, most: said.append((restart, most))) and tp.on_agent_restart(print)
+    agent = types.SimpleNamespace(_remaining_restarts=2)
+    group = collections.namedtuple("Group", "spec")(collections.namedtuple("Spec", "max_restarts")(3))
+    SimpleElasticAgent._restart_workers(agent, group)
+    assert said == [(1, 3)] and calls == ["torch"]  # (said first, then torch's own; the second call changed nothing)
+
+
+def test_without_the_agents_word_torchs_env_defaults_apply(fresh, monkeypatch):
+    monkeypatch.setitem(tp._CHECKED, tp.AGENT_STORE_VAR, False)
+    assert not tp.agent_store_in_use({})  # (nothing said: this process hosts or reaches env://'s store)
+    assert tp.agent_store_in_use({tp.AGENT_STORE_VAR: "True"})  # (the variable is torch's word where it is said)
 
 
 def test_the_agent_store_is_used_only_where_the_agent_says_so():

@@ -40,7 +40,9 @@ def init_comm(timeout_s: float = 60.0, roles: dict[str, int] | None = None, devi
     from distsync.comm.devices import enter, place_from_env
     from distsync.membership import watching
     from distsync.runtime.roles import assign_roles
+    from distsync.torch_private import check_torch
 
+    check_torch()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     extra = sum((roles or {}).values())
     placement = place_from_env(device, backend, "cpu")

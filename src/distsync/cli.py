@@ -707,6 +707,10 @@ def _terminate(signum, frame) -> NoReturn:
     raise KeyboardInterrupt
 
 
+#: the commands that start jobs of processes
+JOB_COMMANDS = ("train", "compare", "linktest", "crossover")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _build_parser().parse_args(argv)
@@ -717,6 +721,10 @@ def main(argv: list[str] | None = None) -> int:
                 "crossover": _cmd_crossover, "simulate": _cmd_simulate,
                 "sweep": _cmd_sweep, "recommend": _cmd_recommend}
     try:
+        if args.command in JOB_COMMANDS:  # (a torch distsync cannot run on: refused before a folder is made)
+            from distsync.torch_private import check_torch
+
+            check_torch()
         return handlers[args.command](args)
     except DistsyncError as e:
         console.print(f"distsync: error: {_one_line(str(e))}", markup=False, highlight=False, emoji=False,

@@ -6,8 +6,12 @@ uses is reached through a function of this module, which checks that this torch 
 (once; :func:`_has`) and, where it lacks it, takes a public route, keeps torch's own
 behaviour, or refuses in one line naming the torch version and the missing name.
 :data:`PRIVATE_NAMES` lists them all, with what each is for and what happens without it
-(``tests/test_torch_private.py`` fails on a torch that lacks one; ``docs/reliability.md``
-has the table).
+Each entry says which torch releases have the name (:attr:`PrivateName.versions`, read off
+each release in :data:`SUPPORTED` by ``benchmarks/torch_versions.py``) and what runs where it
+is absent; the names without a fallback (:func:`start_refusal`) are checked before anything
+starts, and a torch that lacks one is refused in one line naming its version and the range.
+``tests/test_torch_private.py`` runs every fallback on the pinned torch by hiding its name;
+``docs/reliability.md`` has the table.
 
 This module imports nothing of distsync but its errors, so every layer may import it, and
 imports torch only inside its functions (the command line imports it without paying for
@@ -25,7 +29,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from distsync.errors import CommError
+from distsync.errors import CommError, ConfigError
 
 # ---- the registry ---------------------------------------------------------------------------
 
@@ -44,6 +48,12 @@ class PrivateName:
     fallback: str
     #: whether this torch has it: checked afresh at each call (:func:`_has` keeps the answer)
     present: Callable[[], bool]
+    #: the releases that have it, as a version specifier: read off 2.6, 2.9, 2.11, 2.13 and 2.15
+    #: installed, and off the source of 2.7, 2.8 and 2.12 (2.6, the oldest supported, and on:
+    #: ">=2.6"); tests/test_torch_private.py checks it against the torch it runs on
+    versions: str = ">=2.6"
+    #: no fallback: a torch without it is refused at start (:func:`start_refusal`)
+    required: bool = False
 
 
 def _c10d() -> Any:
@@ -198,28 +208,28 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
                 lambda: callable(getattr(_c10d(), "_get_default_store", None))),
     PrivateName(SET_DEFAULT_BACKEND, "torch.distributed",
                 "a gloo group of some ranks only, which only they make (comm.make_group: live views, channels)",
-                "refused: " + _GROUP_REFUSAL, _process_group_has("_set_default_backend")),
+                "refused at start: " + _GROUP_REFUSAL, _process_group_has("_set_default_backend"), required=True),
     PrivateName(REGISTER_BACKEND, "torch.distributed", "as above: the group's gloo backend, for cpu (and cuda)",
-                "refused, as above", _process_group_has("_register_backend")),
+                "refused at start, as above", _process_group_has("_register_backend"), required=True),
     PrivateName(SET_GROUP_NAME, "torch.distributed", "as above: the group's name",
-                "refused, as above", _process_group_has("_set_group_name")),
+                "refused at start, as above", _process_group_has("_set_group_name"), required=True),
     PrivateName(REGISTER_PG, "torch.distributed.distributed_c10d",
                 "as above: the group in torch's registry, so that dist.* with group=, DistributedDataParallel "
                 "and destroy_process_group accept it",
-                "the same entries written one by one (the next name); refused without both, as above",
+                "the same entries written one by one (the next name); refused at start without both, as above",
                 lambda: _takes(getattr(_c10d(), "_register_pg_in_world", None), "pg", "backend_name", "store",
-                               "group_name", "backend_config", "rank_mapping")),
+                               "group_name", "backend_config", "rank_mapping"), versions=">=2.13"),
     PrivateName(WORLD_REGISTRY, "torch.distributed.distributed_c10d",
                 "as above, on a torch without _register_pg_in_world (2.11): the group's entries in _world's "
                 "dictionaries (" + ", ".join(_WORLD_DICTS) + ") and its name registered, as new_group writes them",
-                "not needed where _register_pg_in_world is there; refused without both, as above",
+                "not needed where _register_pg_in_world is there; refused at start without both, as above",
                 _world_registry_is_there),
     PrivateName(GLOO_RANKS, "torch.distributed",
                 "as above: the group's global ranks, as torch's own groups carry them",
                 "left unset (they label the group in torch's logs and debug records)",
-                _gloo_options_have("global_ranks_in_group")),
+                _gloo_options_have("global_ranks_in_group"), versions=">=2.8"),
     PrivateName(GLOO_NAME, "torch.distributed", "as above: the group's name, on its gloo backend",
-                "left unset, as above", _gloo_options_have("group_name")),
+                "left unset, as above", _gloo_options_have("group_name"), versions=">=2.8"),
     PrivateName(LISTEN_FD, "torch.distributed",
                 "the launcher's two stores bound to the job's address, not every address (runtime/bind.py; "
                 "a public parameter, found in the docstring as pybind gives no signature)",
@@ -249,6 +259,32 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
                 "torch's env:// defaults (a restarted attempt shares its store keys with the last)",
                 _agent_sets_store_var),
 )
+
+#: the torch releases distsync supports: pyproject.toml's requirement says the same
+#: (tests/test_packaging.py), and benchmarks/torch_versions.py has run on the oldest and newest
+SUPPORTED = ">=2.6,<2.16"
+SUPPORTED_RANGE = "2.6 to 2.15"
+
+
+def start_refusal() -> str | None:
+    """The one line refusing this torch, or None where it has every name distsync cannot run
+    without (those marked :attr:`PrivateName.required`, and one of :data:`GROUP_REGISTRIES`)."""
+    gone = [p.name for p in PRIVATE_NAMES if p.required and not _has(p.name)]
+    if not any(_has(r) for r in GROUP_REGISTRIES):
+        gone += list(GROUP_REGISTRIES)
+    if not gone:
+        return None
+    return lacks(gone, f"distsync cannot run without {'it' if len(gone) == 1 else 'them'}; it supports torch "
+                       f"{SUPPORTED_RANGE} (pip install 'torch{SUPPORTED}')")
+
+
+def check_torch() -> None:
+    """Refuse this torch in one line (:class:`~distsync.errors.ConfigError`) where it lacks a
+    name without a fallback: before a job starts, not in the middle of it."""
+    refusal = start_refusal()
+    if refusal:
+        raise ConfigError(refusal)
+
 
 _BY_NAME = {p.name: p for p in PRIVATE_NAMES}
 #: the answers of :func:`_has` (a test may replace it with an empty dict)

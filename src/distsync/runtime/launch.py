@@ -29,6 +29,7 @@ from distsync.runtime.checkpoint import clear as clear_folder
 from distsync.runtime.network import EmulatedNetwork
 from distsync.runtime.process import CHECKPOINTS, dropped_ranks, write_partial_results
 from distsync.runtime.resolve import Launch, ResolvedRun, read_resolved, resolve
+from distsync.torch_private import check_torch
 from distsync.solvers import Capability
 
 ProgressFn = Callable[[dict[str, Any]], None]
@@ -392,6 +393,7 @@ def launch(cfg: RunConfig | ResolvedRun, run_dir: Path, on_progress: ProgressFn 
     ``network``: one the caller owns and shares between jobs (crossover).
     Raises :class:`DistsyncError` on bad input or a failed job.
     """
+    check_torch()  # (a torch without a name distsync cannot do without: refused before anything starts)
     run = resolve(cfg)
     check_room(run.world_size)
     if network is None and run.config.link is not None:

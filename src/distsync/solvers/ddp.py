@@ -9,9 +9,11 @@ backward, the gradients are all computed and only their all-reduce is left.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -47,6 +49,34 @@ class DDPOptions:
                              f"(torch's own rule for DDP), got powersgd_start={self.powersgd_start}")
 
 
+@functools.lru_cache(maxsize=1)
+def _takes_forward_sync_buffers() -> bool:
+    return "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+
+
+def _buffer_sync(broadcast: bool) -> dict[str, bool]:
+    """DDP's argument for whether it broadcasts rank 0's buffers at each forward: the
+    ``forward_sync_buffers`` of torch 2.13 on (which deprecates ``broadcast_buffers``), the
+    ``broadcast_buffers`` of the torch before it."""
+    return {"forward_sync_buffers" if _takes_forward_sync_buffers() else "broadcast_buffers": broadcast}
+
+
+@contextlib.contextmanager
+def _buffers_kept(model: torch.nn.Module, keep: bool) -> Iterator[None]:
+    """With ``keep``, the model's buffers as they were before the block: DDP's construction
+    broadcasts rank 0's buffers whenever ``forward_sync_buffers`` is given (False included,
+    unlike ``broadcast_buffers=False``), which would overwrite a worker's own buffers where
+    each keeps its own ("local") when a re-formed group wraps the model again."""
+    if not keep:
+        yield
+        return
+    kept = [(b, b.detach().clone()) for b in model.buffers()]
+    yield
+    with torch.no_grad():
+        for buffer, mine in kept:
+            buffer.copy_(mine)
+
+
 @register_solver
 class DDP(Solver):
     name = "ddp"
@@ -57,7 +87,7 @@ class DDP(Solver):
     capabilities = frozenset({Capability.COLLECTIVE_PER_STEP, Capability.REFORMS_WITHOUT_DEAD,
                               Capability.HEALS_FROM_PEER, Capability.SYNCS_IN_BACKWARD, Capability.USER_MAY_STEP,
                               Capability.REFUSES_UNUSED, Capability.SIGNALS_COMMUNICATION})
-    default_buffers = "broadcast"  # (DDP's own broadcast_buffers=True; "local": False)
+    default_buffers = "broadcast"  # (DDP's own forward_sync_buffers=True; "local": False, and its own kept)
     buffer_choices = ("broadcast", "local")
 
     @classmethod
@@ -99,9 +129,10 @@ class DDP(Solver):
         device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
         # (on a GPU: the one device of this process's module, as DDP asks; on the CPU, none)
         device_ids = [device.index] if device.type == "cuda" else None
-        self.ddp = DistributedDataParallel(self.model, device_ids=device_ids, process_group=group,
-                                           bucket_cap_mb=self.options.bucket_mb, gradient_as_bucket_view=True,
-                                           broadcast_buffers=self.buffers == "broadcast")
+        with _buffers_kept(self.model, self.buffers == "local"):
+            self.ddp = DistributedDataParallel(self.model, device_ids=device_ids, process_group=group,
+                                               bucket_cap_mb=self.options.bucket_mb, gradient_as_bucket_view=True,
+                                               **_buffer_sync(self.buffers == "broadcast"))
         grad_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
         self._bytes_per_step = ring_allreduce_bytes(grad_bytes, self.comm.group_size(group))
         if self.options.comm_hook != "none":
