@@ -77,7 +77,7 @@ def write_results(path: Path | str, payload: dict[str, Any], announce: bool = Tr
     return path
 
 
-def provenance(script: str, argv: Sequence[str] | None = None) -> dict[str, Any]:
+def provenance(script: str, argv: Sequence[str] | None = None, repo: Path | None = None) -> dict[str, Any]:
     """What a raw results file says about how it was made: the command line, the commit
     measured (``git rev-parse HEAD``) and whether the working tree differed from it (the
     tracked files that did), the date, and the machine (cores, memory, platform, Python and
@@ -86,17 +86,18 @@ def provenance(script: str, argv: Sequence[str] | None = None) -> dict[str, Any]
     import platform
     import subprocess
 
-    repo = Path(__file__).resolve().parent.parent
+    repo = repo or Path(__file__).resolve().parent.parent
 
-    def git(*a: str) -> str | None:
+    def git(*a: str, stdin: str | None = None) -> str | None:
         try:
-            done = subprocess.run(["git", "-C", str(repo), *a], capture_output=True, text=True, timeout=30)
+            done = subprocess.run(["git", "-C", str(repo), *a], capture_output=True, text=True, timeout=30,
+                                  input=stdin)
         except (OSError, subprocess.TimeoutExpired):
             return None
         return done.stdout if done.returncode == 0 else None
 
     head = git("rev-parse", "HEAD")
-    changed = git("status", "--porcelain", "--untracked-files=no")
+    changed = _changed_from_head(git)
     torch_version, gpu = None, None
     try:
         import torch
@@ -112,12 +113,34 @@ def provenance(script: str, argv: Sequence[str] | None = None) -> dict[str, Any]
         memory_gib = None
     return {"command": " ".join(["python", script, *(sys.argv[1:] if argv is None else argv)]),
             "commit": head.strip() if head else None,
-            "dirty": bool(changed.strip()) if changed is not None else None,
-            "changed_files": [line[3:] for line in changed.splitlines() if line.strip()] if changed else [],
+            "dirty": bool(changed) if changed is not None else None,
+            "changed_files": changed or [],
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "machine": {"cpu_count": os.cpu_count(), "memory_gib": memory_gib, "platform": platform.platform(),
                         "python": platform.python_version(), "torch": torch_version, "gpu": gpu,
                         "load_average_at_start": os.getloadavg()[0]}}
+
+
+def _changed_from_head(git: Any) -> list[str] | None:
+    """The files of HEAD's tree whose content in the working tree differs from it (or is gone),
+    each file hashed as git would store it: the index is not consulted, so a copy of the tree
+    whose index is older than its HEAD is not taken for a changed one (None: no git here)."""
+    listing = git("ls-tree", "-r", "-z", "HEAD")
+    if listing is None:
+        return None
+    blobs = {}
+    for entry in filter(None, listing.split("\0")):
+        meta, path = entry.split("\t", 1)
+        mode, kind, blob = meta.split()
+        if kind == "blob" and mode != "120000":  # (links and submodules are not the code measured)
+            blobs[path] = blob
+    root = Path((git("rev-parse", "--show-toplevel") or ".").strip())
+    present = [p for p in blobs if (root / p).is_file()]
+    hashed = (git("hash-object", "--stdin-paths", stdin="\n".join(present) + "\n") or "").split() if present else []
+    if len(hashed) != len(present):
+        return None
+    now = dict(zip(present, hashed))
+    return sorted(p for p, blob in blobs.items() if now.get(p) != blob)
 
 
 def seed_list(text: str) -> list[int]:

@@ -168,3 +168,26 @@ def test_the_readme_quotes_recommend_only_from_a_test_set():
                                     "of 4-8 workers (70%; out of sample, emulated devices and links, 2 seeds "
                                     "each), always-ad-psgd with its defaults in 6")
     assert "hit" not in _recommend({**raw, "set": "dev"}) and "hit" not in _recommend(None)
+
+
+def test_provenance_compares_the_working_tree_with_head_not_the_index(tmp_path):
+    from common import provenance
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                       check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("one\n")
+    git("add", "a.py")
+    git("commit", "-qm", "one")
+    (tmp_path / "a.py").write_text("two\n")
+    (tmp_path / "b.py").write_text("new\n")
+    git("add", "a.py", "b.py")
+    git("commit", "-qm", "two")
+    git("read-tree", "HEAD~1")  # (an index older than HEAD, as a copy of the tree at HEAD may carry)
+    clean = provenance("x.py", [], repo=tmp_path)
+    assert (clean["dirty"], clean["changed_files"]) == (False, [])
+    (tmp_path / "a.py").write_text("three\n")
+    dirty = provenance("x.py", [], repo=tmp_path)
+    assert (dirty["dirty"], dirty["changed_files"]) == (True, ["a.py"])
