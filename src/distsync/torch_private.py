@@ -5,11 +5,10 @@ its elastic agent: any of them may go, or change, at the next release. So each o
 uses is reached through a function of this module, which checks that this torch has it
 (once; :func:`_has`) and, where it lacks it, takes a public route, keeps torch's own
 behaviour, or refuses in one line naming the torch version and the missing name.
-:data:`PRIVATE_NAMES` lists them all, with what each is for and what happens without it
-Each entry says which torch releases have the name (:attr:`PrivateName.versions`, read off
-each release in :data:`SUPPORTED` by ``benchmarks/torch_versions.py``) and what runs where it
-is absent; the names without a fallback (:func:`start_refusal`) are checked before anything
-starts, and a torch that lacks one is refused in one line naming its version and the range.
+:data:`PRIVATE_NAMES` lists them all, with what each is for, which torch releases have it
+(:attr:`PrivateName.versions`) and what runs where it is absent. The names without a
+fallback are checked before anything starts (:func:`check_torch`): a torch that lacks one is
+refused in one line naming its version and the range distsync supports (:data:`SUPPORTED`).
 ``tests/test_torch_private.py`` runs every fallback on the pinned torch by hiding its name;
 ``docs/reliability.md`` has the table.
 

@@ -29,8 +29,8 @@ from distsync.runtime.checkpoint import clear as clear_folder
 from distsync.runtime.network import EmulatedNetwork
 from distsync.runtime.process import CHECKPOINTS, dropped_ranks, write_partial_results
 from distsync.runtime.resolve import Launch, ResolvedRun, read_resolved, resolve
-from distsync.torch_private import check_torch
 from distsync.solvers import Capability
+from distsync.torch_private import check_torch
 
 ProgressFn = Callable[[dict[str, Any]], None]
 
