@@ -227,13 +227,6 @@ FIGURES = [
            ("--repeats", "1", "--sizes", "1", "--links", "1gbit,unshaped"),
            RUNTIME,
            "docs/benchmarks/link_efficiency.md"),
-    # -- distsync beside other torch releases (a venv each, torch from PyPI: GBs, so by name only) --
-    *(Figure(f"torch_versions-{v}", "torch_versions", ("--torch", f"{v}.0"), (),
-             ("pyproject.toml", "src/distsync/torch_private.py", "src/distsync/comm", "src/distsync/runtime",
-              "src/distsync/solvers/ddp.py", "benchmarks/torch_versions.py"),
-             "docs/torch-versions.md", min_repeats=1,
-             by_name_only="it installs another torch beside the pinned one (about 5 GB from PyPI)")
-      for v in ("2.11", "2.15")),
     # -- the mutation probe: which broken rules the fast suite catches (a census: one run each) --
     Figure("mutation_probe", "tests/mutation_probe", (), ("--check",),
            ("src/distsync/solvers", "src/distsync/sim", "tests/mutation_probe.py", "tests/helpers.py",
@@ -311,9 +304,9 @@ def provenance_problems(fig: Figure, raw: dict[str, Any]) -> list[str]:
 
 
 def _without_places(command: str) -> str:
-    """``command`` less its ``--json PATH`` and ``--out DIR``: where a run wrote its raw file
-    and its runs' folders is not what it measured."""
-    return re.sub(r" --(json|out) \S+", "", command)
+    """``command`` less its ``--json PATH``, ``--out DIR`` and ``--venv DIR``: where a run wrote
+    its raw file and its runs' folders, and where it kept a venv, is not what it measured."""
+    return re.sub(r" --(json|out|venv) \S+", "", command)
 
 
 def stray_tables(text: str) -> list[int]:

@@ -307,6 +307,21 @@ def test_resume_without_a_checkpoint_is_refused_in_one_line(tmp_path):
     assert f"cannot resume {tmp_path}: no complete checkpoint in {tmp_path / 'checkpoints'}" in proc.stderr
 
 
+@pytest.mark.parametrize("field", ["lr", "batch_size"])
+def test_resume_refuses_a_null_where_the_launcher_wrote_the_value_the_run_ran_with(tmp_path, field):
+    run = tmp_path / "run"
+    _train(run, "--steps", "4", "--checkpoint-every", "2", "--eval-every", "2")
+    config = json.loads((run / "config.json").read_text())
+    assert config["resolved"] is True and config[field] is not None
+    config[field] = None
+    (run / "config.json").write_text(json.dumps(config))
+    proc = run_cli("train", "--resume", str(run), "--steps", "6")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr == (f"distsync: error: config file {run / 'config.json'}: {field} null, where its launcher "
+                           f"wrote the value the run ran with: put back a number, or start a new run to take the "
+                           f"workload's default\n")
+
+
 def test_resume_with_more_steps_trains_on_to_them_and_says_so(tmp_path):
     run = tmp_path / "run"
     first = _train(run, "--steps", "6", "--checkpoint-every", "3", "--eval-every", "3")

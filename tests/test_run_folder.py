@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,11 +16,15 @@ import pytest
 from distsync.errors import ConfigError
 from distsync.runtime.fault_match import row_of_death, went_on_rows, worker_deaths
 from distsync.runtime.run_folder import (
+    LOCK,
     check_out_folder,
     compare_folder,
     crossover_folder,
     default_run_dir,
+    hold,
+    holding,
     out_or_default,
+    release,
     train_folder,
     workload_tag,
 )
@@ -34,10 +41,13 @@ def test_a_default_folder_is_named_by_time_command_and_tags():
     assert re.fullmatch(rf"runs/{STAMP}-sweep", str(out_or_default("", "sweep")))
 
 
-def test_a_new_folder_is_created_and_left_empty(tmp_path):
+def test_a_new_folder_is_created_and_held_with_nothing_else_in_it(tmp_path):
     out = tmp_path / "a" / "b"
     assert check_out_folder(out, False, "summary.json") == out
-    assert out.is_dir() and list(out.iterdir()) == []  # (the write probe is gone)
+    assert out.is_dir() and [p.name for p in out.iterdir()] == [LOCK]  # (the write probe is gone)
+    assert json.loads((out / LOCK).read_text())["pid"] == os.getpid()
+    release(out)
+    assert (out / LOCK).read_text() == ""  # (let go of cleanly: the next holder says nothing)
 
 
 def test_a_file_is_no_folder(tmp_path):
@@ -70,6 +80,57 @@ def test_a_folder_holding_a_run_is_refused_unless_overwrite(tmp_path, content, w
 def test_only_the_finished_file_counts(tmp_path):
     (tmp_path / "events.jsonl").write_text("{}\n")
     assert check_out_folder(tmp_path, False, "summary.json") == tmp_path
+
+
+_HOLDER = """
+import sys, time
+from pathlib import Path
+from distsync.runtime.run_folder import hold
+hold(Path(sys.argv[1]))
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+def _another_process_holding(folder: Path) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(folder)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_a_folder_another_live_job_holds_is_refused_in_one_line_and_left_as_it_is(tmp_path):
+    (tmp_path / "journal").mkdir()
+    (tmp_path / "journal" / "rank-0.jsonl").write_text('{"step": 3}\n')
+    other = _another_process_holding(tmp_path)
+    try:
+        for overwrite in (False, True):
+            with pytest.raises(ConfigError) as e:
+                check_out_folder(tmp_path, overwrite, "summary.json")
+            assert re.fullmatch(rf"--out {re.escape(str(tmp_path))} is in use by a job that is still running \(pid "
+                                rf"{other.pid} on \S+ since [\d: -]+\): choose another --out, or wait for that job "
+                                rf"to end", str(e.value)), str(e.value)
+        with pytest.raises(ConfigError, match="is in use by a job that is still running"):
+            with holding(tmp_path):  # (the launcher's own hold: runtime.launch)
+                pass
+        assert (tmp_path / "journal" / "rank-0.jsonl").read_text() == '{"step": 3}\n'  # (nothing cleared)
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_a_folder_whose_launcher_died_is_taken_over_saying_so(tmp_path, capfd):
+    other = _another_process_holding(tmp_path)
+    other.kill()  # (SIGKILL: no chance to let go)
+    other.wait()
+    assert check_out_folder(tmp_path, False, "summary.json") == tmp_path
+    err = capfd.readouterr().err
+    assert err.startswith(f"distsync: --out {tmp_path}: the job that held it (pid {other.pid} on ") and err.endswith(
+        ") ended without letting go; this run takes it over\n"), err
+    release(tmp_path)
+    assert hold(tmp_path)  # (let go of cleanly this time: taken without a word)
+    assert capfd.readouterr().err == ""
+    assert not hold(tmp_path)  # (this process holds it already)
+    release(tmp_path)
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
@@ -147,3 +208,30 @@ def test_worker_deaths_come_in_time_order_with_their_rows():
     got = [(d["rank"], taken_over, row) for d, taken_over, row in worker_deaths(recovery)]
     assert got == [(1, True, None), (2, False, recovery["faults"][0]), (3, True, None)]
     assert worker_deaths({}) == []
+
+
+@pytest.mark.slow
+def test_a_second_train_into_a_live_runs_folder_is_refused_and_the_first_keeps_its_own_config(tmp_path):
+    from helpers import DISTSYNC, assert_one_line, run_cli
+
+    out = tmp_path / "run"
+    first = subprocess.Popen(DISTSYNC + ["train", "--workers", "2", "--steps", "150", "--device-ms", "20", "--seed",
+                                         "7", "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (out / "config.json").exists() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert json.loads((out / LOCK).read_text())["pid"] == first.pid
+        second = run_cli("train", "--workers", "2", "--steps", "5", "--seed", "8", "--out", str(out), "--overwrite",
+                         fresh_process=True)
+        assert second.returncode == 2
+        assert_one_line(second.stdout + second.stderr)
+        assert f"--out {out} is in use by a job that is still running (pid {first.pid} " in second.stderr
+        assert first.wait(timeout=50) == 0, first.stderr.read()[-2000:]
+    finally:
+        first.kill()
+    config = json.loads((out / "config.json").read_text())
+    summary = json.loads((out / "summary.json").read_text())
+    assert (config["seed"], config["steps"], summary["steps_per_worker"]) == (7, 150, 150)
+    assert (out / LOCK).read_text() == ""  # (let go of as the command ended)

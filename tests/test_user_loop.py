@@ -213,3 +213,98 @@ def test_server_solvers_run_from_a_users_script_with_serve():
     assert out[2] == "served"
     start = _seen_loss(_model())
     assert out[0] < 0.98 * start and out[1] < 0.98 * start, (out, start)  # the center the servers trained
+
+
+# ---- the README's data pattern: each sample once per epoch, servers or not ------------------------
+
+#: one solver of each family, with the ranks it adds beside the workers
+DATA_FAMILIES = ["allreduce", "ma", "sync-easgd", "async-ps", "ea-wild", "ad-psgd", "ripples", "shadow-ma",
+                 "shadow-ea"]
+SAMPLES = 60
+
+
+def _readme_data_job(rank, world, name, workers):
+    import contextlib
+    import io
+
+    import distsync
+
+    solver = distsync.make_solver(name)
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        comm = distsync.init_comm(timeout_s=20.0, roles=solver.roles or None)
+
+    def make_model():
+        torch.manual_seed(0)
+        return torch.nn.Linear(3, 2)
+
+    if distsync.serve(solver, comm, make_model, 0.05):
+        comm.close()
+        return None
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.arange(SAMPLES), torch.randn(SAMPLES, 3, generator=g))
+    sampler = distsync.sampler(data, comm)  # (the README's lines)
+    loader = torch.utils.data.DataLoader(data, batch_size=5, sampler=sampler, drop_last=True)
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model = solver.attach(model, optimizer, comm)
+    seen, step = [], 0
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        mine = []
+        for index, x in loader:
+            with solver.step(step):
+                model(x).pow(2).mean().backward()
+            mine += index.tolist()
+            step += 1
+        seen.append(mine)
+    solver.close()
+    comm.close()
+    return seen, said.getvalue()
+
+
+@pytest.mark.parametrize("name", DATA_FAMILIES)
+def test_the_readmes_sampler_uses_each_sample_once_per_epoch_under_every_family(name):
+    import distsync
+
+    servers = sum(distsync.make_solver(name).roles.values())
+    workers = [r for r in run_ranks(_readme_data_job, 2 + servers, name, 2) if r is not None]
+    seen = [s for s, _ in workers]
+    assert len(seen) == 2
+    for epoch in range(2):
+        used = sorted(i for worker in seen for i in worker[epoch])
+        assert used == list(range(SAMPLES)), (name, epoch, used)  # (once each: none left out, none twice)
+    assert seen[0][0] != seen[0][1]  # (set_epoch: a new order)
+    said = workers[0][1] + workers[1][1]
+    if servers:  # (a job with ranks beside the workers says how to shard, once)
+        assert said.count("distsync: 2 of this job's 3 processes are workers (1 server beside them): shard the data "
+                          "with distsync.sampler(dataset, comm) (over comm.num_workers), not over comm.world_size") == 1
+    else:
+        assert "shard the data" not in said
+
+
+def _server_asks_for_a_sampler(rank, world):
+    import distsync
+
+    comm = distsync.init_comm(timeout_s=20.0, roles={"server": 1})
+    try:
+        if comm.role == "server":
+            with pytest.raises(distsync.ConfigError, match=r"^rank 2 is a server, not a worker: it takes no data"):
+                distsync.sampler(list(range(10)), comm)
+        return comm.role
+    finally:
+        comm.close()
+
+
+def test_a_sampler_on_a_servers_rank_is_refused():
+    assert run_ranks(_server_asks_for_a_sampler, 3) == ["worker", "worker", "server"]
+
+
+def test_the_readme_shards_with_the_sampler():
+    from helpers import REPO
+
+    readme = (REPO / "README.md").read_text()
+    block = readme[readme.index("## In your own training loop"):]
+    block = block[:block.index("```", block.index("```python") + 3)]
+    assert "distsync.sampler(data, comm)" in block and "sampler.set_epoch(epoch)" in block
+    assert "world_size" not in block

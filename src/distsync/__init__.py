@@ -34,6 +34,7 @@ def init_comm(timeout_s: float = 60.0, roles: dict[str, int] | None = None, devi
     ``backend``: auto | nccl | gloo, what carries collectives of CUDA tensors (nccl where
     every worker on a node has a GPU of its own; point-to-point messages go over gloo)."""
     import os
+    import sys
 
     from distsync.comm import Comm
     from distsync.comm.comm import FailurePolicy
@@ -48,8 +49,14 @@ def init_comm(timeout_s: float = 60.0, roles: dict[str, int] | None = None, devi
     placement = place_from_env(device, backend, "cpu")
     enter(placement)
     # (a wait on a peer goes on while it lives, and fails naming it once it is dead or stalled)
-    return Comm.from_env(assign_roles(world - extra, roles or {}), timeout_s, placement.device, placement=placement,
+    comm = Comm.from_env(assign_roles(world - extra, roles or {}), timeout_s, placement.device, placement=placement,
                          policy=FailurePolicy(watch=watching()))
+    if extra and comm.role == "worker" and comm.worker_index == 0:
+        others = ", ".join(f"{n} {role}" for role, n in sorted((roles or {}).items()) if n)
+        print(f"distsync: {comm.num_workers} of this job's {comm.world_size} processes are workers ({others} "
+              f"beside them): shard the data with distsync.sampler(dataset, comm) (over comm.num_workers), not "
+              f"over comm.world_size", file=sys.stderr, flush=True)
+    return comm
 
 
 def serve(solver: Solver, comm, make_model, lr: float, **settings) -> bool:
@@ -80,7 +87,23 @@ def serve(solver: Solver, comm, make_model, lr: float, **settings) -> bool:
     return True
 
 
+def sampler(dataset, comm, shuffle: bool = True, seed: int = 0, drop_last: bool = False):
+    """This worker's share of ``dataset``, for a DataLoader's ``sampler=``: torch's
+    DistributedSampler over the job's workers only (``comm.num_workers``, this worker's
+    ``comm.worker_index``), so that each sample is used once per epoch whatever ranks the
+    solver adds beside the workers (servers, a coordinator), which take no data. Call its
+    ``set_epoch(epoch)`` at each epoch's start for a new order (with ``shuffle``). Sharding
+    by ``comm.rank`` and ``comm.world_size`` instead would leave out the servers' shares."""
+    import torch.utils.data
+
+    if comm.role != "worker":
+        raise ConfigError(f"rank {comm.rank} is a {comm.role}, not a worker: it takes no data (begin the script "
+                          f"with `if distsync.serve(solver, comm, make_model, lr): sys.exit()`)")
+    return torch.utils.data.DistributedSampler(dataset, num_replicas=comm.num_workers, rank=comm.worker_index,
+                                               shuffle=shuffle, seed=seed, drop_last=drop_last)
+
+
 __all__ = [
     "CommError", "ConfigError", "DistsyncError", "RunConfig", "Solver", "WorkerFailed", "Workload",
-    "init_comm", "make_solver", "register_solver", "serve", "solver_names", "__version__",
+    "init_comm", "make_solver", "register_solver", "sampler", "serve", "solver_names", "__version__",
 ]

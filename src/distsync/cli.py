@@ -752,6 +752,10 @@ def main(argv: list[str] | None = None) -> int:
             console.print(f"distsync: the runs that finished are compared in {e.report}", markup=False,
                           highlight=False, soft_wrap=True)
         return 130
+    finally:
+        from distsync.runtime.run_folder import release_all
+
+        release_all()  # (the run folders this command held: the next job finds them let go of cleanly)
 
 
 def entry() -> NoReturn:

@@ -28,7 +28,8 @@ from distsync.runtime.checkpoint import CheckpointStore, Choice, fingerprint
 from distsync.runtime.checkpoint import clear as clear_folder
 from distsync.runtime.network import EmulatedNetwork
 from distsync.runtime.process import CHECKPOINTS, dropped_ranks, write_partial_results
-from distsync.runtime.resolve import Launch, ResolvedRun, read_resolved, resolve
+from distsync.runtime.resolve import WORKLOAD_DEFAULTS, Launch, ResolvedRun, read_resolved, resolve
+from distsync.runtime.run_folder import holding
 from distsync.solvers import Capability
 from distsync.torch_private import check_torch
 
@@ -232,6 +233,13 @@ def resume_config(run_dir: Path) -> tuple[RunConfig, bool]:
     d = read_file(run_dir / "config.json", "config file", json.loads, "JSON")
     if not isinstance(d, dict):
         raise ConfigError(f"config file {run_dir / 'config.json'} must hold a JSON object")
+    # (its launcher wrote the values the run took from its workload: a null there is an edit,
+    # which the workload's default would silently replace)
+    nulls = [n for n in WORKLOAD_DEFAULTS if n in d and d[n] is None and not (n == "steps" and d.get("epochs"))]
+    if nulls and d.get("resolved") is True:
+        raise ConfigError(f"config file {run_dir / 'config.json'}: {', '.join(nulls)} null, where its launcher wrote "
+                          f"the value{'s' if len(nulls) > 1 else ''} the run ran with: put back a number, or start a "
+                          f"new run to take the workload's default")
     cfg = RunConfig.from_dict(d).validate()
     if cfg.task != "train":
         raise ConfigError(f"cannot resume {run_dir}: it is a {cfg.task} run, not training")
@@ -396,12 +404,13 @@ def launch(cfg: RunConfig | ResolvedRun, run_dir: Path, on_progress: ProgressFn 
     check_torch()  # (a torch without a name distsync cannot do without: refused before anything starts)
     run = resolve(cfg)
     check_room(run.world_size)
-    if network is None and run.config.link is not None:
-        with EmulatedNetwork(run.world_size, run.config.link) as net:
-            return launch(run, run_dir, on_progress, net)
-    if network is not None:
-        run = dataclasses.replace(run, launch=dataclasses.replace(run.launch, latency_mode=network.latency_mode))
-    return _start(run, run_dir, on_progress, network)
+    with holding(run_dir):  # (refused while another job runs in run_dir; nothing there is cleared before)
+        if network is None and run.config.link is not None:
+            with EmulatedNetwork(run.world_size, run.config.link) as net:
+                return launch(run, run_dir, on_progress, net)
+        if network is not None:
+            run = dataclasses.replace(run, launch=dataclasses.replace(run.launch, latency_mode=network.latency_mode))
+        return _start(run, run_dir, on_progress, network)
 
 
 def _start(run: ResolvedRun, run_dir: Path, on_progress: ProgressFn | None,
