@@ -464,12 +464,12 @@ def _batchnorm_job(rank, world, name, buffers):
     opt = make_optimizer("batchnorm", model)
     run = solver.attach(model, opt, comm)
     seen, starts = [], []
+    # (what each forward starts from: a hook after the solver's, which broadcasts before it)
+    model.register_forward_pre_hook(lambda module, args: starts.append([b.clone() for b in module.buffers()]))
     for step in range(6):
         with solver.step(step):
-            start = [b.clone() for b in model.buffers()]
             loss_of(run, *batch(step, rank)).backward()
         seen.append([b.clone() for b in model.buffers()])
-        starts.append(start)
     solver.close()
     final = solver.final_model()
     comm.close()
@@ -477,14 +477,14 @@ def _batchnorm_job(rank, world, name, buffers):
 
 
 def test_batchnorm_buffers_follow_the_policy_on_every_rank():
-    # allreduce keeps DDP's: rank 0's at every step's start, so the ranks' statistics differ by
-    # one step's batches at most, and the final model (and the live one after it) are rank 0's
+    # allreduce keeps DDP's: rank 0's before every step's forward, so the ranks' statistics differ
+    # by one step's batches at most, and the final model (and the live one after it) are rank 0's
     (a_seen, a_live, a_final, a_starts), (b_seen, b_live, b_final, b_starts) = run_ranks(
         _batchnorm_job, 2, "allreduce", None)
     for x, y in zip(a_final + a_live, b_final + b_live):
         assert torch.equal(x, y)
     assert not torch.equal(a_seen[-1][0], b_seen[-1][0])  # (each rank's last forward moved its own)
-    for step in range(1, 6):  # every step starts from rank 0's, as left by its last forward
+    for step in range(1, 6):  # every step's forward starts from rank 0's, as left by its last forward
         for x, y, z in zip(a_starts[step], b_starts[step], a_seen[step - 1]):
             assert torch.equal(x, y) and torch.equal(x, z)
     # "local": each keeps its own; the final model holds their average
@@ -499,6 +499,56 @@ def test_batchnorm_buffers_follow_the_policy_on_every_rank():
     (a_seen, _, _, _), (b_seen, _, _, _) = run_ranks(_batchnorm_job, 2, "ma", None)  # (every 4 steps)
     assert torch.equal(a_seen[3][0], b_seen[3][0]) and not torch.equal(a_seen[2][0], b_seen[2][0])
     assert not torch.equal(a_seen[4][0], b_seen[4][0])
+
+
+def _distributed_eval_job(rank, world, reference):
+    import copy
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    import distsync
+
+    comm = distsync.init_comm(timeout_s=20.0)
+    model = make_model("batchnorm")
+    opt = make_optimizer("batchnorm", model)
+    if reference:
+        run = DistributedDataParallel(model)
+        for step in range(30):
+            loss_of(run, *batch(step, rank)).backward()
+            opt.step()
+            opt.zero_grad()
+    else:
+        solver = distsync.make_solver("allreduce")
+        run = solver.attach(model, opt, comm)
+        for step in range(30):
+            with solver.step(step):
+                loss_of(run, *batch(step, rank)).backward()
+    ema = copy.deepcopy(model)  # (a copy of the attached model: its forwards meet nobody)
+    ema.eval()
+    ema(batch(0, rank)[0])
+    run.eval()  # a distributed evaluation: each rank its shard, the sum all-reduced
+    with torch.no_grad():
+        total = torch.zeros(1)
+        for shard in range(3):
+            total += loss_of(run, *batch(100 + shard, rank))
+        dist.all_reduce(total)
+    at_eval = [b.clone() for b in model.buffers() if b.is_floating_point()]
+    if not reference:
+        solver.close()
+        if rank == 0:  # (a closed solver's model is the user's: a forward on one rank meets nobody)
+            model(batch(0, 0)[0])
+    comm.close()
+    return total.item(), at_eval
+
+
+def test_a_distributed_evaluation_sees_rank_0s_buffers_as_under_ddp():
+    mine = run_ranks(_distributed_eval_job, 2, False)
+    ddp = run_ranks(_distributed_eval_job, 2, True)
+    for rank in (0, 1):  # every rank evaluated with rank 0's buffers, as DDP's broadcast before the forward gives
+        assert all(torch.equal(x, y) for x, y in zip(mine[rank][1], mine[0][1]))
+        assert all(torch.allclose(x, y, atol=1e-6, rtol=0) for x, y in zip(mine[rank][1], ddp[rank][1]))
+    assert abs(mine[0][0] - ddp[0][0]) <= 1e-6 and mine[0][0] == mine[1][0], (mine[0][0], ddp[0][0])
 
 
 def _ddp_rewrap_job(rank, world, buffers):

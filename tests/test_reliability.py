@@ -16,7 +16,7 @@ import torch
 from distsync.config import Cadence, RunConfig, parse_fault
 from distsync.runtime.checkpoint import CheckpointStore, fingerprint
 from distsync.runtime.recovery import CheckpointPolicy, FaultInjector, summarize_recovery
-from helpers import alive, children_of, run_cli
+from helpers import alive, children_of, run_cli, run_ranks
 
 ROLES = ["worker", "worker", "server"]
 
@@ -295,6 +295,69 @@ def test_resume_by_hand_after_a_failure_and_past_a_corrupt_checkpoint(tmp_path):
     assert "skipped checkpoint ckpt-000002: rank 0's data is corrupt (its checksum does not match)" in logs
     # and on the console, once (the command's own choice)
     assert resumed.stderr.count("distsync: skipped checkpoint ckpt-000002: ") == 1, resumed.stderr
+
+
+@pytest.mark.slow
+def test_resume_says_where_it_resumed_and_every_rank_names_the_real_reason_a_checkpoint_was_skipped(tmp_path):
+    import hashlib
+    import pickle
+
+    run = tmp_path / "run"
+    first = run_cli("train", "--workers", "4", "--steps", "6", "--checkpoint-every", "3", "--out", str(run))
+    assert first.returncode == 0, first.stderr
+    newest = run / "checkpoints" / "ckpt-000002"
+    data = next(newest.glob("rank-0-*.pt"))
+    data.write_bytes(pickle.dumps(print, protocol=2))  # (a pickle torch's weights-only loader refuses)
+    meta = json.loads((newest / "rank-0.json").read_text())
+    meta["sha256"] = hashlib.sha256(data.read_bytes()).hexdigest()  # (its checksum matches: only loading tells)
+    (newest / "rank-0.json").write_text(json.dumps(meta))
+    resumed = run_cli("train", "--resume", str(run), "--steps", "9")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "distsync: skipped checkpoint ckpt-000002: rank 0's data cannot be loaded: " in resumed.stderr
+    assert f"distsync: resuming {run} from checkpoint ckpt-000001 (step 3)\n" in resumed.stderr
+    logs = [p.read_text() for p in sorted(run.glob("logs/**/stderr.log"))]
+    said = [line for log in logs for line in log.splitlines() if "skipped checkpoint" in line]
+    assert len(said) == 4, said  # every rank: the same choice, for the real reason
+    for rank in range(4):
+        assert any(line.startswith(f"distsync: rank {rank}: skipped checkpoint ckpt-000002: rank 0's data cannot be "
+                                   f"loaded: ") for line in said), said
+    assert _summary(run)["recovery"]["resumed_from_steps"] == [3]
+
+
+def _choose_slowly(rank, world, run_dir):
+    import contextlib
+    import io
+
+    import distsync
+    from distsync.runtime.process import recovery_for
+
+    comm = distsync.init_comm(timeout_s=20.0)
+    said = io.StringIO()
+    if rank == 1:
+        time.sleep(1.0)  # (a slower rank: the other must not forget what it is still choosing among)
+    with contextlib.redirect_stderr(said):
+        recovery = recovery_for(RunConfig.read(Path(run_dir) / "config.json"), Path(run_dir), comm, resume=True)
+    comm.close()
+    return said.getvalue(), recovery.restored["index"]
+
+
+def test_every_rank_has_chosen_its_checkpoint_before_any_forgets_those_beyond_it(tmp_path):
+    import hashlib
+    import pickle
+
+    run = tmp_path / "run"
+    assert _train(run, "--steps", "6", "--checkpoint-every", "3").returncode == 0
+    newest = run / "checkpoints" / "ckpt-000002"
+    data = next(newest.glob("rank-0-*.pt"))
+    data.write_bytes(pickle.dumps(print, protocol=2))
+    meta = json.loads((newest / "rank-0.json").read_text())
+    meta["sha256"] = hashlib.sha256(data.read_bytes()).hexdigest()
+    (newest / "rank-0.json").write_text(json.dumps(meta))
+    for rank, (said, index) in enumerate(run_ranks(_choose_slowly, 2, str(run))):
+        assert index == 1
+        assert said.startswith(f"distsync: rank {rank}: skipped checkpoint ckpt-000002: rank 0's data cannot be "
+                               f"loaded: "), said
+    assert not newest.exists()  # (forgotten, once both had chosen)
 
 
 def test_resume_without_a_checkpoint_is_refused_in_one_line(tmp_path):

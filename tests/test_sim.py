@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -196,6 +197,10 @@ def test_simulate_cli_at_scale(tmp_path):
     rows = json.loads(proc.stdout)
     assert [r["solver"] for r in rows] == ["allreduce", "ripples"]
     assert rows[1]["throughput_samples_per_s"] > rows[0]["throughput_samples_per_s"]
+    # off a terminal, a line as each solver starts: a log shows the run is alive
+    lines = proc.stderr.splitlines()
+    assert [re.sub(r"\(\d+ s\)", "(N s)", line) for line in lines] == [
+        "distsync: simulate: 0/2 allreduce (N s)", "distsync: simulate: 1/2 ripples (N s)"], proc.stderr
 
 
 def test_calibrate_predicts_a_real_run(tmp_path):

@@ -102,6 +102,11 @@ def test_timing_mode_cannot_spend_a_target():
     assert proc.returncode == 2
     assert_one_line(proc.stderr)
     assert "timing mode has no metric to reach" in proc.stderr
+    proc = run_cli("simulate", "--budget", "target,seconds=5")  # (with a limit too: not silently dropped)
+    assert proc.returncode == 2
+    assert proc.stderr == ("distsync: error: --budget target,seconds=5: timing mode has no metric, so it cannot tell "
+                           "when the target is reached and would drop it: add --mode train to predict it, or leave "
+                           "target out\n")
     proc = run_cli("simulate", "--budget", "samples=-3")
     assert proc.returncode == 2 and "samples must be > 0" in proc.stderr
 

@@ -308,3 +308,45 @@ def test_the_readme_shards_with_the_sampler():
     block = block[:block.index("```", block.index("```python") + 3)]
     assert "distsync.sampler(data, comm)" in block and "sampler.set_epoch(epoch)" in block
     assert "world_size" not in block
+
+
+_REFUSED_SCRIPT = """
+import torch
+import distsync
+
+comm = distsync.init_comm(timeout_s=20)
+model = torch.nn.Linear(2, 2)
+distsync.make_solver("async-ps").attach(model, torch.optim.SGD(model.parameters(), lr=0.1), comm)
+"""
+
+
+@pytest.mark.slow
+def test_a_refusal_in_a_users_script_under_torchrun_is_one_line_once_with_exit_status_2(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(_REFUSED_SCRIPT)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script)], capture_output=True, text=True, timeout=55, cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    refusal = ("distsync: error: solver async-ps needs 1 server process(es) beside the workers and this job has 0: "
+               "start 1 more rank(s)")
+    assert out.count(refusal) == 1, out  # (once for the job, not once per rank)
+    assert "exitcode  : 2" in out, out
+    assert out.count("Traceback (most recent call last)") <= 1, out  # (torchrun's own, not the ranks')
+    assert "[rank0]" not in out and "[rank1]" not in out, out
+
+
+def test_the_refusal_hook_leaves_other_exceptions_to_the_hook_before_it(monkeypatch):
+    import sys
+
+    import distsync
+
+    seen = []
+    monkeypatch.setattr(sys, "excepthook", lambda kind, value, tb: seen.append(kind))
+    distsync._refusals_in_one_line()
+    distsync._refusals_in_one_line()  # (outermost already: not wrapped twice)
+    sys.excepthook(ValueError, ValueError("not ours"), None)
+    assert seen == [ValueError]

@@ -43,6 +43,7 @@ def init_comm(timeout_s: float = 60.0, roles: dict[str, int] | None = None, devi
     from distsync.runtime.roles import assign_roles
     from distsync.torch_private import check_torch
 
+    _refusals_in_one_line()
     check_torch()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     extra = sum((roles or {}).values())
@@ -51,6 +52,8 @@ def init_comm(timeout_s: float = 60.0, roles: dict[str, int] | None = None, devi
     # (a wait on a peer goes on while it lives, and fails naming it once it is dead or stalled)
     comm = Comm.from_env(assign_roles(world - extra, roles or {}), timeout_s, placement.device, placement=placement,
                          policy=FailurePolicy(watch=watching()))
+    _job_comm[0] = comm
+    _refusals_in_one_line()  # (again, around the hook init_process_group installed meanwhile)
     if extra and comm.role == "worker" and comm.worker_index == 0:
         others = ", ".join(f"{n} {role}" for role, n in sorted((roles or {}).items()) if n)
         print(f"distsync: {comm.num_workers} of this job's {comm.world_size} processes are workers ({others} "
@@ -85,6 +88,43 @@ def serve(solver: Solver, comm, make_model, lr: float, **settings) -> bool:
         return False
     solver.serve(comm.role, comm, ctx)
     return True
+
+
+#: the job's Comm once init_comm has made it (the refusal hook counts refusals in its store)
+_job_comm: list = [None]
+
+
+def _refusals_in_one_line() -> None:
+    """A :class:`DistsyncError` that ends a user's script (a refusal, a failed collective)
+    is printed as one line, ``distsync: error: ...``, by the first rank of the job to end so
+    (the others' errors follow from it: they end without a word), and the process exits
+    with status 2, instead of a traceback on every rank. Other exceptions are left to the
+    hook that was there. Installed by :func:`init_comm`, outermost."""
+    import os
+    import sys
+
+    previous = sys.excepthook
+    if getattr(previous, "distsync_refusals", False):  # (the outermost already: torch's own hook,
+        return  # which init_process_group installs, would print ours into a buffer it never shows)
+
+    def hook(kind, value, tb):
+        if not isinstance(value, DistsyncError):
+            return previous(kind, value, tb)
+        first = True
+        comm = _job_comm[0]
+        if comm is not None:
+            try:
+                first = comm.store_add("distsync/refusals", 1) == 1
+            except Exception:  # (the job's store gone too: say it here)
+                first = True
+        if first:
+            text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(value))
+            print(f"distsync: error: {text}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(2)
+
+    hook.distsync_refusals = True
+    sys.excepthook = hook
 
 
 def sampler(dataset, comm, shuffle: bool = True, seed: int = 0, drop_last: bool = False):

@@ -10,7 +10,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Callable, NoReturn
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -234,6 +234,22 @@ def _solver_option_items(args: argparse.Namespace) -> list[str]:
         if value is not None:
             items.append(f"{key}={value}")
     return items
+
+
+def _log_lines(what: str) -> Callable[[str, int, int], None]:
+    """Off a terminal (a log, CI, a pipe), where no bar is drawn: a line on stderr as each
+    stage or candidate starts, ``distsync: WHAT: DONE/TOTAL LABEL (N s)``, so that a long run's
+    log shows it is alive; on a terminal, nothing (the bar says it)."""
+    t0, last = time.monotonic(), [None]
+
+    def say(label: str, done: int, total: int) -> None:
+        if console.is_terminal or (label, done) == last[0]:
+            return
+        last[0] = (label, done)
+        console.print(f"distsync: {what}: {done}/{total} {label} ({time.monotonic() - t0:.0f} s)", markup=False,
+                      highlight=False, soft_wrap=True)
+
+    return say
 
 
 def _progress() -> Progress:
@@ -553,8 +569,13 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
     scenario = Scenario(**{name: getattr(args, name) for name in scenario_fields() if name not in TRAINING_FIELDS},
                         **training_from_args(args))
+    budget = scenario.budget
+    if budget is not None and budget.target and scenario.mode != "train" and budget.limited:
+        raise ConfigError(f"--budget {budget.text}: timing mode has no metric, so it cannot tell when the target is "
+                          f"reached and would drop it: add --mode train to predict it, or leave target out")
     solvers = [s.strip() for s in args.solvers.split(",") if s.strip()]
-    results = simulate_scenario(scenario, solvers, split_solver_options(solvers, parse_key_values(args.solver_option)))
+    results = simulate_scenario(scenario, solvers, split_solver_options(solvers, parse_key_values(args.solver_option)),
+                                on_solver=_log_lines("simulate"))
     if args.json:
         print(json.dumps(results, indent=2))
         return 0
@@ -641,8 +662,11 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
     with _progress() as bar:
         task = bar.add_task("searching", total=None, status="measuring", where="")
 
+        log = _log_lines("recommend")
+
         def on_step(label: str, done: int, total: int) -> None:
             bar.update(task, total=total, completed=done, status=label, where=f"{done}/{total}")
+            log(label, done, total)
 
         result = recommend(request, on_step)
     if args.verify:

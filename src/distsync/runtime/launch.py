@@ -218,11 +218,13 @@ def _no_checkpoint(run_dir: Path, choice: Choice) -> ConfigError:
 
 def check_resumable(cfg: RunConfig, run_dir: Path, role_of: list[str]) -> None:
     """Refuse ``--resume`` (one line) when the run folder has no checkpoint this job can load."""
-    _, choice = _resume_point(cfg, run_dir, role_of)
+    store, choice = _resume_point(cfg, run_dir, role_of)
     if choice.index is None:
         raise _no_checkpoint(run_dir, choice)
     for why in choice.refused:  # (a newer one that is incomplete, corrupt or another job's)
         print(f"distsync: skipped {why}", file=sys.stderr, flush=True)
+    print(f"distsync: resuming {run_dir} from checkpoint {store.folder(choice.index).name} (step "
+          f"{store.step_reached(choice.index)})", file=sys.stderr, flush=True)
 
 
 def resume_config(run_dir: Path) -> tuple[RunConfig, bool]:

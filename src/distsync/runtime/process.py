@@ -523,6 +523,10 @@ def recovery_for(cfg: RunConfig, run_dir: Path, comm: Comm, resume: bool = False
             why = ("no checkpoint to resume from (--checkpoint-every)" if cfg.checkpoint_every is None
                    else "no complete checkpoint yet")
             print(f"distsync: rank 0: restart {attempt}: restarting from step 0: {why}", file=sys.stderr, flush=True)
+        # Every rank has chosen before any forgets what lies beyond the choice or writes anew
+        # there (a fast rank's next checkpoint): a slower rank would otherwise find a newer one
+        # half gone, and skip it for that reason instead of the real one.
+        comm.barrier()
         store.forget_after(choice.index or 0)  # what a failed attempt left beyond it is stale
         if choice.index is not None and comm.role in STATEFUL_ROLES:
             # A worker dropped earlier comes back from its own last checkpoint (or from scratch).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from distsync.config import Budget, Link, bounded, check_ranges, parse_slow, run_option
 from distsync.errors import ConfigError
@@ -63,11 +63,12 @@ class Scenario(Training):
         return self.model_mb * 1e6 if self.model_mb is not None else model_bytes(self.workload, self.workload_options)
 
 
-def simulate_scenario(scenario: Scenario, solvers: list[str],
-                      options: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+def simulate_scenario(scenario: Scenario, solvers: list[str], options: dict[str, dict[str, Any]] | None = None,
+                      on_solver: Callable[[str, int, int], None] | None = None) -> list[dict[str, Any]]:
     """Each solver on ``scenario``: its timing summary and, in train mode, its metric curve
     against virtual time (``curve``, ``final_metric``, ``time_to_target_s``); ``sim_seconds``
-    is how long simulating it took. Raises :class:`ConfigError` on a bad scenario."""
+    is how long simulating it took. ``on_solver(name, done, total)`` is called as each solver
+    starts (done: how many before it). Raises :class:`ConfigError` on a bad scenario."""
     check_ranges(scenario)
     from distsync.options import TRAINING_FIELDS, resolve_training
 
@@ -82,7 +83,9 @@ def simulate_scenario(scenario: Scenario, solvers: list[str],
     work = Work(steps=scenario.steps, model_bytes=scenario.model_bytes(), batch_size=scenario.batch_size)
     options = options or {}
     results = []
-    for name in solvers:
+    for i, name in enumerate(solvers):
+        if on_solver is not None:
+            on_solver(name, i, len(solvers))
         t0 = time.perf_counter()
         opts = options.get(name, {})
         trained = None

@@ -22,9 +22,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import functools
 import threading
 import time
 import typing
+import weakref
 from typing import Any, Callable, ClassVar, Iterator
 
 import torch
@@ -226,6 +228,8 @@ class Solver:
         if "on_communication" in cls.__dict__ and Capability.SIGNALS_COMMUNICATION not in caps:
             raise ConfigError(f"solver {name} defines on_communication but its capabilities leave out "
                               f"Capability.SIGNALS_COMMUNICATION: nothing would call it")
+        if "close" in cls.__dict__:  # (a closed solver's model is the user's alone: its forwards meet nobody)
+            cls.close = _ending_forward_sync(cls.__dict__["close"])
 
     #: the roles (``extra_roles``) whose dead process is replaced while the job runs
     #: (``--max-restarts`` under ``--on-failure continue``): the replacement meets the workers
@@ -234,8 +238,10 @@ class Solver:
     replaces_roles: ClassVar[tuple[str, ...]] = ()
     #: How the workers' buffers (BatchNorm's running statistics, ...) are kept, unless the
     #: user chooses (``make_solver(name, buffers=...)``, ``--buffers``), one of BUFFER_POLICIES:
-    #: "broadcast": rank 0's at the start of every step, as DDP's ``broadcast_buffers`` (for
-    #: solvers whose workers hold one model, stepping together); "average": the floating-point
+    #: "broadcast": rank 0's before a forward of the attached model, in training and in
+    #: evaluation, when DDP's ``forward_sync_buffers`` would (:meth:`_before_forward`; for
+    #: solvers whose workers hold one model, stepping together; not in :meth:`local_forward`,
+    #: nor once :meth:`close` is called); "average": the floating-point
     #: buffers averaged with the parameters at each of the solver's synchronizations;
     #: "local": each worker keeps its own. :meth:`final_model` holds rank 0's (broadcast) or
     #: the workers' average (average, local).
@@ -258,6 +264,10 @@ class Solver:
         self._user_loop = False  # step() is in use: an optimizer.step() between blocks is a second one
         self._applying = False  # the block's end is applying the update
         self._no_sync = False
+        self._local_forward = False  # (inside local_forward(): no buffer broadcast before a forward)
+        self._forward_hook: Any = None  # (the attached model's forward pre-hook, "broadcast" buffers)
+        self._forward_sync_ended = False  # (close() was called)
+        self._sync_next_forward = True  # (DDP's require_forward_param_sync: see _before_forward)
         self.skipped_updates = 0  # steps whose gradients were not finite (a GradScaler skipped them)
 
     # ---- process layout -----------------------------------------------------------------
@@ -337,6 +347,13 @@ class Solver:
         self._buffer_views = _by_dtype([b for b in model.buffers()])
         #: the floating-point buffers, which "average" averages (integer ones stay each worker's)
         self.float_buffers = FlatView([b for b in model.buffers() if b.is_floating_point()])
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
+            self._forward_hook = None
+        self._forward_sync_ended = False
+        self._sync_next_forward = True
+        if self._syncs_buffers_at_forward() and self._buffer_views:
+            self._forward_hook = model.register_forward_pre_hook(_ForwardBufferSync(self))
         for p in model.parameters():
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._grad_accumulated)
@@ -356,9 +373,40 @@ class Solver:
         every step), then :meth:`before_step`."""
         can = self.capabilities
         if (Capability.COLLECTIVE_PER_STEP in can and Capability.SYNCS_BUFFERS_PER_STEP in can
-                and self.buffers != "local"):
+                and self.buffers != "local" and self._forward_hook is None):  # ("broadcast": at each forward)
             self.sync_buffers()
         self.before_step(step)
+
+    def _syncs_buffers_at_forward(self) -> bool:
+        """Whether this solver broadcasts rank 0's buffers before each forward (the "broadcast"
+        policy of a solver whose workers meet at every step)."""
+        can = self.capabilities
+        return (self.buffers == "broadcast" and Capability.COLLECTIVE_PER_STEP in can
+                and Capability.SYNCS_BUFFERS_PER_STEP in can)
+
+    def _before_forward(self) -> None:
+        """DDP's rule: rank 0's buffers before a forward if the forward before it computed
+        gradients that were to be synchronized (grad enabled, outside :meth:`no_sync`), the
+        first forward after :meth:`attach` included. So a step's forward broadcasts, so does
+        the first evaluation forward after training, and the evaluation forwards after it
+        (under ``torch.no_grad()``), or the micro-batches after one under no_sync, do not."""
+        if self._local_forward or self._forward_sync_ended:
+            return
+        if self._sync_next_forward:
+            self.sync_buffers()
+        self._sync_next_forward = torch.is_grad_enabled() and not self._no_sync
+
+    @contextlib.contextmanager
+    def local_forward(self) -> Iterator[None]:
+        """Forwards of the attached model inside use this worker's buffers as they are and
+        meet no other worker (what DDP's ``model.module`` gives): for an evaluation or a log
+        on some workers only, where a forward that broadcasts rank 0's buffers would wait for
+        workers that never come."""
+        before, self._local_forward = self._local_forward, True
+        try:
+            yield
+        finally:
+            self._local_forward = before
 
     def sync_buffers(self) -> None:
         """Rank 0's buffers on every worker ("broadcast"), or the workers' average of the
@@ -448,7 +496,9 @@ class Solver:
         raise NotImplementedError(f"solver {self.name} does not heal over channels")
 
     def close(self) -> None:
-        """Final synchronization; stop and join any threads this solver started."""
+        """Final synchronization; stop and join any threads this solver started. Forwards of
+        the model no longer broadcast buffers after it (subclasses' own close() too)."""
+        self._forward_sync_ended = True
 
     def stats(self) -> dict[str, Any]:
         """Solver-specific counters for summary.json (e.g. staleness, groups joined)."""
@@ -640,6 +690,48 @@ class Solver:
                 comm.all_reduce(t.data, group=group)
                 t.data.div_(live)
         return model
+
+
+def _ending_forward_sync(close: Callable[[Solver], None]) -> Callable[[Solver], None]:
+    """A solver class's own ``close``, after which forwards of its model meet nobody."""
+    if getattr(close, "ends_forward_sync", False):
+        return close
+
+    @functools.wraps(close)
+    def closing(self: Solver) -> None:
+        self._forward_sync_ended = True
+        close(self)
+
+    closing.ends_forward_sync = True  # type: ignore[attr-defined]
+    return closing
+
+
+class _ForwardBufferSync:
+    """The attached model's forward pre-hook ("broadcast" buffers): rank 0's buffers before
+    each forward of that model, as DDP does. It holds its solver weakly, and a copy of the
+    model (``copy.deepcopy``, pickling: an EMA copy, ``torch.save`` of the module) gets one
+    that does nothing: only the attached model meets the other workers."""
+
+    def __init__(self, solver: Solver) -> None:
+        self._solver = weakref.ref(solver)
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        solver = self._solver()
+        if solver is not None and module is solver.model:
+            solver._before_forward()
+
+    def __deepcopy__(self, memo: dict) -> "_NoForwardSync":
+        return _NoForwardSync()
+
+    def __reduce__(self) -> tuple:
+        return (_NoForwardSync, ())
+
+
+class _NoForwardSync:
+    """What a copy of an attached model has in place of :class:`_ForwardBufferSync`."""
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        return None
 
 
 def zero_grad_refusal(name: str) -> str:

@@ -28,7 +28,8 @@ class Evaluator(Plugin):
 
     def evaluate(self, run: RunState, step: int) -> float:
         """Evaluate the solver's reported model after ``step``; append the "eval" event."""
-        with run.clock.pause(), run.plugins.computing(run):
+        # (each worker evaluates its own model when it is due: no forward of it meets the others)
+        with run.clock.pause(), run.plugins.computing(run), run.solver.local_forward():
             m = run.workload.evaluate(run.solver.eval_model(), run.device)
         run.events.append({"kind": "eval", "rank": run.rank, "step": step, "t": run.clock.now(), **m})
         run.last_metric = m["metric"]
