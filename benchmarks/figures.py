@@ -227,6 +227,15 @@ FIGURES = [
            ("--repeats", "1", "--sizes", "1", "--links", "1gbit,unshaped"),
            RUNTIME,
            "docs/benchmarks/link_efficiency.md"),
+    # -- distsync beside other torch releases (a venv each, torch from PyPI: GBs, so by name only) --
+    *(Figure(f"torch_versions-{v}", "torch_versions", ("--torch", f"{v}.0"), (),
+             # (what decides whether a torch release runs: the requirement, the door to its private
+             # names, and DDP's arguments; a change elsewhere is tested on the pinned torch)
+             ("pyproject.toml", "constraints.txt", "src/distsync/torch_private.py", "src/distsync/solvers/ddp.py",
+              "benchmarks/torch_versions.py"),
+             "docs/torch-versions.md", min_repeats=1,
+             by_name_only="it installs another torch beside the pinned one (about 5 GB from PyPI)")
+      for v in ("2.11", "2.15")),
     # -- the mutation probe: which broken rules the fast suite catches (a census: one run each) --
     Figure("mutation_probe", "tests/mutation_probe", (), ("--check",),
            ("src/distsync/solvers", "src/distsync/sim", "tests/mutation_probe.py", "tests/helpers.py",
