@@ -216,3 +216,23 @@ def test_train_says_when_a_run_did_not_learn(tmp_path):
     assert json.loads((tmp_path / "a" / "summary.json").read_text())["did_not_learn"] is True
     proc = run_cli("train", "--steps", "20", "--eval-every", "10", "--out", str(tmp_path / "b"))
     assert proc.returncode == 0 and "did not learn" not in proc.stderr + proc.stdout
+
+
+@pytest.mark.parametrize("width", [80, 100])
+def test_console_tables_and_lines_are_whole_at_80_and_100_columns(tmp_path, monkeypatch, width):
+    monkeypatch.setenv("COLUMNS", str(width))
+    runs = {
+        "train": run_cli("train", "--workers", "2", "--steps", "10", "--out", str(tmp_path / f"t{width}")),
+        "compare": run_cli("compare", "--solvers", "allreduce,ripples", "--workers", "2", "--steps", "10",
+                           "--repeats", "2", "--out", str(tmp_path / f"c{width}")),
+        "simulate": run_cli("simulate", "--solvers", "allreduce,ripples", "--workers", "64", "--steps", "10"),
+    }
+    for command, proc in runs.items():
+        assert proc.returncode == 0, (command, proc.stderr)
+        assert "…" not in proc.stdout, (command, proc.stdout)  # (nothing cut short)
+        long = [line for line in proc.stdout.splitlines() if len(line) > width]
+        assert not long, (command, long)
+    # the figures are there whole: each solver's samples/s as summary.json has it
+    summary = json.loads((tmp_path / f"t{width}" / "summary.json").read_text())
+    assert f"{summary['throughput_samples_per_s']:,.0f}" in runs["train"].stdout
+    assert "ripples" in runs["compare"].stdout and "within the spread" in runs["compare"].stdout.replace("\n", " ")

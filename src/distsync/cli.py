@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, NoReturn
 
 from rich.console import Console
+from rich.measure import Measurement
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -22,9 +23,30 @@ console = Console(stderr=True)
 
 
 def _stdout() -> Console:
-    # Tables stay readable when piped (rich assumes 80 columns off a terminal).
+    # Tables stay readable when piped (rich assumes 80 columns off a terminal), unless the
+    # COLUMNS variable says how wide.
     out = Console()
-    return out if out.is_terminal else Console(width=120)
+    return out if out.is_terminal or os.environ.get("COLUMNS", "").isdigit() else Console(width=120)
+
+
+def _show(table: Table, out: Console | None = None) -> None:
+    """``table`` on ``out`` (stdout) where it fits the console's width; where it does not (a
+    narrow terminal), each row as a block, its first cell then ``  header: cell`` lines, so
+    that no figure is cut short to "…"."""
+    out = out or _stdout()
+    if Measurement.get(out, out.options.update_width(10**5), table).maximum <= out.width:
+        out.print(table)
+        return
+    flat = [str(c.header).replace("/\n", "/").replace("\n", " ") for c in table.columns]
+    cells = [[str(cell).replace("\n", " ") for cell in column.cells] for column in table.columns]
+    if table.title:
+        out.print(str(table.title), highlight=False, markup=False)
+    for i in range(table.row_count):
+        out.print(cells[0][i], style="bold", highlight=False, markup=False)
+        for head, column in zip(flat[1:], cells[1:]):
+            out.print(f"  {head}: {column[i]}", highlight=False, markup=False)
+    if table.caption:
+        out.print(str(table.caption), highlight=False, markup=False)
 
 
 def _one_line(text: str) -> str:
@@ -337,7 +359,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return launch(run, out, lambda d: on_progress(cfg.solver, d))
 
     summary = _run_with_progress(start, args.progress_every)
-    _stdout().print(_comparison_table([{"summaries": [summary], "repeats": 1}]))  # (compare's, for one run)
+    _show(_comparison_table([{"summaries": [summary], "repeats": 1}]))  # (compare's, for one run)
     _print_device(summary)
     _print_recovery(summary, run.config.checkpoint_every.steps if run.config.checkpoint_every else None)
     _print_not_learned(summary, run.config)
@@ -354,7 +376,7 @@ def _print_not_learned(summary: dict[str, Any], cfg: Any) -> None:
     console.print(f"note: this run did not learn: its evaluation loss went from {summary['first_loss']:.4g} to "
                   f"{summary['final_loss']:.4g}. Check --lr (now {lr}): too high a rate"
                   + (f" for gradients {stale:.1f} server updates stale on average" if stale else "")
-                  + " stalls a run at chance; too low a one never moves it", highlight=False, soft_wrap=True)
+                  + " stalls a run at chance; too low a one never moves it", highlight=False)  # (wrapped between words)
 
 
 def _print_device(summary: dict[str, Any], which: str = "") -> None:
@@ -363,7 +385,7 @@ def _print_device(summary: dict[str, Any], which: str = "") -> None:
 
     warning = device_warning(summary.get("device"))
     if warning:
-        console.print(f"[yellow]{summary['label']}{which}: {warning}[/]", highlight=False, soft_wrap=True)
+        console.print(f"[yellow]{summary['label']}{which}: {warning}[/]", highlight=False)  # (wrapped between words)
 
 
 def _took(seconds: float) -> str:
@@ -443,14 +465,14 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     groups = _run_with_progress(
         lambda on_start, on_progress: compare(runs, out, on_start, on_progress, repeats=args.repeats),
         args.progress_every)
-    _stdout().print(_comparison_table(groups))
+    _show(_comparison_table(groups))
     for g in groups:
         for k, summary in enumerate(g["summaries"]):
             _print_device(summary, f" (repeat {k}, seed {g['seeds'][k]})" if g["repeats"] > 1 else "")
     if len(groups) > 1:
         from distsync.experiments.report import conclusion
 
-        _stdout().print(conclusion(groups), highlight=False, soft_wrap=True)
+        _stdout().print(conclusion(groups), highlight=False)  # (wrapped between words)
     note = fixed_steps_note(base)
     if note:
         console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
@@ -486,7 +508,7 @@ def _cmd_linktest(args: argparse.Namespace) -> int:
         share = (lambda v: f"{v / rate:.0%}") if rate else (lambda v: "-")
         table.add_row(f"{r['size_mb']:g}", f"{r['p2p_bps'] / 1e6:,.1f}", f"{r['allreduce_bus_bps'] / 1e6:,.1f}",
                       f"{rate / 1e6:,.1f}" if rate else "-", share(r["p2p_bps"]), share(r["allreduce_bus_bps"]))
-    _stdout().print(table)
+    _show(table)
     if result["partial_group"]:
         group = Table(title=f"Partial All-Reduce of {result['partial_group']} workers (Ripples' group), against "
                             f"the all-reduce of all {args.workers}")
@@ -497,7 +519,7 @@ def _cmd_linktest(args: argparse.Namespace) -> int:
             group.add_row(f"{r['size_mb']:g}", f"{r['allreduce_s'] * 1e3:,.2f}",
                           *(f"{r[f'partial_{how}_s'] * 1e3:,.2f} ({r[f'partial_{how}_vs_allreduce']:.2f}x)"
                             for how in reduces))
-        _stdout().print(group)
+        _show(group)
     if rate:
         console.print(f"configured {format_rate(rate)} per host and direction (latency: {result['latency_mode']})")
     console.print(f"run folder: {out}")
@@ -528,7 +550,7 @@ def _cmd_crossover(args: argparse.Namespace) -> int:
         table.add_row(mode, f"{m['makespan_s']:.2f}", f"{m['makespan_s'] / seq:.2f}x" if seq else "-",
                       *[f"{m['jobs'][n]['throughput_samples_per_s']:,.0f}" for n in names],
                       f"{max(waits):.3f}" if waits else "-")
-    _stdout().print(table)
+    _show(table)
     console.print(f"report: {Path(plan.out) / 'report.md'}")
     return 0
 
@@ -545,7 +567,7 @@ def _print_calibration(r: dict[str, Any], as_json: bool) -> None:
     table.add_row("measured", f"{r['measured_throughput']:,.0f}", fmt(r["measured_time_to_target_s"]))
     table.add_row("simulated", f"{r['predicted_throughput']:,.0f}", fmt(r["predicted_time_to_target_s"]))
     table.add_row("error", f"{r['throughput_error']:+.1%}", "")
-    _stdout().print(table)
+    _show(table)
     fitted = f"fitted on {r['fitted_on']} (out of sample)" if r["out_of_sample"] else "fitted on this run itself"
     console.print(f"compute per step {r['compute_per_step_s'] * 1e3:.2f} ms, per-message cost "
                   f"{r['fitted_latency_s'] * 1e6:.0f} us, {fitted}; model {r['model_bytes'] / 1e6:.3f} MB")
@@ -597,7 +619,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
                       f"{r['staleness']['mean']:.2f}" if "staleness" in r else "-",
                       f"{r['syncs_per_step']:.2f}" if "syncs_per_step" in r else "-", *extra,
                       f"{r['sim_seconds']:.2f}")
-    _stdout().print(table)
+    _show(table)
     return 0
 
 
@@ -630,7 +652,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
                      and r["slow_share"] == shares[0])
             cells.append("not reached" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.3f}")
         table.add_row(s, *cells)
-    _stdout().print(table)
+    _show(table)
     win = winners(rows, workers[-1])
     table = Table(title=f"fastest to target at {workers[-1]} workers")
     table.add_column("slow share \\ comp/comm")
@@ -638,7 +660,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         table.add_column(f"{r:g}", justify="center")
     for sh in shares:
         table.add_row(f"{sh:.0%}", *[win.get((r, sh)) or "none" for r in ratios])
-    _stdout().print(table)
+    _show(table)
     console.print(f"plots and sweep.json: {out}")
     return 0
 
@@ -682,7 +704,7 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
         ttt = "-" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.3g}"
         table.add_row(str(i), r["label"], ttt, f"{r['throughput_samples_per_s']:,.0f}",
                       f"{r['phase_share'].get('wait', 0):.0%}", r["reason"])
-    _stdout().print(table)
+    _show(table)
     for line in left_out_lines(result):  # (candidates whose solver cannot run this model)
         _stdout().print(line, highlight=False, soft_wrap=True)
     if result.get("no_time_to_target"):  # (ranked by throughput only: say why, once)
