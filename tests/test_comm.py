@@ -99,3 +99,32 @@ def test_assign_roles_layout():
         "worker", "worker", "worker", "server", "server", "coordinator"]
     with pytest.raises(ValueError):
         assign_roles(2, {"worker": 1})
+
+
+def _meet_while_alive(rank, world, late_s, leaves):
+    import distsync
+    from distsync.errors import PeerDied, PeerStalled
+
+    comm = distsync.init_comm(timeout_s=1.0)  # (a peer may stand still 1 s; it may be late by far more)
+    if rank == 1:
+        if leaves:  # (its process ends without coming: its heartbeat stops)
+            return ("left", 0.0)
+        time.sleep(late_s)
+    t0 = time.monotonic()
+    try:
+        comm.barrier_while_alive(comm.worker_ranks, "the close")
+        comm.barrier_while_alive(comm.worker_ranks, "the close")  # (the second meeting: keys of its own)
+        out = ("met", time.monotonic() - t0)
+        comm.barrier()  # (rank 0 hosts the store here: it stays until the other has read it)
+    except (PeerDied, PeerStalled) as e:
+        out = (str(e), time.monotonic() - t0)
+    comm.close()
+    return out
+
+
+def test_a_meeting_waits_for_a_late_peer_while_it_lives_and_fails_naming_one_gone():
+    (first, waited), (second, _) = run_ranks(_meet_while_alive, 2, 3.0, False)
+    assert (first, second) == ("met", "met") and waited > 2.5  # (three times the timeout late, and waited for)
+    (said, waited), (left, _) = run_ranks(_meet_while_alive, 2, 0.0, True)
+    assert left == "left"
+    assert said.startswith("rank 0: the close failed: rank 1 ") and waited < 10, said

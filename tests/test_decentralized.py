@@ -713,3 +713,18 @@ def test_hivemind_averaging_of_two_workers_in_pairs_is_ma(tmp_path):
     assert stats["0"] == stats["1"] == {"rounds": 3, "averaged": 3}
     for k, v in models["ma"].items():
         torch.testing.assert_close(models["hivemind-averaging"][k], v, rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("solver,package,options", [("hivemind-averaging", "hivemind", ("-o", "every=20")),
+                                                     ("torchft-diloco", "torchft", ())])
+def test_a_peer_solvers_slow_worker_is_waited_for_at_close_not_taken_for_dead(tmp_path, solver, package, options):
+    """--timeout is how long a peer may stand still, not how late it may finish: a worker 4x
+    slower than the others (80 ms a step against 20) ends seconds after them, and the close
+    waits for it while it lives."""
+    pytest.importorskip(package)
+    proc = run_cli("train", "--solver", solver, *options, "--workers", "3", "--slow", "1:4", "--device-ms", "20",
+                   "--timeout", "2", "--steps", "60", "--out", str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps_by_worker"] == {"0": 60, "1": 60, "2": 60}, summary["steps_by_worker"]

@@ -102,3 +102,31 @@ def test_a_job_on_one_machine_listens_on_loopback_only(tmp_path, hostname_resolv
     exposed = [f"{who}: {proto} {addr}:{port}" for who, socks in found.items() for proto, addr, port in socks
                if not ipaddress.ip_address(addr).is_loopback]
     assert exposed == [], "listening beyond loopback: " + "; ".join(exposed)
+
+
+@pytest.mark.slow
+def test_a_peer_librarys_daemons_listen_on_loopback_only(tmp_path):
+    """hivemind's p2p daemons (hivemind-averaging), each worker's: TCP on loopback, and none of
+    the UDP sockets its NAT traversal would open on every address."""
+    pytest.importorskip("hivemind")
+    from helpers import children_of
+
+    run = tmp_path / "run"
+    proc = subprocess.Popen(DISTSYNC + ["train", "--solver", "hivemind-averaging", "--steps", "1000000", "--workers",
+                                        "2", "--out", str(run)], cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 45
+        while not (run / "progress.json").exists():
+            assert time.monotonic() < deadline, "the job never started training"
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.2)
+        daemons = [p for p in children_of(proc.pid) if Path(f"/proc/{p}/comm").read_text().strip() == "p2pd"]
+        found = {p: listeners(p) for p in daemons}
+    finally:
+        kill_tree(proc.pid)
+        proc.wait(timeout=10)
+    assert len(daemons) == 2 and all(found.values()), found  # (a daemon per worker, each listening)
+    exposed = [f"p2pd {pid}: {proto} {addr}:{port}" for pid, socks in found.items() for proto, addr, port in socks
+               if not ipaddress.ip_address(addr).is_loopback]
+    assert exposed == [], "listening beyond loopback: " + "; ".join(exposed)

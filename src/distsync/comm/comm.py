@@ -16,7 +16,7 @@ import torch.distributed as dist
 from distsync.comm.devices import HostStage, Placement, is_device
 from distsync.comm.failures import cause as _cause
 from distsync.comm.failures import typed
-from distsync.errors import CommError, PeerDied, PeerStalled
+from distsync.errors import CommError, CommTimeout, PeerDied, PeerStalled
 
 #: the tag of :meth:`Comm.partial_all_reduce`'s messages (solvers use tags below 1000)
 TAG_PARTIAL = 1000
@@ -258,6 +258,8 @@ class Comm:
         self._channels: dict[int, Any] = {}
         #: this process replaces a dead worker: it is in no group the others made before
         self.replacement = False
+        #: how many times each meeting of :meth:`barrier_while_alive` was held
+        self._meetings: dict[str, int] = {}
 
     @property
     def drops_dead_peers(self) -> bool:
@@ -551,6 +553,30 @@ class Comm:
             )
         else:
             self._guard("barrier", dist.barrier, group=group)
+
+    def barrier_while_alive(self, members: Sequence[int], what: str) -> None:
+        """Wait until every rank of ``members`` (this one among them) has come here, for as
+        long as each one that has not lives: a slow peer is waited for, however long it takes;
+        one that dies or stalls fails it (:class:`PeerDied`, :class:`PeerStalled`), naming it.
+        Over the job's store, so that no collective is left half done. ``what`` names the
+        meeting in errors; every member's n-th call with the same ``what`` meets the others'
+        n-th. Without liveness (no heartbeat): the comm timeout bounds it."""
+        n = self._meetings[what] = self._meetings.get(what, 0) + 1
+        key = f"distsync/meet/{what}/{n}"
+        self.store_set(f"{key}/{self.rank}", "1")
+        waiting = [r for r in members if r != self.rank]
+        deadline = time.monotonic() + self.timeout_s
+        while waiting:
+            waiting = [r for r in waiting if not self.store_check(f"{key}/{r}")]
+            if not waiting:
+                return
+            if self.liveness is not None:
+                for r in waiting:
+                    self.liveness.check(r, what)
+            elif time.monotonic() > deadline:
+                raise CommTimeout(f"rank {self.rank}: {what}: rank(s) {', '.join(map(str, waiting))} did not come "
+                                  f"within {self.timeout_s:g} s")
+            time.sleep(_POLL_S * 5)
 
     def new_group(self, ranks: Sequence[int], members_only: bool = False, host_only: bool = False) -> Any:
         """A new group over ``ranks``. With ``members_only`` only its members call this;

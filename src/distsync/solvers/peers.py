@@ -64,6 +64,21 @@ def _attach_key(key: str) -> str:
     return f"{key}/{next(_ATTACHES[key])}"
 
 
+def _job_address() -> str:
+    """The IPv4 address this process reaches the job's store (``MASTER_ADDR``) from: where a
+    listener of a peer's library is bound, instead of every address (127.0.0.1 for a job on
+    this machine)."""
+    import socket
+
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((socket.gethostbyname(host), 9))  # (no packet is sent: it picks the route)
+            return probe.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
 def _needs(package: str, solver: str) -> None:
     """Refuse, in one line, a peer's solver whose package is not installed."""
     if importlib.util.find_spec(package) is None:
@@ -159,7 +174,7 @@ class TorchftDiLoCo(Solver):
         if comm.rank == comm.worker_ranks[0]:
             from torchft._torchft import LighthouseServer
 
-            self.lighthouse = LighthouseServer(bind="[::]:0", min_replicas=comm.num_workers)
+            self.lighthouse = LighthouseServer(bind=f"{_job_address()}:0", min_replicas=comm.num_workers)
             comm.store_set(key, self.lighthouse.address())
         self.store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)  # (this replica group's)
         self.manager = Manager(pg=ProcessGroupGloo(), min_replica_size=comm.num_workers,
@@ -192,7 +207,9 @@ class TorchftDiLoCo(Solver):
         if getattr(self, "run", None) is None:
             return
         self.run.__exit__(None, None, None)
-        self.comm.barrier(self.comm.worker_group)  # (every worker past its last sync before the lighthouse goes)
+        # (every worker past its last sync before the lighthouse goes; a slow one is waited for
+        # while it lives: the comm timeout is how long a peer may stand still, not how late it may be)
+        self.comm.barrier_while_alive(self.comm.worker_ranks, f"{self.name} close")
         self.manager.shutdown(wait=False)
         if self.lighthouse is not None:
             self.lighthouse.shutdown()
@@ -271,7 +288,11 @@ class HivemindAveraging(Solver):
         os.register_at_fork(after_in_child=_killed_with_parent)
         first, key = comm.rank == comm.worker_ranks[0], _attach_key(HIVEMIND_KEY)
         peers = [] if first else comm.store_get(key).split()
-        self.dht = hivemind.DHT(start=True, host_maddrs=["/ip4/0.0.0.0/tcp/0"], initial_peers=peers)
+        # (its p2p daemon listens on the address this worker reaches the job's store from:
+        # loopback for a job on one machine, as every listener of the job; docs/security.md)
+        # (no NAT port mapping, AutoNAT nor relays: they open UDP sockets on every address)
+        self.dht = hivemind.DHT(start=True, host_maddrs=[f"/ip4/{_job_address()}/tcp/0"], initial_peers=peers,
+                                nat_port_map=False, auto_nat=False, use_relay=False)
         if first:
             comm.store_set(key, " ".join(str(a) for a in self.dht.get_visible_maddrs()))
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -308,7 +329,8 @@ class HivemindAveraging(Solver):
     def close(self):
         if getattr(self, "averager", None) is None:
             return
-        self.comm.barrier(self.comm.worker_group)  # (every worker past its last round before the DHTs go)
+        # (every worker past its last round before the DHTs go; a slow one is waited for while it lives)
+        self.comm.barrier_while_alive(self.comm.worker_ranks, f"{self.name} close")
         self.averager.shutdown()
         self.dht.shutdown()
         self.averager = None
