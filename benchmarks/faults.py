@@ -170,14 +170,26 @@ def one_run(solver: str, fault: str, out: Path) -> dict:
     # (a restart's time to train again, or the time the others took to go on without the dead one)
     row["recovery_s"] = [f.get("recovery_s", f.get("went_on_s")) for f in fired
                          if "recovery_s" in f or "went_on_s" in f]
-    dropped = summary["recovery"]["dropped"]
-    row["dropped"] = len(dropped)
-    gone = {d["rank"]: (d["last_step"] + 1 if d["last_step"] is not None else 0) for d in dropped}
-    want = expected_updates(solver, [gone.get(rank, STEPS) for rank in range(2)])
-    if want is not None:
-        counted = [st["updates"] for st in summary["solver_stats"].values() if "updates" in st]
-        row["lost_updates"] = max(abs(want - c) for c in counted) if counted else None
+    row["dropped"] = len(summary["recovery"]["dropped"])
+    row["lost_updates"] = lost_updates(solver, summary)
     return row
+
+
+def lost_updates(solver: str, summary: dict) -> int | None:
+    """How far the servers' update counts are from the pushes the workers made, beyond what
+    a replaced server reported it may have lost (``versions_lost_at_most``: its updates that
+    were neither in the copy it was rebuilt from nor made again). A worker's pushes are its
+    steps as its journal has them (``steps_by_worker``): a dropped worker's last journaled
+    step + 1 would count steps its other Hogwild threads had not finished (their steps
+    interleave). None: no servers."""
+    steps = summary["steps_by_worker"]
+    want = expected_updates(solver, [int(steps.get(str(rank), 0)) for rank in range(len(steps))])
+    if want is None:
+        return None
+    stats = [st for st in summary["solver_stats"].values() if "updates" in st]
+    if not stats:
+        return None
+    return max(max(0, abs(want - st["updates"]) - int(st.get("versions_lost_at_most") or 0)) for st in stats)
 
 
 def fmt(value, pattern: str) -> str:
