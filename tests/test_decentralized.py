@@ -1,6 +1,7 @@
 """AD-PSGD and Ripples: schedules, Partial All-Reduce, references, no deadlock, heterogeneity."""
 
 import json
+import os
 import random
 
 import numpy as np
@@ -718,13 +719,27 @@ def test_hivemind_averaging_of_two_workers_in_pairs_is_ma(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("solver,package,options", [("hivemind-averaging", "hivemind", ("-o", "every=20")),
                                                      ("torchft-diloco", "torchft", ())])
-def test_a_peer_solvers_slow_worker_is_waited_for_at_close_not_taken_for_dead(tmp_path, solver, package, options):
+def test_a_peer_solvers_slow_worker_is_waited_for_at_close_not_taken_for_dead(tmp_path, solver, package, options,
+                                                                             monkeypatch):
     """--timeout is how long a peer may stand still, not how late it may finish: a worker 4x
     slower than the others (80 ms a step against 20) ends seconds after them, and the close
-    waits for it while it lives."""
+    waits for it while it lives. Nothing the job started (hivemind's daemons) outlives it."""
+    import uuid
+    from pathlib import Path
+
     pytest.importorskip(package)
+    mark = f"DISTSYNC_TEST_RUN={uuid.uuid4().hex}".encode()
+    monkeypatch.setenv(*mark.decode().split("="))
     proc = run_cli("train", "--solver", solver, *options, "--workers", "3", "--slow", "1:4", "--device-ms", "20",
-                   "--timeout", "2", "--steps", "60", "--out", str(tmp_path / "run"))
+                   "--timeout", "2", "--steps", "60", "--out", str(tmp_path / "run"), fresh_process=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps_by_worker"] == {"0": 60, "1": 60, "2": 60}, summary["steps_by_worker"]
+    left = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and mark in (d / "environ").read_bytes().split(b"\0") and int(d.name) != os.getpid():
+                left.append((d.name, (d / "comm").read_text().strip(), (d / "stat").read_text().split()[2]))
+        except OSError:
+            continue
+    assert left == [], left  # (the command's fork server, workers, hivemind's daemons and torch's: all gone)

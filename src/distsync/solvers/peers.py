@@ -278,6 +278,9 @@ class HivemindAveraging(Solver):
 
     def attach(self, model, optimizer, comm, **kw):
         _needs("hivemind", self.name)
+        # (hivemind shares its averager's tensors through files, whose torch_shm_manager
+        # daemons outlive the job by seconds; through descriptors, nothing outlives it)
+        os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
         import hivemind
 
         super().attach(model, optimizer, comm, **kw)
@@ -333,6 +336,8 @@ class HivemindAveraging(Solver):
         self.comm.barrier_while_alive(self.comm.worker_ranks, f"{self.name} close")
         self.averager.shutdown()
         self.dht.shutdown()
+        for process in (self.averager, self.dht):  # (their daemons end with the job, not seconds after it)
+            process.join(timeout=max(5.0, self.comm.timeout_s))
         self.averager = None
 
     def stats(self):
