@@ -6,6 +6,8 @@ import random
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from distsync.errors import ConfigError
@@ -743,3 +745,50 @@ def test_a_peer_solvers_slow_worker_is_waited_for_at_close_not_taken_for_dead(tm
         except OSError:
             continue
     assert left == [], left  # (the command's fork server, workers, hivemind's daemons and torch's: all gone)
+
+
+class _ScanningGrouper:
+    """ReadyGrouper's due check as it was written first: a scan of every live worker not
+    waiting (the reference its heap must agree with, decision for decision)."""
+
+    @staticmethod
+    def someone_due(g, until):
+        waiting = {w for w, _ in g.pending}
+        return any(j not in g.interval or g.last[j] + g.interval[j] <= until for j in g.live - waiting)
+
+
+@given(st.lists(st.sampled_from([0.01, 0.02, 0.05, 0.3]), min_size=2, max_size=8), st.integers(2, 4),
+       st.floats(0.005, 0.2), st.integers(0, 10**6))
+@settings(max_examples=400, deadline=None)
+def test_the_ready_groupers_due_check_agrees_with_a_scan_of_every_worker(periods, k, max_wait, seed):
+    """Workers of their own speeds (a step of 10 ms to 300 ms, jittered) arrive, wait, are
+    grouped and arrive again, as the coordinator and the simulator drive the grouper; at every
+    moment its due check answers as a scan of every worker would."""
+    import heapq as hq
+    import random as rnd
+
+    from distsync.solvers.schedules import ReadyGrouper
+
+    rng = rnd.Random(seed)
+    g = ReadyGrouper(len(periods), k, max_wait, 0.5)
+    events = [(rng.uniform(0, p), w) for w, p in enumerate(periods)]  # (time ready, worker)
+    hq.heapify(events)
+    rounds = {w: 0 for w in range(len(periods))}
+    last_round = {w: rng.randint(1, 12) for w in range(len(periods))}  # (some leave before their interval is known)
+    while events:
+        now, w = hq.heappop(events)
+        due = g.due()
+        if due is not None and due < now:  # (the wait of the first waiting one ended first)
+            hq.heappush(events, (now, w))
+            now, groups = due, g.expire(due)
+        else:
+            groups = g.arrive(w, now)
+        for until in (now, now + 0.001, now + max_wait, now + 0.3):
+            assert g._someone_due(until) == _ScanningGrouper.someone_due(g, until), (now, until)
+        for group in groups:
+            for v in group:
+                rounds[v] += 1
+                if rounds[v] < last_round[v]:
+                    hq.heappush(events, (now + periods[v] * rng.uniform(0.7, 1.3), v))
+                else:
+                    g.leave(v, now)
