@@ -380,3 +380,23 @@ def test_adpsgd_with_a_slow_worker_reaches_the_target_at_the_fast_workers_pace()
     assert res["ranked"][0]["solver"] == "ad-psgd"
     assert rows["allreduce"]["step_s"] == pytest.approx(0.06, rel=0.01)
     assert rows["ad-psgd"]["time_to_target_s"] < rows["allreduce"]["time_to_target_s"] / 2
+
+
+def test_a_time_budget_spent_leaves_the_rest_judged_by_timing_and_says_so():
+    spent = recommend(Request(workers=4, device_ms=5, solvers=["allreduce", "ad-psgd"], time_budget_s=1e-6))
+    assert spent["ranked"] and all(r["judged"] == "timing only" for r in spent["ranked"])
+    assert all(r["note"] == "timing only: the 1e-06 s time budget was spent before its train mode"
+               for r in spent["ranked"])
+    assert [r["label"] for r in spent["ranked"]] == sorted(  # (ranked by throughput alone)
+        (r["label"] for r in spent["ranked"]), key=lambda lab: -next(
+            x["throughput_samples_per_s"] for x in spent["ranked"] if x["label"] == lab))
+    ample = recommend(Request(workers=4, device_ms=5, solvers=["allreduce", "ad-psgd"]))
+    assert all(r["judged"] == "to target" for r in ample["ranked"]), [(r["label"], r["note"]) for r in ample["ranked"]]
+    assert ample["request"]["time_budget_s"] == 60.0
+
+
+def test_the_time_budget_is_checked_and_reaches_the_command_line(tmp_path):
+    proc = run_cli("recommend", "--time-budget", "0", "--out", str(tmp_path / "r"))
+    assert proc.returncode == 2
+    assert_one_line(proc.stderr)
+    assert "--time-budget must be > 0" in proc.stderr, proc.stderr

@@ -174,6 +174,9 @@ def _add_sim_commands(sub) -> None:
                          "target=VALUE; the printed commands carry it")
     rc.add_argument("--verify", type=int, default=0, metavar="K",
                     help="run the top K (and allreduce) for real on this machine's emulated devices")
+    rc.add_argument("--time-budget", type=finite_float, default=60.0, metavar="S",
+                    help="seconds this machine spends on the answer (default: 60); candidates whose train mode it "
+                         "does not reach are judged by their timing alone, and the table says so")
     rc.add_argument("--verify-seconds", type=finite_float, default=60.0, metavar="S",
                     help="with --verify: each run stops at its target or after S seconds of training (default: 60)")
     add_training_options(rc.add_argument_group(f"{training} (train mode follows it; so do the printed commands)"))
@@ -675,7 +678,7 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
     request = Request(workload=args.workload, workers=args.workers, link=args.link, slow_fraction=args.slow_fraction,
                       slow_factor=args.slow_factor, jitter=args.jitter, device_ms=args.device_ms, solvers=solvers,
                       seed=args.seed, per_message_ms=args.per_message_ms, fit_from=args.fit_from,
-                      budget=args.budget, **training_from_args(args))
+                      budget=args.budget, time_budget_s=args.time_budget, **training_from_args(args))
     if args.verify < 0:
         raise ConfigError(f"--verify must be >= 0, got {args.verify}")
     if not args.verify_seconds > 0:
@@ -698,12 +701,12 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
     table = Table(title=f"{args.workload} on {args.workers} workers, {args.link}: compute "
                         f"{result['compute_s'] * 1000:.2f} ms a step ({where}), model "
                         f"{result['model_bytes'] / 1e6:.3g} MB{tables_note(result)}; simulated")
-    for h in ("rank", "solver", "time to target (s)", "samples/s", "waiting", "why"):
-        table.add_column(h, justify="left" if h in ("solver", "why") else "right", overflow="fold")
+    for h in ("rank", "solver", "time to target (s)", "samples/s", "waiting", "judged", "why"):
+        table.add_column(h, justify="left" if h in ("solver", "judged", "why") else "right", overflow="fold")
     for i, r in enumerate(result["ranked"][:12], 1):
         ttt = "-" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.3g}"
         table.add_row(str(i), r["label"], ttt, f"{r['throughput_samples_per_s']:,.0f}",
-                      f"{r['phase_share'].get('wait', 0):.0%}", r["reason"])
+                      f"{r['phase_share'].get('wait', 0):.0%}", r["judged"], r["reason"])
     _show(table)
     for line in left_out_lines(result):  # (candidates whose solver cannot run this model)
         _stdout().print(line, highlight=False, soft_wrap=True)

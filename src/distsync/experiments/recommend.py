@@ -79,6 +79,9 @@ class Request(Training):
     fit_from: str | None = None
     #: the target time to target is predicted for: "target" (the workload's) or "target=VALUE"
     budget: Budget | None = None
+    #: the seconds this machine spends on the answer, measuring and searching: candidates whose
+    #: train mode the budget does not reach are judged by their timing alone, and say so
+    time_budget_s: float = bounded(60.0, gt=0, flag="--time-budget", note=" seconds")
 
     def __post_init__(self) -> None:
         # The link and the budget given as text (the command line) become values here.
@@ -284,7 +287,7 @@ def _runnable(request: Request, training: RunConfig, cands: list[Candidate]) -> 
     return out
 
 
-def _train_steps(s: _Setting, cand: Candidate, cache: dict) -> None:
+def _train_steps(s: _Setting, cand: Candidate, cache: dict, deadline: float | None = None) -> None:
     """Steps to target from train mode (the solver's own rule, with the request's training
     options; an order-dependent one in the order its timing model gives on the request's
     cluster at ``n`` workers), cached per rule: lockstep rules do not depend on the servers'
@@ -304,6 +307,9 @@ def _train_steps(s: _Setting, cand: Candidate, cache: dict) -> None:
         # each worker at its own pace until the job reaches the target: fast workers may take
         # up to the slow ones' factor times their steps
         steps = math.ceil(steps * request.slow_factor * (1 + request.jitter))
+    if key not in cache and deadline is not None and time.monotonic() > deadline:
+        cand.note = f"timing only: the {request.time_budget_s:g} s time budget was spent before its train mode"
+        return
     if key not in cache:
         cluster, worker_model = _train_cluster(request, n, s.compute_s) if ordered else (None, None)
         try:
@@ -311,7 +317,11 @@ def _train_steps(s: _Setting, cand: Candidate, cache: dict) -> None:
             res = simulate_training(cand.solver, cand.options, s.workload, n, steps, **train_mode_kwargs(s.training),
                                     seed=request.seed, until_target=True, cluster=cluster,
                                     worker_model=worker_model, model_bytes=s.nbytes,
-                                    eval_every=max(1, s.training.eval_every // TRAIN_EVAL_FINER))
+                                    eval_every=max(1, s.training.eval_every // TRAIN_EVAL_FINER), deadline=deadline)
+            if res.cut_short:  # (not cached: a longer budget would go on)
+                cand.note = (f"timing only: the {request.time_budget_s:g} s time budget ran out in its train mode, "
+                             f"after {res.curve[-1]['step'] + 1 if res.curve else 0} steps")
+                return
             # an ordered rule on the request's whole cluster: its event loop's own time to target
             at = res.time_to_target_s if ordered and n == request.workers else None
             cache[key] = ("ok", (res.steps_to_target, at))
@@ -414,6 +424,15 @@ def command(request: Request, cand: Candidate) -> str:
     return " ".join(parts)
 
 
+def _judged(cand: Candidate) -> str:
+    """At which fidelity ``cand`` was judged: its time to target, its train mode without
+    reaching the target, or its timing alone (no train mode: the time budget, a rule or a
+    model train mode has not)."""
+    if cand.time_to_target_s is not None:
+        return "to target"
+    return "timing only" if cand.note.startswith("timing only") else "train mode: target not reached"
+
+
 def rank(cands: list[Candidate]) -> list[Candidate]:
     """Predicted time to target first (fastest first); then those without one, by throughput.
     Sets each candidate's ``solver_rank``: its place among its own solver's option sets."""
@@ -432,6 +451,9 @@ def recommend(request: Request, on_step: Callable[[str, int, int], None] | None 
     from distsync.sim.calibrate import synced_bytes
 
     request.check()
+    began = time.monotonic()
+    # (train mode stops a little before the budget: ranking and the outputs take their time too)
+    deadline = began + 0.9 * request.time_budget_s
     training, workload = _resolve(request)
     try:
         model = workload.make_model()
@@ -461,11 +483,13 @@ def recommend(request: Request, on_step: Callable[[str, int, int], None] | None 
     if workload.target is None:  # (train mode would run to its step limit for nothing)
         cache[_NO_TIME] = (f"workload {workload.name} has no target", "timing only: the workload has no target")
     t0 = time.perf_counter()
-    for i, cand in enumerate(cands):
+    for cand in cands:  # every candidate's timing first (seconds in all)
+        _timing(setting, cand)
+    # then train mode, the fastest first, while the time budget lasts
+    for i, cand in enumerate(sorted(cands, key=lambda c: -c.throughput)):
         if on_step is not None:
             on_step(cand.label, i, len(cands))
-        _timing(setting, cand)
-        _train_steps(setting, cand, cache)
+        _train_steps(setting, cand, cache, deadline)
         _predict(cand)
     if on_step is not None:
         on_step("done", len(cands), len(cands))
@@ -475,7 +499,8 @@ def recommend(request: Request, on_step: Callable[[str, int, int], None] | None 
     rows = []
     for c in ranked:
         row = c.as_dict()
-        row.update(reason=reason(c, baseline), command=command(request, c))
+        row.update(reason=reason(c, baseline), command=command(request, c),
+                   judged=_judged(c))
         rows.append(row)
     compute_from = (f"measured here, one thread's CPU time, p10-p90 {spread[0] * 1000:.3g}-{spread[1] * 1000:.3g} ms"
                     if measured_here else "--device-ms" if request.device_ms is not None
@@ -487,7 +512,8 @@ def recommend(request: Request, on_step: Callable[[str, int, int], None] | None 
             "train_workers": min(request.workers, TRAIN_WORKERS_MAX),
             "no_time_to_target": cache[_NO_TIME][0] if _NO_TIME in cache else None,
             "target": workload.target, "metric": workload.metric_name,
-            "search_seconds": time.perf_counter() - t0, "ranked": rows, "left_out": left_out}
+            "search_seconds": time.perf_counter() - t0, "answer_seconds": time.monotonic() - began,
+            "ranked": rows, "left_out": left_out}
 
 
 def tables_note(result: dict[str, Any]) -> str:

@@ -42,6 +42,7 @@ import copy
 import functools
 import operator
 import sys
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -78,6 +79,8 @@ class TrainResult:
     steps_by: list[int] | None = None
     #: embedding tables on embedding servers: the servers' one copy (not in ``params``)
     tables: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: stopped at the caller's deadline, before its steps (or its target)
+    cut_short: bool = False
 
 
 def simulate_training(solver: str, options: dict[str, Any], workload: Workload, workers: int, steps: int, *,
@@ -87,7 +90,8 @@ def simulate_training(solver: str, options: dict[str, Any], workload: Workload, 
                       model_bytes: float | None = None, buffers: str | None = None, budget: Budget | None = None,
                       optimizer: str = "sgd", momentum: float = 0.0, weight_decay: float = 0.0,
                       precision: str = "fp32", lars_eta: float = 0.001, embedding_servers: int | None = None,
-                      embedding_lr: float | None = None, embedding_optimizer: str = "adagrad") -> TrainResult:
+                      embedding_lr: float | None = None, embedding_optimizer: str = "adagrad",
+                      deadline: float | None = None) -> TrainResult:
     """Train ``workers`` stacked replicas of ``workload``'s model with ``solver``'s rule, each
     replica stepping locally with its own optimizer as the runtime builds it from
     ``optimizer`` (sgd, adam, adamw, lars), ``momentum``, ``weight_decay`` and ``lars_eta``
@@ -99,7 +103,9 @@ def simulate_training(solver: str, options: dict[str, Any], workload: Workload, 
     solver, each replica's sparse gradient applied with ``embedding_optimizer`` (adagrad, sgd)
     at ``embedding_lr`` (None: the workload's, else ``lr``). ``wall_s``: the virtual duration of
     the run (from the timing model); the curve's times scale with it. ``until_target``:
-    stop at the first evaluation that reaches the workload's target.
+    stop at the first evaluation that reaches the workload's target. ``deadline`` (a
+    ``time.monotonic()`` value): stop at the first evaluation after it, the result marked
+    ``cut_short`` (a caller's time budget).
 
     An order-dependent solver's rule runs inside its timing model, on ``cluster`` (default:
     ``workers`` on a 10 Gbit/s link) with ``worker_model``'s compute per step (default: 10 ms
@@ -146,7 +152,7 @@ def simulate_training(solver: str, options: dict[str, Any], workload: Workload, 
                                       model_bytes or _nbytes(stack), isinstance(rule, OrderedRule), wall_s)
     result = TrainResult(solver, workers, steps)
     report = _reporter(result, workload, replica_math, bufs, rule, stack,
-                       budget.target_value if budget is not None else None, until_target)
+                       budget.target_value if budget is not None else None, until_target, deadline)
     if isinstance(rule, OrderedRule):
         if model_bytes is None:
             model_bytes = _nbytes(stack)
@@ -207,9 +213,10 @@ def _simulate_rule(cls, o, ctx: "TrainContext", solver: str, optimizer: str, mom
 
 def _reporter(result: TrainResult, workload: Workload, replica_math: "_ReplicaMath", bufs: "_Buffers", rule,
               stack: dict[str, torch.Tensor], target_value: float | None,
-              until_target: bool) -> Callable[[int, float], bool]:
+              until_target: bool, deadline: float | None = None) -> Callable[[int, float], bool]:
     """``report(step, t)``: an evaluation after ``step`` steps at virtual time ``t``, kept in
-    ``result``; True: stop here (``until_target``, and the target is reached)."""
+    ``result``; True: stop here (``until_target``, and the target is reached; or past
+    ``deadline``, ``result.cut_short`` set)."""
 
     def reached(metric: float) -> bool:
         if target_value is None:
@@ -224,6 +231,9 @@ def _reporter(result: TrainResult, workload: Workload, replica_math: "_ReplicaMa
         if result.time_to_target_s is None and reached(metric):
             result.time_to_target_s, result.steps_to_target = t, step + 1
             return until_target
+        if deadline is not None and time.monotonic() > deadline:
+            result.cut_short = True
+            return True
         return False
 
     return report
