@@ -174,9 +174,8 @@ def _add_sim_commands(sub) -> None:
                          "target=VALUE; the printed commands carry it")
     rc.add_argument("--verify", type=int, default=0, metavar="K",
                     help="run the top K (and allreduce) for real on this machine's emulated devices")
-    rc.add_argument("--time-budget", type=finite_float, default=60.0, metavar="S",
-                    help="seconds this machine spends on the answer (default: 60); candidates whose train mode it "
-                         "does not reach are judged by their timing alone, and the table says so")
+    rc.add_argument("--time-budget", type=finite_float, default=60.0, metavar="S", help="seconds spent on the "
+                    "answer (default: 60); what train mode does not reach is judged by its timing, said so")
     rc.add_argument("--verify-seconds", type=finite_float, default=60.0, metavar="S",
                     help="with --verify: each run stops at its target or after S seconds of training (default: 60)")
     add_training_options(rc.add_argument_group(f"{training} (train mode follows it; so do the printed commands)"))

@@ -102,19 +102,16 @@ def simulate_training(solver: str, options: dict[str, Any], workload: Workload, 
     as a real run keeps them (:class:`_ServedTables`): not replicated nor synchronized by the
     solver, each replica's sparse gradient applied with ``embedding_optimizer`` (adagrad, sgd)
     at ``embedding_lr`` (None: the workload's, else ``lr``). ``wall_s``: the virtual duration of
-    the run (from the timing model); the curve's times scale with it. ``until_target``:
-    stop at the first evaluation that reaches the workload's target. ``deadline`` (a
-    ``time.monotonic()`` value): stop at the first evaluation after it, the result marked
-    ``cut_short`` (a caller's time budget).
+    the run (from the timing model); the curve's times scale with it. ``until_target``: stop at
+    the first evaluation reaching the target; ``deadline`` (monotonic): after it (``cut_short``).
 
     An order-dependent solver's rule runs inside its timing model, on ``cluster`` (default:
     ``workers`` on a 10 Gbit/s link) with ``worker_model``'s compute per step (default: 10 ms
     on every worker) and ``model_bytes`` (default: the model's); the curve's times are that
-    model's virtual times (scaled to ``wall_s`` when given). ``buffers``: the buffer policy
-    (default: the solver's ``default_buffers``).
+    model's virtual times (scaled to ``wall_s`` when given). ``buffers``: the buffer policy.
 
-    ``budget`` (a :class:`~distsync.config.Budget`, e.g. ``parse_budget("samples=4000")``): the job stops
-    where a real run with that budget stops, each worker at its own pace
+    ``budget`` (a :class:`~distsync.config.Budget`, e.g. ``parse_budget("samples=4000")``): the job stops where a
+    real run with that budget stops, each worker at its own pace
     (:mod:`distsync.sim.budget`); ``steps`` is then a cap per worker. An order-dependent
     rule stops inside its timing model once the samples or seconds are spent (the rule's
     ``finish`` then runs, as a real solver's close); a lockstep rule takes the steps the
