@@ -538,6 +538,7 @@ def _distributed_eval_job(rank, world, reference):
         solver.close()
         if rank == 0:  # (a closed solver's model is the user's: a forward on one rank meets nobody)
             model(batch(0, 0)[0])
+    comm.barrier()  # (rank 0 hosts the job's store here: it stays until the other is done with it)
     comm.close()
     return total.item(), at_eval
 
