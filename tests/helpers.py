@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
@@ -414,3 +415,13 @@ def train_signalled(out: Path, rank: int, at: int, sig: int, *args: str, watch: 
         sender.stop.set()
         sender.join()
     return proc, sender
+
+
+def wait_until_training(proc: subprocess.Popen, run: Path, within_s: float, poll_s: float = 0.1) -> None:
+    """Until the job ``proc`` launched into ``run`` trains (its progress.json is there: the
+    process groups are up); fails the test if it ended or did not within ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while not (run / "progress.json").exists():
+        assert time.monotonic() < deadline, "the job never started training"
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(poll_s)

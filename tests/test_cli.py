@@ -11,7 +11,7 @@ import time
 import pytest
 
 from distsync.solvers import solver_names
-from helpers import DISTSYNC, REPO, alive, children_of, kill_tree, rank_processes, run_cli
+from helpers import DISTSYNC, REPO, alive, children_of, kill_tree, rank_processes, run_cli, wait_until_training
 
 FIXTURES = REPO / "tests" / "fixtures"
 
@@ -77,11 +77,7 @@ def test_killed_worker_ends_the_job_naming_rank_with_no_orphans(tmp_path):
                                         "--out", str(run)],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 40
-        while not (run / "progress.json").exists():
-            assert time.monotonic() < deadline, "the job never started training"
-            assert proc.poll() is None, proc.stderr.read()
-            time.sleep(0.1)
+        wait_until_training(proc, run, 40)
         family = children_of(proc.pid)
         victim = rank_processes(proc.pid).get(1)
         assert victim, "no process of rank 1 among the job's processes"

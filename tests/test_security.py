@@ -6,12 +6,11 @@ import shutil
 import socket
 import struct
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
-from helpers import DISTSYNC, REPO, kill_tree, rank_processes
+from helpers import DISTSYNC, REPO, kill_tree, rank_processes, wait_until_training
 
 
 def _address(hex_addr: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
@@ -84,11 +83,7 @@ def test_a_job_on_one_machine_listens_on_loopback_only(tmp_path, hostname_resolv
     env = {k: v for k, v in os.environ.items() if k not in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 45
-        while not (run / "progress.json").exists():  # training runs: the process groups are up
-            assert time.monotonic() < deadline, "the job never started training"
-            assert proc.poll() is None, proc.stderr.read()
-            time.sleep(0.2)
+        wait_until_training(proc, run, 45, poll_s=0.2)
         names = {proc.pid: "launcher"}
         names.update({p: f"worker rank {r}" for r, p in rank_processes(proc.pid).items()})
         assert len(names) == 3, names
@@ -116,11 +111,7 @@ def test_a_peer_librarys_daemons_listen_on_loopback_only(tmp_path):
                                         "2", "--out", str(run)], cwd=REPO, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 45
-        while not (run / "progress.json").exists():
-            assert time.monotonic() < deadline, "the job never started training"
-            assert proc.poll() is None, proc.stderr.read()
-            time.sleep(0.2)
+        wait_until_training(proc, run, 45, poll_s=0.2)
         daemons = [p for p in children_of(proc.pid) if Path(f"/proc/{p}/comm").read_text().strip() == "p2pd"]
         found = {p: listeners(p) for p in daemons}
     finally:
