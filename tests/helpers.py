@@ -380,8 +380,6 @@ class SignalRank(threading.Thread):
         self.stop = threading.Event()
 
     def run(self) -> None:
-        import time
-
         deadline = time.monotonic() + 50
         while not self.stop.wait(0.01) and time.monotonic() < deadline:
             if journal_step(self.out, self.watch) < self.at:

@@ -138,12 +138,6 @@ class Candidate:
                 "trained": self.trained, "note": self.note, "solver_rank": self.solver_rank}
 
 
-def measure_compute_s(workload: Any, batch_size: int, steps: int = 20) -> float:
-    """The median seconds of one forward and backward of ``workload``'s model on a batch,
-    here, on one thread (a few warm-up steps first): :func:`measure_compute`'s median."""
-    return measure_compute(workload, batch_size, steps)[0]
-
-
 def measure_compute(workload: Any, batch_size: int, steps: int = 20) -> tuple[float, float, float]:
     """One forward and backward of ``workload``'s model on a batch, here, on one intra-op
     thread, after three warm-up steps: the median, 10th and 90th percentile of ``steps``
