@@ -114,8 +114,7 @@ def _meet_while_alive(rank, world, late_s, leaves):
     try:
         comm.barrier_while_alive(comm.worker_ranks, "the close")
         comm.barrier_while_alive(comm.worker_ranks, "the close")  # (the second meeting: keys of its own)
-        out = ("met", time.monotonic() - t0)
-        comm.barrier()  # (rank 0 hosts the store here: it stays until the other has read it)
+        out = ("met", time.monotonic() - t0)  # (rank 0 hosts the store here: the meeting kept it for the other)
     except (PeerDied, PeerStalled) as e:
         out = (str(e), time.monotonic() - t0)
     comm.close()

@@ -554,13 +554,16 @@ class Comm:
         else:
             self._guard("barrier", dist.barrier, group=group)
 
-    def barrier_while_alive(self, members: Sequence[int], what: str) -> None:
+    def barrier_while_alive(self, members: Sequence[int], what: str, group: Any = None) -> None:
         """Wait until every rank of ``members`` (this one among them) has come here, for as
         long as each one that has not lives: a slow peer is waited for, however long it takes;
         one that dies or stalls fails it (:class:`PeerDied`, :class:`PeerStalled`), naming it.
         Over the job's store, so that no collective is left half done. ``what`` names the
         meeting in errors; every member's n-th call with the same ``what`` meets the others'
-        n-th. Without liveness (no heartbeat): the comm timeout bounds it."""
+        n-th. Without liveness (no heartbeat): the comm timeout bounds it. It ends with a
+        barrier of ``group`` (the members' group), which every member leaves together: the
+        first to see the others must not leave while another still reads the store, which the
+        first may host (rank 0 of a job started without an agent)."""
         n = self._meetings[what] = self._meetings.get(what, 0) + 1
         key = f"distsync/meet/{what}/{n}"
         self.store_set(f"{key}/{self.rank}", "1")
@@ -569,7 +572,7 @@ class Comm:
         while waiting:
             waiting = [r for r in waiting if not self.store_check(f"{key}/{r}")]
             if not waiting:
-                return
+                break
             if self.liveness is not None:
                 for r in waiting:
                     self.liveness.check(r, what)
@@ -577,6 +580,7 @@ class Comm:
                 raise CommTimeout(f"rank {self.rank}: {what}: rank(s) {', '.join(map(str, waiting))} did not come "
                                   f"within {self.timeout_s:g} s")
             time.sleep(_POLL_S * 5)
+        self.barrier(group)  # (everyone is here: it passes at once)
 
     def new_group(self, ranks: Sequence[int], members_only: bool = False, host_only: bool = False) -> Any:
         """A new group over ``ranks``. With ``members_only`` only its members call this;
