@@ -53,9 +53,12 @@ def test_ea_wild_lock_free_center_stress_never_deadlocks_and_loses_only_to_races
     assert server["requests"]["exchange"] == 4 * 300  # every exchange arrived and was applied
     assert server["updates"] <= 4 * 300
     # overlapping exchanges (counted) are the documented race, and only they can lose anything:
-    # what was lost is a small part of what they carried (1e-3 held on a quiet machine; a loaded
-    # one overlaps more, 5e-3 with 88 of 1200 exchanges overlapping was seen)
-    assert server["lost_update_share"] < max(1e-3, 0.2 * server["overlapping_exchanges"] / server["updates"]), server
+    # what was lost is within the moves of the exchanges that ran beside another (and the
+    # float32 center's rounding, about 1e-6 of the moves here), and a small part of all moves
+    # (1e-6 to 1e-2 seen, the most on a loaded machine; the raced moves' share was 1.0 to 1.3)
+    assert server["overlapping_exchanges"] > 0 or server["raced_move_share"] == 0, server
+    assert server["lost_update_share"] <= server["raced_move_share"] + 1e-4, server
+    assert server["lost_update_share"] < 0.05, server
 
 
 @pytest.mark.slow

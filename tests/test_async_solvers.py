@@ -264,6 +264,67 @@ def test_async_elastic_two_workers_in_turns_equal_reference(solver, options):
     assert stats["updates"] == 2 * steps // tau and stats["staleness"] == {"0": 1, "1": 3}
     if solver == "ea-wild":
         assert stats["overlapping_exchanges"] == 0 and stats["lost_update_share"] < 1e-6
+        assert stats["raced_move_share"] == 0
+
+
+class _Shard:
+    """What the elastic server's handle touches of a shard."""
+
+    def __init__(self, center):
+        self.center, self.version = center, 0
+
+    def record_staleness(self, req):
+        pass
+
+    def count_update(self):
+        self.version += 1
+
+
+def test_ea_wild_book_marks_both_sides_of_a_race_and_bounds_what_it_lost(monkeypatch):
+    """Exchange A reads the center and stalls; B arrives, runs whole and ends; A then writes
+    back what it read plus its move, losing B's. Both ran beside the other (A arrived first,
+    alone, and is marked by B's arrival before A ended): the book's raced share is
+    (|d_A| + |d_B|) / |d_A + d_B|, and what was lost (|d_B| / |d_A + d_B|) is within it."""
+    from distsync.solvers import elastic
+    from distsync.solvers.base import make_solver
+    from distsync.solvers.shard_service import OP_EXCHANGE, Request
+
+    solver = make_solver("ea-wild", tau=1, alpha=0.5)
+    solver.alpha, solver.book = 0.5, elastic.ExchangeBook()
+    shard = _Shard(torch.zeros(4))
+    a_read, b_done, moves = threading.Event(), threading.Event(), {}
+
+    def racing_exchange(x, center, alpha):
+        if threading.current_thread().name == "A":
+            read = center.clone()
+            d = (x - read).mul_(alpha)
+            a_read.set()
+            assert b_done.wait(10)
+            center.copy_(read + d)  # B's move, applied meanwhile, is overwritten
+        else:
+            assert a_read.wait(10)
+            d = elastic_exchange(x, center, alpha)
+        moves[threading.current_thread().name] = d.clone()
+        return d
+
+    def run(x, worker):
+        solver.handle(shard, Request(worker, OP_EXCHANGE, 0, 0, x))
+        if worker == 1:
+            b_done.set()
+
+    monkeypatch.setattr(elastic, "elastic_exchange", racing_exchange)
+    threads = [threading.Thread(target=run, args=(torch.tensor([2.0, 0, 0, 0]), 0), name="A"),
+               threading.Thread(target=run, args=(torch.tensor([0, 4.0, 0, 0]), 1), name="B")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    book = solver.book
+    total = (moves["A"] + moves["B"]).norm()
+    assert book.overlapping == 1  # B arrived while A was in flight
+    assert book.raced_move_share() == pytest.approx(float((moves["A"].norm() + moves["B"].norm()) / total))
+    assert book.lost_update_share(shard.center) == pytest.approx(float(moves["B"].norm() / total))
+    assert book.lost_update_share(shard.center) <= book.raced_move_share()
 
 
 def test_async_ps_three_workers_server_applies_every_push_once():

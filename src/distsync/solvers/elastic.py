@@ -12,7 +12,9 @@ towards them in turn (the elastic exchange, :func:`distsync.solvers.rules.elasti
 - ``ea-wild``: ``async-easgd`` whose center update takes no lock: exchanges from several
   workers may interleave on the center (Hogwild). The server counts exchanges that overlapped
   another and measures what the races lost: ``lost_update_share`` is
-  ``||center - center_0 - sum(d)|| / ||sum(d)||``.
+  ``||center - center_0 - sum(d)|| / ||sum(d)||``, never more than ``raced_move_share``
+  (``sum ||d||`` over the exchanges that ran beside another, over ``||sum(d)||``): only a
+  raced exchange can lose anything.
 - ``fr-easgd``: ShadowSync's foreground EASGD (Zheng et al. 2020): the rule of
   ``async-easgd`` on the training thread, the twin of ``shadow-ea``
   (:mod:`~distsync.solvers.shadow`).
@@ -81,6 +83,8 @@ class ExchangeBook:
         self.lock = threading.Lock()  # bookkeeping only; never held around the center update
         self.in_flight = 0
         self.overlapping = 0
+        self.arrivals = 0
+        self.raced_norm = 0.0  # sum of ||d|| over exchanges that ran beside another
         self.center0: torch.Tensor | None = None
         self.sum_d: torch.Tensor | None = None
 
@@ -88,6 +92,11 @@ class ExchangeBook:
         """``||center - center_0 - sum(d)|| / ||sum(d)||`` (with at least one exchange)."""
         drift = (center.double() - self.center0.double()) - self.sum_d
         return float(drift.norm() / self.sum_d.norm().clamp_min(1e-30))
+
+    def raced_move_share(self) -> float:
+        """``sum ||d||`` over the exchanges that ran beside another, over ``||sum(d)||``: the
+        most the races can have lost (``lost_update_share`` is at most this)."""
+        return float(self.raced_norm / self.sum_d.norm().clamp_min(1e-30))
 
 
 class _ElasticServerSolver(ServerSolver):
@@ -147,9 +156,12 @@ class _ElasticServerSolver(ServerSolver):
             raise RuntimeError(f"elastic server got op {req.op}")
         book = self.book
         with book.lock:
-            if book.in_flight:
+            beside = book.in_flight > 0
+            if beside:
                 book.overlapping += 1
             book.in_flight += 1
+            book.arrivals += 1
+            arrival = book.arrivals
             if book.sum_d is None:
                 book.center0 = shard.center.clone()
                 book.sum_d = torch.zeros_like(shard.center, dtype=torch.float64)
@@ -160,6 +172,8 @@ class _ElasticServerSolver(ServerSolver):
         with book.lock:
             book.in_flight -= 1
             book.sum_d += d.double()
+            if beside or book.arrivals != arrival:  # another started before this one ended
+                book.raced_norm += float(d.double().norm())
         return seen
 
     def server_state_dict(self, shard):
@@ -167,7 +181,7 @@ class _ElasticServerSolver(ServerSolver):
         book = self.book
         with book.lock:
             if book.sum_d is not None:
-                state.update(overlapping=book.overlapping, center0=book.center0.to("cpu", copy=True),
+                state.update(overlapping=book.overlapping, raced_norm=book.raced_norm, center0=book.center0.to("cpu", copy=True),
                              sum_d=book.sum_d.to("cpu", copy=True))
         return state
 
@@ -176,6 +190,7 @@ class _ElasticServerSolver(ServerSolver):
         if "sum_d" in state:
             book = self.book
             book.overlapping = int(state["overlapping"])
+            book.raced_norm = float(state.get("raced_norm", 0.0))
             device = shard.center.device  # (a checkpoint holds host copies)
             book.center0, book.sum_d = state["center0"].to(device, copy=True), state["sum_d"].to(device, copy=True)
 
@@ -184,6 +199,7 @@ class _ElasticServerSolver(ServerSolver):
         if self.shard is not None and self.book.sum_d is not None:
             out["overlapping_exchanges"] = self.book.overlapping
             out["lost_update_share"] = self.book.lost_update_share(self.shard.center)
+            out["raced_move_share"] = self.book.raced_move_share()
         return out
 
     # ---- worker -------------------------------------------------------------------------
