@@ -132,6 +132,24 @@ def test_a_replacement_is_not_taken_for_stalled_by_its_dead_predecessors_heartbe
     assert m.dead_among(view.members) == set()
 
 
+def test_the_view_that_leaves_a_stalled_member_out_marks_it_stalled_and_a_dead_one_never():
+    """Rank 0 finds rank 2 marked dead, then its replacement takes the mark over before rank 0
+    proposes the view without 2: 2 was dead, not stalled (marked stalled, its supervisor
+    would end the replacement and the others would leave it out). Rank 3, whose heartbeat
+    stood still for 20 s, is marked stalled by the view that leaves it out."""
+    dead, marked = {2}, []
+    store = _in({}, 1, 1)
+    m = _membership(0, store, dead, beats={3: "7/-"})
+    m.liveness.mark_stalled = marked.append
+    now = time.monotonic()
+    m.liveness._seen[3] = ("7/-", now - 20, now - 1)
+    assert m.dead_among((0, 1, 2, 3)) == {2, 3}
+    dead.discard(2)  # the replacement took the mark over
+    view = m.reform("workers")
+    assert (view.epoch, view.members) == (1, (0, 1))
+    assert marked == [3]
+
+
 def test_no_death_found_within_the_timeout_is_an_error_not_a_new_view():
     t0 = time.monotonic()
     with pytest.raises(CommError, match="the workers group failed and no worker was found dead"):

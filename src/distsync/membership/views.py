@@ -101,6 +101,12 @@ class Membership:
         self._by_pg: dict[Any, View] = {}
         self._lock = threading.RLock()
         self.dead: set[int] = set()
+        #: those of :attr:`dead` that their supervisor had marked dead when this rank found them
+        #: (the others stalled, or their connection closed: the view that leaves them out marks
+        #: them stalled, so that their supervisor ends them). Never judged again later: by then
+        #: a marked one's replacement may have taken its mark over, and would be taken for
+        #: stalled and left out the moment it came.
+        self.found_marked: set[int] = set()
         self.last_lost: dict[str, PeerLost] = {}
         self.history: list[View] = []
 
@@ -166,11 +172,21 @@ class Membership:
     # ---- failure detection ------------------------------------------------------------------
     def dead_among(self, members: tuple[int, ...]) -> set[int]:
         """The members known dead now (marked by the launcher, or heartbeat stood still)."""
-        found = {r for r in members if r != self.comm.rank and r not in self.dead
-                 and self.liveness.state(r) != "alive"}
+        found = set()
+        for r in members:
+            if r == self.comm.rank or r in self.dead:
+                continue
+            state = self.liveness.state(r)
+            if state != "alive":
+                found.add(r)
+                self._found_dead(r, state == "dead")
         found |= {r for r in members if r in self.dead}
-        self.dead |= found
         return found
+
+    def _found_dead(self, rank: int, marked: bool) -> None:
+        self.dead.add(rank)
+        if marked:
+            self.found_marked.add(rank)
 
     def superseded(self, view: View) -> bool:
         """Whether an operation on ``view`` will not complete: a member is dead, or the next
@@ -233,7 +249,7 @@ class Membership:
                     new = self._form(tag, epoch, list(members), old.ordered)
                     break
                 except (PeerDied, PeerStalled) as e:  # a member died while the group formed: the next leaves it out
-                    self.dead.add(e.rank)
+                    self._found_dead(e.rank, isinstance(e, PeerDied) and self.liveness.dead(e.rank))
             new.joined, new.src = joined, src
             seqs = ({r: int(self.comm.store_get(f"{VIEW}{tag}/{epoch}/seq/{r}")) for r in members if r not in joined}
                     if old.ordered else {})
@@ -265,7 +281,7 @@ class Membership:
                 agreed = json.loads(self.comm.store_first(key, proposal))
                 if self.liveness.mark_stalled is not None and json.dumps(agreed) == proposal:
                     for r in dead:  # (its supervisor ends a stalled one: distsync/supervise.py)
-                        if not self.liveness.dead(r):
+                        if r not in self.found_marked and not self.liveness.dead(r):
                             self.liveness.mark_stalled(r)
             if self.comm.rank not in agreed or self._fate(tag, epoch + 1, self.comm.rank, "in") != "in":
                 raise Excluded(f"rank {self.comm.rank}: the other workers went on without this one "
@@ -275,6 +291,7 @@ class Membership:
             # dead one's times, it would be taken for stalled the moment it joins.)
             for r in (set(agreed) - set(members)) | (self.dead & set(agreed)):
                 self.dead.discard(r)
+                self.found_marked.discard(r)
                 self.liveness.forget(r)
             epoch, members = epoch + 1, tuple(agreed)
             if self.comm.store_check(f"{VIEW}{tag}/{epoch + 1}"):
