@@ -36,7 +36,7 @@ def test_communication_bound_cluster_prefers_rare_syncs_and_slow_worker_prefers_
     link with a quarter of the workers 4x slow, allreduce waits for them every step and a
     heterogeneity-aware schedule does not."""
     slow_link = recommend(Request(workers=8, link="10mbit", device_ms=10,
-                                  solvers=["allreduce", "ma", "sync-easgd"]))
+                                  solvers=["allreduce", "ma", "sync-easgd"], search="full"))
     best = slow_link["ranked"][0]
     assert best["options"].get("every", best["options"].get("tau")) == 16, best
     allreduce = next(r for r in slow_link["ranked"] if r["solver"] == "allreduce")
@@ -45,7 +45,7 @@ def test_communication_bound_cluster_prefers_rare_syncs_and_slow_worker_prefers_
     assert "communicating" in allreduce["reason"] and "steps to target" in allreduce["reason"]
     assert best["command"].startswith("distsync train --workload digits --solver ")
     slow_workers = recommend(Request(workers=8, link="10gbit", device_ms=10, slow_fraction=0.25, slow_factor=4,
-                                     solvers=["allreduce", "ripples"]))
+                                     solvers=["allreduce", "ripples"], search="full"))
     order = [r["label"] for r in slow_workers["ranked"]]
     rows = {r["label"]: r for r in slow_workers["ranked"]}
     allreduce, best = rows["allreduce"], slow_workers["ranked"][0]
@@ -60,7 +60,7 @@ def test_order_dependent_solvers_train_in_the_order_of_their_timing_model():
     """async-ps applies every worker's gradient on its own (4 updates of the center per
     round of steps against allreduce's one mean step): fewer steps to target; ea-wild's
     elastic exchanges every 16 steps mix the replicas less than an all-reduce every step."""
-    res = recommend(Request(workers=4, device_ms=5, solvers=["allreduce", "async-ps", "ea-wild"]))
+    res = recommend(Request(workers=4, device_ms=5, solvers=["allreduce", "async-ps", "ea-wild"], search="full"))
     rows = {r["label"]: r for r in res["ranked"]}
     ar, ps = rows["allreduce"], rows["async-ps servers=1"]
     assert ps["steps_to_target"] < ar["steps_to_target"], (ps, ar)
@@ -75,7 +75,7 @@ def test_a_candidate_the_model_refuses_is_left_out_and_a_solver_asked_for_by_nam
     from distsync.experiments.recommend import left_out_lines
 
     one_layer = str(REPO / "tests" / "fixtures" / "tiny_workload.py") + ":make_workload"
-    res = recommend(Request(workload=one_layer, workers=4, device_ms=10))
+    res = recommend(Request(workload=one_layer, workers=4, device_ms=10, search="full"))
     why = ("solver streaming-diloco: fragments=2, but the model has 1 layer(s) with parameters; give fragments=1 "
            "or fewer")
     assert res["left_out"] == [{"label": f"streaming-diloco every={e} fragments=2 delay=1", "why": why}
@@ -400,3 +400,143 @@ def test_the_time_budget_is_checked_and_reaches_the_command_line(tmp_path):
     assert proc.returncode == 2
     assert_one_line(proc.stderr)
     assert "--time-budget must be > 0" in proc.stderr, proc.stderr
+
+
+# ---- the staged search (successive halving), on a stand-in train mode ----------------------
+
+#: lockstep candidates: (label's solver, options, seconds a step, accuracy gained a step);
+#: accuracy after k steps is min(1, rate x k); the target 0.9. Steps cap 2 x 900: the first
+#: horizon is the fastest step cap / 9 = 1800 x 1 ms / 9 = 0.2 s of the cluster's time.
+_RACE = {"A": ("ma", {"every": 4}, 1e-3, 0.002), "B": ("ma", {"every": 16}, 2e-3, 0.005),
+         "C": ("bmuf", {"every": 4}, 1e-3, 0.001), "D": ("bmuf", {"every": 16}, 1e-3, 0.0014),
+         "E": ("diloco", {"every": 16}, 1e-3, 0.0012), "F": ("diloco", {"every": 64}, 1e-3, 0.0009),
+         "G": ("sync-easgd", {"tau": 4}, 1e-3, 0.0008), "H": ("sync-easgd", {"tau": 16}, 1e-3, 0.0005),
+         "I": ("allreduce", {}, 1e-3, 0.0003)}
+
+
+def _race(monkeypatch, cut_after: int | None = None):
+    """The candidates of :data:`_RACE` and a stand-in ``simulate_training`` (every
+    evaluation a point; the last one, after the rule's finish unless ``finish=False``,
+    marked final) that records
+    each run's (name, steps) and, from the ``cut_after``-th run on, reports the deadline
+    passed at once."""
+    import types
+
+    from distsync.config import RunConfig
+    from distsync.experiments import recommend as rec
+    from distsync.sim import train
+    from distsync.sim.train import TrainResult
+
+    by_solver = {(s, json.dumps(o, sort_keys=True)): (name, rate) for name, (s, o, _, rate) in _RACE.items()}
+    runs = []
+
+    def simulate_training(solver, options, workload, n, steps, *, eval_every=1, until_target=False, deadline=None,
+                          horizon_s=None, on_eval=None, finish=True, **_):
+        name, rate = by_solver[(solver, json.dumps({k: v for k, v in options.items()}, sort_keys=True))]
+        runs.append((name, steps))
+        res = TrainResult(solver, n, steps)
+        for step in range(steps):
+            last = step + 1 == steps
+            if (step + 1) % eval_every and not last:
+                continue
+            metric = min(1.0, rate * (step + 1))
+            res.curve.append({"step": step, "t": step + 1.0, "metric": metric, "loss": 1 - metric,
+                              "final": last and finish})
+            if cut_after is not None and len(runs) >= cut_after:
+                res.cut_short = True
+                break
+            if metric >= 0.9 and res.steps_to_target is None:
+                res.steps_to_target, res.time_to_target_s = step + 1, step + 1.0
+                if until_target:
+                    break
+        return res
+
+    monkeypatch.setattr(train, "simulate_training", simulate_training)
+    cands = []
+    for name, (solver, options, step_s, _) in _RACE.items():
+        c = Candidate(solver, dict(options), step_s=step_s, throughput=1 / step_s)
+        cands.append(c)
+    workload = types.SimpleNamespace(metric_name="accuracy", higher_is_better=True)
+    setting = rec._Setting(Request(workers=4), RunConfig(steps=900, eval_every=4), workload, 1e-3, 1e3)
+    return setting, cands, runs
+
+
+def test_the_staged_search_keeps_the_best_third_at_each_horizon_and_takes_the_rest_to_target(monkeypatch):
+    """Hand-computed: at 0.2 s B (100 steps of 2 ms: 0.5), A (0.4) and D (0.28) lead and go
+    on; at 0.6 s B (180 steps, 0.36 s) and A (450 steps, 0.45 s) have reached the target, two
+    of three, so the best third of the rest (D: 0.84) goes on to the target (643 steps). The
+    six left at 0.2 s rank after them by their accuracy there."""
+    import time as clock
+
+    from distsync.experiments import recommend as rec
+
+    setting, cands, runs = _race(monkeypatch)
+    rec._staged_search(setting, cands, {}, clock.monotonic() + 60, None)
+    names = {c.label: name for name, c in zip(_RACE, cands)}
+    assert runs == [(n, 100 if n == "B" else 200) for n in _RACE] + [("B", 300), ("A", 600), ("D", 600), ("D", 1800)]
+    ranked = rank(cands)
+    assert [names[c.label] for c in ranked] == ["B", "A", "D", "E", "C", "F", "G", "H", "I"]
+    assert [c.time_to_target_s for c in ranked[:3]] == pytest.approx([0.36, 0.45, 0.643])
+    assert [c.steps_to_target for c in ranked[:3]] == [180, 450, 643]
+    assert all(c.horizon_s == pytest.approx(0.2) and c.time_to_target_s is None for c in ranked[3:])
+    assert ranked[3].note.startswith("short horizon: accuracy 0.24 after 0.2 s")
+    assert rec._judged(ranked[3]) == "short horizon (0.2 s)" and rec._judged(ranked[0]) == "to target"
+
+
+def test_the_staged_search_stops_once_three_reach_the_target_within_a_horizon(monkeypatch):
+    """Made fast enough, B, A and D reach the target within 0.2 s: nothing else can beat them
+    to it, and nothing runs after the first horizon."""
+    import time as clock
+
+    from distsync.experiments import recommend as rec
+
+    monkeypatch.setitem(_RACE, "A", ("ma", {"every": 4}, 1e-3, 0.005))
+    monkeypatch.setitem(_RACE, "B", ("ma", {"every": 16}, 2e-3, 0.012))
+    monkeypatch.setitem(_RACE, "D", ("bmuf", {"every": 16}, 1e-3, 0.0046))
+    setting, cands, runs = _race(monkeypatch)
+    rec._staged_search(setting, cands, {}, clock.monotonic() + 60, None)
+    assert len(runs) == len(_RACE)  # the first horizon only
+    ranked = rank(cands)
+    assert [c.label for c in ranked[:3]] == ["ma every=16", "ma every=4", "bmuf every=16"]
+    assert [c.time_to_target_s for c in ranked[:3]] == pytest.approx([0.15, 0.18, 0.196])
+
+
+def test_a_time_budget_spent_in_a_horizon_keeps_what_was_judged_and_says_the_rest_was_not(monkeypatch):
+    import time as clock
+
+    from distsync.experiments import recommend as rec
+
+    setting, cands, runs = _race(monkeypatch, cut_after=4)
+    rec._staged_search(setting, cands, {}, clock.monotonic() + 60, None)
+    assert [name for name, _ in runs] == ["A", "B", "C", "D"]
+    ranked = rank(cands)
+    # the three judged at 0.2 s first (by accuracy there), then the rest by their timing
+    assert [c.label for c in ranked[:3]] == ["ma every=16", "ma every=4", "bmuf every=4"]
+    assert all(rec._judged(c) == "timing only" for c in ranked[3:])
+    assert "time budget was spent" in ranked[-1].note
+
+
+def test_a_short_horizon_is_never_judged_by_the_evaluation_after_the_rules_finish():
+    """A closing average that lifts the model to the target at the horizon's last step is
+    not the run reaching it then: the run went on."""
+    from distsync.experiments import recommend as rec
+    from distsync.sim.train import TrainResult
+
+    res = TrainResult("ma", 2, 10)
+    res.curve = [{"step": 4, "t": 5.0, "metric": 0.5, "final": False},
+                 {"step": 9, "t": 10.0, "metric": 0.95, "final": True}]
+    res.steps_to_target = 10
+    r = rec._Racer(Candidate("ma", {}, step_s=0.1), False, ("ma", "{}"))
+    rec._judge(r, res, 1.0, False, True)
+    assert r.reached_s is None and r.score == 0.5 and r.horizon_s == 1.0
+    assert not rec._reached_in_run(res)
+
+
+def test_the_ranking_puts_horizons_after_targets_the_longest_first_then_timing():
+    a, b, c, d, e = (Candidate(s, {}) for s in "abcde")
+    a.time_to_target_s = 2.0
+    b.trained, b.throughput = True, 5.0  # ran to its step cap without the target
+    c.horizon_s, c.horizon_score = 0.2, 0.9
+    d.horizon_s, d.horizon_score = 0.6, 0.1
+    e.throughput = 100.0  # timing only
+    assert [x.solver for x in rank([e, c, d, b, a])] == ["a", "b", "d", "c", "e"]

@@ -267,3 +267,26 @@ def test_adpsgd_passive_applies_its_gradient_to_the_average_that_landed_during_i
         mean = {n: (lockstep[0][n] + lockstep[1][n]) / 2 for n in lockstep[0]}
         lockstep = [{n: v - LR * grads[w][n] for n, v in mean.items()} for w in range(2)]
     assert _differ(lockstep[1], x[1])
+
+
+def test_a_run_without_its_finish_leaves_the_models_as_they_are_and_a_horizon_stops_it():
+    """finish=False: streaming-diloco's outer step in flight after the last step (every 4
+    steps, merged 1 step late: the one started after step 7 is in flight at the end) is not
+    merged, and
+    the last evaluation is not marked final; with a horizon of 0.035 virtual s an ordered rule
+    (async-ps, 10 ms steps on 2 workers: an evaluation every 2 steps of each, at 0.02, 0.04,
+    ...) stops at the first evaluation at or past it. on_eval sees every evaluation."""
+    w = load_workload("digits")
+    options = {"every": 4, "fragments": 1, "delay": 1}
+    done = simulate_training("streaming-diloco", options, w, 2, 7, batch_size=BATCH, lr=LR, seed=SEED, eval_every=4)
+    cut, seen = [], []
+    moment = simulate_training("streaming-diloco", options, w, 2, 7, batch_size=BATCH, lr=LR, seed=SEED,
+                               eval_every=4, finish=False, on_eval=lambda step, metric: seen.append(step))
+    assert _differ(done.params, moment.params)
+    assert [p["final"] for p in done.curve] == [False, True] and [p["final"] for p in moment.curve] == [False, False]
+    assert seen == [p["step"] for p in moment.curve] == [3, 6]
+    res = simulate_training("async-ps", {}, w, 2, 50, batch_size=BATCH, lr=LR, seed=SEED, eval_every=2,
+                            cluster=Cluster(2, INSTANT, server_apply_bps=1e18), worker_model=WorkerModel(0.01),
+                            horizon_s=0.035, on_eval=lambda step, metric: cut.append(step))
+    res_eval = [p["t"] for p in res.curve]
+    assert res_eval == pytest.approx([0.02, 0.04]) and len(cut) == len(res.curve)

@@ -176,6 +176,10 @@ def _add_sim_commands(sub) -> None:
                     help="run the top K (and allreduce) for real on this machine's emulated devices")
     rc.add_argument("--time-budget", type=finite_float, default=60.0, metavar="S", help="seconds spent on the "
                     "answer (default: 60); what train mode does not reach is judged by its timing, said so")
+    rc.add_argument("--search", choices=("staged", "full"), default="staged",
+                    help="staged (the default): every candidate trained for a short horizon, the best third "
+                         "for a longer one, twice, the rest to the target; full: every candidate to the target, "
+                         "the fastest first, while the time budget lasts")
     rc.add_argument("--verify-seconds", type=finite_float, default=60.0, metavar="S",
                     help="with --verify: each run stops at its target or after S seconds of training (default: 60)")
     add_training_options(rc.add_argument_group(f"{training} (train mode follows it; so do the printed commands)"))
@@ -677,7 +681,8 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
     request = Request(workload=args.workload, workers=args.workers, link=args.link, slow_fraction=args.slow_fraction,
                       slow_factor=args.slow_factor, jitter=args.jitter, device_ms=args.device_ms, solvers=solvers,
                       seed=args.seed, per_message_ms=args.per_message_ms, fit_from=args.fit_from,
-                      budget=args.budget, time_budget_s=args.time_budget, **training_from_args(args))
+                      budget=args.budget, time_budget_s=args.time_budget, search=args.search,
+                      **training_from_args(args))
     if args.verify < 0:
         raise ConfigError(f"--verify must be >= 0, got {args.verify}")
     if not args.verify_seconds > 0:

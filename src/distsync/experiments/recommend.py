@@ -53,9 +53,24 @@ TRAIN_WORKERS_MAX = 16
 TRAIN_STEPS_FACTOR = 2
 #: train mode evaluates this many times as often as the workload's interval
 TRAIN_EVAL_FINER = 4
+#: the staged search (successive halving): every candidate is first trained for a short
+#: horizon of the cluster's (virtual) time, the same for all, and judged by its metric there;
+#: the best 1/HALVING of them go on to a horizon HALVING times longer, RUNGS times; those left
+#: train to the target. The first horizon: the fastest candidate's step cap / HALVING ** RUNGS.
+HALVING = 3
+RUNGS = 2
+#: the search stops once this many candidates reached the target within a horizon: every
+#: candidate still racing is slower to it than they are
+SETTLED = 3
+#: a short horizon's run evaluates at least this many times (its metric at the horizon)
+HORIZON_EVALS = 4
 #: the key, in the cache of train-mode results, of why no candidate gets a time to target
 #: (the value: that reason in one line, and the candidates' note)
 _NO_TIME = ("no", "time to target")
+
+
+#: recommend's searches (``--search``)
+SEARCHES = ("staged", "full")
 
 
 @dataclass
@@ -82,6 +97,9 @@ class Request(Training):
     #: the seconds this machine spends on the answer, measuring and searching: candidates whose
     #: train mode the budget does not reach are judged by their timing alone, and say so
     time_budget_s: float = bounded(60.0, gt=0, flag="--time-budget", note=" seconds")
+    #: "staged" (successive halving: :func:`_staged_search`) or "full" (every candidate to the
+    #: target, the fastest first, while the time budget lasts)
+    search: str = "staged"
 
     def __post_init__(self) -> None:
         # The link and the budget given as text (the command line) become values here.
@@ -89,6 +107,8 @@ class Request(Training):
 
     def check(self) -> None:
         check_ranges(self)
+        if self.search not in SEARCHES:
+            raise ConfigError(f"--search {self.search!r}: valid: {', '.join(SEARCHES)}")
         budget = self.budget
         if budget is not None and budget.limited:
             raise ConfigError(f"--budget {budget.text}: recommend ranks candidates by time to target; give "
@@ -126,6 +146,11 @@ class Candidate:
     refused: str = ""
     #: its rank among its own solver's option sets, 1 for the solver's best (set by :func:`rank`)
     solver_rank: int = 0
+    #: (the staged search) the longest short horizon it was judged at, cluster seconds, and
+    #: its metric there, as "higher is better" (the metric, or its negative): set when it
+    #: was left behind there
+    horizon_s: float | None = None
+    horizon_score: float | None = None
 
     @property
     def label(self) -> str:
@@ -135,7 +160,8 @@ class Candidate:
         return {"solver": self.solver, "options": self.options, "label": self.label,
                 "throughput_samples_per_s": self.throughput, "step_s": self.step_s, "phase_share": self.phase_share,
                 "steps_to_target": self.steps_to_target, "time_to_target_s": self.time_to_target_s,
-                "trained": self.trained, "note": self.note, "solver_rank": self.solver_rank}
+                "trained": self.trained, "note": self.note, "solver_rank": self.solver_rank,
+                "horizon_s": self.horizon_s}
 
 
 def measure_compute(workload: Any, batch_size: int, steps: int = 20) -> tuple[float, float, float]:
@@ -281,26 +307,21 @@ def _runnable(request: Request, training: RunConfig, cands: list[Candidate]) -> 
     return out
 
 
-def _train_steps(s: _Setting, cand: Candidate, cache: dict, deadline: float | None = None) -> None:
+def _train_steps(s: _Setting, cand: Candidate, cache: dict, deadline: float | None = None,
+                 on_eval: Callable[[int, float], None] | None = None) -> None:
     """Steps to target from train mode (the solver's own rule, with the request's training
     options; an order-dependent one in the order its timing model gives on the request's
     cluster at ``n`` workers), cached per rule: lockstep rules do not depend on the servers'
     count."""
-    from distsync.sim.train import ModelNotTrainable, rule_is_ordered, simulate_training
+    from distsync.sim.train import ModelNotTrainable, simulate_training
 
     if _NO_TIME in cache:
         cand.note = cache[_NO_TIME][1]
         return
     request = s.request
     n = min(request.workers, TRAIN_WORKERS_MAX)
-    ordered = rule_is_ordered(cand.solver, cand.options)
-    options = cand.options if ordered else {k: v for k, v in cand.options.items() if k != "servers"}
-    key = (cand.solver, json.dumps(options, sort_keys=True, default=str))
-    steps = s.training.steps * TRAIN_STEPS_FACTOR
-    if ordered and request.slow_fraction > 0:
-        # each worker at its own pace until the job reaches the target: fast workers may take
-        # up to the slow ones' factor times their steps
-        steps = math.ceil(steps * request.slow_factor * (1 + request.jitter))
+    ordered, key = _rule_key(cand)
+    steps = _step_cap(s, ordered)
     if key not in cache and deadline is not None and time.monotonic() > deadline:
         cand.note = f"timing only: the {request.time_budget_s:g} s time budget was spent before its train mode"
         return
@@ -311,7 +332,8 @@ def _train_steps(s: _Setting, cand: Candidate, cache: dict, deadline: float | No
             res = simulate_training(cand.solver, cand.options, s.workload, n, steps, **train_mode_kwargs(s.training),
                                     seed=request.seed, until_target=True, cluster=cluster,
                                     worker_model=worker_model, model_bytes=s.nbytes,
-                                    eval_every=max(1, s.training.eval_every // TRAIN_EVAL_FINER), deadline=deadline)
+                                    eval_every=max(1, s.training.eval_every // TRAIN_EVAL_FINER), deadline=deadline,
+                                    on_eval=on_eval)
             if res.cut_short:  # (not cached: a longer budget would go on)
                 cand.note = (f"timing only: the {request.time_budget_s:g} s time budget ran out in its train mode, "
                              f"after {res.curve[-1]['step'] + 1 if res.curve else 0} steps")
@@ -344,6 +366,197 @@ def _train_steps(s: _Setting, cand: Candidate, cache: dict, deadline: float | No
     # needs about as many steps at the same learning rate), while "the same samples to
     # target" predicted half as many.
     cand.steps_to_target = value
+
+
+def _rule_key(cand: Candidate) -> tuple[bool, tuple[str, str]]:
+    """Whether ``cand``'s rule is order-dependent, and the key its train-mode results are
+    shared under: lockstep rules do not depend on the servers' count."""
+    from distsync.sim.train import rule_is_ordered
+
+    ordered = rule_is_ordered(cand.solver, cand.options)
+    options = cand.options if ordered else {k: v for k, v in cand.options.items() if k != "servers"}
+    return ordered, (cand.solver, json.dumps(options, sort_keys=True, default=str))
+
+
+def _step_cap(s: _Setting, ordered: bool) -> int:
+    """The most steps train mode gives a candidate (per worker, for an order-dependent rule)."""
+    request, steps = s.request, s.training.steps * TRAIN_STEPS_FACTOR
+    if ordered and request.slow_fraction > 0:
+        # each worker at its own pace until the job reaches the target: fast workers may take
+        # up to the slow ones' factor times their steps
+        steps = math.ceil(steps * request.slow_factor * (1 + request.jitter))
+    return steps
+
+
+@dataclass
+class _Racer:
+    """A candidate in the staged search, and where it stands."""
+
+    cand: Candidate
+    ordered: bool
+    key: tuple[str, str]
+    #: its time to target, cluster seconds (reached inside a horizon), and its steps to it
+    reached_s: float | None = None
+    steps_to_target: int | None = None
+    #: the latest horizon it was judged at, and its metric there ("higher is better")
+    horizon_s: float | None = None
+    score: float | None = None
+
+
+class _Stop(Exception):
+    """The staged search ends here: the time budget is spent, or train mode cannot run the model."""
+
+
+def _staged_search(s: _Setting, cands: list[Candidate], cache: dict, deadline: float,
+                   progress: Callable[[str, int, int], None] | None) -> None:
+    """Successive halving over the candidates' train mode (:data:`HALVING`, :data:`RUNGS`),
+    then the survivors to the target (:func:`_train_steps`); a candidate left behind at a
+    horizon keeps its standing there (:attr:`Candidate.horizon_s`); one the time budget did
+    not reach is judged by its timing alone."""
+    if _NO_TIME in cache:
+        for c in cands:
+            c.note = cache[_NO_TIME][1]
+        return
+    racing = [_Racer(c, *_rule_key(c)) for c in cands]
+    horizon = min(_step_cap(s, r.ordered) * r.cand.step_s for r in racing) / HALVING ** RUNGS
+    runs: dict[tuple[str, str], tuple[str, Any]] = {}
+    left = list(racing)
+    try:
+        for rung in range(RUNGS):
+            _rung(s, left, horizon, runs, cache, deadline, progress, f"horizon {rung + 1}/{RUNGS + 1}")
+            left = [r for r in left if not r.cand.refused and not r.cand.note.startswith("timing only")]
+            done = [r for r in left if r.reached_s is not None]
+            if sum(r.reached_s <= horizon for r in done) >= SETTLED:
+                left = []  # the rest are slower to the target than these
+                break
+            going = sorted((r for r in left if r.reached_s is None),
+                           key=lambda r: -math.inf if r.score is None else r.score, reverse=True)
+            keep = max(math.ceil(len(going) / HALVING), SETTLED - len(done))
+            left = going[:keep]
+            horizon *= HALVING
+        for i, r in enumerate(left):  # the last rung: to the target
+            if progress is not None:
+                progress(f"{r.cand.label} (to target)", i, len(left))
+            _train_steps(s, r.cand, cache, deadline, _evaluations(progress, r.cand.label, i, len(left)))
+            if r.cand.note.startswith("timing only"):  # (the budget ran out in it: it keeps its horizon)
+                r.cand.note = ""
+                if r.horizon_s is None:
+                    r.cand.note = f"timing only: the {s.request.time_budget_s:g} s time budget was spent first"
+            elif r.cand.trained:
+                r.horizon_s = None  # judged on its whole run
+    except _Stop:
+        pass
+    for r in racing:
+        c = r.cand
+        if r.reached_s is not None:
+            c.trained, c.steps_to_target = True, r.steps_to_target
+            c.train_time_to_target_s = r.reached_s if r.ordered and _full_size(s) else None
+        elif r.horizon_s is not None and not c.trained and not c.refused:
+            c.horizon_s, c.horizon_score = r.horizon_s, r.score
+            metric = "-" if r.score is None else f"{abs(r.score):.3g}"
+            c.note = (f"short horizon: {s.workload.metric_name} {metric} after {r.horizon_s:.3g} s of the "
+                      f"cluster's time, behind the candidates that went on")
+        elif not c.trained and not c.refused and not c.note:
+            c.note = f"timing only: the {s.request.time_budget_s:g} s time budget was spent before its train mode"
+        _predict(c)
+
+
+def _full_size(s: _Setting) -> bool:
+    """Whether train mode runs the request's whole cluster (an ordered rule's times are then its own)."""
+    return s.request.workers <= TRAIN_WORKERS_MAX
+
+
+def _evaluations(progress: Callable[[str, int, int], None] | None, label: str, done: int,
+                 total: int) -> Callable[[int, float], None] | None:
+    """Train mode's evaluations as progress, every 5 s at most (a long run is never silent)."""
+    if progress is None:
+        return None
+    last = [time.monotonic()]
+
+    def on_eval(step: int, metric: float) -> None:
+        if time.monotonic() - last[0] >= 5:
+            last[0] = time.monotonic()
+            progress(f"{label}: step {step + 1}", done, total)
+
+    return on_eval
+
+
+def _rung(s: _Setting, racers: list[_Racer], horizon: float, runs: dict, cache: dict, deadline: float,
+          progress: Callable[[str, int, int], None] | None, stage: str) -> None:
+    """Train every racer's rule (once per key) for ``horizon`` seconds of the cluster's time,
+    and judge each there: reached the target (its time), or its metric at the horizon. The
+    run is a moment of a longer one: its rule's finish (a closing sync the real run would not
+    have then) does not run."""
+    from distsync.sim.train import ModelNotTrainable, simulate_training
+
+    request, n = s.request, min(s.request.workers, TRAIN_WORKERS_MAX)
+    higher = s.workload.higher_is_better
+    groups: dict[tuple[str, str], list[_Racer]] = {}
+    for r in racers:
+        groups.setdefault(r.key, []).append(r)
+    for i, (key, group) in enumerate(groups.items()):
+        head = group[0]
+        own_time = head.ordered and _full_size(s)  # (its curve's times are the cluster's)
+        cap = _step_cap(s, head.ordered)
+        # (less a hair: a horizon of exactly k steps is k steps, whatever the floats' rounding)
+        steps = min(cap, math.ceil(horizon / min(r.cand.step_s for r in group)
+                                   * (cap / (s.training.steps * TRAIN_STEPS_FACTOR)) - 1e-9))
+        have = runs.get(key)
+        if have is None or (have[0] == "ok" and have[2] < steps and not _reached_in_run(have[1])):
+            if progress is not None:
+                progress(f"{head.cand.label} ({stage}, {horizon:.3g} s)", i, len(groups))
+            if time.monotonic() > deadline:
+                raise _Stop
+            cluster, worker_model = _train_cluster(request, n, s.compute_s) if head.ordered else (None, None)
+            base = max(1, s.training.eval_every // TRAIN_EVAL_FINER)
+            try:
+                res = simulate_training(head.cand.solver, head.cand.options, s.workload, n, steps,
+                                        **train_mode_kwargs(s.training), seed=request.seed, until_target=True,
+                                        cluster=cluster, worker_model=worker_model, model_bytes=s.nbytes,
+                                        eval_every=max(1, min(base, steps // HORIZON_EVALS)), deadline=deadline,
+                                        horizon_s=horizon if own_time else None, finish=False,
+                                        on_eval=_evaluations(progress, head.cand.label, i, len(groups)))
+            except ModelNotTrainable as e:
+                cache[_NO_TIME] = (str(e), "timing only: train mode cannot run this model")
+                for r in racers:
+                    r.cand.note = cache[_NO_TIME][1]
+                raise _Stop from None
+            except ModelRefused as e:
+                runs[key] = ("refused", str(e), 0)
+            except ConfigError as e:
+                runs[key] = ("no rule", str(e), 0)
+            else:
+                if res.cut_short:
+                    raise _Stop
+                runs[key] = ("ok", res, steps)
+        kind, res, _ = runs[key]
+        for r in group:
+            if kind == "refused":
+                r.cand.refused = res
+            elif kind == "no rule":
+                r.cand.note = f"timing only: {res}"
+            else:
+                _judge(r, res, horizon, own_time, higher)
+
+
+def _reached_in_run(res: Any) -> bool:
+    """Whether run ``res`` reached the target at an evaluation during it (until_target stops
+    there), not only at the one after its rule's finish."""
+    return res.steps_to_target is not None and bool(res.curve) and not res.curve[-1].get("final")
+
+
+def _judge(r: _Racer, res: Any, horizon: float, own_time: bool, higher: bool) -> None:
+    """Where racer ``r`` stands after its rule's run ``res``, at ``horizon``."""
+    def at(point: dict[str, Any]) -> float:  # a curve point's time, the cluster's seconds
+        return point["t"] if own_time else (point["step"] + 1) * r.cand.step_s
+
+    points = [p for p in res.curve if not p.get("final")]
+    if _reached_in_run(res):
+        r.reached_s, r.steps_to_target = at(points[-1]), res.steps_to_target
+        return
+    seen = [p for p in points if at(p) <= horizon * (1 + 1e-9)]
+    r.horizon_s = horizon
+    r.score = None if not seen else (seen[-1]["metric"] if higher else -seen[-1]["metric"])
 
 
 def _timing(s: _Setting, cand: Candidate) -> None:
@@ -424,15 +637,24 @@ def _judged(cand: Candidate) -> str:
     model train mode has not)."""
     if cand.time_to_target_s is not None:
         return "to target"
+    if cand.horizon_s is not None:
+        return f"short horizon ({cand.horizon_s:.3g} s)"
     return "timing only" if cand.note.startswith("timing only") else "train mode: target not reached"
 
 
 def rank(cands: list[Candidate]) -> list[Candidate]:
-    """Predicted time to target first (fastest first); then those without one, by throughput.
-    Sets each candidate's ``solver_rank``: its place among its own solver's option sets."""
+    """Predicted time to target first (fastest first); then those train mode ran to its step
+    cap without reaching it, by throughput; then those left behind at a short horizon, the
+    longest horizon first and, at one horizon, the best metric there first; then those
+    judged by their timing alone, by throughput. Sets each candidate's ``solver_rank``: its
+    place among its own solver's option sets."""
     with_time = sorted((c for c in cands if c.time_to_target_s is not None), key=lambda c: c.time_to_target_s)
-    rest = sorted((c for c in cands if c.time_to_target_s is None), key=lambda c: -c.throughput)
-    ranked = with_time + rest
+    rest = [c for c in cands if c.time_to_target_s is None]
+    capped = sorted((c for c in rest if c.horizon_s is None and c.trained), key=lambda c: -c.throughput)
+    behind = sorted((c for c in rest if c.horizon_s is not None),
+                    key=lambda c: (-c.horizon_s, math.inf if c.horizon_score is None else -c.horizon_score))
+    timing = sorted((c for c in rest if c.horizon_s is None and not c.trained), key=lambda c: -c.throughput)
+    ranked = with_time + capped + behind + timing
     seen: dict[str, int] = {}
     for c in ranked:
         seen[c.solver] = c.solver_rank = seen.get(c.solver, 0) + 1
@@ -479,12 +701,15 @@ def recommend(request: Request, on_step: Callable[[str, int, int], None] | None 
     t0 = time.perf_counter()
     for cand in cands:  # every candidate's timing first (seconds in all)
         _timing(setting, cand)
-    # then train mode, the fastest first, while the time budget lasts
-    for i, cand in enumerate(sorted(cands, key=lambda c: -c.throughput)):
-        if on_step is not None:
-            on_step(cand.label, i, len(cands))
-        _train_steps(setting, cand, cache, deadline)
-        _predict(cand)
+    # then train mode, while the time budget lasts
+    if request.search == "staged":
+        _staged_search(setting, cands, cache, deadline, on_step)
+    else:
+        for i, cand in enumerate(sorted(cands, key=lambda c: -c.throughput)):  # the fastest first
+            if on_step is not None:
+                on_step(cand.label, i, len(cands))
+            _train_steps(setting, cand, cache, deadline, _evaluations(on_step, cand.label, i, len(cands)))
+            _predict(cand)
     if on_step is not None:
         on_step("done", len(cands), len(cands))
     cands, left_out = _fitting(request, cands)

@@ -66,7 +66,9 @@ class TrainResult:
     solver: str
     workers: int
     steps: int
-    curve: list[dict[str, float]] = field(default_factory=list)  # step, t (virtual s), metric, loss
+    #: step, t (virtual s), metric, loss, and final: True on the evaluation after the rule's
+    #: finish (a closing sync: an evaluation of the run's end, not of a moment in it)
+    curve: list[dict[str, float]] = field(default_factory=list)
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # stacked, [workers, ...]
     center: dict[str, torch.Tensor] | None = None  # a center's parameters, for solvers that keep one
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # those the forward writes, stacked
@@ -91,7 +93,8 @@ def simulate_training(solver: str, options: dict[str, Any], workload: Workload, 
                       optimizer: str = "sgd", momentum: float = 0.0, weight_decay: float = 0.0,
                       precision: str = "fp32", lars_eta: float = 0.001, embedding_servers: int | None = None,
                       embedding_lr: float | None = None, embedding_optimizer: str = "adagrad",
-                      deadline: float | None = None) -> TrainResult:
+                      deadline: float | None = None, horizon_s: float | None = None,
+                      on_eval: Callable[[int, float], None] | None = None, finish: bool = True) -> TrainResult:
     """Train ``workers`` stacked replicas of ``workload``'s model with ``solver``'s rule, each
     replica stepping locally with its own optimizer as the runtime builds it from
     ``optimizer`` (sgd, adam, adamw, lars), ``momentum``, ``weight_decay`` and ``lars_eta``
@@ -103,7 +106,11 @@ def simulate_training(solver: str, options: dict[str, Any], workload: Workload, 
     solver, each replica's sparse gradient applied with ``embedding_optimizer`` (adagrad, sgd)
     at ``embedding_lr`` (None: the workload's, else ``lr``). ``wall_s``: the virtual duration of
     the run (from the timing model); the curve's times scale with it. ``until_target``: stop at
-    the first evaluation reaching the target; ``deadline`` (monotonic): after it (``cut_short``).
+    the first evaluation reaching the target; ``deadline`` (monotonic): after it (``cut_short``);
+    ``horizon_s``: at the first evaluation at or past that virtual time. ``on_eval(step,
+    metric)``: called at every evaluation (a caller's progress). ``finish=False``: the run is
+    a moment of a longer one: its rule's finish (a closing sync) does not run, and its last
+    evaluation is of the models as they are.
 
     An order-dependent solver's rule runs inside its timing model, on ``cluster`` (default:
     ``workers`` on a 10 Gbit/s link) with ``worker_model``'s compute per step (default: 10 ms
@@ -149,14 +156,15 @@ def simulate_training(solver: str, options: dict[str, Any], workload: Workload, 
                                       model_bytes or _nbytes(stack), isinstance(rule, OrderedRule), wall_s)
     result = TrainResult(solver, workers, steps)
     report = _reporter(result, workload, replica_math, bufs, rule, stack,
-                       budget.target_value if budget is not None else None, until_target, deadline)
+                       budget.target_value if budget is not None else None, until_target, deadline, horizon_s,
+                       on_eval)
     if isinstance(rule, OrderedRule):
         if model_bytes is None:
             model_bytes = _nbytes(stack)
         result.steps_by = _run_ordered(cls, o, rule, solver, workers, steps, batch_size, seed, eval_every, wall_s,
-                                       report, cluster, worker_model, model_bytes, budget)
+                                       report, cluster, worker_model, model_bytes, budget, finish)
     else:
-        _run_lockstep(rule, workload, samplers, bufs, replica_math, stack, steps, eval_every, wall_s, report)
+        _run_lockstep(rule, workload, samplers, bufs, replica_math, stack, steps, eval_every, wall_s, report, finish)
     result.params = {n: stack[n] for n in names}
     result.tables = served.tables
     result.buffers, result.buffer_policy = bufs.stack, policy
@@ -210,9 +218,11 @@ def _simulate_rule(cls, o, ctx: "TrainContext", solver: str, optimizer: str, mom
 
 def _reporter(result: TrainResult, workload: Workload, replica_math: "_ReplicaMath", bufs: "_Buffers", rule,
               stack: dict[str, torch.Tensor], target_value: float | None,
-              until_target: bool, deadline: float | None = None) -> Callable[[int, float], bool]:
-    """``report(step, t)``: an evaluation after ``step`` steps at virtual time ``t``, kept in
-    ``result``; True: stop here (``until_target``, and the target is reached; or past
+              until_target: bool, deadline: float | None = None, horizon_s: float | None = None,
+              on_eval: Callable[[int, float], None] | None = None) -> Callable[..., bool]:
+    """``report(step, t, final=False)``: an evaluation after ``step`` steps at virtual time
+    ``t`` (``final``: after the rule's finish), kept in ``result``; True: stop here
+    (``until_target``, and the target is reached; at or past ``horizon_s``; or past
     ``deadline``, ``result.cut_short`` set)."""
 
     def reached(metric: float) -> bool:
@@ -220,14 +230,19 @@ def _reporter(result: TrainResult, workload: Workload, replica_math: "_ReplicaMa
             return workload.reached(metric)
         return metric >= target_value if workload.higher_is_better else metric <= target_value
 
-    def report(step: int, t: float) -> bool:
+    def report(step: int, t: float, final: bool = False) -> bool:
         """An evaluation after ``step`` steps at virtual time ``t``; True: stop here."""
         result.eval_buffers = bufs.evaluated(rule.eval_buffers())
         metric, loss_value = _evaluate(workload, replica_math, rule.eval_params(stack), result.eval_buffers)
-        result.curve.append({"step": step, "t": t, "metric": metric, "loss": loss_value})
+        result.curve.append({"step": step, "t": t, "metric": metric, "loss": loss_value, "final": final})
+        if on_eval is not None:
+            on_eval(step, metric)
         if result.time_to_target_s is None and reached(metric):
             result.time_to_target_s, result.steps_to_target = t, step + 1
-            return until_target
+            if until_target:
+                return True
+        if horizon_s is not None and t >= horizon_s:
+            return True
         if deadline is not None and time.monotonic() > deadline:
             result.cut_short = True
             return True
@@ -238,18 +253,20 @@ def _reporter(result: TrainResult, workload: Workload, replica_math: "_ReplicaMa
 
 def _run_lockstep(rule, workload: Workload, samplers: list[ShardSampler], bufs: "_Buffers",
                   replica_math: "_ReplicaMath", stack: dict[str, torch.Tensor], steps: int, eval_every: int,
-                  wall_s: float | None, report: Callable[[int, float], bool]) -> None:
+                  wall_s: float | None, report: Callable[..., bool], finish: bool = True) -> None:
     """A lockstep rule's run: every replica's gradient on its batch, then the rule, step by
-    step; an evaluation every ``eval_every`` steps and at the end (``report``)."""
+    step; an evaluation every ``eval_every`` steps and at the end (``report``), after the
+    rule's finish (``finish``)."""
     pace = (wall_s / steps) if wall_s else 1.0
     for step in range(steps):
         batches = [workload.take(workload.train_data, s.indices(step)) for s in samplers]
         bufs.broadcast()
         g = replica_math.gradients(stack, bufs.stack, batches, step)
         rule(step, g)
-        if step + 1 == steps:
+        last = step + 1 == steps
+        if last and finish:
             rule.finish()
-        if ((step + 1) % eval_every == 0 or step + 1 == steps) and report(step, pace * (step + 1)):
+        if ((step + 1) % eval_every == 0 or last) and report(step, pace * (step + 1), last and finish):
             break
 
 
@@ -293,7 +310,7 @@ def _budget_steps(solver: str, options: dict[str, Any], budget: Any, workers: in
 
 def _run_ordered(cls, o, rule: "OrderedRule", solver: str, workers: int, steps: int, batch_size: int, seed: int,
                  eval_every: int, wall_s: float | None, report, cluster: Any, worker_model: Any,
-                 nbytes: float, budget: Any = None) -> list[int]:
+                 nbytes: float, budget: Any = None, finish: bool = True) -> list[int]:
     """Run ``cls``'s timing model with ``rule`` attached: the rule's hooks apply the math in
     the order of virtual time; an evaluation whenever the workers have taken ``eval_every``
     more steps on average, at that moment's virtual time, and one of the final model (after
@@ -337,8 +354,9 @@ def _run_ordered(cls, o, rule: "OrderedRule", solver: str, workers: int, steps: 
         if rule.steps_done != workers * steps:
             raise ConfigError(f"solver {solver!r}: its timing model ran {rule.steps_done} of {workers * steps} steps "
                               f"of its ordered rule (its blocks do not call the rule's hooks)")
-    rule.finish()
-    report(max(0, rule.steps_done // workers - 1), float(last[0]) * scale[0])
+    if finish:
+        rule.finish()
+    report(max(0, rule.steps_done // workers - 1), float(last[0]) * scale[0], finish)
     return took
 
 
