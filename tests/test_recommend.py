@@ -540,3 +540,43 @@ def test_the_ranking_puts_horizons_after_targets_the_longest_first_then_timing()
     d.horizon_s, d.horizon_score = 0.6, 0.1
     e.throughput = 100.0  # timing only
     assert [x.solver for x in rank([e, c, d, b, a])] == ["a", "b", "d", "c", "e"]
+
+
+def test_the_first_pick_is_said_to_be_unsettled_when_another_is_within_the_uncertainty():
+    """allreduce: 1.00 s to target at 100 steps read every 10; ma every=4: 1.05 s, read every
+    step; local every 16: 3 s. On a link that costs nothing a step takes its compute: with the
+    compute measured anywhere in 9-11 ms (10 ms the median) allreduce may take 0.9 x 91/100
+    to 1.1 s, and ma from 0.945 s: level. Compute given (no spread): allreduce 0.91-1.00 s,
+    ma 1.05 s: the first pick stands alone. Beyond twice the first: never looked at."""
+    import types
+
+    from distsync.config import RunConfig
+    from distsync.experiments import recommend as rec
+
+    def setting():
+        request = Request(workers=4, link="1000000gbit")
+        return rec._Setting(request, RunConfig(steps=100, batch_size=32), types.SimpleNamespace(), 0.010, 1e3)
+
+    def cands():
+        out = []
+        for solver, options, ttt, grain in (("allreduce", {}, 1.0, 10), ("ma", {"every": 4}, 1.05, 1),
+                                            ("ma", {"every": 16}, 3.0, 1)):
+            c = Candidate(solver, options, steps_to_target=100, time_to_target_s=ttt, grain_steps=grain)
+            rec._timing(setting(), c)
+            out.append(c)
+        return out
+
+    ranked = cands()
+    level = rec.uncertainty(setting(), ranked, [0.009, 0.011])
+    assert [c.label for c in level] == ["allreduce", "ma every=4"]
+    assert ranked[0].time_to_target_range_s == pytest.approx((0.9 * 0.91, 1.1), rel=1e-3)
+    assert ranked[1].time_to_target_range_s == pytest.approx((0.9 * 1.05, 1.1 * 1.05), rel=1e-3)
+    assert ranked[2].time_to_target_range_s is None
+    result = {"within_uncertainty": [c.label for c in level],
+              "ranked": [{"label": c.label, "time_to_target_range_s": c.time_to_target_range_s} for c in ranked]}
+    assert rec.uncertainty_line(result).startswith("the first pick is not settled: within the answer's uncertainty")
+    assert "allreduce (0.819-1.1 s), ma every=4 (0.945-1.15 s); any of them" in rec.uncertainty_line(result)
+    ranked = cands()
+    assert [c.label for c in rec.uncertainty(setting(), ranked, None)] == ["allreduce"]
+    assert ranked[0].time_to_target_range_s == pytest.approx((0.91, 1.0), rel=1e-3)
+    assert rec.uncertainty_line({"within_uncertainty": ["allreduce"], "ranked": []}) == ""

@@ -673,7 +673,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 def _cmd_recommend(args: argparse.Namespace) -> int:
     from distsync.errors import ConfigError
-    from distsync.experiments.recommend import Request, left_out_lines, recommend, tables_note, verify, write_outputs
+    from distsync.experiments.recommend import (Request, left_out_lines, recommend, tables_note, uncertainty_line,
+                                                verify, write_outputs)
     from distsync.options import training_from_args
     from distsync.runtime.run_folder import out_or_default, workload_tag
 
@@ -716,6 +717,9 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
         _stdout().print(line, highlight=False, soft_wrap=True)
     if result.get("no_time_to_target"):  # (ranked by throughput only: say why, once)
         _stdout().print(f"no time to target: {result['no_time_to_target']}", highlight=False, soft_wrap=True)
+    tied = uncertainty_line(result)
+    if tied:
+        _stdout().print(tied, highlight=False, soft_wrap=True)
     best = result["ranked"][0]
     _stdout().print(f"run it: {best['command']}", highlight=False, soft_wrap=True)
     for v in result.get("verify", []):

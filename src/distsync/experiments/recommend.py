@@ -151,6 +151,11 @@ class Candidate:
     #: was left behind there
     horizon_s: float | None = None
     horizon_score: float | None = None
+    #: the steps between the evaluations its steps to target was read at (the target was
+    #: crossed somewhere in the last such stretch)
+    grain_steps: int = 1
+    #: its time to target at the ends of the measurement's uncertainty (:func:`uncertainty`)
+    time_to_target_range_s: tuple[float, float] | None = None
 
     @property
     def label(self) -> str:
@@ -161,7 +166,7 @@ class Candidate:
                 "throughput_samples_per_s": self.throughput, "step_s": self.step_s, "phase_share": self.phase_share,
                 "steps_to_target": self.steps_to_target, "time_to_target_s": self.time_to_target_s,
                 "trained": self.trained, "note": self.note, "solver_rank": self.solver_rank,
-                "horizon_s": self.horizon_s}
+                "horizon_s": self.horizon_s, "time_to_target_range_s": self.time_to_target_range_s}
 
 
 def measure_compute(workload: Any, batch_size: int, steps: int = 20) -> tuple[float, float, float]:
@@ -340,7 +345,7 @@ def _train_steps(s: _Setting, cand: Candidate, cache: dict, deadline: float | No
                 return
             # an ordered rule on the request's whole cluster: its event loop's own time to target
             at = res.time_to_target_s if ordered and n == request.workers else None
-            cache[key] = ("ok", (res.steps_to_target, at))
+            cache[key] = ("ok", (res.steps_to_target, at, max(1, s.training.eval_every // TRAIN_EVAL_FINER)))
         except ModelNotTrainable as e:  # whatever the solver: the others are not tried
             cache[_NO_TIME] = (str(e), "timing only: train mode cannot run this model")
             cand.note = cache[_NO_TIME][1]
@@ -357,7 +362,7 @@ def _train_steps(s: _Setting, cand: Candidate, cache: dict, deadline: float | No
         cand.note = f"timing only: {value}"
         return
     cand.trained = True
-    value, cand.train_time_to_target_s = value
+    value, cand.train_time_to_target_s, cand.grain_steps = value
     if value is None:
         cand.note = f"did not reach the target in {steps} steps (train mode)"
         return
@@ -395,9 +400,11 @@ class _Racer:
     cand: Candidate
     ordered: bool
     key: tuple[str, str]
-    #: its time to target, cluster seconds (reached inside a horizon), and its steps to it
+    #: its time to target, cluster seconds (reached inside a horizon), its steps to it, and
+    #: the steps between the evaluations they were read at
     reached_s: float | None = None
     steps_to_target: int | None = None
+    grain_steps: int = 1
     #: the latest horizon it was judged at, and its metric there ("higher is better")
     horizon_s: float | None = None
     score: float | None = None
@@ -449,7 +456,7 @@ def _staged_search(s: _Setting, cands: list[Candidate], cache: dict, deadline: f
     for r in racing:
         c = r.cand
         if r.reached_s is not None:
-            c.trained, c.steps_to_target = True, r.steps_to_target
+            c.trained, c.steps_to_target, c.grain_steps = True, r.steps_to_target, r.grain_steps
             c.train_time_to_target_s = r.reached_s if r.ordered and _full_size(s) else None
         elif r.horizon_s is not None and not c.trained and not c.refused:
             c.horizon_s, c.horizon_score = r.horizon_s, r.score
@@ -522,14 +529,14 @@ def _rung(s: _Setting, racers: list[_Racer], horizon: float, runs: dict, cache: 
                     r.cand.note = cache[_NO_TIME][1]
                 raise _Stop from None
             except ModelRefused as e:
-                runs[key] = ("refused", str(e), 0)
+                runs[key] = ("refused", str(e), 0, 1)
             except ConfigError as e:
-                runs[key] = ("no rule", str(e), 0)
+                runs[key] = ("no rule", str(e), 0, 1)
             else:
                 if res.cut_short:
                     raise _Stop
-                runs[key] = ("ok", res, steps)
-        kind, res, _ = runs[key]
+                runs[key] = ("ok", res, steps, max(1, min(base, steps // HORIZON_EVALS)))
+        kind, res, *_ = runs[key]
         for r in group:
             if kind == "refused":
                 r.cand.refused = res
@@ -537,6 +544,7 @@ def _rung(s: _Setting, racers: list[_Racer], horizon: float, runs: dict, cache: 
                 r.cand.note = f"timing only: {res}"
             else:
                 _judge(r, res, horizon, own_time, higher)
+                r.grain_steps = runs[key][3]
 
 
 def _reached_in_run(res: Any) -> bool:
@@ -573,6 +581,32 @@ def _timing(s: _Setting, cand: Candidate) -> None:
     cand.throughput = request.workers / cand.step_s * batch
     cand.phase_share = summary["phase_share"]
     cand.syncs_per_step = summary.get("syncs_per_step")
+
+
+def uncertainty(s: _Setting, ranked: list[Candidate], spread: list[float] | None) -> list[Candidate]:
+    """The candidates whose time to target may be the first pick's, within what the answer
+    cannot tell apart: a step's compute anywhere in its measured 10th-90th percentiles
+    (``spread``; None: given, not measured), and the target crossed anywhere in the stretch
+    between the evaluations its steps to target was read at. Sets each such candidate's
+    :attr:`~Candidate.time_to_target_range_s` (timing re-simulated at both ends); the first
+    pick first, then those whose range reaches below the top of the first pick's."""
+    timed = [c for c in ranked if c.time_to_target_s is not None]
+    if not timed:
+        return []
+    first = timed[0]
+    for c in timed:
+        if c.time_to_target_s > 2 * first.time_to_target_s and c is not first:
+            break  # (beyond twice the first pick's: no spread of a step's compute brings it level)
+        ends = []
+        for compute in (spread or [s.compute_s, s.compute_s]):
+            at = Candidate(c.solver, dict(c.options))
+            _timing(dataclasses.replace(s, compute_s=compute), at)
+            ends.append(c.time_to_target_s * at.step_s / c.step_s)
+        steps = c.steps_to_target or 1
+        crossed = max(1, steps - c.grain_steps + 1) / steps  # (the earliest the target may have been crossed)
+        c.time_to_target_range_s = (min(ends) * crossed, max(ends))
+    top = first.time_to_target_range_s[1]
+    return [c for c in timed if c.time_to_target_range_s is not None and c.time_to_target_range_s[0] <= top]
 
 
 def _predict(cand: Candidate) -> None:
@@ -714,6 +748,7 @@ def recommend(request: Request, on_step: Callable[[str, int, int], None] | None 
         on_step("done", len(cands), len(cands))
     cands, left_out = _fitting(request, cands)
     ranked = rank(cands)
+    level = uncertainty(setting, ranked, spread if measured_here else None)
     baseline = next((c for c in cands if c.solver == "allreduce" and not c.options), None)
     rows = []
     for c in ranked:
@@ -731,6 +766,7 @@ def recommend(request: Request, on_step: Callable[[str, int, int], None] | None 
             "train_workers": min(request.workers, TRAIN_WORKERS_MAX),
             "no_time_to_target": cache[_NO_TIME][0] if _NO_TIME in cache else None,
             "target": workload.target, "metric": workload.metric_name,
+            "within_uncertainty": [c.label for c in level],
             "search_seconds": time.perf_counter() - t0, "answer_seconds": time.monotonic() - began,
             "ranked": rows, "left_out": left_out}
 
@@ -740,6 +776,19 @@ def tables_note(result: dict[str, Any]) -> str:
     tables = result.get("tables_on_servers_bytes") or 0
     return (f" synchronized (its embedding tables, {tables / 1e6:.3g} MB, sit on embedding servers: the time of "
             f"their lookups and pushes is not simulated)" if tables else "")
+
+
+def uncertainty_line(result: dict[str, Any]) -> str:
+    """"the first pick is not settled: ..." when others are within the answer's uncertainty
+    ("" when the first pick stands alone, or has no time to target)."""
+    level = result.get("within_uncertainty") or []
+    if len(level) < 2:
+        return ""
+    rows = {r["label"]: r for r in result["ranked"]}
+    shown = ", ".join(f"{label} ({rows[label]['time_to_target_range_s'][0]:.3g}-"
+                      f"{rows[label]['time_to_target_range_s'][1]:.3g} s)" for label in level)
+    return (f"the first pick is not settled: within the answer's uncertainty (a step's compute anywhere in its "
+            f"measured spread, the target crossed anywhere between two evaluations) are {shown}; any of them")
 
 
 def left_out_lines(result: dict[str, Any]) -> list[str]:
@@ -840,6 +889,9 @@ def write_outputs(out: Path, result: dict[str, Any]) -> Path:
     if result.get("no_time_to_target"):
         lines += [f"No time to target (ranked by throughput): {result['no_time_to_target']}.", ""]
     lines += [f"{line[0].upper()}{line[1:]}.\n" for line in left_out_lines(result)]
+    tied = uncertainty_line(result)
+    if tied:
+        lines += [f"{tied[0].upper()}{tied[1:]}.", ""]
     lines += ["| rank | solver | predicted time to target (s) | samples/s | waiting | why | command |",
               "|---|---|---|---|---|---|---|"]
     for i, r in enumerate(result["ranked"], 1):
