@@ -414,12 +414,12 @@ _RACE = {"A": ("ma", {"every": 4}, 1e-3, 0.002), "B": ("ma", {"every": 16}, 2e-3
          "I": ("allreduce", {}, 1e-3, 0.0003)}
 
 
-def _race(monkeypatch, cut_after: int | None = None):
+def _race(monkeypatch, cut_after: int | None = None, cost: dict | None = None):
     """The candidates of :data:`_RACE` and a stand-in ``simulate_training`` (every
     evaluation a point; the last one, after the rule's finish unless ``finish=False``,
     marked final) that records
     each run's (name, steps) and, from the ``cut_after``-th run on, reports the deadline
-    passed at once."""
+    passed at once; train mode's cost here, ``cost`` (default: nothing)."""
     import types
 
     from distsync.config import RunConfig
@@ -452,12 +452,13 @@ def _race(monkeypatch, cut_after: int | None = None):
         return res
 
     monkeypatch.setattr(train, "simulate_training", simulate_training)
+    monkeypatch.setattr(train, "train_mode_cost", lambda *a, **k: cost or {"step_s": 0.0, "one_s": 0.0, "eval_s": 0.0})
     cands = []
     for name, (solver, options, step_s, _) in _RACE.items():
         c = Candidate(solver, dict(options), step_s=step_s, throughput=1 / step_s)
         cands.append(c)
     workload = types.SimpleNamespace(metric_name="accuracy", higher_is_better=True)
-    setting = rec._Setting(Request(workers=4), RunConfig(steps=900, eval_every=4), workload, 1e-3, 1e3)
+    setting = rec._Setting(Request(workers=8), RunConfig(steps=900, eval_every=4), workload, 1e-3, 1e3)
     return setting, cands, runs
 
 
@@ -473,7 +474,9 @@ def test_the_staged_search_keeps_the_best_third_at_each_horizon_and_takes_the_re
     setting, cands, runs = _race(monkeypatch)
     rec._staged_search(setting, cands, {}, clock.monotonic() + 60, None)
     names = {c.label: name for name, c in zip(_RACE, cands)}
-    assert runs == [(n, 100 if n == "B" else 200) for n in _RACE] + [("B", 300), ("A", 600), ("D", 600), ("D", 1800)]
+    # (each horizon's runs the fastest steps first: B's are 2 ms)
+    assert runs == ([(n, 200) for n in _RACE if n != "B"] + [("B", 100)]
+                    + [("A", 600), ("D", 600), ("B", 300), ("D", 1800)])
     ranked = rank(cands)
     assert [names[c.label] for c in ranked] == ["B", "A", "D", "E", "C", "F", "G", "H", "I"]
     assert [c.time_to_target_s for c in ranked[:3]] == pytest.approx([0.36, 0.45, 0.643])
@@ -508,10 +511,10 @@ def test_a_time_budget_spent_in_a_horizon_keeps_what_was_judged_and_says_the_res
 
     setting, cands, runs = _race(monkeypatch, cut_after=4)
     rec._staged_search(setting, cands, {}, clock.monotonic() + 60, None)
-    assert [name for name, _ in runs] == ["A", "B", "C", "D"]
+    assert [name for name, _ in runs] == ["A", "C", "D", "E"]  # (the fastest steps first)
     ranked = rank(cands)
     # the three judged at 0.2 s first (by accuracy there), then the rest by their timing
-    assert [c.label for c in ranked[:3]] == ["ma every=16", "ma every=4", "bmuf every=4"]
+    assert [c.label for c in ranked[:3]] == ["ma every=4", "bmuf every=16", "bmuf every=4"]
     assert all(rec._judged(c) == "timing only" for c in ranked[3:])
     assert "time budget was spent" in ranked[-1].note
 
@@ -580,3 +583,23 @@ def test_the_first_pick_is_said_to_be_unsettled_when_another_is_within_the_uncer
     assert [c.label for c in rec.uncertainty(setting(), ranked, None)] == ["allreduce"]
     assert ranked[0].time_to_target_range_s == pytest.approx((0.91, 1.0), rel=1e-3)
     assert rec.uncertainty_line({"within_uncertainty": ["allreduce"], "ranked": []}) == ""
+
+
+def test_the_plan_halves_the_replicas_then_shortens_the_first_horizon_to_fit_the_budget(monkeypatch):
+    """Nine lockstep keys, eight at 200 steps to the first horizon (0.2 s) and one (2 ms
+    steps) at 100: 1700 steps. At 8 replicas a step costs 10 ms and an evaluation 20 ms (5 a
+    run): 17 + 0.9 = 17.9 s. Given 6 s: 4 replicas, 8.95 s; 2 replicas, 4.475 s: it fits.
+    Given 2 s: at 2 replicas still 4.475 s, so the horizon is cut to 0.2 x 2 / 4.475."""
+    from distsync.experiments import recommend as rec
+
+    setting, cands, _ = _race(monkeypatch, cost={"step_s": 0.010, "one_s": 0.002, "eval_s": 0.020})
+    racers = [rec._Racer(c, *rec._rule_key(c)) for c in cands]
+    planned, horizon, line = rec._plan(setting, racers, 0.2, 6.0)
+    assert (planned.train_workers, horizon) == (2, pytest.approx(0.2))
+    assert line.startswith("train mode at 2 replicas (not 8), first horizon 0.2 s of the cluster's time: a step of 8 "
+                           "replicas costs 10 ms here, an evaluation 20 ms; the first horizon's runs about 4.4")
+    planned, horizon, line = rec._plan(setting, racers, 0.2, 2.0)
+    assert (planned.train_workers, horizon) == (2, pytest.approx(0.2 * 2 / 4.475))
+    assert "(shortened)" in line
+    assert rec._plan(setting, racers, 0.2, 20.0)[:2] == (setting, pytest.approx(0.2))
+    assert setting.train_workers == 8 and not rec._full_size(planned) and rec._full_size(setting)

@@ -266,6 +266,13 @@ class _Setting:
     compute_s: float
     #: the model's parameters, bytes
     nbytes: float
+    #: the replicas train mode runs (at most :data:`TRAIN_WORKERS_MAX`; fewer where a step of
+    #: the model costs more than the time budget allows: :func:`_plan`)
+    train_workers: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.train_workers:
+            self.train_workers = min(self.request.workers, TRAIN_WORKERS_MAX)
 
 
 def _resolve(request: Request) -> tuple[RunConfig, Any]:
@@ -323,8 +330,7 @@ def _train_steps(s: _Setting, cand: Candidate, cache: dict, deadline: float | No
     if _NO_TIME in cache:
         cand.note = cache[_NO_TIME][1]
         return
-    request = s.request
-    n = min(request.workers, TRAIN_WORKERS_MAX)
+    request, n = s.request, s.train_workers
     ordered, key = _rule_key(cand)
     steps = _step_cap(s, ordered)
     if key not in cache and deadline is not None and time.monotonic() > deadline:
@@ -415,17 +421,27 @@ class _Stop(Exception):
 
 
 def _staged_search(s: _Setting, cands: list[Candidate], cache: dict, deadline: float,
-                   progress: Callable[[str, int, int], None] | None) -> None:
+                   progress: Callable[[str, int, int], None] | None) -> tuple[_Setting, str]:
     """Successive halving over the candidates' train mode (:data:`HALVING`, :data:`RUNGS`),
     then the survivors to the target (:func:`_train_steps`); a candidate left behind at a
     horizon keeps its standing there (:attr:`Candidate.horizon_s`); one the time budget did
-    not reach is judged by its timing alone."""
+    not reach is judged by its timing alone. The replicas and the first horizon are sized to
+    the time budget (:func:`_plan`); returns the setting trained with and the plan's line."""
+    from distsync.sim.train import ModelNotTrainable
+
     if _NO_TIME in cache:
         for c in cands:
             c.note = cache[_NO_TIME][1]
-        return
+        return s, ""
     racing = [_Racer(c, *_rule_key(c)) for c in cands]
     horizon = min(_step_cap(s, r.ordered) * r.cand.step_s for r in racing) / HALVING ** RUNGS
+    try:
+        s, horizon, planned = _plan(s, racing, horizon, (deadline - time.monotonic()) / (RUNGS + 1))
+    except ModelNotTrainable as e:
+        cache[_NO_TIME] = (str(e), "timing only: train mode cannot run this model")
+        for c in cands:
+            c.note = cache[_NO_TIME][1]
+        return s, ""
     runs: dict[tuple[str, str], tuple[str, Any]] = {}
     left = list(racing)
     try:
@@ -460,17 +476,18 @@ def _staged_search(s: _Setting, cands: list[Candidate], cache: dict, deadline: f
             c.train_time_to_target_s = r.reached_s if r.ordered and _full_size(s) else None
         elif r.horizon_s is not None and not c.trained and not c.refused:
             c.horizon_s, c.horizon_score = r.horizon_s, r.score
-            metric = "-" if r.score is None else f"{abs(r.score):.3g}"
+            metric = "-" if r.score is None else f"{abs(r.score):.3g}"  # (its sign: "higher is better")
             c.note = (f"short horizon: {s.workload.metric_name} {metric} after {r.horizon_s:.3g} s of the "
                       f"cluster's time, behind the candidates that went on")
         elif not c.trained and not c.refused and not c.note:
             c.note = f"timing only: the {s.request.time_budget_s:g} s time budget was spent before its train mode"
         _predict(c)
+    return s, planned
 
 
 def _full_size(s: _Setting) -> bool:
     """Whether train mode runs the request's whole cluster (an ordered rule's times are then its own)."""
-    return s.request.workers <= TRAIN_WORKERS_MAX
+    return s.train_workers == s.request.workers
 
 
 def _evaluations(progress: Callable[[str, int, int], None] | None, label: str, done: int,
@@ -496,18 +513,13 @@ def _rung(s: _Setting, racers: list[_Racer], horizon: float, runs: dict, cache: 
     have then) does not run."""
     from distsync.sim.train import ModelNotTrainable, simulate_training
 
-    request, n = s.request, min(s.request.workers, TRAIN_WORKERS_MAX)
+    request, n = s.request, s.train_workers
     higher = s.workload.higher_is_better
-    groups: dict[tuple[str, str], list[_Racer]] = {}
-    for r in racers:
-        groups.setdefault(r.key, []).append(r)
+    groups = _groups(racers)
     for i, (key, group) in enumerate(groups.items()):
         head = group[0]
         own_time = head.ordered and _full_size(s)  # (its curve's times are the cluster's)
-        cap = _step_cap(s, head.ordered)
-        # (less a hair: a horizon of exactly k steps is k steps, whatever the floats' rounding)
-        steps = min(cap, math.ceil(horizon / min(r.cand.step_s for r in group)
-                                   * (cap / (s.training.steps * TRAIN_STEPS_FACTOR)) - 1e-9))
+        steps = _horizon_steps(s, group, horizon)
         have = runs.get(key)
         if have is None or (have[0] == "ok" and have[2] < steps and not _reached_in_run(have[1])):
             if progress is not None:
@@ -545,6 +557,58 @@ def _rung(s: _Setting, racers: list[_Racer], horizon: float, runs: dict, cache: 
             else:
                 _judge(r, res, horizon, own_time, higher)
                 r.grain_steps = runs[key][3]
+
+
+def _groups(racers: list[_Racer]) -> dict[tuple[str, str], list[_Racer]]:
+    """The racers by train-mode key, the key with the fastest candidate first (where the time
+    budget runs out in a horizon, the fastest were judged)."""
+    groups: dict[tuple[str, str], list[_Racer]] = {}
+    for r in sorted(racers, key=lambda r: r.cand.step_s):
+        groups.setdefault(r.key, []).append(r)
+    return groups
+
+
+def _horizon_steps(s: _Setting, group: list[_Racer], horizon: float) -> int:
+    """The steps (per worker, for an order-dependent rule) that take ``group``'s fastest
+    candidate to ``horizon`` seconds of the cluster's time, within its step cap."""
+    cap = _step_cap(s, group[0].ordered)
+    # (less a hair: a horizon of exactly k steps is k steps, whatever the floats' rounding)
+    return min(cap, math.ceil(horizon / min(r.cand.step_s for r in group)
+                              * (cap / (s.training.steps * TRAIN_STEPS_FACTOR)) - 1e-9))
+
+
+def _plan(s: _Setting, racers: list[_Racer], horizon: float, seconds: float) -> tuple[_Setting, float, str]:
+    """The train-mode replicas and the first horizon that fit the first horizon's runs into
+    ``seconds`` of this machine (every later horizon costs about as much: a third of the
+    candidates, three times as long): what one train-mode step of the model costs here is
+    measured first (:func:`~distsync.sim.train.train_mode_cost`), then the replicas halved
+    (to 2 at least) and, if need be, the horizon shortened. Returns the setting to train
+    with, the first horizon and one line saying what was planned."""
+    from distsync.sim.train import train_mode_cost
+
+    n0 = s.train_workers
+    cost = train_mode_cost(s.workload, n0, batch_size=s.training.batch_size, precision=s.training.precision,
+                           embedding_servers=s.training.embedding_servers, lr=s.training.lr, seed=s.request.seed)
+
+    def first_horizon(n: int, h: float) -> float:  # seconds of this machine
+        scale, total = n / n0, 0.0
+        for group in _groups(racers).values():
+            per_step = cost["one_s"] * n if group[0].ordered else cost["step_s"] * scale
+            total += _horizon_steps(s, group, h) * per_step + (HORIZON_EVALS + 1) * cost["eval_s"] * scale
+        return total
+
+    n, took = n0, first_horizon(n0, horizon)
+    while took > seconds and n > 2:
+        n = max(2, n // 2)
+        took = first_horizon(n, horizon)
+    shortened = took > seconds
+    if shortened:
+        horizon *= seconds / took
+    line = (f"train mode at {n} replicas{'' if n == n0 else f' (not {n0})'}, first horizon {horizon:.3g} s of the "
+            f"cluster's time{' (shortened)' if shortened else ''}: a step of {n0} replicas costs "
+            f"{cost['step_s'] * 1000:.3g} ms here, an evaluation {cost['eval_s'] * 1000:.3g} ms; the first "
+            f"horizon's runs about {min(took, seconds):.3g} s")
+    return dataclasses.replace(s, train_workers=n), horizon, line
 
 
 def _reached_in_run(res: Any) -> bool:
@@ -736,8 +800,9 @@ def recommend(request: Request, on_step: Callable[[str, int, int], None] | None 
     for cand in cands:  # every candidate's timing first (seconds in all)
         _timing(setting, cand)
     # then train mode, while the time budget lasts
+    planned = ""
     if request.search == "staged":
-        _staged_search(setting, cands, cache, deadline, on_step)
+        setting, planned = _staged_search(setting, cands, cache, deadline, on_step)
     else:
         for i, cand in enumerate(sorted(cands, key=lambda c: -c.throughput)):  # the fastest first
             if on_step is not None:
@@ -763,7 +828,7 @@ def recommend(request: Request, on_step: Callable[[str, int, int], None] | None 
             "compute_s": compute_s, "compute_measured_here": measured_here, "compute_p10_p90_s": spread,
             "compute_from": compute_from, "per_message_ms": request.per_message_ms,
             "model_bytes": nbytes, "tables_on_servers_bytes": tables_bytes, "batch_size": training.batch_size,
-            "train_workers": min(request.workers, TRAIN_WORKERS_MAX),
+            "train_workers": setting.train_workers, "train_plan": planned,
             "no_time_to_target": cache[_NO_TIME][0] if _NO_TIME in cache else None,
             "target": workload.target, "metric": workload.metric_name,
             "within_uncertainty": [c.label for c in level],

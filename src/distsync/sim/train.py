@@ -173,6 +173,40 @@ def simulate_training(solver: str, options: dict[str, Any], workload: Workload, 
     return result
 
 
+def train_mode_cost(workload: Workload, workers: int, *, batch_size: int | None = None, precision: str = "fp32",
+                    embedding_servers: int | None = None, lr: float | None = None, seed: int = 0) -> dict[str, float]:
+    """What train mode costs this machine for ``workload``'s model at ``workers`` replicas,
+    wall seconds (the least of two tries, after the probe's warm-up): ``step_s``, every
+    replica's gradient as a lockstep rule takes them (batched where torch.func can); ``one_s``,
+    one replica's, as an order-dependent rule takes each; ``eval_s``, one evaluation of every
+    replica on the eval set."""
+    batch_size = batch_size or workload.batch_size
+    torch.manual_seed(seed)
+    model = workload.make_model()
+    served = _ServedTables.of(model, workload.embedding_servers if embedding_servers is None else embedding_servers,
+                              workload.embedding_lr or lr or workload.lr, "adagrad")
+    stack = _stacked(model, workers, served)
+    samplers = _samplers(workload, workers, batch_size, seed)
+    batches = [workload.take(workload.train_data, s.indices(0)) for s in samplers]
+    bufs = _Buffers(model, _written_buffers(model, workload, batches[0]), workers, "local")
+    model.train()
+    replica_math = _ReplicaMath(workload, model, bufs, precision, served)
+    replica_math.probe(stack, samplers[0])
+
+    def least(f: Callable[[], Any]) -> float:
+        took = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            f()
+            took.append(time.perf_counter() - t0)
+        return min(took)
+
+    first = ({n: p[0] for n, p in stack.items()}, {n: b[0] for n, b in bufs.stack.items()})
+    return {"step_s": least(lambda: replica_math.gradients(stack, bufs.stack, batches, 0)),
+            "one_s": least(lambda: replica_math.gradient(*first, *batches[0], 0)),
+            "eval_s": least(lambda: _evaluate(workload, replica_math, stack, bufs.evaluated()))}
+
+
 def _stacked(model: torch.nn.Module, workers: int, served: "_ServedTables") -> dict[str, torch.Tensor]:
     """Every parameter but the served tables, one row per replica (all alike: the initial model)."""
     return {n: p.detach().unsqueeze(0).repeat(workers, *([1] * p.dim())).clone()
