@@ -61,7 +61,7 @@ def _busy() -> subprocess.Popen:
 def run_once(case: str, loaded: bool) -> dict[str, Any]:
     """One `distsync recommend` of ``case``: its wall time, longest silence and answer."""
     out = Path(tempfile.mkdtemp(prefix=f"recommend-speed-{case}-"))
-    cmd = [sys.executable, "-m", "distsync", "recommend", *CASES[case], "--out", str(out / "r")]
+    cmd = [str(Path(sys.executable).parent / "distsync"), "recommend", *CASES[case], "--out", str(out / "r")]
     busy = _busy() if loaded else None
     try:
         time.sleep(0.5 if loaded else 0)  # (the busy loop running before the run starts)
