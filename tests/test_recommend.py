@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -588,18 +589,46 @@ def test_the_first_pick_is_said_to_be_unsettled_when_another_is_within_the_uncer
 def test_the_plan_halves_the_replicas_then_shortens_the_first_horizon_to_fit_the_budget(monkeypatch):
     """Nine lockstep keys, eight at 200 steps to the first horizon (0.2 s) and one (2 ms
     steps) at 100: 1700 steps. At 8 replicas a step costs 10 ms and an evaluation 20 ms (5 a
-    run): 17 + 0.9 = 17.9 s. Given 6 s: 4 replicas, 8.95 s; 2 replicas, 4.475 s: it fits.
-    Given 2 s: at 2 replicas still 4.475 s, so the horizon is cut to 0.2 x 2 / 4.475."""
+    run): 17 + 0.9 = 17.9 s. Given 24 s in all, the first horizon gets a quarter (the two
+    horizons, and two for the runs to the target): 6 s: 4 replicas, 8.95 s; 2 replicas,
+    4.475 s: it fits. Given 8 s (2 s): at 2 replicas still 4.475 s, so the horizon is cut to
+    0.2 x 2 / 4.475. The ledger prices a run at the planned replicas: 100 lockstep steps and 5
+    evaluations at 2 replicas, 100 x 2.5 ms + 5 x 5 ms; ordered, 100 x 2 x 2 ms + 25 ms."""
     from distsync.experiments import recommend as rec
 
     setting, cands, _ = _race(monkeypatch, cost={"step_s": 0.010, "one_s": 0.002, "eval_s": 0.020})
     racers = [rec._Racer(c, *rec._rule_key(c)) for c in cands]
-    planned, horizon, line = rec._plan(setting, racers, 0.2, 6.0)
+    planned, horizon, line, ledger = rec._plan(setting, racers, 0.2, 24.0)
     assert (planned.train_workers, horizon) == (2, pytest.approx(0.2))
+    assert ledger.price(100, False, 5) == pytest.approx(0.275) and ledger.price(100, True, 5) == pytest.approx(0.425)
+    assert ledger.total_s == 24.0
     assert line.startswith("train mode at 2 replicas (not 8), first horizon 0.2 s of the cluster's time: a step of 8 "
                            "replicas costs 10 ms here, an evaluation 20 ms; the first horizon's runs about 4.4")
-    planned, horizon, line = rec._plan(setting, racers, 0.2, 2.0)
+    planned, horizon, line, _ = rec._plan(setting, racers, 0.2, 8.0)
     assert (planned.train_workers, horizon) == (2, pytest.approx(0.2 * 2 / 4.475))
     assert "(shortened)" in line
-    assert rec._plan(setting, racers, 0.2, 20.0)[:2] == (setting, pytest.approx(0.2))
+    assert rec._plan(setting, racers, 0.2, 80.0)[:2] == (setting, pytest.approx(0.2))
     assert setting.train_workers == 8 and not rec._full_size(planned) and rec._full_size(setting)
+
+
+def test_the_plan_not_the_clock_decides_what_runs(monkeypatch):
+    """A plan of 1.9 s of this machine: priced by the ledger, the first horizon's nine runs
+    (1700 lockstep steps at 1 ms a step of 8 replicas, no evaluation cost) fit, the second
+    horizon's first run (A, 600 steps) does not: the search stops there, whatever the clock
+    says, and the three that led at 0.2 s rank first, by their accuracy there."""
+    import time as clock
+
+    from distsync.experiments import recommend as rec
+
+    setting, cands, runs = _race(monkeypatch, cost={"step_s": 0.001, "one_s": 0.001, "eval_s": 0.0})
+    plan = rec._plan
+
+    def small(*args):
+        s, horizon, line, ledger = plan(*args)
+        return s, horizon, line, dataclasses.replace(ledger, total_s=1.9)
+
+    monkeypatch.setattr(rec, "_plan", small)
+    rec._staged_search(setting, cands, {}, clock.monotonic() + 60, None)
+    assert len(runs) == 9
+    assert [c.label for c in rank(cands)[:3]] == ["ma every=16", "ma every=4", "bmuf every=16"]
+    assert all(c.horizon_s == pytest.approx(0.2) for c in cands)

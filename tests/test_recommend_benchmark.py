@@ -38,12 +38,12 @@ def test_a_hit_is_within_the_best_spread_or_ten_percent():
 def test_baselines_count_always_x_with_its_defaults_and_a_random_pick():
     """Two scenarios: in the first the hits are allreduce's defaults and ma every=16, in the
     second ad-psgd's defaults; recommend hit the first only."""
-    one = {"hit": True, "best_at_cap": False, "hits": ["allreduce", "ma every=16"],
+    one = {"hit": True, "best_at_cap": False, "hits": ["allreduce", "ma every=16"], "slow_fraction": 0.25,
            "configs": [{"key": "allreduce", "solver": "allreduce", "defaults": True},
                        {"key": "ma every=16", "solver": "ma", "defaults": False},
                        {"key": "ma", "solver": "ma", "defaults": True},
                        {"key": "ad-psgd", "solver": "ad-psgd", "defaults": True}]}
-    two = {"hit": False, "best_at_cap": False, "hits": ["ad-psgd"],
+    two = {"hit": False, "best_at_cap": False, "hits": ["ad-psgd"], "slow_fraction": 0.0,
            "configs": [{"key": "allreduce", "solver": "allreduce", "defaults": True},
                        {"key": "ad-psgd", "solver": "ad-psgd", "defaults": True}]}
     s = bench.summarize([one, two], ["allreduce", "ma", "ad-psgd"])
@@ -52,6 +52,20 @@ def test_baselines_count_always_x_with_its_defaults_and_a_random_pick():
     assert s["best_fixed"] == "allreduce" and s["best_fixed_share"] == 0.5 and s["margin_points"] == 0
     assert s["oracle_options"]["ma"]["hits"] == 1  # ma with its best options, in hindsight
     assert s["random_expected_hits"] == pytest.approx(2 / 4 + 1 / 2)
+    # the rules: with a slow worker (the first) ad-psgd misses, without (the second) allreduce
+    # misses; async-easgd was not measured (a miss), ad-psgd without a slow worker hits. In
+    # hindsight "allreduce if slow, else ad-psgd" hits both: 100% against recommend's 50%.
+    assert {k: v["hits"] for k, v in s["rules"].items()} == {
+        "ad-psgd if any worker is slow, else allreduce": 0, "async-easgd if any worker is slow, else ad-psgd": 1,
+        "best two-branch rule in hindsight: allreduce if any worker is slow, else ad-psgd": 2}
+    assert s["margin_over_rules_points"] == -50
+    # chosen on a development set where ma's defaults hit with a slow worker, and allreduce's without
+    dev = [{"slow_fraction": 0.5, "hits": ["ma"], "configs": [{"key": "ma", "solver": "ma", "defaults": True}]},
+           {"slow_fraction": 0.0, "hits": ["allreduce"],
+            "configs": [{"key": "allreduce", "solver": "allreduce", "defaults": True}]}]
+    s = bench.summarize([one, two], ["allreduce", "ma", "ad-psgd"], dev=dev)
+    assert s["rules"]["best two-branch rule on the development set: ma if any worker is slow, else allreduce"] == {
+        "hits": 0, "share": 0.0}
 
 
 def test_the_measured_set_is_each_solvers_top_two_and_its_defaults():

@@ -64,6 +64,12 @@ RUNGS = 2
 SETTLED = 3
 #: a short horizon's run evaluates at least this many times (its metric at the horizon)
 HORIZON_EVALS = 4
+#: the share of the time budget the staged search plans to spend, in this machine's seconds
+#: as train_mode_cost prices a run (the plan, not the clock, decides what runs: the same
+#: command gives the same answer beside other work; the clock stops it only past
+#: :data:`DEADLINE_SHARE` of the budget)
+PLANNED_SHARE = 0.7
+DEADLINE_SHARE = 0.9
 #: the key, in the cache of train-mode results, of why no candidate gets a time to target
 #: (the value: that reason in one line, and the candidates' note)
 _NO_TIME = ("no", "time to target")
@@ -320,7 +326,7 @@ def _runnable(request: Request, training: RunConfig, cands: list[Candidate]) -> 
 
 
 def _train_steps(s: _Setting, cand: Candidate, cache: dict, deadline: float | None = None,
-                 on_eval: Callable[[int, float], None] | None = None) -> None:
+                 on_eval: Callable[[int, float], None] | None = None, cap: int | None = None) -> None:
     """Steps to target from train mode (the solver's own rule, with the request's training
     options; an order-dependent one in the order its timing model gives on the request's
     cluster at ``n`` workers), cached per rule: lockstep rules do not depend on the servers'
@@ -332,7 +338,7 @@ def _train_steps(s: _Setting, cand: Candidate, cache: dict, deadline: float | No
         return
     request, n = s.request, s.train_workers
     ordered, key = _rule_key(cand)
-    steps = _step_cap(s, ordered)
+    steps = _step_cap(s, ordered) if cap is None else cap
     if key not in cache and deadline is not None and time.monotonic() > deadline:
         cand.note = f"timing only: the {request.time_budget_s:g} s time budget was spent before its train mode"
         return
@@ -420,6 +426,35 @@ class _Stop(Exception):
     """The staged search ends here: the time budget is spent, or train mode cannot run the model."""
 
 
+@dataclass
+class _Ledger:
+    """The staged search's plan of this machine's seconds: what each train-mode run is priced
+    at (:func:`~distsync.sim.train.train_mode_cost`), charged before it runs."""
+
+    total_s: float
+    #: a train-mode step of the planned replicas (lockstep), one replica's step, an evaluation
+    step_s: float = 0.0
+    one_s: float = 0.0
+    eval_s: float = 0.0
+    replicas: int = 1
+    spent_s: float = 0.0
+
+    def price(self, steps: int, ordered: bool, evals: int) -> float:
+        per_step = self.one_s * self.replicas if ordered else self.step_s
+        return steps * per_step + evals * self.eval_s
+
+    def affordable_steps(self, ordered: bool, eval_every: int, share: float) -> int:
+        """The most steps a run priced within ``share`` of what is left can take."""
+        per_step = (self.one_s * self.replicas if ordered else self.step_s) + self.eval_s / max(1, eval_every)
+        return int(max(0.0, share * (self.total_s - self.spent_s) - self.eval_s) / max(per_step, 1e-12))
+
+    def charge(self, cost: float) -> None:
+        """Charge a run; :class:`_Stop` if the plan has no room for it."""
+        if self.spent_s + cost > self.total_s:
+            raise _Stop
+        self.spent_s += cost
+
+
 def _staged_search(s: _Setting, cands: list[Candidate], cache: dict, deadline: float,
                    progress: Callable[[str, int, int], None] | None) -> tuple[_Setting, str]:
     """Successive halving over the candidates' train mode (:data:`HALVING`, :data:`RUNGS`),
@@ -436,7 +471,7 @@ def _staged_search(s: _Setting, cands: list[Candidate], cache: dict, deadline: f
     racing = [_Racer(c, *_rule_key(c)) for c in cands]
     horizon = min(_step_cap(s, r.ordered) * r.cand.step_s for r in racing) / HALVING ** RUNGS
     try:
-        s, horizon, planned = _plan(s, racing, horizon, (deadline - time.monotonic()) / (RUNGS + 1))
+        s, horizon, planned, ledger = _plan(s, racing, horizon, PLANNED_SHARE * s.request.time_budget_s)
     except ModelNotTrainable as e:
         cache[_NO_TIME] = (str(e), "timing only: train mode cannot run this model")
         for c in cands:
@@ -446,7 +481,7 @@ def _staged_search(s: _Setting, cands: list[Candidate], cache: dict, deadline: f
     left = list(racing)
     try:
         for rung in range(RUNGS):
-            _rung(s, left, horizon, runs, cache, deadline, progress, f"horizon {rung + 1}/{RUNGS + 1}")
+            _rung(s, left, horizon, runs, cache, deadline, progress, f"horizon {rung + 1}/{RUNGS + 1}", ledger)
             left = [r for r in left if not r.cand.refused and not r.cand.note.startswith("timing only")]
             done = [r for r in left if r.reached_s is not None]
             if sum(r.reached_s <= horizon for r in done) >= SETTLED:
@@ -457,10 +492,15 @@ def _staged_search(s: _Setting, cands: list[Candidate], cache: dict, deadline: f
             keep = max(math.ceil(len(going) / HALVING), SETTLED - len(done))
             left = going[:keep]
             horizon *= HALVING
-        for i, r in enumerate(left):  # the last rung: to the target
+        for i, r in enumerate(left):  # the last rung: to the target, within what the plan has left
             if progress is not None:
                 progress(f"{r.cand.label} (to target)", i, len(left))
-            _train_steps(s, r.cand, cache, deadline, _evaluations(progress, r.cand.label, i, len(left)))
+            every = max(1, s.training.eval_every // TRAIN_EVAL_FINER)
+            cap = min(_step_cap(s, r.ordered), ledger.affordable_steps(r.ordered, every, 1 / (len(left) - i)))
+            if cap < 1:
+                raise _Stop
+            ledger.charge(ledger.price(cap, r.ordered, cap // every + 1))
+            _train_steps(s, r.cand, cache, deadline, _evaluations(progress, r.cand.label, i, len(left)), cap)
             if r.cand.note.startswith("timing only"):  # (the budget ran out in it: it keeps its horizon)
                 r.cand.note = ""
                 if r.horizon_s is None:
@@ -506,7 +546,7 @@ def _evaluations(progress: Callable[[str, int, int], None] | None, label: str, d
 
 
 def _rung(s: _Setting, racers: list[_Racer], horizon: float, runs: dict, cache: dict, deadline: float,
-          progress: Callable[[str, int, int], None] | None, stage: str) -> None:
+          progress: Callable[[str, int, int], None] | None, stage: str, ledger: _Ledger) -> None:
     """Train every racer's rule (once per key) for ``horizon`` seconds of the cluster's time,
     and judge each there: reached the target (its time), or its metric at the horizon. The
     run is a moment of a longer one: its rule's finish (a closing sync the real run would not
@@ -524,15 +564,17 @@ def _rung(s: _Setting, racers: list[_Racer], horizon: float, runs: dict, cache: 
         if have is None or (have[0] == "ok" and have[2] < steps and not _reached_in_run(have[1])):
             if progress is not None:
                 progress(f"{head.cand.label} ({stage}, {horizon:.3g} s)", i, len(groups))
+            base = max(1, s.training.eval_every // TRAIN_EVAL_FINER)
+            every = max(1, min(base, steps // HORIZON_EVALS))
+            ledger.charge(ledger.price(steps, head.ordered, steps // every + 1))
             if time.monotonic() > deadline:
                 raise _Stop
             cluster, worker_model = _train_cluster(request, n, s.compute_s) if head.ordered else (None, None)
-            base = max(1, s.training.eval_every // TRAIN_EVAL_FINER)
             try:
                 res = simulate_training(head.cand.solver, head.cand.options, s.workload, n, steps,
                                         **train_mode_kwargs(s.training), seed=request.seed, until_target=True,
                                         cluster=cluster, worker_model=worker_model, model_bytes=s.nbytes,
-                                        eval_every=max(1, min(base, steps // HORIZON_EVALS)), deadline=deadline,
+                                        eval_every=every, deadline=deadline,
                                         horizon_s=horizon if own_time else None, finish=False,
                                         on_eval=_evaluations(progress, head.cand.label, i, len(groups)))
             except ModelNotTrainable as e:
@@ -547,7 +589,7 @@ def _rung(s: _Setting, racers: list[_Racer], horizon: float, runs: dict, cache: 
             else:
                 if res.cut_short:
                     raise _Stop
-                runs[key] = ("ok", res, steps, max(1, min(base, steps // HORIZON_EVALS)))
+                runs[key] = ("ok", res, steps, every)
         kind, res, *_ = runs[key]
         for r in group:
             if kind == "refused":
@@ -577,13 +619,15 @@ def _horizon_steps(s: _Setting, group: list[_Racer], horizon: float) -> int:
                               * (cap / (s.training.steps * TRAIN_STEPS_FACTOR)) - 1e-9))
 
 
-def _plan(s: _Setting, racers: list[_Racer], horizon: float, seconds: float) -> tuple[_Setting, float, str]:
+def _plan(s: _Setting, racers: list[_Racer], horizon: float, total_s: float) -> tuple[_Setting, float, str, _Ledger]:
     """The train-mode replicas and the first horizon that fit the first horizon's runs into
-    ``seconds`` of this machine (every later horizon costs about as much: a third of the
-    candidates, three times as long): what one train-mode step of the model costs here is
+    a share of ``total_s`` seconds of this machine (1 / (RUNGS + 2): every later horizon
+    costs about as much, a third of the candidates three times as long, and the last runs
+    to the target get two shares): what one train-mode step of the model costs here is
     measured first (:func:`~distsync.sim.train.train_mode_cost`), then the replicas halved
     (to 2 at least) and, if need be, the horizon shortened. Returns the setting to train
-    with, the first horizon and one line saying what was planned."""
+    with, the first horizon, one line saying what was planned, and the ledger the search
+    charges its runs to."""
     from distsync.sim.train import train_mode_cost
 
     n0 = s.train_workers
@@ -597,6 +641,7 @@ def _plan(s: _Setting, racers: list[_Racer], horizon: float, seconds: float) -> 
             total += _horizon_steps(s, group, h) * per_step + (HORIZON_EVALS + 1) * cost["eval_s"] * scale
         return total
 
+    seconds = total_s / (RUNGS + 2)
     n, took = n0, first_horizon(n0, horizon)
     while took > seconds and n > 2:
         n = max(2, n // 2)
@@ -608,7 +653,9 @@ def _plan(s: _Setting, racers: list[_Racer], horizon: float, seconds: float) -> 
             f"cluster's time{' (shortened)' if shortened else ''}: a step of {n0} replicas costs "
             f"{cost['step_s'] * 1000:.3g} ms here, an evaluation {cost['eval_s'] * 1000:.3g} ms; the first "
             f"horizon's runs about {min(took, seconds):.3g} s")
-    return dataclasses.replace(s, train_workers=n), horizon, line
+    ledger = _Ledger(total_s, step_s=cost["step_s"] * n / n0, one_s=cost["one_s"], eval_s=cost["eval_s"] * n / n0,
+                     replicas=n)
+    return dataclasses.replace(s, train_workers=n), horizon, line, ledger
 
 
 def _reached_in_run(res: Any) -> bool:
@@ -767,7 +814,7 @@ def recommend(request: Request, on_step: Callable[[str, int, int], None] | None 
     request.check()
     began = time.monotonic()
     # (train mode stops a little before the budget: ranking and the outputs take their time too)
-    deadline = began + 0.9 * request.time_budget_s
+    deadline = began + DEADLINE_SHARE * request.time_budget_s
     training, workload = _resolve(request)
     try:
         model = workload.make_model()
