@@ -591,8 +591,8 @@ def test_the_plan_halves_the_replicas_then_shortens_the_first_horizon_to_fit_the
     steps) at 100: 1700 steps. At 8 replicas a step costs 10 ms and an evaluation 20 ms (5 a
     run): 17 + 0.9 = 17.9 s. Given 24 s in all, the first horizon gets a quarter (the two
     horizons, and two for the runs to the target): 6 s: 4 replicas, 8.95 s; 2 replicas,
-    4.475 s: it fits. Given 8 s (2 s): at 2 replicas still 4.475 s, so the horizon is cut to
-    0.2 x 2 / 4.475. The ledger prices a run at the planned replicas: 100 lockstep steps and 5
+    4.475 s: it fits. Given 8 s (2 s): at 2 replicas still 4.475 s, so the horizon is halved
+    until it fits, twice: 0.05 s. The ledger prices a run at the planned replicas: 100 lockstep steps and 5
     evaluations at 2 replicas, 100 x 2.5 ms + 5 x 5 ms; ordered, 100 x 2 x 2 ms + 25 ms."""
     from distsync.experiments import recommend as rec
 
@@ -605,7 +605,7 @@ def test_the_plan_halves_the_replicas_then_shortens_the_first_horizon_to_fit_the
     assert line.startswith("train mode at 2 replicas (not 8), first horizon 0.2 s of the cluster's time: a step of 8 "
                            "replicas costs 10 ms here, an evaluation 20 ms; the first horizon's runs about 4.4")
     planned, horizon, line, _ = rec._plan(setting, racers, 0.2, 8.0)
-    assert (planned.train_workers, horizon) == (2, pytest.approx(0.2 * 2 / 4.475))
+    assert (planned.train_workers, horizon) == (2, pytest.approx(0.05))
     assert "(shortened)" in line
     assert rec._plan(setting, racers, 0.2, 80.0)[:2] == (setting, pytest.approx(0.2))
     assert setting.train_workers == 8 and not rec._full_size(planned) and rec._full_size(setting)

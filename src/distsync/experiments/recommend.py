@@ -496,7 +496,9 @@ def _staged_search(s: _Setting, cands: list[Candidate], cache: dict, deadline: f
             if progress is not None:
                 progress(f"{r.cand.label} (to target)", i, len(left))
             every = max(1, s.training.eval_every // TRAIN_EVAL_FINER)
-            cap = min(_step_cap(s, r.ordered), ledger.affordable_steps(r.ordered, every, 1 / (len(left) - i)))
+            cap = _step_cap(s, r.ordered)
+            while cap > ledger.affordable_steps(r.ordered, every, 1 / (len(left) - i)):
+                cap //= 2  # (halved until it fits: a price measured a little differently plans the same)
             if cap < 1:
                 raise _Stop
             ledger.charge(ledger.price(cap, r.ordered, cap // every + 1))
@@ -625,7 +627,7 @@ def _plan(s: _Setting, racers: list[_Racer], horizon: float, total_s: float) -> 
     costs about as much, a third of the candidates three times as long, and the last runs
     to the target get two shares): what one train-mode step of the model costs here is
     measured first (:func:`~distsync.sim.train.train_mode_cost`), then the replicas halved
-    (to 2 at least) and, if need be, the horizon shortened. Returns the setting to train
+    (to 2 at least) and, if need be, the horizon halved. Returns the setting to train
     with, the first horizon, one line saying what was planned, and the ledger the search
     charges its runs to."""
     from distsync.sim.train import train_mode_cost
@@ -647,8 +649,8 @@ def _plan(s: _Setting, racers: list[_Racer], horizon: float, total_s: float) -> 
         n = max(2, n // 2)
         took = first_horizon(n, horizon)
     shortened = took > seconds
-    if shortened:
-        horizon *= seconds / took
+    if shortened:  # (halved until it fits: a price measured a little differently plans the same)
+        horizon *= 2.0 ** -math.ceil(math.log2(took / seconds))
     line = (f"train mode at {n} replicas{'' if n == n0 else f' (not {n0})'}, first horizon {horizon:.3g} s of the "
             f"cluster's time{' (shortened)' if shortened else ''}: a step of {n0} replicas costs "
             f"{cost['step_s'] * 1000:.3g} ms here, an evaluation {cost['eval_s'] * 1000:.3g} ms; the first "

@@ -176,7 +176,7 @@ def simulate_training(solver: str, options: dict[str, Any], workload: Workload, 
 def train_mode_cost(workload: Workload, workers: int, *, batch_size: int | None = None, precision: str = "fp32",
                     embedding_servers: int | None = None, lr: float | None = None, seed: int = 0) -> dict[str, float]:
     """What train mode costs this machine for ``workload``'s model at ``workers`` replicas,
-    seconds (the least of two tries, after the probe's warm-up, each the lesser of its wall
+    seconds (the median of five tries, after the probe's warm-up, each the lesser of its wall
     time and this process's CPU time: beside other work the wall time grows and the CPU time
     does not; on more cores than one the CPU time counts every thread's): ``step_s``, every
     replica's gradient as a lockstep rule takes them (batched where torch.func can); ``one_s``,
@@ -197,11 +197,11 @@ def train_mode_cost(workload: Workload, workers: int, *, batch_size: int | None 
 
     def least(f: Callable[[], Any]) -> float:
         took = []
-        for _ in range(2):
+        for _ in range(5):
             t0, c0 = time.perf_counter(), time.process_time()
             f()
             took.append(min(time.perf_counter() - t0, time.process_time() - c0))
-        return min(took)
+        return float(np.median(took))
 
     first = ({n: p[0] for n, p in stack.items()}, {n: b[0] for n, b in bufs.stack.items()})
     return {"step_s": least(lambda: replica_math.gradients(stack, bufs.stack, batches, 0)),
