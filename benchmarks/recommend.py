@@ -51,7 +51,8 @@ from pathlib import Path
 from typing import Any
 
 from common import argument_parser, exit_on_error, print_checks, provenance, seed_list, shown, spread, write_record
-from recommend_scenarios import DEV, Scenario, declared, short_name, test_set
+from recommend_scenarios import (DEV, TOP_PER_SOLVER_2, VERIFY_TOP, Scenario, declared, short_name, test_set,
+                                 test_set_2)
 
 SOLVERS = ["allreduce", "ma", "ripples", "ad-psgd", "async-easgd"]
 #: option sets of each solver run beside its defaults, by its rank in the answer
@@ -104,16 +105,18 @@ def _label(solver: str, options: dict[str, Any]) -> str:
     return solver + "".join(f" {k}={v}" for k, v in options.items())
 
 
-def measured_set(ranked: list[dict[str, Any]], solvers: list[str]) -> list[dict[str, Any]]:
-    """For every solver of ``solvers``: its top :data:`TOP_PER_SOLVER` rows of ``ranked`` by
-    solver rank, and its defaults (a row of its own only when no ranked row is them), each
-    once; the first ranked row is marked ``recommended``."""
+def measured_set(ranked: list[dict[str, Any]], solvers: list[str], top: int = TOP_PER_SOLVER,
+                 first: int = 0) -> list[dict[str, Any]]:
+    """For every solver of ``solvers``: its top ``top`` rows of ``ranked`` by solver rank, and
+    its defaults (a row of its own only when no ranked row is them), and the first ``first``
+    rows of ``ranked``, each once; the first ranked row is marked ``recommended``."""
     ranks = _solver_ranks(ranked)
     out: list[dict[str, Any]] = []
     keys: dict[str, dict[str, Any]] = {}
     for solver in solvers:
         mine = sorted((rank, i) for i, (row, rank) in enumerate(zip(ranked, ranks)) if row["solver"] == solver)
-        for rank, i in mine[:TOP_PER_SOLVER]:
+        head = [(rank, i) for rank, i in mine if i < first]
+        for rank, i in mine[:top] + [x for x in head if x not in mine[:top]]:
             row = ranked[i]
             key = option_key(solver, row["options"])
             if key in keys:
@@ -343,7 +346,9 @@ def summarize(scenarios: list[dict[str, Any]], solvers: list[str],
         rules[f"best two-branch rule on the development set: {rule_name(*chosen)}"] = {
             "hits": rule_hits(scenarios, *chosen), "share": share(rule_hits(scenarios, *chosen))}
     strongest = max([share(always[best_fixed])] + [v["share"] for v in rules.values()]) if best_fixed else 0.0
-    return {"scenarios": n, "hits": rec, "hit_share": share(rec),
+    verify = ({"verify_hits": sum(bool(s.get("verify_hit")) for s in scenarios)}
+              if any("verify_hit" in s for s in scenarios) else {})
+    return {**verify,"scenarios": n, "hits": rec, "hit_share": share(rec),
             "rules": rules, "margin_over_rules_points": 100 * (share(rec) - strongest),
             "always": {x: {"hits": k, "share": share(k)} for x, k in always.items()},
             "best_fixed": best_fixed, "best_fixed_share": share(always[best_fixed]) if best_fixed else 0.0,
@@ -362,7 +367,10 @@ def targets(raw: dict[str, Any]) -> list[tuple[str, bool]]:
              f"defaults, {s['best_fixed_share']:.0%}) (target >= +15)",
              s["scenarios"] > 0 and s["margin_points"] >= 15)] + ([
             (f"{s['margin_over_rules_points']:+.0f} points over the strongest fixed choice or rule (target >= +15)",
-             s["scenarios"] > 0 and s["margin_over_rules_points"] >= 15)] if "rules" in s else [])
+             s["scenarios"] > 0 and s["margin_over_rules_points"] >= 15)] if "rules" in s else []) + ([
+            (f"recommend --verify 3 hits in {s['verify_hits'] / max(1, s['scenarios']):.0%} of {s['scenarios']} "
+             f"scenarios (target >= 90%)", s["scenarios"] > 0 and s["verify_hits"] >= 0.9 * s["scenarios"])]
+            if "verify_hits" in s else [])
 
 
 def _link_group(r: dict[str, Any]) -> str:
@@ -550,9 +558,12 @@ def render(raw: dict[str, Any]) -> dict[str, str]:
                      f"{len(r['hits'])} of {len(r['configs'])} | {_cpu(r['configs'])} |")
     n = s["scenarios"]
     lines += ["", "| choice | hits | share |", "|---|---|---|",
-              f"| `recommend` (its first configuration) | {s['hits']} of {n} | {s['hit_share']:.0%} |",
-              f"| best fixed choice in hindsight: always-{s['best_fixed']} (its defaults) | "
-              f"{s['always'][s['best_fixed']]['hits']} of {n} | {s['best_fixed_share']:.0%} |"]
+              f"| `recommend` (its first configuration) | {s['hits']} of {n} | {s['hit_share']:.0%} |"]
+    if "verify_hits" in s:
+        lines.append(f"| `recommend --verify 3` (of its top 3, the one measured fastest on 4 emulated devices) | "
+                     f"{s['verify_hits']} of {n} | {s['verify_hits'] / max(1, n):.0%} |")
+    lines.append(f"| best fixed choice in hindsight: always-{s['best_fixed']} (its defaults) | "
+                 f"{s['always'][s['best_fixed']]['hits']} of {n} | {s['best_fixed_share']:.0%} |")
     for x, v in s["always"].items():
         lines.append(f"| always-{x} (its defaults) | {v['hits']} of {n} | {v['share']:.0%} |")
     for name, v in s.get("rules", {}).items():
@@ -670,10 +681,28 @@ def plan(scenarios: list[tuple[int, Scenario]], solvers: list[str], seeds: list[
     return lines, total
 
 
+def verified_pick(sc: Scenario, solvers: list[str], fit: str | None, answer: dict[str, Any], out: Path,
+                  cap_s: float) -> str | None:
+    """`recommend --verify 3`'s pick: its top :data:`VERIFY_TOP` run for real on 4 emulated
+    devices (`verify`), the one measured fastest to the target (one that missed it counts as
+    the cap); its key in the measured set (None: none ran)."""
+    from distsync.experiments.recommend import verify
+
+    rows = verify(request_for(sc, solvers, fit), answer, VERIFY_TOP, out / "verify", cap_s=cap_s)
+    top = {r["label"]: r for r in answer["ranked"][:VERIFY_TOP]}
+    timed = [(v["measured_time_to_target_s"] if v["measured_time_to_target_s"] is not None else cap_s, v["label"])
+             for v in rows if v["label"] in top]
+    if not timed:
+        return None
+    label = min(timed)[1]
+    return option_key(top[label]["solver"], top[label]["options"])
+
+
 def main() -> None:
     p = argument_parser(__doc__)
-    p.add_argument("--set", choices=("dev", "test"), default="dev", dest="which",
-                   help="dev: the 12 hand-written scenarios (in sample); test: the generator's (default: dev)")
+    p.add_argument("--set", choices=("dev", "test", "test2"), default="dev", dest="which",
+                   help="dev: the 12 hand-written scenarios (in sample); test: the generator's; test2: the second "
+                        "generator's, with --verify 3 scored too (default: dev)")
     p.add_argument("--only", default="", help="dev scenario numbers to run (1-based, comma-separated)")
     p.add_argument("--cap", type=float, default=None,
                    help="seconds a real run may take to reach the target (default: per scenario, see above)")
@@ -689,15 +718,16 @@ def main() -> None:
     if args.quick:
         args.which, args.only, args.seeds = "dev", args.only or "1", "1"
         args.cap = 10.0 if args.cap is None else args.cap
-    if args.which == "test":
+    scored_once = args.which in ("test", "test2")
+    if scored_once:
         if args.reuse:
             sys.exit("error: --set test is scored from fresh runs only: --reuse is refused")
         if args.only:
             sys.exit("error: --set test is scored whole, once: --only is refused (--list shows its scenarios)")
     seeds = seed_list(args.seeds)
     solvers = [x for x in args.solvers.split(",") if x]
-    if args.which == "test":
-        chosen = list(enumerate(test_set(), 1))
+    if scored_once:
+        chosen = list(enumerate(test_set() if args.which == "test" else test_set_2(), 1))
     else:
         picks = [int(x) for x in args.only.split(",") if x] or list(range(1, len(DEV) + 1))
         bad = [i for i in picks if not 1 <= i <= len(DEV)]
@@ -714,7 +744,7 @@ def main() -> None:
         return
     if os.geteuid() != 0:
         sys.exit("error: emulated links need root (netns + tbf): run as root")
-    if args.which == "test":
+    if scored_once:
         changed = unrecorded_changes()
         if changed:
             sys.exit(f"error: --set test is scored at a recorded commit; these measured files differ from HEAD: "
@@ -726,10 +756,10 @@ def main() -> None:
     # The test set's scenarios are scored one by one into PARTIAL: a run that was stopped goes
     # on from the next scenario while no measured file has changed since (none is measured twice).
     measured = measured_commit()
-    root = Path(args.out) / (args.which if args.which == "dev" else f"test-{measured[:10]}")
+    root = Path(args.out) / (args.which if args.which == "dev" else f"{args.which}-{measured[:10]}")
     partial = root / "partial.json"
     results: list[dict[str, Any]] = []
-    if args.which == "test" and partial.exists():
+    if scored_once and partial.exists():
         kept = json.loads(partial.read_text())
         if kept.get("measured_commit") == measured:
             results = kept["results"]
@@ -737,7 +767,7 @@ def main() -> None:
                   f"scored (started {kept['started']})", flush=True)
     done = {r["scenario"] for r in results}
     first_started = json.loads(partial.read_text())["started"] if results else started["date"]
-    if args.which == "test":  # (the first start, kept while no scenario is scored yet)
+    if scored_once:  # (the first start, kept while no scenario is scored yet)
         began = root / "started"
         if not results and began.exists():
             first_started = began.read_text().strip()
@@ -754,20 +784,25 @@ def main() -> None:
         # (test set: the answer is kept beside the scenario's runs, so a stopped run goes on
         # measuring the same measured set)
         kept_answer = root / f"{i:02d}" / "answer.json"
-        if args.which == "test" and kept_answer.exists():
-            answer, error = (json.loads(kept_answer.read_text())[k] for k in ("answer", "error"))
+        if scored_once and kept_answer.exists():
+            kept = json.loads(kept_answer.read_text())
+            answer, error, verified = kept["answer"], kept["error"], kept.get("verified")
         else:
-            answer, error = None, None
+            answer, error, verified = None, None, None
             try:
                 answer = recommend(request_for(sc, solvers, fit))
+                if args.which == "test2":  # (--verify 3: its top 3 run on 4 emulated devices, the fastest kept)
+                    verified = verified_pick(sc, solvers, fit, answer, root / f"{i:02d}", cap_s)
             except DistsyncError as e:  # no answer: a miss; the measured set is then every solver's defaults
                 error = f"{type(e).__name__}: {e}"
                 print(f"{i}. {sc.label}: recommend failed ({error})", flush=True)
-            if args.which == "test":
+            if scored_once:
                 kept_answer.parent.mkdir(parents=True, exist_ok=True)
-                kept_answer.write_text(json.dumps({"answer": answer, "error": error}, default=str) + "\n")
+                kept_answer.write_text(json.dumps({"answer": answer, "error": error, "verified": verified},
+                                                  default=str) + "\n")
         ranked = answer["ranked"] if answer else []
-        configs = measured_set(ranked, solvers)
+        configs = (measured_set(ranked, solvers, TOP_PER_SOLVER_2, VERIFY_TOP) if args.which == "test2"
+                   else measured_set(ranked, solvers))
         # every configuration trains as the answer says its runs train (what was simulated)
         training = {**scenario_training(sc), **((answer or {}).get("training") or {})}
         for c in configs:
@@ -776,7 +811,7 @@ def main() -> None:
             c["runs"] = {}
             for seed in seeds:
                 run_dir = root / f"{i:02d}" / f"seed{seed}" / d
-                if args.which == "test":
+                if scored_once:
                     check_stop(root)
                     c["runs"][str(seed)] = run_kept(sc, c, run_dir, cap_s, seed)
                 else:
@@ -789,13 +824,15 @@ def main() -> None:
         results.append({"scenario": i, "label": sc.label, **dataclasses.asdict(sc), "cap_s": cap_s,
                         "fit_from": fit, "recommend_error": error, "recommended": rec,
                         "hit": rec is not None and rec in scored["hits"],
+                        **({"verified": verified, "verify_hit": verified is not None and verified in scored["hits"]}
+                           if args.which == "test2" else {}),
                         "best": scored["best"], "best_median_s": scored["best_median_s"],
                         "margin_s": scored["margin_s"], "hits": scored["hits"], "best_at_cap": best_at_cap,
                         "search_seconds": answer["search_seconds"] if answer else None,
                         "per_message_ms": answer["per_message_ms"] if answer else None,
                         "no_time_to_target": answer.get("no_time_to_target") if answer else None,
                         "ranked": ranked, "configs": configs})
-        if args.which == "test":
+        if scored_once:
             root.mkdir(parents=True, exist_ok=True)
             partial.write_text(json.dumps({"measured_commit": measured, "commit": started["commit"],
                                            "started": first_started, "results": results}, default=str) + "\n")
@@ -805,8 +842,8 @@ def main() -> None:
               f"{len(scored['hits'])} of {len(configs)} configurations hit", flush=True)
     summary = summarize(results, solvers)
     payload = {"set": args.which, "set_size": len(DEV) if args.which == "dev" else len(chosen),
-               "scored_once": args.which == "test", "declared": declared(), "solvers": solvers,
-               "top_per_solver": TOP_PER_SOLVER, "tolerance": TOLERANCE, "cap_s": args.cap, "fit": args.fit,
+               "scored_once": scored_once, "declared": declared(args.which), "solvers": solvers,
+               "top_per_solver": TOP_PER_SOLVER_2 if args.which == "test2" else TOP_PER_SOLVER, "tolerance": TOLERANCE, "cap_s": args.cap, "fit": args.fit,
                "reuse": args.reuse, "eval_finer": EVAL_FINER, "first_started": first_started,
                "measured_commit": measured,
                "summary": summary, "scenarios": results}

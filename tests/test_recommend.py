@@ -586,29 +586,31 @@ def test_the_first_pick_is_said_to_be_unsettled_when_another_is_within_the_uncer
     assert rec.uncertainty_line({"within_uncertainty": ["allreduce"], "ranked": []}) == ""
 
 
-def test_the_plan_halves_the_replicas_then_shortens_the_first_horizon_to_fit_the_budget(monkeypatch):
-    """Nine lockstep keys, eight at 200 steps to the first horizon (0.2 s) and one (2 ms
-    steps) at 100: 1700 steps. At 8 replicas a step costs 10 ms and an evaluation 20 ms (5 a
-    run): 17 + 0.9 = 17.9 s. Given 24 s in all, the first horizon gets a quarter (the two
-    horizons, and two for the runs to the target): 6 s: 4 replicas, 8.95 s; 2 replicas,
-    4.475 s: it fits. Given 8 s (2 s): at 2 replicas still 4.475 s, so the horizon is halved
-    until it fits, twice: 0.05 s. The ledger prices a run at the planned replicas: 100 lockstep steps and 5
-    evaluations at 2 replicas, 100 x 2.5 ms + 5 x 5 ms; ordered, 100 x 2 x 2 ms + 25 ms."""
+def test_the_plan_halves_the_first_horizon_then_the_replicas_to_fit_the_budget(monkeypatch):
+    """Nine lockstep keys, eight with 1 ms steps and one (B) with 2 ms: 200 + 100 per 0.2 s
+    of horizon... at 8 replicas a step costs 10 ms and an evaluation 20 ms (5 a run, 0.9 s in
+    all). Given 24 s in all, the first horizon gets a quarter (the two horizons, and two for
+    the runs to the target), 6 s: 0.2 s costs 17.9 s, 0.1 s 9.4 s, 0.05 s 5.15 s: it fits
+    at 8 replicas. Given 8 s (2 s): 0.05 s is as short as it goes (50 steps of the fastest;
+    25 would be under 32), so the replicas are halved: 4 cost 2.575 s, 2 cost 1.2875 s. The
+    ledger prices a run at the planned replicas: 100 lockstep steps and 5 evaluations at 2
+    replicas, 100 x 2.5 ms + 5 x 5 ms; ordered, 100 x 2 x 2 ms + 25 ms."""
     from distsync.experiments import recommend as rec
 
     setting, cands, _ = _race(monkeypatch, cost={"step_s": 0.010, "one_s": 0.002, "eval_s": 0.020})
     racers = [rec._Racer(c, *rec._rule_key(c)) for c in cands]
     planned, horizon, line, ledger = rec._plan(setting, racers, 0.2, 24.0)
-    assert (planned.train_workers, horizon) == (2, pytest.approx(0.2))
-    assert ledger.price(100, False, 5) == pytest.approx(0.275) and ledger.price(100, True, 5) == pytest.approx(0.425)
-    assert ledger.total_s == 24.0
-    assert line.startswith("train mode at 2 replicas (not 8), first horizon 0.2 s of the cluster's time: a step of 8 "
-                           "replicas costs 10 ms here, an evaluation 20 ms; the first horizon's runs about 4.4")
-    planned, horizon, line, _ = rec._plan(setting, racers, 0.2, 8.0)
+    assert (planned.train_workers, horizon) == (8, pytest.approx(0.05)) and ledger.total_s == 24.0
+    assert line.startswith("train mode at 8 replicas, first horizon 0.05 s of the cluster's time (shortened): a step "
+                           "of 8 replicas costs 10 ms here, an evaluation 20 ms; the first horizon's runs about 5.15 s")
+    planned, horizon, line, ledger = rec._plan(setting, racers, 0.2, 8.0)
     assert (planned.train_workers, horizon) == (2, pytest.approx(0.05))
-    assert "(shortened)" in line
+    assert line.startswith("train mode at 2 replicas (not 8), first horizon 0.05 s") and "about 1.29 s" in line
+    assert ledger.price(100, False, 5) == pytest.approx(0.275) and ledger.price(100, True, 5) == pytest.approx(0.425)
     assert rec._plan(setting, racers, 0.2, 80.0)[:2] == (setting, pytest.approx(0.2))
     assert setting.train_workers == 8 and not rec._full_size(planned) and rec._full_size(setting)
+    # evaluations alone over the budget: the horizon halves to a step of the fastest, and stops
+    assert rec._plan(setting, racers, 0.2, 0.4)[1] == pytest.approx(0.2 / 128)
 
 
 def test_the_plan_not_the_clock_decides_what_runs(monkeypatch):

@@ -79,6 +79,9 @@ def test_the_measured_set_is_each_solvers_top_two_and_its_defaults():
     assert "ma every=2" not in labels  # third of its solver
     assert any(c["solver"] == "ma" and c["defaults"] for c in got)  # ma's defaults measured too
     assert [c["recommended"] for c in got if c["label"] == "ma every=16"] == [True]
+    # the second test set's: each solver's top one, its defaults, and the answer's top 3
+    got = bench.measured_set(ranked, ["allreduce", "ma"], top=1, first=3)
+    assert [c["label"] for c in got] == ["allreduce", "ma every=16", "ma every=8", "ma"]
 
 
 def test_the_test_set_is_drawn_by_its_seed_alone():
@@ -86,6 +89,25 @@ def test_the_test_set_is_drawn_by_its_seed_alone():
     assert [x.label for x in a] == [x.label for x in b] and len(a) >= 16
     assert [x.label for x in recommend_scenarios.test_set(seed=1)] != [x.label for x in a]
     assert {x.workers for x in a} <= {4, 8, 16}
+    # as it was scored (docs/benchmarks/raw/recommend.json): a change to the drawing code
+    # must not redraw a published set
+    assert [x.label for x in a][:3] == ["motifs 8w 4.293gbit (89.1 ms), 4 slow x4, jitter 0.28",
+                                        "wide 8w 106mbit (73.3 ms), 2 slow x3.6, jitter 0.1",
+                                        "cnn 4w 1.233gbit (174 ms), 2 slow x4, jitter 0.24"]
+
+
+def test_the_second_test_set_has_homogeneous_clusters_and_a_users_kinds_of_model():
+    """Drawn by its own seed: 18 scenarios, every third (1st, 4th, ...) without a slow worker
+    and every other with at least one, and each of the three workloads of a user's kind (an
+    LSTM, a GRU, a conv net with BatchNorm) at least twice."""
+    sc = recommend_scenarios
+    a = sc.test_set_2()
+    assert [x.label for x in a] == [x.label for x in sc.test_set_2()] and len(a) == 18
+    assert [x.slow_count == 0 for x in a] == [i % 3 == 0 for i in range(18)]
+    kinds = [x.workload for x in a]
+    assert all(kinds.count(w) >= 2 for w in (sc.CHARLSTM, sc.ROWGRU, sc.BNCONV))
+    assert all(x.device_ms >= sc.floor_ms(x.workload, x.workers) for x in a)
+    assert sc.declared("test2")["generator_seed"] == sc.GENERATOR_SEED_2 != sc.GENERATOR_SEED
 
 
 def test_a_stopped_test_set_run_keeps_finished_runs_and_reruns_a_dropped_one(tmp_path, monkeypatch):

@@ -64,6 +64,9 @@ RUNGS = 2
 SETTLED = 3
 #: a short horizon's run evaluates at least this many times (its metric at the horizon)
 HORIZON_EVALS = 4
+#: the plan shortens the first horizon, to fit the time budget, no further than this many
+#: steps of the fastest candidate before it trains fewer replicas
+MIN_HORIZON_STEPS = 32
 #: the share of the time budget the staged search plans to spend, in this machine's seconds
 #: as train_mode_cost prices a run (the plan, not the clock, decides what runs: the same
 #: command gives the same answer beside other work; the clock stops it only past
@@ -568,7 +571,8 @@ def _rung(s: _Setting, racers: list[_Racer], horizon: float, runs: dict, cache: 
                 progress(f"{head.cand.label} ({stage}, {horizon:.3g} s)", i, len(groups))
             base = max(1, s.training.eval_every // TRAIN_EVAL_FINER)
             every = max(1, min(base, steps // HORIZON_EVALS))
-            ledger.charge(ledger.price(steps, head.ordered, steps // every + 1))
+            priced = _horizon_steps(s, group, horizon, priced=True)
+            ledger.charge(ledger.price(priced, head.ordered, priced // every + 1))
             if time.monotonic() > deadline:
                 raise _Stop
             cluster, worker_model = _train_cluster(request, n, s.compute_s) if head.ordered else (None, None)
@@ -612,13 +616,16 @@ def _groups(racers: list[_Racer]) -> dict[tuple[str, str], list[_Racer]]:
     return groups
 
 
-def _horizon_steps(s: _Setting, group: list[_Racer], horizon: float) -> int:
+def _horizon_steps(s: _Setting, group: list[_Racer], horizon: float, priced: bool = False) -> int:
     """The steps (per worker, for an order-dependent rule) that take ``group``'s fastest
-    candidate to ``horizon`` seconds of the cluster's time, within its step cap."""
+    candidate to ``horizon`` seconds of the cluster's time, within its step cap. ``priced``:
+    the steps its run is priced at: an order-dependent rule's cap lets fast workers take the
+    slow ones' factor more steps, but each worker stops at the horizon: on average the
+    horizon's worth of its paced steps."""
     cap = _step_cap(s, group[0].ordered)
+    factor = 1.0 if priced else cap / (s.training.steps * TRAIN_STEPS_FACTOR)
     # (less a hair: a horizon of exactly k steps is k steps, whatever the floats' rounding)
-    return min(cap, math.ceil(horizon / min(r.cand.step_s for r in group)
-                              * (cap / (s.training.steps * TRAIN_STEPS_FACTOR)) - 1e-9))
+    return min(cap, math.ceil(horizon / min(r.cand.step_s for r in group) * factor - 1e-9))
 
 
 def _plan(s: _Setting, racers: list[_Racer], horizon: float, total_s: float) -> tuple[_Setting, float, str, _Ledger]:
@@ -626,8 +633,9 @@ def _plan(s: _Setting, racers: list[_Racer], horizon: float, total_s: float) -> 
     a share of ``total_s`` seconds of this machine (1 / (RUNGS + 2): every later horizon
     costs about as much, a third of the candidates three times as long, and the last runs
     to the target get two shares): what one train-mode step of the model costs here is
-    measured first (:func:`~distsync.sim.train.train_mode_cost`), then the replicas halved
-    (to 2 at least) and, if need be, the horizon halved. Returns the setting to train
+    measured first (:func:`~distsync.sim.train.train_mode_cost`), then the horizon halved
+    (down to :data:`MIN_HORIZON_STEPS` of the fastest candidate), the replicas halved (to 2
+    at least) and, if need be, the horizon halved again. Returns the setting to train
     with, the first horizon, one line saying what was planned, and the ledger the search
     charges its runs to."""
     from distsync.sim.train import train_mode_cost
@@ -640,17 +648,25 @@ def _plan(s: _Setting, racers: list[_Racer], horizon: float, total_s: float) -> 
         scale, total = n / n0, 0.0
         for group in _groups(racers).values():
             per_step = cost["one_s"] * n if group[0].ordered else cost["step_s"] * scale
-            total += _horizon_steps(s, group, h) * per_step + (HORIZON_EVALS + 1) * cost["eval_s"] * scale
+            total += (_horizon_steps(s, group, h, priced=True) * per_step
+                      + (HORIZON_EVALS + 1) * cost["eval_s"] * scale)
         return total
 
+    # Halved until it fits (a price measured a little differently plans the same): the horizon
+    # first, while the fastest candidate still takes MIN_HORIZON_STEPS steps to it, then the
+    # replicas (an order-dependent rule on fewer workers is another rule: its staleness, its
+    # queues), then the horizon again.
     seconds = total_s / (RUNGS + 2)
-    n, took = n0, first_horizon(n0, horizon)
-    while took > seconds and n > 2:
+    fastest = min(r.cand.step_s for r in racers)
+    n, start = n0, horizon
+    while first_horizon(n, horizon) > seconds and horizon / 2 / fastest >= MIN_HORIZON_STEPS:
+        horizon /= 2
+    while first_horizon(n, horizon) > seconds and n > 2:
         n = max(2, n // 2)
-        took = first_horizon(n, horizon)
-    shortened = took > seconds
-    if shortened:  # (halved until it fits: a price measured a little differently plans the same)
-        horizon *= 2.0 ** -math.ceil(math.log2(took / seconds))
+    while first_horizon(n, horizon) > seconds and horizon / 2 / fastest >= 1:  # (evaluations alone may not fit)
+        horizon /= 2
+    took = first_horizon(n, horizon)
+    shortened = horizon < start
     line = (f"train mode at {n} replicas{'' if n == n0 else f' (not {n0})'}, first horizon {horizon:.3g} s of the "
             f"cluster's time{' (shortened)' if shortened else ''}: a step of {n0} replicas costs "
             f"{cost['step_s'] * 1000:.3g} ms here, an evaluation {cost['eval_s'] * 1000:.3g} ms; the first "
