@@ -655,29 +655,35 @@ def measured_commit() -> str:
     return done.stdout.strip() or "unknown"
 
 
-def planned_configs(sc: Scenario, solvers: list[str]) -> int:
+def planned_configs(sc: Scenario, solvers: list[str], top: int = TOP_PER_SOLVER, first: int = 0) -> int:
     """At most how many configurations the scenario's measured set holds (before `recommend`
-    answers): per solver, its distinct option sets and defaults, at most TOP_PER_SOLVER + 1."""
+    answers): per solver, its distinct option sets and defaults, at most ``top`` + 1, and up
+    to ``first`` - 1 more (the answer's first ``first``; the first is its solver's top)."""
     from distsync.experiments.recommend import candidates
 
     per: dict[str, set[str]] = {x: {option_key(x, {})} for x in solvers}
     for c in candidates(request_for(sc, solvers, None)):
         per[c.solver].add(option_key(c.solver, c.options))
-    return sum(min(len(v), TOP_PER_SOLVER + 1) for v in per.values())
+    return sum(min(len(v), top + 1) for v in per.values()) + max(0, first - 1)
 
 
 def plan(scenarios: list[tuple[int, Scenario]], solvers: list[str], seeds: list[int],
-         cap: float | None) -> tuple[list[str], float]:
-    """A line per scenario (configurations x seeds x cap) and the whole run's upper bound in
-    seconds (every run to its cap, plus start-up)."""
+         cap: float | None, which: str = "dev") -> tuple[list[str], float]:
+    """A line per scenario (configurations x seeds x cap, and for the second test set the
+    --verify runs) and the whole run's upper bound in seconds (every run to its cap, plus
+    start-up)."""
     lines, total = [], 0.0
     for i, sc in scenarios:
-        k, c = planned_configs(sc, solvers), cap_for(sc, cap)
+        second = which == "test2"
+        k = planned_configs(sc, solvers, TOP_PER_SOLVER_2, VERIFY_TOP) if second else planned_configs(sc, solvers)
+        c = cap_for(sc, cap)
         start = START_S + START_PER_WORKER_S * sc.workers
-        worst = k * len(seeds) * (c + start)
+        verifying = (VERIFY_TOP + 1) * (c + START_S + START_PER_WORKER_S * min(4, sc.workers)) if second else 0.0
+        worst = k * len(seeds) * (c + start) + verifying
         total += worst
         lines.append(f"{i:2d}. {sc.label}: <= {k} configurations x {len(seeds)} seeds x cap {c:g} s "
-                     f"(+ ~{start:.0f} s start each): <= {worst / 60:.0f} min")
+                     f"(+ ~{start:.0f} s start each)" + (f" + {VERIFY_TOP + 1} verify runs" if second else "")
+                     + f": <= {worst / 60:.0f} min")
     return lines, total
 
 
@@ -735,7 +741,7 @@ def main() -> None:
             sys.exit(f"error: --only {','.join(map(str, bad))}: the dev set's scenarios are 1 to {len(DEV)}")
         chosen = [(i, DEV[i - 1]) for i in picks]
     with exit_on_error():
-        lines, worst = plan(chosen, solvers, seeds, args.cap)
+        lines, worst = plan(chosen, solvers, seeds, args.cap, args.which)
     bound = f"{worst / 3600:.1f} h" if worst >= 3600 else f"{worst / 60:.0f} min"
     print(f"{args.which} set, {len(chosen)} scenario(s), solvers {', '.join(solvers)}; at most {bound} if every "
           f"run went to its cap (runs stop at the target: expect less):")
