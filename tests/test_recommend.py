@@ -534,6 +534,8 @@ def test_a_short_horizon_is_never_judged_by_the_evaluation_after_the_rules_finis
     rec._judge(r, res, 1.0, False, True)
     assert r.reached_s is None and r.score == 0.5 and r.horizon_s == 1.0
     assert not rec._reached_in_run(res)
+    rec._judge(r, res, 1.0, False, False)  # a metric where lower is better (a loss): the score is its negative
+    assert r.score == -0.5
 
 
 def test_the_ranking_puts_horizons_after_targets_the_longest_first_then_timing():

@@ -154,6 +154,27 @@ def _add_sim_commands(sub) -> None:
                          "links); the per-message cost then grows with the processes per core")
     sm.add_argument("--json", action="store_true", help="print the results as JSON")
 
+    _add_recommend_command(sub, training)
+
+    sw = sub.add_parser("sweep", help="simulate a grid of workers x computation/communication x slow share")
+    sw.add_argument("--solvers", default="allreduce,ripples,ad-psgd,local",
+                    help="solvers with a train mode (default: allreduce,ripples,ad-psgd,local)")
+    sw.add_argument("--workers", default="4,16,64", help="comma-separated worker counts (default: 4,16,64)")
+    sw.add_argument("--ratios", default="0.3,1,3", help="computation/communication ratios (default: 0.3,1,3)")
+    sw.add_argument("--slow-shares", default="0,0.1,0.3", help="shares of 3x slow workers (default: 0,0.1,0.3)")
+    sw.add_argument("--solver-option", "-o", action="append", metavar="[SOLVER.]KEY=VALUE",
+                    help="a solver option; with SOLVER. for one solver only; servers=workers/K: per worker count")
+    sw.add_argument("--workload", default="digits")
+    sw.add_argument("--steps", type=int, default=300)
+    add_training_options(sw.add_argument_group(f"{training} (train mode follows it)"),
+                         defaults={"batch_size": 8, "eval_every": 10})
+    sw.add_argument("--out", help="output folder (default: runs/<time>-sweep)")
+
+
+def _add_recommend_command(sub, training: str) -> None:
+    """recommend: which solver for this model on that cluster."""
+    from distsync.options import add_training_options, finite_float
+
     rc = sub.add_parser("recommend", help="which solver, with which options, for this model on that cluster")
     rc.add_argument("--workload", default="digits", help="built-in name or path/to/file.py:make_workload")
     rc.add_argument("--workers", type=int, default=8, help="workers of the cluster (default: 8)")
@@ -184,20 +205,6 @@ def _add_sim_commands(sub) -> None:
                     help="with --verify: each run stops at its target or after S seconds of training (default: 60)")
     add_training_options(rc.add_argument_group(f"{training} (train mode follows it; so do the printed commands)"))
     rc.add_argument("--out", help="output folder (default: runs/<time>-recommend-<workload>)")
-
-    sw = sub.add_parser("sweep", help="simulate a grid of workers x computation/communication x slow share")
-    sw.add_argument("--solvers", default="allreduce,ripples,ad-psgd,local",
-                    help="solvers with a train mode (default: allreduce,ripples,ad-psgd,local)")
-    sw.add_argument("--workers", default="4,16,64", help="comma-separated worker counts (default: 4,16,64)")
-    sw.add_argument("--ratios", default="0.3,1,3", help="computation/communication ratios (default: 0.3,1,3)")
-    sw.add_argument("--slow-shares", default="0,0.1,0.3", help="shares of 3x slow workers (default: 0,0.1,0.3)")
-    sw.add_argument("--solver-option", "-o", action="append", metavar="[SOLVER.]KEY=VALUE",
-                    help="a solver option; with SOLVER. for one solver only; servers=workers/K: per worker count")
-    sw.add_argument("--workload", default="digits")
-    sw.add_argument("--steps", type=int, default=300)
-    add_training_options(sw.add_argument_group(f"{training} (train mode follows it)"),
-                         defaults={"batch_size": 8, "eval_every": 10})
-    sw.add_argument("--out", help="output folder (default: runs/<time>-sweep)")
 
 
 SHORTCUTS = {

@@ -521,7 +521,8 @@ def _staged_search(s: _Setting, cands: list[Candidate], cache: dict, deadline: f
             c.train_time_to_target_s = r.reached_s if r.ordered and _full_size(s) else None
         elif r.horizon_s is not None and not c.trained and not c.refused:
             c.horizon_s, c.horizon_score = r.horizon_s, r.score
-            metric = "-" if r.score is None else f"{abs(r.score):.3g}"  # (its sign: "higher is better")
+            # (the score is the metric, or its negative where lower is better)
+            metric = "-" if r.score is None else f"{r.score if s.workload.higher_is_better else -r.score:.3g}"
             c.note = (f"short horizon: {s.workload.metric_name} {metric} after {r.horizon_s:.3g} s of the "
                       f"cluster's time, behind the candidates that went on")
         elif not c.trained and not c.refused and not c.note:

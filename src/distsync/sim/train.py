@@ -134,18 +134,11 @@ def simulate_training(solver: str, options: dict[str, Any], workload: Workload, 
     lr = lr or workload.lr
     eval_every = eval_every or workload.eval_every
     policy = check_buffers(cls, buffers)
-    torch.manual_seed(seed)  # the runtime's initial model
-    model = workload.make_model()
-    served = _ServedTables.of(model, workload.embedding_servers if embedding_servers is None else embedding_servers,
-                              embedding_lr or workload.embedding_lr or lr, embedding_optimizer)
-    stack = _stacked(model, workers, served)
+    served, stack, samplers, bufs, replica_math = _replicas(
+        workload, workers, batch_size, seed, policy, precision,
+        workload.embedding_servers if embedding_servers is None else embedding_servers,
+        embedding_lr or workload.embedding_lr or lr, embedding_optimizer)
     names = list(stack)
-    samplers = _samplers(workload, workers, batch_size, seed)
-    bufs = _Buffers(model, _written_buffers(model, workload, workload.take(workload.train_data,
-                                                                           samplers[0].indices(0))),
-                    workers, policy)
-    model.train()
-    replica_math = _ReplicaMath(workload, model, bufs, precision, served)
     gradient = _one_gradient(workload, samplers, bufs, replica_math, stack, names)
     ctx = TrainContext(stack, lr, workers, seed, gradient=gradient, averaged=bufs.averaged(),
                        optimizer=ReplicaOptimizers(stack, lr, run_optimizer))
@@ -173,6 +166,22 @@ def simulate_training(solver: str, options: dict[str, Any], workload: Workload, 
     return result
 
 
+def _replicas(workload: Workload, workers: int, batch_size: int, seed: int, policy: str, precision: str,
+              embedding_servers: int, embedding_lr: float, embedding_optimizer: str):
+    """The runtime's initial model (``seed``) as ``workers`` stacked replicas: its served
+    tables, the stack, each replica's sampler, the buffers (``policy``) and the replicas' math."""
+    torch.manual_seed(seed)  # the runtime's initial model
+    model = workload.make_model()
+    served = _ServedTables.of(model, embedding_servers, embedding_lr, embedding_optimizer)
+    stack = _stacked(model, workers, served)
+    samplers = _samplers(workload, workers, batch_size, seed)
+    bufs = _Buffers(model, _written_buffers(model, workload, workload.take(workload.train_data,
+                                                                           samplers[0].indices(0))),
+                    workers, policy)
+    model.train()
+    return served, stack, samplers, bufs, _ReplicaMath(workload, model, bufs, precision, served)
+
+
 def train_mode_cost(workload: Workload, workers: int, *, batch_size: int | None = None, precision: str = "fp32",
                     embedding_servers: int | None = None, lr: float | None = None, seed: int = 0) -> dict[str, float]:
     """What train mode costs this machine for ``workload``'s model at ``workers`` replicas,
@@ -182,17 +191,11 @@ def train_mode_cost(workload: Workload, workers: int, *, batch_size: int | None 
     replica's gradient as a lockstep rule takes them (batched where torch.func can); ``one_s``,
     one replica's, as an order-dependent rule takes each; ``eval_s``, one evaluation of every
     replica on the eval set."""
-    batch_size = batch_size or workload.batch_size
-    torch.manual_seed(seed)
-    model = workload.make_model()
-    served = _ServedTables.of(model, workload.embedding_servers if embedding_servers is None else embedding_servers,
-                              workload.embedding_lr or lr or workload.lr, "adagrad")
-    stack = _stacked(model, workers, served)
-    samplers = _samplers(workload, workers, batch_size, seed)
+    _, stack, samplers, bufs, replica_math = _replicas(
+        workload, workers, batch_size or workload.batch_size, seed, "local", precision,
+        workload.embedding_servers if embedding_servers is None else embedding_servers,
+        workload.embedding_lr or lr or workload.lr, "adagrad")
     batches = [workload.take(workload.train_data, s.indices(0)) for s in samplers]
-    bufs = _Buffers(model, _written_buffers(model, workload, batches[0]), workers, "local")
-    model.train()
-    replica_math = _ReplicaMath(workload, model, bufs, precision, served)
     replica_math.probe(stack, samplers[0])
 
     def least(f: Callable[[], Any]) -> float:
