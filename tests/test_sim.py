@@ -401,3 +401,59 @@ def test_sweep_options_per_worker_count_and_order_dependent_solvers_per_cell():
     assert bound["phase_share"]["compute"] < free["phase_share"]["compute"]
     assert bound["time_to_target_s"] > free["time_to_target_s"]
     assert all(r["trained_replicas"] == 4 and r["steps_to_target"] for r in rows)
+
+
+def test_allreduce_trains_one_replica_on_the_union_batch_where_the_math_allows_it():
+    """allreduce steps every replica with the mean of their gradients, which for a mean loss
+    without batch-dependent layers or randomness is the gradient of their batches' union:
+    train mode computes it once. Its models and curve are those of every replica computed
+    (to float error); a model with dropout (random) or a summed loss does not qualify and
+    keeps one gradient per replica; a rule that uses each replica's own (ma) never asks."""
+    import dataclasses
+
+    import torch
+    import torch.nn as nn
+
+    from distsync.sim import train
+    from distsync.workloads import load_workload
+
+    w = load_workload("digits")
+    union = train.simulate_training("allreduce", {}, w, 4, 20, seed=3, eval_every=10)
+    each = []
+
+    def no_union(self, stack, batches):
+        each.append(True)
+        return False
+
+    orig = train._ReplicaMath.probe_union
+    train._ReplicaMath.probe_union = no_union
+    try:
+        every = train.simulate_training("allreduce", {}, w, 4, 20, seed=3, eval_every=10)
+    finally:
+        train._ReplicaMath.probe_union = orig
+    assert each == [True]
+    for n in union.params:
+        torch.testing.assert_close(union.params[n], every.params[n], rtol=1e-4, atol=1e-5)
+    assert [p["metric"] for p in union.curve] == pytest.approx([p["metric"] for p in every.curve], abs=1e-2)
+
+    def asked(workload, solver="allreduce"):
+        seen = []
+
+        def probe(self, stack, batches):
+            seen.append(orig(self, stack, batches))
+            return seen[-1]
+
+        train._ReplicaMath.probe_union = probe
+        try:
+            train.simulate_training(solver, {}, workload, 4, 2, seed=3, eval_every=2)
+        finally:
+            train._ReplicaMath.probe_union = orig
+        return seen
+
+    assert asked(w) == [True]
+    dropout = dataclasses.replace(w, make_model=lambda: nn.Sequential(nn.Linear(64, 32), nn.Dropout(0.5),
+                                                                       nn.ReLU(), nn.Linear(32, 10)))
+    assert asked(dropout) == [False]
+    summed = dataclasses.replace(w, loss_fn=lambda out, y: torch.nn.functional.cross_entropy(out, y, reduction="sum"))
+    assert asked(summed) == [False]
+    assert asked(w, "ma") == []

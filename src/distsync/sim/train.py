@@ -143,7 +143,7 @@ def simulate_training(solver: str, options: dict[str, Any], workload: Workload, 
     ctx = TrainContext(stack, lr, workers, seed, gradient=gradient, averaged=bufs.averaged(),
                        optimizer=ReplicaOptimizers(stack, lr, run_optimizer))
     rule = _simulate_rule(cls, o, ctx, solver, optimizer, momentum, weight_decay)
-    replica_math.probe(stack, samplers[0], batch_gradients=not isinstance(rule, OrderedRule))
+    _probe(replica_math, rule, stack, samplers, workload)
     if budget is not None and budget.limited:
         steps, wall_s = _budget_steps(solver, options, budget, workers, steps, batch_size, seed, cluster, worker_model,
                                       model_bytes or _nbytes(stack), isinstance(rule, OrderedRule), wall_s)
@@ -548,6 +548,8 @@ class _ReplicaMath:
         self.workload, self.model, self.bufs = workload, model, bufs
         self.served = served or _ServedTables({}, 0.0, "sgd")
         self.batched_gradients = self.batched_evaluation = True
+        #: every replica's gradient is one: that of the union of their batches (:meth:`probe_union`)
+        self.union = False
         forward_precision = _forward_precision(precision)
         tables = self.served.tables
 
@@ -586,6 +588,12 @@ class _ReplicaMath:
         """Every replica's gradient on its batch (``batches[w]``), stacked; ``written``: the
         buffer stacks the forward writes (in place). The served tables' gradients are then
         applied to them, in replica order."""
+        if self.union:  # (the replicas are one model: the gradient of their batches' union, once)
+            try:
+                g, _ = self.grad_one({n: p[0] for n, p in stack.items()}, {}, *_union(batches))
+            except Exception as e:
+                raise self._fails(e, f"at step {step}") from None
+            return {n: v.unsqueeze(0).expand(len(batches), *v.shape) for n, v in g.items()}
         try:
             if not self.batched_gradients:
                 g, looked_up = self._looped(stack, written, batches)
@@ -597,6 +605,24 @@ class _ReplicaMath:
         for w in range(len(batches)):
             self.served.apply({n: t[w] for n, t in looked_up.items()})
         return g
+
+    def probe_union(self, stack: dict[str, torch.Tensor], batches: list[tuple]) -> bool:
+        """For a rule that steps every replica with the mean of their gradients and keeps them
+        one model (allreduce's): whether that mean is the gradient of the union of their
+        batches, here, on the first batches (a loss that is a mean over samples, no buffer the
+        forward writes, no randomness in it, no served tables); then :meth:`gradients`
+        computes it once on the union, where it computed every replica's (``union``)."""
+        if self.served.tables or self.bufs.stack or len(batches) < 2:
+            return False
+        with torch.random.fork_rng(devices=[]):
+            try:
+                each, _ = (self.grads_all(stack, {}, *tree_map(lambda *t: torch.stack(t), *batches))
+                           if self.batched_gradients else self._looped(stack, {}, batches))
+                one, _ = self.grad_one({n: p[0] for n, p in stack.items()}, {}, *_union(batches))
+            except Exception:
+                return False
+        self.union = all(torch.allclose(each[n].mean(0), one[n], rtol=1e-4, atol=1e-6) for n in one)
+        return self.union
 
     def gradient(self, params: dict[str, torch.Tensor], written: dict[str, torch.Tensor], x, y,
                  step: int) -> dict[str, torch.Tensor]:
@@ -670,6 +696,21 @@ class _ReplicaMath:
             _say_once(f"train mode: torch.func cannot batch {workload.name}'s model ({_first_line(why)}); "
                       f"{' and '.join(looped)} the {len(next(iter(stack.values()), []))} replicas one at a time "
                       f"(slower)")
+
+
+def _probe(replica_math: _ReplicaMath, rule: "Rule", stack: dict[str, torch.Tensor], samplers: list[ShardSampler],
+           workload: Workload) -> None:
+    """What the replicas' math can batch (an order-dependent rule takes each gradient alone
+    anyway), and whether ``rule`` needs only their mean gradient, computed once on their
+    batches' union where the math allows it (fewer replicas)."""
+    replica_math.probe(stack, samplers[0], batch_gradients=not isinstance(rule, OrderedRule))
+    if type(rule) is MeanGradient and rule.wire is None:
+        replica_math.probe_union(stack, [workload.take(workload.train_data, s.indices(0)) for s in samplers])
+
+
+def _union(batches: list[tuple]) -> tuple:
+    """The replicas' batches as one (inputs may be tuples of tensors)."""
+    return tree_map(lambda *t: torch.cat(t), *batches)
 
 
 def _forward_precision(precision: str) -> Callable[[], Any]:
