@@ -401,6 +401,8 @@ def test_the_time_budget_is_checked_and_reaches_the_command_line(tmp_path):
     assert proc.returncode == 2
     assert_one_line(proc.stderr)
     assert "--time-budget must be > 0" in proc.stderr, proc.stderr
+    with pytest.raises(ConfigError, match="--search 'halving': valid: staged, full"):
+        recommend(Request(search="halving"))
 
 
 # ---- the staged search (successive halving), on a stand-in train mode ----------------------

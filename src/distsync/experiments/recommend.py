@@ -7,7 +7,10 @@ predicted time to target:
 
 - **steps to target** from train mode (the solver's own rule on stacked replicas, at the
   cluster's size up to :data:`TRAIN_WORKERS_MAX`; above it, at that size, the steps taken as
-  they are), once per distinct rule, evaluated 4x as often as the workload says;
+  they are), once per distinct rule, evaluated 4x as often as the workload says. Train mode
+  runs as a staged search (:func:`_staged_search`: successive halving over short horizons of
+  the cluster's time, planned to the time budget by what a train-mode step of the model
+  costs here, :func:`_plan`), or every candidate to the target (``search="full"``);
 - **seconds per step** from timing mode at the cluster's size (links, servers, slow workers,
   jitter), each worker at its own pace as under a job budget (fast workers that never wait
   for a slow one run on);
