@@ -417,13 +417,15 @@ def test_background_and_foreground_solvers_reach_the_digits_target(tmp_path, sol
     # local's distance: 0.04 to 0.09 for the shadow solvers and fr-easgd on a quiet machine;
     # on a loaded one (two runs each) shadow-ma 0.17 and 0.13, shadow-bmuf 0.14 and 0.015,
     # shadow-ea 0.16 and 0.05 (the shadow thread syncs less often when the cores are busy),
-    # fr-easgd 0.08 and 0.03. Bounds: 1.7x the largest for fr-easgd (its syncs follow the
-    # steps); half of local's for the shadow solvers, whose syncs follow the free cores (a
-    # clean-clone run beside other tests went over 0.3 with shadow-bmuf): a sync that
-    # changed nothing would leave them at local's distance or further.
+    # fr-easgd 0.08 and 0.03. Bound: half of local's for all four, whose exchanges are
+    # asynchronous (the shadow solvers' syncs follow the free cores; fr-easgd's exchanges land
+    # on a center whichever worker got there first, and a loaded machine skews the two
+    # workers' pace): clean-clone runs beside other tests went over 0.3 with shadow-bmuf and
+    # to 0.153 with fr-easgd. A sync that changed nothing would leave them at local's
+    # distance or further.
     step, flats = checkpointed_models(tmp_path / "r", 2)
     assert step == local_distance[0]
-    bound = {"ma": 1e-6, "bmuf": 1e-6, "fr-easgd": 0.15}.get(solver, 0.5)
+    bound = {"ma": 1e-6, "bmuf": 1e-6}.get(solver, 0.5)
     assert consensus_distance(flats) < bound * local_distance[1], (consensus_distance(flats), local_distance)
 
 
