@@ -638,3 +638,20 @@ def test_the_plan_not_the_clock_decides_what_runs(monkeypatch):
     assert len(runs) == 9
     assert [c.label for c in rank(cands)[:3]] == ["ma every=16", "ma every=4", "bmuf every=16"]
     assert all(c.horizon_s == pytest.approx(0.2) for c in cands)
+
+
+def test_the_search_option_reaches_the_answer(tmp_path):
+    """--search full trains every candidate to the target (no plan, no horizon); the default
+    plans a staged search and says so in the answer."""
+    runs = {}
+    for search in ("full", "staged"):
+        out = tmp_path / search
+        proc = run_cli("recommend", "--workers", "2", "--solvers", "allreduce,ma", "--device-ms", "2",
+                       "--search", search, "--out", str(out))
+        assert proc.returncode == 0, proc.stderr
+        runs[search] = json.loads((out / "recommend.json").read_text())
+    full, staged = runs["full"], runs["staged"]
+    assert full["request"]["search"] == "full" and full["train_plan"] == ""
+    assert all(r["horizon_s"] is None for r in full["ranked"])
+    assert all(r["time_to_target_s"] is not None for r in full["ranked"])
+    assert staged["request"]["search"] == "staged" and staged["train_plan"].startswith("train mode at 2 replicas")
