@@ -694,7 +694,7 @@ def verified_pick(sc: Scenario, solvers: list[str], fit: str | None, answer: dic
     the cap); its key in the measured set (None: none ran)."""
     from distsync.experiments.recommend import verify
 
-    rows = verify(request_for(sc, solvers, fit), answer, VERIFY_TOP, out / "verify", cap_s=cap_s)
+    rows = verify(request_for(sc, solvers, fit), answer, VERIFY_TOP, out, cap_s=cap_s)  # (into OUT/verify/)
     top = {r["label"]: r for r in answer["ranked"][:VERIFY_TOP]}
     timed = [(v["measured_time_to_target_s"] if v["measured_time_to_target_s"] is not None else cap_s, v["label"])
              for v in rows if v["label"] in top]

@@ -211,3 +211,30 @@ def test_when_to_trust_counts_regimes_regret_and_prediction_errors_by_hand():
     text = bench.render_trust(raw)
     assert "| workload | cnn | 1 | 0 | 1 |" in text and "on the misses: 2: 1.60." in text
     assert "| mnist | 3 | +10% (+0% to +25%) | 2 of 3 |" in text
+
+
+def test_the_verified_pick_is_the_fastest_measured_of_the_top_three(monkeypatch, tmp_path):
+    """--verify 3's pick: of the answer's top 3 as run for real, the least measured time to
+    target (a miss counts as the cap); allreduce, run beside them as the baseline, is not a
+    pick when it is not in the top 3."""
+    from distsync.experiments import recommend as rec
+
+    answer = {"ranked": [{"label": "ma every=16", "solver": "ma", "options": {"every": 16}},
+                         {"label": "ad-psgd", "solver": "ad-psgd", "options": {}},
+                         {"label": "ripples schedule=smart", "solver": "ripples", "options": {"schedule": "smart"}},
+                         {"label": "allreduce", "solver": "allreduce", "options": {}}]}
+    measured = {"ma every=16": 9.0, "ad-psgd": None, "ripples schedule=smart": 7.5, "allreduce": 1.0}
+    seen = {}
+
+    def verify(request, result, top, out, cap_s):
+        seen.update(top=top, out=out, cap_s=cap_s)
+        return [{"label": k, "measured_time_to_target_s": v} for k, v in measured.items()]
+
+    monkeypatch.setattr(rec, "verify", verify)
+    sc = recommend_scenarios.DEV[0]
+    smart = bench.option_key("ripples", {"schedule": "smart"})
+    assert bench.verified_pick(sc, ["ma"], None, answer, tmp_path, 8.0) == smart
+    assert seen == {"top": 3, "out": tmp_path, "cap_s": 8.0}
+    # both misses count as the cap (8 s), ahead of ma's 9 s; the tie goes to the first label in order
+    measured["ripples schedule=smart"] = None
+    assert bench.verified_pick(sc, ["ma"], None, answer, tmp_path, 8.0) == bench.option_key("ad-psgd", {})
