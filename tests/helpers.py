@@ -6,7 +6,6 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,9 +21,11 @@ DISTSYNC = [sys.executable, "-m", "distsync.cli"]
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range, as a job's launcher picks one (one the
+    kernel hands out could be handed to another test's connection before it is bound)."""
+    from distsync.runtime.launch import free_port as launcher_port
+
+    return launcher_port("127.0.0.1")
 
 
 def _child(fn: Callable, rank: int, world: int, port: int, conn, args: tuple) -> None:

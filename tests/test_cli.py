@@ -232,3 +232,17 @@ def test_console_tables_and_lines_are_whole_at_80_and_100_columns(tmp_path, monk
     summary = json.loads((tmp_path / f"t{width}" / "summary.json").read_text())
     assert f"{summary['throughput_samples_per_s']:,.0f}" in runs["train"].stdout
     assert "ripples" in runs["compare"].stdout and "within the spread" in runs["compare"].stdout.replace("\n", " ")
+
+
+def test_the_launcher_picks_a_port_below_the_ephemeral_range(monkeypatch):
+    """A port the kernel hands out for bind(0) may go to any outgoing connection before the
+    job binds it: the launcher's are below that range, free when picked; with none free
+    there, bind(0)'s."""
+    import importlib
+
+    launch = importlib.import_module("distsync.runtime.launch")  # (the package's `launch` is the function)
+    low = launch._ephemeral_low()
+    ports = {launch.free_port("127.0.0.1") for _ in range(5)}
+    assert all(1024 <= p < low and launch.port_is_free(p) for p in ports) and len(ports) > 1
+    monkeypatch.setattr(launch, "port_is_free", lambda port, host="127.0.0.1": False)
+    assert launch.free_port("127.0.0.1") >= low

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import logging
 import os
+import random
 import signal
 import socket
 import sys
@@ -37,9 +38,27 @@ ProgressFn = Callable[[dict[str, Any]], None]
 
 
 def free_port(host: str) -> int:
+    """A port free on ``host`` now, below the kernel's ephemeral range: a port the kernel
+    hands out (``bind(0)``) may be handed again, to any process's outgoing connection, before
+    the job binds it (EADDRINUSE, seen with tests running beside each other); one below the
+    range is never handed out so. Random, checked by binding; ``bind(0)`` if none is free."""
+    low = _ephemeral_low()
+    rng = random.Random()  # (its own: a job's seeded global generator must not pick every job's port)
+    for _ in range(64):
+        port = rng.randrange(max(1024, low - 22_000), low)
+        if port_is_free(port, host):
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The low end of the kernel's ephemeral port range (Linux's default where unknown)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
