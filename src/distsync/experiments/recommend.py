@@ -335,35 +335,29 @@ def _train_steps(s: _Setting, cand: Candidate, cache: dict, deadline: float | No
                  on_eval: Callable[[int, float], None] | None = None, cap: int | None = None) -> None:
     """Steps to target from train mode (the solver's own rule, with the request's training
     options; an order-dependent one in the order its timing model gives on the request's
-    cluster at ``n`` workers), cached per rule: lockstep rules do not depend on the servers'
+    cluster at the planned replicas: :func:`_train_mode`), cached per rule: lockstep rules do not depend on the servers'
     count."""
-    from distsync.sim.train import ModelNotTrainable, simulate_training
+    from distsync.sim.train import ModelNotTrainable
 
     if _NO_TIME in cache:
         cand.note = cache[_NO_TIME][1]
         return
-    request, n = s.request, s.train_workers
+    request = s.request
     ordered, key = _rule_key(cand)
     steps = _step_cap(s, ordered) if cap is None else cap
     if key not in cache and deadline is not None and time.monotonic() > deadline:
         cand.note = f"timing only: the {request.time_budget_s:g} s time budget was spent before its train mode"
         return
     if key not in cache:
-        cluster, worker_model = _train_cluster(request, n, s.compute_s) if ordered else (None, None)
         try:
-            # evaluated 4x as often as the run would be: steps to target at a finer grain
-            res = simulate_training(cand.solver, cand.options, s.workload, n, steps, **train_mode_kwargs(s.training),
-                                    seed=request.seed, until_target=True, cluster=cluster,
-                                    worker_model=worker_model, model_bytes=s.nbytes,
-                                    eval_every=max(1, s.training.eval_every // TRAIN_EVAL_FINER), deadline=deadline,
-                                    on_eval=on_eval)
+            res = _train_mode(s, cand, ordered, steps, _eval_grain(s), deadline, on_eval)
             if res.cut_short:  # (not cached: a longer budget would go on)
                 cand.note = (f"timing only: the {request.time_budget_s:g} s time budget ran out in its train mode, "
                              f"after {res.curve[-1]['step'] + 1 if res.curve else 0} steps")
                 return
             # an ordered rule on the request's whole cluster: its event loop's own time to target
-            at = res.time_to_target_s if ordered and n == request.workers else None
-            cache[key] = ("ok", (res.steps_to_target, at, max(1, s.training.eval_every // TRAIN_EVAL_FINER)))
+            at = res.time_to_target_s if ordered and _full_size(s) else None
+            cache[key] = ("ok", (res.steps_to_target, at, _eval_grain(s)))
         except ModelNotTrainable as e:  # whatever the solver: the others are not tried
             cache[_NO_TIME] = (str(e), "timing only: train mode cannot run this model")
             cand.note = cache[_NO_TIME][1]
@@ -409,6 +403,26 @@ def _step_cap(s: _Setting, ordered: bool) -> int:
         # up to the slow ones' factor times their steps
         steps = math.ceil(steps * request.slow_factor * (1 + request.jitter))
     return steps
+
+
+def _eval_grain(s: _Setting) -> int:
+    """Train mode's steps between evaluations: :data:`TRAIN_EVAL_FINER` times as often as the
+    workload's (steps to target at a finer grain)."""
+    return max(1, s.training.eval_every // TRAIN_EVAL_FINER)
+
+
+def _train_mode(s: _Setting, cand: Candidate, ordered: bool, steps: int, every: int, deadline: float | None,
+                on_eval: Callable[[int, float], None] | None, **more: Any) -> Any:
+    """``cand``'s rule in train mode, until the target, with the request's training options,
+    at the planned replicas (an order-dependent one on the request's link, slow workers and
+    jitter); ``more``: simulate_training's other arguments."""
+    from distsync.sim.train import simulate_training
+
+    n = s.train_workers
+    cluster, worker_model = _train_cluster(s.request, n, s.compute_s) if ordered else (None, None)
+    return simulate_training(cand.solver, cand.options, s.workload, n, steps, **train_mode_kwargs(s.training),
+                             seed=s.request.seed, until_target=True, cluster=cluster, worker_model=worker_model,
+                             model_bytes=s.nbytes, eval_every=every, deadline=deadline, on_eval=on_eval, **more)
 
 
 @dataclass
@@ -501,7 +515,7 @@ def _staged_search(s: _Setting, cands: list[Candidate], cache: dict, deadline: f
         for i, r in enumerate(left):  # the last rung: to the target, within what the plan has left
             if progress is not None:
                 progress(f"{r.cand.label} (to target)", i, len(left))
-            every = max(1, s.training.eval_every // TRAIN_EVAL_FINER)
+            every = _eval_grain(s)
             cap = _step_cap(s, r.ordered)
             while cap > ledger.affordable_steps(r.ordered, every, 1 / (len(left) - i)):
                 cap //= 2  # (halved until it fits: a price measured a little differently plans the same)
@@ -560,9 +574,8 @@ def _rung(s: _Setting, racers: list[_Racer], horizon: float, runs: dict, cache: 
     and judge each there: reached the target (its time), or its metric at the horizon. The
     run is a moment of a longer one: its rule's finish (a closing sync the real run would not
     have then) does not run."""
-    from distsync.sim.train import ModelNotTrainable, simulate_training
+    from distsync.sim.train import ModelNotTrainable
 
-    request, n = s.request, s.train_workers
     higher = s.workload.higher_is_better
     groups = _groups(racers)
     for i, (key, group) in enumerate(groups.items()):
@@ -573,20 +586,15 @@ def _rung(s: _Setting, racers: list[_Racer], horizon: float, runs: dict, cache: 
         if have is None or (have[0] == "ok" and have[2] < steps and not _reached_in_run(have[1])):
             if progress is not None:
                 progress(f"{head.cand.label} ({stage}, {horizon:.3g} s)", i, len(groups))
-            base = max(1, s.training.eval_every // TRAIN_EVAL_FINER)
-            every = max(1, min(base, steps // HORIZON_EVALS))
+            every = max(1, min(_eval_grain(s), steps // HORIZON_EVALS))
             priced = _horizon_steps(s, group, horizon, priced=True)
             ledger.charge(ledger.price(priced, head.ordered, priced // every + 1))
             if time.monotonic() > deadline:
                 raise _Stop
-            cluster, worker_model = _train_cluster(request, n, s.compute_s) if head.ordered else (None, None)
             try:
-                res = simulate_training(head.cand.solver, head.cand.options, s.workload, n, steps,
-                                        **train_mode_kwargs(s.training), seed=request.seed, until_target=True,
-                                        cluster=cluster, worker_model=worker_model, model_bytes=s.nbytes,
-                                        eval_every=every, deadline=deadline,
-                                        horizon_s=horizon if own_time else None, finish=False,
-                                        on_eval=_evaluations(progress, head.cand.label, i, len(groups)))
+                res = _train_mode(s, head.cand, head.ordered, steps, every, deadline,
+                                  _evaluations(progress, head.cand.label, i, len(groups)),
+                                  horizon_s=horizon if own_time else None, finish=False)
             except ModelNotTrainable as e:
                 cache[_NO_TIME] = (str(e), "timing only: train mode cannot run this model")
                 for r in racers:
@@ -730,11 +738,13 @@ def uncertainty(s: _Setting, ranked: list[Candidate], spread: list[float] | None
     for c in timed:
         if c.time_to_target_s > 2 * first.time_to_target_s and c is not first:
             break  # (beyond twice the first pick's: no spread of a step's compute brings it level)
-        ends = []
-        for compute in (spread or [s.compute_s, s.compute_s]):
-            at = Candidate(c.solver, dict(c.options))
-            _timing(dataclasses.replace(s, compute_s=compute), at)
-            ends.append(c.time_to_target_s * at.step_s / c.step_s)
+        ends = [c.time_to_target_s]  # (the compute given, not measured: no spread to re-time at)
+        if spread:
+            ends = []
+            for compute in spread:
+                at = Candidate(c.solver, dict(c.options))
+                _timing(dataclasses.replace(s, compute_s=compute), at)
+                ends.append(c.time_to_target_s * at.step_s / c.step_s)
         steps = c.steps_to_target or 1
         crossed = max(1, steps - c.grain_steps + 1) / steps  # (the earliest the target may have been crossed)
         c.time_to_target_range_s = (min(ends) * crossed, max(ends))

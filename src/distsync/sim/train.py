@@ -115,10 +115,11 @@ def simulate_training(solver: str, options: dict[str, Any], workload: Workload, 
     An order-dependent solver's rule runs inside its timing model, on ``cluster`` (default:
     ``workers`` on a 10 Gbit/s link) with ``worker_model``'s compute per step (default: 10 ms
     on every worker) and ``model_bytes`` (default: the model's); the curve's times are that
-    model's virtual times (scaled to ``wall_s`` when given). ``buffers``: the buffer policy.
+    model's virtual times (scaled to ``wall_s`` when given). ``buffers``: the buffer policy
+    (default: the solver's ``default_buffers``).
 
-    ``budget`` (a :class:`~distsync.config.Budget`, e.g. ``parse_budget("samples=4000")``): the job stops where a
-    real run with that budget stops, each worker at its own pace
+    ``budget`` (a :class:`~distsync.config.Budget`, e.g. ``parse_budget("samples=4000")``): the job stops
+    where a real run with that budget stops, each worker at its own pace
     (:mod:`distsync.sim.budget`); ``steps`` is then a cap per worker. An order-dependent
     rule stops inside its timing model once the samples or seconds are spent (the rule's
     ``finish`` then runs, as a real solver's close); a lockstep rule takes the steps the
@@ -595,16 +596,21 @@ class _ReplicaMath:
                 raise self._fails(e, f"at step {step}") from None
             return {n: v.unsqueeze(0).expand(len(batches), *v.shape) for n, v in g.items()}
         try:
-            if not self.batched_gradients:
-                g, looked_up = self._looped(stack, written, batches)
-            else:
-                xs, ys = tree_map(lambda *t: torch.stack(t), *batches)  # (inputs may be tuples of tensors)
-                g, looked_up = self.grads_all(stack, written, xs, ys)
+            g, looked_up = self._each(stack, written, batches)
         except Exception as e:
             raise self._fails(e, f"at step {step}") from None
         for w in range(len(batches)):
             self.served.apply({n: t[w] for n, t in looked_up.items()})
         return g
+
+    def _each(self, stack: dict[str, torch.Tensor], written: dict[str, torch.Tensor],
+              batches: list[tuple]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Every replica's gradient on its batch, and of the served tables it looked up:
+        batched where :meth:`probe` found torch.func can, else one replica at a time."""
+        if not self.batched_gradients:
+            return self._looped(stack, written, batches)
+        xs, ys = tree_map(lambda *t: torch.stack(t), *batches)  # (inputs may be tuples of tensors)
+        return self.grads_all(stack, written, xs, ys)
 
     def probe_union(self, stack: dict[str, torch.Tensor], batches: list[tuple]) -> bool:
         """For a rule that steps every replica with the mean of their gradients and keeps them
@@ -616,8 +622,7 @@ class _ReplicaMath:
             return False
         with torch.random.fork_rng(devices=[]):
             try:
-                each, _ = (self.grads_all(stack, {}, *tree_map(lambda *t: torch.stack(t), *batches))
-                           if self.batched_gradients else self._looped(stack, {}, batches))
+                each, _ = self._each(stack, {}, batches)
                 one, _ = self.grad_one({n: p[0] for n, p in stack.items()}, {}, *_union(batches))
             except Exception:
                 return False

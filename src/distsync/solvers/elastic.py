@@ -169,11 +169,12 @@ class _ElasticServerSolver(ServerSolver):
         seen = shard.center.clone()
         d = elastic_exchange(req.payload, shard.center, self.alpha)
         shard.count_update()
+        d = d.double()
         with book.lock:
             book.in_flight -= 1
-            book.sum_d += d.double()
+            book.sum_d += d
             if beside or book.arrivals != arrival:  # another started before this one ended
-                book.raced_norm += float(d.double().norm())
+                book.raced_norm += float(d.norm())
         return seen
 
     def server_state_dict(self, shard):
@@ -181,8 +182,8 @@ class _ElasticServerSolver(ServerSolver):
         book = self.book
         with book.lock:
             if book.sum_d is not None:
-                state.update(overlapping=book.overlapping, raced_norm=book.raced_norm, center0=book.center0.to("cpu", copy=True),
-                             sum_d=book.sum_d.to("cpu", copy=True))
+                state.update(overlapping=book.overlapping, raced_norm=book.raced_norm,
+                             center0=book.center0.to("cpu", copy=True), sum_d=book.sum_d.to("cpu", copy=True))
         return state
 
     def load_server_state(self, shard, state):
