@@ -184,7 +184,7 @@ def test_stretch_seeds_and_jitter_draws_survive_a_checkpoint(monkeypatch):
     again.after_forward(run, s)
     assert slept[2] == slept[1]  # the same draw after the restore
     u = random.Random(2 * 7919 + 31).random()
-    assert slept[0] == pytest.approx((2.0 + 0.5 * u) * (0.01 + 0.02))
+    assert slept[0] == pytest.approx((3.0 * (1 + 0.5 * u) - 1) * (0.01 + 0.02))  # jitter: a share of its own step
 
 
 # ---- compute gate -------------------------------------------------------------------------

@@ -129,6 +129,10 @@ def _ring(p):  # 2 (p - 1) rounds of 1/p of the model
     return 2 * (p - 1) * (LAT + SER / p)
 
 
+def _partial(p):  # Ripples' ring of point-to-point steps: each a send and a receive of their own
+    return 2 * (p - 1) * (2 * LAT + SER / p)
+
+
 FOUR_WORKERS = {  # options: the solver's defaults
     "allreduce": 8 * (0.01 + _ring(4)),  # an all-reduce after every step
     "ddp": 8 * (0.01 + _ring(4)),
@@ -144,7 +148,7 @@ FOUR_WORKERS = {  # options: the solver's defaults
     "shadow-ea": 8 * 0.01,
     # static groups of 3 among 4: the last worker to finish is always in the next round's
     # group of three (rounds (0,1,2), (1,2,3), (0,2,3), (0,1,3)), so each round adds one
-    "ripples": 8 * (0.01 + _ring(3)),
+    "ripples": 8 * (0.01 + _partial(3)),
 }
 
 
@@ -457,3 +461,37 @@ def test_allreduce_trains_one_replica_on_the_union_batch_where_the_math_allows_i
     summed = dataclasses.replace(w, loss_fn=lambda out, y: torch.nn.functional.cross_entropy(out, y, reduction="sum"))
     assert asked(summed) == [False]
     assert asked(w, "ma") == []
+
+
+def test_a_servers_link_carries_its_two_directions_in_turn_unless_said_otherwise():
+    """Two workers exchange with one server after one 10 ms step (1 Gbit, no latency; S the
+    model's transfer, P the apply). In turn (the default, as emulated links measure): A in
+    [0, S], B in [S, 2S]; A's reply, booked when A is applied, waits for B's to arrive
+    [2S, 3S]; B's follows [3S, 4S]. Both directions at once: B's reply ends at 3S + P."""
+    s, p = 8 * 1e5 / 1e9, 1e5 / 2e9
+    work, pace = Work(steps=1, model_bytes=1e5), WorkerModel(0.01)
+    half = simulate("async-easgd", {"tau": 1}, Cluster(2, Link(1e9, 0.0)), pace, work)
+    full = simulate("async-easgd", {"tau": 1}, Cluster(2, Link(1e9, 0.0), server_duplex=True), pace, work)
+    assert half.wall_s == pytest.approx(0.01 + 4 * s, rel=1e-9)
+    assert full.wall_s == pytest.approx(0.01 + 3 * s + p, rel=1e-9)
+
+
+def test_servers_hold_whole_tensors_so_one_large_tensor_loads_one_server():
+    """A model of a 90 kB and a 10 kB tensor on two servers: one server holds 90 kB (as the
+    runtime deals them, largest first), so a synchronous round of 4 workers takes 4 x 90 kB
+    through that server's link each way; sizes given in other units scale to the model's."""
+    work = Work(steps=1, model_bytes=1e5, tensor_bytes=(9e4, 1e4))
+    assert work.shards(2) == [9e4, 1e4] and work.shards(3) == pytest.approx([1e5 / 3] * 3)  # (3 > 2 tensors: even)
+    assert Work(steps=1, model_bytes=2e5, tensor_bytes=(9.0, 1.0)).shards(2) == pytest.approx([1.8e5, 2e4])
+    res = simulate("sync-ps", {"servers": 2}, Cluster(4, GBIT), WorkerModel(0.01), work)
+    assert res.wall_s == pytest.approx(0.01 + 2 * (LAT + 8 * 4 * 9e4 / 1e9), rel=1e-9)
+    even = simulate("sync-ps", {"servers": 2}, Cluster(4, GBIT), WorkerModel(0.01), Work(steps=1, model_bytes=1e5))
+    assert even.wall_s == pytest.approx(0.01 + 2 * (LAT + 8 * 4 * 5e4 / 1e9), rel=1e-9)
+
+
+def test_jitter_is_a_share_of_each_workers_own_step_as_on_an_emulated_device():
+    """factor x (1 + jitter u), u ~ U[0, 1) from the seed's stream: a 3x slow worker's jitter
+    is three times a normal one's, as the runtime's emulated device stretches it."""
+    got = WorkerModel(0.01, slow={1: 3.0}, jitter=0.5, seed=3).sample(2, 4)
+    u = np.random.default_rng([3, 2]).random(size=(4, 2))
+    assert got == pytest.approx(0.01 * np.array([1.0, 3.0]) * (1 + 0.5 * u), rel=1e-12)

@@ -290,3 +290,22 @@ def test_a_run_without_its_finish_leaves_the_models_as_they_are_and_a_horizon_st
                             horizon_s=0.035, on_eval=lambda step, metric: cut.append(step))
     res_eval = [p["t"] for p in res.curve]
     assert res_eval == pytest.approx([0.02, 0.04]) and len(cut) == len(res.curve)
+
+
+def test_the_final_evaluation_of_an_ordered_rule_is_at_the_runs_end_after_its_last_exchange():
+    """async-easgd (tau 1) on 2 workers whose exchanges take time (1 Mbit links): the last
+    step's compute ends before its exchange lands; the final evaluation is at the run's end,
+    the timing model's wall, not at the end of the last step's compute."""
+    from distsync.sim import Work, simulate
+
+    slow_link = Link(1e6, 0.0)
+    w = load_workload("digits")
+    cluster, pace = Cluster(2, slow_link), WorkerModel(0.01)
+    res = simulate_training("async-easgd", {"tau": 1}, w, 2, 4, batch_size=BATCH, lr=LR, seed=SEED, eval_every=2,
+                            cluster=cluster, worker_model=pace)
+    nbytes = sum(p.numel() * 4 for p in w.make_model().parameters())
+    timed = simulate("async-easgd", {"tau": 1}, cluster, pace, Work(steps=4, model_bytes=nbytes, batch_size=BATCH),
+                     seed=SEED)
+    exchange_s = 2 * 8 * nbytes / 1e6  # (the last step's compute ended this long before the run did)
+    assert res.curve[-1]["final"] and exchange_s > 0.1
+    assert res.curve[-1]["t"] == pytest.approx(timed.wall_s, rel=1e-9)

@@ -141,7 +141,7 @@ def _add_sim_commands(sub) -> None:
     sm.add_argument("--slow", metavar="RANK:FACTOR[,...]", help="these workers compute FACTOR times slower")
     sm.add_argument("--slow-fraction", type=finite_float, default=0.0, help="share of workers (drawn from the seed) that are slow")
     sm.add_argument("--slow-factor", type=finite_float, default=3.0, help="how much slower they are (default: 3)")
-    sm.add_argument("--jitter", type=finite_float, default=0.0, help="random per-step extra compute, up to this share")
+    sm.add_argument("--jitter", type=finite_float, default=0.0, help="random per-step extra compute, up to this share of the worker's own step")
     sm.add_argument("--seed", type=int, default=0)
     sm.add_argument("--mode", default="timing", help="timing (no math) | train (real rules on stacked replicas of "
                                                      "the --workload's model; metric against virtual time)")
@@ -181,7 +181,7 @@ def _add_recommend_command(sub, training: str) -> None:
     rc.add_argument("--link", default="10gbit", metavar="BANDWIDTH[,LATENCY]", help="every host's link (default: 10gbit)")
     rc.add_argument("--slow-fraction", type=finite_float, default=0.0, help="share of the workers that are slow")
     rc.add_argument("--slow-factor", type=finite_float, default=3.0, help="how much slower they are (default: 3)")
-    rc.add_argument("--jitter", type=finite_float, default=0.0, help="random per-step extra compute, up to this share")
+    rc.add_argument("--jitter", type=finite_float, default=0.0, help="random per-step extra compute, up to this share of the worker's own step")
     rc.add_argument("--device-ms", type=finite_float, help="a step's compute on your device (default: measured here)")
     rc.add_argument("--per-message-ms", type=finite_float, default=0.0,
                     help="what each message costs beyond the link's latency (default: 0)")

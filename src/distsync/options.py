@@ -167,7 +167,7 @@ def _add_cluster_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--slow", metavar="RANK:FACTOR[,...]",
                    help="stretch these workers' compute FACTOR times (e.g. --slow 1:3)")
     g.add_argument("--jitter", type=finite_float, default=run_default("jitter"),
-                   help="random per-step extra compute on every worker, up to this share of a step (e.g. 0.5)")
+                   help="random per-step extra compute on every worker, up to this share of its own step (e.g. 0.5)")
     g.add_argument("--device-ms", type=finite_float, metavar="MS",
                    help="emulate a device: each step's compute lasts MS milliseconds (times the worker's --slow "
                         "factor), the real math inside it and the rest slept, so the CPU is left mostly idle")

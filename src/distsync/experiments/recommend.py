@@ -243,16 +243,23 @@ def _link(request: Request):
     return Link(request.link.bandwidth_bps, request.link.latency_s + request.per_message_ms / 1000)
 
 
-def _fit(request: Request) -> float | None:
-    """With ``fit_from``: the per-message cost (and, without ``device_ms``, the compute per
-    step) fitted on that real run, written into the request; its compute per step."""
+def _fit(request: Request) -> float:
+    """With ``fit_from``: the per-message cost fitted on that real run, written into the
+    request; the compute per step the run says, as the machine that ran it spends it: its
+    step's own work (an emulated device's time, and the optimizer, the batch and the rest
+    of a step around it). With ``device_ms`` as well: that device time plus what the run
+    spent around its own device's (none where the run emulated no device: its own work
+    cannot be told from its math)."""
     from distsync.sim.calibrate import fit_run
 
     fit = fit_run(Path(request.fit_from), request.link)
     if fit["workload"] != request.workload:
         raise ConfigError(f"--fit-from {request.fit_from}: a run of {fit['workload']}, not {request.workload}")
     request.per_message_ms = 1000 * fit["per_message_s"]
-    return fit["compute_s"]
+    if request.device_ms is None:
+        return fit["compute_s"]
+    around = fit["compute_s"] - fit["device_ms"] / 1000 if fit["device_ms"] is not None else 0.0
+    return request.device_ms / 1000 + max(0.0, around)
 
 
 def _train_cluster(request: Request, n: int, compute_s: float):
@@ -278,6 +285,8 @@ class _Setting:
     compute_s: float
     #: the model's parameters, bytes
     nbytes: float
+    #: each synchronized parameter tensor's bytes (servers hold them whole); None: even shards
+    tensor_bytes: tuple[float, ...] | None = None
     #: the replicas train mode runs (at most :data:`TRAIN_WORKERS_MAX`; fewer where a step of
     #: the model costs more than the time budget allows: :func:`_plan`)
     train_workers: int = 0
@@ -716,7 +725,8 @@ def _timing(s: _Setting, cand: Candidate) -> None:
     res = simulate(cand.solver, cand.options, cluster,
                    WorkerModel(s.compute_s, slow_fraction=request.slow_fraction, slow_factor=request.slow_factor,
                                jitter=request.jitter, seed=request.seed),
-                   Work(steps=steps, model_bytes=s.nbytes, batch_size=batch), seed=request.seed)
+                   Work(steps=steps, model_bytes=s.nbytes, batch_size=batch, tensor_bytes=s.tensor_bytes),
+                   seed=request.seed)
     summary = res.summary()
     cand.step_s = res.paced_step_s  # each worker at its own pace, as under a job budget
     cand.throughput = request.workers / cand.step_s * batch
@@ -841,7 +851,7 @@ def rank(cands: list[Candidate]) -> list[Candidate]:
 def recommend(request: Request, on_step: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
     """Measure, search and rank; returns what ``recommend.json`` holds. ``on_step(label,
     done, total)`` follows the search."""
-    from distsync.sim.calibrate import synced_bytes
+    from distsync.sim.calibrate import synced_tensor_bytes
 
     request.check()
     began = time.monotonic()
@@ -855,15 +865,16 @@ def recommend(request: Request, on_step: Callable[[str, int, int], None] | None 
     params = list(model.parameters())
     cands = _runnable(request, training, candidates(request, max_servers=len(params)))
     # (what the solver synchronizes: embedding tables on embedding servers are not in it)
-    nbytes = synced_bytes(model, training.embedding_servers or 0)
+    tensor_bytes = synced_tensor_bytes(model, training.embedding_servers or 0)
+    nbytes = int(sum(tensor_bytes))
     tables_bytes = sum(p.numel() * p.element_size() for p in params) - nbytes
     fitted = _fit(request) if request.fit_from else None
     spread = None
     try:
-        if request.device_ms is not None:
-            compute_s, measured_here = request.device_ms / 1000, False
-        elif fitted is not None:
+        if fitted is not None:
             compute_s, measured_here = fitted, False
+        elif request.device_ms is not None:
+            compute_s, measured_here = request.device_ms / 1000, False
         else:
             compute_s, *spread = measure_compute(workload, training.batch_size)
             measured_here = True
@@ -871,7 +882,7 @@ def recommend(request: Request, on_step: Callable[[str, int, int], None] | None 
         raise
     except Exception as e:
         raise ConfigError(f"workload {request.workload!r} cannot be measured: {type(e).__name__}: {e}") from None
-    setting = _Setting(request, training, workload, compute_s, nbytes)
+    setting = _Setting(request, training, workload, compute_s, nbytes, tensor_bytes)
     cache: dict = {}
     if workload.target is None:  # (train mode would run to its step limit for nothing)
         cache[_NO_TIME] = (f"workload {workload.name} has no target", "timing only: the workload has no target")
@@ -901,12 +912,12 @@ def recommend(request: Request, on_step: Callable[[str, int, int], None] | None 
                    judged=_judged(c))
         rows.append(row)
     compute_from = (f"measured here, one thread's CPU time, p10-p90 {spread[0] * 1000:.3g}-{spread[1] * 1000:.3g} ms"
-                    if measured_here else "--device-ms" if request.device_ms is not None
-                    else f"fitted on {request.fit_from}")
+                    if measured_here else f"fitted on {request.fit_from}" if request.fit_from
+                    else "--device-ms")
     return {"request": request.as_dict(), "training": {name: getattr(training, name) for name in TRAINING_FIELDS},
             "compute_s": compute_s, "compute_measured_here": measured_here, "compute_p10_p90_s": spread,
             "compute_from": compute_from, "per_message_ms": request.per_message_ms,
-            "model_bytes": nbytes, "tables_on_servers_bytes": tables_bytes, "batch_size": training.batch_size,
+            "model_bytes": nbytes, "tensor_bytes": list(tensor_bytes), "tables_on_servers_bytes": tables_bytes, "batch_size": training.batch_size,
             "train_workers": setting.train_workers, "train_plan": planned,
             "no_time_to_target": cache[_NO_TIME][0] if _NO_TIME in cache else None,
             "target": workload.target, "metric": workload.metric_name,
@@ -970,7 +981,8 @@ def verify(request: Request, result: dict[str, Any], top: int, out: Path, worker
     small = Request(**{**request.__dict__, "workers": n, "device_ms": result["compute_s"] * 1000,
                        "solvers": None})
     training, workload = _resolve(small)
-    setting = _Setting(small, training, workload, result["compute_s"], result["model_bytes"])
+    setting = _Setting(small, training, workload, result["compute_s"], result["model_bytes"],
+                       tuple(result.get("tensor_bytes") or ()) or None)
     picks = result["ranked"][:top]  # (with a time to target or not: the staged search leaves some at a horizon)
     if not any(r["solver"] == "allreduce" and not r["options"] for r in picks):
         base = next((r for r in result["ranked"] if r["solver"] == "allreduce" and not r["options"]), None)

@@ -21,22 +21,34 @@ def synced_bytes(model: Any, embedding_servers: int) -> int:
     """Bytes of the parameters a solver synchronizes: all of them, but the embedding tables
     where embedding servers hold them (their rows travel as sparse lookups and pushes, which
     the simulator leaves out)."""
+    return int(sum(synced_tensor_bytes(model, embedding_servers)))
+
+
+def synced_tensor_bytes(model: Any, embedding_servers: int) -> tuple[float, ...]:
+    """Bytes of each parameter tensor a solver synchronizes (:func:`synced_bytes`'s), in the
+    model's order: servers hold them whole (:class:`~distsync.sim.timing.Work`)."""
     from distsync.sparse.tables import served_parameters
 
     served = served_parameters(model, embedding_servers)
-    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n not in served)
+    return tuple(float(p.numel() * p.element_size()) for n, p in model.named_parameters() if n not in served)
 
 
 def model_bytes(workload: str, options: dict[str, Any] | None = None, embedding_servers: int | None = None) -> int:
     """Bytes of a workload's model parameters that a solver synchronizes (:func:`synced_bytes`;
     ``embedding_servers``: the run's, None for the workload's own, as `distsync train` takes)."""
+    return int(sum(model_tensor_bytes(workload, options, embedding_servers)))
+
+
+def model_tensor_bytes(workload: str, options: dict[str, Any] | None = None,
+                       embedding_servers: int | None = None) -> tuple[float, ...]:
+    """:func:`model_bytes` tensor by tensor (:func:`synced_tensor_bytes`)."""
     import torch
 
     from distsync.workloads import load_workload
 
     w = load_workload(workload, options or {})
     torch.manual_seed(0)
-    return synced_bytes(w.make_model(), w.embedding_servers if embedding_servers is None else embedding_servers)
+    return synced_tensor_bytes(w.make_model(), w.embedding_servers if embedding_servers is None else embedding_servers)
 
 
 def _read(run_dir: Path, default_link: Link) -> dict[str, Any]:
@@ -63,14 +75,15 @@ def _read(run_dir: Path, default_link: Link) -> dict[str, Any]:
         normal = [statistics.mean(v) / cfg.slow[r] for r, v in own.items()]
     steps = measured["steps_per_worker"]  # (under a budget: the most any worker took)
     budget = cfg.budget
-    return {"dir": run_dir, "cfg": cfg, "measured": measured, "budget": budget,
+    tensors = model_tensor_bytes(cfg.workload, cfg.workload_options, cfg.embedding_servers)
+    return {"dir": run_dir, "cfg": cfg, "measured": measured, "budget": budget, "bytes": sum(tensors),
+            "tensor_bytes": tensors,
             # A --jitter run's steps include their mean stretch (jitter / 2 of a step).
             "compute": statistics.median(normal) / (1 + cfg.jitter / 2),
             "comm": statistics.mean(comm_per_step) if comm_per_step else 0.0, "steps": steps,
             "batch": (cfg.batch_size * cfg.accumulate if budget is not None
                       else round(measured["samples"] / max(1, steps * cfg.workers))),
-            "link": cfg.link or default_link,
-            "bytes": model_bytes(cfg.workload, cfg.workload_options, cfg.embedding_servers)}
+            "link": cfg.link or default_link}
 
 
 def _simulate_run(run: dict[str, Any], compute: float, latency: float, until_s: float | None = None):
@@ -79,7 +92,7 @@ def _simulate_run(run: dict[str, Any], compute: float, latency: float, until_s: 
     cfg, budget = run["cfg"], run["budget"]
     cluster = Cluster(cfg.workers, Link(run["link"].bandwidth_bps, latency))
     workers = WorkerModel(compute, slow=dict(cfg.slow), jitter=cfg.jitter, seed=cfg.seed)
-    work = Work(steps=run["steps"], model_bytes=run["bytes"], batch_size=run["batch"])
+    work = Work(steps=run["steps"], model_bytes=run["bytes"], batch_size=run["batch"], tensor_bytes=run["tensor_bytes"])
     return simulate_spent(cfg.solver, cfg.solver_options, cluster, workers, work, budget, cfg.seed, until_s=until_s)
 
 
@@ -103,10 +116,11 @@ HOST_EXP = 0.05
 
 def fit_run(run_dir: Path, default_link: Link = UNSHAPED) -> dict[str, Any]:
     """What a real run says of its workload, link and device: ``workload``, ``compute_s``
-    (a normal-speed worker's compute per step) and ``per_message_s`` (what each message cost
+    (a normal-speed worker's compute per step: its own work, waiting and communication left
+    out), its emulated device's ``device_ms`` (None: none) and ``per_message_s`` (what each message cost
     beyond the link's latency: the software stack's share)."""
     run = _read(run_dir, default_link)
-    return {"workload": run["cfg"].workload, "compute_s": run["compute"],
+    return {"workload": run["cfg"].workload, "compute_s": run["compute"], "device_ms": run["cfg"].device_ms,
             "per_message_s": max(0.0, _fit_latency(run) - run["link"].latency_s)}
 
 

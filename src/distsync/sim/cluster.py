@@ -49,6 +49,12 @@ class Cluster:
     servers: int = 0
     algorithm: str = "ring"
     server_apply_bps: float = 2e9
+    #: whether a server's link carries its two directions at once. False (the default): in
+    #: turn, as measured on emulated links: with many workers' transfers queued at a server
+    #: in both directions, the acknowledgements of what it receives wait behind what it sends
+    #: (the link's queue holds up to 100 ms), and a saturated server link moves about half of
+    #: what two independent directions would (benchmarks/sim_timing_dev.py)
+    server_duplex: bool = False
 
     def __post_init__(self) -> None:
         if self.workers < 1 or self.per_node < 1 or self.servers < 0 or not self.server_apply_bps > 0:
@@ -72,6 +78,15 @@ class Cluster:
         return (ring_allreduce_s(intra, nbytes, local) / 2 + self._flat(self.link, nbytes, nodes)
                 + ring_allreduce_s(intra, nbytes, local) / 2)
 
+    def partial_allreduce_s(self, nbytes: float, p: int) -> float:
+        """A partial all-reduce over ``p`` workers (a group of Ripples): a ring of ``2 (p - 1)``
+        point-to-point steps of ``nbytes / p`` each, as the runtime runs it, where each step
+        is a send and a receive started as operations of their own (a collective's ring runs
+        each step inside one): each pays the link's per-message latency."""
+        if p <= 1:
+            return 0.0
+        return 2 * (p - 1) * (2 * self.link.latency_s + 8.0 * nbytes / (p * self.link.bandwidth_bps))
+
     def p2p_s(self, nbytes: float) -> float:
         return self.link.transfer_s(nbytes)
 
@@ -82,8 +97,8 @@ class WorkerModel:
 
     ``compute_s`` for a normal worker; ``slow`` maps ranks to factors, and/or
     ``slow_fraction`` of the workers (drawn from the seed) run ``slow_factor`` times slower;
-    ``jitter`` adds, per step, a uniform extra of up to ``jitter x`` a normal step (as
-    ``--jitter``);
+    ``jitter`` adds, per step, a uniform extra of up to ``jitter x`` the worker's own step, a
+    slow worker's stretched one included (as ``--jitter`` on a real run);
     ``spread`` multiplies each step by a lognormal of that sigma.
     """
 
@@ -115,8 +130,8 @@ class WorkerModel:
         """Compute seconds, ``[steps, n]``."""
         rng = np.random.default_rng([self.seed, 2])
         stretch = np.broadcast_to(self.factors(n), (steps, n)).astype(np.float64)
-        if self.jitter > 0:  # as the runtime: (factor + jitter * u) times a step, u ~ U[0, 1)
-            stretch = stretch + self.jitter * rng.random(size=(steps, n))
+        if self.jitter > 0:  # as the runtime: factor x (1 + jitter * u) times a step, u ~ U[0, 1)
+            stretch = stretch * (1.0 + self.jitter * rng.random(size=(steps, n)))
         out = self.compute_s * stretch
         if self.spread > 0:
             out *= rng.lognormal(0.0, self.spread, size=(steps, n))

@@ -89,11 +89,25 @@ class SimResult:
 
 @dataclass
 class Work:
-    """What one simulated run does: steps per worker, samples per step, model size."""
+    """What one simulated run does: steps per worker, samples per step, model size;
+    ``tensor_bytes``: the synchronized parameter tensors' sizes (servers hold whole tensors,
+    dealt as a real run deals them: a model of one large tensor loads one server with it;
+    None: the model splits evenly)."""
 
     steps: int
     model_bytes: float
     batch_size: int = 32
+    tensor_bytes: tuple[float, ...] | None = None
+
+    def shards(self, servers: int) -> list[float]:
+        """The bytes each of ``servers`` servers holds."""
+        if not self.tensor_bytes or servers > len(self.tensor_bytes):
+            return [self.model_bytes / servers] * servers
+        from distsync.solvers.shard_service import assign_shards
+
+        scale = self.model_bytes / sum(self.tensor_bytes)  # (the sizes given as they are; the bytes the run's)
+        return [scale * sum(self.tensor_bytes[i] for i in shard)
+                for shard in assign_shards(list(self.tensor_bytes), servers)]
 
 
 def _zeros(n: int) -> np.ndarray:
@@ -144,19 +158,19 @@ def _periodic_overlapped(name: str, cluster: Cluster, c: np.ndarray, work: Work,
 def _sync_ps_cost(cluster: Cluster, work: Work, servers: int) -> float:
     """Every worker sends its gradient shard to every server, whose links take them in turn;
     then the servers send the new parameters back the same way."""
-    shard = work.model_bytes / servers
+    shard = max(work.shards(servers))  # (the most loaded server's link sets the pace)
     one_way = cluster.link.latency_s + 8.0 * cluster.workers * shard / cluster.link.bandwidth_bps
     return 2 * one_way
 
 
 # ---- parameter servers and elastic exchanges, on the event loop --------------------------
 class _Servers:
-    """Each server's link, one FIFO per direction, and its update lock (a FIFO of applies;
-    None: lock-free, concurrent applies do not queue)."""
+    """Each server's link, one FIFO per direction (``duplex``) or one for both, and its update
+    lock (a FIFO of applies; None: lock-free, concurrent applies do not queue)."""
 
-    def __init__(self, count: int, locked: bool = True):
+    def __init__(self, count: int, locked: bool = True, duplex: bool = True):
         self.inbound = [FifoLink() for _ in range(count)]
-        self.outbound = [FifoLink() for _ in range(count)]
+        self.outbound = [FifoLink() for _ in range(count)] if duplex else self.inbound
         self.locks = [FifoLink() for _ in range(count)] if locked else None
         self.version = [0] * count
 
@@ -166,12 +180,13 @@ class _Servers:
             return t + seconds
         return max(lock.reserve(t, seconds) for lock in self.locks)
 
-    def send_to(self, t: float, link_s: Callable[[float], float], shard: float, lat: float) -> float:
-        """A worker's message of ``shard`` bytes to every server at ``t``: when all arrived."""
-        return max(fl.reserve(t + lat, link_s(shard)) for fl in self.inbound)
+    def send_to(self, t: float, link_s: Callable[[float], float], shards: list[float], lat: float) -> float:
+        """A worker's message to every server at ``t``, ``shards[s]`` bytes to server ``s``:
+        when all arrived."""
+        return max(fl.reserve(t + lat, link_s(b)) for fl, b in zip(self.inbound, shards))
 
-    def send_back(self, t: float, link_s: Callable[[float], float], shard: float, lat: float) -> float:
-        return max(fl.reserve(t, link_s(shard)) for fl in self.outbound) + lat
+    def send_back(self, t: float, link_s: Callable[[float], float], shards: list[float], lat: float) -> float:
+        return max(fl.reserve(t, link_s(b)) for fl, b in zip(self.outbound, shards)) + lat
 
 
 class _ServerLoop:
@@ -189,7 +204,7 @@ class _ServerLoop:
         self.c, self.work, self.lat, self.bw = c, work, cluster.link.latency_s, cluster.link.bandwidth_bps
         self.push_every, self.pull_every, self.exchange_every = push_every, pull_every, exchange_every
         self.round_robin = round_robin
-        self.shard = work.model_bytes / servers
+        self.shard = work.shards(servers)
 
         self.loop = EventLoop()
         self.comp, self.comm, self.wait, self.done_at = _zeros(n), _zeros(n), _zeros(n), _zeros(n)
@@ -198,8 +213,8 @@ class _ServerLoop:
         self.staleness: Counter = Counter()
         self.turn = 0  # round robin: whose exchange the server takes next
         self.parked: dict[int, tuple[float, int]] = {}
-        self.srv = _Servers(servers, locked)
-        self.apply_s = self.shard / cluster.server_apply_bps
+        self.srv = _Servers(servers, locked, cluster.server_duplex)
+        self.apply_s = max(self.shard) / cluster.server_apply_bps
         # an exchange or a pull with nobody else around (the server's apply included)
         self.round_trip = 2 * self.lat + 2 * self.ser(work.model_bytes) + self.apply_s
 
@@ -230,9 +245,12 @@ class _ServerLoop:
         self.staleness[srv.version[0] - self.seen[w]] += 1
         srv.version[0] += 1
         self.seen[w] = srv.version[0]
-        applied = srv.apply(loop.now, self.apply_s)
-        back = max(srv.send_back(applied, self.ser, self.shard, self.lat),
-                   applied + self.ser(self.work.model_bytes) + self.lat)
+        loop.at(srv.apply(loop.now, self.apply_s), self.reply, w, t, k)
+
+    def reply(self, w: int, t: float, k: int) -> None:  # applied: the servers send the new center back
+        loop = self.loop
+        back = max(self.srv.send_back(loop.now, self.ser, self.shard, self.lat),
+                   loop.now + self.ser(self.work.model_bytes) + self.lat)
         self.blocked(w, t, back)
         loop.at(back, self.step, w, k + 1)
 
@@ -248,14 +266,16 @@ class _ServerLoop:
         else:
             self.compute(w, k)
 
-    def pull(self, w: int, k: int, asked: float) -> None:  # the servers send the parameters back
+    def pull(self, w: int, k: int, asked: float) -> None:  # a locked server reads its center after the queued applies
+        self.loop.at(self.srv.apply(self.loop.now, 0.0), self.read, w, k, asked)
+
+    def read(self, w: int, k: int, asked: float) -> None:  # the servers send the parameters back
         loop = self.loop
-        ready = self.srv.apply(loop.now, 0.0)  # a locked server reads its center after the queued applies
-        back = max(self.srv.send_back(ready, self.ser, self.shard, self.lat),
-                   ready + self.lat + self.ser(self.work.model_bytes))
+        back = max(self.srv.send_back(loop.now, self.ser, self.shard, self.lat),
+                   loop.now + self.lat + self.ser(self.work.model_bytes))
         self.seen[w] = self.srv.version[0]
         if self.math:
-            self.math.pull(w, ready)
+            self.math.pull(w, loop.now)
         loop.at(back, self.pulled, w, k, asked)
 
     def pulled(self, w: int, k: int, asked: float) -> None:
@@ -374,7 +394,7 @@ def _group_rounds(name: str, cluster: Cluster, c: np.ndarray, work: Work, every:
             g = np.asarray(group)
             cost = costs.get(len(g))
             if cost is None:
-                cost = costs[len(g)] = cluster.allreduce_s(work.model_bytes, len(g))
+                cost = costs[len(g)] = cluster.partial_allreduce_s(work.model_bytes, len(g))
             start = t[g].max()
             wait[g] += start - t[g]
             t[g] = start + cost
@@ -390,7 +410,7 @@ def _start_groups(loop: EventLoop, grouper: Any, cluster: Cluster, work: Work, m
     arm the end of the next wait for partners, when the groups that formed meanwhile start."""
     now = loop.now
     for group in groups:
-        cost = cluster.allreduce_s(work.model_bytes, len(group)) if len(group) > 1 else 0.0
+        cost = cluster.partial_allreduce_s(work.model_bytes, len(group)) if len(group) > 1 else 0.0
         if math and len(group) > 1:
             math.group(list(group), now)
         for w in group:
@@ -611,7 +631,7 @@ class TimingContext:
     def server_exchange_s(self, servers: int) -> float:
         """Every worker's model to the servers and back, through the servers' links."""
         link = self.cluster.link
-        return 2 * (link.latency_s + 8.0 * self.workers * self.work.model_bytes / (servers * link.bandwidth_bps))
+        return 2 * (link.latency_s + 8.0 * self.workers * max(self.work.shards(servers)) / link.bandwidth_bps)
 
     # blocks
     def meet_every(self, every: int, cost: float) -> SimResult:

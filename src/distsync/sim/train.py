@@ -147,7 +147,8 @@ def simulate_training(solver: str, options: dict[str, Any], workload: Workload, 
     _probe(replica_math, rule, stack, samplers, workload)
     if budget is not None and budget.limited:
         steps, wall_s = _budget_steps(solver, options, budget, workers, steps, batch_size, seed, cluster, worker_model,
-                                      model_bytes or _nbytes(stack), isinstance(rule, OrderedRule), wall_s)
+                                      model_bytes or _nbytes(stack), isinstance(rule, OrderedRule), wall_s,
+                                      _tensor_bytes(stack))
     result = TrainResult(solver, workers, steps)
     report = _reporter(result, workload, replica_math, bufs, rule, stack,
                        budget.target_value if budget is not None else None, until_target, deadline, horizon_s,
@@ -156,7 +157,8 @@ def simulate_training(solver: str, options: dict[str, Any], workload: Workload, 
         if model_bytes is None:
             model_bytes = _nbytes(stack)
         result.steps_by = _run_ordered(cls, o, rule, solver, workers, steps, batch_size, seed, eval_every, wall_s,
-                                       report, cluster, worker_model, model_bytes, budget, finish)
+                                       report, cluster, worker_model, model_bytes, budget, finish,
+                                       _tensor_bytes(stack))
     else:
         _run_lockstep(rule, workload, samplers, bufs, replica_math, stack, steps, eval_every, wall_s, report, finish)
     result.params = {n: stack[n] for n in names}
@@ -320,7 +322,12 @@ class _Spent(Exception):
 
 def _nbytes(stack: dict[str, torch.Tensor]) -> float:
     """Bytes of one replica's parameters: what a solver synchronizes (served tables are not stacked)."""
-    return sum(p[0].numel() * p.element_size() for p in stack.values())
+    return sum(_tensor_bytes(stack))
+
+
+def _tensor_bytes(stack: dict[str, torch.Tensor]) -> tuple[float, ...]:
+    """Bytes of each of one replica's parameter tensors (servers hold them whole)."""
+    return tuple(float(p[0].numel() * p.element_size()) for p in stack.values())
 
 
 def _train_cluster(workers: int, cluster: Any, worker_model: Any):
@@ -331,7 +338,7 @@ def _train_cluster(workers: int, cluster: Any, worker_model: Any):
 
 def _budget_steps(solver: str, options: dict[str, Any], budget: Any, workers: int, steps: int, batch_size: int,
                   seed: int, cluster: Any, worker_model: Any, nbytes: float, ordered: bool,
-                  wall_s: float | None) -> tuple[int, float | None]:
+                  wall_s: float | None, tensor_bytes: tuple[float, ...] | None = None) -> tuple[int, float | None]:
     """The steps per worker (a cap, for an ordered rule) and wall time of a lockstep rule
     under a samples or seconds ``budget``: those of the budgeted timing model."""
     import math
@@ -341,7 +348,8 @@ def _budget_steps(solver: str, options: dict[str, Any], budget: Any, workers: in
 
     cluster, worker_model = _train_cluster(workers, cluster, worker_model)
     timed = simulate_budget(solver, options, cluster, worker_model,
-                            Work(steps=max(1, steps), model_bytes=nbytes, batch_size=batch_size), budget, seed)
+                            Work(steps=max(1, steps), model_bytes=nbytes, batch_size=batch_size,
+                                 tensor_bytes=tensor_bytes), budget, seed)
     took = timed.steps_by if timed.steps_by is not None else [timed.steps] * workers
     if ordered:  # a cap: the rule stops where the budget is spent
         return int(max(took)) + 2, None
@@ -350,18 +358,20 @@ def _budget_steps(solver: str, options: dict[str, Any], budget: Any, workers: in
 
 def _run_ordered(cls, o, rule: "OrderedRule", solver: str, workers: int, steps: int, batch_size: int, seed: int,
                  eval_every: int, wall_s: float | None, report, cluster: Any, worker_model: Any,
-                 nbytes: float, budget: Any = None, finish: bool = True) -> list[int]:
+                 nbytes: float, budget: Any = None, finish: bool = True,
+                 tensor_bytes: tuple[float, ...] | None = None) -> list[int]:
     """Run ``cls``'s timing model with ``rule`` attached: the rule's hooks apply the math in
     the order of virtual time; an evaluation whenever the workers have taken ``eval_every``
     more steps on average, at that moment's virtual time, and one of the final model (after
-    the rule's ``finish``). With a samples or seconds ``budget`` the run stops at the step
+    the rule's ``finish``) at the run's end, once its last exchange has landed (not at the
+    last step's). With a samples or seconds ``budget`` the run stops at the step
     that spends it. Returns the steps each worker took."""
     from distsync.sim.timing import TimingContext, Work
 
     cluster, worker_model = _train_cluster(workers, cluster, worker_model)
     if cluster.workers != workers:
         raise ConfigError(f"train mode: the cluster has {cluster.workers} workers, the run {workers}")
-    work = Work(steps=steps, model_bytes=nbytes, batch_size=batch_size)
+    work = Work(steps=steps, model_bytes=nbytes, batch_size=batch_size, tensor_bytes=tensor_bytes)
     sim = TimingContext(solver, cluster, worker_model.sample(workers, steps), work, seed, math=rule)
     scale = [1.0]
     every = eval_every * workers
@@ -389,6 +399,8 @@ def _run_ordered(cls, o, rule: "OrderedRule", solver: str, workers: int, steps: 
     except _Spent:
         pass
     else:
+        if timed is not None:  # (the run ends when its last message has landed, after the last step)
+            last[0] = max(last[0], timed.wall_s)
         if timed is None:
             raise ConfigError(f"solver {solver!r} has an ordered train-mode rule but no timing model to run it in")
         if rule.steps_done != workers * steps:

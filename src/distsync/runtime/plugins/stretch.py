@@ -2,8 +2,8 @@
 
 Two ways, chosen by the run (``--device-ms``):
 
-- **stretched CPU** (``--slow``, ``--jitter`` alone): a worker's compute takes ``factor``
-  times what its CPU took; the CPU is still what sets the pace.
+- **stretched CPU** (``--slow``, ``--jitter`` alone): a worker's compute takes ``factor x
+  (1 + jitter u)`` times what its CPU took; the CPU is still what sets the pace.
 - **emulated device** (``--device-ms MS``): every step's compute lasts a fixed device time,
   ``MS x factor x (1 + jitter u)``, whatever the CPU took: the real forward and backward run
   inside it (the math and the convergence are real) and the rest is slept, so the CPU stays
@@ -81,7 +81,7 @@ class ComputeStretch:
             self._due_s = self.device_s * self.factor * (1.0 + u)
             self._emulate(self._due_s - forward_s - backward)  # backward's share comes after
             return
-        stretch = self.factor - 1.0 + u
+        stretch = self.factor * (1.0 + u) - 1.0  # (the jitter a share of this worker's own step, as a device's)
         if stretch > 0.0:
             self._sleep(stretch * (forward_s + backward))
 
