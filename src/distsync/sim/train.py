@@ -145,20 +145,17 @@ def simulate_training(solver: str, options: dict[str, Any], workload: Workload, 
                        optimizer=ReplicaOptimizers(stack, lr, run_optimizer))
     rule = _simulate_rule(cls, o, ctx, solver, optimizer, momentum, weight_decay)
     _probe(replica_math, rule, stack, samplers, workload)
+    nbytes, tensors = model_bytes or _nbytes(stack), _tensor_bytes(stack)
     if budget is not None and budget.limited:
         steps, wall_s = _budget_steps(solver, options, budget, workers, steps, batch_size, seed, cluster, worker_model,
-                                      model_bytes or _nbytes(stack), isinstance(rule, OrderedRule), wall_s,
-                                      _tensor_bytes(stack))
+                                      nbytes, isinstance(rule, OrderedRule), wall_s, tensors)
     result = TrainResult(solver, workers, steps)
     report = _reporter(result, workload, replica_math, bufs, rule, stack,
                        budget.target_value if budget is not None else None, until_target, deadline, horizon_s,
                        on_eval)
     if isinstance(rule, OrderedRule):
-        if model_bytes is None:
-            model_bytes = _nbytes(stack)
         result.steps_by = _run_ordered(cls, o, rule, solver, workers, steps, batch_size, seed, eval_every, wall_s,
-                                       report, cluster, worker_model, model_bytes, budget, finish,
-                                       _tensor_bytes(stack))
+                                       report, cluster, worker_model, nbytes, budget, finish, tensors)
     else:
         _run_lockstep(rule, workload, samplers, bufs, replica_math, stack, steps, eval_every, wall_s, report, finish)
     result.params = {n: stack[n] for n in names}
