@@ -193,6 +193,15 @@ def test_a_fitted_per_message_cost_slows_the_chatty_solvers_down(tmp_path):
     step = {(res is fitted, r["label"]): r["step_s"] for res in (plain, fitted) for r in res["ranked"]}
     slower = {label: step[(True, label)] / step[(False, label)] for label in ("allreduce", "ma every=16")}
     assert slower["allreduce"] > slower["ma every=16"] > 0.9, slower
+    # with --device-ms: that device time, plus what the fit run spent around its own (5 ms) device
+    from distsync.sim.calibrate import fit_run
+
+    around = fit_run(run)["compute_s"] - 0.005
+    assert around > 0  # (a step is more than its device's time: the optimizer, the batch, ...)
+    device = recommend(Request(workers=4, device_ms=20, solvers=["allreduce"], fit_from=str(run)))
+    assert device["compute_s"] == pytest.approx(0.020 + around, rel=1e-12)
+    assert device["compute_from"] == (f"--device-ms and {around * 1000:.3g} ms a step around the device, "
+                                      f"fitted on {run} (that machine's)")
     with pytest.raises(ConfigError, match="--fit-from .*: a run of digits, not mnist"):
         recommend(Request(workload="mnist", workers=4, fit_from=str(run)))
     with pytest.raises(ConfigError, match="--per-message-ms must be >= 0, got -1"):

@@ -912,8 +912,10 @@ def recommend(request: Request, on_step: Callable[[str, int, int], None] | None 
                    judged=_judged(c))
         rows.append(row)
     compute_from = (f"measured here, one thread's CPU time, p10-p90 {spread[0] * 1000:.3g}-{spread[1] * 1000:.3g} ms"
-                    if measured_here else f"fitted on {request.fit_from}" if request.fit_from
-                    else "--device-ms")
+                    if measured_here else "--device-ms" if not request.fit_from
+                    else f"fitted on {request.fit_from}" if request.device_ms is None
+                    else f"--device-ms and {compute_s * 1000 - request.device_ms:.3g} ms a step around the device, "
+                         f"fitted on {request.fit_from} (that machine's)")
     return {"request": request.as_dict(), "training": {name: getattr(training, name) for name in TRAINING_FIELDS},
             "compute_s": compute_s, "compute_measured_here": measured_here, "compute_p10_p90_s": spread,
             "compute_from": compute_from, "per_message_ms": request.per_message_ms,
