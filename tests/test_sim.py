@@ -495,3 +495,16 @@ def test_jitter_is_a_share_of_each_workers_own_step_as_on_an_emulated_device():
     got = WorkerModel(0.01, slow={1: 3.0}, jitter=0.5, seed=3).sample(2, 4)
     u = np.random.default_rng([3, 2]).random(size=(4, 2))
     assert got == pytest.approx(0.01 * np.array([1.0, 3.0]) * (1 + 0.5 * u), rel=1e-12)
+
+
+def test_a_pull_queued_behind_an_apply_reads_the_center_of_the_updates_before_it():
+    """async-ps, instant links, a locked server whose applies take 10 ms; worker 0 computes
+    1 ms a step, worker 1 5 ms. Worker 0's push at 1 ms holds the lock to 11 ms; its next
+    pull arrives at 1 ms and is read at 11, behind that apply only: worker 1's push, which
+    arrives at 5 ms and queues after the pull, is not in it. Staleness per push: worker 0's
+    first 0, worker 1's first 1 (worker 0's push), worker 0's second 1 (worker 1's), worker 1's
+    second 1 (worker 0's second; its pull at 5 ms was read after the applies queued before
+    it, worker 0's first and its own)."""
+    res = simulate("async-ps", {}, Cluster(2, Link(1e18, 0.0), server_apply_bps=1e6),
+                   WorkerModel(0.001, slow={1: 5.0}), Work(steps=2, model_bytes=1e4))
+    assert dict(res.staleness) == {0: 1, 1: 3}

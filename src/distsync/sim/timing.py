@@ -266,16 +266,17 @@ class _ServerLoop:
         else:
             self.compute(w, k)
 
-    def pull(self, w: int, k: int, asked: float) -> None:  # a locked server reads its center after the queued applies
-        self.loop.at(self.srv.apply(self.loop.now, 0.0), self.read, w, k, asked)
+    def pull(self, w: int, k: int, asked: float) -> None:  # the servers read their center for the worker
+        ready = self.srv.apply(self.loop.now, 0.0)  # a locked server reads it after the applies queued before
+        self.seen[w] = self.srv.version[0]
+        if self.math:
+            self.math.pull(w, ready)
+        self.loop.at(ready, self.read, w, k, asked)
 
-    def read(self, w: int, k: int, asked: float) -> None:  # the servers send the parameters back
+    def read(self, w: int, k: int, asked: float) -> None:  # read: the servers send it back (booked now)
         loop = self.loop
         back = max(self.srv.send_back(loop.now, self.ser, self.shard, self.lat),
                    loop.now + self.lat + self.ser(self.work.model_bytes))
-        self.seen[w] = self.srv.version[0]
-        if self.math:
-            self.math.pull(w, loop.now)
         loop.at(back, self.pulled, w, k, asked)
 
     def pulled(self, w: int, k: int, asked: float) -> None:
