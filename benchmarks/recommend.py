@@ -175,13 +175,18 @@ def budget(sc: Scenario, cap_s: float) -> str:
     return f"{target},seconds={cap_s:g}"
 
 
+def fit_folder(sc: Scenario, out: Path) -> Path:
+    """Where the scenario's fit run (:func:`make_fit_run`) lies in ``out``."""
+    return out / f"fit-{short_name(sc.workload)}-{sc.link}-{sc.device_ms:g}ms"
+
+
 def make_fit_run(sc: Scenario, out: Path, seed: int) -> Path:
     """A real allreduce run of the scenario's workload, link and device time (4 workers,
     homogeneous, 60 steps), made once: what ``recommend --fit-from`` fits on."""
     from distsync.config import RunConfig
     from distsync.runtime import launch
 
-    d = out / f"fit-{short_name(sc.workload)}-{sc.link}-{sc.device_ms:g}ms"
+    d = fit_folder(sc, out)
     if not (d / "summary.json").exists():
         launch(RunConfig(workload=sc.workload_path, workload_options=dict(sc.workload_options), solver="allreduce",
                          workers=4, steps=60, eval_every=60, device_ms=sc.device_ms, link=sc.link, seed=seed,

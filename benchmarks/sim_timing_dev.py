@@ -35,16 +35,14 @@ def fit_dir(scenario: dict[str, Any], out: Path, make: bool) -> Path | None:
     """A fresh fit run of the scenario's workload, link and device time (as the scored
     benchmark made it: allreduce, 4 homogeneous workers, 60 steps), made once in ``out``
     (``make``), or None where none is there."""
-    from recommend import make_fit_run
+    from recommend import fit_folder, make_fit_run
     from recommend_scenarios import Scenario
 
     sc = Scenario(workload=scenario["workload"], workers=scenario["workers"], link=scenario["link"],
                   device_ms=scenario["device_ms"], workload_options=dict(scenario.get("workload_options") or {}))
     if make:
         return make_fit_run(sc, out, seed=0)
-    from recommend_scenarios import short_name
-
-    d = out / f"fit-{short_name(sc.workload)}-{sc.link}-{sc.device_ms:g}ms"
+    d = fit_folder(sc, out)
     return d if (d / "summary.json").exists() else None
 
 

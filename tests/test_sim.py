@@ -508,3 +508,23 @@ def test_a_pull_queued_behind_an_apply_reads_the_center_of_the_updates_before_it
     res = simulate("async-ps", {}, Cluster(2, Link(1e18, 0.0), server_apply_bps=1e6),
                    WorkerModel(0.001, slow={1: 5.0}), Work(steps=2, model_bytes=1e4))
     assert dict(res.staleness) == {0: 1, 1: 3}
+
+
+def test_simulate_deals_a_workloads_tensors_to_servers_as_the_runtime_and_model_mb_evenly():
+    """`distsync simulate` on a workload: its synchronized tensors, which servers hold whole
+    (wide's one large layer loads one server, so two servers exchange no faster than one);
+    --model-mb has no tensors and splits evenly (two servers are then faster)."""
+    from distsync.sim.calibrate import model_tensor_bytes
+    from distsync.sim.scenario import Scenario, simulate_scenario
+
+    wide = Scenario(workload="wide", workers=4, steps=8, link="100mbit")
+    assert wide.work().tensor_bytes == model_tensor_bytes("wide") and wide.model_bytes() == sum(wide.work().tensor_bytes)
+    assert Scenario(model_mb=2.0).work().tensor_bytes is None and Scenario(model_mb=2.0).model_bytes() == 2e6
+
+    def wall(scenario, servers):
+        return simulate_scenario(scenario, ["async-easgd"], {"async-easgd": {"tau": 1, "servers": servers}})[0]
+
+    one, two = wall(wide, 1), wall(wide, 2)
+    even = Scenario(model_mb=sum(wide.work().tensor_bytes) / 1e6, workers=4, steps=8, link="100mbit")
+    assert two["wall_time_s"] > 0.9 * one["wall_time_s"]  # (the large layer's server does nearly all of it)
+    assert wall(even, 2)["wall_time_s"] < 0.7 * wall(even, 1)["wall_time_s"]

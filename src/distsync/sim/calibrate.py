@@ -17,16 +17,11 @@ from distsync.sim.timing import Work
 #: the link assumed for a run made without --link
 UNSHAPED = Link(10e9, 0.0, "10gbit")
 
-def synced_bytes(model: Any, embedding_servers: int) -> int:
-    """Bytes of the parameters a solver synchronizes: all of them, but the embedding tables
-    where embedding servers hold them (their rows travel as sparse lookups and pushes, which
-    the simulator leaves out)."""
-    return int(sum(synced_tensor_bytes(model, embedding_servers)))
-
-
 def synced_tensor_bytes(model: Any, embedding_servers: int) -> tuple[float, ...]:
-    """Bytes of each parameter tensor a solver synchronizes (:func:`synced_bytes`'s), in the
-    model's order: servers hold them whole (:class:`~distsync.sim.timing.Work`)."""
+    """Bytes of each parameter tensor a solver synchronizes, in the model's order (servers
+    hold them whole: :class:`~distsync.sim.timing.Work`): all of them, but the embedding
+    tables where embedding servers hold them (their rows travel as sparse lookups and
+    pushes, which the simulator leaves out)."""
     from distsync.sparse.tables import served_parameters
 
     served = served_parameters(model, embedding_servers)
@@ -34,7 +29,7 @@ def synced_tensor_bytes(model: Any, embedding_servers: int) -> tuple[float, ...]
 
 
 def model_bytes(workload: str, options: dict[str, Any] | None = None, embedding_servers: int | None = None) -> int:
-    """Bytes of a workload's model parameters that a solver synchronizes (:func:`synced_bytes`;
+    """Bytes of a workload's model parameters that a solver synchronizes (:func:`synced_tensor_bytes`;
     ``embedding_servers``: the run's, None for the workload's own, as `distsync train` takes)."""
     return int(sum(model_tensor_bytes(workload, options, embedding_servers)))
 

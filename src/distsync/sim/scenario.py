@@ -11,7 +11,7 @@ from distsync.config import Budget, Link, bounded, check_ranges, parse_slow, run
 from distsync.errors import ConfigError
 from distsync.options import Training
 from distsync.runtime.resolve import TARGET_CAP
-from distsync.sim.calibrate import model_bytes
+from distsync.sim.calibrate import model_tensor_bytes
 from distsync.sim.cluster import Cluster, WorkerModel
 from distsync.sim.timing import Work, simulate
 
@@ -59,8 +59,15 @@ class Scenario(Training):
         return WorkerModel(self.compute_ms / 1000, slow=dict(self.slow), slow_fraction=self.slow_fraction,
                            slow_factor=self.slow_factor, jitter=self.jitter, seed=self.seed)
 
+    def work(self) -> Work:
+        """The job: its steps, batch and model, ``--model-mb`` split evenly over servers, or the
+        workload's synchronized tensors, which servers hold whole."""
+        tensors = None if self.model_mb is not None else model_tensor_bytes(self.workload, self.workload_options)
+        return Work(steps=self.steps, model_bytes=self.model_mb * 1e6 if tensors is None else sum(tensors),
+                    batch_size=self.batch_size, tensor_bytes=tensors)
+
     def model_bytes(self) -> float:
-        return self.model_mb * 1e6 if self.model_mb is not None else model_bytes(self.workload, self.workload_options)
+        return self.work().model_bytes
 
 
 def simulate_scenario(scenario: Scenario, solvers: list[str], options: dict[str, dict[str, Any]] | None = None,
@@ -80,7 +87,7 @@ def simulate_scenario(scenario: Scenario, solvers: list[str], options: dict[str,
         raise ConfigError("timing mode has no metric to reach: --budget target needs --mode train "
                           "(or add samples=N or seconds=S)")
     cluster, workers = scenario.cluster(), scenario.worker_model()
-    work = Work(steps=scenario.steps, model_bytes=scenario.model_bytes(), batch_size=scenario.batch_size)
+    work = scenario.work()
     options = options or {}
     results = []
     for i, name in enumerate(solvers):

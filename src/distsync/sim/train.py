@@ -145,7 +145,8 @@ def simulate_training(solver: str, options: dict[str, Any], workload: Workload, 
                        optimizer=ReplicaOptimizers(stack, lr, run_optimizer))
     rule = _simulate_rule(cls, o, ctx, solver, optimizer, momentum, weight_decay)
     _probe(replica_math, rule, stack, samplers, workload)
-    nbytes, tensors = model_bytes or _nbytes(stack), _tensor_bytes(stack)
+    tensors = _tensor_bytes(stack)
+    nbytes = model_bytes or sum(tensors)
     if budget is not None and budget.limited:
         steps, wall_s = _budget_steps(solver, options, budget, workers, steps, batch_size, seed, cluster, worker_model,
                                       nbytes, isinstance(rule, OrderedRule), wall_s, tensors)
@@ -317,13 +318,9 @@ class _Spent(Exception):
     """Raised inside the event loop: the job's samples or seconds are spent."""
 
 
-def _nbytes(stack: dict[str, torch.Tensor]) -> float:
-    """Bytes of one replica's parameters: what a solver synchronizes (served tables are not stacked)."""
-    return sum(_tensor_bytes(stack))
-
-
 def _tensor_bytes(stack: dict[str, torch.Tensor]) -> tuple[float, ...]:
-    """Bytes of each of one replica's parameter tensors (servers hold them whole)."""
+    """Bytes of each of one replica's parameter tensors: what a solver synchronizes (served
+    tables are not stacked; servers hold each tensor whole)."""
     return tuple(float(p[0].numel() * p.element_size()) for p in stack.values())
 
 
@@ -396,10 +393,9 @@ def _run_ordered(cls, o, rule: "OrderedRule", solver: str, workers: int, steps: 
     except _Spent:
         pass
     else:
-        if timed is not None:  # (the run ends when its last message has landed, after the last step)
-            last[0] = max(last[0], timed.wall_s)
         if timed is None:
             raise ConfigError(f"solver {solver!r} has an ordered train-mode rule but no timing model to run it in")
+        last[0] = max(last[0], timed.wall_s)  # (the run ends when its last message has landed, after the last step)
         if rule.steps_done != workers * steps:
             raise ConfigError(f"solver {solver!r}: its timing model ran {rule.steps_done} of {workers * steps} steps "
                               f"of its ordered rule (its blocks do not call the rule's hooks)")
