@@ -49,6 +49,7 @@ from distsync.solvers.flat import FlatView
 from distsync.solvers.rules import group_mean, pairwise_average
 from distsync.solvers.schedules import (ReadyGrouper, bipartite_roles, partner_rng, random_round,
                                         round_rng, static_group, static_round)
+from distsync.solvers.turns import section
 
 TAG_AVG_HEADER, TAG_AVG_MODEL, TAG_AVG_REPLY = 21, 22, 23
 TAG_COORD_REQ, TAG_COORD_REPLY = 31, 32
@@ -162,7 +163,7 @@ class ADPSGD(Solver):
                     self.comm.send(reply, active, group=self.gossip, tag=TAG_AVG_REPLY)
                     continue
                 self.comm.recv(theirs, active, group=self.gossip, tag=TAG_AVG_MODEL)
-                with self.lock:
+                with section(f"ad-psgd.answer.{active}"), self.lock:
                     # On a GPU the training thread's last update is kernels queued on its stream:
                     # the model is read once they have run; and what this thread queued is done
                     # before the lock goes to another thread, whose own stream reads `pending`.
