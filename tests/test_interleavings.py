@@ -26,7 +26,8 @@ def _step_in_sections(s, step, run, w, x, y, script):
         s.begin_step(step)
     with script("before_step"):
         s.before_step(step)
-    w.loss_fn(run(x), y).backward()
+    with script("backward"):
+        w.loss_fn(run(x), y).backward()
     with script("after_backward"):
         s.after_backward(step)
     with script("update"):
@@ -65,8 +66,9 @@ def _scripted_rank(rank, world, solver, options, order, steps):
             for step in range(steps):
                 x, y = w.take(w.train_data, sampler.indices(step))
                 _step_in_sections(s, step, run, w, x, y, script)
-            with script("close"):
-                s.close()
+            with script("close"):  # (a mark: close() waits for other ranks' threads, so it holds no turn)
+                pass
+            s.close()
             script.wait_done()
             out = copy.deepcopy(model.state_dict()), s.stats(), script.ran
     comm.barrier()
@@ -143,3 +145,109 @@ def test_a_script_fails_loudly_when_a_section_never_gets_its_turn():
     with script("a"), script("c"):  # (c: no entry, runs at once)
         pass
     assert script.turn() == 1 and script.ran == ["a"]
+
+
+# ---- shadow-ea: one worker's shadow thread against the sync server ----------------------
+
+_SHADOW = {"r": ["shadow.read"], "w": ["shadow.write"], "b": ["backward"], "u": ["update", "after_update"]}
+
+
+def _shadow_ea_reference(tokens, alpha):
+    """One worker, its shadow thread and the server replayed in the order of ``tokens``: "b" a
+    training step's forward and backward, "u" its update; "r" the shadow thread reads the model and the server applies the exchange
+    (center += alpha (read - center)); "w" the worker's half, written back as a correction that
+    keeps the steps taken since the read: x += -alpha (read - center seen); close() exchanges
+    once more. The worker's model and the center."""
+    by = DigitsByHand(1, SEED, BATCH, LR)
+    x, c, k, g = by.copy(), by.copy(), 0, None
+    for t in tokens:
+        if t == "r":
+            read, seen = by.copy(x), by.copy(c)
+            c = {n: c[n] + alpha * (read[n] - c[n]) for n in c}
+        elif t == "w":
+            x = {n: x[n] - alpha * (read[n] - seen[n]) for n in x}
+        elif t == "b":
+            g = by.grad(x, 0, k)
+        else:
+            x, k = {n: x[n] - LR * g[n] for n in x}, k + 1
+    d = {n: alpha * (x[n] - c[n]) for n in x}
+    return {n: x[n] - d[n] for n in x}, {n: c[n] + d[n] for n in c}
+
+
+@pytest.mark.parametrize("tokens", [
+    "rwburwburwburw",  # each exchange between two steps
+    "rbuwrbubuwrw",    # a step during the first exchange, two during the second
+    "brwurbwubrwurw",  # written back mid-step (the gradient taken before it, applied after), thrice
+], ids=["between-steps", "one-then-two-in-flight", "mid-step"])
+def test_shadow_ea_under_forced_orders_keeps_the_steps_taken_during_an_exchange(tokens):
+    from distsync.solvers import make_solver
+
+    alpha = make_solver("shadow-ea").options.moving_rate(1)
+    order = [f"0:{name}" for t in tokens for name in _SHADOW[t]] + ["0:close"]
+    x, _ = _shadow_ea_reference(tokens, alpha)
+    state, stats, ran = run_ranks(_scripted_rank, 2, "shadow-ea", {}, order, tokens.count("u"))[0]
+    for n, v in x.items():
+        torch.testing.assert_close(state[n], v, rtol=0, atol=1e-6, msg=n)
+    assert stats["syncs"] == tokens.count("r") + 1 and len(ran) == len(order)
+
+
+# ---- shadow-ma, shadow-bmuf: two workers' shadow threads all-reduce ----------------------
+
+def _shadow_average_reference(tokens, outer=None):
+    """Two workers and their shadow threads replayed in the order of ``tokens`` ("RANK" then
+    "b" backward, "u" update, "r" the shadow thread's read, "w" its write-back): a sync's new
+    model is the mean of both reads (through BMUF's rule with ``outer``: block_lr, momentum,
+    nesterov) once both have read; each writes it back as live += new - its read. After the
+    script each shadow thread syncs once more and close() leaves both at that model."""
+    from distsync.solvers.rules import bmuf_update
+
+    by = DigitsByHand(2, SEED, BATCH, LR)
+    x, k, g = [by.copy(), by.copy()], [0, 0], [None, None]
+    start, delta = by.copy(), {n: torch.zeros_like(v) for n, v in by.init.items()}
+    syncs, read_n, write_n = [], [0, 0], [0, 0]
+
+    def combine(a, b):
+        mean = {n: (a[n] + b[n]) / 2 for n in a}
+        if outer is None:
+            return mean
+        new = {n: torch.empty_like(v) for n, v in mean.items()}
+        for n in mean:
+            bmuf_update(new[n], start[n], delta[n], mean[n], *outer)
+        return new
+
+    for tok in tokens.split():
+        r, t = int(tok[0]), tok[1]
+        if t == "r":
+            if read_n[r] == len(syncs):
+                syncs.append({})
+            sync = syncs[read_n[r]]
+            sync[r], read_n[r] = by.copy(x[r]), read_n[r] + 1
+            if len(sync) == 2:
+                sync["new"] = combine(sync[0], sync[1])
+        elif t == "w":
+            sync, write_n[r] = syncs[write_n[r]], write_n[r] + 1
+            x[r] = {n: x[r][n] + sync["new"][n] - sync[r][n] for n in x[r]}
+        elif t == "b":
+            g[r] = by.grad(x[r], r, k[r])
+        else:
+            x[r], k[r] = {n: x[r][n] - LR * g[r][n] for n in x[r]}, k[r] + 1
+    return combine(x[0], x[1])
+
+
+@pytest.mark.parametrize("solver, outer", [("shadow-ma", None), ("shadow-bmuf", (1.0, 0.5, True))])
+@pytest.mark.parametrize("tokens", [
+    # every sync between two steps of both workers
+    "0r 1r 0w 1w 0b 0u 1b 1u 0r 1r 0w 1w 0b 0u 1b 1u 0r 1r 0w 1w",
+    # worker 0 steps during the second sync; worker 1's gradient is taken before its write-back
+    "0r 1r 0w 1w 0b 0u 1b 1u 0r 1r 0b 1b 0u 0w 1w 1u 0r 1r 0w 1w",
+    # two syncs overlap: worker 0 reads for the second before worker 1 has written the first
+    "0r 1r 0w 0b 0u 0r 1w 1b 1u 1r 0b 0w 0u 1b 1u 1w 0r 1r 0w 1w",
+], ids=["between-steps", "in-flight-and-mid-step", "overlapping-syncs"])
+def test_shadow_averaging_under_forced_orders_equals_the_rule_in_that_order(solver, outer, tokens):
+    order = [f"{tok[0]}:{name}" for tok in tokens.split() for name in _SHADOW[tok[1]]] + ["0:close", "1:close"]
+    ref = _shadow_average_reference(tokens, outer)
+    res = run_ranks(_scripted_rank, 2, solver, {}, order, 2)
+    for r, (state, stats, ran) in enumerate(res):
+        for n, v in ref.items():
+            torch.testing.assert_close(state[n], v, rtol=0, atol=1e-6, msg=f"worker {r}: {n}")
+        assert stats["syncs"] == 4  # the three scripted and the last one, when both are done

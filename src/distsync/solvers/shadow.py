@@ -45,6 +45,7 @@ from distsync.solvers.flat import FlatView, storage_aliases
 from distsync.solvers.hogwild_threads import HogwildThreads
 from distsync.solvers.model_averaging import AverageOptions, AveragingSolver, BMUFOptions, OuterStep
 from distsync.solvers.rules import apply_correction, elastic_pull
+from distsync.solvers.turns import section
 
 
 class Pacer:
@@ -172,7 +173,8 @@ class _ShadowAveraging(AveragingSolver):
                     # model is read once its latest step has run (as on the CPU, where a step is
                     # done when its call returns).
                     run_after(self._trained)
-                    read = self.live.flat().clone()
+                    with section("shadow.read"):
+                        read = self.live.flat().clone()
                     # One extra element: how many workers have finished training. All stop together.
                     msg = torch.cat([read, read.new_tensor([1.0 if self._done.is_set() else 0.0])])
                     n = self._all_reduce_live(msg)
@@ -181,9 +183,10 @@ class _ShadowAveraging(AveragingSolver):
                     mean = msg[:-1].div_(n)
                     new = self._combine(mean)
                     run_after(self._trained)  # (the steps taken during the all-reduce are kept)
-                    live = self.live.flat()
-                    apply_correction(live, read, new)
-                    self.live.assign(live)
+                    with section("shadow.write"):
+                        live = self.live.flat()
+                        apply_correction(live, read, new)
+                        self.live.assign(live)
                     self.syncs += 1
                     if msg[-1].item() >= n:
                         synchronize(self.live.device)  # (close() reads the model on the training thread)
@@ -303,15 +306,17 @@ class ShadowEA(HogwildThreads, AsyncEASGD):
         c = self.client
         with self.client_lock:
             run_after(self._trained)  # (on a GPU: after the latest step, as in _ShadowAveraging)
-            read = [v.flat().clone() for v in self.live_views]
+            with section("shadow.read"):
+                read = [v.flat().clone() for v in self.live_views]
             centers = c.exchange(step, read)
         run_after(self._trained)  # (the steps taken during the exchange are kept)
-        for view, x, seen in zip(self.live_views, read, centers):
-            new = x.clone()
-            elastic_pull(new, seen, self.alpha)
-            live = view.flat()
-            apply_correction(live, x, new)
-            view.assign(live)
+        with section("shadow.write"):
+            for view, x, seen in zip(self.live_views, read, centers):
+                new = x.clone()
+                elastic_pull(new, seen, self.alpha)
+                live = view.flat()
+                apply_correction(live, x, new)
+                view.assign(live)
         self.syncs += 1
 
     def state_dict(self):
