@@ -22,10 +22,8 @@ SEED, BATCH, LR = 7, 16, 0.1
 
 def _step_in_sections(s, step, run, w, x, y, script):
     """One training step through the solver's hooks, each a section of the script."""
-    with script("begin_step"):
+    with script("begin_step"):  # (before_step inside)
         s.begin_step(step)
-    with script("before_step"):
-        s.before_step(step)
     with script("backward"):
         w.loss_fn(run(x), y).backward()
     with script("after_backward"):
@@ -39,7 +37,8 @@ def _step_in_sections(s, step, run, w, x, y, script):
 
 def _scripted_rank(rank, world, solver, options, order, steps):
     """A worker (or a server: ``roles``) of ``solver`` on digits with its sections in ``order``:
-    the worker's final model, stats and the sections that ran in their turn."""
+    the worker's final model (a server's center, flat), stats and the sections that ran in
+    their turn."""
     from distsync.comm import Comm
     from distsync.runtime import assign_roles
     from distsync.solvers import ServeContext, make_solver
@@ -59,6 +58,7 @@ def _scripted_rank(rank, world, solver, options, order, steps):
     with turns.hooked(script):
         if comm.role != "worker":
             s.serve(comm.role, comm, ServeContext(make_model=model0, lr=LR))
+            out = s.shard.center.clone() if s.shard is not None else None, s.stats(), script.ran
         else:
             model = model0()
             run = s.attach(model, torch.optim.SGD(model.parameters(), lr=LR), comm)
@@ -251,3 +251,41 @@ def test_shadow_averaging_under_forced_orders_equals_the_rule_in_that_order(solv
         for n, v in ref.items():
             torch.testing.assert_close(state[n], v, rtol=0, atol=1e-6, msg=f"worker {r}: {n}")
         assert stats["syncs"] == 4  # the three scripted and the last one, when both are done
+
+
+# ---- async-ps, async-msgd: two workers push to one server --------------------------------
+
+def _async_ps_reference(tokens, momentum):
+    """Two workers and their server replayed in the order of ``tokens`` ("p" the server answers
+    the worker's pull, "a" it applies the worker's push, then the worker's number): a worker
+    takes its gradient on the center it last pulled; the server applies it as SGD with
+    ``momentum`` (buf = m buf + g; c -= lr buf). The server's final center, flat."""
+    by = DigitsByHand(2, SEED, BATCH, LR)
+    c, pulled, k = by.copy(), [None, None], [0, 0]
+    buf = {n: torch.zeros_like(v) for n, v in c.items()}
+    for tok in tokens.split():
+        t, w = tok[0], int(tok[1])
+        if t == "p":
+            pulled[w] = by.copy(c)
+        else:
+            g = by.grad(pulled[w], w, k[w])
+            k[w] += 1
+            for n in c:
+                buf[n] = momentum * buf[n] + g[n] if momentum else g[n]
+                c[n] = c[n] - LR * buf[n]
+    return torch.cat([v.reshape(-1) for v in c.values()])
+
+
+@pytest.mark.parametrize("solver, momentum", [("async-ps", 0.0), ("async-msgd", 0.9)])
+@pytest.mark.parametrize("tokens", [
+    "p0 a0 p1 a1 p0 a0 p1 a1",  # in turns: each worker's gradient on the center it is applied to
+    "p0 p1 a0 a1 p0 p1 a1 a0",  # both pull before either push lands, then in the other order
+    "p0 a0 p1 p0 a0 a1 p1 a1",  # worker 0 runs a step ahead while worker 1's push is in flight
+], ids=["in-turns", "stale-by-one", "one-ahead"])
+def test_async_servers_under_forced_orders_apply_each_push_to_the_center_it_meets(solver, momentum, tokens):
+    order = [f"2:server.{'pull' if tok[0] == 'p' else 'apply'}.{tok[1]}" for tok in tokens.split()]
+    ref = _async_ps_reference(tokens, momentum)
+    res = run_ranks(_scripted_rank, 3, solver, {}, order, 2)
+    center, stats, ran = res[2]
+    torch.testing.assert_close(center, ref, rtol=0, atol=1e-6)
+    assert len(ran) == len(order)

@@ -54,6 +54,7 @@ from distsync.membership.admission import await_replacement, join_as_replacement
 from distsync.membership.peers import PeerService
 from distsync.solvers.flat import FlatView
 from distsync.solvers.rules import staleness
+from distsync.solvers.turns import section
 
 OP_PULL, OP_PUSH, OP_EXCHANGE, OP_DONE, OP_SAVE = 1, 2, 3, 4, 5
 _OPS = (OP_PULL, OP_PUSH, OP_EXCHANGE, OP_DONE, OP_SAVE)
@@ -496,18 +497,18 @@ class ServerShard:
             return
         self.requests[req.op] += 1
         if req.op == OP_PULL:
-            with self._lock or self._counted_in():
+            with section(f"server.pull.{req.worker}"), self._lock or self._counted_in():
                 out, version = self.center.clone(), self.version
             self._reply(req.worker, out, version)
             return
         if self._lock is not None:
-            with self._lock:
+            with section(f"server.apply.{req.worker}"), self._lock:
                 if self._cut is not None:
                     self._cut["log"].append(req)
                 out = self.handle(self, req)
                 version = self.version
         else:  # lock-free: counted in, never locked while it updates
-            with self._counted_in(req):
+            with section(f"server.apply.{req.worker}"), self._counted_in(req):
                 out = self.handle(self, req)
                 version = self.version
         if out is not None:
