@@ -289,3 +289,162 @@ def test_async_servers_under_forced_orders_apply_each_push_to_the_center_it_meet
     center, stats, ran = res[2]
     torch.testing.assert_close(center, ref, rtol=0, atol=1e-6)
     assert len(ran) == len(order)
+
+
+# ---- async-easgd, ea-wild: two workers exchange with one center server --------------------
+
+def _elastic_reference(tokens, alpha):
+    """Two workers and the center replayed in the order of ``tokens`` (the worker whose
+    exchange the server applies next; before it, that worker's next SGD step): the server
+    answers with the center it had and moves it, center += alpha (x - center); the worker
+    pulls itself by the same d. The workers' models and the center, flat."""
+    by = DigitsByHand(2, SEED, BATCH, LR)
+    x, c, k = [by.copy(), by.copy()], by.copy(), [0, 0]
+    for tok in tokens.split():
+        w = int(tok[1])
+        x[w], k[w] = by.step(x[w], w, k[w]), k[w] + 1
+        d = {n: alpha * (x[w][n] - c[n]) for n in c}
+        x[w] = {n: x[w][n] - d[n] for n in c}
+        c = {n: c[n] + d[n] for n in c}
+    return x, torch.cat([v.reshape(-1) for v in c.values()])
+
+
+@pytest.mark.parametrize("solver", ["async-easgd", "ea-wild"])
+@pytest.mark.parametrize("tokens", [
+    "a0 a1 a0 a1 a0 a1",  # in turns
+    "a1 a0 a0 a1 a1 a0",  # worker 1 first, then each arrives first in turn
+    "a0 a0 a0 a1 a1 a1",  # worker 0 runs its three steps before worker 1's first exchange lands
+], ids=["in-turns", "alternating", "one-runs-ahead"])
+def test_elastic_servers_under_forced_orders_equal_the_exchanges_in_that_order(solver, tokens):
+    from distsync.solvers import make_solver
+
+    alpha = make_solver(solver).options.moving_rate(2)
+    order = [f"2:server.apply.{tok[1]}" for tok in tokens.split()]
+    x, center = _elastic_reference(tokens, alpha)
+    res = run_ranks(_scripted_rank, 3, solver, {"tau": 1}, order, 3)
+    for r in range(2):
+        for n, v in x[r].items():
+            torch.testing.assert_close(res[r][0][n], v, rtol=0, atol=1e-6, msg=f"worker {r}: {n}")
+    torch.testing.assert_close(res[2][0], center, rtol=0, atol=1e-6)
+    assert res[2][2] == [f"server.apply.{tok[1]}" for tok in tokens.split()]
+
+
+# ---- Hogwild threads: two training threads of one worker on one model --------------------
+
+def _threads_rank(rank, world, solver, options, order, rounds):
+    """One worker with two Hogwild training threads (named t0 and t1: their sections are
+    "t0/grad", "t0/update", ...) and its server: the worker's model, or the server's center."""
+    import threading
+
+    from distsync.comm import Comm
+    from distsync.runtime import assign_roles
+    from distsync.runtime.plugins.hogwild import hogwild_replica
+    from distsync.solvers import ServeContext, make_solver
+    from distsync.workloads import ShardSampler, load_workload
+
+    s = make_solver(solver, threads=2, **options)
+    comm = Comm.from_env(assign_roles(1, s.roles), 20.0, torch.device("cpu"))
+    script = Script(order, rank, comm.raw_store())
+    w = load_workload("digits")
+
+    def model0():
+        torch.manual_seed(SEED)
+        return w.make_model()
+
+    with turns.hooked(script):
+        if comm.role != "worker":
+            s.serve(comm.role, comm, ServeContext(make_model=model0, lr=LR))
+            out = s.shard.center.clone()
+        else:
+            model = model0()
+            s.attach(model, torch.optim.SGD(model.parameters(), lr=LR), comm)
+            params, errors = list(model.parameters()), []
+
+            def thread(t):
+                try:
+                    replica = hogwild_replica(model)
+                    sampler = ShardSampler(w.num_train, 2, t, BATCH, SEED)
+                    for k in range(rounds):
+                        step = 2 * k + t  # (the worker's steps, counted over its threads)
+                        with script("before_step"):
+                            s.before_step(step)
+                        with script("grad"):
+                            x, y = w.take(w.train_data, sampler.indices(k))
+                            grads = torch.autograd.grad(w.loss_fn(replica(x), y), list(replica.parameters()))
+                        with script("update"):
+                            s.hogwild_update(step, params, grads)
+                        s.after_update(step)  # (an exchange here waits on the server: sections of its own)
+                except BaseException as e:
+                    errors.append(e)
+
+            threads = [threading.Thread(target=thread, args=(t,), name=f"t{t}") for t in range(2)]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+            if errors:
+                raise errors[0]
+            script.wait_done()
+            s.close()
+            out = copy.deepcopy(model.state_dict())
+    comm.barrier()
+    comm.close()
+    return out
+
+
+def _threads_reference(tokens, alpha=None):
+    """A worker's two threads on one model (thread t's k-th step on shard t of 2), replayed in
+    the order of ``tokens``: "gT" thread T's gradient on the model as it stands, "uT" its SGD
+    step (pushed too: the center takes every gradient, in any order); with ``alpha`` (ea-wild,
+    an exchange after every step): "rT" its exchange reads the model, "aT" the server applies
+    it (center += alpha (read - center)), "wT" the pull written back as a correction that keeps
+    the other thread's steps. The model and the center."""
+    by = DigitsByHand(2, SEED, BATCH, LR)
+    x, c, k, g, read, seen = by.copy(), by.copy(), [0, 0], [None, None], [None, None], [None, None]
+    for tok in tokens.split():
+        t, i = tok[0], int(tok[1])
+        if t == "g":
+            g[i] = by.grad(x, i, k[i])
+        elif t == "u":
+            x, k[i] = {n: x[n] - LR * g[i][n] for n in x}, k[i] + 1
+            if alpha is None:
+                c = {n: c[n] - LR * g[i][n] for n in c}
+        elif t == "r":
+            read[i] = by.copy(x)
+        elif t == "a":
+            seen[i] = by.copy(c)
+            c = {n: c[n] + alpha * (read[i][n] - c[n]) for n in c}
+        else:
+            x = {n: x[n] - alpha * (read[i][n] - seen[i][n]) for n in x}
+    return x, torch.cat([v.reshape(-1) for v in c.values()])
+
+
+_THREAD_ENTRY = {"g": "0:t{}/grad", "u": "0:t{}/update", "r": "0:t{}/elastic.read", "a": "1:server.apply.0",
+                 "w": "0:t{}/elastic.write"}
+
+
+@pytest.mark.parametrize("solver, tokens", [
+    # hogwild (pushes to a lock-free server): both gradients on one model; in turns; thread 0
+    # takes two steps while thread 1's gradient is in flight
+    ("hogwild", "g0 g1 u0 u1 g0 g1 u0 u1"),
+    ("hogwild", "g0 u0 g1 u1 g1 u1 g0 u0"),
+    ("hogwild", "g1 g0 u0 g0 u0 u1 g1 u1"),
+    # ea-wild, an exchange after every step: none overlaps a step; a step lands during each
+    # exchange (a gradient taken before its write-back, applied after); the threads' exchanges
+    # back to back, one thread's gradient taken during the other's exchange
+    ("ea-wild", "g0 u0 r0 a0 w0 g1 u1 r1 a1 w1 g0 u0 r0 a0 w0 g1 u1 r1 a1 w1"),
+    ("ea-wild", "g0 g1 u0 r0 a0 u1 w0 r1 a1 w1 g0 u0 r0 g1 a0 u1 w0 r1 a1 w1"),
+    ("ea-wild", "g0 g1 u0 u1 r0 a0 w0 r1 a1 w1 g1 u1 r1 g0 a1 w1 u0 r0 a0 w0"),
+], ids=["hogwild-same-model", "hogwild-in-turns", "hogwild-two-ahead", "ea-wild-apart", "ea-wild-in-flight",
+        "ea-wild-back-to-back"])
+def test_hogwild_threads_under_forced_orders_equal_the_rule_in_that_order(solver, tokens):
+    from distsync.solvers import make_solver
+
+    alpha = make_solver(solver).options.moving_rate(1) if solver == "ea-wild" else None
+    order = ["0:t0/before_step"] + [_THREAD_ENTRY[tok[0]].format(tok[1]) for tok in tokens.split()]
+    x, center = _threads_reference(tokens, alpha)
+    options = {"tau": 1} if alpha else {"n_fetch": 1000}  # (hogwild: the only pull is thread 0's first)
+    model, got = run_ranks(_threads_rank, 2, solver, options, order, 2)
+    for n, v in x.items():
+        torch.testing.assert_close(model[n], v, rtol=0, atol=1e-6, msg=n)
+    torch.testing.assert_close(got, center, rtol=0, atol=1e-6)

@@ -1,15 +1,16 @@
 """A test's fixed order of the solvers' concurrent sections (distsync.solvers.turns).
 
-    script = Script(["1:adpsgd.answer.0", "1:adpsgd.answer.2", "1:update"], rank, comm.raw_store())
+    script = Script(["1:ad-psgd.answer.0", "1:ad-psgd.answer.2", "1:update"], rank, comm.raw_store())
     with turns.hooked(script):
         ...                       # the solver's sections wait for their entries
         with script("update"):    # the test's own loop takes part with sections of its own
             s.update(step)
     script.wait_done()
 
-``order`` lists "RANK:NAME" entries. In the process of rank RANK, the k-th section named NAME
-waits until every entry before the k-th "RANK:NAME" has run, holds the turn while it runs, and
-hands it on after (also when it raises). A section whose name has no entry left runs at once,
+``order`` lists "RANK:NAME" entries ("RANK:THREAD/NAME": NAME on the thread named THREAD only,
+for sections that several threads of one process run). In the process of rank RANK, the k-th
+section named NAME waits until every entry before the k-th "RANK:NAME" has run, holds the
+turn while it runs, and hands it on after (also when it raises). A section whose name has no entry left runs at once,
 without a turn. A section that waits more than ``timeout`` seconds fails, naming the entry it
 waited for and the one the turn stood at: a wrong script or a wrong order in the code fails,
 and never hangs. The turn is a counter that every rank shares, in the job's store (anything
@@ -54,8 +55,9 @@ class Script:
         return self.store.add(self.key, 0)
 
     def __call__(self, name: str) -> contextlib.AbstractContextManager:
+        own = f"{threading.current_thread().name}/{name}"  # (an entry for this thread's NAME only)
         with self._lock:
-            slots = self._slots.get(name)
+            slots = self._slots.get(own if own in self._slots else name)
             slot = slots.popleft() if slots else None
         return contextlib.nullcontext() if slot is None else self._in_turn(name, slot)
 

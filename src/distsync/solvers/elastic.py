@@ -39,6 +39,7 @@ from distsync.solvers.parameter_server import ServerSolver
 from distsync.solvers.rules import (apply_correction, elastic_alpha, elastic_exchange, elastic_pull,
                                     sync_elastic_update)
 from distsync.solvers.shard_service import OP_EXCHANGE, Request, ServerShard
+from distsync.solvers.turns import section
 
 
 @dataclass
@@ -211,16 +212,19 @@ class _ElasticServerSolver(ServerSolver):
     def _exchange(self, step):
         c = self.client
         with self.client_lock:
-            mine = [v.flat() for v in c.views]
-            read = [x.clone() for x in mine] if self._live is not None else None
-            for i, (x, seen) in enumerate(zip(mine, c.exchange(step, mine))):
-                elastic_pull(x, seen, self.alpha)
-                if read is None:
-                    c.views[i].assign(x)
-                else:  # keep the steps the other threads took during the exchange
-                    live = self._live[i].flat()
-                    apply_correction(live, read[i], x)
-                    self._live[i].assign(live)
+            with section("elastic.read"):
+                mine = [v.flat() for v in c.views]
+                read = [x.clone() for x in mine] if self._live is not None else None
+            centers = c.exchange(step, mine)
+            with section("elastic.write"):
+                for i, (x, seen) in enumerate(zip(mine, centers)):
+                    elastic_pull(x, seen, self.alpha)
+                    if read is None:
+                        c.views[i].assign(x)
+                    else:  # keep the steps the other threads took during the exchange
+                        live = self._live[i].flat()
+                        apply_correction(live, read[i], x)
+                        self._live[i].assign(live)
 
     def eval_model(self):
         return self._final if self._final is not None else self.center_model(-1)
