@@ -58,7 +58,8 @@ def _scripted_rank(rank, world, solver, options, order, steps):
     with turns.hooked(script):
         if comm.role != "worker":
             s.serve(comm.role, comm, ServeContext(make_model=model0, lr=LR))
-            out = s.shard.center.clone() if s.shard is not None else None, s.stats(), script.ran
+            shard = getattr(s, "shard", None)
+            out = shard.center.clone() if shard is not None else None, s.stats(), script.ran
         else:
             model = model0()
             run = s.attach(model, torch.optim.SGD(model.parameters(), lr=LR), comm)
@@ -448,3 +449,40 @@ def test_hogwild_threads_under_forced_orders_equal_the_rule_in_that_order(solver
     for n, v in x.items():
         torch.testing.assert_close(model[n], v, rtol=0, atol=1e-6, msg=n)
     torch.testing.assert_close(got, center, rtol=0, atol=1e-6)
+
+
+# ---- ripples overlap: each averaging on a thread of its own -----------------------------
+
+def _overlap_reference(steps):
+    """Two workers in one group of 2 (a wait longer than any step): the averaging of the
+    models step k left runs beside step k + 1, whose gradient is taken on them; its update
+    takes the mean, then that gradient. close() takes the last averaging's mean."""
+    by = DigitsByHand(2, SEED, BATCH, LR)
+    x = [by.copy(), by.copy()]
+    for k in range(steps):
+        g = [by.grad(x[r], r, k) for r in range(2)]
+        base = {n: (x[0][n] + x[1][n]) / 2 for n in x[0]} if k else None
+        x = [{n: (base or x[r])[n] - LR * g[r][n] for n in x[r]} for r in range(2)]
+    return {n: (x[0][n] + x[1][n]) / 2 for n in x[0]}
+
+
+@pytest.mark.parametrize("step_order", [
+    "0m 1m 0b 1b 0u 1u",  # each mean lands before the next step's forward
+    "0b 1b 0m 1m 0u 1u",  # mid-step: after the gradient is taken, before the update
+    "0m 0b 0u 1b 1m",     # worker 1's update (not scripted) waits for a mean still in flight
+], ids=["before-the-step", "mid-step", "update-waits"])
+def test_ripples_overlap_under_forced_orders_takes_each_mean_at_the_next_update(step_order):
+    entries = {"m": "ripples.mean", "b": "backward", "u": "update"}
+    steps = 3
+    tokens = "0b 1b 0u 1u " + " ".join([step_order] * (steps - 1)) + " 0m 1m"
+    if "1u" not in step_order:
+        tokens = tokens.replace("1u ", "")
+    order = [f"{tok[0]}:{entries[tok[1]]}" for tok in tokens.split()]
+    options = {"schedule": "smart", "group_size": 2, "max_wait_ms": 10_000, "wait_share": 10_000, "overlap": True}
+    ref = _overlap_reference(steps)
+    res = run_ranks(_scripted_rank, 3, "ripples", options, order, steps)
+    for r in range(2):
+        state, stats, ran = res[r]
+        for n, v in ref.items():
+            torch.testing.assert_close(state[n], v, rtol=0, atol=1e-6, msg=f"worker {r}: {n}")
+        assert stats["groups_joined"] == steps

@@ -514,9 +514,11 @@ class Ripples(Solver):
                     if job is None:
                         return
                     step, flat = job
-                    self._mean = self._average(step, flat, on_path=False)
-                    synchronize(self.view.device)  # (the training thread reads it next)
-                    self._idle.set()
+                    mean = self._average(step, flat, on_path=False)
+                    with section("ripples.mean"):
+                        self._mean = mean
+                        synchronize(self.view.device)  # (the training thread reads it next)
+                        self._idle.set()
         except BaseException as e:  # raised on the training thread at its next update
             self._errors.append(e)
             self._idle.set()
