@@ -600,17 +600,21 @@ def test_smart_coordinator_does_not_wait_for_workers_that_are_done():
     from distsync.solvers import ServeContext, make_solver
     from distsync.solvers.decentralized import OP_DONE, OP_REQUEST
 
+    # max_wait far beyond any delay a loaded machine adds to a thread's wake-up (3 s), and each
+    # answer bounded at half of it: a coordinator that waited for the done workers answers
+    # after max_wait, one that did not within milliseconds
+    max_wait = 3.0
     script = [(0.0, 0, OP_DONE), (0.0, 2, OP_DONE), (0.0, 3, OP_DONE),
               (0.1, 1, OP_REQUEST), (0.6, 1, OP_REQUEST), (0.6, 1, OP_DONE)]
     comm = _ScriptedCoordinatorComm(script)
-    s = make_solver("ripples", schedule="smart", group_size=3, max_wait_ms=300)
+    s = make_solver("ripples", schedule="smart", group_size=3, max_wait_ms=max_wait * 1000)
     s.serve("coordinator", comm, ServeContext(make_model=None, lr=0.0))
     assert [(dst, g) for dst, g, _ in comm.sent] == [(1, (1,)), (1, (1,))]
     for (_, _, sent), ready in zip(comm.sent, (0.1, 0.7)):
-        assert sent - ready < 0.15, (sent, ready)  # well under max_wait (0.3 s)
+        assert sent - ready < max_wait / 2, (sent, ready)
     stats = s.stats()
     assert (stats["groups_formed"], stats["skips"], stats["requests_answered"]) == ({"1": 2}, 2, 2)
-    assert stats["partner_wait_s"] < 0.1
+    assert stats["partner_wait_s"] < max_wait / 3
 
 
 def test_ripples_overlap_needs_the_smart_schedule():
@@ -667,9 +671,18 @@ def test_smart_schedule_slow_worker_joins_fewer_groups_and_nobody_waits_for_it(t
     stats, fast = s["solver_stats"], (0, 2, 3)
     joined = {r: stats[str(r)]["groups_joined"] for r in range(4)}
     assert all(joined[r] >= 1 for r in range(4))
-    # every worker does its steps; the slow one is grouped for a smaller share of them...
-    share = {r: stats[str(r)]["group_sizes"].get("3", 0) / steps for r in range(4)}
-    assert min(share[r] for r in fast) > share[1], share
+    # every worker does its steps; the slow one is grouped in fewer of them: it can meet others
+    # only while one still trains, at most in its steps that ended before the last fast worker's
+    # last one (steps.csv: about 25, a quarter of the fast ones' time), and each fast worker
+    # joins more groups than that bound (measured 64-67; 42-51 on a loaded machine, whose fast
+    # workers go alone more often). (The share of groups of three compared 0.19 to 0.19 loaded.)
+    import csv
+
+    rows = list(csv.DictReader((tmp_path / "r" / "steps.csv").open()))
+    fast_end = max(float(row["unix"]) for row in rows if int(row["rank"]) in fast)
+    slow_while_fast = sum(1 for row in rows if int(row["rank"]) == 1 and float(row["unix"]) <= fast_end)
+    assert joined[1] <= slow_while_fast + 1, (joined, slow_while_fast)
+    assert min(joined[r] for r in fast) > slow_while_fast, (joined, slow_while_fast)
     # ...while the fast ones keep forming groups among themselves (the coordinator's groups of
     # two or three, less those the slow worker was in; measured on a loaded machine, where a
     # fast worker with no partner due goes alone more often: 49 and 58 of 100)...
