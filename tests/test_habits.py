@@ -83,7 +83,7 @@ SOLVERS = {
     "ea-wild": (1, 1, {"tau": 2, "threads": 1}, "elastic"),
     "fr-easgd": (1, 1, {"tau": 2, "threads": 1}, "elastic"),
     "sync-easgd": (1, 0, {"tau": 2}, "elastic"),
-    "shadow-ea": (1, 1, {"threads": 1, "tau": 1}, "band:elastic"),
+    "shadow-ea": (1, 1, {"threads": 1}, "band:elastic"),
     "ripples": (2, 0, {"group_size": 2}, "pair"),
     "ad-psgd": (2, 0, {}, "band:pair"),
     # (best effort: a round whose matchmaking finds no partner in time leaves the models apart;
@@ -285,7 +285,9 @@ def reference(kind: str, habit: str, name: str, options: dict) -> nn.Module:
         model = make_model(habit)
         opt = make_optimizer(habit, model, name)
         center = [p.detach().clone() for p in model.parameters()]
-        alpha, tau = 0.9, options["tau"]  # (beta 0.9 over one worker)
+        # (beta 0.9 over one worker; shadow-ea, which has no tau, exchanges about once a step:
+        # steps_per_sync 1, within its band)
+        alpha, tau = 0.9, options.get("tau", 1)
 
         def exchange(step):
             if (step + 1) % tau == 0:

@@ -10,6 +10,7 @@ with the layers below. Buckets start in one fixed order on every rank, as collec
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,7 @@ import torch.nn as nn
 from distsync.config import bounded
 from distsync.errors import ConfigError
 from distsync.solvers.base import Capability, Solver, register_solver
-from distsync.solvers.compression import WIRE_DTYPES, PowerSGD
+from distsync.solvers.compression import WIRE_DTYPES, PowerSGD, refuse_idle_powersgd_options
 from distsync.solvers.rules import wire_mean_share
 
 
@@ -39,6 +40,12 @@ class AllReduceOptions:
     error_feedback: bool = True
     powersgd_start: int = bounded(0, ge=0)
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        refuse_idle_powersgd_options(self, "compress", self.compress, _DEFAULTS)
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(AllReduceOptions)}
 
 
 class _Bucket:

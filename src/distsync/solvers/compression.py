@@ -27,6 +27,21 @@ import torch
 
 from distsync.solvers.rules import gram_schmidt
 
+#: the options that shape PowerSGD (allreduce's compress=powersgd, ddp's comm_hook=powersgd)
+POWERSGD_OPTIONS = ("powersgd_rank", "warm_start", "error_feedback", "powersgd_start", "seed")
+
+
+def refuse_idle_powersgd_options(options: object, choice: str, value: str, defaults: dict) -> None:
+    """A PowerSGD option set away from its default while ``choice`` (compress, comm_hook) is
+    ``value``, not powersgd: it would change nothing, so it is refused (ValueError)."""
+    if value == "powersgd":
+        return
+    idle = [f"{k}={getattr(options, k)}" for k in POWERSGD_OPTIONS if getattr(options, k) != defaults[k]]
+    if idle:
+        raise ValueError(f"{', '.join(idle)} shape(s) PowerSGD, which runs with {choice}=powersgd only; "
+                         f"got {choice}={value}")
+
+
 #: compress a matrix only if its factors are this many times smaller (torch's default)
 MIN_COMPRESSION_RATE = 2.0
 #: the wire formats, by option name

@@ -12,6 +12,7 @@ import contextlib
 import functools
 import inspect
 from concurrent.futures import ThreadPoolExecutor
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -24,7 +25,7 @@ from distsync.comm import ring_allreduce_bytes
 from distsync.config import bounded
 from distsync.errors import ConfigError
 from distsync.solvers.base import Capability, Solver, register_solver
-from distsync.solvers.compression import PowerSGD
+from distsync.solvers.compression import PowerSGD, refuse_idle_powersgd_options
 
 
 @dataclass
@@ -44,9 +45,13 @@ class DDPOptions:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        refuse_idle_powersgd_options(self, "comm_hook", self.comm_hook, _DEFAULTS)
         if self.comm_hook == "powersgd" and self.powersgd_start < 2 and (self.warm_start or self.error_feedback):
             raise ValueError(f"comm_hook=powersgd with warm_start or error_feedback needs powersgd_start >= 2 "
                              f"(torch's own rule for DDP), got powersgd_start={self.powersgd_start}")
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DDPOptions)}
 
 
 @functools.lru_cache(maxsize=1)

@@ -43,15 +43,24 @@ from distsync.solvers.turns import section
 
 
 @dataclass
-class SyncElasticOptions:
-    """tau: steps between exchanges; beta: alpha = beta / workers unless alpha is given."""
+class ElasticRate:
+    """beta: alpha = beta / workers unless alpha is given."""
 
-    tau: int = bounded(4, ge=1)
     beta: float = bounded(0.9, gt=0, le=1)
     alpha: float | None = bounded(None, gt=0, le=1)
 
     def moving_rate(self, workers: int) -> float:
         return self.alpha if self.alpha is not None else elastic_alpha(self.beta, workers)
+
+
+@dataclass
+class _Tau:
+    tau: int = bounded(4, ge=1)
+
+
+@dataclass
+class SyncElasticOptions(ElasticRate, _Tau):
+    """tau: steps between exchanges; beta: alpha = beta / workers unless alpha is given."""
 
 
 @dataclass

@@ -30,15 +30,11 @@ from distsync.solvers.rules import bmuf_update, wire_average_share
 
 
 @dataclass
-class _AverageSchedule:
+class AverageOptions(HogwildThreadsOptions):
+    """every: steps between syncs; threads: Hogwild training threads per worker on its one
+    model. (The background twins pace their syncs instead: shadow.py's options.)"""
+
     every: int = bounded(4, ge=1)
-    min_interval_ms: float = bounded(0.0, ge=0)
-
-
-@dataclass
-class AverageOptions(HogwildThreadsOptions, _AverageSchedule):
-    """every: steps between syncs (foreground); min_interval_ms: least time between
-    background syncs; threads: Hogwild training threads per worker on its one model."""
 
 
 @dataclass
@@ -74,7 +70,7 @@ class OuterStep:
 
 
 @dataclass
-class BMUFOptions(AverageOptions, OuterStep):
+class BMUFRule(OuterStep):
     """block_lr (zeta); block_momentum (m), by default the classical 1 - 1/p, which makes up
     for averaging p workers' progress (fairseq's 0.875 suits about 8; with 2 workers it
     amplifies each block's progress 15-fold and training diverges); nesterov."""
@@ -88,6 +84,11 @@ class BMUFOptions(AverageOptions, OuterStep):
 
     def outer_update(self, new, start, state, mean, workers):
         bmuf_update(new, start, state, mean, self.block_lr, self.momentum_for(workers), self.nesterov)
+
+
+@dataclass
+class BMUFOptions(AverageOptions, BMUFRule):
+    __doc__ = "every: steps between syncs; threads: as :class:`AverageOptions`. " + BMUFRule.__doc__
 
 
 class AveragingSolver(HogwildThreads, Solver):

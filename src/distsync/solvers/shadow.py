@@ -40,10 +40,10 @@ from distsync.comm.devices import own_stream, queued_mark, run_after, synchroniz
 from distsync.config import bounded
 from distsync.errors import PeerLost
 from distsync.solvers.base import Capability, join_background, register_solver
-from distsync.solvers.elastic import AsyncEASGD, WildOptions
+from distsync.solvers.elastic import AsyncEASGD, ElasticRate
 from distsync.solvers.flat import FlatView, storage_aliases
-from distsync.solvers.hogwild_threads import HogwildThreads
-from distsync.solvers.model_averaging import AverageOptions, AveragingSolver, BMUFOptions, OuterStep
+from distsync.solvers.hogwild_threads import HogwildThreads, HogwildThreadsOptions
+from distsync.solvers.model_averaging import AveragingSolver, BMUFRule, OuterStep
 from distsync.solvers.rules import apply_correction, elastic_pull
 from distsync.solvers.turns import section
 
@@ -82,24 +82,25 @@ class Pacer:
         return max(0.0, self.min_interval_s - took_s, min(self.recent) * (1.0 / self.share - 1.0))
 
 
-_PACING_DOC = """sync_share: the most of its time the shadow thread spends syncing (1: back to back);
-    steps_per_sync: the least training steps between two syncs' reads of the model (0: none)."""
-
-
 @dataclass
-class ShadowAverageOptions(AverageOptions):
-    __doc__ = _PACING_DOC
+class PacingOptions:
+    """min_interval_ms: least time between the shadow thread's syncs; sync_share: the most of
+    its time it spends syncing (1: back to back); steps_per_sync: the least training steps
+    between two syncs' reads of the model (0: none)."""
 
+    min_interval_ms: float = bounded(0.0, ge=0)
     sync_share: float = bounded(0.5, gt=0, le=1)
     steps_per_sync: int = bounded(1, ge=0)
 
 
 @dataclass
-class ShadowBMUFOptions(BMUFOptions):
-    __doc__ = _PACING_DOC
+class ShadowAverageOptions(HogwildThreadsOptions, PacingOptions):
+    __doc__ = PacingOptions.__doc__ + "; threads: Hogwild training threads per worker."
 
-    sync_share: float = bounded(0.5, gt=0, le=1)
-    steps_per_sync: int = bounded(1, ge=0)
+
+@dataclass
+class ShadowBMUFOptions(ShadowAverageOptions, BMUFRule):
+    __doc__ = ShadowAverageOptions.__doc__ + " " + BMUFRule.__doc__
 
 
 class _ShadowAveraging(AveragingSolver):
@@ -224,14 +225,13 @@ class ShadowBMUF(_ShadowAveraging):
 
 
 @dataclass
-class ShadowEAOptions(WildOptions):
-    """min_interval_ms: least time between background exchanges; sync_share: the most of its
-    time the shadow thread spends exchanging (1: back to back); steps_per_sync: the least
-    training steps between two exchanges' reads of the model (0: none)."""
+class ShadowEAOptions(HogwildThreadsOptions, PacingOptions, ElasticRate):
+    """beta, alpha: the elastic rate (:class:`~distsync.solvers.elastic.ElasticRate`); servers:
+    server processes holding the center (sharded); threads: Hogwild training threads per
+    worker; min_interval_ms, sync_share, steps_per_sync: the shadow thread's pace, its
+    exchanges' as :class:`PacingOptions` says of syncs."""
 
-    min_interval_ms: float = bounded(0.0, ge=0)
-    sync_share: float = bounded(0.5, gt=0, le=1)
-    steps_per_sync: int = bounded(1, ge=0)
+    servers: int = bounded(1, ge=1)
 
 
 @register_solver

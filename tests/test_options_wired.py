@@ -1,0 +1,304 @@
+"""Every solver option is wired: over the registry, each option set to a value other than its
+default changes the result of a short deterministic run (its workers' final models, on digits),
+or it is declared below as leaving the result as it is in that setting, with the reason
+(checked: the run with it gives the same models), or as checked elsewhere, by a named test
+(checked: that test exists).
+
+A run is deterministic by its setting: synchronous solvers as they are; asynchronous ones with
+one worker beside their servers, or with their concurrent sections in a fixed order (the
+scripts of tests/turns.py); smart Ripples with waits longer than any step. All of a solver's
+runs with the same processes run one after another in one job.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from distsync.solvers import turns
+from distsync.solvers.base import solver_class, solver_names
+from helpers import run_ranks
+from turns import Script
+
+SEED, BATCH, LR, STEPS = 11, 16, 0.1, 4
+TESTS = Path(__file__).parent
+
+#: solver -> (workers, the options every run of it starts from: a setting where it is deterministic)
+SETTINGS: dict[str, tuple[int, dict]] = {
+    "ad-psgd": (4, {}),  # (two passives: the seed's partners matter; a script orders the answers)
+    "allreduce": (2, {}),
+    "async-easgd": (1, {"tau": 1}),
+    "async-measgd": (1, {"tau": 1}),
+    "async-msgd": (2, {}),  # (a script orders the server's pulls and applies)
+    "async-ps": (2, {}),
+    "bmuf": (2, {"every": 2}),
+    "ddp": (2, {}),
+    "diloco": (2, {"every": 2}),
+    "ea-wild": (1, {"tau": 1}),
+    "easgd": (2, {"tau": 1}),  # (its server takes the workers in turns)
+    "fr-easgd": (1, {"tau": 1}),
+    "hogwild": (2, {"threads": 1}),
+    "local": (2, {}),
+    "ma": (2, {"every": 2}),
+    "ripples": (3, {}),
+    "shadow-bmuf": (2, {}),
+    "shadow-ea": (1, {}),
+    "shadow-ma": (2, {}),
+    "streaming-diloco": (2, {"every": 4}),
+    "sync-easgd": (2, {"tau": 1}),
+    "sync-ps": (2, {}),
+    "torch-local-sgd": (2, {"every": 2}),
+}
+
+#: solvers of other libraries, whose options are theirs to honour: the test that compares them with ours
+PEERS = {"torchft-diloco": "test_diloco.py::test_torchfts_diloco_equals_ours",
+         "hivemind-averaging": "test_decentralized.py::test_hivemind_averaging_of_two_workers_in_pairs_is_ma"}
+
+#: (solver or "*", option) -> the values to try (default: derived from the option's type and range)
+VALUES: dict[tuple[str, str], list] = {
+    ("*", "alpha"): [0.3],
+    ("*", "block_momentum"): [0.2],
+    ("*", "momentum"): [0.5],
+    ("ripples", "group_size"): [2],  # (3 is all three workers; more is as many)
+    ("ripples", "schedule"): ["random"],  # (smart's groups follow readiness: the coordinator's tests)
+    ("streaming-diloco", "fragments"): [1],
+    ("streaming-diloco", "delay"): [0],
+}
+
+_SMART = {"schedule": "smart", "max_wait_ms": 10_000, "wait_share": 10_000}  # (everyone waits for everyone)
+
+#: (solver, option) -> the other options it matters with: its runs, and the run they are compared with, take them
+WITH: dict[tuple[str, str], dict] = {
+    **{("allreduce", o): {"compress": "powersgd"} for o in
+       ("powersgd_rank", "warm_start", "error_feedback", "powersgd_start", "seed")},
+    **{("ddp", o): {"comm_hook": "powersgd"} for o in
+       ("powersgd_rank", "warm_start", "error_feedback", "powersgd_start", "seed")},
+    ("ripples", "schedule"): {"group_size": 2},
+    ("ripples", "seed"): {"schedule": "random", "group_size": 2},
+    ("ripples", "buffer"): {"schedule": "random", "group_size": 2},
+    ("ripples", "overlap"): _SMART,
+}
+
+_PACE = "the shadow thread's pace only (when it syncs, which the script fixes here; the pacer's own tests time it)"
+
+#: (solver or "*", option) -> why this setting's models do not change with it (checked: they do not)
+SAME: dict[tuple[str, str], str] = {
+    ("allreduce", "bucket_mb"): "the pieces the gradients travel in, not their sum",
+    ("allreduce", "overlap"): "when the buckets travel, not their sum",
+    ("ddp", "bucket_mb"): "the pieces the gradients travel in, not their sum",
+    ("*", "servers"): "where the center's tensors live, not their values",
+    ("ripples", "reduce"): "how a group's models travel; its mean is the same (to float rounding)",
+    ("ripples", "buffer"): "how many of the coordinator's rounds a round trip brings, not the rounds",
+    ("*", "min_interval_ms"): _PACE,
+    ("*", "sync_share"): _PACE,
+}
+
+#: (solver or "*", option) -> (the test that checks it instead (checked: it exists), why not here)
+ELSEWHERE: dict[tuple[str, str], tuple[str, str]] = {
+    ("*", "threads"): ("test_interleavings.py::test_hogwild_threads_under_forced_orders_equal_the_rule_in_that_order",
+                       "Hogwild threads race by design: their orders are forced there"),
+    ("ripples", "max_wait_ms"): ("test_decentralized.py::test_smart_coordinator_groups_by_readiness_and_never_waits_"
+                                 "past_max_wait", "how long the smart schedule waits: a time, not a result"),
+    ("ripples", "wait_share"): ("test_decentralized.py::test_ready_grouper_never_holds_a_fast_worker_for_a_slow_one_"
+                                "that_is_not_due", "how long the smart schedule waits: a time, not a result"),
+}
+
+
+def _lookup(table, solver, option):
+    return table.get((solver, option), table.get(("*", option)))
+
+
+def _derived(field: dataclasses.Field) -> list:
+    """Values other than ``field``'s default, from its type and declared range."""
+    default, rule = field.default, field.metadata.get("range", {})
+    if "choices" in rule:
+        return [c for c in rule["choices"] if c != default]
+    if isinstance(default, bool):
+        return [not default]
+    if isinstance(default, int):
+        return [default * 2 if default else 1]
+    if isinstance(default, float):
+        return [default / 2 if default else 0.5]
+    raise AssertionError(f"option {field.name} (default {default!r}): say which values to try in VALUES")
+
+
+def _plan(solver: str) -> list[tuple[str | None, object, dict, dict]]:
+    """(option, value, the run's options, the options of the run it is compared with) for every
+    option of ``solver`` run here, after the base runs (option None) they are compared with:
+    the setting's, and the setting with each WITH's other options."""
+    _, base = SETTINGS[solver]
+    bases, runs = [dict(base)], []
+    for field in dataclasses.fields(solver_class(solver).Options):
+        if _lookup(ELSEWHERE, solver, field.name):
+            continue
+        ref = {**base, **WITH.get((solver, field.name), {})}
+        if ref not in bases:
+            bases.append(ref)
+        for value in _lookup(VALUES, solver, field.name) or _derived(field):
+            runs.append((field.name, value, {**ref, field.name: value}, ref))
+    return [(None, None, b, b) for b in bases] + runs
+
+
+# ---- scripts: a fixed order of an asynchronous solver's concurrent sections ------------------
+
+def _adpsgd_script(options: dict, workers: int, steps: int) -> list[str]:
+    """Each step: every active's averaging answered by the passive its seed draws (actives in
+    rank order), then each passive's update."""
+    from distsync.solvers import make_solver
+
+    cls = solver_class("ad-psgd")
+    actives, passives, partner = cls._partners(make_solver("ad-psgd", **options).options, workers)
+    order = []
+    for _ in range(steps):
+        order += [f"{partner(a)}:ad-psgd.answer.{a}" for a in actives]
+        order += [f"{p}:update" for p in passives]
+    return order
+
+
+def _shadow_script(options: dict, workers: int, steps: int) -> list[str]:
+    """Every worker's step, then (once its pace lets it: steps_per_sync) every worker's sync."""
+    sps = options.get("steps_per_sync", 1)
+    ranks = range(workers)
+    sync = [f"{r}:shadow.read" for r in ranks] + [f"{r}:shadow.write" for r in ranks]
+    order, next_read = list(sync), sps
+    for j in range(1, steps + 1):
+        order += [f"{r}:{name}" for r in ranks for name in ("backward", "update", "after_update")]
+        if j >= next_read:
+            order += sync
+            next_read = j + sps
+    return order + [f"{r}:close" for r in ranks]
+
+
+def _ps_script(options: dict, workers: int, steps: int) -> list[str]:
+    """Each step, worker by worker: its pull (every n_fetch steps) and its push (every n_push)
+    on every server; then what close() sends: the pushes still pending, and each worker's pull
+    of the center (its eval model)."""
+    from distsync.solvers import make_solver
+
+    o = make_solver("async-ps", **{k: v for k, v in options.items() if k != "threads"}).options
+    servers = range(workers, workers + o.servers)
+
+    def at(kind, w):
+        return [f"{s}:server.{kind}.{w}" for s in servers]
+
+    order = []
+    for step in range(steps):
+        for w in range(workers):
+            order += (at("pull", w) if step % o.n_fetch == 0 else []) + (at("apply", w) if (step + 1) % o.n_push == 0 else [])
+    order += [e for w in range(workers) for e in (at("apply", w) if steps % o.n_push else [])]
+    return order + [e for w in range(workers) for e in at("pull", w)]
+
+
+SCRIPTS = {"ad-psgd": _adpsgd_script, "shadow-ma": _shadow_script, "shadow-bmuf": _shadow_script,
+           "shadow-ea": _shadow_script, "async-ps": _ps_script, "async-msgd": _ps_script, "hogwild": _ps_script}
+
+
+# ---- the runs ----------------------------------------------------------------------------
+
+def _runs_rank(rank, world, solver, workers, runs, steps):
+    """Every run of ``runs`` (options) in turn on this job's processes: each worker's final
+    model and its eval model, flat (a server's or coordinator's: None)."""
+    from distsync.comm import Comm
+    from distsync.runtime import assign_roles
+    from distsync.solvers import ServeContext, make_solver
+    from distsync.workloads import ShardSampler, load_workload
+    from test_interleavings import _step_in_sections
+
+    roles = make_solver(solver, **runs[0]).roles
+    comm = Comm.from_env(assign_roles(workers, roles), 20.0, torch.device("cpu"))
+    w = load_workload("digits")
+    flat = lambda m: torch.nn.utils.parameters_to_vector(m.parameters()).detach().clone()  # noqa: E731
+
+    def model0():
+        torch.manual_seed(SEED)
+        return w.make_model()
+
+    out = []
+    for i, options in enumerate(runs):
+        s = make_solver(solver, **options)
+        order = SCRIPTS[solver](options, workers, steps) if solver in SCRIPTS else None
+        script = Script(order, rank, comm.raw_store(), key=f"distsync/test/turn/{i}") if order else None
+        with turns.hooked(script) if script else contextlib.nullcontext():
+            if comm.role != "worker":
+                s.serve(comm.role, comm, ServeContext(make_model=model0, lr=LR))
+                out.append(None)
+            else:
+                model = model0()
+                run = s.attach(model, torch.optim.SGD(model.parameters(), lr=LR), comm)
+                sampler = ShardSampler(w.num_train, workers, comm.worker_index, BATCH, SEED)
+                for step in range(steps):
+                    x, y = w.take(w.train_data, sampler.indices(step))
+                    if script:
+                        _step_in_sections(s, step, run, w, x, y, script)
+                    else:
+                        with s.step(step):
+                            w.loss_fn(run(x), y).backward()
+                if script:
+                    with script("close"):
+                        pass
+                s.close()
+                if script:
+                    script.wait_done()
+                out.append((flat(model), flat(s.eval_model())))
+        comm.barrier()
+    comm.close()
+    return out
+
+
+#: solvers that keep a run's state in the job's store (ripples' coordinator: its rounds): a job per run
+OWN_JOB = {"ripples"}
+
+
+def _jobs(solver):
+    """The runs of ``solver`` grouped by the processes they need (options such as servers add
+    some): [(roles, runs)]."""
+    from distsync.solvers import make_solver
+
+    groups: dict[tuple, list] = {}
+    for i, run in enumerate(_plan(solver)):
+        roles = tuple(sorted(make_solver(solver, **run[2]).roles.items()))
+        groups.setdefault((roles, i if solver in OWN_JOB else 0), []).append(run)
+    return [(roles, runs) for (roles, _), runs in groups.items()]
+
+
+@pytest.mark.parametrize("solver", sorted(SETTINGS))
+def test_every_option_changes_the_result_or_is_declared(solver):
+    workers, _ = SETTINGS[solver]
+    models = {}
+    for roles, runs in _jobs(solver):
+        world = workers + sum(n for _, n in roles)
+        got = run_ranks(_runs_rank, world, solver, workers, [r[2] for r in runs], STEPS)
+        for i, run in enumerate(runs):
+            models[str(run[2])] = [got[w][i] for w in range(workers)]
+    problems = []
+    for option, value, options, ref in _plan(solver):
+        if option is None:
+            continue
+        diff = max(float((a[k] - b[k]).abs().max()) for a, b in zip(models[str(options)], models[str(ref)])
+                   for k in range(2))
+        same = _lookup(SAME, solver, option)
+        if same and diff > 1e-6:
+            problems.append(f"{option}={value!r} is declared as not changing the result ({same}), but it "
+                            f"moved the models by {diff:.3g}")
+        if not same and diff <= 1e-6:
+            problems.append(f"{option}={value!r} left the models as {ref or 'the default'} gives them (moved "
+                            f"{diff:.3g}): wire it, or declare it in SAME with the reason")
+    assert not problems, f"solver {solver}:\n" + "\n".join(problems)
+
+
+def test_every_solver_has_a_setting_and_every_declaration_names_a_real_option_and_test():
+    assert set(SETTINGS) | set(PEERS) == set(solver_names())
+    options = {(s, f.name) for s in solver_names() for f in dataclasses.fields(solver_class(s).Options)}
+    names = {o for _, o in options}
+    for table in (VALUES, WITH, SAME, ELSEWHERE):
+        for solver, option in table:
+            assert (solver, option) in options or (solver == "*" and option in names), (solver, option)
+    for test in [t for t, _ in ELSEWHERE.values()] + list(PEERS.values()):
+        file, _, name = test.partition("::")
+        tree = ast.parse((TESTS / file).read_text())
+        assert any(isinstance(n, ast.FunctionDef) and n.name == name for n in tree.body), test
