@@ -1,0 +1,88 @@
+"""The simulator's units, by hand: a link's text to bits per second and seconds, a scenario's
+milliseconds and megabytes to seconds and bytes, a model's parameters to float32 bytes, and
+the costs built on them (a message, ring and tree all-reduces, nodes, Partial All-Reduce, a
+server's shared link and its apply rate), each against numbers worked out in the comments
+from the formulas' definitions, through the path a ``distsync simulate`` command takes."""
+
+import pytest
+
+from distsync.config import Link, parse_link
+from distsync.sim import Cluster, Work, WorkerModel, simulate, tree_allreduce_s
+from distsync.sim.scenario import Scenario, simulate_scenario
+
+
+@pytest.mark.parametrize("text, bps, latency", [
+    ("200mbit", 200e6, 0.0),
+    ("1gbit,2ms", 1e9, 0.002),
+    ("500kbit,300us", 500e3, 300e-6),
+    ("1.5gbit,0.5ms", 1.5e9, 0.0005),
+    ("10mbit,1s", 10e6, 1.0),
+])
+def test_a_links_text_is_bits_per_second_and_seconds(text, bps, latency):
+    link = parse_link(text)
+    assert (link.bandwidth_bps, link.latency_s) == pytest.approx((bps, latency), rel=1e-12)
+
+
+def test_a_message_is_its_latency_plus_eight_bits_a_byte_over_the_bandwidth():
+    # 1 MB over 100 Mbit with 2 ms: 2 ms + 8e6 bits / 1e8 bits/s = 2 ms + 80 ms
+    assert parse_link("100mbit,2ms").transfer_s(1e6) == pytest.approx(0.082, rel=1e-12)
+
+
+def test_a_scenarios_milliseconds_and_megabytes_reach_the_simulator_as_seconds_and_bytes():
+    s = Scenario(workers=2, steps=10, compute_ms=10, model_mb=1.0, link="100mbit,1ms")
+    assert s.worker_model().compute_s == pytest.approx(0.010, rel=1e-12)
+    assert s.work().model_bytes == 1e6
+    assert (s.cluster().link.bandwidth_bps, s.cluster().link.latency_s) == pytest.approx((1e8, 1e-3), rel=1e-12)
+    # allreduce over 2 workers: 2 rounds of 0.5 MB, each 1 ms + 8 * 0.5e6 / 1e8 s = 41 ms;
+    # a step is 10 ms of compute and 82 ms of all-reduce
+    row, = simulate_scenario(s, ["allreduce"])
+    assert row["wall_time_s"] == pytest.approx(10 * 0.092, rel=1e-9)
+    # 2 workers x 10 steps x the workload's batch (digits: 32) over that wall
+    assert row["throughput_samples_per_s"] == pytest.approx(2 * 10 * 32 / 0.92, rel=1e-9)
+
+
+def test_a_workloads_model_is_its_parameters_in_float32_bytes():
+    # digits: an MLP 64 -> 128 -> 10, 64 * 128 + 128 + 128 * 10 + 10 = 9,610 parameters of 4 bytes
+    s = Scenario(workload="digits", workers=2, steps=4, compute_ms=5, link="10mbit")
+    assert s.model_bytes() == 4 * 9610
+    # 2 rounds of 19,220 bytes at 10 Mbit: 2 * 8 * 19,220 / 1e7 s = 30.752 ms, after 5 ms of compute
+    row, = simulate_scenario(s, ["allreduce"])
+    assert row["wall_time_s"] == pytest.approx(4 * (0.005 + 0.030752), rel=1e-9)
+
+
+def test_a_tree_all_reduce_is_two_whole_message_hops_per_level_of_ceil_log2_p():
+    link = Link(1e9, 1e-4)
+    hop = 1e-4 + 8 * 1e6 / 1e9  # a whole 1 MB message: 8.1 ms
+    for p, levels in ((2, 1), (3, 2), (8, 3), (9, 4)):
+        assert tree_allreduce_s(link, 1e6, p) == pytest.approx(2 * levels * hop, rel=1e-12), p
+
+
+def test_nodes_without_an_intra_link_reduce_inside_them_on_the_link_itself():
+    # 8 workers, 4 to a node, one 1 Gbit link (no faster one inside nodes): half a ring of 4
+    # inside (3 rounds of n/4), a ring of the 2 leaders (2 rounds of n/2), half a ring again
+    link, n = Link(1e9, 0.0), 4e6
+    inside = 3 * 8 * (n / 4) / 1e9  # 24 ms
+    leaders = 2 * 8 * (n / 2) / 1e9  # 32 ms
+    assert Cluster(8, link, per_node=4).allreduce_s(n) == pytest.approx(2 * inside + leaders, rel=1e-12)
+
+
+def test_a_partial_all_reduce_step_pays_two_message_latencies():
+    # a group of 3: 2 (3 - 1) = 4 steps, each a send and a receive of their own (2 x 1 ms)
+    # and 1 MB (3 MB / 3) at 1 Gbit (8 ms)
+    assert Cluster(3, Link(1e9, 1e-3)).partial_allreduce_s(3e6, 3) == pytest.approx(4 * (0.002 + 0.008), rel=1e-12)
+
+
+def test_a_servers_link_carries_every_workers_share_of_its_shard_in_and_out():
+    # sync-ps, 4 workers, 2 servers, 1 MB split evenly: each server's link takes 4 x 0.5 MB in
+    # (1 ms + 16 ms), then sends 4 x 0.5 MB back, in turn (another 17 ms), after 10 ms of compute
+    s = Scenario(workers=4, steps=5, compute_ms=10, model_mb=1.0, link="1gbit,1ms")
+    row, = simulate_scenario(s, ["sync-ps"], {"sync-ps": {"servers": 2}})
+    assert row["wall_time_s"] == pytest.approx(5 * (0.010 + 2 * 0.017), rel=1e-9)
+
+
+def test_a_servers_apply_rate_is_bytes_of_model_per_second():
+    # one worker, an elastic exchange after each step: 100 kB there and back at 1 Gbit (0.8 ms
+    # each way) and an apply of 100 kB at 1 MB/s (100 ms)
+    res = simulate("async-easgd", {"tau": 1}, Cluster(1, Link(1e9, 0.0), server_apply_bps=1e6),
+                   WorkerModel(0.010), Work(steps=3, model_bytes=1e5))
+    assert res.wall_s == pytest.approx(3 * (0.010 + 2 * 0.0008 + 0.1), rel=1e-9)
