@@ -65,6 +65,9 @@ FAST_SUITE = [
     "tests/test_allreduce.py",
     "tests/test_sim_ordered.py",
     "tests/test_sim.py::test_train_mode_reproduces_the_real_solver",
+    "tests/test_sim_units.py",
+    "tests/test_interleavings.py",
+    "tests/test_options_wired.py",
 ]
 #: (the slow end-to-end tests stay out: the suite must say in minutes what the rules are)
 SUITE_MARKER = "not slow"

@@ -1,0 +1,189 @@
+"""Mutants we did not choose: a mutation tool (cosmic-ray) draws them, the fast suite must kill them.
+
+cosmic-ray lists every mutation its operators can make in the target code (an operator
+replaced, a number changed, a condition negated, a break turned into a continue...); this
+runner draws a sample of them with a fixed seed, stratified over three groups so each is
+tested (the simulator's timing model is most of the list otherwise):
+
+- ``rules``: every function of ``solvers/rules.py`` (the update rules' one definition);
+- ``timing``: every function of ``sim/timing.py`` (the simulator's timing formulas);
+- ``paths``: the solvers' update and exchange paths (:data:`PATHS`: the functions of each
+  solver module that apply an update, answer or make an exchange, write a sync back).
+
+Each drawn mutant is probed as ``tests/mutation_probe.py`` probes a declared mutation: a copy
+of ``src/`` with the mutant applied, the fast suite run against it (``-x``), a failure counted
+only once confirmed (the failing test alone fails on the mutant and passes unmutated; a test
+that does not is set aside as flaky). Results go to ``--json`` as they come (the run takes
+hours: ``--resume`` goes on from the rows already there), then ``render`` makes the docs
+table: killed / total, by group and by operator, and every survivor with its line, for triage
+(``TRIAGE``: a survivor's reason, when it is equivalent to the original).
+
+    nice -n 19 .venv/bin/python tests/mutants_drawn.py --list            # the draw, nothing run
+    nice -n 19 .venv/bin/python tests/mutants_drawn.py --json docs/benchmarks/raw/mutants_drawn.json
+    nice -n 19 .venv/bin/python tests/mutants_drawn.py --resume --json docs/benchmarks/raw/mutants_drawn.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import mutation_probe as probe_kit  # noqa: E402
+from common import provenance, write_results  # noqa: E402
+
+DEFAULT_OUT = REPO / "docs" / "benchmarks" / "raw" / "mutants_drawn.json"
+SEED = 20261128
+#: mutants drawn from each group
+QUOTAS = {"rules": 60, "timing": 60, "paths": 90}
+GROUP_FILES = {"rules": {"solvers/rules.py": None}, "timing": {"sim/timing.py": None}}
+#: the solvers' update and exchange paths: module -> the functions (innermost definitions) drawn from
+PATHS = {
+    "solvers/decentralized.py": {"_converse", "after_backward", "update", "_apply_pending", "_average",
+                                 "after_update", "_settle", "_averaging_loop"},
+    "solvers/elastic.py": {"handle", "_exchange", "after_update", "moving_rate"},
+    "solvers/shadow.py": {"_shadow_loop", "_exchange_live", "after_update", "wait_for_steps", "pause_after",
+                          "_all_reduce_live", "close"},
+    "solvers/parameter_server.py": {"apply_gradient", "handle", "_accumulate", "_push", "before_step",
+                                    "after_backward", "update", "combine"},
+    "solvers/model_averaging.py": {"after_update", "_combine", "_sync", "outer_update", "momentum_for"},
+    "solvers/diloco.py": {"outer_update", "after_update", "_sync_fragment", "_apply_fragment", "merge"},
+    "solvers/allreduce.py": {"after_backward", "_reduce", "_finish", "update"},
+    "solvers/shard_service.py": {"_process", "count_update", "record_staleness"},
+}
+GROUP_FILES["paths"] = PATHS
+#: a survivor shown equivalent to the original (same behaviour for every input the code can
+#: see): "module:line:operator" -> why
+TRIAGE: dict[str, str] = {}
+
+
+def drawn(seed: int = SEED, quotas: dict[str, int] = QUOTAS) -> list[dict]:
+    """The sample: each group's quota drawn from the tool's list of its mutants (sorted first,
+    so the same code and seed draw the same mutants)."""
+    from cosmic_ray.commands.init import _all_work_items
+
+    rng = random.Random(seed)
+    out = []
+    for group, files in GROUP_FILES.items():
+        pool = []
+        for file, functions in files.items():
+            for item in _all_work_items([REPO / "src" / "distsync" / file], {}):
+                m = item.mutations[0]
+                if functions is not None and m.definition_name not in functions:
+                    continue
+                pool.append({"group": group, "file": file, "operator": m.operator_name, "occurrence": m.occurrence,
+                             "line": m.start_pos[0], "function": m.definition_name})
+        pool.sort(key=lambda r: (r["file"], r["line"], r["operator"], r["occurrence"]))
+        take = rng.sample(pool, min(quotas[group], len(pool)))
+        out += sorted(take, key=lambda r: (r["file"], r["line"], r["operator"], r["occurrence"]))
+    for r in out:
+        r["name"] = f"{r['file']}:{r['line']}:{r['operator'].removeprefix('core/')}:{r['occurrence']}"
+    return out
+
+
+def mutated_source(row: dict, src_root: Path) -> tuple[str, str]:
+    """(the original line, the mutated line) after writing ``row``'s mutant into the copy."""
+    import cosmic_ray.plugins
+    from cosmic_ray.mutating import mutate_code
+
+    path = src_root / "distsync" / row["file"]
+    code = path.read_text()
+    new = mutate_code(code, cosmic_ray.plugins.get_operator(row["operator"])(), row["occurrence"])
+    if new is None:
+        raise probe_kit.NotApplicable(f"{row['name']}: the tool made no mutation there")
+    path.write_text(new)
+    line = row["line"] - 1
+    return code.splitlines()[line].strip(), new.splitlines()[line].strip() if line < len(new.splitlines()) else ""
+
+
+def render(raw: dict) -> str:
+    """The docs page's tables: killed / total by group and operator family, and the survivors."""
+    rows = raw.get("mutants", [])
+    lines = ["| group | drawn | killed | survived | equivalent (triaged) |", "|---|---|---|---|---|"]
+    for group in QUOTAS:
+        mine = [r for r in rows if r["group"] == group]
+        killed = sum(r["caught"] for r in mine)
+        equivalent = sum(1 for r in mine if not r["caught"] and r["name"] in TRIAGE)
+        lines.append(f"| {group} | {len(mine)} | {killed} | {len(mine) - killed} | {equivalent} |")
+    killed = sum(r["caught"] for r in rows)
+    equivalent = sum(1 for r in rows if not r["caught"] and r["name"] in TRIAGE)
+    scored = len(rows) - equivalent
+    lines += ["", f"{killed} of {len(rows)} drawn mutants killed; {equivalent} survivors shown equivalent, so "
+                  f"{killed} of {scored} ({100 * killed / max(1, scored):.0f}%) of the others."]
+    survivors = [r for r in rows if not r["caught"]]
+    if survivors:
+        lines += ["", "| survivor | was | became | triage |", "|---|---|---|---|"]
+        for r in survivors:
+            cell = lambda s: "`" + s.replace("|", "\\|").replace("`", "'") + "`"  # noqa: E731
+            lines.append(f"| `{r['name']}` ({r['function']}) | {cell(r['was'])} | {cell(r['became'])} | "
+                         f"{TRIAGE.get(r['name'], '**open**')} |")
+    if raw.get("commit"):
+        lines += ["", f"`{raw['command']}` at commit {raw['commit'][:10]}, {raw['date']}"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--list", action="store_true", help="print the draw and exit")
+    p.add_argument("--resume", action="store_true", help="go on from the rows already in --json")
+    p.add_argument("--only", help="comma-separated mutant names (from --list): probe those only, not written")
+    p.add_argument("--timeout", type=float, default=probe_kit.TIMEOUT_S)
+    args = p.parse_args(argv)
+    rows = drawn()
+    if args.list:
+        for r in rows:
+            print(f"{r['group']:7s} {r['name']:70s} {r['function']}")
+        print(f"\n{len(rows)} mutants (seed {SEED}, quotas {QUOTAS})")
+        return 0
+    if args.only:
+        names = set(args.only.split(","))
+        rows = [r for r in rows if r["name"] in names]
+    raw = json.loads(args.json.read_text()) if args.resume and args.json.exists() else \
+        {"provenance": provenance("tests/mutants_drawn.py", argv), "seed": SEED, "quotas": QUOTAS,
+         "fast_suite": probe_kit.FAST_SUITE, "suite_marker": probe_kit.SUITE_MARKER, "mutants": []}
+    done = {r["name"] for r in raw["mutants"]}
+    with tempfile.TemporaryDirectory(prefix="distsync-mutants-") as tmp:
+        pristine = probe_kit.copy_src(Path(tmp) / "pristine")
+        probe_kit.check_imports_copy(pristine)
+        if not done and not args.only:
+            base = probe_kit.run_suite(pristine, args.timeout)
+            print(f"unmutated fast suite: {'passed' if base['passed'] else 'FAILED'} in {base['seconds']} s", flush=True)
+            if not base["passed"]:
+                raise SystemExit("error: the fast suite fails unmutated: no mutant's result would mean anything")
+            raw["baseline_seconds"] = base["seconds"]
+        todo = [r for r in rows if r["name"] not in done]
+        for i, row in enumerate(todo, 1):
+            work = Path(tmp) / "m" / str(i)
+            src_root = probe_kit.copy_src(work)
+            try:
+                was, became = mutated_source(row, src_root)
+            except probe_kit.NotApplicable as e:
+                print(f"skipped: {e}", flush=True)
+                continue
+            m = probe_kit.Mutation(row["name"], row["file"], was, became, f"{row['operator']} in {row['function']}")
+            result = probe_kit.probe(m, src_root, pristine, args.timeout, None)
+            shutil.rmtree(work, ignore_errors=True)
+            out = {**row, "was": was, "became": became,
+                   **{k: result[k] for k in ("caught", "outcome", "failing_test", "confirmed", "seconds")},
+                   **({"flaky_tests": result["flaky_tests"]} if "flaky_tests" in result else {})}
+            print(f"[{len(done) + i}/{len(rows)}] {row['name']}: {out['outcome']}"
+                  f"{' by ' + out['failing_test'] if out['failing_test'] else ''} ({out['seconds']} s)", flush=True)
+            if args.only:
+                continue
+            raw["mutants"].append(out)
+            raw["killed"], raw["drawn"] = sum(r["caught"] for r in raw["mutants"]), len(raw["mutants"])
+            write_results(args.json, raw)  # (as it goes: a stopped run goes on with --resume)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
