@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         probe_kit.check_imports_copy(pristine)
         if not done and not args.only:
             base = probe_kit.run_suite(pristine, args.timeout)
-            print(f"unmutated fast suite: {'passed' if base['passed'] else 'FAILED'} in {base['seconds']} s", flush=True)
+            print(f"unmutated fast suite: {'passed' if base['passed'] else 'FAILED'} in {base['seconds']} s",
+                  flush=True)
             if not base["passed"]:
                 raise SystemExit("error: the fast suite fails unmutated: no mutant's result would mean anything")
             raw["baseline_seconds"] = base["seconds"]

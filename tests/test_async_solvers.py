@@ -119,8 +119,11 @@ def test_sync_ps_with_two_servers_equals_large_batch_sgd():
     assert res[2][1]["updates"] == res[3][1]["updates"] == steps
 
 
-@pytest.mark.parametrize("solver, momentum", [("async-ps", 0.0), ("async-msgd", 0.9)])
-def test_async_ps_one_worker_equals_sgd_on_the_server(solver, momentum):
+@pytest.mark.parametrize("solver, options, momentum", [
+    ("async-ps", {}, 0.0), ("async-msgd", {}, 0.9), ("async-ps", {"momentum": 0.5}, 0.5),
+    ("async-msgd", {"momentum": 0.3}, 0.3), ("hogwild", {"threads": 1, "momentum": 0.5}, 0.5),
+])
+def test_async_ps_one_worker_equals_sgd_on_the_server(solver, options, momentum):
     steps = 6
     w, batches = _batches(1, steps)
     ref = _model()
@@ -129,7 +132,7 @@ def test_async_ps_one_worker_equals_sgd_on_the_server(solver, momentum):
         opt.zero_grad()
         w.loss_fn(ref(x), y).backward()
         opt.step()
-    (_, _, center), (_, stats, _) = run_ranks(_run, 2, solver, {}, 1, steps, 0.0)
+    (_, _, center), (_, stats, _) = run_ranks(_run, 2, solver, options, 1, steps, 0.0)
     _close(center, ref.state_dict())
     assert stats["staleness"] == {"0": steps}  # one worker: never stale
 
@@ -193,10 +196,11 @@ def _check_elastic(res, xs, center):
         torch.testing.assert_close(got_center, center, rtol=0, atol=1e-5)
 
 
-def test_easgd_round_robin_two_workers_equals_reference():
+@pytest.mark.parametrize("options, alpha", [({}, 0.45), ({"beta": 0.5}, 0.25), ({"alpha": 0.3}, 0.3)])
+def test_easgd_round_robin_two_workers_equals_reference(options, alpha):
     steps, tau = 6, 2
-    xs, center = _elastic_reference(2, steps, tau, 0.45)  # alpha = 0.9 / 2; the server serves worker 0, then 1
-    _check_elastic(run_ranks(_run, 3, "easgd", {"tau": tau}, 2, steps, 0.0), xs, center)
+    xs, center = _elastic_reference(2, steps, tau, alpha)  # alpha = beta / 2 (0.9 / 2); worker 0 first, then 1
+    _check_elastic(run_ranks(_run, 3, "easgd", {"tau": tau, **options}, 2, steps, 0.0), xs, center)
 
 
 def test_async_measgd_one_worker_equals_local_nesterov_momentum_and_exchanges():
@@ -249,21 +253,25 @@ def _run_in_turns(rank, world, solver_name, options, workers, steps):
     return out
 
 
-@pytest.mark.parametrize("solver, options", [
-    ("async-easgd", {}), ("ea-wild", {}), ("fr-easgd", {}), ("async-measgd", {"momentum": 0.5}),
+@pytest.mark.parametrize("solver, options, alpha", [
+    ("async-easgd", {}, 0.45), ("ea-wild", {}, 0.45), ("fr-easgd", {}, 0.45), ("async-measgd", {"momentum": 0.5}, 0.45),
+    ("async-easgd", {"beta": 0.5}, 0.25), ("fr-easgd", {"alpha": 0.3}, 0.3),  # (alpha = beta / 2 unless given)
+    ("async-measgd", {"beta": 0.6, "momentum": 0.5}, 0.3), ("ea-wild", {"alpha": 0.2}, 0.2),
 ])
-def test_async_elastic_two_workers_in_turns_equal_reference(solver, options):
+def test_async_elastic_two_workers_in_turns_equal_reference(solver, options, alpha):
     """Exchanges forced into rank order: the first-come-first-served (or lock-free) server
     must give what the rule gives applied in that order."""
     steps, tau = 6, 3
-    xs, center = _elastic_reference(2, steps, tau, 0.45, momentum=options.get("momentum", 0.0))
+    xs, center = _elastic_reference(2, steps, tau, alpha, momentum=options.get("momentum", 0.0))
     res = run_ranks(_run_in_turns, 3, solver, dict(options, tau=tau), 2, steps)
     _check_elastic(res, xs, center)
     stats = res[2][1]
     # worker 0 exchanges first each time (one update of worker 1's since its own last one)
     assert stats["updates"] == 2 * steps // tau and stats["staleness"] == {"0": 1, "1": 3}
     if solver == "ea-wild":
-        assert stats["overlapping_exchanges"] == 0 and stats["lost_update_share"] < 1e-6
+        # (nothing lost but float32 rounding of the center's sum of moves: about 1e-6 of it; an
+        # exchange lost to a race loses a whole move)
+        assert stats["overlapping_exchanges"] == 0 and stats["lost_update_share"] < 1e-5
         assert stats["raced_move_share"] == 0
 
 
@@ -353,8 +361,9 @@ def test_async_ps_three_workers_server_applies_every_push_once():
     assert sum(stats["staleness"].values()) == pushes
 
 
-def test_sync_easgd_two_workers_equals_reference():
-    steps, tau, alpha = 6, 3, 0.45
+@pytest.mark.parametrize("options, alpha", [({}, 0.45), ({"beta": 0.6}, 0.3), ({"alpha": 0.2}, 0.2)])
+def test_sync_easgd_two_workers_equals_reference(options, alpha):
+    steps, tau = 6, 3
     w, batches = _batches(2, steps)
     xs, center = [_model(), _model()], _flat(_model())
     for step in range(steps):
@@ -369,7 +378,7 @@ def test_sync_easgd_two_workers_equals_reference():
                 _assign(x, v)
                 new_center = c
             center = new_center
-    res = run_ranks(_run, 2, "sync-easgd", {"tau": tau}, 2, steps, 0.0)
+    res = run_ranks(_run, 2, "sync-easgd", {"tau": tau, **options}, 2, steps, 0.0)
     for r in range(2):
         _close(res[r][1], xs[r].state_dict())
         torch.testing.assert_close(torch.nn.utils.parameters_to_vector(list(res[r][2].values())), center,

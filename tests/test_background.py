@@ -103,14 +103,16 @@ def _reference(steps, every, bmuf=None, outer_sgd=None, wire=None):
     return two_replica_reference(steps, SEED, BATCH, LR, every, combine)
 
 
-@pytest.mark.parametrize("solver, bmuf, outer_sgd", [
-    ("ma", None, None), ("bmuf", (1.0, 0.5, True), None),  # 0.5 = 1 - 1/p
-    ("diloco", None, (0.7, 0.9, True)),  # the paper's outer optimizer
+@pytest.mark.parametrize("solver, bmuf, outer_sgd, options", [
+    ("ma", None, None, {}), ("bmuf", (1.0, 0.5, True), None, {}),  # 0.5 = 1 - 1/p
+    ("bmuf", (0.8, 0.3, False), None, {"block_lr": 0.8, "block_momentum": 0.3, "nesterov": False}),
+    ("diloco", None, (0.7, 0.9, True), {}),  # the paper's outer optimizer
+    ("diloco", None, (0.35, 0.5, False), {"outer_lr": 0.35, "outer_momentum": 0.5, "nesterov": False}),
 ])
-def test_foreground_twins_equal_plain_pytorch(solver, bmuf, outer_sgd):
+def test_foreground_twins_equal_plain_pytorch(solver, bmuf, outer_sgd, options):
     steps, every = 9, 3
     ref = _reference(steps, every, bmuf, outer_sgd)
-    for state, stats, _ in run_ranks(_rank, 2, solver, {"every": every}, steps):
+    for state, stats, _ in run_ranks(_rank, 2, solver, {"every": every, **options}, steps):
         for k, v in ref.items():
             torch.testing.assert_close(state[k], v, rtol=0, atol=1e-5)
         assert stats["syncs"] == steps // every

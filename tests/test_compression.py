@@ -88,38 +88,45 @@ def _orthonormal(m):
     return m
 
 
-def _powersgd_reference(rank):
+def _powersgd_reference(rank, warm_start=True, error_feedback=True, start=0, seed=0):
     """PowerSGD (torch's hook's form) over two workers, one process: matrices of at least
-    twice the factors' size compressed, each worker's error fed back, Q warm-started; the first
-    Q drawn from a generator seeded 0, in the order the solver's buckets hold the parameters
-    (last layer first)."""
+    twice the factors' size compressed, each worker's error fed back (``error_feedback``), Q
+    warm-started (``warm_start``; else drawn afresh each step); Q drawn from a generator seeded
+    ``seed``, in the order the solver's buckets hold the parameters (last layer first); the
+    exact mean before step ``start``."""
     w, model, samplers = _digits_replicas()
     names = [n for n, _ in model.named_parameters()]
     order = list(reversed(range(len(names))))
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
     q, err = {}, {}
     for step in range(STEPS):
         grads = _grads(w, model, samplers, step)
         mean = [(a + b) / 2 for a, b in zip(*grads)]
-        for i in order:
+        for i in order if step >= start else []:
             shape = grads[0][i].shape
             if len(shape) < 2 or (shape[0] + shape[1]) * rank * 2 >= shape[0] * shape[1]:
                 continue
-            ms = [g[i] + err.get((k, i), 0) for k, g in enumerate(grads)]
-            qi = _orthonormal(q[i] if i in q else torch.randn(shape[1], rank, generator=gen))
+            ms = [g[i] + (err.get((k, i), 0) if error_feedback else 0) for k, g in enumerate(grads)]
+            qi = _orthonormal(q[i] if warm_start and i in q else torch.randn(shape[1], rank, generator=gen))
             p = _orthonormal(ms[0] @ qi + ms[1] @ qi)
             q[i] = (ms[0].T @ p + ms[1].T @ p) / 2
             mean[i] = p @ q[i].T
-            for k in range(2):
+            for k in range(2) if error_feedback else []:
                 err[(k, i)] = ms[k] - mean[i]
         _sgd(model, mean)
     return model.state_dict()
 
 
-@pytest.mark.parametrize("compress", ["fp16", "bf16", "powersgd"])
-def test_compressed_allreduce_equals_plain_pytorch(compress):
+@pytest.mark.parametrize("compress, options", [
+    ("fp16", {}), ("bf16", {}), ("powersgd", {}),
+    ("powersgd", {"powersgd_rank": 2, "warm_start": False, "seed": 3}),
+    ("powersgd", {"error_feedback": False, "powersgd_start": 2}),
+])
+def test_compressed_allreduce_equals_plain_pytorch(compress, options):
     if compress == "powersgd":
-        ref = _powersgd_reference(1)
+        ref = _powersgd_reference(options.get("powersgd_rank", 1), options.get("warm_start", True),
+                                  options.get("error_feedback", True), options.get("powersgd_start", 0),
+                                  options.get("seed", 0))
     else:
         ref = _half_reference({"fp16": torch.float16, "bf16": torch.bfloat16}[compress])
     exact = _half_reference(torch.float32)
@@ -131,7 +138,7 @@ def test_compressed_allreduce_equals_plain_pytorch(compress):
     # the model away from the exact mean's (summation order may differ in the last bit)
     moved = distance(ref, exact)
     assert moved > 1e-4
-    for r in run_ranks(train_digits_rank, 2, "allreduce", {"compress": compress}, STEPS, SEED, BATCH, LR):
+    for r in run_ranks(train_digits_rank, 2, "allreduce", {"compress": compress, **options}, STEPS, SEED, BATCH, LR):
         assert distance(r["state"], ref) < moved / 20, (distance(r["state"], ref), moved)
 
 

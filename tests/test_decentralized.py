@@ -220,16 +220,18 @@ def test_a_group_with_a_dead_member_is_dropped_by_every_live_member_and_nobody_w
 SEED, BATCH, LR = 4, 16, 0.2
 
 
-def _ripples_rank(rank, world, steps):
-    options = {"group_size": 2, "schedule": "static"}
+def _ripples_rank(rank, world, steps, every):
+    options = {"group_size": 2, "schedule": "static", "every": every}
     return train_digits_rank(rank, world, "ripples", options, steps, SEED, BATCH, LR)["state"]
 
 
-def test_two_worker_ripples_equals_plain_pytorch_reference():
-    steps = 5
-    # the group of both, every step: each takes the mean
-    reference = two_replica_reference(steps, SEED, BATCH, LR, 1, lambda a, b: (a + b) / 2)
-    res = run_ranks(_ripples_rank, 2, steps)
+@pytest.mark.parametrize("every", [1, 2])
+def test_two_worker_ripples_equals_plain_pytorch_reference(every):
+    steps = 6
+    # the group of both, after every `every` steps: each takes the mean (after the last step
+    # too, so both end alike: the reference's replica 0 is either worker)
+    reference = two_replica_reference(steps, SEED, BATCH, LR, every, lambda a, b: (a + b) / 2)
+    res = run_ranks(_ripples_rank, 2, steps, every)
     for state in res:
         for k, v in reference.items():
             torch.testing.assert_close(state[k], v, rtol=0, atol=1e-5)

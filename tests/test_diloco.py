@@ -47,7 +47,7 @@ def test_fragment_schedule():
     assert [(s, o.due(s)) for s in range(12) if o.due(s) is not None] == [(2, 0), (6, 1), (10, 0)]
 
 
-def _streaming_reference(steps, every, fragments, delay, alpha):
+def _streaming_reference(steps, every, fragments, delay, alpha, outer_lr=0.7, outer_momentum=0.9, nesterov=True):
     """Plain PyTorch, one process: two replicas of the digits MLP, each with SGD on its shard;
     after the step that starts fragment k's synchronization, the replicas' mean of it; delay
     steps later torch's SGD (Nesterov) steps that fragment's outer copy on outer - mean, and
@@ -58,7 +58,7 @@ def _streaming_reference(steps, every, fragments, delay, alpha):
     parts = [sum(layers[i::fragments], []) for i in range(fragments)]
     params = [dict(m.named_parameters()) for m in models]
     outer = [[torch.nn.Parameter(params[0][n].detach().clone()) for n in part] for part in parts]
-    opts = [torch.optim.SGD(o, lr=0.7, momentum=0.9, nesterov=True) for o in outer]
+    opts = [torch.optim.SGD(o, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov) for o in outer]
     interval, in_flight = every // fragments, None
 
     def finish(k, means):
@@ -86,6 +86,7 @@ def _streaming_reference(steps, every, fragments, delay, alpha):
     {"every": 4, "fragments": 2, "delay": 1, "alpha": 0.5},  # the last one in flight at close()
     {"every": 6, "fragments": 2, "delay": 0, "alpha": 0.0},
     {"every": 3, "fragments": 1, "delay": 2, "alpha": 0.25},
+    {"every": 4, "fragments": 2, "delay": 1, "alpha": 0.5, "outer_lr": 0.35, "outer_momentum": 0.5, "nesterov": False},
 ])
 def test_streaming_diloco_equals_plain_pytorch(options):
     steps = 11

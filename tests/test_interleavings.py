@@ -46,7 +46,8 @@ def _scripted_rank(rank, world, solver, options, order, steps):
 
     s = make_solver(solver, **options)
     workers = world - sum(s.roles.values())
-    comm = Comm.from_env(assign_roles(workers, s.roles), 20.0, torch.device("cpu"))
+    # (a stalled script says so first, at its 20 s, before the comm's 30 s)
+    comm = Comm.from_env(assign_roles(workers, s.roles), 30.0, torch.device("cpu"))
     script = Script(order, rank, comm.raw_store())
     w = load_workload("digits")
 
@@ -155,10 +156,11 @@ _SHADOW = {"r": ["shadow.read"], "w": ["shadow.write"], "b": ["backward"], "u": 
 
 def _shadow_ea_reference(tokens, alpha):
     """One worker, its shadow thread and the server replayed in the order of ``tokens``: "b" a
-    training step's forward and backward, "u" its update; "r" the shadow thread reads the model and the server applies the exchange
-    (center += alpha (read - center)); "w" the worker's half, written back as a correction that
-    keeps the steps taken since the read: x += -alpha (read - center seen); close() exchanges
-    once more. The worker's model and the center."""
+    training step's forward and backward, "u" its update; "r" the shadow thread reads the
+    model and the server applies the exchange (center += alpha (read - center)); "w" the
+    worker's half, written back as a correction that keeps the steps taken since the read:
+    x += -alpha (read - center seen); close() exchanges once more. The worker's model and the
+    center."""
     by = DigitsByHand(1, SEED, BATCH, LR)
     x, c, k, g = by.copy(), by.copy(), 0, None
     for t in tokens:
@@ -175,18 +177,19 @@ def _shadow_ea_reference(tokens, alpha):
     return {n: x[n] - d[n] for n in x}, {n: c[n] + d[n] for n in c}
 
 
-@pytest.mark.parametrize("tokens", [
-    "rwburwburwburw",  # each exchange between two steps
-    "rbuwrbubuwrw",    # a step during the first exchange, two during the second
-    "brwurbwubrwurw",  # written back mid-step (the gradient taken before it, applied after), thrice
-], ids=["between-steps", "one-then-two-in-flight", "mid-step"])
-def test_shadow_ea_under_forced_orders_keeps_the_steps_taken_during_an_exchange(tokens):
+@pytest.mark.parametrize("tokens, options", [
+    ("rwburwburwburw", {}),  # each exchange between two steps
+    ("rbuwrbubuwrw", {}),    # a step during the first exchange, two during the second
+    ("brwurbwubrwurw", {}),  # written back mid-step (the gradient taken before it, applied after), thrice
+    ("rbuwrbubuwrw", {"beta": 0.5}),  # (alpha = beta / 1)
+], ids=["between-steps", "one-then-two-in-flight", "mid-step", "in-flight-beta"])
+def test_shadow_ea_under_forced_orders_keeps_the_steps_taken_during_an_exchange(tokens, options):
     from distsync.solvers import make_solver
 
-    alpha = make_solver("shadow-ea").options.moving_rate(1)
+    alpha = make_solver("shadow-ea", **options).options.moving_rate(1)
     order = [f"0:{name}" for t in tokens for name in _SHADOW[t]] + ["0:close"]
     x, _ = _shadow_ea_reference(tokens, alpha)
-    state, stats, ran = run_ranks(_scripted_rank, 2, "shadow-ea", {}, order, tokens.count("u"))[0]
+    state, stats, ran = run_ranks(_scripted_rank, 2, "shadow-ea", options, order, tokens.count("u"))[0]
     for n, v in x.items():
         torch.testing.assert_close(state[n], v, rtol=0, atol=1e-6, msg=n)
     assert stats["syncs"] == tokens.count("r") + 1 and len(ran) == len(order)
@@ -235,7 +238,8 @@ def _shadow_average_reference(tokens, outer=None):
     return combine(x[0], x[1])
 
 
-@pytest.mark.parametrize("solver, outer", [("shadow-ma", None), ("shadow-bmuf", (1.0, 0.5, True))])
+@pytest.mark.parametrize("solver, outer", [("shadow-ma", None), ("shadow-bmuf", (1.0, 0.5, True)),
+                                           ("shadow-bmuf", (0.8, 0.3, False))])
 @pytest.mark.parametrize("tokens", [
     # every sync between two steps of both workers
     "0r 1r 0w 1w 0b 0u 1b 1u 0r 1r 0w 1w 0b 0u 1b 1u 0r 1r 0w 1w",
@@ -247,7 +251,8 @@ def _shadow_average_reference(tokens, outer=None):
 def test_shadow_averaging_under_forced_orders_equals_the_rule_in_that_order(solver, outer, tokens):
     order = [f"{tok[0]}:{name}" for tok in tokens.split() for name in _SHADOW[tok[1]]] + ["0:close", "1:close"]
     ref = _shadow_average_reference(tokens, outer)
-    res = run_ranks(_scripted_rank, 2, solver, {}, order, 2)
+    options = {} if outer in (None, (1.0, 0.5, True)) else dict(zip(("block_lr", "block_momentum", "nesterov"), outer))
+    res = run_ranks(_scripted_rank, 2, solver, options, order, 2)
     for r, (state, stats, ran) in enumerate(res):
         for n, v in ref.items():
             torch.testing.assert_close(state[n], v, rtol=0, atol=1e-6, msg=f"worker {r}: {n}")
@@ -344,7 +349,7 @@ def _threads_rank(rank, world, solver, options, order, rounds):
     from distsync.workloads import ShardSampler, load_workload
 
     s = make_solver(solver, threads=2, **options)
-    comm = Comm.from_env(assign_roles(1, s.roles), 20.0, torch.device("cpu"))
+    comm = Comm.from_env(assign_roles(1, s.roles), 30.0, torch.device("cpu"))
     script = Script(order, rank, comm.raw_store())
     w = load_workload("digits")
 

@@ -2,7 +2,9 @@
 default changes the result of a short deterministic run (its workers' final models, on digits),
 or it is declared below as leaving the result as it is in that setting, with the reason
 (checked: the run with it gives the same models), or as checked elsewhere, by a named test
-(checked: that test exists).
+(checked: that test exists). And every option that moves the result names its reference test
+(REFERENCES), which sets it away from its default and checks the result against the rule
+computed by hand (checked: the test exists and names the option).
 
 A run is deterministic by its setting: synchronous solvers as they are; asynchronous ones with
 one worker beside their servers, or with their concurrent sections in a fixed order (the
@@ -109,6 +111,56 @@ ELSEWHERE: dict[tuple[str, str], tuple[str, str]] = {
 }
 
 
+#: (solver or "*", option) -> the reference test that sets it away from its default and checks the
+#: result against the rule computed by hand (checked: the test exists and names the option)
+_ELASTIC = "test_async_solvers.py::test_async_elastic_two_workers_in_turns_equal_reference"
+_TWINS = "test_background.py::test_foreground_twins_equal_plain_pytorch"
+_WIRE = "test_background.py::test_a_narrower_wire_rounds_the_progress_not_the_weights"
+_DOWNPOUR = "test_async_solvers.py::test_async_ps_fetch_and_push_every_two_steps_follows_downpour"
+_SERVER_SGD = "test_async_solvers.py::test_async_ps_one_worker_equals_sgd_on_the_server"
+_STREAMING = "test_diloco.py::test_streaming_diloco_equals_plain_pytorch"
+_SHADOW_AVG = "test_interleavings.py::test_shadow_averaging_under_forced_orders_equals_the_rule_in_that_order"
+REFERENCES: dict[tuple[str, str], str] = {
+    ("ad-psgd", "seed"): "test_sim.py::test_simulated_partners_and_random_groups_are_the_real_workers_draws",
+    **{("allreduce", o): "test_compression.py::test_compressed_allreduce_equals_plain_pytorch" for o in
+       ("compress", "powersgd_rank", "warm_start", "error_feedback", "powersgd_start", "seed")},
+    **{(s, o): _ELASTIC for s in ("async-easgd", "async-measgd", "ea-wild", "fr-easgd")
+       for o in ("tau", "beta", "alpha")},
+    ("async-measgd", "momentum"): _ELASTIC,
+    **{(s, o): _DOWNPOUR for s in ("async-ps", "async-msgd") for o in ("n_fetch", "n_push")},
+    **{(s, "momentum"): _SERVER_SGD for s in ("async-ps", "async-msgd", "hogwild")},
+    **{("bmuf", o): _TWINS for o in ("every", "block_lr", "block_momentum", "nesterov")},
+    **{("diloco", o): _TWINS for o in ("every", "outer_lr", "outer_momentum", "nesterov")},
+    ("diloco", "compress"): _WIRE, ("ma", "compress"): _WIRE, ("ma", "every"): _TWINS,
+    **{("easgd", o): "test_async_solvers.py::test_easgd_round_robin_two_workers_equals_reference"
+       for o in ("tau", "beta", "alpha")},
+    **{("sync-easgd", o): "test_async_solvers.py::test_sync_easgd_two_workers_equals_reference"
+       for o in ("tau", "beta", "alpha")},
+    **{("hogwild", o): "test_async_solvers.py::test_hogwild_threads_apply_and_push_every_threads_gradient"
+       for o in ("n_fetch", "n_push")},
+    ("ripples", "group_size"): "test_rule_references.py::test_ripples_static_groups_smaller_than_group_size_divide_"
+                               "by_their_own_size",
+    ("ripples", "schedule"): "test_decentralized.py::test_ripples_random_schedule_follows_the_coordinators_rounds",
+    ("ripples", "seed"): "test_decentralized.py::test_ripples_random_schedule_follows_the_coordinators_rounds",
+    ("ripples", "every"): "test_decentralized.py::test_two_worker_ripples_equals_plain_pytorch_reference",
+    ("ripples", "overlap"): "test_interleavings.py::test_ripples_overlap_under_forced_orders_takes_each_mean_at_the_"
+                            "next_update",
+    **{("shadow-bmuf", o): _SHADOW_AVG for o in ("block_lr", "block_momentum", "nesterov")},
+    **{(s, "steps_per_sync"): "test_background.py::test_shadow_sync_is_written_back_as_a_correction_that_keeps_"
+                              "steps_taken_meanwhile" for s in ("shadow-ma", "shadow-bmuf")},
+    ("shadow-ea", "steps_per_sync"): "test_background.py::test_the_simulator_paces_the_shadow_thread_as_the_solver_"
+                                     "does",
+    **{("shadow-ea", o): "test_interleavings.py::test_shadow_ea_under_forced_orders_keeps_the_steps_taken_during_an_"
+                         "exchange" for o in ("beta", "alpha")},
+    **{("streaming-diloco", o): _STREAMING for o in
+       ("every", "fragments", "delay", "alpha", "outer_lr", "outer_momentum", "nesterov")},
+    ("torch-local-sgd", "every"): "test_diloco.py::test_torchs_post_local_sgd_takes_mas_schedule_and_math",
+}
+#: options whose math is another library's, checked here only to reach it (ddp's: torch's hooks)
+THEIRS = {("ddp", o): "torch's DDP communication hook (powerSGD_hook's state) applies it"
+          for o in ("comm_hook", "powersgd_rank", "powersgd_start", "warm_start", "error_feedback", "seed")}
+
+
 def _lookup(table, solver, option):
     return table.get((solver, option), table.get(("*", option)))
 
@@ -189,7 +241,8 @@ def _ps_script(options: dict, workers: int, steps: int) -> list[str]:
     order = []
     for step in range(steps):
         for w in range(workers):
-            order += (at("pull", w) if step % o.n_fetch == 0 else []) + (at("apply", w) if (step + 1) % o.n_push == 0 else [])
+            order += at("pull", w) if step % o.n_fetch == 0 else []
+            order += at("apply", w) if (step + 1) % o.n_push == 0 else []
     order += [e for w in range(workers) for e in (at("apply", w) if steps % o.n_push else [])]
     return order + [e for w in range(workers) for e in at("pull", w)]
 
@@ -210,7 +263,7 @@ def _runs_rank(rank, world, solver, workers, runs, steps):
     from test_interleavings import _step_in_sections
 
     roles = make_solver(solver, **runs[0]).roles
-    comm = Comm.from_env(assign_roles(workers, roles), 20.0, torch.device("cpu"))
+    comm = Comm.from_env(assign_roles(workers, roles), 30.0, torch.device("cpu"))
     w = load_workload("digits")
     flat = lambda m: torch.nn.utils.parameters_to_vector(m.parameters()).detach().clone()  # noqa: E731
 
@@ -291,14 +344,38 @@ def test_every_option_changes_the_result_or_is_declared(solver):
     assert not problems, f"solver {solver}:\n" + "\n".join(problems)
 
 
+def _test_source(test: str) -> str:
+    """A test function's source with its decorators ("file.py::name"), or "" if there is none."""
+    file, _, name = test.partition("::")
+    text = (TESTS / file).read_text()
+    for n in ast.parse(text).body:
+        if isinstance(n, ast.FunctionDef) and n.name == name:
+            start = min([d.lineno for d in n.decorator_list] + [n.lineno])
+            return "\n".join(text.splitlines()[start - 1:n.end_lineno])
+    return ""
+
+
+def test_every_option_that_moves_the_result_has_a_reference_test_that_sets_it():
+    missing = []
+    for solver in sorted(SETTINGS):
+        for field in dataclasses.fields(solver_class(solver).Options):
+            key = (solver, field.name)
+            if _lookup(SAME, *key) or _lookup(ELSEWHERE, *key) or key in THEIRS:
+                continue
+            test = REFERENCES.get(key)
+            if test is None:
+                missing.append(f"{solver} {field.name}: no reference test named")
+            elif field.name not in _test_source(test):
+                missing.append(f"{solver} {field.name}: {test} does not exist or never names the option")
+    assert not missing, "\n".join(missing)
+
+
 def test_every_solver_has_a_setting_and_every_declaration_names_a_real_option_and_test():
     assert set(SETTINGS) | set(PEERS) == set(solver_names())
     options = {(s, f.name) for s in solver_names() for f in dataclasses.fields(solver_class(s).Options)}
     names = {o for _, o in options}
-    for table in (VALUES, WITH, SAME, ELSEWHERE):
+    for table in (VALUES, WITH, SAME, ELSEWHERE, REFERENCES, THEIRS):
         for solver, option in table:
             assert (solver, option) in options or (solver == "*" and option in names), (solver, option)
     for test in [t for t, _ in ELSEWHERE.values()] + list(PEERS.values()):
-        file, _, name = test.partition("::")
-        tree = ast.parse((TESTS / file).read_text())
-        assert any(isinstance(n, ast.FunctionDef) and n.name == name for n in tree.body), test
+        assert _test_source(test), test

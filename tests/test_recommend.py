@@ -188,15 +188,19 @@ def test_a_fitted_per_message_cost_slows_the_chatty_solvers_down(tmp_path):
     assert proc.returncode == 0, proc.stderr
     plain = recommend(Request(workers=4, device_ms=5, solvers=["allreduce", "ma"]))
     fitted = recommend(Request(workers=4, solvers=["allreduce", "ma"], fit_from=str(run)))
-    assert fitted["compute_from"] == f"fitted on {run}" and 0.004 < fitted["compute_s"] < 0.008
+    from distsync.sim.calibrate import fit_run
+
+    # the run's own compute per step, whatever this machine's load made it: its 5 ms device and
+    # what it spent around it (a bound on this machine's speed failed under load: 8 ms)
+    fit = fit_run(run)
+    assert fitted["compute_from"] == f"fitted on {run}"
+    assert fitted["compute_s"] == pytest.approx(fit["compute_s"], rel=1e-12) and fit["compute_s"] > 0.005
     assert fitted["per_message_ms"] > 0 and plain["per_message_ms"] == 0
     step = {(res is fitted, r["label"]): r["step_s"] for res in (plain, fitted) for r in res["ranked"]}
     slower = {label: step[(True, label)] / step[(False, label)] for label in ("allreduce", "ma every=16")}
     assert slower["allreduce"] > slower["ma every=16"] > 0.9, slower
     # with --device-ms: that device time, plus what the fit run spent around its own (5 ms) device
-    from distsync.sim.calibrate import fit_run
-
-    around = fit_run(run)["compute_s"] - 0.005
+    around = fit["compute_s"] - 0.005
     assert around > 0  # (a step is more than its device's time: the optimizer, the batch, ...)
     device = recommend(Request(workers=4, device_ms=20, solvers=["allreduce"], fit_from=str(run)))
     assert device["compute_s"] == pytest.approx(0.020 + around, rel=1e-12)

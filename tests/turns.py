@@ -63,13 +63,16 @@ class Script:
 
     @contextlib.contextmanager
     def _in_turn(self, name: str, slot: int) -> Iterator[None]:
-        deadline = time.monotonic() + self.timeout
+        deadline, pause = time.monotonic() + self.timeout, 0.0002
         while (now := self.turn()) != slot:
             if now > slot or time.monotonic() > deadline:
                 at = repr(self.order[now]) if now < len(self.order) else "the end"
                 raise AssertionError(f"rank {self.rank}: section {name!r} (entry {slot}: {self.order[slot]!r}) "
                                      f"never had its turn; the turn stood at entry {now} ({at})")
-            time.sleep(0.0005)
+            # (each look is a round trip to the store: waiting sections back off, so that on a
+            # loaded machine they leave the CPU to the one whose turn it is)
+            time.sleep(pause)
+            pause = min(0.01, pause * 1.5)
         try:
             yield
             self.ran.append(name)
@@ -82,4 +85,4 @@ class Script:
         while (now := self.turn()) < len(self.order):
             if time.monotonic() > deadline:
                 raise AssertionError(f"rank {self.rank}: the script stopped at entry {now} ({self.order[now]!r})")
-            time.sleep(0.001)
+            time.sleep(0.005)
