@@ -363,11 +363,23 @@ def summarize(scenarios: list[dict[str, Any]], solvers: list[str],
             "best_at_cap": sum(bool(s["best_at_cap"]) for s in scenarios)}
 
 
+#: each test set's target for the first pick's hits (the second set's issue asked for more)
+HIT_TARGET = {"test2": 0.85}
+#: the simulator's fidelity targets scored on a test set: throughput within THROUGHPUT_CLOSE on
+#: this share of the configurations, time to target within CLOSE on this share of those reached
+FIDELITY_TARGETS = {"test2": (0.8, 0.7)}
+#: work that ran on the machine beside a scored scenario (at nice 19), declared as it happened
+#: (benchmarks/progress/recommend-test2-disturbances.md): the table marks those scenarios
+BESIDE = {"test2": {8: "a test suite ran beside it at nice 19", 9: "a test suite ran beside it at nice 19"}}
+
+
 def targets(raw: dict[str, Any]) -> list[tuple[str, bool]]:
-    """The targets: hits >= 80% and at least 15 points above the best fixed choice."""
+    """The targets: hits >= 80% (test set 2: 85%) and at least 15 points above the best fixed
+    choice and rule, --verify 3 >= 90%, and on test set 2 the simulator's fidelity."""
     s = raw["summary"]
-    return [(f"recommend hits in {s['hit_share']:.0%} of {s['scenarios']} scenarios (target >= 80%)",
-             s["scenarios"] > 0 and s["hit_share"] >= 0.8),
+    goal = HIT_TARGET.get(raw.get("set"), 0.8)
+    return [(f"recommend hits in {s['hit_share']:.0%} of {s['scenarios']} scenarios (target >= {goal:.0%})",
+             s["scenarios"] > 0 and s["hit_share"] >= goal),
             (f"{s['margin_points']:+.0f} points over the best fixed choice in hindsight ({s['best_fixed']} with its "
              f"defaults, {s['best_fixed_share']:.0%}) (target >= +15)",
              s["scenarios"] > 0 and s["margin_points"] >= 15)] + ([
@@ -375,7 +387,20 @@ def targets(raw: dict[str, Any]) -> list[tuple[str, bool]]:
              s["scenarios"] > 0 and s["margin_over_rules_points"] >= 15)] if "rules" in s else []) + ([
             (f"recommend --verify 3 hits in {s['verify_hits'] / max(1, s['scenarios']):.0%} of {s['scenarios']} "
              f"scenarios (target >= 90%)", s["scenarios"] > 0 and s["verify_hits"] >= 0.9 * s["scenarios"])]
-            if "verify_hits" in s else [])
+            if "verify_hits" in s else []) + _fidelity_targets(raw)
+
+
+def _fidelity_targets(raw: dict[str, Any]) -> list[tuple[str, bool]]:
+    if raw.get("set") not in FIDELITY_TARGETS:
+        return []
+    throughput, time = FIDELITY_TARGETS[raw["set"]]
+    t = trust(raw)
+    tp, tt = t["throughput_close"] / max(1, t["throughput_rows"]), t["close"] / max(1, t["reached"])
+    return [(f"the simulator's throughput within {THROUGHPUT_CLOSE:.0%} on {t['throughput_close']} of "
+             f"{t['throughput_rows']} configurations, {tp:.0%} (target >= {throughput:.0%})",
+             t["throughput_rows"] > 0 and tp >= throughput),
+            (f"the simulator's time to target within {CLOSE:.0%} on {t['close']} of {t['reached']} configurations "
+             f"that reached it, {tt:.0%} (target >= {time:.0%})", t["reached"] > 0 and tt >= time)]
 
 
 def _link_group(r: dict[str, Any]) -> str:
@@ -530,10 +555,12 @@ def render(raw: dict[str, Any]) -> dict[str, str]:
         return _render_first_format(raw)
     seeds = [str(s) for s in raw["seeds"]]
     s = raw["summary"]
-    if raw["set"] == "test":
-        where = (f"**Test set**: {len(raw['scenarios'])} scenarios drawn by the generator (seed "
-                 f"{raw['declared']['generator_seed']}, benchmarks/recommend_scenarios.py), scored once"
-                 f"{' (scored_once)' if raw.get('scored_once') else ''} at measured commit "
+    if raw["set"] in ("test", "test2"):
+        drawn = ", drawn and committed before any was scored" if raw["set"] == "test2" else ""
+        where = (f"**{'Test set' if raw['set'] == 'test' else 'Test set 2'}**: {len(raw['scenarios'])} scenarios "
+                 f"drawn by the generator (seed {raw['declared']['generator_seed']}, "
+                 f"benchmarks/recommend_scenarios.py){drawn}, "
+                 f"scored once{' (scored_once)' if raw.get('scored_once') else ''} at measured commit "
                  f"{str(raw.get('measured_commit') or raw.get('commit'))[:10]} (the last commit that changed a "
                  f"measured file; the run itself at {str(raw.get('commit'))[:10]}).")
     else:
@@ -552,12 +579,14 @@ def render(raw: dict[str, Any]) -> dict[str, str]:
     lines = [note, "", "| # | scenario | recommended | its time (s) | measured best | its time (s) | hit within (s) | "
              "hit | defaults that hit | configurations that hit | CPU-bound runs |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    beside = BESIDE.get(raw["set"], {})
     for r in raw["scenarios"]:
         by = {c["key"]: c for c in r["configs"]}
         rec = by.get(r["recommended"])
         best = by[r["best"]]
         defaults = ", ".join(c["solver"] for c in r["configs"] if c["defaults"] and c["key"] in r["hits"]) or "none"
-        lines.append(f"| {r['scenario']} | {r['label']} | {rec['label'] if rec else 'no answer'} | "
+        label = r["label"] + (f" ({beside[r['scenario']]})" if r["scenario"] in beside else "")
+        lines.append(f"| {r['scenario']} | {label} | {rec['label'] if rec else 'no answer'} | "
                      f"{_times(rec) if rec else '-'} | {best['label']}{' (at cap)' if r['best_at_cap'] else ''} | "
                      f"{_times(best)} | {r['margin_s']:.1f} | {'yes' if r['hit'] else 'no'} | {defaults} | "
                      f"{len(r['hits'])} of {len(r['configs'])} | {_cpu(r['configs'])} |")
@@ -593,9 +622,10 @@ def render(raw: dict[str, Any]) -> dict[str, str]:
             cand.append(f"| {r['scenario']} | {c['label']}{' (' + ', '.join(marks) + ')' if marks else ''} | "
                         f"{c['solver_rank'] or '-'} | {'-' if p is None else f'{p:.2f}'} | {_times(c)} | "
                         f"{'yes' if c['key'] in r['hits'] else 'no'} | {_cpu([c])} |")
-    out = {"recommend": "\n".join(lines), "recommend_candidates": "\n".join(cand)}
-    if raw["set"] == "test":
-        out["recommend_trust"] = render_trust(raw)
+    block = "recommend_test2" if raw["set"] == "test2" else "recommend"
+    out = {block: "\n".join(lines), f"{block}_candidates": "\n".join(cand)}
+    if raw["set"] in ("test", "test2"):
+        out[f"{block}_trust"] = render_trust(raw)
     return out
 
 

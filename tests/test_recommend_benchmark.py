@@ -176,6 +176,12 @@ def test_when_to_trust_counts_regimes_regret_and_prediction_errors_by_hand():
     1,3,2: Spearman 0.5. Scenario 2 (cnn, 8 workers, 2 Gbit, 150 ms, some slow; a miss):
     ad-psgd recommended, median 16 s (two of three seeds reached) against allreduce's 10 s:
     1.6x; two configurations only, so no rank correlation."""
+    raw = {"set": "test", "scenarios": _two_scenarios()}
+    raw["summary"] = bench.summarize(raw["scenarios"], ["allreduce", "ma", "ad-psgd"])
+    _check_trust(raw)
+
+
+def _two_scenarios():
     one = {"scenario": 1, "label": "mnist 4w 500mbit (50 ms)", "workers": 4, "link": "500mbit", "device_ms": 50,
            "slow_fraction": 0.0, "cap_s": 40, "hit": True, "recommended": "a", "best": "a", "best_median_s": 10,
            "hits": ["a"], "best_at_cap": False,
@@ -187,8 +193,10 @@ def test_when_to_trust_counts_regimes_regret_and_prediction_errors_by_hand():
            "hits": ["a2"], "best_at_cap": False,
            "configs": [_measured("a2", "allreduce", 20, 100, [10, 10, 10], [True] * 3, [100] * 3),
                        _measured("c2", "ad-psgd", 5, 50, [15, 16, 60], [True, True, False], [50] * 3)]}
-    raw = {"set": "test", "scenarios": [one, two]}
-    raw["summary"] = bench.summarize(raw["scenarios"], ["allreduce", "ma", "ad-psgd"])
+    return [one, two]
+
+
+def _check_trust(raw):
     t = bench.trust(raw)
     rows = {(g["regime"], g["group"]): (g["scenarios"], g["hits"], g["fixed_hits"]) for g in t["regimes"]}
     assert rows[("workload", "mnist")] == (1, 1, 1) and rows[("workload", "cnn")] == (1, 0, 1)
@@ -211,6 +219,35 @@ def test_when_to_trust_counts_regimes_regret_and_prediction_errors_by_hand():
     text = bench.render_trust(raw)
     assert "| workload | cnn | 1 | 0 | 1 |" in text and "on the misses: 2: 1.60." in text
     assert "| mnist | 3 | +10% (+0% to +25%) | 2 of 3 |" in text
+
+
+def test_the_second_test_set_renders_blocks_of_its_own_with_its_targets_and_marks(monkeypatch):
+    """Test set 2's raw renders into blocks of its own (test set 1's stay as they are), against
+    its issue's targets: 85% hits, and the simulator's fidelity (throughput within 15% on 80%:
+    4 of 5 is 80%, met; time to target within 25% on 70%: 1 of 4, missed); a scenario with work
+    declared beside it is marked."""
+    monkeypatch.setitem(bench.BESIDE, "test2", {2: "beside a test suite"})
+    scenarios = _two_scenarios()
+    for r in scenarios:  # (what the tables show beside what trust() reads)
+        r["margin_s"] = 1.0
+        for c in r["configs"]:
+            c.update(label=c["solver"], recommended=c["key"] == r["recommended"], solver_rank=1)
+            for run in c["runs"].values():
+                run["cpu_bound"] = False
+    raw = {"set": "test2", "scenarios": scenarios, "seeds": [1, 2, 3], "declared": {"generator_seed": 7},
+           "cap_s": None, "fit": True, "solvers": ["allreduce", "ma", "ad-psgd"], "top_per_solver": 2,
+           "tolerance": 0.1, "regime": "emulated", "commit": "c" * 40}
+    raw["summary"] = bench.summarize(raw["scenarios"], ["allreduce", "ma", "ad-psgd"])
+    out = bench.render(raw)
+    assert sorted(out) == ["recommend_test2", "recommend_test2_candidates", "recommend_test2_trust"]
+    assert "**Test set 2**: 2 scenarios drawn by the generator (seed 7" in out["recommend_test2"]
+    assert "| 2 | cnn 8w 2gbit (150 ms) (beside a test suite) |" in out["recommend_test2"]
+    goals = dict(bench.targets(raw))
+    assert goals["recommend hits in 50% of 2 scenarios (target >= 85%)"] is False
+    assert goals["the simulator's throughput within 15% on 4 of 5 configurations, 80% (target >= 80%)"] is True
+    assert goals["the simulator's time to target within 25% on 1 of 4 configurations that reached it, 25% "
+                 "(target >= 70%)"] is False
+    assert all("simulator" not in text for text, _ in bench.targets(dict(raw, set="test")))
 
 
 def test_the_verified_pick_is_the_fastest_measured_of_the_top_three(monkeypatch, tmp_path):
