@@ -9,10 +9,10 @@ backward, the gradients are all computed and only their all-reduce is left.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 from concurrent.futures import ThreadPoolExecutor
-import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Iterator
 

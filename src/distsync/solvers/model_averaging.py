@@ -88,7 +88,8 @@ class BMUFRule(OuterStep):
 
 @dataclass
 class BMUFOptions(AverageOptions, BMUFRule):
-    __doc__ = "every: steps between syncs; threads: as :class:`AverageOptions`. " + BMUFRule.__doc__
+    """every, threads: as :class:`AverageOptions`; block_lr, block_momentum, nesterov: as
+    :class:`BMUFRule`."""
 
 
 class AveragingSolver(HogwildThreads, Solver):

@@ -95,12 +95,14 @@ class PacingOptions:
 
 @dataclass
 class ShadowAverageOptions(HogwildThreadsOptions, PacingOptions):
-    __doc__ = PacingOptions.__doc__ + "; threads: Hogwild training threads per worker."
+    """min_interval_ms, sync_share, steps_per_sync: the shadow thread's pace
+    (:class:`PacingOptions`); threads: Hogwild training threads per worker."""
 
 
 @dataclass
 class ShadowBMUFOptions(ShadowAverageOptions, BMUFRule):
-    __doc__ = ShadowAverageOptions.__doc__ + " " + BMUFRule.__doc__
+    """As :class:`ShadowAverageOptions`, with BMUF's block_lr, block_momentum and nesterov
+    (:class:`~distsync.solvers.model_averaging.BMUFRule`)."""
 
 
 class _ShadowAveraging(AveragingSolver):
@@ -228,8 +230,8 @@ class ShadowBMUF(_ShadowAveraging):
 class ShadowEAOptions(HogwildThreadsOptions, PacingOptions, ElasticRate):
     """beta, alpha: the elastic rate (:class:`~distsync.solvers.elastic.ElasticRate`); servers:
     server processes holding the center (sharded); threads: Hogwild training threads per
-    worker; min_interval_ms, sync_share, steps_per_sync: the shadow thread's pace, its
-    exchanges' as :class:`PacingOptions` says of syncs."""
+    worker; min_interval_ms, sync_share, steps_per_sync: the pace of the shadow thread's
+    exchanges (:class:`PacingOptions`)."""
 
     servers: int = bounded(1, ge=1)
 
