@@ -66,6 +66,7 @@ VALUES: dict[tuple[str, str], list] = {
     ("*", "alpha"): [0.3],
     ("*", "block_momentum"): [0.2],
     ("*", "momentum"): [0.5],
+    ("*", "min_interval_ms"): [20.0],  # (longer than a sync of digits takes in the simulator: it binds)
     ("ripples", "group_size"): [2],  # (3 is all three workers; more is as many)
     ("ripples", "schedule"): ["random"],  # (smart's groups follow readiness: the coordinator's tests)
     ("streaming-diloco", "fragments"): [1],
@@ -379,3 +380,74 @@ def test_every_solver_has_a_setting_and_every_declaration_names_a_real_option_an
             assert (solver, option) in options or (solver == "*" and option in names), (solver, option)
     for test in [t for t, _ in ELSEWHERE.values()] + list(PEERS.values()):
         assert _test_source(test), test
+
+
+# ---- the simulator: recommend ranks what it simulates ------------------------------------
+
+#: (solver or "*", option) -> other options it matters with in the simulator (as WITH)
+SIM_WITH: dict[tuple[str, str], dict] = {
+    # the shadow thread's pace binds once it syncs back to back (not once a step)
+    ("*", "sync_share"): {"steps_per_sync": 0},
+    ("*", "min_interval_ms"): {"steps_per_sync": 0},
+    ("shadow-ea", "servers"): {"steps_per_sync": 0, "sync_share": 1.0},
+}
+#: (solver or "*", option) -> why the simulator's model and timing do not move with it (checked)
+SIM_SAME: dict[tuple[str, str], str] = {
+    ("allreduce", "bucket_mb"): "an all-reduce is one message of the whole model after backward: buckets not modelled",
+    ("allreduce", "overlap"): "an all-reduce is one message of the whole model after backward: overlap not modelled",
+    ("ddp", "bucket_mb"): "an all-reduce is one message of the whole model after backward: buckets not modelled",
+    ("ripples", "buffer"): "the random schedule's coordinator round trips are not modelled",
+}
+
+
+def _simulated(solver: str, options: dict, workers: int):
+    """The simulator's stacked models after 8 steps of train mode (flat) and its timing mode's
+    wall, on a cluster with a slow worker and jitter (an order-dependent rule's order moves)."""
+    from distsync.sim import Cluster, Link, Work, WorkerModel, simulate
+    from distsync.sim.calibrate import model_tensor_bytes
+    from distsync.sim.train import simulate_training
+    from distsync.solvers import make_solver
+    from distsync.workloads import load_workload
+
+    servers = getattr(make_solver(solver, **options).options, "servers", 0) or 0
+    cluster = Cluster(workers, Link(1e9, 1e-4), servers=servers)
+    pace = WorkerModel(0.01, slow={0: 1.7}, jitter=0.3, seed=1)
+    trained = simulate_training(solver, options, load_workload("digits"), workers, 8, cluster=cluster,
+                                worker_model=pace, lr=LR, seed=SEED, batch_size=BATCH)
+    tensors = model_tensor_bytes("digits", {})
+    timed = simulate(solver, options, cluster, pace, Work(steps=8, model_bytes=sum(tensors), tensor_bytes=tensors,
+                                                          batch_size=BATCH))
+    return torch.cat([v.reshape(-1).double() for v in trained.params.values()]), timed.wall_s
+
+
+@pytest.mark.parametrize("solver", sorted(SETTINGS))
+def test_every_option_moves_the_simulation_or_is_declared(solver):
+    """As the runs above, in the simulator that recommend ranks with (train mode's models and
+    timing mode's wall, 4 workers or the setting's): an option the simulator ignored would be
+    ranked as if it were not set. A run the simulator refuses in one line (no timing model for
+    it) is not silent, and passes."""
+    from distsync.errors import ConfigError
+
+    workers = max(4, SETTINGS[solver][0])
+    out, problems = {}, []
+    for option, value, options, ref in _plan(solver):
+        extra = _lookup(SIM_WITH, solver, option) if option else None
+        for opts in ({**ref, **(extra or {})}, {**options, **(extra or {})}) if option else (options,):
+            if str(opts) not in out:
+                try:
+                    out[str(opts)] = _simulated(solver, opts, workers)
+                except ConfigError as e:
+                    out[str(opts)] = str(e)
+        if option is None:
+            continue
+        a, b = out[str({**options, **(extra or {})})], out[str({**ref, **(extra or {})})]
+        if isinstance(a, str) or isinstance(b, str):
+            continue  # refused in one line
+        moved = (a[0].shape != b[0].shape or float((a[0] - b[0]).abs().max()) > 1e-9) or abs(a[1] - b[1]) > 1e-12
+        same = _lookup(SIM_SAME, solver, option)
+        if same and moved:
+            problems.append(f"{option}={value!r} is declared as not moving the simulation ({same}), but it did")
+        if not same and not moved:
+            problems.append(f"{option}={value!r} moved neither the simulated models nor the simulated wall: "
+                            f"model it, refuse it, or declare it in SIM_SAME with the reason")
+    assert not problems, f"solver {solver}:\n" + "\n".join(problems)

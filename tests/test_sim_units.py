@@ -86,3 +86,17 @@ def test_a_servers_apply_rate_is_bytes_of_model_per_second():
     res = simulate("async-easgd", {"tau": 1}, Cluster(1, Link(1e9, 0.0), server_apply_bps=1e6),
                    WorkerModel(0.010), Work(steps=3, model_bytes=1e5))
     assert res.wall_s == pytest.approx(3 * (0.010 + 2 * 0.0008 + 0.1), rel=1e-9)
+
+
+@pytest.mark.parametrize("reduce, cost", [
+    # a group of 3, 3 MB, 1 Gbit, 1 ms: the ring of point-to-point steps, 4 x (2 x 1 ms + 8 ms);
+    # inside one collective, 4 x (1 ms + 8 ms); direct, one round: 1 ms + 2 x 24 ms
+    ("ring", 4 * (0.002 + 0.008)), ("collective", 4 * (0.001 + 0.008)), ("direct", 0.001 + 2 * 0.024),
+])
+def test_a_ripples_groups_reduce_sets_the_cost_of_its_averaging(reduce, cost):
+    assert Cluster(3, Link(1e9, 1e-3), partial_reduce=reduce).partial_allreduce_s(3e6, 3) == pytest.approx(
+        cost, rel=1e-12)
+    # through the solver's timing model: 3 workers in one static group, 4 steps of 10 ms
+    res = simulate("ripples", {"reduce": reduce}, Cluster(3, Link(1e9, 1e-3)), WorkerModel(0.010),
+                   Work(steps=4, model_bytes=3e6))
+    assert res.wall_s == pytest.approx(4 * (0.010 + cost), rel=1e-9)

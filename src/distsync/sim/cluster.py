@@ -55,12 +55,18 @@ class Cluster:
     #: (the link's queue holds up to 100 ms), and a saturated server link moves about half of
     #: what two independent directions would (benchmarks/sim_timing_dev.py)
     server_duplex: bool = False
+    #: how a Ripples group averages (its option ``reduce``): "ring" (point-to-point steps),
+    #: "collective" (an all-reduce of the group's own) or "direct" (every member's model to
+    #: every other member in one round)
+    partial_reduce: str = "ring"
 
     def __post_init__(self) -> None:
         if self.workers < 1 or self.per_node < 1 or self.servers < 0 or not self.server_apply_bps > 0:
             raise ConfigError("a cluster needs workers >= 1, per_node >= 1, servers >= 0 and server_apply_bps > 0")
         if self.algorithm not in ("ring", "tree"):
             raise ConfigError(f"unknown all-reduce algorithm {self.algorithm!r}; valid: ring, tree")
+        if self.partial_reduce not in ("ring", "collective", "direct"):
+            raise ConfigError(f"unknown partial reduce {self.partial_reduce!r}; valid: ring, collective, direct")
 
     def _flat(self, link: Link, nbytes: float, p: int) -> float:
         return ring_allreduce_s(link, nbytes, p) if self.algorithm == "ring" else tree_allreduce_s(link, nbytes, p)
@@ -79,13 +85,21 @@ class Cluster:
                 + ring_allreduce_s(intra, nbytes, local) / 2)
 
     def partial_allreduce_s(self, nbytes: float, p: int) -> float:
-        """A partial all-reduce over ``p`` workers (a group of Ripples): a ring of ``2 (p - 1)``
-        point-to-point steps of ``nbytes / p`` each, as the runtime runs it, where each step
-        is a send and a receive started as operations of their own (a collective's ring runs
-        each step inside one): each pays the link's per-message latency."""
+        """A partial all-reduce over ``p`` workers (a group of Ripples), as the runtime runs it
+        (:attr:`partial_reduce`): "ring", ``2 (p - 1)`` point-to-point steps of ``nbytes / p``
+        each, where each step is a send and a receive started as operations of their own, each
+        paying the link's per-message latency; "collective", the same ring inside one
+        collective, one latency a step (:func:`ring_allreduce_s`); "direct", one round in which
+        each member sends its whole model to the ``p - 1`` others, one after another on its
+        link, and receives theirs on the other direction: one latency and ``(p - 1) nbytes``."""
         if p <= 1:
             return 0.0
-        return 2 * (p - 1) * (2 * self.link.latency_s + 8.0 * nbytes / (p * self.link.bandwidth_bps))
+        link = self.link
+        if self.partial_reduce == "collective":
+            return ring_allreduce_s(link, nbytes, p)
+        if self.partial_reduce == "direct":
+            return link.latency_s + 8.0 * (p - 1) * nbytes / link.bandwidth_bps
+        return 2 * (p - 1) * (2 * link.latency_s + 8.0 * nbytes / (p * link.bandwidth_bps))
 
     def p2p_s(self, nbytes: float) -> float:
         return self.link.transfer_s(nbytes)

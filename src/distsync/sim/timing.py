@@ -14,7 +14,7 @@ run on the event loop.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -658,21 +658,25 @@ class TimingContext:
         """Active workers average with a passive one after each step (see :func:`_pairwise`)."""
         return _pairwise(self.name, self.cluster, self.c, self.work, actives, passives, partner, self.math)
 
-    def group_rounds(self, every: int, next_round: Callable[[], list[tuple[int, ...]]]) -> SimResult:
-        """Rounds of disjoint groups, each a partial all-reduce (see :func:`_group_rounds`)."""
+    def group_rounds(self, every: int, next_round: Callable[[], list[tuple[int, ...]]],
+                     reduce: str = "ring") -> SimResult:
+        """Rounds of disjoint groups, each a partial all-reduce run as ``reduce`` says
+        (:meth:`Cluster.partial_allreduce_s`; see :func:`_group_rounds`)."""
         if self.workers < 2:
             return self.meet_every(0, 0.0)
-        return _group_rounds(self.name, self.cluster, self.c, self.work, every, next_round)
+        cluster = replace(self.cluster, partial_reduce=reduce)
+        return _group_rounds(self.name, cluster, self.c, self.work, every, next_round)
 
     def ready_groups(self, k: int, every: int, max_wait_s: float, wait_share: float = 1.0,
-                     overlap: bool = False) -> SimResult:
-        """Groups of up to ``k`` formed as workers become ready (see :func:`_ready_groups`);
-        ``overlap``: each averaging runs while the next step computes
-        (:func:`_ready_groups_overlapped`)."""
+                     overlap: bool = False, reduce: str = "ring") -> SimResult:
+        """Groups of up to ``k`` formed as workers become ready (see :func:`_ready_groups`),
+        each a partial all-reduce run as ``reduce`` says; ``overlap``: each averaging runs
+        while the next step computes (:func:`_ready_groups_overlapped`)."""
         if self.workers < 2:
             return self.meet_every(0, 0.0)
         block = _ready_groups_overlapped if overlap else _ready_groups
-        return block(self.name, self.cluster, self.c, self.work, min(k, self.workers), every, max_wait_s,
+        cluster = replace(self.cluster, partial_reduce=reduce)
+        return block(self.name, cluster, self.c, self.work, min(k, self.workers), every, max_wait_s,
                      wait_share, self.math)
 
     def background(self, sync_s: float, min_interval_s: float, share: float = 1.0,

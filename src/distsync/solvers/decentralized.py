@@ -369,10 +369,10 @@ class Ripples(Solver):
     def simulate_timing(cls, options, sim):
         if options.schedule == "smart":
             return sim.ready_groups(options.group_size, options.every, options.max_wait_ms / 1000, options.wait_share,
-                                    options.overlap)
+                                    options.overlap, reduce=options.reduce)
         if sim.workers < 2:
             return sim.meet_every(0, 0.0)
-        return sim.group_rounds(options.every, cls._rounds(options, sim.workers, sim.seed))
+        return sim.group_rounds(options.every, cls._rounds(options, sim.workers, sim.seed), reduce=options.reduce)
 
     @classmethod
     def simulate_rule(cls, options, sim):
