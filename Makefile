@@ -47,9 +47,10 @@ mutation: setup
 	$(BIN)/python tests/mutation_probe.py --json docs/benchmarks/raw/mutation_probe.json
 
 # Mutants a tool drew (cosmic-ray, a fixed seed), each probed against the fast suite as the
-# declared ones are (docs/testing.md): hours; it goes on from the rows already in its raw file.
+# declared ones are (docs/testing.md): hours; it goes on from the rows already in its progress
+# file (benchmarks/progress/mutants-drawn.json, committed as it goes).
 mutants: $(VENV)/.mutants-installed
-	nice -n 19 $(BIN)/python tests/mutants_drawn.py --resume --json docs/benchmarks/raw/mutants_drawn.json
+	nice -n 19 $(BIN)/python tests/mutants_drawn.py --resume
 
 $(VENV)/.mutants-installed: $(VENV)/.installed
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[mutants]'
