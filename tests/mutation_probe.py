@@ -68,6 +68,7 @@ FAST_SUITE = [
     "tests/test_sim_units.py",
     "tests/test_interleavings.py",
     "tests/test_options_wired.py",
+    "tests/test_state_dicts.py",
 ]
 #: (the slow end-to-end tests stay out: the suite must say in minutes what the rules are)
 SUITE_MARKER = "not slow"

@@ -130,6 +130,14 @@ class TorchLocalSGD(Solver):
     def update(self, step):
         self.post.step()  # (the worker's optimizer's step, then torch's averager)
 
+    def state_dict(self):
+        # the averager's step count sets when it averages next (torch's PostLocalSGDOptimizer
+        # keeps it beside the optimizer's state; the optimizer's own is checkpointed apart)
+        return {"averager_step": self.post.averager.step}
+
+    def load_state_dict(self, state):
+        self.post.averager.step = int(state["averager_step"])
+
     def stats(self):
         return {} if self.model is None else {"averager_steps": self.post.averager.step}
 
