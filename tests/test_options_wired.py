@@ -279,7 +279,7 @@ def _runs_rank(rank, world, solver, workers, runs, steps):
         script = Script(order, rank, comm.raw_store(), key=f"distsync/test/turn/{i}") if order else None
         with turns.hooked(script) if script else contextlib.nullcontext():
             if comm.role != "worker":
-                s.serve(comm.role, comm, ServeContext(make_model=model0, lr=LR))
+                s.serve(comm.role, comm, ServeContext(make_model=model0, lr=LR, seed=SEED))
                 out.append(None)
             else:
                 model = model0()
@@ -342,7 +342,37 @@ def test_every_option_changes_the_result_or_is_declared(solver):
         if not same and diff <= 1e-6:
             problems.append(f"{option}={value!r} left the models as {ref or 'the default'} gives them (moved "
                             f"{diff:.3g}): wire it, or declare it in SAME with the reason")
+    if solver in LOCKSTEP:
+        problems += _simulator_disagrees(solver, workers, models)
     assert not problems, f"solver {solver}:\n" + "\n".join(problems)
+
+
+#: solvers whose real run is the same whatever the order of events (their workers step in
+#: lockstep): the simulator's train mode must give their very models, under every option run
+LOCKSTEP = {"allreduce", "ma", "bmuf", "diloco", "streaming-diloco", "sync-easgd", "local", "torch-local-sgd",
+            "ripples"}
+
+
+def _simulator_disagrees(solver: str, workers: int, models: dict) -> list[str]:
+    """Each run's workers' models against the simulator's train mode with the same options
+    (a run it refuses in one line, as it does what it does not model, is skipped)."""
+    from distsync.errors import ConfigError
+    from distsync.sim.train import simulate_training
+    from distsync.workloads import load_workload
+
+    out = []
+    for _, _, options, _ in _plan(solver):
+        try:
+            sim = simulate_training(solver, options, load_workload("digits"), workers, STEPS, batch_size=BATCH, lr=LR,
+                                    seed=SEED)
+        except ConfigError:
+            continue
+        for w, (real, _) in enumerate(models[str(options)]):
+            mine = torch.cat([v[w].reshape(-1) for v in sim.params.values()])
+            if float((mine - real).abs().max()) > 1e-5:
+                out.append(f"{options}: the simulator's worker {w} is {float((mine - real).abs().max()):.3g} from "
+                           f"the real run's")
+    return out
 
 
 def _test_source(test: str) -> str:

@@ -86,14 +86,15 @@ def test_same_seed_same_result(solver, options):
 def test_ripples_overlap_hides_an_averaging_shorter_than_a_step_and_waits_out_the_rest(avg_ms):
     """Two equal workers (10 ms steps) in groups of 2, no latency: an averaging starts at an
     update and runs while the next step computes, whose update waits for it only where it
-    is longer than the step. 4 steps: updates at 10 ms, then every max(10, X) ms; none
-    after the last. Without overlap each step is 10 + X ms, its averaging included."""
+    is longer than the step. 4 steps: updates at 10 ms, then every max(10, X) ms; after the
+    last one more averaging, which close() waits for (X ms). Without overlap each step is
+    10 + X ms, its averaging included."""
     link, x = Link(1e9, 0.0), avg_ms / 1e3
     cluster, nbytes = Cluster(2, link), x * 1e9 / 8
     assert cluster.allreduce_s(nbytes, 2) == pytest.approx(x)
     work, pace = Work(steps=4, model_bytes=nbytes), WorkerModel(0.01)
     res = simulate("ripples", {"schedule": "smart", "group_size": 2, "overlap": True}, cluster, pace, work)
-    assert res.wall_s == pytest.approx(0.01 + 3 * max(0.01, x))
+    assert res.wall_s == pytest.approx(0.01 + 3 * max(0.01, x) + x)
     assert res.wait_s == pytest.approx([3 * max(0.0, x - 0.01)] * 2)
     assert res.comm_s == pytest.approx([0.0, 0.0])
     assert res.ends[:, 0] == pytest.approx([0.01 + k * max(0.01, x) for k in range(4)])

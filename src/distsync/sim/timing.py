@@ -482,8 +482,9 @@ def _ready_groups_overlapped(name: str, cluster: Cluster, c: np.ndarray, work: W
     coordinator (a round trip) and averages with its group while the worker computes its
     next step; the group's mean replaces the model at that step's update, which waits for
     the averaging if it has not ended (the only time the worker loses). One averaging at a
-    time per worker; none after a worker's last step (the real worker's close() waits for
-    that one: an averaging's time, not counted here)."""
+    time per worker. After its last step a worker averages once more and is done when that
+    averaging ends: the real worker's close() waits for it and takes its mean (its wait is
+    not a step's, so not counted as waiting)."""
     from distsync.solvers.schedules import ReadyGrouper
 
     n = cluster.workers
@@ -502,7 +503,7 @@ def _ready_groups_overlapped(name: str, cluster: Cluster, c: np.ndarray, work: W
     def joined(w: int, cost: float) -> None:  # its group starts now (on its averaging thread)
         ends_at[w] = loop.now + cost
         if held[w] is not None:
-            loop.at(loop.now + cost, update, w, held[w])
+            loop.at(loop.now + cost, update if held[w] < work.steps else closed, w, held[w])
             held[w] = None
 
     def start(groups: list[tuple[int, ...]]) -> None:
@@ -525,15 +526,25 @@ def _ready_groups_overlapped(name: str, cluster: Cluster, c: np.ndarray, work: W
         ends[s, w] = now
         if math:
             math.step(w, s, now)  # (the group's mean first, then this step's gradient)
-        if (s + 1) % every == 0 and s + 1 < work.steps:
+        if (s + 1) % every == 0:
             ends_at[w] = np.inf  # (its request reaches the coordinator a round trip later)
             loop.at(now + rtt, lambda: start(grouper.arrive(w, loop.now)))
         begin(w, s + 1)
 
+    def closed(w: int, s: int) -> None:  # its last averaging has ended (close() waited for it)
+        ends_at[w] = None
+        done_at[w] = loop.now
+        start(grouper.leave(w, loop.now))  # nobody waits for it any more
+
     def begin(w: int, s: int) -> None:
         if s == work.steps:
-            done_at[w] = loop.now
-            start(grouper.leave(w, loop.now))  # nobody waits for it any more
+            end = ends_at[w]
+            if end is None or end <= loop.now:
+                closed(w, s)
+            elif end == np.inf:
+                held[w] = s  # its last group forms later: start() schedules the close
+            else:
+                loop.at(end, closed, w, s)
             return
         comp[w] += c[s, w]
         if math:
