@@ -481,3 +481,17 @@ def test_every_option_moves_the_simulation_or_is_declared(solver):
             problems.append(f"{option}={value!r} moved neither the simulated models nor the simulated wall: "
                             f"model it, refuse it, or declare it in SIM_SAME with the reason")
     assert not problems, f"solver {solver}:\n" + "\n".join(problems)
+
+
+def test_every_option_value_given_as_text_is_the_value_given_typed():
+    """What `-o key=value` hands a solver (text) makes the options the typed value makes, for
+    every value the walks above run (booleans as `true`/`false`, as a user types them)."""
+    from distsync.solvers import make_solver
+
+    def text(v):
+        return str(v).lower() if isinstance(v, bool) else str(v)
+
+    for solver in sorted(SETTINGS):
+        for _, _, options, _ in _plan(solver):
+            typed = make_solver(solver, **options).options
+            assert make_solver(solver, **{k: text(v) for k, v in options.items()}).options == typed, (solver, options)
