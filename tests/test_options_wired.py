@@ -495,3 +495,33 @@ def test_every_option_value_given_as_text_is_the_value_given_typed():
         for _, _, options, _ in _plan(solver):
             typed = make_solver(solver, **options).options
             assert make_solver(solver, **{k: text(v) for k, v in options.items()}).options == typed, (solver, options)
+
+
+# ---- the training options every command shares (train, simulate, recommend) ---------------
+
+#: a value other than the default for each training option, and how train mode must see it
+TRAINING_VALUES = {"batch_size": 8, "lr": 0.05, "optimizer": "adam", "momentum": 0.5, "weight_decay": 0.01,
+                   "lars_eta": 0.002, "precision": "bf16"}
+#: training options train mode takes by other ways than its keyword arguments, and why
+TRAINING_ELSEWHERE = {"workload_options": "they build the workload itself (load_workload)",
+                      "eval_every": "how often the curve is evaluated (simulate_training's eval_every)"}
+
+
+def test_every_training_option_reaches_train_mode_as_given():
+    """Each of the training options (`--lr`, `--momentum`, ... that train, simulate and
+    recommend share) set on a simulate scenario reaches the simulator's train mode as given,
+    through the one mapping both use (options.train_mode_kwargs); a new option must be wired
+    there or declared here."""
+    import dataclasses
+
+    from distsync.options import TRAINING_FIELDS, Training, resolve_training, train_mode_kwargs
+    from distsync.sim.scenario import Scenario
+
+    assert set(TRAINING_VALUES) | set(TRAINING_ELSEWHERE) == {f.name for f in dataclasses.fields(Training)}
+    for name, value in TRAINING_VALUES.items():
+        scenario = Scenario(workload="digits", **{name: value})
+        cfg, _ = resolve_training(scenario.workload, {f: getattr(scenario, f) for f in TRAINING_FIELDS})
+        got = train_mode_kwargs(cfg)
+        assert got[name] == value, (name, got)
+        default, _ = resolve_training("digits", {})
+        assert train_mode_kwargs(default)[name] != value, name  # (the value tried is not the default)
