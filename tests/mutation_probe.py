@@ -3,7 +3,7 @@
 Each mutation below breaks one rule of one solver (or of the simulator's train mode) by
 replacing one exact piece of source text. For each, the probe copies ``src/`` to a temporary
 directory, applies that one change there (the working tree is never touched), and runs the
-FAST SUITE against the copy (``PYTHONPATH=<copy>/src``, ``-x -q -p no:cacheprovider``). The
+FAST SUITE against the copy (``PYTHONPATH=<copy>/src``, ``-x -q -n 2 -p no:cacheprovider``). The
 mutation is *caught* when the suite fails, and the first failing test is recorded. A failure
 counts only once confirmed: that test, run alone, fails again on the mutant and passes on the
 unmutated copy; a test that does not (a timing test on a loaded machine) is set aside as
@@ -422,7 +422,9 @@ def run_suite(src_root: Path, timeout_s: float, suite: list[str] | None = None,
     first failing test, seconds, timeout."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src_root), os.environ.get("PYTHONPATH", "")]).rstrip(
         os.pathsep), PYTHONDONTWRITEBYTECODE="1")
-    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-x", "-q", "-m", SUITE_MARKER, *(suite or FAST_SUITE),
+    # (on the machine's two cores, as make test runs; -x stops at the first failure)
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-x", "-q", "-n", "2", "-m", SUITE_MARKER,
+           *(suite or FAST_SUITE),
            *(a for t in deselect for a in ("--deselect", t))]
     t0 = time.monotonic()
     # A session of its own: on a timeout (or ^C) the whole tree goes, the ranks its tests
@@ -646,7 +648,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{raw['caught']} of {raw['tried']} caught (after merging {len(results)})")
         return 0 if raw["caught"] == raw["tried"] else 1
     payload = {"fast_suite": FAST_SUITE, "suite_marker": SUITE_MARKER,
-               "pytest_args": ["-p", "no:cacheprovider", "-x", "-q"], "timeout_s": args.timeout,
+               "pytest_args": ["-p", "no:cacheprovider", "-x", "-q", "-n", "2"], "timeout_s": args.timeout,
                "timeout_counts_as_caught": True,
                "baseline_seconds": baseline["seconds"] if baseline else None,
                "caught": caught, "tried": len(results), "mutations": results,
