@@ -100,3 +100,25 @@ def test_a_ripples_groups_reduce_sets_the_cost_of_its_averaging(reduce, cost):
     res = simulate("ripples", {"reduce": reduce}, Cluster(3, Link(1e9, 1e-3)), WorkerModel(0.010),
                    Work(steps=4, model_bytes=3e6))
     assert res.wall_s == pytest.approx(4 * (0.010 + cost), rel=1e-9)
+
+
+# 4 workers, 10 ms steps, a 4 MB model on 1 Gbit with 1 ms: a ring all-reduce of the whole model
+# is 6 rounds of (1 ms + 8 ms) = 54 ms; of half its bytes (a half-precision wire, or one of
+# two fragments) 6 x (1 ms + 4 ms) = 30 ms
+RING, HALF = 6 * (0.001 + 0.008), 6 * (0.001 + 0.004)
+
+
+@pytest.mark.parametrize("solver, options, wall", [
+    ("allreduce", {"compress": "fp16"}, 4 * (0.010 + HALF)),  # every step, half the bytes
+    ("ma", {"every": 2, "compress": "bf16"}, 4 * 0.010 + 2 * HALF),  # after steps 2 and 4
+    ("diloco", {"every": 2}, 4 * 0.010 + 2 * RING),
+    ("torch-local-sgd", {"every": 2}, 4 * 0.010 + 2 * RING),
+    ("sync-easgd", {"tau": 2}, 4 * 0.010 + 2 * RING),
+    # a fragment (half the model) every 2 steps, started a step before its boundary (delay 1)
+    # and waited for there: starts at 10 and 30 ms, ends at 40 and 80 ms, which steps 2 and 4
+    # (ending at 20 and 50 ms) wait for
+    ("streaming-diloco", {"every": 4, "fragments": 2, "delay": 1}, 0.080),
+])
+def test_periodic_syncs_cost_their_bytes_and_come_when_their_options_say(solver, options, wall):
+    res = simulate(solver, options, Cluster(4, Link(1e9, 1e-3)), WorkerModel(0.010), Work(steps=4, model_bytes=4e6))
+    assert res.wall_s == pytest.approx(wall, rel=1e-9)
