@@ -482,9 +482,8 @@ def _ready_groups_overlapped(name: str, cluster: Cluster, c: np.ndarray, work: W
     coordinator (a round trip) and averages with its group while the worker computes its
     next step; the group's mean replaces the model at that step's update, which waits for
     the averaging if it has not ended (the only time the worker loses). One averaging at a
-    time per worker. After its last step a worker averages once more and is done when that
-    averaging ends: the real worker's close() waits for it and takes its mean (its wait is
-    not a step's, so not counted as waiting)."""
+    time per worker; after its last step one more, which close() waits for (not counted as
+    waiting) and whose mean it takes: the worker is done when it ends."""
     from distsync.solvers.schedules import ReadyGrouper
 
     n = cluster.workers
