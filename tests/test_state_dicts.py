@@ -2,7 +2,8 @@
 in lockstep, a fresh solver loaded mid-round from a running one's state (the model's and the
 optimizer's with it, as a checkpoint holds them) goes on exactly as the running one does.
 
-Both run side by side in one job, each worker stepping the first, then the second, on the
+The state goes through a file as a checkpoint's does (torch.save, a weights-only load). Both
+run side by side in one job, each worker stepping the first, then the second, on the
 same batches (their collectives in the same order on every rank). A piece of state left out
 of the state_dict (a round counter, block momentum, PowerSGD's error and warm-start Q, an
 elastic center, a synchronization in flight) makes the two part.
@@ -14,6 +15,17 @@ import torch
 from helpers import run_ranks
 
 SEED, BATCH, LR, STEPS = 9, 16, 0.1, 9
+
+
+def _through_a_file(state):
+    """``state`` as a checkpoint gives it back: saved with torch.save, loaded weights-only
+    (tensors, numbers, strings and containers of them; anything else is refused there)."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
 
 
 def _resumed(rank, world, name, options, first):
@@ -49,7 +61,7 @@ def _resumed(rank, world, name, options, first):
     b.load_state_dict(a.state_dict())
     b_run, b_opt, b_solver = fresh(b, same_start=False)
     b_opt.load_state_dict(copy.deepcopy(a_opt.state_dict()))  # (torch shares the tensors it loads)
-    b_solver.load_state_dict(copy.deepcopy(a_solver.state_dict()))
+    b_solver.load_state_dict(_through_a_file(a_solver.state_dict()))
     for i in range(first, STEPS):  # in turns: a's step, then b's (the same collectives on every rank)
         steps(a_run, a_solver, i, i + 1)
         steps(b_run, b_solver, i, i + 1)
