@@ -262,6 +262,7 @@ def _runs_rank(rank, world, solver, workers, runs, steps):
     from distsync.solvers import ServeContext, make_solver
     from distsync.workloads import ShardSampler, load_workload
     from test_interleavings import _step_in_sections
+    from test_state_dicts import _through_a_file
 
     roles = make_solver(solver, **runs[0]).roles
     comm = Comm.from_env(assign_roles(workers, roles), 30.0, torch.device("cpu"))
@@ -292,6 +293,7 @@ def _runs_rank(rank, world, solver, workers, runs, steps):
                     else:
                         with s.step(step):
                             w.loss_fn(run(x), y).backward()
+                _through_a_file(s.state_dict())  # (every solver's state is a checkpoint's: plain types only)
                 if script:
                     with script("close"):
                         pass
