@@ -14,7 +14,8 @@ Each drawn mutant is probed as ``tests/mutation_probe.py`` probes a declared mut
 of ``src/`` with the mutant applied, the fast suite run against it (``-x``), a failure counted
 only once confirmed (the failing test alone fails on the mutant and passes unmutated; a test
 that does not is set aside as flaky). Results go to ``--json`` as they come (the run takes
-hours: ``--resume`` goes on from the rows already there), then ``render`` makes the docs
+hours, in a worktree at a pinned commit: ``--resume`` goes on from the rows already there, and
+refuses other code, which draws other mutants), then ``render`` makes the docs
 table: killed / total by group, and every survivor with its line, for triage (``TRIAGE``: a
 survivor's reason, when it is equivalent to the original).
 
@@ -148,9 +149,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.only:
         names = set(args.only.split(","))
         rows = [r for r in rows if r["name"] in names]
+    started = provenance("tests/mutants_drawn.py", argv)
     raw = json.loads(args.json.read_text()) if args.resume and args.json.exists() else \
-        {"provenance": provenance("tests/mutants_drawn.py", argv), "seed": SEED, "quotas": QUOTAS,
+        {"provenance": started, "seed": SEED, "quotas": QUOTAS,
          "fast_suite": probe_kit.FAST_SUITE, "suite_marker": probe_kit.SUITE_MARKER, "mutants": []}
+    measured = raw["provenance"]["commit"]
+    if raw["mutants"] and (started["commit"] != measured or started["dirty"]):
+        raise SystemExit(f"error: {args.json} was measured at commit {str(measured)[:10]}; go on in a worktree at that "
+                         f"commit, with no change (here: {str(started['commit'])[:10]}"
+                         f"{', changed' if started['dirty'] else ''}): other code draws other mutants")
     done = {r["name"] for r in raw["mutants"]}
     with tempfile.TemporaryDirectory(prefix="distsync-mutants-") as tmp:
         pristine = probe_kit.copy_src(Path(tmp) / "pristine")
