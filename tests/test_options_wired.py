@@ -9,7 +9,14 @@ computed by hand (checked: the test exists and names the option).
 A run is deterministic by its setting: synchronous solvers as they are; asynchronous ones with
 one worker beside their servers, or with their concurrent sections in a fixed order (the
 scripts of tests/turns.py); smart Ripples with waits longer than any step. All of a solver's
-runs with the same processes run one after another in one job.
+runs with the same processes run one after another in one job, and each saves its state as a
+checkpoint does. The runs of the solvers whose workers step in lockstep must equal the
+simulator's train mode under the same options, model for model.
+
+The same walk in the simulator that recommend ranks with: every option moves train mode's
+models or timing mode's wall, or the simulator refuses it in one line, or it is declared
+(SIM_SAME). And every value given as text (as ``-o`` gives it) makes the options its typed
+value makes; every training option (``--lr``, ...) reaches train mode as given.
 """
 
 from __future__ import annotations
