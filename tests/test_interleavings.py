@@ -138,6 +138,24 @@ def test_adpsgd_under_forced_orders_equals_the_rule_in_that_order(patterns):
     assert len(res[1][2]) == len(order)  # every entry ran in its turn (all of them the passive's)
 
 
+def test_a_section_is_one_shared_no_op_context_until_a_test_hooks_it():
+    """In a run no hook is set: every section is the same do-nothing context (nothing that
+    slows a real run). A hook sees each section's name; a second hook in the same process is
+    refused; leaving the block takes the hook away."""
+    import contextlib
+
+    assert turns.section("ad-psgd.answer.0") is turns.section("server.apply.1")
+    seen = []
+    with turns.hooked(lambda name: seen.append(name) or contextlib.nullcontext()):
+        with turns.section("shadow.read"):
+            pass
+        with pytest.raises(RuntimeError, match="a turns hook is already set in this process"):
+            with turns.hooked(lambda name: contextlib.nullcontext()):
+                pass
+    assert seen == ["shadow.read"]
+    assert turns.section("shadow.write") is turns.section("shadow.read")
+
+
 def test_a_script_fails_loudly_when_a_section_never_gets_its_turn():
     script = Script(["0:a", "0:b"], 0, LocalCounter(), timeout=0.2)
     with pytest.raises(AssertionError, match=r"section 'b' \(entry 1: '0:b'\) never had its turn; "
