@@ -119,8 +119,6 @@ ELSEWHERE: dict[tuple[str, str], tuple[str, str]] = {
 }
 
 
-#: (solver or "*", option) -> the reference test that sets it away from its default and checks the
-#: result against the rule computed by hand (checked: the test exists and names the option)
 _ELASTIC = "test_async_solvers.py::test_async_elastic_two_workers_in_turns_equal_reference"
 _TWINS = "test_background.py::test_foreground_twins_equal_plain_pytorch"
 _WIRE = "test_background.py::test_a_narrower_wire_rounds_the_progress_not_the_weights"
@@ -128,6 +126,8 @@ _DOWNPOUR = "test_async_solvers.py::test_async_ps_fetch_and_push_every_two_steps
 _SERVER_SGD = "test_async_solvers.py::test_async_ps_one_worker_equals_sgd_on_the_server"
 _STREAMING = "test_diloco.py::test_streaming_diloco_equals_plain_pytorch"
 _SHADOW_AVG = "test_interleavings.py::test_shadow_averaging_under_forced_orders_equals_the_rule_in_that_order"
+#: (solver, option) -> the reference test that sets it away from its default and checks the
+#: result against the rule computed by hand (checked: the test exists and names the option)
 REFERENCES: dict[tuple[str, str], str] = {
     ("ad-psgd", "seed"): "test_sim.py::test_simulated_partners_and_random_groups_are_the_real_workers_draws",
     **{("allreduce", o): "test_compression.py::test_compressed_allreduce_equals_plain_pytorch" for o in
