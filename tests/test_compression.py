@@ -42,6 +42,16 @@ def test_compress_takes_only_known_formats():
         make_options(solver_class("allreduce"), {"compress": "int8"})
 
 
+def test_powersgd_options_without_powersgd_are_refused_in_one_line():
+    for name, choice in (("allreduce", "compress"), ("ddp", "comm_hook")):
+        with pytest.raises(ConfigError, match=rf"solver {name}: powersgd_rank=2, warm_start=False shape\(s\) PowerSGD, "
+                                              rf"which runs with {choice}=powersgd only; got {choice}=fp16"):
+            make_options(solver_class(name), {choice: "fp16", "powersgd_rank": 2, "warm_start": False})
+        # at their defaults they are no choice, and with powersgd they are taken
+        assert getattr(make_options(solver_class(name), {choice: "fp16"}), choice) == "fp16"
+        assert make_options(solver_class(name), {choice: "powersgd", "powersgd_rank": 2}).powersgd_rank == 2
+
+
 def _digits_replicas():
     from distsync.workloads import ShardSampler, load_workload
     from distsync.workloads.digits import make_model

@@ -10,7 +10,6 @@ with the layers below. Buckets start in one fixed order on every rank, as collec
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -42,10 +41,7 @@ class AllReduceOptions:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        refuse_idle_powersgd_options(self, "compress", self.compress, _DEFAULTS)
-
-
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(AllReduceOptions)}
+        refuse_idle_powersgd_options(self, "compress")
 
 
 class _Bucket:

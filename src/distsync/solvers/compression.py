@@ -20,6 +20,7 @@ sums over them. Both run this same code.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable
 
@@ -31,11 +32,14 @@ from distsync.solvers.rules import gram_schmidt
 POWERSGD_OPTIONS = ("powersgd_rank", "warm_start", "error_feedback", "powersgd_start", "seed")
 
 
-def refuse_idle_powersgd_options(options: object, choice: str, value: str, defaults: dict) -> None:
-    """A PowerSGD option set away from its default while ``choice`` (compress, comm_hook) is
-    ``value``, not powersgd: it would change nothing, so it is refused (ValueError)."""
+def refuse_idle_powersgd_options(options: object, choice: str) -> None:
+    """A PowerSGD option of the dataclass ``options`` set away from its default while its field
+    ``choice`` (compress, comm_hook) is not powersgd: it would change nothing, so it is refused
+    (ValueError)."""
+    value = getattr(options, choice)
     if value == "powersgd":
         return
+    defaults = {f.name: f.default for f in dataclasses.fields(options)}
     idle = [f"{k}={getattr(options, k)}" for k in POWERSGD_OPTIONS if getattr(options, k) != defaults[k]]
     if idle:
         raise ValueError(f"{', '.join(idle)} shape(s) PowerSGD, which runs with {choice}=powersgd only; "

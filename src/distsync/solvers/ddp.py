@@ -9,7 +9,6 @@ backward, the gradients are all computed and only their all-reduce is left.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import inspect
 from concurrent.futures import ThreadPoolExecutor
@@ -45,13 +44,10 @@ class DDPOptions:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        refuse_idle_powersgd_options(self, "comm_hook", self.comm_hook, _DEFAULTS)
+        refuse_idle_powersgd_options(self, "comm_hook")
         if self.comm_hook == "powersgd" and self.powersgd_start < 2 and (self.warm_start or self.error_feedback):
             raise ValueError(f"comm_hook=powersgd with warm_start or error_feedback needs powersgd_start >= 2 "
                              f"(torch's own rule for DDP), got powersgd_start={self.powersgd_start}")
-
-
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DDPOptions)}
 
 
 @functools.lru_cache(maxsize=1)
