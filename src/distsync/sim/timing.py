@@ -494,7 +494,7 @@ def _ready_groups_overlapped(name: str, cluster: Cluster, c: np.ndarray, work: W
     #: per worker: when its averaging in flight ends (inf: its group has not formed yet;
     #: None: none in flight), and the step whose update waits for it
     ends_at: list[float | None] = [None] * n
-    held: list[int | None] = [None] * n
+    held: list[tuple[int, Callable[[int, int], None]] | None] = [None] * n
     computed_at = _zeros(n)
     done_at = _zeros(n)
     ends = np.empty((work.steps, n))
@@ -502,21 +502,26 @@ def _ready_groups_overlapped(name: str, cluster: Cluster, c: np.ndarray, work: W
     def joined(w: int, cost: float) -> None:  # its group starts now (on its averaging thread)
         ends_at[w] = loop.now + cost
         if held[w] is not None:
-            loop.at(loop.now + cost, update if held[w] < work.steps else closed, w, held[w])
+            s, then = held[w]
+            loop.at(loop.now + cost, then, w, s)
             held[w] = None
 
     def start(groups: list[tuple[int, ...]]) -> None:
         _start_groups(loop, grouper, cluster, work, math, groups, joined)
 
-    def computed(w: int, s: int) -> None:
-        computed_at[w] = loop.now
+    def when_averaged(w: int, s: int, then: Callable[[int, int], None]) -> None:
+        """``then(w, s)`` once w's averaging in flight has ended (now if none is)."""
         end = ends_at[w]
         if end is None or end <= loop.now:
-            update(w, s)
+            then(w, s)
         elif end == np.inf:
-            held[w] = s  # its group forms later: start() schedules the update
+            held[w] = (s, then)  # its group forms later: joined() schedules it
         else:
-            loop.at(end, update, w, s)
+            loop.at(end, then, w, s)
+
+    def computed(w: int, s: int) -> None:
+        computed_at[w] = loop.now
+        when_averaged(w, s, update)
 
     def update(w: int, s: int) -> None:
         now = loop.now
@@ -537,13 +542,7 @@ def _ready_groups_overlapped(name: str, cluster: Cluster, c: np.ndarray, work: W
 
     def begin(w: int, s: int) -> None:
         if s == work.steps:
-            end = ends_at[w]
-            if end is None or end <= loop.now:
-                closed(w, s)
-            elif end == np.inf:
-                held[w] = s  # its last group forms later: start() schedules the close
-            else:
-                loop.at(end, closed, w, s)
+            when_averaged(w, s, closed)
             return
         comp[w] += c[s, w]
         if math:
