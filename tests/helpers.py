@@ -177,6 +177,29 @@ def kill_tree(pid: int) -> None:
             pass
 
 
+def run_in_threads(body: Callable[[int], None], n: int, on_error: Callable[[], None] | None = None) -> None:
+    """``body(t)`` on threads t = 0..n-1 (named "t0", "t1", ...), all joined; the first error
+    raised in one is raised here, after ``on_error()`` (e.g. a barrier's abort, so that the
+    others do not wait for it)."""
+    errors: list[BaseException] = []
+
+    def run(t: int) -> None:
+        try:
+            body(t)
+        except BaseException as e:
+            errors.append(e)
+            if on_error is not None:
+                on_error()
+
+    threads = [threading.Thread(target=run, args=(t,), name=f"t{t}") for t in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors:
+        raise errors[0]
+
+
 def train_with(comm: Any, w: Any, model: Any, solver: str, options: dict, lr: float, sampler: Any,
                steps: int) -> Any:
     """A user's loop on one worker: plain SGD on ``sampler``'s batches of workload ``w``, inside

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from distsync.solvers.rules import elastic_exchange, sync_elastic_update
-from helpers import run_ranks
+from helpers import run_in_threads, run_ranks
 
 SEED, BATCH, LR = 5, 16, 0.1
 
@@ -390,8 +390,6 @@ def _two_threads_rank(rank, world, solver_name, options, workers, rounds):
     each round: both take their gradient on the shared model as it stands, then thread 0 takes
     its update (lock-free SGD, and the solver's push or exchange), then thread 1. Every worker
     has taken its step-0 pull (if any) before anyone pushes."""
-    import threading
-
     from distsync.comm import Comm
     from distsync.runtime import assign_roles
     from distsync.runtime.plugins.hogwild import hogwild_replica
@@ -409,37 +407,26 @@ def _two_threads_rank(rank, world, solver_name, options, workers, rounds):
         solver.attach(model, torch.optim.SGD(model.parameters(), lr=LR), comm)
         params = list(model.parameters())
         meet = threading.Barrier(2, timeout=20)
-        errors = []
 
         def thread(t):
-            try:
-                replica = hogwild_replica(model)
-                sampler = ShardSampler(w.num_train, 2 * workers, 2 * comm.worker_index + t, BATCH, SEED)
-                for k in range(rounds):
-                    step = 2 * k + t
-                    solver.before_step(step)
-                    if step == 0:
-                        comm.barrier(comm.worker_group)
-                    meet.wait()  # both see the model as the last round left it
-                    x, y = w.take(w.train_data, sampler.indices(k))
-                    grads = torch.autograd.grad(w.loss_fn(replica(x), y), list(replica.parameters()))
+            replica = hogwild_replica(model)
+            sampler = ShardSampler(w.num_train, 2 * workers, 2 * comm.worker_index + t, BATCH, SEED)
+            for k in range(rounds):
+                step = 2 * k + t
+                solver.before_step(step)
+                if step == 0:
+                    comm.barrier(comm.worker_group)
+                meet.wait()  # both see the model as the last round left it
+                x, y = w.take(w.train_data, sampler.indices(k))
+                grads = torch.autograd.grad(w.loss_fn(replica(x), y), list(replica.parameters()))
+                meet.wait()
+                for turn in range(2):
+                    if turn == t:
+                        solver.hogwild_update(step, params, grads)
+                        solver.after_update(step)
                     meet.wait()
-                    for turn in range(2):
-                        if turn == t:
-                            solver.hogwild_update(step, params, grads)
-                            solver.after_update(step)
-                        meet.wait()
-            except BaseException as e:
-                errors.append(e)
-                meet.abort()
 
-        threads = [threading.Thread(target=thread, args=(t,)) for t in range(2)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        if errors:
-            raise errors[0]
+        run_in_threads(thread, 2, on_error=meet.abort)
         solver.close()
         out = ("worker", copy.deepcopy(model.state_dict()), copy.deepcopy(solver.eval_model().state_dict()))
     comm.barrier()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from distsync.solvers import turns
-from helpers import DigitsByHand, run_ranks
+from helpers import DigitsByHand, run_in_threads, run_ranks
 from turns import LocalCounter, Script
 
 SEED, BATCH, LR = 7, 16, 0.1
@@ -358,8 +358,6 @@ def test_elastic_servers_under_forced_orders_equal_the_exchanges_in_that_order(s
 def _threads_rank(rank, world, solver, options, order, rounds):
     """One worker with two Hogwild training threads (named t0 and t1: their sections are
     "t0/grad", "t0/update", ...) and its server: the worker's model, or the server's center."""
-    import threading
-
     from distsync.comm import Comm
     from distsync.runtime import assign_roles
     from distsync.runtime.plugins.hogwild import hogwild_replica
@@ -382,32 +380,23 @@ def _threads_rank(rank, world, solver, options, order, rounds):
         else:
             model = model0()
             s.attach(model, torch.optim.SGD(model.parameters(), lr=LR), comm)
-            params, errors = list(model.parameters()), []
+            params = list(model.parameters())
 
             def thread(t):
-                try:
-                    replica = hogwild_replica(model)
-                    sampler = ShardSampler(w.num_train, 2, t, BATCH, SEED)
-                    for k in range(rounds):
-                        step = 2 * k + t  # (the worker's steps, counted over its threads)
-                        with script("before_step"):
-                            s.before_step(step)
-                        with script("grad"):
-                            x, y = w.take(w.train_data, sampler.indices(k))
-                            grads = torch.autograd.grad(w.loss_fn(replica(x), y), list(replica.parameters()))
-                        with script("update"):
-                            s.hogwild_update(step, params, grads)
-                        s.after_update(step)  # (an exchange here waits on the server: sections of its own)
-                except BaseException as e:
-                    errors.append(e)
+                replica = hogwild_replica(model)
+                sampler = ShardSampler(w.num_train, 2, t, BATCH, SEED)
+                for k in range(rounds):
+                    step = 2 * k + t  # (the worker's steps, counted over its threads)
+                    with script("before_step"):
+                        s.before_step(step)
+                    with script("grad"):
+                        x, y = w.take(w.train_data, sampler.indices(k))
+                        grads = torch.autograd.grad(w.loss_fn(replica(x), y), list(replica.parameters()))
+                    with script("update"):
+                        s.hogwild_update(step, params, grads)
+                    s.after_update(step)  # (an exchange here waits on the server: sections of its own)
 
-            threads = [threading.Thread(target=thread, args=(t,), name=f"t{t}") for t in range(2)]
-            for th in threads:
-                th.start()
-            for th in threads:
-                th.join()
-            if errors:
-                raise errors[0]
+            run_in_threads(thread, 2)
             script.wait_done()
             s.close()
             out = copy.deepcopy(model.state_dict())
