@@ -31,6 +31,16 @@ LAYERS = (
     ("config", "errors", "gate", "imports", "torch_private"),
 )
 MAX_FUNCTION_LINES = 80
+#: the modules outside ``distsync.comm`` that import torch.distributed, each with what for
+#: (docs/README.md says the same); the group operations themselves are comm/'s alone
+TORCH_DISTRIBUTED_OUTSIDE_COMM = {
+    "distsync.runtime.bind": "the launcher's TCPStore, the job's key-value store",
+    "distsync.runtime.entry": "torchelastic's error record around a worker's entry point",
+    "distsync.runtime.launch": "torchelastic's launcher, and its modules preloaded",
+    "distsync.solvers.ddp": "torch's own DDP communication hooks",
+    "distsync.solvers.peers": "torch's own averagers, the peers a comparison runs",
+    "distsync.torch_private": "torch's private APIs, each behind a version check",
+}
 
 
 def modules(src: Path) -> dict[str, Path]:
@@ -256,6 +266,30 @@ def test_no_function_is_over_80_lines():
     assert not found, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(found)
 
 
+def torch_distributed_importers(src: Path) -> set[str]:
+    """The modules of ``distsync`` outside ``distsync.comm`` that import torch.distributed
+    (or a module under it)."""
+    out = set()
+    for me, path in modules(src).items():
+        if me == "distsync.comm" or me.startswith("distsync.comm."):
+            continue
+        tree = _tree(path)
+        skip = _type_checking_nodes(tree)
+        package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+        if any(n == "torch.distributed" or n.startswith("torch.distributed.")
+               for node in ast.walk(tree) if id(node) not in skip for n in _imported_names(node, package)):
+            out.add(me)
+    return out
+
+
+def test_torch_distributed_is_imported_outside_comm_only_where_declared():
+    assert torch_distributed_importers(SRC) == set(TORCH_DISTRIBUTED_OUTSIDE_COMM)
+    readme = (ROOT / "docs" / "README.md").read_text()
+    for module in TORCH_DISTRIBUTED_OUTSIDE_COMM:
+        path = module.removeprefix("distsync.").replace(".", "/") + ".py"
+        assert path in readme, f"docs/README.md does not say that {path} imports torch.distributed"
+
+
 def test_the_readme_states_the_same_layers():
     assert documented_layers(ROOT / "docs" / "README.md") == LAYERS
 
@@ -296,6 +330,17 @@ def test_an_upward_import_and_a_module_in_no_layer_are_found(tmp_path):
         "distsync/runtime/forkserver.py:5: distsync.runtime.forkserver (layer runtime, sim, options, supervise) "
         "imports distsync.worker, a layer above (layer __init__, cli, worker)",
     ]
+
+
+def test_an_import_of_torch_distributed_outside_comm_is_found(tmp_path):
+    src = _package(tmp_path, {
+        "distsync/comm/__init__.py": "import torch.distributed as dist\n",
+        "distsync/solvers/__init__.py": "",
+        "distsync/solvers/x.py": "def f():\n    from torch.distributed.optim import ZeroRedundancyOptimizer\n",
+        "distsync/solvers/y.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch.distributed\n",
+        "distsync/solvers/z.py": "import torch.nn\nNAME = 'torch.distributed'\n",
+    })
+    assert torch_distributed_importers(src) == {"distsync.solvers.x"}
 
 
 def test_a_long_function_is_found_with_its_file_and_length(tmp_path):

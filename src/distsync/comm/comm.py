@@ -832,7 +832,8 @@ class Comm:
         got = self._guard(f"store compare_set {key}", self._store().compare_set, key, "", value)
         return got.decode() if isinstance(got, bytes) else str(got)
 
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+    def broadcast_object(self, obj: Any, src: int = 0, group: Any = None) -> Any:
+        """``src``'s ``obj`` (pickled), on every rank of ``group`` (``src``: a global rank)."""
         box = [obj]
-        self._guard("broadcast_object", dist.broadcast_object_list, box, src=src)
+        self._guard(f"broadcast_object(src={src})", dist.broadcast_object_list, box, src=src, group=group)
         return box[0]

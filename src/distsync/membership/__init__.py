@@ -9,7 +9,8 @@ recovery.
   threads of their own (servers, AD-PSGD's passive workers), over channels of its own.
 - :mod:`.peers`: serving each peer from a thread of its own, leaving a dead one behind and
   letting its replacement in: the one loop that servers and passive workers share.
-- :func:`policy_for`: the failure policy of a job's process (``comm.FailurePolicy``).
+- a job's process takes its failure policy (``comm.FailurePolicy``) from the launcher's
+  :func:`~distsync.runtime.process.failure_policy`.
 
 torch's errors become typed ones in ``comm/failures.py`` (:class:`~distsync.errors.PeerDied`,
 :class:`~distsync.errors.PeerStalled`, :class:`~distsync.errors.CommTimeout`); nothing here

@@ -48,8 +48,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import torch.distributed as dist
-
 from distsync.comm.comm import make_group, retire_group
 from distsync.comm.failures import cause
 from distsync.errors import CommError, Excluded, PeerDied, PeerLost, PeerStalled
@@ -370,9 +368,7 @@ class Membership:
         it (a replacement takes it; the others ignore it); None in any other view."""
         if not view.joined:
             return None
-        box = [state() if self.comm.rank == view.src else None]
-        dist.broadcast_object_list(box, src=view.src, group=view.pg)
-        return box[0]
+        return self.comm.broadcast_object(state() if self.comm.rank == view.src else None, view.src, view.pg)
 
     def join(self, tag: str, replaces: Callable[[], None], over: Callable[[], bool]) -> View | None:
         """In a replacement for a dead worker: once the others have gone on without the dead
