@@ -22,7 +22,7 @@ test: setup
 # Every published figure (docs/benchmarks/raw/*.json, then the docs' rendered blocks); needs
 # root for the emulated links; about an hour on 2 cores. figures-quick: a smoke run of each
 # (benchmarks/results/quick/, nothing committed changes). figures-check: the docs render from
-# the raw files, which carry their provenance and repeats and are not stale.
+# the raw files, which carry their provenance and repeats; it lists the stale ones.
 # the benchmarks' own extras (simpy, which sim_speed measures the event loop against)
 bench-setup: $(VENV)/.bench-installed
 

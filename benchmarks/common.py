@@ -96,6 +96,8 @@ def provenance(script: str, argv: Sequence[str] | None = None, repo: Path | None
             return None
         return done.stdout if done.returncode == 0 else None
 
+    if script:
+        _start_import_record()
     head = git("rev-parse", "HEAD")
     changed = _changed_from_head(git)
     torch_version, gpu = None, None
@@ -119,6 +121,73 @@ def provenance(script: str, argv: Sequence[str] | None = None, repo: Path | None
             "machine": {"cpu_count": os.cpu_count(), "memory_gib": memory_gib, "platform": platform.platform(),
                         "python": platform.python_version(), "torch": torch_version, "gpu": gpu,
                         "load_average_at_start": os.getloadavg()[0]}}
+
+
+def syntax_hash(text: str | bytes, name: str = "") -> str:
+    """A source file's fingerprint: of a Python file (``name`` ending in .py) its syntax tree
+    without comments, docstrings or other bare strings, so that only a change to what the code
+    does changes it; of any other file (or Python that does not parse) its bytes."""
+    import ast
+    import hashlib
+
+    data = text.encode() if isinstance(text, str) else text
+    if name.endswith(".py"):
+        try:
+            tree = ast.parse(data)
+        except (SyntaxError, ValueError):
+            tree = None
+        if tree is not None:
+            for node in ast.walk(tree):
+                body = getattr(node, "body", None)
+                if isinstance(body, list):
+                    kept = [n for n in body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)
+                                                    and isinstance(n.value.value, str))]
+                    node.body = kept or [ast.Pass()]
+            data = ast.dump(tree).encode()
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def source_hash(path: Path) -> str | None:
+    """:func:`syntax_hash` of the file at ``path`` (None: there is none)."""
+    try:
+        return syntax_hash(path.read_bytes(), path.name)
+    except (FileNotFoundError, IsADirectoryError):
+        return None
+
+
+def _start_import_record() -> None:
+    """Have every process of the runs from here on (children inherit the environment) record
+    the package files it imported (:func:`imported_sources` reads them)."""
+    import os
+    import tempfile
+
+    from distsync.runtime.entry import RECORD_IMPORTS
+
+    if not os.environ.get(RECORD_IMPORTS):
+        fd, path = tempfile.mkstemp(prefix="distsync-imports-", suffix=".txt")
+        os.close(fd)
+        os.environ[RECORD_IMPORTS] = path
+
+
+def imported_sources(repo: Path | None = None) -> dict[str, str]:
+    """The repository's files this benchmark's run imported, each with its :func:`syntax_hash`:
+    this process's modules, the script itself, and what every job process started since
+    :func:`provenance` recorded at its end (``{path from the repository's root: hash}``)."""
+    import os
+
+    from distsync.runtime.entry import RECORD_IMPORTS
+
+    repo = (repo or Path(__file__).resolve().parent.parent).resolve()
+    files = {getattr(m, "__file__", None) for m in list(sys.modules.values())} | {sys.argv[0]}
+    record = os.environ.get(RECORD_IMPORTS)
+    if record and Path(record).exists():
+        files |= set(Path(record).read_text().split("\n"))
+    out = {}
+    for f in filter(None, files):
+        path = Path(f).resolve()
+        if path.suffix == ".py" and path.is_relative_to(repo) and path.is_file():
+            out[str(path.relative_to(repo))] = source_hash(path)
+    return dict(sorted(out.items()))
 
 
 def _changed_from_head(git: Any) -> list[str] | None:
@@ -157,7 +226,9 @@ def write_record(path: Path | str, started: dict[str, Any], *, regime: str, seed
     run began), the regime, the seeds and the number of repeats, then ``payload``. The 1-minute
     load average at the end goes beside the one at the start; a commit or working tree that
     changed during the run is recorded (``changed_during_run``: the commit and changed files at
-    the end), so that a reader can tell whether what the benchmark measures changed under it."""
+    the end), so that a reader can tell whether what the benchmark measures changed under it;
+    and the files the run imported, each with its syntax tree's hash (``imported``: the figure
+    goes stale only when one of them changes)."""
     import os
 
     record = json.loads(json.dumps(started))
@@ -165,6 +236,7 @@ def write_record(path: Path | str, started: dict[str, Any], *, regime: str, seed
     if (now["commit"], now["changed_files"]) != (record["commit"], record["changed_files"]):
         record["changed_during_run"] = {"commit": now["commit"], "changed_files": now["changed_files"]}
     record["machine"]["load_average_at_end"] = os.getloadavg()[0]
+    record["imported"] = imported_sources()
     return write_results(path, {**record, "regime": regime, "seeds": list(seeds), "repeats": len(seeds), **payload},
                          announce=announce)
 

@@ -16,13 +16,19 @@ rendered here from several raw files.
 ``run`` writes the raw files (``--quick``: a small smoke run of each, into
 ``benchmarks/results/quick/``, never over the committed ones) and renders. ``check`` fails
 (exit status 1) when a block differs from what its raw file renders, a raw file lacks its
-provenance, was made by another command than the registry's, or has fewer than 3 repeats, a
-table in ``docs/benchmarks/`` stands outside a rendered block, or a raw file is stale: a commit after the one it measured changed a source
-path its benchmark declares (or the tree it measured had uncommitted changes there).
+provenance, was made by another command than the registry's, or has fewer than 3 repeats, or
+a table in ``docs/benchmarks/`` stands outside a rendered block.
+
+A figure is stale when a file its run imported (recorded in its raw file, each with a hash of
+its syntax tree, so that comments and docstrings do not count) is no longer what it measured;
+its blocks then end with "Stale: measured at X; changed since: ...", and ``check`` lists it
+without failing: a fix never waits for a figure. ``run --stale`` re-runs those. A raw file
+made before that record judges by the files under its declared sources instead.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import json
@@ -34,6 +40,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+from common import source_hash, syntax_hash  # noqa: E402
 RAW = REPO / "docs" / "benchmarks" / "raw"
 QUICK = REPO / "benchmarks" / "results" / "quick"
 #: what every raw results file must say about how it was made
@@ -269,10 +277,19 @@ def load_raw(fig: Figure, quick: bool = False) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def rendered_blocks(quick: bool = False) -> dict[str, tuple[str, str]]:
-    """Every block the raw files render: ``{block: (page, markdown)}``; a missing raw file
-    renders nothing (``check`` says so)."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
+#: how a rendered block of a stale figure ends: what changed since it was measured
+STALE_NOTE = "> Stale: "
+
+
+def without_stale_notes(text: str) -> str:
+    """``text`` less its :data:`STALE_NOTE` lines (and the blank line before each)."""
+    return re.sub(r"\n*^" + re.escape(STALE_NOTE) + r".*$", "", text, flags=re.M)
+
+
+def rendered_blocks(quick: bool = False, notes: bool = True) -> dict[str, tuple[str, str]]:
+    """Every block the raw files render: ``{block: (page, markdown)}``, each of a stale figure
+    ending (with ``notes``) in a :data:`STALE_NOTE` that says what changed since; a missing raw
+    file renders nothing (``check`` says so)."""
     out: dict[str, tuple[str, str]] = {}
     raws: dict[str, dict[str, Any]] = {}
     for fig in FIGURES:
@@ -280,8 +297,9 @@ def rendered_blocks(quick: bool = False) -> dict[str, tuple[str, str]]:
         if raw is None:
             continue
         raws[fig.name] = raw
+        why = stale(fig, raw) if notes and not quick else None
         for block, text in fig.renderer()(raw).items():
-            out[block] = (fig.page, text)
+            out[block] = (fig.page, text if why is None else f"{text.rstrip()}\n\n{STALE_NOTE}{why}.\n")
     from which_solver import render as which_solver
 
     text = which_solver(raws)
@@ -290,25 +308,77 @@ def rendered_blocks(quick: bool = False) -> dict[str, tuple[str, str]]:
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _tree_at(commit: str) -> dict[str, str]:
+    """``{path: blob}`` of every file of ``commit``'s tree."""
+    out = {}
+    for entry in filter(None, git("ls-tree", "-r", "-z", commit).split("\0")):
+        meta, path = entry.split("\t", 1)
+        out[path] = meta.split()[2]
+    return out
+
+
+_BLOB_HASHES: dict[str, str] = {}
+
+
+def _hashes_at(commit: str, paths: list[str]) -> dict[str, str | None]:
+    """:func:`common.syntax_hash` of each of ``paths`` as ``commit`` had it (None: it had none)."""
+    tree = _tree_at(commit)
+    wanted = sorted({tree[p] for p in paths if p in tree and tree[p] not in _BLOB_HASHES})
+    if wanted:
+        done = subprocess.run(["git", "-C", str(REPO), "cat-file", "--batch"], input="\n".join(wanted).encode() + b"\n",
+                              capture_output=True, check=True).stdout
+        names = {tree[p]: p for p in paths if p in tree}
+        at = 0
+        for blob in wanted:
+            header_end = done.index(b"\n", at)
+            size = int(done[at:header_end].split()[2])
+            _BLOB_HASHES[blob] = syntax_hash(done[header_end + 1:header_end + 1 + size], names[blob])
+            at = header_end + 1 + size + 1
+    return {p: _BLOB_HASHES[tree[p]] if p in tree else None for p in paths}
+
+
+def _declared(fig: Figure, commit: str) -> list[str]:
+    """The files under ``fig``'s declared sources, then (at ``commit``) and now."""
+    def under(p: str) -> bool:
+        return any(p == s or p.startswith(s.rstrip("/") + "/") for s in fig.sources)
+
+    now = {str(p.relative_to(REPO)) for s in fig.sources for p in ([REPO / s] if (REPO / s).is_file()
+                                                                   else (REPO / s).rglob("*")) if p.is_file()}
+    return sorted({p for p in _tree_at(commit) if under(p)} | {p for p in now if "__pycache__" not in p})
+
+
 def stale(fig: Figure, raw: dict[str, Any]) -> str | None:
-    """Why ``raw`` no longer measures the code at HEAD (None when it does)."""
+    """Why ``raw`` no longer measures the code here (None when it does): a file its run
+    imported (its ``imported`` record; a raw file made before there was one: a file under the
+    figure's declared sources) whose syntax tree is not the one measured, so that a comment or
+    docstring changes nothing; or a file that changed while the run ran."""
     commit = raw.get("commit")
     if not commit:
         return "records no commit"
-    try:
-        changed = git("rev-list", f"{commit}..HEAD", "--", *fig.sources).split()
-    except RuntimeError:
-        return f"measured commit {commit[:10]}, which this repository does not have"
-    if changed:
-        return f"{len(changed)} commit(s) since {commit[:10]} changed what it measures (latest {changed[0][:10]})"
+    if "imported" in raw:
+        measured = raw["imported"]
+    else:
+        try:
+            measured = _hashes_at(commit, _declared(fig, commit))
+        except (RuntimeError, subprocess.CalledProcessError):
+            return f"measured commit {commit[:10]}, which this repository does not have"
+        touched = set(raw.get("changed_files", []))  # (then uncommitted: what it measured is unknown)
+        dirty = sorted(p for p in touched if p in measured)
+        if dirty:
+            return f"measured at {commit[:10]} with uncommitted changes to: {', '.join(dirty)}"
     during = raw.get("changed_during_run") or {}
-    touched = set(raw.get("changed_files", [])) | set(during.get("changed_files", []))
+    moved = set(during.get("changed_files", []))
     if during.get("commit") and during["commit"] != commit:
-        touched |= set(git("diff", "--name-only", commit, during["commit"]).split())
-    dirty = sorted(f for f in touched if any(f == s or f.startswith(s.rstrip("/") + "/") for s in fig.sources))
-    if dirty:
-        return "measured uncommitted or changing code: " + ", ".join(dirty)
-    return None
+        moved |= set(git("diff", "--name-only", commit, during["commit"]).split())
+    moved = sorted(p for p in moved if p in measured)
+    if moved:
+        return f"measured at {commit[:10]} while these changed: {', '.join(moved)}"
+    changed = sorted(p for p, h in measured.items() if source_hash(REPO / p) != h)
+    if not changed:
+        return None
+    more = f" and {len(changed) - 6} more" if len(changed) > 6 else ""
+    return f"measured at {commit[:10]}; changed since: {', '.join(changed[:6])}{more}"
 
 
 def provenance_problems(fig: Figure, raw: dict[str, Any]) -> list[str]:
@@ -344,10 +414,11 @@ def apply(page_text: str, blocks: dict[str, str]) -> str:
     return BLOCK.sub(sub, page_text)
 
 
-def render_docs(write: bool) -> list[str]:
-    """Rewrite (or, without ``write``, compare) every page's blocks; returns the problems."""
+def render_docs(write: bool, notes: bool = True) -> list[str]:
+    """Rewrite (or, without ``write``, compare) every page's blocks; returns the problems.
+    Without ``notes``, the blocks are compared less their stale notes."""
     problems = []
-    blocks = rendered_blocks()
+    blocks = rendered_blocks(notes=notes)
     pages: dict[str, dict[str, str]] = {}
     for block, (page, text) in blocks.items():
         pages.setdefault(page, {})[block] = text
@@ -356,20 +427,26 @@ def render_docs(write: bool) -> list[str]:
         old = path.read_text()
         present = {m.group("name") for m in BLOCK.finditer(old)}
         problems += [f"{page}: has no <!-- figure: {b} --> block" for b in sorted(set(mine) - present)]
+        if not notes and not write:  # (the page's notes left out of the comparison too)
+            old = without_stale_notes(old)
         new = apply(old, mine)
         if new != old:
             if write:
                 path.write_text(new)
             else:
-                changed = sorted(b for b in mine if b in present and mine[b].rstrip("\n") + "\n" != next(
-                    m.group("body") for m in BLOCK.finditer(old) if m.group("name") == b))
+                bodies = {m.group("name"): m.group("body") for m in BLOCK.finditer(old)}
+                changed = sorted(b for b in mine if b in present and
+                                 mine[b].rstrip("\n") != bodies[b].rstrip("\n"))
                 problems.append(f"{page}: block(s) {', '.join(changed)} differ from what the raw results render "
                                 f"(python benchmarks/figures.py render)")
     return problems
 
 
 def check(with_staleness: bool = True) -> list[str]:
-    """Everything ``make figures-check`` fails on."""
+    """Everything ``make figures-check`` fails on: a missing raw file, its provenance or
+    repeats, a block that differs from what its raw file renders (``with_staleness``: its
+    stale note too, which the git history decides), a stray table. A stale figure is not a
+    failure: its block says so (``list`` and ``check`` list them)."""
     problems = []
     for fig in FIGURES:
         raw = load_raw(fig)
@@ -378,10 +455,7 @@ def check(with_staleness: bool = True) -> list[str]:
                             f"run: python benchmarks/figures.py run {fig.name}")
             continue
         problems += provenance_problems(fig, raw)
-        why = stale(fig, raw) if with_staleness else None
-        if why:
-            problems.append(f"{fig.name}: stale: {why}")
-    problems += render_docs(write=False)
+    problems += render_docs(write=False, notes=with_staleness)
     for page in sorted((REPO / "docs" / "benchmarks").glob("*.md")) + [REPO / "README.md"]:
         if page == REPO / "docs" / "benchmarks" / "README.md":
             continue  # the index of pages: no figures
@@ -444,7 +518,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--stale", action="store_true", help="only those whose raw file is missing or stale")
     sub.add_parser("render", help="rewrite the docs' rendered blocks from the committed raw files")
     c = sub.add_parser("check", help="fail on a block that differs, a stale or single-run raw file, a stray table")
-    c.add_argument("--no-staleness", action="store_true", help="skip the staleness test (git history)")
+    c.add_argument("--no-staleness", action="store_true",
+                   help="compare the blocks less their stale notes, and list no stale figure (no git history needed)")
     sub.add_parser("list", help="the figures, their commands and sources")
     args = p.parse_args(argv)
     if args.what == "run":
@@ -464,6 +539,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{fig.name}: {' '.join(fig.command()[1:])}\n    page {fig.page}; {state}")
         return 0
     problems = check(with_staleness=not args.no_staleness)
+    if not args.no_staleness:
+        for fig in FIGURES:
+            raw = load_raw(fig)
+            why = stale(fig, raw) if raw is not None else None
+            if why:
+                print(f"figures-check: stale (its block says so; figures.py run --stale): {fig.name}: {why}")
     for line in problems:
         print(f"figures-check: {line}")
     print(f"figures-check: {'FAILED, ' + str(len(problems)) + ' problem(s)' if problems else 'ok'}")

@@ -371,7 +371,9 @@ FIDELITY_TARGETS = {"test2": (0.8, 0.7)}
 #: work that ran on the machine beside a scored scenario (at nice 19), declared as it happened
 #: (benchmarks/progress/recommend-test2-disturbances.md): the table marks those scenarios
 BESIDE = {"test2": {8: "a test suite ran beside it at nice 19", 9: "a test suite ran beside it at nice 19",
-                    14: "single test files ran beside it at nice 19"}}
+                    14: "single test files ran beside it at nice 19", 15: "single test files ran beside it at nice 19",
+                    16: "single test files ran beside it at nice 19",
+                    17: "a test file ran beside its first 3 minutes at nice 19"}}
 
 
 def targets(raw: dict[str, Any]) -> list[tuple[str, bool]]:

@@ -1,6 +1,7 @@
 """The published figures: every rendered block in the docs is what its committed raw results
 render, every raw file says how it was made and has repeats, no table in the benchmark pages
-stands outside a rendered block, and the staleness test finds a changed source."""
+stands outside a rendered block, and a figure is stale exactly when a file its run imported
+changed what it does (its blocks then say so)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import figures  # noqa: E402
 from common import ratios, shown, spread, verdict  # noqa: E402
+from helpers import run_cli  # noqa: E402
 
 
 def test_committed_docs_render_from_committed_raw_results():
@@ -78,18 +80,96 @@ def _git(*args: str) -> str:
     return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, check=True).stdout.strip()
 
 
-def test_a_raw_file_measured_before_a_change_to_its_sources_is_stale():
-    head = _git("rev-parse", "HEAD")
-    first = _git("log", "--format=%H", "--diff-filter=A", "--", "benchmarks/figures.py").splitlines()[-1]
-    before = _git("rev-parse", f"{first}~1")
-    fig = figures.Figure("probe", "heterogeneity_devices", (), (), ("benchmarks/figures.py",), "README.md")
-    assert figures.stale(fig, {"commit": head, "changed_files": []}) is None
-    why = figures.stale(fig, {"commit": before, "changed_files": []})
-    assert why is not None and "changed what it measures" in why
-    dirty = figures.stale(fig, {"commit": head, "changed_files": ["benchmarks/figures.py", "README.md"]})
-    assert dirty == "measured uncommitted or changing code: benchmarks/figures.py"
-    assert figures.stale(fig, {"commit": head, "changed_files": ["README.md"]}) is None
+def _repo(tmp_path, monkeypatch):
+    """A git repository standing in for this one (figures reads REPO at each call)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                              check=True, capture_output=True, text=True).stdout.strip()
+
+    monkeypatch.setattr(figures, "REPO", tmp_path)
+    git("init", "-q")
+    return git
+
+
+CODE = 'def f(x):\n    """Twice x."""\n    return 2 * x  # doubled\n'
+
+
+def test_syntax_hash_counts_what_the_code_does_not_its_comments_or_docstrings():
+    from common import syntax_hash
+
+    base = syntax_hash(CODE, "a.py")
+    assert syntax_hash('"""A module."""\n\n\ndef f(x):\n    # no docstring\n    return 2 * x\n', "a.py") == base
+    assert syntax_hash(CODE.replace("2 * x", "3 * x"), "a.py") != base
+    assert syntax_hash(CODE.replace("2 * x", "(2 * x)"), "a.py") == base  # (the same tree)
+    assert syntax_hash(CODE, "a.txt") != syntax_hash(CODE + "# more\n", "a.txt")  # (not Python: its bytes)
+
+
+def test_a_figure_is_stale_only_when_a_file_its_run_imported_changed_what_it_does(tmp_path, monkeypatch):
+    from common import source_hash
+
+    git = _repo(tmp_path, monkeypatch)
+    (tmp_path / "a.py").write_text(CODE)
+    (tmp_path / "b.py").write_text("y = 1\n")
+    git("add", ".")
+    git("commit", "-qm", "one")
+    c1 = git("rev-parse", "HEAD")
+    fig = figures.Figure("probe", "x", (), (), ("a.py", "b.py"), "README.md")
+    raw = {"commit": c1, "changed_files": [], "imported": {"a.py": source_hash(tmp_path / "a.py")}}
+    (tmp_path / "a.py").write_text('"""Now documented."""\n' + CODE.replace("# doubled", "# twice"))
+    (tmp_path / "b.py").write_text("y = 2\n")  # (not imported by its run)
+    assert figures.stale(fig, raw) is None
+    (tmp_path / "a.py").write_text(CODE.replace("2 * x", "x + x"))
+    assert figures.stale(fig, raw) == f"measured at {c1[:10]}; changed since: a.py"
+    (tmp_path / "a.py").unlink()
+    assert figures.stale(fig, raw) == f"measured at {c1[:10]}; changed since: a.py"
+    moving = {**raw, "changed_during_run": {"commit": c1, "changed_files": ["a.py"]}}
+    assert figures.stale(fig, moving) == f"measured at {c1[:10]} while these changed: a.py"
     assert figures.stale(fig, {"commit": "0" * 40}).startswith("measured commit 0000000000")
+    assert figures.stale(fig, {}) == "records no commit"
+
+
+def test_a_raw_file_without_its_imports_is_judged_by_its_declared_sources_at_its_commit(tmp_path, monkeypatch):
+    git = _repo(tmp_path, monkeypatch)
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.py").write_text(CODE)
+    (tmp_path / "other.py").write_text("z = 1\n")
+    git("add", ".")
+    git("commit", "-qm", "one")
+    c1 = git("rev-parse", "HEAD")
+    fig = figures.Figure("probe", "x", (), (), ("src",), "README.md")
+    raw = {"commit": c1, "changed_files": []}
+    (tmp_path / "src" / "a.py").write_text(CODE.replace("# doubled", "# twice"))
+    (tmp_path / "other.py").write_text("z = 2\n")
+    git("commit", "-qam", "a comment, and a file it does not declare")
+    assert figures.stale(fig, raw) is None
+    (tmp_path / "src" / "b.py").write_text("new = 1\n")  # (a file added under its sources)
+    assert figures.stale(fig, raw) == f"measured at {c1[:10]}; changed since: src/b.py"
+    (tmp_path / "src" / "b.py").unlink()
+    dirty = {**raw, "changed_files": ["src/a.py"]}
+    assert figures.stale(fig, dirty) == f"measured at {c1[:10]} with uncommitted changes to: src/a.py"
+    assert figures.stale(fig, {**raw, "changed_files": ["other.py"]}) is None
+
+
+def test_a_stale_figures_blocks_say_so_and_the_check_compares_them_less_that_note(tmp_path, monkeypatch):
+    page = tmp_path / "page.md"
+    page.write_text("<!-- figure: probe -->\nold\n<!-- /figure: probe -->\n")
+    fig = figures.Figure("probe", "x", (), (), ("a.py",), "page.md")
+    monkeypatch.setattr(figures, "REPO", tmp_path)
+    monkeypatch.setattr(figures, "FIGURES", [fig])
+    monkeypatch.setattr(figures, "load_raw", lambda f, quick=False: {"commit": "c"})
+    monkeypatch.setattr(figures.Figure, "renderer", lambda self: lambda raw: {"probe": "| a |\n|---|\n"})
+    monkeypatch.setattr(figures, "stale", lambda f, raw: "measured at c; changed since: a.py")
+    monkeypatch.setitem(sys.modules, "which_solver", SimpleNamespace(render=lambda raws: None))
+    assert figures.render_docs(write=True) == []
+    assert page.read_text() == ("<!-- figure: probe -->\n| a |\n|---|\n\n> Stale: measured at c; changed since: a.py.\n"
+                                "<!-- /figure: probe -->\n")
+    assert figures.render_docs(write=False) == [] and figures.render_docs(write=False, notes=False) == []
+    monkeypatch.setattr(figures, "stale", lambda f, raw: None)  # (a fix since: the note is out of date)
+    assert figures.render_docs(write=False) == ["page.md: block(s) probe differ from what the raw results render "
+                                                "(python benchmarks/figures.py render)"]
+    assert figures.render_docs(write=False, notes=False) == []
+    page.write_text(page.read_text().replace("| a |", "| b |"))  # (a hand edit is a difference either way)
+    assert len(figures.render_docs(write=False, notes=False)) == 1
 
 
 def test_a_figure_that_measures_a_gpu_is_skipped_in_one_line_without_one(monkeypatch, capsys):
@@ -104,7 +184,11 @@ def test_run_stale_goes_on_where_a_run_stopped_and_a_by_name_figure_runs_only_wh
     fresh, old, once = (figures.Figure(n, "heterogeneity_devices", (), (), ("benchmarks/figures.py",), "README.md",
                                        by_name_only="scored once" if n == "once" else "")
                         for n in ("fresh", "old", "once"))
-    raws = {"fresh": {"commit": _git("rev-parse", "HEAD"), "changed_files": []}, "old": None}
+    from common import source_hash
+
+    raws = {"fresh": {"commit": _git("rev-parse", "HEAD"), "changed_files": [],
+                      "imported": {"benchmarks/figures.py": source_hash(REPO / "benchmarks" / "figures.py")}},
+            "old": None}
     ran = []
     monkeypatch.setattr(figures, "FIGURES", [fresh, old, once])
     monkeypatch.setattr(figures, "BY_NAME", {f.name: f for f in (fresh, old, once)})
@@ -191,3 +275,24 @@ def test_provenance_compares_the_working_tree_with_head_not_the_index(tmp_path):
     (tmp_path / "a.py").write_text("three\n")
     dirty = provenance("x.py", [], repo=tmp_path)
     assert (dirty["dirty"], dirty["changed_files"]) == (True, ["a.py"])
+
+
+def test_a_jobs_processes_record_the_package_files_they_imported(tmp_path, monkeypatch):
+    """Every process of a job appends the package files it imported to the file
+    DISTSYNC_RECORD_IMPORTS names (as a benchmark's provenance sets it), and the raw file's
+    record of its imports takes them with their hashes."""
+    from common import imported_sources, source_hash
+
+    record = tmp_path / "imports.txt"
+    monkeypatch.setenv("DISTSYNC_RECORD_IMPORTS", str(record))
+    proc = run_cli("train", "--solver", "ma", "--workers", "2", "--steps", "3", "--out", str(tmp_path / "run"),
+                   fresh_process=True)
+    assert proc.returncode == 0, proc.stderr
+    files = set(record.read_text().split())
+    for mine in ("solvers/model_averaging.py", "runtime/process.py", "workloads/digits.py"):
+        assert str(REPO / "src" / "distsync" / mine) in files, mine
+    assert str(REPO / "src" / "distsync" / "runtime" / "launch.py") in files  # (the command's own process)
+    assert not any("/sim/" in f for f in files)  # (training never imports the simulator)
+    sources = imported_sources()
+    assert sources["src/distsync/solvers/model_averaging.py"] == source_hash(
+        REPO / "src" / "distsync" / "solvers" / "model_averaging.py")

@@ -60,6 +60,28 @@ def main(argv: list[str] | None = None) -> None:
     run_process(run, run_dir)
 
 
+#: an environment variable naming a file to which each of a job's processes, at its end,
+#: appends the package's source files it imported, one per line (a benchmark's record of what
+#: its run measured: its figure goes stale only when one of them changes)
+RECORD_IMPORTS = "DISTSYNC_RECORD_IMPORTS"
+
+
+def record_imports() -> None:
+    """Append this process's imported package files to the file :data:`RECORD_IMPORTS` names
+    (nothing when it is unset; a failure to write is not the job's)."""
+    path = os.environ.get(RECORD_IMPORTS)
+    if not path:
+        return
+    package = str(Path(__file__).resolve().parents[1]) + os.sep
+    files = sorted({f for m in list(sys.modules.values())
+                    if (f := getattr(m, "__file__", None)) and str(Path(f).resolve()).startswith(package)})
+    try:
+        with open(path, "a") as out:
+            out.write("".join(f"{Path(f).resolve()}\n" for f in files))
+    except OSError:
+        pass
+
+
 def run_and_exit(argv: list[str] | None = None) -> NoReturn:
     """:func:`main`, then leave without running C++ destructors: a gloo thread torn down at
     interpreter exit can abort the process ("terminate called without an active
@@ -73,6 +95,7 @@ def run_and_exit(argv: list[str] | None = None) -> NoReturn:
     except BaseException:
         traceback.print_exc()
         code = 1
+    record_imports()
     end_children()
     sys.stdout.flush()
     sys.stderr.flush()
