@@ -157,13 +157,14 @@ def source_hash(path: Path) -> str | None:
 
 def _start_import_record() -> None:
     """Have every process of the runs from here on (children inherit the environment) record
-    the package files it imported (:func:`imported_sources` reads them)."""
+    the package files it imported (:func:`imported_sources` reads them). A record already
+    under way goes on; the variable set empty means none (a test, a run that keeps no figure)."""
     import os
     import tempfile
 
     from distsync.runtime.entry import RECORD_IMPORTS
 
-    if not os.environ.get(RECORD_IMPORTS):
+    if RECORD_IMPORTS not in os.environ:
         fd, path = tempfile.mkstemp(prefix="distsync-imports-", suffix=".txt")
         os.close(fd)
         os.environ[RECORD_IMPORTS] = path
@@ -221,14 +222,15 @@ def seed_list(text: str) -> list[int]:
 
 
 def write_record(path: Path | str, started: dict[str, Any], *, regime: str, seeds: Sequence[int],
-                 payload: dict[str, Any], announce: bool = True) -> Path:
+                 payload: dict[str, Any], announce: bool = True, measured: Iterable[str] = ()) -> Path:
     """A raw results file for the figures: ``started`` (the :func:`provenance` taken when the
     run began), the regime, the seeds and the number of repeats, then ``payload``. The 1-minute
     load average at the end goes beside the one at the start; a commit or working tree that
     changed during the run is recorded (``changed_during_run``: the commit and changed files at
     the end), so that a reader can tell whether what the benchmark measures changed under it;
     and the files the run imported, each with its syntax tree's hash (``imported``: the figure
-    goes stale only when one of them changes)."""
+    goes stale only when one of them changes), with ``measured`` (paths from the repository's
+    root: what processes that keep no record measured, as a test suite's)."""
     import os
 
     record = json.loads(json.dumps(started))
@@ -236,7 +238,9 @@ def write_record(path: Path | str, started: dict[str, Any], *, regime: str, seed
     if (now["commit"], now["changed_files"]) != (record["commit"], record["changed_files"]):
         record["changed_during_run"] = {"commit": now["commit"], "changed_files": now["changed_files"]}
     record["machine"]["load_average_at_end"] = os.getloadavg()[0]
-    record["imported"] = imported_sources()
+    repo = Path(__file__).resolve().parent.parent
+    record["imported"] = dict(sorted({**imported_sources(repo), **{
+        p: source_hash(repo / p) for p in measured if (repo / p).is_file()}}.items()))
     return write_results(path, {**record, "regime": regime, "seeds": list(seeds), "repeats": len(seeds), **payload},
                          announce=announce)
 

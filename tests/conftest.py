@@ -10,6 +10,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 @pytest.fixture(autouse=True)
 def _no_import_record_left_behind(monkeypatch):
-    """A benchmark's provenance taken inside a test starts a record of the files its runs
-    import (an environment variable its jobs inherit); it ends with the test."""
+    """No record of the files a job imports (a benchmark's provenance starts one, in an
+    environment variable every job inherits): set empty, none is started inside a test."""
     monkeypatch.setenv("DISTSYNC_RECORD_IMPORTS", "")

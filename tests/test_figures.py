@@ -296,3 +296,13 @@ def test_a_jobs_processes_record_the_package_files_they_imported(tmp_path, monke
     sources = imported_sources()
     assert sources["src/distsync/solvers/model_averaging.py"] == source_hash(
         REPO / "src" / "distsync" / "solvers" / "model_averaging.py")
+
+
+def test_a_raw_file_records_what_processes_without_a_record_measured(tmp_path):
+    from common import provenance, source_hash, write_record
+
+    out = write_record(tmp_path / "raw.json", provenance("x.py", []), regime="r", seeds=[1], payload={},
+                       announce=False, measured=["src/distsync/solvers/rules.py", "no/such/file.py"])
+    imported = json.loads(out.read_text())["imported"]
+    assert imported["src/distsync/solvers/rules.py"] == source_hash(REPO / "src/distsync/solvers/rules.py")
+    assert "no/such/file.py" not in imported and "benchmarks/common.py" in imported
