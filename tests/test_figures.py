@@ -251,6 +251,7 @@ def test_the_readme_quotes_recommend_only_from_a_test_set():
     assert _recommend(raw).endswith("hit (within the measured best's spread or 10%) in 7 of 10 drawn scenarios "
                                     "of 4-8 workers (70%; out of sample, emulated devices and links, 2 seeds "
                                     "each), always-ad-psgd with its defaults in 6")
+    assert _recommend({**raw, "set": "test2"}) == _recommend(raw)
     assert "hit" not in _recommend({**raw, "set": "dev"}) and "hit" not in _recommend(None)
 
 
