@@ -42,6 +42,13 @@ def launch_or_exit(cfg: Any, run_dir: Path) -> dict[str, Any]:
         return launch(cfg, run_dir)
 
 
+def markdown_table(headers: Sequence[str], rows: Iterable[Iterable[Any]]) -> list[str]:
+    """A markdown table's lines: its header, the ``|---|`` line and a line per row (cells as
+    ``str()`` gives them)."""
+    return ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers),
+            *["| " + " | ".join(str(c) for c in row) + " |" for row in rows]]
+
+
 def table_header(headers: Sequence[str]) -> None:
     """A markdown table's header line and its ``|---|`` line."""
     table_row(headers)
@@ -55,9 +62,7 @@ def table_row(cells: Iterable[Any], flush: bool = False) -> None:
 
 def print_table(headers: Sequence[str], rows: Iterable[Iterable[Any]]) -> None:
     """A whole markdown table."""
-    table_header(headers)
-    for row in rows:
-        table_row(row)
+    print("\n".join(markdown_table(headers, rows)))
 
 
 def print_checks(checks: Iterable[tuple[str, bool]], met: str = "met   ", missed: str = "MISSED") -> None:
@@ -251,6 +256,12 @@ def spread(values: Iterable[float | None]) -> tuple[float, float, float] | None:
 
     have = [v for v in values if v is not None]
     return (statistics.median(have), min(have), max(have)) if have else None
+
+
+def median(values: Iterable[float | None]) -> float | None:
+    """The median of the values that exist; None when none does."""
+    s = spread(values)
+    return None if s is None else s[0]
 
 
 def shown(values: Iterable[float | None], fmt: str = "{:.2f}", unit: str = "") -> str:

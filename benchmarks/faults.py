@@ -54,7 +54,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import argument_parser, print_checks, provenance, table_header, table_row, write_record
+from common import argument_parser, markdown_table, print_checks, provenance, table_header, table_row, write_record
 from distsync.metrics.processes import tree_usage
 from distsync.solvers import make_solver, solver_names
 
@@ -234,11 +234,6 @@ REGIME = {"faults": "CPU-bound real run (digits, 2 workers, loopback) on this ma
           "soak": "emulated devices (allreduce, 4 workers, --device-ms), loopback"}
 
 
-def _md(headers: list[str], rows: list[list]) -> list[str]:
-    return ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers),
-            *["| " + " | ".join(str(c) for c in row) + " |" for row in rows]]
-
-
 def _no_tmp(text: str, raw: dict) -> str:
     """``text`` with the run's output folder written ``RUN`` (and a table's ``|`` escaped)."""
     out = raw.get("out")
@@ -276,7 +271,7 @@ def render(raw: dict) -> dict[str, str]:
         went_on = [g for x in t for r in x["runs"] if r.get("dropped") for g in r.get("recovery_s", []) if g is not None]
         lines = [head, "", f"Regime: {REGIME['faults']}. {raw.get('runs_per_solver')} runs per solver, one fault "
                  f"each, drawn with seed {raw.get('seed')}.", ""]
-        lines += _md(["solver", "faults injected", "ended as designed", "workers dropped", "restarts",
+        lines += markdown_table(["solver", "faults injected", "ended as designed", "workers dropped", "restarts",
                       "steps lost (median / max)", "max recovery (s)", "hangs", "lost updates",
                       "left behind (processes / namespaces)", "fault kinds drawn"], rows)
         lines += ["", f"Totals: {len(runs)} runs ("
@@ -298,7 +293,7 @@ def render(raw: dict) -> dict[str, str]:
                  + (f"; resumed from step {c['resumed_from_step']}" if c.get("resumed_from_step") is not None else "")]
                 for c in cases]
         lines = [head, "", f"Regime: {REGIME['bad-input']}; each case once.", ""]
-        lines += _md(["bad input", "handled", "exit", "seconds", "what it said"], rows)
+        lines += markdown_table(["bad input", "handled", "exit", "seconds", "what it said"], rows)
         lines += ["", f"{sum(c['ok'] for c in cases)} of {len(cases)} handled."]
         blocks["faults_bad_input"] = "\n".join(lines)
     return blocks

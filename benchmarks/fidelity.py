@@ -32,7 +32,6 @@ within 25% on >= 80% of the rows where both reached it (each row's median over s
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -41,8 +40,8 @@ from typing import Any
 
 import numpy as np
 
-from common import (argument_parser, checks_markdown, launch_or_exit, print_checks, provenance, seed_list, shown,
-                    spread, write_record)
+from common import (argument_parser, checks_markdown, launch_or_exit, median, print_checks, provenance, seed_list, shown,
+                    write_record)
 from distsync.config import RunConfig
 from distsync.sim.calibrate import HOST_EXP, calibrate
 
@@ -122,11 +121,6 @@ def _pct(values) -> str:
     return shown([None if v is None else 100 * v for v in values], "{:+.1f}", "%")
 
 
-def _median(values) -> float | None:
-    s = spread(values)
-    return None if s is None else s[0]
-
-
 def render(raw: dict[str, Any]) -> dict[str, str]:
     """The set's table: per row, measured and predicted throughput and time to target and
     their errors (median and range over seeds); the dev set also its host-term fit."""
@@ -162,9 +156,9 @@ def targets(raw: dict[str, Any]) -> list[tuple[str, bool]]:
     """Throughput within 15% on >= 90% of rows, time to target within 25% on >= 80% of the rows
     where both reached it (each row's median over seeds)."""
     rows = list(raw["results"].values())
-    tp = [_median(x["error"] for x in r.values()) for r in rows]
+    tp = [median(x["error"] for x in r.values()) for r in rows]
     tp_ok = sum(abs(e) <= THROUGHPUT_WITHIN for e in tp)
-    tt = [_median(x["ttt_error"] for x in r.values()) for r in rows]
+    tt = [median(x["ttt_error"] for x in r.values()) for r in rows]
     tt = [e for e in tt if e is not None]
     tt_ok = sum(abs(e) <= TTT_WITHIN for e in tt)
     return [(f"throughput within {THROUGHPUT_WITHIN:.0%} on {tp_ok} of {len(tp)} rows "

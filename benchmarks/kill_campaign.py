@@ -71,7 +71,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from common import argument_parser, provenance, write_record
+from common import argument_parser, markdown_table, provenance, write_record
 from faults import leftovers, marked_processes, namespaces, run_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -631,11 +631,6 @@ KEYS = ["kills", "finished", "survivor_crashes", "hangs", "stall", "floor", "ste
         "recovery_rows", "dropped_listed", "healed", "restarted", "accuracy"]
 
 
-def md_table(headers: list[str], rows: list[list[Any]]) -> list[str]:
-    return ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers),
-            *["| " + " | ".join(str(c) for c in row) + " |" for row in rows]]
-
-
 def no_tmp(text: str | None) -> str:
     """``text`` with a run folder of these scripts' temporary folders written ``RUN``."""
     return re.sub(r"/[^\s;:()'\"]*/(kill_campaign|lagging_worker)-[^/\s]+/[^/\s;:()'\"]+", "RUN", text or "")
@@ -678,7 +673,7 @@ def render(raw: dict[str, Any]) -> dict[str, str]:
              f"{raw.get('repeats', '?')} per case); stalls are the median and the worst over the kills.", ""]
     by_case = [[case, *[summarize_runs([r for r in runs if r["case"] == case])[k] for k in KEYS]]
                for case in CASES if any(r["case"] == case for r in runs)]
-    lines += md_table(["case", *HEAD], by_case + [["**all**", *[summarize_runs(runs)[k] for k in KEYS]]])
+    lines += markdown_table(["case", *HEAD], by_case + [["**all**", *[summarize_runs(runs)[k] for k in KEYS]]])
     lines += ["", "Solvers killed, per case (kills):", ""]
     for case in CASES:
         here = [r["solver"] for r in runs if r["case"] == case]

@@ -47,9 +47,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import argument_parser, provenance, shown as spread_shown, write_record
+from common import argument_parser, markdown_table, provenance, shown as spread_shown, write_record
 from faults import leftovers, namespaces
-from kill_campaign import (DISTSYNC, SOLVER_ARGS, all_solvers, error_line, kill_group, launch, md_table,
+from kill_campaign import (DISTSYNC, SOLVER_ARGS, all_solvers, error_line, kill_group, launch,
                            named, no_tmp, provenance_line, read_json, run_events, shown, stall_after, step_times, tail_lines,
                            wait_end, wait_training)
 
@@ -209,7 +209,7 @@ def render(raw: dict[str, Any]) -> dict[str, str]:
                          sum(r["hang"] for r in runs), sum(bool(r["dropped"]) for r in runs),
                          spread_shown(secs, "{:.1f}")])
         lines += [f"`{raw.get('lagging_command') or 'distsync ' + ' '.join(LAGGING) + ' --out TMP'}`", ""]
-        lines += md_table(["runs", "n", "passed (exit 0)", "failed", "hangs", "runs that dropped a worker",
+        lines += markdown_table(["runs", "n", "passed (exit 0)", "failed", "hangs", "runs that dropped a worker",
                            "seconds: median (min-max)"], rows)
         failed = {}
         for r in lag:
@@ -252,7 +252,7 @@ def render(raw: dict[str, Any]) -> dict[str, str]:
                  f"`--timeout {t}`; a random worker stopped (SIGSTOP) or killed (SIGKILL) from outside, at least {n} "
                  f"runs of each: median (min-max) over the runs (a time a run did not have is left out, and the "
                  f"count of those that had it is given).", ""]
-        lines += md_table(["solver", "SIGSTOP: finished", "dropped", "dropped after (s)",
+        lines += markdown_table(["solver", "SIGSTOP: finished", "dropped", "dropped after (s)",
                            "survivors went on after (s): first step / new view", "SIGKILL: finished", "dropped",
                            "dropped after (s)", "survivors went on after (s): first step / new view"], rows)
         bad = [r for r in stops if not r.get("finished")]

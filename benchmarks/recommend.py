@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import argument_parser, exit_on_error, print_checks, provenance, seed_list, shown, spread, write_record
+from common import argument_parser, exit_on_error, print_checks, provenance, seed_list, shown, write_record
 from recommend_scenarios import (DEV, TOP_PER_SOLVER_2, VERIFY_TOP, Scenario, declared, short_name, test_set,
                                  test_set_2)
 
@@ -630,11 +630,6 @@ def render(raw: dict[str, Any]) -> dict[str, str]:
     if raw["set"] in ("test", "test2"):
         out[f"{block}_trust"] = render_trust(raw)
     return out
-
-
-def _median(values) -> float | None:
-    s = spread(values)
-    return None if s is None else s[0]
 
 
 def _render_first_format(raw: dict[str, Any]) -> dict[str, str]:

@@ -69,7 +69,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import provenance, ratios, shown, write_record  # noqa: E402  (benchmarks/common.py)
+from common import markdown_table, provenance, ratios, shown, write_record  # noqa: E402  (benchmarks/common.py)
 
 BIN = Path(sys.executable).parent
 REGIME = "CPU-bound real run on this machine ({cores} cores): every process of a job shares them"
@@ -757,11 +757,6 @@ def print_breakdown(b: dict) -> None:
 # ---------------------------------------------------------------------------------------------
 # The page's tables
 # ---------------------------------------------------------------------------------------------
-def _md(headers: list[str], rows: list[list]) -> list[str]:
-    return ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers),
-            *["| " + " | ".join(str(c) for c in row) + " |" for row in rows]]
-
-
 def _head(raw: dict) -> str:
     m = raw.get("machine") or {}
     return (f"`{raw.get('command', '?')}` at commit {str(raw.get('commit'))[:10]}"
@@ -813,7 +808,7 @@ def render(raw: dict) -> dict[str, str]:
                                                         <= 1.5 else "MISSED") + " (median)"
                 rows.append([n, label, shown(walls.values()), shown(x["cpu_s"] for x in runs[name].values()),
                              "1.00x" if name == "torchrun" else shown(ratio, unit="x"), target])
-        lines += _md(["workers", "command", "wall (s)", "CPU (s)", "/ torchrun", "target <= 1.5x"], rows)
+        lines += markdown_table(["workers", "command", "wall (s)", "CPU (s)", "/ torchrun", "target <= 1.5x"], rows)
         if t.get("whatifs"):
             lines += ["", "(what-if rows: the cuts simulated by a sitecustomize, see "
                           "benchmarks/startup_profile/whatif/sitecustomize.py; "
@@ -834,10 +829,10 @@ def render(raw: dict) -> dict[str, str]:
             lines += [f"**{kind}** ({summary}), the launching process:", ""]
             headers, rows = _joined({n: a["launcher"] for n, a in entries.items()},
                                     [("wall_s", "wall (s)"), ("cpu_s", "CPU (s)")])
-            lines += _md(headers, rows) + ["", f"**{kind}**, each worker:", ""]
+            lines += markdown_table(headers, rows) + ["", f"**{kind}**, each worker:", ""]
             headers, rows = _joined({n: a["workers"] for n, a in entries.items()},
                                     [("wall_median_s", "wall (s)"), ("cpu_sum_s", "CPU (s)")])
-            lines += _md(headers, rows) + [""]
+            lines += markdown_table(headers, rows) + [""]
             after = "; ".join(f"N={n}: {a['cpu_after_last_event_s']:.2f}" for n, a in entries.items())
             lines += [f"CPU seconds after every process's last traced event (interpreter finalization): {after}.", ""]
         blocks["startup_breakdown"] = "\n".join(lines).rstrip("\n")
@@ -848,7 +843,7 @@ def render(raw: dict) -> dict[str, str]:
             rows = [[f"`{r['what']}`", "failed" if "error" in r else f"{r['cpu_s']:.2f}",
                      f"{r['adds_cpu_s']:.2f} over `{r['over']}`" if "adds_cpu_s" in r else ""] for r in iso["rows"]]
             rows += [[f"interpreter exit: {r['what']}", f"{r['exit_cpu_s']:.2f}", ""] for r in iso["interpreter_exit"]]
-            lines += _md(["what", "CPU (s)", "adds (CPU s)"], rows)
+            lines += markdown_table(["what", "CPU (s)", "adds (CPU s)"], rows)
             blocks["startup_isolated"] = "\n".join(lines)
     return blocks
 

@@ -16,7 +16,6 @@ installed. The first step needs the network; the venv is kept, so a second run d
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
