@@ -45,7 +45,7 @@ from common import provenance, write_results  # noqa: E402
 DEFAULT_OUT = REPO / "benchmarks" / "progress" / "mutants-drawn.json"
 SEED = 20261128
 #: mutants drawn from each group
-QUOTAS = {"rules": 60, "timing": 60, "paths": 90}
+QUOTAS = {"rules": 50, "timing": 50, "paths": 70}
 GROUP_FILES = {"rules": {"solvers/rules.py": None}, "timing": {"sim/timing.py": None}}
 #: the solvers' update and exchange paths: module -> the functions (innermost definitions) drawn from
 PATHS = {

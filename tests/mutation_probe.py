@@ -422,8 +422,10 @@ def run_suite(src_root: Path, timeout_s: float, suite: list[str] | None = None,
     first failing test, seconds, timeout."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src_root), os.environ.get("PYTHONPATH", "")]).rstrip(
         os.pathsep), PYTHONDONTWRITEBYTECODE="1")
-    # (on the machine's two cores, as make test runs; -x stops at the first failure)
-    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-x", "-q", "-n", "2", "-m", SUITE_MARKER,
+    # (on the machine's two cores, as make test runs, and a single test in this process: its
+    # workers' start would cost more than it; -x stops at the first failure)
+    workers = "0" if suite is not None and len(suite) == 1 else "2"
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-x", "-q", "-n", workers, "-m", SUITE_MARKER,
            *(suite or FAST_SUITE),
            *(a for t in deselect for a in ("--deselect", t))]
     t0 = time.monotonic()
