@@ -74,6 +74,8 @@ from typing import Any, Iterable
 from common import argument_parser, markdown_table, provenance, write_record
 from faults import leftovers, marked_processes, namespaces, run_env
 
+from distsync import marks
+
 REPO = Path(__file__).resolve().parents[1]
 DISTSYNC = [sys.executable, "-m", "distsync.cli"]
 PROC = Path("/proc")
@@ -401,10 +403,10 @@ def rank_failures(out: Path, spared: set[int], only: set[int] | None = None) -> 
         text = err.read_text(errors="replace") if err.exists() else ""
         if "Traceback" in text or (d / "error.json").exists():
             found.append({"rank": int(d.name), "attempt": d.parent.name, "line": error_line(tail_lines(err, 20))})
-    for mark in sorted((out / "dropped").glob("*.json")) if only is None and (out / "dropped").exists() else []:
-        m = read_json(mark) or {}
-        if m.get("rank") is not None and m["rank"] not in spared and not mark.name.startswith("replaced-"):
-            found.append({"rank": m["rank"], "attempt": m.get("attempt"), "line": f"dropped: {mark.name} {m}"})
+    for m in marks.read_marks(out, marks.DROPPED) if only is None else []:
+        if m["rank"] not in spared:
+            name = marks.mark_path(out, marks.DROPPED, m.get("attempt"), m["rank"]).name
+            found.append({"rank": m["rank"], "attempt": m.get("attempt"), "line": f"dropped: {name} {m}"})
     return found
 
 

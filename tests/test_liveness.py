@@ -15,7 +15,8 @@ import torch
 
 from distsync.comm.failures import kind_of
 from distsync.errors import CommError, CommTimeout, PeerDied, PeerStalled
-from distsync.membership.liveness import ALIVE, BEAT, Liveness, marked_dead, watching
+from distsync.marks import marked_at
+from distsync.membership.liveness import ALIVE, BEAT, Liveness, watching
 from helpers import run_ranks
 
 
@@ -57,7 +58,7 @@ def test_a_peer_whose_heartbeat_and_progress_stand_still_is_stalled_after_the_ti
 
 
 def test_a_peer_marked_dead_is_dead_at_once_until_its_replacement_comes(tmp_path):
-    marks = marked_dead(tmp_path, 0)
+    marks = marked_at(tmp_path, 0)
     live = _liveness(_Store(), dead=marks)
     assert live.state(3) == "alive" and marks(3) == 0.0
     (tmp_path / "dead").mkdir()
@@ -124,7 +125,7 @@ def _waits(rank: int, world: int, run_dir: str, case: str):
     from distsync.comm import Comm
     from distsync.comm.comm import FailurePolicy
 
-    policy = FailurePolicy(watch=watching(marked_dead(run_dir, 0)), drops_dead_peers=True)
+    policy = FailurePolicy(watch=watching(marked_at(run_dir, 0)), drops_dead_peers=True)
     comm = Comm.from_env(["worker"] * world, 1.0, torch.device("cpu"), policy=policy)
     comm.barrier()
     t = torch.zeros(3)
@@ -203,3 +204,21 @@ def test_a_worker_leaving_ends_the_processes_it_left_running():
 def _ignore_term_and_sleep():
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     time.sleep(600)
+
+
+def test_death_marks_are_named_written_whole_and_read_by_kind(tmp_path):
+    from distsync import marks
+
+    path = marks.mark_path(tmp_path, marks.DROPPED, 1, 3)
+    assert path == tmp_path / "dropped" / "attempt-1-rank-3.json"
+    assert marks.mark_path(tmp_path, marks.DEAD, 0, 5, "replaced-", 2) == tmp_path / "dead" / "replaced-attempt-0-rank-5-2.json"
+    assert marks.read_mark(path) is None and marks.marked_at(tmp_path, 1)(3) == 0.0
+    marks.write_mark(path, {"rank": 3, "unix": 2.0})
+    marks.write_mark(marks.mark_path(tmp_path, marks.DROPPED, 0, 1), {"rank": 1, "unix": 1.0})
+    marks.write_mark(marks.mark_path(tmp_path, marks.DROPPED, 1, 3, "replaced-", 1), {"rank": 3, "unix": 3.0})
+    assert [p.name for p in (tmp_path / "dropped").iterdir() if p.name.startswith(".")] == []  # (no temporary left)
+    assert [m["rank"] for m in marks.read_marks(tmp_path, marks.DROPPED)] == [1, 3]  # (in the order written)
+    assert [m["unix"] for m in marks.read_marks(tmp_path, marks.DROPPED, prefix="replaced-")] == [3.0]
+    assert marks.marked_at(tmp_path, 1)(3) == path.stat().st_mtime and marks.marked_at(tmp_path, 0)(3) == 0.0
+    marks.write_mark(marks.mark_path(tmp_path, marks.DEAD, 1, 7), {"rank": 7, "unix": 4.0})
+    assert marks.marked_at(tmp_path, 1)(7) > 0  # (a server's death: the other folder)

@@ -28,7 +28,7 @@ LAYERS = (
     ("workloads", "sparse"),
     ("membership",),
     ("comm", "metrics"),
-    ("config", "errors", "gate", "imports", "torch_private"),
+    ("config", "errors", "gate", "imports", "marks", "torch_private"),
 )
 MAX_FUNCTION_LINES = 80
 #: the modules outside ``distsync.comm`` that import torch.distributed, each with what for

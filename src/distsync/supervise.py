@@ -18,6 +18,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
+if __package__:
+    from distsync import marks
+else:  # (run as a script: its own folder comes first on sys.path, and no package is imported)
+    import marks
+
 
 def die_with_parent() -> None:
     """In a child: be killed when the parent dies outright (it must not outlive it)."""
@@ -102,7 +107,7 @@ def _outlive(pid: int, wait, argv: list[str], drop: bool,
     run_dir = Path(argv[argv.index("--run-dir") + 1])
     config = json.loads(Path(argv[argv.index("--config") + 1]).read_text())
     workers = config["workers"]
-    mark = run_dir / "dropped" / f"attempt-{attempt}-rank-{rank}.json"
+    mark = marks.mark_path(run_dir, marks.DROPPED, attempt, rank)
     replacements = int(argv[argv.index("--heal") + 1]) if respawn is not None and "--heal" in argv else 0
     if rank >= workers:  # a server or coordinator: replaced live if the solver can (--replace-ranks R,..:N)
         return _outlive_role(rank, attempt, run_dir, argv, code_of=wait, respawn=respawn if drop else None,
@@ -200,15 +205,9 @@ def mark_dead(run_dir: Path, rank: int, attempt: str, signal_name: str, died_uni
     when its parent saw it), and a replacement (the ``replacement``-th) takes its place. Each
     death of the rank rewrites the mark (the workers look at its time); the earlier deaths
     of this attempt go with it, under ``earlier``, for the run's recovery record."""
-    marks = run_dir / "dead"
-    marks.mkdir(exist_ok=True)
-    path = marks / f"attempt-{attempt}-rank-{rank}.json"
-    earlier = []
-    try:
-        before = json.loads(path.read_text())
-        earlier = [*before.pop("earlier", []), before]
-    except (OSError, ValueError, AttributeError):
-        pass  # (its first death)
+    path = marks.mark_path(run_dir, marks.DEAD, attempt, rank)
+    before = marks.read_mark(path)
+    earlier = [*before.pop("earlier", []), before] if isinstance(before, dict) else []  # (none: its first death)
     mark = {"rank": rank, "signal": signal_name, "unix": time.time(), "attempt": int(attempt)}
     if died_unix is not None:
         mark["died_unix"] = died_unix
@@ -216,22 +215,17 @@ def mark_dead(run_dir: Path, rank: int, attempt: str, signal_name: str, died_uni
         mark["replacement"] = replacement
     if earlier:
         mark["earlier"] = earlier
-    tmp = marks / f".attempt-{attempt}-rank-{rank}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(mark))
-    os.replace(tmp, path)
+    marks.write_mark(path, mark)
 
 
 def mark_unreplaced(run_dir: Path, rank: int, attempt: str, signal_name: str, died_unix: float) -> None:
     """``RUN/dead/unreplaced-attempt-A-rank-R.json``: that server or coordinator died, no
     replacement takes its place and the job restarts. The workers do not look at it (they
     learn of the death as before); the run's recovery record makes it a row."""
-    marks = run_dir / "dead"
     try:
-        marks.mkdir(exist_ok=True)
-        tmp = marks / f".unreplaced-attempt-{attempt}-rank-{rank}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps({"rank": rank, "signal": signal_name, "unix": time.time(), "died_unix": died_unix,
-                                   "attempt": int(attempt), "replaced": False}))
-        os.replace(tmp, marks / f"unreplaced-attempt-{attempt}-rank-{rank}.json")
+        marks.write_mark(marks.mark_path(run_dir, marks.DEAD, attempt, rank, prefix="unreplaced-"),
+                         {"rank": rank, "signal": signal_name, "unix": time.time(), "died_unix": died_unix,
+                          "attempt": int(attempt), "replaced": False})
     except OSError:
         pass  # (a record only: the job ends as the child did whatever)
 
@@ -264,8 +258,6 @@ def mark_dropped(run_dir: Path, rank: int, attempt: str, signal_name: str, died_
     """``RUN/dropped/attempt-A-rank-R.json``: that worker died (at ``died_unix``, when its
     parent saw it; None: found stalled by another worker) and the others go on, with the
     last step its journal shows and when that step ended (``last_step_unix``)."""
-    marks = run_dir / "dropped"
-    marks.mkdir(exist_ok=True)
     last, last_unix = None, None  # its journal (process.journal_path) says how far it got
     journal = run_dir / "journal" / f"rank-{rank}.jsonl"
     for line in journal.read_text().splitlines() if journal.exists() else []:
@@ -280,9 +272,7 @@ def mark_dropped(run_dir: Path, rank: int, attempt: str, signal_name: str, died_
         mark["last_step_unix"] = last_unix
     if died_unix is not None:
         mark["died_unix"] = died_unix
-    tmp = marks / f".attempt-{attempt}-rank-{rank}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(mark))
-    os.replace(tmp, marks / f"attempt-{attempt}-rank-{rank}.json")  # (others poll for it)
+    marks.write_mark(marks.mark_path(run_dir, marks.DROPPED, attempt, rank), mark)  # (others poll for it)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ torch's errors become typed ones in ``comm/failures.py`` (:class:`~distsync.erro
 reads an exception's text.
 """
 
-from distsync.membership.liveness import ALIVE, BEAT, Heartbeat, Liveness, marked_dead, watching
+from distsync.membership.liveness import ALIVE, BEAT, Heartbeat, Liveness, watching
 from distsync.membership.views import VIEW, Membership, View
 
-__all__ = ["ALIVE", "BEAT", "Heartbeat", "Liveness", "Membership", "VIEW", "View", "marked_dead", "watching"]
+__all__ = ["ALIVE", "BEAT", "Heartbeat", "Liveness", "Membership", "VIEW", "View", "watching"]

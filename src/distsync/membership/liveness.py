@@ -7,8 +7,8 @@
 - **Stalled**: both stood still for the comm timeout (the process is stopped, e.g. SIGSTOP,
   or frozen, or its host is cut off without its connections closing). A stalled peer is
   treated as dead: the others go on without it, and its supervisor ends it.
-- **Dead**: its process is gone: its supervising parent marked it (``RUN/dropped/``, written
-  the moment it died), or its connection closed.
+- **Dead**: its process is gone: its supervising parent marked it (a death mark, written
+  the moment it died: ``distsync.marks``), or its connection closed.
 
 Every blocking wait on a peer (a receive or send, a group's formation, a view's collective,
 a server round, the end-of-run gather) asks :meth:`Liveness.check` while it waits, and
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 from distsync.errors import PeerDied, PeerStalled
@@ -179,21 +178,3 @@ def watching(marked_dead: Callable[[int], bool] | None = None,
         return live
 
     return watch
-
-
-def marked_dead(run_dir: Path, attempt: int) -> Callable[[int], float]:
-    """When R's supervisor saw it die (0.0: it did not): ``RUN/dropped/attempt-A-rank-R.json``
-    (a worker) or ``RUN/dead/...`` (a server or coordinator, replaced while the job runs: each
-    death rewrites the mark)."""
-    name = f"attempt-{attempt}-rank-{{}}.json"
-    folders = (Path(run_dir) / "dropped", Path(run_dir) / "dead")
-
-    def marked(rank: int) -> float:
-        for folder in folders:
-            try:
-                return (folder / name.format(rank)).stat().st_mtime
-            except OSError:
-                continue
-        return 0.0
-
-    return marked

@@ -21,7 +21,8 @@ from distsync.runtime.checkpoint import STATEFUL_ROLES, CheckpointStore, fingerp
 from distsync.runtime.linkmeasure import run_linktest
 from distsync.runtime.loop import Progress, train_worker
 from distsync.comm.comm import FailurePolicy
-from distsync.membership import BEAT, Membership, marked_dead, watching
+from distsync import marks
+from distsync.membership import BEAT, Membership, watching
 from distsync.membership.admission import join_as_replacement
 from distsync.runtime.recovery import (CheckpointPolicy, FaultInjector, WorkerRecovery, raise_if_stopped,
                                        read_faults, read_jsonl, restart_count,
@@ -90,26 +91,14 @@ def journal_path(run_dir: Path, rank: int) -> Path:
     return run_dir / "journal" / f"rank-{rank}.jsonl"
 
 
-def _marks(run_dir: Path, pattern: str, folder: str = "dropped") -> list[dict[str, Any]]:
-    """The marks in ``RUN/dropped/`` (or ``RUN/<folder>/``) named like ``pattern``, in the
-    order the processes died."""
-    marks = []
-    for path in (run_dir / folder).glob(pattern):
-        try:
-            marks.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            pass
-    return sorted(marks, key=lambda m: m["unix"])
-
-
 def dropped_marks(run_dir: Path) -> list[dict[str, Any]]:
     """The workers this run dropped, in any attempt, in the order they died."""
-    return _marks(run_dir, "attempt-*-rank-*.json")
+    return marks.read_marks(run_dir, marks.DROPPED)
 
 
 def replaced_marks(run_dir: Path) -> list[dict[str, Any]]:
     """The dead workers whose replacement healed from a live peer (it took their mark over)."""
-    return _marks(run_dir, "replaced-attempt-*-rank-*.json")
+    return marks.read_marks(run_dir, marks.DROPPED, prefix="replaced-")
 
 
 def dead_marks(run_dir: Path) -> list[dict[str, Any]]:
@@ -117,18 +106,16 @@ def dead_marks(run_dir: Path) -> list[dict[str, Any]]:
     mark per death (distsync/supervise.py): ``replaced`` true for those a replacement took the
     place of (``RUN/dead/attempt-A-rank-R.json``, the rank's latest death, holds its earlier
     ones), false for the death the job restarted on (``unreplaced-...``)."""
-    marks = []
-    for m in _marks(run_dir, "attempt-*-rank-*.json", "dead"):
-        for death in [*m.pop("earlier", []), m]:
-            marks.append({**death, "replaced": True})
-    marks += _marks(run_dir, "unreplaced-attempt-*-rank-*.json", "dead")
-    return sorted(marks, key=lambda m: m.get("died_unix", m["unix"]))
+    deaths = [{**death, "replaced": True} for m in marks.read_marks(run_dir, marks.DEAD)
+              for death in [*m.pop("earlier", []), m]]
+    deaths += marks.read_marks(run_dir, marks.DEAD, prefix="unreplaced-")
+    return sorted(deaths, key=lambda m: m.get("died_unix", m["unix"]))
 
 
 def served_marks(run_dir: Path) -> list[dict[str, Any]]:
     """When each replacement of a server or coordinator started serving
     (``RUN/dead/replaced-attempt-A-rank-R-N.json``, :func:`note_replaced`)."""
-    return _marks(run_dir, "replaced-attempt-*-rank-*-*.json", "dead")
+    return marks.read_marks(run_dir, marks.DEAD, prefix="replaced-")
 
 
 def note_replaced(run_dir: Path, rank: int, replacement: int) -> Callable[[], None]:
@@ -144,12 +131,8 @@ def note_replaced(run_dir: Path, rank: int, replacement: int) -> Callable[[], No
             return  # (the first call's time is the one)
         attempt = restart_count()
         mark = {"rank": rank, "attempt": attempt, "replacement": replacement, "unix": time.time()}
-        name = f"replaced-attempt-{attempt}-rank-{rank}-{replacement}.json"
         try:
-            (run_dir / "dead").mkdir(exist_ok=True)
-            tmp = run_dir / "dead" / f".{name}.{os.getpid()}.tmp"
-            tmp.write_text(json.dumps(mark))
-            os.replace(tmp, run_dir / "dead" / name)
+            marks.write_mark(marks.mark_path(run_dir, marks.DEAD, attempt, rank, "replaced-", replacement), mark)
         except OSError:
             pass  # (a record only: serving goes on)
 
@@ -162,10 +145,7 @@ def dropped_ranks(run_dir: Path) -> set[int]:
 
 def dropped_mark(run_dir: Path, attempt: int, rank: int) -> dict[str, Any] | None:
     """What distsync/supervise.py wrote when worker ``rank`` died in ``attempt``."""
-    try:
-        return json.loads((run_dir / "dropped" / f"attempt-{attempt}-rank-{rank}.json").read_text())
-    except (OSError, ValueError):
-        return None
+    return marks.read_mark(marks.mark_path(run_dir, marks.DROPPED, attempt, rank))
 
 
 #: where each process says it has finished its part of the job
@@ -400,7 +380,7 @@ def failure_policy(run: ResolvedRun, run_dir: Path, rank: int) -> FailurePolicy:
         if 0 <= r < len(run.role_of) and run.role_of[r] == "worker":
             mark_dropped(run_dir, r, str(restart_count()), "stalled")
 
-    watch = watching(marked_dead(run_dir, restart_count()) if drops else None, mark_stalled if drops else None)
+    watch = watching(marks.marked_at(run_dir, restart_count()) if drops else None, mark_stalled if drops else None)
     views = None
     if drops and Capability.REFORMS_WITHOUT_DEAD in run.solver_cls.capabilities and role == "worker":
         def views(comm: Comm) -> Membership:
@@ -425,8 +405,8 @@ class _DeadMark:
 
     def __init__(self, run_dir: Path, rank: int, replacement: int):
         attempt = restart_count()
-        self.mark = run_dir / "dropped" / f"attempt-{attempt}-rank-{rank}.json"
-        self.taken = run_dir / "dropped" / f"replaced-attempt-{attempt}-rank-{rank}-{replacement}.json"
+        self.mark = marks.mark_path(run_dir, marks.DROPPED, attempt, rank)
+        self.taken = marks.mark_path(run_dir, marks.DROPPED, attempt, rank, "replaced-", replacement)
         self.replacement = replacement
 
     def take(self) -> None:
