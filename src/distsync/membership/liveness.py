@@ -22,11 +22,11 @@ import threading
 import time
 from typing import Any, Callable
 
-from distsync.errors import PeerDied, PeerStalled
+from distsync.errors import CommError, PeerDied, PeerStalled
 
 #: a process's heartbeat counter in the job's store (its heartbeat thread moves it)
 ALIVE = "distsync/alive/"
-#: a worker's progress in the job's store: the steps it has done (runtime/plugins/budget.py)
+#: a worker's progress in the job's store: the steps it has done (:func:`report_progress`)
 BEAT = "distsync/beat/"
 #: how often a wait asks whether its peer is still alive (a look at the drop marks; the
 #: store's counters are read every :data:`LOOK_S` at most)
@@ -83,6 +83,12 @@ class Liveness:
     def stop(self) -> None:
         if self.heartbeat is not None:
             self.heartbeat.stop()
+
+    def progress(self, rank: int) -> str | None:
+        """Rank's last reported progress (the steps it had done; :func:`report_progress`), or
+        None if it reported none."""
+        key = f"{BEAT}{rank}"
+        return self._get(key) if self._check(key) else None
 
     def signs(self, rank: int) -> str:
         """Rank's heartbeat and progress as one string: it changes while the rank lives."""
@@ -145,6 +151,23 @@ class Liveness:
             raise PeerStalled(f"rank {self.rank}: {what} failed: rank {rank} made no progress for "
                               f"{self.timeout_s:g} s (it is stalled)", rank)
 
+    def wait_for(self, rank: int, ready: Callable[[], Any], stalled: Callable[[str], str], poll_s: float,
+                 leave_workers: Callable[[int], bool] = lambda r: False) -> Any:
+        """What ``ready()`` returns once it returns something other than None (asked every
+        ``poll_s`` seconds), however long that takes, as long as ``rank`` lives. Once its
+        heartbeat and progress have stood still for the comm timeout: if
+        ``leave_workers(rank)`` and this job goes on without it (:meth:`leave_behind`), the
+        wait goes on (``ready()`` learns of its mark); else :class:`CommError` with the message
+        ``stalled(where)``, ``where`` saying how far it got."""
+        while True:
+            got = ready()
+            if got is not None:
+                return got
+            if self.stalled(rank) and not (leave_workers(rank) and self.leave_behind(rank)):
+                beat = self.progress(rank)
+                raise CommError(stalled(f"last progress at step {beat}" if beat is not None else "no progress yet"))
+            time.sleep(poll_s)
+
     def leave_behind(self, rank: int) -> bool:
         """Record that the others go on without stalled ``rank`` (its supervisor then ends it,
         so that it cannot come back); whether this job does that (else a stall fails it)."""
@@ -164,6 +187,12 @@ class Liveness:
                 return False
             time.sleep(0.01)
         return True
+
+
+def report_progress(store_set: Callable[[str, str], Any], rank: int, done: int) -> None:
+    """Tell the job's store that ``rank`` has done ``done`` steps: a sign of its life
+    (:meth:`Liveness.signs`) and how far it got (:meth:`Liveness.progress`)."""
+    store_set(f"{BEAT}{rank}", str(done))
 
 
 def watching(marked_dead: Callable[[int], bool] | None = None,

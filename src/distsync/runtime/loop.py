@@ -24,7 +24,7 @@ from distsync.runtime.plugins import (Checkpointer, ComputeGate, DeviceStretch, 
                                       FaultInjection, HogwildRunner, Plugins, Progress, RunState, SingleThread,
                                       StepState, TrainClock)
 from distsync.membership.liveness import POLL_S
-from distsync.runtime.plugins.budget import Heartbeat, JobBudget
+from distsync.runtime.plugins.budget import JobBudget, ProgressReport
 from distsync.runtime.plugins.tensorboard import TensorBoardLog
 from distsync.runtime.plugins.training import (DataEnd, GradClip, LearningRate, LossScaler, check_accumulate,
                                                forward_precision)
@@ -77,7 +77,7 @@ def worker_plugins(cfg: RunConfig, workload: Workload, solver, comm, progress: P
         EmbeddingTablesClient(cfg.embedding_servers, solver.threads) if cfg.embedding_servers else None,
         FaultInjection(recovery.faults),
         JobBudget.for_worker(cfg, solver, workload),  # with --budget: when this worker stops
-        Heartbeat(min(1.0, cfg.timeout_s / 5)),
+        ProgressReport(min(1.0, cfg.timeout_s / 5)),
         DeviceStretch.for_worker(cfg, comm.rank, solver.threads, crossover),  # after the lookups: they are not compute
         LearningRate(cfg),
         LossScaler.for_worker(cfg, solver),  # before clipping: the norm of the true gradient

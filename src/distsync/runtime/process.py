@@ -14,7 +14,7 @@ import torch
 from distsync.comm import Comm
 from distsync.comm.devices import enter, place_from_env
 from distsync.config import Budget, RunConfig
-from distsync.errors import CommError, ConfigError
+from distsync.errors import ConfigError
 from distsync.metrics import device_summary, split_collective_wait, summarize
 from distsync.metrics.outputs import write_csv
 from distsync.runtime.checkpoint import STATEFUL_ROLES, CheckpointStore, fingerprint
@@ -22,7 +22,7 @@ from distsync.runtime.linkmeasure import run_linktest
 from distsync.runtime.loop import Progress, train_worker
 from distsync.comm.comm import FailurePolicy
 from distsync import marks
-from distsync.membership import BEAT, Membership, watching
+from distsync.membership import Liveness, Membership, watching
 from distsync.membership.admission import join_as_replacement
 from distsync.runtime.recovery import (CheckpointPolicy, FaultInjector, WorkerRecovery, raise_if_stopped,
                                        read_faults, read_jsonl, restart_count,
@@ -154,34 +154,19 @@ FINISHED = "distsync/finished/"
 
 def wait_on_peer(comm: Comm, rank: int, ready: Callable[[], T | None], stalled: Callable[[str], str],
                  poll_s: float) -> T:
-    """What ``ready()`` returns once it returns something (it is asked every ``poll_s``
-    seconds), however long that takes, as long as ``rank`` makes progress: its heartbeat
-    (``plugins.budget.Heartbeat``) moves. Once the heartbeat has stood still for the comm
-    timeout, raises a :class:`CommError` with the message ``stalled(where)``, ``where``
-    saying which heartbeat was the last ("last heartbeat at step 412", "no heartbeat yet")."""
-    seen, since = None, time.monotonic()
-    while True:
-        got = ready()
-        if got is not None:
-            return got
-        live = getattr(comm, "liveness", None)
-        if live is not None:  # (its heartbeat or its progress moves: membership/liveness.py)
-            if live.stalled(rank) and not (comm.role_of[rank] == "worker" and live.leave_behind(rank)):
-                raise CommError(stalled("neither its heartbeat nor its progress moved"))
-            time.sleep(poll_s)
-            continue
-        beat = comm.store_get(f"{BEAT}{rank}") if comm.store_check(f"{BEAT}{rank}") else None
-        if beat != seen:
-            seen, since = beat, time.monotonic()
-        elif time.monotonic() - since > comm.timeout_s:
-            raise CommError(stalled(f"last heartbeat at step {seen}" if seen is not None else "no heartbeat yet"))
-        time.sleep(poll_s)
+    """What ``ready()`` returns once it returns something, as long as ``rank`` lives:
+    :meth:`~distsync.membership.liveness.Liveness.wait_for` on the comm's liveness (a comm
+    without one: a liveness over its store, with no supervisor's marks). A stalled worker that
+    this job goes on without is waited for no longer than ``ready()`` takes to see its mark."""
+    live = comm.liveness if getattr(comm, "liveness", None) is not None else \
+        Liveness(comm.rank, comm.timeout_s, comm.store_get, comm.store_check)
+    return live.wait_for(rank, ready, stalled, poll_s, leave_workers=lambda r: comm.role_of[r] == "worker")
 
 
 def wait_for_workers(comm: Comm, poll_s: float = 0.2) -> None:
     """Wait until every worker has finished training, however long a slow one takes, as long
-    as it makes progress (its heartbeat, ``plugins.budget.Heartbeat``, moves); a worker whose
-    heartbeat stood still for the comm timeout fails the job, named."""
+    as it lives (:func:`wait_on_peer`); a worker that stood still for the comm timeout fails
+    the job, named."""
     comm.store_set(f"{FINISHED}{comm.rank}", "1")
     for r in comm.worker_ranks:
         wait_on_peer(comm, r, lambda: comm.store_check(f"{FINISHED}{r}") or None,

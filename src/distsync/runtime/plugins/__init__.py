@@ -5,7 +5,7 @@ one concern. A run's plug-ins are listed in ``loop.worker_plugins``.
 """
 
 from distsync.runtime.plugins.base import HOOKS, Plugin, Plugins, RunState, StepState, SyncPoint, TrainClock
-from distsync.runtime.plugins.budget import Heartbeat, JobBudget
+from distsync.runtime.plugins.budget import JobBudget, ProgressReport
 from distsync.runtime.plugins.checkpointer import Checkpointer
 from distsync.runtime.plugins.embeddings import EmbeddingTablesClient, use_embedding_servers
 from distsync.runtime.plugins.evaluator import Evaluator
@@ -16,5 +16,5 @@ from distsync.runtime.plugins.progress import Progress
 from distsync.runtime.plugins.stretch import ComputeStretch, DeviceStretch
 
 __all__ = ["HOOKS", "Checkpointer", "ComputeGate", "ComputeStretch", "DeviceStretch", "EmbeddingTablesClient",
-           "Evaluator", "FaultInjection", "Heartbeat", "HogwildRunner", "JobBudget", "Plugin", "Plugins", "Progress", "RunState",
+           "Evaluator", "FaultInjection", "HogwildRunner", "JobBudget", "Plugin", "Plugins", "Progress", "ProgressReport", "RunState",
            "SingleThread", "StepState", "SyncPoint", "TrainClock", "hogwild_replica", "use_embedding_servers"]

@@ -26,7 +26,7 @@ from typing import Any
 
 from distsync.config import Budget
 from distsync.errors import DistsyncError
-from distsync.membership.liveness import BEAT  # (a worker's progress: a sign of its life)
+from distsync.membership.liveness import report_progress
 from distsync.runtime.plugins.base import Plugin, RunState, StepState
 
 STOP = "distsync/budget/stop"
@@ -137,10 +137,11 @@ class JobBudget(Plugin):
         return mean >= self.target if self.higher_is_better else mean <= self.target
 
 
-class Heartbeat(Plugin):
-    """Tells the job's store how far this worker is, at most every ``interval`` seconds, so
-    that workers done early wait for a peer that is still training (``process.wait_for_workers``)
-    and give up only on one that made no progress for the run's timeout."""
+class ProgressReport(Plugin):
+    """Reports how far this worker is (membership.liveness.report_progress), at most every
+    ``interval`` seconds: a sign of its life beside its heartbeat, so that workers done early
+    wait for a peer that is still training (``process.wait_for_workers``) and give up only on
+    one whose signs stood still for the run's timeout."""
 
     def __init__(self, interval: float):
         self.interval = interval
@@ -148,7 +149,7 @@ class Heartbeat(Plugin):
 
     def beat(self, run: RunState, done: int) -> None:
         self._last = time.monotonic()
-        run.comm.store_set(f"{BEAT}{run.rank}", str(done))
+        report_progress(run.comm.store_set, run.rank, done)
 
     def on_start(self, run: RunState) -> None:
         self.beat(run, 0)
