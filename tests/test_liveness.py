@@ -222,3 +222,26 @@ def test_death_marks_are_named_written_whole_and_read_by_kind(tmp_path):
     assert marks.marked_at(tmp_path, 1)(3) == path.stat().st_mtime and marks.marked_at(tmp_path, 0)(3) == 0.0
     marks.write_mark(marks.mark_path(tmp_path, marks.DEAD, 1, 7), {"rank": 7, "unix": 4.0})
     assert marks.marked_at(tmp_path, 1)(7) > 0  # (a server's death: the other folder)
+
+
+def test_the_comm_asks_liveness_and_views_only_what_they_provide():
+    """The comm types its liveness and views by the protocols it asks of them; the membership
+    room's classes provide every member (a rename on either side fails here)."""
+    import typing
+
+    from distsync.comm.comm import LiveViews, PeerLiveness
+    from distsync.membership.views import Membership
+
+    live = _liveness(_Store())
+    assert isinstance(live, PeerLiveness)
+    views = Membership.__new__(Membership)
+    views.liveness = live
+    assert isinstance(views, LiveViews)
+    for proto, cls in ((PeerLiveness, type(live)), (LiveViews, Membership)):
+        for name in proto.__dict__.get("__annotations__", {}) | {
+                n: 0 for n, v in vars(proto).items() if callable(v) and not n.startswith("_")}:
+            member = getattr(cls, name, None)
+            if callable(member):  # (the same parameters, by name, as the protocol says)
+                want = [p for p in typing.get_type_hints(getattr(proto, name)) if p != "return"]
+                have = [p for p in typing.get_type_hints(member) if p != "return"]
+                assert want == have, f"{cls.__name__}.{name}: {have}, the protocol says {want}"

@@ -8,7 +8,7 @@ import threading
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -89,6 +89,45 @@ def retire_group(pg: Any, timeout_s: float) -> None:
     del expired  # (their operations have ended: letting them go does not wait)
 
 
+@runtime_checkable
+class PeerLiveness(Protocol):
+    """What the comm and the rooms above it ask of a rank's knowledge of its peers' liveness
+    (``membership.liveness.Liveness`` is the one that provides it)."""
+
+    mark_stalled: Callable[[int], None] | None
+
+    def check(self, rank: int, what: str) -> None: ...
+    def confirm_dead(self, rank: int, grace_s: float = 1.0) -> bool: ...
+    def dead(self, rank: int) -> bool: ...
+    def stalled(self, rank: int) -> bool: ...
+    def state(self, rank: int) -> str: ...
+    def progress(self, rank: int) -> str | None: ...
+    def revive(self, rank: int) -> None: ...
+    def forget(self, rank: int) -> None: ...
+    def leave_behind(self, rank: int) -> bool: ...
+    def wait_for(self, rank: int, ready: Callable[[], Any], stalled: Callable[[str], str], poll_s: float,
+                 leave_workers: Callable[[int], bool] = ...) -> Any: ...
+    def stop(self) -> None: ...
+
+
+@runtime_checkable
+class LiveViews(Protocol):
+    """What the comm and the rooms above it ask of the live views of a job that re-forms its
+    groups without the dead (``membership.views.Membership`` is the one that provides it)."""
+
+    liveness: PeerLiveness
+
+    def view(self, tag: str, ordered: bool = True) -> Any: ...
+    def view_of(self, group: Any) -> Any: ...
+    def check(self, view: Any, what: str) -> None: ...
+    def wait(self, work: Any, view: Any, what: str, timeout_s: float) -> None: ...
+    def lost(self, view: Any, what: str, cause: str) -> Exception: ...
+    def take_lost(self, tag: str = "workers") -> Exception | None: ...
+    def reform(self, tag: str) -> Any: ...
+    def hand_over(self, view: Any, state: Callable[[], Any]) -> Any: ...
+    def join(self, tag: str, replaces: Callable[[], None], over: Callable[[], bool]) -> Any: ...
+
+
 @dataclass(frozen=True)
 class FailurePolicy:
     """How a rank's operations treat a peer's failure; given to :class:`Comm` at construction.
@@ -108,11 +147,11 @@ class FailurePolicy:
       (``membership.views.Membership``), made once the comm is up.
     """
 
-    watch: Callable[["Comm"], Any] | None = None
+    watch: Callable[["Comm"], PeerLiveness] | None = None
     drops_dead_peers: bool = False
     admit_replacements: bool = False
     replaced_ranks: frozenset = frozenset()
-    views: Callable[["Comm"], Any] | None = None
+    views: Callable[["Comm"], LiveViews] | None = None
 
 
 #: how long a point-to-point wait on a live peer may last (gloo ends a wait that runs out by
@@ -249,10 +288,10 @@ class Comm:
         #: how this rank treats a peer's failure (:class:`FailurePolicy`)
         self.policy = policy or FailurePolicy()
         #: the live views of a job that goes on without dead workers (None: a death fails the job)
-        self.membership: Any = None
+        self.membership: LiveViews | None = None
         #: what this rank knows of its peers' liveness (``membership.liveness.Liveness``;
         #: None: waits are bounded by the comm timeout alone)
-        self.liveness: Any = None
+        self.liveness: PeerLiveness | None = None
         #: point-to-point channels of their own (a group of two) to peers outside the default
         #: group: a replacement for a dead worker and the peers it talks to (:meth:`open_channel`)
         self._channels: dict[int, Any] = {}
