@@ -177,6 +177,34 @@ def kill_tree(pid: int) -> None:
             pass
 
 
+class DictStore(dict):
+    """A job's key-value store for a stand-in comm (``comm.store``): a dict with the
+    operations of :class:`~distsync.comm.store.JobStore` (``get`` raises for a missing key,
+    as the store would fail its wait)."""
+
+    def get(self, key):  # noqa: D102
+        return self[key]
+
+    def set(self, key, value):
+        self[key] = value
+
+    def check(self, key):
+        return key in self
+
+    def add(self, key, amount):
+        self[key] = str(int(dict.get(self, key, "0")) + amount)
+        return int(self[key])
+
+    def first(self, key, value):
+        return self.setdefault(key, value)
+
+    def client(self):
+        return self
+
+    def raw(self):
+        return self
+
+
 def run_in_threads(body: Callable[[int], None], n: int, on_error: Callable[[], None] | None = None) -> None:
     """``body(t)`` on threads t = 0..n-1 (named "t0", "t1", ...), all joined; the first error
     raised in one is raised here, after ``on_error()`` (e.g. a barrier's abort, so that the

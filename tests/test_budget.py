@@ -13,36 +13,25 @@ from distsync.config import Budget, parse_budget
 from distsync.errors import DistsyncError
 from distsync.runtime.plugins import JobBudget, StepState
 from distsync.runtime.plugins.budget import STOP_AT
-from helpers import run_cli
+from helpers import DictStore, run_cli
 
 
 class Store:
     """The job's key-value store, shared by the stand-in comms of several workers."""
 
     def __init__(self):
-        self.data: dict[str, str] = {}
+        self.data = DictStore()
 
 
 class StoreComm:
     def __init__(self, store: Store, rank: int, workers: int):
-        self.store, self.rank, self.worker_ranks = store, rank, list(range(workers))
+        self.store, self.rank, self.worker_ranks = store.data, rank, list(range(workers))
         self.role_of = ["worker"] * workers
 
-    def store_add(self, key, amount):
-        self.store.data[key] = str(int(self.store.data.get(key, "0")) + amount)
-        return int(self.store.data[key])
 
-    def store_set(self, key, value):
-        self.store.data[key] = value
 
-    def store_check(self, key):
-        return key in self.store.data
 
-    def store_get(self, key):
-        return self.store.data[key]
 
-    def store_first(self, key, value):
-        return self.store.data.setdefault(key, value)
 
 
 class Clock:

@@ -45,7 +45,7 @@ def _retire_while_an_operation_waits(rank, world):
     from distsync.comm.comm import make_group, retire_group
 
     comm = Comm.from_env(["worker"] * world, 10.0, torch.device("cpu"))
-    pg = make_group(comm.raw_store(), "test/retire", [0, 1, 2], rank, 3.0, "test-retire")
+    pg = make_group(comm.store.raw(), "test/retire", [0, 1, 2], rank, 3.0, "test-retire")
     if rank == 2:  # alive (for 2.5 s), but never takes part in the operation
         time.sleep(2.5)
         return None

@@ -48,7 +48,7 @@ def _scripted_rank(rank, world, solver, options, order, steps):
     workers = world - sum(s.roles.values())
     # (a stalled script says so first, at its 20 s, before the comm's 30 s)
     comm = Comm.from_env(assign_roles(workers, s.roles), 30.0, torch.device("cpu"))
-    script = Script(order, rank, comm.raw_store())
+    script = Script(order, rank, comm.store.raw())
     w = load_workload("digits")
 
     def model0():
@@ -366,7 +366,7 @@ def _threads_rank(rank, world, solver, options, order, rounds):
 
     s = make_solver(solver, threads=2, **options)
     comm = Comm.from_env(assign_roles(1, s.roles), 30.0, torch.device("cpu"))
-    script = Script(order, rank, comm.raw_store())
+    script = Script(order, rank, comm.store.raw())
     w = load_workload("digits")
 
     def model0():

@@ -10,7 +10,7 @@ import pytest
 from distsync.errors import CommError, Excluded
 from distsync.membership import VIEW, Liveness, Membership, View
 from distsync.runtime.recovery import summarize_recovery, summarize_views
-from helpers import run_cli
+from helpers import DictStore, run_cli
 
 
 # ---- the agreement, in-process ------------------------------------------------------------
@@ -20,28 +20,17 @@ class _Comm:
     the ranks of one test)."""
 
     def __init__(self, rank: int, store: dict, timeout_s: float = 0.3):
-        self.rank, self.store, self.timeout_s = rank, store, timeout_s
+        self.rank, self.store, self.timeout_s = rank, store, timeout_s  # (a DictStore)
 
-    def store_check(self, key):
-        return key in self.store
 
-    def store_get(self, key):
-        return self.store[key]
 
-    def store_set(self, key, value):
-        self.store[key] = value
 
-    def store_first(self, key, value):
-        return self.store.setdefault(key, value)
 
-    def store_add(self, key, amount):
-        self.store[key] = str(int(self.store.get(key, "0")) + amount)
-        return int(self.store[key])
 
 
 def _membership(rank: int, store: dict, dead: set, beats: dict | None = None) -> Membership:
     comm = _Comm(rank, store)
-    live = Liveness(rank, comm.timeout_s, comm.store_get, comm.store_check, lambda r: r in dead)
+    live = Liveness(rank, comm.timeout_s, comm.store.get, comm.store.check, lambda r: r in dead)
     live.signs = lambda r: (beats or {}).get(r, "moving-" + str(time.monotonic()))
     m = Membership(comm, [0, 1, 2, 3], live)
     # a group per view is made by real processes elsewhere: here, only who is in it
@@ -51,8 +40,9 @@ def _membership(rank: int, store: dict, dead: set, beats: dict | None = None) ->
     return m
 
 
-def _in(store: dict, epoch: int, *ranks: int, seq: int = 7) -> dict:
+def _in(store: dict, epoch: int, *ranks: int, seq: int = 7) -> DictStore:
     """The store as it is once ``ranks`` have come to make epoch ``epoch``'s group."""
+    store = store if isinstance(store, DictStore) else DictStore(store)
     for r in ranks:
         store[f"{VIEW}workers/{epoch}/fate/{r}"] = "in"
         store[f"{VIEW}workers/{epoch}/seq/{r}"] = str(seq)
@@ -76,7 +66,7 @@ def test_a_rank_behind_follows_every_epoch_agreed_since():
 
 
 def test_a_worker_left_out_of_the_agreed_view_is_told_so():
-    store = {f"{VIEW}workers/1": "[0, 1, 3]"}
+    store = DictStore({f"{VIEW}workers/1": "[0, 1, 3]"})
     with pytest.raises(Excluded, match="rank 2: the other workers went on without this one"):
         _membership(2, store, set()).reform("workers")
 
@@ -88,7 +78,7 @@ def test_members_that_left_at_different_operations_cannot_go_on():
 
 
 def test_a_member_that_died_before_it_came_is_out_and_that_group_is_never_made():
-    store = {f"{VIEW}workers/1": "[0, 1, 3]", f"{VIEW}workers/1/fate/1": "in"}
+    store = DictStore({f"{VIEW}workers/1": "[0, 1, 3]", f"{VIEW}workers/1/fate/1": "in"})
     assert _membership(0, store, {3})._all_in("workers", 1, (0, 1, 3)) is False
     assert store[f"{VIEW}workers/1/fate/3"] == "out"
     # and the next epoch leaves it out
@@ -100,9 +90,9 @@ def test_a_member_that_died_before_it_came_is_out_and_that_group_is_never_made()
 def test_an_admission_whose_group_was_never_made_carries_over_to_the_next_view():
     """Rank 0 admitted replacement 1 in epoch 2, and rank 2 died before it came: epoch 3
     still admits 1 (a state is handed to it; nobody waits for what it did on epoch 1)."""
-    store = {f"{VIEW}workers/1": "[0, 2, 3]", f"{VIEW}workers/2": "[0, 1, 2, 3]",
+    store = DictStore({f"{VIEW}workers/1": "[0, 2, 3]", f"{VIEW}workers/2": "[0, 1, 2, 3]",
              f"{VIEW}workers/2/joined": json.dumps({"joined": [1], "src": 0}),
-             f"{VIEW}workers/2/fate/1": "in", f"{VIEW}workers/2/fate/3": "in"}
+             f"{VIEW}workers/2/fate/1": "in", f"{VIEW}workers/2/fate/3": "in"})
     _in(store, 3, 1, 3)
     m = _membership(0, store, {2})
     m._views["workers"] = View("workers", 1, (0, 2, 3), None, seq=7)
@@ -121,8 +111,8 @@ def test_a_replacement_is_not_taken_for_stalled_by_its_dead_predecessors_heartbe
     """Rank 0 last looked at rank 1's heartbeat ("7/-") 20 s ago, before rank 1 died; it
     followed the view without 1 that others agreed, then the one that admits 1's
     replacement, which has not beaten yet: its heartbeat still reads "7/-"."""
-    store = {f"{VIEW}workers/1": "[0, 2, 3]", f"{VIEW}workers/2": "[0, 1, 2, 3]",
-             f"{VIEW}workers/2/joined": json.dumps({"joined": [1], "src": 2}), f"{VIEW}workers/2/fate/1": "in"}
+    store = DictStore({f"{VIEW}workers/1": "[0, 2, 3]", f"{VIEW}workers/2": "[0, 1, 2, 3]",
+             f"{VIEW}workers/2/joined": json.dumps({"joined": [1], "src": 2}), f"{VIEW}workers/2/fate/1": "in"})
     _in(_in(store, 1, 2, 3), 2, 2, 3)
     m = _membership(0, store, set(), beats={1: "7/-"})
     now = time.monotonic()
@@ -153,12 +143,12 @@ def test_the_view_that_leaves_a_stalled_member_out_marks_it_stalled_and_a_dead_o
 def test_no_death_found_within_the_timeout_is_an_error_not_a_new_view():
     t0 = time.monotonic()
     with pytest.raises(CommError, match="the workers group failed and no worker was found dead"):
-        _membership(0, {}, set()).reform("workers")
+        _membership(0, DictStore(), set()).reform("workers")
     assert time.monotonic() - t0 < 10
 
 
 def test_a_worker_whose_heartbeat_stands_still_for_the_timeout_is_found_dead():
-    m = _membership(0, {}, set(), beats={1: "5/-", 2: "9/3", 3: "9/4"})
+    m = _membership(0, DictStore(), set(), beats={1: "5/-", 2: "9/3", 3: "9/4"})
     assert m.dead_among((1, 2, 3)) == set()  # first look
     time.sleep(0.35)
     m.liveness._seen = {r: (b, t, t - 1.0) for r, (b, t, _) in m.liveness._seen.items()}  # (looked at half a second ago)
@@ -363,7 +353,7 @@ def test_results_travel_through_the_store_in_parts_a_long_runs_events_fit_in(mon
     from distsync.runtime import process
 
     monkeypatch.setattr(process, "STORE_PART", 10)
-    store = {}
+    store = DictStore()
     comm = _Comm(2, store)
     mine = {"events": [{"kind": "step", "step": k} for k in range(5)], "role": "worker"}
     process._put_results(comm, mine)

@@ -134,7 +134,7 @@ def _waits(rank: int, world: int, run_dir: str, case: str):
             time.sleep(3.0)
             comm.send(torch.ones(3), 0)
         elif case == "stopped":
-            comm.store_set("pid/1", str(os.getpid()))
+            comm.store.set("pid/1", str(os.getpid()))
             os.kill(os.getpid(), signal.SIGSTOP)  # (rank 0 lets it go on once it has given up on it)
         else:
             (Path(run_dir) / "dropped").mkdir()
@@ -151,7 +151,7 @@ def _waits(rank: int, world: int, run_dir: str, case: str):
         out = (type(e).__name__, str(e))
     waited = time.monotonic() - t0
     if case == "stopped":
-        os.kill(int(comm.store_get("pid/1")), signal.SIGCONT)
+        os.kill(int(comm.store.get("pid/1")), signal.SIGCONT)
     comm.close()
     return out, waited
 

@@ -284,7 +284,7 @@ def _runs_rank(rank, world, solver, workers, runs, steps):
     for i, options in enumerate(runs):
         s = make_solver(solver, **options)
         order = SCRIPTS[solver](options, workers, steps) if solver in SCRIPTS else None
-        script = Script(order, rank, comm.raw_store(), key=f"distsync/test/turn/{i}") if order else None
+        script = Script(order, rank, comm.store.raw(), key=f"distsync/test/turn/{i}") if order else None
         with turns.hooked(script) if script else contextlib.nullcontext():
             if comm.role != "worker":
                 s.serve(comm.role, comm, ServeContext(make_model=model0, lr=LR, seed=SEED))

@@ -16,7 +16,7 @@ import torch
 from distsync.config import Cadence, RunConfig, parse_fault
 from distsync.runtime.checkpoint import CheckpointStore, fingerprint
 from distsync.runtime.recovery import CheckpointPolicy, FaultInjector, summarize_recovery
-from helpers import alive, children_of, run_cli, run_ranks
+from helpers import DictStore, alive, children_of, run_cli, run_ranks
 
 ROLES = ["worker", "worker", "server"]
 
@@ -120,20 +120,14 @@ class _FakeStoreComm:
     def __init__(self, store: dict, worker_index: int):
         self.store, self.worker_index = store, worker_index
 
-    def store_set(self, key, value):
-        self.store[key] = value
 
-    def store_check(self, key):
-        return key in self.store
 
-    def store_get(self, key):
-        return self.store[key]
 
 
 def test_time_policy_takes_worker_0s_announced_step_on_every_worker(monkeypatch):
     now = [0.0]
     monkeypatch.setattr(time, "monotonic", lambda: now[0])
-    store: dict = {}
+    store = DictStore()
     lead, other = CheckpointPolicy(Cadence(seconds=10), _FakeStoreComm(store, 0)), CheckpointPolicy(Cadence(seconds=10), _FakeStoreComm(store, 1))
     assert [lead.due(d) for d in (1, 2)] == [None, None] and other.due(1) is None
     now[0] = 10.5  # worker 0's interval is up at its step 3: it announces step 3 + 3

@@ -248,7 +248,7 @@ def _smart_in_order_rank(rank, world, workers, steps):
             def arrive(self, w, now):
                 groups = super().arrive(w, now)
                 with lock:
-                    comm.store_set(f"{HEARD}{heard[0]}", "1")
+                    comm.store.set(f"{HEARD}{heard[0]}", "1")
                     heard[0] += 1
                 return groups
 
@@ -270,7 +270,7 @@ def _smart_in_order_rank(rank, world, workers, steps):
             turn = SMART_SCRIPT.index((me, step))
             if turn:
                 deadline = time.monotonic() + 20
-                while not comm.store_check(f"{HEARD}{turn - 1}"):
+                while not comm.store.check(f"{HEARD}{turn - 1}"):
                     assert time.monotonic() < deadline, f"worker {me}: request {turn - 1} never queued"
                     time.sleep(0.005)
             s.after_update(step)  # asks for its group, and averages in it

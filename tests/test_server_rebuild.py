@@ -14,7 +14,7 @@ from distsync.solvers import shard_service
 from distsync.solvers.shard_service import (OP_DONE, OP_EXCHANGE, OP_PUSH, TAG_HANDOFF, TAG_HEADER,
                                             TAG_PAYLOAD, TAG_REPLY, TAG_REPLY_HEADER, Offer, PSClient, Request,
                                             ServerShard, choose_copy)
-from helpers import run_cli
+from helpers import DictStore, run_cli
 from helpers import worker_steps as _steps
 
 
@@ -43,7 +43,7 @@ class _Comm:
         self.sent: list[tuple[int, list]] = []
         self.dead = False
         self.replies: deque = deque()
-        self.store: dict = {}
+        self.store = DictStore()
 
         class policy:  # noqa: N801
             replaced_ranks = frozenset({2})
@@ -61,8 +61,6 @@ class _Comm:
         tensor.copy_(value)
         return src
 
-    def store_set(self, key, value):
-        self.store[key] = value
 
 
 def test_a_worker_hands_its_latest_copy_to_the_replacement_and_makes_the_request_again(monkeypatch):

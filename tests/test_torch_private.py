@@ -260,16 +260,16 @@ def _env_store_route(rank, world):
     from distsync.comm import Comm
 
     comm = Comm.from_env(["worker"] * world, 10.0, torch.device("cpu"))
-    private = comm.raw_store()  # torch's private getter
+    private = comm.store.raw()  # torch's private getter
     torch_private._CHECKED[torch_private.DEFAULT_STORE] = False  # (as on a torch without it)
-    public = comm.raw_store()
-    assert public is not private and comm.raw_store() is public  # (one client, kept)
-    comm.store_set(f"set/{rank}", str(rank))
-    seen = comm.store_get(f"set/{1 - rank}")
-    counted = comm.store_add("counter", 1)
-    first = comm.store_first("first", f"rank {rank}")
+    public = comm.store.raw()
+    assert public is not private and comm.store.raw() is public  # (one client, kept)
+    comm.store.set(f"set/{rank}", str(rank))
+    seen = comm.store.get(f"set/{1 - rank}")
+    counted = comm.store.add("counter", 1)
+    first = comm.store.first("first", f"rank {rank}")
     comm.barrier()
-    total = comm.store_add("counter", 0)
+    total = comm.store.add("counter", 0)
     comm.close()
     return seen, counted, first, total
 
@@ -460,7 +460,7 @@ def _group_of_two(rank, world, unlabelled, by_hand=False):
     out = {}
     if rank in (0, 2):  # only the members make it: rank 1 takes no part
         t0 = time.monotonic()
-        pg = make_group(comm.raw_store(), "test/door", [0, 2], rank, 10.0, "test-door")
+        pg = make_group(comm.store.raw(), "test/door", [0, 2], rank, 10.0, "test-door")
         t = torch.full((3,), float(rank + 1))
         dist.all_reduce(t, group=pg)
         out["sum"] = t.tolist()

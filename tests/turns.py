@@ -1,6 +1,6 @@
 """A test's fixed order of the solvers' concurrent sections (distsync.solvers.turns).
 
-    script = Script(["1:ad-psgd.answer.0", "1:ad-psgd.answer.2", "1:update"], rank, comm.raw_store())
+    script = Script(["1:ad-psgd.answer.0", "1:ad-psgd.answer.2", "1:update"], rank, comm.store.raw())
     with turns.hooked(script):
         ...                       # the solver's sections wait for their entries
         with script("update"):    # the test's own loop takes part with sections of its own

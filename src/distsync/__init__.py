@@ -114,7 +114,7 @@ def _refusals_in_one_line() -> None:
         comm = _job_comm[0]
         if comm is not None:
             try:
-                first = comm.store_add("distsync/refusals", 1) == 1
+                first = comm.store.add("distsync/refusals", 1) == 1
             except Exception:  # (the job's store gone too: say it here)
                 first = True
         if first:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from distsync.comm.devices import HostStage, Placement, is_device
 from distsync.comm.failures import cause as _cause
 from distsync.comm.failures import typed
+from distsync.comm.store import JobStore, agent_store_client
 from distsync.errors import CommError, CommTimeout, PeerDied, PeerStalled
 
 #: the tag of :meth:`Comm.partial_all_reduce`'s messages (solvers use tags below 1000)
@@ -43,15 +44,7 @@ def _attempt_store(timeout_s: float) -> dict[str, Any]:
     if not agent_store_in_use():
         return {}
     world = int(os.environ["WORLD_SIZE"])
-    return {"store": _agent_store_client(timeout_s), "rank": int(os.environ["RANK"]), "world_size": world}
-
-
-def _agent_store_client(timeout_s: float) -> Any:
-    """A connection of its own to the agent's store, under this attempt's prefix."""
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
-                          is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"distsync/attempt-{attempt}", store)
+    return {"store": agent_store_client(timeout_s), "rank": int(os.environ["RANK"]), "world_size": world}
 
 
 def make_group(store: Any, prefix: str, members: list[int], rank: int, timeout_s: float, name: str) -> Any:
@@ -283,8 +276,8 @@ class Comm:
         self.bytes_sent = 0
         self._worker_group: Any = None
         self._groups: dict[Any, Any] = {}  # by tag (self.group), or by members (self.members_group)
-        #: the job's store (this attempt's keys) under torch's agent; None: the default group's
-        self._job_store: Any = None
+        #: the job's key-value store (this attempt's keys; the agent's, or the default group's)
+        self.store = JobStore(timeout_s, self.error)
         #: how this rank treats a peer's failure (:class:`FailurePolicy`)
         self.policy = policy or FailurePolicy()
         #: the live views of a job that goes on without dead workers (None: a death fails the job)
@@ -331,7 +324,7 @@ class Comm:
         except Exception as e:
             raise CommError(f"rank {rank}: init_process_group ({backend}) failed: {_cause(e, timeout_s)}") from None
         comm = cls(dist.get_rank(), dist.get_world_size(), role_of, timeout_s, device, latency_s, placement, policy)
-        comm._job_store = found.get("store")  # (keys a replacement, outside the default group, finds too)
+        comm.store.agent = found.get("store")  # (keys a replacement, outside the default group, finds too)
         if len(comm.role_of) != comm.world_size:
             raise CommError(
                 f"rank {comm.rank}: the job has {comm.world_size} processes but the solver's roles "
@@ -362,7 +355,7 @@ class Comm:
         except Exception as e:
             raise CommError(f"rank {rank}: init_process_group (replacement) failed: {_cause(e, timeout_s)}") from None
         comm = cls(rank, found["world_size"], role_of, timeout_s, device, latency_s, placement, policy)
-        comm._job_store = found["store"]
+        comm.store.agent = found["store"]
         comm.replacement = True
         comm._start_watching()
         return comm
@@ -605,11 +598,11 @@ class Comm:
         first may host (rank 0 of a job started without an agent)."""
         n = self._meetings[what] = self._meetings.get(what, 0) + 1
         key = f"distsync/meet/{what}/{n}"
-        self.store_set(f"{key}/{self.rank}", "1")
+        self.store.set(f"{key}/{self.rank}", "1")
         waiting = [r for r in members if r != self.rank]
         deadline = time.monotonic() + self.timeout_s
         while waiting:
-            waiting = [r for r in waiting if not self.store_check(f"{key}/{r}")]
+            waiting = [r for r in waiting if not self.store.check(f"{key}/{r}")]
             if not waiting:
                 break
             if self.liveness is not None:
@@ -805,7 +798,7 @@ class Comm:
         if pg is None:
             name = "-".join(map(str, key))
             try:
-                pg = make_group(self.store_client(), f"distsync/pg/members/{name}", list(key), self.rank,
+                pg = make_group(self.store.client(), f"distsync/pg/members/{name}", list(key), self.rank,
                                 self.timeout_s, f"distsync-members-{name}")
             except Exception as e:
                 raise self.error(f"forming the group of ranks {list(key)}", e) from None
@@ -820,56 +813,13 @@ class Comm:
         replaces is destroyed."""
         members = sorted((self.rank, peer))
         try:
-            pg = make_group(self.store_client(), f"distsync/pg/channel/{name}", members, self.rank, self.timeout_s,
+            pg = make_group(self.store.client(), f"distsync/pg/channel/{name}", members, self.rank, self.timeout_s,
                             f"distsync-channel-{name}")
         except Exception as e:
             raise self.error(f"opening a channel with rank {peer}", e) from None
         old, self._channels[peer] = self._channels.get(peer), pg
         if old is not None:
             retire_group(old, self.timeout_s)
-
-    # ---- the job's key-value store (small agreements without a collective) --------------
-    def store_client(self) -> Any:
-        """A connection of its own to the job's store (this attempt's keys), for a thread
-        whose operations may wait on a key (a group's formation waits for its members'
-        addresses) or must never wait behind another's (the heartbeat): a store connection
-        serves one operation at a time, and a formation waiting for a dead member's address
-        would otherwise hold up every other store operation of this process for the store's
-        timeout. (Without the agent's store: the default group's, shared.)"""
-        if self._job_store is None:
-            return self._store()
-        return _agent_store_client(self.timeout_s)
-
-    def _store(self):
-        if self._job_store is not None:
-            return self._job_store
-        from distsync.torch_private import default_store
-
-        return default_store(self.timeout_s)
-
-    def raw_store(self) -> Any:
-        """The job's key-value store (this attempt's keys)."""
-        return self._store()
-
-    def store_set(self, key: str, value: str) -> None:
-        self._guard(f"store set {key}", self._store().set, key, value)
-
-    def store_check(self, key: str) -> bool:
-        """Whether ``key`` exists, without waiting."""
-        return bool(self._guard(f"store check {key}", self._store().check, [key]))
-
-    def store_get(self, key: str) -> str:
-        return self._guard(f"store get {key}", self._store().get, key).decode()
-
-    def store_add(self, key: str, amount: int) -> int:
-        """Add ``amount`` to the counter ``key`` (created at 0); its new value."""
-        return int(self._guard(f"store add {key}", self._store().add, key, amount))
-
-    def store_first(self, key: str, value: str) -> str:
-        """Set ``key`` to ``value`` unless it is set already; the value it holds now (the
-        first writer's, whoever that was)."""
-        got = self._guard(f"store compare_set {key}", self._store().compare_set, key, "", value)
-        return got.decode() if isinstance(got, bytes) else str(got)
 
     def broadcast_object(self, obj: Any, src: int = 0, group: Any = None) -> Any:
         """``src``'s ``obj`` (pickled), on every rank of ``group`` (``src``: a global rank)."""

@@ -26,11 +26,11 @@ def accept_replacement(comm: Any, worker: int, alone: Callable[[], bool]) -> boo
     worker: the job is over)."""
     base = f"{HEAL}{comm.rank}/{worker}"
     while True:
-        gen = comm.store_add(f"{base}/ready", 1)
+        gen = comm.store.add(f"{base}/ready", 1)
         key = f"{base}/{gen}"
-        while not comm.store_check(key) and not alone():
+        while not comm.store.check(key) and not alone():
             time.sleep(0.02)
-        if comm.store_first(key, "closed") == "closed":
+        if comm.store.first(key, "closed") == "closed":
             return False
         try:
             comm.open_channel(worker, f"{comm.rank}-{worker}-{gen}")
@@ -52,9 +52,9 @@ def join_as_replacement(comm: Any, peers: Sequence[int], replacement: int, aband
         base = f"{HEAL}{peer}/{comm.rank}"
         deadline = time.monotonic() + comm.timeout_s
         while True:
-            if comm.store_check(f"{base}/ready"):
-                gen = int(comm.store_get(f"{base}/ready"))
-                got = comm.store_first(f"{base}/{gen}", me)
+            if comm.store.check(f"{base}/ready"):
+                gen = int(comm.store.get(f"{base}/ready"))
+                got = comm.store.first(f"{base}/{gen}", me)
                 if got == me:
                     break
                 if got == "closed":

@@ -201,8 +201,8 @@ def watching(marked_dead: Callable[[int], bool] | None = None,
     over the job's store, and its heartbeat started (every ``min(1, timeout / 5)`` s)."""
 
     def watch(comm: Any) -> Liveness:
-        live = Liveness(comm.rank, comm.timeout_s, comm.store_get, comm.store_check, marked_dead, mark_stalled)
-        own = comm.store_client()  # (a beat never waits behind another thread's store operation)
+        live = Liveness(comm.rank, comm.timeout_s, comm.store.get, comm.store.check, marked_dead, mark_stalled)
+        own = comm.store.client()  # (a beat never waits behind another thread's store operation)
         live.heartbeat = Heartbeat(own.add, comm.rank, min(1.0, comm.timeout_s / 5)).start()
         return live
 

@@ -137,7 +137,7 @@ class Membership:
         """Epoch ``epoch``'s group over ``members``, formed while each lives: a member that is
         dead or stalled while the others connect to it ends the formation at once
         (:class:`PeerDied` / :class:`PeerStalled`) instead of the store's wait running out."""
-        store = self.comm.store_client()  # (its wait for a dead member's address holds up no one else)
+        store = self.comm.store.client()  # (its wait for a dead member's address holds up no one else)
         made: list[Any] = []
         failed: list[BaseException] = []
         done = threading.Event()
@@ -190,7 +190,7 @@ class Membership:
         """Whether an operation on ``view`` will not complete: a member is dead, or the next
         epoch has been proposed."""
         view.checked_at = time.monotonic()
-        return bool(self.dead_among(view.members)) or self.comm.store_check(f"{VIEW}{view.tag}/{view.epoch + 1}")
+        return bool(self.dead_among(view.members)) or self.comm.store.check(f"{VIEW}{view.tag}/{view.epoch + 1}")
 
     def check(self, view: View, what: str) -> None:
         """Before an operation on ``view``: :class:`PeerLost` if it is superseded (looked at
@@ -242,14 +242,14 @@ class Membership:
                 epoch, members = self._agree(tag, old, epoch, members)
                 joined, src = self._joined(tag, epoch)
                 if old.ordered:
-                    self.comm.store_set(f"{VIEW}{tag}/{epoch}/seq/{self.comm.rank}", str(old.seq))
+                    self.comm.store.set(f"{VIEW}{tag}/{epoch}/seq/{self.comm.rank}", str(old.seq))
                 try:
                     new = self._form(tag, epoch, list(members), old.ordered)
                     break
                 except (PeerDied, PeerStalled) as e:  # a member died while the group formed: the next leaves it out
                     self._found_dead(e.rank, isinstance(e, PeerDied) and self.liveness.dead(e.rank))
             new.joined, new.src = joined, src
-            seqs = ({r: int(self.comm.store_get(f"{VIEW}{tag}/{epoch}/seq/{r}")) for r in members if r not in joined}
+            seqs = ({r: int(self.comm.store.get(f"{VIEW}{tag}/{epoch}/seq/{r}")) for r in members if r not in joined}
                     if old.ordered else {})
             new.reform_s = time.perf_counter() - t0
             if len(set(seqs.values())) > 1:
@@ -263,8 +263,8 @@ class Membership:
         deadline = time.monotonic() + self.comm.timeout_s + 2  # (a stall shows within the timeout)
         while True:
             key = f"{VIEW}{tag}/{epoch + 1}"
-            if self.comm.store_check(key):
-                agreed = json.loads(self.comm.store_get(key))
+            if self.comm.store.check(key):
+                agreed = json.loads(self.comm.store.get(key))
             else:
                 dead = self.dead_among(members)
                 if not dead:
@@ -276,7 +276,7 @@ class Membership:
                 proposal = json.dumps([r for r in members if r not in dead])
                 if epoch > old.epoch:  # (epoch's group was never made: its admissions still stand)
                     self._carry_joined(tag, epoch, [r for r in members if r not in dead])
-                agreed = json.loads(self.comm.store_first(key, proposal))
+                agreed = json.loads(self.comm.store.first(key, proposal))
                 if self.liveness.mark_stalled is not None and json.dumps(agreed) == proposal:
                     for r in dead:  # (its supervisor ends a stalled one: distsync/supervise.py)
                         if r not in self.found_marked and not self.liveness.dead(r):
@@ -292,7 +292,7 @@ class Membership:
                 self.found_marked.discard(r)
                 self.liveness.forget(r)
             epoch, members = epoch + 1, tuple(agreed)
-            if self.comm.store_check(f"{VIEW}{tag}/{epoch + 1}"):
+            if self.comm.store.check(f"{VIEW}{tag}/{epoch + 1}"):
                 continue  # later epochs already agreed (this rank is behind): follow them
             if self._all_in(tag, epoch, members):
                 return epoch, members
@@ -303,7 +303,7 @@ class Membership:
     # it died first. A group is made only when every member is in, so nobody waits
     # for one that will not come.
     def _fate(self, tag: str, epoch: int, rank: int, fate: str) -> str:
-        return self.comm.store_first(f"{VIEW}{tag}/{epoch}/fate/{rank}", fate)
+        return self.comm.store.first(f"{VIEW}{tag}/{epoch}/fate/{rank}", fate)
 
     def _all_in(self, tag: str, epoch: int, members: tuple[int, ...]) -> bool:
         """Wait until every member's fate is decided; whether all are in."""
@@ -311,9 +311,9 @@ class Membership:
         while undecided:
             for r in list(undecided):
                 key = f"{VIEW}{tag}/{epoch}/fate/{r}"
-                if self.comm.store_check(key):
+                if self.comm.store.check(key):
                     undecided.remove(r)
-                    if self.comm.store_get(key) != "in":
+                    if self.comm.store.get(key) != "in":
                         return False
                 elif self.dead_among((r,)):
                     if self._fate(tag, epoch, r, "out") != "in":
@@ -326,9 +326,9 @@ class Membership:
     # ---- replacements (heal from a live peer) ---------------------------------------------------
     def _joined(self, tag: str, epoch: int) -> tuple[tuple[int, ...], int | None]:
         key = f"{VIEW}{tag}/{epoch}/joined"
-        if not self.comm.store_check(key):
+        if not self.comm.store.check(key):
             return (), None
-        got = json.loads(self.comm.store_get(key))
+        got = json.loads(self.comm.store.get(key))
         return tuple(got["joined"]), int(got["src"])
 
     def _carry_joined(self, tag: str, epoch: int, members: list[int]) -> None:
@@ -342,13 +342,13 @@ class Membership:
             return
         if src not in members:
             src = min(r for r in members if r not in joined)
-        self.comm.store_first(f"{VIEW}{tag}/{epoch + 1}/joined", json.dumps({"joined": list(joined), "src": src}))
+        self.comm.store.first(f"{VIEW}{tag}/{epoch + 1}/joined", json.dumps({"joined": list(joined), "src": src}))
 
     def joiners(self, tag: str = "workers") -> list[int]:
         """Replacements that asked to join ``tag``'s view (workers not in it)."""
         v = self.view(tag)
-        return [r for r in self.workers if r not in v.members and self.comm.store_check(f"{VIEW}{tag}/join/{r}")
-                and self.comm.store_get(f"{VIEW}{tag}/join/{r}") == "1"]
+        return [r for r in self.workers if r not in v.members and self.comm.store.check(f"{VIEW}{tag}/join/{r}")
+                and self.comm.store.get(f"{VIEW}{tag}/join/{r}") == "1"]
 
     def admit(self, tag: str, joiners: list[int]) -> View:
         """Propose the next view with ``joiners`` in it (this worker hands them its state:
@@ -358,9 +358,9 @@ class Membership:
             epoch = old.epoch + 1
             proposal = sorted(set(old.members) | set(joiners))
             # (who joins is known before the view is: whoever follows the view finds it)
-            self.comm.store_first(f"{VIEW}{tag}/{epoch}/joined",
+            self.comm.store.first(f"{VIEW}{tag}/{epoch}/joined",
                                   json.dumps({"joined": sorted(joiners), "src": self.comm.rank}))
-            self.comm.store_first(f"{VIEW}{tag}/{epoch}", json.dumps(proposal))
+            self.comm.store.first(f"{VIEW}{tag}/{epoch}", json.dumps(proposal))
             return self.reform(tag)
 
     def hand_over(self, view: View, state: Callable[[], Any]) -> Any:
@@ -378,9 +378,9 @@ class Membership:
         deadline = time.monotonic() + self.comm.timeout_s + 5
         epoch = 0
         while True:  # the newest view: it must be one without this rank
-            while self.comm.store_check(f"{VIEW}{tag}/{epoch + 1}"):
+            while self.comm.store.check(f"{VIEW}{tag}/{epoch + 1}"):
                 epoch += 1
-            if epoch > 0 and me not in json.loads(self.comm.store_get(f"{VIEW}{tag}/{epoch}")):
+            if epoch > 0 and me not in json.loads(self.comm.store.get(f"{VIEW}{tag}/{epoch}")):
                 break
             if over():
                 return None
@@ -389,12 +389,12 @@ class Membership:
                                 f"process replaces within {self.comm.timeout_s:g} s")
             time.sleep(0.01)
         replaces()
-        self.comm.store_set(f"{VIEW}{tag}/join/{me}", "1")
+        self.comm.store.set(f"{VIEW}{tag}/join/{me}", "1")
         while True:
-            while not self.comm.store_check(f"{VIEW}{tag}/{epoch + 1}"):
+            while not self.comm.store.check(f"{VIEW}{tag}/{epoch + 1}"):
                 if over():
-                    self.comm.store_set(f"{VIEW}{tag}/join/{me}", "")
-                    if self.comm.store_check(f"{VIEW}{tag}/{epoch + 1}"):
+                    self.comm.store.set(f"{VIEW}{tag}/join/{me}", "")
+                    if self.comm.store.check(f"{VIEW}{tag}/{epoch + 1}"):
                         break  # (admitted at the others' last step after all)
                     return None
                 if time.monotonic() > deadline + self.comm.timeout_s:
@@ -402,7 +402,7 @@ class Membership:
                                     f"{2 * self.comm.timeout_s:g} s")
                 time.sleep(0.005)
             epoch += 1
-            members = tuple(json.loads(self.comm.store_get(f"{VIEW}{tag}/{epoch}")))
+            members = tuple(json.loads(self.comm.store.get(f"{VIEW}{tag}/{epoch}")))
             if me not in members or self._fate(tag, epoch, me, "in") != "in":
                 continue
             if self._all_in(tag, epoch, members):
@@ -410,5 +410,5 @@ class Membership:
         with self._lock:
             view = self._form(tag, epoch, list(members))
             view.joined, view.src = self._joined(tag, epoch)
-        self.comm.store_set(f"{VIEW}{tag}/join/{me}", "")  # (admitted: not asking any more)
+        self.comm.store.set(f"{VIEW}{tag}/join/{me}", "")  # (admitted: not asking any more)
         return view

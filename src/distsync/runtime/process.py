@@ -159,7 +159,7 @@ def wait_on_peer(comm: Comm, rank: int, ready: Callable[[], T | None], stalled: 
     without one: a liveness over its store, with no supervisor's marks). A stalled worker that
     this job goes on without is waited for no longer than ``ready()`` takes to see its mark."""
     live = comm.liveness if getattr(comm, "liveness", None) is not None else \
-        Liveness(comm.rank, comm.timeout_s, comm.store_get, comm.store_check)
+        Liveness(comm.rank, comm.timeout_s, comm.store.get, comm.store.check)
     return live.wait_for(rank, ready, stalled, poll_s, leave_workers=lambda r: comm.role_of[r] == "worker")
 
 
@@ -167,9 +167,9 @@ def wait_for_workers(comm: Comm, poll_s: float = 0.2) -> None:
     """Wait until every worker has finished training, however long a slow one takes, as long
     as it lives (:func:`wait_on_peer`); a worker that stood still for the comm timeout fails
     the job, named."""
-    comm.store_set(f"{FINISHED}{comm.rank}", "1")
+    comm.store.set(f"{FINISHED}{comm.rank}", "1")
     for r in comm.worker_ranks:
-        wait_on_peer(comm, r, lambda: comm.store_check(f"{FINISHED}{r}") or None,
+        wait_on_peer(comm, r, lambda: comm.store.check(f"{FINISHED}{r}") or None,
                      lambda where: f"rank {comm.rank} ({comm.role}): worker rank {r} made no progress for "
                                    f"{comm.timeout_s:g} s ({where}): it is stalled or has died", poll_s)
 
@@ -183,7 +183,7 @@ def gather_through_store(comm: Comm, mine: dict[str, Any], run_dir: Path, attemp
     if comm.role != "worker":
         return None
     for r in comm.worker_ranks:
-        wait_on_peer(comm, r, lambda: comm.store_check(f"distsync/results/{r}")
+        wait_on_peer(comm, r, lambda: comm.store.check(f"distsync/results/{r}")
                      or dropped_mark(run_dir, attempt, r) is not None or None,
                      lambda where: f"rank {comm.rank} (worker): worker rank {r} made no progress for "
                                    f"{comm.timeout_s:g} s ({where}): it is stalled or has died", 0.05)
@@ -207,16 +207,16 @@ def _put_results(comm: Comm, mine: dict[str, Any]) -> None:
     text = json.dumps(mine)  # (ASCII: a character is a byte)
     parts = [text[i:i + STORE_PART] for i in range(0, len(text), STORE_PART)] or [""]
     for i, part in enumerate(parts):
-        comm.store_set(f"distsync/results/{comm.rank}/{i}", part)
-    comm.store_set(f"distsync/results/{comm.rank}", json.dumps({"parts": len(parts)}))
+        comm.store.set(f"distsync/results/{comm.rank}/{i}", part)
+    comm.store.set(f"distsync/results/{comm.rank}", json.dumps({"parts": len(parts)}))
 
 
 def _results_of(comm: Comm, rank: int, run_dir: Path, attempt: int) -> dict[str, Any] | None:
     """Rank ``rank``'s results, or a dropped worker's events from its journal; None while
     neither is there."""
-    if comm.store_check(f"distsync/results/{rank}"):
-        parts = json.loads(comm.store_get(f"distsync/results/{rank}"))["parts"]
-        return json.loads("".join(comm.store_get(f"distsync/results/{rank}/{i}") for i in range(parts)))
+    if comm.store.check(f"distsync/results/{rank}"):
+        parts = json.loads(comm.store.get(f"distsync/results/{rank}"))["parts"]
+        return json.loads("".join(comm.store.get(f"distsync/results/{rank}/{i}") for i in range(parts)))
     mark = dropped_mark(run_dir, attempt, rank)
     if mark is None:
         return None
@@ -440,7 +440,7 @@ def heal(cfg: RunConfig, run_dir: Path, comm: Comm, replacement: int, solver) ->
 def _join_view(run_dir: Path, comm: Comm, dead: _DeadMark) -> dict[str, Any] | None:
     """Join the workers' view; the admitting worker's state (None: too late)."""
     def over() -> bool:  # a worker has finished training: too late to join
-        return any(comm.store_check(f"distsync/results/{r}") for r in comm.worker_ranks if r != comm.rank)
+        return any(comm.store.check(f"distsync/results/{r}") for r in comm.worker_ranks if r != comm.rank)
 
     view = comm.membership.join("workers", dead.take, over)
     if view is None:

@@ -68,9 +68,9 @@ class CheckpointPolicy:
         key = self._key(self.index + 1)
         if self._announced_at is None:
             if self.comm.worker_index == 0 and time.monotonic() - self._last >= self.every_s:
-                self.comm.store_set(key, str(done + ANNOUNCE_AHEAD))
-            if self.comm.store_check(key):
-                self._announced_at = int(self.comm.store_get(key))
+                self.comm.store.set(key, str(done + ANNOUNCE_AHEAD))
+            if self.comm.store.check(key):
+                self._announced_at = int(self.comm.store.get(key))
         if self._announced_at is not None and done >= self._announced_at:
             self._announced_at = None
             self._last = time.monotonic()

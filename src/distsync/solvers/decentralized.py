@@ -548,7 +548,7 @@ class Ripples(Solver):
             self._settle()
         if self.coordinator is not None:
             # (said in the job's store first: a replacement coordinator does not wait for it)
-            self.comm.store_set(f"{DONE}{self.comm.rank}", "1")
+            self.comm.store.set(f"{DONE}{self.comm.rank}", "1")
             try:
                 self.comm.send(torch.tensor([OP_DONE, -1], dtype=torch.int64), self.coordinator, tag=TAG_COORD_REQ)
             except (PeerDied, PeerStalled):
@@ -614,7 +614,7 @@ class GroupGenerator:
             try:
                 if ctx.replacement and not join_as_replacement(  # (a channel with each worker still training)
                         comm, [worker], ctx.replacement, abandon=lambda peer: None,
-                        over=lambda: comm.store_check(f"{DONE}{worker}")):
+                        over=lambda: comm.store.check(f"{DONE}{worker}")):
                     on_request(worker, OP_DONE, -1)
                     return
                 if ctx.replacement and ctx.on_replaced is not None:
@@ -651,8 +651,8 @@ class GroupGenerator:
         lock = threading.Lock()
         # The schedule's position: every round drawn is in the job's store, so that a
         # replacement coordinator answers as the dead one would have.
-        while comm.store_check(f"{ROUND}{len(rounds)}"):
-            rounds.append([tuple(g) for g in json.loads(comm.store_get(f"{ROUND}{len(rounds)}"))])
+        while comm.store.check(f"{ROUND}{len(rounds)}"):
+            rounds.append([tuple(g) for g in json.loads(comm.store.get(f"{ROUND}{len(rounds)}"))])
             self._draw_round(comm)  # (the generator goes on from about where it was)
 
         def on_request(sender: int, op: int, first: int) -> None:
@@ -665,7 +665,7 @@ class GroupGenerator:
             with lock:
                 while len(rounds) < first + self.options.buffer:
                     rounds.append(self._draw_round(comm))
-                    comm.store_set(f"{ROUND}{len(rounds) - 1}", json.dumps(rounds[-1]))
+                    comm.store.set(f"{ROUND}{len(rounds) - 1}", json.dumps(rounds[-1]))
                     for g in rounds[-1]:
                         self.formed[len(g)] += 1
                 out = torch.full((self.options.buffer, self.k), -1, dtype=torch.int64)

@@ -183,13 +183,13 @@ class TorchftDiLoCo(Solver):
             from torchft._torchft import LighthouseServer
 
             self.lighthouse = LighthouseServer(bind=f"{_job_address()}:0", min_replicas=comm.num_workers)
-            comm.store_set(key, self.lighthouse.address())
+            comm.store.set(key, self.lighthouse.address())
         self.store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)  # (this replica group's)
         self.manager = Manager(pg=ProcessGroupGloo(), min_replica_size=comm.num_workers,
                                load_state_dict=lambda state: model.load_state_dict(state["model"]),
                                state_dict=lambda: {"model": model.state_dict()}, replica_id=str(comm.rank),
                                store_addr="localhost", store_port=self.store.port, rank=0, world_size=1,
-                               lighthouse_addr=comm.store_get(key), port=0,
+                               lighthouse_addr=comm.store.get(key), port=0,
                                timeout=timedelta(seconds=comm.timeout_s), use_async_quorum=False,
                                init_sync=False)  # (the workers start alike: attach broadcast rank 0's model)
         params = dict(model.named_parameters())
@@ -298,14 +298,14 @@ class HivemindAveraging(Solver):
         # of them behind (a graceful exit ends them: runtime.entry.end_children)
         os.register_at_fork(after_in_child=_killed_with_parent)
         first, key = comm.rank == comm.worker_ranks[0], _attach_key(HIVEMIND_KEY)
-        peers = [] if first else comm.store_get(key).split()
+        peers = [] if first else comm.store.get(key).split()
         # (its p2p daemon listens on the address this worker reaches the job's store from:
         # loopback for a job on one machine, as every listener of the job; docs/security.md)
         # (no NAT port mapping, AutoNAT nor relays: they open UDP sockets on every address)
         self.dht = hivemind.DHT(start=True, host_maddrs=[f"/ip4/{_job_address()}/tcp/0"], initial_peers=peers,
                                 nat_port_map=False, auto_nat=False, use_relay=False)
         if first:
-            comm.store_set(key, " ".join(str(a) for a in self.dht.get_visible_maddrs()))
+            comm.store.set(key, " ".join(str(a) for a in self.dht.get_visible_maddrs()))
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.averager = hivemind.averaging.DecentralizedAverager(
             [p.detach().to("cpu", copy=True) for p in self.params],  # (hivemind averages host memory)

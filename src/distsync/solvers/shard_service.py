@@ -246,7 +246,7 @@ class PSClient:
         that dies now does not wait for this worker, and counts what only this worker had seen
         among what is lost (a dead server is not waited for: nobody needs this goodbye)."""
         if self.replaceable:
-            self.comm.store_set(f"{DONE}{self.comm.rank}", json.dumps(
+            self.comm.store.set(f"{DONE}{self.comm.rank}", json.dumps(
                 {str(self.layout.server_ranks[s]): [self.versions[s], self.pushes_since[s]] for s in self.replaceable}))
         for s, rank in enumerate(self.layout.server_ranks):
             try:
@@ -695,7 +695,7 @@ class ServerShard:
         def take(worker: int) -> None:
             try:
                 if not join_as_replacement(comm, [worker], replacement, abandon=lambda peer: None,
-                                           over=lambda: comm.store_check(f"{DONE}{worker}")):
+                                           over=lambda: comm.store.check(f"{DONE}{worker}")):
                     with lock:
                         self.finished.add(worker)
                     return
@@ -750,7 +750,7 @@ class ServerShard:
         """What ``worker``, finished before this replacement came, had of this shard (from its
         goodbye in the job's store: :meth:`PSClient.done`): a version and pushes, no copy."""
         try:
-            version, pushes = json.loads(self.comm.store_get(f"{DONE}{worker}"))[str(self.comm.rank)]
+            version, pushes = json.loads(self.comm.store.get(f"{DONE}{worker}"))[str(self.comm.rank)]
             return Offer(max(0, int(version)), None, max(0, int(pushes)))
         except (ValueError, KeyError, TypeError):
             return Offer(0, None)

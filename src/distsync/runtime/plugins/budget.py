@@ -82,13 +82,13 @@ class JobBudget(Plugin):
     def _look(self, run: RunState) -> None:
         """Whether another worker saw the budget spent."""
         if self.lead is not None:  # every step: the agreed step must be known before it comes
-            if run.comm.store_check(STOP_AT):
-                self._agree(run, int(run.comm.store_get(STOP_AT)))
+            if run.comm.store.check(STOP_AT):
+                self._agree(run, int(run.comm.store.get(STOP_AT)))
             return
         now = time.monotonic()
         if now - self._polled >= self.poll_s:
             self._polled = now
-            if run.comm.store_check(STOP):
+            if run.comm.store.check(STOP):
                 self._stop_here(run)
 
     def _spend(self, run: RunState, k: int, reason: str) -> None:
@@ -97,10 +97,10 @@ class JobBudget(Plugin):
         run.events.append({"kind": "budget", "rank": run.rank, "t": run.clock.now(), "spent": reason,
                            "step": k * run.threads})
         if self.lead is None:
-            run.comm.store_set(STOP, reason)
+            run.comm.store.set(STOP, reason)
             self._stop_here(run, k)
         else:
-            self._agree(run, int(run.comm.store_first(STOP_AT, str(k + self.lead + 1))))
+            self._agree(run, int(run.comm.store.first(STOP_AT, str(k + self.lead + 1))))
 
     def _stop_here(self, run: RunState, k: int = 0) -> None:
         """Stop before step ``k`` at the earliest, and after every thread's started step."""
@@ -114,13 +114,13 @@ class JobBudget(Plugin):
     # ---- what was spent -----------------------------------------------------------------
     def on_step_end(self, run: RunState, s: StepState) -> None:
         if self.budget.samples is not None:
-            total = run.comm.store_add(SAMPLES, self.batch_size)
+            total = run.comm.store.add(SAMPLES, self.batch_size)
             if total >= self.budget.samples:
                 with self._lock:
                     if self.stop_k is None:
                         self._spend(run, s.k + 1, "samples")
         if self.budget.target and s.metric is not None and self.target is not None:
-            run.comm.store_set(f"{METRIC}{run.rank}", repr(s.metric))
+            run.comm.store.set(f"{METRIC}{run.rank}", repr(s.metric))
             if self._job_reached(run):
                 with self._lock:
                     if self.stop_k is None:
@@ -130,9 +130,9 @@ class JobBudget(Plugin):
         """Whether the mean over workers of each one's latest metric meets the target."""
         metrics = []
         for r in run.comm.worker_ranks:
-            if not run.comm.store_check(f"{METRIC}{r}"):
+            if not run.comm.store.check(f"{METRIC}{r}"):
                 return False  # a worker that has not evaluated yet
-            metrics.append(float(run.comm.store_get(f"{METRIC}{r}")))
+            metrics.append(float(run.comm.store.get(f"{METRIC}{r}")))
         mean = sum(metrics) / len(metrics)
         return mean >= self.target if self.higher_is_better else mean <= self.target
 
@@ -149,7 +149,7 @@ class ProgressReport(Plugin):
 
     def beat(self, run: RunState, done: int) -> None:
         self._last = time.monotonic()
-        report_progress(run.comm.store_set, run.rank, done)
+        report_progress(run.comm.store.set, run.rank, done)
 
     def on_start(self, run: RunState) -> None:
         self.beat(run, 0)
