@@ -106,3 +106,12 @@ def test_lars_optimizer_step_matches_hand_computation():
 def test_assign_shards_balances_whole_tensors():
     assert assign_shards([100, 10, 60, 50], 2) == [[0, 1], [2, 3]]  # 110 each
     assert assign_shards([5, 5], 3) == [[0], [1], []]
+
+
+def test_the_learning_rate_schedule_has_ended_past_its_steps():
+    """Past the planned steps (a server counting its updates can be) the factor stays at the
+    schedule's end: one step after a 2-step warm-up (1), then the end (0)."""
+    from distsync.solvers.rules import lr_factor
+
+    assert [lr_factor(s, 3, "linear", 2) for s in (2, 3, 9)] == [1.0, 0.0, 0.0]
+    assert [lr_factor(s, 3, "cosine", 2) for s in (2, 3)] == [1.0, pytest.approx(0.0)]
