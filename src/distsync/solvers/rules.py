@@ -142,7 +142,7 @@ def group_mean(total: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def bmuf_update(w: torch.Tensor, w_start: torch.Tensor, delta: torch.Tensor, mean_w: torch.Tensor,
-                block_lr: float, block_momentum: float, nesterov: bool = True) -> None:
+                block_lr: float, block_momentum: float, nesterov: bool) -> None:
     """Blockwise model-update filtering (Chen & Huo 2016), in fairseq's form, in place.
 
     ``w_start`` is where the workers started the block. G = mean_w - w_start (the block's
