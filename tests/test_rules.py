@@ -1,5 +1,7 @@
 """The pure update rules against hand-computed numbers."""
 
+import math
+
 import pytest
 import torch
 
@@ -115,3 +117,17 @@ def test_the_learning_rate_schedule_has_ended_past_its_steps():
 
     assert [lr_factor(s, 3, "linear", 2) for s in (2, 3, 9)] == [1.0, 0.0, 0.0]
     assert [lr_factor(s, 3, "cosine", 2) for s in (2, 3)] == [1.0, pytest.approx(0.0)]
+
+
+def test_learning_rate_factors_by_hand():
+    from distsync.solvers.rules import lr_factor
+
+    assert [lr_factor(s, 10, "constant", 4) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    # after 2 warm-up steps, 8 steps from 1 down to 0
+    assert lr_factor(2, 10, "cosine", 2) == 1.0 and lr_factor(6, 10, "cosine", 2) == pytest.approx(0.5)
+    assert lr_factor(9, 10, "cosine", 2) == pytest.approx((1 + math.cos(math.pi * 7 / 8)) / 2)
+    assert [lr_factor(s, 10, "linear") for s in (0, 5, 9)] == [1.0, 0.5, pytest.approx(0.1)]
+    assert [lr_factor(s, 8, "step") for s in range(8)] == [1.0] * 4 + [0.1] * 2 + [0.01] * 2
+    # the schedule's name compared by its value (one read from a command line is another object)
+    cosine = "".join(["cos", "ine"])
+    assert lr_factor(9, 10, cosine, 2) == lr_factor(9, 10, "cosine", 2) != 1.0

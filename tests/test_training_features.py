@@ -1,7 +1,6 @@
 """Training features of the command line: gradient clipping and learning-rate schedules,
 against one process training on the union of the workers' batches."""
 
-import math
 
 import pytest
 import torch
@@ -10,15 +9,6 @@ from distsync.solvers.rules import lr_factor
 from helpers import REPO, assert_one_line, run_cli
 
 STEPS, BATCH, LR, CLIP, WARMUP = 12, 16, 0.5, 0.2, 3
-
-
-def test_learning_rate_factors_by_hand():
-    assert [lr_factor(s, 10, "constant", 4) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
-    # after 2 warm-up steps, 8 steps from 1 down to 0
-    assert lr_factor(2, 10, "cosine", 2) == 1.0 and lr_factor(6, 10, "cosine", 2) == pytest.approx(0.5)
-    assert lr_factor(9, 10, "cosine", 2) == pytest.approx((1 + math.cos(math.pi * 7 / 8)) / 2)
-    assert [lr_factor(s, 10, "linear") for s in (0, 5, 9)] == [1.0, 0.5, pytest.approx(0.1)]
-    assert [lr_factor(s, 8, "step") for s in range(8)] == [1.0] * 4 + [0.1] * 2 + [0.01] * 2
 
 
 def _large_batch_reference(schedule, clip):
