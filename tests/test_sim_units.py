@@ -126,6 +126,22 @@ def test_periodic_syncs_cost_their_bytes_and_come_when_their_options_say(solver,
 
 # ---- directions: what is slower can never make a run faster --------------------------------
 
+def test_a_paced_step_is_the_workers_over_their_summed_steps_per_second():
+    """Each worker at its own pace: 10 steps in 1 + 0.5 s and 10 in 2 s make 10/1.5 + 10/2
+    steps a second for 2 workers; under a budget, 4 steps in the 2 s; a worker that did
+    nothing counts as a worker but adds no pace."""
+    import numpy as np
+
+    from distsync.sim.timing import SimResult
+
+    res = SimResult("x", 2, 10, 8, 2.0, np.array([1.0, 2.0]), np.zeros(2), np.array([0.5, 0.0]))
+    assert res.paced_step_s == pytest.approx(2 / (10 / 1.5 + 10 / 2.0))
+    res.steps_by = np.array([10, 4])
+    assert res.paced_step_s == pytest.approx(2 / (10 / 1.5 + 4 / 2.0))
+    idle = SimResult("x", 3, 10, 8, 2.0, np.array([1.0, 2.0, 0.0]), np.zeros(3), np.zeros(3))
+    assert idle.paced_step_s == pytest.approx(3 / (10 / 1.0 + 10 / 2.0))
+
+
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
