@@ -84,6 +84,8 @@ KILLED_SINCE: dict[str, str] = {
     "solvers/rules.py:111:NumberReplacer:32": _LR,
     "sim/timing.py:61:ReplaceBinaryOperator_Div_BitOr:1":
         "tests/test_sim_units.py::test_a_paced_step_is_the_workers_over_their_summed_steps_per_second",
+    "sim/timing.py:69:ReplaceBinaryOperator_Add_FloorDiv:2": "tests/test_sim_units.py::test_a_simulated_runs_summary_by_hand",
+    "sim/timing.py:83:ReplaceBinaryOperator_Mul_Add:2": "tests/test_sim_units.py::test_a_simulated_runs_summary_by_hand",
 }
 
 

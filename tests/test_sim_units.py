@@ -142,6 +142,23 @@ def test_a_paced_step_is_the_workers_over_their_summed_steps_per_second():
     assert idle.paced_step_s == pytest.approx(3 / (10 / 1.0 + 10 / 2.0))
 
 
+def test_a_simulated_runs_summary_by_hand():
+    """Phase shares of the summed seconds (3 computing, 1 communicating, 1 waiting of 5) and
+    the pushes' staleness (two at 0, two at 3: mean 1.5, max 3)."""
+    from collections import Counter
+
+    import numpy as np
+
+    from distsync.sim.timing import SimResult
+
+    res = SimResult("x", 2, 10, 8, 4.0, np.array([1.0, 2.0]), np.array([0.5, 0.5]), np.array([0.0, 1.0]),
+                    staleness=Counter({0: 2, 3: 2}))
+    s = res.summary()
+    assert s["phase_share"] == pytest.approx({"compute": 0.6, "comm": 0.2, "wait": 0.2})
+    assert s["idle_share"] == pytest.approx(0.2) and s["throughput_samples_per_s"] == pytest.approx(2 * 10 * 8 / 4.0)
+    assert s["staleness"] == {"mean": 1.5, "max": 3, "pushes": 4}
+
+
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
