@@ -196,6 +196,18 @@ def imported_sources(repo: Path | None = None) -> dict[str, str]:
     return dict(sorted(out.items()))
 
 
+def tree_blobs(listing: str) -> dict[str, str]:
+    """``{path: blob}`` of the files in ``git ls-tree -r -z``'s ``listing`` (links and
+    submodules left out: they are not the code measured)."""
+    blobs = {}
+    for entry in filter(None, listing.split("\0")):
+        meta, path = entry.split("\t", 1)
+        mode, kind, blob = meta.split()
+        if kind == "blob" and mode != "120000":
+            blobs[path] = blob
+    return blobs
+
+
 def _changed_from_head(git: Any) -> list[str] | None:
     """The files of HEAD's tree whose content in the working tree differs from it (or is gone),
     each file hashed as git would store it: the index is not consulted, so a copy of the tree
@@ -203,12 +215,7 @@ def _changed_from_head(git: Any) -> list[str] | None:
     listing = git("ls-tree", "-r", "-z", "HEAD")
     if listing is None:
         return None
-    blobs = {}
-    for entry in filter(None, listing.split("\0")):
-        meta, path = entry.split("\t", 1)
-        mode, kind, blob = meta.split()
-        if kind == "blob" and mode != "120000":  # (links and submodules are not the code measured)
-            blobs[path] = blob
+    blobs = tree_blobs(listing)
     root = Path((git("rev-parse", "--show-toplevel") or ".").strip())
     present = [p for p in blobs if (root / p).is_file()]
     hashed = (git("hash-object", "--stdin-paths", stdin="\n".join(present) + "\n") or "").split() if present else []

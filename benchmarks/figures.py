@@ -41,7 +41,7 @@ from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
-from common import source_hash, syntax_hash  # noqa: E402
+from common import source_hash, syntax_hash, tree_blobs  # noqa: E402
 RAW = REPO / "docs" / "benchmarks" / "raw"
 QUICK = REPO / "benchmarks" / "results" / "quick"
 #: what every raw results file must say about how it was made
@@ -316,11 +316,7 @@ def rendered_blocks(quick: bool = False, notes: bool = True) -> dict[str, tuple[
 @functools.lru_cache(maxsize=None)
 def _tree_at(commit: str) -> dict[str, str]:
     """``{path: blob}`` of every file of ``commit``'s tree."""
-    out = {}
-    for entry in filter(None, git("ls-tree", "-r", "-z", commit).split("\0")):
-        meta, path = entry.split("\t", 1)
-        out[path] = meta.split()[2]
-    return out
+    return tree_blobs(git("ls-tree", "-r", "-z", commit))
 
 
 _BLOB_HASHES: dict[str, str] = {}

@@ -80,12 +80,18 @@ def _git(*args: str) -> str:
     return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, check=True).stdout.strip()
 
 
-def _repo(tmp_path, monkeypatch):
-    """A git repository standing in for this one (figures reads REPO at each call)."""
+def _git_in(folder):
+    """``git ARGS`` in ``folder`` (its output), with a committer of its own."""
     def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+        return subprocess.run(["git", "-C", str(folder), "-c", "user.name=t", "-c", "user.email=t@t", *args],
                               check=True, capture_output=True, text=True).stdout.strip()
 
+    return git
+
+
+def _repo(tmp_path, monkeypatch):
+    """A git repository standing in for this one (figures reads REPO at each call)."""
+    git = _git_in(tmp_path)
     monkeypatch.setattr(figures, "REPO", tmp_path)
     git("init", "-q")
     return git
@@ -258,10 +264,7 @@ def test_the_readme_quotes_recommend_only_from_a_test_set():
 def test_provenance_compares_the_working_tree_with_head_not_the_index(tmp_path):
     from common import provenance
 
-    def git(*args: str) -> None:
-        subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args],
-                       check=True, capture_output=True)
-
+    git = _git_in(tmp_path)
     git("init", "-q")
     (tmp_path / "a.py").write_text("one\n")
     git("add", "a.py")

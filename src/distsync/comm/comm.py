@@ -277,7 +277,7 @@ class Comm:
         self._worker_group: Any = None
         self._groups: dict[Any, Any] = {}  # by tag (self.group), or by members (self.members_group)
         #: the job's key-value store (this attempt's keys; the agent's, or the default group's)
-        self.store = JobStore(timeout_s, self.error)
+        self.store = JobStore(timeout_s, self._guard)
         #: how this rank treats a peer's failure (:class:`FailurePolicy`)
         self.policy = policy or FailurePolicy()
         #: the live views of a job that goes on without dead workers (None: a death fails the job)

@@ -14,8 +14,6 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from distsync.errors import CommError
-
 
 def agent_store_client(timeout_s: float) -> Any:
     """A connection of its own to the agent's store, under this attempt's prefix."""
@@ -26,11 +24,11 @@ def agent_store_client(timeout_s: float) -> Any:
 
 
 class JobStore:
-    """A rank's way into the job's store. ``error(op, exc)``: ``exc`` as the typed error this
-    rank raises for operation ``op`` (the comm's)."""
+    """A rank's way into the job's store. ``guard(op, fn, *args)``: ``fn(*args)``, a failure
+    raised as the typed error this rank raises for operation ``op`` (the comm's)."""
 
-    def __init__(self, timeout_s: float, error: Callable[[str, BaseException], Exception]):
-        self.timeout_s, self._error = timeout_s, error
+    def __init__(self, timeout_s: float, guard: Callable[..., Any]):
+        self.timeout_s, self._guard = timeout_s, guard
         #: the agent's store (this attempt's keys); None: the default group's
         self.agent: Any = None
 
@@ -50,14 +48,6 @@ class JobStore:
         store operation of this process for the store's timeout. (Without the agent's store:
         the default group's, shared.)"""
         return self.raw() if self.agent is None else agent_store_client(self.timeout_s)
-
-    def _guard(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
-        try:
-            return fn(*args)
-        except CommError:
-            raise
-        except Exception as e:
-            raise self._error(what, e) from None
 
     def set(self, key: str, value: str) -> None:
         self._guard(f"store set {key}", self.raw().set, key, value)

@@ -92,8 +92,8 @@ class Liveness:
 
     def signs(self, rank: int) -> str:
         """Rank's heartbeat and progress as one string: it changes while the rank lives."""
-        got = [self._get(k) if self._check(k) else "-" for k in (f"{BEAT}{rank}", f"{ALIVE}{rank}")]
-        return "/".join(got)
+        alive = f"{ALIVE}{rank}"
+        return f"{self.progress(rank) or '-'}/{self._get(alive) if self._check(alive) else '-'}"
 
     def dead(self, rank: int) -> bool:
         """Whether rank's supervisor marked it dead (since its replacement, if it had one)."""

@@ -396,7 +396,7 @@ class _DeadMark:
 
     def take(self) -> None:
         dead = json.loads(self.mark.read_text())
-        self.taken.write_text(json.dumps({**dead, "replaced_unix": time.time(), "replacement": self.replacement}))
+        marks.write_mark(self.taken, {**dead, "replaced_unix": time.time(), "replacement": self.replacement})
         self.mark.unlink()
 
     def give_back(self) -> None:
