@@ -92,7 +92,7 @@ def main() -> None:
     solvers = [s for s in solver_names() if Capability.REFORMS_WITHOUT_DEAD in solver_class(s).capabilities] \
         if "re-form" in parts else []
     healers = [s for s in solver_names() if Capability.HEALS_FROM_PEER in solver_class(s).capabilities
-               and solver_class(s).training_threads(solver_class(s).Options()) == 1]  # (Hogwild threads: never)
+               and solver_class(s).Plan.training_threads(solver_class(s).Options()) == 1]  # (Hogwild threads: never)
     only = set(args.solvers.split(",")) if args.solvers else None
     if only:
         solvers, healers = [s for s in solvers if s in only], [s for s in healers if s in only]

@@ -123,7 +123,7 @@ def _summary(out) -> dict:
 def test_a_peer_is_waited_for_while_its_heartbeat_moves_and_named_once_it_stands_still():
     from distsync.errors import CommError
     from distsync.membership.liveness import BEAT
-    from distsync.runtime.process import wait_on_peer
+    from distsync.runtime.process import wait_on_rank
 
     store = Store()
     comm = StoreComm(store, 0, 2)
@@ -138,13 +138,13 @@ def test_a_peer_is_waited_for_while_its_heartbeat_moves_and_named_once_it_stands
         return f"rank 1 stood still ({where})"
 
     # 0.3 s of polling: three times the timeout, but the heartbeat moved at each poll
-    assert wait_on_peer(comm, 1, lambda: training(30), stalled, poll_s=0.01) == "results"
+    assert wait_on_rank(comm, 1, lambda: training(30), stalled, poll_s=0.01) == "results"
     with pytest.raises(CommError, match=r"^rank 1 stood still \(last progress at step 31\)$"):
-        wait_on_peer(comm, 1, lambda: None, stalled, poll_s=0.01)
+        wait_on_rank(comm, 1, lambda: None, stalled, poll_s=0.01)
     silent = StoreComm(Store(), 0, 2)
     silent.timeout_s = 0.1
     with pytest.raises(CommError, match=r"^rank 1 stood still \(no progress yet\)$"):
-        wait_on_peer(silent, 1, lambda: None, stalled, poll_s=0.01)
+        wait_on_rank(silent, 1, lambda: None, stalled, poll_s=0.01)
 
 
 def test_a_samples_budget_lets_fast_workers_train_on(tmp_path):

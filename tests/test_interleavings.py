@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from distsync.solvers import turns
+from distsync.solvers.buffers import begin_step
 from helpers import DigitsByHand, run_in_threads, run_ranks
 from turns import LocalCounter, Script
 
@@ -23,7 +24,7 @@ SEED, BATCH, LR = 7, 16, 0.1
 def _step_in_sections(s, step, run, w, x, y, script):
     """One training step through the solver's hooks, each a section of the script."""
     with script("begin_step"):  # (before_step inside)
-        s.begin_step(step)
+        begin_step(s, step)
     with script("backward"):
         w.loss_fn(run(x), y).backward()
     with script("after_backward"):

@@ -245,3 +245,62 @@ def test_the_comm_asks_liveness_and_views_only_what_they_provide():
                 want = [p for p in typing.get_type_hints(getattr(proto, name)) if p != "return"]
                 have = [p for p in typing.get_type_hints(member) if p != "return"]
                 assert want == have, f"{cls.__name__}.{name}: {have}, the protocol says {want}"
+
+
+def test_the_heartbeat_is_the_one_sign_of_life_its_beat_carries_the_reported_progress_once():
+    """One heartbeat: each beat moves the counter and publishes the progress the training loop
+    reported to it (Liveness.report), only when it changed."""
+    from distsync.membership.liveness import Heartbeat
+
+    class Client(dict):  # (the heartbeat's own store client: add and set, each counted)
+        sets = 0
+
+        def add(self, key, n):
+            self[key] = int(self.get(key, 0)) + n
+
+        def set(self, key, value):
+            Client.sets += 1
+            self[key] = value
+
+    own = Client()
+    live = _liveness(_Store())
+    live.heartbeat = beat = Heartbeat(own, 3, interval=60.0)  # (beats by hand below)
+    beat._beat()
+    assert own == {f"{ALIVE}3": 1} and Client.sets == 0  # nothing reported yet
+    live.report(0)
+    beat._beat()
+    assert own == {f"{ALIVE}3": 2, f"{BEAT}3": "0"}
+    live.report(7)
+    live.report(9)  # (two reports between beats: the latest is published)
+    beat._beat()
+    beat._beat()  # (no new progress: the counter moves, the progress is not written again)
+    assert own == {f"{ALIVE}3": 4, f"{BEAT}3": "9"} and Client.sets == 2
+    # What the others see: its signs move with each beat, its progress is the one published.
+    seen = _liveness(_Store(own))
+    assert seen.progress(3) == "9" and seen.signs(3) == "9/4"
+
+
+def test_the_one_wait_on_a_peer_returns_what_ready_gives_and_fails_on_a_dead_peer_or_its_own_stall():
+    store = _Store({f"{ALIVE}1": "1"})
+    dead = {}
+    live = Liveness(0, 0.2, store.get_, store.check, lambda r: dead.get(r, 0))
+    answers = iter([None, None, "here"])
+    assert live.wait_for(1, lambda: next(answers), "recv(from rank 1)", poll_s=0.001) == "here"
+
+    def dies():
+        dead[1] = time.time()
+        return None
+
+    with pytest.raises(PeerDied, match=r"^rank 0: recv\(from rank 1\) failed: rank 1 died$"):
+        live.wait_for(1, dies, "recv(from rank 1)", poll_s=0.001)
+    stalls = []
+
+    def on_stall(where):  # (the waiter's own rule: here, fail with how far the rank got)
+        stalls.append(where)
+        raise CommError(f"stalled: {where}")
+
+    store[f"{BEAT}2"], store[f"{ALIVE}2"] = "5", "1"
+    t0 = time.monotonic()
+    with pytest.raises(CommError, match=r"^stalled: last progress at step 5$"):
+        live.wait_for(2, lambda: None, "waiting for rank 2", poll_s=0.01, on_stall=on_stall)
+    assert 0.2 <= time.monotonic() - t0 < 5 and stalls == ["last progress at step 5"]

@@ -212,7 +212,7 @@ def _adpsgd_script(options: dict, workers: int, steps: int) -> list[str]:
     from distsync.solvers import make_solver
 
     cls = solver_class("ad-psgd")
-    actives, passives, partner = cls._partners(make_solver("ad-psgd", **options).options, workers)
+    actives, passives, partner = cls.Plan._partners(make_solver("ad-psgd", **options).options, workers)
     order = []
     for _ in range(steps):
         order += [f"{partner(a)}:ad-psgd.answer.{a}" for a in actives]

@@ -23,7 +23,6 @@ from distsync.runtime.plugins import (Checkpointer, ComputeGate, DeviceStretch, 
 from distsync.runtime.plugins import stretch as stretch_module
 from distsync.runtime.recovery import CheckpointPolicy, FaultInjector, WorkerRecovery
 from distsync.solvers.base import Capability, Solver
-from helpers import DictStore
 
 CHECKPOINT_KEYS = ["index", "step", "model", "optimizer", "solver", "rng", "events", "clock", "unix", "last_loss"]
 
@@ -42,11 +41,7 @@ class FakeComm:
     def ranks_with_role(self, role: str) -> list[int]:
         return [1]
 
-    @property
-    def store(self):  # (the progress reports')
-        if "_store" not in self.__dict__:
-            self._store = DictStore()
-        return self._store
+    liveness = None  # (one process: no heartbeat to tell its progress)
 
 
 class FakeWorkload:

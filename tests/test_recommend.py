@@ -110,8 +110,8 @@ def test_embedding_tables_on_embedding_servers_are_not_counted_as_synchronized_b
 def test_a_solver_without_a_train_mode_rule_is_timing_only(tmp_path):
     mine = tmp_path / "mine.py"
     mine.write_text("from distsync.solvers import Solver\n\nclass Mine(Solver):\n    name = 'mine'\n\n"
-                    "    @classmethod\n    def simulate_timing(cls, options, sim):\n"
-                    "        return sim.meet_every(2, sim.allreduce_s())\n")
+                    "    class Plan:\n        @classmethod\n        def simulate_timing(cls, options, sim):\n"
+                    "            return sim.meet_every(2, sim.allreduce_s())\n")
     res = recommend(Request(workers=4, device_ms=5, solvers=["allreduce", f"{mine}:Mine"]))
     row = next(r for r in res["ranked"] if r["solver"].endswith(":Mine"))
     assert row["time_to_target_s"] is None and "timing only" in row["reason"]

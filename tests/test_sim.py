@@ -315,11 +315,11 @@ def test_simulated_partners_and_random_groups_are_the_real_workers_draws():
     from distsync.solvers.schedules import partner_rng, random_round, round_rng
 
     adpsgd = solver_class("ad-psgd")
-    actives, passives, partner = adpsgd._partners(make_options(adpsgd, {"seed": 3}), 6)
+    actives, passives, partner = adpsgd.Plan._partners(make_options(adpsgd, {"seed": 3}), 6)
     real = {a: partner_rng(3, a) for a in actives}
     assert [partner(a) for _ in range(5) for a in actives] == [real[a].choice(passives) for _ in range(5) for a in actives]
     ripples = solver_class("ripples")
-    nxt = ripples._rounds(make_options(ripples, {"schedule": "random", "seed": 3, "group_size": 2}), 6, 5)
+    nxt = ripples.Plan._rounds(make_options(ripples, {"schedule": "random", "seed": 3, "group_size": 2}), 6, 5)
     rng = round_rng(3, 5)
     assert [nxt() for _ in range(4)] == [random_round(6, 2, rng) for _ in range(4)]
     assert round_rng(3, 5).random() != round_rng(3, 0).random()  # the run's seed matters, as in the coordinator
@@ -331,7 +331,7 @@ def test_a_solver_without_a_simulation_says_so(tmp_path):
 
     mine = tmp_path / "mysolver.py"
     mine.write_text("from distsync.solvers import Solver\n\nclass Mine(Solver):\n    name = 'mine'\n")
-    with pytest.raises(ConfigError, match="has no timing model: its class needs a simulate_timing"):
+    with pytest.raises(ConfigError, match="has no timing model: its class's Plan needs a simulate_timing"):
         simulate(f"{mine}:Mine", {}, Cluster(2, GBIT), WorkerModel(0.01), Work(steps=2, model_bytes=1e5))
     with pytest.raises(ConfigError, match="train mode has no rule for"):
         simulate_training(f"{mine}:Mine", {}, load_workload("digits"), 2, 2)

@@ -67,3 +67,89 @@ def test_compare_options_name_solvers_given_by_path():
     assert per == {"allreduce": {"bucket_mb": "1"}, path: {"servers": "2"}}
     with pytest.raises(ConfigError, match="option ddp.bucket_mb: ddp is not among the compared solvers"):
         split_solver_options(["allreduce", path], {"ddp.bucket_mb": "1"})
+
+
+def test_the_solver_class_keeps_the_training_hooks_and_the_own_loop_entry_only():
+    """The Solver is narrow (at most 15 methods of its own); what other rooms ask lives in
+    theirs (the plan, the role protocols, the buffers, the own-loop adapter)."""
+    own = [n for n, v in vars(Solver).items() if callable(v) or isinstance(v, (classmethod, staticmethod, property))]
+    methods = sorted(n for n in own if not (n.startswith("__") and n.endswith("__")) and n not in ("Options", "Plan"))
+    assert len(methods) <= 15, methods
+    assert {"attach", "after_backward", "update", "after_update", "step", "no_sync", "final_model"} <= set(methods)
+
+
+def test_a_solvers_plan_is_its_own_composed_with_its_parents_and_knows_its_solver():
+    class Base(Solver):
+        name = "plan-base"
+
+        class Plan:
+            @classmethod
+            def lockstep_lead(cls, options, workers):
+                return 2 * workers
+
+            @classmethod
+            def extra_roles(cls, options):
+                return {"server": 1}
+
+    class Child(Base):
+        name = "plan-child"
+
+        class Plan:
+            @classmethod
+            def extra_roles(cls, options):
+                return {"server": 3}
+
+    class Grandchild(Child):  # (no plan of its own: its parent's, under its own name)
+        name = "plan-grandchild"
+
+    assert Child.Plan.lockstep_lead(None, 4) == 8  # inherited from Base's plan
+    assert Child.Plan.extra_roles(None) == {"server": 3} and Base.Plan.extra_roles(None) == {"server": 1}
+    assert Child.Plan.search_space(4) == [{}]  # the defaults under both
+    assert (Grandchild.Plan.name, Grandchild.Plan.solver) == ("plan-grandchild", Grandchild)
+    assert Grandchild.Plan.extra_roles(None) == {"server": 3} and Grandchild().roles == {"server": 3}
+    assert solver_class("hogwild").Plan.training_threads(make_options(solver_class("hogwild"), {"threads": 3})) == 3
+    assert make_solver("hogwild", threads=3).threads == 3 and make_solver("async-ps", servers=2).roles == {"server": 2}
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"simulate_timing": classmethod(lambda cls, o, sim: None)},
+     "solver old defines simulate_timing on the class: list it in the class's nested `class Plan:`"),
+    ({"begin_step": lambda self, step: None}, "solver old defines begin_step, which nothing reads: the step's start"),
+    ({"synchronize": lambda self: None}, "solver old defines synchronize, which nothing reads: a user's block"),
+    ({"roles": property(lambda self: {"server": 1})},
+     "solver old defines roles, which nothing reads: declare the classmethod extra_roles(cls, options) in"),
+    ({"capabilities": Solver.capabilities | {__import__("distsync").solvers.Capability.HEALS_BY_CHANNELS}},
+     "solver old declares Capability.HEALS_BY_CHANNELS but does not define channel_peers, abandon_channel, "
+     "join_peers"),
+])
+def test_a_solver_class_written_for_the_old_wide_interface_is_refused_where_it_is_made(body, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        type("Old", (Solver,), {"name": "old", **body})
+
+
+def test_block_synchronize_runs_the_solvers_synchronization_once_inside_the_block_only():
+    calls = []
+
+    class Late(Solver):  # (synchronizes just before the update, as the servers' and averaging solvers do)
+        name = "late-sync"
+
+        def after_backward(self, step):
+            calls.append(("sync", step, float(self.model.weight.grad.sum())))
+
+    model = nn.Linear(2, 1, bias=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    s = Late()
+    s.attach(model, opt, comm=None)
+    with s.step(3) as block:
+        model(torch.tensor([[1.0, 2.0]])).sum().backward()
+        assert calls == []
+        block.synchronize()
+        assert calls == [("sync", 3, 3.0)]
+        block.synchronize()  # (again: nothing)
+        opt.step()  # (the user's step: no second synchronization)
+    assert calls == [("sync", 3, 3.0)]
+    with s.step(4):
+        model(torch.tensor([[1.0, 1.0]])).sum().backward()
+    assert calls == [("sync", 3, 3.0), ("sync", 4, 2.0)]  # (without it: once, at the block's end)
+    with pytest.raises(ConfigError, match=r"block\.synchronize\(\) belongs inside its `with solver\.step\(i\) as block:`"):
+        block.synchronize()

@@ -76,6 +76,7 @@ def serve(solver: Solver, comm, make_model, lr: float, **settings) -> bool:
     import dataclasses
 
     from distsync.errors import ConfigError
+    from distsync.runtime.roles import serve_role
     from distsync.solvers.base import ServeContext
 
     known = {f.name for f in dataclasses.fields(ServeContext)} - {"make_model", "lr"}
@@ -86,7 +87,7 @@ def serve(solver: Solver, comm, make_model, lr: float, **settings) -> bool:
     ctx = ServeContext(make_model=make_model, lr=lr, **settings)  # (checked on every rank alike)
     if comm.role == "worker":
         return False
-    solver.serve(comm.role, comm, ctx)
+    serve_role(solver, comm, ctx)
     return True
 
 

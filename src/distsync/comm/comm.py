@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import datetime
-import math
 import os
 import queue
 import threading
@@ -13,9 +12,11 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 import torch
 import torch.distributed as dist
 
+from distsync.comm.channels import Channels
 from distsync.comm.devices import HostStage, Placement, is_device
 from distsync.comm.failures import cause as _cause
 from distsync.comm.failures import typed
+from distsync.comm.latency import Latency, ring_rounds, tree_rounds
 from distsync.comm.store import JobStore, agent_store_client
 from distsync.errors import CommError, CommTimeout, PeerDied, PeerStalled
 
@@ -98,8 +99,9 @@ class PeerLiveness(Protocol):
     def revive(self, rank: int) -> None: ...
     def forget(self, rank: int) -> None: ...
     def leave_behind(self, rank: int) -> bool: ...
-    def wait_for(self, rank: int, ready: Callable[[], Any], stalled: Callable[[str], str], poll_s: float,
-                 leave_workers: Callable[[int], bool] = ...) -> Any: ...
+    def wait_for(self, rank: int, ready: Callable[[], Any], what: str, poll_s: float = ...,
+                 on_stall: Callable[[str], None] | None = None) -> Any: ...
+    def report(self, done: int) -> None: ...
     def stop(self) -> None: ...
 
 
@@ -253,15 +255,15 @@ class Comm:
     Ranks ``0 .. num_workers - 1`` are workers; any further ranks play the roles a solver
     asked for (servers, coordinators), in the order ``role_of`` gives.
 
-    ``latency_s`` emulates a link's one-way latency where the kernel cannot (no netem): each
-    operation completes that many seconds later per sequential message round of its
-    algorithm (a ring all-reduce over p ranks has 2 (p - 1) rounds, a tree broadcast
-    ceil(log2 p), a receive one).
+    ``latency_s`` emulates a link's one-way latency where the kernel cannot (no netem):
+    comm/latency.py. A replacement's channels to its peers are comm/channels.py's; the job's
+    key-value store, comm/store.py's.
     """
 
     def __init__(self, rank: int, world_size: int, role_of: Sequence[str], timeout_s: float, device: torch.device,
                  latency_s: float = 0.0, placement: Placement | None = None, policy: FailurePolicy | None = None):
-        self.latency_s = float(latency_s)
+        #: the emulated link latency (comm/latency.py)
+        self.latency = Latency(latency_s)
         self.rank = rank
         self.world_size = world_size
         self.role_of = list(role_of)
@@ -286,8 +288,10 @@ class Comm:
         #: None: waits are bounded by the comm timeout alone)
         self.liveness: PeerLiveness | None = None
         #: point-to-point channels of their own (a group of two) to peers outside the default
-        #: group: a replacement for a dead worker and the peers it talks to (:meth:`open_channel`)
-        self._channels: dict[int, Any] = {}
+        #: group: a replacement for a dead worker and the peers it talks to (comm/channels.py)
+        self.channels = Channels(rank, lambda prefix, members, name: make_group(
+            self.store.client(), prefix, members, self.rank, self.timeout_s, name),
+            lambda pg: retire_group(pg, self.timeout_s), self.error)
         #: this process replaces a dead worker: it is in no group the others made before
         self.replacement = False
         #: how many times each meeting of :meth:`barrier_while_alive` was held
@@ -450,8 +454,7 @@ class Comm:
                 error = e
         else:
             box = _waiter_pool().submit(work)
-            while not box.done.wait(_POLL_S):
-                live.check(peer, what)
+            live.wait_for(peer, lambda: True if box.done.wait(_POLL_S) else None, what, poll_s=0)
             error = box.error
         if error is not None:
             err = self.error(what, error, peer)
@@ -490,10 +493,6 @@ class Comm:
         self.bytes_sent += int(nbytes)
 
     # ---- operations -------------------------------------------------------------------
-    def _delay(self, rounds: int) -> None:
-        if self.latency_s > 0 and rounds > 0:
-            time.sleep(self.latency_s * rounds)
-
     def staged(self, tensor: torch.Tensor, group: Any = None) -> bool:
         """Whether a collective of ``tensor`` over ``group`` goes through host memory: a
         device tensor on a group without nccl (comm/devices.py)."""
@@ -511,14 +510,14 @@ class Comm:
         buffers of one shape in flight together, e.g. buckets)."""
         size = self.group_size(group)
         self.bytes_sent += ring_allreduce_bytes(tensor.numel() * tensor.element_size(), size)
-        rounds = 2 * (size - 1)
+        rounds = ring_rounds(size)
         view = self._view(group)
         target, back = tensor, None
         if self.staged(tensor, group):
             target = self.stage.down(tensor, key)
             back = partial(self.stage.up, target, tensor)
         if async_op:
-            not_before = time.perf_counter() + self.latency_s * rounds
+            not_before = self.latency.not_before(rounds)
             start = self._guard if view is None else partial(self._start_on, view)
             work = start("all_reduce", dist.all_reduce, target, op=_OPS[op], group=group, async_op=True)
             return Pending(self, work, "all_reduce", not_before, group, then=back)
@@ -528,7 +527,7 @@ class Comm:
             self._guard("all_reduce", dist.all_reduce, target, op=_OPS[op], group=group)
         if back is not None:
             back()
-        self._delay(rounds)
+        self.latency.wait(rounds)
         return None
 
     def _start_on(self, view: Any, what: str, fn, *args, **kwargs) -> Any:
@@ -549,12 +548,12 @@ class Comm:
         else:
             self._guard(f"broadcast(src={src})", dist.broadcast, target, src=src, group=group)
         self.stage.up(target, tensor)
-        self._delay(math.ceil(math.log2(max(1, self.group_size(group)))))
+        self.latency.wait(tree_rounds(self.group_size(group)))
 
     def send(self, tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> None:
         """Send ``tensor`` to ``dst`` (over gloo: a device tensor from a host copy)."""
         self.bytes_sent += tensor.numel() * tensor.element_size()
-        group = self._channels.get(dst, group)
+        group = self.channels.route(dst, group)
         wire = self.stage.down(tensor, "send") if is_device(tensor) else tensor
         what = f"send(to rank {dst})"
         self.wait_on_peer(self._p2p(what, dst, dist.isend, wire, dst=dst, group=group, tag=tag), dst, what)
@@ -563,7 +562,7 @@ class Comm:
         """Receive into ``tensor``; with ``src=None`` from whoever sends first. Returns the sender."""
         what = f"recv(from rank {src})" if src is not None else "recv(from any rank)"
         if src is not None:
-            group = self._channels.get(src, group)
+            group = self.channels.route(src, group)
         wire = self.stage.buffer(tensor, "recv") if is_device(tensor) else tensor
         if src is None:  # (from whoever sends first: bounded by the comm timeout)
             sender = self._guard(what, dist.recv, wire, src=src, group=group, tag=tag)
@@ -571,7 +570,7 @@ class Comm:
             self.wait_on_peer(self._p2p(what, src, dist.irecv, wire, src=src, group=group, tag=tag), src, what)
             sender = src
         self.stage.up(wire, tensor)
-        self._delay(1)
+        self.latency.wait(1)
         return sender
 
     def barrier(self, group: Any = None) -> None:
@@ -695,7 +694,7 @@ class Comm:
         for r in ring[1:]:
             total.add_(flat if r == self.rank else got[r])
         flat.copy_(total)
-        self._delay(1)
+        self.latency.wait(1)
         return True
 
     def _partial_all_reduce(self, flat: torch.Tensor, ring: list[int]) -> bool:
@@ -725,7 +724,7 @@ class Comm:
         # All-gather: pass the summed chunks on around the ring.
         for s in range(k - 1):
             self._exchange(chunks[(me + 1 - s) % k], right, chunks[(me - s) % k], left, tolerant)
-        self._delay(2 * (k - 1))
+        self.latency.wait(ring_rounds(k))
         if not tolerant:
             return True
         if not bool((rows[:, per] == k).all()):
@@ -783,10 +782,7 @@ class Comm:
         self._guard("gather_object", dist.gather_object, obj, out, dst=dst)
         return out
 
-    # ---- channels: a replacement and the peers it talks to (membership/admission.py) -----
-    def has_channel(self, peer: int) -> bool:
-        return peer in self._channels
-
+    # ---- groups of some ranks -----------------------------------------------------------
     def members_group(self, members: Sequence[int]) -> Any:
         """A gloo group of ``members`` alone (this rank among them), made by them the first
         time they meet and kept for the run. Each set has its own prefix in the job's store,
@@ -804,22 +800,6 @@ class Comm:
                 raise self.error(f"forming the group of ranks {list(key)}", e) from None
             self._groups[key] = pg
         return pg
-
-    def open_channel(self, peer: int, name: str) -> None:
-        """A group of two with ``peer`` (both call this with the same ``name``, unique in the
-        job): from now on :meth:`send` and :meth:`recv` with ``peer`` go through it, whatever
-        group they name (a group with a dead member is no use). A replacement for a dead
-        worker is outside the job's groups; this is how it and a peer meet. A channel it
-        replaces is destroyed."""
-        members = sorted((self.rank, peer))
-        try:
-            pg = make_group(self.store.client(), f"distsync/pg/channel/{name}", members, self.rank, self.timeout_s,
-                            f"distsync-channel-{name}")
-        except Exception as e:
-            raise self.error(f"opening a channel with rank {peer}", e) from None
-        old, self._channels[peer] = self._channels.get(peer), pg
-        if old is not None:
-            retire_group(old, self.timeout_s)
 
     def broadcast_object(self, obj: Any, src: int = 0, group: Any = None) -> Any:
         """``src``'s ``obj`` (pickled), on every rank of ``group`` (``src``: a global rank)."""

@@ -1,7 +1,7 @@
 """``distsync recommend``: which solver, with which options, for this model on that cluster.
 
 It measures what the simulator needs (the model's bytes; a step's compute here unless the
-device's is given), tries every solver's search space (``Solver.search_space``: sync
+device's is given), tries every solver's search space (``Plan.search_space``: sync
 interval, group size, schedule, servers) in the simulator, and ranks the candidates by
 predicted time to target:
 
@@ -225,7 +225,7 @@ def candidates(request: Request, max_servers: int | None = None) -> list[Candida
             if request.solvers:
                 raise ConfigError(f"{name} needs at least {cls.min_workers} workers; the cluster has {request.workers}")
             continue
-        space = cls.search_space(request.workers)
+        space = cls.Plan.search_space(request.workers)
         if request.solvers and not space:
             space = [{}]  # asked for by name: its defaults
         for options in space:

@@ -5,19 +5,37 @@ Such a peer, after a worker's death, waits on round ``gen`` of ``HEAL/peer/worke
 job's store (``ready`` counts the rounds); the replacement claims the round's key with its
 number, or the peer closes it once it serves nobody else. One key decides, so a replacement
 is either served by a peer or told it came too late. The two then meet over a channel, a
-group of two of their own (``Comm.open_channel``): the replacement is in no group the others
+group of two of their own (``comm.channels.open``): the replacement is in no group the others
 made before it.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from distsync.errors import CommError
 
 #: where, in the job's store, a peer and a dead worker's replacement agree on a channel
 HEAL = "distsync/heal/"
+
+
+class HealsByChannels(Protocol):
+    """What a solver declaring ``Capability.HEALS_BY_CHANNELS`` provides (the solver class
+    refuses to be made without it): a replacement for a dead worker opens a channel with each
+    peer that served it, and takes its model from them."""
+
+    def channel_peers(self, comm: Any) -> list[int] | None:
+        """The ranks a replacement for worker ``comm.rank`` opens a channel with; None: that
+        worker cannot be replaced (it stays dropped)."""
+
+    def abandon_channel(self, comm: Any, peer: int) -> None:
+        """End the conversation a replacement began with ``peer`` when another peer let it in
+        no more (the job is over)."""
+
+    def join_peers(self, step: int) -> int | None:
+        """In a replacement, attached, before its first step ``step``: take the model from the
+        peers it has channels with; the rank of the worker it came from (None: from servers)."""
 
 
 def accept_replacement(comm: Any, worker: int, alone: Callable[[], bool]) -> bool:
@@ -33,7 +51,7 @@ def accept_replacement(comm: Any, worker: int, alone: Callable[[], bool]) -> boo
         if comm.store.first(key, "closed") == "closed":
             return False
         try:
-            comm.open_channel(worker, f"{comm.rank}-{worker}-{gen}")
+            comm.channels.open(worker, f"{comm.rank}-{worker}-{gen}")
         except CommError:  # the replacement died while joining: wait for the next one
             continue
         if comm.liveness is not None:
@@ -72,7 +90,7 @@ def join_as_replacement(comm: Any, peers: Sequence[int], replacement: int, aband
                 raise CommError(f"rank {comm.rank}: rank {peer} did not let in a replacement for the dead "
                                 f"worker within {comm.timeout_s:g} s")
             time.sleep(0.02)
-        comm.open_channel(peer, f"{peer}-{comm.rank}-{gen}")
+        comm.channels.open(peer, f"{peer}-{comm.rank}-{gen}")
         opened.append(peer)
     return True
 

@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from distsync.errors import CommError, PeerDied, PeerStalled
+from distsync.errors import PeerDied, PeerStalled
 
 #: a process's heartbeat counter in the job's store (its heartbeat thread moves it)
 ALIVE = "distsync/alive/"
@@ -35,23 +35,39 @@ LOOK_S = 0.5
 
 
 class Heartbeat:
-    """A daemon thread that moves this process's ``ALIVE`` counter every ``interval`` seconds
-    while the process runs; a stopped process's stands still."""
+    """This process's one sign of life: a daemon thread that, every ``interval`` seconds while
+    the process runs, moves its ``ALIVE`` counter and publishes how far it got (``BEAT``,
+    :meth:`report`) if that changed; a stopped process's stands still. ``store``: a client of
+    the job's store of its own (``add``, ``set``), so that a beat never waits behind another
+    thread's store operation."""
 
-    def __init__(self, store_add: Callable[[str, int], Any], rank: int, interval: float):
-        self._add, self.rank, self.interval = store_add, rank, interval
+    def __init__(self, store: Any, rank: int, interval: float):
+        self._store, self.rank, self.interval = store, rank, interval
+        self._progress: int | None = None  # (set by the training thread, read by the beat)
+        self._published: int | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="distsync-heartbeat", daemon=True)
 
     def start(self) -> "Heartbeat":
-        self._add(f"{ALIVE}{self.rank}", 1)
+        self._beat()
         self._thread.start()
         return self
+
+    def report(self, done: int) -> None:
+        """This process has done ``done`` steps: published at the next beat."""
+        self._progress = done
+
+    def _beat(self) -> None:
+        self._store.add(f"{ALIVE}{self.rank}", 1)
+        done = self._progress
+        if done is not None and done != self._published:
+            report_progress(self._store.set, self.rank, done)
+            self._published = done
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             try:
-                self._add(f"{ALIVE}{self.rank}", 1)
+                self._beat()
             except Exception:  # (the job's store is gone: the job is ending)
                 return
 
@@ -83,6 +99,12 @@ class Liveness:
     def stop(self) -> None:
         if self.heartbeat is not None:
             self.heartbeat.stop()
+
+    def report(self, done: int) -> None:
+        """This process has done ``done`` steps: its heartbeat publishes it (:meth:`progress`
+        on the others); a sign of its life beside the beat itself."""
+        if self.heartbeat is not None:
+            self.heartbeat.report(done)
 
     def progress(self, rank: int) -> str | None:
         """Rank's last reported progress (the steps it had done; :func:`report_progress`), or
@@ -151,22 +173,28 @@ class Liveness:
             raise PeerStalled(f"rank {self.rank}: {what} failed: rank {rank} made no progress for "
                               f"{self.timeout_s:g} s (it is stalled)", rank)
 
-    def wait_for(self, rank: int, ready: Callable[[], Any], stalled: Callable[[str], str], poll_s: float,
-                 leave_workers: Callable[[int], bool] = lambda r: False) -> Any:
-        """What ``ready()`` returns once it returns something other than None (asked every
-        ``poll_s`` seconds), however long that takes, as long as ``rank`` lives. Once its
-        heartbeat and progress have stood still for the comm timeout: if
-        ``leave_workers(rank)`` and this job goes on without it (:meth:`leave_behind`), the
-        wait goes on (``ready()`` learns of its mark); else :class:`CommError` with the message
-        ``stalled(where)``, ``where`` saying how far it got."""
+    def wait_for(self, rank: int, ready: Callable[[], Any], what: str, poll_s: float = POLL_S,
+                 on_stall: Callable[[str], None] | None = None) -> Any:
+        """The one wait on a peer: what ``ready()`` returns once it returns something other
+        than None (asked every ``poll_s`` seconds; a ``ready`` that blocks a while itself,
+        e.g. on a torch work, takes 0), however long that takes, as long as ``rank`` lives.
+
+        By default (:meth:`check`) a dead ``rank`` fails it with :class:`PeerDied` and a
+        stalled one with :class:`PeerStalled`, naming ``what`` waited. With ``on_stall``, the
+        waiter learns of a death its own way (``ready()`` reads the marks) and a stall calls
+        ``on_stall(where)``, ``where`` saying how far the rank got: it raises, or returns to
+        wait on (the job goes on without the rank, and ``ready()`` will see its mark)."""
         while True:
             got = ready()
             if got is not None:
                 return got
-            if self.stalled(rank) and not (leave_workers(rank) and self.leave_behind(rank)):
+            if on_stall is None:
+                self.check(rank, what)
+            elif self.stalled(rank):
                 beat = self.progress(rank)
-                raise CommError(stalled(f"last progress at step {beat}" if beat is not None else "no progress yet"))
-            time.sleep(poll_s)
+                on_stall(f"last progress at step {beat}" if beat is not None else "no progress yet")
+            if poll_s:
+                time.sleep(poll_s)
 
     def leave_behind(self, rank: int) -> bool:
         """Record that the others go on without stalled ``rank`` (its supervisor then ends it,
@@ -203,7 +231,7 @@ def watching(marked_dead: Callable[[int], bool] | None = None,
     def watch(comm: Any) -> Liveness:
         live = Liveness(comm.rank, comm.timeout_s, comm.store.get, comm.store.check, marked_dead, mark_stalled)
         own = comm.store.client()  # (a beat never waits behind another thread's store operation)
-        live.heartbeat = Heartbeat(own.add, comm.rank, min(1.0, comm.timeout_s / 5)).start()
+        live.heartbeat = Heartbeat(own, comm.rank, min(1.0, comm.timeout_s / 5)).start()
         return live
 
     return watch

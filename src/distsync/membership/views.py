@@ -46,7 +46,7 @@ import json
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 from distsync.comm.comm import make_group, retire_group
 from distsync.comm.failures import cause
@@ -59,6 +59,18 @@ VIEW = "distsync/view/"
 #: a view's group has no deadline of its own (a slow member is waited for while it lives);
 #: this bounds a wait only if liveness itself could not tell
 VIEW_GROUP_TIMEOUT_S = 3600.0
+
+
+@runtime_checkable
+class AdaptsToViews(Protocol):
+    """What a solver provides whose state depends on its group's members (a bucketed
+    all-reduce, DDP's reducer, a fragment in flight): after a view change it forgets any
+    operation in flight on the old group, which the loop (or the solver's own thread) does
+    again. A solver without it needs nothing done (``Capability.REFORMS_WITHOUT_DEAD``)."""
+
+    def on_view_change(self, tag: str) -> Any:
+        """The live workers of group ``tag`` changed (``comm.live_workers`` says who is left).
+        Returns the module the loop should call from now on, if it changed (else None)."""
 
 
 @dataclass

@@ -33,7 +33,7 @@ import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -88,6 +88,16 @@ def load_error(e: BaseException) -> str:
     reasons = [line for line in lines if "weights_only" not in line and not line.startswith(
         ("Weights only load failed", "Check the documentation", "Please file an issue"))]
     return (reasons[0] if reasons else type(e).__name__)[:200]
+
+
+@runtime_checkable
+class CheckpointsPeers(Protocol):
+    """What a solver with processes of its own beside the workers (servers) provides, so that
+    a checkpoint holds their part too."""
+
+    def checkpoint_peers(self, index: int, done: int = 0) -> None:
+        """Ask this solver's other processes to write their part of checkpoint ``index``;
+        called on every worker just before it writes its own, after ``done`` steps."""
 
 
 @dataclass

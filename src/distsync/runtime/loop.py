@@ -24,12 +24,14 @@ from distsync.runtime.plugins import (Checkpointer, ComputeGate, DeviceStretch, 
                                       FaultInjection, HogwildRunner, Plugins, Progress, RunState, SingleThread,
                                       StepState, TrainClock)
 from distsync.membership.liveness import POLL_S
+from distsync.membership.views import AdaptsToViews
 from distsync.runtime.plugins.budget import JobBudget, ProgressReport
 from distsync.runtime.plugins.tensorboard import TensorBoardLog
 from distsync.runtime.plugins.training import (DataEnd, GradClip, LearningRate, LossScaler, check_accumulate,
                                                forward_precision)
 from distsync.runtime.recovery import EventJournal, WorkerRecovery, write_stop
 from distsync.solvers.base import Capability
+from distsync.solvers.buffers import begin_step
 from distsync.solvers.lars import LARS
 from distsync.workloads import Workload, train_batches
 from distsync.workloads.base import to_device
@@ -77,7 +79,7 @@ def worker_plugins(cfg: RunConfig, workload: Workload, solver, comm, progress: P
         EmbeddingTablesClient(cfg.embedding_servers, solver.threads) if cfg.embedding_servers else None,
         FaultInjection(recovery.faults),
         JobBudget.for_worker(cfg, solver, workload),  # with --budget: when this worker stops
-        ProgressReport(min(1.0, cfg.timeout_s / 5)),
+        ProgressReport(),
         DeviceStretch.for_worker(cfg, comm.rank, solver.threads, crossover),  # after the lookups: they are not compute
         LearningRate(cfg),
         LossScaler.for_worker(cfg, solver),  # before clipping: the norm of the true gradient
@@ -179,7 +181,7 @@ def _step_body(run: RunState, s: StepState, t: int) -> tuple[torch.Tensor, torch
         s.compute_s += _seconds(runner.zero_grad, run, s)
         return s.loss_tensor, s.labels
     s.aside_s = 0.0  # (counted already, if this step is done again)
-    s.comm_s += _seconds(solver.begin_step, s.step)
+    s.comm_s += _seconds(begin_step, solver, s.step)
     micro = run.cfg.accumulate  # micro-batches per step (--accumulate): batches k*micro .. k*micro + micro-1
     batches = []
     for j in range(micro):
@@ -254,7 +256,7 @@ def _adopt_view(run: RunState, view: Any, step: int) -> None:
     this worker is the one that admitted them: its state after ``step`` steps), then let the
     solver adapt (and the learning rate, with --shrink-lr scale)."""
     run.comm.membership.hand_over(view, lambda: peer_state(run, step))
-    new_model = run.solver.on_view_change(view.tag)
+    new_model = run.solver.on_view_change(view.tag) if isinstance(run.solver, AdaptsToViews) else None
     if new_model is not None:
         run.run_model = new_model
     if run.cfg.shrink_lr == "scale":  # (the learning-rate plug-in applies it from the next step)

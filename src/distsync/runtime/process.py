@@ -14,7 +14,7 @@ import torch
 from distsync.comm import Comm
 from distsync.comm.devices import enter, place_from_env
 from distsync.config import Budget, RunConfig
-from distsync.errors import ConfigError
+from distsync.errors import CommError, ConfigError
 from distsync.metrics import device_summary, split_collective_wait, summarize
 from distsync.metrics.outputs import write_csv
 from distsync.runtime.checkpoint import STATEFUL_ROLES, CheckpointStore, fingerprint
@@ -28,7 +28,7 @@ from distsync.runtime.recovery import (CheckpointPolicy, FaultInjector, WorkerRe
                                        read_faults, read_jsonl, restart_count,
                                        summarize_recovery)
 from distsync.runtime.resolve import ResolvedRun
-from distsync.runtime.roles import EMBEDDING_SERVER
+from distsync.runtime.roles import EMBEDDING_SERVER, serve_role
 from distsync.solvers import Capability, ServeContext
 from distsync.torch_private import import_dynamo
 from distsync.sparse import EmbeddingServer, find_tables
@@ -152,24 +152,32 @@ def dropped_mark(run_dir: Path, attempt: int, rank: int) -> dict[str, Any] | Non
 FINISHED = "distsync/finished/"
 
 
-def wait_on_peer(comm: Comm, rank: int, ready: Callable[[], T | None], stalled: Callable[[str], str],
+def wait_on_rank(comm: Comm, rank: int, ready: Callable[[], T | None], stalled: Callable[[str], str],
                  poll_s: float) -> T:
-    """What ``ready()`` returns once it returns something, as long as ``rank`` lives:
-    :meth:`~distsync.membership.liveness.Liveness.wait_for` on the comm's liveness (a comm
-    without one: a liveness over its store, with no supervisor's marks). A stalled worker that
-    this job goes on without is waited for no longer than ``ready()`` takes to see its mark."""
+    """What ``ready()`` (a look at the job's store or run folder) returns once it returns
+    something, as long as ``rank`` lives: the one wait on a peer,
+    :meth:`~distsync.membership.liveness.Liveness.wait_for`, on the comm's liveness (a comm
+    without one: a liveness over its store, with no supervisor's marks). ``ready()`` learns of
+    a death from the marks; a stalled worker that this job goes on without is waited for no
+    longer than ``ready()`` takes to see its mark, any other stalled rank fails the wait with
+    :class:`CommError` ``stalled(where)``."""
     live = comm.liveness if getattr(comm, "liveness", None) is not None else \
         Liveness(comm.rank, comm.timeout_s, comm.store.get, comm.store.check)
-    return live.wait_for(rank, ready, stalled, poll_s, leave_workers=lambda r: comm.role_of[r] == "worker")
+
+    def on_stall(where: str) -> None:
+        if not (comm.role_of[rank] == "worker" and live.leave_behind(rank)):
+            raise CommError(stalled(where))
+
+    return live.wait_for(rank, ready, f"waiting for rank {rank}", poll_s, on_stall)
 
 
 def wait_for_workers(comm: Comm, poll_s: float = 0.2) -> None:
     """Wait until every worker has finished training, however long a slow one takes, as long
-    as it lives (:func:`wait_on_peer`); a worker that stood still for the comm timeout fails
+    as it lives (:func:`wait_on_rank`); a worker that stood still for the comm timeout fails
     the job, named."""
     comm.store.set(f"{FINISHED}{comm.rank}", "1")
     for r in comm.worker_ranks:
-        wait_on_peer(comm, r, lambda: comm.store.check(f"{FINISHED}{r}") or None,
+        wait_on_rank(comm, r, lambda: comm.store.check(f"{FINISHED}{r}") or None,
                      lambda where: f"rank {comm.rank} ({comm.role}): worker rank {r} made no progress for "
                                    f"{comm.timeout_s:g} s ({where}): it is stalled or has died", poll_s)
 
@@ -183,14 +191,14 @@ def gather_through_store(comm: Comm, mine: dict[str, Any], run_dir: Path, attemp
     if comm.role != "worker":
         return None
     for r in comm.worker_ranks:
-        wait_on_peer(comm, r, lambda: comm.store.check(f"distsync/results/{r}")
+        wait_on_rank(comm, r, lambda: comm.store.check(f"distsync/results/{r}")
                      or dropped_mark(run_dir, attempt, r) is not None or None,
                      lambda where: f"rank {comm.rank} (worker): worker rank {r} made no progress for "
                                    f"{comm.timeout_s:g} s ({where}): it is stalled or has died", 0.05)
     alive = [r for r in comm.worker_ranks if dropped_mark(run_dir, attempt, r) is None]
     if not alive or comm.rank != alive[0]:
         return None
-    return [wait_on_peer(comm, r, lambda: _results_of(comm, r, run_dir, attempt),
+    return [wait_on_rank(comm, r, lambda: _results_of(comm, r, run_dir, attempt),
                          lambda where: f"rank {comm.rank} (worker): rank {r} sent no results and made no progress "
                                        f"for {comm.timeout_s:g} s (it is stalled or has died)", 0.05)
             for r in range(comm.world_size)]
@@ -590,7 +598,7 @@ def _play_role(run: ResolvedRun, run_dir: Path, comm: Comm, solver, workload: Wo
             replace_module(model, found[0], torch.nn.Identity())
         return model
 
-    solver.serve(comm.role, comm, ServeContext(
+    serve_role(solver, comm, ServeContext(
         make_model=make_model, lr=cfg.lr, momentum=cfg.momentum, lr_schedule=cfg.lr_schedule,
         weight_decay=cfg.weight_decay, optimizer=cfg.optimizer, lars_eta=cfg.lars_eta,
         warmup_steps=cfg.warmup_steps, steps=cfg.steps, seed=cfg.seed, device=placement.server_device,

@@ -57,7 +57,7 @@ class ResolvedRun:
     @property
     def threads(self) -> int:
         """Training threads per worker (more than one: Hogwild threads on one model)."""
-        return self.solver_cls.training_threads(self.options)
+        return self.solver_cls.Plan.training_threads(self.options)
 
     @property
     def world_size(self) -> int:
@@ -81,17 +81,8 @@ class ResolvedRun:
         return self.config.solver + (f"({shown})" if shown else "")
 
 
-def _check_solver_class(cls: type[Solver]) -> None:
-    # Roles and threads are read from the class before any solver exists; a property that
-    # reads self.options would be silently ignored.
-    for old, new in (("roles", "extra_roles"), ("threads", "training_threads")):
-        if getattr(cls, old) is not getattr(Solver, old):
-            raise ConfigError(f"solver {cls.name or cls.__name__} overrides `{old}`; declare the classmethod "
-                              f"`{new}(cls, options)` instead")
-
-
 def _roles(cfg: RunConfig, cls: type[Solver], options: Any) -> dict[str, int]:
-    roles = dict(cls.extra_roles(options))
+    roles = dict(cls.Plan.extra_roles(options))
     if cfg.embedding_servers:
         roles[EMBEDDING_SERVER] = cfg.embedding_servers
     return roles
@@ -138,7 +129,6 @@ def resolve(cfg: RunConfig, *, world_size: int | None = None, steps_set: bool = 
         other = "--steps" if cfg.steps is not None else "--budget"
         raise ConfigError(f"--epochs and {other} conflict: --epochs sets the steps per worker; give one")
     cls = solver_class(cfg.solver)
-    _check_solver_class(cls)
     options = make_options(cls, cfg.solver_options)
     check_buffers(cls, cfg.buffers)
     if Capability.SERVERS_APPLY_UPDATE in cls.capabilities:  # (servers step with the run's optimizer)
@@ -162,11 +152,11 @@ def resolve(cfg: RunConfig, *, world_size: int | None = None, steps_set: bool = 
     if group is not None and group > cfg.workers and not steps_set:  # (a run folder's: said when it began)
         sys.stderr.write(f"distsync: warning: solver {cls.name}: group_size {group} is more than the "
                          f"{cfg.workers} workers; groups of {cfg.workers} instead\n")
-    threads = cls.training_threads(options)
+    threads = cls.Plan.training_threads(options)
     if workload is not None:
         _check_shards(cfg, workload, threads, cls.min_workers)
     if cfg.budget is not None and cfg.task == "train" and not steps_set:
-        cfg = dataclasses.replace(cfg, steps=_budget_steps(cfg, cls.lockstep_lead(options, cfg.workers), threads))
+        cfg = dataclasses.replace(cfg, steps=_budget_steps(cfg, cls.Plan.lockstep_lead(options, cfg.workers), threads))
     if cfg.epochs is not None and cfg.task == "train" and not steps_set:
         cfg = dataclasses.replace(cfg, steps=epoch_steps(cfg, workload, threads))
     if workload is not None:

@@ -2,7 +2,7 @@
 
 A real run with a budget does not give every worker the same steps: it stops when the job
 has spent its budget, and how each worker stops depends on its solver
-(:meth:`~distsync.solvers.Solver.lockstep_lead`, :mod:`distsync.runtime.plugins.budget`):
+(:meth:`~distsync.solvers.plan.Plan.lockstep_lead`, :mod:`distsync.runtime.plugins.budget`):
 
 - workers that must take equal steps (``lead``: an int) take ``ceil(N / (batch x workers))``
   steps each under a samples budget; under a seconds budget the first worker to start a step
@@ -46,7 +46,7 @@ def lead_of(solver: str, options: dict[str, Any], workers: int) -> int | None:
     from distsync.solvers import make_options, solver_class
 
     cls = solver_class(solver)
-    return cls.lockstep_lead(make_options(cls, options), workers)
+    return cls.Plan.lockstep_lead(make_options(cls, options), workers)
 
 
 def equal_steps(budget: Budget, batch: int, workers: int) -> int | None:

@@ -125,7 +125,7 @@ def _per_core(run: dict[str, Any], cores: int) -> float:
 
     cfg = run["cfg"]
     cls = solver_class(cfg.solver)
-    processes = cfg.workers + sum(cls.extra_roles(make_options(cls, cfg.solver_options)).values())
+    processes = cfg.workers + sum(cls.Plan.extra_roles(make_options(cls, cfg.solver_options)).values())
     return max(1.0, processes / cores)
 
 

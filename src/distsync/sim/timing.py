@@ -706,8 +706,8 @@ def simulate(solver: str, options: dict[str, Any], cluster: Cluster, workers: Wo
     cls = solver_class(solver)
     o = make_options(cls, options)
     sim = TimingContext(solver, cluster, workers.sample(cluster.workers, work.steps), work, seed)
-    result = cls.simulate_timing(o, sim)
+    result = cls.Plan.simulate_timing(o, sim)
     if result is None:
-        raise ConfigError(f"solver {solver!r} has no timing model: its class needs a simulate_timing(options, sim) "
-                          f"classmethod (see docs/simulator.md)")
+        raise ConfigError(f"solver {solver!r} has no timing model: its class's Plan needs a "
+                          f"simulate_timing(options, sim) classmethod (see docs/simulator.md)")
     return result

@@ -242,9 +242,9 @@ def _one_gradient(workload: Workload, samplers: list[ShardSampler], bufs: "_Buff
 def _simulate_rule(cls, o, ctx: "TrainContext", solver: str, optimizer: str, momentum: float, weight_decay: float):
     """The solver's train-mode rule on ``ctx``; a :class:`ConfigError` when it has none, or
     when its updates are a server's and the replicas' optimizer is not plain SGD."""
-    rule = cls.simulate_rule(o, ctx)
+    rule = cls.Plan.simulate_rule(o, ctx)
     if rule is None:
-        raise ConfigError(f"train mode has no rule for {solver!r}: its class needs a simulate_rule(options, sim) "
+        raise ConfigError(f"train mode has no rule for {solver!r}: its class's Plan needs a simulate_rule(options, sim) "
                           f"classmethod (see docs/simulator.md)")
     if isinstance(rule, OrderedRule) and not rule.follows_optimizer and not ctx.optimizer.plain:
         asked = " ".join(f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}" for flag, value in
@@ -385,9 +385,9 @@ def _run_ordered(cls, o, rule: "OrderedRule", solver: str, workers: int, steps: 
     rule.on_worker_step = lambda w: took.__setitem__(w, took[w] + 1)
     if wall_s:
         # the virtual times of this very timing model, scaled to the wall time asked for
-        scale[0] = wall_s / max(1e-12, cls.simulate_timing(o, TimingContext(solver, cluster, sim.c, work, seed)).wall_s)
+        scale[0] = wall_s / max(1e-12, cls.Plan.simulate_timing(o, TimingContext(solver, cluster, sim.c, work, seed)).wall_s)
     try:
-        timed = cls.simulate_timing(o, sim)
+        timed = cls.Plan.simulate_timing(o, sim)
     except _Reached:
         return took
     except _Spent:
@@ -799,7 +799,7 @@ def _run_optimizer(cls, o, solver: str, optimizer: str, momentum: float, weight_
                           "or bf16")
     if Capability.SERVERS_APPLY_UPDATE in cls.capabilities:  # (servers step with the run's optimizer)
         cls.check_server_optimizer(o, optimizer)
-    threads = cls.training_threads(o)
+    threads = cls.Plan.training_threads(o)
     if threads > 1 and Capability.THREADS_TAKE_PLAIN_SGD in cls.capabilities and (optimizer != "sgd" or momentum or
                                                                           weight_decay):
         raise ConfigError(f"{solver} with {threads} threads steps with plain lock-free SGD (Hogwild): it takes "
@@ -817,7 +817,7 @@ def train_mode_solvers() -> list[str]:
     for name in solver_names():
         cls = solver_class(name)
         try:
-            if cls.simulate_rule(make_options(cls, {}), probe) is not None:
+            if cls.Plan.simulate_rule(make_options(cls, {}), probe) is not None:
                 out.append(name)
         except ConfigError:
             out.append(name)  # it has rules, only not for its default options
@@ -828,7 +828,7 @@ def rule_is_ordered(solver: str, options: dict[str, Any]) -> bool:
     """Whether ``solver``'s train-mode rule with ``options`` runs inside its timing model."""
     cls = solver_class(solver)
     try:
-        return isinstance(cls.simulate_rule(make_options(cls, options), TrainContext({}, 0.0, 2, 0)), OrderedRule)
+        return isinstance(cls.Plan.simulate_rule(make_options(cls, options), TrainContext({}, 0.0, 2, 0)), OrderedRule)
     except ConfigError:
         return False
 

@@ -96,21 +96,22 @@ class AllReduce(Solver):
 
     # The simulation: every worker steps with the mean of all gradients, an all-reduce each
     # step; with a narrower wire format, of its bytes and its rounding.
-    @classmethod
-    def simulate_timing(cls, options, sim):
-        compress = options.compress
-        if compress == "powersgd":
-            raise ConfigError(f"solver {cls.name} with compress=powersgd has no timing model: its bytes depend on "
-                              f"the model's matrix shapes, which the simulator does not know (fp16 and bf16 have one)")
-        share = 0.5 if compress in WIRE_DTYPES else 1.0
-        return sim.meet_every(1, sim.allreduce_s(share=share))  # every step, an all-reduce of the gradients
+    class Plan:
+        @classmethod
+        def simulate_timing(cls, options, sim):
+            compress = options.compress
+            if compress == "powersgd":
+                raise ConfigError(f"solver {cls.name} with compress=powersgd has no timing model: its bytes depend on "
+                                  f"the model's matrix shapes, which the simulator does not know (fp16 and bf16 have one)")
+            share = 0.5 if compress in WIRE_DTYPES else 1.0
+            return sim.meet_every(1, sim.allreduce_s(share=share))  # every step, an all-reduce of the gradients
 
-    @classmethod
-    def simulate_rule(cls, options, sim):
-        compress = options.compress
-        if compress == "powersgd":
-            return sim.powersgd_mean(options)
-        return sim.mean_gradient(WIRE_DTYPES.get(compress))
+        @classmethod
+        def simulate_rule(cls, options, sim):
+            compress = options.compress
+            if compress == "powersgd":
+                return sim.powersgd_mean(options)
+            return sim.mean_gradient(WIRE_DTYPES.get(compress))
 
     def attach(self, model, optimizer, comm, **kw):
         super().attach(model, optimizer, comm, **kw)

@@ -6,7 +6,7 @@ the model, the optimizer and a :class:`~distsync.comm.Comm`.
 
 Order of the hooks on a worker, once per step::
 
-    begin_step(step)       # the buffers as the policy keeps them, then:
+    begin_step(solver, step)  # (solvers/buffers.py) the buffers as the policy keeps them, then:
     before_step(step)      # e.g. pull fresh parameters from a server every n_fetch steps
     forward, backward      # (the loop's work; gradient hooks may start communication)
     after_backward(step)   # gradients ready: finish the all-reduce, or push to a server
@@ -14,19 +14,18 @@ Order of the hooks on a worker, once per step::
     after_update(step)     # elastic exchange every tau, gossip, Partial All-Reduce
     zero_grad()
 
-Processes that are not workers (``roles``) run :meth:`serve` instead of the loop.
+Processes that are not workers (``solver.roles``) run the solver's ``serve(role, comm, ctx)``
+instead of the loop.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
 import functools
 import threading
 import time
 import typing
-import weakref
 from typing import Any, Callable, ClassVar, Iterator
 
 import torch
@@ -35,7 +34,10 @@ import torch.nn as nn
 from distsync.config import check_ranges, convert, show_names
 from distsync.errors import ConfigError
 from distsync.imports import load_attribute
+from distsync.solvers.buffers import BufferSync
 from distsync.solvers.flat import FlatView
+from distsync.solvers.own_loop import Block, OwnLoop
+from distsync.solvers.plan import PLAN_NAMES, Capability, Plan, compose_plan
 
 
 @dataclasses.dataclass
@@ -141,69 +143,20 @@ class PhaseClock:
         return key
 
 
-class Capability(enum.Enum):
-    """What a solver can do and how it behaves, as the launcher, the training loop and the
-    own-loop API ask about it. A solver class declares the ones it has in
-    :attr:`Solver.capabilities`; ``Capability.X in cls.capabilities`` asks."""
-
-    #: every worker meets the others in a collective at every step: the buffers are then
-    #: synchronized at each step's start (:meth:`Solver.begin_step`). (Waiting at a meeting is
-    #: accounted for by the step's meeting key, :meth:`PhaseClock.meeting`.)
-    COLLECTIVE_PER_STEP = "collective_per_step"
-    #: with :attr:`COLLECTIVE_PER_STEP` and a buffer policy other than "local", the solver
-    #: synchronizes the buffers at each step's start (absent: something else keeps them, e.g.
-    #: DDP's own broadcast)
-    SYNCS_BUFFERS_PER_STEP = "syncs_buffers_per_step"
-    #: the others can train on after a worker's process dies (its peers are servers that
-    #: serve each worker on its own): the job drops it instead of restarting
-    SURVIVES_WORKER_LOSS = "survives_worker_loss"
-    #: the workers' groups can be re-formed without a dead worker and the others go on from
-    #: where they are (``membership/views.py``); the solver's operations on
-    #: ``comm.worker_group`` and ``comm.group(tag)`` then raise ``PeerLost`` when a member
-    #: dies, and :meth:`Solver.on_view_change` adapts the solver to the survivors
-    REFORMS_WITHOUT_DEAD = "reforms_without_dead"
-    #: a replacement for a dead worker can join the running job and copy a live peer's model,
-    #: optimizer and solver state (the training thread's ``workers`` group is the solver's only
-    #: one, and its workers keep no state of their own a peer lacks)
-    HEALS_FROM_PEER = "heals_from_peer"
-    #: (with :attr:`HEALS_FROM_PEER`) the replacement is let in by the peers that served the
-    #: dead worker from threads of their own (:meth:`Solver.channel_peers`: servers, AD-PSGD's
-    #: passive workers) through a channel with each, goes on from the dead worker's next step,
-    #: and takes its model from them (:meth:`Solver.join_peers`)
-    HEALS_BY_CHANNELS = "heals_by_channels"
-    #: the update is this worker's own ``optimizer.step()``: a user's loop may call it inside
-    #: :meth:`Solver.step` (DDP's habit), after the solver's synchronization. Absent where the
-    #: solver applies the update otherwise (servers apply it, or it needs the solver's lock):
-    #: calling it inside :meth:`Solver.step` is then an error that says so
-    USER_MAY_STEP = "user_may_step"
-    #: the gradients are averaged at the end of each backward pass (so that inside
-    #: :meth:`Solver.step`, after ``loss.backward()``, they can be unscaled and clipped as the
-    #: optimizer will see them); absent: the solver synchronizes just before the update
-    SYNCS_IN_BACKWARD = "syncs_in_backward"
-    #: the workers' models differ at the end (averaged only every few steps, or gossiped):
-    #: :meth:`Solver.final_model` averages them
-    REPLICAS_DIFFER = "replicas_differ"
-    #: with more than one training thread, every thread's step is plain SGD at the optimizer's
-    #: learning rate (another optimizer, momentum or weight decay is refused)
-    THREADS_TAKE_PLAIN_SGD = "threads_take_plain_sgd"
-    #: the solver's ``on_communication(callback)`` calls ``callback()`` inside backward once the
-    #: gradients are all computed and only their communication is left (crossover's compute gate)
-    SIGNALS_COMMUNICATION = "signals_communication"
-    #: servers apply the update at a learning rate of their own (``serve()``'s): a scheduler
-    #: on the workers' optimizer would not reach them, and is refused in a user's loop
-    SERVERS_APPLY_UPDATE = "servers_apply_update"
-    #: a parameter that got no gradient in a step would still be moved (an average of zeros, a
-    #: server's momentum or weight decay) where plain torch skips it: such a step is refused in
-    #: a user's loop
-    REFUSES_UNUSED = "refuses_unused"
-    #: a parameter gets an averaged gradient even when no worker's backward reached it: in a
-    #: user's loop, such parameters' gradients are set to None after the average (one small
-    #: all-reduce per step), so that the optimizer skips them as torch does
-    SKIPS_UNUSED = "skips_unused"
-
-
 class Solver:
-    """Base class: synchronizes nothing; subclasses override the hooks they need."""
+    """Base class: synchronizes nothing; subclasses override the hooks they need.
+
+    The class holds the training hooks and the user's own-loop entry (:meth:`step`,
+    :meth:`no_sync`, :meth:`local_forward`, :meth:`final_model`) and nothing else. What other
+    rooms ask of a solver lives in theirs: the launcher, the simulator and ``recommend`` ask the
+    class's :attr:`Plan` (solvers/plan.py); a solver with extra processes provides
+    ``serve(role, comm, ctx)`` (runtime's ``Serves``); one that adapts to re-formed groups,
+    ``on_view_change(tag)`` (membership's ``AdaptsToViews``); one that heals over channels,
+    ``channel_peers``/``abandon_channel``/``join_peers`` (membership's ``HealsByChannels``);
+    one whose servers keep checkpoint parts, ``checkpoint_peers`` (runtime's
+    ``CheckpointsPeers``). The buffers are kept by :attr:`buffer_sync` (solvers/buffers.py), a
+    user's own loop by an :class:`~distsync.solvers.own_loop.OwnLoop`.
+    """
 
     name: ClassVar[str] = ""
     Options: ClassVar[type] = NoOptions
@@ -211,16 +164,16 @@ class Solver:
     #: a subclass lists its own, or its parent's with ``|`` / ``-``
     capabilities: ClassVar[frozenset[Capability]] = frozenset({Capability.USER_MAY_STEP,
                                                               Capability.SYNCS_BUFFERS_PER_STEP})
+    #: what the launcher, the simulator and ``recommend`` ask of the class (solvers/plan.py): a
+    #: solver lists what it changes in a nested ``class Plan:``, composed with its parents'
+    Plan: ClassVar[type[Plan]] = Plan
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        # A solver class written for the flags that capabilities replaced would be taken for
-        # one without them, silently: refused where the class is made.
+        # A solver class written for an interface this one replaced would be taken for one
+        # without what it wrote, silently: refused where the class is made.
         super().__init_subclass__(**kwargs)
         name = cls.__dict__.get("name") or cls.__name__
-        old = [f for f in cls.__dict__ if f.upper() in Capability.__members__ and f.islower()]
-        if old:
-            wanted = ", ".join(f"Capability.{f.upper()}" for f in old)
-            raise ConfigError(f"solver {name} sets {', '.join(old)}: declare capabilities = "
-                              f"<parent>.capabilities | {{{wanted}}} instead")
+        _refuse_old_interface(cls, name)
         caps = cls.__dict__.get("capabilities", cls.capabilities)
         if not (isinstance(caps, frozenset) and all(isinstance(c, Capability) for c in caps)):
             raise ConfigError(f"solver {name}: capabilities must be a frozenset of Capability members "
@@ -228,10 +181,15 @@ class Solver:
         if "on_communication" in cls.__dict__ and Capability.SIGNALS_COMMUNICATION not in caps:
             raise ConfigError(f"solver {name} defines on_communication but its capabilities leave out "
                               f"Capability.SIGNALS_COMMUNICATION: nothing would call it")
+        missing = [m for m in HEALING_HOOKS if not hasattr(cls, m)]
+        if Capability.HEALS_BY_CHANNELS in caps and missing:
+            raise ConfigError(f"solver {name} declares Capability.HEALS_BY_CHANNELS but does not define "
+                              f"{', '.join(missing)}: a replacement would have nobody to let it in")
         if "close" in cls.__dict__:  # (a closed solver's model is the user's alone: its forwards meet nobody)
             cls.close = _ending_forward_sync(cls.__dict__["close"])
+        cls.Plan = compose_plan(cls, cls.__dict__.get("Plan"))
 
-    #: the roles (``extra_roles``) whose dead process is replaced while the job runs
+    #: the roles (``Plan.extra_roles``) whose dead process is replaced while the job runs
     #: (``--max-restarts`` under ``--on-failure continue``): the replacement meets the workers
     #: over channels of its own (``membership/admission.py``) and takes its state from them;
     #: the workers wait for it instead of failing. Other roles' deaths restart the job.
@@ -239,20 +197,24 @@ class Solver:
     #: How the workers' buffers (BatchNorm's running statistics, ...) are kept, unless the
     #: user chooses (``make_solver(name, buffers=...)``, ``--buffers``), one of BUFFER_POLICIES:
     #: "broadcast": rank 0's before a forward of the attached model, in training and in
-    #: evaluation, when DDP's ``forward_sync_buffers`` would (:meth:`_before_forward`; for
-    #: solvers whose workers hold one model, stepping together; not in :meth:`local_forward`,
-    #: nor once :meth:`close` is called); "average": the floating-point
-    #: buffers averaged with the parameters at each of the solver's synchronizations;
-    #: "local": each worker keeps its own. :meth:`final_model` holds rank 0's (broadcast) or
-    #: the workers' average (average, local).
+    #: evaluation, when DDP's ``forward_sync_buffers`` would (for solvers whose workers hold one
+    #: model, stepping together; not in :meth:`local_forward`, nor once :meth:`close` is
+    #: called); "average": the floating-point buffers averaged with the parameters at each of
+    #: the solver's synchronizations; "local": each worker keeps its own. :meth:`final_model`
+    #: holds rank 0's (broadcast) or the workers' average (average, local).
     default_buffers: ClassVar[str] = "local"
     #: the policies a user may choose for this solver (``default_buffers`` first)
     buffer_choices: ClassVar[tuple[str, ...]] = ("local",)
+    #: the fewest workers a job of this solver can run with
+    min_workers: ClassVar[int] = 1
 
     def __init__(self, options: Any = None, buffers: str | None = None) -> None:
         self.options = options if options is not None else self.Options()
         #: the buffer policy this solver keeps (:attr:`default_buffers`, or the user's choice)
         self.buffers = check_buffers(type(self), buffers)
+        #: the extra processes and the training threads per worker this solver's options ask for
+        self.roles: dict[str, int] = self.Plan.extra_roles(self.options)
+        self.threads: int = self.Plan.training_threads(self.options)
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.comm: Any = None
@@ -260,75 +222,12 @@ class Solver:
         #: broadcast rank 0's parameters and buffers to the other workers in :meth:`attach`
         #: (the training loop, which builds identical models, sets it False)
         self.same_start = True
-        self._block: _Block | None = None  # the user's step in progress (:meth:`step`)
-        self._user_loop = False  # step() is in use: an optimizer.step() between blocks is a second one
-        self._applying = False  # the block's end is applying the update
+        #: the attached model's buffers, kept as :attr:`buffers` says (set by :meth:`attach`)
+        self.buffer_sync: BufferSync | None = None
+        self.float_buffers = FlatView([])  # (the attached model's floating-point buffers)
+        self._own_loop: OwnLoop | None = None  # (a user's loop: step())
         self._no_sync = False
-        self._local_forward = False  # (inside local_forward(): no buffer broadcast before a forward)
-        self._forward_hook: Any = None  # (the attached model's forward pre-hook, "broadcast" buffers)
-        self._forward_sync_ended = False  # (close() was called)
-        self._sync_next_forward = True  # (DDP's require_forward_param_sync: see _before_forward)
         self.skipped_updates = 0  # steps whose gradients were not finite (a GradScaler skipped them)
-
-    # ---- process layout -----------------------------------------------------------------
-    @classmethod
-    def extra_roles(cls, options: Any) -> dict[str, int]:
-        """Extra processes beside the workers that a solver with ``options`` needs, e.g.
-        ``{"server": 2}``; ranks follow the workers. Known without building the solver."""
-        return {}
-
-    @classmethod
-    def training_threads(cls, options: Any) -> int:
-        """Training threads per worker on one shared model (Hogwild) with ``options``. With
-        more than one, the loop calls the solver's ``hogwild_update(step, params, grads)``
-        (:class:`~distsync.solvers.hogwild_threads.HogwildThreads` has it) from each thread
-        instead of ``after_backward`` and ``update``; ``before_step`` and ``after_update`` may
-        then run concurrently."""
-        return 1
-
-    @classmethod
-    def lockstep_lead(cls, options: Any, workers: int) -> int | None:
-        """How the workers of a job with a budget (``--budget``) may stop. None: each worker
-        steps on its own (its peers never wait for its next step) and may stop at any step.
-        An int: every worker must take the same number of steps, and no worker can have started
-        more than this many steps beyond another (a collective every step: 1)."""
-        return 1
-
-    #: the fewest workers a job of this solver can run with
-    min_workers: ClassVar[int] = 1
-
-    @classmethod
-    def search_space(cls, workers: int) -> list[dict[str, Any]]:
-        """The option sets ``distsync recommend`` tries for a cluster of ``workers`` (its main
-        knobs: sync interval, group size, schedule, servers); an empty list: never
-        recommended (a baseline, or the same timing and math as another solver)."""
-        return [{}]
-
-    # ---- simulation (distsync.sim) ------------------------------------------------------
-    @classmethod
-    def simulate_timing(cls, options: Any, sim: Any) -> Any:
-        """This solver's timing on a simulated cluster with ``options``: a
-        :class:`~distsync.sim.timing.SimResult` composed from the blocks of ``sim`` (a
-        :class:`~distsync.sim.timing.TimingContext`). None: the simulator has no timing model
-        for it (and says so)."""
-        return None
-
-    @classmethod
-    def simulate_rule(cls, options: Any, sim: Any) -> Any:
-        """This solver's update on the stacked replicas of train mode with ``options``: a rule
-        picked from the blocks of ``sim`` (a :class:`~distsync.sim.train.TrainContext`),
-        built from the same pure rules as the hooks: a lockstep rule applied after each step of
-        all replicas, or an ordered rule (``sim.server_sgd()``, ...) whose hooks the blocks of
-        its timing model call in virtual-time order. None: train mode cannot run it."""
-        return None
-
-    @property
-    def roles(self) -> dict[str, int]:
-        return self.extra_roles(self.options)
-
-    @property
-    def threads(self) -> int:
-        return self.training_threads(self.options)
 
     # ---- lifecycle ----------------------------------------------------------------------
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Any,
@@ -340,165 +239,55 @@ class Solver:
         is False (default: :attr:`same_start`). Hooks on the model and the optimizer make
         :meth:`step` keep DDP's habits in a user's loop; outside it they do nothing."""
         if comm is not None:
-            self._check_roles(comm)
+            _check_roles(self, comm)
         self.model, self.optimizer, self.comm = model, optimizer, comm
         if (self.same_start if same_start is None else same_start):
-            self._broadcast_start()
-        self._buffer_views = _by_dtype([b for b in model.buffers()])
-        #: the floating-point buffers, which "average" averages (integer ones stay each worker's)
-        self.float_buffers = FlatView([b for b in model.buffers() if b.is_floating_point()])
-        if self._forward_hook is not None:
-            self._forward_hook.remove()
-            self._forward_hook = None
-        self._forward_sync_ended = False
-        self._sync_next_forward = True
-        if self._syncs_buffers_at_forward() and self._buffer_views:
-            self._forward_hook = model.register_forward_pre_hook(_ForwardBufferSync(self))
-        for p in model.parameters():
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(self._grad_accumulated)
-        optimizer.register_step_pre_hook(self._before_user_step)
-        optimizer.register_step_post_hook(self._after_user_step)
-        self._lrs = [g["lr"] for g in optimizer.param_groups]
+            _broadcast_start(self)
+        if self.buffer_sync is not None:
+            self.buffer_sync.remove()
+        self.buffer_sync = BufferSync(self.buffers, self.capabilities, model, comm, lambda: self._no_sync)
+        self.float_buffers = self.buffer_sync.float_buffers
+        self._own_loop = OwnLoop(self)
         return model
 
-    def synced_state(self) -> list[torch.Tensor]:
-        """What this solver's averaging synchronizes: the parameters, and with the "average"
-        buffer policy the floating-point buffers after them."""
-        params = list(self.model.parameters())
-        return params + self.float_buffers.tensors if self.buffers == "average" else params
-
-    def begin_step(self, step: int) -> None:
-        """A step's start: the buffers as the policy keeps them (solvers whose workers meet at
-        every step), then :meth:`before_step`."""
-        can = self.capabilities
-        if (Capability.COLLECTIVE_PER_STEP in can and Capability.SYNCS_BUFFERS_PER_STEP in can
-                and self.buffers != "local" and self._forward_hook is None):  # ("broadcast": at each forward)
-            self.sync_buffers()
-        self.before_step(step)
-
-    def _syncs_buffers_at_forward(self) -> bool:
-        """Whether this solver broadcasts rank 0's buffers before each forward (the "broadcast"
-        policy of a solver whose workers meet at every step)."""
-        can = self.capabilities
-        return (self.buffers == "broadcast" and Capability.COLLECTIVE_PER_STEP in can
-                and Capability.SYNCS_BUFFERS_PER_STEP in can)
-
-    def _before_forward(self) -> None:
-        """DDP's rule: rank 0's buffers before a forward if the forward before it computed
-        gradients that were to be synchronized (grad enabled, outside :meth:`no_sync`), the
-        first forward after :meth:`attach` included. So a step's forward broadcasts, so does
-        the first evaluation forward after training, and the evaluation forwards after it
-        (under ``torch.no_grad()``), or the micro-batches after one under no_sync, do not."""
-        if self._local_forward or self._forward_sync_ended:
-            return
-        if self._sync_next_forward:
-            self.sync_buffers()
-        self._sync_next_forward = torch.is_grad_enabled() and not self._no_sync
-
-    @contextlib.contextmanager
-    def local_forward(self) -> Iterator[None]:
-        """Forwards of the attached model inside use this worker's buffers as they are and
-        meet no other worker (what DDP's ``model.module`` gives): for an evaluation or a log
-        on some workers only, where a forward that broadcasts rank 0's buffers would wait for
-        workers that never come."""
-        before, self._local_forward = self._local_forward, True
-        try:
-            yield
-        finally:
-            self._local_forward = before
-
-    def sync_buffers(self) -> None:
-        """Rank 0's buffers on every worker ("broadcast"), or the workers' average of the
-        floating-point ones ("average"); one collective per dtype."""
-        comm = self.comm
-        if comm is None or getattr(comm, "role", "worker") != "worker" or comm.num_workers < 2:
-            return
-        group = comm.worker_group
-        with torch.no_grad():
-            if self.buffers == "broadcast":
-                for view in self._buffer_views:
-                    flat = view.flat()
-                    comm.broadcast(flat, src=comm.live_workers[0], group=group)
-                    view.assign(flat)
-            elif self.float_buffers.numel:
-                flat = self.float_buffers.flat()
-                comm.all_reduce(flat, group=group)
-                self.float_buffers.assign(flat.div_(comm.group_size(group)))
-
-    def _check_roles(self, comm: Any) -> None:
-        """A job without the processes this solver needs beside the workers (a user's script
-        started as for DDP) is refused with the recipe."""
-        for role, n in self.roles.items():
-            have = len(comm.ranks_with_role(role))
-            if have != n:
-                raise ConfigError(
-                    f"solver {self.name} needs {n} {role} process(es) beside the workers and this job has {have}: "
-                    f"start {n} more rank(s), join with distsync.init_comm(roles=solver.roles), and begin every rank "
-                    f"with `if distsync.serve(solver, comm, make_model, lr): sys.exit()` (the {role}s serve there "
-                    f"until the workers are done; the workers go on)")
-
-    def _broadcast_start(self) -> None:
-        comm = self.comm
-        if comm is None or getattr(comm, "role", "worker") != "worker" or comm.num_workers < 2:
-            return
-        src = comm.worker_ranks[0]
-        with torch.no_grad():
-            for t in [*self.model.parameters(), *self.model.buffers()]:
-                comm.broadcast(t.data, src=src, group=comm.worker_group)
-
     def before_step(self, step: int) -> None:
-        pass
+        """A step's start (after the buffers, :func:`~distsync.solvers.buffers.begin_step`):
+        e.g. pull fresh parameters from a server every n_fetch steps."""
 
     def after_backward(self, step: int) -> None:
-        pass
+        """Gradients ready: finish the all-reduce, or push them to a server."""
 
     def update(self, step: int) -> None:
+        """Apply the update: the optimizer's step, unless the solver applies it otherwise."""
         assert self.optimizer is not None, "attach() first"
         self.optimizer.step()
 
     def after_update(self, step: int) -> None:
-        pass
+        """After the update: an elastic exchange every tau, gossip, a Partial All-Reduce."""
 
     def zero_grad(self) -> None:
         assert self.optimizer is not None, "attach() first"
         self.optimizer.zero_grad(set_to_none=True)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally, unsynchronized (as DDP's
+        ``no_sync``); the next pass outside synchronizes the sum."""
+        before, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = before
 
     def eval_model(self) -> nn.Module:
         """The model whose quality the run reports (a center copy for elastic solvers)."""
         assert self.model is not None, "attach() first"
         return self.model
 
-    def serve(self, role: str, comm: Any, ctx: ServeContext) -> None:
-        """The loop of a non-worker process (server, coordinator); return when workers are done."""
-        raise NotImplementedError(f"solver {self.name} declares role {role!r} but does not serve it")
-
-    def on_view_change(self, tag: str) -> nn.Module | None:
-        """The live workers of group ``tag`` changed (``comm.live_workers`` says who is left):
-        forget any operation in flight on the old group, which the loop (or the solver's own
-        thread) will do again. Returns the module the loop should call from now on, if it
-        changed."""
-        return None
-
-    def channel_peers(self, comm: Any) -> list[int] | None:
-        """(:attr:`Capability.HEALS_BY_CHANNELS`) The ranks a replacement for worker ``comm.rank`` opens a
-        channel with; None: that worker cannot be replaced (it stays dropped)."""
-        return None
-
-    def abandon_channel(self, comm: Any, peer: int) -> None:
-        """(:attr:`Capability.HEALS_BY_CHANNELS`) End the conversation a replacement began with ``peer``
-        when another peer let it in no more (the job is over)."""
-
-    def join_peers(self, step: int) -> int | None:
-        """(:attr:`Capability.HEALS_BY_CHANNELS`) In a replacement, attached, before its first step
-        ``step``: take the model from the peers it has channels with; the rank of the worker
-        it came from (None: from servers)."""
-        raise NotImplementedError(f"solver {self.name} does not heal over channels")
-
     def close(self) -> None:
         """Final synchronization; stop and join any threads this solver started. Forwards of
         the model no longer broadcast buffers after it (subclasses' own close() too)."""
-        self._forward_sync_ended = True
+        _end_forward_sync(self)
 
     def stats(self) -> dict[str, Any]:
         """Solver-specific counters for summary.json (e.g. staleness, groups joined)."""
@@ -512,158 +301,31 @@ class Solver:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` after :meth:`attach`."""
 
-    def checkpoint_peers(self, index: int, done: int = 0) -> None:
-        """Ask this solver's other processes (servers) to write their part of checkpoint
-        ``index``; called on every worker just before it writes its own, after ``done`` steps."""
-
     # ---- users' own loops --------------------------------------------------------------
-    @contextlib.contextmanager
-    def step(self, step: int) -> Iterator[None]:
+    def step(self, step: int) -> contextlib.AbstractContextManager[Block]:
         """Wrap one step of your own loop::
 
-            with solver.step(i):
+            with solver.step(i) as block:
                 loss_fn(model(x), y).backward()
                 # optional, as with DDP: the gradients are synchronized here (solvers that
-                # average them do so as backward ends), so unscale and clip them here,
-                # then optimizer.step() (or scaler.step(optimizer)) and optimizer.zero_grad()
+                # average them do so as backward ends; block.synchronize() makes the others do
+                # it now), so unscale and clip them here, then optimizer.step() (or
+                # scaler.step(optimizer)) and optimizer.zero_grad()
 
         Without an ``optimizer.step()`` of yours, the solver updates the model as the block
         ends; with one, it does not step again. A step whose gradients are not finite (a
         GradScaler skipped it) is not applied. Several backward passes accumulate; under
         :meth:`no_sync` the gradients are not synchronized (the last pass does it)."""
-        if self.model is None:
+        if self._own_loop is None:
             raise ConfigError(f"solver {self.name}: attach(model, optimizer, comm) before solver.step()")
-        self._check_lr_unchanged()
-        self._user_loop = True
-        self.begin_step(step)
-        self._block = block = _Block(step)
-        try:
-            yield
-        finally:
-            self._block = None
-        self._check_all_used(block)
-        if not block.synced:
-            self.after_backward(step)
-        if Capability.SKIPS_UNUSED in self.capabilities and block.backward and not block.stepped:
-            self._skip_unused(block)
-        if not block.stepped:
-            self._check_gradients_kept(block)
-            if self._grads_finite():
-                self._applying = True
-                try:
-                    self.update(step)
-                finally:
-                    self._applying = False
-            else:
-                self.skipped_updates += 1
-        self.after_update(step)
-        self.zero_grad()
+        return self._own_loop.step(step)
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate gradients locally, unsynchronized (as DDP's
-        ``no_sync``); the next pass outside synchronizes the sum."""
-        before, self._no_sync = self._no_sync, True
-        try:
-            yield
-        finally:
-            self._no_sync = before
-
-    def synchronize(self) -> None:
-        """Inside :meth:`step`: synchronize now (solvers that do it as backward ends have);
-        the gradients are then the ones the update will use. Calling it again does nothing."""
-        block = self._block
-        if block is None:
-            raise ConfigError(f"solver {self.name}: synchronize() belongs inside `with solver.step(i):`")
-        if not block.synced:
-            block.synced = True
-            self.after_backward(block.step)
-
-    def _grad_accumulated(self, p: torch.Tensor) -> None:
-        block = self._block
-        if block is not None:
-            block.backward = True
-            block.used.add(p)
-        if (block is None or Capability.SYNCS_IN_BACKWARD not in self.capabilities or self._no_sync
-                or block.queued):
-            return
-        block.queued = True
-        torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
-
-    def _backward_ended(self) -> None:
-        block = self._block
-        if block is None:
-            return
-        block.queued = False
-        block.synced = True
-        self.after_backward(block.step)
-
-    def _before_user_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        block = self._block
-        if block is None:  # (the solver's own update, or the training loop's)
-            if self._user_loop and not self._applying:
-                raise ConfigError(f"solver {self.name}: optimizer.step() between `with solver.step(i):` blocks would "
-                                  f"step a second time (the block's end applied this step's update): call it inside "
-                                  f"the block, or not at all")
-            return
-        if Capability.USER_MAY_STEP not in self.capabilities:
-            raise ConfigError(f"solver {self.name} applies the update itself: do not call optimizer.step() "
-                              f"inside `with solver.step(i):` (the block's end does it)")
-        if block.stepped:
-            raise ConfigError(f"solver {self.name}: optimizer.step() called twice in one `with solver.step(i):`")
-        self.synchronize()
-        if Capability.SKIPS_UNUSED in self.capabilities and block.backward:
-            self._skip_unused(block)
-
-    def _after_user_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._block is not None:
-            self._block.stepped = True
-
-    def _check_lr_unchanged(self) -> None:
-        if Capability.SERVERS_APPLY_UPDATE not in self.capabilities:
-            return
-        now = [g["lr"] for g in self.optimizer.param_groups]
-        if now != self._lrs:
-            raise ConfigError(
-                f"solver {self.name}: the servers apply the update at the learning rate given to distsync.serve(); "
-                f"this worker's optimizer changed its lr ({self._lrs[0]:g} -> {now[0]:g}, a scheduler?) and that "
-                f"does not reach them: give serve() lr_schedule=, warmup_steps= and steps= instead")
-
-    def _skip_unused(self, block: "_Block") -> None:
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        used = torch.tensor([1.0 if p in block.used else 0.0 for p in params])
-        comm = self.comm
-        if comm is not None and comm.num_workers > 1:
-            comm.all_reduce(used, group=comm.worker_group)
-        for p, n in zip(params, used.tolist()):
-            if n == 0:
-                p.grad = None
-
-    def _check_all_used(self, block: "_Block") -> None:
-        if Capability.REFUSES_UNUSED not in self.capabilities or not block.backward:
-            return
-        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        unused = [n for n, p in named if p not in block.used]
-        if unused:
-            raise ConfigError(f"solver {self.name}: {len(unused)} parameter(s) got no gradient in step {block.step} "
-                              f"({', '.join(unused[:3])}{', ...' if len(unused) > 3 else ''}), and this solver would "
-                              f"still move them where torch's optimizer skips them: use every parameter in every "
-                              f"step, or a solver whose workers apply their own update (ma, local, ripples)")
-
-    def _check_gradients_kept(self, block: "_Block") -> None:
-        """After a backward pass in the block, before the block's update: every gradient None
-        or zero means a zero_grad() (the optimizer's or the model's) came in between, and the
-        update would silently be empty. (torch has no hook on zero_grad to refuse it where it
-        is called; a backward pass leaves every gradient exactly zero practically never.)"""
-        if not block.backward:
-            return
-        grads = [p.grad for p in self.model.parameters() if p.requires_grad]
-        if all(g is None or not bool(g.any()) for g in grads):
-            raise ConfigError(zero_grad_refusal(self.name))
-
-    def _grads_finite(self) -> bool:
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        return all(bool(torch.isfinite(g).all()) for g in grads)
+    def local_forward(self) -> contextlib.AbstractContextManager[None]:
+        """Forwards of the attached model inside use this worker's buffers as they are and
+        meet no other worker (what DDP's ``model.module`` gives): for an evaluation or a log
+        on some workers only, where a forward that broadcasts rank 0's buffers would wait for
+        workers that never come."""
+        return self.buffer_sync.local() if self.buffer_sync is not None else contextlib.nullcontext()
 
     def final_model(self) -> nn.Module:
         """The model to save and evaluate, a plain module whose state_dict keys do not
@@ -674,8 +336,8 @@ class Solver:
 
         # "broadcast": rank 0's, in the live model too (each forward since the step's start moved
         # them); the model evaluated is the live one for every solver that keeps this policy
-        if self.buffers == "broadcast":
-            self.sync_buffers()
+        if self.buffers == "broadcast" and self.buffer_sync is not None:
+            self.buffer_sync.sync()
         model = copy.deepcopy(self.eval_model())
         comm = self.comm
         if comm is None or getattr(comm, "role", "worker") != "worker" or comm.num_workers < 2:
@@ -692,6 +354,61 @@ class Solver:
         return model
 
 
+#: what a solver that heals over channels provides (membership's HealsByChannels)
+HEALING_HOOKS = ("channel_peers", "abandon_channel", "join_peers")
+#: hooks the Solver class once had and no room calls now: a class defining one is refused
+_GONE = {"begin_step": "the step's start is distsync.solvers.buffers.begin_step; override before_step",
+         "synchronize": "a user's block synchronizes: `with solver.step(i) as block: ... block.synchronize()`",
+         "sync_buffers": "the buffers are kept by solver.buffer_sync (solvers/buffers.py)",
+         "synced_state": "what an averaging synchronizes is solver.buffer_sync.synced(params)",
+         # (read from the class's plan before any solver exists: a property here would be ignored)
+         "roles": "declare the classmethod extra_roles(cls, options) in the class's nested `class Plan:`",
+         "threads": "declare the classmethod training_threads(cls, options) in the class's nested `class Plan:`"}
+
+
+def _refuse_old_interface(cls: type, name: str) -> None:
+    old = [f for f in cls.__dict__ if f.upper() in Capability.__members__ and f.islower()]
+    if old:
+        wanted = ", ".join(f"Capability.{f.upper()}" for f in old)
+        raise ConfigError(f"solver {name} sets {', '.join(old)}: declare capabilities = "
+                          f"<parent>.capabilities | {{{wanted}}} instead")
+    planned = sorted(PLAN_NAMES & set(cls.__dict__))
+    if planned:
+        raise ConfigError(f"solver {name} defines {', '.join(planned)} on the class: list it in the class's nested "
+                          f"`class Plan:` (solvers/plan.py), where the launcher, the simulator and recommend ask")
+    gone = [f for f in _GONE if f in cls.__dict__]
+    if gone:
+        raise ConfigError(f"solver {name} defines {gone[0]}, which nothing reads: {_GONE[gone[0]]}")
+
+
+def _check_roles(solver: Solver, comm: Any) -> None:
+    """A job without the processes this solver needs beside the workers (a user's script
+    started as for DDP) is refused with the recipe."""
+    for role, n in solver.roles.items():
+        have = len(comm.ranks_with_role(role))
+        if have != n:
+            raise ConfigError(
+                f"solver {solver.name} needs {n} {role} process(es) beside the workers and this job has {have}: "
+                f"start {n} more rank(s), join with distsync.init_comm(roles=solver.roles), and begin every rank "
+                f"with `if distsync.serve(solver, comm, make_model, lr): sys.exit()` (the {role}s serve there "
+                f"until the workers are done; the workers go on)")
+
+
+def _broadcast_start(solver: Solver) -> None:
+    comm = solver.comm
+    if comm is None or getattr(comm, "role", "worker") != "worker" or comm.num_workers < 2:
+        return
+    src = comm.worker_ranks[0]
+    with torch.no_grad():
+        for t in [*solver.model.parameters(), *solver.model.buffers()]:
+            comm.broadcast(t.data, src=src, group=comm.worker_group)
+
+
+def _end_forward_sync(solver: Solver) -> None:
+    if solver.buffer_sync is not None:
+        solver.buffer_sync.ended = True
+
+
 def _ending_forward_sync(close: Callable[[Solver], None]) -> Callable[[Solver], None]:
     """A solver class's own ``close``, after which forwards of its model meet nobody."""
     if getattr(close, "ends_forward_sync", False):
@@ -699,45 +416,11 @@ def _ending_forward_sync(close: Callable[[Solver], None]) -> Callable[[Solver], 
 
     @functools.wraps(close)
     def closing(self: Solver) -> None:
-        self._forward_sync_ended = True
+        _end_forward_sync(self)
         close(self)
 
     closing.ends_forward_sync = True  # type: ignore[attr-defined]
     return closing
-
-
-class _ForwardBufferSync:
-    """The attached model's forward pre-hook ("broadcast" buffers): rank 0's buffers before
-    each forward of that model, as DDP does. It holds its solver weakly, and a copy of the
-    model (``copy.deepcopy``, pickling: an EMA copy, ``torch.save`` of the module) gets one
-    that does nothing: only the attached model meets the other workers."""
-
-    def __init__(self, solver: Solver) -> None:
-        self._solver = weakref.ref(solver)
-
-    def __call__(self, module: nn.Module, args: Any) -> None:
-        solver = self._solver()
-        if solver is not None and module is solver.model:
-            solver._before_forward()
-
-    def __deepcopy__(self, memo: dict) -> "_NoForwardSync":
-        return _NoForwardSync()
-
-    def __reduce__(self) -> tuple:
-        return (_NoForwardSync, ())
-
-
-class _NoForwardSync:
-    """What a copy of an attached model has in place of :class:`_ForwardBufferSync`."""
-
-    def __call__(self, module: nn.Module, args: Any) -> None:
-        return None
-
-
-def zero_grad_refusal(name: str) -> str:
-    return (f"solver {name}: the gradients were zeroed between backward and the update (a zero_grad() inside "
-            f"`with solver.step(i):`?), so this step would change nothing: call zero_grad() before backward, after "
-            f"your optimizer.step(), or not at all (the block's end zeroes the gradients)")
 
 
 BUFFER_POLICIES = ("broadcast", "average", "local")
@@ -754,26 +437,6 @@ def check_buffers(cls: type[Solver], buffers: str | None) -> str:
         raise ConfigError(f"solver {cls.name} cannot keep buffers {buffers!r}; it keeps "
                           f"{' or '.join(repr(b) for b in cls.buffer_choices)} (default {cls.default_buffers!r})")
     return buffers
-
-
-def _by_dtype(tensors: list[torch.Tensor]) -> list[Any]:
-    """One flat view per dtype (a collective per dtype, not per tensor)."""
-    groups: dict[Any, list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.dtype, t.device), []).append(t)
-    return [FlatView(ts) for ts in groups.values()]
-
-
-@dataclasses.dataclass
-class _Block:
-    """One ``with solver.step(i):`` in a user's loop."""
-
-    step: int
-    synced: bool = False  # the solver's after_backward has run
-    queued: bool = False  # a synchronization is queued for the end of this backward pass
-    backward: bool = False  # a backward pass has produced gradients in this block
-    used: set = dataclasses.field(default_factory=set)  # parameters a gradient reached
-    stepped: bool = False  # the user called optimizer.step()
 
 
 def join_background(thread: threading.Thread, errors: list[BaseException], timeout_s: float, what: str,

@@ -91,23 +91,24 @@ class DDP(Solver):
     default_buffers = "broadcast"  # (DDP's own forward_sync_buffers=True; "local": False, and its own kept)
     buffer_choices = ("broadcast", "local")
 
-    @classmethod
-    def search_space(cls, workers):
-        return []  # allreduce's timing and math
+    class Plan:
+        @classmethod
+        def search_space(cls, workers):
+            return []  # allreduce's timing and math
 
-    @classmethod
-    def simulate_timing(cls, options, sim):
-        if options.comm_hook == "powersgd":
-            raise ConfigError("solver ddp with comm_hook=powersgd has no timing model: its bytes depend on the "
-                              "model's matrix shapes, which the simulator does not know")
-        return sim.meet_every(1, sim.allreduce_s(share=1.0 if options.comm_hook == "none" else 0.5))
+        @classmethod
+        def simulate_timing(cls, options, sim):
+            if options.comm_hook == "powersgd":
+                raise ConfigError("solver ddp with comm_hook=powersgd has no timing model: its bytes depend on the "
+                                  "model's matrix shapes, which the simulator does not know")
+            return sim.meet_every(1, sim.allreduce_s(share=1.0 if options.comm_hook == "none" else 0.5))
 
-    @classmethod
-    def simulate_rule(cls, options, sim):
-        if options.comm_hook != "none":
-            raise ConfigError(f"solver ddp with comm_hook={options.comm_hook}: train mode does not model torch's "
-                              f"compression hooks (allreduce -o compress={options.comm_hook} is modelled)")
-        return sim.mean_gradient()
+        @classmethod
+        def simulate_rule(cls, options, sim):
+            if options.comm_hook != "none":
+                raise ConfigError(f"solver ddp with comm_hook={options.comm_hook}: train mode does not model torch's "
+                                  f"compression hooks (allreduce -o compress={options.comm_hook} is modelled)")
+            return sim.mean_gradient()
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -89,28 +89,29 @@ class ADPSGD(Solver):
     default_buffers = "average"  # (with the parameters, at each synchronization)
     buffer_choices = ("average", "local")
 
-    @classmethod
-    def lockstep_lead(cls, options, workers):
-        return None  # passives answer from a thread until every active is done
+    class Plan:
+        @classmethod
+        def lockstep_lead(cls, options, workers):
+            return None  # passives answer from a thread until every active is done
 
-    @classmethod
-    def _partners(cls, options, workers: int):
-        """(actives, passives, partner(active) -> passive), as the workers draw them."""
-        actives, passives = bipartite_roles(workers)
-        rngs = {a: partner_rng(options.seed, a) for a in actives}
-        return actives, passives, lambda a: rngs[a].choice(passives)
+        @classmethod
+        def _partners(cls, options, workers: int):
+            """(actives, passives, partner(active) -> passive), as the workers draw them."""
+            actives, passives = bipartite_roles(workers)
+            rngs = {a: partner_rng(options.seed, a) for a in actives}
+            return actives, passives, lambda a: rngs[a].choice(passives)
 
-    @classmethod
-    def simulate_timing(cls, options, sim):
-        return sim.pairwise(*cls._partners(options, sim.workers))
+        @classmethod
+        def simulate_timing(cls, options, sim):
+            return sim.pairwise(*cls._partners(options, sim.workers))
 
-    @classmethod
-    def simulate_rule(cls, options, sim):
-        return sim.pairwise(*cls._partners(options, sim.workers))
+        @classmethod
+        def simulate_rule(cls, options, sim):
+            return sim.pairwise(*cls._partners(options, sim.workers))
 
     def attach(self, model, optimizer, comm, **kw):
         super().attach(model, optimizer, comm, **kw)
-        self.view = FlatView(self.synced_state())  # (with the "average" policy, the buffers too)
+        self.view = FlatView(self.buffer_sync.synced(list(self.model.parameters())))  # (with the "average" policy, the buffers too)
         actives, passives = bipartite_roles(comm.num_workers)
         self.actives = [comm.worker_ranks[i] for i in actives]
         self.passives = [comm.worker_ranks[i] for i in passives]
@@ -189,7 +190,7 @@ class ADPSGD(Solver):
 
     def join_peers(self, step):
         """The model of the first passive it reached; partners drawn as the dead one would have."""
-        self.passives = [p for p in self.passives if self.comm.has_channel(p)]
+        self.passives = [p for p in self.passives if self.comm.channels.has(p)]
         for _ in range(step):
             self.rng.choice(self.passives)
         mine = self.view.flat()
@@ -332,55 +333,56 @@ class Ripples(Solver):
         #: (the coordinator, once serving) the Group Generator
         self.generator: GroupGenerator | None = None
 
-    @classmethod
-    def extra_roles(cls, options) -> dict[str, int]:
-        return {"coordinator": 1} if options.schedule != "static" else {}
+    class Plan:
+        @classmethod
+        def extra_roles(cls, options) -> dict[str, int]:
+            return {"coordinator": 1} if options.schedule != "static" else {}
 
-    @classmethod
-    def lockstep_lead(cls, options, workers):
-        if options.schedule == "smart":
-            return None  # groups of whoever is ready; a finished worker is never waited for
-        # Fixed rounds: each worker's groups chain it to the others within a few rounds.
-        return options.every * workers
+        @classmethod
+        def lockstep_lead(cls, options, workers):
+            if options.schedule == "smart":
+                return None  # groups of whoever is ready; a finished worker is never waited for
+            # Fixed rounds: each worker's groups chain it to the others within a few rounds.
+            return options.every * workers
 
-    @classmethod
-    def search_space(cls, workers):
-        space = [{"schedule": s, "group_size": k} for s in ("static", "random", "smart") for k in (3, 4)
-                 if k <= max(2, workers)]
-        return space + [{**o, "overlap": True} for o in space if o["schedule"] == "smart"]
+        @classmethod
+        def search_space(cls, workers):
+            space = [{"schedule": s, "group_size": k} for s in ("static", "random", "smart") for k in (3, 4)
+                     if k <= max(2, workers)]
+            return space + [{**o, "overlap": True} for o in space if o["schedule"] == "smart"]
 
-    @classmethod
-    def _rounds(cls, options, workers: int, run_seed: int):
-        """``next_round()``: the rounds of disjoint groups the workers go through, in order
-        (static: the fixed schedule, one round computed at a time; random: the coordinator's
-        draws)."""
-        k = min(options.group_size, workers)
-        if options.schedule == "static":
-            r = [0]
+        @classmethod
+        def _rounds(cls, options, workers: int, run_seed: int):
+            """``next_round()``: the rounds of disjoint groups the workers go through, in order
+            (static: the fixed schedule, one round computed at a time; random: the coordinator's
+            draws)."""
+            k = min(options.group_size, workers)
+            if options.schedule == "static":
+                r = [0]
 
-            def next_static():
-                r[0] += 1
-                return static_round(workers, k, r[0] - 1)
-            return next_static
-        rng = round_rng(options.seed, run_seed)
-        return lambda: random_round(workers, k, rng)
+                def next_static():
+                    r[0] += 1
+                    return static_round(workers, k, r[0] - 1)
+                return next_static
+            rng = round_rng(options.seed, run_seed)
+            return lambda: random_round(workers, k, rng)
 
-    @classmethod
-    def simulate_timing(cls, options, sim):
-        if options.schedule == "smart":
-            return sim.ready_groups(options.group_size, options.every, options.max_wait_ms / 1000, options.wait_share,
-                                    options.overlap, reduce=options.reduce)
-        if sim.workers < 2:
-            return sim.meet_every(0, 0.0)
-        return sim.group_rounds(options.every, cls._rounds(options, sim.workers, sim.seed), reduce=options.reduce)
+        @classmethod
+        def simulate_timing(cls, options, sim):
+            if options.schedule == "smart":
+                return sim.ready_groups(options.group_size, options.every, options.max_wait_ms / 1000, options.wait_share,
+                                        options.overlap, reduce=options.reduce)
+            if sim.workers < 2:
+                return sim.meet_every(0, 0.0)
+            return sim.group_rounds(options.every, cls._rounds(options, sim.workers, sim.seed), reduce=options.reduce)
 
-    @classmethod
-    def simulate_rule(cls, options, sim):
-        if options.schedule == "smart":
-            return sim.ready_group_mean(options.overlap) if sim.workers >= 2 else sim.local()
-        if sim.workers < 2:
-            return sim.local()
-        return sim.group_rounds(options.every, cls._rounds(options, sim.workers, sim.seed))
+        @classmethod
+        def simulate_rule(cls, options, sim):
+            if options.schedule == "smart":
+                return sim.ready_group_mean(options.overlap) if sim.workers >= 2 else sim.local()
+            if sim.workers < 2:
+                return sim.local()
+            return sim.group_rounds(options.every, cls._rounds(options, sim.workers, sim.seed))
 
     # ---- coordinator ----------------------------------------------------------------------
     def serve(self, role, comm, ctx):
@@ -390,7 +392,7 @@ class Ripples(Solver):
     # ---- worker -------------------------------------------------------------------------
     def attach(self, model, optimizer, comm, **kw):
         super().attach(model, optimizer, comm, **kw)
-        self.view = FlatView(self.synced_state())  # (with the "average" policy, the buffers too)
+        self.view = FlatView(self.buffer_sync.synced(list(self.model.parameters())))  # (with the "average" policy, the buffers too)
         self.k = min(self.options.group_size, comm.num_workers)
         self.me = comm.worker_index
         self.check_member_groups(self.options, comm.num_workers)

@@ -65,9 +65,10 @@ class DiLoCo(AveragingSolver):
     name = "diloco"
     Options = DiLoCoOptions
 
-    @classmethod
-    def search_space(cls, workers):
-        return [{"every": 16}, {"every": 64}]
+    class Plan:
+        @classmethod
+        def search_space(cls, workers):
+            return [{"every": 16}, {"every": 64}]
 
 
 @dataclass
@@ -147,24 +148,25 @@ class StreamingDiLoCo(Solver):
     capabilities = Solver.capabilities | {Capability.REFORMS_WITHOUT_DEAD, Capability.HEALS_FROM_PEER,
                                           Capability.REPLICAS_DIFFER}
 
-    @classmethod
-    def search_space(cls, workers):
-        # (two fragments: every model of two layers or more has them; a model of one layer
-        # refuses it, and recommend leaves the candidate out saying why)
-        return [{"every": 16, "fragments": 2, "delay": 1}, {"every": 64, "fragments": 2, "delay": 1}]
+    class Plan:
+        @classmethod
+        def search_space(cls, workers):
+            # (two fragments: every model of two layers or more has them; a model of one layer
+            # refuses it, and recommend leaves the candidate out saying why)
+            return [{"every": 16, "fragments": 2, "delay": 1}, {"every": 64, "fragments": 2, "delay": 1}]
 
-    @classmethod
-    def lockstep_lead(cls, options, workers):
-        return options.interval + options.delay + 1  # a collective every interval, waited delay steps later
+        @classmethod
+        def lockstep_lead(cls, options, workers):
+            return options.interval + options.delay + 1  # a collective every interval, waited delay steps later
 
-    @classmethod
-    def simulate_timing(cls, options, sim):
-        return sim.meet_every_overlapped(options.interval, sim.allreduce_s(share=1.0 / options.fragments),
-                                         options.delay)
+        @classmethod
+        def simulate_timing(cls, options, sim):
+            return sim.meet_every_overlapped(options.interval, sim.allreduce_s(share=1.0 / options.fragments),
+                                             options.delay)
 
-    @classmethod
-    def simulate_rule(cls, options, sim):
-        return sim.streaming_outer(options)
+        @classmethod
+        def simulate_rule(cls, options, sim):
+            return sim.streaming_outer(options)
 
     def attach(self, model, optimizer, comm, **kw):
         super().attach(model, optimizer, comm, **kw)

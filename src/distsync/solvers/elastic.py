@@ -122,25 +122,26 @@ class _ElasticServerSolver(ServerSolver):
         #: (a server, once serving) its record of the exchanges
         self.book: ExchangeBook | None = None
 
-    @classmethod
-    def lockstep_lead(cls, options, workers):
-        return None  # the server serves each worker on its own (easgd: in turn, skipping finished ones)
+    class Plan:
+        @classmethod
+        def lockstep_lead(cls, options, workers):
+            return None  # the server serves each worker on its own (easgd: in turn, skipping finished ones)
+
+        @classmethod
+        def search_space(cls, workers):
+            return [{"tau": t, "servers": s} for t in (4, 16) for s in sorted({1, max(1, workers // 4), workers})]
+
+        @classmethod
+        def simulate_timing(cls, options, sim):
+            return sim.servers(options.servers, exchange_every=options.tau, round_robin=cls.solver.round_robin,
+                               locked=not cls.solver.lock_free)
+
+        @classmethod
+        def simulate_rule(cls, options, sim):
+            return sim.server_elastic(options.moving_rate(sim.workers), getattr(options, "momentum", 0.0))
 
     #: the server takes the workers' exchanges in rank order (easgd)
     round_robin = False
-
-    @classmethod
-    def search_space(cls, workers):
-        return [{"tau": t, "servers": s} for t in (4, 16) for s in sorted({1, max(1, workers // 4), workers})]
-
-    @classmethod
-    def simulate_timing(cls, options, sim):
-        return sim.servers(options.servers, exchange_every=options.tau, round_robin=cls.round_robin,
-                           locked=not cls.lock_free)
-
-    @classmethod
-    def simulate_rule(cls, options, sim):
-        return sim.server_elastic(options.moving_rate(sim.workers), getattr(options, "momentum", 0.0))
 
     def attach(self, model, optimizer, comm, **kw):
         model = super().attach(model, optimizer, comm, **kw)
@@ -305,9 +306,10 @@ class FrEASGD(HogwildThreads, AsyncEASGD):
     Options = FrEASGDOptions
     capabilities = AsyncEASGD.capabilities | {Capability.THREADS_TAKE_PLAIN_SGD}
 
-    @classmethod
-    def search_space(cls, workers):
-        return []  # async-easgd's timing and math
+    class Plan:
+        @classmethod
+        def search_space(cls, workers):
+            return []  # async-easgd's timing and math
 
 
 @register_solver
@@ -322,21 +324,22 @@ class SyncEASGD(Solver):
     default_buffers = "average"
     buffer_choices = ("average",)
 
-    @classmethod
-    def lockstep_lead(cls, options, workers):
-        return options.tau + 1  # an all-reduce every tau steps
+    class Plan:
+        @classmethod
+        def lockstep_lead(cls, options, workers):
+            return options.tau + 1  # an all-reduce every tau steps
 
-    @classmethod
-    def search_space(cls, workers):
-        return [{"tau": 4}, {"tau": 16}]
+        @classmethod
+        def search_space(cls, workers):
+            return [{"tau": 4}, {"tau": 16}]
 
-    @classmethod
-    def simulate_timing(cls, options, sim):
-        return sim.meet_every(options.tau, sim.allreduce_s())
+        @classmethod
+        def simulate_timing(cls, options, sim):
+            return sim.meet_every(options.tau, sim.allreduce_s())
 
-    @classmethod
-    def simulate_rule(cls, options, sim):
-        return sim.sync_elastic(options.tau, options.moving_rate(sim.workers))
+        @classmethod
+        def simulate_rule(cls, options, sim):
+            return sim.sync_elastic(options.tau, options.moving_rate(sim.workers))
 
     def attach(self, model, optimizer, comm, **kw):
         super().attach(model, optimizer, comm, **kw)

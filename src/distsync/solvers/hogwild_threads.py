@@ -38,9 +38,10 @@ class HogwildThreads:
     options: Any
     optimizer: Any
 
-    @classmethod
-    def training_threads(cls, options: Any) -> int:
-        return options.threads
+    class Plan:
+        @classmethod
+        def training_threads(cls, options: Any) -> int:
+            return options.threads
 
     def hogwild_update(self, step: int, params: list[torch.Tensor], grads: tuple[torch.Tensor, ...]) -> None:
         """A training thread's update with its own gradients, taking no lock (Hogwild)."""

@@ -102,29 +102,30 @@ class AveragingSolver(HogwildThreads, Solver):
     default_buffers = "average"  # (with the parameters, at each synchronization)
     buffer_choices = ("average", "local")
 
-    @classmethod
-    def search_space(cls, workers):
-        return [{"every": 4}, {"every": 16}]
+    class Plan:
+        @classmethod
+        def search_space(cls, workers):
+            return [{"every": 4}, {"every": 16}]
 
-    @classmethod
-    def simulate_timing(cls, options, sim):
-        return sim.meet_every(options.every, sim.allreduce_s(share=0.5 if wire_dtype(options) else 1.0))
+        @classmethod
+        def simulate_timing(cls, options, sim):
+            return sim.meet_every(options.every, sim.allreduce_s(share=0.5 if wire_dtype(options) else 1.0))
 
-    @classmethod
-    def simulate_rule(cls, options, sim):
-        return sim.periodic_average(options.every, options if isinstance(options, OuterStep) else None,
-                                    wire=wire_dtype(options))
+        @classmethod
+        def simulate_rule(cls, options, sim):
+            return sim.periodic_average(options.every, options if isinstance(options, OuterStep) else None,
+                                        wire=wire_dtype(options))
 
-    @classmethod
-    def lockstep_lead(cls, options, workers):
-        return options.every + 1  # an all-reduce every `every` steps
+        @classmethod
+        def lockstep_lead(cls, options, workers):
+            return options.every + 1  # an all-reduce every `every` steps
 
     def attach(self, model, optimizer, comm, **kw):
         super().attach(model, optimizer, comm, **kw)
         self.view = FlatView(list(model.parameters()))
         #: what a synchronization averages: the parameters, then (the "average" buffer policy)
         #: the floating-point buffers
-        self.state_view = FlatView(self.synced_state())
+        self.state_view = FlatView(self.buffer_sync.synced(list(self.model.parameters())))
         self.syncs = 0
         self.steps_done = 0
         self._counted = -1  # the last step counted (a sync done again after a worker died is not a step)
@@ -220,18 +221,20 @@ class Local(HogwildThreads, Solver):
     # REFORMS_WITHOUT_DEAD: nothing to re-form, the workers never meet
     capabilities = Solver.capabilities | {Capability.REFORMS_WITHOUT_DEAD, Capability.THREADS_TAKE_PLAIN_SGD}
 
-    @classmethod
-    def lockstep_lead(cls, options, workers):
-        return None  # nothing to wait for
+    class Plan:
+        @classmethod
+        def lockstep_lead(cls, options, workers):
+            return None  # nothing to wait for
 
-    @classmethod
-    def search_space(cls, workers):
-        return []  # the baseline: no synchronization at all
+        @classmethod
+        def search_space(cls, workers):
+            return []  # the baseline: no synchronization at all
 
-    @classmethod
-    def simulate_timing(cls, options, sim):
-        return sim.meet_every(0, 0.0)
+        @classmethod
+        def simulate_timing(cls, options, sim):
+            return sim.meet_every(0, 0.0)
 
-    @classmethod
-    def simulate_rule(cls, options, sim):
-        return sim.local()
+        @classmethod
+        def simulate_rule(cls, options, sim):
+            return sim.local()
+

@@ -88,13 +88,14 @@ class ServerSolver(Solver):
         self.ctx: ServeContext | None = None
         self.shard: ServerShard | None = None
 
-    @classmethod
-    def extra_roles(cls, options) -> dict[str, int]:
-        return {"server": options.servers}
+    class Plan:
+        @classmethod
+        def extra_roles(cls, options) -> dict[str, int]:
+            return {"server": options.servers}
 
-    @classmethod
-    def search_space(cls, workers):
-        return [{"servers": s} for s in sorted({1, max(1, workers // 4), workers})]
+        @classmethod
+        def search_space(cls, workers):
+            return [{"servers": s} for s in sorted({1, max(1, workers // 4), workers})]
 
     def attach(self, model, optimizer, comm, **kw):
         super().attach(model, optimizer, comm, **kw)
@@ -362,13 +363,14 @@ class SyncPS(GradientServerSolver):
     default_buffers = "broadcast"  # (DDP's broadcast_buffers)
     buffer_choices = ("broadcast", "average", "local")
 
-    @classmethod
-    def simulate_timing(cls, options, sim):
-        return sim.meet_every(1, sim.sync_ps_s(options.servers))
+    class Plan:
+        @classmethod
+        def simulate_timing(cls, options, sim):
+            return sim.meet_every(1, sim.sync_ps_s(options.servers))
 
-    @classmethod
-    def simulate_rule(cls, options, sim):
-        return sim.mean_gradient()  # the servers apply the mean of the round's gradients
+        @classmethod
+        def simulate_rule(cls, options, sim):
+            return sim.mean_gradient()  # the servers apply the mean of the round's gradients
 
     def run_server(self, shard):
         def combine(shard, reqs):
@@ -399,19 +401,20 @@ class AsyncPS(GradientServerSolver):
     capabilities = GradientServerSolver.capabilities | {
         Capability.SURVIVES_WORKER_LOSS, Capability.HEALS_FROM_PEER, Capability.HEALS_BY_CHANNELS}
 
-    @classmethod
-    def lockstep_lead(cls, options, workers):
-        return None  # the servers apply each push on its own
+    class Plan:
+        @classmethod
+        def lockstep_lead(cls, options, workers):
+            return None  # the servers apply each push on its own
 
-    @classmethod
-    def simulate_timing(cls, options, sim):
-        return sim.servers(options.servers, push_every=options.n_push, pull_every=options.n_fetch,
-                           locked=not cls.lock_free)
+        @classmethod
+        def simulate_timing(cls, options, sim):
+            return sim.servers(options.servers, push_every=options.n_push, pull_every=options.n_fetch,
+                               locked=not cls.solver.lock_free)
 
-    @classmethod
-    def simulate_rule(cls, options, sim):
-        # the run's --momentum is 0 in train mode (plain SGD), as it is by default
-        return sim.server_sgd(options.momentum or 0.0)
+        @classmethod
+        def simulate_rule(cls, options, sim):
+            # the run's --momentum is 0 in train mode (plain SGD), as it is by default
+            return sim.server_sgd(options.momentum or 0.0)
 
     def attach(self, model, optimizer, comm, **kw):
         model = super().attach(model, optimizer, comm, **kw)
@@ -484,9 +487,10 @@ class Hogwild(HogwildThreads, AsyncPS):
     capabilities = AsyncPS.capabilities | {Capability.THREADS_TAKE_PLAIN_SGD}
     lock_free = True
 
-    @classmethod
-    def search_space(cls, workers):
-        return []  # its threads are devices of their own: not the same cluster
+    class Plan:
+        @classmethod
+        def search_space(cls, workers):
+            return []  # its threads are devices of their own: not the same cluster
 
     def hogwild_update(self, step, params, grads):
         super().hogwild_update(step, params, grads)  # the thread's own step, then its push

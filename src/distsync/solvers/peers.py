@@ -101,21 +101,22 @@ class TorchLocalSGD(Solver):
     # no USER_MAY_STEP: the averager runs in torch's optimizer's step, which the solver takes
     capabilities = (Solver.capabilities - {Capability.USER_MAY_STEP}) | {Capability.REPLICAS_DIFFER}
 
-    @classmethod
-    def search_space(cls, workers):
-        return []  # a peer, to measure against: ma's timing and math
+    class Plan:
+        @classmethod
+        def search_space(cls, workers):
+            return []  # a peer, to measure against: ma's timing and math
 
-    @classmethod
-    def lockstep_lead(cls, options, workers):
-        return options.every + 1
+        @classmethod
+        def lockstep_lead(cls, options, workers):
+            return options.every + 1
 
-    @classmethod
-    def simulate_timing(cls, options, sim):
-        return sim.meet_every(options.every, sim.allreduce_s())
+        @classmethod
+        def simulate_timing(cls, options, sim):
+            return sim.meet_every(options.every, sim.allreduce_s())
 
-    @classmethod
-    def simulate_rule(cls, options, sim):
-        return sim.periodic_average(options.every)
+        @classmethod
+        def simulate_rule(cls, options, sim):
+            return sim.periodic_average(options.every)
 
     def attach(self, model, optimizer, comm, **kw):
         from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
@@ -161,13 +162,10 @@ class TorchftDiLoCo(Solver):
     Options = TorchftOptions
     capabilities = Solver.capabilities | {Capability.REPLICAS_DIFFER}
 
-    @classmethod
-    def search_space(cls, workers):
-        return []  # a peer, to measure against: streaming-diloco's timing and math
-
-    lockstep_lead = StreamingDiLoCo.lockstep_lead
-    simulate_timing = StreamingDiLoCo.simulate_timing
-    simulate_rule = StreamingDiLoCo.simulate_rule
+    class Plan(StreamingDiLoCo.Plan):  # (streaming-diloco's layout, timing and math)
+        @classmethod
+        def search_space(cls, workers):
+            return []  # a peer, to measure against: streaming-diloco's timing and math
 
     def attach(self, model, optimizer, comm, **kw):
         _needs("torchft", self.name)
@@ -266,24 +264,25 @@ class HivemindAveraging(Solver):
     capabilities = Solver.capabilities | {Capability.REPLICAS_DIFFER}
     min_workers = 2
 
-    @classmethod
-    def search_space(cls, workers):
-        return []  # a peer, to measure against
+    class Plan:
+        @classmethod
+        def search_space(cls, workers):
+            return []  # a peer, to measure against
 
-    @classmethod
-    def lockstep_lead(cls, options, workers):
-        return None  # a round without a partner is skipped: nobody waits for a worker that stopped
+        @classmethod
+        def lockstep_lead(cls, options, workers):
+            return None  # a round without a partner is skipped: nobody waits for a worker that stopped
+
+        @classmethod
+        def simulate_timing(cls, options, sim):
+            return sim.ready_groups(options.group_size, options.every, options.matchmaking_s)
+
+        @classmethod
+        def simulate_rule(cls, options, sim):
+            return sim.ready_group_mean(False) if sim.workers >= 2 else sim.local()
 
     # The simulation: ripples' smart groups' blocks, groups of up to group_size workers as they
     # become ready, formed within matchmaking_s, averaged on the step's path.
-    @classmethod
-    def simulate_timing(cls, options, sim):
-        return sim.ready_groups(options.group_size, options.every, options.matchmaking_s)
-
-    @classmethod
-    def simulate_rule(cls, options, sim):
-        return sim.ready_group_mean(False) if sim.workers >= 2 else sim.local()
-
     def attach(self, model, optimizer, comm, **kw):
         _needs("hivemind", self.name)
         # (hivemind shares its averager's tensors through files, whose torch_shm_manager

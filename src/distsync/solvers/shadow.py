@@ -111,22 +111,23 @@ class _ShadowAveraging(AveragingSolver):
     # no HEALS_FROM_PEER: a replacement would have to join the shadow group too
     capabilities = AveragingSolver.capabilities - {Capability.HEALS_FROM_PEER}
 
-    @classmethod
-    def lockstep_lead(cls, options, workers):
-        return None  # the shadow threads sync until every worker is done
+    class Plan:
+        @classmethod
+        def lockstep_lead(cls, options, workers):
+            return None  # the shadow threads sync until every worker is done
 
-    @classmethod
-    def search_space(cls, workers):
-        return [{}]
+        @classmethod
+        def search_space(cls, workers):
+            return [{}]
 
-    @classmethod
-    def simulate_timing(cls, options, sim):
-        return sim.background(sim.allreduce_s(), options.min_interval_ms / 1000, options.sync_share,
-                              options.steps_per_sync)
+        @classmethod
+        def simulate_timing(cls, options, sim):
+            return sim.background(sim.allreduce_s(), options.min_interval_ms / 1000, options.sync_share,
+                                  options.steps_per_sync)
 
-    @classmethod
-    def simulate_rule(cls, options, sim):
-        return sim.background_average(options if isinstance(options, OuterStep) else None)
+        @classmethod
+        def simulate_rule(cls, options, sim):
+            return sim.background_average(options if isinstance(options, OuterStep) else None)
 
     def attach(self, model, optimizer, comm, **kw):
         super().attach(model, optimizer, comm, **kw)
@@ -244,18 +245,19 @@ class ShadowEA(HogwildThreads, AsyncEASGD):
     Options = ShadowEAOptions
     capabilities = AsyncEASGD.capabilities | {Capability.THREADS_TAKE_PLAIN_SGD}
 
-    @classmethod
-    def search_space(cls, workers):
-        return [{"servers": s} for s in sorted({1, max(1, workers // 4)})]
+    class Plan:
+        @classmethod
+        def search_space(cls, workers):
+            return [{"servers": s} for s in sorted({1, max(1, workers // 4)})]
 
-    @classmethod
-    def simulate_timing(cls, options, sim):
-        return sim.background(sim.server_exchange_s(options.servers), options.min_interval_ms / 1000,
-                              options.sync_share, options.steps_per_sync)
+        @classmethod
+        def simulate_timing(cls, options, sim):
+            return sim.background(sim.server_exchange_s(options.servers), options.min_interval_ms / 1000,
+                                  options.sync_share, options.steps_per_sync)
 
-    @classmethod
-    def simulate_rule(cls, options, sim):
-        return sim.background_elastic(options.moving_rate(sim.workers))
+        @classmethod
+        def simulate_rule(cls, options, sim):
+            return sim.background_elastic(options.moving_rate(sim.workers))
 
     def attach(self, model, optimizer, comm, **kw):
         model = super().attach(model, optimizer, comm, **kw)

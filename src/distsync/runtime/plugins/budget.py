@@ -5,7 +5,7 @@ With a budget, workers train until the job has spent it (samples over all worker
 of training time, or the target reached by the job's metric), not a fixed number of steps
 each: fast workers of solvers whose workers step on their own keep training while a slow one
 lags. How a worker learns that the budget is spent depends on the solver
-(:meth:`~distsync.solvers.Solver.lockstep_lead`):
+(:meth:`~distsync.solvers.plan.Plan.lockstep_lead`):
 
 - workers that step on their own stop at their next step once any worker has seen the budget
   spent (it sets a key in the job's store);
@@ -26,7 +26,6 @@ from typing import Any
 
 from distsync.config import Budget
 from distsync.errors import DistsyncError
-from distsync.membership.liveness import report_progress
 from distsync.runtime.plugins.base import Plugin, RunState, StepState
 
 STOP = "distsync/budget/stop"
@@ -55,7 +54,7 @@ class JobBudget(Plugin):
         budget = cfg.budget
         if budget is None:
             return None
-        lead = type(solver).lockstep_lead(solver.options, cfg.workers)
+        lead = type(solver).Plan.lockstep_lead(solver.options, cfg.workers)
         if lead is not None:
             # Equal steps: the samples budget is the steps themselves (resolve set them).
             budget = Budget(seconds=budget.seconds, target=budget.target, target_value=budget.target_value)
@@ -138,22 +137,15 @@ class JobBudget(Plugin):
 
 
 class ProgressReport(Plugin):
-    """Reports how far this worker is (membership.liveness.report_progress), at most every
-    ``interval`` seconds: a sign of its life beside its heartbeat, so that workers done early
-    wait for a peer that is still training (``process.wait_for_workers``) and give up only on
-    one whose signs stood still for the run's timeout."""
-
-    def __init__(self, interval: float):
-        self.interval = interval
-        self._last = 0.0
-
-    def beat(self, run: RunState, done: int) -> None:
-        self._last = time.monotonic()
-        report_progress(run.comm.store.set, run.rank, done)
+    """Tells this worker's heartbeat how far it is (``Liveness.report``; the heartbeat
+    publishes it, membership/liveness.py): a sign of its life beside the beat, so that workers
+    done early wait for a peer that is still training (``process.wait_for_workers``) and give
+    up only on one whose signs stood still for the run's timeout."""
 
     def on_start(self, run: RunState) -> None:
-        self.beat(run, 0)
+        if run.comm.liveness is not None:
+            run.comm.liveness.report(0)
 
     def on_step_end(self, run: RunState, s: StepState) -> None:
-        if s.thread == 0 and time.monotonic() - self._last >= self.interval:
-            self.beat(run, s.done)
+        if s.thread == 0 and run.comm.liveness is not None:
+            run.comm.liveness.report(s.done)

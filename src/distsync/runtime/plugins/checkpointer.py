@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from distsync.runtime.checkpoint import CheckpointsPeers
 from distsync.runtime.plugins.base import Plugin, RunState, SyncPoint
 from distsync.runtime.recovery import WorkerRecovery
 from distsync.workloads.base import workload_meta
@@ -76,7 +77,8 @@ class Checkpointer(Plugin):
         if index is None:
             return
         a = time.perf_counter()
-        run.solver.checkpoint_peers(index, point.done)  # servers write their part
+        if isinstance(run.solver, CheckpointsPeers):
+            run.solver.checkpoint_peers(index, point.done)  # servers write their part
         run.plugins.on_checkpoint(run, index)
         state: dict[str, Any] = {
             "index": index, "step": point.done, "model": run.model.state_dict(),

@@ -1,0 +1,136 @@
+"""How an attached solver keeps its workers' buffers (BatchNorm's running statistics, ...).
+
+One :class:`BufferSync` per attached solver holds the policy's state: the buffers' flat
+views, the attached model's forward pre-hook ("broadcast"), and DDP's rule of when a forward
+broadcasts. The solver owns it (``solver.buffer_sync``); the training loop and a user's own
+loop reach it through :func:`begin_step` and ``solver.local_forward()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn as nn
+
+from distsync.solvers.flat import FlatView
+from distsync.solvers.plan import Capability
+
+__all__ = ["BufferSync", "begin_step", "by_dtype"]
+
+
+class BufferSync:
+    """The buffers of one attached model, kept as ``policy`` says ("broadcast", "average",
+    "local"; see :attr:`~distsync.solvers.base.Solver.default_buffers`)."""
+
+    def __init__(self, policy: str, capabilities: frozenset, model: nn.Module, comm: Any,
+                 accumulating: Callable[[], bool]) -> None:
+        self.policy, self.comm, self.model = policy, comm, model
+        self._accumulating = accumulating  # (inside no_sync(): the next forward does not broadcast)
+        self._views = by_dtype(list(model.buffers()))
+        #: the floating-point buffers, which "average" averages (integer ones stay each worker's)
+        self.float_buffers = FlatView([b for b in model.buffers() if b.is_floating_point()])
+        per_step = Capability.COLLECTIVE_PER_STEP in capabilities and Capability.SYNCS_BUFFERS_PER_STEP in capabilities
+        self.at_forward = policy == "broadcast" and per_step and bool(self._views)
+        self.at_step_start = per_step and policy != "local" and not self.at_forward
+        self._local = False  # (inside local_forward(): no broadcast before a forward)
+        self.ended = False  # (the solver is closed: the model's forwards meet nobody)
+        self._sync_next_forward = True  # (DDP's require_forward_param_sync: see before_forward)
+        self._hook = model.register_forward_pre_hook(_ForwardBufferSync(self)) if self.at_forward else None
+
+    def remove(self) -> None:
+        """Take the forward pre-hook off the model (the solver is attached again)."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def synced(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What a solver's averaging synchronizes: ``params``, and with the "average" policy the
+        floating-point buffers after them."""
+        return params + self.float_buffers.tensors if self.policy == "average" else params
+
+    def sync(self) -> None:
+        """Rank 0's buffers on every worker ("broadcast"), or the workers' average of the
+        floating-point ones ("average"); one collective per dtype."""
+        comm = self.comm
+        if comm is None or getattr(comm, "role", "worker") != "worker" or comm.num_workers < 2:
+            return
+        group = comm.worker_group
+        with torch.no_grad():
+            if self.policy == "broadcast":
+                for view in self._views:
+                    flat = view.flat()
+                    comm.broadcast(flat, src=comm.live_workers[0], group=group)
+                    view.assign(flat)
+            elif self.float_buffers.numel:
+                flat = self.float_buffers.flat()
+                comm.all_reduce(flat, group=group)
+                self.float_buffers.assign(flat.div_(comm.group_size(group)))
+
+    def before_forward(self) -> None:
+        """DDP's rule: rank 0's buffers before a forward if the forward before it computed
+        gradients that were to be synchronized (grad enabled, outside ``no_sync()``), the
+        first forward after attach included. So a step's forward broadcasts, so does the
+        first evaluation forward after training, and the evaluation forwards after it (under
+        ``torch.no_grad()``), or the micro-batches after one under no_sync, do not."""
+        if self._local or self.ended:
+            return
+        if self._sync_next_forward:
+            self.sync()
+        self._sync_next_forward = torch.is_grad_enabled() and not self._accumulating()
+
+    @contextlib.contextmanager
+    def local(self) -> Iterator[None]:
+        """Forwards inside use this worker's buffers as they are and meet nobody."""
+        before, self._local = self._local, True
+        try:
+            yield
+        finally:
+            self._local = before
+
+
+def begin_step(solver: Any, step: int) -> None:
+    """A step's start, in the training loop and in a user's loop: the buffers as the policy
+    keeps them (solvers whose workers meet at every step), then ``solver.before_step``."""
+    keep = solver.buffer_sync
+    if keep is not None and keep.at_step_start:
+        keep.sync()
+    solver.before_step(step)
+
+
+class _ForwardBufferSync:
+    """The attached model's forward pre-hook ("broadcast" buffers): rank 0's buffers before
+    each forward of that model, as DDP does. It holds its keeper weakly, and a copy of the
+    model (``copy.deepcopy``, pickling: an EMA copy, ``torch.save`` of the module) gets one
+    that does nothing: only the attached model meets the other workers."""
+
+    def __init__(self, keep: BufferSync) -> None:
+        self._keep = weakref.ref(keep)
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        keep = self._keep()
+        if keep is not None and module is keep.model:
+            keep.before_forward()
+
+    def __deepcopy__(self, memo: dict) -> "_NoForwardSync":
+        return _NoForwardSync()
+
+    def __reduce__(self) -> tuple:
+        return (_NoForwardSync, ())
+
+
+class _NoForwardSync:
+    """What a copy of an attached model has in place of :class:`_ForwardBufferSync`."""
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        return None
+
+
+def by_dtype(tensors: list[torch.Tensor]) -> list[FlatView]:
+    """One flat view per dtype and device (a collective per dtype, not per tensor)."""
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    return [FlatView(ts) for ts in groups.values()]
