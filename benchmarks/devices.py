@@ -15,7 +15,6 @@ the range over seeds. ``--steps-scale`` shortens every run (the full figure uses
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -27,6 +26,7 @@ from typing import Any
 
 from common import argument_parser, launch_or_exit, provenance, seed_list, shown, write_record
 from distsync.config import RunConfig
+from distsync.runtime.recovery import read_jsonl
 
 #: (workload, device ms per step, steps, worker counts or None for --workers): device times a few
 #: times each one's real math alone; cnn twice, at 40 ms (CPU-bound) and at 150 ms
@@ -64,15 +64,10 @@ class CpuSampler(threading.Thread):
 
 def training_window(run_dir: Path) -> tuple[float, float]:
     """Unix times of the first worker's start and the last step's end, from events.jsonl."""
-    starts, ends = {}, []
-    with open(run_dir / "events.jsonl") as f:
-        for line in f:
-            e = json.loads(line)
-            if e.get("kind") == "start":
-                starts[e["rank"]] = e["unix"]
-            elif e.get("kind") == "step" and e.get("rank") in starts:
-                ends.append(starts[e["rank"]] + e["t"])
-    return min(starts.values()), max(ends)
+    events = read_jsonl(run_dir / "events.jsonl")
+    starts = {e["rank"]: e["unix"] for e in events if e.get("kind") == "start"}
+    return min(starts.values()), max(starts[e["rank"]] + e["t"] for e in events
+                                      if e.get("kind") == "step" and e.get("rank") in starts)
 
 
 def render(raw: dict[str, Any]) -> dict[str, str]:

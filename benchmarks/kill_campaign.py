@@ -75,6 +75,7 @@ from common import argument_parser, markdown_table, provenance, write_record
 from faults import leftovers, marked_processes, namespaces, run_env
 
 from distsync import marks
+from distsync.runtime.recovery import read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 DISTSYNC = [sys.executable, "-m", "distsync.cli"]
@@ -285,19 +286,6 @@ def error_line(lines: list[str]) -> str | None:
 
 
 # ---- what a run wrote ----------------------------------------------------------------------------
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    out = []
-    try:
-        text = path.read_text()
-    except OSError:
-        return out
-    for line in text.splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass  # (a line cut short by a kill)
-    return out
-
 
 def read_json(path: Path) -> dict[str, Any] | None:
     try:

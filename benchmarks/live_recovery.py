@@ -31,9 +31,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 from common import argument_parser, table_header, table_row
+from distsync.runtime.recovery import read_jsonl
 from distsync.solvers import Capability, solver_class, solver_names
 
 DISTSYNC = [sys.executable, "-m", "distsync.cli"]
@@ -71,12 +73,8 @@ def train(out: Path, *args: str) -> dict | None:
 
 
 def survivors_steps(out: Path, dead: int) -> list[int]:
-    steps: dict[int, int] = {}
-    for line in (out / "events.jsonl").read_text().splitlines():
-        e = json.loads(line)
-        if e["kind"] == "step":
-            steps[e["rank"]] = steps.get(e["rank"], 0) + 1
-    return [steps.get(r, 0) for r in range(WORKERS) if r != dead]
+    steps = Counter(e["rank"] for e in read_jsonl(out / "events.jsonl") if e["kind"] == "step")
+    return [steps[r] for r in range(WORKERS) if r != dead]
 
 
 def main() -> None:

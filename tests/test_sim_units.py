@@ -159,6 +159,78 @@ def test_a_simulated_runs_summary_by_hand():
     assert s["staleness"] == {"mean": 1.5, "max": 3, "pushes": 4}
 
 
+
+def test_a_servers_staleness_is_the_updates_between_a_workers_read_and_its_push_by_hand():
+    """Staleness: the server's updates between what a worker last read (a pull, or its own
+    last exchange) and its push or exchange. By hand, on the server loop's own events: a pull
+    at version 5, three pushes by others, then this worker's push: 3; an exchange by a worker
+    whose last exchange left it at 4, with the server at 9: 5. With two servers the version is
+    the first server's (each server applies every update)."""
+    import numpy as np
+
+    from distsync.sim.timing import _ServerLoop
+
+    work = Work(steps=3, model_bytes=1e6)
+    sl = _ServerLoop(Cluster(3, Link(1e9, 1e-3)), np.full((3, 3), 0.01), work, 2, push_every=1, pull_every=1,
+                     exchange_every=0)
+    sl.srv.version[0] = 5
+    sl.pull(1, 0, 0.0)
+    assert sl.seen[1] == 5
+    sl.srv.version[0] = 8  # (three pushes by the others)
+    sl.pushed(1)
+    assert dict(sl.staleness) == {3: 1} and sl.srv.version[0] == 9
+    sl.seen[2] = 4
+    sl.exchanged(2, 0.0, 0)
+    assert dict(sl.staleness) == {3: 1, 5: 1} and sl.srv.version[0] == 10 and sl.seen[2] == 10
+
+
+def test_a_server_run_of_more_steps_than_small_integers_ends_at_its_last_step():
+    """A worker is done when its step count reaches the run's (a comparison of values: a run
+    of 300 steps ends there, with every step's end recorded, as one of 3 steps does)."""
+    res = simulate("async-ps", {}, Cluster(2, Link(1e9, 1e-4)), WorkerModel(0.001), Work(steps=300, model_bytes=1e5))
+    assert res.ends.shape == (300, 2) and res.wall_s == pytest.approx(float(res.ends[-1].max()))
+
+
+def test_ad_psgds_averagings_by_hand_the_active_pays_each_and_the_passive_computes_on():
+    """One active (rank 0) and one passive (rank 1), 10 ms steps, a 1 MB model on 1 Gbit with
+    1 ms: an averaging is a message each way, 2 x (1 ms + 8 ms) = 18 ms, after each of the
+    active's steps; the run starts at 0, so it ends at 4 x (10 + 18) ms. Train mode's rule is
+    told each averaging's end as the active's step end."""
+    import numpy as np
+
+    from distsync.sim.timing import _pairwise
+
+    cost = 2 * (0.001 + 0.008)
+    calls = []
+
+    class Rule:  # (train mode's ordered rule, recording what the timing model tells it)
+        def begin(self, w, k, t):
+            pass
+
+        def step(self, w, k, t):
+            pass
+
+        def average(self, a, p, k, t):
+            calls.append((a, p, k, t))
+
+    res = _pairwise("ad-psgd", Cluster(2, Link(1e9, 1e-3)), np.full((4, 2), 0.010), Work(steps=4, model_bytes=1e6),
+                    [0], [1], lambda a: 1, math=Rule())
+    assert res.wall_s == pytest.approx(4 * (0.010 + cost), rel=1e-9)
+    assert res.ends[:, 1] == pytest.approx([0.010, 0.020, 0.030, 0.040])  # (the passive never waits)
+    assert [(a, p, k) for a, p, k, _ in calls] == [(0, 1, k) for k in range(4)]
+    assert [t for *_, t in calls] == pytest.approx(list(res.ends[:, 0]), rel=1e-12)
+
+
+def test_ripples_smart_groups_meet_every_few_steps_as_its_option_says():
+    """4 identical workers, a group of 4 every 2 steps: each time they ask the coordinator (a
+    round trip, 2 x 1 ms) and average in one group of 4, after steps 2 and 4 only."""
+    cluster = Cluster(4, Link(1e9, 1e-3))
+    meet = 2 * 0.001 + cluster.partial_allreduce_s(4e6, 4)
+    res = simulate("ripples", {"schedule": "smart", "group_size": 4, "every": 2}, cluster, WorkerModel(0.010),
+                   Work(steps=4, model_bytes=4e6))
+    assert res.wall_s == pytest.approx(4 * 0.010 + 2 * meet, rel=1e-9)
+
+
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
