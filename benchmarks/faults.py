@@ -78,16 +78,6 @@ def random_fault(solver: str, rng: random.Random) -> str:
     return f"kill:{'server' if 'server' in roles else 'coordinator'}@{step}"
 
 
-def expected_updates(solver: str, steps_done: list[int]) -> int | None:
-    """What the servers' update counts should be, given each worker's steps (None: no servers)."""
-    s = make_solver(solver)
-    if "server" not in s.roles or solver.startswith("shadow-"):
-        return None  # (a shadow thread's exchanges follow time, not steps)
-    if solver == "sync-ps":
-        return STEPS  # one update per round
-    tau = getattr(s.options, "tau", 1)  # an exchange every tau steps, else a push every step (n_push 1)
-    return sum(n // tau for n in steps_done)
-
 
 # ---- what a run leaves behind -------------------------------------------------------------------
 MARK = "DISTSYNC_FAULTS_RUN"  # in the environment of a run's command, and so of every process it starts
@@ -183,7 +173,8 @@ def lost_updates(solver: str, summary: dict) -> int | None:
     step + 1 would count steps its other Hogwild threads had not finished (their steps
     interleave). None: no servers."""
     steps = summary["steps_by_worker"]
-    want = expected_updates(solver, [int(steps.get(str(rank), 0)) for rank in range(len(steps))])
+    s = make_solver(solver)  # (its plan says what the servers should count: Plan.server_updates)
+    want = s.Plan.server_updates(s.options, [int(steps.get(str(rank), 0)) for rank in range(len(steps))], STEPS)
     if want is None:
         return None
     stats = [st for st in summary["solver_stats"].values() if "updates" in st]

@@ -126,21 +126,15 @@ def passive_ranks(workers: int) -> list[int]:
 
 
 def expected_updates(solver: str, steps_done: list[int], steps: int) -> int | None:
-    """The updates the servers should count, given each worker's steps (None: no servers, or
-    exchanges that follow time): a round per step for ``sync-ps``, a push per worker step for
-    the asynchronous parameter servers, an exchange per worker every tau steps for the elastic
-    ones (as ``faults.py`` counts them)."""
-    if not has_servers(solver) or solver.startswith("shadow-"):
-        return None
-    if solver == "sync-ps":
-        return steps
+    """The updates the servers should count, given each worker's steps (the solver's plan says:
+    ``Plan.server_updates``; None: no servers, or exchanges that follow time)."""
     try:
         from distsync.solvers import make_solver
 
-        tau = getattr(make_solver(solver).options, "tau", 1)
+        s = make_solver(solver)
+        return s.Plan.server_updates(s.options, steps_done, steps)
     except Exception:
         return None
-    return sum(n // tau for n in steps_done)
 
 
 def applicable(case: str, solvers: list[str]) -> list[str]:

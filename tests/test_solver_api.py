@@ -153,3 +153,16 @@ def test_block_synchronize_runs_the_solvers_synchronization_once_inside_the_bloc
     assert calls == [("sync", 3, 3.0), ("sync", 4, 2.0)]  # (without it: once, at the block's end)
     with pytest.raises(ConfigError, match=r"block\.synchronize\(\) belongs inside its `with solver\.step\(i\) as block:`"):
         block.synchronize()
+
+
+@pytest.mark.parametrize("solver, options, want", [
+    ("sync-ps", {}, 12),  # one update a round
+    ("async-ps", {"n_push": 3}, 10 // 3 + 7 // 3),  # a push every n_push steps of each worker
+    ("hogwild", {}, 10 + 7),
+    ("async-easgd", {"tau": 2}, 10 // 2 + 7 // 2),  # an exchange every tau steps
+    ("shadow-ea", {}, None),  # (its exchanges follow time)
+    ("allreduce", {}, None),  # (no servers)
+])
+def test_a_plan_says_how_many_updates_its_servers_apply_for_the_workers_steps(solver, options, want):
+    cls = solver_class(solver)
+    assert cls.Plan.server_updates(make_options(cls, options), [10, 7], 12) == want

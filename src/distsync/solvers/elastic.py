@@ -128,6 +128,10 @@ class _ElasticServerSolver(ServerSolver):
             return None  # the server serves each worker on its own (easgd: in turn, skipping finished ones)
 
         @classmethod
+        def server_updates(cls, options, steps_done, steps):
+            return sum(n // options.tau for n in steps_done)  # an exchange every tau steps
+
+        @classmethod
         def search_space(cls, workers):
             return [{"tau": t, "servers": s} for t in (4, 16) for s in sorted({1, max(1, workers // 4), workers})]
 

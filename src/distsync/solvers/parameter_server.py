@@ -369,6 +369,10 @@ class SyncPS(GradientServerSolver):
             return sim.meet_every(1, sim.sync_ps_s(options.servers))
 
         @classmethod
+        def server_updates(cls, options, steps_done, steps):
+            return steps  # one update a round
+
+        @classmethod
         def simulate_rule(cls, options, sim):
             return sim.mean_gradient()  # the servers apply the mean of the round's gradients
 
@@ -405,6 +409,10 @@ class AsyncPS(GradientServerSolver):
         @classmethod
         def lockstep_lead(cls, options, workers):
             return None  # the servers apply each push on its own
+
+        @classmethod
+        def server_updates(cls, options, steps_done, steps):
+            return sum(n // options.n_push for n in steps_done)  # a push every n_push steps
 
         @classmethod
         def simulate_timing(cls, options, sim):

@@ -127,6 +127,13 @@ class Plan:
         return None
 
     @classmethod
+    def server_updates(cls, options: Any, steps_done: list[int], steps: int) -> int | None:
+        """The updates this solver's servers apply in a run of ``steps`` steps whose workers
+        did ``steps_done`` each (a check that none was lost or applied twice, after a fault).
+        None: no servers, or updates that follow time rather than steps."""
+        return None
+
+    @classmethod
     def simulate_rule(cls, options: Any, sim: Any) -> Any:
         """This solver's update on the stacked replicas of train mode with ``options``: a rule
         picked from the blocks of ``sim`` (a :class:`~distsync.sim.train.TrainContext`),

@@ -247,6 +247,10 @@ class ShadowEA(HogwildThreads, AsyncEASGD):
 
     class Plan:
         @classmethod
+        def server_updates(cls, options, steps_done, steps):
+            return None  # the shadow thread's exchanges follow time, not steps
+
+        @classmethod
         def search_space(cls, workers):
             return [{"servers": s} for s in sorted({1, max(1, workers // 4)})]
 
