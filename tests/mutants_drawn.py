@@ -97,6 +97,8 @@ KILLED_SINCE: dict[str, str] = {
     "sim/timing.py:372:NumberReplacer:108": _PAIRWISE,
     "sim/timing.py:465:ReplaceBinaryOperator_Add_LShift:42":
         "tests/test_sim_units.py::test_ripples_smart_groups_meet_every_few_steps_as_its_option_says",
+    "sim/timing.py:550:ReplaceBinaryOperator_Add_Mul:50":
+        "tests/test_sim_units.py::test_ripples_overlap_hides_an_averaging_shorter_than_a_step_and_waits_for_the_last",
 }
 
 

@@ -231,6 +231,21 @@ def test_ripples_smart_groups_meet_every_few_steps_as_its_option_says():
     assert res.wall_s == pytest.approx(4 * 0.010 + 2 * meet, rel=1e-9)
 
 
+
+def test_ripples_overlap_hides_an_averaging_shorter_than_a_step_and_waits_for_the_last():
+    """The same 4 workers with overlap, on a link fast enough that the coordinator's round trip
+    and the averaging take less than a step: the averaging after step 2 ends while step 3
+    computes (nothing waits), and the one after step 4 is waited for at the end (close()):
+    4 x 10 ms, then one round trip and one averaging."""
+    cluster = Cluster(4, Link(1e10, 1e-5))
+    meet = 2 * 1e-5 + cluster.partial_allreduce_s(1e5, 4)
+    assert meet < 0.010
+    res = simulate("ripples", {"schedule": "smart", "group_size": 4, "every": 2, "overlap": True}, cluster,
+                   WorkerModel(0.010), Work(steps=4, model_bytes=1e5))
+    assert res.wall_s == pytest.approx(4 * 0.010 + meet, rel=1e-9)
+    assert res.ends[:, 0] == pytest.approx([0.010, 0.020, 0.030, 0.040], rel=1e-9)
+
+
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
