@@ -26,6 +26,7 @@ from typing import Any
 
 from common import argument_parser, launch_or_exit, provenance, seed_list, shown, write_record
 from distsync.config import RunConfig
+from distsync.metrics.processes import cpu_jiffies
 from distsync.runtime.recovery import read_jsonl
 
 #: (workload, device ms per step, steps, worker counts or None for --workers): device times a few
@@ -33,13 +34,6 @@ from distsync.runtime.recovery import read_jsonl
 WORKLOADS = [("digits", 10.0, 200, None), ("mnist", 20.0, 150, None), ("cnn", 40.0, 100, (4, 8)),
              ("cnn", 150.0, 100, (4, 8)), ("ctr", 40.0, 100, None)]
 REGIME = "emulated devices, loopback links (no --link)"
-
-
-def cpu_jiffies() -> tuple[int, int]:
-    """(busy, total) jiffies of all cores, from /proc/stat."""
-    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
-    idle = fields[3] + fields[4]
-    return sum(fields) - idle, sum(fields)
 
 
 class CpuSampler(threading.Thread):

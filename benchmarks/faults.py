@@ -55,13 +55,12 @@ import time
 from pathlib import Path
 
 from common import argument_parser, markdown_table, print_checks, provenance, table_header, table_row, write_record
-from distsync.metrics.processes import tree_usage
+from distsync.metrics.processes import tree_usage, with_environ
 from distsync.solvers import make_solver, solver_names
 
 REPO = Path(__file__).resolve().parents[1]
 DISTSYNC = [sys.executable, "-m", "distsync.cli"]
 STEPS, EVERY = 120, 20
-PROC = Path("/proc")
 
 
 def random_fault(solver: str, rng: random.Random) -> str:
@@ -89,15 +88,7 @@ def run_env(tag: str) -> dict[str, str]:
 
 def marked_processes(tag: str) -> set[int]:
     """The processes (this one aside) whose environment carries run ``tag``'s mark."""
-    found, needle = set(), f"{MARK}={tag}".encode()
-    for d in PROC.iterdir():
-        if d.name.isdigit() and int(d.name) != os.getpid():
-            try:
-                if needle in (d / "environ").read_bytes().split(b"\0"):
-                    found.add(int(d.name))
-            except OSError:
-                pass
-    return found
+    return with_environ(MARK, tag, but=os.getpid())
 
 
 def namespaces() -> set[str]:

@@ -75,11 +75,11 @@ from common import argument_parser, markdown_table, provenance, write_record
 from faults import leftovers, marked_processes, namespaces, run_env
 
 from distsync import marks
+from distsync.metrics.processes import named as proc_named
 from distsync.runtime.recovery import read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 DISTSYNC = [sys.executable, "-m", "distsync.cli"]
-PROC = Path("/proc")
 HANG_S = 120.0  # no end this long after the kill: a hang (--hang-s)
 START_S = 90.0  # no step this long after the launch: the run is recorded as not started
 TIMEOUT_S = 10
@@ -202,25 +202,13 @@ def shown(cmd: list[str]) -> str:
 
 
 # ---- processes -----------------------------------------------------------------------------------
-def proc_info(pid: int) -> dict[str, Any] | None:
-    try:
-        comm = (PROC / str(pid) / "comm").read_text().strip()
-        ppid = int((PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
-    try:
-        parent_comm = (PROC / str(ppid) / "comm").read_text().strip()
-    except OSError:
-        parent_comm = None
-    return {"pid": pid, "comm": comm, "ppid": ppid, "parent_comm": parent_comm}
-
 
 def named(tag: str, pattern: str) -> list[dict[str, Any]]:
     """The processes of run ``tag`` (``faults.py``'s mark in their environment) whose name
     (``/proc/PID/comm``) matches ``pattern``, a regular expression."""
     found = []
     for pid in marked_processes(tag):
-        info = proc_info(pid)
+        info = proc_named(pid)
         if info and re.fullmatch(pattern, info["comm"]):
             found.append(info)
     return sorted(found, key=lambda i: i["comm"])

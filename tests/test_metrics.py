@@ -109,3 +109,32 @@ def test_a_run_whose_loss_fell_less_than_one_percent_did_not_learn():
     assert not did_not_learn(curve(2.30, 2.27))  # 1.3% lower
     assert not did_not_learn(curve(2.30))  # one evaluation: not said
     assert not did_not_learn(curve(2.30, float("nan")))  # (a run that diverged ends with its own error)
+
+
+def test_processes_found_by_their_environment_named_and_the_cores_load():
+    import os
+    import subprocess
+    import time
+
+    from distsync.metrics.processes import cpu_jiffies, named, with_environ
+
+    mark = f"mark-{os.getpid()}"
+    marked = subprocess.Popen(["sleep", "30"], env={**os.environ, "DISTSYNC_TEST_MARK": mark})
+    other = subprocess.Popen(["sleep", "30"], env={**os.environ, "DISTSYNC_TEST_MARK": mark + "-not"})
+    try:
+        deadline = time.monotonic() + 10
+        while marked.pid not in with_environ("DISTSYNC_TEST_MARK", mark) and time.monotonic() < deadline:
+            time.sleep(0.01)  # (until exec has replaced the fork's environment)
+        assert with_environ("DISTSYNC_TEST_MARK", mark) == {marked.pid}
+        assert with_environ("DISTSYNC_TEST_MARK", mark, but=marked.pid) == set()
+        me = named(marked.pid)
+        assert me["comm"] == "sleep" and me["ppid"] == os.getpid() and me["parent_comm"] == named(os.getpid())["comm"]
+    finally:
+        for p in (marked, other):
+            p.kill()
+            p.wait()
+    assert named(marked.pid) is None  # (gone)
+    busy0, total0 = cpu_jiffies()
+    sum(i * i for i in range(300_000))  # (some work of this process's own)
+    busy1, total1 = cpu_jiffies()
+    assert 0 <= busy0 <= total0 and busy1 >= busy0 and total1 > total0 and busy1 - busy0 <= total1 - total0

@@ -1,5 +1,6 @@
 """A job's processes, as /proc sees them: how a soak or a leak check finds every process a
-job started (workers, servers, their helpers) and what they hold.
+job started (workers, servers, their helpers), what they hold and what they are called, and
+how busy the machine's cores are.
 
 Linux only; standard library only. A process that ends while it is being read is skipped.
 """
@@ -7,8 +8,14 @@ Linux only; standard library only. A process that ends while it is being read is
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 PROC = Path("/proc")
+
+
+def _parent(pid: int | str) -> int:
+    # the command name (field 2 of stat) may hold spaces and parentheses: split after its last ")"
+    return int((PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 def _parents() -> dict[int, int]:
@@ -17,11 +24,47 @@ def _parents() -> dict[int, int]:
     for entry in PROC.iterdir():
         if entry.name.isdigit():
             try:
-                # the command name (field 2) may hold spaces and parentheses: split after its last ")"
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                parents[int(entry.name)] = _parent(entry.name)
             except (OSError, IndexError, ValueError):
                 pass
     return parents
+
+
+def with_environ(key: str, value: str, but: int | None = None) -> set[int]:
+    """The processes (``but`` aside) whose environment holds ``key=value``: every process a
+    command started with that mark, whoever their parent is now."""
+    found, needle = set(), f"{key}={value}".encode()
+    for entry in PROC.iterdir():
+        if entry.name.isdigit() and int(entry.name) != but:
+            try:
+                if needle in (entry / "environ").read_bytes().split(b"\0"):
+                    found.add(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+def named(pid: int) -> dict[str, Any] | None:
+    """``pid``'s name (``comm``), its parent's pid and its parent's name (None if the parent is
+    gone); None if ``pid`` is gone."""
+    try:
+        comm = (PROC / str(pid) / "comm").read_text().strip()
+        ppid = _parent(pid)
+    except (OSError, IndexError, ValueError):
+        return None
+    try:
+        parent_comm = (PROC / str(ppid) / "comm").read_text().strip()
+    except OSError:
+        parent_comm = None
+    return {"pid": pid, "comm": comm, "ppid": ppid, "parent_comm": parent_comm}
+
+
+def cpu_jiffies() -> tuple[int, int]:
+    """(busy, total) jiffies of all cores since boot, from /proc/stat (idle and iowait are not
+    busy): two readings' differences give the cores' load between them."""
+    fields = [int(v) for v in (PROC / "stat").read_text().split("\n")[0].split()[1:]]
+    idle = fields[3] + fields[4]
+    return sum(fields) - idle, sum(fields)
 
 
 def descendants(pid: int) -> list[int]:
