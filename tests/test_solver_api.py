@@ -166,3 +166,38 @@ def test_block_synchronize_runs_the_solvers_synchronization_once_inside_the_bloc
 def test_a_plan_says_how_many_updates_its_servers_apply_for_the_workers_steps(solver, options, want):
     cls = solver_class(solver)
     assert cls.Plan.server_updates(make_options(cls, options), [10, 7], 12) == want
+
+
+def test_a_closed_solver_takes_its_own_loop_hooks_off_and_a_second_attach_is_refused():
+    """One optimizer, a second solver after the first is closed: only the live solver's hooks
+    act (a left-over one would take the user's optimizer.step() in the new block for a second
+    step between the old one's blocks). A closed solver's step() and a second attach are
+    refused; after close the optimizer is the user's alone."""
+    model = nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        model.weight.zero_()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.tensor([[1.0, 2.0]])
+
+    def one_step(solver, i):
+        with solver.step(i):
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+    first = make_solver("local")
+    first.attach(model, opt, comm=None)
+    one_step(first, 0)
+    with pytest.raises(ConfigError, match=r"solver local is attached already \(a solver serves one model and "):
+        first.attach(model, opt, comm=None)
+    one_step(first, 1)
+    first.close()
+    with pytest.raises(ConfigError, match=r"solver local is closed: solver\.step\(\) after close\(\)"):
+        first.step(2)
+    second = make_solver("ma", every=2)
+    second.attach(model, opt, comm=None)
+    one_step(second, 2)
+    second.close()
+    model(x).sum().backward()
+    opt.step()  # (the user's own, after every solver is closed: nothing refuses it)
+    assert model.weight.flatten().tolist() == pytest.approx([-0.4, -0.8])  # four steps of -0.1 x, each once

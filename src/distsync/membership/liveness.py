@@ -72,7 +72,11 @@ class Heartbeat:
                 return
 
     def stop(self) -> None:
+        """Stop beating, and wait for a beat in progress: the store it talks to may be taken
+        down next (a thread left inside a store call when the process exits aborts it)."""
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
 
 
 class Liveness:

@@ -238,13 +238,14 @@ class Solver:
         (every replica starts from the same model whatever its seed), unless ``same_start``
         is False (default: :attr:`same_start`). Hooks on the model and the optimizer make
         :meth:`step` keep DDP's habits in a user's loop; outside it they do nothing."""
+        if self.model is not None:
+            raise ConfigError(f"solver {self.name} is attached already (a solver serves one model and optimizer, "
+                              f"once): make a new one with distsync.make_solver for another")
         if comm is not None:
             _check_roles(self, comm)
         self.model, self.optimizer, self.comm = model, optimizer, comm
         if (self.same_start if same_start is None else same_start):
             _broadcast_start(self)
-        if self.buffer_sync is not None:
-            self.buffer_sync.remove()
         self.buffer_sync = BufferSync(self.buffers, self.capabilities, model, comm, lambda: self._no_sync)
         self.float_buffers = self.buffer_sync.float_buffers
         self._own_loop = OwnLoop(self)
@@ -285,8 +286,9 @@ class Solver:
         return self.model
 
     def close(self) -> None:
-        """Final synchronization; stop and join any threads this solver started. Forwards of
-        the model no longer broadcast buffers after it (subclasses' own close() too)."""
+        """Final synchronization; stop and join any threads this solver started. After it the
+        model and the optimizer are the user's alone: forwards no longer broadcast buffers and
+        the own-loop hooks are off them (subclasses' own close() too)."""
         _end_forward_sync(self)
 
     def stats(self) -> dict[str, Any]:
@@ -318,6 +320,8 @@ class Solver:
         :meth:`no_sync` the gradients are not synchronized (the last pass does it)."""
         if self._own_loop is None:
             raise ConfigError(f"solver {self.name}: attach(model, optimizer, comm) before solver.step()")
+        if self._own_loop.detached:
+            raise ConfigError(f"solver {self.name} is closed: solver.step() after close() would synchronize nothing")
         return self._own_loop.step(step)
 
     def local_forward(self) -> contextlib.AbstractContextManager[None]:
@@ -405,8 +409,12 @@ def _broadcast_start(solver: Solver) -> None:
 
 
 def _end_forward_sync(solver: Solver) -> None:
+    """A closed solver's model and optimizer are the user's alone: its forwards meet nobody,
+    and its own-loop hooks are off them."""
     if solver.buffer_sync is not None:
         solver.buffer_sync.ended = True
+    if solver._own_loop is not None:
+        solver._own_loop.detach()
 
 
 def _ending_forward_sync(close: Callable[[Solver], None]) -> Callable[[Solver], None]:

@@ -38,13 +38,8 @@ class BufferSync:
         self._local = False  # (inside local_forward(): no broadcast before a forward)
         self.ended = False  # (the solver is closed: the model's forwards meet nobody)
         self._sync_next_forward = True  # (DDP's require_forward_param_sync: see before_forward)
-        self._hook = model.register_forward_pre_hook(_ForwardBufferSync(self)) if self.at_forward else None
-
-    def remove(self) -> None:
-        """Take the forward pre-hook off the model (the solver is attached again)."""
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        if self.at_forward:
+            model.register_forward_pre_hook(_ForwardBufferSync(self))
 
     def synced(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         """What a solver's averaging synchronizes: ``params``, and with the "average" policy the

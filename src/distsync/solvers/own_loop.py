@@ -5,7 +5,9 @@ backward ends (or just before the update), the user's ``optimizer.step()`` and G
 honoured, a second step, a zeroing between backward and the update, unused parameters and a
 changed learning rate refused where they would silently train otherwise. It hooks the model's
 parameters and the optimizer at attach; outside a block its hooks do nothing, except refuse
-an ``optimizer.step()`` between blocks once the loop is in use.
+an ``optimizer.step()`` between blocks once the loop is in use. A closed solver takes its hooks
+off (:meth:`OwnLoop.detach`): the model and the optimizer are then the user's alone, or the
+next solver's.
 """
 
 from __future__ import annotations
@@ -56,13 +58,20 @@ class OwnLoop:
         self.block: Block | None = None  # the user's step in progress
         self.in_use = False  # step() is in use: an optimizer.step() between blocks is a second one
         self.applying = False  # the block's end is applying the update
+        self.detached = False  # (the solver is closed)
         model, optimizer = solver.model, solver.optimizer
-        for p in model.parameters():
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(self._grad_accumulated)
-        optimizer.register_step_pre_hook(self._before_user_step)
-        optimizer.register_step_post_hook(self._after_user_step)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_accumulated)
+                       for p in model.parameters() if p.requires_grad]
+        self._hooks += [optimizer.register_step_pre_hook(self._before_user_step),
+                        optimizer.register_step_post_hook(self._after_user_step)]
         self.lrs = [g["lr"] for g in optimizer.param_groups]
+
+    def detach(self) -> None:
+        """Take this loop's hooks off the model and the optimizer (for good)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self.detached = True
 
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator[Block]:
