@@ -72,6 +72,12 @@ TRIAGE: dict[str, str] = {
     "solvers/rules.py:190:ReplaceUnaryOperator_Delete_USub:3": "m.shape[1] for m.shape[-1]: the same for a matrix; "
         "for a batch of matrices the rows, and PowerSGD's P always has at least as many rows as columns "
         "(compressible()), so the extra turns see empty slices and change nothing",
+    "sim/timing.py:566:NumberReplacer:166": "the value for an empty compute table, which only a run of no steps "
+        "has: such a run divided by zero either way, and is refused since (Work needs a whole number of steps >= 1, "
+        "tests/test_sim_units.py::test_a_simulated_run_of_no_whole_positive_number_of_steps_is_refused); the branch "
+        "is gone",
+    "sim/timing.py:590:ReplaceBinaryOperator_FloorDiv_Div:0": "int(i / workers) for i // workers: the same for the "
+        "non-negative integer indices of a step table (far below 2**53, where a float holds them exactly)",
 }
 #: a survivor that a test of the fast suite added or moved there since kills (checked by
 #: applying the mutant and running that test): its name -> that test
@@ -97,6 +103,8 @@ KILLED_SINCE: dict[str, str] = {
     "sim/timing.py:372:NumberReplacer:108": _PAIRWISE,
     "sim/timing.py:465:ReplaceBinaryOperator_Add_LShift:42":
         "tests/test_sim_units.py::test_ripples_smart_groups_meet_every_few_steps_as_its_option_says",
+    "sim/timing.py:644:ReplaceBinaryOperator_Mul_Div:23":
+        "tests/test_sim_units.py::test_an_elastic_exchange_through_the_servers_carries_every_workers_model_share_both_ways",
     "sim/timing.py:550:ReplaceBinaryOperator_Add_Mul:50":
         "tests/test_sim_units.py::test_ripples_overlap_hides_an_averaging_shorter_than_a_step_and_waits_for_the_last",
 }

@@ -246,6 +246,28 @@ def test_ripples_overlap_hides_an_averaging_shorter_than_a_step_and_waits_for_th
     assert res.ends[:, 0] == pytest.approx([0.010, 0.020, 0.030, 0.040], rel=1e-9)
 
 
+
+def test_an_elastic_exchange_through_the_servers_carries_every_workers_model_share_both_ways():
+    """4 workers exchange with 2 servers over 1 Gbit with 1 ms: each server's link carries
+    every worker's half of a 4 MB model in, then back: 2 x (1 ms + 8 x 4 x 2 MB / 1 Gbit) =
+    2 x (1 + 64) ms; with one server, its link carries whole models: 2 x (1 + 128) ms."""
+    import numpy as np
+
+    from distsync.sim.timing import TimingContext
+
+    sim = TimingContext("shadow-ea", Cluster(4, Link(1e9, 1e-3)), np.full((2, 4), 0.01), Work(2, 4e6))
+    assert sim.server_exchange_s(2) == pytest.approx(2 * (0.001 + 0.064), rel=1e-12)
+    assert sim.server_exchange_s(1) == pytest.approx(2 * (0.001 + 0.128), rel=1e-12)
+
+
+@pytest.mark.parametrize("steps", [0, -3, 2.5])
+def test_a_simulated_run_of_no_whole_positive_number_of_steps_is_refused(steps):
+    from distsync.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"^a simulated run needs at least one step per worker, got {steps}$"):
+        Work(steps=steps, model_bytes=1e6)
+
+
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 

@@ -99,6 +99,10 @@ class Work:
     batch_size: int = 32
     tensor_bytes: tuple[float, ...] | None = None
 
+    def __post_init__(self) -> None:
+        if not (self.steps == int(self.steps) and self.steps >= 1):
+            raise ConfigError(f"a simulated run needs at least one step per worker, got {self.steps}")
+
     def shards(self, servers: int) -> list[float]:
         """The bytes each of ``servers`` servers holds."""
         if not self.tensor_bytes or servers > len(self.tensor_bytes):
@@ -371,7 +375,7 @@ def _pairwise(name: str, cluster: Cluster, c: np.ndarray, work: Work, actives: l
     for w in range(n):
         loop.at(0.0, start, w, 0)
     loop.run()
-    wall = float(ends[-1].max()) if work.steps else 0.0
+    wall = float(ends[-1].max())
     return SimResult(name, n, work.steps, work.batch_size, wall, comp, comm, wait, events=loop.events, ends=ends)
 
 
@@ -563,7 +567,7 @@ def _background(name: str, cluster: Cluster, c: np.ndarray, work: Work, sync_s: 
     then a pause), at most every min interval and at most once per ``steps_per_sync`` steps
     (of the slowest worker: the syncs are collective)."""
     res = _periodic(name, cluster, c, work, 0, 0.0)
-    step_s = float(c.mean(axis=0).max()) if c.size else 0.0
+    step_s = float(c.mean(axis=0).max())
     per_sync = max(sync_s / share, min_interval_s, steps_per_sync * step_s)
     res.syncs_per_step = (res.wall_s / per_sync) / work.steps if per_sync > 0 else float("inf")
     if math:
