@@ -330,7 +330,7 @@ def test_shadow_ea_exchanges_at_known_steps_equal_the_elastic_rule():
         torch.testing.assert_close(got, center, rtol=0, atol=1e-5)
 
 
-def _free_running_rank(rank, world, solver_name, steps, options):
+def _free_running_rank(rank, world, solver_name, steps, options, pace):
     """The shadow thread syncing as its pace lets it while the worker trains: the models just
     after the last step and after a short pause with no training (both before close()), the
     final models, the syncs at both, and whether the thread is still alive after close()."""
@@ -354,7 +354,11 @@ def _free_running_rank(rank, world, solver_name, steps, options):
         time.sleep(0.003)  # room for the shadow thread between steps
     comm.barrier()
     trained, trained_syncs = flat(), s.syncs
-    time.sleep(0.2)  # no training: unpaced, the shadow thread keeps syncing; paced by steps, it waits
+    # no training: unpaced, the shadow thread keeps syncing (here: until 6 more, however slow a
+    # loaded machine makes them; a hang fails the test); paced by steps, it waits
+    deadline = time.monotonic() + (30.0 if not pace else 0.2)
+    while time.monotonic() < deadline and (pace or s.syncs < trained_syncs + 6):
+        time.sleep(0.005)
     idle, syncs = flat(), s.syncs
     s.close()
     out = trained, idle, flat(), (trained_syncs, syncs), s._thread.is_alive()
@@ -374,26 +378,27 @@ def _local_replicas(steps):
 @pytest.mark.parametrize("solver, options", [("shadow-ma", {}), ("shadow-bmuf", {"steps_per_sync": 0, "sync_share": 1.0})])
 def test_shadow_thread_brings_the_replicas_together_before_close_and_stops(solver, options):
     """Paced (shadow-ma's defaults: a sync per training step at most) or back to back
-    (shadow-bmuf here): the syncs keep the replicas close while they train; with no training,
-    back to back syncs make them equal before close(), paced ones wait for a step; close()
-    leaves them equal."""
+    (shadow-bmuf here), each free running beside its trainer: with no training, back to back
+    syncs go on and make the replicas equal before close(), paced ones wait for a step; close()
+    joins the thread and leaves them equal. Only what no load can change is asserted: how
+    close free-running syncs keep the replicas while they train depends on how often a loaded
+    machine lets the thread run (what each sync does, in any order of the two threads, is
+    tests/test_interleavings.py's, exactly)."""
     steps = 40
     local = consensus_distance(_local_replicas(steps))  # how far apart no synchronization leaves them
+    pace = not options
     (trained_a, idle_a, final_a, syncs_a, alive_a), (trained_b, idle_b, final_b, syncs_b, alive_b) = \
-        run_ranks(_free_running_rank, 2, solver, steps, options)
+        run_ranks(_free_running_rank, 2, solver, steps, options, pace)
     assert not alive_a and not alive_b  # joined on close
     for trained_syncs, idle_syncs in (syncs_a, syncs_b):
-        assert trained_syncs > 5  # every sync is a collective of both, but one may be a sync ahead
-        if options:
-            assert idle_syncs > trained_syncs + 5  # no training, yet it syncs on
+        if not pace:
+            assert idle_syncs >= trained_syncs + 6  # no training, yet it syncs on
         else:
-            assert idle_syncs <= trained_syncs + 1  # (one may have read the last step's model)
+            # a sync in flight when the trainer looked (it read an earlier step), then one that
+            # reads the last step; none after: the next waits for a step that never comes
+            assert idle_syncs <= trained_syncs + 2
             assert trained_syncs <= steps + 1  # a sync per step at most (and one at start)
-    # the syncs during training kept the replicas closer than training alone would (a sync that
-    # changed nothing leaves them at local's distance; a loaded machine, whose shadow thread
-    # syncs less often, measured up to 0.53 of it; the idle check below is the exact one)
-    assert consensus_distance([trained_a, trained_b]) < 0.75 * local, (consensus_distance([trained_a, trained_b]), local)
-    if options:  # with no training going on, the shadow thread alone makes them equal, before close()
+    if not pace:  # with no training going on, the shadow thread alone makes them equal, before close()
         assert consensus_distance([idle_a, idle_b]) < 1e-4 * local
     torch.testing.assert_close(final_a, final_b, rtol=0, atol=1e-6)  # and close() leaves them equal
 

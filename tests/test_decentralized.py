@@ -538,7 +538,7 @@ class _ScriptedCoordinatorComm:
 
         with self.turn:
             self.turn.wait_for(lambda: self.next < len(self.script) and self.script[self.next][1] == src,
-                               timeout=self.timeout_s)
+                               timeout=30.0)  # (a worker's next line may come seconds after its last)
             due, sender, op = self.script[self.next]
             assert sender == src, "the script never came to this worker"
             time.sleep(max(0.0, self.t0 + due - time.monotonic()))
@@ -557,17 +557,20 @@ class _ScriptedCoordinatorComm:
 def test_smart_coordinator_groups_by_readiness_and_never_waits_past_max_wait():
     """Requests in a known order and rhythm: three ready at once form a group at once; one
     ready alone goes alone after max_wait; two ready go together after max_wait. A scheduler
-    that waited for every worker (or for a full group) would send later or other groups."""
+    that waited for every worker (or for a full group) would send later or other groups.
+    The times are set far from what a loaded machine adds to a thread's wake-up: max_wait
+    0.6 s, each answer within half a burst's gap (1.2 s) of its request, not within 0.16 s."""
     from distsync.solvers import ServeContext, make_solver
     from distsync.solvers.decentralized import OP_DONE, OP_REQUEST
 
-    gap = 0.4  # between bursts: ten times max_wait
+    wait = 0.6  # max_wait
+    gap = 4 * wait  # between bursts
     script = [(0.0, 0, OP_REQUEST), (0.0, 2, OP_REQUEST), (0.0, 3, OP_REQUEST),  # a full group
               (gap, 1, OP_REQUEST),  # the slow one, alone
               (gap, 3, OP_REQUEST), (0.0, 0, OP_REQUEST),  # two, nobody else
               (gap, 0, OP_DONE), (0.0, 1, OP_DONE), (0.0, 2, OP_DONE), (0.0, 3, OP_DONE)]
     comm = _ScriptedCoordinatorComm(script)
-    s = make_solver("ripples", schedule="smart", group_size=3, max_wait_ms=40)
+    s = make_solver("ripples", schedule="smart", group_size=3, max_wait_ms=1000 * wait)
     s.serve("coordinator", comm, ServeContext(make_model=None, lr=0.0))
     # (who of a group is told first follows which of its requests' threads ran first)
     comm.sent.sort(key=lambda sent: (round(sent[2] / (gap / 2)), sent[1], sent[0]))
@@ -576,12 +579,12 @@ def test_smart_coordinator_groups_by_readiness_and_never_waits_past_max_wait():
     when = [t for _, _, t in comm.sent]
     assert max(when[:3]) < gap / 2  # the full group went at once, nobody waited for worker 1
     for sent, ready in ((when[3], gap), (when[4], 2 * gap)):  # max_wait after the first was ready
-        assert 0.04 <= sent - ready < gap / 2, (sent, ready)
+        assert wait <= sent - ready < gap / 2, (sent, ready)
     stats = s.stats()
     assert (stats["groups_formed"], stats["skips"], stats["requests_answered"]) == ({"1": 1, "2": 1, "3": 1}, 1, 6)
-    # worker 1, then 3 and 0, waited max_wait for partners (0.04 s each, less the moment
+    # worker 1, then 3 and 0, waited max_wait for partners (0.6 s each, less the moment
     # between 3's and 0's requests); the first three about none
-    assert 0.1 <= stats["partner_wait_s"] < 0.12 + gap / 2, stats
+    assert 2.5 * wait <= stats["partner_wait_s"] < 3 * wait + gap / 2, stats
 
 
 @pytest.mark.slow
