@@ -225,7 +225,7 @@ def _ripples_rank(rank, world, steps, every):
     return train_digits_rank(rank, world, "ripples", options, steps, SEED, BATCH, LR)["state"]
 
 
-@pytest.mark.parametrize("every", [1, 2])
+@pytest.mark.parametrize("every", [1, 3])
 def test_two_worker_ripples_equals_plain_pytorch_reference(every):
     steps = 6
     # the group of both, after every `every` steps: each takes the mean (after the last step
@@ -811,3 +811,40 @@ def test_the_ready_groupers_due_check_agrees_with_a_scan_of_every_worker(periods
                     hq.heappush(events, (now + periods[v] * rng.uniform(0.7, 1.3), v))
                 else:
                     g.leave(v, now)
+
+
+@pytest.mark.parametrize("died", [True, False])
+def test_an_adpsgd_active_whose_partner_died_skips_that_averaging_and_draws_from_the_others(died):
+    """An active's averaging fails with a closed connection: if the partner died, this step's
+    averaging is skipped (its model as it was) and the dead passive is never drawn again; any
+    other failure is raised."""
+    import random
+
+    from distsync.errors import CommError
+    from distsync.solvers import make_solver
+    from distsync.solvers.flat import FlatView
+
+    class Comm:  # (rank 0's comm: passive 3 is gone, passive 1 answers with its model plus one)
+        def send(self, tensor, dst, group=None, tag=0):
+            if dst == 3:
+                raise CommError("rank 0: send(to rank 3) failed: connection closed")
+
+        def recv(self, tensor, src, group=None, tag=0):
+            tensor.add_(1.0)
+
+        def peer_died(self, e):
+            return died
+
+    s = make_solver("ad-psgd")
+    w = torch.zeros(3)
+    s.comm, s.is_active, s.passives, s.view, s.gossip = Comm(), True, [1, 3], FlatView([w]), None
+    s.rng, s.averaged, s.lost, s._error = random.Random(0), 0, {}, []
+    s.rng.choice = lambda seq: seq[-1]  # (draws passive 3 first)
+    if not died:
+        with pytest.raises(CommError, match="connection closed"):
+            s.after_backward(0)
+        return
+    s.after_backward(0)
+    assert s.passives == [1] and s.lost == {3: 0} and w.tolist() == [0.0, 0.0, 0.0]  # skipped
+    s.after_backward(1)  # (only passive 1 left)
+    assert s.averaged == 1 and w.tolist() == [1.0, 1.0, 1.0]

@@ -692,8 +692,7 @@ class TimingContext:
         return block(self.name, cluster, self.c, self.work, min(k, self.workers), every, max_wait_s,
                      wait_share, self.math)
 
-    def background(self, sync_s: float, min_interval_s: float, share: float = 1.0,
-                   steps_per_sync: int = 0) -> SimResult:
+    def background(self, sync_s: float, min_interval_s: float, share: float, steps_per_sync: int) -> SimResult:
         """Training never waits; a background thread syncs (``sync_s`` each), at most ``share``
         of its time, at most every ``min_interval_s`` and at most once per ``steps_per_sync``
         steps of a worker."""
