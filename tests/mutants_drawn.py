@@ -111,6 +111,8 @@ KILLED_SINCE: dict[str, str] = {
         "tests/test_sim_units.py::test_ripples_smart_groups_meet_every_few_steps_as_its_option_says",
     "sim/timing.py:644:ReplaceBinaryOperator_Mul_Div:23":
         "tests/test_sim_units.py::test_an_elastic_exchange_through_the_servers_carries_every_workers_model_share_both_ways",
+    "solvers/decentralized.py:203:NumberReplacer:39":
+        "tests/test_decentralized.py::test_an_adpsgd_worker_reports_the_first_of_its_answering_threads_failures",
     "solvers/decentralized.py:213:ExceptionReplacer:0": _PARTNER_DIED,
     "solvers/decentralized.py:214:ReplaceUnaryOperator_Delete_Not:4": _PARTNER_DIED,
     "solvers/decentralized.py:472:ReplaceBinaryOperator_Add_Sub:3":

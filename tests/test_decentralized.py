@@ -848,3 +848,14 @@ def test_an_adpsgd_active_whose_partner_died_skips_that_averaging_and_draws_from
     assert s.passives == [1] and s.lost == {3: 0} and w.tolist() == [0.0, 0.0, 0.0]  # skipped
     s.after_backward(1)  # (only passive 1 left)
     assert s.averaged == 1 and w.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_an_adpsgd_worker_reports_the_first_of_its_answering_threads_failures():
+    """Several answering threads may fail (one per active); the first failure is the cause the
+    training thread raises, the later ones its consequences."""
+    from distsync.solvers import make_solver
+
+    s = make_solver("ad-psgd")
+    s._error = [RuntimeError("rank 1: the first failure"), RuntimeError("rank 1: what followed")]
+    with pytest.raises(RuntimeError, match="^rank 1: the first failure$"):
+        s.after_backward(0)
