@@ -859,3 +859,32 @@ def test_an_adpsgd_worker_reports_the_first_of_its_answering_threads_failures():
     s._error = [RuntimeError("rank 1: the first failure"), RuntimeError("rank 1: what followed")]
     with pytest.raises(RuntimeError, match="^rank 1: the first failure$"):
         s.after_backward(0)
+
+
+def test_a_ripples_group_with_a_dead_member_leaves_the_model_as_it_was_and_is_counted():
+    """Partial All-Reduce reports a member dead: the step's averaging is dropped (None: the
+    model stays as it was) and the group is counted as broken, not joined; a group that met
+    gives the mean and counts as joined."""
+    from collections import Counter
+
+    from distsync.solvers import make_solver
+    from distsync.solvers.base import PhaseClock
+
+    class Comm:
+        worker_ranks = [0, 1, 2, 3]
+        alive = False
+
+        def partial_all_reduce(self, flat, members, reduce="ring"):
+            flat.mul_(2.0)  # (as if the others' models summed in)
+            return self.alive
+
+    s = make_solver("ripples")
+    s.comm, s.clock, s.model = Comm(), PhaseClock(), torch.nn.Linear(1, 1)
+    s.sizes, s.met, s.joined, s.alone, s.broken, s.group_wait_s = Counter(), Counter(), 0, 0, 0, 0.0
+    s.coordinator_replaced = 0
+    s._next_group = lambda step, on_path: (0, 2)
+    assert s._average(0, torch.ones(3), on_path=True) is None
+    assert s.stats()["groups_with_a_dead_member"] == 1 and s.stats()["groups_joined"] == 0
+    s.comm.alive = True
+    assert s._average(1, torch.ones(3), on_path=True).tolist() == [1.0, 1.0, 1.0]  # (2 / 2)
+    assert (s.stats()["groups_with_a_dead_member"], s.stats()["groups_joined"]) == (1, 1)
