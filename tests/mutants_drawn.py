@@ -82,6 +82,8 @@ TRIAGE: dict[str, str] = {
                                             "shadow plans pass it); the default is gone since",
     "solvers/decentralized.py:485:ReplaceBinaryOperator_BitOr_Mul:3": "an annotation, never evaluated "
                                                                       "(from __future__ import annotations)",
+    "solvers/elastic.py:218:ReplaceComparisonOperator_Eq_LtE:0": "(step + 1) % tau <= 0 for == 0: a remainder by a "
+                                                                 "positive tau (its option is >= 1) is never negative",
 }
 #: a survivor that a test of the fast suite added or moved there since kills (checked by
 #: applying the mutant and running that test): its name -> that test
@@ -89,6 +91,7 @@ _LR = "tests/test_rules.py::test_learning_rate_factors_by_hand"
 _STALE = "tests/test_sim_units.py::test_a_servers_staleness_is_the_updates_between_a_workers_read_and_its_push_by_hand"
 _PARTNER_DIED = ("tests/test_decentralized.py::"
                  "test_an_adpsgd_active_whose_partner_died_skips_that_averaging_and_draws_from_the_others")
+_DONE_AGAIN = "tests/test_diloco.py::test_streaming_diloco_counts_a_step_done_again_after_a_death_once"
 _PAIRWISE = "tests/test_sim_units.py::test_ad_psgds_averagings_by_hand_the_active_pays_each_and_the_passive_computes_on"
 KILLED_SINCE: dict[str, str] = {
     "solvers/rules.py:104:NumberReplacer:16": "tests/test_rules.py::test_the_learning_rate_schedule_has_ended_past_its_steps",
@@ -114,6 +117,8 @@ KILLED_SINCE: dict[str, str] = {
     "solvers/decentralized.py:203:NumberReplacer:39":
         "tests/test_decentralized.py::test_an_adpsgd_worker_reports_the_first_of_its_answering_threads_failures",
     "solvers/decentralized.py:213:ExceptionReplacer:0": _PARTNER_DIED,
+    "solvers/diloco.py:183:AddNot:5": _DONE_AGAIN,
+    "solvers/diloco.py:184:NumberReplacer:79": _DONE_AGAIN,
     "solvers/decentralized.py:501:NumberReplacer:143":
         "tests/test_decentralized.py::test_a_ripples_group_with_a_dead_member_leaves_the_model_as_it_was_and_is_counted",
     "solvers/decentralized.py:214:ReplaceUnaryOperator_Delete_Not:4": _PARTNER_DIED,

@@ -230,3 +230,17 @@ def test_torchfts_diloco_equals_ours(options):
         for k, v in a["state"].items():
             torch.testing.assert_close(b["state"][k], v, rtol=0, atol=1e-5)
     assert peer[0]["stats"]["syncs"] == ours[0]["stats"]["syncs"]
+
+
+def test_streaming_diloco_counts_a_step_done_again_after_a_death_once():
+    """A step the loop does again (a worker died during its synchronization) is one step of
+    the worker's: steps_done, which its syncs per step divide by, counts it once."""
+    from distsync.solvers import make_solver
+
+    s = make_solver("streaming-diloco", every=100)
+    s.syncs = s.steps_done = 0
+    s._counted = s._started = -1
+    s.in_flight, s.outer, s.momentum = None, [], []
+    for step in (0, 1, 1, 2):  # (step 1 done again)
+        s.after_update(step)
+    assert s.steps_done == 3 and s.state_dict()["steps_done"] == 3
