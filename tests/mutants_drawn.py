@@ -92,6 +92,7 @@ _STALE = "tests/test_sim_units.py::test_a_servers_staleness_is_the_updates_betwe
 _PARTNER_DIED = ("tests/test_decentralized.py::"
                  "test_an_adpsgd_active_whose_partner_died_skips_that_averaging_and_draws_from_the_others")
 _DONE_AGAIN = "tests/test_diloco.py::test_streaming_diloco_counts_a_step_done_again_after_a_death_once"
+_MA_DONE_AGAIN = "tests/test_background.py::test_model_averaging_counts_a_step_done_again_after_a_death_once"
 _PAIRWISE = "tests/test_sim_units.py::test_ad_psgds_averagings_by_hand_the_active_pays_each_and_the_passive_computes_on"
 KILLED_SINCE: dict[str, str] = {
     "solvers/rules.py:104:NumberReplacer:16": "tests/test_rules.py::test_the_learning_rate_schedule_has_ended_past_its_steps",
@@ -117,6 +118,9 @@ KILLED_SINCE: dict[str, str] = {
     "solvers/decentralized.py:203:NumberReplacer:39":
         "tests/test_decentralized.py::test_an_adpsgd_worker_reports_the_first_of_its_answering_threads_failures",
     "solvers/decentralized.py:213:ExceptionReplacer:0": _PARTNER_DIED,
+    "solvers/model_averaging.py:155:NumberReplacer:32": _MA_DONE_AGAIN,
+    "solvers/model_averaging.py:155:NumberReplacer:33": _MA_DONE_AGAIN,
+    "solvers/model_averaging.py:155:ReplaceBinaryOperator_Add_Mul:1": _MA_DONE_AGAIN,
     "solvers/diloco.py:183:AddNot:5": _DONE_AGAIN,
     "solvers/diloco.py:184:NumberReplacer:79": _DONE_AGAIN,
     "solvers/decentralized.py:501:NumberReplacer:143":

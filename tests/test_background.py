@@ -528,3 +528,17 @@ def test_the_simulator_paces_the_shadow_thread_as_the_solver_does(solver):
     small = Work(steps=100, model_bytes=1_000)
     two = simulate(solver, {"sync_share": 1.0, "steps_per_sync": 2}, cluster, model, small)
     assert two.syncs_per_step == pytest.approx(0.5)
+
+
+def test_model_averaging_counts_a_step_done_again_after_a_death_once():
+    """ma's steps_done (its syncs per step divide by it) counts a step the loop does again
+    (a worker died during its synchronization) once, and each other step once."""
+    import threading
+
+    from distsync.solvers import make_solver
+
+    s = make_solver("ma", every=100)
+    s._fg_lock, s.steps_done, s._counted = threading.Lock(), 0, -1
+    for step in (0, 1, 1, 2, 3):  # (step 1 done again)
+        s.after_update(step)
+    assert s.steps_done == 4
