@@ -82,6 +82,8 @@ TRIAGE: dict[str, str] = {
                                             "shadow plans pass it); the default is gone since",
     "solvers/decentralized.py:485:ReplaceBinaryOperator_BitOr_Mul:3": "an annotation, never evaluated "
                                                                       "(from __future__ import annotations)",
+    "solvers/shadow.py:82:NumberReplacer:7": "max(-1.0, ...) for max(0.0, ...): the pause's third term, the fastest "
+        "recent sync times (1 / share - 1), is never negative, as sync_share is in (0, 1] (its declared range)",
     "solvers/elastic.py:218:ReplaceComparisonOperator_Eq_LtE:0": "(step + 1) % tau <= 0 for == 0: a remainder by a "
                                                                  "positive tau (its option is >= 1) is never negative",
 }
