@@ -35,7 +35,6 @@ from distsync.config import check_ranges, convert, show_names
 from distsync.errors import ConfigError
 from distsync.imports import load_attribute
 from distsync.solvers.buffers import BufferSync
-from distsync.solvers.flat import FlatView
 from distsync.solvers.own_loop import Block, OwnLoop
 from distsync.solvers.plan import PLAN_NAMES, Capability, Plan, compose_plan
 
@@ -224,7 +223,6 @@ class Solver:
         self.same_start = True
         #: the attached model's buffers, kept as :attr:`buffers` says (set by :meth:`attach`)
         self.buffer_sync: BufferSync | None = None
-        self.float_buffers = FlatView([])  # (the attached model's floating-point buffers)
         self._own_loop: OwnLoop | None = None  # (a user's loop: step())
         self._no_sync = False
         self.skipped_updates = 0  # steps whose gradients were not finite (a GradScaler skipped them)
@@ -247,7 +245,6 @@ class Solver:
         if (self.same_start if same_start is None else same_start):
             _broadcast_start(self)
         self.buffer_sync = BufferSync(self.buffers, self.capabilities, model, comm, lambda: self._no_sync)
-        self.float_buffers = self.buffer_sync.float_buffers
         self._own_loop = OwnLoop(self)
         return model
 

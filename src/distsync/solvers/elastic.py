@@ -366,11 +366,12 @@ class SyncEASGD(Solver):
         sync_elastic_update(x, c, total, self.comm.group_size(group), self.alpha)
         mine.assign(x)
         center.assign(c)
-        if self.float_buffers.numel:
-            mean = self.float_buffers.flat()
+        floats = self.buffer_sync.float_buffers
+        if floats.numel:
+            mean = floats.flat()
             self.comm.all_reduce(mean, group=group)
             mean.div_(self.comm.group_size(group))
-            self.float_buffers.assign(mean)
+            floats.assign(mean)
             FlatView([b for b in self.center.buffers() if b.is_floating_point()]).assign(mean)
 
     def state_dict(self):
