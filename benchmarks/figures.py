@@ -265,6 +265,11 @@ FIGURES = [
             "tests/test_decentralized.py", "tests/test_async_solvers.py", "tests/test_background.py",
             "tests/test_allreduce.py", "tests/test_sim_ordered.py", "tests/test_sim.py"),
            "docs/benchmarks/mutation_probe.md", min_repeats=1),
+    # -- mutants a tool drew: which of them the fast suite kills, and each survivor's triage --
+    Figure("mutants_drawn", "tests/mutants_drawn", ("--resume",), (),
+           ("src/distsync/solvers", "src/distsync/sim/timing.py", "tests/mutants_drawn.py", "tests/mutation_probe.py"),
+           "docs/testing.md", min_repeats=1,
+           by_name_only="hours: 170 mutants, each against the fast suite, in a worktree at a pinned commit"),
 ]
 BY_NAME = {f.name: f for f in FIGURES}
 BLOCK = re.compile(r"(<!-- figure: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /figure: (?P=name) -->)", re.S)

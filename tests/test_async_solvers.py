@@ -50,6 +50,8 @@ def _run(rank, world, solver_name, options, workers, steps, momentum, optimizer=
             from distsync.solvers.lars import LARS
 
             opt = LARS(model.parameters(), lr=LR, momentum=momentum, eta=0.01)
+        elif optimizer == "adam":
+            opt = torch.optim.Adam(model.parameters(), lr=LR)
         else:
             opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum)
         run = solver.attach(model, opt, comm)
@@ -117,6 +119,17 @@ def test_sync_ps_with_two_servers_equals_large_batch_sgd():
         _close(center, ref.state_dict())
     # each server applied one update per step, to its own tensors only
     assert res[2][1]["updates"] == res[3][1]["updates"] == steps
+
+
+def test_sync_ps_servers_with_adam_equal_large_batch_adam():
+    """The servers step a torch optimizer (Adam) over their shards with the workers' mean
+    gradient: the same model as one Adam on both workers' batches."""
+    steps = 4
+    ref = _large_batch_reference(steps, lambda params: torch.optim.Adam(params, lr=LR))
+    res = run_ranks(_run, 4, "sync-ps", {"servers": 2}, 2, steps, 0.0, "adam")
+    for kind, state, center in res[:2]:
+        _close(state, ref.state_dict())
+        _close(center, ref.state_dict())
 
 
 @pytest.mark.parametrize("solver, options, momentum", [

@@ -205,6 +205,41 @@ def test_shadow_sync_is_written_back_as_a_correction_that_keeps_steps_taken_mean
     assert not s._thread.is_alive()
 
 
+def test_close_waits_for_a_shadow_sync_blocked_past_the_comms_timeout():
+    """A sync under way may block in its collective until the comm's timeout fails it with an
+    error of its own: close() waits for the shadow thread that long and more (here the sync's
+    all-reduce answers at twice the comm's timeout, and close() then ends cleanly)."""
+    from distsync.solvers import make_solver
+
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.tensor([1.0, 2.0]))])
+    comm = _StubComm()
+    comm.timeout_s = 0.3
+    s = make_solver("shadow-ma", steps_per_sync=0, sync_share=1.0)
+    s.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), comm, same_start=False)
+    comm.calls.get(timeout=10)  # the shadow thread's first sync is under way
+    errors = []
+
+    def close():
+        try:
+            s.close()
+        except BaseException as e:
+            errors.append(e)
+
+    closer = threading.Thread(target=close)
+    closer.start()
+    time.sleep(2 * comm.timeout_s)
+    assert closer.is_alive() and not errors, errors  # still waiting for the blocked sync
+    comm.answers.put(lambda t: t.mul_(2))
+    while closer.is_alive():  # the other worker mirrors every sync until both say done
+        try:
+            comm.calls.get(timeout=0.05)
+        except queue.Empty:
+            continue
+        comm.answers.put(lambda t: t.mul_(2))
+    closer.join()
+    assert not errors and not s._thread.is_alive()
+
+
 class _Gate(threading.Event):
     """Stands in for a shadow solver's stop event: its pause (``wait``) ends only when the test
     lets one more sync through (:meth:`release`), or once set (``close()``)."""
@@ -542,3 +577,29 @@ def test_model_averaging_counts_a_step_done_again_after_a_death_once():
     for step in (0, 1, 1, 2, 3):  # (step 1 done again)
         s.after_update(step)
     assert s.steps_done == 4
+
+
+@pytest.mark.parametrize("threads, waits", [(1, 0), (2, 3)])
+def test_model_averaging_with_threads_waits_for_the_device_after_each_sync(monkeypatch, threads, waits):
+    """With Hogwild threads the next synchronization may be another thread's, on a GPU stream
+    of its own: ma waits for its device after each one (three syncs, every=1), and not with a
+    single thread (a wait it does not need)."""
+    from types import SimpleNamespace
+
+    from distsync.solvers import make_solver
+    from distsync.solvers.flat import FlatView
+    import distsync.solvers.model_averaging as ma
+
+    waited = []
+    monkeypatch.setattr(ma, "synchronize", waited.append)
+    s = make_solver("ma", every=1, threads=threads)
+    params = [torch.nn.Parameter(torch.ones(3))]
+    s.view = s.state_view = FlatView(params)
+    s.syncs, s.steps_done, s._counted, s._fg_lock = 0, 0, -1, threading.Lock()
+    s.wire = s.anchor = None
+    s.comm = SimpleNamespace(worker_group=None, all_reduce=lambda t, group: None, group_size=lambda g: 1)
+    s.clock = SimpleNamespace(meeting=lambda key: None)
+    for step in range(3):
+        s.after_update(step)
+    assert s.syncs == 3
+    assert waited == [torch.device("cpu")] * waits

@@ -48,6 +48,15 @@ from distsync.solvers.rules import apply_correction, elastic_pull
 from distsync.solvers.turns import section
 
 
+def join_shadow_thread(solver, progress: Callable[[], object] | None = None) -> None:
+    """close()'s join of a shadow solver's thread. A sync under way may block in its
+    collective until the comm's timeout fails it with an error of its own (naming the peer
+    lost): the join waits that long and 5 s more, so that this error, not a bare "did not
+    stop", is what close() raises."""
+    join_background(solver._thread, solver._errors, solver.comm.timeout_s + 5,
+                    f"rank {solver.comm.rank}: {solver.name} shadow thread", progress=progress)
+
+
 class Pacer:
     """How often a shadow thread syncs. Before each sync it waits until its trainer has taken
     ``steps_per_sync`` steps since the previous sync read the model (a model that did not move
@@ -204,8 +213,7 @@ class _ShadowAveraging(AveragingSolver):
     def close(self):
         self._done.set()
         self.pacer.wake()
-        join_background(self._thread, self._errors, self.comm.timeout_s + 5,
-                        f"rank {self.comm.rank}: {self.name} shadow thread", progress=lambda: self.syncs)
+        join_shadow_thread(self, progress=lambda: self.syncs)
         # Final sync: every worker leaves with the mean of the final models.
         while True:
             final = self.state_view.flat()
@@ -337,7 +345,7 @@ class ShadowEA(HogwildThreads, AsyncEASGD):
     def close(self):
         self._done.set()
         self.pacer.wake()
-        join_background(self._thread, self._errors, self.comm.timeout_s + 5, f"rank {self.comm.rank}: shadow-ea thread")
+        join_shadow_thread(self)
         self._exchange_live(-1)  # final sync after the last training step
         super().close()
 
