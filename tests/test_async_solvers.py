@@ -731,6 +731,38 @@ def test_a_cut_keeps_a_dead_workers_pushes_before_its_own_last_checkpoint():
     assert written[-1] == (3, 8 + 2)  # worker 1's steps 2 and 3, not 4
 
 
+def test_a_cut_leaves_out_a_workers_final_push_made_after_its_checkpoint():
+    """Worker 0 asks for checkpoint 1 after its 4 steps, ends training and sends its final push
+    (step FINAL) while the cut waits for worker 1: the checkpoint holds both workers' 4 steps,
+    not the final push, which a restart from it would make again."""
+    from distsync.solvers.shard_service import FINAL, OP_PUSH, OP_SAVE, Request, ServerShard
+
+    class _Comm:
+        worker_ranks = [0, 1]
+
+    def sgd(shard, req):
+        shard.center -= req.payload
+        shard.version += 1
+
+    shard = ServerShard(_Comm(), [torch.zeros(1)], sgd)
+    written = []
+    shard.on_save = lambda index: written.append((index, shard.version))
+    shard.get_state = lambda: {"center": shard.center.clone(), "version": shard.version}
+    shard.set_state = lambda state: (shard.center.copy_(state["center"]), setattr(shard, "version", state["version"]))
+
+    def push(worker, *steps):
+        for step in steps:
+            shard._process(Request(worker, OP_PUSH, step, 0, torch.tensor([1.0])))
+
+    push(0, 0, 1, 2, 3), push(1, 0, 1)
+    shard._process(Request(0, OP_SAVE, 1, 4, None))  # the cut opens
+    push(0, FINAL)
+    push(1, 2, 3)
+    shard._process(Request(1, OP_SAVE, 1, 4, None))
+    assert written == [(1, 8)]
+    assert (shard.version, shard.center.item()) == (9, -9.0)  # the live center has every push
+
+
 def test_a_lock_free_server_cuts_a_consistent_checkpoint_while_its_updates_run_unlocked():
     """Four workers push at once, unlocked, while each asks for checkpoint 1 after its 50th
     push: the part written holds exactly the first 50 pushes of each (worker w's push at

@@ -38,7 +38,7 @@ from distsync.solvers.hogwild_threads import HogwildThreads, HogwildThreadsOptio
 from distsync.solvers.parameter_server import ServerSolver
 from distsync.solvers.rules import (apply_correction, elastic_alpha, elastic_exchange, elastic_pull,
                                     sync_elastic_update)
-from distsync.solvers.shard_service import OP_EXCHANGE, Request, ServerShard
+from distsync.solvers.shard_service import FINAL, OP_EXCHANGE, Request, ServerShard
 from distsync.solvers.turns import section
 
 
@@ -241,10 +241,10 @@ class _ElasticServerSolver(ServerSolver):
                         self._live[i].assign(live)
 
     def eval_model(self):
-        return self._final if self._final is not None else self.center_model(-1)
+        return self._final if self._final is not None else self.center_model(FINAL)
 
     def close(self):
-        self._final = self.center_model(-1)
+        self._final = self.center_model(FINAL)
         self.client.done()
 
 

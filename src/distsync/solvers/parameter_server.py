@@ -36,7 +36,7 @@ from distsync.solvers.base import Capability, ServeContext, Solver, register_sol
 from distsync.solvers.hogwild_threads import HogwildThreads, HogwildThreadsOptions, threads_option
 from distsync.solvers.lars import LARS
 from distsync.solvers.rules import lr_factor, server_apply
-from distsync.solvers.shard_service import OP_DONE, TAG_HEADER, Layout, PSClient, Request, ServerShard
+from distsync.solvers.shard_service import FINAL, OP_DONE, TAG_HEADER, Layout, PSClient, Request, ServerShard
 
 
 @dataclass
@@ -146,7 +146,7 @@ class ServerSolver(Solver):
         return comm.ranks_with_role("server")
 
     def abandon_channel(self, comm, peer):
-        comm.send(torch.tensor([OP_DONE, -1, 0], dtype=torch.int64), peer, tag=TAG_HEADER)
+        comm.send(torch.tensor([OP_DONE, FINAL, 0], dtype=torch.int64), peer, tag=TAG_HEADER)
 
     def join_peers(self, step):
         with self.client_lock:
@@ -470,12 +470,12 @@ class AsyncPS(GradientServerSolver):
         self._pending = int(state["pending"])
 
     def eval_model(self):
-        return self._final if self._final is not None else self.center_model(-1)
+        return self._final if self._final is not None else self.center_model(FINAL)
 
     def close(self):
         if self._pending:
-            self._push(-1)
-        self._final = self.center_model(-1)
+            self._push(FINAL)
+        self._final = self.center_model(FINAL)
         self.client.done()
 
 

@@ -45,6 +45,7 @@ from distsync.solvers.flat import FlatView, storage_aliases
 from distsync.solvers.hogwild_threads import HogwildThreads, HogwildThreadsOptions
 from distsync.solvers.model_averaging import AveragingSolver, BMUFRule, OuterStep
 from distsync.solvers.rules import apply_correction, elastic_pull
+from distsync.solvers.shard_service import FINAL
 from distsync.solvers.turns import section
 
 
@@ -346,7 +347,7 @@ class ShadowEA(HogwildThreads, AsyncEASGD):
         self._done.set()
         self.pacer.wake()
         join_shadow_thread(self)
-        self._exchange_live(-1)  # final sync after the last training step
+        self._exchange_live(FINAL)  # final sync after the last training step
         super().close()
 
     def stats(self):

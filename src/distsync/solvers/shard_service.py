@@ -57,6 +57,10 @@ from distsync.solvers.rules import staleness
 from distsync.solvers.turns import section
 
 OP_PULL, OP_PUSH, OP_EXCHANGE, OP_DONE, OP_SAVE = 1, 2, 3, 4, 5
+#: the step of a worker's requests after its last training step (its final push or exchange,
+#: its last pull, its goodbye): in the order of turns they come after every other, and no
+#: checkpoint taken during training holds them
+FINAL = -1
 _OPS = (OP_PULL, OP_PUSH, OP_EXCHANGE, OP_DONE, OP_SAVE)
 _OP_NAMES = {OP_PULL: "pull", OP_PUSH: "push", OP_EXCHANGE: "exchange"}
 #: in the job's store: a worker that has said goodbye to the servers (a server's replacement
@@ -250,7 +254,7 @@ class PSClient:
                 {str(self.layout.server_ranks[s]): [self.versions[s], self.pushes_since[s]] for s in self.replaceable}))
         for s, rank in enumerate(self.layout.server_ranks):
             try:
-                self.comm.send(self._header(OP_DONE, -1, s), rank, tag=TAG_HEADER)
+                self.comm.send(self._header(OP_DONE, FINAL, s), rank, tag=TAG_HEADER)
             except (PeerDied, PeerStalled):
                 if s not in self.replaceable:
                     raise
@@ -321,7 +325,7 @@ def choose_copy(offers: dict[int, Offer]) -> Choice | None:
 
 def _turn_of(req: "Request") -> float:
     """Where a request falls in the order of turns: its step (a checkpoint's request, the
-    steps done before it; a worker's last requests, step -1, come after every other)."""
+    steps done before it; a worker's last requests, step :data:`FINAL`, come after every other)."""
     step = req.version_seen if req.op == OP_SAVE else req.step
     return float("inf") if step < 0 or req.op == OP_DONE else step
 
@@ -483,9 +487,10 @@ class ServerShard:
         self.set_state(cut["state"])
         # The pushes before each worker's checkpoint, in the order applied. A worker dropped
         # since (dead) comes back, after a restart, from its own latest checkpoint: the pushes
-        # before the one it last asked for are in the cut, the later ones it makes again.
+        # before the one it last asked for are in the cut, the later ones (its final one too)
+        # it makes again.
         for req in cut["log"]:
-            if req.step < cut["done"].get(req.worker, self._save_done.get(req.worker, 0)):
+            if _turn_of(req) < cut["done"].get(req.worker, self._save_done.get(req.worker, 0)):
                 self.handle(self, req)
         self.on_save(cut["index"])
         self.set_state(live)
