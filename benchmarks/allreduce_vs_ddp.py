@@ -17,7 +17,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import argument_parser, launch_or_exit, print_table, provenance, shown, spread, write_record
+from common import argument_parser, launch_or_exit, provenance, write_record
+
+from distsync.experiments.report import markdown_table
+from distsync.metrics.repeats import shown, spread
 from distsync.config import RunConfig
 
 ROWS = [("digits", 2, 300), ("digits", 4, 300), ("cnn", 2, 60), ("cnn", 4, 60)]
@@ -85,9 +88,9 @@ def main() -> int:
             print(f"{workload:>7} x{workers}: allreduce {med['allreduce']:>9,.0f}  ddp {med['ddp']:>9,.0f}  "
                   f"ratio {row['ratio']:.2f}", flush=True)
     print()
-    print_table(["workload", "workers", "allreduce (samples/s)", "ddp (samples/s)", "ratio ours/DDP"],
+    print("\n".join(markdown_table(["workload", "workers", "allreduce (samples/s)", "ddp (samples/s)", "ratio ours/DDP"],
                 [[r["workload"], r["workers"], f"{r['allreduce_samples_per_s']:,.0f}", f"{r['ddp_samples_per_s']:,.0f}",
-                  f"{r['ratio']:.2f}"] for r in results])
+                  f"{r['ratio']:.2f}"] for r in results])))
     write_record(args.json or f"benchmarks/results/allreduce_vs_ddp{'-' + args.link if args.link else ''}.json",
                  started, regime=regime(args.link, args.device), seeds=list(range(args.rounds)),
                  payload={"rows": results})

@@ -1,31 +1,12 @@
 """The seed's comparison: asynchronous against synchronous solvers, on two kinds of model.
 
-Default (**CPU-bound** workers behind emulated links; 4 workers and a server share the
-machine's cores):
-- `wide` (a 1.1M-parameter MLP on digits: little compute per byte) at 200 Mbit links;
-- `cnn` (57k parameters, compute-heavy) at 1 Gbit links;
-4 workers each, same seed, data and step budget, one server where a solver has one.
-
-``--devices`` (**emulated devices** behind emulated links): every worker is a dedicated
-device, and both models sit behind the same 1 Gbit links:
-- communication-bound: `wide` on 10 ms devices (an all-reduce of its 4.4 MB moves 6.6 MB per
-  worker a step at 1 Gbit, ~53 ms: five times the compute);
-- compute-bound: `cnn` on 150 ms devices (its all-reduce moves 0.3 MB, ~3 ms: a fiftieth;
-  150 ms is what cnn needs for the emulation to hold at 4 and 8 workers, see devices.md);
-every job trains until the workload's target (budget ``target,seconds=CAP``), and server
-solvers shard their center over as many servers as there are workers (``--servers``, one per
-node as a user with that many machines would).
-
-Prints time to target and final metric for every solver on both models, and the targets:
-communication-bound, ea-wild at least 1.5x faster to target than allreduce (and sync-easgd in
-the CPU-bound mode); compute-bound, the synchronous solvers at least as fast as ea-wild.
-Writes a report with plots per model. Needs root (emulated links).
+Regime: CPU-bound workers behind emulated links (the default), or emulated devices behind
+emulated links (``--devices``); needs root.
 
     python benchmarks/async_vs_sync.py [--out benchmarks/results/async_vs_sync]
     python benchmarks/async_vs_sync.py --devices --workers 4,8 [--seeds 1,2,3] [--settings wide] [--json PATH]
 
-Every job runs once per seed (``--seeds``, default 1); tables give the median and the range
-over seeds.
+Method, raw results and figures: docs/benchmarks/async_vs_sync.md.
 """
 
 from __future__ import annotations
@@ -33,15 +14,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from common import (argument_parser, checks_markdown, launch_or_exit, per_seed, print_checks, provenance, ratios,
-                    seed_list,
-                    shown, spread, verdict, write_record, write_results)
+from common import (argument_parser, checks_markdown, has_option, launch_or_exit, per_seed, print_checks, provenance,
+                    seed_list, write_record, write_results)
+from distsync.metrics.repeats import ratios, shown, spread, verdict
 from distsync.config import RunConfig, parse_key_values
 from distsync.experiments import write_report
 
 SOLVERS = ["allreduce", "sync-easgd", "sync-ps", "ea-wild", "ea-wild:tau=16", "async-easgd", "async-measgd", "easgd",
            "async-ps", "async-msgd"]
-SERVER_SOLVERS = {"sync-ps", "ea-wild", "async-easgd", "async-measgd", "easgd", "async-ps", "async-msgd"}
 SYNC = ("allreduce", "sync-easgd", "sync-ps")
 # Server momentum (async-msgd) and local Nesterov momentum (async-measgd) multiply the step.
 LR_SCALE = {"async-msgd": 0.1, "async-measgd": 0.5}
@@ -154,7 +134,7 @@ def main() -> int:
                 dirs = []
                 for entry in solvers:
                     solver, _, given = entry.partition(":")  # NAME or NAME:KEY=VALUE (a tuned variant)
-                    opts = {"servers": servers} if device_ms and solver in SERVER_SOLVERS else {}
+                    opts = {"servers": servers} if device_ms and has_option(solver, "servers") else {}
                     opts.update(parse_key_values([given] if given else []))
                     cfg = RunConfig(workload=model, solver=solver, solver_options=opts, workers=workers, steps=steps,
                                     link=link, eval_every=10, lr=base_lr * LR_SCALE.get(solver, 1.0), timeout_s=120,

@@ -42,15 +42,8 @@ def launch_or_exit(cfg: Any, run_dir: Path) -> dict[str, Any]:
         return launch(cfg, run_dir)
 
 
-def markdown_table(headers: Sequence[str], rows: Iterable[Iterable[Any]]) -> list[str]:
-    """A markdown table's lines: its header, the ``|---|`` line and a line per row (cells as
-    ``str()`` gives them)."""
-    return ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers),
-            *["| " + " | ".join(str(c) for c in row) + " |" for row in rows]]
-
-
 def table_header(headers: Sequence[str]) -> None:
-    """A markdown table's header line and its ``|---|`` line."""
+    """A markdown table's header line and its ``|---|`` line (rows follow as they come)."""
     table_row(headers)
     print("|" + "---|" * len(headers))
 
@@ -58,11 +51,6 @@ def table_header(headers: Sequence[str]) -> None:
 def table_row(cells: Iterable[Any], flush: bool = False) -> None:
     """One markdown table row (cells as ``str()`` gives them)."""
     print("| " + " | ".join(str(c) for c in cells) + " |", flush=flush)
-
-
-def print_table(headers: Sequence[str], rows: Iterable[Iterable[Any]]) -> None:
-    """A whole markdown table."""
-    print("\n".join(markdown_table(headers, rows)))
 
 
 def print_checks(checks: Iterable[tuple[str, bool]], met: str = "met   ", missed: str = "MISSED") -> None:
@@ -257,55 +245,40 @@ def write_record(path: Path | str, started: dict[str, Any], *, regime: str, seed
                          announce=announce)
 
 
-def spread(values: Iterable[float | None]) -> tuple[float, float, float] | None:
-    """(median, min, max) of the values that exist; None when none does."""
-    import statistics
+def has_option(solver: str, option: str) -> bool:
+    """Whether the solver registered as ``solver`` takes ``option``."""
+    import dataclasses
 
-    have = [v for v in values if v is not None]
-    return (statistics.median(have), min(have), max(have)) if have else None
+    from distsync.solvers import solver_class
 
-
-def median(values: Iterable[float | None]) -> float | None:
-    """The median of the values that exist; None when none does."""
-    s = spread(values)
-    return None if s is None else s[0]
+    return option in {f.name for f in dataclasses.fields(solver_class(solver).Options)}
 
 
-def shown(values: Iterable[float | None], fmt: str = "{:.2f}", unit: str = "") -> str:
-    """``median (min-max)`` of the repeats, with how many of them had a value when some did
-    not (``1.92x (1.71-2.05)``, ``8.1 s (7.9-8.6), 2 of 3``); ``-`` when none did."""
-    values = list(values)
-    s = spread(values)
-    if s is None:
-        return "-"
-    med, lo, hi = (fmt.format(v) for v in s)
-    dash = " to " if lo[:1] in "+-" or hi[:1] in "+-" else "-"  # (signed figures: -0.3% to +0.5%)
-    text = f"{med}{unit}" if len(values) == 1 else f"{med}{unit} ({lo}{dash}{hi})"
-    have = sum(v is not None for v in values)
-    return text + (f", {have} of {len(values)}" if have < len(values) else "")
+def finish(path: Path | str, started: dict[str, Any], render: Any, payload: dict[str, Any], *, regime: str,
+           seeds: Sequence[int], checks: Any = None) -> int:
+    """A benchmark's end: its page's blocks (``render`` of the raw results) printed, then its
+    targets met or missed (``checks(raw)``: (text, met) pairs, kept in the raw file), and its
+    raw results file (:func:`write_record`). Returns the exit status: 1 when a target was
+    missed, else 0."""
+    raw = {**payload, "regime": regime, "seeds": list(seeds), "repeats": len(seeds)}
+    blocks = render(raw)
+    for text in blocks.values():
+        print()
+        print(text)
+    found = checks(raw) if checks is not None else []
+    if checks is not None:
+        if not any(name.endswith("targets") for name in blocks):  # (a page block of them is printed already)
+            print()
+            print_checks(found)
+        payload = {**payload, "checks": found}
+    write_record(path, started, regime=regime, seeds=seeds, payload=payload)
+    return 0 if all(ok for _, ok in found) else 1
 
 
 def per_seed(by_seed: dict[str, dict[str, Any]], key: str) -> dict[str, Any]:
     """One figure of every repeat: ``{seed: result[key]}`` (a raw file's results are kept per
     seed, each a run's summary)."""
     return {seed: r[key] for seed, r in by_seed.items()}
-
-
-def ratios(base: dict[Any, float | None], other: dict[Any, float | None]) -> list[float | None]:
-    """Per repeat (same key in both), ``base / other``: a speedup of ``other`` over ``base``
-    when both are times; None for a repeat where either is missing or zero."""
-    return [base[k] / other[k] if base.get(k) and other.get(k) else None for k in base]
-
-
-def verdict(values: Iterable[float | None], than: float = 1.0) -> str:
-    """Whether repeats' ratios differ from ``than``: ``above``/``below`` when every repeat is,
-    else ``within the spread``."""
-    have = [v for v in values if v is not None]
-    if have and min(have) > than:
-        return "above"
-    if have and max(have) < than:
-        return "below"
-    return "within the spread"
 
 
 def checks_markdown(checks: Iterable[Any]) -> str:

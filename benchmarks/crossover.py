@@ -1,30 +1,13 @@
 """CrossoverScheduler's question on this machine: two jobs sharing two workers.
 
-Two `allreduce` jobs (the same workload, different seeds) on 2 workers, in three ways:
-crossover (a per-device compute token: one job computes while the other communicates),
-sequential (one job after the other), naive (both at once, uncoordinated). Three cases, in
-two regimes:
-
-- CPU-bound (the real forward and backward on this machine's cores set the pace):
-  `communication-heavy`, every device behind a 200 Mbit link, and `compute-heavy`, unshaped
-  loopback (`--workload`, `--steps`);
-- emulated device (`--device-ms`: each step's compute lasts a fixed device time, mostly
-  slept): `emulated-device`, the `wide` MLP (4.4 MB of gradients) on 50 ms devices behind
-  an 800 Mbit link, so that a step alone spends about half its time communicating. Jobs
-  computing at once on one device share it (naive: each at 1/k of its speed).
-
-Prints the makespans and their ratio to sequential, and writes them with every figure of
-every mode to ``--json``. Targets: crossover <= 0.8x sequential where communication is a
-large share of a step (communication-heavy, emulated device; the paper reports about 20%
-faster), and never worse than sequential. Needs root (emulated links).
-
-Every case runs ``--repeats`` times (default 1; repeat r gives the jobs seeds 2r+1 and 2r+2);
-the table gives the median and the range, and crossover is set against naive sharing (the
-strongest alternative that needs no scheduler) as well as against sequential.
+Regime: CPU-bound (``communication-heavy``, ``compute-heavy``) or emulated device behind an
+emulated link (``emulated-device``); needs root.
 
     python benchmarks/crossover.py [--cases communication-heavy,compute-heavy,emulated-device]
         [--workload cnn] [--steps 150] [--device-steps 60] [--repeats 3] [--out benchmarks/results/crossover]
         [--json PATH]
+
+Method, raw results and figures: docs/benchmarks/crossover.md.
 """
 
 from __future__ import annotations
@@ -33,8 +16,8 @@ import os
 import sys
 from pathlib import Path
 
-from common import (argument_parser, checks_markdown, exit_on_error, print_checks, provenance, ratios, shown, spread,
-                    verdict, write_record)
+from common import argument_parser, checks_markdown, exit_on_error, print_checks, provenance, write_record
+from distsync.metrics.repeats import ratios, shown, spread, verdict
 from distsync.config import RunConfig
 from distsync.experiments.crossover import CrossoverPlan, Job, run_crossover
 

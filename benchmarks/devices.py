@@ -1,16 +1,8 @@
-"""How far emulated devices hold on this machine: for each workload and worker count, one
-`allreduce` run with `--device-ms`, and the share of steps whose real math overran the device
-time, the median real math of a step (forward and backward) and of a whole step, and how busy
-the machine's cores were while the job trained (sampled from /proc/stat; start-up excluded).
-
-A run is an emulation of N dedicated devices while its steps stay within their device time
-(at most 5% over, the threshold of `summary.json`'s `device.cpu_bound`); past that it is
-CPU-bound and its numbers speak for this machine, not for the devices.
-
-Every run is made once per seed (``--seeds``, default 1,2,3); the table gives the median and
-the range over seeds. ``--steps-scale`` shortens every run (the full figure uses 0.5).
+"""How far emulated devices hold on this machine, per workload and worker count.
 
     python benchmarks/devices.py [--workers 4,8,16] [--seeds 1,2,3] [--steps-scale 0.5] [--json PATH]
+
+Method, raw results and figures: docs/benchmarks/devices.md.
 """
 
 from __future__ import annotations
@@ -24,7 +16,9 @@ from pathlib import Path
 
 from typing import Any
 
-from common import argument_parser, launch_or_exit, provenance, seed_list, shown, write_record
+from common import argument_parser, finish, launch_or_exit, provenance, seed_list
+
+from distsync.metrics.repeats import shown
 from distsync.config import RunConfig
 from distsync.metrics.processes import cpu_jiffies
 from distsync.runtime.recovery import read_jsonl
@@ -126,10 +120,7 @@ def main() -> int:
                       f"{r['math_ms']:.1f} ms, step {r['step_ms']:.1f} ms, cores busy {busy}, {seconds:.0f} s",
                       flush=True)
     payload = {"cores": os.cpu_count(), "results": results}
-    print()
-    print(render({**payload, "regime": REGIME, "seeds": seeds, "repeats": len(seeds)})["devices"])
-    write_record(args.json or out / "devices.json", started, regime=REGIME, seeds=seeds, payload=payload)
-    return 0
+    return finish(args.json or out / "devices.json", started, render, payload, regime=REGIME, seeds=seeds)
 
 
 if __name__ == "__main__":

@@ -1,23 +1,11 @@
 """DiLoCo's and Streaming DiLoCo's claims, in the regime this machine allows.
 
-DiLoCo: far fewer synchronizations for a model of about the same quality (the paper: 500
-inner steps between them on language models, 8 workers, C4). Streaming DiLoCo: the bytes of
-one synchronization (its peak bandwidth) cut by the fragment count, and its communication
-hidden behind the inner steps.
-
-Part ``quality`` (simulated: the simulator's train mode, the same math as real runs, tested
-against them to 1e-5): the `lm` workload (a small causal transformer on Python's own source),
-``--workers`` replicas, AdamW inner steps (lr 0.003), the same steps for every solver:
-all-reduce every step, model averaging, DiLoCo with two intervals, Streaming DiLoCo. Per
-solver: synchronizations per worker, bytes per worker and the largest single
-synchronization (from the model's and the fragments' sizes), and the final evaluation's loss,
-perplexity and next-byte accuracy, median (range) over the seeds.
-
-Part ``overlap`` (emulated devices behind an emulated link; root): real runs of DiLoCo and
-Streaming DiLoCo (with and without overlap) on `lm`, the share of a worker's time spent
-communicating or waiting.
+Regime: simulated (part ``quality``, train mode); emulated devices behind an emulated link
+(part ``overlap``; root).
 
     python benchmarks/diloco.py [--part quality|overlap|both] [--seeds 1,2,3] [--steps 600]
+
+Method, raw results and figures: docs/benchmarks/diloco.md.
 """
 
 from __future__ import annotations
@@ -26,7 +14,9 @@ import math
 import sys
 from pathlib import Path
 
-from common import argument_parser, launch_or_exit, per_seed, provenance, seed_list, shown, spread, write_record
+from common import argument_parser, finish, launch_or_exit, per_seed, provenance, seed_list
+
+from distsync.metrics.repeats import shown, spread
 from distsync.comm import ring_allreduce_bytes
 from distsync.config import RunConfig
 
@@ -149,18 +139,14 @@ def main() -> int:
     started = provenance("benchmarks/diloco.py")
     seeds = seed_list(args.seeds)
     raw: dict = {"workers": args.workers, "steps": args.steps, "overlap_steps": args.overlap_steps,
-                 "device_ms": args.device_ms, "link": args.link, "repeats": len(seeds)}
+                 "device_ms": args.device_ms, "link": args.link}
     if args.part in ("quality", "both"):
         raw["quality"] = quality(seeds, args.steps, args.workers)
     if args.part in ("overlap", "both"):
         raw["overlap"] = overlap(seeds, args.workers, args.device_ms, args.link, args.overlap_steps, Path(args.out))
-    for text in render(raw).values():
-        print()
-        print(text)
     regime = {"quality": "simulated (train mode)", "overlap": "emulated devices behind emulated links",
               "both": "simulated (train mode); emulated devices behind emulated links"}[args.part]
-    write_record(args.json or Path(args.out) / "diloco.json", started, regime=regime, seeds=seeds,
-                 payload={k: v for k, v in raw.items() if k != "repeats"})
+    finish(args.json or Path(args.out) / "diloco.json", started, render, raw, regime=regime, seeds=seeds)
     if "quality" in raw:
         ar = spread(r["loss"] for r in raw["quality"]["allreduce"]["seeds"].values())
         print(f"\nallreduce's eval loss {ar[0]:.3f}; DiLoCo's claim: a loss within a few percent of it with far "

@@ -1,45 +1,9 @@
 """Fault injection across every solver, bad input, and a soak with a fault every minute.
 
-(1) For every registered solver, ``--runs`` runs of ``digits`` (2 workers, 120 steps, a
-checkpoint every 20 steps, up to 2 restarts, 10 s timeout, the default ``--on-failure
-continue``), each with one random fault: a worker killed at a random step, the first server or
-coordinator killed (solvers that have one), a worker stalled for up to 2 s, or a worker's loss
-made NaN. A killed worker is dropped and the others train on (every solver); a dead server or
-coordinator restarts the job from the last checkpoint; a NaN loss stops the run with a
-one-line error naming the step and the worker (the design: training on from a NaN would
-spread it), and counts as handled when it did. Each run is a ``distsync train`` process; one
-that has not ended after 120 s counts as a hang and is killed. Per solver: faults injected,
-runs that ended as designed, workers dropped, steps lost (the survivors' under ``continue``;
-the fault's step minus the step the job resumed from, for a restart), the longest recovery
-(kill to training again), hangs, lost updates (for solvers with servers: the updates each
-server counts against the updates the workers' history asks for: steps for sync-ps; a push
-per worker step for the asynchronous parameter servers; an exchange per worker every tau
-steps for the elastic ones; none for shadow-ea, whose exchanges follow time), and processes
-or network namespaces left behind once the run's command has returned.
-
-(2) Bad input: a corrupt, a truncated and another job's checkpoint under ``--resume``, a
-run's config with a wrong type, an unknown key or an absurd size, a jobs file with a wrong
-type, a user workload that raises while it is built and one whose loss is NaN, and a peer
-that sends a server what no worker sends (in-process: a scripted peer against a server
-shard, as gloo gives no way to inject one into a live job): each must end in a clear
-one-line error (or be refused and logged while the run goes on), lose nothing and not hang.
-
-(3) Soak: ``allreduce`` with 4 workers healing from live peers (``--max-restarts``) for
-``--soak`` seconds on emulated devices, with a fault every minute (a worker killed, then a
-worker stalled for 2 s, in turn, every rank in turn); the job's processes' resident memory,
-threads and open files are sampled every 5 s. Growth is the last sample against the first
-one taken after a warm-up minute (or a fifth of the soak).
-
     python benchmarks/faults.py [--runs 20] [--soak 1200] [--parts faults,bad-input,soak] [--seed 0]
                                 [--out benchmarks/results/faults] [--json PATH]
 
-The raw results (``--json``, default ``OUT/faults.json``; written after each part) hold the
-provenance (command, commit, machine, the seed of the faults drawn), every run and case, and
-``repeats``: the faulted runs per solver. ``render(raw)`` makes the page's blocks: ``faults``
-(part 1) and ``faults_bad_input`` (part 2), each when its part was run; the soak's table is
-printed by the run and kept in the raw results (``soak``), not rendered into the page.
-``python benchmarks/figures.py run faults`` runs parts 1 and 2 and renders them into
-docs/benchmarks/faults.md.
+Method, raw results and figures: docs/benchmarks/faults.md.
 """
 
 from __future__ import annotations
@@ -54,7 +18,9 @@ import sys
 import time
 from pathlib import Path
 
-from common import argument_parser, markdown_table, print_checks, provenance, table_header, table_row, write_record
+from common import argument_parser, print_checks, provenance, table_header, table_row, write_record
+
+from distsync.experiments.report import markdown_table
 from distsync.metrics.processes import tree_usage, with_environ
 from distsync.solvers import make_solver, solver_names
 
@@ -212,7 +178,7 @@ def campaign(solvers: list[str], runs: int, rng: random.Random, out: Path) -> li
 
 
 REGIME = {"faults": "CPU-bound real run (digits, 2 workers, loopback) on this machine's cores",
-          "bad-input": "CPU-bound real runs (digits, 2 workers) and an in-process server shard",
+          "bad-input": "CPU-bound real runs (digits, 2 workers)",
           "soak": "emulated devices (allreduce, 4 workers, --device-ms), loopback"}
 
 
@@ -396,44 +362,7 @@ def bad_input(out: Path) -> list[dict]:
     poison.write_text(NAN_WORKLOAD)
     one_line_case("workload's loss is NaN", "train", "--workload", f"{poison}:make_workload", "--out",
                   str(out / "poison"), want="loss is nan")
-    cases.append(hostile_peer())
     return cases
-
-
-def hostile_peer() -> dict:
-    """A scripted peer sends a server shard a header no worker sends, between two workers'
-    pushes: the server must refuse it with a line on stderr and serve the others."""
-    import contextlib
-    import io
-
-    import torch
-
-    from distsync.solvers.shard_service import OP_DONE, OP_PUSH, ServerShard
-
-    class _Comm:
-        worker_ranks, rank = [0, 1, 2], 3
-
-        def __init__(self):
-            self.inbox = {0: [[OP_PUSH, 0, 0], [1.0], [OP_DONE, -1, 1]], 1: [[99, 0, 0]],
-                          2: [[OP_PUSH, 0, 0], [2.0], [OP_DONE, -1, 1]]}
-
-        def recv(self, tensor, src=None, group=None, tag=0):
-            tensor.copy_(torch.tensor(self.inbox[src].pop(0), dtype=tensor.dtype))
-            return src
-
-    def sgd(shard, req):
-        shard.center -= req.payload
-        shard.version += 1
-
-    shard = ServerShard(_Comm(), [torch.zeros(1)], sgd)
-    err = io.StringIO()
-    t0 = time.monotonic()
-    with contextlib.redirect_stderr(err):
-        shard.serve_each_worker_in_a_thread()
-    lines = err.getvalue().strip().splitlines()
-    return {"case": "a peer sends a server no request (in-process)", "exit": None, "seconds": time.monotonic() - t0,
-            "stderr": lines, "ok": shard.version == 2 and shard.center.item() == -3.0 and len(lines) == 1
-            and "refused" in lines[0]}
 
 
 # ---- (3) soak ---------------------------------------------------------------------------------------

@@ -1,33 +1,9 @@
 """How far to trust the simulator, out of sample: fit on development runs, score on test runs.
 
-Two sets of real runs on emulated devices (``--device-ms``, loopback, this machine's cores):
-
-- **dev** (``--set dev``): today's grid, where the simulator's terms were chosen: digits, 20 ms
-  devices, 4 and 8 workers, homogeneous or worker 1 three times slow, every worker 150 steps.
-  Besides scoring it, it **fits** the host term: the exponent by which the fitted
-  per-message cost of an unshaped run grows with the processes per core
-  (``distsync.sim.calibrate.HOST_EXP``): the value on a grid of 0 to 1 that minimises the
-  median absolute throughput error over the dev rows. That value is frozen in the code
-  before the test set is run.
-- **test** (``--set test``): rows drawn by a seeded generator (:data:`TEST_SEED`, fixed
-  before the terms were frozen; never changed to improve a score) from declared ranges:
-  solver and options, 3-8 workers, 0-2 slow workers 2-4x slow, jitter, 10-40 ms devices,
-  digits or mnist, and a job budget (samples, or the target with a seconds cap) as the
-  seeds' regime runs them. Scored once per published result at a recorded commit: no
-  ``--reuse``.
-
-Each row is predicted from its configuration alone (``simulate --calibrate RUN --fit-from FIT
---host-cores N``): the compute per step and the per-message cost come from one fit run of
-the same workload and device time (allreduce, 4 workers, homogeneous, seed 0), never from
-the row's own run. Throughput from the timing model (under the run's budget, each worker at
-its own pace), time to target from train mode (the solver's own rule on the fitted cluster,
-with the run's seed, shards, evaluation interval and budget).
-
-Targets (test set, the issue's): throughput within 15% on >= 90% of rows, time to target
-within 25% on >= 80% of the rows where both reached it (each row's median over seeds).
-
     python benchmarks/fidelity.py --set dev  [--seeds 1,2,3] [--workers 4,8] [--json PATH]
     python benchmarks/fidelity.py --set test [--seeds 1,2,3] [--rows 12] [--json PATH]
+
+Method, raw results and figures: docs/benchmarks/simulator.md.
 """
 
 from __future__ import annotations
@@ -40,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from common import (argument_parser, checks_markdown, launch_or_exit, median, print_checks, provenance, seed_list, shown,
-                    write_record)
+from common import argument_parser, checks_markdown, finish, launch_or_exit, provenance, seed_list
+from distsync.metrics.repeats import median, shown
 from distsync.config import RunConfig
 from distsync.sim.calibrate import HOST_EXP, calibrate
 
@@ -249,15 +225,8 @@ def main() -> int:
         payload["host_exp_fitted"], payload["host_fit"] = _fit_host(pairs, cores)
     else:
         payload.update(generator_seed=TEST_SEED, ranges=TEST_RANGES, rows=rows, scored_once=True)
-    raw = {**payload, "seeds": seeds, "repeats": len(seeds)}
-    print()
-    for text in render(raw).values():
-        print(text)
-        print()
-    found = targets(raw)
-    print_checks(found)
-    write_record(args.json or out / f"fidelity-{args.set}.json", started, regime=regime(raw), seeds=seeds,
-                 payload={**payload, "checks": found})
+    finish(args.json or out / f"fidelity-{args.set}.json", started, render, payload, regime=regime(payload),
+           seeds=seeds, checks=targets)
     return 0
 
 

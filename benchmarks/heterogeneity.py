@@ -1,16 +1,11 @@
 """Ripples' table on this machine: decentralized against all-reduce and a parameter server,
 homogeneous and with one worker 3x slower.
 
-4 workers at 1 Gbit links, on `mnist` and `cnn`: time to target of `allreduce`, `async-ps`,
-`ad-psgd` and `ripples` (static and smart schedules), (a) homogeneous and (b) `--slow 1:3`.
-Prints speedups relative to allreduce as the paper does (it reports 1.1x homogeneous and 2x
-heterogeneous over All-Reduce, 5.1x over PS, 4.3x over AD-PSGD). Targets: homogeneous
-ripples >= 1.0x allreduce; heterogeneous ripples >= 2.0x allreduce and >= 1.3x ad-psgd.
-Needs root (emulated links).
+Regime: real workers behind emulated 1 Gbit links (needs root).
 
     python benchmarks/heterogeneity.py [--out benchmarks/results/heterogeneity] [--link 1gbit]
 
-Real workers without emulation, e.g. on a 16-core machine: ``--link none --workers 16``.
+Method, raw results and figures: docs/benchmarks/heterogeneity.md.
 """
 
 from __future__ import annotations

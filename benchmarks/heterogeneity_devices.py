@@ -1,27 +1,12 @@
-"""Ripples' table again, on emulated devices: each worker a dedicated device whose steps last a
-fixed device time (``--device-ms``), the real math inside it, so a slow worker does not speed
-the others up and the CPU of this machine is not what sets the pace.
+"""Ripples' table again, on emulated devices.
 
-digits (``--workload``: any other), 20 ms of device time per step (times the slow factor), loopback links: each step's
-communication is a few ms against 20 ms of compute, the compute-dominated regime of the
-paper's GPU runs. Every job has the budget ``target,seconds=CAP``: it trains until the job's
-metric (the mean over workers of each one's latest evaluation) reaches the workload's target,
-so fast workers keep training while a slow one lags. Cases: homogeneous, one worker 3x slow,
-a quarter of the workers 3x slow (8 workers), and every worker jittered (up to +50% per
-step). Speedups are allreduce's time to target over the solver's. Targets (the paper's 2x
-and 1.1x): ripples (best schedule) >= 2.0x allreduce with one slow worker, >= 1.0x homogeneous.
-
-Every job runs once per seed (``--seeds``, default 1,2,3); the table gives the median and
-the range over seeds, and a ratio whose range straddles 1 is said to be within the spread.
-The raw file is written again after each seed, so a run stopped early keeps the seeds it
-finished (and says how many).
-
-``--device cuda`` puts every worker's math on the machine's GPU (several workers share one
-through gloo), inside the same emulated device time: for a model whose step on one CPU
-thread outlasts the 20 ms (``cnn``).
+Regime: emulated devices (each worker a dedicated device whose steps last a fixed device time,
+``--device-ms``, the real math inside it), loopback links.
 
     python benchmarks/heterogeneity_devices.py [--workers 4,8] [--seeds 1,2,3] [--cases ...]
         [--device cpu|cuda] [--out benchmarks/results/heterogeneity_devices] [--json PATH]
+
+Method, raw results and figures: docs/benchmarks/heterogeneity.md.
 """
 
 from __future__ import annotations
@@ -30,9 +15,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from common import (argument_parser, checks_markdown, launch_or_exit, per_seed, print_checks, provenance, ratios,
-                    seed_list,
-                    shown, spread, verdict, write_record)
+from common import (argument_parser, checks_markdown, launch_or_exit, per_seed, print_checks, provenance, seed_list,
+                    write_record)
+from distsync.metrics.repeats import ratios, shown, spread, verdict
 from distsync.config import RunConfig
 
 SOLVERS = [("allreduce", {}), ("async-ps", {}), ("ea-wild", {}), ("ad-psgd", {}), ("ripples", {"schedule": "static"}),

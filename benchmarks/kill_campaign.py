@@ -1,58 +1,9 @@
 """An outside kill campaign: real ``kill -9`` from outside the job, against every solver.
 
-Each run starts ``distsync train`` as a subprocess (``digits``, 3 workers, 4 for the
-two-worker case; emulated devices, ``--device-ms 20``, so that the CPU is mostly idle and a
-step lasts a fixed device time; ``--steps 160``, about 4 s of training; ``--timeout 10``;
-the default ``--on-failure continue``), waits until every worker has written a step to its
-journal (``RUN/journal/rank-R.jsonl``), and at a random moment of the first half of training
-(drawn against the solver's clean run's training time) sends SIGKILL to a process found by
-its name in ``/proc/PID/comm``: ``ds-worker-R``, ``ds-server-R``, ``ds-coordi-R``
-(``runtime/process.py: name_process``; under a supervised rank that is the worker proper,
-the child of the thin ``supervise.py`` parent, which is left alone). No ``--fault``: the job
-learns of the death as it would of a real one.
-
-Cases (``--cases``):
-
-- ``worker``: a random worker, every solver;
-- ``adpsgd-passive``: a passive worker of ``ad-psgd`` (odd ranks);
-- ``two-workers``: two random workers within 20 ms (a lost host), 4 workers, every solver;
-- ``server``: a server shard of the solvers that have servers (``--checkpoint-every 20``,
-  ``--max-restarts 1``: whether the runtime replaces the dead server or restarts the job from
-  its checkpoint, it has what it needs);
-- ``coordinator``: the Ripples coordinator (``--schedule smart``; the same options).
-
-A third of the worker-case runs have ``--max-restarts 1``, so that the solvers that heal
-start a replacement. ``--runs`` kills in all, shared among the cases (worker 35%,
-two-workers 25%, server 20%, passive and coordinator 10% each) and, within a case, among its
-solvers in turn; plus one clean run (no kill) per solver and worker count, for the accuracy
-and the training time. Ripples runs with ``--schedule smart`` throughout.
-
-Per run: the case, solver, target (rank, role, pid and the parent's name), the kill's time,
-whether the run finished (exit 0 and ``summary.json`` with ``final_metric``), survivor
-crashes (a rank that was not killed and failed: a traceback or ``error.json`` in its log, or
-a ``RUN/dropped`` mark), a hang (no end 120 s after the kill: the process group is killed),
-the survivors' stall (for each surviving worker, the longest wait between two of its steps
-that ends after the kill and starts within 2 s of it, counted from the kill for the step that
-straddles it, minus its median step time; step times from its events' ``unix``, or the clock
-``t`` anchored on the events that have both; beside it, the clean run's longest wait measured
-the same way over its whole run, what this shared machine alone costs), the survivors'
-steps lost (steps asked minus steps done), steps done again after a restart (the steps at
-the kill minus the step resumed from), server updates lost (against what the workers' steps
-ask for), whether ``summary.json``'s ``recovery`` has a row for the
-kill (with ``went_on_s``, ``healed_s`` or ``recovery_s``) and a ``dropped`` entry, whether
-the killed process was replaced (a worker's replacement's ``joined`` event; for a server or
-coordinator, the solvers' stats) or the job restarted (a ``resume`` event), and the final
-accuracy against the clean run.
-
     python benchmarks/kill_campaign.py [--runs 100] [--seed 0] [--solvers a,b] [--cases worker,server]
                                        [--json PATH]
 
-The raw results (``--json``, default ``benchmarks/results/kill_campaign.json``; written after
-every run, ``partial`` until the campaign ends) hold the provenance (command, commit, machine,
-the campaign's seed), every run and the number of kills per case (``repeats``: the fewest of
-any case). ``render(raw)`` makes the page's blocks (``kill_campaign``): a row per case, and a
-line per case naming the solvers that were killed in it; ``python benchmarks/figures.py run
-kill_campaign`` runs the published campaign and renders it into docs/benchmarks/kill_campaign.md.
+Method, raw results and figures: docs/benchmarks/kill_campaign.md.
 """
 
 from __future__ import annotations
@@ -71,7 +22,9 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from common import argument_parser, markdown_table, provenance, write_record
+from common import argument_parser, provenance, write_record
+
+from distsync.experiments.report import markdown_table
 from faults import leftovers, marked_processes, namespaces, run_env
 
 from distsync import marks
@@ -88,64 +41,46 @@ CHECKPOINT_EVERY = 20
 CASES = ("worker", "adpsgd-passive", "two-workers", "server", "coordinator")
 SHARE = {"worker": 35, "two-workers": 25, "server": 20, "adpsgd-passive": 10, "coordinator": 10}
 SOLVER_ARGS = {"ripples": ["--schedule", "smart"]}
-#: if the package cannot list its solvers (it is being changed): these
-KNOWN_SOLVERS = ["ad-psgd", "allreduce", "async-easgd", "async-measgd", "async-msgd", "async-ps", "bmuf", "ddp",
-                 "ea-wild", "easgd", "fr-easgd", "hogwild", "local", "ma", "ripples", "shadow-bmuf", "shadow-ea",
-                 "shadow-ma", "sync-easgd", "sync-ps"]
-KNOWN_SERVERS = {"async-easgd", "async-measgd", "async-msgd", "async-ps", "ea-wild", "easgd", "fr-easgd", "hogwild",
-                 "shadow-ea", "sync-ps"}
 
 
 # ---- the solvers ---------------------------------------------------------------------------------
 def all_solvers() -> list[str]:
-    try:
-        from distsync.solvers import solver_names
+    from distsync.solvers import solver_names
 
-        return list(solver_names())
-    except Exception:  # (the package mid-change: the names known when this was written)
-        return list(KNOWN_SOLVERS)
+    return list(solver_names())
 
 
-def has_servers(solver: str) -> bool:
-    try:
-        from distsync.solvers import make_solver
+def roles(solver: str) -> tuple[str, ...]:
+    """The extra processes the solver runs with the campaign's options (a server, a coordinator)."""
+    from distsync.solvers import make_solver
 
-        return "server" in make_solver(solver).roles
-    except Exception:
-        return solver in KNOWN_SERVERS
+    args = SOLVER_ARGS.get(solver, [])
+    return tuple(make_solver(solver, **{k.lstrip("-"): v for k, v in zip(args[::2], args[1::2])}).roles)
 
 
 def passive_ranks(workers: int) -> list[int]:
-    """AD-PSGD's passive workers (``solvers/schedules.py: bipartite_roles``: odd ranks)."""
-    try:
-        from distsync.solvers.schedules import bipartite_roles
+    """AD-PSGD's passive workers."""
+    from distsync.solvers.schedules import bipartite_roles
 
-        return list(bipartite_roles(workers)[1])
-    except Exception:
-        return list(range(1, workers, 2))
+    return list(bipartite_roles(workers)[1])
 
 
 def expected_updates(solver: str, steps_done: list[int], steps: int) -> int | None:
     """The updates the servers should count, given each worker's steps (the solver's plan says:
     ``Plan.server_updates``; None: no servers, or exchanges that follow time)."""
-    try:
-        from distsync.solvers import make_solver
+    from distsync.solvers import make_solver
 
-        s = make_solver(solver)
-        return s.Plan.server_updates(s.options, steps_done, steps)
-    except Exception:
-        return None
+    s = make_solver(solver)
+    return s.Plan.server_updates(s.options, steps_done, steps)
 
 
 def applicable(case: str, solvers: list[str]) -> list[str]:
     if case in ("worker", "two-workers"):
         return list(solvers)
-    if case == "server":
-        return [s for s in solvers if has_servers(s)]
+    if case in ("server", "coordinator"):
+        return [s for s in solvers if case in roles(s)]
     if case == "adpsgd-passive":
         return [s for s in solvers if s == "ad-psgd"]
-    if case == "coordinator":
-        return [s for s in solvers if s == "ripples"]
     raise SystemExit(f"unknown case {case!r}; cases: {', '.join(CASES)}")
 
 

@@ -1,36 +1,10 @@
 """A lagging worker must not be taken for a dead one; a stopped one must be dropped after
 ``--timeout``, a killed one at once.
 
-(1) ``--runs`` times the same command, a slow worker and a short timeout:
-
-    distsync train --workload digits --solver ripples --schedule smart --workers 3 --slow 1:60 --steps 120 --timeout 4 --out TMP
-
-half of them (drawn) with a process burning a core beside it (``python -c 'while True: pass'``,
-started before the run and killed after it). Per run: its exit status (a pass is 0), its
-last line on stderr, the workers it dropped (a lagging worker dropped is a false alarm even
-when the run passes), and its seconds; a run that has not ended after 120 s is a hang (its
-process group is killed).
-
-(2) For each solver (``--families``), ``--repeats`` runs of each of two kinds, ``digits`` on 3
-workers (emulated devices, ``--device-ms 20``, 200 steps, ``--timeout 4``): a random worker
-stopped with SIGSTOP from outside (``os.kill(pid, SIGSTOP)``; the process named
-``ds-worker-R``) must be dropped after the timeout and the run finish; a worker killed with
-SIGKILL must be dropped at once. For each: whether the run finished, hung, whether the worker
-was dropped (``RUN/dropped``) and how long after the stop or kill (the mark's time), and how
-long after it the survivors went on: the latest of the survivors' first steps finished after
-it (a step's time included: a survivor that never waited shows about one step), and the first
-view they formed without it (solvers that re-form their groups). The stopped process is sent
-SIGCONT and the run's process group killed once it has ended.
-
     python benchmarks/lagging_worker.py [--runs 50] [--families a,b] [--repeats 3] [--parts lagging,stop] [--seed 0]
                                         [--json PATH]
 
-The raw results (``--json``, default ``benchmarks/results/lagging_worker.json``; written after
-every run, ``partial`` until the end) hold the provenance, every run, and ``repeats``: the
-fewest runs of any cell (part (1): alone / beside the burner; part (2): a solver and a
-signal). ``render(raw)`` makes the page's blocks: ``lagging_worker`` (part 1) and
-``stopped_worker`` (part 2), each when its part was run; ``python benchmarks/figures.py run``
-runs them as two figures (``lagging_worker``, ``stopped_worker``).
+Method, raw results and figures: docs/benchmarks/kill_campaign.md.
 """
 
 from __future__ import annotations
@@ -47,7 +21,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import argument_parser, markdown_table, provenance, shown as spread_shown, write_record
+from common import argument_parser, provenance, write_record
+
+from distsync.metrics.repeats import shown as spread_shown
+
+from distsync.experiments.report import markdown_table
 from faults import leftovers, namespaces
 from kill_campaign import (DISTSYNC, SOLVER_ARGS, all_solvers, error_line, kill_group, launch,
                            named, no_tmp, provenance_line, read_json, run_events, shown, stall_after, step_times, tail_lines,

@@ -1,15 +1,8 @@
 """How much of an emulated link's rate an all-reduce actually gets.
 
-For 2 and 4 workers, at 100 Mbit, 1 Gbit and unshaped (loopback), all-reduce bus bandwidth
-(2 (p - 1) / p * bytes / time, what each host's link carries in a ring all-reduce) and
-point-to-point bandwidth for messages of 1, 10 and 50 MiB. Target: >= 80% of the link rate
-for messages of 10 MiB and more (the median over repeats). Needs root (network namespaces).
-
-Every link and worker count is measured ``--repeats`` times (default 3), each a separate
-job whose linktest times every message ``--inner`` times (default 1; their median is that
-repeat's figure); the table gives the median and the range over repeats.
-
     python benchmarks/link_efficiency.py [--repeats 3] [--sizes 1,10,50] [--json PATH]
+
+Method, raw results and figures: docs/benchmarks/link_efficiency.md.
 """
 
 from __future__ import annotations
@@ -19,7 +12,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from common import argument_parser, launch_or_exit, print_checks, provenance, shown, spread, write_record
+from common import argument_parser, finish, launch_or_exit, provenance
+
+from distsync.metrics.repeats import shown, spread
 from distsync.config import RunConfig
 
 LINKS = ("100mbit", "1gbit", None)
@@ -79,17 +74,13 @@ def main() -> int:
                               f"{row['allreduce_bus_mbps']:>9,.1f} Mbit/s ({share})", flush=True)
     payload = {"inner": args.inner, "sizes_mb": sizes, "results": results}
     print()
-    print(render({**payload, "regime": REGIME, "seeds": reps, "repeats": len(reps)})["link_efficiency"])
     checks = []
     for key, by_rep in results.items():
         shares = [r["allreduce_share"] for r in by_rep.values()]
         if shares[0] is not None and next(iter(by_rep.values()))["size_mb"] >= 10:
             med = spread(shares)[0]
             checks.append((f"{key}: all-reduce bus {med:.0%} of the link (median; >= 80%)", med >= 0.8))
-    print()
-    print_checks(checks)
-    write_record(args.json, started, regime=REGIME, seeds=reps, payload={**payload, "checks": checks})
-    return 0 if all(ok for _, ok in checks) else 1
+    return finish(args.json, started, render, payload, regime=REGIME, seeds=reps, checks=lambda raw: checks)
 
 
 if __name__ == "__main__":

@@ -1,20 +1,8 @@
 """distsync's solvers against the peers' own implementations, side by side in one run.
 
-Each pair runs ours and the peer's on the same workload, seed (so the same data order),
-emulated device time and link, one after the other (which goes first alternates with the
-repeat), each with the budget ``target,seconds=CAP``: it trains until the job's metric
-reaches the workload's target. Per pair the table gives each side's throughput and time to
-target, and per repeat the ratios (ours / peer's throughput: above 1 ours is faster; peer's /
-ours time to target: above 1 ours gets there sooner) with their median and range.
-
     python benchmarks/peers.py [--seeds 1,2,3] [--pairs NAME,...] [--device-ms 20] [--link 1gbit]
 
-The peers: torch's DDP (``ddp``), its compression hooks (``ddp -o comm_hook=...``,
-``fp16_compress_hook``, ``powerSGD_hook``), its post-local SGD optimizer with a periodic model
-averager (``torch-local-sgd``), torchft's DiLoCo and Streaming DiLoCo (``torchft-diloco``) and
-hivemind's decentralized averaging (``hivemind-averaging``; both in the ``peers`` extra); each
-is a distsync solver wrapping the peer's code, so both sides get the same harness. Peers that
-do not run here are listed with the reason.
+Method, raw results and figures: docs/benchmarks/peers.md.
 """
 
 from __future__ import annotations
@@ -22,8 +10,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from common import (argument_parser, checks_markdown, launch_or_exit, per_seed, print_checks, provenance, ratios,
-                    seed_list, shown, spread, write_record)
+from common import argument_parser, checks_markdown, finish, launch_or_exit, per_seed, provenance, seed_list
+from distsync.metrics.repeats import ratios, shown, spread
 from distsync.config import RunConfig
 
 #: name -> (ours, ours' options, peer, peer's options, what the peer is)
@@ -144,15 +132,9 @@ def main() -> int:
                     "device")}
                 print(f"seed {seed} {name:<30} {side:<4} to target {s['time_to_target_s']}  "
                       f"{s['throughput_samples_per_s']:,.0f} samples/s", flush=True)
-    raw = {"pairs": names, "results": results, "workload": WORKLOAD, "cap_s": args.cap, "seeds": seeds,
-           "repeats": len(seeds), "regime": regime(args.device_ms, args.link), "not_run": NOT_RUN}
-    print()
-    print(render(raw)["peers"])
-    print()
-    found = checks(raw)
-    print_checks(found, met="met:   ", missed="missed:")
-    write_record(args.json or out / "peers.json", started, regime=raw["regime"], seeds=seeds,
-                 payload={k: v for k, v in raw.items() if k not in ("seeds", "repeats", "regime")} | {"checks": found})
+    payload = {"pairs": names, "results": results, "workload": WORKLOAD, "cap_s": args.cap, "not_run": NOT_RUN}
+    finish(args.json or out / "peers.json", started, render, payload, regime=regime(args.device_ms, args.link),
+           seeds=seeds, checks=checks)
     return 0
 
 

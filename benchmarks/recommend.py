@@ -1,38 +1,14 @@
-"""Is `distsync recommend` right? Each scenario (a workload on a cluster of emulated devices
-behind emulated links: benchmarks/recommend_scenarios.py) is asked of `recommend` (the
-simulator, seed 0), then its **measured set** is run for real: for every candidate solver its
-top 2 option sets (by ``solver_rank``, the solver's own ranking in the answer) and its
-defaults, deduplicated, each to the workload's target once per seed (``--seeds``, default
-1,2,3), under ``--budget target,seconds=CAP``.
+"""Is `distsync recommend` right? Its pick for each scenario against the measured fastest.
 
-A configuration's time is its median over the seeds; a seed that misses the target (or whose
-run fails) counts as the cap, and is marked. The **measured best** is the configuration with
-the least median; a configuration **hits** when its median is within the best's spread (max -
-min over its seeds) or 10% of the best's median, whichever is larger. `recommend` hits when
-its top configuration does. Beside it, on the same measurements: always-X for every solver X
-(X with its defaults), the best fixed choice in hindsight (the solver, with its defaults,
-that hits most often over the set) and a random pick (the expected share of hits when one
-configuration of the measured set is picked at random). Targets (test set): hits >= 80%, and
-at least 15 points above the best fixed choice.
+Regime: emulated devices and links on one 2-core machine; runs that were CPU-bound (a step
+overran its device time on many steps) are flagged, never replaced.
 
     sudo python benchmarks/recommend.py --set test [--fit] [--seeds 1,2,3] [--cap S] [--solvers a,b]
     sudo python benchmarks/recommend.py --set dev [--only 1,3,7] [--reuse]
     python benchmarks/recommend.py --set test --list      # the scenarios, caps and runs; runs nothing
     sudo python benchmarks/recommend.py --quick           # dev scenario 1, seed 1, cap 10 s
 
-``--set test`` scores the test set once per published result: at a recorded commit (refused
-on a working tree whose measured files differ from it), never with ``--reuse`` and never in
-part (``--only``); the raw file says ``scored_once: true``. It may be stopped: a file named
-STOP in its folder stops it between two runs; SIGTERM or Ctrl-C stops it at once, dropping the
-run in progress. The same command goes on from there while no measured file has changed, with
-the same answers; a dropped run is run again from its start. With ``--fit``, `recommend` is
-given ``--fit-from`` a real allreduce run of the scenario's workload, link and device time (4
-workers, homogeneous, 60 steps): the per-message cost of this machine's software stack. The
-cap: ``--cap S`` for every scenario, or by default the larger of 40 s and 1.5 x the
-workload's steps x the device time.
-
-Regime: emulated devices and links on one 2-core machine; runs that were CPU-bound (a step
-overran its device time on many steps) are flagged, never replaced.
+Method, raw results and figures: docs/benchmarks/recommend.md.
 """
 
 from __future__ import annotations
@@ -50,7 +26,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import argument_parser, exit_on_error, print_checks, provenance, seed_list, shown, write_record
+from common import argument_parser, exit_on_error, print_checks, provenance, seed_list, write_record
+
+from distsync.metrics.repeats import shown
 from recommend_scenarios import (DEV, TOP_PER_SOLVER_2, VERIFY_TOP, Scenario, declared, short_name, test_set,
                                  test_set_2)
 
@@ -201,16 +179,15 @@ def scenario_training(sc: Scenario) -> dict[str, Any]:
 
 def request_for(sc: Scenario, solvers: list[str], fit: str | None):
     """`recommend`'s question for the scenario (seed 0), with the training its runs get and
-    the scenario's target; options the Request does not have (older versions) are left out."""
+    the scenario's target."""
     from distsync.experiments.recommend import Request
 
-    have = {f.name for f in dataclasses.fields(Request)}
     wanted = {"workload": sc.workload_path, "workers": sc.workers, "link": sc.link, "device_ms": sc.device_ms,
               "slow_fraction": sc.slow_fraction, "slow_factor": sc.slow_factor, "jitter": sc.jitter,
               "solvers": solvers, "seed": 0, "fit_from": fit, **scenario_training(sc)}
     if sc.target is not None:
         wanted.update(target=sc.target, budget=f"target={sc.target:g}")
-    return Request(**{k: v for k, v in wanted.items() if k in have and v is not None})
+    return Request(**{k: v for k, v in wanted.items() if v is not None})
 
 
 #: written beside a finished run of the test set: what it measured (a stopped run goes on after it)
@@ -552,10 +529,7 @@ def _cpu(configs: list[dict[str, Any]]) -> str:
 
 def render(raw: dict[str, Any]) -> dict[str, str]:
     """The scenarios' table with `recommend` and the baselines (summary), and every measured
-    configuration's predicted against measured time. A raw file of the first format (before
-    the measured set and the baselines) renders as it did."""
-    if "set" not in raw:
-        return _render_first_format(raw)
+    configuration's predicted against measured time."""
     seeds = [str(s) for s in raw["seeds"]]
     s = raw["summary"]
     if raw["set"] in ("test", "test2"):
@@ -630,43 +604,6 @@ def render(raw: dict[str, Any]) -> dict[str, str]:
     if raw["set"] in ("test", "test2"):
         out[f"{block}_trust"] = render_trust(raw)
     return out
-
-
-def _render_first_format(raw: dict[str, Any]) -> dict[str, str]:
-    """The first format's tables (the recommended solver against the measured fastest of
-    each solver's best option set), as they were published."""
-    seeds = [str(s) for s in raw["seeds"]]
-    n = len(raw["scenarios"])
-    hits = sum(r["hit"] for r in raw["scenarios"])
-    fit = ("`recommend --fit-from` a real allreduce run of the same workload, link and device time (4 workers, "
-           "homogeneous, 60 steps)" if raw["fit"] else "`recommend` with the scenario's link as given (no fitted "
-           "per-message cost)")
-    note = (f"{raw['repeats']} seeds ({', '.join(seeds)}) per candidate: measured times are the median (min-max) "
-            f"over the seeds that reached the target (cap {raw['cap_s']:g} s). {fit}. Regime: {raw['regime']}.")
-    lines = [note + " **In sample**: the model's corrections (train mode up to 16 workers, the fitted per-message "
-             "cost) were made after a first pass over these same scenarios, which are scored again here.", "",
-             "| # | scenario | recommended | its measured time (s) | measured fastest | its time (s) | "
-             "recommended / fastest | hit | seeds within 10% of their fastest | search s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in raw["scenarios"]:
-        by = {m["label"]: m for m in r["measured"]}
-        rec, fast = by[r["recommended"]], by.get(r["fastest"])
-        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
-        lines.append(f"| {r['scenario']} | {r['label']} | {r['recommended']} | "
-                     f"{shown(rec['measured_time_to_target_s'].values())} | {r['fastest'] or 'none reached'} | "
-                     f"{'-' if fast is None else shown(fast['measured_time_to_target_s'].values())} | "
-                     f"{ratio} | "
-                     f"{'yes' if r['hit'] else 'no'} | {r['seed_hits']} of {len(seeds)} | {r['search_seconds']:.0f} |")
-    lines += ["", f"Score: {hits} of {n} scenarios ({hits / max(1, n):.0%}; target >= 80%)."]
-    cand = [note, "", "| # | candidate | predicted time (s) | measured time (s) | predicted samples/s | "
-            "measured samples/s | CPU-bound runs |", "|---|---|---|---|---|---|---|"]
-    for r in raw["scenarios"]:
-        for m in r["measured"]:
-            cand.append(f"| {r['scenario']} | {m['label']} | {m['predicted_time_to_target_s']:.2f} | "
-                        f"{shown(m['measured_time_to_target_s'].values())} | {m['predicted_throughput']:,.0f} | "
-                        f"{shown(m['measured_throughput'].values(), '{:,.0f}')} | "
-                        f"{sum(bool(c) for c in m['cpu_bound'].values())} of {len(m['cpu_bound'])} |")
-    return {"recommend": "\n".join(lines), "recommend_candidates": "\n".join(cand)}
 
 
 # -- the run --

@@ -1,35 +1,6 @@
 """The scenarios `benchmarks/recommend.py` scores `distsync recommend` on.
 
-- :data:`DEV`, the development set: the 12 scenarios the recommender was corrected on
-  (digits and mnist, written by hand). Scores on it are in sample.
-- :func:`test_set`, the test set: scenarios drawn by numpy's ``default_rng(GENERATOR_SEED)``
-  from the ranges declared below, nobody picking them. The seed was fixed before the
-  recommender was frozen for the test; it never changes to improve a score.
-
-Draws, in this order per scenario (one generator, so the whole set follows from the seed):
-
-1. the workload: :data:`WORKLOADS` in rounds, each round a fresh random order of all of them
-   (so 16 scenarios hold every workload 3 or 4 times);
-2. the workers: uniform over those of :data:`WORKERS` that the feasibility rule allows for
-   that workload (below);
-3. the device time: log-uniform over the feasible part of :data:`DEVICE_MS`, rounded to 0.1 ms;
-4. the link: log-uniform over :data:`LINK_MBIT`, rounded to a whole Mbit;
-5. the slow workers: a count uniform over 0 .. workers / 2 (:data:`SLOW_SHARE_MAX`), each
-   :data:`SLOW_FACTOR` times slower (uniform, rounded to 0.1; drawn even when the count is 0);
-6. the jitter: uniform over :data:`JITTER` (rounded to 0.01).
-
-:func:`test_set_2`, the second test set (:data:`GENERATOR_SEED_2`, 18 scenarios), drawn and
-committed before anything was scored on it, the same way over :data:`WORKLOADS_2` (the five
-above and three of a user's kind: a character LSTM torch.func cannot batch, a GRU, a conv net
-with BatchNorm), except the slow workers: the 1st, 4th, 7th, ... scenario has none
-(:data:`HOMOGENEOUS_EVERY`), every other a count uniform over 1 .. workers / 2.
-
-The feasibility rule, declared before any scoring: an emulated device is one whose real
-math fits inside its device time. All workers share this machine's :data:`CORES` cores, so a
-scenario needs ``device_ms >= COMPUTE_MS[workload] * workers / CORES * HEADROOM``
-(:func:`floor_ms`). The generator draws only inside that region (workers whose floor is above
-the device-time range are not drawn); nothing is redrawn after a run. Runs that were
-CPU-bound anyway are flagged in the table, never replaced.
+Method, raw results and figures: docs/benchmarks/recommend.md.
 """
 
 from __future__ import annotations

@@ -1,28 +1,11 @@
 """How fast `distsync recommend` answers, how often it goes silent, and whether the same command
 gives the same first pick beside other work.
 
-Each case is the user's own command, run as a subprocess with stdout and stderr piped (not a
-terminal: progress comes as lines, each timestamped here on arrival):
-
-- ``digits16``: ``--workload digits --workers 16 --link 1gbit --slow-fraction 0.25``, repeated
-  ``--repeats`` times (default 5); the last ``--loaded`` of them (default 2) beside a CPU-bound
-  process (a Python busy loop started before the run and ended after it);
-- ``charlstm8``: ``--workload benchmarks/workloads/charlstm.py:make_workload --workers 8
-  --link 1gbit`` (a 2-layer character LSTM of the benchmark's own: torch.func cannot batch
-  it), ``--lstm-repeats`` times (default 3), quiet.
-
-For every run: the wall time of the whole command, the longest silence (the most seconds
-between two lines of its output, from its start to its end), the compute per step it
-measured, its first pick, the candidates it says are within its uncertainty, and the
-replicas and first horizon it planned. Targets (issue 54): digits16 at most 60 s and
-charlstm8 at most 120 s on a quiet machine; never silent more than 10 s; the same first pick
-in at least 4 of 5 runs, two of them loaded, or, where a run picked otherwise, that run's
-answer said the first pick was not settled (the modal pick within its uncertainty).
-
-Regime: this machine's CPU (the answer is simulated; its cost is this machine's). Every run
-is the same command (recommend's seed 0): the raw file's "seeds" number the repeats.
+Regime: this machine's CPU (the answer is simulated; its cost is this machine's).
 
     python benchmarks/recommend_speed.py [--repeats 5] [--loaded 2] [--lstm-repeats 3] [--json PATH]
+
+Method, raw results and figures: docs/benchmarks/recommend.md.
 """
 
 from __future__ import annotations
@@ -38,7 +21,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import argument_parser, provenance, shown, write_record
+from common import argument_parser, provenance, write_record
+
+from distsync.metrics.repeats import shown
 
 REPO = Path(__file__).resolve().parent.parent
 REGIME = "this machine's CPU, quiet unless marked loaded (the answers are simulated; their cost is this machine's)"

@@ -1,26 +1,9 @@
 """ShadowSync's scaling table on this machine: background against foreground synchronization.
 
-`ctr` (DLRM on generated click logs, tables on one embedding server) at 1 Gbit links, with
-1, 2 and 4 trainers: throughput (examples/s, total and per trainer) and final NE / AUC of
-`shadow-ea`, `shadow-ma`, `shadow-bmuf`, their foreground twins `fr-easgd`, `ma`, `bmuf`,
-`allreduce`, and `local` (no synchronization at all: what a trainer does alone). Every
-trainer takes the same number of steps (600 of 256 examples), so more trainers see more of
-the logs (one pass; the logs are made long enough for the most trainers).
-Shadow solvers run three times: syncing continuously (`min_interval_ms=0`, the default) and
-at most every 10 and 40 ms (`--min-interval-ms`). Targets: a shadow solver's per-trainer throughput
->= 0.9x `local`'s with as many trainers; its NE within 1% of its foreground twin's, or
-better. Needs root (emulated links).
-
-``--devices``: each trainer is an emulated device whose steps last 20 ms (``--device-ms``;
-the real math, ~4 ms alone, inside it), so a shadow thread's syncing competes with the
-device as it would on a dedicated trainer, not with the other trainers for this machine's
-cores; shadow solvers sync continuously only (the target's setting), 400 steps.
-
     python benchmarks/shadowsync.py [--out benchmarks/results/shadowsync] [--link 1gbit]
     python benchmarks/shadowsync.py --devices [--trainers 4] [--seeds 1,2,3] [--json PATH]
 
-Every job runs once per seed (``--seeds``, default 1); tables give the median and the range
-over seeds; a shadow solver is set against local (no sync) and against its foreground twin.
+Method, raw results and figures: docs/benchmarks/shadowsync.md.
 """
 
 from __future__ import annotations
@@ -29,14 +12,13 @@ import os
 import sys
 from pathlib import Path
 
-from common import (argument_parser, checks_markdown, launch_or_exit, per_seed, print_checks, provenance, ratios,
-                    seed_list,
-                    shown, spread, verdict, write_record, write_results)
+from common import (argument_parser, checks_markdown, has_option, launch_or_exit, per_seed, print_checks, provenance,
+                    seed_list, write_record, write_results)
+from distsync.metrics.repeats import ratios, shown, spread, verdict
 from distsync.config import RunConfig
 from distsync.experiments import write_report
 
 TWINS = {"shadow-ea": "fr-easgd", "shadow-ma": "ma", "shadow-bmuf": "bmuf"}
-THREADED = {"local", "shadow-ea", "fr-easgd", "shadow-ma", "ma", "shadow-bmuf", "bmuf"}
 DEVICE_MS = 20.0
 
 
@@ -133,7 +115,7 @@ def main() -> int:
         for n in trainers:
             dirs = []
             for name, solver, opts in plan:
-                opts = dict(opts, **({"threads": args.threads} if solver in THREADED and args.threads > 1 else {}))
+                opts = dict(opts, **({"threads": args.threads} if has_option(solver, "threads") and args.threads > 1 else {}))
                 cfg = RunConfig(workload="ctr", workload_options=logs, solver=solver, solver_options=opts, workers=n,
                                 steps=args.steps, link=args.link, eval_every=args.steps // 3, timeout_s=120,
                                 device_ms=device_ms, seed=seed)

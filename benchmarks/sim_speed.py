@@ -3,28 +3,10 @@
 Regime: **simulated** (virtual time); the figures are wall time of this machine's one Python
 process.
 
-(1) Event loop: ``--sources`` sources (default 1,000), each a chain of ``--timeouts`` timed
-    events (default 200: 200,000 events in all), each event scheduling its source's next one
-    a fixed delay later (a different delay per source, so the heap interleaves them). The same
-    workload on ``distsync.sim.engine.EventLoop`` (a callback per event) and on simpy (a
-    process per source, ``yield env.timeout(delay)`` per event; simpy also starts and ends
-    each process, 2 events per source on top, inside its time). Microseconds per timed
-    event, once per seed. simpy is optional: without it its row is skipped
-    (``pip install simpy``, or ``pip install -e '.[bench]'``).
-(2) Timing mode: ``distsync.sim.simulate`` of allreduce, ripples (static), ad-psgd and
-    async-ps at ``--workers`` workers (default 100,000) x ``--steps`` steps (default 100),
-    with the cluster of docs/simulator.md's first command: 20 ms compute per step, 10% of the
-    workers 3x slower (drawn from the seed), a 100 MB model, 10 Gbit links with 5 us latency.
-    Wall time of one run per seed, and the events the run's event loop handled (0 for the
-    solvers stepped with numpy). ``--workers-for SOLVER=N`` runs one solver at another
-    worker count; ``--skip`` leaves solvers out. async-ps is event-bound (every pull, push
-    and reply is an event), so the full run takes it at 20,000 workers.
-
-Every measurement runs once per seed (``--seeds``, default 1,2,3); the tables give the
-median and the range.
-
     python benchmarks/sim_speed.py --workers-for async-ps=20000 [--seeds 1,2,3] [--json PATH]
     python benchmarks/sim_speed.py --skip allreduce,ad-psgd,async-ps       # ripples alone
+
+Method, raw results and figures: docs/benchmarks/simulator.md.
 """
 
 from __future__ import annotations
@@ -34,7 +16,9 @@ import sys
 import time
 from typing import Any
 
-from common import argument_parser, provenance, seed_list, shown, write_record
+from common import argument_parser, finish, provenance, seed_list
+
+from distsync.metrics.repeats import shown
 from distsync.sim import Cluster, Link, Work, WorkerModel, simulate
 from distsync.sim.engine import EventLoop
 
@@ -200,12 +184,7 @@ def main() -> int:
                         "model_bytes": MODEL_BYTES, "bandwidth_bps": BANDWIDTH_BPS, "latency_s": LATENCY_S,
                         "options": {}, "runs": runs},
     }
-    raw = {**payload, "regime": REGIME, "seeds": seeds, "repeats": len(seeds)}
-    for text in render(raw).values():
-        print()
-        print(text)
-    write_record(args.json, started, regime=REGIME, seeds=seeds, payload=payload)
-    return 0
+    return finish(args.json, started, render, payload, regime=REGIME, seeds=seeds)
 
 
 if __name__ == "__main__":

@@ -1,19 +1,8 @@
-"""The simulator's timing mode against the measured runs of a scored `recommend` benchmark:
-every configuration of every scenario re-predicted with this commit's simulator, from the
-scenario alone and the per-message cost its fit run gave, against the measured median
-throughput. No run is made: seconds.
-
-The default raw file is the first test set's (`docs/benchmarks/raw/recommend.json`): it was
-scored once and is spent as a test set, so it serves here as the simulator's **development
-set**. A figure of it is in sample for every term fixed while reading it; the second test
-set (`--set test2` of benchmarks/recommend.py) is where the simulator is scored.
+"""The simulator's timing mode against the measured runs of a scored `recommend` benchmark.
 
     sudo python benchmarks/sim_timing_dev.py --fits benchmarks/results/sim_timing_dev --make-fits [--rows]
 
-With ``--fits`` each scenario is also predicted as ``recommend --fit-from`` predicts it: from
-a fresh real allreduce run of its workload, link and device time (4 homogeneous workers, 60
-steps, as the scored benchmark made them; ``--make-fits`` makes the missing ones, about 6
-minutes, root for the links).
+Method, raw results and figures: docs/benchmarks/simulator.md.
 """
 
 from __future__ import annotations

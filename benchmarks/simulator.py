@@ -1,32 +1,21 @@
 """How fast the simulator is and what it says at scale.
 
-(1) Speed: timing mode, 10,000 workers x 100 steps of allreduce and ripples (< 60 s each);
-    train mode, 256 workers x 300 steps on digits (< 5 min).
-(2) At scale: ripples against allreduce with 10% of 256 workers 3x slower; ea-wild against
-    allreduce over computation/communication ratios.
-(3) With ``--results DIR``, also: every real 4-worker run folder of the heterogeneity and
-    async-vs-sync benchmarks under DIR simulated from its own measurements (``--calibrate``,
-    in sample): predicted against measured throughput. Not a published figure (the run
-    folders come from other benchmarks); benchmarks/fidelity.py is the out-of-sample one.
+Regime: **simulated**; speed is wall time of this machine's one Python process.
 
-Regime: **simulated**; speed is wall time of this machine's one Python process. Every
-simulation runs once per seed (``--seeds``, default 1,2,3: the seed of the slow workers'
-draw, the jitter and train mode's data and initial model); the tables give the median and
-the range.
+    python benchmarks/simulator.py [--seeds 1,2,3] [--json PATH]
 
-    python benchmarks/simulator.py [--seeds 1,2,3] [--json PATH] [--results benchmarks/results]
+Method, raw results and figures: docs/benchmarks/simulator.md.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from common import argument_parser, print_checks, provenance, seed_list, shown, spread, table_header, table_row, \
-    write_record
-from distsync.sim import Cluster, Link, Work, WorkerModel, calibrate, simulate, simulate_training
+from common import argument_parser, finish, provenance, seed_list
+from distsync.metrics.repeats import shown, spread
+from distsync.sim import Cluster, Link, Work, WorkerModel, simulate, simulate_training
 from distsync.workloads import load_workload
 
 REGIME = "simulated (virtual workers, virtual time); speed: wall time of one Python process on this machine"
@@ -38,21 +27,6 @@ RATIOS = (10.0, 3.0, 1.0, 0.3, 0.1)
 
 def label(solver: str, opts: dict) -> str:
     return solver + (f" ({opts['schedule']})" if opts else "")
-
-
-def fidelity(results: Path) -> list[tuple[str, float]]:
-    rows = []
-    for bench in ("heterogeneity", "async_vs_sync"):
-        for summary in sorted((results / bench).glob("**/summary.json")):
-            run = summary.parent
-            if not (run / "events.jsonl").exists() or not (run / "config.json").exists():
-                continue
-            r = calibrate(run)
-            name = str(run.relative_to(results))
-            rows.append((name, r["throughput_error"]))
-            table_row([name, f"{r['measured_throughput']:,.0f}", f"{r['predicted_throughput']:,.0f}",
-                       f"{r['throughput_error']:+.1%}"], flush=True)
-    return rows
 
 
 def speed(seed: int, workers: int, train_workers: int) -> dict[str, Any]:
@@ -134,39 +108,22 @@ def main() -> int:
     p.add_argument("--seeds", default="1,2,3", help="one run of every simulation per seed (default: 1,2,3)")
     p.add_argument("--speed-workers", type=int, default=10_000, help="timing mode's workers in the speed test")
     p.add_argument("--train-workers", type=int, default=256, help="train mode's workers in the speed test")
-    p.add_argument("--results", default=None, help="also simulate the real run folders under this directory")
     p.add_argument("--json", default="benchmarks/results/simulator.json", help="the raw results")
     args = p.parse_args()
     started = provenance("benchmarks/simulator.py")
     seeds = seed_list(args.seeds)
     checks = []
-    if args.results:
-        print("fidelity, in sample (not a figure)\n")
-        table_header(["run", "measured samples/s", "simulated", "error"])
-        rows = fidelity(Path(args.results))
-        if rows:
-            within = sum(abs(e) <= 0.15 for _, e in rows)
-            checks.append((f"fidelity: {within} of {len(rows)} runs within 15%", within == len(rows)))
-        else:
-            print("no real runs found: run benchmarks/heterogeneity.py and benchmarks/async_vs_sync.py first")
-        print()
     runs: dict[str, dict[str, Any]] = {}
     for seed in seeds:
         runs[str(seed)] = {"speed": speed(seed, args.speed_workers, args.train_workers), "at_scale": at_scale(seed)}
         print(f"seed {seed}: " + ", ".join(f"{k} {v['wall_s']:.1f} s" for k, v in runs[str(seed)]["speed"].items()),
               flush=True)
     payload = {"speed_workers": args.speed_workers, "train_workers": args.train_workers, "runs": runs}
-    raw = {**payload, "regime": REGIME, "seeds": seeds, "repeats": len(seeds)}
-    for text in render(raw).values():
-        print()
-        print(text)
     for name in [label(s, o) for s, o in SPEED_SOLVERS] + ["train"]:
         med = spread(r["speed"][name]["wall_s"] for r in runs.values())[0]
         limit = 300 if name == "train" else 60
         checks.append((f"speed: {name} median {med:.1f} s (< {limit})", med < limit))
-    print()
-    print_checks(checks)
-    write_record(args.json, started, regime=REGIME, seeds=seeds, payload={**payload, "checks": checks})
+    finish(args.json, started, render, payload, regime=REGIME, seeds=seeds, checks=lambda raw: checks)
     return 0
 
 

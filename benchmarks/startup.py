@@ -3,53 +3,12 @@
 Regime: CPU-bound real runs on this machine (every process of a job shares its cores; on the
 2-core machine the benchmark was written on, start-up is CPU work: imports, data, Python).
 
-(1) Timing (the default). In one run, alternating the two commands so both see the same
-machine load, for each N in ``--workers`` (default 2,4) and ``--repeats`` times (default 3),
-the wall clock from the command's start to its exit of
-
-    distsync train --workload digits --steps 1 --workers N --out TMP
-    torchrun --standalone --nproc-per-node N TRIVIAL.py
-
-where TRIVIAL.py (written to a temporary folder) sets ``torch.set_num_threads(1)`` like
-distsync's workers, calls ``init_process_group("gloo")``, all-reduces a 4-element tensor and
-``destroy_process_group()``. Per N: the median of each, the ratio distsync / torchrun (the
-target is at most 1.5), and the CPU seconds the whole job used (the command and every process
-it started; this script is their child subreaper, so processes a command leaves behind, such
-as a fork server, are waited for and counted). The load average is recorded before and after
-each run. ``--what-if`` adds distsync runs with cuts simulated (see
-benchmarks/startup_profile/whatif/sitecustomize.py; a cut whose target code is gone no longer
-applies).
-
-(2) ``--breakdown``: where the seconds of one job go, for each N. One ``distsync train`` run and
-one torchrun run under a tracer (benchmarks/startup_profile/tracer/sitecustomize.py): a
-``sitecustomize`` module put first on every process's ``PYTHONPATH`` (children inherit it)
-that writes one JSON line per event to a trace file (unix time and the process's CPU time):
-interpreter up, import spans of torch, sklearn, scipy, matplotlib, rich, ..., and enter/exit
-of the functions that mark the phases (the CLI's
-``main``, ``load_workload``, ``launch``, torch's ``launch_agent``, the agent's rendezvous,
-``_start_workers``, ``_monitor_workers`` (the poll that sees the workers done), exit barrier and
-shutdown; in each worker ``run_process``, ``Comm.from_env`` (init_process_group),
-``load_workload``, ``train_worker``, the barriers, ``gather_object``, ``write_results``,
-``Comm.close`` and ``os._exit``). Nothing under src/ is changed: the tracer wraps functions
-when their modules are first imported. Ranks forked from a preloaded fork server have no
-interpreter start of their own; the fork server (and any other helper process) is listed
-with its CPU and import spans. Besides the traced runs, measured in isolation:
-``python -X importtime`` of what the launching process and each worker import, and a cProfile
-of ``distsync.cli.main([...])`` with ``launch`` patched to return at once (what the launching
-process does before and after the job; benchmarks/startup_profile/profile_main.py).
-
     python benchmarks/startup.py [--workers 2,4] [--repeats 3] [--json benchmarks/results/startup.json]
     python benchmarks/startup.py --breakdown [--workers 4]
     python benchmarks/startup.py --full          # both, one JSON
     python benchmarks/startup.py --src DIR       # measure the distsync package under DIR (e.g. an old checkout's src)
 
-The raw results (``--json``) hold the provenance (command, commit, machine, load), the regime,
-every timed run and, with ``--breakdown``/``--full``, the traced runs; ``repeats`` is the
-number of timed runs of each command per worker count. ``render(raw)`` makes the page's
-blocks: ``startup`` (the timing table), and with a breakdown ``startup_breakdown`` (where one
-job's seconds go, per phase) and ``startup_isolated`` (costs measured in isolation).
-``python benchmarks/figures.py run startup`` runs ``--full`` and renders them into
-docs/benchmarks/startup.md.
+Method, raw results and figures: docs/benchmarks/startup.md.
 """
 
 from __future__ import annotations
@@ -57,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import shutil
 import statistics
@@ -69,7 +27,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import markdown_table, provenance, ratios, shown, write_record  # noqa: E402  (benchmarks/common.py)
+from common import provenance, write_record
+from distsync.metrics.repeats import ratios, shown
+from distsync.experiments.report import markdown_table
 
 BIN = Path(sys.executable).parent
 REGIME = "CPU-bound real run on this machine ({cores} cores): every process of a job shares them"
@@ -85,13 +45,9 @@ dist.all_reduce(t)
 dist.destroy_process_group()
 """
 
-# The start-up profiling harness, a tool of its own (benchmarks/startup_profile/): the tracer, a
-# ``sitecustomize`` every Python process of a traced job imports; the what-if cuts, another; and
-# the profile of the launching process's ``main``. Each is loaded by its path.
-PROFILER = Path(__file__).resolve().parent / "startup_profile"
-TRACER_DIR = PROFILER / "tracer"  # holds the tracer's sitecustomize.py
-WHATIF_DIR = PROFILER / "whatif"  # holds the what-if cuts' sitecustomize.py
-PROFILE_MAIN = PROFILER / "profile_main.py"
+# The tracer (benchmarks/startup_profile/tracer/): a ``sitecustomize`` every Python process of a
+# traced job imports, loaded by its path.
+TRACER_DIR = Path(__file__).resolve().parent / "startup_profile" / "tracer"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,54 +127,14 @@ def timed(cmd: list[str], env: dict[str, str], log: Path, timeout: float = 300.0
             "load_before": load0, "load_after": os.getloadavg()[0], "t_start": t0, "t_end": t1}
 
 
-def machine() -> dict:
-    return {"cores": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
-            "torch": _version("torch"), "sklearn": _version("sklearn")}
-
-
-def _version(mod: str) -> str | None:
-    try:
-        out = subprocess.run([sys.executable, "-c", f"import importlib.metadata as m; print(m.version({_dist(mod)!r}))"],
-                             capture_output=True, text=True, timeout=60)
-        return out.stdout.strip() or None
-    except Exception:
-        return None
-
-
-def _dist(mod: str) -> str:
-    return {"sklearn": "scikit-learn"}.get(mod, mod)
-
-
-def git_state(src: str | None) -> dict:
-    def git(*a: str) -> str:
-        try:
-            return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, timeout=30).stdout.strip()
-        except Exception:
-            return ""
-    return {"commit": git("rev-parse", "--short", "HEAD"),
-            "src_modified": bool(git("status", "--porcelain", "--", "src")),
-            "src": src or str(REPO / "src")}
-
-
 # ---------------------------------------------------------------------------------------------
 # (1) Timing
 # ---------------------------------------------------------------------------------------------
-def whatif_env(src: str | None, cuts: str, tmp: Path) -> dict[str, str]:
-    """The environment of a distsync run that simulates the cuts ``cuts`` (see
-    benchmarks/startup_profile/whatif/sitecustomize.py)."""
-    env = base_env(src, str(WHATIF_DIR))
-    env["STARTUP_WHATIF"] = cuts
-    return env
-
-
-def run_timing(workers: list[int], repeats: int, warmup: int, src: str | None, tmp: Path,
-               whatifs: list[str]) -> dict:
+def run_timing(workers: list[int], repeats: int, warmup: int, src: str | None, tmp: Path) -> dict:
     trivial = tmp / "trivial_allreduce.py"
     trivial.write_text(TRIVIAL)
     env = base_env(src)
-    kinds = ["distsync", "torchrun"] + [f"distsync+{w}" for w in whatifs]
-    envs = {k: env for k in kinds[:2]}
-    envs.update({f"distsync+{w}": whatif_env(src, w, tmp) for w in whatifs})
+    kinds = ["distsync", "torchrun"]
     runs: list[dict] = []
     plan: list[tuple[int, int, str]] = []
     for r in range(-warmup, repeats):
@@ -229,8 +145,8 @@ def run_timing(workers: list[int], repeats: int, warmup: int, src: str | None, t
     for i, (r, n, which) in enumerate(plan):
         work = tmp / f"{which.replace(',', '_')}-{n}-{r}"
         work.mkdir(parents=True, exist_ok=True)
-        cmd = commands(n, work, trivial)[which.split("+")[0]]
-        res = timed(cmd, envs[which], work / "output.log")
+        cmd = commands(n, work, trivial)[which]
+        res = timed(cmd, env, work / "output.log")
         tag = "warm-up" if r < 0 else f"repeat {r + 1}/{repeats}"
         print(f"  [{i + 1}/{len(plan)}] {which:8s} N={n} {tag:12s} {res['wall_s']:6.2f} s wall  "
               f"{res['cpu_s']:6.2f} s CPU  load {res['load_before']:.2f}" + ("" if res["rc"] == 0 else f"  EXIT {res['rc']}"),
@@ -250,39 +166,12 @@ def run_timing(workers: list[int], repeats: int, warmup: int, src: str | None, t
                           "min_wall_s": min(x["wall_s"] for x in mine), "max_wall_s": max(x["wall_s"] for x in mine),
                           "median_cpu_s": statistics.median(x["cpu_s"] for x in mine)}
         row["ratio"] = row["distsync"]["median_wall_s"] / row["torchrun"]["median_wall_s"]
-        for w in whatifs:
-            row[f"ratio distsync+{w}"] = row[f"distsync+{w}"]["median_wall_s"] / row["torchrun"]["median_wall_s"]
         rows.append(row)
     loads = [x["load_before"] for x in runs]
-    return {"repeats": repeats, "warmup": warmup, "rows": rows, "runs": runs, "whatifs": whatifs,
+    return {"repeats": repeats, "warmup": warmup, "rows": rows, "runs": runs,
             "load_average_1min": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)},
             "commands": {k: " ".join(v).replace(str(tmp), "TMP") for k, v in commands(0, tmp / "W", trivial).items()},
             "trivial_script": TRIVIAL}
-
-
-def print_timing(t: dict, cores: int) -> None:
-    print()
-    print(f"Start-up of a one-step job, {REGIME.format(cores=cores)}.")
-    print(f"Medians of {t['repeats']} alternated runs each; 1-min load average during the runs: "
-          f"{t['load_average_1min']['min']:.2f} .. {t['load_average_1min']['max']:.2f} "
-          f"(median {t['load_average_1min']['median']:.2f}). Wall: command start to exit; CPU: user+system "
-          f"seconds of the command and every process it started.")
-    print()
-    print("| workers | command | wall (s) | min..max (s) | CPU (s) | / torchrun | target <= 1.5x |")
-    print("|---|---|---|---|---|---|---|")
-    for r in t["rows"]:
-        base = r["torchrun"]["median_wall_s"]
-        names = ["distsync", "torchrun"] + [f"distsync+{w}" for w in t.get("whatifs", [])]
-        for name in names:
-            d = r[name]
-            ratio = d["median_wall_s"] / base
-            label = name if "+" not in name else f"what-if: distsync with {name.split('+', 1)[1]} cut"
-            print(f"| {r['workers']} | {label} | {d['median_wall_s']:.2f} | {d['min_wall_s']:.2f}..{d['max_wall_s']:.2f} | "
-                  f"{d['median_cpu_s']:.2f} | {ratio:.2f}x | "
-                  f"{'' if name == 'torchrun' else ('met' if ratio <= 1.5 else 'MISSED')} |")
-    if t.get("whatifs"):
-        print("(what-if rows: the cuts simulated by a sitecustomize, see "
-              "benchmarks/startup_profile/whatif/sitecustomize.py; not the code as it is)")
 
 
 def compact(obj, drop=("per_worker", "t_start", "t_end", "from")):
@@ -320,7 +209,6 @@ class Proc:
         self.events = events
         self.rank = next((e["rank"] for e in events if e.get("rank") is not None), None)
         self.points: dict[str, list[tuple[float, float]]] = {}
-        self.imports: dict[str, dict] = {}
         for e in events:
             if e["ev"] == "site":
                 self.add("site", e["t"], e["cpu"])
@@ -332,8 +220,6 @@ class Proc:
             elif e["ev"] == "import":
                 self.add("import:" + e["mod"] + ">", e["t0"], e["cpu0"])
                 self.add("import:" + e["mod"] + "<", e["t"], e["cpu"])
-                self.imports.setdefault(e["mod"], {"wall_s": e["t"] - e["t0"], "cpu_s": e["cpu"] - e["cpu0"],
-                                                   "t0": e["t0"], "t": e["t"]})
             elif e["ev"] in ("os_exit", "atexit"):
                 self.add(e["ev"], e["t"], e["cpu"])
         self.cmd = next((e.get("cmd") for e in events if e["ev"] == "site"), [])
@@ -482,19 +368,9 @@ def analyse(kind: str, res: dict, events: list[dict]) -> dict:
         cpus = [c["cpu_s"] for c in cells if c["cpu_s"] is not None]
         per_phase.append({"phase": label, "wall_median_s": statistics.median(walls), "wall_max_s": max(walls),
                           "cpu_sum_s": sum(cpus), "workers": len(cells)})
-    imports = {}
-    for who, plist in (("launcher", [parent]), ("workers", workers)):
-        for mod in sorted({m for p in plist for m in p.imports}):
-            spans = [p.imports[mod] for p in plist if mod in p.imports]
-            imports.setdefault(who, {})[mod] = {
-                "processes": len(spans), "wall_median_s": statistics.median(s["wall_s"] for s in spans),
-                "cpu_sum_s": sum(s["cpu_s"] for s in spans)}
     patch_failed = sorted({e["fn"] for e in events if e["ev"] == "patch-failed"})
-    # processes neither the launcher nor a rank: e.g. the fork server that preloads modules
-    others = [{"pid": p.pid, "cmd": " ".join(p.cmd)[:160], "cpu_s": p.last_cpu(),
-               "imports": {m: {"wall_s": v["wall_s"], "cpu_s": v["cpu_s"]} for m, v in p.imports.items()}}
-              for p in procs.values() if p is not parent and p not in workers]
-    monitor = [e for e in events if e["ev"] == "call" and e["fn"].endswith("_monitor_workers")]
+    if patch_failed:
+        print(f"  (not traced, code moved: {', '.join(patch_failed)})", flush=True)
     # CPU no traced event saw: what ran after each process's last event (interpreter finalization)
     untraced = res["cpu_s"] - sum(p.last_cpu() for p in procs.values())
     return {"command": kind, "wall_s": res["wall_s"], "cpu_s": res["cpu_s"], "load_before": res["load_before"],
@@ -502,35 +378,7 @@ def analyse(kind: str, res: dict, events: list[dict]) -> dict:
             "launcher": parent_rows, "launcher_cpu_s": parent.last_cpu(),
             "workers": per_phase, "per_worker": [{"rank": int(w.rank), "phases": rows, "cpu_s": w.last_cpu()}
                                                  for w, rows in zip(workers, worker_rows)],
-            "imports": imports, "other_processes": others, "monitor_verdicts": [m.get("state") for m in monitor],
             "patch_failed": patch_failed}
-
-
-def importtime(code: str, src: str | None) -> dict:
-    """``python -X importtime -c CODE``: total, and self time summed by top-level package."""
-    out = subprocess.run([sys.executable, "-X", "importtime", "-c", code], capture_output=True, text=True,
-                         env=base_env(src), cwd=REPO, timeout=300)
-    by_pkg: dict[str, float] = {}
-    total = 0.0
-    for line in out.stderr.splitlines():
-        m = re.match(r"import time:\s+(\d+) \|\s+(\d+) \|( *)(\S+)", line)
-        if not m:
-            continue
-        self_us, cum_us, indent, mod = int(m[1]), int(m[2]), len(m[3]), m[4]
-        by_pkg[mod.split(".")[0]] = by_pkg.get(mod.split(".")[0], 0.0) + self_us / 1e6
-        if indent == 1:
-            total += cum_us / 1e6
-    top = dict(sorted(by_pkg.items(), key=lambda kv: -kv[1])[:12])
-    return {"code": code, "total_s": total, "self_s_by_package": top}
-
-
-def profile_main(summary_path: Path, n: int, src: str | None, tmp: Path) -> dict:
-    out = subprocess.run([sys.executable, str(PROFILE_MAIN), str(summary_path), str(n), str(tmp / "profiled-run")],
-                         capture_output=True, text=True, env=base_env(src), cwd=REPO, timeout=300)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
-    if out.returncode != 0 or not lines:
-        return {"error": (out.stderr or out.stdout)[-1500:]}
-    return json.loads(lines[-1])
 
 
 # What one piece of start-up costs on its own: (name, code, the entry it adds to). Each is run
@@ -624,29 +472,6 @@ def isolated_costs(src: str | None, repeats: int = 3) -> dict:
     return {"repeats": repeats, "rows": rows, "interpreter_exit": exits}
 
 
-def torch_agent_constants() -> dict:
-    """Fixed intervals of torch's agent as this torch and distsync's launch.py set them."""
-    out = {}
-    try:
-        import inspect
-
-        from torch.distributed.elastic.agent.server import api
-        from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
-        from torch.distributed.launcher.api import LaunchConfig
-
-        lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1)
-        out["torch LaunchConfig default monitor_interval_s"] = lc.monitor_interval
-        out["torch WorkerSpec default monitor_interval_s"] = inspect.signature(api.WorkerSpec).parameters[
-            "monitor_interval"].default
-        out["rendezvous default timeouts_s"] = {k: v.total_seconds()
-                                                for k, v in dr.RendezvousTimeout._DEFAULT_TIMEOUTS.items()}
-        src = inspect.getsource(api.SimpleElasticAgent._invoke_run)
-        out["agent loop sleeps monitor_interval before every poll"] = "time.sleep(monitor_interval)" in src
-    except Exception as e:  # informative only
-        out["error"] = repr(e)
-    return out
-
-
 def run_breakdown(workers: list[int], src: str | None, tmp: Path) -> dict:
     trivial = tmp / "trivial_allreduce.py"
     trivial.write_text(TRIVIAL)
@@ -658,100 +483,10 @@ def run_breakdown(workers: list[int], src: str | None, tmp: Path) -> dict:
             work.mkdir(parents=True, exist_ok=True)
             res, events = traced_run(commands(n, work, trivial)[kind], src, tmp, f"{kind}-{n}")
             entry[kind] = analyse(kind, res, events)
-            if kind == "distsync":
-                summary = work / "run" / "summary.json"
-                entry["distsync"]["run_files"] = run_files(work / "run", res["t_start"])
-                if summary.exists():
-                    entry["launcher_profile"] = profile_main(summary, n, src, tmp)
         result["by_workers"].append(entry)
-    result["importtime"] = {
-        "launcher: import distsync.cli": importtime("import distsync.cli", src),
-        "worker: import distsync.worker, distsync.runtime.process, distsync.workloads.digits":
-            importtime("import distsync.worker, distsync.runtime.process, distsync.workloads.digits", src),
-        "torchrun's worker: import torch, torch.distributed": importtime("import torch, torch.distributed", src),
-        "torchrun: import torch.distributed.run": importtime("import torch.distributed.run", src),
-    }
-    result["agent_constants"] = torch_agent_constants()
     print("costs in isolation (each piece as its own python -c, median of 3)...", flush=True)
     result["isolated"] = isolated_costs(src)
     return result
-
-
-def run_files(run_dir: Path, t0: float) -> dict:
-    """Seconds after the command's start at which the run folder's files were last written,
-    and the workers' "start" events (after the start barrier)."""
-    out = {}
-    for name in ("config.json", "events.jsonl", "model.pt", "summary.json"):
-        p = run_dir / name
-        if p.exists():
-            out[f"{name} mtime"] = p.stat().st_mtime - t0
-    ev = run_dir / "events.jsonl"
-    if ev.exists():
-        starts = [json.loads(x)["unix"] - t0 for x in ev.read_text().splitlines() if '"kind": "start"' in x]
-        if starts:
-            out["training start (events.jsonl start, min..max over workers)"] = [min(starts), max(starts)]
-    return out
-
-
-def print_breakdown(b: dict) -> None:
-    for entry in b["by_workers"]:
-        n = entry["workers"]
-        for kind in ("distsync", "torchrun"):
-            a = entry[kind]
-            print()
-            print(f"== {kind}, {n} workers: {a['wall_s']:.2f} s wall, {a['cpu_s']:.2f} s CPU (all processes), "
-                  f"load {a['load_before']:.2f} (traced run)")
-            print(f"  launching process (agent in-process): {a['launcher_cpu_s']:.2f} s CPU until its last event; "
-                  f"all processes after their last event (interpreter finalization): "
-                  f"{a['cpu_after_last_event_s']:.2f} s CPU")
-            print(f"  {'phase':<72} {'wall s':>7} {'CPU s':>7}")
-            for r in a["launcher"]:
-                cpu = "" if r["cpu_s"] is None else f"{r['cpu_s']:.2f}"
-                print(f"  {r['phase']:<72} {r['wall_s']:>7.2f} {cpu:>7}")
-            print(f"  each worker (median and max over {len(a['per_worker'])} workers; CPU summed over workers)")
-            print(f"  {'phase':<72} {'median':>7} {'max':>7} {'CPU sum':>7}")
-            for r in a["workers"]:
-                print(f"  {r['phase']:<72} {r['wall_median_s']:>7.2f} {r['wall_max_s']:>7.2f} {r['cpu_sum_s']:>7.2f}")
-            for who, mods in a["imports"].items():
-                shown = ", ".join(f"{m} {v['wall_median_s']:.2f}s" for m, v in mods.items()
-                                  if m in ("torch", "torch._dynamo", "sklearn", "scipy", "matplotlib", "rich",
-                                           "distsync.experiments"))
-                if shown:
-                    print(f"  import spans in {who} (median wall, inclusive): {shown}")
-            for o in a.get("other_processes", []):
-                shown = ", ".join(f"{m} {v['wall_s']:.2f}s" for m, v in o["imports"].items()
-                                  if m in ("torch", "torch._dynamo", "sklearn", "distsync.runtime.process"))
-                print(f"  other process {o['pid']} ({o['cmd'][:70]}): {o['cpu_s']:.2f} s CPU until its last event"
-                      + (f"; imports {shown}" if shown else ""))
-            if a.get("run_files"):
-                print("  run folder: " + ", ".join(f"{k} {v if isinstance(v, list) else round(v, 2)}"
-                                                   for k, v in a["run_files"].items()))
-            if a["patch_failed"]:
-                print(f"  (not traced, code moved: {', '.join(a['patch_failed'])})")
-        p = entry.get("launcher_profile")
-        if p and "error" not in p:
-            print(f"  cProfile of distsync.cli.main, launch patched out ({n} workers): import distsync.cli "
-                  f"{p['import_cli_s']:.2f} s, main before launch {p['main_before_launch_s']:.2f} s, "
-                  f"after launch {p['main_after_launch_s']:.2f} s")
-            for r in p["top_cumulative"][:12]:
-                print(f"    {r['cum_s']:6.2f} s  {r['function']}")
-    print()
-    for what, it in b["importtime"].items():
-        top = ", ".join(f"{k} {v:.2f}" for k, v in list(it["self_s_by_package"].items())[:7])
-        print(f"python -X importtime, {what}: {it['total_s']:.2f} s (self time by package: {top})")
-    print(f"torch agent constants: {b['agent_constants']}")
-    iso = b.get("isolated")
-    if iso:
-        print(f"\ncosts in isolation (python -c, median of {iso['repeats']}; CPU s of the process; 'adds': over the "
-              f"entry named)")
-        for r in iso["rows"]:
-            if "error" in r:
-                print(f"  {r['what']}: failed: {r['error'][-200:]}")
-                continue
-            adds = f"  adds {r['adds_cpu_s']:5.2f} CPU s, {r['adds_wall_s']:5.2f} s wall" if "adds_cpu_s" in r else ""
-            print(f"  {r['what']:<100} {r['cpu_s']:5.2f} CPU s {r['wall_s']:5.2f} s wall{adds}")
-        for r in iso["interpreter_exit"]:
-            print(f"  interpreter exit, {r['what']:<60} {r['exit_cpu_s']:5.2f} CPU s {r['exit_wall_s']:5.2f} s wall")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -794,7 +529,7 @@ def render(raw: dict) -> dict[str, str]:
                  f"{load['max']:.2f} (median {load['median']:.2f}). Wall: command start to exit; CPU: user+system "
                  f"seconds of the command and every process it started.", ""]
         rows = []
-        names = ["distsync", "torchrun"] + [f"distsync+{w}" for w in t.get("whatifs", [])]
+        names = ["distsync", "torchrun"]
         for r in t["rows"]:
             n = r["workers"]
             runs = {name: {x["repeat"]: x for x in t["runs"] if x["command"] == name and x["workers"] == n}
@@ -803,16 +538,11 @@ def render(raw: dict) -> dict[str, str]:
             for name in names:
                 walls = {k: x["wall_s"] for k, x in runs[name].items()}
                 ratio = ratios(walls, base)
-                label = name if "+" not in name else f"what-if: distsync with {name.split('+', 1)[1]} cut"
                 target = "" if name == "torchrun" else ("met" if r[name]["median_wall_s"] / r["torchrun"]["median_wall_s"]
                                                         <= 1.5 else "MISSED") + " (median)"
-                rows.append([n, label, shown(walls.values()), shown(x["cpu_s"] for x in runs[name].values()),
+                rows.append([n, name, shown(walls.values()), shown(x["cpu_s"] for x in runs[name].values()),
                              "1.00x" if name == "torchrun" else shown(ratio, unit="x"), target])
         lines += markdown_table(["workers", "command", "wall (s)", "CPU (s)", "/ torchrun", "target <= 1.5x"], rows)
-        if t.get("whatifs"):
-            lines += ["", "(what-if rows: the cuts simulated by a sitecustomize, see "
-                          "benchmarks/startup_profile/whatif/sitecustomize.py; "
-                          "not the code as it is)"]
         blocks["startup"] = "\n".join(lines)
     b = raw.get("breakdown")
     if b:
@@ -860,10 +590,6 @@ def main() -> int:
                                   "or startup-breakdown.json with --breakdown)")
     p.add_argument("--src", help="a folder holding the distsync package to measure, put first on PYTHONPATH "
                                  "(default: the installed one)")
-    p.add_argument("--what-if", action="append", metavar="CUTS",
-                   help="also time distsync with these cuts simulated (comma-separated, of sklearn, matplotlib, exit, "
-                        "dynamo; see benchmarks/startup_profile/whatif/sitecustomize.py); repeatable")
-    p.add_argument("--keep", action="store_true", help="keep the temporary folder (traces, logs)")
     args = p.parse_args()
     try:
         workers = [int(x) for x in args.workers.split(",") if x.strip()]
@@ -876,22 +602,17 @@ def main() -> int:
     cores = os.cpu_count() or 1
     become_subreaper()
     print(f"regime: {REGIME.format(cores=cores)}; uptime load average {os.getloadavg()}", flush=True)
-    out: dict = {"benchmark": "startup", "versions": machine(), "git": git_state(src),
-                 "load_average_at_start": os.getloadavg()}
+    out: dict = {"benchmark": "startup", "src": src or "the installed package", "load_average_at_start": os.getloadavg()}
     tmp = Path(tempfile.mkdtemp(prefix="distsync-startup-"))
     try:
         if not args.breakdown:
-            out["timing"] = run_timing(workers, args.repeats, args.warmup, src, tmp, args.what_if or [])
-            print_timing(out["timing"], cores)
+            out["timing"] = run_timing(workers, args.repeats, args.warmup, src, tmp)
         if args.breakdown or args.full:
             print("\nbreakdown (traced runs; tracing adds a little to each process)...", flush=True)
             out["breakdown"] = run_breakdown(workers, src, tmp)
-            print_breakdown(out["breakdown"])
     finally:
-        if args.keep:
-            print(f"kept {tmp}")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    print("\n\n".join(render({**started, "regime": REGIME.format(cores=cores), **compact(out)}).values()))
     out["load_average_at_end"] = os.getloadavg()
     default = "startup-breakdown.json" if args.breakdown else "startup.json"
     path = Path(args.json) if args.json else REPO / "benchmarks" / "results" / default

@@ -1,16 +1,8 @@
 """distsync beside another torch than the one `make` pins (docs/torch-versions.md).
 
-In a venv of its own (``.venv-torch-VERSION``): torch VERSION installed first, as a user has
-it; then distsync with its test and workload extras, through constraints.txt less its torch
-line, and the check that pip left that torch as it was (no downgrade, no upgrade); which of
-torch's private names this torch has (distsync/torch_private.py); the fast suite (every test
-not marked slow or cuda); and a short ``distsync train`` of one solver of each family. The
-result is this version's entry in the raw file (one file per version).
-
     python benchmarks/torch_versions.py --torch 2.15.0 --json docs/benchmarks/raw/torch_versions-2.15.json
 
-(``make other-torch TORCH=2.15.0``). PyPI's torch for Linux is the CUDA build: about 5 GB
-installed. The first step needs the network; the venv is kept, so a second run does not.
+Method, raw results and figures: docs/torch-versions.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """Train mode against real runs, for the solvers whose math depends on arrival order.
 
-Each solver runs for real on 4 emulated devices (10 ms a step, worker 3 two times slower, on
-loopback) and in train mode on the same cluster (the same compute per step, slow worker,
-seed, data shards and initial model), for several seeds. Compared: the evaluation metric
-(digits accuracy: the center for server solvers, the mean of the workers' models otherwise)
-at each evaluated step, real (mean over the workers evaluating at that step) against
-simulated, and the evaluation loss (relative difference). Target: mean absolute difference
-set relative to how far synchronization moves the curve at all: for every solver, train
-mode's distance to the real run is at most half the real run's distance to train mode's
-`local` (no synchronization at all) in loss (mean relative difference over evaluated steps),
-and below it in metric (mean absolute difference). A train mode that synchronized nothing
-would be `local`, at a ratio of 1: it fails. `allreduce` is the control (train mode
-reproduces its parameters: a ratio of 0).
-
-Every figure is taken per seed (``--seeds``, default 0,1,2: the mean over that seed's
-evaluated steps); the table gives the median and the range over seeds.
+Regime: simulated (train mode) against emulated devices on this machine (real math inside a
+fixed device time).
 
     python benchmarks/train_parity.py [--seeds 0,1,2] [--steps 100] [--json PATH]
 
-Regime: simulated (train mode) against emulated devices on this machine (real math inside a
-fixed device time).
+Method, raw results and figures: docs/benchmarks/simulator.md.
 """
 
 from __future__ import annotations
@@ -30,7 +16,9 @@ from pathlib import Path
 
 from typing import Any
 
-from common import argument_parser, checks_markdown, launch_or_exit, print_checks, provenance, seed_list, shown, spread, write_record
+from common import argument_parser, checks_markdown, finish, launch_or_exit, provenance, seed_list
+
+from distsync.metrics.repeats import shown, spread
 
 SOLVERS = [
     ("allreduce", {}),
@@ -163,13 +151,7 @@ def main() -> None:
         rows.append({"solver": solver, "options": options, "per_seed": per_seed, "curves": curves})
     payload = {"workers": WORKERS, "device_ms": DEVICE_MS, "slow": SLOW, "steps": args.steps,
                "eval_every": args.eval_every, "rows": rows}
-    raw = {**payload, "seeds": seeds, "repeats": len(seeds)}
-    print()
-    print(render(raw)["train_parity"])
-    print()
-    checks = targets(raw)
-    print_checks(checks)
-    write_record(args.json, started, regime=regime(raw), seeds=seeds, payload={**payload, "checks": checks})
+    finish(args.json, started, render, payload, regime=regime(payload), seeds=seeds, checks=targets)
 
 
 if __name__ == "__main__":

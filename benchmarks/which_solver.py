@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from common import per_seed, ratios, shown, spread, verdict
+from common import per_seed
+
+from distsync.metrics.repeats import ratios, shown, spread, verdict
 from crossover import makespans
 from heterogeneity_devices import times
 

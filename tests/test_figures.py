@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import figures  # noqa: E402
-from common import ratios, shown, spread, verdict  # noqa: E402
+from distsync.metrics.repeats import ratios, shown, spread, verdict
 from helpers import run_cli  # noqa: E402
 
 

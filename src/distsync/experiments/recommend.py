@@ -48,6 +48,7 @@ from typing import Any, Callable
 
 from distsync.config import Budget, Link, RunConfig, bounded, check_ranges, run_option
 from distsync.errors import ConfigError, DistsyncError, ModelRefused
+from distsync.experiments.report import markdown_table
 from distsync.options import TRAINING_FIELDS, Training, resolve_training, train_mode_kwargs
 
 #: train mode runs at most this many replicas (a larger cluster: the steps to target at this size)
@@ -1050,25 +1051,25 @@ def write_outputs(out: Path, result: dict[str, Any]) -> Path:
     tied = uncertainty_line(result)
     if tied:
         lines += [f"{tied[0].upper()}{tied[1:]}.", ""]
-    lines += ["| rank | solver | predicted time to target (s) | samples/s | waiting | why | command |",
-              "|---|---|---|---|---|---|---|"]
-    for i, r in enumerate(result["ranked"], 1):
-        ttt = "-" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.3g}"
-        lines.append(f"| {i} | {r['label']} | {ttt} | {r['throughput_samples_per_s']:,.0f} | "
-                     f"{r['phase_share'].get('wait', 0):.0%} | {r['reason']} | `{r['command']}` |")
+    lines += markdown_table(
+        ["rank", "solver", "predicted time to target (s)", "samples/s", "waiting", "why", "command"],
+        [[i, r["label"], "-" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.3g}",
+          f"{r['throughput_samples_per_s']:,.0f}", f"{r['phase_share'].get('wait', 0):.0%}", r["reason"],
+          f"`{r['command']}`"] for i, r in enumerate(result["ranked"], 1)])
     if result.get("verify"):
-        lines += ["", "## Verified on this machine (emulated devices)", "",
-                  "| solver | workers | predicted (s) | measured (s) | predicted samples/s | measured samples/s |",
-                  "|---|---|---|---|---|---|"]
-        for v in result["verify"]:
-            p, m = v["predicted_time_to_target_s"], v["measured_time_to_target_s"]
-            lines.append(f"| {v['label']} | {v['workers']} | {'-' if p is None else f'{p:.2f}'} | "
-                         f"{'not reached' if m is None else f'{m:.2f}'} | {v['predicted_throughput']:,.0f} | "
-                         f"{v['measured_throughput']:,.0f} |")
+        lines += ["", "## Verified on this machine (emulated devices)", ""] + markdown_table(
+            ["solver", "workers", "predicted (s)", "measured (s)", "predicted samples/s", "measured samples/s"],
+            [[v["label"], v["workers"], _or(v["predicted_time_to_target_s"], "-"),
+              _or(v["measured_time_to_target_s"], "not reached"), f"{v['predicted_throughput']:,.0f}",
+              f"{v['measured_throughput']:,.0f}"] for v in result["verify"]])
     report = out / "report.md"
     report.write_text("\n".join(lines) + "\n")
     _plot(result, out / "recommend.png")
     return report
+
+
+def _or(seconds: float | None, missing: str) -> str:
+    return missing if seconds is None else f"{seconds:.2f}"
 
 
 def _plot(result: dict[str, Any], path: Path) -> None:

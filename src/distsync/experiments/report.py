@@ -7,7 +7,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from distsync.metrics import device_warning, eval_curve
 from distsync.metrics.repeats import FIGURES, aggregate, within_spread
@@ -305,6 +305,13 @@ def plot_staleness(groups: list[list[dict[str, Any]]], path: Path) -> bool:
     return True
 
 
+def markdown_table(headers: Sequence[str], rows: Iterable[Iterable[Any]]) -> list[str]:
+    """A markdown table's lines: its header, the ``|---|`` line and a line per row (cells as
+    ``str()`` gives them)."""
+    return ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers),
+            *["| " + " | ".join(str(c) for c in row) + " |" for row in rows]]
+
+
 def summary_rows(summaries: list[dict[str, Any]]) -> list[list[str]]:
     """The table of single runs: one row per solver (report.md, ``train`` and ``compare``)."""
     rows = []
@@ -546,9 +553,7 @@ def write_comparison(out_dir: Path, run_dirs: Sequence[Path | Sequence[Path]],
         *[line for n in notes for line in (f"Note: {n}.", "")],
         *warnings,
         "",
-        "| " + " | ".join(headers) + " |",
-        "|" + "---|" * len(headers),
-        *["| " + " | ".join(r) + " |" for r in rows],
+        *markdown_table(headers, rows),
         "",
         spread_note(groups),
         "",
