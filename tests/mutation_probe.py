@@ -465,6 +465,7 @@ def probe(m: Mutation, src_root: Path, pristine: Path, timeout_s: float, suite: 
     pass). A test that does not (a timing test on a loaded machine) is set aside as flaky and
     the suite runs again without it (at most twice)."""
     flaky: list[str] = []
+    flaky_output: dict[str, str] = {}  # (the end of the suite's output where each failed: for its diagnosis)
     seconds, confirmed = 0.0, False
     while True:
         r = run_suite(src_root, timeout_s, suite, flaky)
@@ -479,10 +480,11 @@ def probe(m: Mutation, src_root: Path, pristine: Path, timeout_s: float, suite: 
             confirmed = True  # the mutation's own failure
             break
         flaky.append(test)
+        flaky_output[test] = r["tail"][-1500:]
     caught = not r["passed"]
     return {**asdict(m), "caught": caught, "outcome": ("timeout" if r["timeout"] else "caught") if caught else "survived",
             "timeout": r["timeout"], "failing_test": test if caught else None, "confirmed": confirmed,
-            "seconds": round(seconds, 1), **({"flaky_tests": flaky} if flaky else {}),
+            "seconds": round(seconds, 1), **({"flaky_tests": flaky, "flaky_output": flaky_output} if flaky else {}),
             **({} if caught else {"tail": r["tail"][-600:]})}
 
 
