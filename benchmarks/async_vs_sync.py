@@ -14,10 +14,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from common import (argument_parser, checks_markdown, has_option, launch_or_exit, per_seed, print_checks, provenance,
+from common import (argument_parser, checks_markdown, launch_or_exit, per_seed, print_checks, provenance,
                     seed_list, write_record, write_results)
 from distsync.metrics.repeats import ratios, shown, spread, verdict
 from distsync.config import RunConfig, parse_key_values
+from distsync.solvers import takes_option
 from distsync.experiments import write_report
 
 SOLVERS = ["allreduce", "sync-easgd", "sync-ps", "ea-wild", "ea-wild:tau=16", "async-easgd", "async-measgd", "easgd",
@@ -134,7 +135,7 @@ def main() -> int:
                 dirs = []
                 for entry in solvers:
                     solver, _, given = entry.partition(":")  # NAME or NAME:KEY=VALUE (a tuned variant)
-                    opts = {"servers": servers} if device_ms and has_option(solver, "servers") else {}
+                    opts = {"servers": servers} if device_ms and takes_option(solver, "servers") else {}
                     opts.update(parse_key_values([given] if given else []))
                     cfg = RunConfig(workload=model, solver=solver, solver_options=opts, workers=workers, steps=steps,
                                     link=link, eval_every=10, lr=base_lr * LR_SCALE.get(solver, 1.0), timeout_s=120,

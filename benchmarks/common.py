@@ -245,15 +245,6 @@ def write_record(path: Path | str, started: dict[str, Any], *, regime: str, seed
                          announce=announce)
 
 
-def has_option(solver: str, option: str) -> bool:
-    """Whether the solver registered as ``solver`` takes ``option``."""
-    import dataclasses
-
-    from distsync.solvers import solver_class
-
-    return option in {f.name for f in dataclasses.fields(solver_class(solver).Options)}
-
-
 def finish(path: Path | str, started: dict[str, Any], render: Any, payload: dict[str, Any], *, regime: str,
            seeds: Sequence[int], checks: Any = None) -> int:
     """A benchmark's end: its page's blocks (``render`` of the raw results) printed, then its

@@ -12,10 +12,11 @@ import os
 import sys
 from pathlib import Path
 
-from common import (argument_parser, checks_markdown, has_option, launch_or_exit, per_seed, print_checks, provenance,
+from common import (argument_parser, checks_markdown, launch_or_exit, per_seed, print_checks, provenance,
                     seed_list, write_record, write_results)
 from distsync.metrics.repeats import ratios, shown, spread, verdict
 from distsync.config import RunConfig
+from distsync.solvers import takes_option
 from distsync.experiments import write_report
 
 TWINS = {"shadow-ea": "fr-easgd", "shadow-ma": "ma", "shadow-bmuf": "bmuf"}
@@ -115,7 +116,7 @@ def main() -> int:
         for n in trainers:
             dirs = []
             for name, solver, opts in plan:
-                opts = dict(opts, **({"threads": args.threads} if has_option(solver, "threads") and args.threads > 1 else {}))
+                opts = dict(opts, **({"threads": args.threads} if takes_option(solver, "threads") and args.threads > 1 else {}))
                 cfg = RunConfig(workload="ctr", workload_options=logs, solver=solver, solver_options=opts, workers=n,
                                 steps=args.steps, link=args.link, eval_every=args.steps // 3, timeout_s=120,
                                 device_ms=device_ms, seed=seed)

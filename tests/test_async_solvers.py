@@ -687,14 +687,10 @@ def test_a_server_refuses_a_peer_that_sends_no_request_and_serves_the_others(cap
     assert line.startswith("distsync: server rank 2: refused worker rank 1: it sent a header no worker sends")
 
 
-def test_a_cut_keeps_a_dead_workers_pushes_before_its_own_last_checkpoint():
-    """Worker 1 dies, the others' checkpoints 1 and 2 are written without it, its replacement
-    joins (at step 2) and runs behind: while checkpoint 3's cut waits for it, it asks for
-    checkpoint 2 after 4 steps (written already: no cut of its own) and dies at step 5. After a
-    restart it comes back from that checkpoint of its own: its pushes of steps 2-3 belong in
-    the cut, step 4's it makes again."""
-    from distsync.errors import PeerDied
-    from distsync.solvers.shard_service import OP_PUSH, OP_SAVE, Request, ServerShard
+def _counting_shard():
+    """A server shard of two workers whose every push subtracts 1 and counts a version, its
+    checkpoints recorded as (index, version) in ``written``, and ``push(worker, *steps)``."""
+    from distsync.solvers.shard_service import OP_PUSH, Request, ServerShard
 
     class _Comm:
         worker_ranks = [0, 1]
@@ -708,12 +704,26 @@ def test_a_cut_keeps_a_dead_workers_pushes_before_its_own_last_checkpoint():
     shard.on_save = lambda index: written.append((index, shard.version))
     shard.get_state = lambda: {"center": shard.center.clone(), "version": shard.version}
     shard.set_state = lambda state: (shard.center.copy_(state["center"]), setattr(shard, "version", state["version"]))
-    shard.drop_dead_workers = True
-    died = PeerDied("rank 2: recv(from rank 1) failed: a peer closed its connection", 1)
 
     def push(worker, *steps):
         for step in steps:
             shard._process(Request(worker, OP_PUSH, step, 0, torch.tensor([1.0])))
+
+    return shard, written, push
+
+
+def test_a_cut_keeps_a_dead_workers_pushes_before_its_own_last_checkpoint():
+    """Worker 1 dies, the others' checkpoints 1 and 2 are written without it, its replacement
+    joins (at step 2) and runs behind: while checkpoint 3's cut waits for it, it asks for
+    checkpoint 2 after 4 steps (written already: no cut of its own) and dies at step 5. After a
+    restart it comes back from that checkpoint of its own: its pushes of steps 2-3 belong in
+    the cut, step 4's it makes again."""
+    from distsync.errors import PeerDied
+    from distsync.solvers.shard_service import OP_SAVE, Request
+
+    shard, written, push = _counting_shard()
+    shard.drop_dead_workers = True
+    died = PeerDied("rank 2: recv(from rank 1) failed: a peer closed its connection", 1)
 
     push(0, 0, 1, 2, 3), push(1, 0, 1)
     shard._dead(1, died)
@@ -735,24 +745,9 @@ def test_a_cut_leaves_out_a_workers_final_push_made_after_its_checkpoint():
     """Worker 0 asks for checkpoint 1 after its 4 steps, ends training and sends its final push
     (step FINAL) while the cut waits for worker 1: the checkpoint holds both workers' 4 steps,
     not the final push, which a restart from it would make again."""
-    from distsync.solvers.shard_service import FINAL, OP_PUSH, OP_SAVE, Request, ServerShard
+    from distsync.solvers.shard_service import FINAL, OP_SAVE, Request
 
-    class _Comm:
-        worker_ranks = [0, 1]
-
-    def sgd(shard, req):
-        shard.center -= req.payload
-        shard.version += 1
-
-    shard = ServerShard(_Comm(), [torch.zeros(1)], sgd)
-    written = []
-    shard.on_save = lambda index: written.append((index, shard.version))
-    shard.get_state = lambda: {"center": shard.center.clone(), "version": shard.version}
-    shard.set_state = lambda state: (shard.center.copy_(state["center"]), setattr(shard, "version", state["version"]))
-
-    def push(worker, *steps):
-        for step in steps:
-            shard._process(Request(worker, OP_PUSH, step, 0, torch.tensor([1.0])))
+    shard, written, push = _counting_shard()
 
     push(0, 0, 1, 2, 3), push(1, 0, 1)
     shard._process(Request(0, OP_SAVE, 1, 4, None))  # the cut opens

@@ -168,6 +168,18 @@ def _wait_for(condition, what, timeout=20.0):
         time.sleep(0.001)
 
 
+def _mirror_syncs_until_closed(comm, closer):
+    """The other worker's part while ``closer`` runs close(): it mirrors every sync (each
+    all-reduce doubles the tensor) until both say done."""
+    while closer.is_alive():
+        try:
+            comm.calls.get(timeout=0.05)
+        except queue.Empty:
+            continue
+        comm.answers.put(lambda t: t.mul_(2))
+    closer.join()
+
+
 @pytest.mark.parametrize("solver, options, expected", [
     # mean = (read + other) / 2; w <- live + (mean - read)
     ("shadow-ma", {}, [[2.5, 4.5], [3.0, 5.25]]),
@@ -195,13 +207,7 @@ def test_shadow_sync_is_written_back_as_a_correction_that_keeps_steps_taken_mean
         assert p.tolist() == pytest.approx(want), i
     closer = threading.Thread(target=s.close)
     closer.start()
-    while closer.is_alive():  # the other worker mirrors every sync until both say done
-        try:
-            comm.calls.get(timeout=0.05)
-        except queue.Empty:
-            continue
-        comm.answers.put(lambda t: t.mul_(2))
-    closer.join()
+    _mirror_syncs_until_closed(comm, closer)
     assert not s._thread.is_alive()
 
 
@@ -230,13 +236,7 @@ def test_close_waits_for_a_shadow_sync_blocked_past_the_comms_timeout():
     time.sleep(2 * comm.timeout_s)
     assert closer.is_alive() and not errors, errors  # still waiting for the blocked sync
     comm.answers.put(lambda t: t.mul_(2))
-    while closer.is_alive():  # the other worker mirrors every sync until both say done
-        try:
-            comm.calls.get(timeout=0.05)
-        except queue.Empty:
-            continue
-        comm.answers.put(lambda t: t.mul_(2))
-    closer.join()
+    _mirror_syncs_until_closed(comm, closer)
     assert not errors and not s._thread.is_alive()
 
 

@@ -201,3 +201,10 @@ def test_a_closed_solver_takes_its_own_loop_hooks_off_and_a_second_attach_is_ref
     model(x).sum().backward()
     opt.step()  # (the user's own, after every solver is closed: nothing refuses it)
     assert model.weight.flatten().tolist() == pytest.approx([-0.4, -0.8])  # four steps of -0.1 x, each once
+
+
+def test_takes_option_reads_the_solvers_options():
+    from distsync.solvers import takes_option
+
+    assert takes_option("ma", "every") and takes_option("async-ps", "servers")
+    assert not takes_option("allreduce", "every") and not takes_option("sync-easgd", "servers")

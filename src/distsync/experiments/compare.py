@@ -9,7 +9,7 @@ from distsync.errors import ConfigError
 from distsync.experiments.report import write_comparison
 from distsync.runtime import launch
 from distsync.runtime.resolve import WORKLOAD_FIELDS, ResolvedRun, resolve
-from distsync.solvers import solver_class
+from distsync.solvers import solver_class, takes_option
 
 
 def split_solver_options(solvers: list[str], raw: dict[str, str]) -> dict[str, dict[str, str]]:
@@ -27,7 +27,7 @@ def split_solver_options(solvers: list[str], raw: dict[str, str]) -> dict[str, d
             name = key.split(".", 1)[0]
             raise ConfigError(f"option {key}: {name} is not among the compared solvers ({', '.join(solvers)})")
         else:
-            takers = [s for s in solvers if key in {f.name for f in dataclasses.fields(solver_class(s).Options)}]
+            takers = [s for s in solvers if takes_option(s, key)]
             if not takers:
                 raise ConfigError(f"option {key}: none of {', '.join(solvers)} has it")
             for s in takers:

@@ -12,6 +12,7 @@ from distsync.solvers.base import (
     register_solver,
     solver_class,
     solver_names,
+    takes_option,
 )
 from distsync.solvers import (  # noqa: F401  (importing a module registers its solvers)
     allreduce,
@@ -37,4 +38,5 @@ __all__ = [
     "register_solver",
     "solver_class",
     "solver_names",
+    "takes_option",
 ]

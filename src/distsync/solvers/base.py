@@ -497,6 +497,11 @@ def solver_class(spec: str) -> type[Solver]:
     raise ConfigError(f"unknown solver {spec!r}; valid: {', '.join(solver_names())}")
 
 
+def takes_option(spec: str, option: str) -> bool:
+    """Whether the solver ``spec`` (:func:`solver_class`) has the option ``option``."""
+    return option in {f.name for f in dataclasses.fields(solver_class(spec).Options)}
+
+
 def make_options(cls: type[Solver], raw: dict[str, Any]) -> Any:
     """``cls.Options`` from ``{key: value}`` (strings are parsed), types and declared ranges
     checked; :class:`ConfigError` with a one-line message otherwise."""
