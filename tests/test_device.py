@@ -95,6 +95,8 @@ def test_an_emulated_step_lasts_its_device_time(tmp_path):
     assert slow == pytest.approx(0.030, abs=0.003)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["device"]["ms"] == 15.0 and summary["device"]["cpu_bound"] is False
+    assert summary["step_s"] == pytest.approx(0.030, abs=0.005)  # the slow worker's pace
+    assert all(w["peak_rss_mib"] > 50 for w in summary["per_worker"].values())  # (python and torch alone hold more)
     assert json.loads((out / "config.json").read_text())["device_ms"] == 15.0  # a re-run emulates it again
     assert "CPU-bound" not in proc.stdout + proc.stderr
 
@@ -132,3 +134,76 @@ def test_an_all_reduce_inside_backward_is_not_device_time(slept, monkeypatch):
     assert s.event_extra["device_math"] == pytest.approx(0.007)
     plugin.after_forward(None, step(0.003))  # the next step's device time leaves 4 ms of backward
     assert slept == pytest.approx([0.011, 0.002, 0.013])
+
+
+class FakeClock:
+    """perf_counter and sleep on a clock that only sleeps move (the real math takes no time)."""
+
+    def __init__(self, start: float = 100.0) -> None:
+        self.now, self.slept = start, []
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def _backward_share_run(monkeypatch, forward_s: float):
+    """A 30 ms device, two thirds of it backward's, on a Linear(3, 1) (weight 3/4 of the
+    parameters, bias 1/4): the clock's sleeps and when each gradient was accumulated."""
+    from types import SimpleNamespace
+
+    import torch
+
+    clock = FakeClock()
+    monkeypatch.setattr(stretch_module, "time", clock)
+    model = torch.nn.Linear(3, 1)
+    ready = {}
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: ready.__setitem__(name, clock.now))
+    plugin = DeviceStretch(1.0, 0.0, seeds=[0], device_ms=30.0, backward_share=2 / 3)
+    plugin.on_attach(SimpleNamespace(model=model, solver=SimpleNamespace(capabilities=frozenset())))
+    s = step(forward_s)
+    clock.now += forward_s
+    plugin.after_forward(None, s)
+    began = clock.now
+    model(torch.ones(1, 3)).sum().backward()
+    s.backward_s = clock.now - began
+    plugin.after_backward(None, s)
+    return clock, ready, s, began
+
+
+def test_backward_share_is_spent_as_the_gradients_become_ready(monkeypatch):
+    clock, ready, s, began = _backward_share_run(monkeypatch, forward_s=0.004)
+    assert clock.slept[0] == pytest.approx(0.006)  # forward's share: 10 ms, 4 of them the math
+    # backward's 20 ms: each gradient accumulated once the gradients so far have had their share
+    first, last = sorted(ready.values())
+    share_first = 0.75 if ready["weight"] == first else 0.25
+    assert first == pytest.approx(began + 0.020 * share_first)
+    assert last == pytest.approx(began + 0.020)
+    assert sum(clock.slept) == pytest.approx(0.026)  # 30 ms a step, 4 of them the math
+    assert s.event_extra["device_math"] == pytest.approx(0.004)  # (the time emulated in backward is no math)
+    assert "device_over" not in s.event_extra
+
+
+def test_a_forward_over_its_share_leaves_backward_less(monkeypatch):
+    clock, ready, s, began = _backward_share_run(monkeypatch, forward_s=0.012)
+    assert max(ready.values()) == pytest.approx(began + 0.018)  # 12 + 18 = the 30 ms
+    assert sum(clock.slept) == pytest.approx(0.018)
+    assert s.event_extra["device_math"] == pytest.approx(0.012)
+
+
+def test_device_backward_needs_a_device_and_one_training_thread(tmp_path):
+    from distsync.config import RunConfig
+    from distsync.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="give --device-ms too"):
+        RunConfig(workload="digits", device_backward=0.5).validate()
+    with pytest.raises(ConfigError, match="must be"):
+        RunConfig(workload="digits", device_ms=10.0, device_backward=1.0).validate()
+    cfg = RunConfig(workload="digits", device_ms=10.0, device_backward=0.5).validate()
+    with pytest.raises(ConfigError, match="one training thread per worker"):
+        DeviceStretch.for_worker(cfg, 0, threads=2)
+    assert DeviceStretch.for_worker(cfg, 0, threads=1).stretches[0].backward_share == 0.5

@@ -37,7 +37,7 @@ ROOTS = {"torch": "torch", "dist": "torch.distributed", "nn": "torch.nn", "F": "
          "np": "numpy", "numpy": "numpy", "sklearn": "sklearn", "copy": "copy", "random": "random",
          "math": "math", "os": "os", "threading": "threading", "json": "json", "signal": "signal",
          "subprocess": "subprocess", "multiprocessing": "multiprocessing", "time": "time", "sys": "sys",
-         "gc": "gc"}
+         "gc": "gc", "tomllib": "tomllib"}
 #: names of other projects that the docs quote unqualified: name -> the module whose attribute
 #: (walked by the name's parts) it is; for an attribute of an instance, "module.Class()"
 EXTERNAL = {

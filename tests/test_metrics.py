@@ -138,3 +138,16 @@ def test_processes_found_by_their_environment_named_and_the_cores_load():
     sum(i * i for i in range(300_000))  # (some work of this process's own)
     busy1, total1 = cpu_jiffies()
     assert 0 <= busy0 <= total0 and busy1 >= busy0 and total1 > total0 and busy1 - busy0 <= total1 - total0
+
+
+def test_summary_step_time_leaves_out_the_first_step_and_peak_memory_is_each_workers():
+    events = [step(0, 0, 0.0, 2.0, 0.5, 0.5), step(0, 1, 2.0, 3.0, 0.5, 0.5), step(0, 2, 3.0, 4.2, 0.5, 0.5),
+              step(0, 3, 4.2, 5.0, 0.5, 0.5),
+              step(1, 0, 0.0, 3.0, 0.5, 0.5), step(1, 1, 3.0, 4.5, 0.5, 0.5),
+              {"kind": "done", "rank": 0, "t": 5.0, "bytes": 0, "peak_rss_mib": 300.0},
+              {"kind": "done", "rank": 1, "t": 5.0, "bytes": 0, "peak_rss_mib": 350.5}]
+    s = summarize(events, target=None)
+    assert s["per_worker"]["0"]["step_s"] == pytest.approx(1.0)  # median of 1.0, 1.2, 0.8 (2.0 was the start)
+    assert s["per_worker"]["1"]["step_s"] == pytest.approx(1.5)
+    assert s["step_s"] == pytest.approx(1.5)  # the slowest worker's pace
+    assert (s["per_worker"]["0"]["peak_rss_mib"], s["per_worker"]["1"]["peak_rss_mib"]) == (300.0, 350.5)

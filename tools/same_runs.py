@@ -42,8 +42,8 @@ JOBS: list[tuple[str, list[str]]] = [
     ("allreduce-accumulate", ["--solver", "allreduce", "--workers", "2", "--steps", "12", "--accumulate", "2",
                               "--weight-decay", "0.01", "--eval-every", "6"]),
 ]
-#: event fields that are timings, not results
-TIMES = {"unix", "t", "t0", "seconds", "elapsed_s", "wall_s", "duration_s", "compute", "comm", "wait", "meet",
+#: event fields that are timings or measurements of the machine, not results
+TIMES = {"peak_rss_mib", "peak_device_mib", "unix", "t", "t0", "seconds", "elapsed_s", "wall_s", "duration_s", "compute", "comm", "wait", "meet",
          "device_math", "at", "time", "since", "clock", "close_s", "slept_s", "backward_s"}
 
 

@@ -589,6 +589,10 @@ class RunConfig:
     #: milliseconds times the worker's --slow factor (and jitter); the real math runs inside
     #: it and the rest is slept. None: compute takes what the CPU takes
     device_ms: float | None = bounded(None, gt=0, flag="--device-ms", note=" milliseconds")
+    #: the share of the emulated device time that is backward's, spent as the gradients
+    #: become ready (in proportion to their parameters' sizes), so that communication started
+    #: in backward overlaps it as on a real device; 0: all of it before backward
+    device_backward: float = bounded(0.0, ge=0, lt=1, flag="--device-backward", note=" (a share of --device-ms)")
     #: a budget for the job as a whole instead of steps per worker: "samples=N",
     #: "seconds=S", "target" or "target=VALUE", several joined by commas (:func:`parse_budget`)
     budget: Budget | None = None
@@ -649,6 +653,8 @@ class RunConfig:
                 raise ConfigError(f"bad --fault {spec!r}: rank {fault.target} is not a worker "
                                   f"(workers are ranks 0..{self.workers - 1}; use server, coordinator or "
                                   f"embedding-server for the other roles)")
+        if self.device_backward and self.device_ms is None:
+            raise ConfigError("--device-backward is a share of an emulated device's time: give --device-ms too")
         for rank, factor in self.slow.items():
             if not 0 <= rank < self.workers:
                 raise ConfigError(

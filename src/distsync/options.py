@@ -171,6 +171,10 @@ def _add_cluster_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device-ms", type=finite_float, metavar="MS",
                    help="emulate a device: each step's compute lasts MS milliseconds (times the worker's --slow "
                         "factor), the real math inside it and the rest slept, so the CPU is left mostly idle")
+    g.add_argument("--device-backward", type=finite_float, default=run_default("device_backward"), metavar="SHARE",
+                   help="the share of --device-ms that is backward's, spent as the gradients become ready (by "
+                        "parameter size), so that communication started in backward overlaps it as on a real "
+                        "device (e.g. 0.67; default: 0, all of it before backward)")
     g.add_argument("--link", metavar="BANDWIDTH[,LATENCY]",
                    help="emulate a cluster: every process on its own network host behind a link of this "
                         "rate (e.g. 200mbit, 1gbit,2ms); needs root")
@@ -236,6 +240,7 @@ def config_from_args(args: argparse.Namespace, solver: str, solver_options: dict
         epochs=args.epochs,
         budget=args.budget,
         device_ms=args.device_ms,
+        device_backward=args.device_backward,
         buffers=args.buffers,
         warmup_steps=args.warmup_steps,
         lr_schedule=args.lr_schedule,

@@ -100,3 +100,10 @@ def tree_usage(pid: int) -> dict[str, int]:
         except (OSError, KeyError, ValueError):
             pass
     return {"rss": rss, "threads": threads, "fds": fds}
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory so far (the kernel's high-water mark), MiB."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # (Linux counts it in KiB)

@@ -11,7 +11,6 @@ starts at a common barrier and stops while that worker evaluates.
 from __future__ import annotations
 
 import math
-
 import statistics
 from typing import Any, Iterable
 
@@ -141,6 +140,13 @@ def summarize(
         # Done early while others still train: idle, which counts as waiting.
         per_rank[r]["idle_after_done"] = max(0.0, wall - max(e["t"] for e in mine))
         per_rank[r]["wait"] += per_rank[r]["idle_after_done"]
+    for r in ranks:  # the pace once running: the median step after the first (which holds the start-up)
+        took = [e["t"] - e["t0"] for e in steps if e["rank"] == r and "t0" in e][1:]
+        per_rank[r]["step_s"] = statistics.median(took) if took else None
+    for e in done_events:  # (each worker's peak memory, when it said)
+        for key in ("peak_rss_mib", "peak_device_mib"):
+            if key in e and e["rank"] in per_rank:
+                per_rank[e["rank"]][key] = e[key]
     curve = eval_curve(events)
     reached = None
     if target is not None:
@@ -169,5 +175,7 @@ def summarize(
         "bytes_sent": sum(v["bytes"] for v in per_rank.values()) + sum(e.get("bytes", 0) for e in done_events),
         "phase_seconds": totals,
         "phase_share": {p: totals[p] / busy for p in PHASES},
+        #: the slowest worker's step once running (median, first step left out)
+        "step_s": max((v["step_s"] for v in per_rank.values() if v["step_s"] is not None), default=None),
         "per_worker": {str(r): v for r, v in per_rank.items()},
     }

@@ -25,6 +25,7 @@ from distsync.runtime.plugins import (Checkpointer, ComputeGate, DeviceStretch, 
                                       StepState, TrainClock)
 from distsync.membership.liveness import POLL_S
 from distsync.membership.views import AdaptsToViews
+from distsync.metrics.processes import peak_rss_mib
 from distsync.runtime.plugins.budget import JobBudget, ProgressReport
 from distsync.runtime.plugins.tensorboard import TensorBoardLog
 from distsync.runtime.plugins.training import (DataEnd, GradClip, LearningRate, LossScaler, check_accumulate,
@@ -323,8 +324,11 @@ def finish_run(run: RunState) -> list[dict[str, Any]]:
     a = time.perf_counter()
     run.solver.close()
     _background_views(run)
-    run.events.append({"kind": "done", "rank": run.rank, "t": run.clock.now(), "close_s": time.perf_counter() - a,
-                       "slept_s": run.plugins.slept_s, "bytes": run.comm.bytes_sent - bytes_before})
+    done = {"kind": "done", "rank": run.rank, "t": run.clock.now(), "close_s": time.perf_counter() - a,
+            "slept_s": run.plugins.slept_s, "bytes": run.comm.bytes_sent - bytes_before, "peak_rss_mib": peak_rss_mib()}
+    if run.device.type == "cuda":
+        done["peak_device_mib"] = torch.cuda.max_memory_allocated(run.device) / 2**20
+    run.events.append(done)
     run.plugins.on_close(run)
     if isinstance(run.events, EventJournal):
         run.events.close()

