@@ -207,3 +207,11 @@ def test_device_backward_needs_a_device_and_one_training_thread(tmp_path):
     with pytest.raises(ConfigError, match="one training thread per worker"):
         DeviceStretch.for_worker(cfg, 0, threads=2)
     assert DeviceStretch.for_worker(cfg, 0, threads=1).stretches[0].backward_share == 0.5
+
+
+def test_device_backward_with_hogwild_threads_is_refused_before_anything_starts(tmp_path):
+    proc = run_cli("train", "--solver", "hogwild", "--workers", "2", "--device-ms", "10", "--device-backward", "0.5",
+                   "--steps", "2", "--out", str(tmp_path / "run"))
+    assert proc.returncode == 2
+    assert "--device-backward needs one training thread per worker; hogwild trains with 2" in proc.stderr
+    assert not (tmp_path / "run" / "logs").exists()

@@ -161,6 +161,9 @@ def resolve(cfg: RunConfig, *, world_size: int | None = None, steps_set: bool = 
         cfg = dataclasses.replace(cfg, steps=epoch_steps(cfg, workload, threads))
     if workload is not None:
         _check_train_data(cfg, workload, threads)
+    if threads > 1 and cfg.device_backward:
+        raise ConfigError(f"--device-backward needs one training thread per worker; {cls.name} trains with {threads}, "
+                          f"whose backward passes share one model's gradients")
     if threads > 1 and launch.crossover:
         raise ConfigError(f"crossover scheduling runs one training thread per worker; {cls.name} asks for {threads}")
     if threads > 1 and Capability.THREADS_TAKE_PLAIN_SGD in cls.capabilities and (
