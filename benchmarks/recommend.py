@@ -4,7 +4,7 @@ Regime: emulated devices and links on one 2-core machine; runs that were CPU-bou
 overran its device time on many steps) are flagged, never replaced.
 
     sudo python benchmarks/recommend.py --set test [--fit] [--seeds 1,2,3] [--cap S] [--solvers a,b]
-    sudo python benchmarks/recommend.py --set dev [--only 1,3,7] [--reuse]
+    sudo python benchmarks/recommend.py --set dev [--only 1,3,7]
     python benchmarks/recommend.py --set test --list      # the scenarios, caps and runs; runs nothing
     sudo python benchmarks/recommend.py --quick           # dev scenario 1, seed 1, cap 10 s
 
@@ -26,9 +26,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import argument_parser, exit_on_error, print_checks, provenance, seed_list, write_record
+from common import argument_parser, exit_on_error, finish, provenance, seed_list
 
-from distsync.metrics.repeats import shown
+from distsync.experiments.report import markdown_table
+from distsync.metrics.repeats import shown, spread
 from recommend_scenarios import (DEV, TOP_PER_SOLVER_2, VERIFY_TOP, Scenario, declared, short_name, test_set,
                                  test_set_2)
 
@@ -45,9 +46,6 @@ CAP_STEPS = 1.5
 EVAL_FINER = 2
 #: a rough start-up and shutdown per run, seconds: START_S + START_PER_WORKER_S x workers
 START_S, START_PER_WORKER_S = 8.0, 0.75
-#: training options a ranked row may carry of its own, passed to its real runs as they are
-TRAINING_KEYS = ("workload_options", "batch_size", "lr", "optimizer", "momentum", "weight_decay", "precision",
-                 "eval_every")
 #: what a test run must be measured at: these paths unchanged from the recorded commit
 MEASURED_PATHS = ("src/distsync", "benchmarks/recommend.py", "benchmarks/recommend_scenarios.py",
                   "benchmarks/workloads", "benchmarks/common.py")
@@ -68,19 +66,13 @@ def option_key(solver: str, options: dict[str, Any]) -> str:
     return solver + " " + json.dumps(resolved, sort_keys=True, default=str)
 
 
-def _solver_ranks(ranked: list[dict[str, Any]]) -> list[int]:
-    """Each row's ``solver_rank`` (1: its solver's best option set); rows without one are
-    ranked within their solver in the answer's order."""
-    seen: dict[str, int] = {}
-    out = []
-    for row in ranked:
-        seen[row["solver"]] = seen.get(row["solver"], 0) + 1
-        out.append(int(row.get("solver_rank") or seen[row["solver"]]))
-    return out
-
-
-def _label(solver: str, options: dict[str, Any]) -> str:
-    return solver + "".join(f" {k}={v}" for k, v in options.items())
+def _config(row: dict[str, Any], solver_rank: int | None, answer_rank: int | None) -> dict[str, Any]:
+    """A configuration of the measured set from a row of the answer (``answer_rank``: its place
+    there, 1 for the recommended one; None: not in the answer)."""
+    return {"key": option_key(row["solver"], row["options"]), "solver": row["solver"], "options": dict(row["options"]),
+            "label": row["label"], "solver_rank": solver_rank, "answer_rank": answer_rank, "defaults": False,
+            "recommended": answer_rank == 1, "predicted_time_to_target_s": row.get("time_to_target_s"),
+            "predicted_throughput": row.get("throughput_samples_per_s")}
 
 
 def measured_set(ranked: list[dict[str, Any]], solvers: list[str], top: int = TOP_PER_SOLVER,
@@ -88,37 +80,19 @@ def measured_set(ranked: list[dict[str, Any]], solvers: list[str], top: int = TO
     """For every solver of ``solvers``: its top ``top`` rows of ``ranked`` by solver rank, and
     its defaults (a row of its own only when no ranked row is them), and the first ``first``
     rows of ``ranked``, each once; the first ranked row is marked ``recommended``."""
-    ranks = _solver_ranks(ranked)
-    out: list[dict[str, Any]] = []
-    keys: dict[str, dict[str, Any]] = {}
+    out: dict[str, dict[str, Any]] = {}
     for solver in solvers:
-        mine = sorted((rank, i) for i, (row, rank) in enumerate(zip(ranked, ranks)) if row["solver"] == solver)
-        head = [(rank, i) for rank, i in mine if i < first]
-        for rank, i in mine[:top] + [x for x in head if x not in mine[:top]]:
-            row = ranked[i]
-            key = option_key(solver, row["options"])
-            if key in keys:
-                continue
-            keys[key] = {"key": key, "solver": solver, "options": dict(row["options"]), "label": row["label"],
-                         "solver_rank": rank, "answer_rank": i + 1, "defaults": False, "recommended": i == 0,
-                         "predicted_time_to_target_s": row.get("time_to_target_s"),
-                         "predicted_throughput": row.get("throughput_samples_per_s"),
-                         "training": {k: row[k] for k in TRAINING_KEYS if row.get(k) is not None}}
-            out.append(keys[key])
+        mine = sorted((row["solver_rank"], i) for i, row in enumerate(ranked) if row["solver"] == solver)
+        for rank, i in mine[:top] + [(rank, i) for rank, i in mine[top:] if i < first]:
+            out.setdefault(option_key(solver, ranked[i]["options"]), _config(ranked[i], rank, i + 1))
         default = option_key(solver, {})
-        if default in keys:
-            keys[default]["defaults"] = True
-            continue
-        i = next((j for j, row in enumerate(ranked) if row["solver"] == solver
-                  and option_key(solver, row["options"]) == default), None)
-        row = ranked[i] if i is not None else {"options": {}, "label": _label(solver, {})}
-        keys[default] = {"key": default, "solver": solver, "options": dict(row["options"]), "label": row["label"],
-                         "solver_rank": ranks[i] if i is not None else None,
-                         "answer_rank": None if i is None else i + 1, "defaults": True, "recommended": i == 0,
-                         "predicted_time_to_target_s": row.get("time_to_target_s"),
-                         "predicted_throughput": row.get("throughput_samples_per_s"), "training": {}}
-        out.append(keys[default])
-    return out
+        if default not in out:
+            i = next((j for j, row in enumerate(ranked) if row["solver"] == solver
+                      and option_key(solver, row["options"]) == default), None)
+            out[default] = (_config({"solver": solver, "options": {}, "label": solver}, None, None) if i is None
+                            else _config(ranked[i], ranked[i]["solver_rank"], i + 1))
+        out[default]["defaults"] = True
+    return list(out.values())
 
 
 # -- real runs --
@@ -148,11 +122,6 @@ def eval_every(sc: Scenario) -> int:
     return max(1, _workload_defaults(sc)[1] // EVAL_FINER)
 
 
-def budget(sc: Scenario, cap_s: float) -> str:
-    target = "target" if sc.target is None else f"target={sc.target:g}"
-    return f"{target},seconds={cap_s:g}"
-
-
 def fit_folder(sc: Scenario, out: Path) -> Path:
     """Where the scenario's fit run (:func:`make_fit_run`) lies in ``out``."""
     return out / f"fit-{short_name(sc.workload)}-{sc.link}-{sc.device_ms:g}ms"
@@ -179,38 +148,28 @@ def scenario_training(sc: Scenario) -> dict[str, Any]:
 
 def request_for(sc: Scenario, solvers: list[str], fit: str | None):
     """`recommend`'s question for the scenario (seed 0), with the training its runs get and
-    the scenario's target."""
+    the scenario's target (``--budget target=VALUE``)."""
     from distsync.experiments.recommend import Request
 
     wanted = {"workload": sc.workload_path, "workers": sc.workers, "link": sc.link, "device_ms": sc.device_ms,
               "slow_fraction": sc.slow_fraction, "slow_factor": sc.slow_factor, "jitter": sc.jitter,
-              "solvers": solvers, "seed": 0, "fit_from": fit, **scenario_training(sc)}
-    if sc.target is not None:
-        wanted.update(target=sc.target, budget=f"target={sc.target:g}")
+              "solvers": solvers, "seed": 0, "fit_from": fit, **scenario_training(sc),
+              "budget": None if sc.target is None else f"target={sc.target:g}"}
     return Request(**{k: v for k, v in wanted.items() if v is not None})
 
 
-#: written beside a finished run of the test set: what it measured (a stopped run goes on after it)
+#: written beside a finished run of a test set: what it measured (a stopped scoring goes on after it)
 MEASURED_FILE = "measured.json"
 
 
 class Stop(Exception):
-    """Asked to stop (SIGTERM, SIGINT, or a STOP file in the run's folder) between two runs."""
-
-
-_stop_asked: list[str] = []
-
-
-def _ask_stop(signum, _frame) -> None:
-    _stop_asked.append(signal.Signals(signum).name)
-    print(f"{signal.Signals(signum).name}: stopping after the run in progress (the same command goes on)",
-          flush=True)
+    """Asked to stop between two runs: a file named STOP in the results folder."""
 
 
 def check_stop(root: Path) -> None:
     """Raise :class:`Stop` where a stop was asked for: between runs, never inside one."""
-    if _stop_asked or (root / "STOP").exists():
-        raise Stop(_stop_asked[0] if _stop_asked else f"{root / 'STOP'} exists")
+    if (root / "STOP").exists():
+        raise Stop(f"{root / 'STOP'} exists")
 
 
 def run_kept(sc: Scenario, cfg: dict[str, Any], run_dir: Path, cap_s: float, seed: int) -> dict[str, Any]:
@@ -221,13 +180,13 @@ def run_kept(sc: Scenario, cfg: dict[str, Any], run_dir: Path, cap_s: float, see
         return json.loads(kept.read_text())
     if run_dir.exists():
         shutil.rmtree(run_dir)
-    out = run_once(sc, cfg, run_dir, cap_s, seed, reuse=False)
+    out = run_once(sc, cfg, run_dir, cap_s, seed)
     run_dir.mkdir(parents=True, exist_ok=True)
     kept.write_text(json.dumps(out) + "\n")
     return out
 
 
-def run_once(sc: Scenario, cfg: dict[str, Any], run_dir: Path, cap_s: float, seed: int, reuse: bool) -> dict[str, Any]:
+def run_once(sc: Scenario, cfg: dict[str, Any], run_dir: Path, cap_s: float, seed: int) -> dict[str, Any]:
     """One real run of configuration ``cfg`` to the target (or the cap), trained as
     ``cfg["training"]`` says (RunConfig's names); a run that fails counts as a miss, with its error."""
     from distsync.config import RunConfig
@@ -236,17 +195,14 @@ def run_once(sc: Scenario, cfg: dict[str, Any], run_dir: Path, cap_s: float, see
 
     fields = {f.name for f in dataclasses.fields(RunConfig)}
     training = {k: v for k, v in cfg["training"].items() if k in fields and v is not None}
+    target = "target" if sc.target is None else f"target={sc.target:g}"
     t0 = time.perf_counter()
     error = None
     try:
-        if reuse and (run_dir / "summary.json").exists():
-            s = json.loads((run_dir / "summary.json").read_text())
-        else:
-            rc = RunConfig(**{**training, "workload": sc.workload_path, "solver": cfg["solver"],
-                              "solver_options": dict(cfg["options"]), "workers": sc.workers, "slow": sc.slow,
-                              "jitter": sc.jitter, "device_ms": sc.device_ms, "link": sc.link,
-                              "budget": budget(sc, cap_s), "seed": seed, "timeout_s": 120})
-            s = launch(rc, run_dir)
+        s = launch(RunConfig(**{**training, "workload": sc.workload_path, "solver": cfg["solver"],
+                                "solver_options": dict(cfg["options"]), "workers": sc.workers, "slow": sc.slow,
+                                "jitter": sc.jitter, "device_ms": sc.device_ms, "link": sc.link,
+                                "budget": f"{target},seconds={cap_s:g}", "seed": seed, "timeout_s": 120}), run_dir)
     except DistsyncError as e:
         s, error = {}, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         print(f"   {cfg['label']} seed {seed}: run failed ({error}); counted as a miss", flush=True)
@@ -264,16 +220,13 @@ def score_scenario(configs: list[dict[str, Any]], tolerance: float = TOLERANCE) 
     """Per configuration (each with ``runs``: ``{seed: {"scored_s": ...}}``): its median and
     spread over seeds; the measured best (least median; ties: the first); the margin a hit may
     lie within; and which configurations hit."""
-    stats = []
-    for c in configs:
-        times = [r["scored_s"] for r in c["runs"].values()]
-        stats.append((statistics.median(times), max(times) - min(times)))
-    best = min(range(len(configs)), key=lambda i: stats[i][0])
-    best_median, best_spread = stats[best]
-    margin = max(best_spread, tolerance * best_median)
-    return {"medians": [m for m, _ in stats], "spreads": [s for _, s in stats], "best": configs[best]["key"],
-            "best_median_s": best_median, "margin_s": margin,
-            "hits": [configs[i]["key"] for i in range(len(configs)) if stats[i][0] <= best_median + margin + 1e-9]}
+    stats = [spread(r["scored_s"] for r in c["runs"].values()) for c in configs]
+    medians, spreads = [m for m, _, _ in stats], [hi - lo for _, lo, hi in stats]
+    best = min(range(len(configs)), key=medians.__getitem__)
+    margin = max(spreads[best], tolerance * medians[best])
+    return {"medians": medians, "spreads": spreads, "best": configs[best]["key"], "best_median_s": medians[best],
+            "margin_s": margin,
+            "hits": [c["key"] for c, m in zip(configs, medians) if m <= medians[best] + margin + 1e-9]}
 
 
 def defaults_hit(scenario: dict[str, Any], solver: str) -> bool:
@@ -302,42 +255,34 @@ def best_rule(scenarios: list[dict[str, Any]], solvers: list[str]) -> tuple[str,
     return max(pairs, key=lambda ab: (rule_hits(scenarios, *ab), -pairs.index(ab)))
 
 
-def summarize(scenarios: list[dict[str, Any]], solvers: list[str],
-              dev: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def summarize(scenarios: list[dict[str, Any]], solvers: list[str]) -> dict[str, Any]:
     """Hits of `recommend` and of the baselines over the scored scenarios: every fixed choice,
-    the rules a user could write (:data:`RULES`), the best two-branch rule found on the
-    development set's scored scenarios ``dev`` (when given) and, in hindsight, on these."""
+    the rules a user could write (:data:`RULES`) and the best two-branch rule in hindsight."""
     n = len(scenarios)
-    rec = sum(bool(s["hit"]) for s in scenarios)
-    always = {}
-    oracle = {}
-    for x in solvers:
-        always[x] = sum(defaults_hit(s, x) for s in scenarios)
-        oracle[x] = sum(any(c["solver"] == x and c["key"] in s["hits"] for c in s["configs"]) for s in scenarios)
-    best_fixed = max(solvers, key=lambda x: always[x]) if solvers else None
-    random_hits = sum(len(s["hits"]) / len(s["configs"]) for s in scenarios if s["configs"])
-    share = (lambda k: k / n if n else 0.0)
-    rules = {rule_name(*ab): {"hits": rule_hits(scenarios, *ab), "share": share(rule_hits(scenarios, *ab))}
-             for ab in RULES}
-    hindsight = best_rule(scenarios, solvers) if solvers else None
-    if hindsight:
-        rules[f"best two-branch rule in hindsight: {rule_name(*hindsight)}"] = {
-            "hits": rule_hits(scenarios, *hindsight), "share": share(rule_hits(scenarios, *hindsight))}
-    if dev:
-        chosen = best_rule(dev, solvers)
-        rules[f"best two-branch rule on the development set: {rule_name(*chosen)}"] = {
-            "hits": rule_hits(scenarios, *chosen), "share": share(rule_hits(scenarios, *chosen))}
-    strongest = max([share(always[best_fixed])] + [v["share"] for v in rules.values()]) if best_fixed else 0.0
+
+    def counted(hits: float) -> dict[str, float]:
+        return {"hits": hits, "share": hits / n if n else 0.0}
+
+    rec = counted(sum(bool(s["hit"]) for s in scenarios))
+    always = {x: counted(sum(defaults_hit(s, x) for s in scenarios)) for x in solvers}
+    oracle = {x: counted(sum(any(c["solver"] == x and c["key"] in s["hits"] for c in s["configs"]) for s in scenarios))
+              for x in solvers}
+    rules = {rule_name(*ab): counted(rule_hits(scenarios, *ab)) for ab in RULES}
+    if solvers:
+        ab = best_rule(scenarios, solvers)
+        rules[f"best two-branch rule in hindsight: {rule_name(*ab)}"] = counted(rule_hits(scenarios, *ab))
+    best_fixed = max(solvers, key=lambda x: always[x]["hits"]) if solvers else None
+    fixed = always[best_fixed]["share"] if best_fixed else 0.0
+    strongest = max([fixed] + [v["share"] for v in rules.values()]) if best_fixed else 0.0
+    random = counted(sum(len(s["hits"]) / len(s["configs"]) for s in scenarios if s["configs"]))
     verify = ({"verify_hits": sum(bool(s.get("verify_hit")) for s in scenarios)}
               if any("verify_hit" in s for s in scenarios) else {})
-    return {**verify,"scenarios": n, "hits": rec, "hit_share": share(rec),
-            "rules": rules, "margin_over_rules_points": 100 * (share(rec) - strongest),
-            "always": {x: {"hits": k, "share": share(k)} for x, k in always.items()},
-            "best_fixed": best_fixed, "best_fixed_share": share(always[best_fixed]) if best_fixed else 0.0,
-            "margin_points": 100 * (share(rec) - (share(always[best_fixed]) if best_fixed else 0.0)),
-            "random_expected_hits": random_hits, "random_share": share(random_hits),
-            "oracle_options": {x: {"hits": k, "share": share(k)} for x, k in oracle.items()},
-            "best_at_cap": sum(bool(s["best_at_cap"]) for s in scenarios)}
+    return {**verify, "scenarios": n, "hits": rec["hits"], "hit_share": rec["share"],
+            "rules": rules, "margin_over_rules_points": 100 * (rec["share"] - strongest),
+            "always": always, "best_fixed": best_fixed, "best_fixed_share": fixed,
+            "margin_points": 100 * (rec["share"] - fixed),
+            "random_expected_hits": random["hits"], "random_share": random["share"],
+            "oracle_options": oracle, "best_at_cap": sum(bool(s["best_at_cap"]) for s in scenarios)}
 
 
 #: each test set's target for the first pick's hits (the second set's issue asked for more)
@@ -357,31 +302,31 @@ def targets(raw: dict[str, Any]) -> list[tuple[str, bool]]:
     """The targets: hits >= 80% (test set 2: 85%) and at least 15 points above the best fixed
     choice and rule, --verify 3 >= 90%, and on test set 2 the simulator's fidelity."""
     s = raw["summary"]
-    goal = HIT_TARGET.get(raw.get("set"), 0.8)
-    return [(f"recommend hits in {s['hit_share']:.0%} of {s['scenarios']} scenarios (target >= {goal:.0%})",
-             s["scenarios"] > 0 and s["hit_share"] >= goal),
-            (f"{s['margin_points']:+.0f} points over the best fixed choice in hindsight ({s['best_fixed']} with its "
-             f"defaults, {s['best_fixed_share']:.0%}) (target >= +15)",
-             s["scenarios"] > 0 and s["margin_points"] >= 15)] + ([
-            (f"{s['margin_over_rules_points']:+.0f} points over the strongest fixed choice or rule (target >= +15)",
-             s["scenarios"] > 0 and s["margin_over_rules_points"] >= 15)] if "rules" in s else []) + ([
-            (f"recommend --verify 3 hits in {s['verify_hits'] / max(1, s['scenarios']):.0%} of {s['scenarios']} "
-             f"scenarios (target >= 90%)", s["scenarios"] > 0 and s["verify_hits"] >= 0.9 * s["scenarios"])]
-            if "verify_hits" in s else []) + _fidelity_targets(raw)
+    n, goal = s["scenarios"], HIT_TARGET.get(raw.get("set"), 0.8)
+    out = [(f"recommend hits in {s['hit_share']:.0%} of {n} scenarios (target >= {goal:.0%})",
+            n > 0 and s["hit_share"] >= goal),
+           (f"{s['margin_points']:+.0f} points over the best fixed choice in hindsight ({s['best_fixed']} with its "
+            f"defaults, {s['best_fixed_share']:.0%}) (target >= +15)", n > 0 and s["margin_points"] >= 15)]
+    if "rules" in s:  # (the first test set's raw file has no rules)
+        out.append((f"{s['margin_over_rules_points']:+.0f} points over the strongest fixed choice or rule "
+                    f"(target >= +15)", n > 0 and s["margin_over_rules_points"] >= 15))
+    if "verify_hits" in s:
+        out.append((f"recommend --verify 3 hits in {s['verify_hits'] / max(1, n):.0%} of {n} scenarios "
+                    f"(target >= 90%)", n > 0 and s["verify_hits"] >= 0.9 * n))
+    if raw.get("set") in FIDELITY_TARGETS:
+        throughput, time_share = FIDELITY_TARGETS[raw["set"]]
+        t = trust(raw)
+        tp, tt = t["throughput_close"] / max(1, t["throughput_rows"]), t["close"] / max(1, t["reached"])
+        out += [(f"the simulator's throughput within {THROUGHPUT_CLOSE:.0%} on {t['throughput_close']} of "
+                 f"{t['throughput_rows']} configurations, {tp:.0%} (target >= {throughput:.0%})",
+                 t["throughput_rows"] > 0 and tp >= throughput),
+                (f"the simulator's time to target within {CLOSE:.0%} on {t['close']} of {t['reached']} "
+                 f"configurations that reached it, {tt:.0%} (target >= {time_share:.0%})",
+                 t["reached"] > 0 and tt >= time_share)]
+    return out
 
 
-def _fidelity_targets(raw: dict[str, Any]) -> list[tuple[str, bool]]:
-    if raw.get("set") not in FIDELITY_TARGETS:
-        return []
-    throughput, time = FIDELITY_TARGETS[raw["set"]]
-    t = trust(raw)
-    tp, tt = t["throughput_close"] / max(1, t["throughput_rows"]), t["close"] / max(1, t["reached"])
-    return [(f"the simulator's throughput within {THROUGHPUT_CLOSE:.0%} on {t['throughput_close']} of "
-             f"{t['throughput_rows']} configurations, {tp:.0%} (target >= {throughput:.0%})",
-             t["throughput_rows"] > 0 and tp >= throughput),
-            (f"the simulator's time to target within {CLOSE:.0%} on {t['close']} of {t['reached']} configurations "
-             f"that reached it, {tt:.0%} (target >= {time:.0%})", t["reached"] > 0 and tt >= time)]
-
+# -- when to trust it --
 
 def _link_group(r: dict[str, Any]) -> str:
     from distsync.config import parse_link
@@ -425,23 +370,19 @@ def trust(raw: dict[str, Any]) -> dict[str, Any]:
 
     scenarios, fixed = raw["scenarios"], raw["summary"]["best_fixed"]
     groups: dict[tuple[str, str], dict[str, int]] = {}
-    for r in scenarios:
-        fixed_hit = defaults_hit(r, fixed)
-        for name, group_of in REGIMES:
-            g = groups.setdefault((name, group_of(r)), {"scenarios": 0, "hits": 0, "fixed_hits": 0})
-            g["scenarios"] += 1
-            g["hits"] += bool(r["hit"])
-            g["fixed_hits"] += fixed_hit
     regret, errors, rates, rho = [], {}, [], []
     rates_by_workload: dict[str, list[float]] = {}
     wrong_side = {"predicted_reach_missed": 0, "predicted_miss_reached": 0}
     for r in scenarios:
-        by = {c["key"]: c for c in r["configs"]}
-        rec = by.get(r["recommended"])
+        for name, group_of in REGIMES:
+            g = groups.setdefault((name, group_of(r)), {"scenarios": 0, "hits": 0, "fixed_hits": 0})
+            g["scenarios"] += 1
+            g["hits"] += bool(r["hit"])
+            g["fixed_hits"] += defaults_hit(r, fixed)
+        rec = next((c for c in r["configs"] if c["key"] == r["recommended"]), None)
         if rec is not None:
             regret.append({"scenario": r["scenario"], "hit": bool(r["hit"]),
-                           "ratio": rec["median_s"] / r["best_median_s"],
-                           "at_cap": not _reached(rec)})
+                           "ratio": rec["median_s"] / r["best_median_s"], "at_cap": not _reached(rec)})
         pairs = []
         for c in r["configs"]:
             rate = [x["throughput"] for x in c["runs"].values() if x.get("throughput")]
@@ -451,19 +392,15 @@ def trust(raw: dict[str, Any]) -> dict[str, Any]:
             p = c.get("predicted_time_to_target_s")
             if p is None:
                 continue
-            m = c["median_s"]
-            pairs.append((p, m))
+            pairs.append((p, c["median_s"]))
             if _reached(c):
-                errors.setdefault(c["solver"], []).append(p / m - 1)
+                errors.setdefault(c["solver"], []).append(p / c["median_s"] - 1)
+                wrong_side["predicted_miss_reached"] += p > r["cap_s"]
             elif p <= r["cap_s"]:
                 wrong_side["predicted_reach_missed"] += 1
-            if _reached(c) and p > r["cap_s"]:
-                wrong_side["predicted_miss_reached"] += 1
         if len(pairs) >= 3 and len({m for _, m in pairs}) > 1:
             rho.append(float(spearmanr([p for p, _ in pairs], [m for _, m in pairs]).statistic))
     every = [e for es in errors.values() for e in es]
-    per_solver = {x: {"configs": len(es), "median_error": statistics.median(es),
-                      "close": sum(abs(e) <= CLOSE for e in es)} for x, es in errors.items()}
     order = {n: i for i, (n, _) in enumerate(REGIMES)}
     keys = sorted(groups, key=lambda k: (order[k[0]], len(k[1]), k[1]))
     return {"regimes": [{"regime": n, "group": g, **groups[n, g]} for n, g in keys],
@@ -472,7 +409,9 @@ def trust(raw: dict[str, Any]) -> dict[str, Any]:
                                            "min_error": min(es), "max_error": max(es),
                                            "close": sum(abs(e) <= THROUGHPUT_CLOSE for e in es)}
                                        for w, es in rates_by_workload.items()},
-            "regret": regret, "errors": per_solver,
+            "regret": regret,
+            "errors": {x: {"configs": len(es), "median_error": statistics.median(es),
+                           "close": sum(abs(e) <= CLOSE for e in es)} for x, es in errors.items()},
             "close": sum(abs(e) <= CLOSE for e in every), "reached": len(every),
             "median_abs_error": statistics.median(abs(e) for e in every) if every else None,
             **wrong_side, "spearman": rho}
@@ -481,45 +420,43 @@ def trust(raw: dict[str, Any]) -> dict[str, Any]:
 def render_trust(raw: dict[str, Any]) -> str:
     """:func:`trust`'s tables."""
     t, fixed = trust(raw), raw["summary"]["best_fixed"]
-    lines = [f"Hits per regime (each scenario counted once in every grouping), beside always-{fixed} (the best "
-             "fixed choice):", "", f"| regime | group | scenarios | recommend hits | always-{fixed} hits |",
-             "|---|---|---|---|---|"]
-    for g in t["regimes"]:
-        lines.append(f"| {g['regime']} | {g['group']} | {g['scenarios']} | {g['hits']} | {g['fixed_hits']} |")
     ratios = [x["ratio"] for x in t["regret"]]
-    misses = [x for x in t["regret"] if not x["hit"]]
-    lines += ["", f"The recommended configuration's measured median over the measured best's: "
-              f"{shown(ratios)} over the scenarios (1.00 is the best); on the misses: "
-              + (", ".join(f"{x['scenario']}: {x['ratio']:.2f}{' (at cap)' if x['at_cap'] else ''}" for x in misses)
-                 or "none") + ".", "",
-              f"The simulator's time to target against the measured median, on the configurations whose median "
-              f"reached the target: within {CLOSE:.0%} on {t['close']} of {t['reached']}"
-              + (f" (median absolute error {t['median_abs_error']:.0%})" if t["median_abs_error"] is not None else "")
-              + f"; predicted within the cap but missed it: {t['predicted_reach_missed']}; predicted past the cap "
-              f"but reached it: {t['predicted_miss_reached']}. Throughput within {THROUGHPUT_CLOSE:.0%} of the "
-              f"measured median: {t['throughput_close']} of {t['throughput_rows']} configurations. Rank agreement "
-              f"of the predicted and measured order (Spearman, per scenario): {shown(t['spearman'])}.", "",
-              f"| solver | configurations that reached the target | predicted / measured - 1 (median) | "
-              f"within {CLOSE:.0%} |", "|---|---|---|---|"]
-    for x, v in t["errors"].items():
-        lines.append(f"| {x} | {v['configs']} | {v['median_error']:+.0%} | {v['close']} of {v['configs']} |")
-    lines += ["", f"| workload | configurations | predicted / measured throughput - 1 (median, min to max) | "
-              f"within {THROUGHPUT_CLOSE:.0%} |", "|---|---|---|---|"]
-    for w, v in t["throughput_by_workload"].items():
-        lines.append(f"| {w} | {v['configs']} | {v['median_error']:+.0%} ({v['min_error']:+.0%} to "
-                     f"{v['max_error']:+.0%}) | {v['close']} of {v['configs']} |")
-    return "\n".join(lines)
+    misses = ", ".join(f"{x['scenario']}: {x['ratio']:.2f}{' (at cap)' if x['at_cap'] else ''}"
+                       for x in t["regret"] if not x["hit"])
+    abs_error = "" if t["median_abs_error"] is None else f" (median absolute error {t['median_abs_error']:.0%})"
+    return "\n".join([
+        f"Hits per regime (each scenario counted once in every grouping), beside always-{fixed} (the best "
+        "fixed choice):", "",
+        *markdown_table(["regime", "group", "scenarios", "recommend hits", f"always-{fixed} hits"],
+                        [[g["regime"], g["group"], g["scenarios"], g["hits"], g["fixed_hits"]] for g in t["regimes"]]),
+        "", f"The recommended configuration's measured median over the measured best's: {shown(ratios)} over the "
+            f"scenarios (1.00 is the best); on the misses: {misses or 'none'}.", "",
+        f"The simulator's time to target against the measured median, on the configurations whose median reached "
+        f"the target: within {CLOSE:.0%} on {t['close']} of {t['reached']}{abs_error}; predicted within the cap but "
+        f"missed it: {t['predicted_reach_missed']}; predicted past the cap but reached it: "
+        f"{t['predicted_miss_reached']}. Throughput within {THROUGHPUT_CLOSE:.0%} of the measured median: "
+        f"{t['throughput_close']} of {t['throughput_rows']} configurations. Rank agreement of the predicted and "
+        f"measured order (Spearman, per scenario): {shown(t['spearman'])}.", "",
+        *markdown_table(["solver", "configurations that reached the target", "predicted / measured - 1 (median)",
+                         f"within {CLOSE:.0%}"],
+                        [[x, v["configs"], f"{v['median_error']:+.0%}", f"{v['close']} of {v['configs']}"]
+                         for x, v in t["errors"].items()]), "",
+        *markdown_table(["workload", "configurations", "predicted / measured throughput - 1 (median, min to max)",
+                         f"within {THROUGHPUT_CLOSE:.0%}"],
+                        [[w, v["configs"], f"{v['median_error']:+.0%} ({v['min_error']:+.0%} to "
+                                           f"{v['max_error']:+.0%})", f"{v['close']} of {v['configs']}"]
+                         for w, v in t["throughput_by_workload"].items()])])
 
 
 # -- the tables --
 
-def _times(c: dict[str, Any], fmt: str = "{:.1f}") -> str:
+def _times(c: dict[str, Any]) -> str:
     """Median (min-max) over the seeds, misses at the cap, and how many missed."""
     runs = c["runs"].values()
-    text = shown([r["scored_s"] for r in runs], fmt)
     missed = sum(not r["reached"] for r in runs)
     failed = sum(bool(r.get("error")) for r in runs)
-    return text + (f", {missed} at cap" if missed else "") + (f" ({failed} failed)" if failed else "")
+    return (shown([r["scored_s"] for r in runs], "{:.1f}") + (f", {missed} at cap" if missed else "")
+            + (f" ({failed} failed)" if failed else ""))
 
 
 def _cpu(configs: list[dict[str, Any]]) -> str:
@@ -527,11 +464,9 @@ def _cpu(configs: list[dict[str, Any]]) -> str:
     return f"{sum(bool(r['cpu_bound']) for r in runs)} of {len(runs)}"
 
 
-def render(raw: dict[str, Any]) -> dict[str, str]:
-    """The scenarios' table with `recommend` and the baselines (summary), and every measured
-    configuration's predicted against measured time."""
+def _note(raw: dict[str, Any]) -> str:
+    """What the tables measured: the set, the measured set, the seeds, the cap, the hit and the regime."""
     seeds = [str(s) for s in raw["seeds"]]
-    s = raw["summary"]
     if raw["set"] in ("test", "test2"):
         drawn = ", drawn and committed before any was scored" if raw["set"] == "test2" else ""
         where = (f"**{'Test set' if raw['set'] == 'test' else 'Test set 2'}**: {len(raw['scenarios'])} scenarios "
@@ -547,60 +482,63 @@ def render(raw: dict[str, Any]) -> dict[str, str]:
            else f"{raw['cap_s']:g} s")
     fit = ("`recommend --fit-from` a real allreduce run of the scenario's workload, link and device time" if raw["fit"]
            else "`recommend` on the link as given (no fitted per-message cost)")
-    plural = "s" * (len(seeds) > 1)
-    note = (f"{where} Candidate solvers: {', '.join(raw['solvers'])}; measured set per scenario: each solver's top "
+    return (f"{where} Candidate solvers: {', '.join(raw['solvers'])}; measured set per scenario: each solver's top "
             f"{raw['top_per_solver']} option sets by its rank in the answer, and its defaults. {len(seeds)} "
-            f"seed{plural} ({', '.join(seeds)}) per configuration: median (min-max) over the seeds, a seed that "
-            f"missed the target counted as the cap ({cap}). Hit: within the best's spread or "
+            f"seed{'s' * (len(seeds) > 1)} ({', '.join(seeds)}) per configuration: median (min-max) over the seeds, "
+            f"a seed that missed the target counted as the cap ({cap}). Hit: within the best's spread or "
             f"{raw['tolerance']:.0%} of its median, whichever is larger. {fit}. Regime: {raw['regime']}.")
-    lines = [note, "", "| # | scenario | recommended | its time (s) | measured best | its time (s) | hit within (s) | "
-             "hit | defaults that hit | configurations that hit | CPU-bound runs |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+
+def render(raw: dict[str, Any]) -> dict[str, str]:
+    """The scenarios' table with `recommend` and the baselines (summary), and every measured
+    configuration's predicted against measured time."""
+    s, n, note = raw["summary"], raw["summary"]["scenarios"], _note(raw)
     beside = BESIDE.get(raw["set"], {})
+    rows = []
     for r in raw["scenarios"]:
         by = {c["key"]: c for c in r["configs"]}
-        rec = by.get(r["recommended"])
-        best = by[r["best"]]
+        rec, best = by.get(r["recommended"]), by[r["best"]]
         defaults = ", ".join(c["solver"] for c in r["configs"] if c["defaults"] and c["key"] in r["hits"]) or "none"
-        label = r["label"] + (f" ({beside[r['scenario']]})" if r["scenario"] in beside else "")
-        lines.append(f"| {r['scenario']} | {label} | {rec['label'] if rec else 'no answer'} | "
-                     f"{_times(rec) if rec else '-'} | {best['label']}{' (at cap)' if r['best_at_cap'] else ''} | "
-                     f"{_times(best)} | {r['margin_s']:.1f} | {'yes' if r['hit'] else 'no'} | {defaults} | "
-                     f"{len(r['hits'])} of {len(r['configs'])} | {_cpu(r['configs'])} |")
-    n = s["scenarios"]
-    lines += ["", "| choice | hits | share |", "|---|---|---|",
-              f"| `recommend` (its first configuration) | {s['hits']} of {n} | {s['hit_share']:.0%} |"]
+        rows.append([r["scenario"], r["label"] + (f" ({beside[r['scenario']]})" if r["scenario"] in beside else ""),
+                     rec["label"] if rec else "no answer", _times(rec) if rec else "-",
+                     best["label"] + (" (at cap)" if r["best_at_cap"] else ""), _times(best), f"{r['margin_s']:.1f}",
+                     "yes" if r["hit"] else "no", defaults, f"{len(r['hits'])} of {len(r['configs'])}",
+                     _cpu(r["configs"])])
+    choices = [["`recommend` (its first configuration)", s["hits"], s["hit_share"]]]
     if "verify_hits" in s:
-        lines.append(f"| `recommend --verify 3` (of its top 3, the one measured fastest on 4 emulated devices) | "
-                     f"{s['verify_hits']} of {n} | {s['verify_hits'] / max(1, n):.0%} |")
-    lines.append(f"| best fixed choice in hindsight: always-{s['best_fixed']} (its defaults) | "
-                 f"{s['always'][s['best_fixed']]['hits']} of {n} | {s['best_fixed_share']:.0%} |")
-    for x, v in s["always"].items():
-        lines.append(f"| always-{x} (its defaults) | {v['hits']} of {n} | {v['share']:.0%} |")
-    for name, v in s.get("rules", {}).items():
-        lines.append(f"| {name} | {v['hits']} of {n} | {v['share']:.0%} |")
-    lines.append(f"| random pick from the measured set (expected) | {s['random_expected_hits']:.1f} of {n} | "
-                 f"{s['random_share']:.0%} |")
-    for x, v in s["oracle_options"].items():
-        lines.append(f"| {x}, its best measured option set per scenario (chosen in hindsight) | {v['hits']} of {n} | "
-                     f"{v['share']:.0%} |")
-    lines += ["", f"Margin over the best fixed choice: {s['margin_points']:+.0f} points."]
+        choices.append(["`recommend --verify 3` (of its top 3, the one measured fastest on 4 emulated devices)",
+                        s["verify_hits"], s["verify_hits"] / max(1, n)])
+    choices.append([f"best fixed choice in hindsight: always-{s['best_fixed']} (its defaults)",
+                    s["always"][s["best_fixed"]]["hits"], s["best_fixed_share"]])
+    choices += [[f"always-{x} (its defaults)", v["hits"], v["share"]] for x, v in s["always"].items()]
+    choices += [[name, v["hits"], v["share"]] for name, v in s.get("rules", {}).items()]
+    choices.append(["random pick from the measured set (expected)", f"{s['random_expected_hits']:.1f}",
+                    s["random_share"]])
+    choices += [[f"{x}, its best measured option set per scenario (chosen in hindsight)", v["hits"], v["share"]]
+                for x, v in s["oracle_options"].items()]
+    lines = [note, "", *markdown_table(["#", "scenario", "recommended", "its time (s)", "measured best", "its time (s)",
+                                        "hit within (s)", "hit", "defaults that hit", "configurations that hit",
+                                        "CPU-bound runs"], rows),
+             "", *markdown_table(["choice", "hits", "share"],
+                                 [[name, f"{hits} of {n}", f"{share:.0%}"] for name, hits, share in choices]),
+             "", f"Margin over the best fixed choice: {s['margin_points']:+.0f} points."]
     if s["best_at_cap"]:
         lines.append(f"In {s['best_at_cap']} scenario(s) even the measured best missed the target in the median "
                      f"(marked: at cap); there every configuration within the margin of the cap is a hit.")
     lines += [""] + [f"- **{'met' if ok else 'missed'}**: {text}" for text, ok in targets(raw)]
-    cand = [note, "", "| # | configuration | solver rank | predicted time (s) | measured time (s) | hit | "
-            "CPU-bound runs |", "|---|---|---|---|---|---|---|"]
+    cand = []
     for r in raw["scenarios"]:
         for c in r["configs"]:
             marks = [m for m, on in (("recommended", c["recommended"]), ("defaults", c["defaults"]),
                                      ("best", c["key"] == r["best"])) if on]
             p = c["predicted_time_to_target_s"]
-            cand.append(f"| {r['scenario']} | {c['label']}{' (' + ', '.join(marks) + ')' if marks else ''} | "
-                        f"{c['solver_rank'] or '-'} | {'-' if p is None else f'{p:.2f}'} | {_times(c)} | "
-                        f"{'yes' if c['key'] in r['hits'] else 'no'} | {_cpu([c])} |")
+            cand.append([r["scenario"], c["label"] + (f" ({', '.join(marks)})" if marks else ""),
+                         c["solver_rank"] or "-", "-" if p is None else f"{p:.2f}", _times(c),
+                         "yes" if c["key"] in r["hits"] else "no", _cpu([c])])
     block = "recommend_test2" if raw["set"] == "test2" else "recommend"
-    out = {block: "\n".join(lines), f"{block}_candidates": "\n".join(cand)}
+    out = {block: "\n".join(lines), f"{block}_candidates": "\n".join(
+        [note, "", *markdown_table(["#", "configuration", "solver rank", "predicted time (s)", "measured time (s)",
+                                    "hit", "CPU-bound runs"], cand)])}
     if raw["set"] in ("test", "test2"):
         out[f"{block}_trust"] = render_trust(raw)
     return out
@@ -608,10 +546,13 @@ def render(raw: dict[str, Any]) -> dict[str, str]:
 
 # -- the run --
 
+def _git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True)
+
+
 def unrecorded_changes() -> list[str]:
     """The measured files that differ from the commit (changed, or not yet committed)."""
-    done = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", *MEASURED_PATHS],
-                          capture_output=True, text=True)
+    done = _git("status", "--porcelain", "--", *MEASURED_PATHS)
     if done.returncode != 0:
         return ["(git status failed: no commit to record)"]
     return [line[3:] for line in done.stdout.splitlines() if line.strip()]
@@ -620,9 +561,7 @@ def unrecorded_changes() -> list[str]:
 def measured_commit() -> str:
     """The last commit that changed a measured file: a stopped test-set run goes on while it
     is the same (commits of docs and raw files in between change nothing measured)."""
-    done = subprocess.run(["git", "-C", str(REPO), "log", "-1", "--format=%H", "--", *MEASURED_PATHS],
-                          capture_output=True, text=True)
-    return done.stdout.strip() or "unknown"
+    return _git("log", "-1", "--format=%H", "--", *MEASURED_PATHS).stdout.strip() or "unknown"
 
 
 def planned_configs(sc: Scenario, solvers: list[str], top: int = TOP_PER_SOLVER, first: int = 0) -> int:
@@ -643,8 +582,8 @@ def plan(scenarios: list[tuple[int, Scenario]], solvers: list[str], seeds: list[
     --verify runs) and the whole run's upper bound in seconds (every run to its cap, plus
     start-up)."""
     lines, total = [], 0.0
+    second = which == "test2"
     for i, sc in scenarios:
-        second = which == "test2"
         k = planned_configs(sc, solvers, TOP_PER_SOLVER_2, VERIFY_TOP) if second else planned_configs(sc, solvers)
         c = cap_for(sc, cap)
         start = START_S + START_PER_WORKER_S * sc.workers
@@ -674,7 +613,81 @@ def verified_pick(sc: Scenario, solvers: list[str], fit: str | None, answer: dic
     return option_key(top[label]["solver"], top[label]["options"])
 
 
-def main() -> None:
+def score(i: int, sc: Scenario, which: str, solvers: list[str], seeds: list[int], cap: float | None, fit: bool,
+          root: Path) -> dict[str, Any]:
+    """Scenario ``i`` scored: `recommend`'s answer, its measured set run for real on every seed,
+    and the hits. A test set keeps the answer and every finished run in ``root``, so that a
+    scoring stopped part-way goes on measuring the same set."""
+    from distsync.errors import DistsyncError
+    from distsync.experiments.recommend import recommend
+
+    scored_once, second = which != "dev", which == "test2"
+    cap_s, folder = cap_for(sc, cap), root / f"{i:02d}"
+    with exit_on_error():
+        fit_from = str(make_fit_run(sc, root, seeds[0])) if fit else None
+    kept = folder / "answer.json"
+    if scored_once and kept.exists():
+        got = json.loads(kept.read_text())
+        answer, error, verified = got["answer"], got["error"], got.get("verified")
+    else:
+        answer, error, verified = None, None, None
+        try:
+            answer = recommend(request_for(sc, solvers, fit_from))
+            if second:  # (--verify 3: its top 3 run on 4 emulated devices, the fastest kept)
+                verified = verified_pick(sc, solvers, fit_from, answer, folder, cap_s)
+        except DistsyncError as e:  # no answer: a miss; the measured set is then every solver's defaults
+            error = f"{type(e).__name__}: {e}"
+            print(f"{i}. {sc.label}: recommend failed ({error})", flush=True)
+        if scored_once:
+            folder.mkdir(parents=True, exist_ok=True)
+            kept.write_text(json.dumps({"answer": answer, "error": error, "verified": verified}, default=str) + "\n")
+    ranked = answer["ranked"] if answer else []
+    configs = measured_set(ranked, solvers, TOP_PER_SOLVER_2, VERIFY_TOP) if second else measured_set(ranked, solvers)
+    # every configuration trains as the answer says its runs train (what was simulated)
+    training = {**scenario_training(sc), **((answer or {}).get("training") or {})}
+    for c in configs:
+        c["training"], c["runs"] = dict(training), {}
+        for seed in seeds:
+            run_dir = folder / f"seed{seed}" / c["label"].replace(" ", "_").replace("=", "-")
+            if scored_once:
+                check_stop(root)
+                c["runs"][str(seed)] = run_kept(sc, c, run_dir, cap_s, seed)
+            else:
+                c["runs"][str(seed)] = run_once(sc, c, run_dir, cap_s, seed)
+    scored = score_scenario(configs)
+    for c, m, sp in zip(configs, scored["medians"], scored["spreads"]):
+        c.update(median_s=m, spread_s=sp)
+    rec = next((c["key"] for c in configs if c["recommended"]), None)
+    hit = rec is not None and rec in scored["hits"]
+    best = next(c for c in configs if c["key"] == scored["best"])
+    print(f"{i}. {sc.label}: recommended {next((c['label'] for c in configs if c['recommended']), 'nothing')}, "
+          f"best {best['label']} ({scored['best_median_s']:.1f} s), hit {hit}, "
+          f"{len(scored['hits'])} of {len(configs)} configurations hit", flush=True)
+    return {"scenario": i, "label": sc.label, **dataclasses.asdict(sc), "cap_s": cap_s,
+            "fit_from": fit_from, "recommend_error": error, "recommended": rec, "hit": hit,
+            **({"verified": verified, "verify_hit": verified is not None and verified in scored["hits"]}
+               if second else {}),
+            "best": scored["best"], "best_median_s": scored["best_median_s"],
+            "margin_s": scored["margin_s"], "hits": scored["hits"],
+            "best_at_cap": scored["best_median_s"] >= cap_s,  # (most of the best's seeds missed the target)
+            "search_seconds": answer["search_seconds"] if answer else None,
+            "per_message_ms": answer["per_message_ms"] if answer else None,
+            "no_time_to_target": answer.get("no_time_to_target") if answer else None,
+            "ranked": ranked, "configs": configs}
+
+
+def chosen_scenarios(which: str, only: str) -> list[tuple[int, Scenario]]:
+    """The set's scenarios, numbered from 1 (the dev set: those ``only`` names, or all)."""
+    if which != "dev":
+        return list(enumerate(test_set() if which == "test" else test_set_2(), 1))
+    picks = [int(x) for x in only.split(",") if x] or list(range(1, len(DEV) + 1))
+    bad = [i for i in picks if not 1 <= i <= len(DEV)]
+    if bad:
+        sys.exit(f"error: --only {','.join(map(str, bad))}: the dev set's scenarios are 1 to {len(DEV)}")
+    return [(i, DEV[i - 1]) for i in picks]
+
+
+def main() -> int:
     p = argument_parser(__doc__)
     p.add_argument("--set", choices=("dev", "test", "test2"), default="dev", dest="which",
                    help="dev: the 12 hand-written scenarios (in sample); test: the generator's; test2: the second "
@@ -687,29 +700,18 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/results/recommend")
     p.add_argument("--json", default="benchmarks/results/recommend.json")
     p.add_argument("--fit", action="store_true", help="recommend --fit-from a real allreduce run per scenario")
-    p.add_argument("--reuse", action="store_true", help="take the real runs already in --out (dev set only)")
     p.add_argument("--quick", action="store_true", help="a smoke run: dev scenario 1, seed 1, cap 10 s")
     p.add_argument("--list", action="store_true", help="print the set's scenarios and the run's estimate; run nothing")
     args = p.parse_args()
     if args.quick:
         args.which, args.only, args.seeds = "dev", args.only or "1", "1"
         args.cap = 10.0 if args.cap is None else args.cap
-    scored_once = args.which in ("test", "test2")
-    if scored_once:
-        if args.reuse:
-            sys.exit("error: --set test is scored from fresh runs only: --reuse is refused")
-        if args.only:
-            sys.exit("error: --set test is scored whole, once: --only is refused (--list shows its scenarios)")
+    scored_once = args.which != "dev"
+    if scored_once and args.only:
+        sys.exit("error: --set test is scored whole, once: --only is refused (--list shows its scenarios)")
     seeds = seed_list(args.seeds)
     solvers = [x for x in args.solvers.split(",") if x]
-    if scored_once:
-        chosen = list(enumerate(test_set() if args.which == "test" else test_set_2(), 1))
-    else:
-        picks = [int(x) for x in args.only.split(",") if x] or list(range(1, len(DEV) + 1))
-        bad = [i for i in picks if not 1 <= i <= len(DEV)]
-        if bad:
-            sys.exit(f"error: --only {','.join(map(str, bad))}: the dev set's scenarios are 1 to {len(DEV)}")
-        chosen = [(i, DEV[i - 1]) for i in picks]
+    chosen = chosen_scenarios(args.which, args.only)
     with exit_on_error():
         lines, worst = plan(chosen, solvers, seeds, args.cap, args.which)
     bound = f"{worst / 3600:.1f} h" if worst >= 3600 else f"{worst / 60:.0f} min"
@@ -717,7 +719,7 @@ def main() -> None:
           f"run went to its cap (runs stop at the target: expect less):")
     print("\n".join(lines), flush=True)
     if args.list:
-        return
+        return 0
     if os.geteuid() != 0:
         sys.exit("error: emulated links need root (netns + tbf): run as root")
     if scored_once:
@@ -726,118 +728,32 @@ def main() -> None:
             sys.exit(f"error: --set test is scored at a recorded commit; these measured files differ from HEAD: "
                      f"{', '.join(changed[:5])}{', ...' if len(changed) > 5 else ''}")
     started = provenance("benchmarks/recommend.py")
-    from distsync.experiments.recommend import recommend
-    from distsync.errors import DistsyncError
-
-    # The test set's scenarios are scored one by one into PARTIAL: a run that was stopped goes
-    # on from the next scenario while no measured file has changed since (none is measured twice).
+    # A test set is scored into a folder of its measured commit: a scoring that was stopped goes
+    # on from its kept answers and runs while no measured file has changed (none is measured twice).
     measured = measured_commit()
-    root = Path(args.out) / (args.which if args.which == "dev" else f"{args.which}-{measured[:10]}")
-    partial = root / "partial.json"
-    results: list[dict[str, Any]] = []
-    if scored_once and partial.exists():
-        kept = json.loads(partial.read_text())
-        if kept.get("measured_commit") == measured:
-            results = kept["results"]
-            print(f"going on at measured commit {measured[:10]}: {len(results)} of {len(chosen)} scenarios already "
-                  f"scored (started {kept['started']})", flush=True)
-    done = {r["scenario"] for r in results}
-    first_started = json.loads(partial.read_text())["started"] if results else started["date"]
-    if scored_once:  # (the first start, kept while no scenario is scored yet)
-        began = root / "started"
-        if not results and began.exists():
+    root = Path(args.out) / (f"{args.which}-{measured[:10]}" if scored_once else args.which)
+    first_started = started["date"]
+    if scored_once:
+        began = root / "started"  # (the first start of a scoring that went on)
+        if began.exists():
             first_started = began.read_text().strip()
         root.mkdir(parents=True, exist_ok=True)
         began.write_text(first_started + "\n")
-        signal.signal(signal.SIGTERM, _ask_stop)
-        signal.signal(signal.SIGINT, _ask_stop)
-    for i, sc in chosen:
-        if i in done:
-            continue
-        cap_s = cap_for(sc, args.cap)
-        with exit_on_error():
-            fit = str(make_fit_run(sc, root, seeds[0])) if args.fit else None
-        # (test set: the answer is kept beside the scenario's runs, so a stopped run goes on
-        # measuring the same measured set)
-        kept_answer = root / f"{i:02d}" / "answer.json"
-        if scored_once and kept_answer.exists():
-            kept = json.loads(kept_answer.read_text())
-            answer, error, verified = kept["answer"], kept["error"], kept.get("verified")
-        else:
-            answer, error, verified = None, None, None
-            try:
-                answer = recommend(request_for(sc, solvers, fit))
-                if args.which == "test2":  # (--verify 3: its top 3 run on 4 emulated devices, the fastest kept)
-                    verified = verified_pick(sc, solvers, fit, answer, root / f"{i:02d}", cap_s)
-            except DistsyncError as e:  # no answer: a miss; the measured set is then every solver's defaults
-                error = f"{type(e).__name__}: {e}"
-                print(f"{i}. {sc.label}: recommend failed ({error})", flush=True)
-            if scored_once:
-                kept_answer.parent.mkdir(parents=True, exist_ok=True)
-                kept_answer.write_text(json.dumps({"answer": answer, "error": error, "verified": verified},
-                                                  default=str) + "\n")
-        ranked = answer["ranked"] if answer else []
-        configs = (measured_set(ranked, solvers, TOP_PER_SOLVER_2, VERIFY_TOP) if args.which == "test2"
-                   else measured_set(ranked, solvers))
-        # every configuration trains as the answer says its runs train (what was simulated)
-        training = {**scenario_training(sc), **((answer or {}).get("training") or {})}
-        for c in configs:
-            c["training"] = {**training, **c["training"]}
-            d = c["label"].replace(" ", "_").replace("=", "-")
-            c["runs"] = {}
-            for seed in seeds:
-                run_dir = root / f"{i:02d}" / f"seed{seed}" / d
-                if scored_once:
-                    check_stop(root)
-                    c["runs"][str(seed)] = run_kept(sc, c, run_dir, cap_s, seed)
-                else:
-                    c["runs"][str(seed)] = run_once(sc, c, run_dir, cap_s, seed, args.reuse)
-        scored = score_scenario(configs)
-        for c, m, sp in zip(configs, scored["medians"], scored["spreads"]):
-            c.update(median_s=m, spread_s=sp)
-        rec = next((c["key"] for c in configs if c["recommended"]), None)
-        best_at_cap = scored["best_median_s"] >= cap_s  # (most of the best's seeds missed the target)
-        results.append({"scenario": i, "label": sc.label, **dataclasses.asdict(sc), "cap_s": cap_s,
-                        "fit_from": fit, "recommend_error": error, "recommended": rec,
-                        "hit": rec is not None and rec in scored["hits"],
-                        **({"verified": verified, "verify_hit": verified is not None and verified in scored["hits"]}
-                           if args.which == "test2" else {}),
-                        "best": scored["best"], "best_median_s": scored["best_median_s"],
-                        "margin_s": scored["margin_s"], "hits": scored["hits"], "best_at_cap": best_at_cap,
-                        "search_seconds": answer["search_seconds"] if answer else None,
-                        "per_message_ms": answer["per_message_ms"] if answer else None,
-                        "no_time_to_target": answer.get("no_time_to_target") if answer else None,
-                        "ranked": ranked, "configs": configs})
-        if scored_once:
-            root.mkdir(parents=True, exist_ok=True)
-            partial.write_text(json.dumps({"measured_commit": measured, "commit": started["commit"],
-                                           "started": first_started, "results": results}, default=str) + "\n")
-        best = next(c for c in configs if c["key"] == scored["best"])
-        print(f"{i}. {sc.label}: recommended {next((c['label'] for c in configs if c['recommended']), 'nothing')}, "
-              f"best {best['label']} ({scored['best_median_s']:.1f} s), hit {results[-1]['hit']}, "
-              f"{len(scored['hits'])} of {len(configs)} configurations hit", flush=True)
-    summary = summarize(results, solvers)
+        signal.signal(signal.SIGTERM, signal.default_int_handler)  # (as Ctrl-C: the run in progress is dropped)
+    results = [score(i, sc, args.which, solvers, seeds, args.cap, args.fit, root) for i, sc in chosen]
     payload = {"set": args.which, "set_size": len(DEV) if args.which == "dev" else len(chosen),
                "scored_once": scored_once, "declared": declared(args.which), "solvers": solvers,
-               "top_per_solver": TOP_PER_SOLVER_2 if args.which == "test2" else TOP_PER_SOLVER, "tolerance": TOLERANCE, "cap_s": args.cap, "fit": args.fit,
-               "reuse": args.reuse, "eval_finer": EVAL_FINER, "first_started": first_started,
-               "measured_commit": measured,
-               "summary": summary, "scenarios": results}
-    raw = {**payload, "regime": REGIME, "seeds": seeds, "repeats": len(seeds), "commit": started["commit"]}
-    for text in render(raw).values():
-        print()
-        print(text)
-    print()
-    checks = targets(raw)
-    print_checks(checks)
-    write_record(args.json, started, regime=REGIME, seeds=seeds, payload={**payload, "checks": checks})
-    if not all(ok for _, ok in checks):
-        sys.exit(1)  # (the figures' runner keeps a figure whose target was missed)
+               "top_per_solver": TOP_PER_SOLVER_2 if args.which == "test2" else TOP_PER_SOLVER,
+               "tolerance": TOLERANCE, "cap_s": args.cap, "fit": args.fit, "eval_finer": EVAL_FINER,
+               "first_started": first_started, "measured_commit": measured, "commit": started["commit"],
+               "summary": summarize(results, solvers), "scenarios": results}
+    # (a missed target exits 1: the figures' runner keeps such a figure)
+    return finish(args.json, started, render, payload, regime=REGIME, seeds=seeds, checks=targets)
 
 
 if __name__ == "__main__":
     try:
-        main()
+        sys.exit(main())
     except Stop as stop:
         sys.exit(f"stopped between two runs ({stop}): the runs finished so far are kept; the same command goes on")
     except KeyboardInterrupt:  # (a signal during a run: that run is dropped, and run again by the same command)

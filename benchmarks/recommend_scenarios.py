@@ -143,38 +143,41 @@ def _rounds(rng, workloads: tuple[str, ...], n: int) -> list[str]:
     return order[:n]
 
 
-def _cluster(rng, workload: str) -> tuple[int, float, str]:
-    """The workers, device time and link of a scenario of ``workload`` (draws 2-4)."""
-    feasible = [w for w in WORKERS if floor_ms(workload, w) <= DEVICE_MS[1]]
-    if not feasible:
-        raise ValueError(f"{workload}: no worker count of {WORKERS} fits under {DEVICE_MS[1]:g} ms")
-    workers = int(rng.choice(feasible))
-    device_ms = round(_log_uniform(rng, max(DEVICE_MS[0], floor_ms(workload, workers)), DEVICE_MS[1]), 1)
-    return workers, device_ms, _link(_log_uniform(rng, *LINK_MBIT))
-
-
-def _scenario(workload: str, workers: int, link: str, device_ms: float, slow_count: int, slow_factor: float,
-              jitter: float) -> Scenario:
-    setup = WORKLOAD_SETUP.get(workload, {})
-    return Scenario(workload, workers, link, device_ms, slow_fraction=slow_count / workers,
-                    slow_factor=slow_factor if slow_count else 1.0, jitter=jitter,
-                    workload_options=dict(setup.get("options", {})), target=setup.get("target"))
-
-
-def test_set(seed: int = GENERATOR_SEED, n: int = TEST_SIZE) -> list[Scenario]:
-    """``n`` scenarios drawn from the declared ranges by ``numpy.random.default_rng(seed)``
-    (the draws and the feasibility rule: the module's docstring)."""
+def _drawn(seed: int, workloads: tuple[str, ...], n: int, homogeneous_every: int = 0) -> list[Scenario]:
+    """``n`` scenarios drawn by ``numpy.random.default_rng(seed)``, one generator for all the
+    draws, each scenario's in this order: its workload (:func:`_rounds`), its workers (those
+    the feasibility rule allows), device time and link, its slow workers' count and factor, its
+    jitter. With ``homogeneous_every`` k, the 1st, (k+1)th, ... scenario has no slow worker
+    (no count drawn) and every other at least one."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
     out = []
-    for workload in _rounds(rng, WORKLOADS, n):
-        workers, device_ms, link = _cluster(rng, workload)
-        slow_count = int(rng.integers(0, int(SLOW_SHARE_MAX * workers) + 1))
+    for i, workload in enumerate(_rounds(rng, workloads, n)):
+        feasible = [w for w in WORKERS if floor_ms(workload, w) <= DEVICE_MS[1]]
+        if not feasible:
+            raise ValueError(f"{workload}: no worker count of {WORKERS} fits under {DEVICE_MS[1]:g} ms")
+        workers = int(rng.choice(feasible))
+        device_ms = round(_log_uniform(rng, max(DEVICE_MS[0], floor_ms(workload, workers)), DEVICE_MS[1]), 1)
+        link = _link(_log_uniform(rng, *LINK_MBIT))
+        most = int(SLOW_SHARE_MAX * workers)
+        if not homogeneous_every:
+            slow_count = int(rng.integers(0, most + 1))
+        else:
+            slow_count = 0 if i % homogeneous_every == 0 else int(rng.integers(1, most + 1))
         slow_factor = round(float(rng.uniform(*SLOW_FACTOR)), 1)
         jitter = round(float(rng.uniform(*JITTER)), 2)
-        out.append(_scenario(workload, workers, link, device_ms, slow_count, slow_factor, jitter))
+        setup = WORKLOAD_SETUP.get(workload, {})
+        out.append(Scenario(workload, workers, link, device_ms, slow_fraction=slow_count / workers,
+                            slow_factor=slow_factor if slow_count else 1.0, jitter=jitter,
+                            workload_options=dict(setup.get("options", {})), target=setup.get("target")))
     return out
+
+
+def test_set(seed: int = GENERATOR_SEED, n: int = TEST_SIZE) -> list[Scenario]:
+    """``n`` scenarios drawn from the declared ranges by ``numpy.random.default_rng(seed)``
+    (the draws: :func:`_drawn`)."""
+    return _drawn(seed, WORKLOADS, n)
 
 
 # -- the second test set: drawn and committed before anything was scored on it --
@@ -205,18 +208,7 @@ def test_set_2(seed: int = GENERATOR_SEED_2, n: int = TEST_SIZE_2) -> list[Scena
     """The second test set: ``n`` scenarios drawn by ``numpy.random.default_rng(seed)`` as
     :func:`test_set` draws, over :data:`WORKLOADS_2` (each at least twice in 18), the
     homogeneous ones declared by position (:data:`HOMOGENEOUS_EVERY`)."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    out = []
-    for i, workload in enumerate(_rounds(rng, WORKLOADS_2, n)):
-        workers, device_ms, link = _cluster(rng, workload)
-        homogeneous = i % HOMOGENEOUS_EVERY == 0
-        slow_count = 0 if homogeneous else int(rng.integers(1, int(SLOW_SHARE_MAX * workers) + 1))
-        slow_factor = round(float(rng.uniform(*SLOW_FACTOR)), 1)
-        jitter = round(float(rng.uniform(*JITTER)), 2)
-        out.append(_scenario(workload, workers, link, device_ms, slow_count, slow_factor, jitter))
-    return out
+    return _drawn(seed, WORKLOADS_2, n, HOMOGENEOUS_EVERY)
 
 
 def declared(which: str = "test") -> dict[str, Any]:

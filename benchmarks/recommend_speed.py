@@ -16,13 +16,13 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from common import argument_parser, provenance, write_record
+from common import argument_parser, finish, provenance
 
+from distsync.experiments.report import markdown_table
 from distsync.metrics.repeats import shown
 
 REPO = Path(__file__).resolve().parent.parent
@@ -38,42 +38,31 @@ SILENCE_S = 10.0
 SAME_PICK = (4, 5)
 
 
-def _busy() -> subprocess.Popen:
-    """A CPU-bound process beside the run (one core's worth)."""
-    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
-
-
 def run_once(case: str, loaded: bool) -> dict[str, Any]:
-    """One `distsync recommend` of ``case``: its wall time, longest silence and answer."""
+    """One `distsync recommend` of ``case`` (``loaded``: beside a busy loop, one core's worth):
+    its wall time, longest silence and answer."""
     out = Path(tempfile.mkdtemp(prefix=f"recommend-speed-{case}-"))
     cmd = [str(Path(sys.executable).parent / "distsync"), "recommend", *CASES[case], "--out", str(out / "r")]
-    busy = _busy() if loaded else None
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if loaded else None
     try:
         time.sleep(0.5 if loaded else 0)  # (the busy loop running before the run starts)
         t0 = time.monotonic()
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env={**os.environ, "COLUMNS": "200"})
         stamps, lines = [0.0], []
-
-        def read() -> None:
-            for line in proc.stdout:
-                stamps.append(time.monotonic() - t0)
-                lines.append(line.rstrip("\n"))
-
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
+        for line in proc.stdout:  # (each line stamped as it comes: the silences between them)
+            stamps.append(time.monotonic() - t0)
+            lines.append(line.rstrip("\n"))
         rc = proc.wait()
-        wall = time.monotonic() - t0
-        reader.join(5)
+        stamps.append(time.monotonic() - t0)
     finally:
         if busy is not None:
             busy.kill()
             busy.wait()
-    stamps.append(wall)
     if rc != 0:
         raise SystemExit(f"error: {' '.join(cmd)} exited {rc}:\n" + "\n".join(lines[-20:]))
     result = json.loads((out / "r" / "recommend.json").read_text())
-    return {"loaded": loaded, "wall_s": wall, "answer_s": result["answer_seconds"],
+    return {"loaded": loaded, "wall_s": stamps[-1], "answer_s": result["answer_seconds"],
             "longest_silence_s": max(b - a for a, b in zip(stamps, stamps[1:])),
             "compute_ms": result["compute_s"] * 1000,
             "compute_p10_p90_ms": [v * 1000 for v in result["compute_p10_p90_s"] or []],
@@ -92,32 +81,35 @@ def stability(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "met": same >= SAME_PICK[0] * len(runs) / SAME_PICK[1] or same + owned == len(runs)}
 
 
+def _met(ok: bool) -> str:
+    return "met" if ok else "missed"
+
+
 def render(raw: dict[str, Any]) -> str:
-    lines = [f"Regime: {raw['regime']}. Each row one run of the command (stdout not a terminal: progress as lines).",
-             "", "| case | run | beside a busy loop | answered in (s) | longest silence (s) | compute a step, "
-                 "p10-p90 (ms) | first pick | within its uncertainty | to target / candidates | plan |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    runs_table, goals = [], []
     for case, runs in raw["cases"].items():
         for i, r in enumerate(runs, 1):
             spread = r["compute_p10_p90_ms"]
-            lines.append(f"| {case} | {i} | {'yes' if r['loaded'] else 'no'} | {r['wall_s']:.1f} | "
-                         f"{r['longest_silence_s']:.1f} | {r['compute_ms']:.3g}"
-                         + (f" ({spread[0]:.3g}-{spread[1]:.3g})" if spread else "")
-                         + f" | {r['first_pick']} | {', '.join(r['within_uncertainty']) or '-'} | "
-                         f"{r['judged_to_target']} / {r['candidates']} | {r['train_plan'] or '-'} |")
-    lines += ["", "| case | answered in, quiet (s) | target | longest silence (s) | target | same first pick | "
-                  "target |", "|---|---|---|---|---|---|---|"]
-    for case, runs in raw["cases"].items():
+            runs_table.append([case, i, "yes" if r["loaded"] else "no", f"{r['wall_s']:.1f}",
+                               f"{r['longest_silence_s']:.1f}",
+                               f"{r['compute_ms']:.3g}" + (f" ({spread[0]:.3g}-{spread[1]:.3g})" if spread else ""),
+                               r["first_pick"], ", ".join(r["within_uncertainty"]) or "-",
+                               f"{r['judged_to_target']} / {r['candidates']}", r["train_plan"] or "-"])
         quiet = [r["wall_s"] for r in runs if not r["loaded"]]
         silence = max(r["longest_silence_s"] for r in runs)
         st = stability(runs)
-        fast = max(quiet) <= TARGET_S[case] if quiet else None
-        lines.append(f"| {case} | {shown(quiet, '{:.1f}')} | <= {TARGET_S[case]:g}: "
-                     f"{'met' if fast else 'missed'} | {silence:.1f} | <= {SILENCE_S:g}: "
-                     f"{'met' if silence <= SILENCE_S else 'missed'} | {st['same']} of {st['runs']} "
-                     f"({st['modal']}; {st['others_said_unsettled']} other(s) said unsettled) | "
-                     f"{SAME_PICK[0]} of {SAME_PICK[1]}, or said unsettled: {'met' if st['met'] else 'missed'} |")
-    return "\n".join(lines)
+        fast = bool(quiet) and max(quiet) <= TARGET_S[case]
+        goals.append([case, shown(quiet, "{:.1f}"), f"<= {TARGET_S[case]:g}: {_met(fast)}",
+                      f"{silence:.1f}", f"<= {SILENCE_S:g}: {_met(silence <= SILENCE_S)}",
+                      f"{st['same']} of {st['runs']} ({st['modal']}; {st['others_said_unsettled']} other(s) said "
+                      f"unsettled)", f"{SAME_PICK[0]} of {SAME_PICK[1]}, or said unsettled: {_met(st['met'])}"])
+    return "\n".join([
+        f"Regime: {raw['regime']}. Each row one run of the command (stdout not a terminal: progress as lines).", "",
+        *markdown_table(["case", "run", "beside a busy loop", "answered in (s)", "longest silence (s)",
+                         "compute a step, p10-p90 (ms)", "first pick", "within its uncertainty",
+                         "to target / candidates", "plan"], runs_table), "",
+        *markdown_table(["case", "answered in, quiet (s)", "target", "longest silence (s)", "target",
+                         "same first pick", "target"], goals)])
 
 
 def main() -> int:
@@ -141,10 +133,8 @@ def main() -> int:
     cases = {k: v for k, v in cases.items() if v}
     payload = {"cases": cases, "commands": {k: ["distsync", "recommend", *CASES[k]] for k in cases}}
     seeds = list(range(1, max(len(v) for v in cases.values()) + 1))
-    print()
-    print(render({**payload, "regime": REGIME}))
-    write_record(args.json, started, regime=REGIME, seeds=seeds, payload=payload)
-    return 0
+    return finish(args.json, started, lambda raw: {"recommend_speed": render(raw)}, payload, regime=REGIME,
+                  seeds=seeds)
 
 
 if __name__ == "__main__":

@@ -14,11 +14,11 @@ Method, raw results and figures: docs/benchmarks/startup.md.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import re
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,11 +28,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import provenance, write_record
-from distsync.metrics.repeats import ratios, shown
+from distsync.metrics.repeats import median, ratios, shown, spread
 from distsync.experiments.report import markdown_table
 
 BIN = Path(sys.executable).parent
 REGIME = "CPU-bound real run on this machine ({cores} cores): every process of a job shares them"
+KINDS = ("distsync", "torchrun")
 
 TRIVIAL = """\
 import torch
@@ -50,25 +51,24 @@ dist.destroy_process_group()
 TRACER_DIR = Path(__file__).resolve().parent / "startup_profile" / "tracer"
 
 
-# ---------------------------------------------------------------------------------------------
 # Running commands
-# ---------------------------------------------------------------------------------------------
 def tool(name: str) -> str:
-    here = BIN / name
-    if here.exists():
-        return str(here)
-    found = shutil.which(name)
+    found = shutil.which(name, path=str(BIN)) or shutil.which(name)
     if not found:
         sys.exit(f"startup.py: {name} not found next to {sys.executable} nor on PATH")
     return found
 
 
-def base_env(src: str | None, extra_path: str | None = None) -> dict[str, str]:
+def job_env(src: str | None, trace: Path | None = None) -> dict[str, str]:
+    """The environment of a measured command: ``src`` first on ``PYTHONPATH``; with ``trace``,
+    the tracer before it, writing to that file."""
     env = dict(os.environ)
-    parts = [p for p in (extra_path, src, env.get("PYTHONPATH")) if p]
+    env.pop("STARTUP_TRACE", None)
+    parts = [p for p in (trace and str(TRACER_DIR), src, env.get("PYTHONPATH")) if p]
     if parts:
         env["PYTHONPATH"] = os.pathsep.join(parts)
-    env.pop("STARTUP_TRACE", None)
+    if trace:
+        env["STARTUP_TRACE"] = str(trace)
     return env
 
 
@@ -80,21 +80,11 @@ def commands(n: int, work: Path, trivial: Path) -> dict[str, list[str]]:
     }
 
 
-def become_subreaper() -> bool:
-    """Make processes that a command leaves behind (a fork server outliving its launcher) this
-    process's children when their parent ends, so :func:`timed` reaps them and counts their CPU."""
-    try:
-        import ctypes
-
-        return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
-    except Exception:
-        return False
-
-
-def timed(cmd: list[str], env: dict[str, str], log: Path, timeout: float = 300.0) -> dict:
-    """Wall seconds from start to exit, CPU seconds of the command and every process it
-    started (those it left behind too, reaped here: see :func:`become_subreaper`), exit code,
-    load average before and after."""
+def run(cmd: list[str], env: dict[str, str], log: Path) -> dict:
+    """Run ``cmd`` (its output into ``log``; a failure ends the script): wall seconds from start
+    to exit, CPU seconds of the command and every process it started (those it left behind
+    too, reaped here: :func:`main` makes this process their subreaper), load average before
+    and after."""
     load0 = os.getloadavg()[0]
     with open(log, "wb") as out:
         t0 = time.time()
@@ -108,170 +98,115 @@ def timed(cmd: list[str], env: dict[str, str], log: Path, timeout: float = 300.0
             raise
         wall = time.perf_counter() - a
         t1 = time.time()
-        proc.returncode = os.waitstatus_to_exitcode(status)
+    rc = os.waitstatus_to_exitcode(status)
+    if rc != 0:
+        sys.exit(f"startup.py: {' '.join(cmd)} failed (exit {rc}):\n{log.read_text(errors='replace')[-2000:]}")
     cpu = usage.ru_utime + usage.ru_stime
     # processes the command left behind: wait for them (up to 30 s), adding their CPU
-    left, deadline = 0, time.monotonic() + 30
+    deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
             pid, _, usage = os.wait4(-1, os.WNOHANG)
         except ChildProcessError:
             break
-        if pid == 0:
+        if pid:
+            cpu += usage.ru_utime + usage.ru_stime
+        else:
             time.sleep(0.01)
-            continue
-        left += 1
-        cpu += usage.ru_utime + usage.ru_stime
-    return {"wall_s": wall, "cpu_s": cpu, "rc": proc.returncode, "left_behind": left,
-            "left_behind_s": time.perf_counter() - a - wall,
-            "load_before": load0, "load_after": os.getloadavg()[0], "t_start": t0, "t_end": t1}
+    return {"wall_s": wall, "cpu_s": cpu, "load_before": load0, "load_after": os.getloadavg()[0],
+            "t_start": t0, "t_end": t1}
 
 
-# ---------------------------------------------------------------------------------------------
+def compact(obj):
+    """``obj`` with floats to 3 decimals and the runs' clock readings left out."""
+    if isinstance(obj, float):
+        return round(obj, 3)
+    if isinstance(obj, dict):
+        return {k: compact(v) for k, v in obj.items() if k not in ("t_start", "t_end")}
+    if isinstance(obj, (list, tuple)):
+        return [compact(v) for v in obj]
+    return obj
+
+
 # (1) Timing
-# ---------------------------------------------------------------------------------------------
-def run_timing(workers: list[int], repeats: int, warmup: int, src: str | None, tmp: Path) -> dict:
-    trivial = tmp / "trivial_allreduce.py"
-    trivial.write_text(TRIVIAL)
-    env = base_env(src)
-    kinds = ["distsync", "torchrun"]
-    runs: list[dict] = []
+def run_timing(workers: list[int], repeats: int, warmup: int, src: str | None, tmp: Path, trivial: Path) -> dict:
     plan: list[tuple[int, int, str]] = []
     for r in range(-warmup, repeats):
-        for n in workers:
-            # rotate which goes first, so none always follows another
-            k = (r + warmup) % len(kinds)
-            plan += [(r, n, which) for which in kinds[k:] + kinds[:k]]
+        k = (r + warmup) % len(KINDS)  # rotate which goes first, so none always follows another
+        plan += [(r, n, which) for n in workers for which in KINDS[k:] + KINDS[:k]]
+    runs: list[dict] = []
     for i, (r, n, which) in enumerate(plan):
-        work = tmp / f"{which.replace(',', '_')}-{n}-{r}"
+        work = tmp / f"{which}-{n}-{r}"
         work.mkdir(parents=True, exist_ok=True)
-        cmd = commands(n, work, trivial)[which]
-        res = timed(cmd, env, work / "output.log")
+        res = run(commands(n, work, trivial)[which], job_env(src), work / "output.log")
         tag = "warm-up" if r < 0 else f"repeat {r + 1}/{repeats}"
         print(f"  [{i + 1}/{len(plan)}] {which:8s} N={n} {tag:12s} {res['wall_s']:6.2f} s wall  "
-              f"{res['cpu_s']:6.2f} s CPU  load {res['load_before']:.2f}" + ("" if res["rc"] == 0 else f"  EXIT {res['rc']}"),
-              flush=True)
-        if res["rc"] != 0:
-            tail = (work / "output.log").read_text(errors="replace")[-2000:]
-            sys.exit(f"startup.py: {' '.join(cmd)} failed (exit {res['rc']}):\n{tail}")
+              f"{res['cpu_s']:6.2f} s CPU  load {res['load_before']:.2f}", flush=True)
         if r >= 0:
             runs.append({"command": which, "workers": n, "repeat": r, **res})
         shutil.rmtree(work, ignore_errors=True)
-    rows = []
-    for n in workers:
-        row: dict = {"workers": n}
-        for which in kinds:
-            mine = [x for x in runs if x["command"] == which and x["workers"] == n]
-            row[which] = {"median_wall_s": statistics.median(x["wall_s"] for x in mine),
-                          "min_wall_s": min(x["wall_s"] for x in mine), "max_wall_s": max(x["wall_s"] for x in mine),
-                          "median_cpu_s": statistics.median(x["cpu_s"] for x in mine)}
-        row["ratio"] = row["distsync"]["median_wall_s"] / row["torchrun"]["median_wall_s"]
-        rows.append(row)
-    loads = [x["load_before"] for x in runs]
-    return {"repeats": repeats, "warmup": warmup, "rows": rows, "runs": runs,
-            "load_average_1min": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)},
+    return {"repeats": repeats, "warmup": warmup, "runs": runs,
+            "load_average_1min": dict(zip(("median", "min", "max"), spread(x["load_before"] for x in runs))),
             "commands": {k: " ".join(v).replace(str(tmp), "TMP") for k, v in commands(0, tmp / "W", trivial).items()},
             "trivial_script": TRIVIAL}
 
 
-def compact(obj, drop=("per_worker", "t_start", "t_end", "from")):
-    """``obj`` with floats to 3 decimals and the bulky per-worker detail left out."""
-    if isinstance(obj, float):
-        return round(obj, 3)
-    if isinstance(obj, dict):
-        return {k: compact(v, drop) for k, v in obj.items() if k not in drop}
-    if isinstance(obj, (list, tuple)):
-        return [compact(v, drop) for v in obj]
-    return obj
-
-
-# ---------------------------------------------------------------------------------------------
 # (2) Breakdown
-# ---------------------------------------------------------------------------------------------
-def traced_run(cmd: list[str], src: str | None, tmp: Path, name: str) -> tuple[dict, list[dict]]:
-    trace = tmp / f"{name}.trace.jsonl"
-    trace.unlink(missing_ok=True)
-    env = base_env(src, str(TRACER_DIR))
-    env["STARTUP_TRACE"] = str(trace)
-    res = timed(cmd, env, tmp / f"{name}.log")
-    if res["rc"] != 0:
-        tail = (tmp / f"{name}.log").read_text(errors="replace")[-2000:]
-        sys.exit(f"startup.py: traced {' '.join(cmd)} failed (exit {res['rc']}):\n{tail}")
-    events = [json.loads(line) for line in trace.read_text().splitlines() if line.strip()]
-    return res, events
-
-
-class Proc:
-    """One process's events: points ``name>`` (enter) and ``name<`` (exit), each (unix, cpu)."""
-
-    def __init__(self, pid: int, events: list[dict]):
-        self.pid = pid
-        self.events = events
-        self.rank = next((e["rank"] for e in events if e.get("rank") is not None), None)
-        self.points: dict[str, list[tuple[float, float]]] = {}
-        for e in events:
-            if e["ev"] == "site":
-                self.add("site", e["t"], e["cpu"])
-                if e.get("started"):
-                    self.add("started", e["started"], 0.0)
-            elif e["ev"] == "call":
-                self.add(e["fn"] + ">", e["t0"], e["cpu0"])
-                self.add(e["fn"] + "<", e["t"], e["cpu"])
-            elif e["ev"] == "import":
-                self.add("import:" + e["mod"] + ">", e["t0"], e["cpu0"])
-                self.add("import:" + e["mod"] + "<", e["t"], e["cpu"])
-            elif e["ev"] in ("os_exit", "atexit"):
-                self.add(e["ev"], e["t"], e["cpu"])
-        self.cmd = next((e.get("cmd") for e in events if e["ev"] == "site"), [])
-
-    def add(self, name: str, t: float, cpu: float) -> None:
-        self.points.setdefault(name, []).append((t, cpu))
-
-    def at(self, name: str, which: int = 0) -> tuple[float, float] | None:
-        pts = self.points.get(name)
-        if not pts:
-            return None
-        try:
-            return pts[which]
-        except IndexError:
-            return None
-
-    def last_cpu(self) -> float:
-        return max((e["cpu"] for e in self.events), default=0.0)
-
-
-def segments(proc: Proc, marks: list[tuple[str, str | tuple[str, int] | None]], t_begin: float | None = None,
-             t_end: float | None = None) -> list[dict]:
-    """Consecutive segments between the named points that exist, in order: label of each
-    segment is the label given with its END point."""
+def processes(events: list[dict]) -> list[dict]:
+    """The trace's processes: each one's ``rank`` (None: not a rank), its ``points`` (``name>``
+    and ``name<``: a traced call's or import's entry and exit; ``site``, ``os_exit``,
+    ``atexit``), each a list of (unix, cpu) readings, and ``cpu_s``, its CPU at its last event."""
+    by_pid: dict[int, list[dict]] = {}
+    for e in events:
+        by_pid.setdefault(e["pid"], []).append(e)
     out = []
-    prev_t, prev_cpu, prev_name = t_begin, 0.0 if t_begin is not None else None, "start"
-    for label, point in marks:
-        if point is None:  # the end of the process (t_end); CPU unknown past its last event
-            pt = (t_end, None) if t_end is not None else None
-        else:
-            name, idx = (point, 0) if isinstance(point, str) else point
-            pt = proc.at(name, idx)
-        if pt is None:
-            continue
-        if prev_t is not None:
-            cpu = (pt[1] - prev_cpu) if (pt[1] is not None and prev_cpu is not None) else None
-            out.append({"phase": label, "wall_s": pt[0] - prev_t, "cpu_s": cpu, "from": prev_name})
-        prev_t, prev_cpu, prev_name = pt[0], pt[1], label
+    for evs in by_pid.values():
+        points: dict[str, list[tuple[float, float]]] = {}
+        for e in evs:
+            if e["ev"] in ("call", "import"):
+                name = e["fn"] if e["ev"] == "call" else "import:" + e["mod"]
+                points.setdefault(name + ">", []).append((e["t0"], e["cpu0"]))
+                points.setdefault(name + "<", []).append((e["t"], e["cpu"]))
+            elif e["ev"] in ("site", "os_exit", "atexit"):
+                points.setdefault(e["ev"], []).append((e["t"], e["cpu"]))
+        out.append({"rank": next((e["rank"] for e in evs if e.get("rank") is not None), None), "points": points,
+                    "cpu_s": max(e["cpu"] for e in evs)})
     return out
 
 
-def worker_marks(kind: str) -> list[tuple[str, object]]:
-    if kind == "torchrun":
-        return [
-            ("interpreter up (exec, site)", "site"),
-            ("import torch", "distributed_c10d.init_process_group>"),
-            ("init_process_group (gloo; waits for every rank)", "distributed_c10d.init_process_group<"),
-            ("all_reduce", "distributed_c10d.all_reduce<"),
-            ("destroy_process_group", "distributed_c10d.destroy_process_group<"),
-            ("end of script to atexit", "atexit"),
-        ]
-    return [
+def at(proc: dict, name: str, which: int = 0) -> tuple[float, float | None] | None:
+    """The ``which``-th reading of point ``name`` in ``proc`` (None: there is none)."""
+    pts = proc["points"].get(name, [])
+    return pts[which] if which < len(pts) else None
+
+
+def segments(proc: dict, marks: list[tuple[str, str | tuple[str, int]]], begin: tuple | None) -> list[dict]:
+    """Consecutive segments from ``begin`` (unix, cpu) between the named points that exist, in
+    order: the label of each segment is the label given with its END point (a reading's CPU
+    None: unknown, as past a process's last event)."""
+    out, prev = [], begin
+    for label, point in marks:
+        pt = at(proc, *((point, 0) if isinstance(point, str) else point))
+        if pt is None:
+            continue
+        if prev is not None:
+            cpu = None if None in (pt[1], prev[1]) else pt[1] - prev[1]
+            out.append({"phase": label, "wall_s": pt[0] - prev[0], "cpu_s": cpu})
+        prev = pt
+    return out
+
+
+#: each worker's phases, as (label, the point that ends it)
+WORKER_MARKS = {
+    "torchrun": [
+        ("interpreter up (exec, site)", "site"),
+        ("import torch", "distributed_c10d.init_process_group>"),
+        ("init_process_group (gloo; waits for every rank)", "distributed_c10d.init_process_group<"),
+        ("all_reduce", "distributed_c10d.all_reduce<"),
+        ("destroy_process_group", "distributed_c10d.destroy_process_group<"),
+        ("end of script to atexit", "atexit"),
+    ],
+    "distsync": [
         ("interpreter up (exec, site)", "site"),
         ("until run_process: a fresh interpreter imports torch, distsync.worker, distsync.runtime.process "
          "(a forked process only forks)", "process.run_process>"),
@@ -291,10 +226,12 @@ def worker_marks(kind: str) -> list[tuple[str, object]]:
         ("final barrier (monitored_barrier)", ("comm.Comm.barrier<", 1)),
         ("destroy_process_group (Comm.close)", "comm.Comm.close<"),
         ("to os._exit", "os_exit"),
-    ]
+    ],
+}
 
 
 def parent_marks(kind: str) -> list[tuple[str, object]]:
+    """The launching process's phases, as (label, the point that ends it)."""
     if kind == "torchrun":
         pre = [
             ("process start + interpreter up (site)", "site"),
@@ -325,178 +262,137 @@ def parent_marks(kind: str) -> list[tuple[str, object]]:
         ("launch_agent returns (rendezvous shutdown, events)", "api.launch_agent<"),
     ] + ([] if kind == "torchrun" else [
         ("launch() returns (read summary.json, stop progress poller)", "launch.launch<"),
-        ("summary table: import distsync.experiments (matplotlib, ...)", "cli._summary_table<"),
         ("print table, return from main", "cli.main<"),
     ]) + [
         ("atexit", "atexit"),
         ("to os._exit (a launcher that leaves without finalization)", "os_exit"),
         ("interpreter exit (finalization: GC, module teardown; none after os._exit) until the command has exited",
-         None),
+         "COMMAND_EXIT"),
     ]
 
 
 def analyse(kind: str, res: dict, events: list[dict]) -> dict:
-    by_pid: dict[int, list[dict]] = {}
-    for e in events:
-        by_pid.setdefault(e["pid"], []).append(e)
-    procs = {pid: Proc(pid, evs) for pid, evs in by_pid.items()}
-    parent = next((p for p in procs.values() if p.rank is None and p.at("api.launch_agent>")), None)
-    if parent is None:
-        parent = min(procs.values(), key=lambda p: p.at("site")[0] if p.at("site") else float("inf"))
+    """One traced run: the launching process's phases (``launcher``), each worker phase's
+    median wall over the workers and CPU summed over them (``workers``)."""
+    procs = processes(events)
+    parent = next((p for p in procs if p["rank"] is None and at(p, "api.launch_agent>")),
+                  min(procs, key=lambda p: (at(p, "site") or (float("inf"),))[0]))
     # a rank's process is the one that joins the process group (a forked job also has a
     # supervising parent per rank, which carries the rank's environment but does not)
-    joined = ("process.run_process>", "distributed_c10d.init_process_group>")
-    workers = sorted((p for p in procs.values() if p is not parent and p.rank is not None
-                      and any(p.at(j) for j in joined)), key=lambda p: int(p.rank))
-    exits = [p.at("os_exit") or p.at("atexit") for p in workers]
-    exits = [x for x in exits if x]
+    workers = [p for p in procs if p is not parent and p["rank"] is not None
+               and (at(p, "process.run_process>") or at(p, "distributed_c10d.init_process_group>"))]
+    exits = [x[0] for x in (at(p, "os_exit") or at(p, "atexit") for p in workers) if x]
     if exits:
-        parent.add("LAST_WORKER_EXIT", max(x[0] for x in exits), None)
-    spawn = parent.at("local_elastic_agent.LocalElasticAgent._start_workers>")
-    parent_rows = segments(parent, parent_marks(kind), t_begin=res["t_start"], t_end=res["t_end"])
-    worker_rows = []
-    for w in workers:
-        worker_rows.append(segments(w, worker_marks(kind), t_begin=spawn[0] if spawn else None))
-    # per phase, across workers
-    phases = [label for label, _ in worker_marks(kind)]
+        parent["points"]["LAST_WORKER_EXIT"] = [(max(exits), None)]
+    parent["points"]["COMMAND_EXIT"] = [(res["t_end"], None)]
+    spawn = at(parent, "local_elastic_agent.LocalElasticAgent._start_workers>")
+    cells = [c for w in workers for c in segments(w, WORKER_MARKS[kind], spawn and (spawn[0], 0.0))]
     per_phase = []
-    for label in phases:
-        cells = [r for rows in worker_rows for r in rows if r["phase"] == label]
-        if not cells:
-            continue
-        walls = [c["wall_s"] for c in cells]
-        cpus = [c["cpu_s"] for c in cells if c["cpu_s"] is not None]
-        per_phase.append({"phase": label, "wall_median_s": statistics.median(walls), "wall_max_s": max(walls),
-                          "cpu_sum_s": sum(cpus), "workers": len(cells)})
-    patch_failed = sorted({e["fn"] for e in events if e["ev"] == "patch-failed"})
-    if patch_failed:
-        print(f"  (not traced, code moved: {', '.join(patch_failed)})", flush=True)
-    # CPU no traced event saw: what ran after each process's last event (interpreter finalization)
-    untraced = res["cpu_s"] - sum(p.last_cpu() for p in procs.values())
+    for label, _ in WORKER_MARKS[kind]:
+        mine = [c for c in cells if c["phase"] == label]
+        if mine:
+            per_phase.append({"phase": label, "wall_median_s": median(c["wall_s"] for c in mine),
+                              "cpu_sum_s": sum(c["cpu_s"] for c in mine if c["cpu_s"] is not None)})
     return {"command": kind, "wall_s": res["wall_s"], "cpu_s": res["cpu_s"], "load_before": res["load_before"],
-            "cpu_after_last_event_s": untraced,
-            "launcher": parent_rows, "launcher_cpu_s": parent.last_cpu(),
-            "workers": per_phase, "per_worker": [{"rank": int(w.rank), "phases": rows, "cpu_s": w.last_cpu()}
-                                                 for w, rows in zip(workers, worker_rows)],
-            "patch_failed": patch_failed}
+            # CPU no traced event saw: what ran after each process's last event (interpreter finalization)
+            "cpu_after_last_event_s": res["cpu_s"] - sum(p["cpu_s"] for p in procs),
+            "launcher": segments(parent, parent_marks(kind), (res["t_start"], 0.0)),
+            "workers": per_phase,
+            # (a function the tracer could not wrap, its code moved: its phase is missing)
+            "patch_failed": sorted({e["fn"] for e in events if e["ev"] == "patch-failed"})}
 
 
 # What one piece of start-up costs on its own: (name, code, the entry it adds to). Each is run
-# as ``python -c CODE`` that reports its clock and CPU at the end; the cost is the median over
-# the repeats of its CPU (and wall) minus its base's.
+# as ``python -c CODE`` that reports its CPU at the end, then leaves with os._exit; the cost is
+# the median over the repeats of its CPU before its exit.
+WORKER = "import distsync.worker, distsync.runtime.process"
+DIGITS = "from distsync.workloads import load_workload\nload_workload('digits')"
+_LAUNCHER_ROW, _WORKER_ROW = "import distsync.cli (distsync's launcher)", f"{WORKER} (a worker, before its workload)"
 ISOLATED = [
     ("python -c pass", "pass", None),
     ("import torch", "import torch", "python -c pass"),
     ("import torch.distributed.run (torchrun's launcher)", "import torch.distributed.run", "import torch"),
-    ("import distsync.cli (distsync's launcher)", "import distsync.cli", "import torch"),
-    ("launcher + load_workload('digits') (sklearn, scipy, pandas)",
-     "import distsync.cli\nfrom distsync.workloads import load_workload\nload_workload('digits')",
-     "import distsync.cli (distsync's launcher)"),
+    (_LAUNCHER_ROW, "import distsync.cli", "import torch"),
+    ("launcher + load_workload('digits') (sklearn, scipy, pandas)", f"import distsync.cli\n{DIGITS}", _LAUNCHER_ROW),
     ("launcher + import distsync.experiments (the summary table's import: matplotlib)",
-     "import distsync.cli, distsync.experiments", "import distsync.cli (distsync's launcher)"),
-    ("import distsync.worker, distsync.runtime.process (a worker, before its workload)",
-     "import distsync.worker, distsync.runtime.process", "import torch"),
-    ("worker + load_workload('digits') (sklearn, scipy, pandas)",
-     "import distsync.worker, distsync.runtime.process\nfrom distsync.workloads import load_workload\n"
-     "load_workload('digits')", "import distsync.worker, distsync.runtime.process (a worker, before its workload)"),
+     "import distsync.cli, distsync.experiments", _LAUNCHER_ROW),
+    (_WORKER_ROW, WORKER, "import torch"),
+    ("worker + load_workload('digits') (sklearn, scipy, pandas)", f"{WORKER}\n{DIGITS}", _WORKER_ROW),
     ("worker + torch.optim.SGD(...) (its first call imports torch._dynamo)",
-     "import distsync.worker, distsync.runtime.process, torch\n"
-     "torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)",
-     "import distsync.worker, distsync.runtime.process (a worker, before its workload)"),
+     f"{WORKER}, torch\ntorch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)", _WORKER_ROW),
     ("worker + the digits arrays with numpy only (np.loadtxt of sklearn's digits.csv.gz, no sklearn import)",
-     "import distsync.worker, distsync.runtime.process, importlib.util, os, numpy as np\n"
+     f"{WORKER}, importlib.util, os, numpy as np\n"
      "d = os.path.join(importlib.util.find_spec('sklearn').submodule_search_locations[0], 'datasets', 'data')\n"
-     "a = np.loadtxt(os.path.join(d, 'digits.csv.gz'), delimiter=',')",
-     "import distsync.worker, distsync.runtime.process (a worker, before its workload)"),
+     "a = np.loadtxt(os.path.join(d, 'digits.csv.gz'), delimiter=',')", _WORKER_ROW),
 ]
-# Interpreter exit of a process that imported what distsync's launcher imports.
-EXIT_CODE = ("import distsync.cli, distsync.experiments\nfrom distsync.workloads import load_workload\n"
-             "load_workload('digits')\n")
-EXIT_VARIANTS = [("normal exit", "", ""), ("gc.freeze() before exit", "import gc\ngc.freeze()\n", ""),
-                 ("os._exit(0)", "", "EXIT")]
-TORCH_EXIT = [("import torch; normal exit", "import torch\n", ""),
-              ("import torch; os._exit(0)", "import torch\n", "EXIT")]
+OS_EXIT = "import os\nos._exit(0)\n"
+# An interpreter's exit after the imports of distsync's launcher, and of torch: (name, code, how it ends).
+LAUNCHER = f"import distsync.cli, distsync.experiments\n{DIGITS}\n"
+EXITS = [
+    ("launcher's imports; normal exit", LAUNCHER, ""),
+    ("launcher's imports; gc.freeze() before exit", LAUNCHER + "import gc\ngc.freeze()\n", ""),
+    ("launcher's imports; os._exit(0)", LAUNCHER, OS_EXIT),
+    ("import torch; normal exit", "import torch\n", ""),
+    ("import torch; os._exit(0)", "import torch\n", OS_EXIT),
+]
 
 
-def _clocked(code: str, src: str | None, exit_how: str = "") -> dict:
-    tail = "\nimport os as _o, sys as _s, time as _t\n_s.stdout.write('CLOCK %r %r\\n' % (_t.time(), _t.process_time()))\n" \
-           "_s.stdout.flush()\n" + ("_o._exit(0)\n" if exit_how == "EXIT" else exit_how)
-    t0 = time.time()
-    a = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-c", code + tail], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            env=base_env(src), cwd=REPO)
+def _clocked(code: str, src: str | None, end: str) -> dict:
+    """CPU seconds of ``python -c CODE`` until ``end`` (``cpu_s``) and from there to its exit
+    (``exit_cpu_s``); ``error``: its output's tail, when it failed."""
+    clock = "\nimport sys as _s, time as _t\n_s.stdout.write('CLOCK %r\\n' % _t.process_time())\n_s.stdout.flush()\n"
+    proc = subprocess.Popen([sys.executable, "-c", code + clock + end], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, env=job_env(src), cwd=REPO)
     out = proc.stdout.read().decode()
     _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - a
-    t1 = time.time()
-    m = re.search(r"CLOCK (\S+) (\S+)", out)
-    cpu = usage.ru_utime + usage.ru_stime
+    m = re.search(r"CLOCK (\S+)", out)
     if not m or os.waitstatus_to_exitcode(status) != 0:
         return {"error": out[-500:]}
-    return {"wall_s": wall, "cpu_s": cpu, "exit_wall_s": t1 - float(m[1]), "exit_cpu_s": cpu - float(m[2]),
-            "wall_to_end_s": float(m[1]) - t0}
+    return {"cpu_s": float(m[1]), "exit_cpu_s": usage.ru_utime + usage.ru_stime - float(m[1])}
 
 
 def isolated_costs(src: str | None, repeats: int = 3) -> dict:
-    samples: dict[str, list[dict]] = {}
+    pieces = [(name, code, OS_EXIT) for name, code, _ in ISOLATED] + EXITS
+    samples: dict[str, list[dict]] = {name: [] for name, _, _ in pieces}
     for _ in range(repeats):
-        for name, code, _base in ISOLATED:
-            samples.setdefault(name, []).append(_clocked(code, src, "EXIT"))
-        for name, pre, how in EXIT_VARIANTS:
-            samples.setdefault("launcher's imports; " + name, []).append(_clocked(EXIT_CODE + pre, src, how))
-        for name, code, how in TORCH_EXIT:
-            samples.setdefault(name, []).append(_clocked(code, src, how))
-    med = {}
+        for name, code, end in pieces:
+            samples[name].append(_clocked(code, src, end))
+    cost = {}
     for name, runs in samples.items():
         ok = [r for r in runs if "error" not in r]
-        if not ok:
-            med[name] = {"error": runs[0].get("error")}
-            continue
-        med[name] = {k: statistics.median(r[k] for r in ok) for k in ok[0]}
+        cost[name] = {k: median(r[k] for r in ok) for k in ("cpu_s", "exit_cpu_s")} if ok else runs[0]
     rows = []
     for name, _code, base in ISOLATED:
-        m = med[name]
-        if "error" in m:
-            rows.append({"what": name, "error": m["error"]})
-            continue
-        # a process that ends with os._exit: its cost is what ran before the exit
-        row = {"what": name, "cpu_s": m["cpu_s"] - m["exit_cpu_s"], "wall_s": m["wall_to_end_s"]}
-        if base and "error" not in med[base]:
-            b = med[base]
-            row["adds_cpu_s"] = row["cpu_s"] - (b["cpu_s"] - b["exit_cpu_s"])
-            row["adds_wall_s"] = row["wall_s"] - b["wall_to_end_s"]
-            row["over"] = base
+        row = {"what": name, **({"error": cost[name]["error"]} if "error" in cost[name]
+                                else {"cpu_s": cost[name]["cpu_s"]})}
+        if base and "error" not in cost[name] and "error" not in cost[base]:
+            row.update(adds_cpu_s=row["cpu_s"] - cost[base]["cpu_s"], over=base)
         rows.append(row)
-    exits = [{"what": name, "exit_wall_s": med[name]["exit_wall_s"], "exit_cpu_s": med[name]["exit_cpu_s"]}
-             for name in med if ("exit" in name or "freeze" in name) and "error" not in med[name]]
+    exits = [{"what": name, "exit_cpu_s": cost[name]["exit_cpu_s"]} for name, _, _ in EXITS if "error" not in cost[name]]
     return {"repeats": repeats, "rows": rows, "interpreter_exit": exits}
 
 
-def run_breakdown(workers: list[int], src: str | None, tmp: Path) -> dict:
-    trivial = tmp / "trivial_allreduce.py"
-    trivial.write_text(TRIVIAL)
-    result: dict = {"by_workers": []}
+def run_breakdown(workers: list[int], src: str | None, tmp: Path, trivial: Path) -> dict:
+    by_workers = []
     for n in workers:
         entry: dict = {"workers": n}
-        for kind in ("distsync", "torchrun"):
+        for kind in KINDS:
+            trace = tmp / f"{kind}-{n}.trace.jsonl"
             work = tmp / f"traced-{kind}-{n}"
             work.mkdir(parents=True, exist_ok=True)
-            res, events = traced_run(commands(n, work, trivial)[kind], src, tmp, f"{kind}-{n}")
+            res = run(commands(n, work, trivial)[kind], job_env(src, trace), tmp / f"{kind}-{n}.log")
+            events = [json.loads(line) for line in trace.read_text().splitlines() if line.strip()]
             entry[kind] = analyse(kind, res, events)
-        result["by_workers"].append(entry)
+        by_workers.append(entry)
     print("costs in isolation (each piece as its own python -c, median of 3)...", flush=True)
-    result["isolated"] = isolated_costs(src)
-    return result
+    return {"by_workers": by_workers, "isolated": isolated_costs(src)}
 
 
-# ---------------------------------------------------------------------------------------------
 # The page's tables
-# ---------------------------------------------------------------------------------------------
 def _head(raw: dict) -> str:
-    m = raw.get("machine") or {}
-    return (f"`{raw.get('command', '?')}` at commit {str(raw.get('commit'))[:10]}"
+    return (f"`{raw['command']}` at commit {str(raw['commit'])[:10]}"
             + (" (the working tree differed)" if raw.get("dirty") else "")
-            + f", {m.get('cpu_count') or m.get('cores')} cores, torch {m.get('torch')}, {raw.get('date') or raw.get('when', '')}.")
+            + f", {raw['machine']['cpu_count']} cores, torch {raw['machine']['torch']}, {raw['date']}.")
 
 
 def _joined(tables: dict[int, list[dict]], cols: list[tuple[str, str]]) -> tuple[list[str], list[list]]:
@@ -529,19 +425,16 @@ def render(raw: dict) -> dict[str, str]:
                  f"{load['max']:.2f} (median {load['median']:.2f}). Wall: command start to exit; CPU: user+system "
                  f"seconds of the command and every process it started.", ""]
         rows = []
-        names = ["distsync", "torchrun"]
-        for r in t["rows"]:
-            n = r["workers"]
+        for n in dict.fromkeys(x["workers"] for x in t["runs"]):
             runs = {name: {x["repeat"]: x for x in t["runs"] if x["command"] == name and x["workers"] == n}
-                    for name in names}
+                    for name in KINDS}
             base = {k: x["wall_s"] for k, x in runs["torchrun"].items()}
-            for name in names:
+            for name in KINDS:
                 walls = {k: x["wall_s"] for k, x in runs[name].items()}
-                ratio = ratios(walls, base)
-                target = "" if name == "torchrun" else ("met" if r[name]["median_wall_s"] / r["torchrun"]["median_wall_s"]
-                                                        <= 1.5 else "MISSED") + " (median)"
+                met = median(walls.values()) / median(base.values()) <= 1.5
                 rows.append([n, name, shown(walls.values()), shown(x["cpu_s"] for x in runs[name].values()),
-                             "1.00x" if name == "torchrun" else shown(ratio, unit="x"), target])
+                             "1.00x" if name == "torchrun" else shown(ratios(walls, base), unit="x"),
+                             "" if name == "torchrun" else ("met" if met else "MISSED") + " (median)"])
         lines += markdown_table(["workers", "command", "wall (s)", "CPU (s)", "/ torchrun", "target <= 1.5x"], rows)
         blocks["startup"] = "\n".join(lines)
     b = raw.get("breakdown")
@@ -550,7 +443,7 @@ def render(raw: dict) -> dict[str, str]:
                  "process; a single run's walls are noisier than the timing's medians). Launcher: wall and CPU of "
                  "each phase of the launching process (serial). Workers: wall, the median over the workers; CPU, "
                  "summed over them.", ""]
-        for kind in ("distsync", "torchrun"):
+        for kind in KINDS:
             entries = {e["workers"]: e[kind] for e in b["by_workers"] if kind in e}
             if not entries:
                 continue
@@ -578,7 +471,6 @@ def render(raw: dict) -> dict[str, str]:
     return blocks
 
 
-# ---------------------------------------------------------------------------------------------
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", default="2,4", help="comma-separated worker counts (default: 2,4)")
@@ -599,26 +491,27 @@ def main() -> int:
         p.error("--workers must be >= 1, --repeats >= 1, --warmup >= 0")
     started = provenance("benchmarks/startup.py")
     src = str(Path(args.src).resolve()) if args.src else None
-    cores = os.cpu_count() or 1
-    become_subreaper()
-    print(f"regime: {REGIME.format(cores=cores)}; uptime load average {os.getloadavg()}", flush=True)
-    out: dict = {"benchmark": "startup", "src": src or "the installed package", "load_average_at_start": os.getloadavg()}
+    regime = REGIME.format(cores=os.cpu_count() or 1)
+    # processes a command leaves behind (a fork server outliving its launcher) become this
+    # process's children when their parent ends, so that run() reaps them and counts their CPU
+    ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    out: dict = {"benchmark": "startup", "src": src or "the installed package"}
     tmp = Path(tempfile.mkdtemp(prefix="distsync-startup-"))
     try:
+        trivial = tmp / "trivial_allreduce.py"
+        trivial.write_text(TRIVIAL)
         if not args.breakdown:
-            out["timing"] = run_timing(workers, args.repeats, args.warmup, src, tmp)
+            out["timing"] = run_timing(workers, args.repeats, args.warmup, src, tmp, trivial)
         if args.breakdown or args.full:
             print("\nbreakdown (traced runs; tracing adds a little to each process)...", flush=True)
-            out["breakdown"] = run_breakdown(workers, src, tmp)
+            out["breakdown"] = run_breakdown(workers, src, tmp, trivial)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print("\n\n".join(render({**started, "regime": REGIME.format(cores=cores), **compact(out)}).values()))
-    out["load_average_at_end"] = os.getloadavg()
-    default = "startup-breakdown.json" if args.breakdown else "startup.json"
-    path = Path(args.json) if args.json else REPO / "benchmarks" / "results" / default
+    out = compact(out)
+    print("\n\n".join(render({**started, "regime": regime, **out}).values()))
+    path = args.json or REPO / "benchmarks" / "results" / ("startup-breakdown.json" if args.breakdown else "startup.json")
     # (every run of a command here is the same job, seed 0: the repeats are runs, not seeds)
-    write_record(path, started, regime=REGIME.format(cores=cores), seeds=[0],
-                 payload={**compact(out), "repeats": 1 if args.breakdown else args.repeats})
+    write_record(path, started, regime=regime, seeds=[0], payload={**out, "repeats": 1 if args.breakdown else args.repeats})
     return 0
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from common import argument_parser, provenance, write_results
+from distsync.experiments.report import markdown_table
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -51,25 +52,14 @@ def _run(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> t
         return 124, out, time.monotonic() - t0
 
 
-def _say(text: str) -> None:
-    print(text, flush=True)
-
-
 def _torch_of(python: Path) -> str | None:
     rc, out, _ = _run([str(python), "-c", "import torch; print(torch.__version__)"], 300)
     return out.strip().splitlines()[-1] if rc == 0 and out.strip() else None
 
 
-def _constraints_without_torch(folder: Path) -> Path:
-    """constraints.txt less the lines that pin torch itself (the user's torch stays)."""
-    lines = (REPO / "constraints.txt").read_text().splitlines()
-    path = folder / "constraints-without-torch.txt"
-    path.write_text("\n".join(ln for ln in lines if not re.match(r"\s*torch\s*(==|$)", ln)) + "\n")
-    return path
-
-
-def install(version: str, venv: Path, log: list[str]) -> dict[str, Any]:
-    """torch ``version`` in ``venv``, then distsync over it; what pip did to torch."""
+def install(version: str, venv: Path) -> dict[str, Any]:
+    """torch ``version`` in ``venv``, then distsync over it through constraints.txt less the
+    lines that pin torch itself (the user's torch stays); what pip did to torch."""
     python = venv / "bin" / "python"
     if not python.exists():
         rc, out, _ = _run([sys.executable, "-m", "venv", str(venv)], 300)
@@ -77,17 +67,17 @@ def install(version: str, venv: Path, log: list[str]) -> dict[str, Any]:
             raise SystemExit(f"error: could not make the venv {venv}: {out.strip()[-500:]}")
     before = _torch_of(python)
     if before != version and (before or "").split("+")[0] != version:
-        _say(f"-- installing torch=={version} into {venv} (PyPI's build: several GB)")
+        print(f"-- installing torch=={version} into {venv} (PyPI's build: several GB)")
         rc, out, secs = _run([str(python), "-m", "pip", "install", "--quiet", f"torch=={version}"], 3600)
-        log.append(out)
         if rc != 0:
             raise SystemExit(f"error: pip could not install torch=={version}: {out.strip().splitlines()[-1:]}")
         before = _torch_of(python)
-    _say(f"-- torch {before}: installing distsync over it (pip install -c constraints.txt less torch -e .[test,workloads])")
+    print(f"-- torch {before}: installing distsync over it (pip install -c constraints.txt less torch -e .[test,workloads])")
     with tempfile.TemporaryDirectory() as tmp:
-        cons = _constraints_without_torch(Path(tmp))
+        cons = Path(tmp) / "constraints-without-torch.txt"
+        lines = (REPO / "constraints.txt").read_text().splitlines()
+        cons.write_text("\n".join(ln for ln in lines if not re.match(r"\s*torch\s*(==|$)", ln)) + "\n")
         rc, out, secs = _run([str(python), "-m", "pip", "install", "-c", str(cons), "-e", ".[test,workloads]"], 3600)
-    log.append(out)
     after = _torch_of(python)
     touched = [ln.strip() for ln in out.splitlines() if re.search(r"(Uninstalling|Attempting uninstall): torch\b", ln)]
     return {"torch_before": before, "torch_after": after, "pip_rc": rc, "pip_touched_torch": touched,
@@ -107,7 +97,7 @@ def private_names(python: Path) -> dict[str, Any]:
 
 def fast_suite(python: Path, junit: Path) -> dict[str, Any]:
     """The tests not marked slow or cuda, as ``make test`` runs them (two processes)."""
-    _say("-- the fast suite (pytest -m 'not slow and not cuda')")
+    print("-- the fast suite (pytest -m 'not slow and not cuda')")
     rc, out, secs = _run([str(python), "-m", "pytest", "-q", "-n", "2", "-m", "not slow and not cuda",
                           "-p", "no:cacheprovider", "--junitxml", str(junit)], SUITE_TIMEOUT_S)
     result: dict[str, Any] = {"rc": rc, "seconds": round(secs, 1)}
@@ -138,8 +128,6 @@ def short_trains(python: Path, out_dir: Path) -> list[dict[str, Any]]:
         rows.append({"family": family, "solver": solver, "args": " ".join(extra), "rc": rc,
                      "seconds": round(secs, 1), "final_metric": metric, "warnings": warnings,
                      "error": "" if rc == 0 else (out.strip().splitlines() or [""])[-1][:300]})
-        _say(f"   {family:<22} {solver:<10} {' '.join(extra):<40} exit {rc}  {secs:5.1f} s  metric {metric}"
-             f"{'  warnings: ' + ', '.join(warnings) if warnings else ''}")
     return rows
 
 
@@ -149,33 +137,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--venv", default=None, help="its venv (default: .venv-torch-VERSION)")
     parser.add_argument("--json", default=None, help="the raw results file (default: "
                                                      "docs/benchmarks/raw/torch_versions-MAJOR.MINOR.json)")
-    parser.add_argument("--no-suite", action="store_true", help="skip the fast suite (the install and trains only)")
     args = parser.parse_args(argv)
+    sys.stdout.reconfigure(line_buffering=True)
     if not re.fullmatch(r"\d+\.\d+(\.\d+)?", args.torch):
         parser.error(f"--torch {args.torch!r}: give a release, e.g. 2.15.0")
     major_minor = ".".join(args.torch.split(".")[:2])
     venv = Path(args.venv or REPO / f".venv-torch-{args.torch}")
     raw_path = Path(args.json or REPO / "docs" / "benchmarks" / "raw" / f"torch_versions-{major_minor}.json")
     record = provenance("benchmarks/torch_versions.py", argv)
-    log: list[str] = []
-    inst = install(args.torch, venv, log)
-    _say(f"   torch before {inst['torch_before']}, after {inst['torch_after']}: "
-         f"{'kept' if inst['kept'] else 'CHANGED'} (pip exit {inst['pip_rc']})")
+    inst = install(args.torch, venv)
     python = venv / "bin" / "python"
     names = private_names(python)
-    _say(f"   private names missing: {names.get('missing', names.get('error'))}")
     with tempfile.TemporaryDirectory(prefix="distsync-torch-") as tmp:
-        suite = None if args.no_suite else fast_suite(python, Path(tmp) / "junit.xml")
-        if suite:
-            _say(f"   fast suite: {suite.get('passed')} passed, {suite.get('failed')} failed, "
-                 f"{suite.get('skipped')} skipped in {suite['seconds']:.0f} s")
-        _say(f"-- a short train per family ({TRAIN_STEPS} steps, 2 workers)")
+        suite = fast_suite(python, Path(tmp) / "junit.xml")
+        print(f"-- a short train per family ({TRAIN_STEPS} steps, 2 workers)")
         trains = short_trains(python, Path(tmp) / "runs")
     record["machine"]["torch"] = inst["torch_after"]
     payload = {**record, "regime": "real CPU run, loopback (2 workers)", "seeds": [0], "repeats": 1,
                "torch": args.torch, "install": inst, "private_names": names, "suite": suite, "trains": trains}
+    print(render(payload))
     write_results(raw_path, payload)
-    ok = inst["kept"] and all(t["rc"] == 0 for t in trains) and (suite is None or suite.get("failed") == 0)
+    ok = inst["kept"] and all(t["rc"] == 0 for t in trains) and suite.get("failed") == 0
     return 0 if ok else 1
 
 
@@ -193,22 +175,18 @@ def render(raw: dict[str, Any]) -> str:
         gone = ", ".join(f"`{n}`" for n in names["missing"]) or "none"
         lines.append(f"- Private names this torch lacks: {gone}; the start check: "
                      f"{'refused: ' + names['refusal'] if names['refusal'] else 'runs'}.")
-    if suite is None:
-        lines.append("- Fast suite: not run.")
-    elif "passed" in suite:
+    if "passed" in suite:
         failed = "; ".join(f"`{t}`" for t in suite["failed_tests"][:8])
         lines.append(f"- Fast suite (`-m 'not slow and not cuda'`): {suite['passed']} passed, {suite['failed']} "
                      f"failed, {suite['skipped']} skipped, {suite['seconds']:.0f} s{': ' + failed if failed else ''}.")
     else:
         lines.append(f"- Fast suite: exit {suite['rc']} without a report.")
-    lines += ["", f"| family | solver | train ({TRAIN_STEPS} steps, 2 workers) | final metric | s | warnings |",
-              "|---|---|---|---|---|---|"]
-    for t in trains:
-        solver = f"`{t['solver']}{' ' + t['args'] if t['args'] else ''}`"
-        what = "ran" if t["rc"] == 0 else f"**exit {t['rc']}**: {t['error']}"
-        metric = f"{t['final_metric']:.3f}" if isinstance(t["final_metric"], (int, float)) else "-"
-        lines.append(f"| {t['family']} | {solver} | {what} | {metric} | {t['seconds']:.0f} | "
-                     f"{', '.join(t['warnings']) or '-'} |")
+    rows = [[t["family"], f"`{t['solver']}{' ' + t['args'] if t['args'] else ''}`",
+             "ran" if t["rc"] == 0 else f"**exit {t['rc']}**: {t['error']}",
+             f"{t['final_metric']:.3f}" if isinstance(t["final_metric"], (int, float)) else "-",
+             f"{t['seconds']:.0f}", ", ".join(t["warnings"]) or "-"] for t in trains]
+    lines += ["", *markdown_table(["family", "solver", f"train ({TRAIN_STEPS} steps, 2 workers)", "final metric", "s",
+                                   "warnings"], rows)]
     return "\n".join(lines) + "\n"
 
 

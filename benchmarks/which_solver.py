@@ -13,22 +13,24 @@ from typing import Any, Callable
 
 from common import per_seed
 
+from distsync.experiments.report import markdown_table
 from distsync.metrics.repeats import ratios, shown, spread, verdict
 from crossover import makespans
 from heterogeneity_devices import times
 
-HEADER = ["| situation | solver | what was measured ([benchmarks](docs/benchmarks/README.md); median (range) over repeats) |",
-          "|---|---|---|"]
+HEADER = ["situation", "solver",
+          "what was measured ([benchmarks](docs/benchmarks/README.md); median (range) over repeats)"]
 NOT_MEASURED = "no current measurement (`make figures` makes it)"
 
 
 def _code(name: str) -> str:
-    """A solver label as a user types it: ``ripples:smart`` -> ``ripples --schedule smart``,
-    ``ripples:smart:every=2`` -> ``ripples --schedule smart -o every=2``."""
-    solver, *parts = name.split(":")
+    """A solver label as a user types it, a part without ``=`` its schedule: ``ripples:smart``
+    -> ``ripples --schedule smart``, ``ripples:smart:every=2`` -> ``ripples --schedule smart
+    -o every=2``, ``diloco every=50`` -> ``diloco -o every=50``."""
+    solver, *parts = name.replace(" ", ":").split(":")
     words = [solver]
     for part in parts:
-        words += ["--schedule", part] if part in ("static", "random", "smart") else ["-o", part]
+        words += ["-o", part] if "=" in part else ["--schedule", part]
     return f"`{' '.join(words)}`"
 
 
@@ -38,6 +40,11 @@ def _speedup(values: list[float | None], what: str = "") -> str:
         return "did not reach the target in any repeat"
     within = " (within the spread: no clear difference)" if verdict(values) == "within the spread" else ""
     return f"{shown(values, unit='x')}{' ' + what if what else ''}{within}"
+
+
+def _fastest_first(speedups: dict[str, list[float | None]]) -> dict[str, list[float | None]]:
+    """``speedups`` by their median, the greatest first (none at all: last)."""
+    return dict(sorted(speedups.items(), key=lambda kv: -(spread(kv[1]) or (0.0,))[0]))
 
 
 def _allreduce(raw: dict[str, Any]) -> tuple[str, str]:
@@ -61,7 +68,7 @@ def _slow_speedups(raw: dict[str, Any], names: tuple[str, ...]) -> tuple[str, di
         return None
     base = times(raw, w, case, "allreduce")
     sp = {n: ratios(base, times(raw, w, case, n)) for n in have}
-    return w, dict(sorted(sp.items(), key=lambda kv: -(spread(kv[1]) or (0.0,))[0]))
+    return w, _fastest_first(sp)
 
 
 def _slow_worker(raw: dict[str, Any], names: tuple[str, ...], why: str,
@@ -89,7 +96,7 @@ def _slow_links(raw: dict[str, Any]) -> tuple[str, str] | None:
     by = raw["results"][w][model]
     base = per_seed(by["allreduce"], "time_to_target_s")
     sp = {n: ratios(base, per_seed(s, "time_to_target_s")) for n, s in by.items() if n != "allreduce"}
-    best = sorted(sp, key=lambda n: -(spread(sp[n]) or (0.0,))[0])[:2]
+    best = list(_fastest_first(sp))[:2]
     figures = "; ".join(f"{_code(n)} {_speedup(sp[n])}" for n in best)
     return ", ".join(_code(n) for n in best), (
         f"fewer or asynchronous exchanges; speedup to target over all-reduce, the best two of {len(sp)} solvers: "
@@ -131,13 +138,6 @@ def _crossover(raw: dict[str, Any]) -> tuple[str, str] | None:
         f"emulated 50 ms devices behind 800 Mbit; {raw['repeats']} repeats)")
 
 
-def _label_code(label: str) -> str:
-    """A benchmark's configuration label as a user types it: ``diloco every=50`` ->
-    ``diloco -o every=50``."""
-    solver, *options = label.split()
-    return f"`{' '.join([solver, *(f'-o {o}' for o in options)])}`"
-
-
 def _rare_sync(raw: dict[str, Any]) -> tuple[str, str] | None:
     q = raw.get("quality") or {}
     if "allreduce" not in q or len(q) < 2:
@@ -145,7 +145,7 @@ def _rare_sync(raw: dict[str, Any]) -> tuple[str, str] | None:
     loss = {label: [s["loss"] for s in row["seeds"].values()] for label, row in q.items()}
     best = min((label for label in q if label != "allreduce"), key=lambda label: spread(loss[label])[0])
     row, ar = q[best], q["allreduce"]
-    return _label_code(best), (
+    return _code(best), (
         f"{ar['syncs'] / row['syncs']:.0f}x fewer synchronizations than an all-reduce every step ({row['syncs']} "
         f"against {ar['syncs']} per worker), eval loss {shown(loss[best])} against all-reduce's "
         f"{shown(loss['allreduce'])} (the lowest loss of {len(q) - 1} rare-sync configurations; lm, "
@@ -187,13 +187,13 @@ ROWS: list[tuple[str, str | None, Cells | None, str]] = [
 
 
 def render(raws: dict[str, dict[str, Any]]) -> str:
-    lines = list(HEADER)
+    rows = []
     for situation, name, cells, solvers in ROWS:
         got = cells(raws[name], raws) if name in raws else None
-        solver, text = got if got else (solvers, NOT_MEASURED)
-        lines.append(f"| {situation} | {solver} | {text} |")
-    lines.append(f"| not sure, or thousands of workers | `distsync recommend` | {_recommend(raws.get('recommend_test2') or raws.get('recommend'))} |")
-    return "\n".join(lines)
+        rows.append([situation, *(got or (solvers, NOT_MEASURED))])
+    rows.append(["not sure, or thousands of workers", "`distsync recommend`",
+                 _recommend(raws.get("recommend_test2") or raws.get("recommend"))])
+    return "\n".join(markdown_table(HEADER, rows))
 
 
 def _recommend(raw: dict[str, Any] | None) -> str:

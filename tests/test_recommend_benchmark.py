@@ -59,20 +59,13 @@ def test_baselines_count_always_x_with_its_defaults_and_a_random_pick():
         "ad-psgd if any worker is slow, else allreduce": 0, "async-easgd if any worker is slow, else ad-psgd": 1,
         "best two-branch rule in hindsight: allreduce if any worker is slow, else ad-psgd": 2}
     assert s["margin_over_rules_points"] == -50
-    # chosen on a development set where ma's defaults hit with a slow worker, and allreduce's without
-    dev = [{"slow_fraction": 0.5, "hits": ["ma"], "configs": [{"key": "ma", "solver": "ma", "defaults": True}]},
-           {"slow_fraction": 0.0, "hits": ["allreduce"],
-            "configs": [{"key": "allreduce", "solver": "allreduce", "defaults": True}]}]
-    s = bench.summarize([one, two], ["allreduce", "ma", "ad-psgd"], dev=dev)
-    assert s["rules"]["best two-branch rule on the development set: ma if any worker is slow, else allreduce"] == {
-        "hits": 0, "share": 0.0}
 
 
 def test_the_measured_set_is_each_solvers_top_two_and_its_defaults():
-    ranked = [{"solver": "ma", "options": {"every": 16}, "label": "ma every=16"},
-              {"solver": "allreduce", "options": {}, "label": "allreduce"},
-              {"solver": "ma", "options": {"every": 8}, "label": "ma every=8"},
-              {"solver": "ma", "options": {"every": 2}, "label": "ma every=2"}]
+    ranked = [{"solver": "ma", "options": {"every": 16}, "label": "ma every=16", "solver_rank": 1},
+              {"solver": "allreduce", "options": {}, "label": "allreduce", "solver_rank": 1},
+              {"solver": "ma", "options": {"every": 8}, "label": "ma every=8", "solver_rank": 2},
+              {"solver": "ma", "options": {"every": 2}, "label": "ma every=2", "solver_rank": 3}]
     got = bench.measured_set(ranked, ["allreduce", "ma"])
     labels = [c["label"] for c in got]
     assert labels[:1] == ["allreduce"] and "ma every=16" in labels and "ma every=8" in labels
@@ -113,7 +106,7 @@ def test_the_second_test_set_has_homogeneous_clusters_and_a_users_kinds_of_model
 def test_a_stopped_test_set_run_keeps_finished_runs_and_reruns_a_dropped_one(tmp_path, monkeypatch):
     calls = []
 
-    def fake_run_once(sc, cfg, run_dir, cap_s, seed, reuse):
+    def fake_run_once(sc, cfg, run_dir, cap_s, seed):
         calls.append(seed)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "summary.json").write_text("{}")
@@ -129,10 +122,36 @@ def test_a_stopped_test_set_run_keeps_finished_runs_and_reruns_a_dropped_one(tmp
     (dropped / "journal").write_text("left by the dropped run")
     assert bench.run_kept(None, {}, dropped, 40.0, 2) == {"scored_s": 12.0}
     assert calls == [1, 2] and not (dropped / "journal").exists()
-    bench.check_stop(tmp_path)  # nothing asked: goes on
+    bench.check_stop(tmp_path)  # no STOP file: goes on
     (tmp_path / "STOP").write_text("")
     with pytest.raises(bench.Stop, match="STOP exists"):
         bench.check_stop(tmp_path)
+
+
+def test_a_test_sets_scenario_goes_on_from_its_kept_answer_and_runs(tmp_path, monkeypatch):
+    """Scored twice into one folder: the second time `recommend` is not asked again and no run
+    is run again, and the result is the same; the development set keeps nothing."""
+    from distsync.experiments import recommend as rec
+
+    asked, ran = [], []
+    answer = {"ranked": [{"solver": "ad-psgd", "options": {}, "label": "ad-psgd", "solver_rank": 1,
+                          "time_to_target_s": 2.0, "throughput_samples_per_s": 100.0}],
+              "training": {"batch_size": 32}, "search_seconds": 1.0, "per_message_ms": 0.0}
+    monkeypatch.setattr(rec, "recommend", lambda request: asked.append(request) or answer)
+
+    def fake_run_once(sc, cfg, run_dir, cap_s, seed):
+        ran.append((cfg["label"], seed))
+        return {"scored_s": 5.0 if cfg["solver"] == "ad-psgd" else 8.0, "reached": True}
+
+    monkeypatch.setattr(bench, "run_once", fake_run_once)
+    args = (recommend_scenarios.DEV[0], "test", ["allreduce", "ad-psgd"], [1, 2], 10.0, False, tmp_path)
+    first = bench.score(1, *args)
+    assert len(asked) == 1 and sorted(ran) == [("ad-psgd", 1), ("ad-psgd", 2), ("allreduce", 1), ("allreduce", 2)]
+    assert first["recommended"] == first["best"] == bench.option_key("ad-psgd", {}) and first["hit"]
+    assert [c["training"]["batch_size"] for c in first["configs"]] == [32, 32]  # (as the answer trained)
+    assert bench.score(1, *args) == first and len(asked) == 1 and len(ran) == 4
+    bench.score(1, args[0], "dev", *args[2:])
+    assert len(asked) == 2 and len(ran) == 8
 
 
 def test_progress_saved_on_one_clone_goes_on_from_another(tmp_path):
@@ -275,3 +294,10 @@ def test_the_verified_pick_is_the_fastest_measured_of_the_top_three(monkeypatch,
     # both misses count as the cap (8 s), ahead of ma's 9 s; the tie goes to the first label in order
     measured["ripples schedule=smart"] = None
     assert bench.verified_pick(sc, ["ma"], None, answer, tmp_path, 8.0) == bench.option_key("ad-psgd", {})
+
+
+def test_a_scenarios_own_target_reaches_recommend_as_its_budget():
+    """ctr has no target of its own: the benchmark's (NE <= 0.95) is asked as --budget target=0.95."""
+    sc = next(x for x in recommend_scenarios.test_set() if x.target is not None)
+    assert bench.request_for(sc, ["allreduce"], None).target_value() == sc.target == 0.95
+    assert bench.request_for(recommend_scenarios.DEV[0], ["allreduce"], None).budget is None

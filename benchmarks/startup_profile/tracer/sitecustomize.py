@@ -4,9 +4,9 @@
 
 With ``STARTUP_TRACE`` set (children inherit it and the ``PYTHONPATH``), each process appends
 one JSON line per event to that file, with its unix time and CPU time: ``site`` (the
-interpreter is up, with the time the kernel started the process), ``import`` spans of the
-modules in ``_SPANS``, ``call`` for each call of the functions in ``_PATCH`` (wrapped when
-their module is first executed; nothing under src/ is changed), ``os_exit`` and ``atexit``.
+interpreter is up), ``import`` spans of the modules in ``_SPANS``, ``call`` for each call of
+the functions in ``_PATCH`` (wrapped when their module is first executed; nothing under src/
+is changed), ``os_exit`` and ``atexit``: the points ``benchmarks/startup.py`` marks phases by.
 Without it, importing this module does nothing. ``benchmarks/startup.py --breakdown`` runs
 a job under it and analyses the trace.
 """
@@ -18,55 +18,31 @@ if _PATH:
     _fd = os.open(_PATH, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def _emit(ev, **kw):
-        rec = {"pid": os.getpid(), "ppid": os.getppid(), "rank": os.environ.get("RANK"), "ev": ev,
+        rec = {"pid": os.getpid(), "rank": os.environ.get("RANK"), "ev": ev,
                "t": time.time(), "cpu": time.process_time()}
         rec.update(kw)
         os.write(_fd, (json.dumps(rec) + "\n").encode())
 
-    def _started():
-        """Unix time at which the kernel started this process (10 ms resolution)."""
-        try:
-            with open("/proc/self/stat") as f:
-                ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-            return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
-        except Exception:
-            return None
-
-    try:
-        with open("/proc/self/cmdline", "rb") as f:
-            _cmd = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-    except OSError:
-        _cmd = []
-    _emit("site", started=_started(), cmd=_cmd[:8])
+    _emit("site")
 
     # Import spans (inclusive: a package's imports of others count in it too).
-    _SPANS = {"torch", "numpy", "sklearn", "scipy", "matplotlib", "matplotlib.pyplot", "rich", "distsync",
-              "distsync.cli", "distsync.runtime", "distsync.runtime.process", "distsync.experiments",
-              "distsync.workloads.digits", "torch._dynamo", "torch.distributed.run", "torch.distributed.launcher.api",
-              "torch.distributed.elastic.multiprocessing.errors"}
+    _SPANS = {"distsync.workloads.digits"}
     # Functions timed on every call, wrapped when their module has been executed.
     _PATCH = {
-        "distsync.cli": ["main", "_cmd_train", "_quiet_native_logs", "_summary_table", "_run_with_progress"],
-        "distsync.workloads": ["load_workload", "check_workload_spec"],
-        "distsync.workloads.digits": ["make_workload"],
-        "distsync.workloads.base": ["Workload.evaluate"],
-        "distsync.runtime.launch": ["launch", "_start"],
-        "distsync.runtime.resolve": ["resolve", "read_resolved"],
-        "distsync.runtime.bind": ["bind_listeners"],
-        "distsync.runtime.process": ["run_process", "recovery_for", "gather_through_store", "write_results"],
+        "distsync.cli": ["main", "_cmd_train"],
+        "distsync.workloads": ["load_workload"],
+        "distsync.runtime.launch": ["launch"],
+        "distsync.runtime.process": ["run_process", "recovery_for", "write_results"],
         "distsync.runtime.loop": ["train_worker", "make_optimizer"],
         "distsync.comm.comm": ["Comm.from_env", "Comm.close", "Comm.barrier", "Comm.gather_object"],
-        "torch.distributed.distributed_c10d": ["init_process_group", "destroy_process_group", "all_reduce",
-                                               "monitored_barrier", "gather_object"],
-        "torch.distributed.run": ["main", "run"],
+        "torch.distributed.distributed_c10d": ["init_process_group", "destroy_process_group", "all_reduce"],
+        "torch.distributed.run": ["main"],
         "torch.distributed.launcher.api": ["launch_agent"],
         "torch.distributed.elastic.agent.server.api": ["SimpleElasticAgent._rendezvous",
-                                                       "SimpleElasticAgent._exit_barrier", "SimpleElasticAgent.run"],
+                                                       "SimpleElasticAgent._exit_barrier"],
         "torch.distributed.elastic.agent.server.local_elastic_agent": ["LocalElasticAgent._start_workers",
                                                                        "LocalElasticAgent._shutdown",
                                                                        "LocalElasticAgent._monitor_workers"],
-        "torch.distributed.elastic.rendezvous.dynamic_rendezvous": ["DynamicRendezvousHandler.next_rendezvous",
-                                                                    "DynamicRendezvousHandler.shutdown"],
     }
 
     def _wrap(label, fn):
