@@ -17,9 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import argument_parser, launch_or_exit, provenance, write_record
+from common import argument_parser, compare_runs, finish, provenance
 
-from distsync.experiments.report import markdown_table
 from distsync.metrics.repeats import shown, spread
 from distsync.config import RunConfig
 
@@ -54,6 +53,12 @@ def render(raw: dict) -> dict[str, str]:
     return {"allreduce_vs_ddp-gpu" if on_gpu else "allreduce_vs_ddp": "\n".join(lines)}
 
 
+def targets(raw: dict) -> list[tuple[str, bool]]:
+    """Ours at least as fast as DDP on every row (the median over rounds)."""
+    return [(f"{r['workload']} x{r['workers']}: ours / DDP {r['ratio']:.2f}x (target >= 1.0x)", r["ratio"] >= 1.0)
+            for r in raw["rows"]]
+
+
 def main() -> int:
     p = argument_parser(__doc__)
     p.add_argument("--rounds", type=int, default=3)
@@ -70,31 +75,19 @@ def main() -> int:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for workload, workers, steps in rows:
-            samples: dict[str, list[float]] = {s: [] for s in SOLVERS}
-            for rnd in range(args.rounds):
-                order = SOLVERS if rnd % 2 == 0 else SOLVERS[::-1]
-                for solver in order:
-                    cfg = RunConfig(workload=workload, solver=solver, workers=workers, steps=steps,
-                                    eval_every=10**6, seed=rnd, link=args.link, device=args.device,
-                                    backend=args.backend)
-                    s = launch_or_exit(cfg, Path(tmp) / f"{workload}-{workers}-{solver}-{rnd}")
-                    samples[solver].append(s["throughput_samples_per_s"])
+            configs = [RunConfig(workload=workload, solver=solver, workers=workers, steps=steps, eval_every=10**6,
+                                 link=args.link, device=args.device, backend=args.backend) for solver in SOLVERS]
+            # (the two back to back in each round, each going first every other round)
+            groups = compare_runs(configs, Path(tmp) / f"{workload}-{workers}", range(args.rounds), alternate=True)
+            samples = {s: [x["throughput_samples_per_s"] for x in g["summaries"]] for s, g in zip(SOLVERS, groups)}
             med = {s: statistics.median(v) for s, v in samples.items()}
-            row = {"workload": workload, "workers": workers, "steps": steps, "rounds": args.rounds, "link": args.link,
-                   "device": args.device, "backend": args.backend,
-                   "allreduce_samples_per_s": med["allreduce"], "ddp_samples_per_s": med["ddp"],
-                   "ratio": med["allreduce"] / med["ddp"], "all": samples}
-            results.append(row)
-            print(f"{workload:>7} x{workers}: allreduce {med['allreduce']:>9,.0f}  ddp {med['ddp']:>9,.0f}  "
-                  f"ratio {row['ratio']:.2f}", flush=True)
-    print()
-    print("\n".join(markdown_table(["workload", "workers", "allreduce (samples/s)", "ddp (samples/s)", "ratio ours/DDP"],
-                [[r["workload"], r["workers"], f"{r['allreduce_samples_per_s']:,.0f}", f"{r['ddp_samples_per_s']:,.0f}",
-                  f"{r['ratio']:.2f}"] for r in results])))
-    write_record(args.json or f"benchmarks/results/allreduce_vs_ddp{'-' + args.link if args.link else ''}.json",
-                 started, regime=regime(args.link, args.device), seeds=list(range(args.rounds)),
-                 payload={"rows": results})
-    return 0 if all(r["ratio"] >= 1.0 for r in results) else 1
+            results.append({"workload": workload, "workers": workers, "steps": steps, "rounds": args.rounds,
+                            "link": args.link, "device": args.device, "backend": args.backend,
+                            "allreduce_samples_per_s": med["allreduce"], "ddp_samples_per_s": med["ddp"],
+                            "ratio": med["allreduce"] / med["ddp"], "all": samples})
+    return finish(args.json or f"benchmarks/results/allreduce_vs_ddp{'-' + args.link if args.link else ''}.json",
+                  started, render, {"rows": results}, regime=regime(args.link, args.device),
+                  seeds=list(range(args.rounds)), checks=targets)
 
 
 if __name__ == "__main__":

@@ -14,21 +14,33 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from common import (argument_parser, checks_markdown, launch_or_exit, per_seed, print_checks, provenance,
-                    seed_list, write_record, write_results)
-from distsync.metrics.repeats import ratios, shown, spread, verdict
+from common import argument_parser, checks_markdown, compare_runs, finish, kept, per_seed, provenance, seed_list
 from distsync.config import RunConfig, parse_key_values
-from distsync.solvers import takes_option
-from distsync.experiments import write_report
+from distsync.metrics.repeats import ratios, shown, spread, verdict
+from distsync.solvers import make_options, solver_class, takes_option
 
 SOLVERS = ["allreduce", "sync-easgd", "sync-ps", "ea-wild", "ea-wild:tau=16", "async-easgd", "async-measgd", "easgd",
            "async-ps", "async-msgd"]
-SYNC = ("allreduce", "sync-easgd", "sync-ps")
 # Server momentum (async-msgd) and local Nesterov momentum (async-measgd) multiply the step.
 LR_SCALE = {"async-msgd": 0.1, "async-measgd": 0.5}
 #: (model, link, steps, device ms, setting)
 CPU_SETTINGS = [("wide", "200mbit", 150, None, "communication-bound"), ("cnn", "1gbit", 300, None, "compute-bound")]
 DEVICE_SETTINGS = [("wide", "1gbit", None, 10.0, "communication-bound"), ("cnn", "1gbit", None, 150.0, "compute-bound")]
+KEEP = ("time_to_target_s", "final_metric", "throughput_samples_per_s", "steps_by_worker", "phase_share", "device",
+        "bytes_sent", "wall_time_s", "budget", "time_to_target_from")
+
+
+def entry_of(entry: str) -> tuple[str, dict]:
+    """``NAME`` or ``NAME:KEY=VALUE`` (a tuned variant): the solver and its options."""
+    solver, _, given = entry.partition(":")
+    return solver, parse_key_values([given] if given else [])
+
+
+def lockstep(entry: str, workers: int) -> bool:
+    """Whether the entry's workers take their steps in lockstep (a synchronous solver)."""
+    solver, opts = entry_of(entry)
+    cls = solver_class(solver)
+    return cls.Plan.lockstep_lead(make_options(cls, opts), workers) is not None
 
 
 def column(setting) -> str:
@@ -79,22 +91,19 @@ def targets(raw: dict) -> list[tuple[str, bool]]:
     def ttt(w: str, m: str, s: str) -> dict[str, float | None]:
         return per_seed(raw["results"][w][m].get(s, {}), "time_to_target_s")
 
-    def med(values: list[float | None]) -> tuple[float, float, float] | None:
-        return spread(values)
-
-    for w in raw["results"]:
+    for w, by_model in raw["results"].items():
         for fast in ("ea-wild", "ea-wild:tau=16"):
-            if fast not in raw["results"][w][comm_model]:
+            if fast not in by_model[comm_model]:
                 continue
             for rival in rivals:
-                got = med(ratios(ttt(w, comm_model, rival), ttt(w, comm_model, fast)))
+                got = spread(ratios(ttt(w, comm_model, rival), ttt(w, comm_model, fast)))
                 if got:
                     out.append((f"{w} workers, {comm_model}: {fast} {got[0]:.2f}x {rival}'s speed to target "
                                 f"(median over seeds, range {got[1]:.2f}-{got[2]:.2f}; target >= 1.5x)", got[0] >= 1.5))
-        if compute_model is None or compute_model not in raw["results"][w]:
+        if compute_model is None or compute_model not in by_model:
             continue
-        for sync in SYNC:
-            got = med(ratios(ttt(w, compute_model, "ea-wild"), ttt(w, compute_model, sync)))
+        for sync in (e for e in by_model[compute_model] if lockstep(e, int(w))):
+            got = spread(ratios(ttt(w, compute_model, "ea-wild"), ttt(w, compute_model, sync)))
             if got:
                 out.append((f"{w} workers, {compute_model}: {sync} {got[0]:.2f}x ea-wild's speed to target "
                             f"(median over seeds, range {got[1]:.2f}-{got[2]:.2f}; target >= 1.0x)", got[0] >= 1.0))
@@ -110,7 +119,7 @@ def main() -> int:
     p.add_argument("--cap", type=float, default=60.0, help="with --devices: seconds a job may train at most")
     p.add_argument("--seeds", default="1", help="one run of every job per seed (default: 1)")
     p.add_argument("--settings", default=None, help="comma-separated models of the settings to run (default: all)")
-    p.add_argument("--json", default=None, help="also write the raw results here")
+    p.add_argument("--json", default=None, help="the raw results (default: OUT/async_vs_sync.json)")
     args = p.parse_args()
     started = provenance("benchmarks/async_vs_sync.py")
     solvers = args.solvers.split(",")
@@ -124,49 +133,26 @@ def main() -> int:
     table: dict[str, dict[str, dict[str, dict]]] = {}
     from distsync.workloads import load_workload
 
-    for seed in seeds:
-        for workers in [int(w) for w in args.workers.split(",")]:
-            for setting in settings:
-                model, link, steps, device_ms, _ = setting
-                w = load_workload(model)
-                base_lr = w.lr
-                # one server per worker, but no more servers than the model has tensors to shard
-                servers = min(workers, sum(1 for _ in w.make_model().parameters()))
-                dirs = []
-                for entry in solvers:
-                    solver, _, given = entry.partition(":")  # NAME or NAME:KEY=VALUE (a tuned variant)
-                    opts = {"servers": servers} if device_ms and takes_option(solver, "servers") else {}
-                    opts.update(parse_key_values([given] if given else []))
-                    cfg = RunConfig(workload=model, solver=solver, solver_options=opts, workers=workers, steps=steps,
-                                    link=link, eval_every=10, lr=base_lr * LR_SCALE.get(solver, 1.0), timeout_s=120,
-                                    device_ms=device_ms, seed=seed,
-                                    budget=f"target,seconds={args.cap:g}" if device_ms else None)
-                    run_dir = (out / f"{workers}w" / model / entry.replace(":", "-").replace("=", "")
-                               / (f"seed{seed}" if len(seeds) > 1 else ""))
-                    s = launch_or_exit(cfg, run_dir)
-                    dirs.append(run_dir)
-                    table.setdefault(str(workers), {}).setdefault(model, {}).setdefault(entry, {})[str(seed)] = {
-                        k: s.get(k) for k in ("time_to_target_s", "final_metric", "throughput_samples_per_s",
-                                              "steps_by_worker", "phase_share", "device", "bytes_sent", "wall_time_s",
-                                              "budget", "time_to_target_from")}
-                    print(f"seed {seed} {workers}w {model:>5} @ {link:<7} {entry:<15} time to target "
-                          f"{s['time_to_target_s']}  final {s['final_metric']:.4f}  "
-                          f"{s['throughput_samples_per_s']:,.0f} samples/s"
-                          + (f"  steps {s['steps_by_worker']}" if device_ms else ""), flush=True)
-                if seed == seeds[0]:
-                    write_report(out / f"{workers}w" / model, dirs)
+    for workers in [int(w) for w in args.workers.split(",")]:
+        for model, link, steps, device_ms, _ in settings:
+            w = load_workload(model)
+            # one server per worker, but no more servers than the model has tensors to shard
+            servers = min(workers, sum(1 for _ in w.make_model().parameters()))
+            configs = []
+            for entry in solvers:
+                solver, opts = entry_of(entry)
+                if device_ms and takes_option(solver, "servers"):
+                    opts = {"servers": servers, **opts}
+                configs.append(RunConfig(workload=model, solver=solver, solver_options=opts, workers=workers,
+                                         steps=steps, link=link, eval_every=10, lr=w.lr * LR_SCALE.get(solver, 1.0),
+                                         timeout_s=120, device_ms=device_ms,
+                                         budget=f"target,seconds={args.cap:g}" if device_ms else None))
+            groups = compare_runs(configs, out / f"{workers}w" / model, seeds)
+            table.setdefault(str(workers), {})[model] = {e: kept(g, KEEP) for e, g in zip(solvers, groups)}
 
-    raw = {"settings": settings, "results": table, "regime": regime(args.devices), "seeds": seeds,
-           "repeats": len(seeds), "devices": args.devices}
-    print()
-    print(render(raw)["async_vs_sync_devices" if args.devices else "async_vs_sync"])
-    print()
-    checks = targets(raw)
-    print_checks(checks, met="met:   ", missed="missed:")
-    payload = {"settings": settings, "results": table, "checks": checks, "devices": args.devices}
-    write_results(out / "summary.json", payload, announce=False)
-    if args.json:
-        write_record(args.json, started, regime=regime(args.devices), seeds=seeds, payload=payload)
+    payload = {"settings": settings, "results": table, "devices": args.devices}
+    finish(args.json or out / "async_vs_sync.json", started, render, payload, regime=regime(args.devices),
+           seeds=seeds, checks=targets)
     return 0
 
 

@@ -42,6 +42,34 @@ def launch_or_exit(cfg: Any, run_dir: Path) -> dict[str, Any]:
         return launch(cfg, run_dir)
 
 
+def compare_runs(configs: Sequence[Any], out_dir: Path | str, seeds: Sequence[int],
+                 alternate: bool = False) -> list[dict[str, Any]]:
+    """Every config run once per seed by distsync's ``compare`` (the runs taking turns seed by
+    seed; ``alternate``: in reverse order every other seed), its report in ``out_dir``; returns
+    compare's groups, one per config, in order. The seeds must follow one another (compare's
+    repeats take ``seed``, ``seed + 1``, ...); see :func:`exit_on_error`."""
+    import dataclasses
+
+    from distsync.experiments.compare import compare
+    from distsync.runtime.resolve import resolve
+
+    seeds = list(seeds)
+    if seeds != list(range(seeds[0], seeds[0] + len(seeds))):
+        raise SystemExit(f"error: --seeds {','.join(map(str, seeds))}: give consecutive seeds, e.g. 1,2,3")
+    with exit_on_error():
+        runs = [resolve(dataclasses.replace(c, seed=seeds[0])) for c in configs]
+        return compare(runs, Path(out_dir), on_start=lambda name, cfg: print(f"run {name} (seed {cfg.seed})",
+                                                                             flush=True),
+                       repeats=len(seeds), alternate=alternate)
+
+
+def kept(group: dict[str, Any], keys: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """A :func:`compare_runs` group's summaries as a raw file keeps them: ``{seed: {key:
+    value}}`` of ``keys``."""
+    keys = tuple(keys)
+    return {str(seed): {k: s.get(k) for k in keys} for seed, s in zip(group["seeds"], group["summaries"])}
+
+
 def table_header(headers: Sequence[str]) -> None:
     """A markdown table's header line and its ``|---|`` line (rows follow as they come)."""
     table_row(headers)

@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from common import argument_parser, checks_markdown, exit_on_error, print_checks, provenance, write_record
+from common import argument_parser, checks_markdown, exit_on_error, finish, provenance
 from distsync.metrics.repeats import ratios, shown, spread, verdict
 from distsync.config import RunConfig
 from distsync.experiments.crossover import CrossoverPlan, Job, run_crossover
@@ -95,7 +95,6 @@ def targets(raw: dict) -> list[tuple[str, bool]]:
     return out
 
 
-
 def main() -> int:
     p = argument_parser(__doc__)
     p.add_argument("--out", default="benchmarks/results/crossover")
@@ -114,36 +113,22 @@ def main() -> int:
     results: dict[str, dict[str, dict]] = {}
     for repeat in range(args.repeats):
         for case in cases:
-            load = {"start": os.getloadavg()[0]}
             link, jobs = CASES[case]["link"], _jobs(case, args, repeat)
             where = Path(args.out) / case / (f"repeat{repeat}" if args.repeats > 1 else "")
             with exit_on_error():
                 modes = run_crossover(CrossoverPlan(jobs=jobs, workers=2, policy="alternate", link=link,
                                                     out=str(where)))["modes"]
-                fcfs = run_crossover(CrossoverPlan(jobs=jobs, workers=2, policy="fcfs", link=link,
-                                                   modes=("crossover",), out=str(where / "fcfs")))["modes"]["crossover"]
-            modes["crossover (fcfs)"] = fcfs
-            load["end"] = os.getloadavg()[0]
-            cfg = jobs[0].config
-            alone = modes["sequential"]["jobs"]["a"]["phase_share"]
+                modes["crossover (fcfs)"] = run_crossover(CrossoverPlan(
+                    jobs=jobs, workers=2, policy="fcfs", link=link, modes=("crossover",),
+                    out=str(where / "fcfs")))["modes"]["crossover"]
+            cfg, alone = jobs[0].config, modes["sequential"]["jobs"]["a"]["phase_share"]
             results.setdefault(case, {})[str(repeat)] = {
                 "regime": CASES[case]["regime"], "link": link, "workload": cfg.workload, "steps": cfg.steps,
                 "device_ms": cfg.device_ms, "seeds": [j.config.seed for j in jobs],
-                "communication_share_alone": alone["comm"] + alone["wait"], "load_average_1min": load,
-                "modes": modes}
-            print(f"repeat {repeat} {case:<20} " + "  ".join(f"{m} {modes[m]['makespan_s']:.2f} s" for m in modes)
-                  + f"  (1-minute load average {load['start']:.1f} -> {load['end']:.1f})", flush=True)
-    raw = {"cases": results, "repeats": args.repeats}
-    print()
-    print(render(raw)["crossover"])
-    checks = targets(raw)
-    print()
-    print_checks(checks)
-    regimes = sorted({CASES[c]["regime"] for c in cases})
-    write_record(args.json or Path(args.out) / "crossover.json", started, regime="; ".join(regimes),
-                 seeds=list(range(args.repeats)),
-                 payload={"cores": os.cpu_count(), "cases": results,
-                          "checks": [{"check": text, "met": ok} for text, ok in checks]})
+                "communication_share_alone": alone["comm"] + alone["wait"], "modes": modes}
+    finish(args.json or Path(args.out) / "crossover.json", started, render, {"cores": os.cpu_count(), "cases": results},
+           regime="; ".join(sorted({CASES[c]["regime"] for c in cases})), seeds=list(range(args.repeats)),
+           checks=targets)
     return 0
 
 

@@ -13,11 +13,9 @@ import sys
 import threading
 import time
 from pathlib import Path
-
 from typing import Any
 
-from common import argument_parser, finish, launch_or_exit, provenance, seed_list
-
+from common import argument_parser, compare_runs, finish, provenance, seed_list
 from distsync.metrics.repeats import shown
 from distsync.config import RunConfig
 from distsync.metrics.processes import cpu_jiffies
@@ -95,30 +93,25 @@ def main() -> int:
     results: dict[str, dict[str, dict]] = {}
     plan = [(w, ms, max(10, round(steps * args.steps_scale)), [n for n in (counts or given) if n in given])
             for w, ms, steps, counts in WORKLOADS if w in wanted]
-    for seed in seeds:
-        for workload, device_ms, steps, counts in plan:
-            for workers in counts:
-                cfg = RunConfig(workload=workload, solver="allreduce", workers=workers, steps=steps, eval_every=steps,
-                                device_ms=device_ms, seed=seed, timeout_s=120)
-                run_dir = out / f"seed{seed}" / f"{workload}-{device_ms:g}ms-{workers}w"
-                sampler = CpuSampler()
-                sampler.start()
-                t0 = time.monotonic()
-                s = launch_or_exit(cfg, run_dir)
-                seconds = time.monotonic() - t0
+    for workload, device_ms, steps, counts in plan:
+        for workers in counts:
+            cfg = RunConfig(workload=workload, solver="allreduce", workers=workers, steps=steps, eval_every=steps,
+                            device_ms=device_ms, timeout_s=120)
+            where = out / f"{workload}-{device_ms:g}ms-{workers}w"
+            sampler = CpuSampler()
+            sampler.start()
+            try:
+                (group,) = compare_runs([cfg], where, seeds)
+            finally:
                 sampler.done.set()
                 sampler.join()
-                r = {"workload": workload, "workers": workers, "device_ms": device_ms, "steps": steps,
-                     "share_over": s["device"]["share_over"], "mean_over_ms": s["device"]["mean_over_ms"],
-                     "cpu_bound": s["device"]["cpu_bound"], "math_ms": s["device"]["math_ms"],
-                     "step_ms": 1000 * statistics.median(s["wall_time_s"] / w["steps"]
-                                                         for w in s["per_worker"].values()),
-                     "cores_busy_training": sampler.busy_between(*training_window(run_dir)), "command_s": seconds}
-                results.setdefault(f"{workload} {device_ms:g}ms {workers}w", {})[str(seed)] = r
-                busy = "?" if r["cores_busy_training"] is None else f"{r['cores_busy_training']:.0%}"
-                print(f"seed {seed} {workload} {device_ms:g} ms {workers}w: over {r['share_over']:.0%}, real math "
-                      f"{r['math_ms']:.1f} ms, step {r['step_ms']:.1f} ms, cores busy {busy}, {seconds:.0f} s",
-                      flush=True)
+            row = results[f"{workload} {device_ms:g}ms {workers}w"] = {}
+            for seed, s, d in zip(group["seeds"], group["summaries"], group["dirs"]):
+                row[str(seed)] = {
+                    "workload": workload, "workers": workers, "device_ms": device_ms, "steps": steps,
+                    **{k: s["device"][k] for k in ("share_over", "mean_over_ms", "cpu_bound", "math_ms")},
+                    "step_ms": 1000 * statistics.median(s["wall_time_s"] / w["steps"] for w in s["per_worker"].values()),
+                    "cores_busy_training": sampler.busy_between(*training_window(where / d))}
     payload = {"cores": os.cpu_count(), "results": results}
     return finish(args.json or out / "devices.json", started, render, payload, regime=REGIME, seeds=seeds)
 

@@ -14,9 +14,8 @@ import math
 import sys
 from pathlib import Path
 
-from common import argument_parser, finish, launch_or_exit, per_seed, provenance, seed_list
-
-from distsync.metrics.repeats import shown, spread
+from common import argument_parser, compare_runs, finish, per_seed, provenance, seed_list
+from distsync.metrics.repeats import shown
 from distsync.comm import ring_allreduce_bytes
 from distsync.config import RunConfig
 
@@ -37,24 +36,18 @@ OVERLAP = [
 ADAMW_LR = 0.003
 
 
-def sync_bytes(solver: str, options: dict, steps: int, workers: int) -> tuple[float, float, int]:
+def sync_bytes(options: dict, steps: int, workers: int) -> tuple[float, float, int]:
     """Per worker: bytes sent over ``steps``, the largest single synchronization's, and the
-    number of synchronizations (ring all-reduces of fp32 parameters)."""
+    number of synchronizations (ring all-reduces of fp32 parameters): every step, every
+    ``every`` steps, or (with ``fragments``) a fragment every ``every / fragments`` steps."""
     from distsync.solvers.diloco import layer_fragments
     from distsync.workloads import load_workload
 
     model = load_workload("lm").make_model()
     sizes = {n: p.numel() * 4 for n, p in model.named_parameters()}
-    whole = ring_allreduce_bytes(sum(sizes.values()), workers)
-    if solver == "allreduce":
-        return steps * whole, whole, steps
-    if solver != "streaming-diloco":
-        n = steps // options["every"]
-        return n * whole, whole, n
     parts = [ring_allreduce_bytes(sum(sizes[k] for k in names), workers)
-             for names in layer_fragments(list(sizes), options["fragments"])]
-    interval = options["every"] // options["fragments"]
-    n = steps // interval
+             for names in layer_fragments(list(sizes), options.get("fragments", 1))]
+    n = steps // (options.get("every", 1) // options.get("fragments", 1))
     return sum(parts[i % len(parts)] for i in range(n)), max(parts), n
 
 
@@ -65,32 +58,29 @@ def quality(seeds: list[int], steps: int, workers: int) -> dict:
     w = load_workload("lm")
     out: dict[str, dict] = {}
     for label, solver, options in QUALITY:
-        total, peak, syncs = sync_bytes(solver, options, steps, workers)
-        row = out.setdefault(label, {"solver": solver, "options": options, "bytes_per_worker": total,
-                                     "peak_sync_bytes": peak, "syncs": syncs, "seeds": {}})
+        total, peak, syncs = sync_bytes(options, steps, workers)
+        out[label] = {"solver": solver, "options": options, "bytes_per_worker": total, "peak_sync_bytes": peak,
+                      "syncs": syncs, "seeds": {}}
         for seed in seeds:
-            r = simulate_training(solver, options, w, workers, steps, lr=ADAMW_LR, optimizer="adamw", seed=seed,
-                                  eval_every=steps)
-            last = r.curve[-1]
-            row["seeds"][str(seed)] = {"loss": last["loss"], "metric": last["metric"],
-                                       "perplexity": math.exp(last["loss"])}
-            print(f"seed {seed} {label:<40} loss {last['loss']:.3f}  accuracy {last['metric']:.3f}", flush=True)
+            last = simulate_training(solver, options, w, workers, steps, lr=ADAMW_LR, optimizer="adamw", seed=seed,
+                                     eval_every=steps).curve[-1]
+            out[label]["seeds"][str(seed)] = {"loss": last["loss"], "metric": last["metric"],
+                                              "perplexity": math.exp(last["loss"])}
     return out
 
 
 def overlap(seeds: list[int], workers: int, device_ms: float, link: str, steps: int, out_dir: Path) -> dict:
+    configs = [RunConfig(workload="lm", solver=solver, solver_options=dict(options), workers=workers, steps=steps,
+                         optimizer="adamw", lr=ADAMW_LR, device_ms=device_ms, link=link, eval_every=10**6,
+                         timeout_s=120) for _, solver, options in OVERLAP]
     out: dict[str, dict] = {}
-    for seed in seeds:
-        for label, solver, options in OVERLAP:
-            cfg = RunConfig(workload="lm", solver=solver, solver_options=dict(options), workers=workers, steps=steps,
-                            optimizer="adamw", lr=ADAMW_LR, device_ms=device_ms, link=link, eval_every=10**6,
-                            seed=seed, timeout_s=120)
-            s = launch_or_exit(cfg, out_dir / label.replace(" ", "_").replace("=", "-") / f"seed{seed}")
+    for (label, solver, options), group in zip(OVERLAP, compare_runs(configs, out_dir, seeds)):
+        out[label] = {"solver": solver, "options": options, "seeds": {}}
+        for seed, s in zip(group["seeds"], group["summaries"]):
             share = s.get("phase_share") or {}
-            out.setdefault(label, {"solver": solver, "options": options, "seeds": {}})["seeds"][str(seed)] = {
-                "comm_share": share.get("comm"), "wait_share": share.get("wait"),
-                "throughput_samples_per_s": s["throughput_samples_per_s"], "device": s.get("device")}
-            print(f"seed {seed} {label:<48} comm {share.get('comm')}  wait {share.get('wait')}", flush=True)
+            out[label]["seeds"][str(seed)] = {"comm_share": share.get("comm"), "wait_share": share.get("wait"),
+                                              "throughput_samples_per_s": s["throughput_samples_per_s"],
+                                              "device": s.get("device")}
     return out
 
 
@@ -147,10 +137,6 @@ def main() -> int:
     regime = {"quality": "simulated (train mode)", "overlap": "emulated devices behind emulated links",
               "both": "simulated (train mode); emulated devices behind emulated links"}[args.part]
     finish(args.json or Path(args.out) / "diloco.json", started, render, raw, regime=regime, seeds=seeds)
-    if "quality" in raw:
-        ar = spread(r["loss"] for r in raw["quality"]["allreduce"]["seeds"].values())
-        print(f"\nallreduce's eval loss {ar[0]:.3f}; DiLoCo's claim: a loss within a few percent of it with far "
-              f"fewer synchronizations")
     return 0
 
 

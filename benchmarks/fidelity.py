@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from common import argument_parser, checks_markdown, finish, launch_or_exit, provenance, seed_list
+from common import argument_parser, checks_markdown, compare_runs, finish, launch_or_exit, provenance, seed_list
 from distsync.metrics.repeats import median, shown
 from distsync.config import RunConfig
 from distsync.sim.calibrate import HOST_EXP, calibrate
@@ -181,34 +181,27 @@ def main() -> int:
         rows = test_rows(args.rows)
     cores = os.cpu_count() or 1
 
-    def run(row: dict[str, Any], seed: int, d: Path) -> dict[str, Any]:
-        cfg = RunConfig(workload=row["workload"], solver=row["solver"], solver_options=dict(row["options"]),
-                        workers=row["workers"], steps=row.get("steps"), budget=row.get("budget"),
-                        slow=dict(row["slow"]), jitter=row["jitter"], device_ms=row["device_ms"],
-                        eval_every=EVAL_EVERY, seed=seed, timeout_s=120)
-        return launch_or_exit(cfg, d)
+    def config(row: dict[str, Any]) -> RunConfig:
+        return RunConfig(workload=row["workload"], solver=row["solver"], solver_options=dict(row["options"]),
+                         workers=row["workers"], steps=row.get("steps"), budget=row.get("budget"),
+                         slow=dict(row["slow"]), jitter=row["jitter"], device_ms=row["device_ms"],
+                         eval_every=EVAL_EVERY, timeout_s=120)
 
     fits: dict[tuple[str, float], Path] = {}
-
-    def fit_for(row: dict[str, Any]) -> Path:
-        key = (row["workload"], row["device_ms"])
-        if key not in fits:
-            fits[key] = out / f"fit-{row['workload']}-{row['device_ms']:g}ms"
-            run({"solver": "allreduce", "options": {}, "workers": 4, "slow": {}, "jitter": 0.0,
-                 "device_ms": row["device_ms"], "workload": row["workload"], "steps": 150}, 0, fits[key])
-        return fits[key]
-
     results: dict[str, dict[str, dict]] = {}
     pairs: list[tuple[Path, Path]] = []
-    for seed in seeds:
-        for i, row in enumerate(rows):
-            key = row_label(row) if args.set == "test" else (
-                f"{row['workers']}w {row['case']} {label(row['solver'], row['options'])}")
-            d = out / f"seed{seed}" / f"row{i:02d}"
-            s = run(row, seed, d)
-            fit = fit_for(row)
-            pairs.append((d, fit))
-            r = calibrate(d, fit_from=fit, host_cores=cores)
+    for i, row in enumerate(rows):
+        key = row_label(row) if args.set == "test" else (
+            f"{row['workers']}w {row['case']} {label(row['solver'], row['options'])}")
+        fit = fits.get((row["workload"], row["device_ms"]))
+        if fit is None:  # allreduce, 4 homogeneous workers of the row's workload and device time
+            fit = fits[row["workload"], row["device_ms"]] = out / f"fit-{row['workload']}-{row['device_ms']:g}ms"
+            launch_or_exit(config({"solver": "allreduce", "options": {}, "workers": 4, "slow": {}, "jitter": 0.0,
+                                   "device_ms": row["device_ms"], "workload": row["workload"], "steps": 150}), fit)
+        (group,) = compare_runs([config(row)], out / f"row{i:02d}", seeds)
+        for seed, s, d in zip(group["seeds"], group["summaries"], group["dirs"]):
+            pairs.append((out / f"row{i:02d}" / d, fit))
+            r = calibrate(pairs[-1][0], fit_from=fit, host_cores=cores)
             results.setdefault(key, {})[str(seed)] = {
                 "row": row, "measured": r["measured_throughput"], "predicted": r["predicted_throughput"],
                 "error": r["throughput_error"], "cpu_bound": bool((s.get("device") or {}).get("cpu_bound")),
@@ -216,9 +209,6 @@ def main() -> int:
                 "ttt_error": r["time_to_target_error"], "host_share": r["host_share"],
                 "measured_steps_by_worker": r.get("measured_steps_by_worker"),
                 "predicted_steps_by_worker": r.get("predicted_steps_by_worker")}
-            print(f"seed {seed} {key:<60} measured {r['measured_throughput']:>7,.0f}  predicted "
-                  f"{r['predicted_throughput']:>7,.0f}  {r['throughput_error']:+.1%}  time to target "
-                  f"{r['measured_time_to_target_s']} vs {r['predicted_time_to_target_s']}", flush=True)
     payload: dict[str, Any] = {"set": args.set, "eval_every": EVAL_EVERY, "cores": cores, "host_exp_used": HOST_EXP,
                                "results": results}
     if args.set == "dev":

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from common import (argument_parser, checks_markdown, launch_or_exit, per_seed, print_checks, provenance, seed_list,
+from common import (argument_parser, checks_markdown, compare_runs, finish, kept, per_seed, provenance, seed_list,
                     write_record)
 from distsync.metrics.repeats import ratios, shown, spread, verdict
 from distsync.config import RunConfig
@@ -176,43 +176,32 @@ def main() -> int:
     args = p.parse_args()
     started = provenance("benchmarks/heterogeneity_devices.py")
     out = Path(args.out)
+    path = args.json or out / "heterogeneity_devices.json"
     seeds = seed_list(args.seeds)
     plan = [(s, o) for s, o in SOLVERS if args.solvers is None or label(s, o) in args.solvers.split(",")]
     if not plan or plan[0][0] != "allreduce":
         p.error("--solvers must include allreduce (the baseline)")
     names = [label(s, o) for s, o in plan]
     wanted = None if args.cases is None else [c.strip() for c in args.cases.split(",")]
+    keep = ("time_to_target_s", "final_metric", "throughput_samples_per_s", "steps_by_worker", "phase_share",
+            "idle_after_done_s", "device", "per_worker", "solver_stats", "placement")
     results: dict[str, dict[str, dict[str, dict[str, dict]]]] = {}
-    raw: dict[str, Any] = {}
-    for done, seed in enumerate(seeds, 1):
-        for workers in [int(w) for w in args.workers.split(",")]:
-            for case, slow, jitter in cases(workers):
-                if wanted is not None and case not in wanted:
-                    continue
-                for solver, opts in plan:
-                    name = label(solver, opts)
-                    cfg = RunConfig(workload=args.workload, solver=solver, solver_options=dict(opts), workers=workers,
-                                    slow=dict(slow), jitter=jitter, device_ms=DEVICE_MS, eval_every=10, seed=seed,
-                                    budget=f"target,seconds={args.cap:g}", timeout_s=120, device=args.device)
-                    run_dir = out / f"{workers}w" / case.replace(" ", "-") / name.replace(":", "-") / f"seed{seed}"
-                    s = launch_or_exit(cfg, run_dir)
-                    results.setdefault(str(workers), {}).setdefault(case, {}).setdefault(name, {})[str(seed)] = {
-                        k: s.get(k) for k in ("time_to_target_s", "final_metric", "throughput_samples_per_s",
-                                              "steps_by_worker", "phase_share", "idle_after_done_s", "device",
-                                              "per_worker", "solver_stats", "placement")}
-                    print(f"seed {seed} {workers}w {case:<18} {name:<16} to target {s['time_to_target_s']}  "
-                          f"steps {s['steps_by_worker']}  cpu-bound {s['device']['cpu_bound']}", flush=True)
-        # (rewritten after each seed: a run stopped early keeps the seeds it finished)
-        payload = {"solvers": names, "device_ms": DEVICE_MS, "cap_s": args.cap, "results": results,
-                   "workload": args.workload, "worker_device": args.device}
-        raw = {**payload, "regime": regime(args.device), "seeds": seeds[:done], "repeats": done}
-        raw["checks"] = payload["checks"] = checks_of(raw)
-        write_record(args.json or out / "heterogeneity_devices.json", started, regime=raw["regime"],
-                     seeds=raw["seeds"], announce=done == len(seeds), payload=payload)
-    print()
-    print(render(raw)[blocks_of(args.workload, args.device)])
-    print()
-    print_checks(raw["checks"], met="met:   ", missed="missed:")
+    for workers in [int(w) for w in args.workers.split(",")]:
+        for case, slow, jitter in cases(workers):
+            if wanted is not None and case not in wanted:
+                continue
+            configs = [RunConfig(workload=args.workload, solver=solver, solver_options=dict(opts), workers=workers,
+                                 slow=dict(slow), jitter=jitter, device_ms=DEVICE_MS, eval_every=10,
+                                 budget=f"target,seconds={args.cap:g}", timeout_s=120, device=args.device)
+                       for solver, opts in plan]
+            groups = compare_runs(configs, out / f"{workers}w" / case.replace(" ", "-"), seeds)
+            results.setdefault(str(workers), {})[case] = {n: kept(g, keep) for n, g in zip(names, groups)}
+            # (written after each case: a run stopped early keeps the cases it finished)
+            payload = {"solvers": names, "device_ms": DEVICE_MS, "cap_s": args.cap, "results": results,
+                       "workload": args.workload, "worker_device": args.device}
+            payload["checks"] = checks_of(payload)
+            write_record(path, started, regime=regime(args.device), seeds=seeds, payload=payload, announce=False)
+    finish(path, started, render, payload, regime=regime(args.device), seeds=seeds)
     return 0
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from common import argument_parser, checks_markdown, finish, launch_or_exit, per_seed, provenance, seed_list
+from common import argument_parser, checks_markdown, compare_runs, finish, kept, per_seed, provenance, seed_list
 from distsync.metrics.repeats import ratios, shown, spread
 from distsync.config import RunConfig
 
@@ -115,23 +115,18 @@ def main() -> int:
     if unknown:
         p.error(f"unknown pair(s) {', '.join(unknown)}; valid: {', '.join(PAIRS)}")
     seeds, out = seed_list(args.seeds), Path(args.out)
+    keep = ("time_to_target_s", "final_metric", "throughput_samples_per_s", "bytes_sent", "phase_share", "device")
     results: dict[str, dict] = {}
-    for k, seed in enumerate(seeds):
-        for name in names:
-            ours, ours_o, peer, peer_o, what = PAIRS[name]
-            row = results.setdefault(name, {"ours_label": label(ours, ours_o), "peer_what": what, "ours": {},
-                                            "peer": {}})
-            sides = [("ours", ours, ours_o), ("peer", peer, peer_o)]
-            for side, solver, opts in (sides if k % 2 == 0 else sides[::-1]):
-                cfg = RunConfig(workload=WORKLOAD, solver=solver, solver_options=dict(opts), workers=args.workers,
-                                device_ms=args.device_ms, link=args.link, eval_every=10, seed=seed,
-                                budget=f"target,seconds={args.cap:g}", timeout_s=120)
-                s = launch_or_exit(cfg, out / name.replace("/", "--") / side / f"seed{seed}")
-                row[side][str(seed)] = {key: s.get(key) for key in (
-                    "time_to_target_s", "final_metric", "throughput_samples_per_s", "bytes_sent", "phase_share",
-                    "device")}
-                print(f"seed {seed} {name:<30} {side:<4} to target {s['time_to_target_s']}  "
-                      f"{s['throughput_samples_per_s']:,.0f} samples/s", flush=True)
+    for name in names:
+        ours, ours_o, peer, peer_o, what = PAIRS[name]
+        configs = [RunConfig(workload=WORKLOAD, solver=solver, solver_options=dict(opts), workers=args.workers,
+                             device_ms=args.device_ms, link=args.link, eval_every=10,
+                             budget=f"target,seconds={args.cap:g}", timeout_s=120)
+                   for solver, opts in ((ours, ours_o), (peer, peer_o))]
+        # (each side goes first every other seed)
+        got = compare_runs(configs, out / name.replace("/", "--"), seeds, alternate=True)
+        results[name] = {"ours_label": label(ours, ours_o), "peer_what": what, "ours": kept(got[0], keep),
+                         "peer": kept(got[1], keep)}
     payload = {"pairs": names, "results": results, "workload": WORKLOAD, "cap_s": args.cap, "not_run": NOT_RUN}
     finish(args.json or out / "peers.json", started, render, payload, regime=regime(args.device_ms, args.link),
            seeds=seeds, checks=checks)

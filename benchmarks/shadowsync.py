@@ -8,16 +8,12 @@ Method, raw results and figures: docs/benchmarks/shadowsync.md.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
-from common import (argument_parser, checks_markdown, launch_or_exit, per_seed, print_checks, provenance,
-                    seed_list, write_record, write_results)
-from distsync.metrics.repeats import ratios, shown, spread, verdict
+from common import argument_parser, checks_markdown, compare_runs, finish, kept, per_seed, provenance, seed_list
 from distsync.config import RunConfig
-from distsync.solvers import takes_option
-from distsync.experiments import write_report
+from distsync.metrics.repeats import ratios, shown, spread, verdict
 
 TWINS = {"shadow-ea": "fr-easgd", "shadow-ma": "ma", "shadow-bmuf": "bmuf"}
 DEVICE_MS = 20.0
@@ -92,59 +88,32 @@ def main() -> int:
     p.add_argument("--link", default="1gbit")
     p.add_argument("--trainers", default="1,2,4")
     p.add_argument("--steps", type=int, default=None, help="steps per trainer (default: 600; --devices: 400)")
-    p.add_argument("--threads", type=int, default=1, help="Hogwild threads per trainer (allreduce: always 1)")
     p.add_argument("--min-interval-ms", default=None,
                    help="shadow solvers' min_interval_ms values to run (default: 0,10,40; --devices: 0)")
     p.add_argument("--devices", action="store_true", help=f"emulated devices of {DEVICE_MS:g} ms per step")
     p.add_argument("--seeds", default="1", help="one run of every job per seed (default: 1)")
-    p.add_argument("--json", default=None, help="also write the raw results here")
+    p.add_argument("--json", default=None, help="the raw results (default: OUT/shadowsync.json)")
     args = p.parse_args()
     started = provenance("benchmarks/shadowsync.py")
     seeds = seed_list(args.seeds)
-    args.steps = args.steps or (400 if args.devices else 600)
+    steps = args.steps or (400 if args.devices else 600)
     device_ms = DEVICE_MS if args.devices else None
     plan = runs([float(v) for v in (args.min_interval_ms or ("0" if args.devices else "0,10,40")).split(",")])
-    if args.out == p.get_default("out") and args.devices:
-        args.out += "_devices"
-    out = Path(args.out)
+    out = Path(args.out + ("_devices" if args.out == p.get_default("out") and args.devices else ""))
     trainers = [int(t) for t in args.trainers.split(",")]
     # one pass: enough generated logs for the most trainers
-    logs = {"train": max(trainers) * args.steps * 256}
-    results: dict[str, dict[str, dict[str, dict]]] = {}
+    logs = {"train": max(trainers) * steps * 256}
     keep = ("throughput_samples_per_s", "final_metric", "final_auc", "device", "phase_share", "solver_stats")
-    for seed in seeds:
-        for n in trainers:
-            dirs = []
-            for name, solver, opts in plan:
-                opts = dict(opts, **({"threads": args.threads} if takes_option(solver, "threads") and args.threads > 1 else {}))
-                cfg = RunConfig(workload="ctr", workload_options=logs, solver=solver, solver_options=opts, workers=n,
-                                steps=args.steps, link=args.link, eval_every=args.steps // 3, timeout_s=120,
-                                device_ms=device_ms, seed=seed)
-                run_dir = out / f"{n}-trainers" / name.replace(" >=", "-") / (f"seed{seed}" if len(seeds) > 1 else "")
-                s = launch_or_exit(cfg, run_dir)
-                dirs.append(run_dir)
-                results.setdefault(str(n), {}).setdefault(name, {})[str(seed)] = {k: s.get(k) for k in keep}
-                over = f"  {s['device']['share_over']:.0%} steps over" if device_ms else ""
-                print(f"seed {seed} {n} trainers {name:<20} {s['throughput_samples_per_s']:>9,.0f} ex/s  "
-                      f"NE {s['final_metric']:.4f}  AUC {s['final_auc']:.4f}{over}", flush=True)
-            if seed == seeds[0]:
-                write_report(out / f"{n}-trainers", dirs)
-
-    cores = os.cpu_count() or 1
-    raw = {"steps": args.steps, "device_ms": device_ms, "results": results, "regime": regime(device_ms, args.link),
-           "seeds": seeds, "repeats": len(seeds)}
-    print()
-    print(f"{args.threads} thread(s) per trainer, 1 embedding server; {cores} CPU cores shared by all processes")
-    print(render(raw)["shadowsync_devices" if device_ms else "shadowsync"])
-    print()
-
-    checks = targets(raw)
-    print_checks(checks)
-    payload = {"device_ms": device_ms, "link": args.link, "steps": args.steps, "threads": args.threads,
-               "results": results, "checks": checks}
-    write_results(out / "summary.json", payload, announce=False)
-    if args.json:
-        write_record(args.json, started, regime=regime(device_ms, args.link), seeds=seeds, payload=payload)
+    results: dict[str, dict[str, dict[str, dict]]] = {}
+    for n in trainers:
+        configs = [RunConfig(workload="ctr", workload_options=logs, solver=solver, solver_options=opts, workers=n,
+                             steps=steps, link=args.link, eval_every=steps // 3, timeout_s=120, device_ms=device_ms)
+                   for _, solver, opts in plan]
+        groups = compare_runs(configs, out / f"{n}-trainers", seeds)
+        results[str(n)] = {name: kept(g, keep) for (name, _, _), g in zip(plan, groups)}
+    payload = {"device_ms": device_ms, "link": args.link, "steps": steps, "results": results}
+    finish(args.json or out / "shadowsync.json", started, render, payload, regime=regime(device_ms, args.link),
+           seeds=seeds, checks=targets)
     return 0
 
 

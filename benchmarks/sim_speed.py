@@ -4,7 +4,6 @@ Regime: **simulated** (virtual time); the figures are wall time of this machine'
 process.
 
     python benchmarks/sim_speed.py --workers-for async-ps=20000 [--seeds 1,2,3] [--json PATH]
-    python benchmarks/sim_speed.py --skip allreduce,ad-psgd,async-ps       # ripples alone
 
 Method, raw results and figures: docs/benchmarks/simulator.md.
 """
@@ -12,6 +11,7 @@ Method, raw results and figures: docs/benchmarks/simulator.md.
 from __future__ import annotations
 
 import gc
+import importlib.metadata
 import sys
 import time
 from typing import Any
@@ -67,25 +67,19 @@ def simpy_loop(sources: int, timeouts: int) -> tuple[float, int]:
 REGIME = "simulated; wall time of one Python process on this machine"
 
 
-def timed(fn, *args) -> tuple[float, int]:
-    gc.collect()
-    return fn(*args)
-
-
 def event_loop(sources: int, timeouts: int) -> dict[str, Any]:
-    """One run of each loop: seconds, events and microseconds per event."""
+    """One run of each loop (simpy's: None where it is not installed): seconds, events and
+    microseconds per event."""
     out: dict[str, Any] = {}
-    took, events = timed(distsync_loop, sources, timeouts)
-    assert events == sources * timeouts, events
-    out["distsync"] = {"events": events, "s": took, "us_per_event": 1e6 * took / events}
-    try:
-        import simpy  # noqa: F401
-    except ImportError:
-        out["simpy"] = None
-    else:
-        took, events = timed(simpy_loop, sources, timeouts)
+    for name, loop in (("distsync", distsync_loop), ("simpy", simpy_loop)):
+        gc.collect()
+        try:
+            took, events = loop(sources, timeouts)
+        except ImportError:
+            out[name] = None
+            continue
         assert events == sources * timeouts, events
-        out["simpy"] = {"events": events, "s": took, "us_per_event": 1e6 * took / events}
+        out[name] = {"events": events, "s": took, "us_per_event": 1e6 * took / events}
     return out
 
 
@@ -130,15 +124,6 @@ def render(raw: dict[str, Any]) -> dict[str, str]:
     return {"sim_speed_event_loop": "\n".join(lines), "sim_speed_timing": "\n".join(timing)}
 
 
-def simpy_version() -> str | None:
-    try:
-        from importlib.metadata import version
-
-        return version("simpy")
-    except Exception:
-        return None
-
-
 def main() -> int:
     p = argument_parser(__doc__)
     p.add_argument("--sources", type=int, default=1000, help="(1): event chains (default: 1000)")
@@ -153,32 +138,28 @@ def main() -> int:
     args = p.parse_args()
     started = provenance("benchmarks/sim_speed.py")
     seeds = seed_list(args.seeds)
+    try:
+        simpy_version = importlib.metadata.version("simpy")
+    except importlib.metadata.PackageNotFoundError:
+        simpy_version = None
 
-    skip = {s for s in args.skip.split(",") if s}
-    unknown = skip - set(SOLVERS)
     workers = {s: args.workers for s in SOLVERS}
     for item in args.workers_for:
         solver, _, n = item.partition("=")
         if solver not in workers or not n.isdigit():
             p.error(f"--workers-for wants SOLVER=N with SOLVER one of {', '.join(SOLVERS)}, got {item!r}")
         workers[solver] = int(n)
-    if unknown:
-        p.error(f"--skip: unknown solvers {', '.join(sorted(unknown))}; valid: {', '.join(SOLVERS)}")
-    solvers = [s for s in SOLVERS if s not in skip]
-
+    skip = {s for s in args.skip.split(",") if s}
+    if skip - set(SOLVERS):
+        p.error(f"--skip: unknown solvers {', '.join(sorted(skip - set(SOLVERS)))}; valid: {', '.join(SOLVERS)}")
     loops: dict[str, Any] = {}
-    runs: dict[str, dict[str, Any]] = {s: {} for s in solvers}
+    runs: dict[str, dict[str, Any]] = {s: {} for s in SOLVERS if s not in skip}
     for seed in seeds:
         loops[str(seed)] = event_loop(args.sources, args.timeouts)
-        d = loops[str(seed)]
-        print(f"seed {seed} event loop: distsync {d['distsync']['us_per_event']:.2f} us/event"
-              + (f", simpy {d['simpy']['us_per_event']:.2f}" if d["simpy"] else " (simpy not installed)"), flush=True)
-        for solver in solvers:
-            r = runs[solver][str(seed)] = timing_mode(solver, workers[solver], args.steps, seed)
-            print(f"seed {seed} {solver} x {r['workers']:,}: {r['wall_s']:.2f} s, {r['events']:,} events",
-                  flush=True)
+        for solver in runs:
+            runs[solver][str(seed)] = timing_mode(solver, workers[solver], args.steps, seed)
     payload = {
-        "simpy_version": simpy_version(),
+        "simpy_version": simpy_version,
         "event_loop": {"sources": args.sources, "timeouts_per_source": args.timeouts, "runs": loops},
         "timing_mode": {"compute_s": COMPUTE_S, "slow_fraction": SLOW_FRACTION, "slow_factor": SLOW_FACTOR,
                         "model_bytes": MODEL_BYTES, "bandwidth_bps": BANDWIDTH_BPS, "latency_s": LATENCY_S,

@@ -1,19 +1,20 @@
 """The simulator's timing mode against the measured runs of a scored `recommend` benchmark.
 
-    sudo python benchmarks/sim_timing_dev.py --fits benchmarks/results/sim_timing_dev --make-fits [--rows]
+    sudo python benchmarks/sim_timing_dev.py --fits benchmarks/results/sim_timing_dev --make-fits
 
 Method, raw results and figures: docs/benchmarks/simulator.md.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from common import argument_parser, exit_on_error
+from common import argument_parser, exit_on_error, provenance, write_record
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the fidelity target: a predicted throughput within this share of the measured median
@@ -83,10 +84,9 @@ def rows(raw: dict[str, Any], fits: Path | None = None, make: bool = False) -> l
             if not rates:
                 continue
             measured = statistics.median(rates)
-            row = {"scenario": sc["scenario"], "label": sc["label"], "config": c["label"], "solver": c["solver"],
-                   "measured": measured, "then": c.get("predicted_throughput"), "device": predict(sc, c),
-                   "fitted": predict(sc, c, fit) if fit is not None else None}
-            out.append(row)
+            out.append({"scenario": sc["scenario"], "label": sc["label"], "config": c["label"], "solver": c["solver"],
+                        "measured": measured, "then": c.get("predicted_throughput"), "device": predict(sc, c),
+                        "fitted": predict(sc, c, fit) if fit is not None else None})
     return out
 
 
@@ -140,13 +140,8 @@ REGIME = ("simulated (timing mode, this commit) against emulated devices behind 
 
 
 def main(argv: list[str] | None = None) -> int:
-    import json
-
-    from common import provenance, write_record
-
     p = argument_parser(__doc__)
     p.add_argument("--raw", default="docs/benchmarks/raw/recommend.json", help="a scored recommend raw file")
-    p.add_argument("--rows", action="store_true", help="print every configuration, not only the summary")
     p.add_argument("--fits", help="a folder of fresh fit runs to fit on (made with --make-fits; root)")
     p.add_argument("--make-fits", action="store_true", help="make the fit runs missing from --fits")
     p.add_argument("--json", help="where to write the raw results (none: print only)")
@@ -154,10 +149,6 @@ def main(argv: list[str] | None = None) -> int:
     started = provenance("benchmarks/sim_timing_dev.py")
     source = json.loads((ROOT / args.raw).read_text())
     got = rows(source, Path(args.fits) if args.fits else None, args.make_fits)
-    if args.rows:
-        for r in got:
-            print(f"{r['scenario']:>2} {r['label'][:44]:44} {r['config'][:38]:38} {r['measured']:8,.0f} "
-                  + " ".join(f"{r[k]:8,.0f} {_error(r, k):+5.0%}" for k, _ in COLUMNS if r.get(k) is not None))
     payload = {"source": args.raw, "source_commit": source.get("measured_commit") or source.get("commit"),
                "scenarios": [s["label"] for s in source["scenarios"]], "fits": args.fits, "rows": got}
     for block in render({**payload, "regime": REGIME}).values():

@@ -10,15 +10,14 @@ Method, raw results and figures: docs/benchmarks/simulator.md.
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
-
 from typing import Any
 
-from common import argument_parser, checks_markdown, finish, launch_or_exit, provenance, seed_list
-
+from common import argument_parser, checks_markdown, compare_runs, finish, provenance, seed_list
+from distsync.config import RunConfig
 from distsync.metrics.repeats import shown, spread
+from distsync.runtime.recovery import read_jsonl
 
 SOLVERS = [
     ("allreduce", {}),
@@ -36,16 +35,10 @@ LOSS_RATIO, METRIC_RATIO = 0.5, 1.0
 WORKERS, DEVICE_MS, SLOW = 4, 10.0, {3: 2.0}
 
 
-def real_curve(solver: str, options: dict, steps: int, eval_every: int, seed: int,
-               out: Path) -> dict[int, tuple[float, float]]:
-    from distsync.config import RunConfig
-
-    cfg = RunConfig(workload="digits", solver=solver, solver_options=dict(options), workers=WORKERS, steps=steps,
-                    eval_every=eval_every, seed=seed, device_ms=DEVICE_MS, slow=dict(SLOW), timeout_s=60)
-    launch_or_exit(cfg, out)
+def real_curve(run_dir: Path) -> dict[int, tuple[float, float]]:
+    """A real run's evaluations: per step, the (metric, loss) averaged over the workers."""
     by_step: dict[int, list[tuple[float, float]]] = {}
-    for line in (out / "events.jsonl").read_text().splitlines():
-        e = json.loads(line)
+    for e in read_jsonl(run_dir / "events.jsonl"):
         if e.get("kind") == "eval":
             by_step.setdefault(int(e["step"]), []).append((float(e["metric"]), float(e["loss"])))
     return {s: (statistics.mean(m for m, _ in v), statistics.mean(x for _, x in v)) for s, v in sorted(by_step.items())}
@@ -127,13 +120,15 @@ def main() -> None:
     started = provenance("benchmarks/train_parity.py")
     seeds = seed_list(args.seeds)
     plan = [(s, o) for s, o in SOLVERS if args.solvers is None or s in args.solvers.split(",")]
-    rows = []
     local = {seed: sim_curve("local", {}, args.steps, args.eval_every, seed) for seed in seeds}
-    for solver, options in plan:
+    configs = [RunConfig(workload="digits", solver=solver, solver_options=dict(options), workers=WORKERS,
+                         steps=args.steps, eval_every=args.eval_every, device_ms=DEVICE_MS, slow=dict(SLOW),
+                         timeout_s=60) for solver, options in plan]
+    rows = []
+    for (solver, options), group in zip(plan, compare_runs(configs, Path(args.out), seeds)):
         per_seed, curves = {}, []
-        for seed in seeds:
-            real = real_curve(solver, options, args.steps, args.eval_every, seed,
-                              Path(args.out) / f"{solver}-{seed}")
+        for seed, d in zip(group["seeds"], group["dirs"]):
+            real = real_curve(Path(args.out) / d)
             sim = sim_curve(solver, options, args.steps, args.eval_every, seed)
             steps = sorted(set(real) & set(sim) & set(local[seed]))
             dm = [abs(real[s][0] - sim[s][0]) for s in steps]
@@ -145,9 +140,6 @@ def main() -> None:
                 "to_local_metric": statistics.mean(abs(real[s][0] - local[seed][s][0]) for s in steps),
                 "to_local_loss": statistics.mean(abs(local[seed][s][1] / real[s][1] - 1) for s in steps)}
             curves.append({"seed": seed, "real": real, "sim": sim, "local": local[seed]})
-            x = per_seed[str(seed)]
-            print(f"seed {seed} {solver:<12} metric diff {x['metric_mean_abs_diff']:.3f}  loss diff "
-                  f"{x['loss_mean_rel_diff']:.1%}  to local {x['to_local_loss']:.1%}", flush=True)
         rows.append({"solver": solver, "options": options, "per_seed": per_seed, "curves": curves})
     payload = {"workers": WORKERS, "device_ms": DEVICE_MS, "slow": SLOW, "steps": args.steps,
                "eval_every": args.eval_every, "rows": rows}

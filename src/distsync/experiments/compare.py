@@ -87,21 +87,36 @@ def run_folder(out_dir: Path, solver: str, repeat: int, repeats: int) -> Path:
     return folder if repeats == 1 else folder / f"rep-{repeat}"
 
 
+def run_names(runs: list[ResolvedRun]) -> list[str]:
+    """Each run's name in its folder and progress: its solver, or, where another run has the
+    same solver (each resolved on its own, with other options), its label (the solver with
+    the options it was given)."""
+    solvers = [r.config.solver for r in runs]
+    names = [r.label if solvers.count(r.config.solver) > 1 else r.config.solver for r in runs]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"compare: two runs of one solver with the same options ({', '.join(names)})")
+    return names
+
+
 def compare(
     runs: list[ResolvedRun],
     out_dir: Path,
     on_start: Callable[[str, RunConfig], None] | None = None,
     on_progress: Callable[[str, dict[str, Any]], None] | None = None,
     repeats: int = 1,
+    alternate: bool = False,
 ) -> list[dict[str, Any]]:
     """Run every solver of :func:`resolve_comparison`'s runs ``repeats`` times, with seeds
     ``seed``, ``seed + 1``, ...; ``out_dir/report.md``, its plots and ``compare.json`` compare them.
 
-    Each run gets ``out_dir/<solver>/`` (``out_dir/<solver>/rep-<i>/`` with repeats). Returns,
+    Each run gets ``out_dir/<solver>/`` (``out_dir/<solver>/rep-<i>/`` with repeats; a solver
+    given twice with other options: its :func:`run_names`). With ``alternate``, every other
+    repeat runs the solvers in reverse order (of two, each goes first as often). Returns,
     per solver in the order given, its repeats' summaries, every repeat's figures and each
     figure's median and range (:func:`~distsync.experiments.report.solver_groups`).
     """
     check_repeats(repeats, runs[0].config.seed)
+    names = run_names(runs)
     note = fixed_steps_note(runs[0].config)
     notes = [note] if note else []
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -109,8 +124,9 @@ def compare(
     # The solvers take turns, repeat by repeat: a change in the machine's load over the
     # comparison then falls on every solver alike instead of on the last ones.
     for repeat in range(repeats):
-        for i, run in enumerate(runs):
-            s = run.config.solver
+        order = list(enumerate(runs))
+        for i, run in (order[::-1] if alternate and repeat % 2 else order):
+            s = names[i]
             run_dir = run_folder(out_dir, s, repeat, repeats)
             cfg = dataclasses.replace(run.config, out=str(run_dir), seed=run.config.seed + repeat)
             name = s if repeats == 1 else f"{s} {repeat + 1}/{repeats}"
