@@ -54,11 +54,12 @@ def times(raw: dict[str, Any], workers: str, case: str, name: str) -> dict[str, 
     return per_seed(raw["results"][workers][case][name], "time_to_target_s")
 
 
-def blocks_of(workload: str, device: str = "cpu") -> str:
+def blocks_of(workload: str, device: str = "cpu", most_workers: int = 8) -> str:
     """The page's block names for a workload's figure: ``heterogeneity_devices`` (digits),
-    ``heterogeneity_devices_cnn``, ..., ``_gpu`` after them where the math ran on a GPU."""
+    ``heterogeneity_devices_cnn``, ..., ``_gpu`` after them where the math ran on a GPU, and
+    ``_16`` (the most workers) where a run went beyond 8."""
     return ("heterogeneity_devices" + ("" if workload == "digits" else f"_{workload}")
-            + ("" if device == "cpu" else "_gpu"))
+            + ("" if device == "cpu" else "_gpu") + (f"_{most_workers}" if most_workers > 8 else ""))
 
 
 def slow_of(workers: str, case: str) -> set[str]:
@@ -92,7 +93,7 @@ def render(raw: dict[str, Any]) -> dict[str, str]:
                              f"{'-' if name == 'allreduce' else verdict(r)} | "
                              f"{shown(ad, unit='x') if ad else '-'} | {verdict(ad) if ad else '-'} | "
                              f"{over} of {len(t)} |")
-    block = blocks_of(workload, raw.get("worker_device", "cpu"))
+    block = blocks_of(workload, raw.get("worker_device", "cpu"), max(int(w) for w in raw["results"]))
     return {block: "\n".join(lines), f"{block}_overhead": render_overhead(raw),
             f"{block}_targets": checks_markdown(raw.get("checks", []))}
 

@@ -127,15 +127,23 @@ def _shadow(raw: dict[str, Any]) -> tuple[str, str] | None:
 
 
 def _crossover(raw: dict[str, Any]) -> tuple[str, str] | None:
-    case = "emulated-device"
-    if case not in raw["cases"]:
+    said = []
+    for case in ("emulated-4-jitter", "emulated-device"):
+        if case not in raw["cases"]:
+            continue
+        first = next(iter(raw["cases"][case].values()))
+        span = makespans(raw["cases"][case])
+        naive = _speedup(ratios(span["crossover"], span["naive"]), "naive sharing's")
+        devices = (f"{first.get('workers', 2)} emulated 50 ms devices"
+                   + (f" whose step times jitter by up to {first['jitter']:.0%}" if first.get("jitter") else ""))
+        said.append(f"makespan {shown(ratios(span['crossover'], span['sequential']), unit='x')} sequential's and "
+                    f"{naive} (two jobs on {devices}, behind 800 Mbit)")
+    if not said:
         return None
-    span = makespans(raw["cases"][case])
-    naive = _speedup(ratios(span["crossover"], span["naive"]), "naive sharing's")
     return "`distsync crossover`", (
-        f"one job computes while another communicates: makespan "
-        f"{shown(ratios(span['crossover'], span['sequential']), unit='x')} sequential's and {naive} (two jobs on 2 "
-        f"emulated 50 ms devices behind 800 Mbit; {raw['repeats']} repeats)")
+        "one job computes while another communicates; against jobs simply sharing the devices it helps where they "
+        f"cannot fall into turns by themselves (many devices, uneven steps): {'; '.join(said)}; "
+        f"{raw['repeats']} repeats")
 
 
 def _rare_sync(raw: dict[str, Any]) -> tuple[str, str] | None:
