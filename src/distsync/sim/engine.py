@@ -1,37 +1,125 @@
-"""A small discrete-event core: a heap of timed callbacks, and FIFO links.
+"""A small discrete-event core: a queue of timed callbacks, and FIFO links.
 
-A heap of ``(time, sequence, callback)`` is all the solvers' timing models need; it adds no
-dependency, and its time per event against simpy's process-based timeouts is measured by
-``python benchmarks/sim_speed.py`` (the table in docs/benchmarks/simulator.md, rendered from
-docs/benchmarks/raw/sim_speed.json). Deterministic: ties run in scheduling order.
+Events are ``(time, sequence, callback, args)`` in a :class:`TimeQueue`, all the solvers'
+timing models need; it adds no dependency, and its time per event against simpy's
+process-based timeouts is measured by ``python benchmarks/sim_speed.py`` (the table in
+docs/benchmarks/simulator.md, rendered from docs/benchmarks/raw/sim_speed.json).
+Deterministic: ties run in scheduling order. An event scheduled for the current moment (or
+before it) skips the queue: it waits in a FIFO of its own behind the events already due now,
+which is the order the queue gives it.
 """
 
 from __future__ import annotations
 
-import heapq
+from collections import deque
+from heapq import heapify, heappop, heappush
 from typing import Any, Callable
+
+
+class TimeQueue:
+    """A priority queue of tuples ordered as tuples, the first item a time (>= 0): a calendar
+    of buckets of ``width`` seconds, the earliest one a heap and the others lists, so a push
+    or pop costs about the same with 100,000 items as with 100 (a heap of them all would
+    walk ``log2 n`` levels of objects scattered in memory at each). The order is a heap's:
+    a later bucket holds only later times. Every so often (once the items then waiting have
+    been taken) ``width`` is set anew, to about :attr:`PER_BUCKET` items a bucket."""
+
+    PER_BUCKET = 32
+
+    def __init__(self) -> None:
+        self.width = 1.0
+        self._inv = 1.0
+        self.head: list[tuple] = []  # the earliest bucket's items (those of buckets up to _cur)
+        self._cur = -1
+        self._buckets: dict[int, list[tuple]] = {}
+        self._ids: list[int] = []  # a heap of the other buckets' numbers
+        self._taken = 0  # items moved to head so far, and at how many to look at the width again
+        self._check_at = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.head or self._ids)
+
+    def push(self, item: tuple) -> None:
+        b = int(item[0] * self._inv)
+        if b <= self._cur:
+            heappush(self.head, item)
+            return
+        bucket = self._buckets.get(b)
+        if bucket is None:
+            self._buckets[b] = [item]
+            heappush(self._ids, b)
+        else:
+            bucket.append(item)
+
+    def pop(self) -> tuple:
+        """The first item (the queue must not be empty)."""
+        if not self.head:
+            self.advance()
+        return heappop(self.head)
+
+    def advance(self) -> None:
+        """With :attr:`head` empty: make the next bucket the head."""
+        if self._taken >= self._check_at:
+            self._rescale()
+        self._cur = heappop(self._ids)
+        head = self.head = self._buckets.pop(self._cur)
+        heapify(head)
+        self._taken += len(head)
+
+    def _rescale(self) -> None:
+        items = [item for bucket in self._buckets.values() for item in bucket]
+        self._check_at = self._taken + max(4096, len(items))
+        lo, hi = min(item[0] for item in items), max(item[0] for item in items)
+        if hi <= lo:
+            return  # (ties: no width splits them)
+        width = (hi - lo) / len(items) * self.PER_BUCKET
+        if width * 4 < self.width or width > self.width * 4:
+            self.width, self._inv = width, 1.0 / width
+            self._buckets, self._ids, self._cur = {}, [], -1
+            for item in items:
+                self.push(item)
 
 
 class EventLoop:
     def __init__(self) -> None:
         self.now = 0.0
-        self._heap: list[tuple[float, int, Callable[..., Any], tuple]] = []
+        self._queue = TimeQueue()
+        #: events due now, scheduled while now was current: after the queue's own events due
+        #: now (scheduled earlier, so before them in scheduling order)
+        self._ready: deque[tuple[Callable[..., Any], tuple]] = deque()
         self._seq = 0
         self.events = 0
 
     def at(self, t: float, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` at virtual time ``t`` (not before now)."""
-        heapq.heappush(self._heap, (max(t, self.now), self._seq, fn, args))
-        self._seq += 1
+        if t > self.now:
+            self._queue.push((t, self._seq, fn, args))
+            self._seq += 1
+        else:
+            self._ready.append((fn, args))
 
     def run(self) -> float:
         """Run until no event is left; return the time of the last one."""
-        heap = self._heap
-        while heap:
-            t, _, fn, args = heapq.heappop(heap)
-            self.now = t
-            self.events += 1
-            fn(*args)
+        queue, ready = self._queue, self._ready
+        take = ready.popleft
+        events = self.events
+        try:
+            while True:
+                head = queue.head
+                if ready and not (head and head[0][0] <= self.now):
+                    fn, args = take()
+                elif head:
+                    t, _, fn, args = heappop(head)
+                    self.now = t
+                elif queue:
+                    queue.advance()
+                    continue
+                else:
+                    break
+                events += 1
+                fn(*args)
+        finally:
+            self.events = events
         return self.now
 
 
@@ -44,7 +132,8 @@ class FifoLink:
 
     def reserve(self, start: float, seconds: float) -> float:
         """A transfer of ``seconds`` that can start at ``start``; returns when it ends."""
-        begin = max(start, self.busy_until)
+        busy = self.busy_until
+        begin = busy if busy > start else start
         self.busy_until = begin + seconds
         self.busy_s += seconds
         return self.busy_until

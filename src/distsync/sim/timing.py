@@ -15,13 +15,14 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field, replace
+from itertools import chain
 from typing import Any, Callable
 
 import numpy as np
 
 from distsync.errors import ConfigError
 from distsync.sim.cluster import Cluster, WorkerModel
-from distsync.sim.engine import EventLoop, FifoLink
+from distsync.sim.engine import EventLoop, FifoLink, TimeQueue
 
 
 @dataclass
@@ -170,27 +171,38 @@ def _sync_ps_cost(cluster: Cluster, work: Work, servers: int) -> float:
 # ---- parameter servers and elastic exchanges, on the event loop --------------------------
 class _Servers:
     """Each server's link, one FIFO per direction (``duplex``) or one for both, and its update
-    lock (a FIFO of applies; None: lock-free, concurrent applies do not queue)."""
+    lock (a FIFO of applies; None: lock-free, concurrent applies do not queue). Every update
+    is applied by every server, each on its own shard, so the servers' locks are always alike
+    and one FIFO stands for them all; ``version``: the updates applied. ``link_s[s]``: the
+    seconds server ``s``'s shard takes on a link."""
 
-    def __init__(self, count: int, locked: bool = True, duplex: bool = True):
-        self.inbound = [FifoLink() for _ in range(count)]
-        self.outbound = [FifoLink() for _ in range(count)] if duplex else self.inbound
-        self.locks = [FifoLink() for _ in range(count)] if locked else None
-        self.version = [0] * count
+    def __init__(self, link_s: list[float], locked: bool = True, duplex: bool = True):
+        count = len(link_s)
+        self.inbound = [(FifoLink(), s) for s in link_s]
+        self.outbound = [(FifoLink(), s) for s in link_s] if duplex else self.inbound
+        self.lock = FifoLink() if locked else None
+        self.version = 0
+        self.single = count == 1
 
     def apply(self, t: float, seconds: float) -> float:
         """Every server applies its shard of an update that arrived at ``t``: when all are done."""
-        if self.locks is None:
+        if self.lock is None:
             return t + seconds
-        return max(lock.reserve(t, seconds) for lock in self.locks)
+        return self.lock.reserve(t, seconds)
 
-    def send_to(self, t: float, link_s: Callable[[float], float], shards: list[float], lat: float) -> float:
-        """A worker's message to every server at ``t``, ``shards[s]`` bytes to server ``s``:
-        when all arrived."""
-        return max(fl.reserve(t + lat, link_s(b)) for fl, b in zip(self.inbound, shards))
+    def send_to(self, t: float, lat: float) -> float:
+        """A worker's message to every server at ``t`` (its shard to each): when all arrived."""
+        if self.single:
+            link, seconds = self.inbound[0]
+            return link.reserve(t + lat, seconds)
+        return max([link.reserve(t + lat, seconds) for link, seconds in self.inbound])
 
-    def send_back(self, t: float, link_s: Callable[[float], float], shards: list[float], lat: float) -> float:
-        return max(fl.reserve(t, link_s(b)) for fl, b in zip(self.outbound, shards)) + lat
+    def send_back(self, t: float, lat: float) -> float:
+        """Every server's shard to a worker, sent at ``t``: when all arrived."""
+        if self.single:
+            link, seconds = self.outbound[0]
+            return link.reserve(t, seconds) + lat
+        return max([link.reserve(t, seconds) for link, seconds in self.outbound]) + lat
 
 
 class _ServerLoop:
@@ -206,18 +218,22 @@ class _ServerLoop:
         n = cluster.workers
         self.math = math
         self.c, self.work, self.lat, self.bw = c, work, cluster.link.latency_s, cluster.link.bandwidth_bps
+        self.steps = work.steps
         self.push_every, self.pull_every, self.exchange_every = push_every, pull_every, exchange_every
         self.round_robin = round_robin
         self.shard = work.shards(servers)
+        self.model_s = self.ser(work.model_bytes)  # the whole model on a worker's own link
 
         self.loop = EventLoop()
-        self.comp, self.comm, self.wait, self.done_at = _zeros(n), _zeros(n), _zeros(n), _zeros(n)
+        self.at = self.loop.at
+        # per worker (lists while running: a numpy element is slow to add to one at a time)
+        self.comp, self.comm, self.wait, self.done_at = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
         self.ends = np.empty((work.steps, n))
         self.seen = [0] * n
         self.staleness: Counter = Counter()
         self.turn = 0  # round robin: whose exchange the server takes next
         self.parked: dict[int, tuple[float, int]] = {}
-        self.srv = _Servers(servers, locked, cluster.server_duplex)
+        self.srv = _Servers([self.ser(b) for b in self.shard], locked, cluster.server_duplex)
         self.apply_s = max(self.shard) / cluster.server_apply_bps
         # an exchange or a pull with nobody else around (the server's apply included)
         self.round_trip = 2 * self.lat + 2 * self.ser(work.model_bytes) + self.apply_s
@@ -228,13 +244,14 @@ class _ServerLoop:
     def blocked(self, w: int, t: float, back: float) -> None:
         """Time from ``t`` to ``back``: the transfers themselves are communication, queueing
         behind other workers at the servers is waiting."""
-        spent = back - t
-        self.comm[w] += min(spent, self.round_trip)
-        self.wait[w] += max(0.0, spent - self.round_trip)
+        spent, round_trip = back - t, self.round_trip
+        self.comm[w] += round_trip if round_trip < spent else spent
+        self.wait[w] += spent - round_trip if spent - round_trip > 0.0 else 0.0
 
     def exchange(self, w: int, t: float, k: int) -> None:  # at the send
-        loop, model = self.loop, self.work.model_bytes
-        arrive = max(self.srv.send_to(loop.now, self.ser, self.shard, self.lat), loop.now + self.lat + self.ser(model))
+        loop = self.loop
+        now = loop.now
+        arrive = max(self.srv.send_to(now, self.lat), now + self.lat + self.model_s)
         loop.at(arrive, self.exchanged, w, t, k)
         if self.round_robin:
             self.turn = (self.turn + 1) % len(self.seen)
@@ -246,15 +263,15 @@ class _ServerLoop:
         loop, srv = self.loop, self.srv
         if self.math:
             self.math.exchanged(w, loop.now)
-        self.staleness[srv.version[0] - self.seen[w]] += 1
-        srv.version[0] += 1
-        self.seen[w] = srv.version[0]
+        self.staleness[srv.version - self.seen[w]] += 1
+        srv.version += 1
+        self.seen[w] = srv.version
         loop.at(srv.apply(loop.now, self.apply_s), self.reply, w, t, k)
 
     def reply(self, w: int, t: float, k: int) -> None:  # applied: the servers send the new center back
         loop = self.loop
-        back = max(self.srv.send_back(loop.now, self.ser, self.shard, self.lat),
-                   loop.now + self.ser(self.work.model_bytes) + self.lat)
+        now = loop.now
+        back = max(self.srv.send_back(now, self.lat), now + self.model_s + self.lat)
         self.blocked(w, t, back)
         loop.at(back, self.step, w, k + 1)
 
@@ -262,34 +279,35 @@ class _ServerLoop:
         t = self.loop.now
         if k:
             self.ends[k - 1, w] = t
-        if k == self.work.steps:
+        if k == self.steps:
             self.done_at[w] = t
             return
         if self.pull_every and k % self.pull_every == 0:
-            self.loop.at(t + self.lat, self.pull, w, k, t)  # a tiny request reaches the servers
+            self.at(t + self.lat, self.pull, w, k, t)  # a tiny request reaches the servers
         else:
-            self.compute(w, k)
+            step_s = self.c.item(k, w)
+            self.comp[w] += step_s
+            self.at(t + step_s, self.computed, w, k)
 
     def pull(self, w: int, k: int, asked: float) -> None:  # the servers read their center for the worker
         ready = self.srv.apply(self.loop.now, 0.0)  # a locked server reads it after the applies queued before
-        self.seen[w] = self.srv.version[0]
+        self.seen[w] = self.srv.version
         if self.math:
             self.math.pull(w, ready)
-        self.loop.at(ready, self.read, w, k, asked)
+        self.at(ready, self.read, w, k, asked)
 
     def read(self, w: int, k: int, asked: float) -> None:  # read: the servers send it back (booked now)
         loop = self.loop
-        back = max(self.srv.send_back(loop.now, self.ser, self.shard, self.lat),
-                   loop.now + self.lat + self.ser(self.work.model_bytes))
+        now = loop.now
+        back = max(self.srv.send_back(now, self.lat), now + self.lat + self.model_s)
         loop.at(back, self.pulled, w, k, asked)
 
-    def pulled(self, w: int, k: int, asked: float) -> None:
-        self.blocked(w, asked, self.loop.now)
-        self.compute(w, k)
-
-    def compute(self, w: int, k: int) -> None:
-        self.comp[w] += self.c[k, w]
-        self.loop.at(self.loop.now + self.c[k, w], self.computed, w, k)
+    def pulled(self, w: int, k: int, asked: float) -> None:  # then it computes
+        now = self.loop.now
+        self.blocked(w, asked, now)
+        step_s = self.c.item(k, w)
+        self.comp[w] += step_s
+        self.at(now + step_s, self.computed, w, k)
 
     def computed(self, w: int, k: int) -> None:
         t = self.loop.now
@@ -298,34 +316,36 @@ class _ServerLoop:
         if self.push_every and (k + 1) % self.push_every == 0:
             if self.math:
                 self.math.push(w, t)
-            arrive = self.srv.send_to(t, self.ser, self.shard, self.lat)  # no reply awaited
-            self.loop.at(arrive, self.pushed, w)
-            self.comm[w] += self.ser(self.work.model_bytes)  # the worker's own link carries the whole push
-            t += self.ser(self.work.model_bytes)
+            arrive = self.srv.send_to(t, self.lat)  # no reply awaited
+            self.at(arrive, self.pushed, w)
+            self.comm[w] += self.model_s  # the worker's own link carries the whole push
+            t += self.model_s
         if self.exchange_every and (k + 1) % self.exchange_every == 0:
             if self.round_robin and self.turn != w:
                 self.parked[w] = (t, k)
                 return
-            self.loop.at(t, self.exchange, w, t, k)
+            self.at(t, self.exchange, w, t, k)
             return
-        self.loop.at(t, self.step, w, k + 1)
+        self.at(t, self.step, w, k + 1)
 
     def pushed(self, w: int) -> None:  # applied on arrival (behind the lock's queue, if any)
+        srv = self.srv
         if self.math:
             self.math.pushed(w, self.loop.now)
-        self.staleness[self.srv.version[0] - self.seen[w]] += 1
-        self.srv.version[0] += 1
-        self.srv.apply(self.loop.now, self.apply_s)
+        self.staleness[srv.version - self.seen[w]] += 1
+        srv.version += 1
+        srv.apply(self.loop.now, self.apply_s)
 
     def run(self, name: str) -> SimResult:
         for w in range(len(self.seen)):
             self.loop.at(0.0, self.step, w, 0)
         self.loop.run()
-        wall = float(self.done_at.max())  # when the last worker is done (pushes may still be queued then)
+        wall = max(self.done_at)  # when the last worker is done (pushes may still be queued then)
         if self.parked:
             raise RuntimeError(f"simulated {name}: workers {sorted(self.parked)} never got their turn")
-        return SimResult(name, len(self.seen), self.work.steps, self.work.batch_size, wall, self.comp, self.comm,
-                         self.wait, self.staleness, events=self.loop.events, ends=self.ends)
+        comp, comm, wait = (np.array(v, dtype=np.float64) for v in (self.comp, self.comm, self.wait))
+        return SimResult(name, len(self.seen), self.work.steps, self.work.batch_size, float(wall), comp, comm,
+                         wait, self.staleness, events=self.loop.events, ends=self.ends)
 
 
 # ---- decentralized -----------------------------------------------------------------------
@@ -337,7 +357,10 @@ def _pairwise(name: str, cluster: Cluster, c: np.ndarray, work: Work, actives: l
     averagings reach a passive in the order of virtual time. With ``math``: a worker's
     gradient is taken when its step starts (``begin``), a passive applies it when the step
     ends (``step``: an averaging meanwhile changed the model it is applied to), an active
-    when its averaging is done (``average``, at the moment the passive averages)."""
+    when its averaging is done (``average``, at the moment the passive averages). Without
+    ``math``: :func:`_pairwise_timing`, the same times with fewer events."""
+    if not math:
+        return _pairwise_timing(name, cluster, c, work, actives, passives, partner)
     n = cluster.workers
     loop = EventLoop()
     comp, comm, wait = _zeros(n), _zeros(n), _zeros(n)
@@ -379,10 +402,64 @@ def _pairwise(name: str, cluster: Cluster, c: np.ndarray, work: Work, actives: l
     return SimResult(name, n, work.steps, work.batch_size, wall, comp, comm, wait, events=loop.events, ends=ends)
 
 
+def _pairwise_timing(name: str, cluster: Cluster, c: np.ndarray, work: Work, actives: list[int],
+                     passives: list[int], partner: Callable[[int], int]) -> SimResult:
+    """:func:`_pairwise`'s timing, with no math to order: a passive's steps follow one another
+    whatever its partners do (a running sum, with numpy), and an active's averaging and its
+    next step's start are worked out when its step ends, so one event per active step is
+    left. Each event keeps the place among ties of the event it stands for: its step's end
+    ``t``, then the start of that step (its previous averaging's end), then the order in
+    which those starts were scheduled; so the passives take averagings in the same order."""
+    n, steps = cluster.workers, work.steps
+    cost = 2 * cluster.p2p_s(work.model_bytes)
+    ran = np.cumsum(c, axis=0)  # a worker that never averages: its steps' ends
+    ends, comp, comm, wait = ran.copy(), ran[-1].copy(), _zeros(n), _zeros(n)
+    active = sorted(set(actives)) if passives else []
+    # per worker, as lists (a numpy element is slow to add to one at a time)
+    busy, spent, waited = [0.0] * n, [0.0] * n, [0.0] * n
+    ended = {w: [0.0] * steps for w in active}
+    queue = TimeQueue()  # (step ends, step started, order, worker, step)
+    for i, w in enumerate(active):
+        queue.push((c.item(0, w), 0.0, i, w, 0))
+        spent[w] = c.item(0, w)
+    seq = len(active)
+    pop, push, step_s = queue.pop, queue.push, c.item
+    while queue:
+        t, _, _, w, k = pop()
+        p = partner(w)
+        begin = max(t, busy[p])
+        waited[w] += begin - t
+        done = busy[p] = begin + cost
+        ended[w][k] = done
+        if k + 1 < steps:
+            s = step_s(k + 1, w)
+            spent[w] += s
+            push((done + s, done, seq, w, k + 1))
+            seq += 1
+    if active:
+        idx = np.array(active)
+        comp[idx] = [spent[w] for w in active]
+        comm[idx] = _sum_of(cost, steps)  # (an averaging after each step)
+        wait[idx] = [waited[w] for w in active]
+        ends[:, idx] = np.array([ended[w] for w in active]).T
+    wall = float(ends[-1].max())
+    return SimResult(name, n, steps, work.batch_size, wall, comp, comm, wait, events=len(active) * steps, ends=ends)
+
+
+def _sum_of(x: float, times: int) -> float:
+    """``x`` added ``times`` times to 0.0, one at a time (as a worker's seconds add up)."""
+    total = 0.0
+    for _ in range(times):
+        total += x
+    return total
+
+
 def _group_rounds(name: str, cluster: Cluster, c: np.ndarray, work: Work, every: int,
                   next_round: Callable[[], list[tuple[int, ...]]]) -> SimResult:
     """Every ``every`` steps a round of disjoint groups (``next_round()``): a group
-    all-reduces once all its members are ready; a group of one goes on alone."""
+    all-reduces once all its members are ready; a group of one goes on alone. A round's
+    groups are disjoint, so they are stepped all at once with numpy (each worker's sums
+    are the ones a group-by-group loop takes)."""
     n = cluster.workers
     t, comp, comm, wait = _zeros(n), _zeros(n), _zeros(n), _zeros(n)
     ends = np.empty((work.steps, n))
@@ -393,36 +470,60 @@ def _group_rounds(name: str, cluster: Cluster, c: np.ndarray, work: Work, every:
         ends[step] = t
         if (step + 1) % every:
             continue
-        for group in next_round():
-            if len(group) < 2:
-                continue
-            g = np.asarray(group)
-            cost = costs.get(len(g))
-            if cost is None:
-                cost = costs[len(g)] = cluster.partial_allreduce_s(work.model_bytes, len(g))
-            start = t[g].max()
-            wait[g] += start - t[g]
-            t[g] = start + cost
-            comm[g] += cost
+        groups = [g for g in next_round() if len(g) > 1]
+        if not groups:
+            continue
+        sizes = np.fromiter((len(g) for g in groups), dtype=np.intp, count=len(groups))
+        members = np.fromiter(chain.from_iterable(groups), dtype=np.intp, count=int(sizes.sum()))
+        if np.bincount(members, minlength=n).max() > 1:
+            raise ValueError(f"simulated {name}: a round's groups overlap")
+        for size in np.unique(sizes).tolist():
+            if size not in costs:
+                costs[size] = cluster.partial_allreduce_s(work.model_bytes, size)
+        cost = np.repeat(np.array([costs[size] for size in sizes.tolist()]), sizes)
+        at = t[members]
+        offsets = np.r_[0, np.cumsum(sizes)[:-1]]
+        start = np.repeat(np.maximum.reduceat(at, offsets), sizes)  # each group's last member ready
+        wait[members] += start - at
+        t[members] = start + cost
+        comm[members] += cost
         ends[step] = t
     return SimResult(name, n, work.steps, work.batch_size, float(t.max()), comp, comm, wait, ends=ends)
 
 
-def _start_groups(loop: EventLoop, grouper: Any, cluster: Cluster, work: Work, math: Any,
-                  groups: list[tuple[int, ...]], member: Callable[[int, float], None]) -> None:
-    """Start the groups a :class:`~distsync.solvers.schedules.ReadyGrouper` formed now: each
-    one's averaging (its cost; its math), ``member(w, cost)`` for each of its members; then
-    arm the end of the next wait for partners, when the groups that formed meanwhile start."""
-    now = loop.now
-    for group in groups:
-        cost = cluster.partial_allreduce_s(work.model_bytes, len(group)) if len(group) > 1 else 0.0
-        if math and len(group) > 1:
-            math.group(list(group), now)
-        for w in group:
-            member(w, cost)
-    due = grouper.due()
-    if due is not None:
-        loop.at(due, lambda: _start_groups(loop, grouper, cluster, work, math, grouper.expire(loop.now), member))
+class _GroupStarts:
+    """Starts the groups a :class:`~distsync.solvers.schedules.ReadyGrouper` forms on the event
+    loop: each one's averaging (its cost, one per size; its math), ``member(w, cost)`` for each
+    of its members; then arms the end of the next wait for partners, when the groups that
+    formed meanwhile start. One wait's end is armed once: a second event at the same moment
+    would find nothing more to form (the grouper forms what it can at every change)."""
+
+    def __init__(self, loop: EventLoop, grouper: Any, cluster: Cluster, work: Work, math: Any,
+                 member: Callable[[int, float], None]):
+        self.loop, self.grouper, self.math, self.member = loop, grouper, math, member
+        self.cost = lambda size: cluster.partial_allreduce_s(work.model_bytes, size) if size > 1 else 0.0
+        self.costs: dict[int, float] = {}
+        self.armed: set[float] = set()
+
+    def __call__(self, groups: list[tuple[int, ...]]) -> None:
+        now, math, member = self.loop.now, self.math, self.member
+        for group in groups:
+            size = len(group)
+            cost = self.costs.get(size)
+            if cost is None:
+                cost = self.costs[size] = self.cost(size)
+            if math and size > 1:
+                math.group(list(group), now)
+            for w in group:
+                member(w, cost)
+        due = self.grouper.due()
+        if due is not None and due not in self.armed:
+            self.armed.add(due)
+            self.loop.at(due, self.expire, due)
+
+    def expire(self, due: float) -> None:
+        self.armed.discard(due)
+        self(self.grouper.expire(self.loop.now))
 
 
 def _ready_groups(name: str, cluster: Cluster, c: np.ndarray, work: Work, k: int, every: int,
@@ -436,34 +537,35 @@ def _ready_groups(name: str, cluster: Cluster, c: np.ndarray, work: Work, k: int
 
     n = cluster.workers
     loop = EventLoop()
-    comp, comm, wait = _zeros(n), _zeros(n), _zeros(n)
+    comp, comm, wait = [0.0] * n, [0.0] * n, [0.0] * n
     rtt = 2 * cluster.link.latency_s  # asking the coordinator
     grouper = ReadyGrouper(n, k, max_wait_s, wait_share)
-    at_step, ready_at = [0] * n, _zeros(n)
-    done_at = _zeros(n)
+    at_step, ready_at = [0] * n, [0.0] * n
+    done_at = [0.0] * n
     ends = np.empty((work.steps, n))
+    steps, step_s = work.steps, c.item
 
     def joined(w: int, cost: float) -> None:  # its group starts now
         wait[w] += loop.now - ready_at[w]
         comm[w] += cost
         loop.at(loop.now + cost, step, w, at_step[w] + 1)
 
-    def start(groups: list[tuple[int, ...]]) -> None:
-        _start_groups(loop, grouper, cluster, work, math, groups, joined)
+    start = _GroupStarts(loop, grouper, cluster, work, math, joined)
 
     def ready(w: int, s: int) -> None:
         at_step[w], ready_at[w] = s, loop.now
         start(grouper.arrive(w, loop.now))
 
     def step(w: int, s: int) -> None:
+        now = loop.now
         if s:
-            ends[s - 1, w] = loop.now
-        if s == work.steps:
-            done_at[w] = loop.now
-            start(grouper.leave(w, loop.now))  # nobody waits for it any more
+            ends[s - 1, w] = now
+        if s == steps:
+            done_at[w] = now
+            start(grouper.leave(w, now))  # nobody waits for it any more
             return
-        t = loop.now + c[s, w]
-        comp[w] += c[s, w]
+        t = now + step_s(s, w)
+        comp[w] += step_s(s, w)
         if math:  # (nothing else touches its replica while it computes)
             math.step(w, s, t)
         if (s + 1) % every == 0:
@@ -475,8 +577,9 @@ def _ready_groups(name: str, cluster: Cluster, c: np.ndarray, work: Work, k: int
     for w in range(n):
         loop.at(0.0, step, w, 0)
     loop.run()
-    wall = float(done_at.max())  # (not a wait's end armed after its group had formed)
-    return SimResult(name, n, work.steps, work.batch_size, wall, comp, comm, wait, events=loop.events, ends=ends)
+    wall = max(done_at)  # (not a wait's end armed after its group had formed)
+    return SimResult(name, n, work.steps, work.batch_size, float(wall), np.array(comp), np.array(comm),
+                     np.array(wait), events=loop.events, ends=ends)
 
 
 def _ready_groups_overlapped(name: str, cluster: Cluster, c: np.ndarray, work: Work, k: int, every: int,
@@ -510,8 +613,7 @@ def _ready_groups_overlapped(name: str, cluster: Cluster, c: np.ndarray, work: W
             loop.at(loop.now + cost, then, w, s)
             held[w] = None
 
-    def start(groups: list[tuple[int, ...]]) -> None:
-        _start_groups(loop, grouper, cluster, work, math, groups, joined)
+    start = _GroupStarts(loop, grouper, cluster, work, math, joined)
 
     def when_averaged(w: int, s: int, then: Callable[[int, int], None]) -> None:
         """``then(w, s)`` once w's averaging in flight has ended (now if none is)."""

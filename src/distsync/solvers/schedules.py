@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import heapq
 import random
+from collections import deque
 
 import numpy as np
 
@@ -150,12 +151,14 @@ class ReadyGrouper:
         self.max_wait_s = max_wait_s
         self.wait_share = wait_share
         self.live: set[int] = set(range(workers))
-        #: (worker, ready at), in arrival order
-        self.pending: list[tuple[int, float]] = []
+        #: (worker, ready at), in arrival order; and the same workers as a set
+        self.pending: deque[tuple[int, float]] = deque()
+        self._waiting: set[int] = set()
         self.last: dict[int, float] = {}
         self.interval: dict[int, float] = {}
         #: the live workers whose interval is not known yet (each is due at any moment)
         self._unknown: set[int] = set(range(workers))
+        self._unknown_was = workers  # (its size when last compacted)
         #: (next request due, worker, its version): a worker's newest entry is the one whose
         #: version is its own; older ones, and a gone worker's, are dropped as they surface
         self._due_heap: list[tuple[float, int, int]] = []
@@ -182,8 +185,8 @@ class ReadyGrouper:
         not known yet, or whose last request plus its interval falls by then. O(k log n) a
         call (k waiting, n live), not a scan of every worker: a 10,000-worker simulation asks
         it at every arrival."""
-        waiting = {w for w, _ in self.pending}
-        for j in self._unknown:  # (at most len(waiting) + 1 of them looked at)
+        waiting = self._waiting
+        for j in self._unknown:  # (at most len(waiting) + 1 of them looked at: see _known)
             if j not in waiting:
                 return True
         heap, aside, found = self._due_heap, [], False
@@ -202,6 +205,15 @@ class ReadyGrouper:
             heapq.heappush(heap, entry)
         return found
 
+    def _known(self, w: int) -> None:
+        """``w`` is no longer one whose interval is unknown. (A set keeps its table as it
+        empties, and a look at its first element walks the table: once it is a quarter of
+        its size, it is copied into a table of its own size.)"""
+        self._unknown.discard(w)
+        if 4 * len(self._unknown) < self._unknown_was:
+            self._unknown = set(self._unknown)
+            self._unknown_was = len(self._unknown)
+
     def arrive(self, w: int, now: float) -> list[tuple[int, ...]]:
         """Worker ``w`` is ready at ``now``: the groups that form (its own, or none yet)."""
         if w in self.last:
@@ -210,17 +222,20 @@ class ReadyGrouper:
             self.interval[w] = gap if old is None else old + self.SMOOTHING * (gap - old)
         self.last[w] = now
         if w in self.interval:
-            self._unknown.discard(w)
+            self._known(w)
             version = self._version[w] = self._version.get(w, 0) + 1
             heapq.heappush(self._due_heap, (now + self.interval[w], w, version))
         self.pending.append((w, now))
+        self._waiting.add(w)
         return self._settle(now)
 
     def leave(self, w: int, now: float) -> list[tuple[int, ...]]:
         """Worker ``w`` is done (or dead): nobody waits for it any more."""
         self.live.discard(w)
-        self._unknown.discard(w)
-        self.pending = [(v, t) for v, t in self.pending if v != w]
+        self._known(w)
+        if w in self._waiting:
+            self.pending = deque((v, t) for v, t in self.pending if v != w)
+            self._waiting.discard(w)
         return self._settle(now)
 
     def expire(self, now: float) -> list[tuple[int, ...]]:
@@ -228,10 +243,15 @@ class ReadyGrouper:
         return self._settle(now)
 
     def _take(self, n: int, now: float) -> tuple[int, ...]:
-        group, self.pending = self.pending[:n], self.pending[n:]
+        take, waiting = self.pending.popleft, self._waiting
+        group, waited = [take() for _ in range(n)], 0.0
+        for w, t in group:
+            waiting.discard(w)
+            if now > t:
+                waited += now - t
         self.answered += len(group)
-        self.waited_s += sum(max(0.0, now - t) for _, t in group)
-        return tuple(sorted(w for w, _ in group))
+        self.waited_s += waited
+        return tuple(sorted([w for w, _ in group]))
 
     def _settle(self, now: float) -> list[tuple[int, ...]]:
         groups = []
