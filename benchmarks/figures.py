@@ -233,7 +233,7 @@ FIGURES = [
            ("--seeds", "1", "--speed-workers", "500", "--train-workers", "8"),
            ("src/distsync/sim", "src/distsync/solvers", "src/distsync/workloads"),
            "docs/benchmarks/simulator.md"),
-    Figure("sim_speed", "sim_speed", ("--workers-for", "async-ps=20000", "--seeds", "1,2,3"),
+    Figure("sim_speed", "sim_speed", ("--seeds", "1,2,3"),
            ("--sources", "100", "--timeouts", "50", "--workers", "2000", "--steps", "10", "--seeds", "1"),
            ("src/distsync/sim", "src/distsync/solvers"),
            "docs/benchmarks/simulator.md"),
