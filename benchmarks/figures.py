@@ -107,11 +107,18 @@ class Figure:
 
 
 FIGURES = [
-    Figure("real_sizes", "real_sizes", ("--parts", "ring", "--seeds", "1,2,3"),
+    Figure("real_sizes", "real_sizes", ("--parts", "ring", "--models", "resnet50", "--seeds", "1,2,3"),
            ("--parts", "ring", "--models", "resnet50", "--links", "10gbit", "--workers", "2", "--seeds", "1",
             "--solvers", "allreduce,ddp", "--steps", "3"),
            RUNTIME + ("src/distsync/solvers/allreduce.py", "src/distsync/solvers/ddp.py",
                       "src/distsync/workloads/resnet50.py", "src/distsync/workloads/gpt2.py"),
+           "docs/benchmarks/real_sizes.md"),
+    Figure("real_sizes_gpt2", "real_sizes", ("--parts", "ring", "--models", "gpt2", "--workers", "4", "--solvers",
+                                           "allreduce,ddp", "--seeds", "1,2,3", "--steps", "4"),
+           ("--parts", "ring", "--models", "gpt2", "--links", "10gbit", "--workers", "2", "--seeds", "1",
+            "--solvers", "allreduce,ddp", "--steps", "3"),
+           RUNTIME + ("src/distsync/solvers/allreduce.py", "src/distsync/solvers/ddp.py",
+                      "src/distsync/workloads/gpt2.py", "src/distsync/workloads/lm.py"),
            "docs/benchmarks/real_sizes.md"),
     Figure("real_sizes_servers", "real_sizes",
            ("--parts", "servers", "--models", "resnet50", "--links", "10gbit", "--workers", "4,8",

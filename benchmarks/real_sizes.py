@@ -14,12 +14,13 @@ Method, raw results and figures: docs/benchmarks/real_sizes.md.
 
 from __future__ import annotations
 
+import shutil
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from common import argument_parser, checks_markdown, finish, launch_or_exit, provenance, seed_list
+from common import argument_parser, checks_markdown, finish, launch_or_exit, provenance, seed_list, write_record
 
 from distsync.config import RunConfig, parse_link
 from distsync.metrics.repeats import median, shown
@@ -31,6 +32,7 @@ from distsync.workloads import gpt2, resnet50
 MODELS = {"resnet50": (resnet50.STEP_MS, 2, {}), "gpt2": (gpt2.STEP_MS, 1, {})}
 RING = ("allreduce", "allreduce:bucket_mb=100", "ddp")
 BACKWARD_SHARE = 2 / 3
+REGIME = "emulated devices (published GPU step times) behind emulated links, on one machine"
 SERVERS = (1, 2, 4)
 
 
@@ -58,7 +60,9 @@ def run(model: str, solver: str, workers: int, link: str, steps: int, seed: int,
     cfg = RunConfig(workload=model, workload_options=workload_options, solver=name, solver_options=options,
                     workers=workers, steps=steps, batch_size=batch, eval_every=10**6, seed=seed, link=link,
                     device_ms=step_ms, device_backward=BACKWARD_SHARE)
-    s = launch_or_exit(cfg, out / f"{model}-{solver}-{workers}-{link}-{seed}")
+    run_dir = out / f"{model}-{solver}-{workers}-{link}-{seed}"
+    s = launch_or_exit(cfg, run_dir)
+    shutil.rmtree(run_dir, ignore_errors=True)  # (a GPT-2 run leaves a 500 MB model behind)
     return {"step_s": s["step_s"], "samples_per_s": s["throughput_samples_per_s"],
             "peak_rss_mib": max(w.get("peak_rss_mib", 0.0) for w in s["per_worker"].values()),
             "math_ms": s["device"]["math_ms"], "share_over": s["device"]["share_over"]}
@@ -78,7 +82,9 @@ def render(raw: dict[str, Any]) -> dict[str, str]:
             f"worker's median step after the first; bound with overlap max(compute, comm), without compute + comm; "
             f"compute is the device time (or the real math where a step overran it: CPU-bound rows say so).")
     blocks = {}
-    for part, key in (("ring", "real_sizes_ring"), ("servers", "real_sizes_servers")):
+    name = "real_sizes_" + "_".join(dict.fromkeys(r["model"] for r in raw["rows"]))  # (a block per model run)
+    for part in ("ring", "servers"):
+        key = f"{name}_{part}"
         rows = [r for r in raw["rows"] if r["part"] == part]
         if not rows:
             continue
@@ -99,7 +105,7 @@ def render(raw: dict[str, Any]) -> dict[str, str]:
                 f"{shown([x['share_over'] for x in runs], '{:.0%}')} |")
         blocks[key] = "\n".join(lines)
     if raw.get("checks"):
-        blocks["real_sizes_targets"] = checks_markdown(raw["checks"])
+        blocks[f"{name}_targets"] = checks_markdown(raw["checks"])
     return blocks
 
 
@@ -158,13 +164,15 @@ def main() -> int:
             rows.append({"part": part, "model": model, "model_mb": sizes[model] / 1e6, "link": link, "workers": n,
                          "solver": solver, "compute_s": compute, "comm_s": comm, "bound_overlap_s": overlap,
                          "bound_none_s": none, "runs": runs})
+            # (written after each row: a run stopped early keeps the rows it finished)
+            write_record(args.json, started, regime=REGIME, seeds=seeds, announce=False,
+                         payload={"rows": rows, "device_backward": BACKWARD_SHARE, "partial": True})
             print(f"{model} {link} x{n} {solver}: step {shown([r['step_s'] for r in runs])} s, "
                   f"bound {overlap:.2f}/{none:.2f} s, over {shown([r['share_over'] for r in runs], '{:.0%}')}",
                   flush=True)
     payload = {"rows": rows, "device_backward": BACKWARD_SHARE,
                "models": {m: {"step_ms": MODELS[m][0], "batch": MODELS[m][1], "bytes": sizes[m]} for m in models}}
-    regime = "emulated devices (published GPU step times) behind emulated links, on one machine"
-    return finish(args.json, started, render, payload, regime=regime, seeds=seeds, checks=checks)
+    return finish(args.json, started, render, payload, regime=REGIME, seeds=seeds, checks=checks)
 
 
 if __name__ == "__main__":
