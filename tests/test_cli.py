@@ -28,7 +28,7 @@ def _one_line_error(proc, expected):
     "args, expected",
     [
         (["train", "--solver", "nope"], "unknown solver 'nope'; valid: " + ", ".join(solver_names())),
-        (["train", "--workload", "nope"], "unknown workload 'nope'; valid: digits, mnist, cnn, wide, ctr, lm, or path/to/file.py:make_workload"),
+        (["train", "--workload", "nope"], "unknown workload 'nope'; valid: digits, mnist, cnn, wide, ctr, lm, resnet50, gpt2, or path/to/file.py:make_workload"),
         (["train", "--workers", "0"], "--workers must be an integer >= 1, got 0"),
         (["train", "--slow", "1:x"], "bad --slow entry '1:x': expected RANK:FACTOR"),
         (["train", "--workers", "2", "--slow", "2:3"], "bad --slow: rank 2 is not a worker (workers are ranks 0..1)"),

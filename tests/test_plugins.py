@@ -166,7 +166,7 @@ def test_stretch_at_factor_1_never_sleeps(monkeypatch):
 def test_stretch_seeds_and_jitter_draws_survive_a_checkpoint(monkeypatch):
     slept: list[float] = []
     monkeypatch.setattr(stretch_module.time, "sleep", slept.append)
-    cfg = SimpleNamespace(slow={1: 3.0}, jitter=0.5, seed=2, device_ms=None)
+    cfg = SimpleNamespace(slow={1: 3.0}, jitter=0.5, seed=2, device_ms=None, device_backward=0.0)
     plugin = DeviceStretch.for_worker(cfg, rank=1, threads=2)
     assert [st.factor for st in plugin.stretches] == [3.0, 3.0]
     for st, seed in zip(plugin.stretches, [2 * 7919 + 31, 2 * 7919 + 32]):
@@ -617,7 +617,7 @@ def test_train_worker_in_one_process_events_and_hook_order(tmp_path):
                           "thread", "unix"]
     assert all(e["compute"] >= 0.02 for e in events if e["kind"] == "step")  # the emulated device's time
     done = events[-2]
-    assert list(done) == ["kind", "rank", "t", "close_s", "slept_s", "bytes"] and done["slept_s"] > 0
+    assert list(done) == ["kind", "rank", "t", "close_s", "slept_s", "bytes", "peak_rss_mib"] and done["slept_s"] > 0
 
 
 def test_train_worker_matches_a_plain_pytorch_loop():
@@ -713,7 +713,7 @@ def test_stretch_asks_the_shared_device_for_the_emulated_time_instead_of_sleepin
 
 
 def test_stretch_shares_its_device_only_when_crossover_says_so():
-    cfg = SimpleNamespace(slow={}, jitter=0.0, seed=0, device_ms=10.0, timeout_s=5.0)
+    cfg = SimpleNamespace(slow={}, jitter=0.0, seed=0, device_ms=10.0, device_backward=0.0, timeout_s=5.0)
     shared = {"address": "/nowhere", "job": 1, "token": False, "share": True}
     assert DeviceStretch.for_worker(cfg, rank=0, threads=1, crossover=shared)._share is not None
     for change, crossover in (({"device_ms": None}, shared),
