@@ -329,3 +329,13 @@ def test_a_ddp_job_on_an_emulated_device_cannot_cross_over(tmp_path):
     path = _jobs_file(tmp_path, [{**j, "steps": 5, "eval_every": 5} for j in jobs], modes=["naive"],
                       out=str(tmp_path / "x"))
     assert run_cli("crossover", str(path)).returncode == 0  # without the token it runs
+
+
+def test_a_job_whose_emulated_backward_overlaps_cannot_cross_over(tmp_path):
+    jobs = [{"name": "a", "workload": "digits", "device_ms": 10},
+            {"name": "b", "workload": "digits", "device_ms": 10, "device_backward": 0.67}]
+    proc = run_cli("crossover", str(_jobs_file(tmp_path, jobs, modes=["crossover", "naive"])))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "distsync: error: crossover: job b: a job whose emulated backward overlaps its communication "
+        "(device_backward) cannot cross over")

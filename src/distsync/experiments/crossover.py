@@ -97,6 +97,10 @@ def _check_plan(plan: CrossoverPlan) -> CrossoverPlan:
             raise ConfigError(f"crossover: job {job.name}: a ddp job on an emulated device (device_ms) cannot cross "
                               f"over: its all-reduce runs inside backward, inside the device time; use solver "
                               f"allreduce, or leave out mode crossover")
+        if "crossover" in plan.modes and job.run.config.device_backward:
+            raise ConfigError(f"crossover: job {job.name}: a job whose emulated backward overlaps its communication "
+                              f"(device_backward) cannot cross over: the token would pass on inside backward's "
+                              f"device time; leave device_backward out, or leave out mode crossover")
     return plan
 
 
