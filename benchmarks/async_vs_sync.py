@@ -14,8 +14,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from common import argument_parser, checks_markdown, compare_runs, finish, kept, per_seed, provenance, seed_list
-from distsync.config import RunConfig, parse_key_values
+from common import (argument_parser, checks_markdown, compare_runs, finish, kept, per_seed, provenance, seed_list,
+                    solver_entry)
+from distsync.config import RunConfig
 from distsync.metrics.repeats import ratios, shown, spread, verdict
 from distsync.solvers import make_options, solver_class, takes_option
 
@@ -30,15 +31,9 @@ KEEP = ("time_to_target_s", "final_metric", "throughput_samples_per_s", "steps_b
         "bytes_sent", "wall_time_s", "budget", "time_to_target_from")
 
 
-def entry_of(entry: str) -> tuple[str, dict]:
-    """``NAME`` or ``NAME:KEY=VALUE`` (a tuned variant): the solver and its options."""
-    solver, _, given = entry.partition(":")
-    return solver, parse_key_values([given] if given else [])
-
-
 def lockstep(entry: str, workers: int) -> bool:
     """Whether the entry's workers take their steps in lockstep (a synchronous solver)."""
-    solver, opts = entry_of(entry)
+    solver, opts = solver_entry(entry)
     cls = solver_class(solver)
     return cls.Plan.lockstep_lead(make_options(cls, opts), workers) is not None
 
@@ -140,7 +135,7 @@ def main() -> int:
             servers = min(workers, sum(1 for _ in w.make_model().parameters()))
             configs = []
             for entry in solvers:
-                solver, opts = entry_of(entry)
+                solver, opts = solver_entry(entry)
                 if device_ms and takes_option(solver, "servers"):
                     opts = {"servers": servers, **opts}
                 configs.append(RunConfig(workload=model, solver=solver, solver_options=opts, workers=workers,

@@ -241,6 +241,14 @@ def _changed_from_head(git: Any) -> list[str] | None:
     return sorted(p for p, blob in blobs.items() if now.get(p) != blob)
 
 
+def solver_entry(entry: str) -> tuple[str, dict[str, str]]:
+    """``NAME`` or ``NAME:KEY=VALUE[,KEY=VALUE]`` (a variant of a solver): its name and options."""
+    from distsync.config import parse_key_values
+
+    name, _, given = entry.partition(":")
+    return name, parse_key_values(given.split(",") if given else [])
+
+
 def seed_list(text: str) -> list[int]:
     """``--seeds 1,2,3`` as integers (at least one)."""
     seeds = [int(s) for s in text.split(",") if s.strip()]

@@ -106,6 +106,11 @@ class Figure:
         return blocks
 
 
+#: what the heterogeneity figures' runs depend on beyond the runtime
+HETEROGENEITY = RUNTIME + ("src/distsync/solvers/allreduce.py", "src/distsync/solvers/decentralized.py",
+                           "src/distsync/solvers/schedules.py", "src/distsync/solvers/parameter_server.py",
+                           "src/distsync/solvers/elastic.py", "src/distsync/solvers/shard_service.py")
+
 FIGURES = [
     Figure("real_sizes", "real_sizes", ("--parts", "ring", "--models", "resnet50", "--seeds", "1,2,3"),
            ("--parts", "ring", "--models", "resnet50", "--links", "10gbit", "--workers", "2", "--seeds", "1",
@@ -156,10 +161,7 @@ FIGURES = [
            ("--workers", "4,8", "--cases", "homogeneous,one 3x slow", "--seeds", "1,2,3"),
            ("--workers", "2", "--cases", "one 3x slow", "--seeds", "1", "--solvers", "allreduce,ripples:smart",
             "--cap", "2"),
-           RUNTIME + ("src/distsync/solvers/allreduce.py", "src/distsync/solvers/decentralized.py",
-                      "src/distsync/solvers/schedules.py",
-                      "src/distsync/solvers/parameter_server.py", "src/distsync/solvers/elastic.py",
-                      "src/distsync/solvers/shard_service.py"),
+           HETEROGENEITY,
            "docs/benchmarks/heterogeneity.md"),
     *(Figure(f"heterogeneity_devices_{w}-gpu", "heterogeneity_devices",
              ("--workload", w, "--device", "cuda", "--workers", "4", "--cases", "one 3x slow", "--solvers",
@@ -174,19 +176,8 @@ FIGURES = [
             "allreduce,ad-psgd,ripples:smart:overlap=true", "--seeds", "1,2,3"),
            ("--workers", "9", "--cases", "one 3x slow", "--seeds", "1", "--solvers",
             "allreduce,ripples:smart:overlap=true", "--cap", "2"),
-           RUNTIME + ("src/distsync/solvers/allreduce.py", "src/distsync/solvers/decentralized.py",
-                      "src/distsync/solvers/schedules.py",
-                      "src/distsync/solvers/parameter_server.py", "src/distsync/solvers/elastic.py",
-                      "src/distsync/solvers/shard_service.py"),
+           HETEROGENEITY,
            "docs/benchmarks/heterogeneity.md"),
-    *(Figure(f"heterogeneity_devices_{w}-gpu", "heterogeneity_devices",
-             ("--workload", w, "--device", "cuda", "--workers", "4", "--cases", "one 3x slow", "--solvers",
-              "allreduce,ad-psgd,ripples:smart:overlap=true", "--seeds", "1,2,3", "--cap", "40"),
-             ("--workload", w, "--device", "cuda", "--workers", "2", "--cases", "one 3x slow", "--seeds", "1",
-              "--solvers", "allreduce,ripples:smart", "--cap", "2"),
-             RUNTIME + ("src/distsync/solvers/allreduce.py", "src/distsync/solvers/decentralized.py",
-                        "src/distsync/solvers/schedules.py"),
-             "docs/benchmarks/heterogeneity.md", needs_gpu=True) for w in ("cnn", "mnist")),
     Figure("async_vs_sync_devices", "async_vs_sync",
            ("--devices", "--workers", "4", "--settings", "wide", "--solvers",
             "allreduce,sync-easgd,async-measgd,ea-wild,ea-wild:tau=16,async-ps", "--seeds", "1,2,3"),

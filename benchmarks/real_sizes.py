@@ -20,7 +20,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from common import argument_parser, checks_markdown, finish, launch_or_exit, provenance, seed_list, write_record
+from common import (argument_parser, checks_markdown, finish, launch_or_exit, provenance, seed_list, solver_entry,
+                    write_record)
 
 from distsync.config import RunConfig, parse_link
 from distsync.metrics.repeats import median, shown
@@ -54,8 +55,7 @@ def servers_s(nbytes: float, workers: int, servers: int, bandwidth_bps: float) -
 
 
 def run(model: str, solver: str, workers: int, link: str, steps: int, seed: int, out: Path) -> dict[str, Any]:
-    name, _, opts = solver.partition(":")
-    options = dict(kv.split("=") for kv in opts.split(",")) if opts else {}
+    name, options = solver_entry(solver)
     step_ms, batch, workload_options = MODELS[model]
     cfg = RunConfig(workload=model, workload_options=workload_options, solver=name, solver_options=options,
                     workers=workers, steps=steps, batch_size=batch, eval_every=10**6, seed=seed, link=link,

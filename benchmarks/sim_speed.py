@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any
 
-from common import argument_parser, finish, provenance, seed_list
+from common import argument_parser, finish, provenance, seed_list, solver_entry
 
 from distsync.metrics.repeats import shown
 from distsync.sim import Cluster, Link, Work, WorkerModel, simulate
@@ -86,8 +86,7 @@ def event_loop(sources: int, timeouts: int) -> dict[str, Any]:
 
 def timing_mode(solver: str, workers: int, steps: int, seed: int) -> dict[str, Any]:
     """One simulated run: the simulating process's CPU seconds and wall seconds, its events."""
-    name, _, opts = solver.partition(":")
-    options = dict(kv.split("=") for kv in opts.split(",")) if opts else {}
+    name, options = solver_entry(solver)
     cluster = Cluster(workers, Link(BANDWIDTH_BPS, LATENCY_S))
     model = WorkerModel(COMPUTE_S, slow_fraction=SLOW_FRACTION, slow_factor=SLOW_FACTOR, seed=seed)
     gc.collect()

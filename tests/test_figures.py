@@ -310,3 +310,8 @@ def test_a_raw_file_records_what_processes_without_a_record_measured(tmp_path):
     imported = json.loads(out.read_text())["imported"]
     assert imported["src/distsync/solvers/rules.py"] == source_hash(REPO / "src/distsync/solvers/rules.py")
     assert "no/such/file.py" not in imported and "benchmarks/common.py" in imported
+
+
+def test_every_figure_is_registered_once():
+    names = [f.name for f in figures.FIGURES]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
