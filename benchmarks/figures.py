@@ -118,7 +118,7 @@ FIGURES = [
            RUNTIME + ("src/distsync/solvers/allreduce.py", "src/distsync/solvers/ddp.py",
                       "src/distsync/workloads/resnet50.py", "src/distsync/workloads/gpt2.py"),
            "docs/benchmarks/real_sizes.md"),
-    Figure("real_sizes_gpt2", "real_sizes", ("--parts", "ring", "--models", "gpt2", "--workers", "4", "--solvers",
+    Figure("real_sizes_gpt2", "real_sizes", ("--parts", "ring", "--models", "gpt2", "--workers", "4,8", "--solvers",
                                            "allreduce,ddp", "--seeds", "1,2,3", "--steps", "4"),
            ("--parts", "ring", "--models", "gpt2", "--links", "10gbit", "--workers", "2", "--seeds", "1",
             "--solvers", "allreduce,ddp", "--steps", "3"),
