@@ -73,6 +73,36 @@ def test_alternate_does_not_wait_for_a_job_that_has_not_started():
     t.join(2)
 
 
+def test_alternate_joins_a_job_on_every_device_with_its_first_request():
+    # a job that asked on device 0 has started everywhere: on device 1 the other job waits for
+    # its turn there, so that both devices alternate in the same order (out of phase, a job
+    # meeting its peer inside a compute phase, DDP's bucket rebuild, would wait for ever)
+    from distsync.runtime.token import TokenClient
+
+    with TokenServer(2, 2, "alternate") as server:
+        a0, a1, d1 = (TokenClient(server.address, job, device, 10.0) for job, device in ((0, 0), (0, 1), (1, 1)))
+        a0.acquire()
+        got = threading.Event()
+        t = _in_thread(lambda: (d1.acquire(), got.set()))
+        assert not got.wait(0.3)  # job 0's turn on device 1 too
+        a1.acquire()
+        a1.release()
+        assert got.wait(2)
+        d1.release()
+        t.join(2)
+        # a job that ends leaves every device, also one it never asked on
+        d0 = TokenClient(server.address, 1, 0, 10.0)
+        a0.release()
+        d0.acquire()
+        d0.release()  # job 0's turn on device 0 now
+        server.leave(0)
+        d0.acquire()  # job 0 has left: job 1 is not held up by its turn
+        d0.release()
+        for c in (a0, a1, d1, d0):
+            c.close()
+    assert [(e["device"], e["job"]) for e in server.timeline()] == [(0, 0), (1, 0), (1, 1), (0, 1), (0, 1)]
+
+
 def test_a_job_that_leaves_while_holding_frees_the_device():
     token = ComputeToken([0, 1], "fcfs")
     token.acquire(1)

@@ -184,6 +184,9 @@ def _run_together(plan: CrossoverPlan, mode: str, out: Path, net: EmulatedNetwor
                                           "share": bool(server.shares)} if server else None)
         except DistsyncError as e:
             errors[job.name] = str(e)
+        finally:
+            if server:
+                server.leave(k)
         if on_job:
             on_job(mode, job.name)
 

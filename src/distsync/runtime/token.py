@@ -9,7 +9,11 @@ communication it gives the token back, so another job computes while it communic
 - ``alternate``: strict alternation in a fixed cycle of the jobs (CrossoverScheduler's
   crossover): after job ``j`` computes, the turn passes to the next job in the cycle that is
   still running, which computes next even if another job asked first. A job joins the cycle
-  with its first request (jobs start at different moments) and leaves it when done.
+  with its first request (jobs start at different moments) and leaves it when done. It joins
+  on every device at once: a device where one job computed twice before the other's first
+  request would be out of phase with the others, and a job whose workers meet inside a
+  compute phase (DDP's second forward broadcasts its rebuilt buckets) could then hold one
+  device while waiting for its peer, whose device's turn waits for the first device.
 - ``fcfs``: whoever asked first computes next (a FIFO queue).
 
 Both bound waiting: under ``fcfs`` a job waits at most for the jobs queued before it to
@@ -55,13 +59,15 @@ _DONE_S = 1e-12
 class ComputeToken:
     """Who computes on one device, among ``jobs``."""
 
-    def __init__(self, jobs: list[int], policy: str = "alternate", clock=time.perf_counter):
+    def __init__(self, jobs: list[int], policy: str = "alternate", clock=time.perf_counter,
+                 joined: set[int] | None = None):
         if policy not in POLICIES:
             raise ValueError(f"unknown crossover policy {policy!r}; valid: {', '.join(POLICIES)}")
         self.policy = policy
         self.cycle = list(jobs)
         self.active = set(jobs)
-        self.joined: set[int] = set()  # jobs that have asked at least once
+        #: jobs that have asked at least once; :class:`TokenServer` gives all its devices one set
+        self.joined: set[int] = set() if joined is None else joined
         self.holder: int | None = None
         self.turn = 0  # index into cycle (alternate)
         self.queue: deque[int] = deque()  # (fcfs)
@@ -300,7 +306,8 @@ class TokenServer:
 
     def __init__(self, devices: int, jobs: int, policy: str, tokens: bool = True, share: bool = False):
         self.start_time = time.perf_counter()
-        self.tokens = [ComputeToken(list(range(jobs)), policy) for _ in range(devices)] if tokens else []
+        joined: set[int] = set()  # (one for all devices: a job joins the cycle everywhere at once)
+        self.tokens = [ComputeToken(list(range(jobs)), policy, joined=joined) for _ in range(devices)] if tokens else []
         self.shares = [DeviceShare(list(range(jobs))) for _ in range(devices)] if share else []
         self._dir = tempfile.mkdtemp(prefix="distsync-token-")
         os.chmod(self._dir, 0o700)  # only this user's processes may take part
@@ -317,6 +324,12 @@ class TokenServer:
         self._server.shutdown()
         self._server.server_close()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+    def leave(self, job: int) -> None:
+        """Job ``job`` has ended (or failed): it leaves every device, including one where a
+        worker of it never asked (it joined the cycle there with its first request elsewhere)."""
+        for token in self.tokens:
+            token.leave(job)
 
     def timeline(self) -> list[dict[str, Any]]:
         """Every compute phase: device, job, start and end (s since the server started)."""
