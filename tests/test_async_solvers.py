@@ -559,6 +559,13 @@ def test_server_warm_up_follows_the_workers_steps_not_the_server_updates():
     s.ctx = ServeContext(make_model=None, lr=1.0, warmup_steps=4, lr_schedule="cosine", steps=12)
     s.apply_gradient(shard, torch.ones(2), step=8)
     assert shard.center.tolist() == pytest.approx([-0.75, -0.75])
+    # a worker's last push (the rest of its n_push sum, after its last step) at the last
+    # step's rate: linear over 4 + 8 steps, step 11: 1 - 7/8 (not step 0's warm-up 1/4)
+    from distsync.solvers.shard_service import FINAL
+
+    s.ctx = ServeContext(make_model=None, lr=1.0, warmup_steps=4, lr_schedule="linear", steps=12)
+    s.apply_gradient(shard, torch.ones(2), step=FINAL)
+    assert shard.center.tolist() == pytest.approx([-0.875, -0.875])
 
 
 @pytest.mark.parametrize("solver, lock_free", [("ea-wild", True), ("hogwild", True), ("async-easgd", False),

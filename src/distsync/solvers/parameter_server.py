@@ -267,9 +267,12 @@ class GradientServerSolver(ServerSolver):
 
     def apply_gradient(self, shard: ServerShard, grad: torch.Tensor, step: int) -> None:
         """Apply ``grad``, pushed at the worker's ``step`` (the warm-up follows the workers'
-        steps, not the server's updates: with p asynchronous workers those run p times faster)."""
+        steps, not the server's updates: with p asynchronous workers those run p times faster).
+        A worker's last push (step :data:`FINAL`, the rest of its sum after its last step) is
+        applied at its last step's learning rate."""
         ctx = self.ctx
-        factor = lr_factor(max(step, 0), ctx.steps, ctx.lr_schedule, ctx.warmup_steps)
+        at = ctx.steps - 1 if step == FINAL else max(step, 0)
+        factor = lr_factor(at, ctx.steps, ctx.lr_schedule, ctx.warmup_steps)
         if ctx.optimizer not in ("sgd", "lars"):  # a torch optimizer over the shard's layers
             opt = self._shard_optimizer(shard)
             for w, g in zip(opt.param_groups[0]["params"], shard.view.split(grad)):
