@@ -126,7 +126,7 @@ FIGURES = [
                       "src/distsync/workloads/gpt2.py", "src/distsync/workloads/lm.py"),
            "docs/benchmarks/real_sizes.md"),
     Figure("real_sizes_servers", "real_sizes",
-           ("--parts", "servers", "--models", "resnet50", "--links", "10gbit", "--workers", "4,8",
+           ("--parts", "servers", "--models", "resnet50", "--links", "1gbit,10gbit", "--workers", "4,8",
             "--seeds", "1,2,3", "--steps", "4"),
            ("--parts", "servers", "--models", "resnet50", "--links", "10gbit", "--workers", "2", "--seeds", "1",
             "--steps", "3"),
