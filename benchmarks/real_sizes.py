@@ -7,7 +7,10 @@ Regime: emulated devices (each step's device time is the workload's published GP
 ``--device-backward``) behind emulated links (netns + tbf), on one machine.
 
     sudo python benchmarks/real_sizes.py [--models resnet50,gpt2] [--links 1gbit,10gbit] [--workers 4,8]
-                                         [--parts ring,servers] [--repeats 3] [--steps 6] [--json PATH]
+                                         [--parts ring,servers] [--seeds 1,2,3] [--steps 6] [--json PATH]
+
+A setting's solvers run side by side: each seed runs every one of them, one after another,
+in an order reversed every other seed.
 
 Method, raw results and figures: docs/benchmarks/real_sizes.md.
 """
@@ -146,30 +149,37 @@ def main() -> int:
     unknown = sorted(set(models) - set(MODELS))
     if unknown:
         p.error(f"--models: unknown {', '.join(unknown)}; valid: {', '.join(MODELS)}")
-    cells = []
+    settings = []  # (part, model, link, workers, [(solver, servers)]): its solvers run side by side
     for model in models:
         for link in links:
             for n in (int(w) for w in args.workers.split(",")):
                 if "ring" in args.parts:
-                    cells += [("ring", model, link, n, solver, 0) for solver in args.solvers.split(",")]
+                    settings.append(("ring", model, link, n, [(solver, 0) for solver in args.solvers.split(",")]))
                 if "servers" in args.parts:
-                    cells += [("servers", model, link, n, f"sync-ps:servers={k}", k) for k in SERVERS]
+                    settings.append(("servers", model, link, n, [(f"sync-ps:servers={k}", k) for k in SERVERS]))
     sizes = {m: model_bytes(m) for m in models}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for part, model, link, n, solver, servers in cells:
-            runs = [run(model, solver, n, link, args.steps, seed, Path(tmp)) for seed in seeds]
-            compute, comm, overlap, none = cell_bounds(model, sizes[model], n, link,
-                                                       median(r["math_ms"] for r in runs), part, servers)
-            rows.append({"part": part, "model": model, "model_mb": sizes[model] / 1e6, "link": link, "workers": n,
-                         "solver": solver, "compute_s": compute, "comm_s": comm, "bound_overlap_s": overlap,
-                         "bound_none_s": none, "runs": runs})
-            # (written after each row: a run stopped early keeps the rows it finished)
+        for part, model, link, n, solvers in settings:
+            # a seed's runs of every solver one after another, in turn reversed every other seed:
+            # what else shares the machine meanwhile falls on all of them alike
+            runs: dict[str, list[dict[str, Any]]] = {solver: [] for solver, _ in solvers}
+            for i, seed in enumerate(seeds):
+                for solver, _ in (solvers if i % 2 == 0 else solvers[::-1]):
+                    runs[solver].append(run(model, solver, n, link, args.steps, seed, Path(tmp)))
+            for solver, servers in solvers:
+                done = runs[solver]
+                compute, comm, overlap, none = cell_bounds(model, sizes[model], n, link,
+                                                           median(r["math_ms"] for r in done), part, servers)
+                rows.append({"part": part, "model": model, "model_mb": sizes[model] / 1e6, "link": link,
+                             "workers": n, "solver": solver, "compute_s": compute, "comm_s": comm,
+                             "bound_overlap_s": overlap, "bound_none_s": none, "runs": done})
+                print(f"{model} {link} x{n} {solver}: step {shown([r['step_s'] for r in done])} s, "
+                      f"bound {overlap:.2f}/{none:.2f} s, over {shown([r['share_over'] for r in done], '{:.0%}')}",
+                      flush=True)
+            # (written after each setting: a run stopped early keeps the rows it finished)
             write_record(args.json, started, regime=REGIME, seeds=seeds, announce=False,
                          payload={"rows": rows, "device_backward": BACKWARD_SHARE, "partial": True})
-            print(f"{model} {link} x{n} {solver}: step {shown([r['step_s'] for r in runs])} s, "
-                  f"bound {overlap:.2f}/{none:.2f} s, over {shown([r['share_over'] for r in runs], '{:.0%}')}",
-                  flush=True)
     payload = {"rows": rows, "device_backward": BACKWARD_SHARE,
                "models": {m: {"step_ms": MODELS[m][0], "batch": MODELS[m][1], "bytes": sizes[m]} for m in models}}
     return finish(args.json, started, render, payload, regime=REGIME, seeds=seeds, checks=checks)
