@@ -37,6 +37,30 @@ def test_the_calendar_queue_pops_in_a_heaps_order(seed):
     assert not queue
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_the_calendar_queue_keeps_a_heaps_order_through_large_ties(seed):
+    """Thousands of items at a few times (a bucket no width splits, taken in sorted chunks),
+    with pushes while they are taken: before, among and after the waiting ones."""
+    rng = random.Random(seed)
+    queue, ref, seq = TimeQueue(), [], 0
+    times = [rng.choice([0.0, 1.0, 5.0]) + rng.randrange(3) * 1e-6 for _ in range(4)]
+    for _ in range(rng.randint(600, 4000)):
+        t = rng.choice(times)
+        queue.push((t, seq))
+        heapq.heappush(ref, (t, seq))
+        seq += 1
+    while ref:
+        item = queue.pop()
+        assert item == heapq.heappop(ref)
+        for _ in range(rng.choice([0, 0, 1, 2])):
+            t = item[0] + rng.choice([0.0, 0.0, 1e-6, 2e-6, 1e-3, 3.0])
+            new = (t, rng.choice([seq, -seq]))  # (before or after the ties at t)
+            queue.push(new)
+            heapq.heappush(ref, new)
+            seq += 1
+    assert not queue
+
+
 def test_events_due_now_run_after_those_scheduled_for_now_before():
     """An event for the current moment runs after the events already due at it (scheduled
     earlier), in scheduling order, as one heap of (time, sequence) orders them."""
