@@ -6,7 +6,6 @@ groups cannot overlap). A group of one does nothing that round.
 
 from __future__ import annotations
 
-import heapq
 import random
 from collections import deque
 
@@ -147,6 +146,8 @@ class ReadyGrouper:
     SMOOTHING = 0.3
 
     def __init__(self, workers: int, k: int, max_wait_s: float, wait_share: float) -> None:
+        from distsync.sim.engine import TimeQueue  # (here: distsync.sim imports the solvers)
+
         self.k = max(1, min(k, workers))
         self.max_wait_s = max_wait_s
         self.wait_share = wait_share
@@ -159,9 +160,10 @@ class ReadyGrouper:
         #: the live workers whose interval is not known yet (each is due at any moment)
         self._unknown: set[int] = set(range(workers))
         self._unknown_was = workers  # (its size when last compacted)
-        #: (next request due, worker, its version): a worker's newest entry is the one whose
-        #: version is its own; older ones, and a gone worker's, are dropped as they surface
-        self._due_heap: list[tuple[float, int, int]] = []
+        #: (next request due, worker, its version), earliest first: a worker's newest entry is
+        #: the one whose version is its own; older ones, and a gone worker's, are dropped as
+        #: they surface. (A calendar queue: a heap of 100,000 entries costs several times more.)
+        self._due = TimeQueue()
         self._version: dict[int, int] = {}
         #: requests answered, and the seconds their workers waited here for partners in all
         self.answered = 0
@@ -182,27 +184,28 @@ class ReadyGrouper:
 
     def _someone_due(self, until: float) -> bool:
         """Whether a live worker not waiting here is due by ``until``: one whose interval is
-        not known yet, or whose last request plus its interval falls by then. O(k log n) a
+        not known yet, or whose last request plus its interval falls by then. About O(k) a
         call (k waiting, n live), not a scan of every worker: a 10,000-worker simulation asks
         it at every arrival."""
         waiting = self._waiting
         for j in self._unknown:  # (at most len(waiting) + 1 of them looked at: see _known)
             if j not in waiting:
                 return True
-        heap, aside, found = self._due_heap, [], False
-        while heap:
-            due, j, version = heap[0]
-            if j not in self.live or self._version[j] != version:
-                heapq.heappop(heap)  # (an older entry, or a gone worker's)
+        queue, aside, found = self._due, [], False
+        live, versions = self.live, self._version
+        while queue:
+            due, j, version = queue.first()
+            if j not in live or versions[j] != version:
+                queue.pop()  # (an older entry, or a gone worker's)
                 continue
             if due > until:
                 break
             if j not in waiting:
                 found = True
                 break
-            aside.append(heapq.heappop(heap))  # (due, but waiting here already)
+            aside.append(queue.pop())  # (due, but waiting here already)
         for entry in aside:
-            heapq.heappush(heap, entry)
+            queue.push(entry)
         return found
 
     def _known(self, w: int) -> None:
@@ -224,7 +227,7 @@ class ReadyGrouper:
         if w in self.interval:
             self._known(w)
             version = self._version[w] = self._version.get(w, 0) + 1
-            heapq.heappush(self._due_heap, (now + self.interval[w], w, version))
+            self._due.push((now + self.interval[w], w, version))
         self.pending.append((w, now))
         self._waiting.add(w)
         return self._settle(now)
