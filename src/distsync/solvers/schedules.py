@@ -11,6 +11,8 @@ from collections import deque
 
 import numpy as np
 
+from distsync.solvers.calendar import TimeQueue
+
 
 def chunk(order: list[int], k: int) -> list[tuple[int, ...]]:
     """Consecutive groups of ``k`` (the last one may be smaller), each sorted."""
@@ -146,8 +148,6 @@ class ReadyGrouper:
     SMOOTHING = 0.3
 
     def __init__(self, workers: int, k: int, max_wait_s: float, wait_share: float) -> None:
-        from distsync.sim.engine import TimeQueue  # (here: distsync.sim imports the solvers)
-
         self.k = max(1, min(k, workers))
         self.max_wait_s = max_wait_s
         self.wait_share = wait_share
