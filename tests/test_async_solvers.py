@@ -566,6 +566,10 @@ def test_server_warm_up_follows_the_workers_steps_not_the_server_updates():
     s.ctx = ServeContext(make_model=None, lr=1.0, warmup_steps=4, lr_schedule="linear", steps=12)
     s.apply_gradient(shard, torch.ones(2), step=FINAL)
     assert shard.center.tolist() == pytest.approx([-0.875, -0.875])
+    # with the steps not known (a server of the own-loop API started without them), step 0's
+    s.ctx = ServeContext(make_model=None, lr=1.0, lr_schedule="cosine")
+    s.apply_gradient(shard, torch.ones(2), step=FINAL)
+    assert shard.center.tolist() == pytest.approx([-1.875, -1.875])
 
 
 @pytest.mark.parametrize("solver, lock_free", [("ea-wild", True), ("hogwild", True), ("async-easgd", False),

@@ -269,9 +269,10 @@ class GradientServerSolver(ServerSolver):
         """Apply ``grad``, pushed at the worker's ``step`` (the warm-up follows the workers'
         steps, not the server's updates: with p asynchronous workers those run p times faster).
         A worker's last push (step :data:`FINAL`, the rest of its sum after its last step) is
-        applied at its last step's learning rate."""
+        applied at its last step's learning rate (at step 0's where the steps are not known:
+        ``distsync.serve()`` without ``steps``)."""
         ctx = self.ctx
-        at = ctx.steps - 1 if step == FINAL else max(step, 0)
+        at = ctx.steps - 1 if step == FINAL and ctx.steps > 0 else max(step, 0)
         factor = lr_factor(at, ctx.steps, ctx.lr_schedule, ctx.warmup_steps)
         if ctx.optimizer not in ("sgd", "lars"):  # a torch optimizer over the shard's layers
             opt = self._shard_optimizer(shard)
