@@ -113,11 +113,6 @@ def render(raw: dict[str, Any]) -> dict[str, str]:
         lines.append(f"| {name} | {runs[0]['events']:,} | {shown([r['s'] for r in runs], '{:.3f}')} | "
                      f"{shown([r['us_per_event'] for r in runs])} |")
     tm = raw["timing_mode"]
-    if "workers" not in tm:  # (a raw file of one worker count per solver, in wall seconds)
-        tm = {**tm, "steps": next(iter(next(iter(tm["runs"].values())).values()))["steps"],
-              "workers": sorted({r["workers"] for by in tm["runs"].values() for r in by.values()}),
-              "runs": {solver: {str(by[seeds[0]]["workers"]): {s: {**r, "cpu_s": r["wall_s"]} for s, r in by.items()}}
-                       for solver, by in tm["runs"].items()}}
     counts = tm["workers"]
     timing = [head + f" CPU seconds of the one simulating process (its wall time is in the raw file), "
                      f"{tm['steps']} steps per worker.", "",

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from distsync.runtime.token import ComputeToken, DeviceShare, DeviceShareClient, TokenServer
+from distsync.runtime.token import ComputeToken, DeviceShare, DeviceShareClient, TokenClient, TokenServer
 from helpers import run_cli, run_ranks
 
 
@@ -77,8 +77,6 @@ def test_alternate_joins_a_job_on_every_device_with_its_first_request():
     # a job that asked on device 0 has started everywhere: on device 1 the other job waits for
     # its turn there, so that both devices alternate in the same order (out of phase, a job
     # meeting its peer inside a compute phase, DDP's bucket rebuild, would wait for ever)
-    from distsync.runtime.token import TokenClient
-
     with TokenServer(2, 2, "alternate") as server:
         a0, a1, d1 = (TokenClient(server.address, job, device, 10.0) for job, device in ((0, 0), (0, 1), (1, 1)))
         a0.acquire()
