@@ -580,9 +580,18 @@ class Comm:
         return sender
 
     def barrier(self, group: Any = None) -> None:
+        """Wait until every rank of ``group`` (None: the default group) has come here. With
+        liveness (a training job's comm, :func:`distsync.init_comm`'s), for as long as each one
+        that has not come lives (:meth:`barrier_while_alive`): ``--timeout`` is how long a peer
+        may stand still, not how late it may come. Without, at most the comm timeout."""
         view = self._view(group)
         if view is not None:
             self._on_view(view, "barrier", dist.barrier, group=group, async_op=True)
+        elif self.liveness is not None and not (group is None and self.replacement):
+            members = list(range(self.world_size)) if group is None else dist.get_process_group_ranks(group)
+            if self.rank in members:  # (torch's barrier passes at once on a rank outside the group)
+                self.barrier_while_alive(members, "barrier" if group is None else
+                                         f"barrier of ranks {','.join(map(str, members))}")
         elif group is None and dist.get_backend() == "gloo":
             # Names the ranks that did not arrive instead of just timing out.
             self._guard(
@@ -591,33 +600,47 @@ class Comm:
         else:
             self._guard("barrier", dist.barrier, group=group)
 
-    def barrier_while_alive(self, members: Sequence[int], what: str, group: Any = None) -> None:
+    def barrier_while_alive(self, members: Sequence[int], what: str) -> None:
         """Wait until every rank of ``members`` (this one among them) has come here, for as
         long as each one that has not lives: a slow peer is waited for, however long it takes;
         one that dies or stalls fails it (:class:`PeerDied`, :class:`PeerStalled`), naming it.
         Over the job's store, so that no collective is left half done. ``what`` names the
         meeting in errors; every member's n-th call with the same ``what`` meets the others'
-        n-th. Without liveness (no heartbeat): the comm timeout bounds it. It ends with a
-        barrier of ``group`` (the members' group), which every member leaves together: the
-        first to see the others must not leave while another still reads the store, which the
-        first may host (rank 0 of a job started without an agent)."""
+        n-th. Without liveness (no heartbeat): the comm timeout bounds each of its two waits.
+
+        The lowest member leaves last, once every other has said that it reads this meeting's
+        keys no more: it may host the store (rank 0 of a job started without an agent). No
+        collective ends it: one bounded by the comm timeout would take a member that the
+        kernel did not run for that long, after it had seen the others, for a dead one."""
         n = self._meetings[what] = self._meetings.get(what, 0) + 1
         key = f"distsync/meet/{what}/{n}"
+        others = [r for r in members if r != self.rank]
         self.store.set(f"{key}/{self.rank}", "1")
-        waiting = [r for r in members if r != self.rank]
+        self._wait_in_store(others, lambda r: f"{key}/{r}", what, "come")
+        if self.rank != min(members):
+            self.store.set(f"{key}/left/{self.rank}", "1")
+            return
+        self._wait_in_store(others, lambda r: f"{key}/left/{r}", what, "gone on")
+
+    def _wait_in_store(self, ranks: Sequence[int], key: Callable[[int], str], what: str, done: str) -> None:
+        """Wait until ``key(r)`` is in the job's store for every rank of ``ranks``, as long as
+        the ones it is not there for live (without liveness: at most the comm timeout). Looks
+        again after 5 ms, then twice as long each time up to 100 ms: a meeting whose members
+        are all there ends at once, a long one costs the store little."""
+        waiting, pause = list(ranks), _POLL_S / 4
         deadline = time.monotonic() + self.timeout_s
-        while waiting:
-            waiting = [r for r in waiting if not self.store.check(f"{key}/{r}")]
+        while True:
+            waiting = [r for r in waiting if not self.store.check(key(r))]
             if not waiting:
-                break
+                return
             if self.liveness is not None:
                 for r in waiting:
                     self.liveness.check(r, what)
             elif time.monotonic() > deadline:
-                raise CommTimeout(f"rank {self.rank}: {what}: rank(s) {', '.join(map(str, waiting))} did not come "
-                                  f"within {self.timeout_s:g} s")
-            time.sleep(_POLL_S * 5)
-        self.barrier(group)  # (everyone is here: it passes at once)
+                raise CommTimeout(f"rank {self.rank}: {what}: rank(s) {', '.join(map(str, waiting))} had not "
+                                  f"{done} within {self.timeout_s:g} s")
+            time.sleep(pause)
+            pause = min(2 * pause, _POLL_S * 5)
 
     def new_group(self, ranks: Sequence[int], members_only: bool = False, host_only: bool = False) -> Any:
         """A new group over ``ranks``. With ``members_only`` only its members call this;

@@ -215,7 +215,7 @@ class TorchftDiLoCo(Solver):
         self.run.__exit__(None, None, None)
         # (every worker past its last sync before the lighthouse goes; a slow one is waited for
         # while it lives: the comm timeout is how long a peer may stand still, not how late it may be)
-        self.comm.barrier_while_alive(self.comm.worker_ranks, f"{self.name} close", self.comm.worker_group)
+        self.comm.barrier_while_alive(self.comm.worker_ranks, f"{self.name} close")
         self.manager.shutdown(wait=False)
         if self.lighthouse is not None:
             self.lighthouse.shutdown()
@@ -340,7 +340,7 @@ class HivemindAveraging(Solver):
         if getattr(self, "averager", None) is None:
             return
         # (every worker past its last round before the DHTs go; a slow one is waited for while it lives)
-        self.comm.barrier_while_alive(self.comm.worker_ranks, f"{self.name} close", self.comm.worker_group)
+        self.comm.barrier_while_alive(self.comm.worker_ranks, f"{self.name} close")
         self.averager.shutdown()
         self.dht.shutdown()
         for process in (self.averager, self.dht):  # (their daemons end with the job, not seconds after it)
