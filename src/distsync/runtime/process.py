@@ -614,6 +614,7 @@ def _finish(run: ResolvedRun, run_dir: Path, comm: Comm, solver, workload: Workl
     if comm.role == "worker" and not supervised():
         wait_for_workers(comm)  # a slow worker still training is no stalled one
     if not supervised():
+        comm.barrier()  # (every rank here, however late, while it lives: the gather is bounded by --timeout)
         gathered = comm.gather_object(mine)
     else:  # some workers may be gone: results travel through the store, dead ranks' from disk
         gathered = gather_through_store(comm, mine, run_dir, recovery.attempt)
