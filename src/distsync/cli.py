@@ -335,8 +335,6 @@ def _run_with_progress(run, every_s: float = 5.0) -> Any:
             total = cfg.steps if cfg.budget is None else None  # a budget: it ends when it is spent
             tasks[name] = bar.add_task(name, total=total, status="starting", where="")
             began[name], last[name] = time.monotonic(), time.monotonic()
-            if plain and every_s > 0:
-                console.print(f"{name}: starting", highlight=False, soft_wrap=True)
 
         def on_progress(name: str, data: dict[str, Any]) -> None:
             now = time.monotonic()

@@ -27,7 +27,7 @@ from distsync.runtime import forkserver
 from distsync.runtime.bind import bind_listeners
 from distsync.runtime.checkpoint import CheckpointStore, Choice, fingerprint
 from distsync.runtime.checkpoint import clear as clear_folder
-from distsync.runtime.network import EmulatedNetwork
+from distsync.runtime.network import EmulatedNetwork, can_admin_network
 from distsync.runtime.process import CHECKPOINTS, dropped_ranks, write_partial_results
 from distsync.runtime.resolve import WORKLOAD_DEFAULTS, Launch, ResolvedRun, read_resolved, resolve
 from distsync.runtime.run_folder import holding
@@ -470,6 +470,9 @@ def launch(cfg: RunConfig | ResolvedRun, run_dir: Path, on_progress: ProgressFn 
     check_room(run.world_size)
     with holding(run_dir):  # (refused while another job runs in run_dir; nothing there is cleared before)
         if network is None and run.config.link is not None:
+            why = can_admin_network()  # (refused before a word of progress is said)
+            if why:
+                raise ConfigError(why)
             if on_progress:
                 on_progress({"phase": f"building the emulated network of {run.world_size} processes"})
             with EmulatedNetwork(run.world_size, run.config.link) as net:
