@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import pickle
@@ -467,11 +468,20 @@ def train_signalled(out: Path, rank: int, at: int, sig: int, *args: str, watch: 
     return proc, sender
 
 
+def training(run: Path) -> bool:
+    """Whether the job in ``run`` has finished a step (its progress.json says a step, not a
+    start-up phase)."""
+    try:
+        return "step" in json.loads((run / "progress.json").read_text())
+    except (OSError, ValueError):
+        return False
+
+
 def wait_until_training(proc: subprocess.Popen, run: Path, within_s: float, poll_s: float = 0.1) -> None:
     """Until the job ``proc`` launched into ``run`` trains (its progress.json is there: the
     process groups are up); fails the test if it ended or did not within ``within_s``."""
     deadline = time.monotonic() + within_s
-    while not (run / "progress.json").exists():
+    while not training(run):
         assert time.monotonic() < deadline, "the job never started training"
         assert proc.poll() is None, proc.stderr.read()
         time.sleep(poll_s)

@@ -12,7 +12,7 @@ import torch
 
 from distsync.config import Link, parse_link
 from distsync.errors import ConfigError
-from helpers import DISTSYNC, REPO, kill_tree, run_cli, run_ranks, children_of, env_of
+from helpers import DISTSYNC, REPO, kill_tree, run_cli, run_ranks, children_of, env_of, training
 
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0 or subprocess.run(["which", "ip", "tc"], capture_output=True).returncode != 0,
@@ -128,7 +128,7 @@ def _start_and_wait_for_training(tmp_path, *extra):
                                         "--out", str(run), *extra],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 40
-    while not (run / "progress.json").exists():
+    while not training(run):
         if time.monotonic() > deadline or proc.poll() is not None:
             kill_tree(proc.pid)
             pytest.fail(f"training never started: {proc.stderr.read() if proc.poll() is not None else 'timeout'}")
@@ -146,7 +146,7 @@ def test_teardown_after_a_killed_worker(tmp_path):
         _, err = proc.communicate(timeout=30)
     finally:
         kill_tree(proc.pid)
-    assert proc.returncode == 2 and "worker rank 1 died (killed by SIGKILL)" in err, err
+    assert proc.returncode == 1 and "worker rank 1 died (killed by SIGKILL)" in err, err
     assert our_leftovers(proc.pid) == []
 
 

@@ -153,7 +153,7 @@ def test_a_failed_job_says_one_line_without_torch_s_warnings(tmp_path, fault):
 
     proc = run_cli("train", "--workers", "3", "--steps", "20", "--out", str(tmp_path), "--progress-every", "0", *fault,
                    fresh_process=True)
-    assert proc.returncode == 2
+    assert proc.returncode == 1  # (a run that failed)
     assert "Terminating process" not in proc.stderr and "SIGTERM" not in proc.stderr, proc.stderr
     assert_one_line(proc.stderr)
     assert proc.stderr.startswith("distsync: error: allreduce: worker rank ")

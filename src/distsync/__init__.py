@@ -20,7 +20,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from distsync.config import RunConfig
-from distsync.errors import CommError, ConfigError, DistsyncError, WorkerFailed
+from distsync.errors import CommError, ConfigError, DistsyncError, WorkerFailed, exit_code
 from distsync.solvers import Solver, make_solver, register_solver, solver_names
 from distsync.workloads import Workload
 
@@ -99,7 +99,8 @@ def _refusals_in_one_line() -> None:
     """A :class:`DistsyncError` that ends a user's script (a refusal, a failed collective)
     is printed as one line, ``distsync: error: ...``, by the first rank of the job to end so
     (the others' errors follow from it: they end without a word), and the process exits
-    with status 2, instead of a traceback on every rank. Other exceptions are left to the
+    with status 2 for a refusal (a ConfigError), 1 for a failure, instead of a traceback on
+    every rank. Other exceptions are left to the
     hook that was there. Installed by :func:`init_comm`, outermost."""
     import os
     import sys
@@ -122,7 +123,7 @@ def _refusals_in_one_line() -> None:
             text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(value))
             print(f"distsync: error: {text}", file=sys.stderr, flush=True)
         sys.stdout.flush()
-        os._exit(2)
+        os._exit(exit_code(value))
 
     hook.distsync_refusals = True
     sys.excepthook = hook

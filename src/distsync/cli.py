@@ -17,7 +17,7 @@ from rich.measure import Measurement
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from distsync.errors import DistsyncError
+from distsync.errors import DistsyncError, Interrupted, exit_code
 
 console = Console(stderr=True)
 
@@ -337,12 +337,18 @@ def _run_with_progress(run, every_s: float = 5.0) -> Any:
             began[name], last[name] = time.monotonic(), time.monotonic()
 
         def on_progress(name: str, data: dict[str, Any]) -> None:
+            now = time.monotonic()
+            if "phase" in data:  # start-up, before the first step: each phase said as it begins
+                bar.update(tasks[name], status=data["phase"])
+                if plain and every_s > 0:
+                    console.print(f"{name}: {data['phase']} ({now - began.get(name, now):.0f} s)", highlight=False,
+                                  soft_wrap=True)
+                return
             status = f"loss {data['loss']:.4f}"
             if data.get("metric") is not None:
                 status += f"  metric {data['metric']:.4f}"
             where = f"step {data['step']:>5}" + (f"/{data['steps']}" if data.get("steps") else "")
             bar.update(tasks[name], completed=data["step"], status=status, where=where)
-            now = time.monotonic()
             if plain and every_s > 0 and now - last.get(name, 0.0) >= every_s:
                 last[name] = now
                 steps = f"/{data['steps']}" if data.get("steps") else ""
@@ -767,8 +773,9 @@ def _quiet_native_logs() -> None:
 
 
 def _terminate(signum, frame) -> NoReturn:
-    # SIGTERM unwinds like Ctrl-C, so emulated networks and worker processes are cleaned up.
-    raise KeyboardInterrupt
+    # SIGTERM unwinds like Ctrl-C, so emulated networks and worker processes are cleaned up;
+    # the exit status says which signal it was (143).
+    raise Interrupted(signum=signum)
 
 
 #: the commands that start jobs of processes
@@ -793,7 +800,7 @@ def main(argv: list[str] | None = None) -> int:
     except DistsyncError as e:
         console.print(f"distsync: error: {_one_line(str(e))}", markup=False, highlight=False, emoji=False,
                       soft_wrap=True)
-        return 2
+        return exit_code(e)  # (2: a refused input; 1: a run that failed)
     except KeyboardInterrupt as e:
         partial = getattr(e, "partial", None)
         if partial is not None:  # (runtime.launch wrote the steps the workers finished)
@@ -805,7 +812,9 @@ def main(argv: list[str] | None = None) -> int:
                           f"{e.run_dir} (summary.json marked partial, events.jsonl, steps.csv)",
                           markup=False, highlight=False, soft_wrap=True)
         else:
-            console.print("distsync: interrupted", markup=False, highlight=False)
+            signum = getattr(e, "signum", signal.SIGINT)
+            said = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+            console.print(f"distsync: {said}", markup=False, highlight=False)
         if args.command == "train" and getattr(e, "run_dir", None) is not None:
             from distsync.runtime.launch import resume_hint
 
@@ -815,7 +824,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(e, "report", None) is not None:
             console.print(f"distsync: the runs that finished are compared in {e.report}", markup=False,
                           highlight=False, soft_wrap=True)
-        return 130
+        return exit_code(e)  # (128 + the signal)
     finally:
         from distsync.runtime.run_folder import release_all
 

@@ -1,4 +1,9 @@
-"""Errors a user can act on. The command line prints them as one line and exits 2."""
+"""Errors a user can act on. The command line prints them as one line and exits with
+:func:`exit_code`'s status: 2 for a refused input (:class:`ConfigError`), 1 for a run that
+failed (every other :class:`DistsyncError`), 128 + the signal's number for a job stopped by
+a signal (:class:`Interrupted`: 130 for Ctrl-C, 143 for SIGTERM)."""
+
+import signal
 
 
 class DistsyncError(Exception):
@@ -62,7 +67,21 @@ class Interrupted(KeyboardInterrupt):
     """A job stopped by Ctrl-C or SIGTERM; ``partial`` is the summary of the steps its workers
     finished (``RUN/summary.json``, marked partial), or None when none finished."""
 
-    def __init__(self, partial: dict | None = None, run_dir: object = None):
+    def __init__(self, partial: dict | None = None, run_dir: object = None, signum: int = signal.SIGINT):
         super().__init__()
         self.partial, self.run_dir = partial, run_dir
+        self.signum = int(signum)  # (the signal that stopped it: the exit status is 128 + it)
         self.report = None  # a stopped comparison: its report.md over the runs that finished
+
+
+#: the exit status of a command that ended normally, of a refused input, of a run that failed
+EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2
+
+
+def exit_code(error: BaseException) -> int:
+    """The exit status for ``error``: 2 for a refused input (:class:`ConfigError`), 1 for any
+    other failure, 128 + the signal for a stop by a signal (a KeyboardInterrupt that does not
+    say which: SIGINT's 130)."""
+    if isinstance(error, KeyboardInterrupt):
+        return 128 + int(getattr(error, "signum", signal.SIGINT))
+    return EXIT_REFUSED if isinstance(error, ConfigError) else EXIT_FAILED

@@ -27,7 +27,7 @@ from distsync.runtime import forkserver
 from distsync.runtime.bind import bind_listeners
 from distsync.runtime.checkpoint import CheckpointStore, Choice, fingerprint
 from distsync.runtime.checkpoint import clear as clear_folder
-from distsync.runtime.network import EmulatedNetwork
+from distsync.runtime.network import EmulatedNetwork, can_admin_network
 from distsync.runtime.process import CHECKPOINTS, dropped_ranks, write_partial_results
 from distsync.runtime.resolve import WORKLOAD_DEFAULTS, Launch, ResolvedRun, read_resolved, resolve
 from distsync.runtime.run_folder import holding
@@ -107,6 +107,30 @@ def restart_note(cfg: RunConfig) -> str | None:
     return "restarting from step 0: no checkpoint to resume from (--checkpoint-every)"
 
 
+def unused_restarts_note(run: ResolvedRun, supervised: bool) -> str | None:
+    """What ``--max-restarts`` does not do in this job, in one line, where the flag would
+    otherwise go unused without a word (None where it is used as a user would expect).
+
+    Under ``--on-failure continue`` a job whose solver goes on without a dead worker uses it
+    only to start replacements: of a dead worker where the solver heals one (one training
+    thread per worker), of a dead server or coordinator where it replaces that role."""
+    cfg = run.config
+    if not supervised or not cfg.max_restarts:
+        return None
+    heals = Capability.HEALS_FROM_PEER in run.solver_cls.capabilities and run.threads == 1
+    replaced = sorted({role for role in run.role_of if role in run.solver_cls.replaces_roles})
+    if heals:
+        return None
+    why = (f"{cfg.solver} replaces a worker that trains one thread, not {run.threads}" if (
+        run.threads > 1 and Capability.HEALS_FROM_PEER in run.solver_cls.capabilities) else
+        f"{cfg.solver} does not replace a worker")
+    worker = f"a dead worker is dropped, not replaced ({why})"
+    if replaced:
+        return f"--max-restarts {cfg.max_restarts} replaces a dead {' or '.join(replaced)} only: {worker}"
+    return (f"--max-restarts {cfg.max_restarts} has no effect under --on-failure continue: {worker}, and the "
+            f"others go on; --on-failure restart restarts the whole job instead")
+
+
 def _say_restarts() -> None:
     """Have torch's agent say, in one line on stderr, what a restart of the job does
     (:data:`_restarts`), as it restarts it (a torch whose agent cannot: said at start only)."""
@@ -126,10 +150,23 @@ _CONSEQUENCES = frozenset(e.__name__ for e in (PeerDied, PeerStalled, PeerLost, 
 _TYPED = _CONSEQUENCES | {"DistsyncError"}
 
 
-def _failure_message(failures: dict[int, Any], role_of: list[str]) -> str:
-    """One line naming the rank that failed first, skipping ranks the agent stopped after it."""
+def _refusals() -> frozenset[str]:
+    """The names of the errors that refuse the user's input (ConfigError and its subclasses),
+    as torch's record of a failed process gives them."""
+    names, todo = set(), [ConfigError]
+    while todo:
+        cls = todo.pop()
+        names.add(cls.__name__)
+        todo += cls.__subclasses__()
+    return frozenset(names)
 
-    def describe(rank: int, f: Any) -> tuple[int, str]:
+
+def _failure_message(failures: dict[int, Any], role_of: list[str]) -> tuple[str, bool]:
+    """One line naming the rank that failed first, skipping ranks the agent stopped after it,
+    and whether that rank refused the user's input (its error a ConfigError)."""
+    refusals = _refusals()
+
+    def describe(rank: int, f: Any) -> tuple[int, str, bool]:
         role = role_of[rank] if rank < len(role_of) else "process"
         msg = f.message
         if isinstance(msg, dict):
@@ -147,16 +184,16 @@ def _failure_message(failures: dict[int, Any], role_of: list[str]) -> str:
                 text = f"{role} {text}"
             # A peer lost, dead or stalled, or a wait that ran out, is a consequence of another
             # rank's failure (told by the error's type: comm/failures.py)
-            return (2 if head in _CONSEQUENCES else 1), text
+            return (2 if head in _CONSEQUENCES else 1), text, head in refusals
         if sig == "SIGTERM":
-            return 3, f"{role} rank {rank} was stopped (SIGTERM)"
+            return 3, f"{role} rank {rank} was stopped (SIGTERM)", False
         if sig:
-            return 0, f"{role} rank {rank} died (killed by {sig})"
-        return 0, f"{role} rank {rank} died (exit code {f.exitcode})"
+            return 0, f"{role} rank {rank} died (killed by {sig})", False
+        return 0, f"{role} rank {rank} died (exit code {f.exitcode})", False
 
     failures = {**_reported_failures(failures), **failures}
-    ranked = sorted((describe(r, f) + (r,) for r, f in failures.items()), key=lambda x: (x[0], x[2]))
-    return ranked[0][1]
+    ranked = sorted((describe(r, f) + (r,) for r, f in failures.items()), key=lambda x: (x[0], x[3]))
+    return ranked[0][1], ranked[0][2]
 
 
 @dataclasses.dataclass
@@ -204,6 +241,12 @@ class _ProgressPoller(threading.Thread):
 
 
 RESULT_FILES = {"train": "summary.json", "linktest": "linktest.json"}
+
+
+def _role_counts(role_of: list[str]) -> list[str]:
+    """``["4 workers", "1 server"]``: the job's processes by role, in the order roles first come."""
+    counts = {role: role_of.count(role) for role in dict.fromkeys(role_of)}
+    return [f"{n} {role}{'s' if n > 1 else ''}" for role, n in counts.items()]
 
 
 def _partial_summary(run: ResolvedRun, run_dir: Path, reason: str) -> dict[str, Any] | None:
@@ -427,6 +470,11 @@ def launch(cfg: RunConfig | ResolvedRun, run_dir: Path, on_progress: ProgressFn 
     check_room(run.world_size)
     with holding(run_dir):  # (refused while another job runs in run_dir; nothing there is cleared before)
         if network is None and run.config.link is not None:
+            why = can_admin_network()  # (refused before a word of progress is said)
+            if why:
+                raise ConfigError(why)
+            if on_progress:
+                on_progress({"phase": f"building the emulated network of {run.world_size} processes"})
             with EmulatedNetwork(run.world_size, run.config.link) as net:
                 return launch(run, run_dir, on_progress, net)
         if network is not None:
@@ -463,8 +511,13 @@ def _start(run: ResolvedRun, run_dir: Path, on_progress: ProgressFn | None,
     lc.start_method = forkserver.start_method() if forked else "spawn"
     poller = _ProgressPoller(run_dir / "progress.json", on_progress) if on_progress else None
     if poller:
+        # (the workers say their own start-up phases through progress.json: process.py)
+        on_progress({"phase": f"starting {len(role_of)} processes ({', '.join(_role_counts(role_of))})"})
         poller.start()
     entry, args = _entry(_worker_argv(run, run_dir, net, supervised), forked, supervised)
+    unused = unused_restarts_note(run, supervised)
+    if unused:
+        print(f"distsync: {unused}", file=sys.stderr, flush=True)
     _restarts.note = restart_note(cfg)
     if _restarts.note:  # (said at start, and again as it restarts: torch's agent would restart it silently)
         print(f"distsync: --max-restarts {cfg.max_restarts} without --checkpoint-every: a restarted job starts "
@@ -560,14 +613,19 @@ def _run_agent(run: ResolvedRun, run_dir: Path, lc, entry: Any, args: tuple) -> 
     try:
         elastic_launch(lc, entry)(*args)
     except ChildFailedError as e:
-        why = _failure_message(e.failures, list(run.role_of))
-        raise WorkerFailed(f"{cfg.solver}: {why} (logs: {run_dir / 'logs'}{_partial(run, run_dir, why)})") from None
+        why, refused = _failure_message(e.failures, list(run.role_of))
+        # A process that refused the user's input (its workload's data, an option only a
+        # worker can check) refuses the job: exit status 2, as a refusal at launch would.
+        raise (ConfigError if refused else WorkerFailed)(
+            f"{cfg.solver}: {why} (logs: {run_dir / 'logs'}{_partial(run, run_dir, why)})") from None
     except SignalException as e:
         if e.sigval == signal.SIGINT:
             raise Interrupted(_partial_summary(run, run_dir, "interrupted (Ctrl-C)"), run_dir) from None
-        raise Interrupted(_partial_summary(run, run_dir, f"stopped by {e.sigval.name}"), run_dir) from None
-    except KeyboardInterrupt:  # (raised here, e.g. by the CLI's SIGTERM handler, before the agent's)
-        raise Interrupted(_partial_summary(run, run_dir, "interrupted"), run_dir) from None
+        raise Interrupted(_partial_summary(run, run_dir, f"stopped by {e.sigval.name}"), run_dir, e.sigval) from None
+    except KeyboardInterrupt as e:  # (raised here, e.g. by the CLI's SIGTERM handler, before the agent's)
+        signum = getattr(e, "signum", signal.SIGINT)
+        said = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+        raise Interrupted(_partial_summary(run, run_dir, said), run_dir, signum) from None
     except DistsyncError:
         raise
     except Exception as e:  # rendezvous or agent failures

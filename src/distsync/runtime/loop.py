@@ -19,7 +19,7 @@ import torch
 
 from distsync.comm.devices import synchronize
 from distsync.config import RunConfig
-from distsync.errors import DistsyncError, PeerLost
+from distsync.errors import ConfigError, DistsyncError, PeerLost
 from distsync.runtime.plugins import (Checkpointer, ComputeGate, DeviceStretch, EmbeddingTablesClient, Evaluator,
                                       FaultInjection, HogwildRunner, Plugins, Progress, RunState, SingleThread,
                                       StepState, TrainClock)
@@ -113,7 +113,7 @@ def start_run(cfg: RunConfig, workload: Workload, solver, comm, device: torch.de
                                       batch_size, cfg.seed, keep=2 * cfg.accumulate)
                         for t in range(run.threads)]
     except ValueError as e:
-        raise DistsyncError(f"workload {workload.name}: {e}") from None
+        raise ConfigError(f"workload {workload.name}: {e}") from None
     if run.samplers[0].ends:  # an iterator: training stops where it runs out
         plugins.add(DataEnd(run.samplers, cfg.accumulate))
     torch.manual_seed(cfg.seed * 1000 + 17 + comm.rank)  # per-worker randomness (dropout, ...)

@@ -20,6 +20,7 @@ from distsync.metrics.outputs import write_csv
 from distsync.runtime.checkpoint import STATEFUL_ROLES, CheckpointStore, fingerprint
 from distsync.runtime.linkmeasure import run_linktest
 from distsync.runtime.loop import Progress, train_worker
+from distsync.runtime.plugins.progress import write_phase
 from distsync.comm.comm import FailurePolicy
 from distsync import marks
 from distsync.membership import Liveness, Membership, watching
@@ -533,12 +534,17 @@ def run_process(run: ResolvedRun, run_dir: Path) -> None:
         list(run.role_of), cfg.timeout_s, placement.device, latency, placement,
         policy=failure_policy(run, run_dir, rank))
     name_process(comm.role, comm.rank)
+    say = comm.rank == 0 and not replacement and cfg.task == "train"  # (rank 0 tells the launcher)
+    if say:
+        write_phase(run_dir / "progress.json", f"every process connected; loading the workload {cfg.workload}")
     try:
         if cfg.task == "linktest":
             run_linktest(cfg, comm, run_dir, run.launch.latency_mode)
             comm.barrier()
             return
         workload = load_workload(cfg.workload, cfg.workload_options)
+        if say:
+            write_phase(run_dir / "progress.json", "workload loaded; building the model and the first step")
         try:
             recovery = _recovery(run, run_dir, comm, replacement, solver)
         except TooLate as e:

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from distsync.errors import DistsyncError
+from distsync.errors import ConfigError, DistsyncError
 from distsync.workloads.base import ShardSampler
 
 _END = object()
@@ -162,7 +162,7 @@ class StreamBatches:
             except DistsyncError:
                 raise
             except Exception as e:
-                raise DistsyncError(f"workload {self.name}: train_data({self.shard}, {self.shards}) raised "
+                raise ConfigError(f"workload {self.name}: train_data({self.shard}, {self.shards}) raised "
                                     f"{type(e).__name__}: {e}") from None
         return iter(()) if first is _END else itertools.chain([first], it)
 
@@ -198,7 +198,7 @@ class StreamBatches:
             if self._in_pass == 0:
                 if self._epoch == 0:
                     few = "" if self._open == self._call else f" (fewer than the {self.shards} batches of a round?)"
-                    raise DistsyncError(f"workload {self.name}: its training data gave shard {self.shard} of "
+                    raise ConfigError(f"workload {self.name}: its training data gave shard {self.shard} of "
                                         f"{self.shards} no batch{few}")
                 self._ended = True  # (an iterable that comes back empty cannot start another pass)
 
@@ -206,7 +206,7 @@ class StreamBatches:
         try:
             x, y = item
         except (TypeError, ValueError):
-            raise DistsyncError(f"workload {self.name}: a training batch must be (inputs, targets), got "
+            raise ConfigError(f"workload {self.name}: a training batch must be (inputs, targets), got "
                                 f"{type(item).__name__}") from None
         return (tuple(x) if isinstance(x, list) else x), y
 
@@ -258,7 +258,7 @@ class StreamBatches:
 
     def batch(self, m: int) -> tuple[Any, Any]:
         if not self.available(m):
-            raise DistsyncError(f"workload {self.name}: its training data ran out before batch {m} of shard "
+            raise ConfigError(f"workload {self.name}: its training data ran out before batch {m} of shard "
                                 f"{self.shard} (an iterator cannot start another pass)")
         return self._cache[m]
 

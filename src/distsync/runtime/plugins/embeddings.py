@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from distsync.errors import DistsyncError
+from distsync.errors import ConfigError
 from distsync.runtime.plugins.base import Plugin, RunState, StepState
 from distsync.runtime.roles import EMBEDDING_SERVER
 from distsync.sparse import EmbeddingClient, RemoteTables, find_tables
@@ -20,7 +20,7 @@ def use_embedding_servers(model: torch.nn.Module, comm: Any, servers: int, workl
     """Swap the model's EmbeddingTables for lookups on the job's embedding servers."""
     found = find_tables(model)
     if found is None:
-        raise DistsyncError(f"--embedding-servers {servers}: the {workload_name} model has no "
+        raise ConfigError(f"--embedding-servers {servers}: the {workload_name} model has no "
                             f"EmbeddingTables to serve (use --embedding-servers 0)")
     name, tables = found
     client = EmbeddingClient(comm, comm.ranks_with_role(EMBEDDING_SERVER), tables.rows, tables.dim)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Iterator
 
-from distsync.errors import DistsyncError
+from distsync.errors import ConfigError
 from distsync.runtime.plugins.base import Plugin, RunState, StepState
 from distsync.runtime.token import TokenClient
 from distsync.solvers.base import Capability
@@ -25,7 +25,7 @@ class ComputeGate(Plugin):
 
     def __init__(self, connect: Callable[[], Any], threads: int, solver_name: str):
         if threads > 1:
-            raise DistsyncError(f"crossover scheduling runs one training thread per worker; {solver_name} asks for "
+            raise ConfigError(f"crossover scheduling runs one training thread per worker; {solver_name} asks for "
                                 f"{threads}")
         self._connect = connect
         self.client: Any = None

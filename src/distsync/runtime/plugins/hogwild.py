@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from distsync.comm.devices import own_stream, queued_mark, run_after, synchronize
-from distsync.errors import DistsyncError
+from distsync.errors import ConfigError
 from distsync.runtime.plugins.base import RunState, StepState, SyncPoint
 from distsync.solvers.flat import storage_aliases
 
@@ -70,7 +70,7 @@ class HogwildRunner(SingleThread):
 
     def __init__(self, threads: int, steps: int):
         if steps % threads:
-            raise DistsyncError(f"--steps {steps} must be a multiple of the solver's {threads} threads")
+            raise ConfigError(f"--steps {steps} must be a multiple of the solver's {threads} threads")
         self.threads = threads
         self._replicas: list[torch.nn.Module | None] = [None] * threads
         self._params: list[list[torch.Tensor]] = [[] for _ in range(threads)]  # each replica's trainable ones

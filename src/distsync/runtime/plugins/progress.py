@@ -27,9 +27,22 @@ class Progress(Plugin):
         tmp.write_text(json.dumps({"step": step, "steps": self.steps, "loss": loss, "metric": metric}))
         os.replace(tmp, self.path)
 
+    def phase(self, text: str) -> None:
+        """Where rank 0's start-up is (before its first step), for the launching process to say."""
+        if self.path is not None:
+            write_phase(self.path, text)
+
     def on_step_end(self, run: RunState, s: StepState) -> None:
         if s.thread == 0:
             self.update(s.done, s.loss, s.metric)
 
     def on_close(self, run: RunState) -> None:
         self.update(run.steps, run.last_loss, run.last_metric, force=True)
+
+
+def write_phase(path: Path, text: str) -> None:
+    """``{"phase": text}`` in ``path`` (``RUN/progress.json``): a start-up phase, which the
+    launching process's poller hands to its progress callback as it would a step."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"phase": text}))
+    os.replace(tmp, path)
