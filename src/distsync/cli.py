@@ -439,7 +439,10 @@ def _print_recovery(summary: dict[str, Any], every: int | None = None) -> None:
         else:
             how = "; the other workers trained on"
         if f and f.get("replaced"):
-            how += (f"; a replacement joined at step {f['joined_at_step']}, {f['healed_s']:.1f} s after the death, "
+            done = (f" (after step {f['joined_at_step'] - 1}, which the servers had applied before the dead one's "
+                    f"journal had it)" if f.get("unrecorded_steps") else "")
+            how += (f"; a replacement joined at step {f['joined_at_step']}{done}, "
+                    f"{f['healed_s']:.1f} s after the death, "
                     + (f"with rank {f['healed_from']}'s state" if f["healed_from"] >= 0 else "served on by the servers"))
         elif d.get("replacement") and not taken_over:  # (its mark went back: the replacement came too late)
             how += "; its replacement came after the others had finished training"

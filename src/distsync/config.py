@@ -419,6 +419,10 @@ def parse_key_values(items: list[str] | None, what: str = "--solver-option") -> 
 
 FAULT_KINDS = ("kill", "stall", "nan")
 FAULT_ROLES = ("server", "coordinator", "embedding-server")
+#: where in a worker's step a fault fires: at its start (``kill:RANK@STEP``), or, for
+#: ``kill-after-push:RANK@STEP``, once the step is done (its push or exchange reached the
+#: servers) and before the worker's journal records it
+FAULT_POINTS = ("start", "after-push")
 
 
 @dataclass(frozen=True)
@@ -431,34 +435,41 @@ class Fault:
     step: int
     seconds: float = 0.0
     spec: str = ""
+    #: where in the step it fires (one of :data:`FAULT_POINTS`)
+    point: str = "start"
 
     def __str__(self) -> str:
-        return self.spec or f"{self.kind}:{self.target}@{self.step}" + (f":{self.seconds:g}" if self.kind == "stall" else "")
+        kind = self.kind if self.point == "start" else f"{self.kind}-{self.point}"
+        return self.spec or f"{kind}:{self.target}@{self.step}" + (f":{self.seconds:g}" if self.kind == "stall" else "")
 
 
 def parse_fault(spec: str) -> Fault:
     """``kill:RANK@STEP``, ``kill:server@STEP`` (also coordinator, embedding-server),
-    ``stall:RANK@STEP:SECONDS``, ``nan:RANK@STEP`` (the loss of that step becomes NaN)."""
+    ``stall:RANK@STEP:SECONDS``, ``nan:RANK@STEP`` (the loss of that step becomes NaN),
+    ``kill-after-push:RANK@STEP`` (once that step's push or exchange reached the servers,
+    before the worker's journal records the step)."""
     if not isinstance(spec, str):
         raise ConfigError(f"bad --fault {spec!r}: expected a string such as kill:1@40")
     # ASCII: str.isdigit takes digits such as "²" that int() refuses; at most 18 digits, as
     # int() refuses thousands.
-    m = re.fullmatch(r"\s*(\w+):([\w-]+)@([0-9]{1,18})(?::([0-9]*\.?[0-9]+))?\s*", spec, re.ASCII)
-    if not m or m.group(1) not in FAULT_KINDS:
+    m = re.fullmatch(r"\s*(\w+)(?:-([\w-]+))?:([\w-]+)@([0-9]{1,18})(?::([0-9]*\.?[0-9]+))?\s*", spec, re.ASCII)
+    if not m or m.group(1) not in FAULT_KINDS or (m.group(2) is not None and (
+            m.group(1), m.group(2)) != ("kill", "after-push")):
         raise ConfigError(f"bad --fault {spec!r}: expected kill:RANK@STEP, kill:server@STEP, "
-                          f"stall:RANK@STEP:SECONDS or nan:RANK@STEP")
-    kind, who, step, seconds = m.group(1), m.group(2), int(m.group(3)), m.group(4)
+                          f"stall:RANK@STEP:SECONDS, nan:RANK@STEP or kill-after-push:RANK@STEP")
+    kind, point, who, step, seconds = m.group(1), m.group(2) or "start", m.group(3), int(m.group(4)), m.group(5)
     target: int | str = int(who) if who.isdigit() and len(who) <= 18 else who
     if isinstance(target, str) and target not in FAULT_ROLES:
         raise ConfigError(f"bad --fault {spec!r}: {who!r} is neither a worker rank nor one of {', '.join(FAULT_ROLES)}")
     if (kind == "stall") != (seconds is not None):
         raise ConfigError(f"bad --fault {spec!r}: " + ("a stall needs :SECONDS, e.g. stall:0@20:3" if kind == "stall"
                                                       else f"{kind} takes no :SECONDS"))
-    if kind in ("stall", "nan") and not isinstance(target, int):
-        raise ConfigError(f"bad --fault {spec!r}: {kind} applies to a worker rank")
+    if (kind in ("stall", "nan") or point != "start") and not isinstance(target, int):
+        raise ConfigError(f"bad --fault {spec!r}: {kind if point == 'start' else kind + '-' + point} applies to a "
+                          f"worker rank")
     if seconds is not None and not math.isfinite(float(seconds)):
         raise ConfigError(f"bad --fault {spec!r}: SECONDS must be a finite number, e.g. stall:0@20:3")
-    return Fault(kind, target, step, float(seconds or 0.0), spec.strip())
+    return Fault(kind, target, step, float(seconds or 0.0), spec.strip(), point)
 
 
 @dataclass(frozen=True)

@@ -218,7 +218,7 @@ def _add_reliability_options(p: argparse.ArgumentParser) -> None:
                    help="once fewer workers go on: keep the learning rate (default) or scale it by live/all workers")
     g.add_argument("--fault", action="append", metavar="SPEC", dest="faults",
                    help="inject a fault, repeatable: kill:RANK@STEP, kill:server@STEP, stall:RANK@STEP:SECONDS, "
-                        "nan:RANK@STEP")
+                        "nan:RANK@STEP, kill-after-push:RANK@STEP (once that step's push reached the servers)")
 
 
 def config_from_args(args: argparse.Namespace, solver: str, solver_options: dict) -> RunConfig:

@@ -33,6 +33,11 @@ class HealsByChannels(Protocol):
         """End the conversation a replacement began with ``peer`` when another peer let it in
         no more (the job is over)."""
 
+    def first_step(self, comm: Any, step: int) -> int:
+        """In a replacement, its channels open, before it attaches: the step it starts at, given
+        ``step``, the one after the dead worker's last step its journal records (a peer may have
+        applied a later one: the dead worker died between its request and its journal line)."""
+
     def join_peers(self, step: int) -> int | None:
         """In a replacement, attached, before its first step ``step``: take the model from the
         peers it has channels with; the rank of the worker it came from (None: from servers)."""

@@ -158,6 +158,7 @@ def train_thread(run: RunState, t: int) -> None:
                 if lost is None:
                     raise
                 s.wait_s += _seconds(_go_on_without, run, s, lost)
+        hooks.before_record(run, s)
         solver_wait_s = solver.clock.take_wait()
         meet = solver.clock.take_meeting()  # (a blocking collective's meeting: waiting beyond its fastest member's)
         s.loss = run.last_loss = _finite_loss(run, loss, s.step)

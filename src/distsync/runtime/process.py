@@ -474,8 +474,11 @@ def _join_by_channels(run_dir: Path, comm: Comm, replacement: int, solver, dead:
     events = read_jsonl(journal_path(run_dir, comm.rank))
     steps = [e for e in events if e["kind"] == "step"]
     began = next((e["unix"] for e in events if e["kind"] == "start"), time.time())
-    return {"index": 0, "step": max(e["step"] for e in steps) + 1 if steps else 0, "events": events,
-            "clock": 0.0, "unix": began, "last_loss": steps[-1]["loss"] if steps else float("nan"), "from": -1}
+    recorded = max(e["step"] for e in steps) + 1 if steps else 0
+    first = solver.first_step(comm, recorded)  # (after a step the peers applied that the journal lacks)
+    return {"index": 0, "step": first, "events": events, "clock": 0.0, "unix": began,
+            "last_loss": steps[-1]["loss"] if steps else float("nan"), "from": -1,
+            **({"unrecorded_steps": first - recorded} if first > recorded else {})}
 
 
 def recovery_for(cfg: RunConfig, run_dir: Path, comm: Comm, resume: bool = False) -> WorkerRecovery:

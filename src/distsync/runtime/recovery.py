@@ -4,9 +4,9 @@
   taken after step ``k * N``), or every N seconds (worker 0's clock decides and announces
   the step of the next checkpoint, a few steps ahead, in the job's key-value store; lockstep
   workers all reach it together, a worker already past it checkpoints at once).
-- :class:`FaultInjector`: ``--fault`` specs for this process. A fault fires once per run:
-  it is appended to ``RUN/faults.jsonl`` before it acts, and a restarted process skips the
-  faults found there.
+- :class:`FaultInjector`: ``--fault`` specs for this process, each at its point of a step
+  (:data:`~distsync.config.FAULT_POINTS`). A fault fires once per run: it is appended to
+  ``RUN/faults.jsonl`` before it acts, and a restarted process skips the faults found there.
 - The stop mark (``RUN/stop.json``): an error that a restart cannot cure (a NaN loss) is
   written there, and a restarted process ends with it at once instead of training again.
 """
@@ -102,7 +102,8 @@ class FaultInjector:
 
     def _record(self, f: Fault, step: int) -> None:
         line = json.dumps({"spec": f.spec, "kind": f.kind, "rank": self.rank, "role": self.role, "step": step,
-                           "target_step": f.step, "unix": time.time(), "attempt": restart_count()}) + "\n"
+                           "target_step": f.step, "unix": time.time(), "attempt": restart_count(),
+                           **({"point": f.point} if f.point != "start" else {})}) + "\n"
         fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             os.write(fd, line.encode())
@@ -110,13 +111,13 @@ class FaultInjector:
         finally:
             os.close(fd)
 
-    def at(self, step: int) -> Fault | None:
-        """Fire the faults due at ``step``: a kill ends this process (SIGKILL), a stall sleeps;
-        returns a NaN fault for the caller to apply to this step's loss."""
+    def at(self, step: int, point: str = "start") -> Fault | None:
+        """Fire the faults due at ``step`` at ``point`` of it: a kill ends this process
+        (SIGKILL), a stall sleeps; returns a NaN fault for the caller to apply to this step's loss."""
         if not self.pending:
             return None
         nan = None
-        for f in [f for f in self.pending if step >= f.step]:
+        for f in [f for f in self.pending if step >= f.step and f.point == point]:
             self.pending.remove(f)
             self._record(f, step)
             if f.kind == "kill":
@@ -387,9 +388,12 @@ class _Timeline:
             self.resumed(row, f, later_attempt=True)
         joined = [e for e in self.joins if e["rank"] == f["rank"] and e["unix"] >= died]
         if joined:  # (its replacement's steps were lost to the job until it joined)
+            # (but not a step the dead one did whose push the servers applied before its journal had it)
+            done = joined[0].get("unrecorded_steps", 0)
             row.update(replaced=True, joined_at_step=joined[0]["step"], healed_s=joined[0]["unix"] - died,
                        healed_from=joined[0]["from"],
-                       replaced_rank_steps_lost=max(0, joined[0]["step"] - f["step"]))
+                       replaced_rank_steps_lost=max(0, joined[0]["step"] - done - f["step"]),
+                       **({"unrecorded_steps": done} if done else {}))
 
     def role_went_on(self, row: dict[str, Any], f: dict[str, Any], mark: dict[str, Any]) -> None:
         """A dead server's or coordinator's row: when its replacement served and the workers

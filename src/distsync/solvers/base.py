@@ -151,7 +151,7 @@ class Solver:
     class's :attr:`Plan` (solvers/plan.py); a solver with extra processes provides
     ``serve(role, comm, ctx)`` (runtime's ``Serves``); one that adapts to re-formed groups,
     ``on_view_change(tag)`` (membership's ``AdaptsToViews``); one that heals over channels,
-    ``channel_peers``/``abandon_channel``/``join_peers`` (membership's ``HealsByChannels``);
+    ``channel_peers``/``abandon_channel``/``first_step``/``join_peers`` (membership's ``HealsByChannels``);
     one whose servers keep checkpoint parts, ``checkpoint_peers`` (runtime's
     ``CheckpointsPeers``). The buffers are kept by :attr:`buffer_sync` (solvers/buffers.py), a
     user's own loop by an :class:`~distsync.solvers.own_loop.OwnLoop`.
@@ -356,7 +356,7 @@ class Solver:
 
 
 #: what a solver that heals over channels provides (membership's HealsByChannels)
-HEALING_HOOKS = ("channel_peers", "abandon_channel", "join_peers")
+HEALING_HOOKS = ("channel_peers", "abandon_channel", "join_peers", "first_step")
 #: hooks the Solver class once had and no room calls now: a class defining one is refused
 _GONE = {"begin_step": "the step's start is distsync.solvers.buffers.begin_step; override before_step",
          "synchronize": "a user's block synchronizes: `with solver.step(i) as block: ... block.synchronize()`",

@@ -188,6 +188,10 @@ class ADPSGD(Solver):
     def abandon_channel(self, comm, peer):
         comm.send(torch.tensor([OP_DONE]), peer, tag=TAG_AVG_HEADER)
 
+    def first_step(self, comm, step):
+        # (a passive's answers are not recorded by step: the step after the dead one's last in its journal)
+        return step
+
     def join_peers(self, step):
         """The model of the first passive it reached; partners drawn as the dead one would have."""
         self.passives = [p for p in self.passives if self.comm.channels.has(p)]

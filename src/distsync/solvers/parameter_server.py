@@ -36,7 +36,8 @@ from distsync.solvers.base import Capability, ServeContext, Solver, register_sol
 from distsync.solvers.hogwild_threads import HogwildThreads, HogwildThreadsOptions, threads_option
 from distsync.solvers.lars import LARS
 from distsync.solvers.rules import lr_factor, server_apply
-from distsync.solvers.shard_service import FINAL, OP_DONE, TAG_HEADER, Layout, PSClient, Request, ServerShard
+from distsync.solvers.shard_service import (FINAL, OP_DONE, TAG_HEADER, Layout, PSClient, Request, ServerShard,
+                                            applied_steps)
 
 
 @dataclass
@@ -87,6 +88,9 @@ class ServerSolver(Solver):
         #: (a server, once serving) the settings it serves with, and its shard of the center
         self.ctx: ServeContext | None = None
         self.shard: ServerShard | None = None
+        #: (a dead worker's replacement) the latest step of the dead worker's requests each
+        #: server applied (:meth:`first_step`), handed to the client at attach
+        self.applied_by_dead: list[int] | None = None
 
     class Plan:
         @classmethod
@@ -100,6 +104,8 @@ class ServerSolver(Solver):
     def attach(self, model, optimizer, comm, **kw):
         super().attach(model, optimizer, comm, **kw)
         self.client = PSClient(comm, model, comm.ranks_with_role("server"))
+        if self.applied_by_dead is not None:
+            self.client.applied = list(self.applied_by_dead)
         # Hogwild threads share one client: one conversation with the servers at a time.
         self.client_lock = threading.Lock()
         self._center_model = None
@@ -147,6 +153,25 @@ class ServerSolver(Solver):
 
     def abandon_channel(self, comm, peer):
         comm.send(torch.tensor([OP_DONE, FINAL, 0], dtype=torch.int64), peer, tag=TAG_HEADER)
+
+    #: a worker's requests to the servers belong to its steps (a push or an exchange of step k
+    #: is part of step k's work): a replacement goes on after the latest step a server applied
+    requests_follow_steps = True
+
+    def first_step(self, comm, step):
+        """After the latest step of the dead worker's pushes and exchanges that a server
+        applied, if its journal did not record it (the worker died between the two): that step
+        is done, and doing it again would apply its push twice. With several servers, where the
+        death cut a step's requests short, from the earliest step a server lacks, whose
+        requests go only to the servers that lack them (:attr:`PSClient.applied`). The data
+        and the learning rate follow the step, so the replacement reads the batches and takes
+        the schedule's rates the dead worker would have."""
+        if not self.requests_follow_steps:
+            return step
+        answers = applied_steps(comm, comm.ranks_with_role("server"))
+        self.applied_by_dead = [-1 if a is None else a for a in answers]
+        known = [a for a in answers if a is not None]
+        return max(step, min(known) + 1) if known else step
 
     def join_peers(self, step):
         with self.client_lock:

@@ -253,6 +253,9 @@ class ShadowEA(HogwildThreads, AsyncEASGD):
     name = "shadow-ea"
     Options = ShadowEAOptions
     capabilities = AsyncEASGD.capabilities | {Capability.THREADS_TAKE_PLAIN_SGD}
+    # the shadow thread's exchanges follow time and carry the steps done, not a step's work: a
+    # replacement makes none of the dead one's again, whatever step it starts at
+    requests_follow_steps = False
 
     class Plan:
         @classmethod

@@ -32,6 +32,13 @@ next request, waits for the replacement (a channel: ``membership/admission.py``)
 its latest copy of the shard on ``TAG_HANDOFF`` and makes the interrupted request again
 (:class:`PSClient`); the replacement rebuilds the center from the freshest copy and serves on
 (:meth:`ServerShard.rebuild`, :func:`choose_copy`).
+
+A dead worker's replacement let in by the servers (healing over channels) asks each server,
+before it trains, for the latest step of the dead worker's pushes and exchanges it applied
+(``OP_APPLIED``, answered with ``int64[step]``, -1: none): a push can reach a server before
+the worker's journal records its step, and the replacement must neither make it again nor
+lose that step's place (:func:`applied_steps`; the worker sends no request of that step or
+an earlier one to that server again: :attr:`PSClient.applied`).
 """
 
 from __future__ import annotations
@@ -56,12 +63,12 @@ from distsync.solvers.flat import FlatView
 from distsync.solvers.rules import staleness
 from distsync.solvers.turns import section
 
-OP_PULL, OP_PUSH, OP_EXCHANGE, OP_DONE, OP_SAVE = 1, 2, 3, 4, 5
+OP_PULL, OP_PUSH, OP_EXCHANGE, OP_DONE, OP_SAVE, OP_APPLIED = 1, 2, 3, 4, 5, 6
 #: the step of a worker's requests after its last training step (its final push or exchange,
 #: its last pull, its goodbye): in the order of turns they come after every other, and no
 #: checkpoint taken during training holds them
 FINAL = -1
-_OPS = (OP_PULL, OP_PUSH, OP_EXCHANGE, OP_DONE, OP_SAVE)
+_OPS = (OP_PULL, OP_PUSH, OP_EXCHANGE, OP_DONE, OP_SAVE, OP_APPLIED)
 _OP_NAMES = {OP_PULL: "pull", OP_PUSH: "push", OP_EXCHANGE: "exchange"}
 #: in the job's store: a worker that has said goodbye to the servers (a server's replacement
 #: does not wait for its copy)
@@ -139,6 +146,10 @@ class PSClient:
         self.servers_replaced: Counter = Counter()
         self.redone: Counter = Counter()
         self.replacement_wait_s = 0.0
+        #: (a dead worker's replacement) the latest step of each server's that it applied from
+        #: the dead worker (:func:`applied_steps`): a push or exchange of that step or an
+        #: earlier one is not sent to that server again (-1: none)
+        self.applied = [-1] * len(server_ranks)
 
     def _header(self, op: int, step: int, s: int) -> torch.Tensor:
         return torch.tensor([op, step, self.versions[s]], dtype=torch.int64)
@@ -164,23 +175,33 @@ class PSClient:
         return buf
 
     def _request(self, op: int, step: int, payloads: list[torch.Tensor] | None, reply: bool):
-        """``op`` to every server (with its payload), then (``reply``) every server's answer."""
+        """``op`` to every server (with its payload), then (``reply``) every server's answer.
+        A server that applied this step's push or exchange from the dead worker this one
+        replaces (:attr:`applied`) is skipped: an exchange's answer from it is the payload
+        itself (the elastic pull towards it moves nothing; the center has its move already)."""
         def payload(s: int) -> torch.Tensor | None:
             return payloads[s] if payloads is not None else None
 
-        for s in range(len(self.layout.server_ranks)):
-            self._surviving(s, op, lambda again, s=s: self._send(s, op, step, payload(s), reply))
+        servers = range(len(self.layout.server_ranks))
+        done = {s for s in servers if (op == OP_EXCHANGE or op == OP_PUSH and not reply)
+                and 0 <= step <= self.applied[s]}
+        for s in servers:
+            if s not in done:
+                self._surviving(s, op, lambda again, s=s: self._send(s, op, step, payload(s), reply))
         if not reply:
             return None
 
         def answer(s: int) -> torch.Tensor:
+            if s in done:
+                return payload(s).clone()
+
             def attempt(again: bool) -> torch.Tensor:
                 if again:  # (to the replacement: the dead server's answer never came)
                     self._send(s, op, step, payload(s), reply)
                 return self._recv(s, payload(s) if op == OP_EXCHANGE else None)
             return self._surviving(s, op, attempt)
 
-        return [answer(s) for s in range(len(self.layout.server_ranks))]
+        return [answer(s) for s in servers]
 
     def _surviving(self, s: int, op: int, attempt: Callable[[bool], Any]) -> Any:
         """``attempt(again)``, the part of request ``op`` that talks to server ``s``; if the
@@ -273,6 +294,25 @@ class PSClient:
         return {"servers_replaced": {str(r): n for r, n in sorted(self.servers_replaced.items())},
                 "requests_redone": {_OP_NAMES[op]: n for op, n in sorted(self.redone.items())},
                 "replacement_wait_s": self.replacement_wait_s}
+
+
+def applied_steps(comm, server_ranks: list[int]) -> list[int | None]:
+    """(A dead worker's replacement, its channels with the servers open, before it trains) The
+    latest step of the dead worker's pushes and exchanges each server applied (-1: none; None:
+    a server it has no channel with, dead itself). Each server answers from its record of the
+    worker's slot, written as it applies each request and read by the same thread once the
+    worker's death ended its conversation, so a push that reached it whole is counted, and one
+    cut short by the death is not."""
+    out: list[int | None] = []
+    for rank in server_ranks:
+        if not comm.channels.has(rank):
+            out.append(None)
+            continue
+        comm.send(torch.tensor([OP_APPLIED, FINAL, 0], dtype=torch.int64), rank, tag=TAG_HEADER)
+        head = torch.zeros(1, dtype=torch.int64)
+        comm.recv(head, rank, tag=TAG_REPLY_HEADER)
+        out.append(int(head.item()))
+    return out
 
 
 @dataclass
@@ -397,6 +437,10 @@ class ServerShard:
         self._dead_at_rebuild: set[int] = set()
         #: (sync rounds) redone pushes of a round the dead server had applied, answered at once
         self.rounds_answered_from_copy = 0
+        #: the latest step of each worker slot's pushes and exchanges this server applied (a
+        #: worker's and its replacements'): a replacement asks for it (:func:`applied_steps`).
+        #: Each slot's entry is written and read by that slot's thread only
+        self.applied: dict[int, int] = {}
 
     def keep_checkpoints(self, on_save: Callable[[int], None], get_state: Callable[[], dict[str, Any]],
                          set_state: Callable[[dict[str, Any]], None]) -> None:
@@ -412,10 +456,12 @@ class ServerShard:
         head = torch.zeros(3, dtype=torch.int64)
         self.comm.recv(head, worker, tag=TAG_HEADER)
         op, step, seen = (int(v) for v in head.tolist())
-        if op not in _OPS or not -1 <= step < _MOST_STEPS or not 0 <= seen < _MOST_STEPS:
+        # (only a server that lets replacements in is asked what it applied)
+        known = op in _OPS and (op != OP_APPLIED or self.admit_replacements)
+        if not known or not -1 <= step < _MOST_STEPS or not 0 <= seen < _MOST_STEPS:
             raise Refused(f"worker rank {worker}: it sent a header no worker sends ([{op}, {step}, {seen}]: "
-                          f"op {'unknown' if op not in _OPS else 'known'}, step and version must be 0..{_MOST_STEPS - 1})")
-        if op not in (OP_DONE, OP_SAVE):
+                          f"op {'unknown' if not known else 'known'}, step and version must be 0..{_MOST_STEPS - 1})")
+        if op not in (OP_DONE, OP_SAVE, OP_APPLIED):
             self._last_step[worker] = max(step, self._last_step.get(worker, -1))  # (final pulls say -1)
             if self.on_request is not None:
                 self.on_request(self.job_step())
@@ -500,6 +546,10 @@ class ServerShard:
         if req.op == OP_SAVE:  # (step: the checkpoint's index; version_seen: the steps done)
             self.save(req.step, req.worker, req.version_seen)
             return
+        if req.op == OP_APPLIED:  # (a replacement's first question)
+            self.comm.send(torch.tensor([self.applied.get(req.worker, -1)], dtype=torch.int64), req.worker,
+                           tag=TAG_REPLY_HEADER)
+            return
         self.requests[req.op] += 1
         if req.op == OP_PULL:
             with section(f"server.pull.{req.worker}"), self._lock or self._counted_in():
@@ -516,6 +566,8 @@ class ServerShard:
             with section(f"server.apply.{req.worker}"), self._counted_in(req):
                 out = self.handle(self, req)
                 version = self.version
+        if req.step >= 0:  # (a last push, FINAL, follows every step: no replacement asks about it)
+            self.applied[req.worker] = max(req.step, self.applied.get(req.worker, -1))
         if out is not None:
             self._reply(req.worker, out, version)
 

@@ -25,6 +25,8 @@ Hook points, in the order a worker reaches them::
     after_compute(run, s)      the compute window is closed (s.compute_s); then the solver's
                                after_backward (gradients synchronized or pushed)
     before_update(run, s)      just before the solver's update; then after_update, zero_grad
+    before_record(run, s)      the step is done (its push or exchange sent, zero_grad); its event
+                               is written to the journal next
     sync_due(run, done)        whether this plug-in needs every thread stopped after ``done`` steps
     at_sync_point(run, point)  run by one thread while the others wait (evaluate, checkpoint)
     on_step_end(run, s)        after the step's event and its sync point
@@ -50,7 +52,7 @@ import torch
 
 #: every hook point, in the order a worker reaches them (``Plugins`` dispatches these)
 HOOKS = ("on_model", "on_attach", "on_ready", "on_start", "on_thread_start", "stop_before", "on_step_start", "before_compute",
-         "on_loss", "for_backward", "after_forward", "after_backward", "after_compute", "before_update", "sync_due", "at_sync_point", "on_step_end",
+         "on_loss", "for_backward", "after_forward", "after_backward", "after_compute", "before_update", "before_record", "sync_due", "at_sync_point", "on_step_end",
          "computing", "on_checkpoint", "save_state", "load_state", "on_close")
 
 
@@ -213,6 +215,7 @@ class Plugin:
     def after_backward(self, run: RunState, s: StepState) -> None: ...
     def after_compute(self, run: RunState, s: StepState) -> None: ...
     def before_update(self, run: RunState, s: StepState) -> None: ...
+    def before_record(self, run: RunState, s: StepState) -> None: ...
 
     def sync_due(self, run: RunState, done: int) -> bool:
         return False
@@ -285,6 +288,7 @@ class Plugins:
     def after_backward(self, run: RunState, s: StepState) -> None: self._call("after_backward", run, s)
     def after_compute(self, run: RunState, s: StepState) -> None: self._call("after_compute", run, s)
     def before_update(self, run: RunState, s: StepState) -> None: self._call("before_update", run, s)
+    def before_record(self, run: RunState, s: StepState) -> None: self._call("before_record", run, s)
 
     def sync_due(self, run: RunState, done: int) -> bool:
         return any(hook(run, done) for hook in self._hooks["sync_due"])

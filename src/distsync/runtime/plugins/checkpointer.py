@@ -60,8 +60,11 @@ class Checkpointer(Plugin):
             if "model" not in restored:  # (healed over channels: the solver takes it from its peers)
                 src = run.solver.join_peers(int(restored["step"]))
                 restored["from"] = src if src is not None else -1
+            # (unrecorded_steps: the dead one's steps its peers applied but its journal lacks)
             run.events.append({"kind": "joined", "rank": run.rank, "step": int(restored["step"]), "t": run.clock.now(),
-                               "unix": time.time(), "from": int(restored["from"])})
+                               "unix": time.time(), "from": int(restored["from"]),
+                               **({"unrecorded_steps": restored["unrecorded_steps"]}
+                                  if "unrecorded_steps" in restored else {})})
         elif restored is not None or self.recovery.after_failure:  # a restart with no checkpoint starts over
             run.events.append({"kind": "resume", "rank": run.rank, "step": int(restored["step"]) if restored else 0,
                                "index": int(restored["index"]) if restored else 0, "t": run.clock.now(),

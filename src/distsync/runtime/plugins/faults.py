@@ -1,6 +1,7 @@
 """Injected faults (``--fault``) at a worker's steps: a kill or a stall happens inside
 :meth:`FaultInjector.at <distsync.runtime.recovery.FaultInjector.at>` before the step
-starts; a NaN fault poisons that step's loss."""
+starts (``kill-after-push``: once the step is done, its push or exchange at the servers,
+before its event reaches the journal); a NaN fault poisons that step's loss."""
 
 from __future__ import annotations
 
@@ -18,6 +19,10 @@ class FaultInjection(Plugin):
     def on_step_start(self, run: RunState, s: StepState) -> None:
         if self.faults is not None and self.faults.at(s.step) is not None:
             self._poisoned.add(s.step)
+
+    def before_record(self, run: RunState, s: StepState) -> None:
+        if self.faults is not None:
+            self.faults.at(s.step, "after-push")
 
     def on_loss(self, run: RunState, s: StepState, loss: torch.Tensor) -> torch.Tensor:
         if s.step in self._poisoned:
