@@ -111,6 +111,29 @@ def test_a_run_whose_loss_fell_less_than_one_percent_did_not_learn():
     assert not did_not_learn(curve(2.30, float("nan")))  # (a run that diverged ends with its own error)
 
 
+def test_a_dropped_worker_s_events_after_its_mark_are_not_the_job_s():
+    def timed(rank, s, unix):
+        return {**step(rank, s, float(s), float(s + 1), 0.5, 0.5), "unix": unix}
+
+    # rank 1 was left behind at unix 102.5 and stepped on alone (steps 3-5) until it was ended
+    events = [timed(0, s, 100.0 + s) for s in range(4)] + [timed(1, s, 100.0 + s) for s in range(6)]
+    events += [{"kind": "eval", "rank": 1, "step": 5, "t": 6.0, "metric": 0.5, "loss": 1.0},
+               {"kind": "done", "rank": 1, "t": 7.0, "bytes": 50},
+               {"kind": "done", "rank": 0, "t": 4.5, "bytes": 0}]
+    mark = {"rank": 1, "signal": "stalled", "unix": 102.5, "attempt": 0, "last_step": 4}
+    s = summarize(events, target=None, dropped=[mark])
+    assert s["steps_by_worker"] == {"0": 4, "1": 3}
+    assert s["samples"] == 70 and s["wall_time_s"] == 4.5  # (rank 0's end; rank 1's steps counted end at t 3)
+    assert s["throughput_samples_per_s"] == pytest.approx(70 / 4.5)
+    assert s["bytes_sent"] == 700 and s["per_worker"]["1"]["idle_after_done"] == 1.5
+    assert s["final_metric"] is None  # (its evaluation after the mark is not the job's either)
+    assert summarize(events, target=None)["steps_by_worker"] == {"0": 4, "1": 6}  # (without the mark)
+    # a replacement that joined after the mark: its steps are the job's again
+    joined = events + [{"kind": "joined", "rank": 1, "step": 6, "t": 6.0, "unix": 105.5, "from": -1},
+                       timed(1, 6, 106.0)]
+    assert summarize(joined, target=None, dropped=[mark])["steps_by_worker"] == {"0": 4, "1": 4}
+
+
 def test_processes_found_by_their_environment_named_and_the_cores_load():
     import os
     import subprocess

@@ -439,8 +439,10 @@ def _print_recovery(summary: dict[str, Any], every: int | None = None) -> None:
             how += "; its replacement came after the others had finished training"
         elif taken_over:  # (a replacement took its place but is not seen training)
             how += "; a replacement took its place"
-        if d["signal"] == "stalled":  # (its row's times count from its last step: the others' wait included)
-            stalled = f" {f['stalled_s']:.1f} s after it stopped making progress" if f and "stalled_s" in f else ""
+        if d["signal"] == "stalled":  # (its row's times count from its last progress: the others' wait included)
+            since = "its last exchange with its peers" if f and f.get("stalled_from") == "exchange" else \
+                "it stopped making progress"
+            stalled = f" {f['stalled_s']:.1f} s after {since}" if f and "stalled_s" in f else ""
             what = f"stalled after step {d.get('last_step')} and was dropped{stalled}"
         else:
             what = f"died ({d['signal']}) after step {d.get('last_step')} and was dropped"

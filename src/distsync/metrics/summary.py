@@ -116,13 +116,42 @@ def did_not_learn(curve: list[dict[str, Any]]) -> bool:
     return losses[-1] > (1 - LEARNED_SHARE) * losses[0]
 
 
+def counted_events(events: list[dict[str, Any]], dropped: Iterable[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """The events that are the job's: a dropped worker's own events after its drop mark
+    (``dropped``: marks, each with ``rank`` and ``unix``) are left out until that rank came
+    back (a replacement's ``joined``, a restarted job's ``resume``). A worker cut off from the
+    others may go on stepping alone until its supervisor ends it; those steps, and its
+    evaluations and end after them, are not the job's work. An event without a time (an
+    evaluation, a worker's end) goes with its worker's last timed event before it."""
+    windows: dict[int, list[tuple[float, float]]] = {}
+    for m in dropped:
+        back = min((e["unix"] for e in events if e.get("rank") == m["rank"] and e["kind"] in ("joined", "resume")
+                    and e.get("unix", -math.inf) > m["unix"]), default=math.inf)
+        windows.setdefault(m["rank"], []).append((m["unix"], back))
+    out: list[dict[str, Any]] = []
+    after: dict[int, bool] = {}
+    for e in events:
+        rank = e.get("rank")
+        if rank in windows:
+            if "unix" in e:
+                after[rank] = any(since < e["unix"] < back for since, back in windows[rank])
+            if after.get(rank):
+                continue
+        out.append(e)
+    return out
+
+
 def summarize(
     events: list[dict[str, Any]],
     *,
     target: float | None,
     higher_is_better: bool = True,
+    dropped: Iterable[dict[str, Any]] = (),
 ) -> dict[str, Any]:
-    """Throughput (samples/s), time to target (s), final metric, bytes, phase totals."""
+    """Throughput (samples/s), time to target (s), final metric, bytes, phase totals, of the
+    job's events (``dropped``: the marks of the workers it went on without;
+    :func:`counted_events`)."""
+    events = counted_events(events, dropped)
     steps = [e for e in events if e["kind"] == "step"]
     done_events = [e for e in events if e["kind"] == "done"]
     done = {e["rank"]: e["t"] for e in done_events}
