@@ -204,11 +204,11 @@ def test_compare_with_a_slow_worker_and_fixed_steps_says_so_and_with_a_budget_do
 
 
 def test_train_says_when_a_run_did_not_learn(tmp_path):
-    """A learning rate that cannot move the model: the loss at the last evaluation is the
+    """A learning rate that cannot move the model: the accuracy at the last evaluation is the
     first's, and train says so in one line; the same run at the workload's rate does not."""
     proc = run_cli("train", "--lr", "1e-9", "--steps", "20", "--eval-every", "10", "--out", str(tmp_path / "a"))
     assert proc.returncode == 0, proc.stderr
-    assert "note: this run did not learn: its evaluation loss went from" in proc.stderr
+    assert "note: this run did not learn: its accuracy went from" in proc.stderr
     assert json.loads((tmp_path / "a" / "summary.json").read_text())["did_not_learn"] is True
     proc = run_cli("train", "--steps", "20", "--eval-every", "10", "--out", str(tmp_path / "b"))
     assert proc.returncode == 0 and "did not learn" not in proc.stderr + proc.stdout

@@ -99,16 +99,94 @@ def test_descendants_and_tree_usage_of_a_process_tree():
         parent.stdout.close()
 
 
-def test_a_run_whose_loss_fell_less_than_one_percent_did_not_learn():
-    from distsync.metrics.summary import did_not_learn
+def _evals(metrics, losses):
+    return [{"kind": "eval", "rank": 0, "step": 10 * (i + 1), "t": float(i + 1), "metric": m, "loss": x}
+            for i, (m, x) in enumerate(zip(metrics, losses))]
 
-    def curve(*losses):
-        return [{"step": i, "loss": x, "metric": 0.1} for i, x in enumerate(losses)]
 
-    assert did_not_learn(curve(2.30, 1.10, 2.29))  # (back at chance: 2.29 > 0.99 * 2.30 = 2.277)
-    assert not did_not_learn(curve(2.30, 2.27))  # 1.3% lower
-    assert not did_not_learn(curve(2.30))  # one evaluation: not said
-    assert not did_not_learn(curve(2.30, float("nan")))  # (a run that diverged ends with its own error)
+def _learning(metrics, losses, target, higher_is_better=True):
+    s = summarize(_evals(metrics, losses), target=target, higher_is_better=higher_is_better)
+    return s["did_not_learn"], s["eval_loss_rose"]
+
+
+def test_a_run_is_judged_by_its_metric_in_its_direction_against_its_first_evaluation_and_its_target():
+    # accuracy (higher is better), target 0.95
+    assert _learning([0.50, 0.90], [1.00, 0.30], 0.95) == (False, False)  # learned
+    assert _learning([0.100, 0.1005], [2.30, 1.10], 0.95) == (True, False)  # flat: 0.1005 < 0.100 * 1.01
+    assert _learning([0.100, 0.102], [2.30, 2.30], 0.95) == (False, False)  # 2% better: learned, loss flat
+    assert _learning([0.60, 0.40], [1.00, 0.90], 0.95) == (True, False)  # worse, though the loss fell
+    # the loss rose while the metric improved, or stood at the target from the first evaluation
+    assert _learning([0.950, 0.978], [0.113, 0.141], 0.95) == (False, True)
+    assert _learning([0.978, 0.978], [0.113, 0.141], 0.95) == (False, True)
+    assert _learning([0.60, 0.90], [0.50, 0.70], None) == (False, True)
+    assert _learning([0.60, 0.60], [0.50, 0.70], None) == (True, False)  # flat, no target: did not learn
+    # normalized entropy (lower is better: False), target 0.79
+    assert _learning([0.95, 0.80], [0.60, 0.50], 0.79, False) == (False, False)
+    assert _learning([1.000, 0.995], [0.69, 0.68], 0.79, False) == (True, False)  # 0.5% better: flat
+    assert _learning([0.90, 1.00], [0.60, 0.55], 0.79, False) == (True, False)  # higher: worse
+    assert _learning([0.78, 0.785], [0.45, 0.47], 0.79, False) == (False, True)  # at the target from the start
+    assert _learning([0.90, 0.85], [0.60, 0.66], 0.79, False) == (False, True)
+    # not said: one evaluation, or a metric that is not finite (a diverged run ends with its own error)
+    assert _learning([0.10], [2.30], 0.95) == (False, False)
+    assert _learning([0.10, float("nan")], [2.30, float("nan")], 0.95) == (False, False)
+
+
+def _note(summary, metric, lr=None):
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from distsync import cli
+
+    out = Console(record=True, width=400)
+    before, cli.console = cli.console, out
+    try:
+        cli._print_not_learned({**summary, "metric": metric}, SimpleNamespace(lr=lr))
+    finally:
+        cli.console = before
+    return out.export_text().strip()
+
+
+def test_train_says_did_not_learn_by_the_metric_and_names_a_rising_loss_for_what_it_is():
+    def summary(metrics, losses, target, higher_is_better=True):
+        return summarize(_evals(metrics, losses), target=target, higher_is_better=higher_is_better)
+
+    assert _note(summary([0.50, 0.90], [1.00, 0.30], 0.95), "accuracy") == ""
+    assert _note(summary([0.100, 0.1005], [2.30, 2.29], 0.95), "accuracy", lr=0.5) == (
+        "note: this run did not learn: its accuracy went from 0.1 at the first evaluation to 0.1005 (target 0.95). "
+        "Check --lr (now 0.5): too high a rate stalls a run at chance; too low a one never moves it")
+    assert _note(summary([0.950, 0.978], [0.113, 0.141], 0.95), "accuracy") == (
+        "note: the evaluation loss rose from 0.113 to 0.141 while accuracy went from 0.95 to 0.978 (target 0.95): "
+        "overfitting or overconfidence, not a failure to learn")
+    assert _note(summary([0.90, 0.85], [0.60, 0.66], 0.79, higher_is_better=False), "ne") == (
+        "note: the evaluation loss rose from 0.6 to 0.66 while ne went from 0.9 to 0.85 (target 0.79): "
+        "overfitting or overconfidence, not a failure to learn")
+    assert _note(summary([0.90, 1.00], [0.60, 0.55], None, higher_is_better=False), "ne") == (
+        "note: this run did not learn: its ne went from 0.9 at the first evaluation to 1. Check --lr (now the "
+        "workload's): too high a rate stalls a run at chance; too low a one never moves it")
+
+
+def test_a_dropped_worker_s_events_after_its_mark_are_not_the_job_s():
+    def timed(rank, s, unix):
+        return {**step(rank, s, float(s), float(s + 1), 0.5, 0.5), "unix": unix}
+
+    # rank 1 was left behind at unix 102.5 and stepped on alone (steps 3-5) until it was ended
+    events = [timed(0, s, 100.0 + s) for s in range(4)] + [timed(1, s, 100.0 + s) for s in range(6)]
+    events += [{"kind": "eval", "rank": 1, "step": 5, "t": 6.0, "metric": 0.5, "loss": 1.0},
+               {"kind": "done", "rank": 1, "t": 7.0, "bytes": 50},
+               {"kind": "done", "rank": 0, "t": 4.5, "bytes": 0}]
+    mark = {"rank": 1, "signal": "stalled", "unix": 102.5, "attempt": 0, "last_step": 4}
+    s = summarize(events, target=None, dropped=[mark])
+    assert s["steps_by_worker"] == {"0": 4, "1": 3}
+    assert s["samples"] == 70 and s["wall_time_s"] == 4.5  # (rank 0's end; rank 1's steps counted end at t 3)
+    assert s["throughput_samples_per_s"] == pytest.approx(70 / 4.5)
+    assert s["bytes_sent"] == 700 and s["per_worker"]["1"]["idle_after_done"] == 1.5
+    assert s["final_metric"] is None  # (its evaluation after the mark is not the job's either)
+    assert summarize(events, target=None)["steps_by_worker"] == {"0": 4, "1": 6}  # (without the mark)
+    # a replacement that joined after the mark: its steps are the job's again
+    joined = events + [{"kind": "joined", "rank": 1, "step": 6, "t": 6.0, "unix": 105.5, "from": -1},
+                       timed(1, 6, 106.0)]
+    assert summarize(joined, target=None, dropped=[mark])["steps_by_worker"] == {"0": 4, "1": 4}
 
 
 def test_processes_found_by_their_environment_named_and_the_cores_load():

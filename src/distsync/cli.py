@@ -387,13 +387,23 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _print_not_learned(summary: dict[str, Any], cfg: Any) -> None:
-    """A line when the run did not learn (its last evaluation loss within 1% of its first)."""
+    """A line when the run did not learn (its metric, in its direction, at the last evaluation
+    no more than 1% better than at the first, and the target never reached); or, when it
+    learned but its evaluation loss ended above the first evaluation's, a line that says so
+    without calling it a failure."""
+    metric, target = summary.get("metric") or "metric", summary.get("target")
+    aim = f" (target {target:g})" if target is not None else ""
+    if summary.get("eval_loss_rose"):
+        console.print(f"note: the evaluation loss rose from {summary['first_loss']:.4g} to {summary['final_loss']:.4g} "
+                      f"while {metric} went from {summary['first_metric']:.4g} to {summary['final_metric']:.4g}{aim}: "
+                      f"overfitting or overconfidence, not a failure to learn", highlight=False)
+        return
     if not summary.get("did_not_learn"):
         return
     stale = (summary.get("staleness") or {}).get("mean")
     lr = "the workload's" if cfg.lr is None else f"{cfg.lr:g}"
-    console.print(f"note: this run did not learn: its evaluation loss went from {summary['first_loss']:.4g} to "
-                  f"{summary['final_loss']:.4g}. Check --lr (now {lr}): too high a rate"
+    console.print(f"note: this run did not learn: its {metric} went from {summary['first_metric']:.4g} at the first "
+                  f"evaluation to {summary['final_metric']:.4g}{aim}. Check --lr (now {lr}): too high a rate"
                   + (f" for gradients {stale:.1f} server updates stale on average" if stale else "")
                   + " stalls a run at chance; too low a one never moves it", highlight=False)  # (wrapped between words)
 
@@ -448,8 +458,10 @@ def _print_recovery(summary: dict[str, Any], every: int | None = None) -> None:
             how += "; its replacement came after the others had finished training"
         elif taken_over:  # (a replacement took its place but is not seen training)
             how += "; a replacement took its place"
-        if d["signal"] == "stalled":  # (its row's times count from its last step: the others' wait included)
-            stalled = f" {f['stalled_s']:.1f} s after it stopped making progress" if f and "stalled_s" in f else ""
+        if d["signal"] == "stalled":  # (its row's times count from its last progress: the others' wait included)
+            since = "its last exchange with its peers" if f and f.get("stalled_from") == "exchange" else \
+                "it stopped making progress"
+            stalled = f" {f['stalled_s']:.1f} s after {since}" if f and "stalled_s" in f else ""
             what = f"stalled after step {d.get('last_step')} and was dropped{stalled}"
         else:
             what = f"died ({d['signal']}) after step {d.get('last_step')} and was dropped"

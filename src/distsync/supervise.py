@@ -257,8 +257,10 @@ def report_death(rank: int, workers: int, signal_name: str) -> None:
 def mark_dropped(run_dir: Path, rank: int, attempt: str, signal_name: str, died_unix: float | None = None) -> None:
     """``RUN/dropped/attempt-A-rank-R.json``: that worker died (at ``died_unix``, when its
     parent saw it; None: found stalled by another worker) and the others go on, with the
-    last step its journal shows and when that step ended (``last_step_unix``)."""
-    last, last_unix = None, None  # its journal (process.journal_path) says how far it got
+    last step its journal shows and when that step ended (``last_step_unix``); for a worker
+    whose progress is its exchanges with peers, when it last exchanged as that step saw it
+    (``last_exchange_unix``: a worker cut off from its peers may go on stepping alone)."""
+    last, last_unix, exchanged = None, None, None  # its journal (process.journal_path) says how far it got
     journal = run_dir / "journal" / f"rank-{rank}.jsonl"
     for line in journal.read_text().splitlines() if journal.exists() else []:
         try:
@@ -266,10 +268,12 @@ def mark_dropped(run_dir: Path, rank: int, attempt: str, signal_name: str, died_
         except ValueError:
             continue  # the line it was writing when it died
         if event.get("kind") == "step" and (last is None or event["step"] >= last):
-            last, last_unix = event["step"], event.get("unix")
+            last, last_unix, exchanged = event["step"], event.get("unix"), event.get("exchange_unix")
     mark = {"rank": rank, "signal": signal_name, "unix": time.time(), "attempt": int(attempt), "last_step": last}
     if last_unix is not None:
         mark["last_step_unix"] = last_unix
+    if exchanged is not None:
+        mark["last_exchange_unix"] = exchanged
     if died_unix is not None:
         mark["died_unix"] = died_unix
     marks.write_mark(marks.mark_path(run_dir, marks.DROPPED, attempt, rank), mark)  # (others poll for it)

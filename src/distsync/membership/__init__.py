@@ -17,7 +17,7 @@ torch's errors become typed ones in ``comm/failures.py`` (:class:`~distsync.erro
 reads an exception's text.
 """
 
-from distsync.membership.liveness import ALIVE, BEAT, Heartbeat, Liveness, watching
+from distsync.membership.liveness import ALIVE, BEAT, ExchangesWithPeers, Heartbeat, Liveness, watching
 from distsync.membership.views import VIEW, Membership, View
 
-__all__ = ["ALIVE", "BEAT", "Heartbeat", "Liveness", "Membership", "VIEW", "View", "watching"]
+__all__ = ["ALIVE", "BEAT", "ExchangesWithPeers", "Heartbeat", "Liveness", "Membership", "VIEW", "View", "watching"]

@@ -10,6 +10,11 @@
 - **Dead**: its process is gone: its supervising parent marked it (a death mark, written
   the moment it died: ``distsync.marks``), or its connection closed.
 
+How long a worker left behind had stood still (``stalled_s`` in the run's recovery record)
+counts from its last progress: its last step, or, for a worker whose progress is exchanging
+with its peers (:class:`ExchangesWithPeers`: AD-PSGD, Ripples), its last exchange. A worker
+cut off from its peers may go on stepping alone; those steps are no progress of the job's.
+
 Every blocking wait on a peer (a receive or send, a group's formation, a view's collective,
 a server round, the end-of-run gather) asks :meth:`Liveness.check` while it waits, and
 fails with :class:`~distsync.errors.PeerDied` or :class:`~distsync.errors.PeerStalled`,
@@ -20,7 +25,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 from distsync.errors import PeerDied, PeerStalled
 
@@ -32,6 +37,18 @@ BEAT = "distsync/beat/"
 #: store's counters are read every :data:`LOOK_S` at most)
 POLL_S = 0.02
 LOOK_S = 0.5
+
+
+@runtime_checkable
+class ExchangesWithPeers(Protocol):
+    """What a solver provides whose workers' progress is exchanging models with their peers,
+    not their own steps: each step's event carries the time of the worker's last exchange
+    (``exchange_unix``), and a worker left behind as stalled stood still from then."""
+
+    def last_exchange_unix(self) -> float | None:
+        """When this worker last finished an exchange with a peer (``time.time()``; its
+        start before the first), or None while no peer is left to exchange with (then its own
+        steps are its progress)."""
 
 
 class Heartbeat:

@@ -101,19 +101,64 @@ def eval_curve(events: Iterable[dict[str, Any]]) -> list[dict[str, float]]:
     return curve
 
 
-#: a run whose evaluation loss fell by less than this share from its first evaluation to its
-#: last did not learn
+#: a run whose metric improved on its first evaluation's by less than this share of it (and
+#: never reached the target) did not learn
 LEARNED_SHARE = 0.01
 
 
-def did_not_learn(curve: list[dict[str, Any]]) -> bool:
-    """Whether the evaluation loss at the end is no more than 1% below the first evaluation's
-    (a run stuck at chance: too high a learning rate, stale gradients). Fewer than two
-    evaluations, or a loss that is not finite: not said."""
+def _better(a: float, b: float, higher_is_better: bool) -> bool:
+    """Whether metric ``a`` is better than ``b``, by more than :data:`LEARNED_SHARE` of ``b``."""
+    margin = LEARNED_SHARE * abs(b)
+    return a > b + margin if higher_is_better else a < b - margin
+
+
+def did_not_learn(curve: list[dict[str, Any]], target: float | None = None, higher_is_better: bool = True) -> bool:
+    """Whether the run's metric (in its direction) at the last evaluation is no more than 1%
+    better than at the first and no evaluation reached ``target`` (a run stuck at chance: too
+    high a learning rate, stale gradients). Judged by the workload's metric, not the loss: an
+    evaluation loss may rise while the metric improves (overfitting, overconfidence). Fewer
+    than two evaluations, or a metric that is not finite: not said."""
+    metrics = [p["metric"] for p in curve if p.get("metric") is not None]
+    if len(metrics) < 2 or not all(math.isfinite(x) for x in (metrics[0], metrics[-1])):
+        return False
+    if target is not None and any(m >= target if higher_is_better else m <= target for m in metrics):
+        return False
+    return not _better(metrics[-1], metrics[0], higher_is_better)
+
+
+def loss_rose(curve: list[dict[str, Any]], target: float | None = None, higher_is_better: bool = True) -> bool:
+    """Whether the evaluation loss at the end is above the first evaluation's in a run that
+    learned (:func:`did_not_learn` says not): the model grew overconfident or overfit, and
+    its metric is what the run is judged by."""
     losses = [p["loss"] for p in curve if p.get("loss") is not None]
     if len(losses) < 2 or not all(math.isfinite(x) for x in (losses[0], losses[-1])):
         return False
-    return losses[-1] > (1 - LEARNED_SHARE) * losses[0]
+    return losses[-1] > losses[0] and not did_not_learn(curve, target, higher_is_better)
+
+
+def counted_events(events: list[dict[str, Any]], dropped: Iterable[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """The events that are the job's: a dropped worker's own events after its drop mark
+    (``dropped``: marks, each with ``rank`` and ``unix``) are left out until that rank came
+    back (a replacement's ``joined``, a restarted job's ``resume``). A worker cut off from the
+    others may go on stepping alone until its supervisor ends it; those steps, and its
+    evaluations and end after them, are not the job's work. An event without a time (an
+    evaluation, a worker's end) goes with its worker's last timed event before it."""
+    windows: dict[int, list[tuple[float, float]]] = {}
+    for m in dropped:
+        back = min((e["unix"] for e in events if e.get("rank") == m["rank"] and e["kind"] in ("joined", "resume")
+                    and e.get("unix", -math.inf) > m["unix"]), default=math.inf)
+        windows.setdefault(m["rank"], []).append((m["unix"], back))
+    out: list[dict[str, Any]] = []
+    after: dict[int, bool] = {}
+    for e in events:
+        rank = e.get("rank")
+        if rank in windows:
+            if "unix" in e:
+                after[rank] = any(since < e["unix"] < back for since, back in windows[rank])
+            if after.get(rank):
+                continue
+        out.append(e)
+    return out
 
 
 def summarize(
@@ -121,8 +166,12 @@ def summarize(
     *,
     target: float | None,
     higher_is_better: bool = True,
+    dropped: Iterable[dict[str, Any]] = (),
 ) -> dict[str, Any]:
-    """Throughput (samples/s), time to target (s), final metric, bytes, phase totals."""
+    """Throughput (samples/s), time to target (s), final metric, bytes, phase totals, of the
+    job's events (``dropped``: the marks of the workers it went on without;
+    :func:`counted_events`)."""
+    events = counted_events(events, dropped)
     steps = [e for e in events if e["kind"] == "step"]
     done_events = [e for e in events if e["kind"] == "done"]
     done = {e["rank"]: e["t"] for e in done_events}
@@ -170,7 +219,9 @@ def summarize(
         "final_metric": curve[-1]["metric"] if curve else None,
         "final_loss": curve[-1]["loss"] if curve else None,
         "first_loss": curve[0]["loss"] if curve else None,
-        "did_not_learn": did_not_learn(curve),
+        "first_metric": curve[0]["metric"] if curve else None,
+        "did_not_learn": did_not_learn(curve, target, higher_is_better),
+        "eval_loss_rose": loss_rose(curve, target, higher_is_better),
         # bytes sent at close (a final synchronization) count too
         "bytes_sent": sum(v["bytes"] for v in per_rank.values()) + sum(e.get("bytes", 0) for e in done_events),
         "phase_seconds": totals,

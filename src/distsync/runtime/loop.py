@@ -23,7 +23,7 @@ from distsync.errors import ConfigError, DistsyncError, PeerLost
 from distsync.runtime.plugins import (Checkpointer, ComputeGate, DeviceStretch, EmbeddingTablesClient, Evaluator,
                                       FaultInjection, HogwildRunner, Plugins, Progress, RunState, SingleThread,
                                       StepState, TrainClock)
-from distsync.membership.liveness import POLL_S
+from distsync.membership.liveness import POLL_S, ExchangesWithPeers
 from distsync.membership.views import AdaptsToViews
 from distsync.metrics.processes import peak_rss_mib
 from distsync.runtime.plugins.budget import JobBudget, ProgressReport
@@ -143,6 +143,7 @@ def train_thread(run: RunState, t: int) -> None:
     the waiting they report to ``solver.clock``), its update and zero_grad compute."""
     hooks, solver, runner = run.plugins, run.solver, run.runner
     hooks.on_thread_start(run, t)
+    exchanges = isinstance(solver, ExchangesWithPeers)
     for k in range(run.first_k, run.per_thread):
         s = StepState(thread=t, k=k, step=k * run.threads + t, done=(k + 1) * run.threads)
         if hooks.stop_before(run, s):  # the job's budget is spent
@@ -162,11 +163,13 @@ def train_thread(run: RunState, t: int) -> None:
         solver_wait_s = solver.clock.take_wait()
         meet = solver.clock.take_meeting()  # (a blocking collective's meeting: waiting beyond its fastest member's)
         s.loss = run.last_loss = _finite_loss(run, loss, s.step)
+        exchanged = solver.last_exchange_unix() if exchanges else None  # (its progress, if it exchanges)
         run.events.append({
             "kind": "step", "rank": run.rank, "step": s.step, "t0": s.t0, "t": run.clock.now(), "loss": s.loss,
             "samples": len(y), "compute": s.compute_s, "comm": max(0.0, s.comm_s - solver_wait_s),
             "wait": solver_wait_s + s.wait_s, "bytes": run.bytes_since_last(), "thread": t, "unix": time.time(),
-            **({"meet": meet} if meet is not None else {}), **s.event_extra,
+            **({"meet": meet} if meet is not None else {}),
+            **({"exchange_unix": exchanged} if exchanged is not None else {}), **s.event_extra,
         })
         s.metric = runner.meet(run, s.done)  # evaluation and checkpoints, with every thread stopped
         hooks.on_step_end(run, s)

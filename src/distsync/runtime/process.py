@@ -15,7 +15,7 @@ from distsync.comm import Comm
 from distsync.comm.devices import enter, place_from_env
 from distsync.config import Budget, RunConfig
 from distsync.errors import CommError, ConfigError
-from distsync.metrics import device_summary, split_collective_wait, summarize
+from distsync.metrics import counted_events, device_summary, split_collective_wait, summarize
 from distsync.metrics.outputs import write_csv
 from distsync.runtime.checkpoint import STATEFUL_ROLES, CheckpointStore, fingerprint
 from distsync.runtime.linkmeasure import run_linktest
@@ -276,6 +276,9 @@ def write_results(run: ResolvedRun, run_dir: Path, events: list[dict[str, Any]],
         for e in events:
             f.write(json.dumps(e) + "\n")
     write_csv(run_dir, events)
+    # (the files hold every event; what a dropped worker did after its mark is not the job's)
+    gone = (dropped or []) + (replaced or [])
+    counted = counted_events(events, gone)
     summary = {
         "solver": cfg.solver,
         "label": run.label,
@@ -286,12 +289,12 @@ def write_results(run: ResolvedRun, run_dir: Path, events: list[dict[str, Any]],
         "partial": partial,
         "slow": {str(k): v for k, v in cfg.slow.items()},
         "jitter": cfg.jitter,
-        "device": device_summary(events, cfg.device_ms),
+        "device": device_summary(counted, cfg.device_ms),
         # where the workers computed and what carried their collectives, e.g. ["cuda:0 (nccl)", ...]
         "placement": sorted({e["placement"] for e in events if e["kind"] == "start" and "placement" in e}),
         "budget": _budget_summary(cfg.budget, events),
-        **summarize(events, target=meta["target"], higher_is_better=meta["higher_is_better"]),
-        **final_extra_metrics(events, meta["extra_metrics"]),
+        **summarize(events, target=meta["target"], higher_is_better=meta["higher_is_better"], dropped=gone),
+        **final_extra_metrics(counted, meta["extra_metrics"]),
         "bytes_sent_by_servers": bytes_by_other_roles,
         "staleness": merge_staleness(stats),
         "recovery": summarize_recovery(events, read_faults(run_dir), dropped or [], replaced or [],

@@ -351,24 +351,32 @@ class _Timeline:
                 return e
         return None
 
-    def stalled_since(self, f: dict[str, Any], mark: dict[str, Any]) -> float:
-        """When a stalled worker stopped making progress: an injected stall fired; else the end
-        of its last step (its journal's, in the mark, or its events'); else when it was marked."""
+    def stalled_since(self, f: dict[str, Any], mark: dict[str, Any]) -> tuple[float, str]:
+        """When a stalled worker stopped making progress, and by what: an injected stall fired
+        (``fault``); else, for a worker whose progress is its exchanges with peers
+        (membership's ``ExchangesWithPeers``), its last exchange (``exchange``: a worker cut
+        off from its peers may go on stepping alone); else the end of its last step (``step``:
+        its journal's, in the mark, or its events'); else when it was marked (``mark``)."""
         if f["kind"] == "stall" and f.get("injected"):
-            return f["unix"]
+            return f["unix"], "fault"
+        if mark.get("last_exchange_unix") is not None:
+            return mark["last_exchange_unix"], "exchange"
         if mark.get("last_step_unix") is not None:
-            return mark["last_step_unix"]
-        mine = [e["unix"] for e in self.steps if e["rank"] == mark["rank"] and e["step"] == mark.get("last_step")
+            return mark["last_step_unix"], "step"
+        mine = [e for e in self.steps if e["rank"] == mark["rank"] and e["step"] == mark.get("last_step")
                 and e["unix"] <= mark["unix"]]
-        return max(mine) if mine else mark["unix"]
+        if not mine:
+            return mark["unix"], "mark"
+        last = max(mine, key=lambda e: e["unix"])
+        return (last["exchange_unix"], "exchange") if "exchange_unix" in last else (last["unix"], "step")
 
     def went_on(self, row: dict[str, Any], f: dict[str, Any], mark: dict[str, Any]) -> None:
         """A dead worker's row: when the others went on without it, or whether the job
         restarted; when a replacement that healed from a live peer joined."""
         row.update(dropped=True, dropped_at=mark["unix"])
         if mark.get("signal") == "stalled":  # from when it stopped: the others' wait for the timeout counts
-            died = self.stalled_since(row, mark)
-            row.update(stalled_s=max(0.0, mark["unix"] - died))
+            died, since = self.stalled_since(row, mark)
+            row.update(stalled_s=max(0.0, mark["unix"] - died), stalled_from=since)
         elif "died_unix" in mark:  # (its supervising parent saw the death)
             died = mark["died_unix"]
         else:

@@ -129,6 +129,7 @@ class ADPSGD(Solver):
         self.replaced: Counter = Counter()  # actives whose replacement this passive let in
         self._error: list[BaseException] = []
         self._answering: PeerService | None = None
+        self._exchanged = time.time()  # (its last averaging: the start, before the first)
         if not self.is_active:
             # One thread per active, each receiving from its active only: a dead active ends
             # its thread (and, healing, its replacement is answered on), and nobody waits for
@@ -178,7 +179,16 @@ class ADPSGD(Solver):
                     reply = mine.clone()  # (another active's averaging may change `pending` meanwhile)
                     synchronize(self.view.device)
                 self.comm.send(reply, active, group=self.gossip, tag=TAG_AVG_REPLY)
+                self._exchanged = time.time()
                 self.answered[active] += 1
+
+    def last_exchange_unix(self) -> float | None:
+        """(membership's ``ExchangesWithPeers``) A worker's progress is its averagings while a
+        partner is left: a passive cut off from the actives keeps stepping alone."""
+        if self.model is None:
+            return None
+        partners = self.passives if self.is_active else self._answering.talking()
+        return self._exchanged if partners else None
 
     # ---- a replacement for a dead active (runtime/process.py: heal) -----------
     def channel_peers(self, comm):
@@ -225,6 +235,7 @@ class ADPSGD(Solver):
             return
         self.view.assign(mine)
         self.averaged += 1
+        self._exchanged = time.time()
 
     def update(self, step):
         with self.lock:
@@ -409,6 +420,7 @@ class Ripples(Solver):
         self.alone = 0
         self.broken = 0
         self.group_wait_s = 0.0
+        self._exchanged = time.time()  # (its last meeting with a group or the coordinator: the start, at first)
         self.sizes: Counter = Counter()
         self.met: Counter = Counter()  # per group (worker indices): the meetings of it so far
         self._thread: threading.Thread | None = None
@@ -493,6 +505,8 @@ class Ripples(Solver):
         (alone, or a member had died). ``on_path``: on the training thread, whose clock
         counts the waiting and the meeting (an averaging thread's time is its own)."""
         group = self._next_group(step, on_path)
+        if self.options.schedule != "static":  # (the coordinator answered)
+            self._exchanged = time.time()
         self.sizes[len(group)] += 1
         if len(group) < 2:
             self.alone += 1
@@ -502,12 +516,19 @@ class Ripples(Solver):
         self.met[group] += 1
         if on_path:
             self.clock.meeting(f"ripples:{'-'.join(map(str, group))}#{self.met[group]}")
-        if not self.comm.partial_all_reduce(flat, [self.comm.worker_ranks[i] for i in group],
-                                            reduce=self.options.reduce):
+        whole = self.comm.partial_all_reduce(flat, [self.comm.worker_ranks[i] for i in group],
+                                             reduce=self.options.reduce)
+        self._exchanged = time.time()
+        if not whole:
             self.broken += 1  # a member had died: the model stays as it was
             return None
         self.joined += 1
         return group_mean(flat, len(group))
+
+    def last_exchange_unix(self) -> float | None:
+        """(membership's ``ExchangesWithPeers``) A worker's progress is its meetings with its
+        groups and the coordinator; the steps between them are its own."""
+        return self._exchanged if self.model is not None else None
 
     # ---- overlap: the averaging thread -------------------------------------------------
     def _averaging_loop(self) -> None:
