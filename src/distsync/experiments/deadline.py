@@ -1,7 +1,8 @@
 """The time an answer may take, checked as its work goes, and what it says on the way.
 
 A plan priced up front (:func:`distsync.sim.train.train_mode_cost`) is only an estimate:
-beside other work on the machine a train-mode step priced at 0.9 s took 3 s. So the work
+beside other work on the machine one train-mode step was priced at 0.94 s in one run and at
+3.0 s in the next. So the work
 also watches a :class:`Deadline` on a clock: train mode asks after every step and stops
 where it has passed, and what is done is ranked. A :class:`Progress` says which phase, which
 candidate and how far, as each stage starts and at least every :data:`PROGRESS_EVERY_S`

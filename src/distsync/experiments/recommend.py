@@ -73,9 +73,9 @@ HORIZON_EVALS = 4
 #: steps of the fastest candidate before it trains fewer replicas
 MIN_HORIZON_STEPS = 32
 #: the share of the time budget the staged search plans to spend, in this machine's seconds
-#: as train_mode_cost prices a run (the plan, not the clock, decides what runs: the same
-#: command gives the same answer beside other work; the clock stops it only past
-#: :data:`DEADLINE_SHARE` of the budget)
+#: as train_mode_cost prices a run (the plan decides what runs: the same command gives the
+#: same answer beside other work, unless a price was wrong: the clock stops it past
+#: :data:`DEADLINE_SHARE` of the budget, checked after every train-mode step)
 PLANNED_SHARE = 0.7
 DEADLINE_SHARE = 0.9
 #: pricing a train-mode step takes fewer tries once this share of the budget is spent
@@ -517,6 +517,8 @@ def _staged_search(s: _Setting, cands: list[Candidate], cache: dict, deadline: D
     racing = [_Racer(c, *_rule_key(c)) for c in cands]
     horizon = min(_step_cap(s, r.ordered) * r.cand.step_s for r in racing) / HALVING ** RUNGS
     budget_s = s.request.time_budget_s
+    if progress is not None:
+        progress.stage(f"pricing a train-mode step of {s.train_workers} replicas")
     try:  # (the price's tries stop at PRICING_SHARE of the budget: a slow machine prices with fewer)
         s, horizon, planned, ledger = _plan(s, racing, horizon, PLANNED_SHARE * budget_s,
                                             deadline.earlier((DEADLINE_SHARE - PRICING_SHARE) * budget_s).passed)
@@ -583,8 +585,8 @@ def _standing(s: _Setting, racing: list[_Racer]) -> None:
             c.note = (f"short horizon: {s.workload.metric_name} {metric} after {r.horizon_s:.3g} s of the "
                       f"cluster's time, " + ("behind the candidates that went on" if went_on
                                              else "where the time budget stopped the search"))
-            if not r.dropped:
-                c.unfinished = c.unfinished or f"not run past {r.horizon_s:.3g} s of the cluster's time"
+            if not r.dropped and c.unfinished in ("", "not run"):  # (it was run: to its horizon)
+                c.unfinished = f"not run past {r.horizon_s:.3g} s of the cluster's time"
         elif not c.trained and not c.refused and not c.note:
             c.note = (f"timing only: the {s.request.time_budget_s:g} s time budget "
                       + ("ran out in its train mode" if c.unfinished else "was spent before its train mode"))
