@@ -9,6 +9,7 @@ import re
 import pytest
 
 from distsync.errors import ConfigError
+from distsync.experiments.deadline import Deadline
 from distsync.experiments.recommend import Candidate, Request, candidates, rank, recommend
 from helpers import REPO, assert_one_line, run_cli
 
@@ -430,12 +431,26 @@ _RACE = {"A": ("ma", {"every": 4}, 1e-3, 0.002), "B": ("ma", {"every": 16}, 2e-3
          "I": ("allreduce", {}, 1e-3, 0.0003)}
 
 
-def _race(monkeypatch, cut_after: int | None = None, cost: dict | None = None):
+class FakeClock:
+    """A monotonic clock (seconds) that moves only when told: by ``step_s`` a step, or as asked."""
+
+    def __init__(self, step_s: float = 0.0):
+        self.now, self.step_s = 0.0, step_s
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float | None = None) -> None:
+        self.now += self.step_s if seconds is None else seconds
+
+
+def _race(monkeypatch, cut_after: int | None = None, cost: dict | None = None, clock: FakeClock | None = None):
     """The candidates of :data:`_RACE` and a stand-in ``simulate_training`` (every
     evaluation a point; the last one, after the rule's finish unless ``finish=False``,
     marked final) that records
     each run's (name, steps) and, from the ``cut_after``-th run on, reports the deadline
-    passed at once; train mode's cost here, ``cost`` (default: nothing)."""
+    passed at once; train mode's cost here, ``cost`` (default: nothing). Each step moves
+    ``clock`` on by its ``step_s``, then asks the run's ``stop`` as train mode does."""
     import types
 
     from distsync.config import RunConfig
@@ -446,12 +461,17 @@ def _race(monkeypatch, cut_after: int | None = None, cost: dict | None = None):
     by_solver = {(s, json.dumps(o, sort_keys=True)): (name, rate) for name, (s, o, _, rate) in _RACE.items()}
     runs = []
 
-    def simulate_training(solver, options, workload, n, steps, *, eval_every=1, until_target=False, deadline=None,
-                          horizon_s=None, on_eval=None, finish=True, **_):
+    def simulate_training(solver, options, workload, n, steps, *, eval_every=1, until_target=False, stop=None,
+                          horizon_s=None, finish=True, **_):
         name, rate = by_solver[(solver, json.dumps({k: v for k, v in options.items()}, sort_keys=True))]
         runs.append((name, steps))
         res = TrainResult(solver, n, steps)
         for step in range(steps):
+            if clock is not None:
+                clock.advance()
+            if stop is not None and stop(step + 1):
+                res.cut_short = True
+                break
             last = step + 1 == steps
             if (step + 1) % eval_every and not last:
                 continue
@@ -483,12 +503,10 @@ def test_the_staged_search_keeps_the_best_third_at_each_horizon_and_takes_the_re
     on; at 0.6 s B (180 steps, 0.36 s) and A (450 steps, 0.45 s) have reached the target, two
     of three, so the best third of the rest (D: 0.84) goes on to the target (643 steps). The
     six left at 0.2 s rank after them by their accuracy there."""
-    import time as clock
-
     from distsync.experiments import recommend as rec
 
     setting, cands, runs = _race(monkeypatch)
-    rec._staged_search(setting, cands, {}, clock.monotonic() + 60, None)
+    rec._staged_search(setting, cands, {}, Deadline.after(60), None)
     names = {c.label: name for name, c in zip(_RACE, cands)}
     # (each horizon's runs the fastest steps first: B's are 2 ms)
     assert runs == ([(n, 200) for n in _RACE if n != "B"] + [("B", 100)]
@@ -505,15 +523,13 @@ def test_the_staged_search_keeps_the_best_third_at_each_horizon_and_takes_the_re
 def test_the_staged_search_stops_once_three_reach_the_target_within_a_horizon(monkeypatch):
     """Made fast enough, B, A and D reach the target within 0.2 s: nothing else can beat them
     to it, and nothing runs after the first horizon."""
-    import time as clock
-
     from distsync.experiments import recommend as rec
 
     monkeypatch.setitem(_RACE, "A", ("ma", {"every": 4}, 1e-3, 0.005))
     monkeypatch.setitem(_RACE, "B", ("ma", {"every": 16}, 2e-3, 0.012))
     monkeypatch.setitem(_RACE, "D", ("bmuf", {"every": 16}, 1e-3, 0.0046))
     setting, cands, runs = _race(monkeypatch)
-    rec._staged_search(setting, cands, {}, clock.monotonic() + 60, None)
+    rec._staged_search(setting, cands, {}, Deadline.after(60), None)
     assert len(runs) == len(_RACE)  # the first horizon only
     ranked = rank(cands)
     assert [c.label for c in ranked[:3]] == ["ma every=16", "ma every=4", "bmuf every=16"]
@@ -521,12 +537,10 @@ def test_the_staged_search_stops_once_three_reach_the_target_within_a_horizon(mo
 
 
 def test_a_time_budget_spent_in_a_horizon_keeps_what_was_judged_and_says_the_rest_was_not(monkeypatch):
-    import time as clock
-
     from distsync.experiments import recommend as rec
 
     setting, cands, runs = _race(monkeypatch, cut_after=4)
-    rec._staged_search(setting, cands, {}, clock.monotonic() + 60, None)
+    rec._staged_search(setting, cands, {}, Deadline.after(60), None)
     assert [name for name, _ in runs] == ["A", "C", "D", "E"]  # (the fastest steps first)
     ranked = rank(cands)
     # the three judged at 0.2 s first (by accuracy there), then the rest by their timing
@@ -635,8 +649,6 @@ def test_the_plan_not_the_clock_decides_what_runs(monkeypatch):
     (1700 lockstep steps at 1 ms a step of 8 replicas, no evaluation cost) fit, the second
     horizon's first run (A, 600 steps) does not: the search stops there, whatever the clock
     says, and the three that led at 0.2 s rank first, by their accuracy there."""
-    import time as clock
-
     from distsync.experiments import recommend as rec
 
     setting, cands, runs = _race(monkeypatch, cost={"step_s": 0.001, "one_s": 0.001, "eval_s": 0.0})
@@ -647,7 +659,7 @@ def test_the_plan_not_the_clock_decides_what_runs(monkeypatch):
         return s, horizon, line, dataclasses.replace(ledger, total_s=1.9)
 
     monkeypatch.setattr(rec, "_plan", small)
-    rec._staged_search(setting, cands, {}, clock.monotonic() + 60, None)
+    rec._staged_search(setting, cands, {}, Deadline.after(60), None)
     assert len(runs) == 9
     assert [c.label for c in rank(cands)[:3]] == ["ma every=16", "ma every=4", "bmuf every=16"]
     assert all(c.horizon_s == pytest.approx(0.2) for c in cands)
@@ -668,3 +680,237 @@ def test_the_search_option_reaches_the_answer(tmp_path):
     assert all(r["horizon_s"] is None for r in full["ranked"])
     assert all(r["time_to_target_s"] is not None for r in full["ranked"])
     assert staged["request"]["search"] == "staged" and staged["train_plan"].startswith("train mode at 2 replicas")
+
+
+# ---- the time budget checked as the work goes; progress; ties; verify's own budget ---------
+
+
+def test_steps_slower_than_their_price_stop_at_the_deadline_and_the_answer_says_what_was_not_finished(monkeypatch):
+    """Priced at 1 ms a step (the plan fits every run), each step takes 0.5 s of the clock:
+    with the deadline at 250 s, A's and C's 200 steps end at 100 s and 200 s, D is cut at
+    its 101st step (250.5 s), and nothing runs after it. A and C keep their standing at
+    0.2 s (no candidate went on: not "behind the candidates that went on"), the rest are
+    timing only, and the answer's line names what was cut and what was not run."""
+    from distsync.experiments import recommend as rec
+    from distsync.experiments.deadline import unfinished_line
+
+    clock = FakeClock(step_s=0.5)
+    setting, cands, runs = _race(monkeypatch, cost={"step_s": 0.001, "one_s": 0.001, "eval_s": 0.0}, clock=clock)
+    deadline = Deadline(250.0, clock)
+    rec._staged_search(setting, cands, {}, deadline, None)
+    assert [name for name, _ in runs] == ["A", "C", "D"] and clock.now == 250.5  # (no step after the deadline)
+    ranked = rank(cands)
+    labels = [c.label for c in ranked]
+    assert labels[:2] == ["ma every=4", "bmuf every=4"]
+    assert ranked[0].note == ("short horizon: accuracy 0.4 after 0.2 s of the cluster's time, where the time budget "
+                              "stopped the search")
+    assert [rec._judged(c) for c in ranked] == ["short horizon (0.2 s)"] * 2 + ["timing only"] * 7
+    d = next(c for c in cands if c.label == "bmuf every=16")
+    assert d.note == "timing only: the 60 s time budget ran out in its train mode"
+    assert unfinished_line([(c.label, c.unfinished) for c in ranked if c.unfinished], 60, deadline) == (
+        "not finished within the 60 s time budget (its deadline passed; ranked by what was done): train mode "
+        "not run past 0.2 s of the cluster's time: ma every=4, bmuf every=4; cut after 101 of 200 steps "
+        "(horizon 1/3): bmuf every=16; not run: diloco every=16, diloco every=64, sync-easgd tau=4, "
+        "sync-easgd tau=16, allreduce, ma every=16")
+
+
+def test_a_first_pick_is_behind_the_candidates_that_went_on_only_where_some_did(monkeypatch):
+    """The plan stops the search before the second horizon's first run: nobody went on, so
+    the three that led at 0.2 s are where the time budget stopped the search. With room,
+    the six left at 0.2 s are behind the three that went on."""
+    from distsync.experiments import recommend as rec
+
+    setting, cands, _ = _race(monkeypatch, cost={"step_s": 0.001, "one_s": 0.001, "eval_s": 0.0})
+    plan = rec._plan
+
+    def small(*args):
+        s, horizon, line, ledger = plan(*args)
+        return s, horizon, line, dataclasses.replace(ledger, total_s=1.9)
+
+    monkeypatch.setattr(rec, "_plan", small)
+    rec._staged_search(setting, cands, {}, Deadline.after(60), None)
+    first = rank(cands)[0]
+    assert first.note == ("short horizon: accuracy 0.5 after 0.2 s of the cluster's time, where the time budget "
+                          "stopped the search")
+    assert first.unfinished == "not run past 0.2 s of the cluster's time"
+    monkeypatch.setattr(rec, "_plan", plan)
+    setting, cands, _ = _race(monkeypatch)
+    rec._staged_search(setting, cands, {}, Deadline.after(60), None)
+    ranked = rank(cands)
+    assert ranked[3].note == ("short horizon: accuracy 0.24 after 0.2 s of the cluster's time, behind the candidates "
+                              "that went on")
+    assert not any(c.unfinished for c in ranked)
+
+
+def test_progress_is_told_at_least_every_few_seconds_of_the_clock_while_train_mode_runs(monkeypatch):
+    """Every step 0.5 s of the clock: each run's start is told at once, and within it a line
+    at least every 5 s (the first one at its 10th step), with its steps and the seconds it ran."""
+    from distsync.experiments import recommend as rec
+    from distsync.experiments.deadline import PROGRESS_EVERY_S, Progress
+
+    clock = FakeClock(step_s=0.5)
+    setting, cands, _ = _race(monkeypatch, clock=clock)
+    told = []
+    progress = Progress(lambda line, done, total: told.append((clock.now, line, done, total)), clock)
+    rec._staged_search(setting, cands, {}, Deadline(1e9, clock), progress)
+    assert told[:3] == [(0.0, "pricing a train-mode step of 8 replicas", 0, 0),
+                        (0.0, "horizon 1/3 (0.2 s of the cluster's time): ma every=4", 0, 9),
+                        (5.0, "horizon 1/3 (0.2 s of the cluster's time): ma every=4: step 10 of 200, 5 s in", 0, 9)]
+    times = [t for t, *_ in told] + [clock.now]
+    assert max(b - a for a, b in zip(times, times[1:])) <= PROGRESS_EVERY_S + 0.5 and PROGRESS_EVERY_S <= 10
+    assert any(line.startswith("to target: bmuf every=16: step ") for _, line, *_ in told)
+
+
+def test_pricing_takes_fewer_tries_once_its_time_is_spent(monkeypatch):
+    """train_mode_cost prices each part with five tries, one when told its time is spent."""
+    from distsync.sim import train
+    from distsync.workloads import load_workload
+
+    evaluated = []
+    real = train._evaluate
+    monkeypatch.setattr(train, "_evaluate", lambda *a: evaluated.append(1) or real(*a))
+    train.train_mode_cost(load_workload("digits"), 2)
+    assert len(evaluated) == 5
+    evaluated.clear()
+    train.train_mode_cost(load_workload("digits"), 2, enough=lambda: True)
+    assert len(evaluated) == 1
+
+
+def _timing_rows(*rows):
+    return [{"label": label, "judged": "timing only", "throughput_samples_per_s": tput, "note": f"timing only: {why}"}
+            for label, tput, why in rows]
+
+
+def test_a_ranking_by_throughput_alone_says_so_first_and_names_its_tie():
+    """No candidate judged on its training: the first lines say the ranking is by throughput
+    alone, why, where to measure the training half, and which candidates tie at the top
+    (within 1% of the first's 533 samples/s: 528 ties, 527 does not)."""
+    from distsync.experiments.recommend import TRAINING_HALF_COMMAND, first_lines, throughput_alone
+
+    rows = _timing_rows(("ma every=4", 533.0, "the 60 s time budget was spent before its train mode"),
+                        ("bmuf every=4", 533.0, "the 60 s time budget was spent before its train mode"),
+                        ("allreduce", 528.0, "train mode cannot run this model"),
+                        ("ripples", 527.0, "the 60 s time budget was spent before its train mode"))
+    alone = throughput_alone(rows)
+    assert alone == {"why": ["the 60 s time budget was spent before its train mode",
+                             "train mode cannot run this model"],
+                     "throughput_samples_per_s": 533.0, "tied": ["ma every=4", "bmuf every=4", "allreduce"]}
+    assert TRAINING_HALF_COMMAND == "distsync compare --repeats 3"
+    assert first_lines({"by_throughput_alone": alone, "unfinished": ""}) == [
+        "ranked by throughput alone: no candidate was judged on its training (the 60 s time budget was spent before "
+        "its train mode; train mode cannot run this model); for the training half, measure on your cluster: "
+        "distsync compare --repeats 3",
+        "3 candidates tie at 533 samples/s (within 1%), their order is no ranking: ma every=4, bmuf every=4, allreduce"]
+    # alone at the top: no tie named; one candidate judged on its training: no such line
+    assert throughput_alone(rows[:1] + rows[3:])["tied"] == []
+    trained = [{**rows[0], "judged": "to target"}] + rows[1:]
+    assert throughput_alone(trained) is None and first_lines({"by_throughput_alone": None}) == []
+
+
+def test_a_spent_time_budget_reaches_the_answers_first_lines():
+    res = recommend(Request(workers=4, device_ms=5, solvers=["allreduce", "ad-psgd"], time_budget_s=1e-6))
+    assert res["by_throughput_alone"]["why"] == ["the 1e-06 s time budget was spent before its train mode"]
+    assert res["unfinished"] == ("not finished within the 1e-06 s time budget (its deadline passed; ranked by what "
+                                 "was done): train mode not run: " + ", ".join(r["label"] for r in res["ranked"]))
+
+
+def _verify_setup(monkeypatch, clock: FakeClock, start_s: float):
+    """verify on digits' stand-ins: train mode reaches the target at its 4th step, 1 s a step;
+    a real run takes its seconds of training and ``start_s`` around them, telling its step
+    every second. Returns the seconds each real run was given, and the lines told."""
+    from distsync.sim import train
+    from distsync.sim.train import TrainResult
+
+    def simulate_training(solver, options, workload, n, steps, *, stop=None, **_):
+        res = TrainResult(solver, n, steps)
+        for step in range(4):
+            clock.advance(1.0)
+            if stop is not None and stop(step + 1):
+                res.cut_short = True
+                return res
+        res.steps_to_target, res.curve = 4, [{"step": 3, "t": 4.0, "metric": 0.9, "loss": 0.1, "final": False}]
+        return res
+
+    given = []
+
+    def run(cfg, run_dir, on_progress):
+        seconds = float(cfg.budget.seconds)
+        given.append(seconds)
+        for k in range(int(seconds + start_s)):
+            clock.advance(1.0)
+            on_progress({"step": k, "steps": None})
+        return {"time_to_target_s": seconds / 2, "throughput_samples_per_s": 100.0}
+
+    monkeypatch.setattr(train, "simulate_training", simulate_training)
+    told = []
+    result = {"compute_s": 0.002, "model_bytes": 1e4, "tensor_bytes": None,
+              "ranked": [{"solver": "ma", "options": {"every": 4}}, {"solver": "bmuf", "options": {"every": 4}},
+                         {"solver": "allreduce", "options": {}}]}
+    return result, run, given, told
+
+
+def test_verify_keeps_to_its_budget_and_says_what_it_did_not_run(monkeypatch, tmp_path):
+    """A 100 s budget, three runs. Each run's part is an even share of what is left, 10 s of
+    it for a real run's start: a start that takes its 10 s leaves the three runs 19, 19 and
+    20 s of training, the last ending at 100 s. Starts of 40 s: the first run (33.3 s its
+    part, 4 s predicting) gets 19 s and ends at 63 s; the second (18.5 s) gets 4 s and ends at
+    111 s; the third is not run, and says so. Progress at least every 5 s of the clock."""
+    from distsync.experiments.deadline import PROGRESS_EVERY_S
+    from distsync.experiments.recommend import verify
+
+    for start_s, seconds, ends in ((10, [19, 19, 20], 100), (40, [19, 4], 111)):
+        clock = FakeClock()
+        result, run, given, told = _verify_setup(monkeypatch, clock, start_s)
+        rows = verify(Request(workers=4, device_ms=2), result, 2, tmp_path, workers=2, budget_s=100.0,
+                      on_step=lambda line, done, total: told.append((clock.now, line)), clock=clock, run=run)
+        assert given == seconds and clock.now == ends
+        assert [r["not_run"] for r in rows] == [None] * len(seconds) + [
+            "the 100 s verify budget was spent before it"] * (3 - len(seconds))
+        assert all(r["predicted_time_to_target_s"] is not None for r in rows[:len(seconds)])
+        times = [t for t, _ in told]
+        assert max(b - a for a, b in zip(times, times[1:])) <= PROGRESS_EVERY_S
+    assert told[0] == (0.0, "verify 1/3: ma every=4: predicting (train mode at 2 workers)")
+    assert (4.0, "verify 1/3: ma every=4: real run on 2 emulated devices (at most 19 s of training)") in told
+    with pytest.raises(ConfigError, match="--verify-budget must be > 0, got 0"):
+        verify(Request(workers=4, device_ms=2), result, 2, tmp_path, budget_s=0)
+
+
+def test_the_verify_budget_is_stated_in_help_and_checked(tmp_path):
+    from distsync.experiments.recommend import VERIFY_BUDGET_S
+
+    proc = run_cli("recommend", "--help")
+    assert proc.returncode == 0 and "--verify-budget SECONDS" in proc.stdout
+    assert f"(default: {VERIFY_BUDGET_S:g})" in " ".join(proc.stdout.split())
+    proc = run_cli("recommend", "--verify", "1", "--verify-budget", "0", "--out", str(tmp_path / "r"))
+    assert proc.returncode == 2
+    assert_one_line(proc.stderr)
+    assert "--verify-budget must be > 0, got 0" in proc.stderr
+
+
+@pytest.mark.parametrize("solver", ["allreduce", "ad-psgd"])
+def test_train_mode_asks_its_stop_after_every_step_and_is_cut_short_there(solver):
+    """No evaluation before step 50, and a stop that says yes at the 7th step: the run ends
+    there (a lockstep rule after its 7th step; an order-dependent one once its workers have
+    taken 7 steps each on average), cut short, with nothing evaluated."""
+    from distsync.sim.train import simulate_training
+    from distsync.workloads import load_workload
+
+    asked = []
+    res = simulate_training(solver, {}, load_workload("digits"), 2, 50, eval_every=50,
+                            stop=lambda done: asked.append(done) or done >= 7)
+    assert res.cut_short and res.curve == [] and asked[-1] == 7 and max(asked) == 7
+
+
+def test_a_stage_that_blocks_is_told_by_its_beat_once_it_has_lasted_the_interval():
+    from distsync.experiments.deadline import Progress
+
+    clock, told = FakeClock(), []
+    progress = Progress(lambda line, done, total: told.append(line), clock, every_s=5)
+    progress.stage("measuring the model", at_once=False)
+    clock.advance(4.5)
+    progress.beat()
+    assert told == []
+    clock.advance(0.5)
+    progress.beat()
+    progress.beat()  # (told again only after another 5 s)
+    assert told == ["measuring the model, 5 s in"]

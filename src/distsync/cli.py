@@ -203,6 +203,9 @@ def _add_recommend_command(sub, training: str) -> None:
                          "the fastest first, while the time budget lasts")
     rc.add_argument("--verify-seconds", type=finite_float, default=60.0, metavar="S",
                     help="with --verify: each run stops at its target or after S seconds of training (default: 60)")
+    rc.add_argument("--verify-budget", type=finite_float, default=300.0, metavar="SECONDS",
+                    help="with --verify: the seconds all its runs take, predictions included; a run with no room left "
+                         "is not run, and said so (default: 300)")
     add_training_options(rc.add_argument_group(f"{training} (train mode follows it; so do the printed commands)"))
     rc.add_argument("--out", help="output folder (default: runs/<time>-recommend-<workload>)")
 
@@ -701,8 +704,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 def _cmd_recommend(args: argparse.Namespace) -> int:
     from distsync.errors import ConfigError
-    from distsync.experiments.recommend import (Request, left_out_lines, recommend, tables_note, uncertainty_line,
-                                                verify, write_outputs)
+    from distsync.experiments.recommend import (Request, first_lines, left_out_lines, recommend, tables_note,
+                                                uncertainty_line, verify, write_outputs)
     from distsync.options import training_from_args
     from distsync.runtime.run_folder import out_or_default, workload_tag
 
@@ -716,7 +719,12 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
         raise ConfigError(f"--verify must be >= 0, got {args.verify}")
     if not args.verify_seconds > 0:
         raise ConfigError(f"--verify-seconds must be > 0, got {args.verify_seconds:g}")
+    if not args.verify_budget > 0:
+        raise ConfigError(f"--verify-budget must be > 0, got {args.verify_budget:g}")
     out = out_or_default(args.out, "recommend", workload_tag(args.workload))
+    _stdout().print(f"recommend: an answer within {args.time_budget:g} s (--time-budget)" + (
+        f"; then the top {args.verify} (and allreduce) run for real within {args.verify_budget:g} s (--verify-budget)"
+        if args.verify else ""), highlight=False, soft_wrap=True)
     with _progress() as bar:
         task = bar.add_task("searching", total=None, status="measuring", where="")
 
@@ -727,9 +735,12 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
             log(label, done, total)
 
         result = recommend(request, on_step)
-    if args.verify:
-        result["verify"] = verify(request, result, args.verify, out, cap_s=args.verify_seconds)
+        if args.verify:
+            result["verify"] = verify(request, result, args.verify, out, cap_s=args.verify_seconds,
+                                      budget_s=args.verify_budget, on_step=on_step)
     report = write_outputs(out, result)
+    for line in first_lines(result):  # (what the time budget left undone; a ranking by throughput alone)
+        _stdout().print(line, highlight=False, soft_wrap=True)
     where = result["compute_from"]
     table = Table(title=f"{args.workload} on {args.workers} workers, {args.link}: compute "
                         f"{result['compute_s'] * 1000:.2f} ms a step ({where}), model "
@@ -751,8 +762,12 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
     best = result["ranked"][0]
     _stdout().print(f"run it: {best['command']}", highlight=False, soft_wrap=True)
     for v in result.get("verify", []):
+        if v["not_run"]:
+            _stdout().print(f"not verified {v['label']}: {v['not_run']}", highlight=False, soft_wrap=True)
+            continue
         p, m = v["predicted_time_to_target_s"], v["measured_time_to_target_s"]
         flag = " (the run was CPU-bound: no emulation of that device)" if v["cpu_bound"] else ""
+        flag += f" (prediction: {v['prediction']})" if v.get("prediction") else ""
         _stdout().print(f"verified {v['label']} on {v['workers']} emulated devices: predicted "
                         f"{'-' if p is None else f'{p:.2f} s'}, measured {'not reached' if m is None else f'{m:.2f} s'}"
                         f"{flag}", highlight=False, soft_wrap=True)

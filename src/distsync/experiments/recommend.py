@@ -48,6 +48,7 @@ from typing import Any, Callable
 
 from distsync.config import Budget, Link, RunConfig, bounded, check_ranges, run_option
 from distsync.errors import ConfigError, DistsyncError, ModelRefused
+from distsync.experiments.deadline import Deadline, Progress, RunWatch, unfinished_line
 from distsync.experiments.report import markdown_table
 from distsync.options import TRAINING_FIELDS, Training, resolve_training, train_mode_kwargs
 
@@ -72,11 +73,13 @@ HORIZON_EVALS = 4
 #: steps of the fastest candidate before it trains fewer replicas
 MIN_HORIZON_STEPS = 32
 #: the share of the time budget the staged search plans to spend, in this machine's seconds
-#: as train_mode_cost prices a run (the plan, not the clock, decides what runs: the same
-#: command gives the same answer beside other work; the clock stops it only past
-#: :data:`DEADLINE_SHARE` of the budget)
+#: as train_mode_cost prices a run (the plan decides what runs: the same command gives the
+#: same answer beside other work, unless a price was wrong: the clock stops it past
+#: :data:`DEADLINE_SHARE` of the budget, checked after every train-mode step)
 PLANNED_SHARE = 0.7
 DEADLINE_SHARE = 0.9
+#: pricing a train-mode step takes fewer tries once this share of the budget is spent
+PRICING_SHARE = 0.2
 #: the key, in the cache of train-mode results, of why no candidate gets a time to target
 #: (the value: that reason in one line, and the candidates' note)
 _NO_TIME = ("no", "time to target")
@@ -84,6 +87,10 @@ _NO_TIME = ("no", "time to target")
 
 #: recommend's searches (``--search``)
 SEARCHES = ("staged", "full")
+#: where no candidate was judged on its training, what measures that half on the user's cluster
+TRAINING_HALF_COMMAND = "distsync compare --repeats 3"
+#: candidates ranked by throughput alone within this share of the first pick's tie with it
+TIE_SHARE = 0.01
 
 
 @dataclass
@@ -169,6 +176,8 @@ class Candidate:
     grain_steps: int = 1
     #: its time to target at the ends of the measurement's uncertainty (:func:`uncertainty`)
     time_to_target_range_s: tuple[float, float] | None = None
+    #: what of its train mode the time budget left undone ("not run", "cut after N steps")
+    unfinished: str = ""
 
     @property
     def label(self) -> str:
@@ -179,7 +188,8 @@ class Candidate:
                 "throughput_samples_per_s": self.throughput, "step_s": self.step_s, "phase_share": self.phase_share,
                 "steps_to_target": self.steps_to_target, "time_to_target_s": self.time_to_target_s,
                 "trained": self.trained, "note": self.note, "solver_rank": self.solver_rank,
-                "horizon_s": self.horizon_s, "time_to_target_range_s": self.time_to_target_range_s}
+                "horizon_s": self.horizon_s, "time_to_target_range_s": self.time_to_target_range_s,
+                "unfinished": self.unfinished}
 
 
 def measure_compute(workload: Any, batch_size: int, steps: int = 20) -> tuple[float, float, float]:
@@ -341,12 +351,12 @@ def _runnable(request: Request, training: RunConfig, cands: list[Candidate]) -> 
     return out
 
 
-def _train_steps(s: _Setting, cand: Candidate, cache: dict, deadline: float | None = None,
-                 on_eval: Callable[[int, float], None] | None = None, cap: int | None = None) -> None:
+def _train_steps(s: _Setting, cand: Candidate, cache: dict, deadline: Deadline | None = None,
+                 progress: Progress | None = None, cap: int | None = None) -> None:
     """Steps to target from train mode (the solver's own rule, with the request's training
     options; an order-dependent one in the order its timing model gives on the request's
     cluster at the planned replicas: :func:`_train_mode`), cached per rule: lockstep rules do not depend on the servers'
-    count."""
+    count. Past ``deadline`` (asked after every step) it stops, and the candidate is timing only."""
     from distsync.sim.train import ModelNotTrainable
 
     if _NO_TIME in cache:
@@ -355,15 +365,18 @@ def _train_steps(s: _Setting, cand: Candidate, cache: dict, deadline: float | No
     request = s.request
     ordered, key = _rule_key(cand)
     steps = _step_cap(s, ordered) if cap is None else cap
-    if key not in cache and deadline is not None and time.monotonic() > deadline:
+    if key not in cache and deadline is not None and deadline.passed():
         cand.note = f"timing only: the {request.time_budget_s:g} s time budget was spent before its train mode"
+        cand.unfinished = "not run"
         return
     if key not in cache:
         try:
-            res = _train_mode(s, cand, ordered, steps, _eval_grain(s), deadline, on_eval)
+            watch = RunWatch(deadline, progress, steps)
+            res = _train_mode(s, cand, ordered, steps, _eval_grain(s), watch)
             if res.cut_short:  # (not cached: a longer budget would go on)
                 cand.note = (f"timing only: the {request.time_budget_s:g} s time budget ran out in its train mode, "
-                             f"after {res.curve[-1]['step'] + 1 if res.curve else 0} steps")
+                             f"after {watch.done} steps")
+                cand.unfinished = f"cut after {watch.done} of {steps} steps"
                 return
             # an ordered rule on the request's whole cluster: its event loop's own time to target
             at = res.time_to_target_s if ordered and _full_size(s) else None
@@ -421,18 +434,18 @@ def _eval_grain(s: _Setting) -> int:
     return max(1, s.training.eval_every // TRAIN_EVAL_FINER)
 
 
-def _train_mode(s: _Setting, cand: Candidate, ordered: bool, steps: int, every: int, deadline: float | None,
-                on_eval: Callable[[int, float], None] | None, **more: Any) -> Any:
+def _train_mode(s: _Setting, cand: Candidate, ordered: bool, steps: int, every: int,
+                stop: Callable[[int], bool] | None, **more: Any) -> Any:
     """``cand``'s rule in train mode, until the target, with the request's training options,
     at the planned replicas (an order-dependent one on the request's link, slow workers and
-    jitter); ``more``: simulate_training's other arguments."""
+    jitter), asking ``stop`` after every step; ``more``: simulate_training's other arguments."""
     from distsync.sim.train import simulate_training
 
     n = s.train_workers
     cluster, worker_model = _train_cluster(s.request, n, s.compute_s) if ordered else (None, None)
     return simulate_training(cand.solver, cand.options, s.workload, n, steps, **train_mode_kwargs(s.training),
                              seed=s.request.seed, until_target=True, cluster=cluster, worker_model=worker_model,
-                             model_bytes=s.nbytes, eval_every=every, deadline=deadline, on_eval=on_eval, **more)
+                             model_bytes=s.nbytes, eval_every=every, stop=stop, **more)
 
 
 @dataclass
@@ -450,6 +463,8 @@ class _Racer:
     #: the latest horizon it was judged at, and its metric there ("higher is better")
     horizon_s: float | None = None
     score: float | None = None
+    #: left behind there by the halving (others went on), not stopped by the time budget
+    dropped: bool = False
 
 
 class _Stop(Exception):
@@ -485,13 +500,14 @@ class _Ledger:
         self.spent_s += cost
 
 
-def _staged_search(s: _Setting, cands: list[Candidate], cache: dict, deadline: float,
-                   progress: Callable[[str, int, int], None] | None) -> tuple[_Setting, str]:
+def _staged_search(s: _Setting, cands: list[Candidate], cache: dict, deadline: Deadline,
+                   progress: Progress | None) -> tuple[_Setting, str]:
     """Successive halving over the candidates' train mode (:data:`HALVING`, :data:`RUNGS`),
     then the survivors to the target (:func:`_train_steps`); a candidate left behind at a
     horizon keeps its standing there (:attr:`Candidate.horizon_s`); one the time budget did
     not reach is judged by its timing alone. The replicas and the first horizon are sized to
-    the time budget (:func:`_plan`); returns the setting trained with and the plan's line."""
+    the time budget (:func:`_plan`), and every run stops where ``deadline`` has passed;
+    returns the setting trained with and the plan's line."""
     from distsync.sim.train import ModelNotTrainable
 
     if _NO_TIME in cache:
@@ -500,8 +516,12 @@ def _staged_search(s: _Setting, cands: list[Candidate], cache: dict, deadline: f
         return s, ""
     racing = [_Racer(c, *_rule_key(c)) for c in cands]
     horizon = min(_step_cap(s, r.ordered) * r.cand.step_s for r in racing) / HALVING ** RUNGS
-    try:
-        s, horizon, planned, ledger = _plan(s, racing, horizon, PLANNED_SHARE * s.request.time_budget_s)
+    budget_s = s.request.time_budget_s
+    if progress is not None:
+        progress.stage(f"pricing a train-mode step of {s.train_workers} replicas")
+    try:  # (the price's tries stop at PRICING_SHARE of the budget: a slow machine prices with fewer)
+        s, horizon, planned, ledger = _plan(s, racing, horizon, PLANNED_SHARE * budget_s,
+                                            deadline.earlier((DEADLINE_SHARE - PRICING_SHARE) * budget_s).passed)
     except ModelNotTrainable as e:
         cache[_NO_TIME] = (str(e), "timing only: train mode cannot run this model")
         for c in cands:
@@ -514,17 +534,19 @@ def _staged_search(s: _Setting, cands: list[Candidate], cache: dict, deadline: f
             _rung(s, left, horizon, runs, cache, deadline, progress, f"horizon {rung + 1}/{RUNGS + 1}", ledger)
             left = [r for r in left if not r.cand.refused and not r.cand.note.startswith("timing only")]
             done = [r for r in left if r.reached_s is not None]
-            if sum(r.reached_s <= horizon for r in done) >= SETTLED:
-                left = []  # the rest are slower to the target than these
-                break
             going = sorted((r for r in left if r.reached_s is None),
                            key=lambda r: -math.inf if r.score is None else r.score, reverse=True)
-            keep = max(math.ceil(len(going) / HALVING), SETTLED - len(done))
+            keep = 0 if sum(r.reached_s <= horizon for r in done) >= SETTLED else (  # (the rest: slower to it)
+                max(math.ceil(len(going) / HALVING), SETTLED - len(done)))
+            for r in going[keep:]:
+                r.dropped = True
             left = going[:keep]
+            if not left:
+                break
             horizon *= HALVING
         for i, r in enumerate(left):  # the last rung: to the target, within what the plan has left
             if progress is not None:
-                progress(f"{r.cand.label} (to target)", i, len(left))
+                progress.stage(f"to target: {r.cand.label}", i, len(left))
             every = _eval_grain(s)
             cap = _step_cap(s, r.ordered)
             while cap > ledger.affordable_steps(r.ordered, every, 1 / (len(left) - i)):
@@ -532,15 +554,24 @@ def _staged_search(s: _Setting, cands: list[Candidate], cache: dict, deadline: f
             if cap < 1:
                 raise _Stop
             ledger.charge(ledger.price(cap, r.ordered, cap // every + 1))
-            _train_steps(s, r.cand, cache, deadline, _evaluations(progress, r.cand.label, i, len(left)), cap)
+            _train_steps(s, r.cand, cache, deadline, progress, cap)
             if r.cand.note.startswith("timing only"):  # (the budget ran out in it: it keeps its horizon)
                 r.cand.note = ""
-                if r.horizon_s is None:
-                    r.cand.note = f"timing only: the {s.request.time_budget_s:g} s time budget was spent first"
             elif r.cand.trained:
                 r.horizon_s = None  # judged on its whole run
     except _Stop:
         pass
+    _standing(s, racing)
+    return s, planned
+
+
+def _standing(s: _Setting, racing: list[_Racer]) -> None:
+    """Each candidate where the staged search left it: reached the target, left behind at a
+    horizon (by the halving, or where the time budget stopped the search), or not reached
+    (timing only); with what the time budget left undone (:attr:`Candidate.unfinished`)."""
+    def beyond(q: _Racer, r: _Racer) -> bool:  # q judged further than r's horizon
+        return q.reached_s is not None or q.cand.trained or (q.horizon_s or 0) > r.horizon_s
+
     for r in racing:
         c = r.cand
         if r.reached_s is not None:
@@ -550,12 +581,17 @@ def _staged_search(s: _Setting, cands: list[Candidate], cache: dict, deadline: f
             c.horizon_s, c.horizon_score = r.horizon_s, r.score
             # (the score is the metric, or its negative where lower is better)
             metric = "-" if r.score is None else f"{r.score if s.workload.higher_is_better else -r.score:.3g}"
+            went_on = r.dropped and any(beyond(q, r) for q in racing if q is not r)
             c.note = (f"short horizon: {s.workload.metric_name} {metric} after {r.horizon_s:.3g} s of the "
-                      f"cluster's time, behind the candidates that went on")
+                      f"cluster's time, " + ("behind the candidates that went on" if went_on
+                                             else "where the time budget stopped the search"))
+            if not r.dropped and c.unfinished in ("", "not run"):  # (it was run: to its horizon)
+                c.unfinished = f"not run past {r.horizon_s:.3g} s of the cluster's time"
         elif not c.trained and not c.refused and not c.note:
-            c.note = f"timing only: the {s.request.time_budget_s:g} s time budget was spent before its train mode"
+            c.note = (f"timing only: the {s.request.time_budget_s:g} s time budget "
+                      + ("ran out in its train mode" if c.unfinished else "was spent before its train mode"))
+            c.unfinished = c.unfinished or "not run"
         _predict(c)
-    return s, planned
 
 
 def _full_size(s: _Setting) -> bool:
@@ -563,27 +599,12 @@ def _full_size(s: _Setting) -> bool:
     return s.train_workers == s.request.workers
 
 
-def _evaluations(progress: Callable[[str, int, int], None] | None, label: str, done: int,
-                 total: int) -> Callable[[int, float], None] | None:
-    """Train mode's evaluations as progress, every 5 s at most (a long run is never silent)."""
-    if progress is None:
-        return None
-    last = [time.monotonic()]
-
-    def on_eval(step: int, metric: float) -> None:
-        if time.monotonic() - last[0] >= 5:
-            last[0] = time.monotonic()
-            progress(f"{label}: step {step + 1}", done, total)
-
-    return on_eval
-
-
-def _rung(s: _Setting, racers: list[_Racer], horizon: float, runs: dict, cache: dict, deadline: float,
-          progress: Callable[[str, int, int], None] | None, stage: str, ledger: _Ledger) -> None:
+def _rung(s: _Setting, racers: list[_Racer], horizon: float, runs: dict, cache: dict, deadline: Deadline,
+          progress: Progress | None, stage: str, ledger: _Ledger) -> None:
     """Train every racer's rule (once per key) for ``horizon`` seconds of the cluster's time,
     and judge each there: reached the target (its time), or its metric at the horizon. The
     run is a moment of a longer one: its rule's finish (a closing sync the real run would not
-    have then) does not run."""
+    have then) does not run. Where ``deadline`` passes, in a run or before one, the search stops."""
     from distsync.sim.train import ModelNotTrainable
 
     higher = s.workload.higher_is_better
@@ -594,16 +615,16 @@ def _rung(s: _Setting, racers: list[_Racer], horizon: float, runs: dict, cache: 
         steps = _horizon_steps(s, group, horizon)
         have = runs.get(key)
         if have is None or (have[0] == "ok" and have[2] < steps and not _reached_in_run(have[1])):
+            if deadline.passed():
+                raise _Stop
             if progress is not None:
-                progress(f"{head.cand.label} ({stage}, {horizon:.3g} s)", i, len(groups))
+                progress.stage(f"{stage} ({horizon:.3g} s of the cluster's time): {head.cand.label}", i, len(groups))
             every = max(1, min(_eval_grain(s), steps // HORIZON_EVALS))
             priced = _horizon_steps(s, group, horizon, priced=True)
             ledger.charge(ledger.price(priced, head.ordered, priced // every + 1))
-            if time.monotonic() > deadline:
-                raise _Stop
+            watch = RunWatch(deadline, progress, steps)
             try:
-                res = _train_mode(s, head.cand, head.ordered, steps, every, deadline,
-                                  _evaluations(progress, head.cand.label, i, len(groups)),
+                res = _train_mode(s, head.cand, head.ordered, steps, every, watch,
                                   horizon_s=horizon if own_time else None, finish=False)
             except ModelNotTrainable as e:
                 cache[_NO_TIME] = (str(e), "timing only: train mode cannot run this model")
@@ -616,6 +637,8 @@ def _rung(s: _Setting, racers: list[_Racer], horizon: float, runs: dict, cache: 
                 runs[key] = ("no rule", str(e), 0, 1)
             else:
                 if res.cut_short:
+                    for r in group:
+                        r.cand.unfinished = f"cut after {watch.done} of {steps} steps ({stage})"
                     raise _Stop
                 runs[key] = ("ok", res, steps, every)
         kind, res, *_ = runs[key]
@@ -650,7 +673,8 @@ def _horizon_steps(s: _Setting, group: list[_Racer], horizon: float, priced: boo
     return min(cap, math.ceil(horizon / min(r.cand.step_s for r in group) * factor - 1e-9))
 
 
-def _plan(s: _Setting, racers: list[_Racer], horizon: float, total_s: float) -> tuple[_Setting, float, str, _Ledger]:
+def _plan(s: _Setting, racers: list[_Racer], horizon: float, total_s: float,
+          enough: Callable[[], bool] | None = None) -> tuple[_Setting, float, str, _Ledger]:
     """The train-mode replicas and the first horizon that fit the first horizon's runs into
     a share of ``total_s`` seconds of this machine (1 / (RUNGS + 2): every later horizon
     costs about as much, a third of the candidates three times as long, and the last runs
@@ -659,12 +683,13 @@ def _plan(s: _Setting, racers: list[_Racer], horizon: float, total_s: float) -> 
     (down to :data:`MIN_HORIZON_STEPS` of the fastest candidate), the replicas halved (to 2
     at least) and, if need be, the horizon halved again. Returns the setting to train
     with, the first horizon, one line saying what was planned, and the ledger the search
-    charges its runs to."""
+    charges its runs to; ``enough``: the pricing's time is spent (fewer tries)."""
     from distsync.sim.train import train_mode_cost
 
     n0 = s.train_workers
     cost = train_mode_cost(s.workload, n0, batch_size=s.training.batch_size, precision=s.training.precision,
-                           embedding_servers=s.training.embedding_servers, lr=s.training.lr, seed=s.request.seed)
+                           embedding_servers=s.training.embedding_servers, lr=s.training.lr, seed=s.request.seed,
+                           enough=enough)
 
     def first_horizon(n: int, h: float) -> float:  # seconds of this machine
         scale, total = n / n0, 0.0
@@ -849,15 +874,27 @@ def rank(cands: list[Candidate]) -> list[Candidate]:
     return ranked
 
 
-def recommend(request: Request, on_step: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
-    """Measure, search and rank; returns what ``recommend.json`` holds. ``on_step(label,
-    done, total)`` follows the search."""
+def recommend(request: Request, on_step: Callable[[str, int, int], None] | None = None,
+              clock: Callable[[], float] = time.monotonic) -> dict[str, Any]:
+    """Measure, search and rank; returns what ``recommend.json`` holds. ``on_step(line,
+    done, total)`` follows the work (:class:`~distsync.experiments.deadline.Progress`: the
+    phase, the candidate, how far; at least every few seconds); ``clock`` (seconds,
+    monotonic) is the one the time budget's deadline is checked on, as the work goes."""
+    request.check()
+    began = clock()
+    # (train mode stops a little before the budget: ranking and the outputs take their time too)
+    deadline = Deadline(began + DEADLINE_SHARE * request.time_budget_s, clock)
+    progress = Progress(on_step, clock)
+    with progress.beating():
+        result = _search(request, deadline, progress)
+    return {**result, "answer_seconds": clock() - began}
+
+
+def _search(request: Request, deadline: Deadline, progress: Progress) -> dict[str, Any]:
+    """:func:`recommend`'s work: measure, time every candidate, train mode while ``deadline`` allows, rank."""
     from distsync.sim.calibrate import synced_tensor_bytes
 
-    request.check()
-    began = time.monotonic()
-    # (train mode stops a little before the budget: ranking and the outputs take their time too)
-    deadline = began + DEADLINE_SHARE * request.time_budget_s
+    progress.stage("measuring the model", at_once=False)
     training, workload = _resolve(request)
     try:
         model = workload.make_model()
@@ -888,20 +925,19 @@ def recommend(request: Request, on_step: Callable[[str, int, int], None] | None 
     if workload.target is None:  # (train mode would run to its step limit for nothing)
         cache[_NO_TIME] = (f"workload {workload.name} has no target", "timing only: the workload has no target")
     t0 = time.perf_counter()
+    progress.stage(f"timing {len(cands)} candidates")
     for cand in cands:  # every candidate's timing first (seconds in all)
         _timing(setting, cand)
     # then train mode, while the time budget lasts
     planned = ""
     if request.search == "staged":
-        setting, planned = _staged_search(setting, cands, cache, deadline, on_step)
+        setting, planned = _staged_search(setting, cands, cache, deadline, progress)
     else:
         for i, cand in enumerate(sorted(cands, key=lambda c: -c.throughput)):  # the fastest first
-            if on_step is not None:
-                on_step(cand.label, i, len(cands))
-            _train_steps(setting, cand, cache, deadline, _evaluations(on_step, cand.label, i, len(cands)))
+            progress.stage(f"to target: {cand.label}", i, len(cands))
+            _train_steps(setting, cand, cache, deadline, progress)
             _predict(cand)
-    if on_step is not None:
-        on_step("done", len(cands), len(cands))
+    progress.stage("ranking", len(cands), len(cands))
     cands, left_out = _fitting(request, cands)
     ranked = rank(cands)
     level = uncertainty(setting, ranked, spread if measured_here else None)
@@ -924,9 +960,10 @@ def recommend(request: Request, on_step: Callable[[str, int, int], None] | None 
             "train_workers": setting.train_workers, "train_plan": planned,
             "no_time_to_target": cache[_NO_TIME][0] if _NO_TIME in cache else None,
             "target": workload.target, "metric": workload.metric_name,
-            "within_uncertainty": [c.label for c in level],
-            "search_seconds": time.perf_counter() - t0, "answer_seconds": time.monotonic() - began,
-            "ranked": rows, "left_out": left_out}
+            "within_uncertainty": [c.label for c in level], "by_throughput_alone": throughput_alone(rows),
+            "unfinished": unfinished_line([(c.label, c.unfinished) for c in ranked if c.unfinished],
+                                          request.time_budget_s, deadline),
+            "search_seconds": time.perf_counter() - t0, "ranked": rows, "left_out": left_out}
 
 
 def tables_note(result: dict[str, Any]) -> str:
@@ -934,6 +971,33 @@ def tables_note(result: dict[str, Any]) -> str:
     tables = result.get("tables_on_servers_bytes") or 0
     return (f" synchronized (its embedding tables, {tables / 1e6:.3g} MB, sit on embedding servers: the time of "
             f"their lookups and pushes is not simulated)" if tables else "")
+
+
+def throughput_alone(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Where no candidate was judged on its training (every row timing only): why (each
+    distinct reason), the first pick's throughput and the candidates that tie with it
+    (within :data:`TIE_SHARE`; none where it stands alone); None where any was."""
+    if not rows or any(r["judged"] != "timing only" for r in rows):
+        return None
+    top = rows[0]["throughput_samples_per_s"]
+    tied = [r["label"] for r in rows if r["throughput_samples_per_s"] >= top * (1 - TIE_SHARE)]
+    return {"why": list(dict.fromkeys(r["note"].removeprefix("timing only: ") for r in rows)),
+            "throughput_samples_per_s": top, "tied": tied if len(tied) > 1 else []}
+
+
+def first_lines(result: dict[str, Any]) -> list[str]:
+    """What the answer says before its table: what the time budget left unfinished; that the
+    ranking is by throughput alone, where no candidate was judged on its training, and which
+    candidates tie at the top."""
+    lines = [result["unfinished"]] if result.get("unfinished") else []
+    alone = result.get("by_throughput_alone")
+    if alone:
+        lines.append(f"ranked by throughput alone: no candidate was judged on its training ({'; '.join(alone['why'])});"
+                     f" for the training half, measure on your cluster: {TRAINING_HALF_COMMAND}")
+        if alone["tied"]:
+            lines.append(f"{len(alone['tied'])} candidates tie at {alone['throughput_samples_per_s']:,.0f} samples/s "
+                         f"(within {TIE_SHARE:.0%}), their order is no ranking: {', '.join(alone['tied'])}")
+    return lines
 
 
 def uncertainty_line(result: dict[str, Any]) -> str:
@@ -969,17 +1033,36 @@ def _fitting(request: Request, cands: list[Candidate]) -> tuple[list[Candidate],
     return out, [{"label": c.label, "why": c.refused} for c in cands if c.refused]
 
 
+#: ``--verify-budget``'s default: the seconds verify's runs take in all, predictions included
+#: (:func:`verify` without a budget: each run its ``cap_s``, its prediction to the target)
+VERIFY_BUDGET_S = 300.0
+#: the share of a verify run's part of that budget its prediction (train mode) may take
+VERIFY_PREDICT_SHARE = 0.5
+#: what a real run's start and end take beside its training, seconds: allowed for in its part
+VERIFY_START_S = 10.0
+
+
 def verify(request: Request, result: dict[str, Any], top: int, out: Path, workers: int = 4,
-           cap_s: float = 60.0) -> list[dict[str, Any]]:
+           cap_s: float = 60.0, budget_s: float | None = None,
+           on_step: Callable[[str, int, int], None] | None = None, clock: Callable[[], float] = time.monotonic,
+           run: Callable[..., dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Run the ``top`` ranked candidates (and allreduce) for real on this machine, on ``workers``
     emulated devices of the compute the recommendation used (slow workers and jitter as the
     request says, its link when this process may shape links: root), each to its target
     or for ``cap_s`` seconds of training, with the request's training options; return
-    predicted (re-simulated at ``workers``) against measured time to target."""
+    predicted (re-simulated at ``workers``) against measured time to target. With ``budget_s``,
+    all of it within that many seconds of ``clock``: each run gets an even part of what is left (its
+    prediction :data:`VERIFY_PREDICT_SHARE` of it at most; the real run the rest, its start
+    allowed for), and a run with no room left is not run, its row says why. ``on_step``
+    follows the work as :func:`recommend`'s does; ``run(cfg, run_dir, on_progress)``: the
+    real run (default: :func:`distsync.runtime.launch`)."""
     from distsync.runtime import launch
+    from distsync.sim import WorkerModel
 
     if not cap_s > 0:
         raise ConfigError(f"--verify-seconds must be > 0, got {cap_s:g}")
+    if budget_s is not None and not budget_s > 0:
+        raise ConfigError(f"--verify-budget must be > 0, got {budget_s:g}")
     n = min(workers, request.workers)
     small = Request(**{**request.__dict__, "workers": n, "device_ms": result["compute_s"] * 1000,
                        "solvers": None})
@@ -992,29 +1075,55 @@ def verify(request: Request, result: dict[str, Any], top: int, out: Path, worker
         if base is not None:
             picks.append(base)
     # the slow workers the simulator draws (the request's seed), so the real run is the one predicted
-    from distsync.sim import WorkerModel
-
     factors = WorkerModel(result["compute_s"], slow_fraction=request.slow_fraction, slow_factor=request.slow_factor,
                           seed=request.seed).factors(n)
     slow = {int(r): float(f) for r, f in enumerate(factors) if f > 1}
-    value = request.target_value()
-    budget = "target" + ("" if value is None else f"={value}") + f",seconds={cap_s:g}"
+    deadline, progress = Deadline.after(math.inf if budget_s is None else budget_s, clock), Progress(on_step, clock)
     rows = []
-    for r in picks:
-        cand = Candidate(r["solver"], dict(r["options"]))
-        _timing(setting, cand)
-        _train_steps(setting, cand, {})
-        _predict(cand)
-        # (steps: the budget's; the others as the workload says, as the printed command)
-        cfg = _run_config(small, training, cand, n, steps=None, embedding_servers=None, embedding_lr=None,
-                          budget=budget, slow=slow, jitter=request.jitter, device_ms=result["compute_s"] * 1000,
-                          link=request.link if _can_shape() else None, timeout_s=120)
-        s = launch(cfg, out / "verify" / cand.label.replace(" ", "_").replace("=", "-"))
-        rows.append({"label": cand.label, "workers": n, "predicted_time_to_target_s": cand.time_to_target_s,
-                     "measured_time_to_target_s": s["time_to_target_s"],
-                     "predicted_throughput": cand.throughput, "measured_throughput": s["throughput_samples_per_s"],
-                     "link": str(cfg.link) if cfg.link else None, "cpu_bound": (s.get("device") or {}).get("cpu_bound")})
+    with progress.beating():
+        for i, r in enumerate(picks):
+            cand = Candidate(r["solver"], dict(r["options"]))
+            ends = clock() + deadline.left_s() / (len(picks) - i)  # (this run's part of what is left)
+            room = ends - clock() - VERIFY_START_S  # (for its prediction and its training)
+            if room >= 2:
+                progress.stage(f"verify {i + 1}/{len(picks)}: {cand.label}: predicting (train mode at {n} workers)",
+                               i, len(picks))
+                _timing(setting, cand)
+                _train_steps(setting, cand, {}, Deadline(clock() + VERIFY_PREDICT_SHARE * room, clock), progress)
+                _predict(cand)
+            seconds = min(cap_s, math.floor(ends - clock() - VERIFY_START_S)) if math.isfinite(ends) else cap_s
+            rows.append(row := _verify_row(cand, n, budget_s if math.isfinite(ends) and seconds < 1 else None))
+            if row["not_run"]:
+                continue
+            progress.stage(f"verify {i + 1}/{len(picks)}: {cand.label}: real run on {n} emulated devices (at most "
+                           f"{seconds:.3g} s of training)", i, len(picks))
+            # (steps: the budget's; the others as the workload says, as the printed command)
+            cfg = _run_config(small, training, cand, n, steps=None, embedding_servers=None, embedding_lr=None,
+                              budget=_verify_budget(request, seconds), slow=slow, jitter=request.jitter,
+                              device_ms=result["compute_s"] * 1000, link=request.link if _can_shape() else None,
+                              timeout_s=120)
+            summary = (run or launch)(cfg, out / "verify" / cand.label.replace(" ", "_").replace("=", "-"),
+                                      lambda d: progress.step(d.get("step", 0), d.get("steps")))
+            row.update(measured_time_to_target_s=summary["time_to_target_s"], link=str(cfg.link) if cfg.link else None,
+                       measured_throughput=summary["throughput_samples_per_s"],
+                       cpu_bound=(summary.get("device") or {}).get("cpu_bound"))
     return rows
+
+
+def _verify_row(cand: Candidate, workers: int, spent_s: float | None) -> dict[str, Any]:
+    """A verify run's row as predicted, its measurements to come (``spent_s``: the verify
+    budget that was spent before it could run: not run)."""
+    return {"label": cand.label, "workers": workers, "predicted_time_to_target_s": cand.time_to_target_s,
+            "predicted_throughput": cand.throughput or None, "measured_time_to_target_s": None,
+            "measured_throughput": None, "link": None, "cpu_bound": None,
+            "prediction": f"train mode {cand.unfinished} (the verify budget)" if cand.unfinished else None,
+            "not_run": None if spent_s is None else f"the {spent_s:g} s verify budget was spent before it"}
+
+
+def _verify_budget(request: Request, seconds: float) -> str:
+    """A verify run's ``--budget``: the request's target, or ``seconds`` of training."""
+    value = request.target_value()
+    return "target" + ("" if value is None else f"={value}") + f",seconds={seconds:g}"
 
 
 def _can_shape() -> bool:
@@ -1045,6 +1154,7 @@ def write_outputs(out: Path, result: dict[str, Any]) -> Path:
                   f"(momentum {t['momentum']:g}, weight decay {t['weight_decay']:g}), {t['precision']}"
                   + (f"; workload options {given}" if given else "")
                   + f"; target {result['target']}.", ""]
+    lines += [f"{line[0].upper()}{line[1:]}.\n" for line in first_lines(result)]
     if result.get("no_time_to_target"):
         lines += [f"No time to target (ranked by throughput): {result['no_time_to_target']}.", ""]
     lines += [f"{line[0].upper()}{line[1:]}.\n" for line in left_out_lines(result)]
@@ -1060,16 +1170,17 @@ def write_outputs(out: Path, result: dict[str, Any]) -> Path:
         lines += ["", "## Verified on this machine (emulated devices)", ""] + markdown_table(
             ["solver", "workers", "predicted (s)", "measured (s)", "predicted samples/s", "measured samples/s"],
             [[v["label"], v["workers"], _or(v["predicted_time_to_target_s"], "-"),
-              _or(v["measured_time_to_target_s"], "not reached"), f"{v['predicted_throughput']:,.0f}",
-              f"{v['measured_throughput']:,.0f}"] for v in result["verify"]])
+              "not run" if v.get("not_run") else _or(v["measured_time_to_target_s"], "not reached"),
+              _or(v["predicted_throughput"], "-", "{:,.0f}"), _or(v["measured_throughput"], "-", "{:,.0f}")]
+             for v in result["verify"]])
     report = out / "report.md"
     report.write_text("\n".join(lines) + "\n")
     _plot(result, out / "recommend.png")
     return report
 
 
-def _or(seconds: float | None, missing: str) -> str:
-    return missing if seconds is None else f"{seconds:.2f}"
+def _or(value: float | None, missing: str, form: str = "{:.2f}") -> str:
+    return missing if value is None else form.format(value)
 
 
 def _plot(result: dict[str, Any], path: Path) -> None:

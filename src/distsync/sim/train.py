@@ -93,7 +93,7 @@ def simulate_training(solver: str, options: dict[str, Any], workload: Workload, 
                       optimizer: str = "sgd", momentum: float = 0.0, weight_decay: float = 0.0,
                       precision: str = "fp32", lars_eta: float = 0.001, embedding_servers: int | None = None,
                       embedding_lr: float | None = None, embedding_optimizer: str = "adagrad",
-                      deadline: float | None = None, horizon_s: float | None = None,
+                      stop: Callable[[int], bool] | None = None, horizon_s: float | None = None,
                       on_eval: Callable[[int, float], None] | None = None, finish: bool = True) -> TrainResult:
     """Train ``workers`` stacked replicas of ``workload``'s model with ``solver``'s rule, each
     replica stepping locally with its own optimizer as the runtime builds it from
@@ -106,11 +106,11 @@ def simulate_training(solver: str, options: dict[str, Any], workload: Workload, 
     solver, each replica's sparse gradient applied with ``embedding_optimizer`` (adagrad, sgd)
     at ``embedding_lr`` (None: the workload's, else ``lr``). ``wall_s``: the virtual duration of
     the run (from the timing model); the curve's times scale with it. ``until_target``: stop at
-    the first evaluation reaching the target; ``deadline`` (monotonic): after it (``cut_short``);
-    ``horizon_s``: at the first evaluation at or past that virtual time. ``on_eval(step,
-    metric)``: called at every evaluation (a caller's progress). ``finish=False``: the run is
-    a moment of a longer one: its rule's finish (a closing sync) does not run, and its last
-    evaluation is of the models as they are.
+    the first evaluation reaching the target; ``stop(steps_done)``: asked after every step, True
+    cuts it short there; ``horizon_s``: at the first evaluation at or past that virtual time.
+    ``on_eval(step, metric)``: called at every evaluation (a caller's progress). ``finish=False``:
+    the run is a moment of a longer one: its rule's finish (a closing sync) does not run, and
+    its last evaluation is of the models as they are.
 
     An order-dependent solver's rule runs inside its timing model, on ``cluster`` (default:
     ``workers`` on a 10 Gbit/s link) with ``worker_model``'s compute per step (default: 10 ms
@@ -124,8 +124,7 @@ def simulate_training(solver: str, options: dict[str, Any], workload: Workload, 
     rule stops inside its timing model once the samples or seconds are spent (the rule's
     ``finish`` then runs, as a real solver's close); a lockstep rule takes the steps the
     budgeted timing model gives its workers (their mean, for ``local``'s workers that step on
-    their own), over that model's wall time. A target (``target`` or ``target=VALUE``) stops
-    at the first evaluation that reaches it."""
+    their own), over that model's wall time. A target stops at the first evaluation reaching it."""
     if budget is not None and budget.target:
         until_target = True
     cls = solver_class(solver)
@@ -152,13 +151,14 @@ def simulate_training(solver: str, options: dict[str, Any], workload: Workload, 
                                       nbytes, isinstance(rule, OrderedRule), wall_s, tensors)
     result = TrainResult(solver, workers, steps)
     report = _reporter(result, workload, replica_math, bufs, rule, stack,
-                       budget.target_value if budget is not None else None, until_target, deadline, horizon_s,
-                       on_eval)
+                       budget.target_value if budget is not None else None, until_target,
+                       halt := _halting(result, stop), horizon_s, on_eval)
     if isinstance(rule, OrderedRule):
         result.steps_by = _run_ordered(cls, o, rule, solver, workers, steps, batch_size, seed, eval_every, wall_s,
-                                       report, cluster, worker_model, nbytes, budget, finish, tensors)
+                                       report, cluster, worker_model, nbytes, budget, finish, tensors, halt)
     else:
-        _run_lockstep(rule, workload, samplers, bufs, replica_math, stack, steps, eval_every, wall_s, report, finish)
+        _run_lockstep(rule, workload, samplers, bufs, replica_math, stack, steps, eval_every, wall_s, report, finish,
+                      halt)
     result.params = {n: stack[n] for n in names}
     result.tables = served.tables
     result.buffers, result.buffer_policy = bufs.stack, policy
@@ -184,11 +184,13 @@ def _replicas(workload: Workload, workers: int, batch_size: int, seed: int, poli
 
 
 def train_mode_cost(workload: Workload, workers: int, *, batch_size: int | None = None, precision: str = "fp32",
-                    embedding_servers: int | None = None, lr: float | None = None, seed: int = 0) -> dict[str, float]:
+                    embedding_servers: int | None = None, lr: float | None = None, seed: int = 0,
+                    enough: Callable[[], bool] | None = None) -> dict[str, float]:
     """What train mode costs this machine for ``workload``'s model at ``workers`` replicas,
     seconds (the median of five tries, after the probe's warm-up, each the lesser of its wall
     time and this process's CPU time: beside other work the wall time grows and the CPU time
-    does not; on more cores than one the CPU time counts every thread's): ``step_s``, every
+    does not; on more cores than one the CPU time counts every thread's; fewer tries, one at
+    least, once ``enough()`` says the caller's time for it is spent): ``step_s``, every
     replica's gradient as a lockstep rule takes them (batched where torch.func can); ``one_s``,
     one replica's, as an order-dependent rule takes each; ``eval_s``, one evaluation of every
     replica on the eval set."""
@@ -205,6 +207,8 @@ def train_mode_cost(workload: Workload, workers: int, *, batch_size: int | None 
             t0, c0 = time.perf_counter(), time.process_time()
             f()
             took.append(min(time.perf_counter() - t0, time.process_time() - c0))
+            if enough is not None and enough():
+                break
         return float(np.median(took))
 
     first = ({n: p[0] for n, p in stack.items()}, {n: b[0] for n, b in bufs.stack.items()})
@@ -256,14 +260,25 @@ def _simulate_rule(cls, o, ctx: "TrainContext", solver: str, optimizer: str, mom
     return rule
 
 
+def _halting(result: TrainResult, stop: Callable[[int], bool] | None) -> Callable[[int], bool]:
+    """``halt(steps_done)``: whether the caller's ``stop`` ends the run there (``result.cut_short`` then set)."""
+
+    def halt(done: int) -> bool:
+        if stop is not None and stop(done):
+            result.cut_short = True
+        return result.cut_short
+
+    return halt
+
+
 def _reporter(result: TrainResult, workload: Workload, replica_math: "_ReplicaMath", bufs: "_Buffers", rule,
               stack: dict[str, torch.Tensor], target_value: float | None,
-              until_target: bool, deadline: float | None = None, horizon_s: float | None = None,
+              until_target: bool, halt: Callable[[int], bool] | None = None, horizon_s: float | None = None,
               on_eval: Callable[[int, float], None] | None = None) -> Callable[..., bool]:
     """``report(step, t, final=False)``: an evaluation after ``step`` steps at virtual time
     ``t`` (``final``: after the rule's finish), kept in ``result``; True: stop here
-    (``until_target``, and the target is reached; at or past ``horizon_s``; or past
-    ``deadline``, ``result.cut_short`` set)."""
+    (``until_target``, and the target is reached; at or past ``horizon_s``; or where
+    ``halt`` says so, :func:`_halting`)."""
 
     def reached(metric: float) -> bool:
         if target_value is None:
@@ -283,26 +298,26 @@ def _reporter(result: TrainResult, workload: Workload, replica_math: "_ReplicaMa
                 return True
         if horizon_s is not None and t >= horizon_s:
             return True
-        if deadline is not None and time.monotonic() > deadline:
-            result.cut_short = True
-            return True
-        return False
+        return halt is not None and halt(step + 1)
 
     return report
 
 
 def _run_lockstep(rule, workload: Workload, samplers: list[ShardSampler], bufs: "_Buffers",
                   replica_math: "_ReplicaMath", stack: dict[str, torch.Tensor], steps: int, eval_every: int,
-                  wall_s: float | None, report: Callable[..., bool], finish: bool = True) -> None:
+                  wall_s: float | None, report: Callable[..., bool], finish: bool = True,
+                  halt: Callable[[int], bool] | None = None) -> None:
     """A lockstep rule's run: every replica's gradient on its batch, then the rule, step by
     step; an evaluation every ``eval_every`` steps and at the end (``report``), after the
-    rule's finish (``finish``)."""
+    rule's finish (``finish``); ``halt(steps_done)`` after every step: True ends it there."""
     pace = (wall_s / steps) if wall_s else 1.0
     for step in range(steps):
         batches = [workload.take(workload.train_data, s.indices(step)) for s in samplers]
         bufs.broadcast()
         g = replica_math.gradients(stack, bufs.stack, batches, step)
         rule(step, g)
+        if halt is not None and halt(step + 1):
+            break
         last = step + 1 == steps
         if last and finish:
             rule.finish()
@@ -311,7 +326,7 @@ def _run_lockstep(rule, workload: Workload, samplers: list[ShardSampler], bufs: 
 
 
 class _Reached(Exception):
-    """Raised inside the event loop: the target is reached and the run stops there."""
+    """Raised inside the event loop: the run stops there (the target reached, or the caller's ``stop``)."""
 
 
 class _Spent(Exception):
@@ -353,13 +368,14 @@ def _budget_steps(solver: str, options: dict[str, Any], budget: Any, workers: in
 def _run_ordered(cls, o, rule: "OrderedRule", solver: str, workers: int, steps: int, batch_size: int, seed: int,
                  eval_every: int, wall_s: float | None, report, cluster: Any, worker_model: Any,
                  nbytes: float, budget: Any = None, finish: bool = True,
-                 tensor_bytes: tuple[float, ...] | None = None) -> list[int]:
+                 tensor_bytes: tuple[float, ...] | None = None, halt: Callable[[int], bool] | None = None) -> list[int]:
     """Run ``cls``'s timing model with ``rule`` attached: the rule's hooks apply the math in
     the order of virtual time; an evaluation whenever the workers have taken ``eval_every``
     more steps on average, at that moment's virtual time, and one of the final model (after
     the rule's ``finish``) at the run's end, once its last exchange has landed (not at the
     last step's). With a samples or seconds ``budget`` the run stops at the step
-    that spends it. Returns the steps each worker took."""
+    that spends it; where ``halt(steps per worker so far)`` says so, at once, with no
+    evaluation. Returns the steps each worker took."""
     from distsync.sim.timing import TimingContext, Work
 
     cluster, worker_model = _train_cluster(workers, cluster, worker_model)
@@ -378,6 +394,8 @@ def _run_ordered(cls, o, rule: "OrderedRule", solver: str, workers: int, steps: 
         last[0] = t
         if (samples is not None and done * batch_size >= samples) or (seconds is not None and t >= seconds):
             raise _Spent
+        if halt is not None and halt(done // workers):
+            raise _Reached
         if done % every == 0 and done < workers * steps and report(done // workers - 1, float(t) * scale[0]):
             raise _Reached
 
