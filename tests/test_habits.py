@@ -598,6 +598,236 @@ def test_a_buffer_policy_a_solver_cannot_keep_is_refused():
         distsync.make_solver("allreduce", buffers="rank0")
 
 
+def _closed_job(rank, world, name, servers, policies):
+    """Each policy in turn on one comm: 6 steps on the BatchNorm model (each rank's last forward
+    moves its own statistics), then close(), model.eval() and a forward, as a user who evaluates
+    or saves on every rank does; each worker's buffers before close(), after it, and final_model()'s."""
+    import distsync
+
+    comm = distsync.init_comm(timeout_s=20.0, roles={"server": servers} if servers else None)
+    out = {}
+    for buffers in policies:
+        solver = distsync.make_solver(name, buffers=buffers)
+        if comm.role != "worker":
+            lr, settings = serve_settings("batchnorm")
+            distsync.serve(solver, comm, lambda: make_model("batchnorm"), lr, **settings)
+            continue
+        model = make_model("batchnorm")
+        run = solver.attach(model, make_optimizer("batchnorm", model), comm)
+        for step in range(6):
+            with solver.step(step):
+                loss_of(run, *batch(step, rank)).backward()
+        before = [b.clone() for b in model.buffers()]
+        solver.close()
+        model.eval()
+        with torch.no_grad():
+            model(batch(99, rank)[0])
+        out[buffers] = before, [b.clone() for b in model.buffers()], [b.clone() for b in solver.final_model().buffers()]
+    comm.close()
+    return out
+
+
+def _mean_of_floats(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Two ranks' buffers: the mean of the floating-point ones, ``a``'s integer ones."""
+    return [(x + y) / 2 if x.is_floating_point() else x for x, y in zip(a, b)]
+
+
+@pytest.mark.parametrize("name, servers, policies", [
+    ("allreduce", 0, ("broadcast", "average", "local")),
+    ("ddp", 0, ("broadcast", "local")),
+    ("sync-ps", 1, ("broadcast", "average", "local")),
+])
+def test_close_leaves_every_rank_the_buffers_the_policy_keeps(name, servers, policies):
+    # the workers of these solvers hold one model: after close() every rank holds rank 0's
+    # buffers (broadcast) or the mean of the floating-point ones (average), bit for bit, and so
+    # does final_model(); "local" leaves each its own and final_model() averages them
+    a, b = run_ranks(_closed_job, 2 + servers, name, servers, policies)[:2]
+    for buffers in policies:
+        (a_before, a_after, a_final), (b_before, b_after, b_final) = a[buffers], b[buffers]
+        assert not torch.equal(a_before[0], b_before[0]), buffers  # (each rank's last forward moved its own)
+        want = {"broadcast": (a_before, a_before, a_before),
+                "average": (_mean_of_floats(a_before, b_before), _mean_of_floats(b_before, a_before),
+                            _mean_of_floats(a_before, b_before)),
+                "local": (a_before, b_before, _mean_of_floats(a_before, b_before))}[buffers]
+        for got, wanted in ((a_after, want[0]), (b_after, want[1]), (a_final, want[2]), (b_final, want[2])):
+            assert all(torch.equal(x, y) for x, y in zip(got, wanted)), (name, buffers, got, wanted)
+
+
+@pytest.mark.parametrize("buffers", ["broadcast", "average"])
+def test_a_runs_workers_evaluate_and_save_the_one_model_close_leaves(tmp_path, buffers):
+    # each worker's final evaluation follows close(): every worker evaluates the same model
+    # (its statistics each rank's own before close() did), and model.pt is that model
+    import json
+
+    from distsync.workloads import load_workload
+    from helpers import run_cli
+
+    workload = "tests/fixtures/bn_workload.py:make_workload"
+    proc = run_cli("train", "--workload", workload, "--solver", "allreduce", "--buffers", buffers, "--workers", "2",
+                   "--steps", "6", "--eval-every", "6", "--out", str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").open()]
+    final = {e["rank"]: e["loss"] for e in events if e["kind"] == "eval" and e["step"] == 5}
+    assert final[0] == final[1], final
+    w = load_workload(workload)
+    model = w.make_model()
+    model.load_state_dict(torch.load(tmp_path / "run" / "model.pt", weights_only=True))
+    assert w.evaluate(model, torch.device("cpu"))["loss"] == final[0]
+
+
+def _late_closer_job(rank, world, late_s):
+    """Two steps of allreduce on the BatchNorm model, then rank 1 is busy for ``late_s`` (an
+    evaluation of its own) before close(); each rank's buffers after close()."""
+    import time
+
+    import distsync
+
+    comm = distsync.init_comm(timeout_s=2.0)
+    solver = distsync.make_solver("allreduce")
+    model = make_model("batchnorm")
+    run = solver.attach(model, make_optimizer("batchnorm", model), comm)
+    for step in range(2):
+        with solver.step(step):
+            loss_of(run, *batch(step, rank)).backward()
+    before = [b.clone() for b in model.buffers()]
+    if rank == 1:
+        time.sleep(late_s)
+    solver.close()
+    out = before, [b.clone() for b in model.buffers()]
+    comm.close()
+    return out
+
+
+def test_close_waits_for_a_worker_still_busy_while_it_lives():
+    # rank 1 comes to close() twice the comm timeout after rank 0: a slow worker, alive, is no
+    # dead one; both then hold rank 0's buffers
+    (a_before, a_after), (b_before, b_after) = run_ranks(_late_closer_job, 2, 4.0)
+    assert not torch.equal(a_before[0], b_before[0])
+    assert all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(a_before, a_after, b_after))
+
+
+class _LosingView:
+    """A stand-in comm of three workers in a live view whose first collective loses a member:
+    the view is then re-formed with the two others, whose buffers are alike."""
+
+    role, num_workers, worker_group = "worker", 3, "workers"
+
+    def __init__(self):
+        self.membership, self.live_workers, self.calls = self, [0, 1, 2], []
+
+    def all_reduce(self, tensor, group=None):
+        from distsync.errors import PeerLost
+
+        self.calls.append(("all_reduce", len(self.live_workers)))
+        if len(self.live_workers) == 3:
+            raise PeerLost("rank 0 (worker): all_reduce failed: a member died", "workers")
+        tensor.mul_(2)  # (the two survivors' sum)
+
+    def group_size(self, group=None):
+        return len(self.live_workers)
+
+    def take_lost(self, tag):
+        self.calls.append(("take_lost", tag))
+
+    def reform(self, tag):
+        self.calls.append(("reform", tag))
+        self.live_workers = [0, 2]
+
+
+def test_close_settles_the_buffers_among_the_workers_left_when_one_dies_meanwhile():
+    from distsync.solvers import solver_class
+    from distsync.solvers.buffers import BufferSync
+
+    comm, model = _LosingView(), make_model("batchnorm")
+    with torch.no_grad():
+        for mine, value in zip(model.buffers(), _rank_buffers(0)):
+            mine.copy_(value)
+    keep = BufferSync("average", solver_class("allreduce").capabilities, model, comm, lambda: False)
+    keep.settle()
+    keep.settle()  # (once)
+    assert comm.calls == [("all_reduce", 3), ("take_lost", "workers"), ("reform", "workers"), ("all_reduce", 2)]
+    assert all(torch.equal(x, y) for x, y in zip(model.buffers(), _rank_buffers(0)))
+
+
+#: every solver whose buffers may be kept otherwise than each worker's own: (servers, options whose
+#: synchronization is every step, whether it is in the step: the background and passive workers'
+#: averages land by close())
+KEEPERS = {"allreduce": (0, {}, True), "ddp": (0, {}, True), "sync-ps": (1, {}, True),
+           "sync-easgd": (0, {"tau": 1}, True), "ma": (0, {"every": 1}, True), "bmuf": (0, {"every": 1}, True),
+           "diloco": (0, {"every": 1}, True), "ripples": (0, {"group_size": 2}, True),
+           "shadow-ma": (0, {}, False), "shadow-bmuf": (0, {}, False), "ad-psgd": (0, {}, False)}
+#: each rank's running statistics, distinct and exact in binary: rank r's are (1 + 2 r) times
+#: these, so that the two ranks' mean is twice them and their sum four times
+BN_BASE = torch.tensor([0.5, -1.0, 2.0, 0.25, -3.0, 1.5, 4.0, -0.75])
+BN_VAR = torch.tensor([1.0, 2.0, 0.5, 4.0, 1.5, 3.0, 0.25, 2.0])
+
+
+def _rank_buffers(rank: int) -> list[torch.Tensor]:
+    """Rank ``rank``'s BatchNorm buffers: running mean, running variance, step count."""
+    return [(1 + 2 * rank) * BN_BASE, (1 + 2 * rank) * BN_VAR, torch.tensor(5 + 6 * rank)]
+
+
+def _policy_job(rank, world, name, servers, options, policies):
+    """Each policy in turn: the BatchNorm model in eval mode (its forwards leave the buffers as
+    they are) with this rank's own buffers, two steps, close(); the buffers after the steps,
+    after close() and in final_model()."""
+    import distsync
+
+    comm = distsync.init_comm(timeout_s=20.0, roles={"server": servers} if servers else None)
+    out = {}
+    for buffers in policies:
+        solver = distsync.make_solver(name, buffers=buffers, **options)
+        if comm.role != "worker":
+            lr, settings = serve_settings("batchnorm")
+            distsync.serve(solver, comm, lambda: make_model("batchnorm"), lr, **settings)
+            continue
+        model = make_model("batchnorm")
+        run = solver.attach(model, make_optimizer("batchnorm", model), comm)  # (rank 0's model everywhere)
+        with torch.no_grad():
+            for mine, value in zip(model.buffers(), _rank_buffers(rank)):
+                mine.copy_(value)
+        model.eval()
+        for step in range(2):
+            with solver.step(step):
+                loss_of(run, *batch(step, rank)).backward()
+        stepped = [b.clone() for b in model.buffers()]
+        solver.close()
+        closed = [b.clone() for b in model.buffers()]
+        out[buffers] = stepped, closed, [b.clone() for b in solver.final_model().buffers()]
+    comm.close()
+    return out
+
+
+def test_every_solver_keeping_buffers_is_in_the_policy_test():
+    from distsync.solvers import solver_class, solver_names
+
+    assert {n for n in solver_names() if solver_class(n).buffer_choices != ("local",)} == set(KEEPERS)
+
+
+@pytest.mark.parametrize("name", sorted(KEEPERS))
+def test_each_buffer_policy_gives_the_hand_computed_buffers(name):
+    # rank 0: statistics s, count 5; rank 1: 3 s, count 11. "broadcast": rank 0's on both (count
+    # included); "average": 2 s on both, each its own count; "local": each its own, and
+    # final_model() holds 2 s (rank 0's count on rank 0)
+    import distsync
+
+    servers, options, in_step = KEEPERS[name]
+    policies = type(distsync.make_solver(name)).buffer_choices
+    results = run_ranks(_policy_job, 2 + servers, name, servers, options, policies)
+    mean = [2 * BN_BASE, 2 * BN_VAR]
+    for buffers in policies:
+        for rank in (0, 1):
+            stepped, closed, final = results[rank][buffers]
+            own = _rank_buffers(rank)
+            want = {"broadcast": _rank_buffers(0), "average": [*mean, own[2]], "local": own}[buffers]
+            final_want = want if buffers != "local" else [*mean, own[2]]
+            if name == "sync-easgd":  # (its final model is the center: its count the one it started with)
+                final_want = [*mean, torch.tensor(0)]
+            checked = [(closed, want), (final, final_want)] + ([(stepped, want)] if in_step else [])
+            for got, wanted in checked:
+                assert all(torch.equal(x, y) for x, y in zip(got, wanted)), (name, buffers, rank, got, wanted)
+
+
 def _mismatched_optimizer(rank, world, settings):
     import distsync
     from distsync.errors import CommError, ConfigError

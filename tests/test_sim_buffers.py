@@ -225,9 +225,10 @@ def test_batchnorm_statistics_per_replica_are_plain_torchs_under_the_local_polic
 def test_allreduce_broadcasts_replica_0s_buffers_before_each_step_and_evaluates_them():
     """"broadcast": before every step rank 0's statistics are copied to every worker (DDP's
     broadcast_buffers), then each forward updates them with its own batch; the evaluated
-    model holds replica 0's, in eval mode (BatchNorm on the running statistics)."""
+    model holds replica 0's, in eval mode (BatchNorm on the running statistics); the run's
+    close leaves replica 0's on every replica."""
     w = W["batchnorm"]()
-    res = simulate_training("allreduce", {}, w, 2, 3, eval_every=3)
+    res = simulate_training("allreduce", {}, w, 2, 3, eval_every=3, finish=False)  # (no close: a moment of a run)
     assert res.buffer_policy == "broadcast"
     models = _plain(w, 2, 3, mean_gradient=True, copy_rank0_buffers=True)
     for r, m in enumerate(models):
@@ -242,6 +243,10 @@ def test_allreduce_broadcasts_replica_0s_buffers_before_each_step_and_evaluates_
     with torch.no_grad():
         assert res.curve[-1]["loss"] == pytest.approx(float(F.cross_entropy(m(x), y)), rel=1e-5)
         assert res.curve[-1]["loss"] != pytest.approx(float(F.cross_entropy(m.train()(x), y)), rel=1e-3)
+    closed = simulate_training("allreduce", {}, w, 2, 3, eval_every=3)
+    for name in (BN_MEAN, BN_VAR, BN_COUNT):
+        assert all(torch.equal(b, res.buffers[name][0]) for b in closed.buffers[name])
+    assert closed.curve[-1]["loss"] == res.curve[-1]["loss"]
 
 
 def train_batchnorm_rank(rank: int, world: int, solver: str, options: dict, steps: int) -> dict:

@@ -71,7 +71,7 @@ class TrainResult:
     curve: list[dict[str, float]] = field(default_factory=list)
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # stacked, [workers, ...]
     center: dict[str, torch.Tensor] | None = None  # a center's parameters, for solvers that keep one
-    buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # those the forward writes, stacked
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # those the forward writes, stacked, after close
     #: every buffer of the model the last evaluation ran (one model: the policy's choice)
     eval_buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     buffer_policy: str = "local"
@@ -161,7 +161,7 @@ def simulate_training(solver: str, options: dict[str, Any], workload: Workload, 
                       halt)
     result.params = {n: stack[n] for n in names}
     result.tables = served.tables
-    result.buffers, result.buffer_policy = bufs.stack, policy
+    result.buffers, result.buffer_policy = bufs.at_close(cls if finish else None), policy
     center = getattr(rule, "center", None)
     result.center = {n: center[n] for n in names} if center is not None else None
     return result
@@ -492,6 +492,18 @@ class _Buffers:
                 b[1:] = b[0]
             elif w:
                 b[w].copy_(b[0])
+
+    def at_close(self, cls: type | None) -> dict[str, torch.Tensor]:
+        """The stacks once the solver of class ``cls`` has closed (None: the run goes on). Where
+        its workers meet every step, its close() leaves every replica replica 0's buffers
+        ("broadcast") or the mean of the floating-point ones ("average"): they hold one model."""
+        if cls is not None and Capability.COLLECTIVE_PER_STEP in cls.capabilities:
+            for b in self.stack.values():
+                if self.policy == "broadcast":
+                    b[1:] = b[0]
+                elif self.policy == "average" and b.is_floating_point():
+                    b.copy_(b.mean(0, keepdim=True).expand_as(b))
+        return self.stack
 
     def averaged(self) -> dict[str, torch.Tensor]:
         """The stacks a rule averages with the parameters: the floating-point written buffers

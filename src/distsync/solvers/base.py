@@ -199,8 +199,10 @@ class Solver:
     #: evaluation, when DDP's ``forward_sync_buffers`` would (for solvers whose workers hold one
     #: model, stepping together; not in :meth:`local_forward`, nor once :meth:`close` is
     #: called); "average": the floating-point buffers averaged with the parameters at each of
-    #: the solver's synchronizations; "local": each worker keeps its own. :meth:`final_model`
-    #: holds rank 0's (broadcast) or the workers' average (average, local).
+    #: the solver's synchronizations; "local": each worker keeps its own. :meth:`close` leaves
+    #: every worker rank 0's (broadcast) or their average (average) where the workers meet every
+    #: step (:attr:`BufferSync.at_close`); :meth:`final_model` holds rank 0's (broadcast) or the
+    #: workers' average (average, local).
     default_buffers: ClassVar[str] = "local"
     #: the policies a user may choose for this solver (``default_buffers`` first)
     buffer_choices: ClassVar[tuple[str, ...]] = ("local",)
@@ -285,8 +287,10 @@ class Solver:
     def close(self) -> None:
         """Final synchronization; stop and join any threads this solver started. After it the
         model and the optimizer are the user's alone: forwards no longer broadcast buffers and
-        the own-loop hooks are off them (subclasses' own close() too)."""
+        the own-loop hooks are off them, and where the workers hold one model every worker holds
+        the buffers its policy keeps (subclasses' own close() too; call it on every worker)."""
         _end_forward_sync(self)
+        _settle_buffers(self)
 
     def stats(self) -> dict[str, Any]:
         """Solver-specific counters for summary.json (e.g. staleness, groups joined)."""
@@ -414,8 +418,15 @@ def _end_forward_sync(solver: Solver) -> None:
         solver._own_loop.detach()
 
 
+def _settle_buffers(solver: Solver) -> None:
+    """After a solver's close: the buffers as its policy leaves them (BufferSync.settle)."""
+    if solver.buffer_sync is not None:
+        solver.buffer_sync.settle()
+
+
 def _ending_forward_sync(close: Callable[[Solver], None]) -> Callable[[Solver], None]:
-    """A solver class's own ``close``, after which forwards of its model meet nobody."""
+    """A solver class's own ``close``, after which forwards of its model meet nobody and the
+    buffers are settled."""
     if getattr(close, "ends_forward_sync", False):
         return close
 
@@ -423,6 +434,7 @@ def _ending_forward_sync(close: Callable[[Solver], None]) -> Callable[[Solver], 
     def closing(self: Solver) -> None:
         _end_forward_sync(self)
         close(self)
+        _settle_buffers(self)
 
     closing.ends_forward_sync = True  # type: ignore[attr-defined]
     return closing

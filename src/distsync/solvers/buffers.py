@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
+from distsync.errors import PeerLost
 from distsync.solvers.flat import FlatView
 from distsync.solvers.plan import Capability
 
@@ -35,6 +36,12 @@ class BufferSync:
         per_step = Capability.COLLECTIVE_PER_STEP in capabilities and Capability.SYNCS_BUFFERS_PER_STEP in capabilities
         self.at_forward = policy == "broadcast" and per_step and bool(self._views)
         self.at_step_start = per_step and policy != "local" and not self.at_forward
+        # Workers that meet at every step hold one model: close() leaves each the policy's
+        # buffers, as the next forward would under DDP (where replicas differ, final_model()
+        # averages their buffers with their parameters)
+        self.at_close = Capability.COLLECTIVE_PER_STEP in capabilities and (
+            bool(self._views) if policy == "broadcast" else policy == "average" and bool(self.float_buffers.numel))
+        self._settled = False
         self._local = False  # (inside local_forward(): no broadcast before a forward)
         self.ended = False  # (the solver is closed: the model's forwards meet nobody)
         self._sync_next_forward = True  # (DDP's require_forward_param_sync: see before_forward)
@@ -63,6 +70,32 @@ class BufferSync:
                 flat = self.float_buffers.flat()
                 comm.all_reduce(flat, group=group)
                 self.float_buffers.assign(flat.div_(comm.group_size(group)))
+
+    def settle(self) -> None:
+        """At the solver's close (once, after its own): with :attr:`at_close`, every live worker
+        leaves with rank 0's buffers ("broadcast") or their mean ("average"), so that a model
+        evaluated or saved on any worker is the same. A worker still in its last steps (or in an
+        evaluation of its own) is waited for while it lives; one lost meanwhile is left out."""
+        if self._settled:
+            return
+        self._settled = True
+        comm = self.comm
+        if not self.at_close or comm is None or getattr(comm, "role", "worker") != "worker" or comm.num_workers < 2:
+            return
+        membership = getattr(comm, "membership", None)
+        if membership is None:
+            # (the meeting waits for a slow worker while it lives, where a collective would
+            # time out; the collective after it passes at once)
+            comm.barrier_while_alive(comm.live_workers, "buffers at close", comm.worker_group)
+            self.sync()
+            return
+        while True:  # (a live view waits for its members while they live, and fails when one dies)
+            try:
+                self.sync()
+                return
+            except PeerLost as e:  # (no step left for the loop to do again: the survivors settle here)
+                membership.take_lost(e.tag)
+                membership.reform(e.tag)
 
     def before_forward(self) -> None:
         """DDP's rule: rank 0's buffers before a forward if the forward before it computed
