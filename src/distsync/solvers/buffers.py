@@ -86,7 +86,7 @@ class BufferSync:
         if membership is None:
             # (the meeting waits for a slow worker while it lives, where a collective would
             # time out; the collective after it passes at once)
-            comm.barrier_while_alive(comm.live_workers, "buffers at close", comm.worker_group)
+            comm.barrier_while_alive(comm.live_workers, "buffers at close")
             self.sync()
             return
         while True:  # (a live view waits for its members while they live, and fails when one dies)
