@@ -284,7 +284,8 @@ def _log_lines(what: str) -> Callable[[str, int, int], None]:
         if console.is_terminal or (label, done) == last[0]:
             return
         last[0] = (label, done)
-        console.print(f"distsync: {what}: {done}/{total} {label} ({time.monotonic() - t0:.0f} s)", markup=False,
+        count = f"{done}/{total} " if total else ""  # (a stage with no count of its own: its label alone)
+        console.print(f"distsync: {what}: {count}{label} ({time.monotonic() - t0:.0f} s)", markup=False,
                       highlight=False, soft_wrap=True)
 
     return say
