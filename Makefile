@@ -2,7 +2,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup bench-setup demo test bench figures figures-stale figures-quick figures-check mutation mutants gpu gpu-real-workers other-torch clean
+.PHONY: setup bench-setup demo test test-soak bench figures figures-stale figures-quick figures-check mutation mutants gpu gpu-real-workers other-torch clean
 
 setup: $(VENV)/.installed
 
@@ -18,6 +18,13 @@ demo: setup
 test: setup
 	@start=$$(date +%s); $(BIN)/python -m pytest -q -n 2 --durations=15; rc=$$?; \
 	echo "make test: $$(( $$(date +%s) - start )) s"; exit $$rc
+
+# The whole suite SOAK_RUNS times (default 10) beside a busy loop on each core (SOAK_BURNERS),
+# each run with fresh property-test draws from a recorded seed (docs/testing.md): hours.
+# SOAK_ARGS: pytest's arguments instead of the whole suite; SOAK_OUT: the record
+# (default benchmarks/results/soak.json). Exits 1 if any run failed.
+test-soak: setup
+	$(BIN)/python tools/soak.py
 
 # Every published figure (docs/benchmarks/raw/*.json, then the docs' rendered blocks); needs
 # root for the emulated links; about an hour on 2 cores. figures-quick: a smoke run of each

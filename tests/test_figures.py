@@ -284,9 +284,13 @@ def test_provenance_compares_the_working_tree_with_head_not_the_index(tmp_path):
 def test_a_jobs_processes_record_the_package_files_they_imported(tmp_path, monkeypatch):
     """Every process of a job appends the package files it imported to the file
     DISTSYNC_RECORD_IMPORTS names (as a benchmark's provenance sets it), and the raw file's
-    record of its imports takes them with their hashes."""
+    record of its imports takes them with their hashes. The package's files are wherever
+    this process imported it from (the job's processes inherit its path): this checkout's
+    src/, or a copy of it, as a mutation tool makes."""
+    import distsync
     from common import imported_sources, source_hash
 
+    package = Path(distsync.__file__).resolve().parent
     record = tmp_path / "imports.txt"
     monkeypatch.setenv("DISTSYNC_RECORD_IMPORTS", str(record))
     proc = run_cli("train", "--solver", "ma", "--workers", "2", "--steps", "3", "--out", str(tmp_path / "run"),
@@ -294,12 +298,11 @@ def test_a_jobs_processes_record_the_package_files_they_imported(tmp_path, monke
     assert proc.returncode == 0, proc.stderr
     files = set(record.read_text().split())
     for mine in ("solvers/model_averaging.py", "runtime/process.py", "workloads/digits.py"):
-        assert str(REPO / "src" / "distsync" / mine) in files, mine
-    assert str(REPO / "src" / "distsync" / "runtime" / "launch.py") in files  # (the command's own process)
+        assert str(package / mine) in files, mine
+    assert str(package / "runtime" / "launch.py") in files  # (the command's own process)
     assert not any("/sim/" in f for f in files)  # (training never imports the simulator)
-    sources = imported_sources()
-    assert sources["src/distsync/solvers/model_averaging.py"] == source_hash(
-        REPO / "src" / "distsync" / "solvers" / "model_averaging.py")
+    sources = imported_sources(repo=package.parent.parent)  # (the tree that holds src/distsync)
+    assert sources["src/distsync/solvers/model_averaging.py"] == source_hash(package / "solvers" / "model_averaging.py")
 
 
 def test_a_raw_file_records_what_processes_without_a_record_measured(tmp_path):
