@@ -330,6 +330,75 @@ def test_a_replacement_heals_over_channels_and_nothing_is_lost_or_sent_twice(tmp
     assert s["final_metric"] > 0.85
 
 
+BN = "tests/fixtures/bn_workload.py:make_workload"  # (BatchNorm: running statistics the workers keep alike)
+
+
+def _finals(out: Path, step: int) -> dict[int, float]:
+    """Each worker's final evaluation loss; checked against model.pt, the model rank 0 saved."""
+    import torch
+
+    from distsync.workloads import load_workload
+
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    finals = {e["rank"]: e["loss"] for e in events if e["kind"] == "eval" and e["step"] == step}
+    w = load_workload(BN)
+    model = w.make_model()
+    model.load_state_dict(torch.load(out / "model.pt", weights_only=True))
+    assert w.evaluate(model, torch.device("cpu"))["loss"] == finals[min(finals)]
+    return finals
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("solver,buffers", [("allreduce", "broadcast"), ("allreduce", "average"),
+                                            ("ddp", "broadcast"), ("sync-ps", "broadcast"), ("sync-ps", "average")],
+                         ids=lambda v: v)
+def test_a_model_with_buffers_goes_on_without_a_dead_worker(tmp_path, solver, buffers):
+    # The buffers' collectives (rank 0's before each forward, or their mean at each step's start)
+    # fail on every survivor when a member dies, as the gradients' do, and are done again on the
+    # re-formed group: the survivors end with one model, the one saved
+    proc = run_cli("train", "--workload", BN, "--solver", solver, "--buffers", buffers, "--workers", "3",
+                   "--steps", "8", "--fault", "kill:1@4", "--out", str(tmp_path), timeout=55)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "worker rank 1 died (SIGKILL) after step 3 and was dropped" in proc.stderr
+    assert _steps(tmp_path, 0) == _steps(tmp_path, 2) == list(range(8))
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert [v["members"] for v in s["recovery"]["views"]] == [[0, 2]]
+    finals = _finals(tmp_path, 7)
+    assert set(finals) == {0, 2} and finals[0] == finals[2], finals
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("solver,buffers", [("allreduce", "broadcast"), ("allreduce", "average"),
+                                            ("ddp", "broadcast"), ("sync-ps", "broadcast"), ("sync-ps", "average")],
+                         ids=lambda v: v)
+def test_a_worker_lost_after_the_last_step_leaves_the_others_the_same_buffers_at_close(tmp_path, solver, buffers):
+    # rank 1 dies once its last step is done: close()'s synchronization of the buffers loses it
+    # and settles among the two others, on the group they re-form there
+    proc = run_cli("train", "--workload", BN, "--solver", solver, "--buffers", buffers, "--workers", "3",
+                   "--steps", "8", "--fault", "kill-after-push:1@7", "--out", str(tmp_path), timeout=55)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "worker rank 1 died (SIGKILL) after step 6 and was dropped" in proc.stderr
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert [v["members"] for v in s["recovery"]["views"]] == [[0, 2]]
+    finals = _finals(tmp_path, 7)
+    assert set(finals) == {0, 2} and finals[0] == finals[2], finals
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("solver,buffers", [("allreduce", "broadcast"), ("allreduce", "average"), ("ddp", "broadcast")],
+                         ids=lambda v: v)
+def test_a_replacement_ends_with_the_buffers_of_the_others(tmp_path, solver, buffers):
+    code, err, s = _train(tmp_path, "--workload", BN, "--solver", solver, "--buffers", buffers, "--steps", "40",
+                          "--device-ms", "30", "--fault", "kill:1@10", "--max-restarts", "1")
+    assert code == 0, err
+    [fault] = s["recovery"]["faults"]
+    assert fault["replaced"] is True and fault["steps_lost"] == 0, fault
+    assert [v["members"] for v in s["recovery"]["views"]] == [[0, 2], [0, 1, 2]]
+    assert _steps(tmp_path, 0) == _steps(tmp_path, 2) == list(range(40))
+    finals = _finals(tmp_path, 39)
+    assert set(finals) == {0, 1, 2} and len(set(finals.values())) == 1, finals
+
+
 def test_each_death_of_a_rank_that_died_twice_is_reported_with_its_own_replacement(monkeypatch):
     from rich.console import Console
 

@@ -545,16 +545,37 @@ class Comm:
             raise self.membership.lost(view, what, str(e).splitlines()[0][:200] if str(e) else type(e).__name__) from None
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Any = None) -> None:
+        view = self._view(group)
+        if view is not None:
+            self._broadcast_on_view(tensor, src, group, view)
+            return
         if self.rank == src:
             self.bytes_sent += tensor.numel() * tensor.element_size()
-        view = self._view(group)
         target = self.stage.down(tensor) if self.staged(tensor, group) else tensor
-        if view is not None:
-            self._on_view(view, f"broadcast(src={src})", dist.broadcast, target, src=src, group=group, async_op=True)
-        else:
-            self._guard(f"broadcast(src={src})", dist.broadcast, target, src=src, group=group)
+        self._guard(f"broadcast(src={src})", dist.broadcast, target, src=src, group=group)
         self.stage.up(target, tensor)
         self.latency.wait(tree_rounds(self.group_size(group)))
+
+    def _broadcast_on_view(self, tensor: torch.Tensor, src: int, group: Any, view: Any) -> None:
+        """``src``'s tensor on every member of a live view, as the sum of it and the others'
+        zeros (exact: each element is one value plus zeros). gloo's broadcast completes on the
+        members the source reached while it fails on the source when another member is dead,
+        so the survivors would leave the view at different operations and could not re-form
+        it; an all-reduce, like the gradients', completes on every member or on none."""
+        size = self.group_size(group)
+        self.bytes_sent += ring_allreduce_bytes(tensor.numel() * tensor.element_size(), size)
+        staged = self.staged(tensor, group)
+        if self.rank == src:
+            wire = self.stage.down(tensor) if staged else tensor.clone()
+        else:
+            wire = self.stage.buffer(tensor).zero_() if staged else torch.zeros_like(tensor)
+        self._on_view(view, f"broadcast(src={src})", dist.all_reduce, wire, op=_OPS["sum"], group=group,
+                      async_op=True)
+        if staged:
+            self.stage.up(wire, tensor)
+        else:
+            tensor.copy_(wire)
+        self.latency.wait(ring_rounds(size))
 
     def send(self, tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> None:
         """Send ``tensor`` to ``dst`` (over gloo: a device tensor from a host copy)."""

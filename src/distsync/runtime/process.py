@@ -379,7 +379,12 @@ def failure_policy(run: ResolvedRun, run_dir: Path, rank: int) -> FailurePolicy:
 
     watch = watching(marks.marked_at(run_dir, restart_count()) if drops else None, mark_stalled if drops else None)
     views = None
-    if drops and Capability.REFORMS_WITHOUT_DEAD in run.solver_cls.capabilities and role == "worker":
+    caps = run.solver_cls.capabilities
+    # (sync-ps: the workers meet each other in the buffers' collectives alone, the servers'
+    # rounds going on without a dead one: those collectives re-form their group too)
+    meets = Capability.REFORMS_WITHOUT_DEAD in caps or {Capability.COLLECTIVE_PER_STEP,
+                                                        Capability.SURVIVES_WORKER_LOSS} <= caps
+    if drops and meets and role == "worker":
         def views(comm: Comm) -> Membership:
             return Membership(comm, comm.worker_ranks, comm.liveness)
     replaced = frozenset(r for r, name in enumerate(run.role_of) if name in run.solver_cls.replaces_roles) \

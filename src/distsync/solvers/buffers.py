@@ -48,6 +48,16 @@ class BufferSync:
         if self.at_forward:
             model.register_forward_pre_hook(_ForwardBufferSync(self))
 
+    def broadcast_at_forward(self) -> None:
+        """Keep the "broadcast" policy's broadcast before a forward here, through the comm,
+        where the solver had left it to its engine (DDP's own): under live views a broadcast
+        that goes around the comm fails on a member's death as a plain error on some
+        survivors, and the others find no view to re-form."""
+        if self.at_forward or self.policy != "broadcast" or not self._views:
+            return
+        self.at_forward, self.at_step_start = True, False
+        self.model.register_forward_pre_hook(_ForwardBufferSync(self))
+
     def synced(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         """What a solver's averaging synchronizes: ``params``, and with the "average" policy the
         floating-point buffers after them."""

@@ -83,8 +83,8 @@ class DDP(Solver):
     name = "ddp"
     Options = DDPOptions
     # SYNCS_IN_BACKWARD: DDP's own all-reduce, inside backward; no SYNCS_BUFFERS_PER_STEP: DDP
-    # broadcasts them itself, at each forward; REFUSES_UNUSED: DDP itself fails at the next
-    # forward, in many lines
+    # broadcasts them itself, at each forward (under live views the solver's buffer keeper does,
+    # by DDP's rule: attach); REFUSES_UNUSED: DDP itself fails at the next forward, in many lines
     capabilities = frozenset({Capability.COLLECTIVE_PER_STEP, Capability.REFORMS_WITHOUT_DEAD,
                               Capability.HEALS_FROM_PEER, Capability.SYNCS_IN_BACKWARD, Capability.USER_MAY_STEP,
                               Capability.REFUSES_UNUSED, Capability.SIGNALS_COMMUNICATION})
@@ -120,6 +120,10 @@ class DDP(Solver):
         #: called in each backward once the last bucket is ready (:meth:`on_communication`)
         self._on_comm: list[Callable[[], None]] = []
         self._waiter: ThreadPoolExecutor | None = None
+        if getattr(comm, "membership", None) is not None:
+            # (DDP's own broadcast goes around the comm: a member's death would fail it on some
+            # survivors as a plain error, where the view must be found lost on each)
+            self.buffer_sync.broadcast_at_forward()
         self._wrap()
         return self.ddp
 
@@ -134,7 +138,8 @@ class DDP(Solver):
         with _buffers_kept(self.model, self.buffers == "local"):
             self.ddp = DistributedDataParallel(self.model, device_ids=device_ids, process_group=group,
                                                bucket_cap_mb=self.options.bucket_mb, gradient_as_bucket_view=True,
-                                               **_buffer_sync(self.buffers == "broadcast"))
+                                               **_buffer_sync(self.buffers == "broadcast"
+                                                              and not self.buffer_sync.at_forward))
         grad_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
         self._bytes_per_step = ring_allreduce_bytes(grad_bytes, self.comm.group_size(group))
         if self.options.comm_hook != "none":
