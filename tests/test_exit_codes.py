@@ -4,6 +4,7 @@ for a job stopped by one (130 for Ctrl-C, 143 for SIGTERM); the table in the REA
 import re
 import signal
 import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -118,3 +119,14 @@ def test_hogwild_with_threads_says_at_launch_that_max_restarts_replaces_the_serv
                    "--max-restarts", "1", "--out", str(tmp_path / "run"))
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.count("--max-restarts 1 replaces a dead server only: a dead worker is dropped") == 1
+
+
+@pytest.mark.parametrize("error, code", [("ConfigError('--lr must be > 0')", 2),
+                                         ("WorkerFailed('rank 1 (worker): all_reduce failed: rank 2 died')", 1)])
+def test_a_users_script_ended_by_a_distsync_error_exits_with_its_code(error, code):
+    # (the hook init_comm installs: a refusal 2, any other failure 1, in one line)
+    script = (f"import distsync\nfrom distsync import ConfigError, WorkerFailed\n"
+              f"distsync._refusals_in_one_line()\nraise {error}\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=50)
+    assert proc.returncode == code, proc.stderr
+    assert proc.stderr.strip().splitlines() == [f"distsync: error: {error.split('(', 1)[1][1:-2]}"], proc.stderr
