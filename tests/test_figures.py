@@ -382,7 +382,8 @@ def test_the_live_recovery_tables_and_their_targets_by_hand():
         "Regime: H. 2 kills per solver, the killed rank and step drawn with seed 0; digits, 3 workers, 120 steps. "
         "Each run with `--max-restarts 1`.", "",
         "| solver (healing) | kills | finished | replaced | healed after (s, median / max) | replaced rank's steps "
-        "missed (median) | survivors' steps lost | accuracy (clean → healed, mean) |", "|---|---|---|---|---|---|---|---|",
+        "missed (median) | survivors' steps lost | accuracy (clean → healed, mean) |",
+        "|---|---|---|---|---|---|---|---|",
         "| async-ps | 2 | 2 | 1 | 0.50 / 0.50 | 0 | 0 | 0.950 → 0.940 |", "",
         "Healed: 1 of 2 kills (2 runs finished); a replacement trained again 0.50-0.50 s after the kill "
         "(0.50-0.50 s median per solver); survivors' steps lost: 0. The accuracy after a kill is within 0.010 of "
