@@ -318,3 +318,77 @@ def test_a_raw_file_records_what_processes_without_a_record_measured(tmp_path):
 def test_every_figure_is_registered_once():
     names = [f.name for f in figures.FIGURES]
     assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+
+
+def test_the_published_sweep_is_the_one_its_raw_file_records():
+    """docs/sweep/ is what the sweep figure's run wrote: its rows are the raw file's, and the
+    raw file names the command that wrote them there."""
+    raw = json.loads(figures.BY_NAME["sweep"].raw_path().read_text())
+    assert raw["sweep"].startswith("distsync sweep ") and raw["sweep"].endswith(" --out docs/sweep")
+    assert json.loads((REPO / "docs" / "sweep" / "sweep.json").read_text()) == raw["rows"]
+
+
+def test_the_sweeps_tables_by_hand():
+    from sweep import render
+
+    def row(workers, ratio, solver, t):
+        return {"solver": solver, "workers": workers, "ratio": ratio, "slow_share": 0.0, "time_to_target_s": t}
+
+    rows = [row(4, 1.0, "allreduce", 2.0), row(4, 1.0, "ripples", 1.5), row(4, 1.0, "local", None),
+            row(4, 3.0, "allreduce", 1.0), row(4, 3.0, "ripples", 1.0), row(4, 3.0, "local", None),  # (a tie)
+            row(16, 1.0, "allreduce", None), row(16, 1.0, "ripples", 3.0), row(16, 1.0, "local", None),
+            row(16, 3.0, "allreduce", None), row(16, 3.0, "ripples", None), row(16, 3.0, "local", None)]
+    text = render({"rows": rows, "sweep": "distsync sweep --out docs/sweep", "command": "python benchmarks/sweep.py",
+                   "commit": "c" * 40, "machine": {"cpu_count": 2, "torch": "T"}, "date": "D", "seconds": 90,
+                   "regime": "simulated"})
+    assert text.split("\n")[0] == ("`distsync sweep --out docs/sweep` (through `python benchmarks/sweep.py`) at "
+                                   "commit cccccccccc, 2 cores, torch T, D; 1.5 minutes of wall time. Regime: "
+                                   "simulated.")
+    assert "; `local` never reached the target):" in text
+    assert text.split("\n")[3:] == ["", "**4 workers**", "| slow share | 1 | 3 |", "|---|---|---|",
+                                    "| 0% | ripples 1.50 (allreduce 2.00) | allreduce 1.00 |",
+                                    "", "**16 workers**", "| slow share | 1 | 3 |", "|---|---|---|",
+                                    "| 0% | ripples 3.00 (allreduce not reached) | none |"]
+
+
+def test_the_live_recovery_tables_and_their_targets_by_hand():
+    from live_recovery import render
+
+    def run(went, lost, restarts, metric, load=None, healed=None, missed=None):
+        return {"finished": True, "went_on_s": went, "steps_lost": lost, "restarts": restarts, "final_metric": metric,
+                "load_before": load, "healed_s": healed, "replaced_rank_steps_lost": missed}
+
+    raw = {"command": "python benchmarks/live_recovery.py --runs 2", "commit": "a" * 40, "dirty": False, "date": "D",
+           "machine": {"cpu_count": 2, "torch": "T", "load_average_at_start": 1.0, "load_average_at_end": 3.0},
+           "seed": 0, "runs": 2, "workers": 3, "steps": 120, "regimes": {"re-form": "R", "healing": "H"},
+           "solvers": [{"solver": "allreduce", "clean_metric": 0.9,
+                        "runs": [run(0.010, 0, 0, 0.88, 2.0), run(0.030, 2, 0, 0.86, 4.0)]},
+                       {"solver": "local", "clean_metric": 0.8,
+                        "runs": [{"finished": False, "hung": True, "load_before": 1.5}, run(None, 0, 1, 0.8, 2.5)]}],
+           "healing": [{"solver": "async-ps", "clean_metric": 0.95,
+                        "runs": [run(None, 0, 0, 0.95, healed=0.5, missed=0), run(None, 0, 0, 0.93)]}]}
+    blocks = render(raw)
+    head = ("`python benchmarks/live_recovery.py --runs 2` at commit aaaaaaaaaa, 2 cores, torch T, seed 0, D; "
+            "1-minute load average 1.0 at the start, 3.0 at the end, 1.5-4.0 before the runs.")
+    assert blocks["live_recovery"].split("\n") == [
+        head, "", "Regime: R. 2 kills per solver, the killed rank and step drawn with seed 0; digits, 3 workers, "
+        "120 steps.", "",
+        "| solver | kills | finished | went on (ms, median / max) | survivors' steps lost | restarts | "
+        "accuracy (clean → killed, mean) |", "|---|---|---|---|---|---|---|",
+        "| allreduce | 2 | 2 | 20 / 30 | 2 | 0 | 0.900 → 0.870 |",
+        "| local | 2 | 1 | n/a (nothing to re-form) | 0 | 1 | 0.800 → 0.800 |", "",
+        "Targets: every run finishes: **missed** (3 of 4); the others go on in under 1 s: **met** (20-20 ms median "
+        "per solver, 30 ms the worst); no step lost for the survivors: **missed** (2 in all); no restart: "
+        "**missed** (1). The accuracy after a kill is within 0.030 of the run without one (the largest gap of a "
+        "solver's mean: `allreduce`)."]
+    assert blocks["live_recovery_healing"].split("\n")[2:] == [
+        "Regime: H. 2 kills per solver, the killed rank and step drawn with seed 0; digits, 3 workers, 120 steps. "
+        "Each run with `--max-restarts 1`.", "",
+        "| solver (healing) | kills | finished | replaced | healed after (s, median / max) | replaced rank's steps "
+        "missed (median) | survivors' steps lost | accuracy (clean → healed, mean) |",
+        "|---|---|---|---|---|---|---|---|",
+        "| async-ps | 2 | 2 | 1 | 0.50 / 0.50 | 0 | 0 | 0.950 → 0.940 |", "",
+        "Healed: 1 of 2 kills (2 runs finished); a replacement trained again 0.50-0.50 s after the kill "
+        "(0.50-0.50 s median per solver); survivors' steps lost: 0. The accuracy after a kill is within 0.010 of "
+        "the run without one (the largest gap of a solver's mean: `async-ps`)."]
+    assert set(render({**raw, "healing": []})) == {"live_recovery"}  # (a run of one part renders that part)
