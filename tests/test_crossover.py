@@ -227,53 +227,53 @@ def test_processor_sharing_three_requests():
     assert share.finish_time(a) == pytest.approx(0.075) and share.done(b, now=0.0751)
 
 
-def _use_at_once(use, n: int, seconds: float) -> list[tuple[float, float]]:
-    """``n`` threads ask for ``seconds`` of device time at once: each one's (start, end)."""
-    spans: list[tuple[float, float]] = [(0.0, 0.0)] * n
-    ready = threading.Barrier(n)
-
-    def one(i: int) -> None:
-        ready.wait()
-        t0 = time.perf_counter()
-        use(i, seconds)
-        spans[i] = (t0, time.perf_counter())
-
-    threads = [_in_thread(lambda i=i: one(i)) for i in range(n)]
-    for t in threads:
-        t.join(10)
-    return spans
-
-
-def _shared(spans: list[tuple[float, float]], seconds: float) -> bool:
-    """Whether the requests were done together at 1/n speed each: all end together, after
-    n x ``seconds`` from the first start (a late arrival runs alone for its head start)."""
-    ends = [b for _, b in spans]
-    return max(ends) - min(ends) < 0.01 and len(spans) * seconds - 0.001 <= max(ends) - min(a for a, _ in spans) \
-        < len(spans) * seconds + 0.04
+def _joining_a_long_request(share: DeviceShare, long_use, short_use) -> tuple[float, float]:
+    """A 0.3 s request, then a 0.05 s one once the first is in progress on ``share``: the
+    seconds each took. The second joins within 0.25 s (a thread's wake-up, tens of ms on a
+    loaded machine), so the first has more left than the second all along: the second runs
+    at half speed from start to end (0.1 s) and the first finishes after the device did both
+    (0.35 s). Arrivals at the same instant instead would share only while both had arrived:
+    two threads let through a barrier at once came more than 50 ms apart beside 8 busy loops."""
+    took: list[float] = []
+    long = _in_thread(lambda: took.append(long_use(0.3)))
+    deadline = time.monotonic() + 10.0
+    while share.most_at_once < 1 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    short = short_use(0.05)
+    long.join(10.0)
+    return took[0], short
 
 
 def test_device_share_blocks_each_user_for_its_shared_time():
     share = DeviceShare([0, 1])
     alone = share.use(0, 0.05)
-    assert 0.049 <= alone < 0.08
-    spans = _use_at_once(share.use, 2, 0.05)
-    assert _shared(spans, 0.05), spans
-    stats = share.stats()
-    assert stats["1"]["requests"] == 1 and stats["1"]["work_s"] == 0.05 and stats["1"]["slowdown"] > 1.5
+    assert alone >= 0.05
+    share = DeviceShare([0, 1])
+    long, short = _joining_a_long_request(share, lambda s: share.use(0, s), lambda s: share.use(1, s))
     assert share.most_at_once == 2
+    assert long >= 0.35 - 1e-9 and short >= 0.1 - 1e-9, (long, short)  # (the device's float account)
+    stats = share.stats()
+    assert stats["1"] == {"requests": 1, "work_s": 0.05, "took_s": short, "slowdown": short / 0.05}
+    assert (stats["0"]["requests"], stats["0"]["took_s"]) == (1, long)
 
 
 def test_token_server_shares_each_device_between_its_jobs():
     with TokenServer(2, 2, "alternate", tokens=False, share=True) as server:
         clients = [DeviceShareClient(server.address, job, 0, 10.0) for job in (0, 1)]
         elsewhere = DeviceShareClient(server.address, 0, 1, 10.0)
-        spans = _use_at_once(lambda i, s: clients[i].use(s), 2, 0.05)  # both jobs on device 0
-        assert _shared(spans, 0.05), spans
-        assert 0.049 <= elsewhere.use(0.05) < 0.09  # device 1 is free
+        on_device_1: list[float] = []
+        beside = _in_thread(lambda: on_device_1.append(elsewhere.use(0.3)))  # in progress all along
+        long, short = _joining_a_long_request(server.shares[0], clients[0].use, clients[1].use)
+        beside.join(10.0)
         for c in [*clients, elsewhere]:
             c.close()
     stats = server.share_stats()
-    assert stats["0"]["most_at_once"] == 2 and stats["1"]["jobs"]["0"]["requests"] == 1
+    # both jobs' requests on device 0 shared it, device 1's ran alone beside them
+    assert {d: v["most_at_once"] for d, v in stats.items()} == {"0": 2, "1": 1}
+    assert long >= 0.35 - 1e-9 and short >= 0.1 - 1e-9, (long, short)
+    assert stats["0"]["jobs"]["1"]["took_s"] >= 0.1 - 1e-9 and short >= stats["0"]["jobs"]["1"]["took_s"]
+    assert [stats["1"]["jobs"][j]["requests"] for j in ("0", "1")] == [1, 0]
+    assert on_device_1[0] >= stats["1"]["jobs"]["0"]["took_s"] >= 0.3 - 1e-9
 
 
 def _step_seconds(run_dir, rank=0):

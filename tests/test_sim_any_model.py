@@ -199,6 +199,17 @@ def test_calibrate_takes_a_recurrent_models_run(tmp_path):
     proc = run_cli("simulate", "--calibrate", str(out), "--json")
     assert proc.returncode == 0, proc.stderr
     r = json.loads(proc.stdout)
-    assert abs(r["throughput_error"]) < 0.25, r
+    measured = json.loads((out / "summary.json").read_text())
+    # Each simulated step is the run's fitted compute plus the communication the per-message
+    # cost was fitted to; two identical workers on a quiet cluster never wait for each other.
+    per_step = r["compute_per_step_s"] + r["measured_comm_per_step_s"]
+    assert r["predicted_throughput"] == pytest.approx(measured["samples"] / (150 * per_step), rel=0.01), r
+    assert r["throughput_error"] == pytest.approx(r["predicted_throughput"] / measured["throughput_samples_per_s"] - 1)
+    # The run's waiting for its peer (each late by what the host gave the other processes) and
+    # its time between steps are left out: the prediction is its pace without them, never
+    # slower than the run. How much faster is the host's load, not the simulator's (+0.06 and
+    # +0.10 on a quiet machine, +0.14 to +0.20 beside 2 busy loops, where 7-22% of the run
+    # was waiting), so no bound is set on it.
+    assert r["throughput_error"] >= -0.01, r
     assert r["predicted_time_to_target_from"] == "train mode"
     assert (r["measured_time_to_target_s"] is None) == (r["predicted_time_to_target_s"] is None), r
