@@ -33,6 +33,7 @@ def init_comm(timeout_s: float = 60.0, roles: dict[str, int] | None = None, devi
     ``torch.cuda.set_device``; ``comm.device`` names it: put the model and batches there).
     ``backend``: auto | nccl | gloo, what carries collectives of CUDA tensors (nccl where
     every worker on a node has a GPU of its own; point-to-point messages go over gloo)."""
+    import atexit
     import os
     import sys
 
@@ -53,6 +54,9 @@ def init_comm(timeout_s: float = 60.0, roles: dict[str, int] | None = None, devi
     comm = Comm.from_env(assign_roles(world - extra, roles or {}), timeout_s, placement.device, placement=placement,
                          policy=FailurePolicy(watch=watching()))
     _job_comm[0] = comm
+    # (a script that ends without comm.close(), as a server's `sys.exit()` after serve(), closes
+    # it at exit: where rank 0 hosts the job's store, it waits for every rank's close)
+    atexit.register(comm.close)
     _refusals_in_one_line()  # (again, around the hook init_process_group installed meanwhile)
     if extra and comm.role == "worker" and comm.worker_index == 0:
         others = ", ".join(f"{n} {role}" for role, n in sorted((roles or {}).items()) if n)
