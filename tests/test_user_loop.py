@@ -405,11 +405,23 @@ print("closed")
 """
 
 
-@pytest.mark.slow
-def test_a_server_that_exits_after_serve_closes_its_comm_for_rank_0_without_an_agent(tmp_path):
-    """The README's ``if distsync.serve(...): sys.exit()`` on a job launched without torch's
-    agent (rank 0 hosts the store, and waits at close for every rank's): the server's comm is
-    closed at its exit, so rank 0 does not wait for it to stand still for the timeout (60 s)."""
+_FAILING_SCRIPT = """
+import torch
+import distsync
+
+comm = distsync.init_comm()
+if comm.rank == 0:
+    raise RuntimeError("the user's bug")
+try:
+    comm.recv(torch.zeros(1), src=0)
+except distsync.CommError:
+    print("rank 0 is gone")
+"""
+
+
+def _launch_without_an_agent(tmp_path, text: str, world: int) -> list:
+    """``text`` as a script on ``world`` ranks launched by hand (``env://``: rank 0 hosts the
+    job's store); each rank's exit status and output."""
     import os
     import subprocess
     import sys
@@ -417,18 +429,36 @@ def test_a_server_that_exits_after_serve_closes_its_comm_for_rank_0_without_an_a
     from helpers import free_port
 
     script = tmp_path / "train.py"
-    script.write_text(_SERVED_SCRIPT)
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
+    script.write_text(text)
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world))
     procs = [subprocess.Popen([sys.executable, str(script)], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(2)]
+             for r in range(world)]
     try:
         outs = [p.communicate(timeout=45)[0] for p in procs]
     finally:
         for p in procs:
             p.kill()
-    assert [p.returncode for p in procs] == [0, 0], outs
-    assert outs[0].endswith("closed\n"), outs
+    return [(p.returncode, out) for p, out in zip(procs, outs)]
+
+
+@pytest.mark.slow
+def test_rank_0_ended_by_an_exception_does_not_wait_at_exit_for_a_peer_waiting_on_it(tmp_path):
+    """Its comm closed at exit without waiting for the others' close: rank 1, which waits on
+    it, fails at once instead of finding it stalled after the timeout (60 s) while it waited."""
+    (code0, out0), (code1, out1) = _launch_without_an_agent(tmp_path, _FAILING_SCRIPT, 2)
+    assert code0 == 1 and "RuntimeError: the user's bug" in out0, out0
+    assert code1 == 0 and out1.endswith("rank 0 is gone\n"), out1
+
+
+@pytest.mark.slow
+def test_a_server_that_exits_after_serve_closes_its_comm_for_rank_0_without_an_agent(tmp_path):
+    """The README's ``if distsync.serve(...): sys.exit()`` on a job launched without torch's
+    agent (rank 0 hosts the store, and waits at close for every rank's): the server's comm is
+    closed at its exit, so rank 0 does not wait for it to stand still for the timeout (60 s)."""
+    (code0, out0), (code1, out1) = _launch_without_an_agent(tmp_path, _SERVED_SCRIPT, 2)
+    assert (code0, code1) == (0, 0), (out0, out1)
+    assert out0.endswith("closed\n"), out0
 
 
 def test_the_refusal_hook_leaves_other_exceptions_to_the_hook_before_it(monkeypatch):

@@ -370,18 +370,18 @@ class Comm:
         comm._start_watching()
         return comm
 
-    def close(self) -> None:
+    def close(self, wait_for_peers: bool = True) -> None:
         """Leave the process group (idempotent); call before the process exits.
 
         Where a rank of the job hosts its store (a launch without torch's agent: rank 0 of
         ``env://``) and the ranks watch each other, each stops its heartbeat and says in the
-        store that it closed, and that rank waits first until every other has closed its comm
-        or is no longer alive: a worker still finishing with its servers when the host's
-        process ended found the store gone (:class:`PeerDied`)."""
+        store that it closed, and that rank (``wait_for_peers``) waits first until every other
+        has closed its comm or is no longer alive: a worker still finishing with its servers
+        when the host's process ended found the store gone (:class:`PeerDied`)."""
         if self._closed:
             return
         self._closed = True
-        self._leave_store()
+        self._leave_store(wait_for_peers)
         if self.liveness is not None:
             self.liveness.stop()
         # Garbage in reference cycles (a closed solver and what it held of torch's) is freed now,
@@ -403,7 +403,7 @@ class Comm:
             except Exception:
                 pass
 
-    def _leave_store(self) -> None:
+    def _leave_store(self, wait_for_peers: bool) -> None:
         """(:meth:`close`) Where this job's store lives in one of its ranks (rank 0: no agent
         keeps it) and the ranks watch each other: say that this rank closed, and (rank 0) wait
         until every other rank has said so or is no longer alive. A peer that waits on rank 0
@@ -413,7 +413,7 @@ class Comm:
                 or not dist.is_initialized()):
             return
         self.liveness.leave()
-        if self.rank != 0:
+        if self.rank != 0 or not wait_for_peers:
             return
         waiting, pause = list(range(1, self.world_size)), _POLL_S / 4
         try:
