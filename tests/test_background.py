@@ -321,6 +321,8 @@ def _forced_sync_rank(rank, world, solver_name, options, workers, steps, every):
                     comm.barrier(comm.worker_group)
         before = copy.deepcopy(model.state_dict())
         center = copy.deepcopy(s.center_model(-1).state_dict()) if in_turns else None
+        if in_turns:  # every worker's look at the center before anyone's close() exchanges again
+            comm.barrier(comm.worker_group)
         syncs = s.syncs
         s.close()
         out = before, center, syncs

@@ -229,3 +229,60 @@ def test_a_barrier_fails_naming_a_peer_that_is_gone():
     assert said0 == "rank 0: barrier failed: rank 2 made no progress for 1 s (it is stalled)"
     assert said1 == "rank 1: barrier failed: rank 2 made no progress for 1 s (it is stalled)"
     assert max(waited0, waited1) < 10  # (ten timeouts: it ends, it does not hang)
+
+
+def _wait_on_a_rank_that_closes(rank, world):
+    """Rank 1 waits for a message rank 0 never sends: rank 0 closes its comm, waiting (it hosts
+    the job's store here) for rank 1 to close its own."""
+    import distsync
+    from distsync.errors import PeerStalled
+
+    comm = distsync.init_comm(timeout_s=1.0)
+    out = None
+    if rank == 1:
+        try:
+            comm.recv(torch.zeros(1), src=0)
+        except PeerStalled as e:
+            out = str(e)
+    comm.close()
+    return out
+
+
+def test_a_wait_on_a_rank_that_closed_its_comm_ends_as_on_a_stalled_one():
+    # (its heartbeat beat on while it waited at close for the one that waited on it: a hang)
+    assert run_ranks(_wait_on_a_rank_that_closes, 2, timeout=30.0) == [
+        None, "rank 1: recv(from rank 0) failed: rank 0 made no progress for 1 s (it is stalled)"]
+
+
+def _ddp_freed_after_close(rank, world):
+    """Rank 1 closes its comm while an all-reduce of its is still under way (its handle let
+    go: gloo's thread frees it, and the tensor it holds, once rank 0 comes), then lets go of
+    a DistributedDataParallel over the closed group, as a job's return frees a user's (or
+    the ddp solver's) after comm.close(). Gloo's thread then needs the GIL to free that
+    tensor: under load it had not run yet when a job returned, and the job hung."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    import distsync
+
+    comm = distsync.init_comm(timeout_s=20.0)
+    ddp = DistributedDataParallel(torch.nn.Linear(2, 2))
+    total = torch.ones(1)
+    if rank == 0:
+        time.sleep(1.0)  # (rank 1 closes and lets its DDP go meanwhile)
+        dist.all_reduce(total)
+        comm.close()
+        return total.item()
+    dist.all_reduce(total, async_op=True)
+    comm.close()
+    del ddp  # (its reducer's reference to the group: the last one but Python's)
+    deadline = time.monotonic() + 20.0
+    while total.item() != 2.0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return total.item()
+
+
+def test_a_ddp_freed_after_comm_close_does_not_hang():
+    # (freed with the GIL held, the group's last reference joined gloo's threads while one
+    # waited for the GIL: a hang)
+    assert run_ranks(_ddp_freed_after_close, 2, timeout=30.0) == [2.0, 2.0]

@@ -836,12 +836,14 @@ def _mismatched_optimizer(rank, world, settings):
     solver = distsync.make_solver("async-ps")
     try:
         if distsync.serve(solver, comm, lambda: make_model("plain"), LR, **settings):
+            comm.close()
             return "served"
         solver.attach(make_model("plain"), make_optimizer("adamw", make_model("plain")), comm)
     except (ConfigError, CommError) as e:  # (the server: the refused worker left)
-        return str(e)
-    finally:
-        comm.close()
+        if comm.role != "worker":
+            comm.close()
+        return str(e)  # (a refused worker's script ends there: the refusal's exit closes nothing)
+    comm.close()
     return "attached"
 
 

@@ -270,6 +270,7 @@ def _env_store_route(rank, world):
     first = comm.store.first("first", f"rank {rank}")
     comm.barrier()
     total = comm.store.add("counter", 0)
+    comm.barrier()  # (rank 0 hosts the store here: it stays until the other has read it)
     comm.close()
     return seen, counted, first, total
 

@@ -1,6 +1,8 @@
 """A DDP user's habits in their own loop (``with solver.step(i):``), checked on 2 workers
 against one process training on the union of their batches."""
 
+import time
+
 import pytest
 import torch
 
@@ -155,24 +157,29 @@ def _user_calls(rank, world, solver_name, what, servers=0, options=None):
     # (with options, the roles the solver asks for; else ``servers`` of them, maybe too few)
     comm = distsync.init_comm(timeout_s=20.0, roles=solver.roles if options else
                               {"server": servers} if servers else None)
-    try:
-        if distsync.serve(solver, comm, _model, LR):
-            return "served"
-    except Exception:
-        return "the workers left"
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    try:
-        run = solver.attach(model, opt, comm)
-        for step in range(STEPS):
-            with solver.step(step):
-                _loss(run, *_batch(step, rank)).backward()
-                if what == "step":
-                    opt.step()
-        solver.close()
-    except ConfigError as e:
-        return str(e)
-    return _seen_loss(solver.final_model())
+    try:  # (every rank closes its comm: rank 0, which hosts the job's store here, waits for the others')
+        try:
+            if distsync.serve(solver, comm, _model, LR):
+                return "served"
+        except Exception:
+            return "the workers left"
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        try:
+            run = solver.attach(model, opt, comm)
+            for step in range(STEPS):
+                with solver.step(step):
+                    _loss(run, *_batch(step, rank)).backward()
+                    if what == "step":
+                        opt.step()
+            solver.close()
+        except ConfigError as e:
+            if getattr(solver, "client", None) is not None:
+                solver.client.done()  # (the servers wait for no more of this worker's requests)
+            return str(e)
+        return _seen_loss(solver.final_model())
+    finally:
+        comm.close()
 
 
 def _seen_loss(model):
@@ -213,6 +220,37 @@ def test_server_solvers_run_from_a_users_script_with_serve():
     assert out[2] == "served"
     start = _seen_loss(_model())
     assert out[0] < 0.98 * start and out[1] < 0.98 * start, (out, start)  # the center the servers trained
+
+
+def _readme_ending(rank, world, late_s):
+    """The README's script with a server (``if distsync.serve(...)``: the server's process
+    then ends), rank 1 finishing ``late_s`` after rank 0, which hosts the job's store here
+    (no agent keeps it): its last exchanges with the server read the store while rank 0's
+    script ends (a test's process ends without atexit: the server closes its comm itself)."""
+    import distsync
+
+    solver = distsync.make_solver("async-ps")
+    comm = distsync.init_comm(timeout_s=20.0, roles=solver.roles)
+    if distsync.serve(solver, comm, _model, LR):
+        comm.close()
+        return "served"
+    model = _model()
+    run = solver.attach(model, torch.optim.SGD(model.parameters(), lr=LR), comm)
+    for step in range(STEPS):
+        with solver.step(step):
+            _loss(run, *_batch(step, rank)).backward()
+    if rank == 1:
+        time.sleep(late_s)  # (rank 0 closes meanwhile)
+    solver.close()
+    final = solver.final_model()
+    comm.close()
+    return _seen_loss(final)
+
+
+def test_rank_0_of_a_users_script_waits_at_close_for_a_late_worker_and_its_server():
+    first, late, served = run_ranks(_readme_ending, 3, 1.0)
+    start = _seen_loss(_model())
+    assert served == "served" and first < 0.98 * start and late < 0.98 * start, (first, late, start)
 
 
 # ---- the README's data pattern: each sample once per epoch, servers or not ------------------------
@@ -337,6 +375,90 @@ def test_a_refusal_in_a_users_script_under_torchrun_is_one_line_once_with_exit_s
     assert "exitcode  : 2" in out, out
     assert out.count("Traceback (most recent call last)") <= 1, out  # (torchrun's own, not the ranks')
     assert "[rank0]" not in out and "[rank1]" not in out, out
+
+
+_SERVED_SCRIPT = """
+import sys
+
+import torch
+import distsync
+
+solver = distsync.make_solver("async-ps")
+comm = distsync.init_comm(roles=solver.roles)
+
+
+def make_model():
+    torch.manual_seed(0)
+    return torch.nn.Linear(2, 2)
+
+
+if distsync.serve(solver, comm, make_model, 0.1):
+    sys.exit()
+model = make_model()
+run = solver.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), comm)
+for step in range(3):
+    with solver.step(step):
+        run(torch.ones(4, 2)).sum().backward()
+solver.close()
+comm.close()
+print("closed")
+"""
+
+
+_FAILING_SCRIPT = """
+import torch
+import distsync
+
+comm = distsync.init_comm()
+if comm.rank == 0:
+    raise RuntimeError("the user's bug")
+try:
+    comm.recv(torch.zeros(1), src=0)
+except distsync.CommError:
+    print("rank 0 is gone")
+"""
+
+
+def _launch_without_an_agent(tmp_path, text: str, world: int) -> list:
+    """``text`` as a script on ``world`` ranks launched by hand (``env://``: rank 0 hosts the
+    job's store); each rank's exit status and output."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers import free_port
+
+    script = tmp_path / "train.py"
+    script.write_text(text)
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world))
+    procs = [subprocess.Popen([sys.executable, str(script)], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                              cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(world)]
+    try:
+        outs = [p.communicate(timeout=45)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return [(p.returncode, out) for p, out in zip(procs, outs)]
+
+
+@pytest.mark.slow
+def test_rank_0_ended_by_an_exception_does_not_wait_at_exit_for_a_peer_waiting_on_it(tmp_path):
+    """Its comm closed at exit without waiting for the others' close: rank 1, which waits on
+    it, fails at once instead of finding it stalled after the timeout (60 s) while it waited."""
+    (code0, out0), (code1, out1) = _launch_without_an_agent(tmp_path, _FAILING_SCRIPT, 2)
+    assert code0 == 1 and "RuntimeError: the user's bug" in out0, out0
+    assert code1 == 0 and out1.endswith("rank 0 is gone\n"), out1
+
+
+@pytest.mark.slow
+def test_a_server_that_exits_after_serve_closes_its_comm_for_rank_0_without_an_agent(tmp_path):
+    """The README's ``if distsync.serve(...): sys.exit()`` on a job launched without torch's
+    agent (rank 0 hosts the store, and waits at close for every rank's): the server's comm is
+    closed at its exit, so rank 0 does not wait for it to stand still for the timeout (60 s)."""
+    (code0, out0), (code1, out1) = _launch_without_an_agent(tmp_path, _SERVED_SCRIPT, 2)
+    assert (code0, code1) == (0, 0), (out0, out1)
+    assert out0.endswith("closed\n"), out0
 
 
 def test_the_refusal_hook_leaves_other_exceptions_to_the_hook_before_it(monkeypatch):

@@ -33,6 +33,7 @@ def init_comm(timeout_s: float = 60.0, roles: dict[str, int] | None = None, devi
     ``torch.cuda.set_device``; ``comm.device`` names it: put the model and batches there).
     ``backend``: auto | nccl | gloo, what carries collectives of CUDA tensors (nccl where
     every worker on a node has a GPU of its own; point-to-point messages go over gloo)."""
+    import atexit
     import os
     import sys
 
@@ -53,6 +54,9 @@ def init_comm(timeout_s: float = 60.0, roles: dict[str, int] | None = None, devi
     comm = Comm.from_env(assign_roles(world - extra, roles or {}), timeout_s, placement.device, placement=placement,
                          policy=FailurePolicy(watch=watching()))
     _job_comm[0] = comm
+    # (a script that ends without comm.close(), as a server's `sys.exit()` after serve(), closes
+    # it at exit: where rank 0 hosts the job's store, it waits for every rank's close)
+    atexit.register(_close_at_exit, comm)
     _refusals_in_one_line()  # (again, around the hook init_process_group installed meanwhile)
     if extra and comm.role == "worker" and comm.worker_index == 0:
         others = ", ".join(f"{n} {role}" for role, n in sorted((roles or {}).items()) if n)
@@ -93,6 +97,15 @@ def serve(solver: Solver, comm, make_model, lr: float, **settings) -> bool:
 
 #: the job's Comm once init_comm has made it (the refusal hook counts refusals in its store)
 _job_comm: list = [None]
+#: whether this process ends by an exception that reached the refusal hook
+_failing: list = [False]
+
+
+def _close_at_exit(comm) -> None:
+    """Close ``comm`` as the script exits: rank 0, which may host the job's store, waits for
+    the other ranks' close, unless its script ends by an exception (its peers may be waiting
+    on it: they fail as on its death, at once, instead of finding it stalled after the timeout)."""
+    comm.close(wait_for_peers=not _failing[0])
 
 
 def _refusals_in_one_line() -> None:
@@ -110,6 +123,7 @@ def _refusals_in_one_line() -> None:
         return  # which init_process_group installs, would print ours into a buffer it never shows)
 
     def hook(kind, value, tb):
+        _failing[0] = True
         if not isinstance(value, DistsyncError):
             return previous(kind, value, tb)
         first = True

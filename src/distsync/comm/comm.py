@@ -61,6 +61,8 @@ def make_group(store: Any, prefix: str, members: list[int], rank: int, timeout_s
 
 _retired: list[tuple[float, Any]] = []  # (when its last operation has surely ended, group)
 _retired_lock = threading.Lock()
+#: the groups of every comm this process closed, referenced until it exits (:meth:`Comm.close`)
+_closed_groups: list[Any] = []
 
 
 def retire_group(pg: Any, timeout_s: float) -> None:
@@ -92,6 +94,8 @@ class PeerLiveness(Protocol):
     mark_stalled: Callable[[int], None] | None
 
     def check(self, rank: int, what: str) -> None: ...
+    def closed(self, rank: int) -> bool: ...
+    def leave(self) -> None: ...
     def confirm_dead(self, rank: int, grace_s: float = 1.0) -> bool: ...
     def dead(self, rank: int) -> bool: ...
     def stalled(self, rank: int) -> bool: ...
@@ -297,6 +301,7 @@ class Comm:
         self.replacement = False
         #: how many times each meeting of :meth:`barrier_while_alive` was held
         self._meetings: dict[str, int] = {}
+        self._closed = False
 
     @property
     def drops_dead_peers(self) -> bool:
@@ -365,8 +370,18 @@ class Comm:
         comm._start_watching()
         return comm
 
-    def close(self) -> None:
-        """Leave the process group (idempotent); call before the process exits."""
+    def close(self, wait_for_peers: bool = True) -> None:
+        """Leave the process group (idempotent); call before the process exits.
+
+        Where a rank of the job hosts its store (a launch without torch's agent: rank 0 of
+        ``env://``) and the ranks watch each other, each stops its heartbeat and says in the
+        store that it closed, and that rank (``wait_for_peers``) waits first until every other
+        has closed its comm or is no longer alive: a worker still finishing with its servers
+        when the host's process ended found the store gone (:class:`PeerDied`)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._leave_store(wait_for_peers)
         if self.liveness is not None:
             self.liveness.stop()
         # Garbage in reference cycles (a closed solver and what it held of torch's) is freed now,
@@ -375,10 +390,40 @@ class Comm:
         # called without an active exception", exit -6 after the script had finished).
         gc.collect()
         if dist.is_initialized():
+            # The last reference to a gloo group, dropped by a C++ owner that holds the GIL (the
+            # reducer of a DistributedDataParallel freed after this, the user's or the ddp
+            # solver's), joins the group's threads while one of them may still wait for the GIL
+            # to free the tensors of the group's last operation (torch 2.13): the process hung
+            # (seen under load, at a job's return). Python keeps a reference to each group until
+            # the process exits, so that no such owner has the last one.
+            _closed_groups.extend(g for g in (dist.group.WORLD, self._worker_group, *self._groups.values())
+                                  if g is not None)
             try:
                 dist.destroy_process_group()
             except Exception:
                 pass
+
+    def _leave_store(self, wait_for_peers: bool) -> None:
+        """(:meth:`close`) Where this job's store lives in one of its ranks (rank 0: no agent
+        keeps it) and the ranks watch each other: say that this rank closed, and (rank 0) wait
+        until every other rank has said so or is no longer alive. A peer that waits on rank 0
+        meanwhile (a server for a refused worker's next request) finds it stalled after the
+        timeout (its heartbeat stopped here), and closes."""
+        if (self.liveness is None or self.store.agent is not None or self.world_size == 1 or self.replacement
+                or not dist.is_initialized()):
+            return
+        self.liveness.leave()
+        if self.rank != 0 or not wait_for_peers:
+            return
+        waiting, pause = list(range(1, self.world_size)), _POLL_S / 4
+        try:
+            while waiting:
+                waiting = [r for r in waiting if not self.liveness.closed(r) and self.liveness.state(r) == "alive"]
+                if waiting:
+                    time.sleep(pause)
+                    pause = min(2 * pause, _POLL_S * 5)
+        except CommError:  # (the store is gone already: nobody is left to wait for)
+            pass
 
     # ---- who am I ---------------------------------------------------------------------
     @property

@@ -33,6 +33,10 @@ from distsync.errors import PeerDied, PeerStalled
 ALIVE = "distsync/alive/"
 #: a worker's progress in the job's store: the steps it has done (:func:`report_progress`)
 BEAT = "distsync/beat/"
+#: a rank that closed its comm (:meth:`Liveness.leave`); only the rank that hosts the job's
+#: store reads it, to leave last (a wait on a closed rank ends as on a stalled one: the message
+#: it sent last may still be on its way)
+CLOSED = "distsync/closed/"
 #: how often a wait asks whether its peer is still alive (a look at the drop marks; the
 #: store's counters are read every :data:`LOOK_S` at most)
 POLL_S = 0.02
@@ -95,6 +99,14 @@ class Heartbeat:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
 
+    def leave(self) -> None:
+        """Stop beating and say in the job's store that this process is gone (``CLOSED``)."""
+        self.stop()
+        try:
+            self._store.set(f"{CLOSED}{self.rank}", "1")
+        except Exception:  # (the job's store is gone: nobody is left to tell)
+            pass
+
 
 class Liveness:
     """What this process knows of its peers' liveness.
@@ -114,12 +126,29 @@ class Liveness:
         self._seen: dict[int, tuple[str | None, float, float]] = {}  # rank: (signs, since, looked at)
         self._lock = threading.Lock()
         self._revived: dict[int, float] = {}
+        self._closed: set[int] = set()
         #: this process's own heartbeat (:func:`watching` starts it)
         self.heartbeat: Heartbeat | None = None
 
     def stop(self) -> None:
         if self.heartbeat is not None:
             self.heartbeat.stop()
+
+    def leave(self) -> None:
+        """This process closes its comm: its heartbeat stops (a peer that still waits on it
+        finds it stalled after the timeout), and it says so in the store (:meth:`closed`)."""
+        if self.heartbeat is not None:
+            self.heartbeat.leave()
+
+    def closed(self, rank: int) -> bool:
+        """Whether rank has closed its comm (:meth:`leave`)."""
+        if rank in self._closed:
+            return True
+        if not self._check(f"{CLOSED}{rank}"):
+            return False
+        with self._lock:
+            self._closed.add(rank)
+        return True
 
     def report(self, done: int) -> None:
         """This process has done ``done`` steps: its heartbeat publishes it (:meth:`progress`
@@ -174,6 +203,7 @@ class Liveness:
         heartbeat did."""
         with self._lock:
             self._seen.pop(rank, None)
+            self._closed.discard(rank)
 
     def state(self, rank: int) -> str:
         """``"dead"``, ``"stalled"`` or ``"alive"``."""
