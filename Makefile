@@ -22,7 +22,8 @@ test: setup
 # The whole suite SOAK_RUNS times (default 10) beside a busy loop on each core (SOAK_BURNERS),
 # each run with fresh property-test draws from a recorded seed (docs/testing.md): hours.
 # SOAK_ARGS: pytest's arguments instead of the whole suite; SOAK_OUT: the record
-# (default benchmarks/results/soak.json). Exits 1 if any run failed.
+# (default benchmarks/results/soak.json; docs/benchmarks/raw/soak.json: the published figure).
+# Exits 1 if any run failed.
 test-soak: setup
 	$(BIN)/python tools/soak.py
 

@@ -19,6 +19,10 @@ rendered here from several raw files.
 provenance, was made by another command than the registry's, or has fewer than 3 repeats, or
 a table in ``docs/benchmarks/`` stands outside a rendered block.
 
+A figure run by name only (hours, or scored once) may be registered before its first run: with
+no raw file its block says "Not measured yet" and how to measure it, and ``check`` lists it
+without failing; any other figure's missing raw file is a failure (``make figures`` makes it).
+
 A figure is stale when a file its run imported (recorded in its raw file, each with a hash of
 its syntax tree, so that comments and docstrings do not count) is no longer what it measured;
 its blocks then end with "Stale: measured at X; changed since: ...", and ``check`` lists it
@@ -315,6 +319,12 @@ FIGURES = [
            ("src/distsync/solvers", "src/distsync/sim/timing.py", "tests/mutants_drawn.py", "tests/mutation_probe.py"),
            "docs/testing.md", min_repeats=1,
            by_name_only="hours: 170 mutants, each against the fast suite, in a worktree at a pinned commit"),
+    # -- the whole suite again and again under load: which tests fail by chance (a run a repeat) --
+    Figure("soak", "tools/soak", ("--runs", "10"), (),
+           ("src/distsync", "tests", "tools/soak.py", "pyproject.toml", "constraints.txt"),
+           "docs/testing.md",
+           by_name_only="hours: the whole suite 10 times beside busy loops; "
+                        "SOAK_OUT=docs/benchmarks/raw/soak.json make test-soak does the same"),
 ]
 BY_NAME = {f.name: f for f in FIGURES}
 BLOCK = re.compile(r"(<!-- figure: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /figure: (?P=name) -->)", re.S)
@@ -334,6 +344,17 @@ def load_raw(fig: Figure, quick: bool = False) -> dict[str, Any] | None:
 
 #: how a rendered block of a stale figure ends: what changed since it was measured
 STALE_NOTE = "> Stale: "
+#: the block of a figure run by name only that has no raw file yet
+NOT_MEASURED = "> Not measured yet: "
+
+
+def not_measured(fig: Figure) -> str | None:
+    """The block of ``fig`` while it has no raw file: what to run (None: a missing raw file is a
+    failure, as for every figure that ``make figures`` runs)."""
+    if not fig.by_name_only:
+        return None
+    return (f"{NOT_MEASURED}no raw results ({fig.raw_path().relative_to(REPO)}). Run by name only "
+            f"({fig.by_name_only}): `python benchmarks/figures.py run {fig.name}`.\n")
 
 
 def without_stale_notes(text: str) -> str:
@@ -344,12 +365,15 @@ def without_stale_notes(text: str) -> str:
 def rendered_blocks(quick: bool = False, notes: bool = True) -> dict[str, tuple[str, str]]:
     """Every block the raw files render: ``{block: (page, markdown)}``, each of a stale figure
     ending (with ``notes``) in a :data:`STALE_NOTE` that says what changed since; a missing raw
-    file renders nothing (``check`` says so)."""
+    file renders nothing (``check`` says so), but a figure run by name only says it is not
+    measured yet (:func:`not_measured`)."""
     out: dict[str, tuple[str, str]] = {}
     raws: dict[str, dict[str, Any]] = {}
     for fig in FIGURES:
         raw = load_raw(fig, quick)
         if raw is None:
+            if not quick and not_measured(fig) is not None:
+                out[fig.name] = (fig.page, not_measured(fig))
             continue
         raws[fig.name] = raw
         why = stale(fig, raw) if notes and not quick else None
@@ -494,13 +518,16 @@ def render_docs(write: bool, notes: bool = True) -> list[str]:
 
 
 def check(with_staleness: bool = True) -> list[str]:
-    """Everything ``make figures-check`` fails on: a missing raw file, its provenance or
+    """Everything ``make figures-check`` fails on: a missing raw file (not of a figure run by
+    name only: :func:`not_measured`), its provenance or
     repeats, a block that differs from what its raw file renders (``with_staleness``: its
     stale note too, which the git history decides), a stray table. A stale figure is not a
     failure: its block says so (``list`` and ``check`` list them)."""
     problems = []
     for fig in FIGURES:
         raw = load_raw(fig)
+        if raw is None and not_measured(fig) is not None:
+            continue  # (its block says so; main lists it)
         if raw is None:
             problems.append(f"{fig.name}: no raw results ({fig.raw_path().relative_to(REPO)}); "
                             f"run: python benchmarks/figures.py run {fig.name}")
@@ -596,6 +623,8 @@ def main(argv: list[str] | None = None) -> int:
             why = stale(fig, raw) if raw is not None else None
             if why:
                 print(f"figures-check: stale (its block says so; figures.py run --stale): {fig.name}: {why}")
+            if raw is None and not_measured(fig) is not None:
+                print(f"figures-check: not measured yet (its block says so; figures.py run {fig.name}): {fig.name}")
     for line in problems:
         print(f"figures-check: {line}")
     print(f"figures-check: {'FAILED, ' + str(len(problems)) + ' problem(s)' if problems else 'ok'}")

@@ -6,6 +6,7 @@ changed what it does (its blocks then say so)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,11 +29,91 @@ def test_committed_docs_render_from_committed_raw_results():
 
 def test_every_figure_has_a_committed_raw_file_and_a_block_on_its_page():
     for fig in figures.FIGURES:
-        assert fig.raw_path().exists(), fig.name
-        blocks = fig.renderer()(json.loads(fig.raw_path().read_text()))
         page = (REPO / fig.page).read_text()
+        if not fig.raw_path().exists():  # (only one run by name only, its block saying so)
+            assert fig.by_name_only, fig.name
+            assert f"<!-- figure: {fig.name} -->\n{figures.NOT_MEASURED}" in page, fig.name
+            continue
+        blocks = fig.renderer()(json.loads(fig.raw_path().read_text()))
         for block in blocks:
             assert f"<!-- figure: {block} -->" in page, (fig.name, block)
+
+
+def test_a_figure_run_by_name_only_without_raw_results_says_it_is_not_measured_yet(tmp_path, monkeypatch):
+    page = tmp_path / "page.md"
+    page.write_text("<!-- figure: once -->\n<!-- /figure: once -->\n")
+    (tmp_path / "README.md").write_text("# r\n")
+    once = figures.Figure("once", "x", ("--runs", "10"), (), ("a.py",), "page.md", by_name_only="hours")
+    other = figures.Figure("every", "x", (), (), ("a.py",), "page.md")
+    monkeypatch.setattr(figures, "REPO", tmp_path)
+    monkeypatch.setattr(figures, "RAW", tmp_path / "raw")
+    monkeypatch.setattr(figures, "FIGURES", [once])
+    monkeypatch.setitem(sys.modules, "which_solver", SimpleNamespace(render=lambda raws: None))
+    assert figures.check() == ["page.md: block(s) once differ from what the raw results render "
+                               "(python benchmarks/figures.py render)"]
+    assert figures.render_docs(write=True) == [] and figures.check() == []
+    assert page.read_text() == ("<!-- figure: once -->\n> Not measured yet: no raw results (raw/once.json). Run by "
+                                "name only (hours): `python benchmarks/figures.py run once`.\n<!-- /figure: once -->\n")
+    monkeypatch.setattr(figures, "FIGURES", [once, other])  # (one that make figures runs: its raw file is due)
+    assert figures.check() == ["every: no raw results (raw/every.json); run: python benchmarks/figures.py run every"]
+
+
+SOAK_RAW = {"command": "python tools/soak.py --runs 10 --json docs/benchmarks/raw/soak.json", "commit": "a" * 40,
+            "dirty": False, "date": "D", "machine": {"cpu_count": 2, "torch": "T"}, "runs_asked": 10,
+            "regime": "the whole suite, pytest -n 2, beside 2 busy loops on 2 cores"}
+
+
+def _soak_run(index, commit, exit_code, seconds, tests, skipped, load, failures):
+    return {"index": index, "commit": commit * 40, "hypothesis_seed": 10 + index, "python_hash_seed": 20 + index,
+            "exit_code": exit_code, "seconds": seconds, "tests": tests, "skipped": skipped,
+            "load_average_before": [load[0], 0.0, 0.0], "load_average_after": [load[1], 0.0, 0.0],
+            "failures": failures}
+
+
+def test_the_soaks_tables_by_hand():
+    long = "OSError: " + "p" * 121  # (130 characters: cut at 120)
+    runs = [_soak_run(1, "a", 1, 1500.0, 100, 3, (3.9, 4.2), {"tests/test_a.py::test_x": "assert `a` | b == 2\nE  more",
+                                                              "tests/test_a.py::test_y (error)": long + "\nmore"}),
+            _soak_run(2, "b", 0, 1470.0, 100, 3, (4.2, 4.0), {}),
+            _soak_run(3, "b", 5, 6.0, 0, 0, (4.0, 4.04), {"(the run itself)": "pytest exited 5\ntail"}),
+            _soak_run(4, "b", 0, 1530.0, 100, 3, (4.0, 4.1), {})]
+    failures = {"(the run itself)": {"count": 1, "runs": [3], "messages": ["pytest exited 5\ntail"]},
+                "tests/test_a.py::test_x": {"count": 1, "runs": [1], "messages": ["assert `a` | b == 2\nE  more"]},
+                "tests/test_a.py::test_y (error)": {"count": 1, "runs": [1], "messages": [long + "\nmore"]}}
+    render = figures.BY_NAME["soak"].renderer()
+    assert render({**SOAK_RAW, "runs": runs, "failures": failures})["soak"].split("\n") == [
+        "`python tools/soak.py --runs 10 --json docs/benchmarks/raw/soak.json` at commit aaaaaaaaaa, 2 cores, "
+        "torch T, D; 4 of 10 runs. Regime: the whole suite, pytest -n 2, beside 2 busy loops on 2 cores.", "",
+        "| run | commit | `--hypothesis-seed` | `PYTHONHASHSEED` | passed | failed | minutes | load before / after |",
+        "|---|---|---|---|---|---|---|---|",
+        "| 1 | aaaaaaaaaa | 11 | 21 | 95 | 2 | 25.0 | 3.9 / 4.2 |",
+        "| 2 | bbbbbbbbbb | 12 | 22 | 97 | 0 | 24.5 | 4.2 / 4.0 |",
+        "| 3 | bbbbbbbbbb | 13 | 23 | 0 | the run (pytest exited 5) | 0.1 | 4.0 / 4.0 |",
+        "| 4 | bbbbbbbbbb | 14 | 24 | 97 | 0 | 25.5 | 4.0 / 4.1 |", "",
+        "| test | runs failed in | first line of its failure |", "|---|---|---|",
+        "| `(the run itself)` | 1 of 4 (runs 3) | `pytest exited 5` |",
+        "| `tests/test_a.py::test_x` | 1 of 4 (runs 1) | `assert 'a' \\| b == 2` |",
+        "| `tests/test_a.py::test_y (error)` | 1 of 4 (runs 1) | `OSError: " + "p" * 110 + "…` |", "",
+        "1 consecutive green runs at the end (target 10).", ""]
+    green = render({**SOAK_RAW, "dirty": True, "runs": [runs[1], runs[3]], "failures": {}})["soak"].split("\n")
+    assert green[0].startswith("`python tools/soak.py --runs 10 --json docs/benchmarks/raw/soak.json` at commit "
+                               "aaaaaaaaaa, with uncommitted changes, 2 cores, torch T, D; 2 of 10 runs.")
+    assert green[-4:] == ["No test failed in any run.", "", "2 consecutive green runs at the end (target 10).", ""]
+
+
+def test_a_soak_of_the_whole_suite_as_make_runs_it_is_the_registrys_command():
+    sys.path.insert(0, str(REPO / "tools"))
+    import soak
+
+    fig = figures.BY_NAME["soak"]
+    made = soak.command(soak.DEFAULT_RUNS, os.cpu_count(), [], soak.PUBLISHED)
+    assert made == "python tools/soak.py --runs 10 --json docs/benchmarks/raw/soak.json"
+    raw = {**SOAK_RAW, "command": made, "seeds": [{"hypothesis": 1, "python_hash": 2}] * 3, "repeats": 3}
+    assert figures.provenance_problems(fig, raw) == []
+    assert figures.provenance_problems(fig, {**raw, "command": soak.command(10, 2, ["tests/test_rules.py"],
+                                                                             soak.PUBLISHED)}) == [
+        "soak: made by `python tools/soak.py --runs 10 tests/test_rules.py --json docs/benchmarks/raw/soak.json`, "
+        "not by the registry's `python tools/soak.py --runs 10 --json docs/benchmarks/raw/soak.json`"]
 
 
 def test_rendering_replaces_a_hand_edited_block(tmp_path):

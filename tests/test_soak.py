@@ -48,6 +48,37 @@ def test_a_junit_files_failures_and_errors_are_named_as_pytest_names_them_with_t
     })
 
 
+def test_a_junit_files_skipped_tests_are_counted(tmp_path):
+    (tmp_path / "run.xml").write_text(JUNIT)
+    assert soak.skipped(tmp_path / "run.xml") == 1
+
+
+def test_the_published_record_is_asked_for_as_figures_py_asks_and_keeps_its_logs_out_of_the_docs(monkeypatch):
+    for name in ("SOAK_RUNS", "SOAK_OUT", "SOAK_ARGS", "SOAK_BURNERS"):
+        monkeypatch.delenv(name, raising=False)
+    asked = []
+    monkeypatch.setattr(soak, "soak", lambda runs, burners, args, out, logs=None: asked.append((runs, out, logs)) or 0)
+    published = REPO / "docs" / "benchmarks" / "raw" / "soak.json"
+    assert soak.main(["--runs", "3", "--json", str(published)]) == 0
+    assert soak.main(["--out", "/tmp/soak-elsewhere.json"]) == 0
+    assert asked == [(3, published, REPO / "benchmarks" / "results" / "soak-logs"),
+                     (10, Path("/tmp/soak-elsewhere.json"), None)]
+
+
+def test_the_record_rewriting_itself_is_no_change_to_the_working_tree(monkeypatch):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import common
+
+    changed = ["docs/benchmarks/raw/soak.json"]
+    monkeypatch.setattr(common, "provenance", lambda script: {"command": "x", "commit": "c", "dirty": True,
+                                                              "changed_files": list(changed)})
+    published = REPO / "docs" / "benchmarks" / "raw" / "soak.json"
+    assert soak._provenance(published) == {"commit": "c", "dirty": False, "changed_files": []}
+    changed.append("src/distsync/cli.py")
+    assert soak._provenance(published) == {"commit": "c", "dirty": True, "changed_files": ["src/distsync/cli.py"]}
+    assert soak._provenance(Path("/tmp/soak.json"))["changed_files"] == [*changed]
+
+
 def test_a_test_case_outside_a_file_of_the_repository_keeps_its_dotted_name():
     assert soak.nodeid("no.such.module", "test_x[1]") == "no::such::module::test_x[1]"
 
@@ -113,9 +144,15 @@ def test_a_soak_prints_each_failure_and_how_often_each_test_failed_and_records_t
         "tests/test_rules.py::test_b": {"count": 1, "runs": [3], "messages": ["test_b broke"]},
     }
     assert (record["runs_asked"], record["burners"]) == (4, 0)
-    assert record["command"] == ("PYTHONHASHSEED=H python -m pytest -q -n 2 --hypothesis-profile=explore "
-                                 "--hypothesis-seed=N tests/test_rules.py")
-    assert {"commit", "machine"} <= set(record) and len(record["runs"][0]["load_average_before"]) == 3
+    assert record["suite_command"] == ("PYTHONHASHSEED=H python -m pytest -q -n 2 --hypothesis-profile=explore "
+                                       "--hypothesis-seed=N tests/test_rules.py")
+    # (what a figure's raw file must say of how it was made: the soak's record is one)
+    assert {"command", "commit", "dirty", "date", "machine", "regime", "seeds", "repeats"} <= set(record)
+    assert record["command"] == f"python tools/soak.py --runs 4 --burners 0 tests/test_rules.py --json {out}"
+    assert record["regime"] == f"tests/test_rules.py, pytest -n 2, beside 0 busy loops on {os.cpu_count()} cores"
+    assert record["seeds"] == [{"hypothesis": h, "python_hash": p} for h, p in seeds] and record["repeats"] == 4
+    assert [r["commit"] for r in record["runs"]] == [record["commit"]] * 4
+    assert len(record["runs"][0]["load_average_before"]) == 3
     assert (out.parent / "soak-logs" / "run-04.log").read_text() == "output of run 4\n"
 
 

@@ -6,11 +6,13 @@ Hypothesis's saved examples (``.hypothesis/``) cleared before each run and fresh
 recorded seed (``--hypothesis-profile explore --hypothesis-seed N``; the suite's own profile
 draws the same examples every run) and a recorded ``PYTHONHASHSEED``. Each failing test is
 printed with its short text as its run ends; at the end, how often each test failed. The record
-(runs, failures per test with their messages, seeds, commit, machine, load) goes to
-``SOAK_OUT`` (default ``benchmarks/results/soak.json``), rewritten after each run, and each
-run's output beside it (``soak-logs/run-NN.log``). Exits 1 if any run failed.
+(runs, failures per test with their messages, seeds, commit, machine, load, and the provenance
+a figure's raw file carries) goes to ``SOAK_OUT`` (default ``benchmarks/results/soak.json``),
+rewritten after each run, and each run's output beside it (``soak-logs/run-NN.log``; for the
+published record, ``benchmarks/results/soak-logs/``). Exits 1 if any run failed.
 
     make test-soak                                        # hours
+    SOAK_OUT=docs/benchmarks/raw/soak.json make test-soak # the published figure (docs/testing.md)
     SOAK_RUNS=1 SOAK_ARGS="tests/test_rules.py" make test-soak
 
 A failure is reproduced with its run's seeds: ``PYTHONHASHSEED=H python -m pytest
@@ -47,6 +49,12 @@ BURNER = "import os, sys\nwhile os.getppid() == int(sys.argv[1]):\n    for _ in 
 KEEP_CHARS = 4000
 #: an object's address in a failure's text
 _ADDRESS = re.compile(r"0x[0-9a-f]{6,}")
+#: runs when none is asked for, and the consecutive green runs a soak aims at
+DEFAULT_RUNS = 10
+#: where the published record goes (a figure's raw file: docs/testing.md renders it)
+PUBLISHED = REPO / "docs" / "benchmarks" / "raw" / "soak.json"
+#: the most of a failure's first line a rendered table shows
+SHOWN_CHARS = 120
 
 
 @contextmanager
@@ -92,6 +100,11 @@ def failures(junit: Path) -> tuple[int, dict[str, str]]:
     return run, failed
 
 
+def skipped(junit: Path) -> int:
+    """The test cases a pytest junit-xml file marks skipped."""
+    return sum(1 for case in ET.parse(junit).getroot().iter("testcase") if case.find("skipped") is not None)
+
+
 def tally(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per failing test, over ``runs``: how many failed it, which (their indices) and the
     different messages (objects' addresses aside), most failing first."""
@@ -127,18 +140,38 @@ def run_suite(cmd: list[str], env: dict[str, str], log: Path, cwd: Path) -> int:
         return subprocess.run(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
 
 
+def command(runs: int, burner_count: int, pytest_args: list[str], out: Path) -> str:
+    """This soak as one command line, whatever set its options (arguments or ``SOAK_*``): the
+    burners only where they are not one per core, the record's place from the repository's root."""
+    burners_given = ["--burners", str(burner_count)] if burner_count != (os.cpu_count() or 1) else []
+    place = out.relative_to(REPO) if out.is_relative_to(REPO) else out
+    return shlex.join(["python", "tools/soak.py", "--runs", str(runs), *burners_given, *pytest_args,
+                       "--json", str(place)])
+
+
+def regime(burner_count: int, pytest_args: list[str]) -> str:
+    """What the runs tested, and beside what load: the record's regime."""
+    what = shlex.join(pytest_args) if pytest_args else "the whole suite"
+    return f"{what}, pytest -n 2, beside {burner_count} busy loops on {os.cpu_count()} cores"
+
+
 def soak(runs: int, burner_count: int, pytest_args: list[str], out: Path,
          runner: Callable[[list[str], dict[str, str], Path, Path], int] = run_suite,
-         seeds: random.Random | None = None, say: Callable[[str], None] = print, root: Path = REPO) -> int:
+         seeds: random.Random | None = None, say: Callable[[str], None] = print, root: Path = REPO,
+         logs: Path | None = None) -> int:
     """Run the suite in ``root`` ``runs`` times beside ``burner_count`` busy loops; write the
-    record to ``out`` after each run; 1 if any run failed, else 0."""
+    record to ``out`` after each run (with ``logs``, each run's output: by default beside it);
+    1 if any run failed, else 0."""
     seeds = seeds or random.SystemRandom()
-    logs = out.parent / f"{out.stem}-logs"
+    logs = logs or out.parent / f"{out.stem}-logs"
     logs.mkdir(parents=True, exist_ok=True)
     # (a run's own seeds are its record's python_hash_seed and hypothesis_seed)
-    command = " ".join(["PYTHONHASHSEED=H python", *SUITE, "--hypothesis-profile=explore --hypothesis-seed=N",
-                        shlex.join(pytest_args)]).rstrip()
-    record: dict[str, Any] = {"command": command, "runs_asked": runs, "burners": burner_count, **_provenance(),
+    suite_command = " ".join(["PYTHONHASHSEED=H python", *SUITE, "--hypothesis-profile=explore --hypothesis-seed=N",
+                              shlex.join(pytest_args)]).rstrip()
+    started = _provenance(out)
+    record: dict[str, Any] = {"command": command(runs, burner_count, pytest_args, out), **started,
+                              "regime": regime(burner_count, pytest_args), "seeds": [], "repeats": 0,
+                              "suite_command": suite_command, "runs_asked": runs, "burners": burner_count,
                               "runs": [], "failures": {}}
     with burners(burner_count):
         for i in range(1, runs + 1):
@@ -149,19 +182,24 @@ def soak(runs: int, burner_count: int, pytest_args: list[str], out: Path,
             cmd = [sys.executable, *SUITE, f"--junitxml={junit}",
                    "--hypothesis-profile=explore", f"--hypothesis-seed={hypothesis_seed}", *pytest_args]
             env = dict(os.environ, PYTHONHASHSEED=str(hash_seed))
-            load_before, began = os.getloadavg(), time.monotonic()
+            load_before, began, at = os.getloadavg(), time.monotonic(), _head()
             code = runner(cmd, env, logs / f"run-{i:02d}.log", root)
             seconds = round(time.monotonic() - began, 1)
             tests, failed = failures(junit) if junit.is_file() else (0, {})
+            skips = skipped(junit) if junit.is_file() else 0
             if code != 0 and not failed:  # (pytest itself failed: collection, a worker lost, no tests)
                 tail = (logs / f"run-{i:02d}.log").read_text(errors="replace")[-KEEP_CHARS:]
                 failed = {"(the run itself)": f"pytest exited {code}\n{tail}".strip()}
-            record["runs"].append({"index": i, "hypothesis_seed": hypothesis_seed, "python_hash_seed": hash_seed,
-                                   "exit_code": code, "seconds": seconds, "tests": tests,
+            record["runs"].append({"index": i, "commit": at, "hypothesis_seed": hypothesis_seed,
+                                   "python_hash_seed": hash_seed, "exit_code": code, "seconds": seconds,
+                                   "tests": tests, "skipped": skips,
                                    "load_average_before": list(load_before),
                                    "load_average_after": list(os.getloadavg()),
                                    "failures": failed})
             record["failures"] = tally(record["runs"])
+            record["seeds"].append({"hypothesis": hypothesis_seed, "python_hash": hash_seed})
+            record["repeats"] = len(record["runs"])
+            _moved(record, started, out)
             _write(out, record)
             say(f"run {i}/{runs}: {tests} tests, {len(failed)} failed, {seconds} s "
                 f"(--hypothesis-seed={hypothesis_seed}, PYTHONHASHSEED={hash_seed}, "
@@ -174,14 +212,79 @@ def soak(runs: int, burner_count: int, pytest_args: list[str], out: Path,
     return 1 if record["failures"] else 0
 
 
-def _provenance() -> dict[str, Any]:
+def _provenance(out: Path) -> dict[str, Any]:
+    """The commit and machine, as a benchmark's raw file records them; the record ``out`` is not
+    counted a change to the working tree (a soak rewrites its committed record as it goes)."""
     if str(REPO / "benchmarks") not in sys.path:
         sys.path.insert(0, str(REPO / "benchmarks"))
-    from common import provenance  # (the commit and machine, as a benchmark's raw file records them)
+    from common import provenance
 
     got = provenance("")
     got.pop("command", None)
+    own = str(out.relative_to(REPO)) if out.is_relative_to(REPO) else None
+    got["changed_files"] = [p for p in got["changed_files"] if p != own]
+    if got["dirty"] is not None:
+        got["dirty"] = bool(got["changed_files"])
     return got
+
+
+def _head() -> str | None:
+    done = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30)
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def _moved(record: dict[str, Any], started: dict[str, Any], out: Path) -> None:
+    """Note in ``record`` a commit or working tree that changed since the soak began (what its
+    later runs tested is then not its commit) and the load now, as a raw file's record does."""
+    now = _provenance(out)
+    if (now["commit"], now["changed_files"]) != (started["commit"], started["changed_files"]):
+        record["changed_during_run"] = {"commit": now["commit"], "changed_files": now["changed_files"]}
+    record["machine"]["load_average_at_end"] = now["machine"]["load_average_at_start"]
+
+
+def green(run: dict[str, Any]) -> bool:
+    return run["exit_code"] == 0 and not run["failures"]
+
+
+def _cell(text: str) -> str:
+    """``text`` as a table cell: a code span, cut at :data:`SHOWN_CHARS`."""
+    text = text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS - 1] + "…"
+    return "`" + text.replace("`", "'").replace("|", "\\|") + "`"
+
+
+def render(raw: dict[str, Any]) -> str:
+    """docs/testing.md's block: the runs, the failures per test, the green runs at the end."""
+    runs = raw["runs"]
+    machine = raw["machine"]
+    dirty = ", with uncommitted changes" if raw.get("dirty") else ""
+    lines = [f"`{raw['command']}` at commit {raw['commit'][:10]}{dirty}, {machine['cpu_count']} cores, "
+             f"torch {machine['torch']}, {raw['date']}; {len(runs)} of {raw['runs_asked']} runs. "
+             f"Regime: {raw['regime']}.", "",
+             "| run | commit | `--hypothesis-seed` | `PYTHONHASHSEED` | passed | failed | minutes | "
+             "load before / after |", "|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        tests = {t.removesuffix(" (error)") for t in r["failures"] if t != "(the run itself)"}
+        failed = str(len(tests)) if "(the run itself)" not in r["failures"] else \
+            f"the run (pytest exited {r['exit_code']})"
+        before, after = r["load_average_before"][0], r["load_average_after"][0]
+        lines.append(f"| {r['index']} | {(r.get('commit') or raw['commit'])[:10]} | {r['hypothesis_seed']} | "
+                     f"{r['python_hash_seed']} | {r['tests'] - r.get('skipped', 0) - len(tests)} | {failed} | "
+                     f"{r['seconds'] / 60:.1f} | {before:.1f} / {after:.1f} |")
+    lines.append("")
+    if raw["failures"]:
+        lines += ["| test | runs failed in | first line of its failure |", "|---|---|---|"]
+        for test, row in raw["failures"].items():
+            lines.append(f"| `{test}` | {row['count']} of {len(runs)} (runs {', '.join(map(str, row['runs']))}) | "
+                         f"{_cell(short(row['messages'][0]))} |")
+    else:
+        lines.append("No test failed in any run.")
+    at_end = 0
+    for r in reversed(runs):
+        if not green(r):
+            break
+        at_end += 1
+    lines += ["", f"{at_end} consecutive green runs at the end (target {DEFAULT_RUNS})."]
+    return "\n".join(lines) + "\n"
 
 
 def _write(path: Path, record: dict[str, Any]) -> None:
@@ -200,9 +303,9 @@ def _env_int(name: str, default: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=_env_int("SOAK_RUNS", 10))
+    parser.add_argument("--runs", type=int, default=_env_int("SOAK_RUNS", DEFAULT_RUNS))
     parser.add_argument("--burners", type=int, default=_env_int("SOAK_BURNERS", os.cpu_count() or 1))
-    parser.add_argument("--out", type=Path,
+    parser.add_argument("--out", "--json", type=Path,  # (--json: as figures.py runs a figure)
                         default=Path(os.environ.get("SOAK_OUT") or REPO / "benchmarks" / "results" / "soak.json"))
     parser.add_argument("pytest_args", nargs="*", default=shlex.split(os.environ.get("SOAK_ARGS", "")),
                         help="passed on to pytest (default: SOAK_ARGS, else the whole suite)")
@@ -213,7 +316,10 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.default_int_handler)
     try:
-        return soak(args.runs, args.burners, args.pytest_args, args.out.resolve())
+        out = args.out.resolve()
+        # (the published record's logs stay out of the committed folder)
+        logs = REPO / "benchmarks" / "results" / "soak-logs" if out == PUBLISHED else None
+        return soak(args.runs, args.burners, args.pytest_args, out, logs=logs)
     except KeyboardInterrupt:
         print("soak: stopped; the record holds the runs that ended", file=sys.stderr)
         return 130
