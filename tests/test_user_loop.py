@@ -472,3 +472,20 @@ def test_the_refusal_hook_leaves_other_exceptions_to_the_hook_before_it(monkeypa
     distsync._refusals_in_one_line()  # (outermost already: not wrapped twice)
     sys.excepthook(ValueError, ValueError("not ours"), None)
     assert seen == [ValueError]
+
+
+def _leaves_at_once(rank, world):
+    import time as _time
+
+    import distsync
+    from distsync.membership import liveness
+
+    if rank == 1:  # (this rank's join is slow: its first heartbeat comes a second late)
+        start = liveness.Heartbeat.start
+        liveness.Heartbeat.start = lambda self: (_time.sleep(1.0), start(self))[1]
+    distsync.init_comm(timeout_s=20.0)
+    return "joined"  # (rank 0, which hosts the job's store here, ends at once: as a refused script would)
+
+
+def test_init_comm_returns_on_no_rank_before_every_rank_has_joined():
+    assert run_ranks(_leaves_at_once, 2) == ["joined", "joined"]

@@ -54,6 +54,9 @@ def init_comm(timeout_s: float = 60.0, roles: dict[str, int] | None = None, devi
     comm = Comm.from_env(assign_roles(world - extra, roles or {}), timeout_s, placement.device, placement=placement,
                          policy=FailurePolicy(watch=watching()))
     _job_comm[0] = comm
+    if comm.liveness is not None:  # (every rank through init_comm before any returns: a rank that
+        # hosts the job's store and ends at once, refused, leaves no peer half way into its join)
+        comm.barrier_while_alive(list(range(comm.world_size)), "init_comm")
     # (a script that ends without comm.close(), as a server's `sys.exit()` after serve(), closes
     # it at exit: where rank 0 hosts the job's store, it waits for every rank's close)
     atexit.register(_close_at_exit, comm)

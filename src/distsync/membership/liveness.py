@@ -70,7 +70,11 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name="distsync-heartbeat", daemon=True)
 
     def start(self) -> "Heartbeat":
-        self._beat()
+        try:
+            self._beat()
+        except Exception as e:  # (the job's store gone before the first beat: the process hosting it ended)
+            raise PeerDied(f"rank {self.rank}: the job's store closed its connection before this rank's first "
+                           f"heartbeat (the process that hosts it ended): {type(e).__name__}: {e}") from None
         self._thread.start()
         return self
 
