@@ -71,8 +71,21 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 50.0, daemo
     seconds is killed and the test fails. ``daemon=False`` for ranks that start processes of
     their own (hivemind's DHT): a daemonic process may not, and these are killed here anyway.
     """
+    for attempt in range(3):
+        try:
+            return _run_ranks_on(free_port(), fn, world, args, timeout, daemon)
+        except PortTaken:  # (another test's job bound the port between its check and rank 0's bind)
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+class PortTaken(AssertionError):
+    """Rank 0 could not listen on the port picked for the job: it was taken meanwhile."""
+
+
+def _run_ranks_on(port: int, fn: Callable, world: int, args: tuple, timeout: float, daemon: bool) -> list[Any]:
     ctx = _context()
-    port = free_port()
     pipes, procs = [], []
     for rank in range(world):
         parent, child = ctx.Pipe(duplex=False)
@@ -98,7 +111,9 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 50.0, daemo
                 p.kill()
                 p.join()
     if errors:
-        raise AssertionError("\n".join(errors))
+        text = "\n".join(errors)
+        # (the port picked free was bound by another process first: every rank failed to join)
+        raise (PortTaken if "EADDRINUSE" in text and "init_process_group" in text else AssertionError)(text)
     return results
 
 

@@ -208,3 +208,27 @@ def test_a_soak_refuses_a_count_that_is_not_a_whole_number(monkeypatch):
     monkeypatch.setenv("SOAK_RUNS", "ten")
     with pytest.raises(SystemExit, match="^soak: error: SOAK_RUNS must be a whole number, got 'ten'$"):
         soak.main([])
+
+
+def test_the_record_is_published_when_the_soak_ends_not_under_the_suite_it_runs(tmp_path):
+    # (the suite reads the published path, the soak figure's raw file: a record that grew there
+    # while it ran made the figure test fail in the soak itself)
+    out, calls = tmp_path / "soak.json", []
+    suite = _suite_that_fails({}, {}, calls)
+
+    def runner(cmd, env, log, cwd):
+        assert not out.exists(), f"published before run {len(calls) + 1} ended"
+        return suite(cmd, env, log, cwd)
+
+    soak.soak(3, 0, [], out, runner=runner, say=lambda line: None, root=tmp_path)
+    assert json.loads(out.read_text())["repeats"] == 3
+
+    def stopped(cmd, env, log, cwd):  # (a stop during run 2 publishes run 1)
+        if calls:
+            raise KeyboardInterrupt
+        return suite(cmd, env, log, cwd)
+
+    calls.clear()
+    with pytest.raises(KeyboardInterrupt):
+        soak.soak(3, 0, [], tmp_path / "stopped.json", runner=stopped, say=lambda line: None, root=tmp_path)
+    assert json.loads((tmp_path / "stopped.json").read_text())["repeats"] == 1

@@ -173,6 +173,26 @@ def soak(runs: int, burner_count: int, pytest_args: list[str], out: Path,
                               "regime": regime(burner_count, pytest_args), "seeds": [], "repeats": 0,
                               "suite_command": suite_command, "runs_asked": runs, "burners": burner_count,
                               "runs": [], "failures": {}}
+    # (the record as it grows lies beside the logs: a suite under test that reads the published
+    # path, its figure's raw file, must not see it change while it runs; it is published at the
+    # end, however the soak ends)
+    working = logs / "record.json"
+    try:
+        _soak_runs(runs, burner_count, pytest_args, runner, seeds, say, root, logs, record, started, out, working)
+    finally:
+        if record["runs"]:
+            _write(out, record)
+    for line in report(record["runs"]):
+        say(line)
+    say(f"soak: record in {out}")
+    return 1 if record["failures"] else 0
+
+
+def _soak_runs(runs: int, burner_count: int, pytest_args: list[str], runner, seeds: random.Random,
+               say: Callable[[str], None], root: Path, logs: Path, record: dict[str, Any], started: dict[str, Any],
+               out: Path, working: Path) -> None:
+    """(:func:`soak`) The runs, each added to ``record``, which is written to ``working``
+    after each."""
     with burners(burner_count):
         for i in range(1, runs + 1):
             shutil.rmtree(root / ".hypothesis", ignore_errors=True)
@@ -200,16 +220,12 @@ def soak(runs: int, burner_count: int, pytest_args: list[str], out: Path,
             record["seeds"].append({"hypothesis": hypothesis_seed, "python_hash": hash_seed})
             record["repeats"] = len(record["runs"])
             _moved(record, started, out)
-            _write(out, record)
+            _write(working, record)
             say(f"run {i}/{runs}: {tests} tests, {len(failed)} failed, {seconds} s "
                 f"(--hypothesis-seed={hypothesis_seed}, PYTHONHASHSEED={hash_seed}, "
                 f"load {load_before[0]:.1f})")
             for test, message in failed.items():
                 say(f"  FAILED {test}: {short(message)}")
-    for line in report(record["runs"]):
-        say(line)
-    say(f"soak: record in {out}")
-    return 1 if record["failures"] else 0
 
 
 def _provenance(out: Path) -> dict[str, Any]:
@@ -313,8 +329,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.runs < 1 or args.burners < 0:
         parser.error(f"needs --runs >= 1 and --burners >= 0, got {args.runs} and {args.burners}")
     # A stop (make's SIGTERM, a closed terminal) unwinds like Ctrl-C, so the burners are killed.
+    stopped_by = [signal.SIGINT]
+
+    def stop(signum, frame):
+        stopped_by[0] = signum
+        raise KeyboardInterrupt
+
     for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.default_int_handler)
+        signal.signal(sig, stop)
     try:
         out = args.out.resolve()
         # (the published record's logs stay out of the committed folder)
@@ -322,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         return soak(args.runs, args.burners, args.pytest_args, out, logs=logs)
     except KeyboardInterrupt:
         print("soak: stopped; the record holds the runs that ended", file=sys.stderr)
-        return 130
+        return 128 + stopped_by[0]
 
 
 if __name__ == "__main__":
