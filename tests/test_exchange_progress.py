@@ -74,6 +74,17 @@ def test_a_mark_without_the_exchange_takes_it_from_the_worker_s_events():
     assert row["stalled_s"] == pytest.approx(0.3) and row["stalled_from"] == "step"
 
 
+def _step(s, run, w, sampler, k):
+    """Step ``k`` of an attached solver ``s`` on this worker's batch ``k``, its hooks in the loop's order."""
+    x, y = w.take(w.train_data, sampler.indices(k))
+    s.before_step(k)
+    w.loss_fn(run(x), y).backward()
+    s.after_backward(k)
+    s.update(k)
+    s.after_update(k)
+    s.zero_grad()
+
+
 def _adpsgd_exchanges_rank(rank, world):
     """AD-PSGD on two workers: three steps that average, then the passive (rank 1) steps alone
     while the active waits; each worker's last exchange as it went."""
@@ -92,13 +103,7 @@ def _adpsgd_exchanges_rank(rank, world):
     sampler = ShardSampler(w.num_train, world, rank, BATCH, SEED)
 
     def step(k):
-        x, y = w.take(w.train_data, sampler.indices(k))
-        s.before_step(k)
-        w.loss_fn(run(x), y).backward()
-        s.after_backward(k)
-        s.update(k)
-        s.after_update(k)
-        s.zero_grad()
+        _step(s, run, w, sampler, k)
 
     seen = {"start": s.last_exchange_unix()}
     if s.is_active:
@@ -146,13 +151,7 @@ def _ripples_exchanges_rank(rank, world):
     sampler = ShardSampler(w.num_train, world, rank, BATCH, SEED)
     seen = [s.last_exchange_unix()]
     for k in range(4):
-        x, y = w.take(w.train_data, sampler.indices(k))
-        s.before_step(k)
-        w.loss_fn(run(x), y).backward()
-        s.after_backward(k)
-        s.update(k)
-        s.after_update(k)
-        s.zero_grad()
+        _step(s, run, w, sampler, k)
         seen.append(s.last_exchange_unix())
     s.close()
     comm.barrier()

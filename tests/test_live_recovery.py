@@ -348,10 +348,13 @@ def _finals(out: Path, step: int) -> dict[int, float]:
     return finals
 
 
+#: each solver whose workers meet every step, under each buffer policy it keeps
+BUFFER_CASES = [("allreduce", "broadcast"), ("allreduce", "average"), ("ddp", "broadcast"),
+                ("sync-ps", "broadcast"), ("sync-ps", "average")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("solver,buffers", [("allreduce", "broadcast"), ("allreduce", "average"),
-                                            ("ddp", "broadcast"), ("sync-ps", "broadcast"), ("sync-ps", "average")],
-                         ids=lambda v: v)
+@pytest.mark.parametrize("solver,buffers", BUFFER_CASES, ids=lambda v: v)
 def test_a_model_with_buffers_goes_on_without_a_dead_worker(tmp_path, solver, buffers):
     # The buffers' collectives (rank 0's before each forward, or their mean at each step's start)
     # fail on every survivor when a member dies, as the gradients' do, and are done again on the
@@ -368,9 +371,7 @@ def test_a_model_with_buffers_goes_on_without_a_dead_worker(tmp_path, solver, bu
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("solver,buffers", [("allreduce", "broadcast"), ("allreduce", "average"),
-                                            ("ddp", "broadcast"), ("sync-ps", "broadcast"), ("sync-ps", "average")],
-                         ids=lambda v: v)
+@pytest.mark.parametrize("solver,buffers", BUFFER_CASES, ids=lambda v: v)
 def test_a_worker_lost_after_the_last_step_leaves_the_others_the_same_buffers_at_close(tmp_path, solver, buffers):
     # rank 1 dies once its last step is done: close()'s synchronization of the buffers loses it
     # and settles among the two others, on the group they re-form there
