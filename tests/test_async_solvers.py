@@ -402,7 +402,9 @@ def _two_threads_rank(rank, world, solver_name, options, workers, rounds):
     """A worker of a solver with two Hogwild training threads, interleaved in a forced order
     each round: both take their gradient on the shared model as it stands, then thread 0 takes
     its update (lock-free SGD, and the solver's push or exchange), then thread 1. Every worker
-    has taken its step-0 pull (if any) before anyone pushes."""
+    has taken its step-0 pull (if any) before anyone pushes. Workers update in turn, worker i
+    after the server has answered worker i-1's pull sent after its last push: a lock-free
+    server applies concurrent pushes without a lock, and so may lose part of one."""
     from distsync.comm import Comm
     from distsync.runtime import assign_roles
     from distsync.runtime.plugins.hogwild import hogwild_replica
@@ -432,6 +434,8 @@ def _two_threads_rank(rank, world, solver_name, options, workers, rounds):
                 meet.wait()  # both see the model as the last round left it
                 x, y = w.take(w.train_data, sampler.indices(k))
                 grads = torch.autograd.grad(w.loss_fn(replica(x), y), list(replica.parameters()))
+                if step == 0 and comm.worker_index > 0:
+                    comm.store.get(f"pushed/{comm.worker_index - 1}")  # (waits until it is set)
                 meet.wait()
                 for turn in range(2):
                     if turn == t:
@@ -440,6 +444,9 @@ def _two_threads_rank(rank, world, solver_name, options, workers, rounds):
                     meet.wait()
 
         run_in_threads(thread, 2, on_error=meet.abort)
+        if workers > 1:
+            solver.client.pull(2 * rounds)  # (answered once the server has applied this worker's pushes)
+            comm.store.set(f"pushed/{comm.worker_index}", "1")
         solver.close()
         out = ("worker", copy.deepcopy(model.state_dict()), copy.deepcopy(solver.eval_model().state_dict()))
     comm.barrier()
@@ -450,8 +457,8 @@ def _two_threads_rank(rank, world, solver_name, options, workers, rounds):
 def test_hogwild_threads_apply_and_push_every_threads_gradient():
     """Plain PyTorch: per round, g0 and g1 taken on the same model x, then x <- x - lr g0 -
     lr g1. n_fetch beyond the run: the only pull is at step 0, so the server's center ends at
-    c0 - lr * (the sum of every gradient of every thread of every worker), whatever order the
-    workers' pushes came in."""
+    c0 - lr * (the sum of every gradient of every thread of every worker), the workers pushing
+    in turn (the server takes no lock: concurrent pushes may lose part of one)."""
     workers, rounds, n_push = 2, 4, 2
     w = _data()
     from distsync.workloads import ShardSampler
