@@ -191,10 +191,16 @@ def _start_import_record() -> None:
         os.environ[RECORD_IMPORTS] = path
 
 
+#: the folders that hold installed libraries: a virtual environment inside the checkout holds
+#: torch's files under the repository's root, but they are not the repository's
+INSTALLED = frozenset({"site-packages", "dist-packages"})
+
+
 def imported_sources(repo: Path | None = None) -> dict[str, str]:
     """The repository's files this benchmark's run imported, each with its :func:`syntax_hash`:
     this process's modules, the script itself, and what every job process started since
-    :func:`provenance` recorded at its end (``{path from the repository's root: hash}``)."""
+    :func:`provenance` recorded at its end (``{path from the repository's root: hash}``), the
+    installed libraries of a virtual environment inside the checkout left out."""
     import os
 
     from distsync.runtime.entry import RECORD_IMPORTS
@@ -207,7 +213,8 @@ def imported_sources(repo: Path | None = None) -> dict[str, str]:
     out = {}
     for f in filter(None, files):
         path = Path(f).resolve()
-        if path.suffix == ".py" and path.is_relative_to(repo) and path.is_file():
+        if (path.suffix == ".py" and path.is_relative_to(repo) and path.is_file()
+                and not INSTALLED.intersection(path.relative_to(repo).parts)):
             out[str(path.relative_to(repo))] = source_hash(path)
     return dict(sorted(out.items()))
 

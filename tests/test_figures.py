@@ -384,6 +384,7 @@ def test_a_jobs_processes_record_the_package_files_they_imported(tmp_path, monke
     assert not any("/sim/" in f for f in files)  # (training never imports the simulator)
     sources = imported_sources(repo=package.parent.parent)  # (the tree that holds src/distsync)
     assert sources["src/distsync/solvers/model_averaging.py"] == source_hash(package / "solvers" / "model_averaging.py")
+    assert "torch" in sys.modules and not any("site-packages" in f for f in sources)  # (installed, not the repository's)
 
 
 def test_a_raw_file_records_what_processes_without_a_record_measured(tmp_path):
