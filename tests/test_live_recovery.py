@@ -77,6 +77,36 @@ def test_members_that_left_at_different_operations_cannot_go_on():
         _membership(0, store, {2}).reform("workers")
 
 
+def test_a_view_made_by_some_and_given_up_by_others_leaves_the_count_of_operations_as_it_was():
+    """A lost host: rank 3 dies while epoch 1's group (0, 1, 3) forms. Rank 1's formation
+    completes, and it does nothing on it before it finds 3 dead; rank 0's is given up. Both
+    leave for epoch 2 at the 7 operations they completed on epoch 0 (found in a soak: {0: 42, 1: 0})."""
+    dead = {2}
+    store = _in(_in({}, 1, 0, 3), 2, 0)
+    m = _membership(1, store, dead)
+    assert (m.reform("workers").epoch, m._views["workers"].seq) == (1, 7)
+    dead.add(3)
+    view = m.reform("workers")
+    assert (view.epoch, view.members, view.seq) == (2, (0, 1), 7)
+    assert store[f"{VIEW}workers/2/seq/1"] == "7"
+
+
+def test_a_replacement_counts_the_operations_from_where_the_others_are():
+    """Rank 1's replacement asks to join after epoch 1 (0, 2, 3); rank 2 admits it in epoch 2,
+    the others having left epoch 1 at 9 operations: the replacement counts on from 9."""
+    store = _in(DictStore({f"{VIEW}workers/1": "[0, 2, 3]"}), 1, 0, 2, 3)
+
+    def admitted() -> bool:  # (looked at while the replacement waits: rank 2 admits it once asked)
+        if store.get(f"{VIEW}workers/join/1") == "1" and f"{VIEW}workers/2" not in store:
+            store[f"{VIEW}workers/2/joined"] = json.dumps({"joined": [1], "src": 2})
+            store[f"{VIEW}workers/2"] = "[0, 1, 2, 3]"
+            _in(store, 2, 0, 2, 3, seq=9)
+        return False
+
+    view = _membership(1, store, set()).join("workers", lambda: None, admitted)
+    assert (view.epoch, view.joined, view.src, view.seq) == (2, (1,), 2, 9)
+
+
 def test_a_member_that_died_before_it_came_is_out_and_that_group_is_never_made():
     store = DictStore({f"{VIEW}workers/1": "[0, 1, 3]", f"{VIEW}workers/1/fate/1": "in"})
     assert _membership(0, store, {3})._all_in("workers", 1, (0, 1, 3)) is False

@@ -79,7 +79,9 @@ class View:
     epoch: int
     members: tuple[int, ...]
     pg: Any
-    #: operations completed on ``pg``
+    #: operations completed on this tag's views since the job's first, counted on across
+    #: re-formings: a member that made a view the others gave up making (a member died as it
+    #: formed) and did nothing on it leaves it at the count they left the view before at
     seq: int = 0
     #: whether its operations must line up across a re-forming (re-forming checks that every
     #: member left at the same one); False where each is whole by itself (a background
@@ -267,6 +269,7 @@ class Membership:
             if len(set(seqs.values())) > 1:
                 raise CommError(f"rank {self.comm.rank}: the workers left the {tag} group at different "
                                 f"operations ({seqs}): a worker died as one finished; restart from a checkpoint")
+            new.seq = old.seq
             return new
 
     def _agree(self, tag: str, old: View, epoch: int, members: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
@@ -422,5 +425,6 @@ class Membership:
         with self._lock:
             view = self._form(tag, epoch, list(members))
             view.joined, view.src = self._joined(tag, epoch)
+            view.seq = int(self.comm.store.get(f"{VIEW}{tag}/{epoch}/seq/{view.src}"))  # (the others' count)
         self.comm.store.set(f"{VIEW}{tag}/join/{me}", "")  # (admitted: not asking any more)
         return view
