@@ -103,6 +103,56 @@ def test_the_second_test_set_has_homogeneous_clusters_and_a_users_kinds_of_model
     assert sc.declared("test2")["generator_seed"] == sc.GENERATOR_SEED_2 != sc.GENERATOR_SEED
 
 
+def test_the_third_test_set_gives_each_scenario_two_minutes_and_a_users_kinds_of_model():
+    """Drawn by a seed of its own from steps to target: 8 scenarios, a new workload at every
+    even position (each of the three at least once) and an earlier one at every odd, the 1st,
+    4th and 7th without a slow worker and every other with one at least; each device time
+    gives a synchronous all-reduce of its workers at least MIN_BEST_S to the target, within
+    ROOM_3 of it unless the machine's floor is higher; a worker count that never reaches the
+    target is never drawn."""
+    sc = recommend_scenarios
+    steps = {w: {"4": 100, "8": 400, "16": None} for w in sc.NEW_3 + sc.EARLIER_3}
+    a = sc.test_set_3(steps=steps)
+    assert [x.label for x in a] == [x.label for x in sc.test_set_3(steps=steps)] and len(a) == 8
+    assert [x.workload in sc.NEW_3 for x in a] == [i % 2 == 0 for i in range(8)]
+    assert set(sc.NEW_3) <= {x.workload for x in a} and all(x.workload in sc.EARLIER_3 for x in a[1::2])
+    assert [x.slow_count == 0 for x in a] == [i % 3 == 0 for i in range(8)]
+    assert {x.workers for x in a} <= {4, 8}
+    for x in a:
+        least = sc.MIN_BEST_S / steps[x.workload][str(x.workers)] * 1000
+        low = max(least, sc.floor_ms(x.workload, x.workers))
+        assert low * 0.999 <= x.device_ms <= low * sc.ROOM_3[1] * 1.001, x.label
+        assert steps[x.workload][str(x.workers)] * x.device_ms / 1000 >= sc.MIN_BEST_S * 0.999
+    measured = sc.test_set_3()  # (from the committed steps: drawn before anything was scored)
+    assert len(measured) == 8 and sc.declared("test3")["generator_seed"] == sc.GENERATOR_SEED_3
+    assert len({sc.GENERATOR_SEED, sc.GENERATOR_SEED_2, sc.GENERATOR_SEED_3}) == 3
+
+
+def test_the_new_workloads_are_a_users_kinds_and_one_cannot_be_batched_by_torch_func():
+    import warnings
+
+    import torch
+    from torch.func import functional_call, stack_module_state, vmap
+
+    from distsync.workloads import load_workload
+
+    batched = {}
+    for path in recommend_scenarios.NEW_3:
+        w = load_workload(str(recommend_scenarios.REPO / path), {})
+        models = [w.make_model() for _ in range(2)]
+        params, buffers = stack_module_state(models)
+        x = w.train_data[0][:8]
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # (a batching rule torch falls back from)
+                vmap(lambda p, b: functional_call(models[0], (p, b), (x,)))(params, buffers)
+            batched[w.name] = True
+        except RuntimeError as e:
+            assert "dynamic shape" in str(e)
+            batched[w.name] = False
+    assert batched == {"moe": False, "tabreg": True, "attn": True}
+
+
 def test_a_stopped_test_set_run_keeps_finished_runs_and_reruns_a_dropped_one(tmp_path, monkeypatch):
     calls = []
 
