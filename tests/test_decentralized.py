@@ -657,11 +657,14 @@ def test_decentralized_solvers_reach_the_digits_target(tmp_path, solver, local_d
     # wait and run about 3x ahead of the actives, so at the same step they are further apart in
     # time (0.7 when the actives keep their own model instead of the average). Each bound is
     # the largest of these times 2 (ripples) or 1.67 (ad-psgd: 0.55, still below the 0.7 of
-    # that mistake; 0.45 left a loaded clean-clone run little room).
+    # that mistake; 0.45 left a loaded clean-clone run little room). Smart Ripples then
+    # measured 0.167 (ring, overlap) in a soak beside 2 busy loops and another test job: the
+    # rounds it skips grow with the load, so its bound is that times 2 (a third of local's:
+    # still far closer than workers that never average).
     step, flats = checkpointed_models(tmp_path / "r", 4)
     assert step == local_distance[0]
-    bound = {"ad-psgd": 0.55, "ripples:static": 0.02, "ripples:smart:collective": 0.16,
-             "ripples:smart:ring:true": 0.16}[solver]
+    bound = {"ad-psgd": 0.55, "ripples:static": 0.02, "ripples:smart:collective": 0.33,
+             "ripples:smart:ring:true": 0.33}[solver]
     assert consensus_distance(flats) < bound * local_distance[1], (consensus_distance(flats), local_distance)
 
 
