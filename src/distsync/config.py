@@ -642,6 +642,10 @@ class RunConfig:
     shrink_lr: str = bounded("keep", choices=SHRINK_LR, flag="--shrink-lr")
     #: injected faults, e.g. ``["kill:1@40", "kill:server@30", "stall:0@20:3"]`` (:func:`parse_fault`)
     faults: list[Fault] = field(default_factory=list)
+    #: start from this model state (a file as a run's ``model.pt`` holds: the state dict of
+    #: the workload's model) instead of the seed's initial model; every role that builds the
+    #: model loads it (``train --solver auto`` hands a candidate's model on this way)
+    init_model: str | None = None
 
     def __post_init__(self) -> None:
         # The run options given as text (command line, config file, Python) become values
@@ -664,6 +668,8 @@ class RunConfig:
                 raise ConfigError(f"bad --fault {spec!r}: rank {fault.target} is not a worker "
                                   f"(workers are ranks 0..{self.workers - 1}; use server, coordinator or "
                                   f"embedding-server for the other roles)")
+        if self.init_model is not None and not Path(self.init_model).is_file():
+            raise ConfigError(f"init_model {self.init_model!r}: no such file (a model's state, as a run's model.pt)")
         if self.device_backward and self.device_ms is None:
             raise ConfigError("--device-backward is a share of an emulated device's time: give --device-ms too")
         for rank, factor in self.slow.items():

@@ -198,6 +198,8 @@ def _add_cluster_options(p: argparse.ArgumentParser) -> None:
                         "(needs: pip install 'distsync[tensorboard]')")
     g.add_argument("--progress-every", type=finite_float, default=5.0, metavar="SECONDS",
                    help="off a terminal (logs, CI), a progress line per run at most this often (default: 5; 0: none)")
+    g.add_argument("--init-model", metavar="MODEL.pt",
+                   help="start from this model's state (a run's model.pt) instead of the seed's initial model")
     g.add_argument("--overwrite", action="store_true",
                    help="write into an --out that holds a finished run (default: refuse)")
 
@@ -263,6 +265,7 @@ def config_from_args(args: argparse.Namespace, solver: str, solver_options: dict
         faults=list(args.faults or []),
         on_failure=args.on_failure,
         shrink_lr=args.shrink_lr,
+        init_model=getattr(args, "init_model", None),
     )
 
 

@@ -262,6 +262,27 @@ class CheckpointStore:
             raise ConfigError(f"checkpoint {path} cannot be loaded: {load_error(e)}") from None
 
 
+def load_initial_model(model: torch.nn.Module, path: str) -> None:
+    """Load the model state in ``path`` (``--init-model``: a run's ``model.pt``) into ``model``,
+    every key and shape as the model has them; :class:`ConfigError` in one line if not."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 (whatever makes it fail to load)
+        raise ConfigError(f"init_model {path}: cannot be loaded: {load_error(e)}") from None
+    if not isinstance(state, dict):
+        raise ConfigError(f"init_model {path}: holds a {type(state).__name__}, not a model's state dict")
+    own = model.state_dict()
+    missing, unexpected = [k for k in own if k not in state], [k for k in state if k not in own]
+    shapes = [f"{k} {tuple(state[k].shape)} for {tuple(v.shape)}" for k, v in own.items()
+              if k in state and getattr(state[k], "shape", None) != v.shape]
+    if missing or unexpected or shapes:
+        said = [f"{len(found)} {what} ({', '.join(map(str, found[:3]))}{', ...' if len(found) > 3 else ''})"
+                for what, found in (("missing", missing), ("unexpected", unexpected), ("of another shape", shapes))
+                if found]
+        raise ConfigError(f"init_model {path}: does not fit the workload's model: keys {'; '.join(said)}")
+    model.load_state_dict(state)
+
+
 def clear(root: Path) -> None:
     """Remove a folder of a run's recovery state (a fresh run into an old folder)."""
     shutil.rmtree(root, ignore_errors=True)

@@ -20,6 +20,7 @@ import torch
 from distsync.comm.devices import synchronize
 from distsync.config import RunConfig
 from distsync.errors import ConfigError, DistsyncError, PeerLost
+from distsync.runtime.checkpoint import load_initial_model
 from distsync.runtime.plugins import (Checkpointer, ComputeGate, DeviceStretch, EmbeddingTablesClient, Evaluator,
                                       FaultInjection, HogwildRunner, Plugins, Progress, RunState, SingleThread,
                                       StepState, TrainClock)
@@ -99,7 +100,10 @@ def start_run(cfg: RunConfig, workload: Workload, solver, comm, device: torch.de
                    runner=runner, steps=cfg.steps,
                    eval_every=cfg.eval_every, run_dir=recovery.run_dir)
     torch.manual_seed(cfg.seed)  # identical initial model on every worker
-    run.model = workload.make_model().to(device)
+    model = workload.make_model()
+    if cfg.init_model is not None:
+        load_initial_model(model, cfg.init_model)
+    run.model = model.to(device)
     plugins.on_model(run)
     run.optimizer = make_optimizer(cfg, run.model.parameters(), cfg.lr)
     run.base_lrs = [g["lr"] for g in run.optimizer.param_groups]

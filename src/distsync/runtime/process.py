@@ -17,7 +17,7 @@ from distsync.config import Budget, RunConfig
 from distsync.errors import CommError, ConfigError
 from distsync.metrics import counted_events, device_summary, split_collective_wait, summarize
 from distsync.metrics.outputs import write_csv
-from distsync.runtime.checkpoint import STATEFUL_ROLES, CheckpointStore, fingerprint
+from distsync.runtime.checkpoint import STATEFUL_ROLES, CheckpointStore, fingerprint, load_initial_model
 from distsync.runtime.linkmeasure import run_linktest
 from distsync.runtime.loop import Progress, train_worker
 from distsync.runtime.plugins.progress import write_phase
@@ -610,6 +610,8 @@ def _play_role(run: ResolvedRun, run_dir: Path, comm: Comm, solver, workload: Wo
     def make_model():
         torch.manual_seed(cfg.seed)  # the workers' initial model
         model = workload.make_model()
+        if cfg.init_model is not None:
+            load_initial_model(model, cfg.init_model)
         found = find_tables(model) if cfg.embedding_servers else None
         if found:  # the embedding servers hold the tables; this role sees the dense part
             replace_module(model, found[0], torch.nn.Identity())
