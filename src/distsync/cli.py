@@ -17,7 +17,8 @@ from rich.measure import Measurement
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from distsync.errors import DistsyncError, Interrupted, exit_code
+from distsync.errors import ConfigError, DistsyncError, Interrupted, exit_code
+from distsync.experiments.auto import AUTO, RECORD as AUTO_RECORD, WINNER as AUTO_WINNER
 
 console = Console(stderr=True)
 
@@ -75,7 +76,13 @@ def _add_run_commands(sub) -> None:
     from distsync.options import add_run_options, finite_float
 
     t = sub.add_parser("train", help="train with one solver")
-    t.add_argument("--solver", default="allreduce", help="solver name (see `distsync list`) or path/to/file.py:Class")
+    t.add_argument("--solver", default="allreduce",
+                   help="solver name (see `distsync list`), path/to/file.py:Class, or auto: short real runs of the "
+                        "simulator's fastest candidates choose it, and the winner trains on (docs/auto.md)")
+    t.add_argument("--explore", type=finite_float, metavar="SHARE",
+                   help="--solver auto: the share of the job's budget its short runs may spend (default: 0.1)")
+    t.add_argument("--candidates", metavar="SOLVERS",
+                   help="--solver auto: choose among these solvers' option sets only (comma-separated)")
     t.add_argument("--solver-option", "-o", action="append", metavar="KEY=VALUE", help="a solver option, repeatable")
     t.add_argument("--resume", metavar="RUN_DIR",
                    help="continue the run in RUN_DIR from its last complete checkpoint, with its own config.json; "
@@ -369,6 +376,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from distsync.runtime.launch import launch
     from distsync.runtime.run_folder import train_folder
 
+    if args.solver != AUTO and (args.explore is not None or args.candidates is not None):
+        raise ConfigError(f"{'--explore' if args.explore is not None else '--candidates'} goes with --solver auto")
+    if args.resume and (Path(args.resume) / AUTO_RECORD).is_file():  # (an auto run: its winner goes on)
+        args.resume = str(Path(args.resume) / AUTO_WINNER)
+    elif args.solver == AUTO and not args.resume:
+        return _cmd_auto(args)
     if args.resume:
         run = _resume(args)
         cfg = run.config
@@ -387,6 +400,37 @@ def _cmd_train(args: argparse.Namespace) -> int:
     _print_recovery(summary, run.config.checkpoint_every.steps if run.config.checkpoint_every else None)
     _print_not_learned(summary, run.config)
     console.print(f"run folder: {out}")
+    return 0
+
+
+def _cmd_auto(args: argparse.Namespace) -> int:
+    """``train --solver auto`` (:mod:`distsync.experiments.auto`)."""
+    from distsync.config import parse_key_values
+    from distsync.experiments.auto import EXPLORE, run_auto
+    from distsync.options import config_from_args
+    from distsync.runtime.launch import launch
+    from distsync.runtime.run_folder import train_folder
+
+    cfg = config_from_args(args, AUTO, parse_key_values(_solver_option_items(args)))
+    out = train_folder(cfg.out, cfg.workload, AUTO, resuming=False, overwrite=args.overwrite)
+    candidates = [c.strip() for c in args.candidates.split(",") if c.strip()] if args.candidates else None
+
+    def launch_one(job, run_dir: Path) -> dict[str, Any]:
+        def start(on_start, on_progress):
+            on_start(job.solver, job)
+            return launch(job, run_dir, lambda d: on_progress(job.solver, d))
+
+        return _run_with_progress(start, args.progress_every)
+
+    def say(line: str) -> None:
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+    summary = run_auto(cfg, out, launch_one, explore=EXPLORE if args.explore is None else args.explore,
+                       candidates=candidates, say=say)
+    _show(_comparison_table([{"summaries": [summary], "repeats": 1}]))
+    _print_device(summary)
+    _print_not_learned(summary, cfg)
+    console.print(f"run folder: {out} (the winner's: {out / AUTO_WINNER}; the choice: {out / 'report.md'})")
     return 0
 
 

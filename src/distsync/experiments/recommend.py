@@ -890,10 +890,25 @@ def recommend(request: Request, on_step: Callable[[str, int, int], None] | None 
     return {**result, "answer_seconds": clock() - began}
 
 
-def _search(request: Request, deadline: Deadline, progress: Progress) -> dict[str, Any]:
-    """:func:`recommend`'s work: measure, time every candidate, train mode while ``deadline`` allows, rank."""
+@dataclass
+class Measured:
+    """What every candidate of a request is simulated with, and every candidate timed."""
+
+    setting: _Setting
+    cands: list[Candidate]
+    #: a step's compute at its measured 10th and 90th percentiles (None: given, not measured)
+    spread: list[float] | None
+    measured_here: bool
+    tables_bytes: int
+
+
+def measure_candidates(request: Request, progress: Progress | None = None) -> Measured:
+    """Measure the model (its bytes; a step's compute here unless the device's or a fitted
+    run's is given) and time every candidate the request's training options let run, each in
+    timing mode at the cluster's size (seconds in all)."""
     from distsync.sim.calibrate import synced_tensor_bytes
 
+    progress = progress or Progress()
     progress.stage("measuring the model", at_once=False)
     training, workload = _resolve(request)
     try:
@@ -921,13 +936,22 @@ def _search(request: Request, deadline: Deadline, progress: Progress) -> dict[st
     except Exception as e:
         raise ConfigError(f"workload {request.workload!r} cannot be measured: {type(e).__name__}: {e}") from None
     setting = _Setting(request, training, workload, compute_s, nbytes, tensor_bytes)
+    progress.stage(f"timing {len(cands)} candidates")
+    for cand in cands:
+        _timing(setting, cand)
+    return Measured(setting, cands, spread, measured_here, tables_bytes)
+
+
+def _search(request: Request, deadline: Deadline, progress: Progress) -> dict[str, Any]:
+    """:func:`recommend`'s work: measure, time every candidate, train mode while ``deadline`` allows, rank."""
+    t0 = time.perf_counter()
+    m = measure_candidates(request, progress)  # every candidate's timing first (seconds in all)
+    setting, cands, spread, measured_here = m.setting, m.cands, m.spread, m.measured_here
+    training, workload, compute_s, nbytes = setting.training, setting.workload, setting.compute_s, setting.nbytes
+    tensor_bytes, tables_bytes = setting.tensor_bytes, m.tables_bytes
     cache: dict = {}
     if workload.target is None:  # (train mode would run to its step limit for nothing)
         cache[_NO_TIME] = (f"workload {workload.name} has no target", "timing only: the workload has no target")
-    t0 = time.perf_counter()
-    progress.stage(f"timing {len(cands)} candidates")
-    for cand in cands:  # every candidate's timing first (seconds in all)
-        _timing(setting, cand)
     # then train mode, while the time budget lasts
     planned = ""
     if request.search == "staged":

@@ -28,6 +28,11 @@ def _run_from_torchrun(argv: list[str]) -> tuple[ResolvedRun, Path]:
     p.add_argument("--solver-option", "-o", action="append", metavar="KEY=VALUE")
     add_run_options(p, workers_default=None)
     args = p.parse_args(argv)
+    if args.solver == "auto":
+        from distsync.errors import ConfigError
+
+        raise ConfigError("--solver auto launches each candidate itself: run it with `distsync train` on one "
+                          "machine; under torchrun give a solver (the one auto chose: RUN/auto.json)")
     run = resolve(config_from_args(args, args.solver, solver_options_from(args.solver_option)),
                   world_size=int(os.environ.get("WORLD_SIZE", "1")))
     cfg = run.config

@@ -1,0 +1,341 @@
+"""``distsync train --solver auto``: the solver chosen by short real runs on the job's own
+workers, and the winner trains on.
+
+1. **Timing.** Every candidate of every solver's search space (``--candidates``: of those
+   solvers only) is timed by the simulator at the job's size, from a step's compute (the
+   emulated device's, or measured here) and the job's link (``--link``, else a 10 Gbit one,
+   said so). The fastest few distinct option sets (:data:`ENTRANTS`, over at least
+   :data:`FAMILIES` solver families) go on, with the job's reference (``allreduce``) always
+   among them.
+2. **Short real runs** (successive halving). Every entrant starts from the same model (the
+   job's seed's) and trains for the same horizon of the cluster's training time, on the
+   job's own workers (each candidate launched with its own roles: servers and coordinators
+   come beside the job's ``--workers``, whose count every candidate keeps). They are judged
+   by the workload's metric at the horizon (one that reached the target by its time to it);
+   the better half go on, each from its own model (its run's ``model.pt``), for a horizon
+   twice as long, until one is left. A candidate that fails or is refused is dropped with
+   its reason. The horizons are planned so that the whole stays within ``--explore`` of the
+   job's budget (its seconds; its steps at the reference's predicted pace; under ``--budget
+   target``, the workload's steps at that pace).
+3. **The winner trains on** from its own model (``--init-model``: the optimizer, the
+   solver's state and the data order start afresh) for what is left of the budget, in
+   ``OUT/winner``, checkpoints and faults as asked. ``train --resume OUT`` resumes it.
+
+``OUT/auto.json`` records every stage; ``OUT/summary.json`` is the winner's summary with it
+(``auto``); ``OUT/report.md`` has each rung's table and the choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from distsync.config import Budget, Link, RunConfig
+from distsync.errors import ConfigError, DistsyncError
+from distsync.experiments.report import markdown_table
+
+AUTO = "auto"
+#: the share of the job's budget the short runs may spend (``--explore``)
+EXPLORE = 0.1
+#: how many option sets the short runs start with, and over how many solver families at least
+ENTRANTS = 4
+FAMILIES = 3
+#: the job's reference: always among the entrants unless refused
+REFERENCE = ("allreduce", {})
+#: the link timing assumes where the job has no emulated one
+ASSUMED_LINK = "10gbit"
+RECORD = "auto.json"
+WINNER = "winner"
+
+Say = Callable[[str], None]
+
+
+@dataclass
+class Entrant:
+    """An option set in the short runs and how it fared."""
+
+    solver: str
+    options: dict[str, Any]
+    family: str
+    #: seconds per step, timing mode
+    predicted_step_s: float
+    #: its model after its last run (None: the job's initial one)
+    model: str | None = None
+    #: training seconds it had so far (the cluster's), and when it reached the target
+    trained_s: float = 0.0
+    steps: int = 0
+    reached_s: float | None = None
+    metric: float | None = None
+    throughput: float | None = None
+    out: str = ""  # "": racing; else the rung it went out in, or "failed"
+    reason: str = ""
+
+    @property
+    def label(self) -> str:
+        return self.solver + "".join(f" {k}={str(v).lower() if isinstance(v, bool) else v}"
+                                     for k, v in sorted(self.options.items()))
+
+
+def pick_entrants(timed: list[tuple[str, dict[str, Any], str, float]], n: int = ENTRANTS,
+                  families: int = FAMILIES) -> list[Entrant]:
+    """The ``n`` fastest distinct option sets of ``timed`` (solver, options, family, seconds
+    per step), at least ``families`` families among them where there are so many (each new
+    family's fastest displaces the slowest of an over-represented one), and the reference
+    (:data:`REFERENCE`) always, in place of the slowest where it was not among them."""
+    order = sorted(timed, key=lambda t: t[3])
+    seen: set[str] = set()
+    distinct = []
+    for t in order:
+        key = json.dumps([t[0], t[1]], sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            distinct.append(t)
+    chosen = distinct[:n]
+    for t in distinct[n:]:
+        fams = [c[2] for c in chosen]
+        if len(set(fams)) >= families or t[2] in fams:
+            continue
+        crowded = [c for c in chosen if fams.count(c[2]) > 1]
+        if not crowded:
+            break
+        chosen.remove(crowded[-1])
+        chosen.append(t)
+    ref = next((t for t in distinct if (t[0], t[1]) == REFERENCE), None)
+    if ref is not None and ref not in chosen:
+        chosen = chosen[:n - 1] + [ref] if len(chosen) >= n else chosen + [ref]
+    return [Entrant(s, dict(o), f, step) for s, o, f, step in sorted(chosen, key=lambda t: t[3])]
+
+
+def rungs(entrants: int) -> list[tuple[int, float]]:
+    """The short runs' rungs for ``entrants``: (entrants in it, horizon of each, in units of
+    the first), the better half (rounded up) going on at twice the horizon until one is left."""
+    out, n = [], entrants
+    while n > 1:
+        out.append((n, 1.0 if not out else 2.0 ** (len(out) - 1)))  # (1, 1, 2, 4: the time so far doubles)
+        n = (n + 1) // 2
+    return out
+
+
+def units(plan: list[tuple[int, float]]) -> float:
+    """The cluster time the rungs take, in units of the first horizon."""
+    return sum(n * h for n, h in plan)
+
+
+def standing(entrants: list[Entrant], higher_is_better: bool) -> list[Entrant]:
+    """Best first: those that reached the target, by the training time they took; then the
+    others by their metric in its direction; failed ones last."""
+    def key(e: Entrant) -> tuple:
+        if e.out == "failed" or e.metric is None or not math.isfinite(e.metric):
+            return (2, 0.0)
+        if e.reached_s is not None:
+            return (0, e.reached_s)
+        return (1, -e.metric if higher_is_better else e.metric)
+    return sorted(entrants, key=key)
+
+
+def better_half(racing: list[Entrant], higher_is_better: bool, rung: int) -> list[Entrant]:
+    """The entrants that go on from ``rung``: the better half, rounded up, of those not failed;
+    the others are marked out there."""
+    ranked = [e for e in standing(racing, higher_is_better) if e.out != "failed"]
+    keep = ranked[:(len(racing) + 1) // 2]
+    for e in ranked[len(keep):]:
+        e.out, e.reason = f"rung {rung + 1}", "behind" if e.reason == "" else e.reason
+    return keep
+
+
+def _budget_seconds(cfg: RunConfig, steps: int, ref_step_s: float) -> tuple[float, str]:
+    """The job's budget in the cluster's seconds, and what it was taken from."""
+    if cfg.budget is not None and cfg.budget.seconds is not None:
+        return cfg.budget.seconds, f"--budget seconds={cfg.budget.seconds:g}"
+    what = "the workload's steps" if cfg.budget is not None and cfg.budget.target else f"{steps} steps"
+    return steps * ref_step_s, f"{what} ({steps}) at allreduce's predicted {ref_step_s * 1000:.3g} ms a step"
+
+
+def _timed(cfg: RunConfig, candidates: list[str] | None, say: Say) -> tuple[list[Entrant], dict[str, Any]]:
+    """Stage 1: every candidate timed by the simulator at the job's size; the entrants."""
+    from distsync.experiments.recommend import Request, measure_candidates
+    from distsync.options import TRAINING_FIELDS
+    from distsync.solvers import solver_class
+
+    slow = list(cfg.slow.values())
+    request = Request(workload=cfg.workload, workers=cfg.workers, link=cfg.link or Link(10e9, 0.0, ASSUMED_LINK),
+                      slow_fraction=len(slow) / cfg.workers, slow_factor=max(slow, default=3.0), jitter=cfg.jitter,
+                      device_ms=cfg.device_ms, solvers=candidates, seed=cfg.seed,
+                      **{n: getattr(cfg, n) for n in TRAINING_FIELDS})
+    request.check()
+    m = measure_candidates(request)
+    timed = [(c.solver, c.options, solver_class(c.solver).__module__.rsplit(".", 1)[-1], c.step_s) for c in m.cands]
+    entrants = pick_entrants(timed)
+    link = f"--link {cfg.link}" if cfg.link else f"a {ASSUMED_LINK} link assumed (no --link: not measured)"
+    compute = f"--device-ms {cfg.device_ms:g}" if cfg.device_ms else f"{m.setting.compute_s * 1000:.3g} ms measured here"
+    say(f"auto: timed {len(timed)} candidates at {cfg.workers} workers ({compute}, {link}); short runs of "
+        f"{', '.join(e.label for e in entrants)}")
+    return entrants, {"timed": len(timed), "compute_s": m.setting.compute_s, "link": link,
+                      "metric": m.setting.workload.metric_name, "target": m.setting.workload.target,
+                      "higher_is_better": bool(m.setting.workload.higher_is_better)}
+
+
+def _short_run(base: RunConfig, e: Entrant, seconds: float, seed: int, out: Path, launch_one) -> None:
+    """One entrant's run of ``seconds`` of training from its model; its standing updated."""
+    target = base.budget.target if base.budget is not None else False
+    budget = Budget(seconds=seconds, target=target, target_value=base.budget.target_value if target else None)
+    cfg = dataclasses.replace(base, solver=e.solver, solver_options=dict(e.options), budget=budget, steps=None,
+                              epochs=None, seed=seed, init_model=e.model, out=str(out), checkpoint_every=None,
+                              faults=[], max_restarts=0)
+    try:
+        s = launch_one(cfg, out)
+    except DistsyncError as err:
+        e.out, e.reason = "failed", str(err).splitlines()[0]
+        return
+    if s.get("time_to_target_s") is not None and e.reached_s is None:
+        e.reached_s = e.trained_s + float(s["time_to_target_s"])
+    e.trained_s += float(s.get("wall_time_s") or seconds)
+    e.steps += int(s.get("steps_per_worker") or 0)
+    e.metric, e.throughput = s.get("final_metric"), s.get("throughput_samples_per_s")
+    e.model = str(out / "model.pt") if (out / "model.pt").is_file() else e.model
+    if e.metric is None or not math.isfinite(e.metric):
+        e.out, e.reason = "failed", "no metric at the end of its run"
+
+
+def run_auto(cfg: RunConfig, out: Path, launch_one: Callable[[RunConfig, Path], dict[str, Any]], *,
+             explore: float = EXPLORE, candidates: list[str] | None = None, say: Say = print) -> dict[str, Any]:
+    """The three stages (module docstring) in ``out``; ``launch_one(cfg, run_dir)`` runs one
+    job and returns its summary. Returns the winner's summary with the record (``auto``)."""
+    from distsync.runtime.resolve import resolve
+
+    check_auto(cfg, explore)
+    ref = resolve(dataclasses.replace(cfg, solver=REFERENCE[0], solver_options={}, init_model=None)).config
+    began = time.monotonic()
+    entrants, timing = _timed(ref, candidates, say)
+    higher = timing["higher_is_better"]
+    ref_step = next((e.predicted_step_s for e in entrants if (e.solver, e.options) == REFERENCE),
+                    min(e.predicted_step_s for e in entrants))
+    steps = ref.steps
+    if cfg.budget is not None and cfg.budget.target and cfg.budget.seconds is None:  # (steps: a cap, not a budget)
+        steps = resolve(dataclasses.replace(cfg, solver=REFERENCE[0], solver_options={}, budget=None,
+                                            init_model=None)).config.steps
+    budget_s, budget_from = _budget_seconds(cfg, steps, ref_step)
+    plan = rungs(len(entrants))
+    first_s = explore * budget_s / units(plan)
+    say(f"auto: stage 2 spends at most {explore:.0%} of the budget ({budget_from}): {explore * budget_s:.1f} s of "
+        f"training, {len(plan)} rungs from {first_s:.1f} s each")
+    record: dict[str, Any] = {"explore": explore, "budget_s": budget_s, "budget_from": budget_from, **timing,
+                              "rungs": []}
+    racing = list(entrants)
+    for r, (_, h) in enumerate(plan):
+        # (a run stops after the step its budget ran out in, and its close syncs: one step less planned)
+        seconds = max(h * first_s - ref_step, ref_step)
+        for e in racing:
+            say(f"auto: rung {r + 1} of {len(plan)}: {e.label} for {seconds:.1f} s")
+            _short_run(ref, e, seconds, cfg.seed + r, out / "stage-2" / f"rung-{r + 1}" / _folder(e.label), launch_one)
+        ranked = standing(racing, higher)
+        racing = better_half(racing, higher, r)
+        rows = [_row(e) for e in ranked]
+        record["rungs"].append({"horizon_s": sum(hh for _, hh in plan[:r + 1]) * first_s, "seconds": seconds,
+                                "rows": rows})
+        if not racing:
+            raise DistsyncError("auto: every candidate failed: " + "; ".join(f"{e.label}: {e.reason}" for e in entrants))
+    winner = racing[0]
+    stage2_s = sum(e.trained_s for e in entrants)
+    record.update(stage2_training_s=stage2_s, stage2_wall_s=time.monotonic() - began,
+                  entrants=[_row(e) for e in entrants], winner=winner.label,
+                  why=_why(winner, entrants, higher, timing["metric"]))
+    say(f"auto: {record['why']}; stage 2 took {stage2_s:.1f} s of training ({record['stage2_wall_s']:.0f} s here)")
+    final = _winner_config(cfg, ref, winner, stage2_s, len(plan))
+    (out / RECORD).write_text(json.dumps({**record, "winner_config": final.to_dict()}, indent=2, default=str) + "\n")
+    summary = launch_one(final, out / WINNER)
+    record["final"] = {k: summary.get(k) for k in ("final_metric", "time_to_target_s", "wall_time_s",
+                                                   "throughput_samples_per_s")}
+    # the job's time to target: every short run's training, then the winner's to the target
+    # (None: the winner's run did not reach it; the winner's short runs reaching it count too)
+    ttt = summary.get("time_to_target_s")
+    record["time_to_target_s"] = (winner.reached_s + sum(e.trained_s for e in entrants if e is not winner)
+                                  if winner.reached_s is not None else None if ttt is None else stage2_s + ttt)
+    (out / RECORD).write_text(json.dumps({**record, "winner_config": final.to_dict()}, indent=2, default=str) + "\n")
+    full = {**summary, "auto": record}
+    (out / "summary.json").write_text(json.dumps(full, indent=2, default=str) + "\n")
+    (out / "report.md").write_text(report(record))
+    return full
+
+
+def check_auto(cfg: RunConfig, explore: float) -> None:
+    """Refuse, in one line, what auto cannot do with the job."""
+    if not 0 < explore < 1:
+        raise ConfigError(f"--explore {explore:g}: a share of the job's budget, between 0 and 1")
+    if cfg.solver_options:
+        raise ConfigError("--solver auto chooses the solver's options: give --candidates SOLVERS to restrict them, "
+                          "not -o")
+    if cfg.lr_schedule != "constant":
+        raise ConfigError(f"--solver auto: the {cfg.lr_schedule} learning-rate schedule is laid over the run's length, "
+                          f"which the short runs cut; train with a constant one")
+    if cfg.init_model is not None:
+        raise ConfigError("--solver auto starts every candidate from the job's initial model: no --init-model")
+    if cfg.budget is not None and cfg.budget.samples is not None:
+        raise ConfigError("--solver auto: give --budget seconds=S or target, or --steps (a samples budget is not "
+                          "the same cluster time for every candidate)")
+
+
+def _winner_config(cfg: RunConfig, ref: RunConfig, winner: Entrant, stage2_s: float, rung_count: int) -> RunConfig:
+    """Stage 3's job: the winner from its own model, for what is left of the budget."""
+    budget, steps = cfg.budget, cfg.steps
+    if budget is not None and budget.seconds is not None:
+        left = budget.seconds - stage2_s
+        if left <= 0:
+            raise DistsyncError(f"auto: the short runs spent the whole --budget seconds={budget.seconds:g}; give a "
+                                f"smaller --explore")
+        budget = dataclasses.replace(budget, seconds=left, spec="")
+    elif budget is None:
+        steps = max(1, ref.steps - winner.steps)
+    return dataclasses.replace(cfg, solver=winner.solver, solver_options=dict(winner.options), budget=budget,
+                               steps=steps, epochs=None if budget is None else cfg.epochs,
+                               seed=cfg.seed + rung_count, init_model=winner.model,
+                               out=None)
+
+
+def _why(winner: Entrant, entrants: list[Entrant], higher: bool, metric: str) -> str:
+    if winner.reached_s is not None:
+        return f"chose {winner.label}: it reached the target first, after {winner.reached_s:.1f} s of training"
+    return (f"chose {winner.label}: its {metric} at the last horizon was the best ({winner.metric:.4g}, "
+            f"{'higher' if higher else 'lower'} is better)")
+
+
+def _row(e: Entrant) -> dict[str, Any]:
+    return {"label": e.label, "solver": e.solver, "options": e.options, "family": e.family,
+            "predicted_step_s": e.predicted_step_s, "trained_s": e.trained_s, "metric": e.metric,
+            "reached_s": e.reached_s, "throughput": e.throughput, "out": e.out, "reason": e.reason}
+
+
+def _folder(label: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-=." else "_" for ch in label)
+
+
+def report(record: dict[str, Any]) -> str:
+    """report.md: each rung's table, the choice and why, what stage 2 took, what the winner reached."""
+    lines = ["# distsync train --solver auto", "",
+             f"Stage 2 spent at most {record['explore']:.0%} of the budget ({record['budget_from']}).", ""]
+    for i, rung in enumerate(record["rungs"]):
+        lines += [f"## Rung {i + 1}: {rung['seconds']:.1f} s of training each", ""]
+        lines.extend(markdown_table(["candidate", record["metric"], "reached target after (s)", "samples/s",
+                                     "trained (s)", "went on"],
+                                    [[r["label"], "n/a" if r["metric"] is None else f"{r['metric']:.4f}",
+                                      "" if r["reached_s"] is None else f"{r['reached_s']:.1f}",
+                                      "" if r["throughput"] is None else f"{r['throughput']:.0f}",
+                                      f"{r['trained_s']:.1f}", "failed: " + r["reason"] if r["out"] == "failed"
+                                      else "no" if r["out"] == f"rung {i + 1}" else "yes"] for r in rung["rows"]]))
+        lines.append("")
+    lines += [f"{record['why'][0].upper()}{record['why'][1:]}.", "",
+              f"Stage 2 took {record['stage2_training_s']:.1f} s of the cluster's training time "
+              f"({record['stage2_wall_s']:.0f} s here, launches included)."]
+    final = record.get("final")
+    if final:
+        metric = "n/a" if final["final_metric"] is None else f"{final['final_metric']:.4f}"
+        lines += ["", f"The winner then trained {final['wall_time_s']:.1f} s more, to {metric} ({record['metric']})."]
+        if record.get("time_to_target_s") is not None:
+            lines += ["", f"The job's time to target, the short runs included: {record['time_to_target_s']:.1f} s of "
+                          f"training."]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,117 @@
+"""`train --solver auto`: the entrants the timing picks, the rungs' plan and choices against
+hand-made metrics, and whole runs: the hand-over to the winner, a candidate that fails,
+resume, refusals."""
+
+import json
+
+import pytest
+import torch
+
+from distsync.experiments.auto import Entrant, better_half, pick_entrants, rungs, standing, units
+from helpers import run_cli
+
+FAILING = "tests/fixtures/failing_solver.py:FailsAtStep2"
+
+
+def test_the_entrants_are_the_fastest_distinct_sets_over_three_families_with_the_reference():
+    timed = [("ripples", {"g": 3}, "decentralized", 1.0), ("ripples", {"g": 4}, "decentralized", 1.1),
+             ("ripples", {"g": 3}, "decentralized", 1.0),  # (the same set twice: once)
+             ("ad-psgd", {}, "decentralized", 1.2), ("ma", {"every": 4}, "model_averaging", 1.3),
+             ("shadow-ma", {}, "shadow", 1.4), ("allreduce", {}, "allreduce", 2.0)]
+    got = [(e.solver, e.options) for e in pick_entrants(timed, n=4, families=3)]
+    # the 4 fastest are 3 ripples/ad-psgd (one family) and ma: shadow-ma displaces the slowest
+    # of the crowded family (ad-psgd); then the reference takes the slowest place (shadow-ma)
+    assert got == [("ripples", {"g": 3}), ("ripples", {"g": 4}), ("ma", {"every": 4}), ("allreduce", {})]
+    assert [e.solver for e in pick_entrants(timed[:2] + timed[-1:], n=4)] == ["ripples", "ripples", "allreduce"]
+    no_ref = [t for t in timed if t[0] != "allreduce"]
+    assert [e.solver for e in pick_entrants(no_ref, n=4)] == ["ripples", "ripples", "ma", "shadow-ma"]
+
+
+def test_the_rungs_halve_the_entrants_and_double_the_time_so_far():
+    assert rungs(1) == []
+    assert rungs(2) == [(2, 1.0)]
+    assert rungs(4) == [(4, 1.0), (2, 1.0)] and units(rungs(4)) == 6.0  # 4 x 1 + 2 x 1
+    assert rungs(5) == [(5, 1.0), (3, 1.0), (2, 2.0)] and units(rungs(5)) == 12.0  # times so far 1, 2, 4
+    assert rungs(6) == [(6, 1.0), (3, 1.0), (2, 2.0)] and units(rungs(6)) == 13.0
+
+
+def _e(label, metric, reached=None, out=""):
+    e = Entrant(label, {}, "f", 0.1, metric=metric, reached_s=reached)
+    e.out = out
+    return e
+
+
+def test_a_rung_keeps_the_better_half_by_the_metric_in_its_direction_those_at_the_target_first():
+    a, b, c, d, f = _e("a", 0.80), _e("b", 0.90), _e("c", 0.85, reached=3.0), _e("d", 0.95, reached=2.0), \
+        _e("f", None, out="failed")
+    assert [e.solver for e in standing([a, b, c, d, f], True)] == ["d", "c", "b", "a", "f"]
+    assert [e.solver for e in better_half([a, b, c, d, f], True, 0)] == ["d", "c", "b"]  # (5 + 1) // 2
+    assert (a.out, f.out) == ("rung 1", "failed")
+    lo = [_e("x", 0.3), _e("y", 0.2), _e("z", float("nan"))]  # lower is better (an error); NaN is no metric
+    assert [e.solver for e in standing(lo, False)] == ["y", "x", "z"]
+    assert [e.solver for e in better_half(lo, False, 1)] == ["y", "x"] and lo[2].out == "rung 2"
+
+
+def _auto(tmp_path, *more, out="r"):
+    return run_cli("train", "--solver", "auto", "--workers", "2", "--device-ms", "5", "--steps", "200",
+                   "--explore", "0.4", "--out", str(tmp_path / out), *more, timeout=58)
+
+
+@pytest.mark.slow
+def test_the_winner_trains_on_from_its_own_short_runs_model(tmp_path):
+    """Two entrants, one rung: the one with the better metric there wins and trains on from the
+    model.pt its short run ended with, for the steps that are left; resume goes on with it."""
+    proc = _auto(tmp_path, "--candidates", "allreduce,local", "--checkpoint-every", "50")
+    assert proc.returncode == 0, proc.stderr
+    out = tmp_path / "r"
+    record = json.loads((out / "auto.json").read_text())
+    (rung,) = record["rungs"]
+    assert sorted(r["solver"] for r in rung["rows"]) == ["allreduce", "local"]
+    best = max(rung["rows"], key=lambda r: r["metric"])
+    assert record["winner"] == best["label"] == rung["rows"][0]["label"]
+    short = out / "stage-2" / "rung-1" / best["solver"] / "model.pt"
+    assert record["winner_config"]["init_model"] == str(short)
+    winner = json.loads((out / "winner" / "config.json").read_text())
+    assert winner["init_model"] == str(short) and winner["solver"] == best["solver"]
+    assert winner["steps"] == 200 - json.loads((short.parent / "summary.json").read_text())["steps_per_worker"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["auto"]["winner"] == best["label"] and "Rung 1" in (out / "report.md").read_text()
+    # the hand-over: the winner's stage 3 began at the short run's model (a fresh run of it
+    # with a learning rate of 1e-9 ends there)
+    again = run_cli("train", "--solver", best["solver"], "--workers", "2", "--steps", "3", "--lr", "1e-9",
+                    "--init-model", str(short), "--out", str(tmp_path / "check"))
+    assert again.returncode == 0, again.stderr
+    a, b = torch.load(short, weights_only=True), torch.load(tmp_path / "check" / "model.pt", weights_only=True)
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-6
+    resumed = run_cli("train", "--resume", str(out), "--steps", str(winner["steps"] + 20))
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads((out / "winner" / "summary.json").read_text())["steps_per_worker"] == winner["steps"] + 20
+
+
+@pytest.mark.slow
+def test_a_candidate_that_fails_is_dropped_with_its_reason(tmp_path):
+    proc = _auto(tmp_path, "--candidates", f"allreduce,{FAILING}")
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads((tmp_path / "r" / "auto.json").read_text())
+    rows = {r["solver"]: r for r in record["rungs"][0]["rows"]}
+    assert rows["allreduce"]["out"] == "" and record["winner"] == "allreduce"
+    failed = rows[FAILING]
+    assert failed["out"] == "failed" and "a bug in the user's solver" in failed["reason"]
+    assert "failed: " in (tmp_path / "r" / "report.md").read_text()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-o", "every=4"], "--solver auto chooses the solver's options: give --candidates SOLVERS"),
+    (["--explore", "1.5"], "--explore 1.5: a share of the job's budget, between 0 and 1"),
+    (["--lr-schedule", "cosine"], "--solver auto: the cosine learning-rate schedule is laid over the run's length"),
+    (["--budget", "samples=1000"], "--solver auto: give --budget seconds=S or target, or --steps"),
+])
+def test_what_auto_cannot_do_is_refused_in_one_line(tmp_path, args, message):
+    proc = run_cli("train", "--solver", "auto", "--workers", "2", "--out", str(tmp_path / "r"), *args)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert not (tmp_path / "r" / "stage-2").exists()
+
+
+def test_explore_and_candidates_go_with_auto_only(tmp_path):
+    proc = run_cli("train", "--workers", "2", "--explore", "0.2", "--out", str(tmp_path / "r"))
+    assert proc.returncode == 2 and "--explore goes with --solver auto" in proc.stderr
