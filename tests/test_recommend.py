@@ -795,11 +795,11 @@ def test_a_ranking_by_throughput_alone_says_so_first_and_names_its_tie():
     assert alone == {"why": ["the 60 s time budget was spent before its train mode",
                              "train mode cannot run this model"],
                      "throughput_samples_per_s": 533.0, "tied": ["ma every=4", "bmuf every=4", "allreduce"]}
-    assert TRAINING_HALF_COMMAND == "distsync compare --repeats 3"
+    assert TRAINING_HALF_COMMAND == "distsync train --solver auto"
     assert first_lines({"by_throughput_alone": alone, "unfinished": ""}) == [
         "ranked by throughput alone: no candidate was judged on its training (the 60 s time budget was spent before "
-        "its train mode; train mode cannot run this model); for the training half, measure on your cluster: "
-        "distsync compare --repeats 3",
+        "its train mode; train mode cannot run this model); its statistical half measured on your cluster, with the "
+        "winner training on: distsync train --solver auto (docs/auto.md)",
         "3 candidates tie at 533 samples/s (within 1%), their order is no ranking: ma every=4, bmuf every=4, allreduce"]
     # alone at the top: no tie named; one candidate judged on its training: no such line
     assert throughput_alone(rows[:1] + rows[3:])["tied"] == []

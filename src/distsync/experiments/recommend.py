@@ -88,7 +88,7 @@ _NO_TIME = ("no", "time to target")
 #: recommend's searches (``--search``)
 SEARCHES = ("staged", "full")
 #: where no candidate was judged on its training, what measures that half on the user's cluster
-TRAINING_HALF_COMMAND = "distsync compare --repeats 3"
+TRAINING_HALF_COMMAND = "distsync train --solver auto"
 #: candidates ranked by throughput alone within this share of the first pick's tie with it
 TIE_SHARE = 0.01
 
@@ -1017,7 +1017,8 @@ def first_lines(result: dict[str, Any]) -> list[str]:
     alone = result.get("by_throughput_alone")
     if alone:
         lines.append(f"ranked by throughput alone: no candidate was judged on its training ({'; '.join(alone['why'])});"
-                     f" for the training half, measure on your cluster: {TRAINING_HALF_COMMAND}")
+                     f" its statistical half measured on your cluster, with the winner training on: "
+                     f"{TRAINING_HALF_COMMAND} (docs/auto.md)")
         if alone["tied"]:
             lines.append(f"{len(alone['tied'])} candidates tie at {alone['throughput_samples_per_s']:,.0f} samples/s "
                          f"(within {TIE_SHARE:.0%}), their order is no ranking: {', '.join(alone['tied'])}")
