@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from distsync.experiments.auto import Entrant, better_half, pick_entrants, rungs, standing, units
+from distsync.experiments.auto import Entrant, better_half, judge, pick_entrants, rungs, standing, units
 from helpers import run_cli
 
 FAILING = "tests/fixtures/failing_solver.py:FailsAtStep2"
@@ -52,8 +52,24 @@ def test_a_rung_keeps_the_better_half_by_the_metric_in_its_direction_those_at_th
     assert [e.solver for e in better_half(lo, False, 1)] == ["y", "x"] and lo[2].out == "rung 2"
 
 
+def test_an_entrant_is_judged_by_its_last_evaluation_by_the_horizon_and_its_first_at_the_target():
+    """Its evaluations over two runs (the second from 4.4 s, the first having overrun a 4 s
+    horizon): at 4 s the last by then is 0.6 (at 3.9 s), at 8 s 0.85 (7.5 s); the target 0.8
+    was first met at 6.0 s. Lower is better: an error of 0.35 at 3.9 s meets a 0.4 target."""
+    e = Entrant("ma", {}, "f", 0.1, curve=[(1.0, 0.3), (3.9, 0.6), (4.4, 0.62), (6.0, 0.81), (7.5, 0.85), (8.2, 0.9)])
+    judge(e, 4.0, 0.8, True)
+    assert (e.metric, e.reached_s) == (0.6, 6.0)
+    judge(e, 8.0, 0.8, True)
+    assert (e.metric, e.reached_s) == (0.85, 6.0)
+    judge(e, 0.5, None, True)
+    assert (e.metric, e.reached_s) == (None, None)  # (no evaluation by then)
+    low = Entrant("ma", {}, "f", 0.1, curve=[(1.0, 0.5), (3.9, 0.35)])
+    judge(low, 4.0, 0.4, False)
+    assert (low.metric, low.reached_s) == (0.35, 3.9)
+
+
 def _auto(tmp_path, *more, out="r"):
-    return run_cli("train", "--solver", "auto", "--workers", "2", "--device-ms", "5", "--steps", "200",
+    return run_cli("train", "--solver", "auto", "--workers", "2", "--device-ms", "20", "--steps", "200",
                    "--explore", "0.4", "--out", str(tmp_path / out), *more, timeout=58)
 
 

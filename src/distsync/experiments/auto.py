@@ -11,9 +11,11 @@ workers, and the winner trains on.
    job's seed's) and trains for the same horizon of the cluster's training time, on the
    job's own workers (each candidate launched with its own roles: servers and coordinators
    come beside the job's ``--workers``, whose count every candidate keeps). They are judged
-   by the workload's metric at the horizon (one that reached the target by its time to it);
-   the better half go on, each from its own model (its run's ``model.pt``), for a horizon
-   twice as long, until one is left. A candidate that fails or is refused is dropped with
+   by their last evaluation by the horizon (one that reached the target by its time to it;
+   each run evaluates at least :data:`EVALS_PER_RUN` times); the better half go on, each
+   from its own model (its run's ``model.pt``), until twice the training time so far, until
+   one is left. A run stops at its next step or synchronization after its horizon (a
+   periodic solver's may be many steps on): one that overran trains that much less next. A candidate that fails or is refused is dropped with
    its reason. The horizons are planned so that the whole stays within ``--explore`` of the
    job's budget (its seconds; its steps at the reference's predicted pace; under ``--budget
    target``, the workload's steps at that pace).
@@ -70,6 +72,9 @@ class Entrant:
     trained_s: float = 0.0
     steps: int = 0
     reached_s: float | None = None
+    #: its evaluations over all its runs: (training seconds so far, the job's metric)
+    curve: list[tuple[float, float]] = field(default_factory=list)
+    #: its metric at the last rung's horizon (the last evaluation by then)
     metric: float | None = None
     throughput: float | None = None
     out: str = ""  # "": racing; else the rung it went out in, or "failed"
@@ -130,10 +135,12 @@ def standing(entrants: list[Entrant], higher_is_better: bool) -> list[Entrant]:
     """Best first: those that reached the target, by the training time they took; then the
     others by their metric in its direction; failed ones last."""
     def key(e: Entrant) -> tuple:
-        if e.out == "failed" or e.metric is None or not math.isfinite(e.metric):
-            return (2, 0.0)
+        if e.out == "failed":
+            return (3, 0.0)
         if e.reached_s is not None:
             return (0, e.reached_s)
+        if e.metric is None or not math.isfinite(e.metric):
+            return (2, 0.0)  # (no evaluation by the horizon, or a NaN one)
         return (1, -e.metric if higher_is_better else e.metric)
     return sorted(entrants, key=key)
 
@@ -180,26 +187,45 @@ def _timed(cfg: RunConfig, candidates: list[str] | None, say: Say) -> tuple[list
                       "higher_is_better": bool(m.setting.workload.higher_is_better)}
 
 
-def _short_run(base: RunConfig, e: Entrant, seconds: float, seed: int, out: Path, launch_one) -> None:
-    """One entrant's run of ``seconds`` of training from its model; its standing updated."""
+#: evaluations in each short run at least (the metric at a horizon is the last one by then)
+EVALS_PER_RUN = 4
+
+
+def _short_run(base: RunConfig, e: Entrant, until_s: float, seed: int, out: Path, launch_one) -> None:
+    """One entrant's run from its model until it has trained ``until_s`` seconds in all (at
+    least a step: one that overran an earlier horizon trains that much less now); its
+    evaluations join its curve."""
+    from distsync.metrics import eval_curve
+
+    seconds = max(until_s - e.trained_s, e.predicted_step_s)
     target = base.budget.target if base.budget is not None else False
     budget = Budget(seconds=seconds, target=target, target_value=base.budget.target_value if target else None)
+    every = max(1, int(seconds / max(e.predicted_step_s, 1e-9) / EVALS_PER_RUN))
     cfg = dataclasses.replace(base, solver=e.solver, solver_options=dict(e.options), budget=budget, steps=None,
                               epochs=None, seed=seed, init_model=e.model, out=str(out), checkpoint_every=None,
-                              faults=[], max_restarts=0)
+                              faults=[], max_restarts=0, eval_every=min(every, base.eval_every or every))
     try:
         s = launch_one(cfg, out)
     except DistsyncError as err:
         e.out, e.reason = "failed", str(err).splitlines()[0]
         return
-    if s.get("time_to_target_s") is not None and e.reached_s is None:
-        e.reached_s = e.trained_s + float(s["time_to_target_s"])
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines() if line.strip()]
+    e.curve += [(e.trained_s + float(p["t"]), float(p["metric"])) for p in eval_curve(events)]
     e.trained_s += float(s.get("wall_time_s") or seconds)
     e.steps += int(s.get("steps_per_worker") or 0)
-    e.metric, e.throughput = s.get("final_metric"), s.get("throughput_samples_per_s")
+    e.throughput = s.get("throughput_samples_per_s")
     e.model = str(out / "model.pt") if (out / "model.pt").is_file() else e.model
-    if e.metric is None or not math.isfinite(e.metric):
-        e.out, e.reason = "failed", "no metric at the end of its run"
+    if not any(math.isfinite(m) for _, m in e.curve):
+        e.out, e.reason = "failed", "no finite metric in its evaluations"
+
+
+def judge(e: Entrant, horizon_s: float, target: float | None, higher_is_better: bool) -> None:
+    """``e``'s metric at ``horizon_s`` seconds of training (its last evaluation by then; None
+    if it had none), and the first time its evaluations met ``target`` (None if never)."""
+    by_then = [m for t, m in e.curve if t <= horizon_s + 1e-9]
+    e.metric = by_then[-1] if by_then else None
+    met = [t for t, m in e.curve if target is not None and (m >= target if higher_is_better else m <= target)]
+    e.reached_s = met[0] if met else None
 
 
 def run_auto(cfg: RunConfig, out: Path, launch_one: Callable[[RunConfig, Path], dict[str, Any]], *,
@@ -227,22 +253,31 @@ def run_auto(cfg: RunConfig, out: Path, launch_one: Callable[[RunConfig, Path], 
     record: dict[str, Any] = {"explore": explore, "budget_s": budget_s, "budget_from": budget_from, **timing,
                               "rungs": []}
     racing = list(entrants)
+    target = cfg.budget.target_value if cfg.budget is not None and cfg.budget.target_value is not None \
+        else timing["target"]
     for r, (_, h) in enumerate(plan):
-        # (a run stops after the step its budget ran out in, and its close syncs: one step less planned)
-        seconds = max(h * first_s - ref_step, ref_step)
+        horizon = sum(hh for _, hh in plan[:r + 1]) * first_s
         for e in racing:
-            say(f"auto: rung {r + 1} of {len(plan)}: {e.label} for {seconds:.1f} s")
-            _short_run(ref, e, seconds, cfg.seed + r, out / "stage-2" / f"rung-{r + 1}" / _folder(e.label), launch_one)
+            say(f"auto: rung {r + 1} of {len(plan)}: {e.label} until {horizon:.1f} s of training")
+            _short_run(ref, e, horizon, cfg.seed + r, out / "stage-2" / f"rung-{r + 1}" / _folder(e.label), launch_one)
+            judge(e, horizon, target, higher)
         ranked = standing(racing, higher)
         racing = better_half(racing, higher, r)
         rows = [_row(e) for e in ranked]
-        record["rungs"].append({"horizon_s": sum(hh for _, hh in plan[:r + 1]) * first_s, "seconds": seconds,
-                                "rows": rows})
+        record["rungs"].append({"horizon_s": horizon, "seconds": h * first_s, "rows": rows})
         if not racing:
             raise DistsyncError("auto: every candidate failed: " + "; ".join(f"{e.label}: {e.reason}" for e in entrants))
     winner = racing[0]
     stage2_s = sum(e.trained_s for e in entrants)
-    record.update(stage2_training_s=stage2_s, stage2_wall_s=time.monotonic() - began,
+    over = [f"{e.label} ({e.trained_s:.1f} s)" for e in entrants
+            if e.trained_s > 1.25 * next(rr["horizon_s"] for rr in reversed(record["rungs"])
+                                          if any(x["label"] == e.label for x in rr["rows"]))]
+    if stage2_s > explore * budget_s:
+        say(f"auto: the short runs trained {stage2_s:.1f} s, over their share ({explore * budget_s:.1f} s): a run "
+            f"stops at its next step or synchronization after its horizon" + (f"; longest past it: {', '.join(over)}"
+                                                                               if over else ""))
+    record.update(stage2_training_s=stage2_s, stage2_planned_s=explore * budget_s, past_horizon=over,
+                  stage2_wall_s=time.monotonic() - began,
                   entrants=[_row(e) for e in entrants], winner=winner.label,
                   why=_why(winner, entrants, higher, timing["metric"]))
     say(f"auto: {record['why']}; stage 2 took {stage2_s:.1f} s of training ({record['stage2_wall_s']:.0f} s here)")
@@ -300,14 +335,18 @@ def _winner_config(cfg: RunConfig, ref: RunConfig, winner: Entrant, stage2_s: fl
 def _why(winner: Entrant, entrants: list[Entrant], higher: bool, metric: str) -> str:
     if winner.reached_s is not None:
         return f"chose {winner.label}: it reached the target first, after {winner.reached_s:.1f} s of training"
-    return (f"chose {winner.label}: its {metric} at the last horizon was the best ({winner.metric:.4g}, "
+    if winner.metric is None:  # (no entrant evaluated by the horizon: the timing's order stands)
+        return (f"chose {winner.label}: no candidate had an evaluation by the last horizon (a longer --explore "
+                f"gives them one), so the fastest by its timing")
+    return (f"chose {winner.label}: its {metric} by the last horizon was the best ({winner.metric:.4g}, "
             f"{'higher' if higher else 'lower'} is better)")
 
 
 def _row(e: Entrant) -> dict[str, Any]:
     return {"label": e.label, "solver": e.solver, "options": e.options, "family": e.family,
             "predicted_step_s": e.predicted_step_s, "trained_s": e.trained_s, "metric": e.metric,
-            "reached_s": e.reached_s, "throughput": e.throughput, "out": e.out, "reason": e.reason}
+            "reached_s": e.reached_s, "throughput": e.throughput, "out": e.out, "reason": e.reason,
+            "curve": e.curve}
 
 
 def _folder(label: str) -> str:
@@ -319,8 +358,8 @@ def report(record: dict[str, Any]) -> str:
     lines = ["# distsync train --solver auto", "",
              f"Stage 2 spent at most {record['explore']:.0%} of the budget ({record['budget_from']}).", ""]
     for i, rung in enumerate(record["rungs"]):
-        lines += [f"## Rung {i + 1}: {rung['seconds']:.1f} s of training each", ""]
-        lines.extend(markdown_table(["candidate", record["metric"], "reached target after (s)", "samples/s",
+        lines += [f"## Rung {i + 1}: judged at {rung['horizon_s']:.1f} s of training", ""]
+        lines.extend(markdown_table(["candidate", f"{record['metric']} by then", "reached target after (s)", "samples/s",
                                      "trained (s)", "went on"],
                                     [[r["label"], "n/a" if r["metric"] is None else f"{r['metric']:.4f}",
                                       "" if r["reached_s"] is None else f"{r['reached_s']:.1f}",
@@ -329,8 +368,11 @@ def report(record: dict[str, Any]) -> str:
                                       else "no" if r["out"] == f"rung {i + 1}" else "yes"] for r in rung["rows"]]))
         lines.append("")
     lines += [f"{record['why'][0].upper()}{record['why'][1:]}.", "",
-              f"Stage 2 took {record['stage2_training_s']:.1f} s of the cluster's training time "
-              f"({record['stage2_wall_s']:.0f} s here, launches included)."]
+              f"Stage 2 took {record['stage2_training_s']:.1f} s of the cluster's training time, "
+              f"{record['stage2_planned_s']:.1f} s planned ({record['stage2_wall_s']:.0f} s here, launches included)."]
+    if record.get("past_horizon"):
+        lines += ["", "Trained well past a horizon (a run stops at its next step or synchronization after it): "
+                      + ", ".join(record["past_horizon"]) + "."]
     final = record.get("final")
     if final:
         metric = "n/a" if final["final_metric"] is None else f"{final['final_metric']:.4f}"
