@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distsync import Workload
-from distsync.sim import train
+from distsync.sim import train, train_replicas
 from distsync.sim.train import ModelNotTrainable, simulate_training
 from distsync.workloads import ShardSampler, load_workload
 
@@ -27,7 +27,7 @@ LSTM_NOTE = ("train mode: torch.func cannot batch lstm's model (Batching rule no
 @pytest.fixture
 def fresh_notes(monkeypatch):
     """Notes said as in a fresh process (each is said once per process)."""
-    monkeypatch.setattr(train, "_SAID", set())
+    monkeypatch.setattr(train_replicas, "_SAID", set())
 
 
 def _one_replica_at_a_time(monkeypatch):

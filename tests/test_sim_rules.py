@@ -1,4 +1,4 @@
-"""The simulator's train-mode rules (sim/train.py) against hand-computed numbers: small
+"""The simulator's train-mode rules (sim/train_rules.py) against hand-computed numbers: small
 tensors where a rule is one line, and a hand-ordered run of Ripples' smart schedule (groups
 smaller than the whole, formed around slow workers) replayed by hand on digits."""
 

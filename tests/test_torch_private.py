@@ -400,7 +400,7 @@ def test_tree_map_with_and_without_torchs(fresh, monkeypatch, with_torchs):
         monkeypatch.setitem(tp._CHECKED, tp.TREE_MAP, False)
     a = ((torch.ones(2), torch.zeros(1)), torch.tensor([3]))
     b = ((torch.ones(2) * 2, torch.zeros(1) + 1), torch.tensor([4]))
-    (x, z), y = tp.tree_map(lambda *t: torch.stack(t), a, b)  # (sim/train.py's use: a batch's stack)
+    (x, z), y = tp.tree_map(lambda *t: torch.stack(t), a, b)  # (sim/train_replicas.py's use: a batch's stack)
     assert x.tolist() == [[1, 1], [2, 2]] and z.tolist() == [[0], [1]] and y.tolist() == [[3], [4]]
     tree = {"a": [1, Point(2, 3)], "b": None, "c": (4,)}
     assert tp.tree_map(lambda v: "none" if v is None else v * 10, tree) == {

@@ -246,7 +246,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
                 "preload, runtime/process.py)",
                 "not preloaded: the fork server skips a module it cannot import", lambda: _spec_exists(DYNAMO)),
     PrivateName(TREE_MAP, "torch.utils._pytree",
-                "stacking the replicas' batches, tuples of tensors included (sim/train.py)",
+                "stacking the replicas' batches, tuples of tensors included (sim/train_replicas.py)",
                 "a tree_map of distsync's over tuples, lists and dicts", lambda: _module_has("torch.utils._pytree",
                                                                                                 "tree_map")),
     PrivateName(RESTART_WORKERS, AGENT_API,

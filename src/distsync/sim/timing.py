@@ -743,7 +743,7 @@ class TimingContext:
     c: np.ndarray
     work: Work
     seed: int = 0
-    #: train mode's :class:`~distsync.sim.train.OrderedRule` (None: timing only); the blocks
+    #: train mode's :class:`~distsync.sim.train_rules.OrderedRule` (None: timing only); the blocks
     #: ``servers``, ``pairwise``, ``ready_groups`` and ``background`` call its hooks in
     #: virtual-time order
     math: Any = None

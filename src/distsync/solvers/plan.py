@@ -136,7 +136,7 @@ class Plan:
     @classmethod
     def simulate_rule(cls, options: Any, sim: Any) -> Any:
         """This solver's update on the stacked replicas of train mode with ``options``: a rule
-        picked from the blocks of ``sim`` (a :class:`~distsync.sim.train.TrainContext`),
+        picked from the blocks of ``sim`` (a :class:`~distsync.sim.train_rules.TrainContext`),
         built from the same pure rules as the hooks: a lockstep rule applied after each step of
         all replicas, or an ordered rule (``sim.server_sgd()``, ...) whose hooks the blocks of
         its timing model call in virtual-time order. None: train mode cannot run it."""
