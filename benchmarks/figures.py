@@ -58,6 +58,9 @@ RUNTIME = ("src/distsync/comm", "src/distsync/runtime", "src/distsync/membership
            "src/distsync/solvers/rules.py", "src/distsync/solvers/flat.py", "src/distsync/solvers/hogwild_threads.py",
            "src/distsync/solvers/lars.py",
            "src/distsync/config.py", "src/distsync/worker.py", "src/distsync/supervise.py")
+#: recommend's code: the command, its train mode and staged search, its outputs
+RECOMMEND = ("src/distsync/experiments/recommend.py", "src/distsync/experiments/staged_search.py",
+             "src/distsync/experiments/recommend_outputs.py")
 
 
 @dataclass(frozen=True)
@@ -261,7 +264,7 @@ FIGURES = [
            "docs/benchmarks/simulator.md"),
     Figure("sim_timing_dev", "sim_timing_dev", ("--fits", "benchmarks/results/sim_timing_dev", "--make-fits"),
            ("--raw", "docs/benchmarks/raw/recommend.json"),
-           RUNTIME + ("src/distsync/sim", "src/distsync/solvers", "src/distsync/experiments/recommend.py",
+           RUNTIME + ("src/distsync/sim", "src/distsync/solvers", *RECOMMEND,
                       "benchmarks/sim_timing_dev.py"),
            "docs/benchmarks/simulator.md"),
     # (the sweep takes no seed: its draws are seed 0's, so a repeat gives the same rows)
@@ -275,17 +278,17 @@ FIGURES = [
             "src/distsync/cli.py"),
            "docs/simulator.md", min_repeats=1),
     Figure("recommend_speed", "recommend_speed", (), ("--repeats", "1", "--loaded", "0", "--lstm-repeats", "0"),
-           ("src/distsync/sim", "src/distsync/solvers", "src/distsync/experiments/recommend.py", "src/distsync/cli.py",
+           ("src/distsync/sim", "src/distsync/solvers", *RECOMMEND, "src/distsync/cli.py",
             "benchmarks/workloads/charlstm.py"),
            "docs/benchmarks/recommend.md"),
     Figure("recommend", "recommend", ("--set", "test", "--fit", "--seeds", "1,2,3"),
            ("--quick", "--solvers", "allreduce,ad-psgd", "--out", "benchmarks/results/quick/recommend"),
-           RUNTIME + ("src/distsync/sim", "src/distsync/solvers", "src/distsync/experiments/recommend.py",
+           RUNTIME + ("src/distsync/sim", "src/distsync/solvers", *RECOMMEND,
                       "benchmarks/recommend_scenarios.py", "benchmarks/workloads"),
            "docs/benchmarks/recommend.md",
            by_name_only="its test set is scored once per published result, at its measured commit, over hours"),
     Figure("recommend_test2", "recommend", ("--set", "test2", "--fit", "--seeds", "1,2"), (),
-           RUNTIME + ("src/distsync/sim", "src/distsync/solvers", "src/distsync/experiments/recommend.py",
+           RUNTIME + ("src/distsync/sim", "src/distsync/solvers", *RECOMMEND,
                       "benchmarks/recommend_scenarios.py", "benchmarks/workloads"),
            "docs/benchmarks/recommend.md", min_repeats=2,
            by_name_only="its test set is scored once per published result, at its measured commit, over hours"),

@@ -504,9 +504,10 @@ def test_the_staged_search_keeps_the_best_third_at_each_horizon_and_takes_the_re
     of three, so the best third of the rest (D: 0.84) goes on to the target (643 steps). The
     six left at 0.2 s rank after them by their accuracy there."""
     from distsync.experiments import recommend as rec
+    from distsync.experiments import staged_search
 
     setting, cands, runs = _race(monkeypatch)
-    rec._staged_search(setting, cands, {}, Deadline.after(60), None)
+    staged_search._staged_search(setting, cands, {}, Deadline.after(60), None)
     names = {c.label: name for name, c in zip(_RACE, cands)}
     # (each horizon's runs the fastest steps first: B's are 2 ms)
     assert runs == ([(n, 200) for n in _RACE if n != "B"] + [("B", 100)]
@@ -523,13 +524,13 @@ def test_the_staged_search_keeps_the_best_third_at_each_horizon_and_takes_the_re
 def test_the_staged_search_stops_once_three_reach_the_target_within_a_horizon(monkeypatch):
     """Made fast enough, B, A and D reach the target within 0.2 s: nothing else can beat them
     to it, and nothing runs after the first horizon."""
-    from distsync.experiments import recommend as rec
+    from distsync.experiments import staged_search
 
     monkeypatch.setitem(_RACE, "A", ("ma", {"every": 4}, 1e-3, 0.005))
     monkeypatch.setitem(_RACE, "B", ("ma", {"every": 16}, 2e-3, 0.012))
     monkeypatch.setitem(_RACE, "D", ("bmuf", {"every": 16}, 1e-3, 0.0046))
     setting, cands, runs = _race(monkeypatch)
-    rec._staged_search(setting, cands, {}, Deadline.after(60), None)
+    staged_search._staged_search(setting, cands, {}, Deadline.after(60), None)
     assert len(runs) == len(_RACE)  # the first horizon only
     ranked = rank(cands)
     assert [c.label for c in ranked[:3]] == ["ma every=16", "ma every=4", "bmuf every=16"]
@@ -538,9 +539,10 @@ def test_the_staged_search_stops_once_three_reach_the_target_within_a_horizon(mo
 
 def test_a_time_budget_spent_in_a_horizon_keeps_what_was_judged_and_says_the_rest_was_not(monkeypatch):
     from distsync.experiments import recommend as rec
+    from distsync.experiments import staged_search
 
     setting, cands, runs = _race(monkeypatch, cut_after=4)
-    rec._staged_search(setting, cands, {}, Deadline.after(60), None)
+    staged_search._staged_search(setting, cands, {}, Deadline.after(60), None)
     assert [name for name, _ in runs] == ["A", "C", "D", "E"]  # (the fastest steps first)
     ranked = rank(cands)
     # the three judged at 0.2 s first (by accuracy there), then the rest by their timing
@@ -552,18 +554,19 @@ def test_a_time_budget_spent_in_a_horizon_keeps_what_was_judged_and_says_the_res
 def test_a_short_horizon_is_never_judged_by_the_evaluation_after_the_rules_finish():
     """A closing average that lifts the model to the target at the horizon's last step is
     not the run reaching it then: the run went on."""
-    from distsync.experiments import recommend as rec
+    from distsync.experiments import staged_search
     from distsync.sim.train import TrainResult
 
     res = TrainResult("ma", 2, 10)
     res.curve = [{"step": 4, "t": 5.0, "metric": 0.5, "final": False},
                  {"step": 9, "t": 10.0, "metric": 0.95, "final": True}]
     res.steps_to_target = 10
-    r = rec._Racer(Candidate("ma", {}, step_s=0.1), False, ("ma", "{}"))
-    rec._judge(r, res, 1.0, False, True)
+    r = staged_search._Racer(Candidate("ma", {}, step_s=0.1), False, ("ma", "{}"))
+    staged_search._judge(r, res, 1.0, False, True)
     assert r.reached_s is None and r.score == 0.5 and r.horizon_s == 1.0
-    assert not rec._reached_in_run(res)
-    rec._judge(r, res, 1.0, False, False)  # a metric where lower is better (a loss): the score is its negative
+    assert not staged_search._reached_in_run(res)
+    # a metric where lower is better (a loss): the score is its negative
+    staged_search._judge(r, res, 1.0, False, False)
     assert r.score == -0.5
 
 
@@ -626,22 +629,22 @@ def test_the_plan_halves_the_first_horizon_then_the_replicas_to_fit_the_budget(m
     25 would be under 32), so the replicas are halved: 4 cost 2.575 s, 2 cost 1.2875 s. The
     ledger prices a run at the planned replicas: 100 lockstep steps and 5 evaluations at 2
     replicas, 100 x 2.5 ms + 5 x 5 ms; ordered, 100 x 2 x 2 ms + 25 ms."""
-    from distsync.experiments import recommend as rec
+    from distsync.experiments import staged_search
 
     setting, cands, _ = _race(monkeypatch, cost={"step_s": 0.010, "one_s": 0.002, "eval_s": 0.020})
-    racers = [rec._Racer(c, *rec._rule_key(c)) for c in cands]
-    planned, horizon, line, ledger = rec._plan(setting, racers, 0.2, 24.0)
+    racers = [staged_search._Racer(c, *staged_search._rule_key(c)) for c in cands]
+    planned, horizon, line, ledger = staged_search._plan(setting, racers, 0.2, 24.0)
     assert (planned.train_workers, horizon) == (8, pytest.approx(0.05)) and ledger.total_s == 24.0
     assert line.startswith("train mode at 8 replicas, first horizon 0.05 s of the cluster's time (shortened): a step "
                            "of 8 replicas costs 10 ms here, an evaluation 20 ms; the first horizon's runs about 5.15 s")
-    planned, horizon, line, ledger = rec._plan(setting, racers, 0.2, 8.0)
+    planned, horizon, line, ledger = staged_search._plan(setting, racers, 0.2, 8.0)
     assert (planned.train_workers, horizon) == (2, pytest.approx(0.05))
     assert line.startswith("train mode at 2 replicas (not 8), first horizon 0.05 s") and "about 1.29 s" in line
     assert ledger.price(100, False, 5) == pytest.approx(0.275) and ledger.price(100, True, 5) == pytest.approx(0.425)
-    assert rec._plan(setting, racers, 0.2, 80.0)[:2] == (setting, pytest.approx(0.2))
-    assert setting.train_workers == 8 and not rec._full_size(planned) and rec._full_size(setting)
+    assert staged_search._plan(setting, racers, 0.2, 80.0)[:2] == (setting, pytest.approx(0.2))
+    assert setting.train_workers == 8 and not staged_search._full_size(planned) and staged_search._full_size(setting)
     # evaluations alone over the budget: the horizon halves to a step of the fastest, and stops
-    assert rec._plan(setting, racers, 0.2, 0.4)[1] == pytest.approx(0.2 / 128)
+    assert staged_search._plan(setting, racers, 0.2, 0.4)[1] == pytest.approx(0.2 / 128)
 
 
 def test_the_plan_not_the_clock_decides_what_runs(monkeypatch):
@@ -649,17 +652,17 @@ def test_the_plan_not_the_clock_decides_what_runs(monkeypatch):
     (1700 lockstep steps at 1 ms a step of 8 replicas, no evaluation cost) fit, the second
     horizon's first run (A, 600 steps) does not: the search stops there, whatever the clock
     says, and the three that led at 0.2 s rank first, by their accuracy there."""
-    from distsync.experiments import recommend as rec
+    from distsync.experiments import staged_search
 
     setting, cands, runs = _race(monkeypatch, cost={"step_s": 0.001, "one_s": 0.001, "eval_s": 0.0})
-    plan = rec._plan
+    plan = staged_search._plan
 
     def small(*args):
         s, horizon, line, ledger = plan(*args)
         return s, horizon, line, dataclasses.replace(ledger, total_s=1.9)
 
-    monkeypatch.setattr(rec, "_plan", small)
-    rec._staged_search(setting, cands, {}, Deadline.after(60), None)
+    monkeypatch.setattr(staged_search, "_plan", small)
+    staged_search._staged_search(setting, cands, {}, Deadline.after(60), None)
     assert len(runs) == 9
     assert [c.label for c in rank(cands)[:3]] == ["ma every=16", "ma every=4", "bmuf every=16"]
     assert all(c.horizon_s == pytest.approx(0.2) for c in cands)
@@ -692,12 +695,13 @@ def test_steps_slower_than_their_price_stop_at_the_deadline_and_the_answer_says_
     0.2 s (no candidate went on: not "behind the candidates that went on"), the rest are
     timing only, and the answer's line names what was cut and what was not run."""
     from distsync.experiments import recommend as rec
+    from distsync.experiments import staged_search
     from distsync.experiments.deadline import unfinished_line
 
     clock = FakeClock(step_s=0.5)
     setting, cands, runs = _race(monkeypatch, cost={"step_s": 0.001, "one_s": 0.001, "eval_s": 0.0}, clock=clock)
     deadline = Deadline(250.0, clock)
-    rec._staged_search(setting, cands, {}, deadline, None)
+    staged_search._staged_search(setting, cands, {}, deadline, None)
     assert [name for name, _ in runs] == ["A", "C", "D"] and clock.now == 250.5  # (no step after the deadline)
     ranked = rank(cands)
     labels = [c.label for c in ranked]
@@ -718,24 +722,24 @@ def test_a_first_pick_is_behind_the_candidates_that_went_on_only_where_some_did(
     """The plan stops the search before the second horizon's first run: nobody went on, so
     the three that led at 0.2 s are where the time budget stopped the search. With room,
     the six left at 0.2 s are behind the three that went on."""
-    from distsync.experiments import recommend as rec
+    from distsync.experiments import staged_search
 
     setting, cands, _ = _race(monkeypatch, cost={"step_s": 0.001, "one_s": 0.001, "eval_s": 0.0})
-    plan = rec._plan
+    plan = staged_search._plan
 
     def small(*args):
         s, horizon, line, ledger = plan(*args)
         return s, horizon, line, dataclasses.replace(ledger, total_s=1.9)
 
-    monkeypatch.setattr(rec, "_plan", small)
-    rec._staged_search(setting, cands, {}, Deadline.after(60), None)
+    monkeypatch.setattr(staged_search, "_plan", small)
+    staged_search._staged_search(setting, cands, {}, Deadline.after(60), None)
     first = rank(cands)[0]
     assert first.note == ("short horizon: accuracy 0.5 after 0.2 s of the cluster's time, where the time budget "
                           "stopped the search")
     assert first.unfinished == "not run past 0.2 s of the cluster's time"
-    monkeypatch.setattr(rec, "_plan", plan)
+    monkeypatch.setattr(staged_search, "_plan", plan)
     setting, cands, _ = _race(monkeypatch)
-    rec._staged_search(setting, cands, {}, Deadline.after(60), None)
+    staged_search._staged_search(setting, cands, {}, Deadline.after(60), None)
     ranked = rank(cands)
     assert ranked[3].note == ("short horizon: accuracy 0.24 after 0.2 s of the cluster's time, behind the candidates "
                               "that went on")
@@ -745,14 +749,14 @@ def test_a_first_pick_is_behind_the_candidates_that_went_on_only_where_some_did(
 def test_progress_is_told_at_least_every_few_seconds_of_the_clock_while_train_mode_runs(monkeypatch):
     """Every step 0.5 s of the clock: each run's start is told at once, and within it a line
     at least every 5 s (the first one at its 10th step), with its steps and the seconds it ran."""
-    from distsync.experiments import recommend as rec
+    from distsync.experiments import staged_search
     from distsync.experiments.deadline import PROGRESS_EVERY_S, Progress
 
     clock = FakeClock(step_s=0.5)
     setting, cands, _ = _race(monkeypatch, clock=clock)
     told = []
     progress = Progress(lambda line, done, total: told.append((clock.now, line, done, total)), clock)
-    rec._staged_search(setting, cands, {}, Deadline(1e9, clock), progress)
+    staged_search._staged_search(setting, cands, {}, Deadline(1e9, clock), progress)
     assert told[:3] == [(0.0, "pricing a train-mode step of 8 replicas", 0, 0),
                         (0.0, "horizon 1/3 (0.2 s of the cluster's time): ma every=4", 0, 9),
                         (5.0, "horizon 1/3 (0.2 s of the cluster's time): ma every=4: step 10 of 200, 5 s in", 0, 9)]
