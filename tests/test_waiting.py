@@ -87,8 +87,10 @@ def _check_fast_ones_wait(phases: dict[int, dict[str, float]]) -> None:
         busy = sum(phases[r].values())
         # the hold-up at the meetings is waiting, not communication (measured, 2 cores: a
         # fast worker's wait 5-16x its comm, 40-47% of its time; before the split,
-        # ma's and ripples' fast workers reported it all as comm and waited 0-2%)
-        assert phases[r]["wait"] > 1.5 * phases[r]["comm"], (r, phases)
+        # ma's and ripples' fast workers reported it all as comm and waited 0-2%). Its comm
+        # grows with the host's load (in a soak beside 2 busy loops: 1.1 s, the wait 1.5 s),
+        # what it waits does not: at least half the slow worker's extra device time.
+        assert phases[r]["wait"] > 0.5 * slow_extra, (r, phases)
         assert phases[r]["wait"] / busy > 0.15, (r, phases)
     # the slow worker arrives last: it waits for nobody (measured: under 0.01 s)
     assert phases[SLOW]["wait"] < 0.3 * min(phases[r]["wait"] for r in fast), phases
