@@ -55,10 +55,10 @@ def test_a_rung_keeps_the_better_half_by_the_metric_in_its_direction_those_at_th
 def test_an_entrant_is_judged_by_its_last_evaluation_by_the_horizon_and_its_first_at_the_target():
     """Its evaluations over two runs (the second from 4.4 s, the first having overrun a 4 s
     horizon): at 4 s the last by then is 0.6 (at 3.9 s), at 8 s 0.85 (7.5 s); the target 0.8
-    was first met at 6.0 s. Lower is better: an error of 0.35 at 3.9 s meets a 0.4 target."""
+    was first met at 6.0 s, which counts from the 8 s horizon on. Lower is better: an error of 0.35 at 3.9 s meets a 0.4 target."""
     e = Entrant("ma", {}, "f", 0.1, curve=[(1.0, 0.3), (3.9, 0.6), (4.4, 0.62), (6.0, 0.81), (7.5, 0.85), (8.2, 0.9)])
     judge(e, 4.0, 0.8, True)
-    assert (e.metric, e.reached_s) == (0.6, 6.0)
+    assert (e.metric, e.reached_s) == (0.6, None)  # (met at 6.0 s: after this horizon)
     judge(e, 8.0, 0.8, True)
     assert (e.metric, e.reached_s) == (0.85, 6.0)
     judge(e, 0.5, None, True)
@@ -66,6 +66,16 @@ def test_an_entrant_is_judged_by_its_last_evaluation_by_the_horizon_and_its_firs
     low = Entrant("ma", {}, "f", 0.1, curve=[(1.0, 0.5), (3.9, 0.35)])
     judge(low, 4.0, 0.4, False)
     assert (low.metric, low.reached_s) == (0.35, 3.9)
+
+
+def test_an_entrant_that_overran_the_next_horizon_too_is_not_run_again(tmp_path):
+    from distsync.config import RunConfig
+    from distsync.experiments.auto import _short_run
+
+    launched = []
+    e = Entrant("diloco", {"every": 64}, "diloco", 0.02, trained_s=3.5, curve=[(3.4, 0.9)])
+    _short_run(RunConfig(), e, 3.3, 0, tmp_path / "r", lambda cfg, out: launched.append(cfg))
+    assert launched == [] and e.trained_s == 3.5 and e.curve == [(3.4, 0.9)]
 
 
 def _auto(tmp_path, *more, out="r"):

@@ -197,6 +197,8 @@ def _short_run(base: RunConfig, e: Entrant, until_s: float, seed: int, out: Path
     evaluations join its curve."""
     from distsync.metrics import eval_curve
 
+    if e.trained_s >= until_s:  # (an earlier run overran this horizon too: judged by its evaluations)
+        return
     seconds = max(until_s - e.trained_s, e.predicted_step_s)
     target = base.budget.target if base.budget is not None else False
     budget = Budget(seconds=seconds, target=target, target_value=base.budget.target_value if target else None)
@@ -221,10 +223,11 @@ def _short_run(base: RunConfig, e: Entrant, until_s: float, seed: int, out: Path
 
 def judge(e: Entrant, horizon_s: float, target: float | None, higher_is_better: bool) -> None:
     """``e``'s metric at ``horizon_s`` seconds of training (its last evaluation by then; None
-    if it had none), and the first time its evaluations met ``target`` (None if never)."""
-    by_then = [m for t, m in e.curve if t <= horizon_s + 1e-9]
-    e.metric = by_then[-1] if by_then else None
-    met = [t for t, m in e.curve if target is not None and (m >= target if higher_is_better else m <= target)]
+    if it had none), and the first time by then its evaluations met ``target`` (None if
+    none did: what a run that overran the horizon reached after it does not count yet)."""
+    by_then = [(t, m) for t, m in e.curve if t <= horizon_s + 1e-9]
+    e.metric = by_then[-1][1] if by_then else None
+    met = [t for t, m in by_then if target is not None and (m >= target if higher_is_better else m <= target)]
     e.reached_s = met[0] if met else None
 
 
