@@ -319,7 +319,8 @@ FIGURES = [
            "docs/benchmarks/mutation_probe.md", min_repeats=1),
     # -- mutants a tool drew: which of them the fast suite kills, and each survivor's triage --
     Figure("mutants_drawn", "tests/mutants_drawn", ("--resume",), (),
-           ("src/distsync/solvers", "src/distsync/sim/timing.py", "tests/mutants_drawn.py", "tests/mutation_probe.py"),
+           ("src/distsync/solvers", "src/distsync/sim/timing.py", "src/distsync/sim/timing_base.py",
+            "src/distsync/sim/timing_decentralized.py", "tests/mutants_drawn.py", "tests/mutation_probe.py"),
            "docs/testing.md", min_repeats=1,
            by_name_only="hours: 170 mutants, each against the fast suite, in a worktree at a pinned commit"),
     # -- the whole suite again and again under load: which tests fail by chance (a run a repeat) --

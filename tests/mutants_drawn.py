@@ -6,7 +6,8 @@ runner draws a sample of them with a fixed seed, stratified over three groups so
 tested (the simulator's timing model is most of the list otherwise):
 
 - ``rules``: every function of ``solvers/rules.py`` (the update rules' one definition);
-- ``timing``: every function of ``sim/timing.py`` (the simulator's timing formulas);
+- ``timing``: every function of ``sim/timing.py`` and of the modules it builds on,
+  ``sim/timing_base.py`` and ``sim/timing_decentralized.py`` (the simulator's timing formulas);
 - ``paths``: the solvers' update and exchange paths (:data:`PATHS`: the functions of each
   solver module that apply an update, answer or make an exchange, write a sync back).
 
@@ -46,7 +47,8 @@ DEFAULT_OUT = REPO / "benchmarks" / "progress" / "mutants-drawn.json"
 SEED = 20261128
 #: mutants drawn from each group
 QUOTAS = {"rules": 50, "timing": 50, "paths": 70}
-GROUP_FILES = {"rules": {"solvers/rules.py": None}, "timing": {"sim/timing.py": None}}
+GROUP_FILES = {"rules": {"solvers/rules.py": None},
+               "timing": {"sim/timing.py": None, "sim/timing_base.py": None, "sim/timing_decentralized.py": None}}
 #: the solvers' update and exchange paths: module -> the functions (innermost definitions) drawn from
 PATHS = {
     "solvers/decentralized.py": {"_converse", "after_backward", "update", "_apply_pending", "_average",

@@ -19,7 +19,7 @@ UNSHAPED = Link(10e9, 0.0, "10gbit")
 
 def synced_tensor_bytes(model: Any, embedding_servers: int) -> tuple[float, ...]:
     """Bytes of each parameter tensor a solver synchronizes, in the model's order (servers
-    hold them whole: :class:`~distsync.sim.timing.Work`): all of them, but the embedding
+    hold them whole: :class:`~distsync.sim.timing_base.Work`): all of them, but the embedding
     tables where embedding servers hold them (their rows travel as sparse lookups and
     pushes, which the simulator leaves out)."""
     from distsync.sparse.tables import served_parameters

@@ -121,7 +121,7 @@ class Plan:
     @classmethod
     def simulate_timing(cls, options: Any, sim: Any) -> Any:
         """This solver's timing on a simulated cluster with ``options``: a
-        :class:`~distsync.sim.timing.SimResult` composed from the blocks of ``sim`` (a
+        :class:`~distsync.sim.timing_base.SimResult` composed from the blocks of ``sim`` (a
         :class:`~distsync.sim.timing.TimingContext`). None: the simulator has no timing model
         for it (and says so)."""
         return None
