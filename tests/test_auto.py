@@ -102,6 +102,11 @@ def test_the_winner_trains_on_from_its_own_short_runs_model(tmp_path):
     assert winner["steps"] == 200 - json.loads((short.parent / "summary.json").read_text())["steps_per_worker"]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["auto"]["winner"] == best["label"] and "Rung 1" in (out / "report.md").read_text()
+    # the job's figures count the short runs; the winner's own run's are under auto.final
+    own = json.loads((out / "winner" / "summary.json").read_text())
+    assert summary["auto"]["final"]["wall_time_s"] == own["wall_time_s"]
+    assert summary["wall_time_s"] == pytest.approx(summary["auto"]["stage2_training_s"] + own["wall_time_s"])
+    assert "the short runs' " in proc.stdout
     # the hand-over: the winner's stage 3 began at the short run's model (a fresh run of it
     # with a learning rate of 1e-9 ends there)
     again = run_cli("train", "--solver", best["solver"], "--workers", "2", "--steps", "3", "--lr", "1e-9",

@@ -295,7 +295,9 @@ def run_auto(cfg: RunConfig, out: Path, launch_one: Callable[[RunConfig, Path], 
     record["time_to_target_s"] = (winner.reached_s + sum(e.trained_s for e in entrants if e is not winner)
                                   if winner.reached_s is not None else None if ttt is None else stage2_s + ttt)
     (out / RECORD).write_text(json.dumps({**record, "winner_config": final.to_dict()}, indent=2, default=str) + "\n")
-    full = {**summary, "auto": record}
+    # the job's figures, the short runs counted (the winner's own run's: auto.final, and OUT/winner)
+    full = {**summary, "time_to_target_s": record["time_to_target_s"],
+            "wall_time_s": stage2_s + float(summary.get("wall_time_s") or 0.0), "auto": record}
     (out / "summary.json").write_text(json.dumps(full, indent=2, default=str) + "\n")
     (out / "report.md").write_text(report(record))
     return full
