@@ -68,6 +68,17 @@ def test_an_entrant_is_judged_by_its_last_evaluation_by_the_horizon_and_its_firs
     assert (low.metric, low.reached_s) == (0.35, 3.9)
 
 
+def test_the_budget_the_share_is_of_is_the_jobs_seconds_or_its_steps_at_the_fastest_entrants_pace():
+    from distsync.config import RunConfig
+    from distsync.experiments.auto import _budget_seconds
+
+    fast = Entrant("ripples", {}, "decentralized", 0.05)
+    assert _budget_seconds(RunConfig(budget="seconds=40"), 200, fast) == (40.0, "--budget seconds=40")
+    seconds, said = _budget_seconds(RunConfig(steps=200), 200, fast)
+    assert seconds == pytest.approx(10.0) and said.startswith("--steps (200) at the fastest entrant's predicted 50 ms")
+    assert _budget_seconds(RunConfig(budget="target"), 600, fast)[1].startswith("the workload's steps (600)")
+
+
 def test_an_entrant_that_overran_the_next_horizon_too_is_not_run_again(tmp_path):
     from distsync.config import RunConfig
     from distsync.experiments.auto import _short_run

@@ -17,8 +17,8 @@ workers, and the winner trains on.
    one is left. A run stops at its next step or synchronization after its horizon (a
    periodic solver's may be many steps on): one that overran trains that much less next. A candidate that fails or is refused is dropped with
    its reason. The horizons are planned so that the whole stays within ``--explore`` of the
-   job's budget (its seconds; its steps at the reference's predicted pace; under ``--budget
-   target``, the workload's steps at that pace).
+   job's budget (its seconds; its steps at the fastest entrant's predicted pace; under
+   ``--budget target``, the workload's steps at that pace).
 3. **The winner trains on** from its own model (``--init-model``: the optimizer, the
    solver's state and the data order start afresh) for what is left of the budget, in
    ``OUT/winner``, checkpoints and faults as asked. ``train --resume OUT`` resumes it.
@@ -155,12 +155,15 @@ def better_half(racing: list[Entrant], higher_is_better: bool, rung: int) -> lis
     return keep
 
 
-def _budget_seconds(cfg: RunConfig, steps: int, ref_step_s: float) -> tuple[float, str]:
-    """The job's budget in the cluster's seconds, and what it was taken from."""
+def _budget_seconds(cfg: RunConfig, steps: int, fastest: Entrant) -> tuple[float, str]:
+    """The job's budget in the cluster's seconds, and what it was taken from: its seconds, or
+    its steps at the fastest entrant's predicted pace (the job trains with the winner, most
+    likely a fast one: the short runs' share is then of the shortest job it may be)."""
     if cfg.budget is not None and cfg.budget.seconds is not None:
         return cfg.budget.seconds, f"--budget seconds={cfg.budget.seconds:g}"
-    what = "the workload's steps" if cfg.budget is not None and cfg.budget.target else f"{steps} steps"
-    return steps * ref_step_s, f"{what} ({steps}) at allreduce's predicted {ref_step_s * 1000:.3g} ms a step"
+    what = "the workload's steps" if cfg.budget is not None and cfg.budget.target else "--steps"
+    step = fastest.predicted_step_s
+    return steps * step, f"{what} ({steps}) at the fastest entrant's predicted {step * 1000:.3g} ms a step ({fastest.label})"
 
 
 def _timed(cfg: RunConfig, candidates: list[str] | None, say: Say) -> tuple[list[Entrant], dict[str, Any]]:
@@ -242,13 +245,12 @@ def run_auto(cfg: RunConfig, out: Path, launch_one: Callable[[RunConfig, Path], 
     began = time.monotonic()
     entrants, timing = _timed(ref, candidates, say)
     higher = timing["higher_is_better"]
-    ref_step = next((e.predicted_step_s for e in entrants if (e.solver, e.options) == REFERENCE),
-                    min(e.predicted_step_s for e in entrants))
+    fastest = min(entrants, key=lambda e: e.predicted_step_s)
     steps = ref.steps
     if cfg.budget is not None and cfg.budget.target and cfg.budget.seconds is None:  # (steps: a cap, not a budget)
         steps = resolve(dataclasses.replace(cfg, solver=REFERENCE[0], solver_options={}, budget=None,
                                             init_model=None)).config.steps
-    budget_s, budget_from = _budget_seconds(cfg, steps, ref_step)
+    budget_s, budget_from = _budget_seconds(cfg, steps, fastest)
     plan = rungs(len(entrants))
     first_s = explore * budget_s / units(plan)
     say(f"auto: stage 2 spends at most {explore:.0%} of the budget ({budget_from}): {explore * budget_s:.1f} s of "
