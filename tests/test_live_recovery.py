@@ -485,3 +485,48 @@ def test_a_drop_the_others_failed_to_go_on_from_is_reported_as_the_restart_it_be
     assert out.export_text().strip() == ("worker rank 1 died (SIGKILL) after step 29 and was dropped, but the others "
                                          "failed to go on without it: the job restarted from step 0 (30 steps lost, "
                                          "5.5 s to recover)")
+
+
+def _ddp_rebuilds_after_a_step(rank: int, world: int) -> bool:
+    """A live ddp worker after one step: whether DDP still had its buckets to rebuild (a
+    broadcast in its next forward, outside the comm layer's waits)."""
+    import torch
+
+    from distsync.comm import Comm
+    from distsync.comm.comm import FailurePolicy
+    from distsync.membership.liveness import watching
+    from distsync.solvers import make_solver
+
+    from distsync.membership import Membership
+
+    comm = Comm.from_env(["worker"] * world, 20.0, torch.device("cpu"),
+                         policy=FailurePolicy(watch=watching(), drops_dead_peers=True,
+                                              views=lambda c: Membership(c, c.worker_ranks, c.liveness)))
+    assert comm.membership is not None
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        solver = make_solver("ddp")
+        run_model = solver.attach(model, opt, comm)
+        solver.before_step(0)
+        run_model(torch.randn(5, 4)).sum().backward()
+        solver.after_backward(0)
+        solver.update(0)
+        solver.after_update(0)
+        rebuilt = bool(solver.ddp.reducer._rebuild_buckets())  # (True: it broadcast their order now)
+        solver.close()
+        comm.barrier()
+        return rebuilt
+    finally:
+        comm.close()
+
+
+def test_ddp_under_live_membership_has_no_collective_left_in_its_forward():
+    """A member admitting a replacement waits in the job's store for the others; one already in
+    DDP's second forward waited in DDP's bucket rebuild (a broadcast on the view's group) for
+    it: both hung (a soak: the replacement test of ddp-broadcast, and by hand). The buckets are
+    rebuilt as the wrapper is made, every member of the view there: none is left for a forward."""
+    from helpers import run_ranks
+
+    assert run_ranks(_ddp_rebuilds_after_a_step, 2) == [False, False]

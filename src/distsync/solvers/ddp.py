@@ -147,6 +147,15 @@ class DDP(Solver):
         elif self.comm.membership is not None:
             self._waiter = self._waiter or ThreadPoolExecutor(1, thread_name_prefix="ddp-wait")
             self.ddp.register_comm_hook(group, self._live_hook)
+        if self.comm.membership is not None:
+            # DDP rebuilds its buckets once, by a broadcast of their order in the second
+            # forward after it is made: a collective outside the comm layer's waits. A member
+            # admitting a replacement at its step's end waits in the job's store for the
+            # others, and one already in that forward would wait for it there: a deadlock
+            # (seen: a replacement's admission hung both). Rebuilt now, while every member of
+            # the view makes its wrapper here, in the parameters' order (what a join does).
+            self.ddp.reducer._push_all_rebuilt_params()
+            self.ddp.reducer._rebuild_buckets()
         elif self._on_comm:
             self.ddp.register_comm_hook(group, self._hook)
 
