@@ -429,11 +429,11 @@ def _cmd_auto(args: argparse.Namespace) -> int:
                        candidates=candidates, say=say)
     _show(_comparison_table([{"summaries": [summary], "repeats": 1}]))
     record = summary["auto"]
-    _stdout().print(f"the whole job (wall, to target): the short runs' {record['stage2_training_s']:.1f} s of training counted; "
-        f"the winner's own run: {record['final']['wall_time_s']:.1f} s" +
-        (f", the target after {record['final']['time_to_target_s']:.1f} s"
-         if record["final"].get("time_to_target_s") is not None else ""), markup=False, highlight=False,
-        soft_wrap=True)
+    reached = record["final"].get("time_to_target_s")
+    _stdout().print(f"the whole job (wall, to target): the short runs' {record['stage2_training_s']:.1f} s of "
+                    f"training counted; the winner's own run: {record['final']['wall_time_s']:.1f} s"
+                    + (f", the target after {reached:.1f} s" if reached is not None else ""),
+                    markup=False, highlight=False, soft_wrap=True)
     _print_device(summary)
     _print_not_learned(summary, cfg)
     console.print(f"run folder: {out} (the winner's: {out / AUTO_WINNER}; the choice: {out / 'report.md'})")
