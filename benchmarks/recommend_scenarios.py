@@ -159,19 +159,27 @@ def _drawn(seed: int, workloads: tuple[str, ...], n: int, homogeneous_every: int
             raise ValueError(f"{workload}: no worker count of {WORKERS} fits under {DEVICE_MS[1]:g} ms")
         workers = int(rng.choice(feasible))
         device_ms = round(_log_uniform(rng, max(DEVICE_MS[0], floor_ms(workload, workers)), DEVICE_MS[1]), 1)
-        link = _link(_log_uniform(rng, *LINK_MBIT))
-        most = int(SLOW_SHARE_MAX * workers)
-        if not homogeneous_every:
-            slow_count = int(rng.integers(0, most + 1))
-        else:
-            slow_count = 0 if i % homogeneous_every == 0 else int(rng.integers(1, most + 1))
-        slow_factor = round(float(rng.uniform(*SLOW_FACTOR)), 1)
-        jitter = round(float(rng.uniform(*JITTER)), 2)
-        setup = WORKLOAD_SETUP.get(workload, {})
-        out.append(Scenario(workload, workers, link, device_ms, slow_fraction=slow_count / workers,
-                            slow_factor=slow_factor if slow_count else 1.0, jitter=jitter,
-                            workload_options=dict(setup.get("options", {})), target=setup.get("target")))
+        homogeneous = None if not homogeneous_every else i % homogeneous_every == 0
+        out.append(_cluster(rng, workload, workers, device_ms, homogeneous))
     return out
+
+
+def _cluster(rng, workload: str, workers: int, device_ms: float, homogeneous: bool | None) -> Scenario:
+    """The rest of a scenario's draws, in this order: its link, its slow workers' count (none
+    drawn where ``homogeneous``; at least one where it is False; 0 to the most where None)
+    and factor, its jitter; with the benchmark's setup of the workload."""
+    link = _link(_log_uniform(rng, *LINK_MBIT))
+    most = int(SLOW_SHARE_MAX * workers)
+    if homogeneous is None:
+        slow_count = int(rng.integers(0, most + 1))
+    else:
+        slow_count = 0 if homogeneous else int(rng.integers(1, most + 1))
+    slow_factor = round(float(rng.uniform(*SLOW_FACTOR)), 1)
+    jitter = round(float(rng.uniform(*JITTER)), 2)
+    setup = WORKLOAD_SETUP.get(workload, {})
+    return Scenario(workload, workers, link, device_ms, slow_fraction=slow_count / workers,
+                    slow_factor=slow_factor if slow_count else 1.0, jitter=jitter,
+                    workload_options=dict(setup.get("options", {})), target=setup.get("target"))
 
 
 def test_set(seed: int = GENERATOR_SEED, n: int = TEST_SIZE) -> list[Scenario]:
@@ -301,15 +309,7 @@ def test_set_3(seed: int = GENERATOR_SEED_3, n: int = TEST_SIZE_3,
         workers = int(rng.choice(reached))
         least = MIN_BEST_S / steps[workload][str(workers)] * 1000.0
         device_ms = round(max(floor_ms(workload, workers), least) * _log_uniform(rng, *ROOM_3), 1)
-        link = _link(_log_uniform(rng, *LINK_MBIT))
-        most = int(SLOW_SHARE_MAX * workers)
-        slow_count = 0 if i % HOMOGENEOUS_EVERY_3 == 0 else int(rng.integers(1, most + 1))
-        slow_factor = round(float(rng.uniform(*SLOW_FACTOR)), 1)
-        jitter = round(float(rng.uniform(*JITTER)), 2)
-        setup = WORKLOAD_SETUP.get(workload, {})
-        out.append(Scenario(workload, workers, link, device_ms, slow_fraction=slow_count / workers,
-                            slow_factor=slow_factor if slow_count else 1.0, jitter=jitter,
-                            workload_options=dict(setup.get("options", {})), target=setup.get("target")))
+        out.append(_cluster(rng, workload, workers, device_ms, i % HOMOGENEOUS_EVERY_3 == 0))
     return out
 
 
