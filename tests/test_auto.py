@@ -60,7 +60,7 @@ def test_an_entrant_is_judged_by_its_last_evaluation_by_the_horizon_and_its_firs
     judge(e, 4.0, 0.8, True)
     assert (e.metric, e.reached_s) == (0.6, None)  # (met at 6.0 s: after this horizon)
     judge(e, 8.0, 0.8, True)
-    assert (e.metric, e.reached_s) == (0.85, 6.0)
+    assert (e.metric, e.reached_s, e.horizon_s) == (0.85, 6.0, 8.0)  # (the horizon: what an overrun is against)
     judge(e, 0.5, None, True)
     assert (e.metric, e.reached_s) == (None, None)  # (no evaluation by then)
     low = Entrant("ma", {}, "f", 0.1, curve=[(1.0, 0.5), (3.9, 0.35)])

@@ -74,7 +74,9 @@ class Entrant:
     reached_s: float | None = None
     #: its evaluations over all its runs: (training seconds so far, the job's metric)
     curve: list[tuple[float, float]] = field(default_factory=list)
-    #: its metric at the last rung's horizon (the last evaluation by then)
+    #: the last horizon it was judged at (training seconds), and its metric then (its last
+    #: evaluation by then)
+    horizon_s: float = 0.0
     metric: float | None = None
     throughput: float | None = None
     out: str = ""  # "": racing; else the rung it went out in, or "failed"
@@ -228,6 +230,7 @@ def judge(e: Entrant, horizon_s: float, target: float | None, higher_is_better: 
     """``e``'s metric at ``horizon_s`` seconds of training (its last evaluation by then; None
     if it had none), and the first time by then its evaluations met ``target`` (None if
     none did: what a run that overran the horizon reached after it does not count yet)."""
+    e.horizon_s = horizon_s
     by_then = [(t, m) for t, m in e.curve if t <= horizon_s + 1e-9]
     e.metric = by_then[-1][1] if by_then else None
     met = [t for t, m in by_then if target is not None and (m >= target if higher_is_better else m <= target)]
@@ -274,9 +277,7 @@ def run_auto(cfg: RunConfig, out: Path, launch_one: Callable[[RunConfig, Path], 
             raise DistsyncError("auto: every candidate failed: " + "; ".join(f"{e.label}: {e.reason}" for e in entrants))
     winner = racing[0]
     stage2_s = sum(e.trained_s for e in entrants)
-    over = [f"{e.label} ({e.trained_s:.1f} s)" for e in entrants
-            if e.trained_s > 1.25 * next(rr["horizon_s"] for rr in reversed(record["rungs"])
-                                          if any(x["label"] == e.label for x in rr["rows"]))]
+    over = [f"{e.label} ({e.trained_s:.1f} s)" for e in entrants if e.trained_s > 1.25 * e.horizon_s]
     if stage2_s > explore * budget_s:
         say(f"auto: the short runs trained {stage2_s:.1f} s, over their share ({explore * budget_s:.1f} s): a run "
             f"stops at its next step or synchronization after its horizon" + (f"; longest past it: {', '.join(over)}"
