@@ -77,6 +77,8 @@ def test_the_budget_the_share_is_of_is_the_jobs_seconds_or_its_steps_at_the_fast
     seconds, said = _budget_seconds(RunConfig(steps=200), 200, fast)
     assert seconds == pytest.approx(10.0) and said.startswith("--steps (200) at the fastest entrant's predicted 50 ms")
     assert _budget_seconds(RunConfig(budget="target"), 600, fast)[1].startswith("the workload's steps (600)")
+    seconds, said = _budget_seconds(RunConfig(budget="target"), 600, fast, to_target=120)
+    assert seconds == pytest.approx(6.0) and said.startswith("the simulator's steps to the target (120, allreduce's)")
 
 
 def test_an_entrant_that_overran_the_next_horizon_too_is_not_run_again(tmp_path):
@@ -87,6 +89,114 @@ def test_an_entrant_that_overran_the_next_horizon_too_is_not_run_again(tmp_path)
     e = Entrant("diloco", {"every": 64}, "diloco", 0.02, trained_s=3.5, curve=[(3.4, 0.9)])
     _short_run(RunConfig(), e, 3.3, 0, tmp_path / "r", lambda cfg, out: launched.append(cfg))
     assert launched == [] and e.trained_s == 3.5 and e.curve == [(3.4, 0.9)]
+
+
+class FakeCluster:
+    """``launch_one`` without processes: the i-th option set launched (in that order) has the
+    metric ``curves[i](x)`` at ``x`` first horizons of its training in all (the first run's
+    seconds are the first horizon), evaluated 4 times a run; each run trains its budget's
+    seconds and ``overrun`` first horizons more."""
+
+    def __init__(self, curves, overrun=0.0):
+        self.curves, self.overrun, self.first = curves, overrun, None
+        self.order, self.trained, self.calls = [], {}, []
+
+    def __call__(self, cfg, out):
+        out.mkdir(parents=True, exist_ok=True)
+        self.calls.append((cfg, out))
+        if out.name == "winner":
+            return {"final_metric": 0.99, "time_to_target_s": None, "wall_time_s": 5.0}
+        key = json.dumps([cfg.solver, cfg.solver_options], sort_keys=True)
+        self.order += [key] if key not in self.order else []
+        self.first = self.first or cfg.budget.seconds
+        i, t0, wall = self.order.index(key), self.trained.get(key, 0.0), cfg.budget.seconds + self.overrun * self.first
+        evals = [{"kind": "eval", "rank": 0, "step": k, "t": wall * k / 4, "loss": 0.0,
+                  "metric": self.curves[i]((t0 + wall * k / 4) / self.first)} for k in (1, 2, 3, 4)]
+        (out / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
+        (out / "model.pt").write_text(key)
+        self.trained[key] = t0 + wall
+        return {"wall_time_s": wall, "steps_per_worker": 10, "throughput_samples_per_s": 100.0}
+
+    def label_of(self, i):
+        solver, options = json.loads(self.order[i])
+        return Entrant(solver, options, "", 0.0).label
+
+
+def _race(tmp_path, fake):
+    from distsync.config import RunConfig
+    from distsync.experiments.auto import run_auto
+
+    cfg = RunConfig(workload="digits", workers=2, device_ms=20, link="1gbit", steps=3000)
+    said = []
+    summary = run_auto(cfg, tmp_path, fake, explore=0.2, candidates=["allreduce", "ma", "local", "ad-psgd"],
+                       say=said.append)
+    return summary["auto"], said
+
+
+def test_the_race_ends_when_an_entrant_reaches_the_target_and_the_rest_of_its_rung_run_until_then(tmp_path):
+    """Digits' target is 0.95. The third entrant meets it at its second evaluation, half a first
+    horizon H in: the fourth then runs H/2 only, no second rung runs, the third wins and trains
+    on from its model; the job's time to target is its H/2 and the others' H, H and H/2."""
+    never, early = (lambda x: 0.5), (lambda x: 0.96 if x >= 0.5 - 1e-9 else 0.5)
+    fake = FakeCluster([never, never, early, never])
+    record, _ = _race(tmp_path, fake)
+    h = fake.first
+    assert [c.budget.seconds for c, _ in fake.calls[:4]] == pytest.approx([h, h, h, h / 2])
+    assert len(record["rungs"]) == 1 and len(fake.calls) == 5  # (4 short runs, the winner's)
+    assert record["winner"] == fake.label_of(2) and record["ended"].startswith(fake.label_of(2))
+    rows = {r["label"]: r for r in record["rungs"][0]["rows"]}
+    assert rows[fake.label_of(3)]["out"] == "rung 1" and rows[fake.label_of(3)]["reason"] == \
+        "another reached the target first"
+    assert record["time_to_target_s"] == pytest.approx(3 * h)
+    winner_cfg, winner_out = fake.calls[-1]
+    assert winner_out == tmp_path / "winner" and (tmp_path / "stage-2" / "rung-1").glob("*")
+    assert json.loads(json.dumps(winner_cfg.solver_options)) == json.loads(fake.order[2])[1]
+    assert open(winner_cfg.init_model).read() == fake.order[2]  # (its own short run's model)
+
+
+def test_each_later_rung_is_planned_from_what_is_left_of_the_share(tmp_path):
+    """Every run overruns its horizon by 0.1 H (H: the first horizon, a sixth of the share S for
+    4 entrants: 4 x 1 + 2 x 1 units). Rung 1 spends 4 x 1.1 H; rung 2 gets what is left,
+    S - 4.4 H = 1.6 H for its 2 entrants: 0.8 H each, of which each trains 0.7 H (its earlier
+    0.1 H overrun counts) and overruns 0.1 H again: the whole is S. (Planned once, it spent
+    S + 0.4 H.) The two best by their metric went on; the best of them wins."""
+    fake = FakeCluster([lambda x: 0.5, lambda x: 0.6, lambda x: 0.7, lambda x: 0.8], overrun=0.1)
+    record, _ = _race(tmp_path, fake)
+    h = fake.first
+    assert record["stage2_planned_s"] == pytest.approx(6 * h)
+    assert [r["seconds"] for r in record["rungs"]] == pytest.approx([h, 0.8 * h])
+    assert [c.budget.seconds for c, _ in fake.calls[4:6]] == pytest.approx([0.7 * h, 0.7 * h])
+    assert record["stage2_training_s"] == pytest.approx(6 * h)
+    assert record["winner"] == fake.label_of(3)
+    assert open(fake.calls[-1][0].init_model).read() == fake.order[3]
+
+
+def test_under_a_target_the_share_is_of_the_reference_at_the_simulators_steps_to_it(tmp_path):
+    """Digits' 300 steps are a cap under --budget target; the share is of allreduce's steps to
+    the target in the simulator's train mode (as simulate_training gives them at 2 workers), at
+    the fastest entrant's pace."""
+    from distsync.config import RunConfig
+    from distsync.experiments.auto import run_auto
+    from distsync.sim.train import simulate_training
+    from distsync.workloads import load_workload
+
+    fake = FakeCluster([lambda x: 0.5] * 4)
+    cfg = RunConfig(workload="digits", workers=2, device_ms=20, link="1gbit", budget="target")
+    record = run_auto(cfg, tmp_path, fake, explore=0.2, candidates=["allreduce", "ma"], say=lambda _: None)["auto"]
+    w = load_workload("digits", {})
+    sim = simulate_training("allreduce", {}, w, 2, 600, seed=0, until_target=True, eval_every=max(1, w.eval_every // 4))
+    assert sim.steps_to_target is not None and sim.steps_to_target < 300
+    assert record["budget_from"].startswith(f"the simulator's steps to the target ({sim.steps_to_target}, allreduce's)")
+    fastest = min(r["predicted_step_s"] for r in record["entrants"])
+    assert record["budget_s"] == pytest.approx(sim.steps_to_target * fastest)
+
+
+def test_a_measured_link_is_the_largest_messages_bandwidth_and_the_latency_the_smallest_leaves():
+    from distsync.experiments.auto import link_from
+
+    # 4 MiB in 33.6 ms: 998.6 Mbit/s; 256 KiB would take 2.1 ms of it, in 3.1 ms: 1 ms latency
+    link = link_from({"rows": [{"bytes": 4194304, "p2p_s": 0.0336}, {"bytes": 262144, "p2p_s": 0.0031}]})
+    assert link.bandwidth_bps == pytest.approx(4194304 * 8 / 0.0336) and link.latency_s == pytest.approx(0.001)
 
 
 def _auto(tmp_path, *more, out="r"):

@@ -3,10 +3,10 @@ workers, and the winner trains on.
 
 1. **Timing.** Every candidate of every solver's search space (``--candidates``: of those
    solvers only) is timed by the simulator at the job's size, from a step's compute (the
-   emulated device's, or measured here) and the job's link (``--link``, else a 10 Gbit one,
-   said so). The fastest few distinct option sets (:data:`ENTRANTS`, over at least
-   :data:`FAMILIES` solver families) go on, with the job's reference (``allreduce``) always
-   among them.
+   emulated device's, or measured here) and the job's link (``--link``'s; else measured by a
+   linktest on the job's workers). The fastest few distinct option sets (:data:`ENTRANTS`,
+   over at least :data:`FAMILIES` solver families) go on, with the job's reference
+   (``allreduce``) always among them.
 2. **Short real runs** (successive halving). Every entrant starts from the same model (the
    job's seed's) and trains for the same horizon of the cluster's training time, on the
    job's own workers (each candidate launched with its own roles: servers and coordinators
@@ -14,11 +14,15 @@ workers, and the winner trains on.
    by their last evaluation by the horizon (one that reached the target by its time to it;
    each run evaluates at least :data:`EVALS_PER_RUN` times); the better half go on, each
    from its own model (its run's ``model.pt``), until twice the training time so far, until
-   one is left. A run stops at its next step or synchronization after its horizon (a
-   periodic solver's may be many steps on): one that overran trains that much less next. A candidate that fails or is refused is dropped with
-   its reason. The horizons are planned so that the whole stays within ``--explore`` of the
-   job's budget (its seconds; its steps at the fastest entrant's predicted pace; under
-   ``--budget target``, the workload's steps at that pace).
+   one is left. Once one reaches the target the race ends: the rung's later entrants run
+   until then at most, and the first there wins. A run stops at its next step or
+   synchronization after its horizon (a periodic solver's may be many steps on): one that
+   overran trains that much less next, and each later rung's horizon is planned from what is
+   left of the share. A candidate that fails or is refused
+   is dropped with its reason. The whole stays within ``--explore`` of the job's budget (its
+   seconds; its steps at the fastest entrant's predicted pace; under ``--budget target``, the
+   reference's steps to the target in the simulator's train mode, :data:`ESTIMATE_S` here at
+   most, else the workload's steps, at that pace).
 3. **The winner trains on** from its own model (``--init-model``: the optimizer, the
    solver's state and the data order start afresh) for what is left of the budget, in
    ``OUT/winner``, checkpoints and faults as asked. ``train --resume OUT`` resumes it.
@@ -37,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from distsync.config import Budget, Link, RunConfig
+from distsync.config import Budget, Link, RunConfig, format_rate
 from distsync.errors import ConfigError, DistsyncError
 from distsync.experiments.report import markdown_table
 
@@ -47,10 +51,15 @@ EXPLORE = 0.1
 #: how many option sets the short runs start with, and over how many solver families at least
 ENTRANTS = 4
 FAMILIES = 3
+#: this machine's seconds the simulator may spend estimating the steps to a target
+ESTIMATE_S = 60.0
 #: the job's reference: always among the entrants unless refused
 REFERENCE = ("allreduce", {})
-#: the link timing assumes where the job has no emulated one
+#: the link timing assumes where the job has no emulated one and a single worker (nothing to measure)
 ASSUMED_LINK = "10gbit"
+#: the messages (MiB) and repeats of the link's measurement where the job has no emulated one
+LINK_SIZES_MB = (0.25, 4.0)
+LINK_REPEATS = 3
 RECORD = "auto.json"
 WINNER = "winner"
 
@@ -157,39 +166,88 @@ def better_half(racing: list[Entrant], higher_is_better: bool, rung: int) -> lis
     return keep
 
 
-def _budget_seconds(cfg: RunConfig, steps: int, fastest: Entrant) -> tuple[float, str]:
-    """The job's budget in the cluster's seconds, and what it was taken from: its seconds, or
+def _budget_seconds(cfg: RunConfig, steps: int, fastest: Entrant, to_target: int | None = None,
+                    why_not: str = "") -> tuple[float, str]:
+    """The job's budget in the cluster's seconds, and what it was taken from: its seconds; or
     its steps at the fastest entrant's predicted pace (the job trains with the winner, most
-    likely a fast one: the short runs' share is then of the shortest job it may be)."""
+    likely a fast one: the short runs' share is then of the shortest job it may be); under a
+    target, the reference's steps to it in the simulator's train mode (``to_target``), else
+    the workload's steps (``why_not``: why not the simulator's)."""
     if cfg.budget is not None and cfg.budget.seconds is not None:
         return cfg.budget.seconds, f"--budget seconds={cfg.budget.seconds:g}"
-    what = "the workload's steps" if cfg.budget is not None and cfg.budget.target else "--steps"
     step = fastest.predicted_step_s
-    return steps * step, f"{what} ({steps}) at the fastest entrant's predicted {step * 1000:.3g} ms a step ({fastest.label})"
+    pace = f"at the fastest entrant's predicted {step * 1000:.3g} ms a step ({fastest.label})"
+    if to_target is not None:
+        return to_target * step, f"the simulator's steps to the target ({to_target}, {REFERENCE[0]}'s) {pace}"
+    what = "the workload's steps" if cfg.budget is not None and cfg.budget.target else "--steps"
+    return steps * step, f"{what} ({steps}) {pace}" + (f"; {why_not}" if why_not else "")
 
 
-def _timed(cfg: RunConfig, candidates: list[str] | None, say: Say) -> tuple[list[Entrant], dict[str, Any]]:
-    """Stage 1: every candidate timed by the simulator at the job's size; the entrants."""
+def _reference_to_target(m: Any) -> tuple[int | None, str]:
+    """The reference's steps to the target in the simulator's train mode, within
+    :data:`ESTIMATE_S` here (None, and why not, where it did not get there)."""
+    from distsync.experiments.recommend import Candidate
+    from distsync.experiments.staged_search import steps_to_target
+
+    ref = Candidate(*REFERENCE)
+    steps_to_target(m.setting, ref, ESTIMATE_S)
+    if ref.steps_to_target is None:
+        return None, f"the simulator's estimate: {ref.note or 'none'}"
+    return ref.steps_to_target, ""
+
+
+def link_from(linktest: dict[str, Any]) -> Link:
+    """The link a linktest result (:mod:`distsync.runtime.linkmeasure`) measured: the
+    point-to-point bandwidth of its largest message, and the latency the smallest one's time
+    leaves beside its serialization at that bandwidth."""
+    rows = sorted((r for r in linktest["rows"] if r.get("p2p_s")), key=lambda r: r["bytes"])
+    if not rows:
+        raise DistsyncError("auto: the link's measurement has no point-to-point time")
+    bps = rows[-1]["bytes"] * 8 / rows[-1]["p2p_s"]
+    latency = max(0.0, rows[0]["p2p_s"] - rows[0]["bytes"] * 8 / bps)
+    return Link(bps, latency, f"measured: {format_rate(bps)}, {latency * 1e3:.2g} ms")
+
+
+def _measure_link(cfg: RunConfig, out: Path, launch_one: Callable[[RunConfig, Path], Any]) -> Link | None:
+    """The job's link, measured by a linktest on its workers (None: one worker, no link)."""
+    if cfg.workers < 2:
+        return None
+    job = RunConfig(workers=cfg.workers, timeout_s=cfg.timeout_s, task="linktest",
+                    task_options={"sizes_mb": list(LINK_SIZES_MB), "repeats": LINK_REPEATS})
+    run_dir = out / "stage-1" / "linktest"
+    try:
+        launch_one(job, run_dir)
+        return link_from(json.loads((run_dir / "linktest.json").read_text()))
+    except (DistsyncError, OSError, ValueError, KeyError) as e:
+        raise DistsyncError(f"auto: the link's measurement failed: {str(e).splitlines()[0]}") from None
+
+
+def _timed(cfg: RunConfig, candidates: list[str] | None, say: Say, link: Link | None = None
+           ) -> tuple[list[Entrant], dict[str, Any], Any]:
+    """Stage 1: every candidate timed by the simulator at the job's size, on its emulated link,
+    else on ``link`` (measured), else an assumed one; the entrants, what the record says of the
+    timing, and the measurement (recommend's :class:`Measured`)."""
     from distsync.experiments.recommend import Request, measure_candidates
     from distsync.options import TRAINING_FIELDS
     from distsync.solvers import solver_class
 
     slow = list(cfg.slow.values())
-    request = Request(workload=cfg.workload, workers=cfg.workers, link=cfg.link or Link(10e9, 0.0, ASSUMED_LINK),
+    request = Request(workload=cfg.workload, workers=cfg.workers, link=cfg.link or link or Link(10e9, 0.0, ASSUMED_LINK),
                       slow_fraction=len(slow) / cfg.workers, slow_factor=max(slow, default=3.0), jitter=cfg.jitter,
-                      device_ms=cfg.device_ms, solvers=candidates, seed=cfg.seed,
+                      device_ms=cfg.device_ms, solvers=candidates, seed=cfg.seed, time_budget_s=ESTIMATE_S,
+                      budget=cfg.budget if cfg.budget is not None and cfg.budget.target_value is not None else None,
                       **{n: getattr(cfg, n) for n in TRAINING_FIELDS})
     request.check()
     m = measure_candidates(request)
     timed = [(c.solver, c.options, solver_class(c.solver).__module__.rsplit(".", 1)[-1], c.step_s) for c in m.cands]
     entrants = pick_entrants(timed)
-    link = f"--link {cfg.link}" if cfg.link else f"a {ASSUMED_LINK} link assumed (no --link: not measured)"
+    link = f"--link {cfg.link}" if cfg.link else f"the link {link}" if link else f"a {ASSUMED_LINK} link assumed"
     compute = f"--device-ms {cfg.device_ms:g}" if cfg.device_ms else f"{m.setting.compute_s * 1000:.3g} ms measured here"
     say(f"auto: timed {len(timed)} candidates at {cfg.workers} workers ({compute}, {link}); short runs of "
         f"{', '.join(e.label for e in entrants)}")
     return entrants, {"timed": len(timed), "compute_s": m.setting.compute_s, "link": link,
                       "metric": m.setting.workload.metric_name, "target": m.setting.workload.target,
-                      "higher_is_better": bool(m.setting.workload.higher_is_better)}
+                      "higher_is_better": bool(m.setting.workload.higher_is_better)}, m
 
 
 #: evaluations in each short run at least (the metric at a horizon is the last one by then)
@@ -246,44 +304,68 @@ def run_auto(cfg: RunConfig, out: Path, launch_one: Callable[[RunConfig, Path], 
     check_auto(cfg, explore)
     ref = resolve(dataclasses.replace(cfg, solver=REFERENCE[0], solver_options={}, init_model=None)).config
     began = time.monotonic()
-    entrants, timing = _timed(ref, candidates, say)
+    link = None if ref.link is not None else _measure_link(ref, out, launch_one)
+    entrants, timing, m = _timed(ref, candidates, say, link)
     higher = timing["higher_is_better"]
     fastest = min(entrants, key=lambda e: e.predicted_step_s)
-    steps = ref.steps
+    steps, to_target, why_not = ref.steps, None, ""
     if cfg.budget is not None and cfg.budget.target and cfg.budget.seconds is None:  # (steps: a cap, not a budget)
         steps = resolve(dataclasses.replace(cfg, solver=REFERENCE[0], solver_options={}, budget=None,
                                             init_model=None)).config.steps
-    budget_s, budget_from = _budget_seconds(cfg, steps, fastest)
+        say(f"auto: the simulator estimates {REFERENCE[0]}'s steps to the target (at most {ESTIMATE_S:g} s here)")
+        to_target, why_not = _reference_to_target(m)
+    budget_s, budget_from = _budget_seconds(cfg, steps, fastest, to_target, why_not)
+    timed_at = time.monotonic()
     plan = rungs(len(entrants))
-    first_s = explore * budget_s / units(plan)
-    say(f"auto: stage 2 spends at most {explore:.0%} of the budget ({budget_from}): {explore * budget_s:.1f} s of "
-        f"training, {len(plan)} rungs from {first_s:.1f} s each")
+    share = explore * budget_s
+    unit = share / units(plan)
+    say(f"auto: stage 2 spends at most {explore:.0%} of the budget ({budget_from}): {share:.1f} s of "
+        f"training, {len(plan)} rungs from {unit:.1f} s each")
     record: dict[str, Any] = {"explore": explore, "budget_s": budget_s, "budget_from": budget_from, **timing,
                               "rungs": []}
     racing = list(entrants)
     target = cfg.budget.target_value if cfg.budget is not None and cfg.budget.target_value is not None \
         else timing["target"]
+    horizon = 0.0
     for r, (_, h) in enumerate(plan):
-        horizon = sum(hh for _, hh in plan[:r + 1]) * first_s
+        if r:  # what is left of the share: a survivor that overran its horizon trains that much less next
+            unit = (share - sum(e.trained_s for e in entrants)) / units(plan[r:])
+            if unit <= 0:
+                record["ended"] = f"the share was spent after rung {r}"
+                say(f"auto: the share is spent after rung {r} (the runs went past their horizons): "
+                    f"{racing[0].label} leads")
+                break
+        horizon += h * unit
+        reached: float | None = None  # the earliest an entrant of this rung reached the target
         for e in racing:
-            say(f"auto: rung {r + 1} of {len(plan)}: {e.label} until {horizon:.1f} s of training")
-            _short_run(ref, e, horizon, cfg.seed + r, out / "stage-2" / f"rung-{r + 1}" / _folder(e.label), launch_one)
-            judge(e, horizon, target, higher)
+            until = horizon if reached is None else min(horizon, reached)
+            say(f"auto: rung {r + 1} of {len(plan)}: {e.label} until {until:.1f} s of training")
+            _short_run(ref, e, until, cfg.seed + r, out / "stage-2" / f"rung-{r + 1}" / _folder(e.label), launch_one)
+            judge(e, until, target, higher)
+            if e.reached_s is not None:
+                reached = e.reached_s if reached is None else min(reached, e.reached_s)
         ranked = standing(racing, higher)
-        racing = better_half(racing, higher, r)
-        rows = [_row(e) for e in ranked]
-        record["rungs"].append({"horizon_s": horizon, "seconds": h * first_s, "rows": rows})
-        if not racing:
+        if reached is None:
+            racing = better_half(racing, higher, r)
+        else:  # (the others ran until then at most: none can come first any more)
+            racing = ranked[:1]
+            for e in ranked[1:]:
+                e.out, e.reason = (e.out, e.reason) if e.out else (f"rung {r + 1}", "another reached the target first")
+            record["ended"] = f"{racing[0].label} reached the target in rung {r + 1}"
+        record["rungs"].append({"horizon_s": horizon, "seconds": h * unit, "rows": [_row(e) for e in ranked]})
+        if not racing or racing[0].out == "failed":
             raise DistsyncError("auto: every candidate failed: " + "; ".join(f"{e.label}: {e.reason}" for e in entrants))
+        if reached is not None:
+            break
     winner = racing[0]
     stage2_s = sum(e.trained_s for e in entrants)
     over = [f"{e.label} ({e.trained_s:.1f} s)" for e in entrants if e.trained_s > 1.25 * e.horizon_s]
-    if stage2_s > explore * budget_s:
-        say(f"auto: the short runs trained {stage2_s:.1f} s, over their share ({explore * budget_s:.1f} s): a run "
+    if stage2_s > share:
+        say(f"auto: the short runs trained {stage2_s:.1f} s, over their share ({share:.1f} s): a run "
             f"stops at its next step or synchronization after its horizon" + (f"; longest past it: {', '.join(over)}"
                                                                                if over else ""))
-    record.update(stage2_training_s=stage2_s, stage2_planned_s=explore * budget_s, past_horizon=over,
-                  stage2_wall_s=time.monotonic() - began,
+    record.update(stage2_training_s=stage2_s, stage2_planned_s=share, past_horizon=over,
+                  stage1_wall_s=timed_at - began, stage2_wall_s=time.monotonic() - timed_at,
                   entrants=[_row(e) for e in entrants], winner=winner.label,
                   why=_why(winner, entrants, higher, timing["metric"]))
     say(f"auto: {record['why']}; stage 2 took {stage2_s:.1f} s of training ({record['stage2_wall_s']:.0f} s here)")
@@ -377,7 +459,10 @@ def report(record: dict[str, Any]) -> str:
         lines.append("")
     lines += [f"{record['why'][0].upper()}{record['why'][1:]}.", "",
               f"Stage 2 took {record['stage2_training_s']:.1f} s of the cluster's training time, "
-              f"{record['stage2_planned_s']:.1f} s planned ({record['stage2_wall_s']:.0f} s here, launches included)."]
+              f"{record['stage2_planned_s']:.1f} s planned ({record['stage2_wall_s']:.0f} s here, launches included; "
+              f"stage 1, the timing: {record['stage1_wall_s']:.0f} s here)."]
+    if record.get("ended"):
+        lines += ["", f"The race ended early: {record['ended']}."]
     if record.get("past_horizon"):
         lines += ["", "Trained well past a horizon (a run stops at its next step or synchronization after it): "
                       + ", ".join(record["past_horizon"]) + "."]

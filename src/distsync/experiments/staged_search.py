@@ -128,6 +128,13 @@ def _train_steps(s: _Setting, cand: Candidate, cache: dict, deadline: Deadline |
     cand.steps_to_target = value
 
 
+def steps_to_target(s: _Setting, cand: Candidate, seconds: float) -> None:
+    """``cand``'s steps to the target in train mode, as the search takes them, within
+    ``seconds`` of this machine's time: ``cand.steps_to_target``, or (None) its note says why
+    not (:func:`_train_steps`)."""
+    _train_steps(s, cand, {}, Deadline.after(seconds))
+
+
 def _rule_key(cand: Candidate) -> tuple[bool, tuple[str, str]]:
     """Whether ``cand``'s rule is order-dependent, and the key its train-mode results are
     shared under: lockstep rules do not depend on the servers' count."""
