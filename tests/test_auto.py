@@ -79,6 +79,10 @@ def test_the_budget_the_share_is_of_is_the_jobs_seconds_or_its_steps_at_the_fast
     assert _budget_seconds(RunConfig(budget="target"), 600, fast)[1].startswith("the workload's steps (600)")
     seconds, said = _budget_seconds(RunConfig(budget="target"), 600, fast, to_target=120)
     assert seconds == pytest.approx(6.0) and said.startswith("the simulator's steps to the target (120, allreduce's)")
+    # seconds beside a target are a cap: the share is of the lesser
+    assert _budget_seconds(RunConfig(budget="target,seconds=40"), 600, fast, to_target=120)[0] == pytest.approx(6.0)
+    seconds, said = _budget_seconds(RunConfig(budget="target,seconds=4"), 600, fast, to_target=120)
+    assert seconds == 4.0 and said.startswith("--budget seconds=4, less than the simulator's steps to the target (120")
 
 
 def test_an_entrant_that_overran_the_next_horizon_too_is_not_run_again(tmp_path):

@@ -22,7 +22,7 @@ workers, and the winner trains on.
    is dropped with its reason. The whole stays within ``--explore`` of the job's budget (its
    seconds; its steps at the fastest entrant's predicted pace; under ``--budget target``, the
    reference's steps to the target in the simulator's train mode, :data:`ESTIMATE_S` here at
-   most, else the workload's steps, at that pace).
+   most, else the workload's steps, at that pace, or the job's seconds where they are less).
 3. **The winner trains on** from its own model (``--init-model``: the optimizer, the
    solver's state and the data order start afresh) for what is left of the budget, in
    ``OUT/winner``, checkpoints and faults as asked. ``train --resume OUT`` resumes it.
@@ -168,19 +168,25 @@ def better_half(racing: list[Entrant], higher_is_better: bool, rung: int) -> lis
 
 def _budget_seconds(cfg: RunConfig, steps: int, fastest: Entrant, to_target: int | None = None,
                     why_not: str = "") -> tuple[float, str]:
-    """The job's budget in the cluster's seconds, and what it was taken from: its seconds; or
-    its steps at the fastest entrant's predicted pace (the job trains with the winner, most
-    likely a fast one: the short runs' share is then of the shortest job it may be); under a
-    target, the reference's steps to it in the simulator's train mode (``to_target``), else
-    the workload's steps (``why_not``: why not the simulator's)."""
-    if cfg.budget is not None and cfg.budget.seconds is not None:
-        return cfg.budget.seconds, f"--budget seconds={cfg.budget.seconds:g}"
-    step = fastest.predicted_step_s
+    """The job's budget in the cluster's seconds, and what it was taken from: under a target,
+    the reference's steps to it in the simulator's train mode (``to_target``; else the
+    workload's steps, ``why_not`` saying why not the simulator's), at the fastest entrant's
+    predicted pace (the job trains with the winner, most likely a fast one: the short runs'
+    share is then of the shortest job it may be), or the job's seconds where they are less (a
+    cap); else its seconds; else its steps at that pace."""
+    budget, step = cfg.budget, fastest.predicted_step_s
     pace = f"at the fastest entrant's predicted {step * 1000:.3g} ms a step ({fastest.label})"
-    if to_target is not None:
-        return to_target * step, f"the simulator's steps to the target ({to_target}, {REFERENCE[0]}'s) {pace}"
-    what = "the workload's steps" if cfg.budget is not None and cfg.budget.target else "--steps"
-    return steps * step, f"{what} ({steps}) {pace}" + (f"; {why_not}" if why_not else "")
+    if budget is not None and budget.target:
+        if to_target is not None:
+            seconds, said = to_target * step, f"the simulator's steps to the target ({to_target}, {REFERENCE[0]}'s) {pace}"
+        else:
+            seconds, said = steps * step, f"the workload's steps ({steps}) {pace}" + (f"; {why_not}" if why_not else "")
+        if budget.seconds is not None and budget.seconds < seconds:
+            return budget.seconds, f"--budget seconds={budget.seconds:g}, less than {said}"
+        return seconds, said
+    if budget is not None and budget.seconds is not None:
+        return budget.seconds, f"--budget seconds={budget.seconds:g}"
+    return steps * step, f"--steps ({steps}) {pace}"
 
 
 def _reference_to_target(m: Any) -> tuple[int | None, str]:
@@ -309,7 +315,7 @@ def run_auto(cfg: RunConfig, out: Path, launch_one: Callable[[RunConfig, Path], 
     higher = timing["higher_is_better"]
     fastest = min(entrants, key=lambda e: e.predicted_step_s)
     steps, to_target, why_not = ref.steps, None, ""
-    if cfg.budget is not None and cfg.budget.target and cfg.budget.seconds is None:  # (steps: a cap, not a budget)
+    if cfg.budget is not None and cfg.budget.target:  # (the workload's steps: a cap, not a budget)
         steps = resolve(dataclasses.replace(cfg, solver=REFERENCE[0], solver_options={}, budget=None,
                                             init_model=None)).config.steps
         say(f"auto: the simulator estimates {REFERENCE[0]}'s steps to the target (at most {ESTIMATE_S:g} s here)")
