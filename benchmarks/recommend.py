@@ -5,6 +5,7 @@ overran its device time on many steps) are flagged, never replaced.
 
     sudo python benchmarks/recommend.py --set test [--fit] [--seeds 1,2,3] [--cap S] [--solvers a,b]
     sudo python benchmarks/recommend.py --set dev [--only 1,3,7]
+    sudo python benchmarks/recommend.py --set test3 --seeds 1  # train --solver auto (benchmarks/recommend_auto.py)
     python benchmarks/recommend.py --set test --list      # the scenarios, caps and runs; runs nothing
     sudo python benchmarks/recommend.py --quick           # dev scenario 1, seed 1, cap 10 s
 
@@ -30,8 +31,9 @@ from common import argument_parser, exit_on_error, finish, provenance, seed_list
 
 from distsync.experiments.report import markdown_table
 from distsync.metrics.repeats import shown, spread
-from recommend_scenarios import (DEV, TOP_PER_SOLVER_2, VERIFY_TOP, Scenario, declared, short_name, test_set,
-                                 test_set_2)
+from recommend_auto import AUTO, cap_3, configs_3, render_3, run_auto_once, score_3, summarize_3, targets_3
+from recommend_scenarios import (DEV, STEPS_FILE, TOP_PER_SOLVER_2, VERIFY_TOP, Scenario, declared, short_name,
+                                 test_set, test_set_2, test_set_3)
 
 SOLVERS = ["allreduce", "ma", "ripples", "ad-psgd", "async-easgd"]
 #: option sets of each solver run beside its defaults, by its rank in the answer
@@ -48,7 +50,7 @@ EVAL_FINER = 2
 START_S, START_PER_WORKER_S = 8.0, 0.75
 #: what a test run must be measured at: these paths unchanged from the recorded commit
 MEASURED_PATHS = ("src/distsync", "benchmarks/recommend.py", "benchmarks/recommend_scenarios.py",
-                  "benchmarks/workloads", "benchmarks/common.py")
+                  "benchmarks/recommend_auto.py", "benchmarks/workloads", "benchmarks/common.py")
 REPO = Path(__file__).resolve().parent.parent
 
 REGIME = ("simulated (the recommendation) against emulated devices behind emulated links (netns + tbf; "
@@ -196,13 +198,15 @@ def run_once(sc: Scenario, cfg: dict[str, Any], run_dir: Path, cap_s: float, see
     fields = {f.name for f in dataclasses.fields(RunConfig)}
     training = {k: v for k, v in cfg["training"].items() if k in fields and v is not None}
     target = "target" if sc.target is None else f"target={sc.target:g}"
+    job = {**training, "workload": sc.workload_path, "solver": cfg["solver"], "solver_options": dict(cfg["options"]),
+           "workers": sc.workers, "slow": sc.slow, "jitter": sc.jitter, "device_ms": sc.device_ms, "link": sc.link,
+           "budget": f"{target},seconds={cap_s:g}", "seed": seed, "timeout_s": 120}
+    if cfg["solver"] == AUTO:
+        return run_auto_once(job, run_dir, cap_s)
     t0 = time.perf_counter()
     error = None
     try:
-        s = launch(RunConfig(**{**training, "workload": sc.workload_path, "solver": cfg["solver"],
-                                "solver_options": dict(cfg["options"]), "workers": sc.workers, "slow": sc.slow,
-                                "jitter": sc.jitter, "device_ms": sc.device_ms, "link": sc.link,
-                                "budget": f"{target},seconds={cap_s:g}", "seed": seed, "timeout_s": 120}), run_dir)
+        s = launch(RunConfig(**job), run_dir)
     except DistsyncError as e:
         s, error = {}, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         print(f"   {cfg['label']} seed {seed}: run failed ({error}); counted as a miss", flush=True)
@@ -467,6 +471,17 @@ def _cpu(configs: list[dict[str, Any]]) -> str:
 def _note(raw: dict[str, Any]) -> str:
     """What the tables measured: the set, the measured set, the seeds, the cap, the hit and the regime."""
     seeds = [str(s) for s in raw["seeds"]]
+    if raw["set"] == "test3":
+        d = raw["declared"]
+        return (f"**Test set 3**: {len(raw['scenarios'])} scenarios drawn by the generator (seed "
+                f"{d['generator_seed']}, benchmarks/recommend_scenarios.py), drawn and committed before any was "
+                f"scored, scored once at measured commit {str(raw.get('measured_commit'))[:10]}. Per scenario, "
+                f"{len(seeds)} seed{'s' * (len(seeds) > 1)} ({', '.join(seeds)}) of: the five fixed defaults, "
+                f"`recommend`'s first pick (over every solver) and `train --solver auto` (over every solver, "
+                f"`--explore 0.1`), each to the target or its cap (2 x the scenario's all-reduce time at its "
+                f"measured steps; a miss counts as the cap). Auto's time is its short runs' training plus its "
+                f"winner's time to the target, the others' clock (training time); its stage 1 and its launches "
+                f"here are beside it. Best in hindsight: the fastest run that is not auto. Regime: {raw['regime']}.")
     if raw["set"] in ("test", "test2"):
         drawn = ", drawn and committed before any was scored" if raw["set"] == "test2" else ""
         where = (f"**{'Test set' if raw['set'] == 'test' else 'Test set 2'}**: {len(raw['scenarios'])} scenarios "
@@ -493,6 +508,8 @@ def render(raw: dict[str, Any]) -> dict[str, str]:
     """The scenarios' table with `recommend` and the baselines (summary), and every measured
     configuration's predicted against measured time."""
     s, n, note = raw["summary"], raw["summary"]["scenarios"], _note(raw)
+    if raw["set"] == "test3":
+        return render_3(raw, note, _times, markdown_table)
     beside = BESIDE.get(raw["set"], {})
     rows = []
     for r in raw["scenarios"]:
@@ -582,10 +599,11 @@ def plan(scenarios: list[tuple[int, Scenario]], solvers: list[str], seeds: list[
     --verify runs) and the whole run's upper bound in seconds (every run to its cap, plus
     start-up)."""
     lines, total = [], 0.0
-    second = which == "test2"
+    second, third = which == "test2", which == "test3"
     for i, sc in scenarios:
-        k = planned_configs(sc, solvers, TOP_PER_SOLVER_2, VERIFY_TOP) if second else planned_configs(sc, solvers)
-        c = cap_for(sc, cap)
+        k = (len(configs_3([], option_key)) + 1 if third else
+             planned_configs(sc, solvers, TOP_PER_SOLVER_2, VERIFY_TOP) if second else planned_configs(sc, solvers))
+        c = cap_3(sc, _steps_3()) if third and cap is None else cap_for(sc, cap)
         start = START_S + START_PER_WORKER_S * sc.workers
         verifying = (VERIFY_TOP + 1) * (c + START_S + START_PER_WORKER_S * min(4, sc.workers)) if second else 0.0
         worst = k * len(seeds) * (c + start) + verifying
@@ -621,8 +639,8 @@ def score(i: int, sc: Scenario, which: str, solvers: list[str], seeds: list[int]
     from distsync.errors import DistsyncError
     from distsync.experiments.recommend import recommend
 
-    scored_once, second = which != "dev", which == "test2"
-    cap_s, folder = cap_for(sc, cap), root / f"{i:02d}"
+    scored_once, second, third = which != "dev", which == "test2", which == "test3"
+    cap_s, folder = cap_3(sc, _steps_3()) if third and cap is None else cap_for(sc, cap), root / f"{i:02d}"
     with exit_on_error():
         fit_from = str(make_fit_run(sc, root, seeds[0])) if fit else None
     kept = folder / "answer.json"
@@ -632,7 +650,7 @@ def score(i: int, sc: Scenario, which: str, solvers: list[str], seeds: list[int]
     else:
         answer, error, verified = None, None, None
         try:
-            answer = recommend(request_for(sc, solvers, fit_from))
+            answer = recommend(request_for(sc, None if third else solvers, fit_from))  # (auto's: every solver)
             if second:  # (--verify 3: its top 3 run on 4 emulated devices, the fastest kept)
                 verified = verified_pick(sc, solvers, fit_from, answer, folder, cap_s)
         except DistsyncError as e:  # no answer: a miss; the measured set is then every solver's defaults
@@ -642,7 +660,8 @@ def score(i: int, sc: Scenario, which: str, solvers: list[str], seeds: list[int]
             folder.mkdir(parents=True, exist_ok=True)
             kept.write_text(json.dumps({"answer": answer, "error": error, "verified": verified}, default=str) + "\n")
     ranked = answer["ranked"] if answer else []
-    configs = measured_set(ranked, solvers, TOP_PER_SOLVER_2, VERIFY_TOP) if second else measured_set(ranked, solvers)
+    configs = (configs_3(ranked, option_key) if third else
+               measured_set(ranked, solvers, TOP_PER_SOLVER_2, VERIFY_TOP) if second else measured_set(ranked, solvers))
     # every configuration trains as the answer says its runs train (what was simulated)
     training = {**scenario_training(sc), **((answer or {}).get("training") or {})}
     for c in configs:
@@ -654,6 +673,8 @@ def score(i: int, sc: Scenario, which: str, solvers: list[str], seeds: list[int]
                 c["runs"][str(seed)] = run_kept(sc, c, run_dir, cap_s, seed)
             else:
                 c["runs"][str(seed)] = run_once(sc, c, run_dir, cap_s, seed)
+    if third:
+        return _scored_3(i, sc, cap_s, answer, error, ranked, configs)
     scored = score_scenario(configs)
     for c, m, sp in zip(configs, scored["medians"], scored["spreads"]):
         c.update(median_s=m, spread_s=sp)
@@ -676,10 +697,30 @@ def score(i: int, sc: Scenario, which: str, solvers: list[str], seeds: list[int]
             "ranked": ranked, "configs": configs}
 
 
+def _steps_3() -> dict[str, dict[str, int | None]]:
+    return json.loads(STEPS_FILE.read_text())["steps"]
+
+
+def _scored_3(i: int, sc: Scenario, cap_s: float, answer: dict[str, Any] | None, error: str | None,
+              ranked: list[dict[str, Any]], configs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A third-set scenario's record (benchmarks/recommend_auto.py)."""
+    scored = score_3(configs)
+    for c in configs:
+        c["median_s"] = scored["medians"][c["key"]]
+    best = next(c for c in configs if c["key"] == scored["best"])
+    print(f"{i}. {sc.label}: best {best['label']} ({scored['best_median_s']:.1f} s), auto {scored['auto_ratio']:.2f}x"
+          + ("" if scored["recommended_ratio"] is None else f", recommend's pick {scored['recommended_ratio']:.2f}x"),
+          flush=True)
+    return {"scenario": i, "label": sc.label, **dataclasses.asdict(sc), "cap_s": cap_s, "recommend_error": error,
+            "recommended": next((c["key"] for c in configs if c["recommended"]), None),
+            "search_seconds": answer["search_seconds"] if answer else None, **scored, "ranked": ranked,
+            "configs": configs}
+
+
 def chosen_scenarios(which: str, only: str) -> list[tuple[int, Scenario]]:
     """The set's scenarios, numbered from 1 (the dev set: those ``only`` names, or all)."""
     if which != "dev":
-        return list(enumerate(test_set() if which == "test" else test_set_2(), 1))
+        return list(enumerate(test_set() if which == "test" else test_set_2() if which == "test2" else test_set_3(), 1))
     picks = [int(x) for x in only.split(",") if x] or list(range(1, len(DEV) + 1))
     bad = [i for i in picks if not 1 <= i <= len(DEV)]
     if bad:
@@ -689,9 +730,10 @@ def chosen_scenarios(which: str, only: str) -> list[tuple[int, Scenario]]:
 
 def main() -> int:
     p = argument_parser(__doc__)
-    p.add_argument("--set", choices=("dev", "test", "test2"), default="dev", dest="which",
+    p.add_argument("--set", choices=("dev", "test", "test2", "test3"), default="dev", dest="which",
                    help="dev: the 12 hand-written scenarios (in sample); test: the generator's; test2: the second "
-                        "generator's, with --verify 3 scored too (default: dev)")
+                        "generator's, with --verify 3 scored too; test3: the third's, train --solver auto against "
+                        "the fixed choices, the rules and recommend's first pick (default: dev)")
     p.add_argument("--only", default="", help="dev scenario numbers to run (1-based, comma-separated)")
     p.add_argument("--cap", type=float, default=None,
                    help="seconds a real run may take to reach the target (default: per scenario, see above)")
@@ -746,9 +788,11 @@ def main() -> int:
                "top_per_solver": TOP_PER_SOLVER_2 if args.which == "test2" else TOP_PER_SOLVER,
                "tolerance": TOLERANCE, "cap_s": args.cap, "fit": args.fit, "eval_finer": EVAL_FINER,
                "first_started": first_started, "measured_commit": measured, "commit": started["commit"],
-               "summary": summarize(results, solvers), "scenarios": results}
+               "summary": summarize_3(results) if args.which == "test3" else summarize(results, solvers),
+               "scenarios": results}
     # (a missed target exits 1: the figures' runner keeps such a figure)
-    return finish(args.json, started, render, payload, regime=REGIME, seeds=seeds, checks=targets)
+    return finish(args.json, started, render, payload, regime=REGIME, seeds=seeds,
+                  checks=targets_3 if args.which == "test3" else targets)
 
 
 if __name__ == "__main__":

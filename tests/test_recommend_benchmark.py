@@ -351,3 +351,67 @@ def test_a_scenarios_own_target_reaches_recommend_as_its_budget():
     sc = next(x for x in recommend_scenarios.test_set() if x.target is not None)
     assert bench.request_for(sc, ["allreduce"], None).target_value() == sc.target == 0.95
     assert bench.request_for(recommend_scenarios.DEV[0], ["allreduce"], None).budget is None
+
+
+def _c3(key, solver, t, defaults=False, recommended=False, stages=None):
+    return {"key": key, "solver": solver, "label": key, "defaults": defaults, "recommended": recommended,
+            "auto": stages is not None, "runs": {"1": {"scored_s": t, "reached": True, "auto": stages}}}
+
+
+def test_the_third_set_scores_auto_against_the_best_in_hindsight_the_rules_and_the_first_pick():
+    """Two scenarios. Homogeneous: the best (not auto) is allreduce at 100 s, auto 110 s (1.1x),
+    recommend's pick ma 120 s (1.2x); the rules take allreduce (1.0x) and ad-psgd 150 s (1.5x).
+    With a slow worker: the best is async-easgd at 200 s, auto 260 s (1.3x), the pick async-easgd
+    (1.0x); the rules take ad-psgd 300 s (1.5x) and async-easgd (1.0x). Auto: geomean
+    sqrt(1.1 x 1.3) = 1.196, worst 1.3; the rules tie at sqrt(1.0 x 1.5) = 1.225 (the first is
+    kept as the best), and auto is 1 - 1.196 / 1.225 = 2.4% faster; its short runs kept their
+    share in one of the two."""
+    import recommend_auto as a3
+
+    flat = [_c3("allreduce", "allreduce", 100, defaults=True), _c3("ma", "ma", 120, defaults=True, recommended=True),
+            _c3("ripples", "ripples", 130, defaults=True), _c3("ad-psgd", "ad-psgd", 150, defaults=True),
+            _c3("async-easgd", "async-easgd", 400, defaults=True),
+            _c3("auto", "auto", 110, stages={"stage2_training_s": 10.0, "stage2_planned_s": 10.0})]
+    slow = [_c3("allreduce", "allreduce", 500, defaults=True), _c3("ma", "ma", 450, defaults=True),
+            _c3("ripples", "ripples", 350, defaults=True),
+            _c3("ad-psgd", "ad-psgd", 300, defaults=True),
+            _c3("async-easgd", "async-easgd", 200, defaults=True, recommended=True),
+            _c3("auto", "auto", 260, stages={"stage2_training_s": 12.5, "stage2_planned_s": 12.0})]
+    scenarios = []
+    for i, (configs, share) in enumerate(((flat, 0.0), (slow, 0.25)), 1):
+        s = a3.score_3(configs)
+        scenarios.append({"scenario": i, "slow_fraction": share, "configs": configs, **s})
+    assert (scenarios[0]["best"], scenarios[0]["auto_ratio"], scenarios[0]["recommended_ratio"]) == \
+        ("allreduce", pytest.approx(1.1), pytest.approx(1.2))
+    assert (scenarios[1]["best"], scenarios[1]["auto_ratio"]) == ("async-easgd", pytest.approx(1.3))
+    s = a3.summarize_3(scenarios)
+    auto = s["choosers"]["auto"]
+    assert auto["geomean"] == pytest.approx((1.1 * 1.3) ** 0.5) and auto["worst"] == pytest.approx(1.3)
+    rule1, rule2 = (a3.rule_3_name(*ab) for ab in a3.RULES_3)
+    assert s["choosers"][rule1]["ratios"] == pytest.approx([1.0, 1.5])
+    assert s["choosers"][rule2]["ratios"] == pytest.approx([1.5, 1.0])
+    assert s["best_rule"] == rule1
+    assert s["auto_vs_best_rule"] == pytest.approx((1.1 * 1.3) ** 0.5 / 1.5 ** 0.5)
+    assert s["choosers"]["recommend's first pick"]["ratios"] == pytest.approx([1.2, 1.0])
+    assert [x["within"] for x in s["shares"]] == [True, False]
+    checks = dict((text.split(" (")[0], ok) for text, ok in a3.targets_3({"summary": s}))
+    assert list(checks.values()) == [False, True, False, False, False]
+    for r, label in zip(scenarios, ("flat", "slow")):
+        r["label"] = label
+    block = bench.render({"set": "test3", "summary": s, "scenarios": scenarios, "seeds": [1], "regime": "emulated",
+                          "declared": {"generator_seed": 7}, "measured_commit": "abc"})["recommend_test3"]
+    assert "| 1 | flat | allreduce: 100.0 | 110.0 (1.10x) |" in block
+    assert "| auto | 1.20x | 1.30x |" in block and "- **missed**: auto's short runs within" in block
+
+
+def test_the_third_sets_runs_are_the_defaults_the_first_pick_once_and_auto():
+    import recommend_auto as a3
+
+    key = lambda solver, options: bench.option_key(solver, options)  # noqa: E731
+    ranked = [{"solver": "ripples", "options": {"schedule": "smart", "overlap": True}, "label": "ripples x",
+               "solver_rank": 1}]
+    configs = a3.configs_3(ranked, key)
+    assert [c["solver"] for c in configs] == ["allreduce", "ma", "ripples", "ad-psgd", "async-easgd", "auto"]
+    assert [c["recommended"] for c in configs] == [False, False, True, False, False, False]
+    other = a3.configs_3([{**ranked[0], "solver": "local", "options": {}, "label": "local"}], key)
+    assert [c["solver"] for c in other][-2:] == ["local", "auto"] and other[-2]["recommended"]
