@@ -199,9 +199,25 @@ def render(raws: dict[str, dict[str, Any]]) -> str:
     for situation, name, cells, solvers in ROWS:
         got = cells(raws[name], raws) if name in raws else None
         rows.append([situation, *(got or (solvers, NOT_MEASURED))])
+    rows.append(["your model on your cluster, the choice measured", "`distsync train --solver auto`",
+                 _auto(raws.get("recommend_test3"))])
     rows.append(["not sure, or thousands of workers", "`distsync recommend`",
                  _recommend(raws.get("recommend_test2") or raws.get("recommend"))])
     return "\n".join(markdown_table(HEADER, rows))
+
+
+def _auto(raw: dict[str, Any] | None) -> str:
+    """Auto's cell: what it does, and its score on the third test set where its raw file is there."""
+    text = ("short real runs of the simulator's fastest candidates on your workers, the better half going on, "
+            "the winner training on from its own model")
+    if not raw or raw.get("set") != "test3":
+        return f"{text}; not scored yet (`python benchmarks/figures.py run recommend_test3`)"
+    s, pick = raw["summary"], "recommend's first pick"
+    c, rule = s["choosers"], s["best_rule"]
+    return (f"{text}; its time to target, the short runs counted, {c['auto']['geomean']:.2f}x the best in hindsight "
+            f"by geometric mean (worst {c['auto']['worst']:.2f}x) over {s['scenarios']} drawn scenarios; "
+            f"{pick} {c[pick]['geomean']:.2f}x, the rule \"{rule}\" {c[rule]['geomean']:.2f}x (out of sample, "
+            f"emulated devices and links, one seed each)")
 
 
 def _recommend(raw: dict[str, Any] | None) -> str:
