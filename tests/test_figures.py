@@ -342,6 +342,19 @@ def test_the_readme_quotes_recommend_only_from_a_test_set():
     assert "hit" not in _recommend({**raw, "set": "dev"}) and "hit" not in _recommend(None)
 
 
+def test_the_readme_quotes_auto_from_the_third_test_set_only():
+    from which_solver import _auto
+
+    rule = "async-easgd if any worker is slow, else ad-psgd"
+    choosers = {"auto": {"geomean": 1.08, "worst": 1.25}, "recommend's first pick": {"geomean": 1.21},
+                rule: {"geomean": 1.3}}
+    raw = {"set": "test3", "summary": {"choosers": choosers, "best_rule": rule, "scenarios": 8}}
+    assert _auto(raw).endswith("its time to target, the short runs counted, 1.08x the best in hindsight by geometric "
+                               "mean (worst 1.25x) over 8 drawn scenarios; recommend's first pick 1.21x, the rule "
+                               f"\"{rule}\" 1.30x (out of sample, emulated devices and links, one seed each)")
+    assert "not scored yet" in _auto(None) and "not scored yet" in _auto({**raw, "set": "test2"})
+
+
 def test_provenance_compares_the_working_tree_with_head_not_the_index(tmp_path):
     from common import provenance
 
