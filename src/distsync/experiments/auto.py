@@ -247,11 +247,11 @@ def _timed(cfg: RunConfig, candidates: list[str] | None, say: Say, link: Link | 
     m = measure_candidates(request)
     timed = [(c.solver, c.options, solver_class(c.solver).__module__.rsplit(".", 1)[-1], c.step_s) for c in m.cands]
     entrants = pick_entrants(timed)
-    link = f"--link {cfg.link}" if cfg.link else f"the link {link}" if link else f"a {ASSUMED_LINK} link assumed"
+    on = f"--link {cfg.link}" if cfg.link else f"the link {link}" if link else f"a {ASSUMED_LINK} link assumed"
     compute = f"--device-ms {cfg.device_ms:g}" if cfg.device_ms else f"{m.setting.compute_s * 1000:.3g} ms measured here"
-    say(f"auto: timed {len(timed)} candidates at {cfg.workers} workers ({compute}, {link}); short runs of "
+    say(f"auto: timed {len(timed)} candidates at {cfg.workers} workers ({compute}, {on}); short runs of "
         f"{', '.join(e.label for e in entrants)}")
-    return entrants, {"timed": len(timed), "compute_s": m.setting.compute_s, "link": link,
+    return entrants, {"timed": len(timed), "compute_s": m.setting.compute_s, "link": on,
                       "metric": m.setting.workload.metric_name, "target": m.setting.workload.target,
                       "higher_is_better": bool(m.setting.workload.higher_is_better)}, m
 
