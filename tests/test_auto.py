@@ -218,6 +218,8 @@ def test_the_winner_trains_on_from_its_own_short_runs_model(tmp_path):
     record = json.loads((out / "auto.json").read_text())
     (rung,) = record["rungs"]
     assert sorted(r["solver"] for r in rung["rows"]) == ["allreduce", "local"]
+    # no --link: the timing's link was measured on the job's workers
+    assert record["link"].startswith("the link measured: ") and (out / "stage-1" / "linktest" / "linktest.json").is_file()
     best = max(rung["rows"], key=lambda r: r["metric"])
     assert record["winner"] == best["label"] == rung["rows"][0]["label"]
     short = out / "stage-2" / "rung-1" / best["solver"] / "model.pt"
