@@ -258,18 +258,6 @@ def test_a_candidate_that_fails_is_dropped_with_its_reason(tmp_path):
     assert "failed: " in (tmp_path / "r" / "report.md").read_text()
 
 
-@pytest.mark.slow
-def test_a_candidate_that_hangs_is_dropped_once_the_jobs_timeout_runs_out(tmp_path):
-    """Its worker 1 stops for good; worker 0 waits for it in the next all-reduce until --timeout
-    (5 s): that run fails, and the race goes on without it."""
-    hangs = "tests/fixtures/failing_solver.py:HangsAtStep2"
-    proc = _auto(tmp_path, "--candidates", f"allreduce,{hangs}", "--timeout", "5")
-    assert proc.returncode == 0, proc.stderr
-    record = json.loads((tmp_path / "r" / "auto.json").read_text())
-    rows = {r["solver"]: r for r in record["rungs"][0]["rows"]}
-    assert rows[hangs]["out"] == "failed" and rows[hangs]["reason"] and record["winner"] == "allreduce"
-
-
 @pytest.mark.parametrize("args, message", [
     (["-o", "every=4"], "--solver auto chooses the solver's options: give --candidates SOLVERS"),
     (["--explore", "1.5"], "--explore 1.5: a share of the job's budget, between 0 and 1"),
