@@ -195,6 +195,33 @@ def test_under_a_target_the_share_is_of_the_reference_at_the_simulators_steps_to
     assert record["budget_s"] == pytest.approx(sim.steps_to_target * fastest)
 
 
+def test_a_share_too_short_for_an_evaluation_interval_races_fewer_entrants_or_none(tmp_path):
+    """Digits evaluates every 20 steps (0.4 s or more on 20 ms devices). 60 steps' share (0.2
+    of about 1.2 s) gives no two entrants that much: no short run, the fastest by its timing
+    trains. 300 steps' (about 1.2 s) gives 4 entrants 0.2 s each, 2 entrants 0.6 s: the
+    reference and the fastest race."""
+    from distsync.config import RunConfig
+    from distsync.experiments.auto import run_auto
+
+    def race(steps, out):
+        fake = FakeCluster([lambda x: 0.5, lambda x: 0.6])
+        cfg = RunConfig(workload="digits", workers=2, device_ms=20, link="1gbit", steps=steps)
+        record = run_auto(cfg, out, fake, explore=0.2, candidates=["allreduce", "ma", "local", "ad-psgd"],
+                          say=lambda _: None)["auto"]
+        return record, fake
+
+    record, fake = race(60, tmp_path / "a")
+    assert record["rungs"] == [] and len(fake.calls) == 1 and fake.calls[0][1] == tmp_path / "a" / "winner"
+    assert record["fewer"].startswith("the share (0.2 s) gives no two entrants one evaluation interval each")
+    (only,) = record["entrants"]
+    assert record["winner"] == only["label"] and fake.calls[0][0].init_model is None
+    assert "the fastest by its timing" in record["why"]
+    record, fake = race(300, tmp_path / "b")
+    (rung,) = record["rungs"]
+    assert len(rung["rows"]) == 2 and "allreduce" in [r["solver"] for r in rung["rows"]]
+    assert record["fewer"].startswith("the share (1.2 s) gives 2 entrants at most one evaluation interval each")
+
+
 def test_a_measured_link_is_the_largest_messages_bandwidth_and_the_latency_the_smallest_leaves():
     from distsync.experiments.auto import link_from
 

@@ -18,8 +18,9 @@ workers, and the winner trains on.
    until then at most, and the first there wins. A run stops at its next step or
    synchronization after its horizon (a periodic solver's may be many steps on): one that
    overran trains that much less next, and each later rung's horizon is planned from what is
-   left of the share. A candidate that fails or is refused
-   is dropped with its reason. The whole stays within ``--explore`` of the job's budget (its
+   left of the share. Where the share would give each entrant less than one of the job's
+   evaluation intervals, fewer race (the reference and the fastest), or none: the fastest by
+   its timing trains. A candidate that fails or is refused is dropped with its reason. The whole stays within ``--explore`` of the job's budget (its
    seconds; its steps at the fastest entrant's predicted pace; under ``--budget target``, the
    reference's steps to the target in the simulator's train mode, :data:`ESTIMATE_S` here at
    most, else the workload's steps, at that pace, or the job's seconds where they are less).
@@ -125,6 +126,14 @@ def pick_entrants(timed: list[tuple[str, dict[str, Any], str, float]], n: int = 
     if ref is not None and ref not in chosen:
         chosen = chosen[:n - 1] + [ref] if len(chosen) >= n else chosen + [ref]
     return [Entrant(s, dict(o), f, step) for s, o, f, step in sorted(chosen, key=lambda t: t[3])]
+
+
+def fewer(entrants: list[Entrant], n: int) -> list[Entrant]:
+    """The ``n`` of ``entrants`` (fastest first) that race where the share is short: the
+    reference (where it is among them, and ``n`` > 1) and the fastest others."""
+    ref = [e for e in entrants if (e.solver, e.options) == REFERENCE][:1 if n > 1 else 0]
+    others = [e for e in entrants if e not in ref][:n - len(ref)]
+    return sorted(ref + others, key=lambda e: e.predicted_step_s)
 
 
 def rungs(entrants: int) -> list[tuple[int, float]]:
@@ -308,6 +317,7 @@ def run_auto(cfg: RunConfig, out: Path, launch_one: Callable[[RunConfig, Path], 
     from distsync.runtime.resolve import resolve
 
     check_auto(cfg, explore)
+    out.mkdir(parents=True, exist_ok=True)
     ref = resolve(dataclasses.replace(cfg, solver=REFERENCE[0], solver_options={}, init_model=None)).config
     began = time.monotonic()
     link = None if ref.link is not None else _measure_link(ref, out, launch_one)
@@ -322,13 +332,27 @@ def run_auto(cfg: RunConfig, out: Path, launch_one: Callable[[RunConfig, Path], 
         to_target, why_not = _reference_to_target(m)
     budget_s, budget_from = _budget_seconds(cfg, steps, fastest, to_target, why_not)
     timed_at = time.monotonic()
-    plan = rungs(len(entrants))
     share = explore * budget_s
-    unit = share / units(plan)
-    say(f"auto: stage 2 spends at most {explore:.0%} of the budget ({budget_from}): {share:.1f} s of "
-        f"training, {len(plan)} rungs from {unit:.1f} s each")
     record: dict[str, Any] = {"explore": explore, "budget_s": budget_s, "budget_from": budget_from, **timing,
                               "rungs": []}
+    # a first horizon shorter than one of the job's evaluation intervals judges nothing its own
+    # evaluations would: fewer entrants, each a longer horizon, or none (the timing's order)
+    least = ref.eval_every * max(e.predicted_step_s for e in entrants)
+    n = len(entrants)
+    while n > 1 and share / units(rungs(n)) < least:
+        n -= 1
+    if n < len(entrants):
+        entrants = fewer(entrants, n)
+        record["fewer"] = (f"the share ({share:.1f} s) gives {'no two entrants' if n == 1 else f'{n} entrants at most'}"
+                           f" one evaluation interval each ({least:.1f} s: --eval-every {ref.eval_every} at "
+                           f"{max(e.predicted_step_s for e in entrants) * 1000:.3g} ms a step; a longer --explore "
+                           f"gives more)")
+        say(f"auto: {record['fewer']}" + ("" if n > 1 else f": no short runs, the fastest by the timing trains"))
+    plan = rungs(len(entrants))
+    unit = share / units(plan) if plan else 0.0
+    if plan:
+        say(f"auto: stage 2 spends at most {explore:.0%} of the budget ({budget_from}): {share:.1f} s of "
+            f"training, {len(plan)} rungs from {unit:.1f} s each")
     racing = list(entrants)
     target = cfg.budget.target_value if cfg.budget is not None and cfg.budget.target_value is not None \
         else timing["target"]
@@ -431,6 +455,8 @@ def _winner_config(cfg: RunConfig, ref: RunConfig, winner: Entrant, stage2_s: fl
 def _why(winner: Entrant, entrants: list[Entrant], higher: bool, metric: str) -> str:
     if winner.reached_s is not None:
         return f"chose {winner.label}: it reached the target first, after {winner.reached_s:.1f} s of training"
+    if len(entrants) == 1:
+        return f"chose {winner.label}: the fastest by its timing (no short runs: the share was too short for them)"
     if winner.metric is None:  # (no entrant evaluated by the horizon: the timing's order stands)
         return (f"chose {winner.label}: no candidate had an evaluation by the last horizon (a longer --explore "
                 f"gives them one), so the fastest by its timing")
@@ -467,6 +493,8 @@ def report(record: dict[str, Any]) -> str:
               f"Stage 2 took {record['stage2_training_s']:.1f} s of the cluster's training time, "
               f"{record['stage2_planned_s']:.1f} s planned ({record['stage2_wall_s']:.0f} s here, launches included; "
               f"stage 1, the timing: {record['stage1_wall_s']:.0f} s here)."]
+    if record.get("fewer"):
+        lines += ["", f"Fewer short runs: {record['fewer']}."]
     if record.get("ended"):
         lines += ["", f"The race ended early: {record['ended']}."]
     if record.get("past_horizon"):
