@@ -300,3 +300,170 @@ def test_what_auto_cannot_do_is_refused_in_one_line(tmp_path, args, message):
 def test_explore_and_candidates_go_with_auto_only(tmp_path):
     proc = run_cli("train", "--workers", "2", "--explore", "0.2", "--out", str(tmp_path / "r"))
     assert proc.returncode == 2 and "--explore goes with --solver auto" in proc.stderr
+
+
+# ---- under torchrun: every process a rank of a fixed world ----------------------------------------
+
+
+class _FakeRanks:
+    """A rank's way to the others as check_shared_folder sees it, over one dict for a store."""
+
+    def __init__(self, rank, world, keys, cond):
+        self.rank, self.world, self.store, self._keys, self._cond = rank, world, self, keys, cond
+
+    def set(self, key, value):
+        with self._cond:
+            self._keys[key] = value
+            self._cond.notify_all()
+
+    def wait_for(self, rank, key, what):
+        with self._cond:
+            assert self._cond.wait_for(lambda: key in self._keys, timeout=10), what
+            return self._keys[key]
+
+
+def _check_on_two_ranks(folders):
+    import threading
+
+    from distsync.experiments.auto_torchrun import check_shared_folder
+
+    keys, cond, said = {}, threading.Condition(), {}
+
+    def rank(r):
+        try:
+            check_shared_folder(_FakeRanks(r, 2, keys, cond), folders[r])
+            said[r] = None
+        except Exception as e:  # noqa: BLE001 (what each rank raised is the test's)
+            said[r] = e
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    return said
+
+
+def test_a_run_folder_one_rank_cannot_read_is_refused_on_every_rank(tmp_path):
+    from distsync.errors import ConfigError
+
+    shared = tmp_path / "out"
+    assert _check_on_two_ranks([shared, shared]) == {0: None, 1: None}
+    elsewhere = tmp_path / "not-shared"  # (rank 1's node: the same path, another file system)
+    said = _check_on_two_ranks([shared, elsewhere])
+    for r, folder in ((0, shared), (1, elsewhere)):
+        assert isinstance(said[r], ConfigError) and str(said[r]) == (
+            f"--solver auto under torchrun needs --out on a file system every node sees (the candidates' models "
+            f"pass through it): rank 1 cannot read {folder}")
+
+
+def test_a_scope_gives_the_agent_stores_clients_keys_of_their_own(monkeypatch):
+    import datetime
+
+    import torch.distributed as dist
+
+    from distsync.comm.store import agent_store_client, scoped
+
+    host = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=10))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(host.port))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    with scoped("auto-3"):
+        agent_store_client(10).set("k", "a")
+    agent_store_client(10).set("k", "b")
+    assert host.get("distsync/attempt-2/auto-3/k") == b"a" and host.get("distsync/attempt-2/k") == b"b"
+
+
+def test_under_torchrun_a_solver_with_servers_is_left_out_with_its_reason():
+    from distsync.experiments.auto import _fitting
+    from distsync.experiments.auto_torchrun import fits_world
+
+    fits, said = fits_world(2, 2), []
+    why = fits("async-ps", {"servers": 1})
+    assert why == ("its servers would take processes of torchrun's fixed world (WORLD_SIZE 2), where every "
+                   "candidate keeps the reference's 2 workers")
+    timed = [("allreduce", {}, "allreduce", 0.02), ("async-ps", {"servers": 1}, "parameter_server", 0.01),
+             ("async-ps", {"servers": 2}, "parameter_server", 0.01), ("local", {}, "model_averaging", 0.02)]
+    kept, out = _fitting(timed, fits, said.append)
+    assert [t[0] for t in kept] == ["allreduce", "local"]
+    assert out == [{"solver": "async-ps", "reason": why}] and said == [f"auto: left out async-ps: {why}"]
+
+
+def test_a_restarted_attempt_resumes_the_winner_once_chosen(tmp_path, monkeypatch):
+    from distsync.config import RunConfig
+    from distsync.experiments.auto_torchrun import winner_to_resume
+    from distsync.runtime.resolve import resolve
+
+    (tmp_path / "winner").mkdir()
+    resolve(RunConfig(workers=2, steps=30, solver="local")).write(tmp_path / "winner" / "config.json")
+    (tmp_path / "auto.json").write_text(json.dumps({"winner": "local"}))  # (stage 2 not over)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert winner_to_resume(tmp_path) is None
+    (tmp_path / "auto.json").write_text(json.dumps({"winner": "local", "winner_config": {"solver": "local"}}))
+    run = winner_to_resume(tmp_path)
+    assert (run.config.solver, run.config.steps) == ("local", 30)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")  # (the first attempt: auto starts over)
+    assert winner_to_resume(tmp_path) is None
+
+
+def test_explore_and_candidates_go_with_auto_under_torchrun_too():
+    from distsync.errors import ConfigError
+    from distsync.runtime.entry import torchrun_args
+
+    with pytest.raises(ConfigError, match="^--candidates goes with --solver auto$"):
+        torchrun_args(["--solver", "allreduce", "--candidates", "local"])
+    args = torchrun_args(["--solver", "auto", "--explore", "0.3", "--candidates", "allreduce,local"])
+    assert (args.explore, args.candidates) == (0.3, "allreduce,local")
+
+
+FAILS_ON_RANK_1 = "tests/fixtures/failing_solver.py:FailsOnRank1"
+
+
+@pytest.mark.slow
+def test_auto_under_torchrun_races_worker_only_candidates_and_the_winner_trains_on(tmp_path):
+    """Two processes, every one a worker: async-ps (a server) is left out; a candidate that
+    fails in rank 1 alone is dropped with rank 1's reason, the others going on; the winner
+    trains on from its short run's model, in OUT/winner."""
+    import subprocess
+    import sys
+
+    from helpers import REPO
+
+    out = tmp_path / "r"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "distsync.worker", "--workload", "digits", "--solver", "auto", "--device-ms", "20",
+           "--steps", "200", "--explore", "0.4", "--timeout", "10", "--out", str(out),
+           "--candidates", f"allreduce,local,async-ps,{FAILS_ON_RANK_1}"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=58)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    record = json.loads((out / "auto.json").read_text())
+    reason = ("its servers would take processes of torchrun's fixed world (WORLD_SIZE 2), where every candidate "
+              "keeps the reference's 2 workers")
+    assert record["left_out"] == [{"solver": "async-ps", "reason": reason}]
+    assert f"auto: left out async-ps: {reason}" in proc.stdout
+    first, second = record["rungs"]
+    rows = {r["solver"]: r for r in first["rows"]}
+    assert sorted(rows) == sorted(["allreduce", "local", FAILS_ON_RANK_1])
+    failed = rows[FAILS_ON_RANK_1]
+    assert failed["out"] == "failed" and failed["reason"] == (
+        "rank 1: RuntimeError: a bug in rank 1's part of the user's solver"), failed
+    assert sorted(r["solver"] for r in second["rows"]) == ["allreduce", "local"]
+    best = max(second["rows"], key=lambda r: r["metric"])
+    assert record["winner"] == best["label"] == second["rows"][0]["label"]
+    short = out / "stage-2" / "rung-2" / best["solver"] / "model.pt"
+    winner = json.loads((out / "winner" / "config.json").read_text())
+    assert winner["init_model"] == str(short) and winner["solver"] == best["solver"] and winner["workers"] == 2
+    steps_before = sum(json.loads((out / "stage-2" / f"rung-{i}" / best["solver"] / "summary.json").read_text())
+                       ["steps_per_worker"] for i in (1, 2))
+    own = json.loads((out / "winner" / "summary.json").read_text())
+    assert winner["steps"] == own["steps_per_worker"] == 200 - steps_before
+    assert json.loads((out / "summary.json").read_text())["auto"]["winner"] == best["label"]
+    # the hand-over: the winner's run began at its short run's model (a fresh run of it with a
+    # learning rate of 1e-9 ends there)
+    again = run_cli("train", "--solver", best["solver"], "--workers", "2", "--steps", "3", "--lr", "1e-9",
+                    "--init-model", str(short), "--out", str(tmp_path / "check"))
+    assert again.returncode == 0, again.stderr
+    a, b = torch.load(short, weights_only=True), torch.load(tmp_path / "check" / "model.pt", weights_only=True)
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-6

@@ -3,24 +3,45 @@ first of several proposals, a rank's progress), each operation's failure a typed
 names this rank and the operation.
 
 Under torch's agent it is the agent's store, under this attempt's prefix (a restarted job
-must not read the previous attempt's keys); elsewhere, the default group's.
+must not read the previous attempt's keys), and within :func:`scoped` under that scope's;
+elsewhere, the default group's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch.distributed as dist
 
+#: the scope :func:`scoped` set ("": none); read as each client is made, by any thread
+_scope = ""
+
 
 def agent_store_client(timeout_s: float) -> Any:
-    """A connection of its own to the agent's store, under this attempt's prefix."""
+    """A connection of its own to the agent's store, under this attempt's prefix (and the
+    current :func:`scoped` scope's)."""
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
                           is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"distsync/attempt-{attempt}", store)
+    return dist.PrefixStore(f"distsync/attempt-{attempt}" + (f"/{_scope}" if _scope else ""), store)
+
+
+@contextlib.contextmanager
+def scoped(name: str) -> Iterator[None]:
+    """The agent's store clients made inside the block (the process group's, the heartbeats',
+    a group's formation's) use keys under ``name`` of their own. Jobs run one after another in
+    one process (``--solver auto`` under torchrun: each candidate) each need theirs: the next
+    job's process group would otherwise read the last one's addresses, and its end the last
+    one's finished marks."""
+    global _scope
+    before, _scope = _scope, name
+    try:
+        yield
+    finally:
+        _scope = before
 
 
 class JobStore:

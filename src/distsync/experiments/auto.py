@@ -237,11 +237,15 @@ def _measure_link(cfg: RunConfig, out: Path, launch_one: Callable[[RunConfig, Pa
         raise DistsyncError(f"auto: the link's measurement failed: {str(e).splitlines()[0]}") from None
 
 
-def _timed(cfg: RunConfig, candidates: list[str] | None, say: Say, link: Link | None = None
-           ) -> tuple[list[Entrant], dict[str, Any], Any]:
+#: whether a job can run a candidate (solver, options): None, or why it cannot (``run_auto``'s ``fits``)
+Fits = Callable[[str, dict[str, Any]], "str | None"]
+
+
+def _timed(cfg: RunConfig, candidates: list[str] | None, say: Say, link: Link | None = None,
+           fits: Fits | None = None) -> tuple[list[Entrant], dict[str, Any], Any]:
     """Stage 1: every candidate timed by the simulator at the job's size, on its emulated link,
-    else on ``link`` (measured), else an assumed one; the entrants, what the record says of the
-    timing, and the measurement (recommend's :class:`Measured`)."""
+    else on ``link`` (measured), else an assumed one; the entrants (of those ``fits`` leaves
+    in), what the record says of the timing, and the measurement (recommend's :class:`Measured`)."""
     from distsync.experiments.recommend import Request, measure_candidates
     from distsync.options import TRAINING_FIELDS
     from distsync.solvers import solver_class
@@ -255,6 +259,10 @@ def _timed(cfg: RunConfig, candidates: list[str] | None, say: Say, link: Link | 
     request.check()
     m = measure_candidates(request)
     timed = [(c.solver, c.options, solver_class(c.solver).__module__.rsplit(".", 1)[-1], c.step_s) for c in m.cands]
+    timed, left_out = _fitting(timed, fits, say)
+    if not timed:
+        raise ConfigError("--solver auto: every candidate was left out: "
+                          + "; ".join(f"{o['solver']}: {o['reason']}" for o in left_out))
     entrants = pick_entrants(timed)
     on = f"--link {cfg.link}" if cfg.link else f"the link {link}" if link else f"a {ASSUMED_LINK} link assumed"
     compute = f"--device-ms {cfg.device_ms:g}" if cfg.device_ms else f"{m.setting.compute_s * 1000:.3g} ms measured here"
@@ -262,7 +270,26 @@ def _timed(cfg: RunConfig, candidates: list[str] | None, say: Say, link: Link | 
         f"{', '.join(e.label for e in entrants)}")
     return entrants, {"timed": len(timed), "compute_s": m.setting.compute_s, "link": on,
                       "metric": m.setting.workload.metric_name, "target": m.setting.workload.target,
-                      "higher_is_better": bool(m.setting.workload.higher_is_better)}, m
+                      "higher_is_better": bool(m.setting.workload.higher_is_better),
+                      **({"left_out": left_out} if fits is not None else {})}, m
+
+
+def _fitting(timed: list[tuple[str, dict[str, Any], str, float]], fits: Fits | None,
+             say: Say) -> tuple[list[tuple[str, dict[str, Any], str, float]], list[dict[str, Any]]]:
+    """The candidates of ``timed`` that ``fits`` leaves in; and those it leaves out, by solver
+    and reason, each said in a line."""
+    if fits is None:
+        return timed, []
+    kept, out = [], {}
+    for t in timed:
+        why = fits(t[0], t[1])
+        if why is None:
+            kept.append(t)
+        else:
+            out.setdefault((t[0], why), {"solver": t[0], "reason": why})
+    for o in out.values():
+        say(f"auto: left out {o['solver']}: {o['reason']}")
+    return kept, list(out.values())
 
 
 #: evaluations in each short run at least (the metric at a horizon is the last one by then)
@@ -311,9 +338,12 @@ def judge(e: Entrant, horizon_s: float, target: float | None, higher_is_better: 
 
 
 def run_auto(cfg: RunConfig, out: Path, launch_one: Callable[[RunConfig, Path], dict[str, Any]], *,
-             explore: float = EXPLORE, candidates: list[str] | None = None, say: Say = print) -> dict[str, Any]:
+             explore: float = EXPLORE, candidates: list[str] | None = None, say: Say = print,
+             fits: Fits | None = None) -> dict[str, Any]:
     """The three stages (module docstring) in ``out``; ``launch_one(cfg, run_dir)`` runs one
-    job and returns its summary. Returns the winner's summary with the record (``auto``)."""
+    job and returns its summary; ``fits(solver, options)``: why the job cannot run a candidate
+    (None: it can), one that cannot left out of stage 1 (``auto.json``'s ``left_out``).
+    Returns the winner's summary with the record (``auto``)."""
     from distsync.runtime.resolve import resolve
 
     check_auto(cfg, explore)
@@ -321,7 +351,7 @@ def run_auto(cfg: RunConfig, out: Path, launch_one: Callable[[RunConfig, Path], 
     ref = resolve(dataclasses.replace(cfg, solver=REFERENCE[0], solver_options={}, init_model=None)).config
     began = time.monotonic()
     link = None if ref.link is not None else _measure_link(ref, out, launch_one)
-    entrants, timing, m = _timed(ref, candidates, say, link)
+    entrants, timing, m = _timed(ref, candidates, say, link, fits)
     higher = timing["higher_is_better"]
     fastest = min(entrants, key=lambda e: e.predicted_step_s)
     steps, to_target, why_not = ref.steps, None, ""

@@ -10,42 +10,63 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import NoReturn
+from typing import Callable, NoReturn
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from distsync.options import add_run_options, config_from_args, solver_options_from
+from distsync.config import RunConfig
 from distsync.runtime.resolve import ResolvedRun
 
 
-def _run_from_torchrun(argv: list[str]) -> tuple[ResolvedRun, Path]:
+def torchrun_args(argv: list[str]) -> argparse.Namespace:
+    """Under torchrun: the job's options from the command line (``distsync train``'s run
+    options, ``--solver``, ``-o``, and with ``--solver auto`` its ``--explore`` and ``--candidates``)."""
+    from distsync.errors import ConfigError
+    from distsync.options import finite_float
+
+    p = argparse.ArgumentParser(prog="python -m distsync.worker")
+    p.add_argument("--solver", default="allreduce")
+    p.add_argument("--explore", type=finite_float, metavar="SHARE",
+                   help="--solver auto: the share of the job's budget its short runs may spend (default: 0.1)")
+    p.add_argument("--candidates", metavar="SOLVERS",
+                   help="--solver auto: choose among these solvers' option sets only (comma-separated)")
+    p.add_argument("--solver-option", "-o", action="append", metavar="KEY=VALUE")
+    add_run_options(p, workers_default=None)
+    args = p.parse_args(argv)
+    if args.solver != "auto" and (args.explore is not None or args.candidates is not None):
+        raise ConfigError(f"{'--explore' if args.explore is not None else '--candidates'} goes with --solver auto")
+    return args
+
+
+def torchrun_run_dir(cfg: RunConfig) -> Path:
+    """The run folder of a job under torchrun: ``--out``, else one named after torchrun's run id
+    (the same on every node), the workload and the solver."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", time.strftime("%Y%m%d-%H%M%S"))
+    return Path(cfg.out or f"runs/{run_id}-{cfg.workload.replace('/', '_')}-{cfg.solver}")
+
+
+def _run_from_torchrun(args: argparse.Namespace) -> tuple[ResolvedRun, Path]:
     """Under torchrun: the job from the command line, resolved in every process alike (the
     same options give the same result); rank 0 writes it to the run folder."""
     from distsync.runtime.resolve import resolve
 
-    p = argparse.ArgumentParser(prog="python -m distsync.worker")
-    p.add_argument("--solver", default="allreduce")
-    p.add_argument("--solver-option", "-o", action="append", metavar="KEY=VALUE")
-    add_run_options(p, workers_default=None)
-    args = p.parse_args(argv)
-    if args.solver == "auto":
-        from distsync.errors import ConfigError
-
-        raise ConfigError("--solver auto launches each candidate itself: run it with `distsync train` on one "
-                          "machine; under torchrun give a solver (the one auto chose: RUN/auto.json)")
     run = resolve(config_from_args(args, args.solver, solver_options_from(args.solver_option)),
                   world_size=int(os.environ.get("WORLD_SIZE", "1")))
-    cfg = run.config
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", time.strftime("%Y%m%d-%H%M%S"))
-    run_dir = Path(cfg.out or f"runs/{run_id}-{cfg.workload.replace('/', '_')}-{cfg.solver}")
+    run_dir = torchrun_run_dir(run.config)
     if int(os.environ.get("RANK", "0")) == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         run.write(run_dir / "config.json")
     return run, run_dir
 
 
+#: ``--solver auto`` under torchrun, given the parsed options: the process's exit status
+#: (``experiments/auto_torchrun.py``, handed in by ``distsync.worker``: a layer above this one)
+TrainAuto = Callable[[argparse.Namespace], int]
+
+
 @record
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, train_auto: TrainAuto | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     from distsync.runtime.process import run_process
 
@@ -61,7 +82,17 @@ def main(argv: list[str] | None = None) -> None:
 
         run, run_dir = read_resolved(Path(args.config)), Path(args.run_dir)
     else:
-        run, run_dir = _run_from_torchrun(argv)
+        args = torchrun_args(argv)
+        if args.solver == "auto":
+            if train_auto is None:
+                from distsync.errors import ConfigError
+
+                raise ConfigError("--solver auto under torchrun: start it as python -m distsync.worker")
+            code = train_auto(args)
+            if code:
+                raise SystemExit(code)
+            return
+        run, run_dir = _run_from_torchrun(args)
     run_process(run, run_dir)
 
 
@@ -87,14 +118,14 @@ def record_imports() -> None:
         pass
 
 
-def run_and_exit(argv: list[str] | None = None) -> NoReturn:
+def run_and_exit(argv: list[str] | None = None, train_auto: TrainAuto | None = None) -> NoReturn:
     """:func:`main`, then leave without running C++ destructors: a gloo thread torn down at
     interpreter exit can abort the process ("terminate called without an active
     exception") after the work is done and the error file written, which would hide the
     real outcome."""
     code = 0
     try:
-        main(argv)
+        main(argv, train_auto)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     except BaseException:

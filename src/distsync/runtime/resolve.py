@@ -66,9 +66,12 @@ class ResolvedRun:
     def write(self, path: Path) -> None:
         """``config.json``: the config, and what the launcher decided (the job's processes read
         both with :func:`read_resolved`)."""
-        d = {**self.config.to_dict(), "resolved": True, "link_latency_mode": self.launch.latency_mode,
-             "crossover": self.launch.crossover, "resume": self.launch.resume}
-        path.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
+        path.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+
+    def to_dict(self) -> dict[str, Any]:
+        """What :meth:`write` writes (:func:`resolved_from` reads it back)."""
+        return {**self.config.to_dict(), "resolved": True, "link_latency_mode": self.launch.latency_mode,
+                "crossover": self.launch.crossover, "resume": self.launch.resume}
 
     def new_solver(self) -> Solver:
         return self.solver_cls(self.options, buffers=self.config.buffers)
@@ -294,6 +297,11 @@ def read_resolved(path: Path) -> ResolvedRun:
     d = read_file(path, "config file", json.loads, "JSON")
     if not isinstance(d, dict) or d.get("resolved") is not True:
         raise ConfigError(f"{path} was not written by a launcher (distsync.runtime.resolve.ResolvedRun.write)")
+    return resolved_from(d)
+
+
+def resolved_from(d: dict[str, Any]) -> ResolvedRun:
+    """The run :meth:`ResolvedRun.to_dict` gave, taken as it is (:func:`read_resolved`)."""
     launch = Launch(latency_mode=d.get("link_latency_mode"), crossover=d.get("crossover"),
                     resume=bool(d.get("resume")))
     cfg = RunConfig.from_dict(d)
