@@ -418,6 +418,14 @@ def test_explore_and_candidates_go_with_auto_under_torchrun_too():
     assert (args.explore, args.candidates) == (0.3, "allreduce,local")
 
 
+def test_under_torchrun_a_refusal_is_one_line_with_exit_status_2(capsys):
+    from distsync.experiments.auto_torchrun import train_auto
+    from distsync.runtime.entry import torchrun_args
+
+    assert train_auto(torchrun_args(["--solver", "auto", "--explore", "1.5"])) == 2
+    assert capsys.readouterr().err == "distsync: error: --explore 1.5: a share of the job's budget, between 0 and 1\n"
+
+
 FAILS_ON_RANK_1 = "tests/fixtures/failing_solver.py:FailsOnRank1"
 
 
