@@ -396,14 +396,24 @@ def test_a_restarted_attempt_resumes_the_winner_once_chosen(tmp_path, monkeypatc
     from distsync.experiments.auto_torchrun import winner_to_resume
     from distsync.runtime.resolve import resolve
 
+    short = tmp_path / "stage-2" / "rung-1" / "local" / "model.pt"
+    short.parent.mkdir(parents=True)
+    torch.save({}, short)
+    short = str(short)
     (tmp_path / "winner").mkdir()
-    resolve(RunConfig(workers=2, steps=30, solver="local")).write(tmp_path / "winner" / "config.json")
+    run = resolve(RunConfig(workers=2, steps=30, solver="local", init_model=short))
+    run.write(tmp_path / "winner" / "config.json")
     (tmp_path / "auto.json").write_text(json.dumps({"winner": "local"}))  # (stage 2 not over)
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert winner_to_resume(tmp_path) is None
-    (tmp_path / "auto.json").write_text(json.dumps({"winner": "local", "winner_config": {"solver": "local"}}))
+    chose = {"winner": "local", "winner_config": {"solver": "local", "init_model": short}}
+    (tmp_path / "auto.json").write_text(json.dumps(chose))
     run = winner_to_resume(tmp_path)
     assert (run.config.solver, run.config.steps) == ("local", 30)
+    chose["winner_config"]["solver"] = "allreduce"  # (the folder's run an earlier job's: not this choice)
+    (tmp_path / "auto.json").write_text(json.dumps(chose))
+    assert winner_to_resume(tmp_path) is None
+    (tmp_path / "auto.json").write_text(json.dumps({**chose, "winner_config": {"solver": "local", "init_model": short}}))
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")  # (the first attempt: auto starts over)
     assert winner_to_resume(tmp_path) is None
 

@@ -210,8 +210,9 @@ def _lead(ranks: _Ranks, cfg: Any, out: Path, explore: float, candidates: list[s
     except BaseException as e:
         ranks.store.set("done", json.dumps({"error": _one_line(e), "refused": isinstance(e, ConfigError)}))
         raise
+    finally:
+        (out / SHARED_TOKEN).unlink(missing_ok=True)
     ranks.store.set("done", json.dumps({}))
-    (out / SHARED_TOKEN).unlink(missing_ok=True)
 
 
 def _follow(ranks: _Ranks) -> None:
@@ -262,10 +263,14 @@ def winner_to_resume(out: Path) -> Any:
     if restart_count() == 0 or not (out / WINNER / "config.json").is_file():
         return None
     try:
-        chosen = "winner_config" in json.loads((out / RECORD).read_text())
-    except (OSError, ValueError):
+        chosen = json.loads((out / RECORD).read_text()).get("winner_config")
+    except (OSError, ValueError, AttributeError):
         return None
-    return read_resolved(out / WINNER / "config.json") if chosen else None
+    run = read_resolved(out / WINNER / "config.json")
+    # (the folder's run is the one chosen: not an earlier job's, left there when this one failed before writing its own)
+    same = chosen is not None and (chosen.get("solver"), chosen.get("init_model")) == (run.config.solver,
+                                                                                      run.config.init_model)
+    return run if same else None
 
 
 def _one_line(e: BaseException) -> str:
