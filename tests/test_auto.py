@@ -448,20 +448,24 @@ def test_auto_under_torchrun_races_worker_only_candidates_and_the_winner_trains_
     import subprocess
     import sys
 
-    from helpers import REPO
+    from helpers import REPO, kill_tree
 
     out = tmp_path / "r"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "distsync.worker", "--workload", "digits", "--solver", "auto", "--device-ms", "20",
            "--steps", "200", "--explore", "0.4", "--timeout", "10", "--out", str(out),
            "--candidates", f"allreduce,local,async-ps,{FAILS_ON_RANK_1}"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=58)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=50)
+    finally:
+        kill_tree(proc.pid)  # (its ranks too, however it ended: none outlives the test)
+    assert proc.returncode == 0, stdout[-2000:] + stderr[-3000:]
     record = json.loads((out / "auto.json").read_text())
     reason = ("its servers would take processes of torchrun's fixed world (WORLD_SIZE 2), where every candidate "
               "keeps the reference's 2 workers")
     assert record["left_out"] == [{"solver": "async-ps", "reason": reason}]
-    assert f"auto: left out async-ps: {reason}" in proc.stdout
+    assert f"auto: left out async-ps: {reason}" in stdout
     first, second = record["rungs"]
     rows = {r["solver"]: r for r in first["rows"]}
     assert sorted(rows) == sorted(["allreduce", "local", FAILS_ON_RANK_1])
