@@ -148,13 +148,17 @@ class _Jobs:
         from distsync.runtime.launch import _prepare_run_dir
         from distsync.runtime.resolve import resolve
 
+        if job.task != "train":  # (stage 1's linktest: every process of the world takes part, embedding servers too)
+            job = dataclasses.replace(job, workers=self.ranks.world)
         run = resolve(job, world_size=self.ranks.world)
         _prepare_run_dir(run, run_dir)  # (config.json written; what an earlier run left there cleared)
         return self.run(run, run_dir)
 
     def run(self, run: Any, run_dir: Path) -> dict[str, Any]:
-        """Run ``run`` in every rank; rank 0's summary of it. :class:`DistsyncError` (one line)
-        if a rank's part failed: the first failed rank's reason."""
+        """Run ``run`` in every rank; rank 0's summary of it (a linktest's result).
+        :class:`DistsyncError` (one line) if a rank's part failed: the first failed rank's reason."""
+        from distsync.runtime.launch import RESULT_FILES
+
         k, self.count = self.count, self.count + 1
         self.ranks.store.set(f"job/{k}", json.dumps({"run": run.to_dict(), "run_dir": str(run_dir)}))
         ends = [_run_job(self.ranks, k, run, run_dir)]
@@ -165,9 +169,10 @@ class _Jobs:
         if failed:
             _, r, why = failed[0]
             raise DistsyncError(why if why.startswith("rank ") else f"rank {r}: {why}")
-        if not (run_dir / "summary.json").is_file():
-            raise DistsyncError(f"{run.label} wrote no summary ({run_dir / 'summary.json'})")
-        return json.loads((run_dir / "summary.json").read_text())
+        result = run_dir / RESULT_FILES[run.config.task]
+        if not result.is_file():
+            raise DistsyncError(f"{run.label} wrote no {result.name} in {run_dir}")
+        return json.loads(result.read_text())
 
 
 #: the errors that say a peer failed, not this rank
