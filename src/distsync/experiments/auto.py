@@ -352,7 +352,38 @@ def run_auto(cfg: RunConfig, out: Path, launch_one: Callable[[RunConfig, Path], 
     began = time.monotonic()
     link = None if ref.link is not None else _measure_link(ref, out, launch_one)
     entrants, timing, m = _timed(ref, candidates, say, link, fits)
-    higher = timing["higher_is_better"]
+    budget_s, budget_from = _budget(cfg, ref, m, entrants, say)
+    timed_at = time.monotonic()
+    share = explore * budget_s
+    record: dict[str, Any] = {"explore": explore, "budget_s": budget_s, "budget_from": budget_from, **timing,
+                              "rungs": []}
+    entrants = _enough_time(entrants, share, ref.eval_every, record, say)
+    plan = rungs(len(entrants))
+    if plan:
+        say(f"auto: stage 2 spends at most {explore:.0%} of the budget ({budget_from}): {share:.1f} s of "
+            f"training, {len(plan)} rungs from {share / units(plan):.1f} s each")
+    target = cfg.budget.target_value if cfg.budget is not None and cfg.budget.target_value is not None \
+        else timing["target"]
+    winner = _race(ref, entrants, plan, share, target, timing["higher_is_better"], out, launch_one, record, say)
+    stage2_s = sum(e.trained_s for e in entrants)
+    over = [f"{e.label} ({e.trained_s:.1f} s)" for e in entrants if e.trained_s > 1.25 * e.horizon_s]
+    if stage2_s > share:
+        say(f"auto: the short runs trained {stage2_s:.1f} s, over their share ({share:.1f} s): a run "
+            f"stops at its next step or synchronization after its horizon" + (f"; longest past it: {', '.join(over)}"
+                                                                               if over else ""))
+    record.update(stage2_training_s=stage2_s, stage2_planned_s=share, past_horizon=over,
+                  stage1_wall_s=timed_at - began, stage2_wall_s=time.monotonic() - timed_at,
+                  entrants=[_row(e) for e in entrants], winner=winner.label,
+                  why=_why(winner, entrants, timing["higher_is_better"], timing["metric"]))
+    say(f"auto: {record['why']}; stage 2 took {stage2_s:.1f} s of training ({record['stage2_wall_s']:.0f} s here)")
+    return _train_on(cfg, ref, winner, entrants, len(plan), out, launch_one, record)
+
+
+def _budget(cfg: RunConfig, ref: RunConfig, m: Any, entrants: list[Entrant], say: Say) -> tuple[float, str]:
+    """The job's budget in the cluster's seconds and what it was taken from
+    (:func:`_budget_seconds`), the simulator's estimate asked under a target."""
+    from distsync.runtime.resolve import resolve
+
     fastest = min(entrants, key=lambda e: e.predicted_step_s)
     steps, to_target, why_not = ref.steps, None, ""
     if cfg.budget is not None and cfg.budget.target:  # (the workload's steps: a cap, not a budget)
@@ -360,33 +391,33 @@ def run_auto(cfg: RunConfig, out: Path, launch_one: Callable[[RunConfig, Path], 
                                             init_model=None)).config.steps
         say(f"auto: the simulator estimates {REFERENCE[0]}'s steps to the target (at most {ESTIMATE_S:g} s here)")
         to_target, why_not = _reference_to_target(m)
-    budget_s, budget_from = _budget_seconds(cfg, steps, fastest, to_target, why_not)
-    timed_at = time.monotonic()
-    share = explore * budget_s
-    record: dict[str, Any] = {"explore": explore, "budget_s": budget_s, "budget_from": budget_from, **timing,
-                              "rungs": []}
-    # a first horizon shorter than one of the job's evaluation intervals judges nothing its own
-    # evaluations would: fewer entrants, each a longer horizon, or none (the timing's order)
-    least = ref.eval_every * max(e.predicted_step_s for e in entrants)
+    return _budget_seconds(cfg, steps, fastest, to_target, why_not)
+
+
+def _enough_time(entrants: list[Entrant], share: float, eval_every: int, record: dict[str, Any],
+                 say: Say) -> list[Entrant]:
+    """The entrants that race: a first horizon shorter than one of the job's evaluation
+    intervals (at the slowest entrant's predicted pace) judges nothing its own evaluations
+    would: fewer entrants, each a longer horizon, or one (the fastest by its timing: no race)."""
+    least = eval_every * max(e.predicted_step_s for e in entrants)
     n = len(entrants)
     while n > 1 and share / units(rungs(n)) < least:
         n -= 1
-    if n < len(entrants):
-        entrants = fewer(entrants, n)
-        record["fewer"] = (f"the share ({share:.1f} s) gives {'no two entrants' if n == 1 else f'{n} entrants at most'}"
-                           f" one evaluation interval each ({least:.1f} s: --eval-every {ref.eval_every} at "
-                           f"{max(e.predicted_step_s for e in entrants) * 1000:.3g} ms a step; a longer --explore "
-                           f"gives more)")
-        say(f"auto: {record['fewer']}" + ("" if n > 1 else f": no short runs, the fastest by the timing trains"))
-    plan = rungs(len(entrants))
-    unit = share / units(plan) if plan else 0.0
-    if plan:
-        say(f"auto: stage 2 spends at most {explore:.0%} of the budget ({budget_from}): {share:.1f} s of "
-            f"training, {len(plan)} rungs from {unit:.1f} s each")
-    racing = list(entrants)
-    target = cfg.budget.target_value if cfg.budget is not None and cfg.budget.target_value is not None \
-        else timing["target"]
-    horizon = 0.0
+    if n == len(entrants):
+        return entrants
+    kept = fewer(entrants, n)
+    record["fewer"] = (f"the share ({share:.1f} s) gives {'no two entrants' if n == 1 else f'{n} entrants at most'}"
+                       f" one evaluation interval each ({least:.1f} s: --eval-every {eval_every} at "
+                       f"{max(e.predicted_step_s for e in entrants) * 1000:.3g} ms a step; a longer --explore "
+                       f"gives more)")
+    say(f"auto: {record['fewer']}" + ("" if n > 1 else ": no short runs, the fastest by the timing trains"))
+    return kept
+
+
+def _race(ref: RunConfig, entrants: list[Entrant], plan: list[tuple[int, float]], share: float,
+          target: float | None, higher: bool, out: Path, launch_one, record: dict[str, Any], say: Say) -> Entrant:
+    """Stage 2, rung by rung (each rung's rows into ``record``); the winner."""
+    racing, horizon, unit = list(entrants), 0.0, share / units(plan) if plan else 0.0
     for r, (_, h) in enumerate(plan):
         if r:  # what is left of the share: a survivor that overran its horizon trains that much less next
             unit = (share - sum(e.trained_s for e in entrants)) / units(plan[r:])
@@ -400,7 +431,7 @@ def run_auto(cfg: RunConfig, out: Path, launch_one: Callable[[RunConfig, Path], 
         for e in racing:
             until = horizon if reached is None else min(horizon, reached)
             say(f"auto: rung {r + 1} of {len(plan)}: {e.label} until {until:.1f} s of training")
-            _short_run(ref, e, until, cfg.seed + r, out / "stage-2" / f"rung-{r + 1}" / _folder(e.label), launch_one)
+            _short_run(ref, e, until, ref.seed + r, out / "stage-2" / f"rung-{r + 1}" / _folder(e.label), launch_one)
             judge(e, until, target, higher)
             if e.reached_s is not None:
                 reached = e.reached_s if reached is None else min(reached, e.reached_s)
@@ -417,19 +448,14 @@ def run_auto(cfg: RunConfig, out: Path, launch_one: Callable[[RunConfig, Path], 
             raise DistsyncError("auto: every candidate failed: " + "; ".join(f"{e.label}: {e.reason}" for e in entrants))
         if reached is not None:
             break
-    winner = racing[0]
-    stage2_s = sum(e.trained_s for e in entrants)
-    over = [f"{e.label} ({e.trained_s:.1f} s)" for e in entrants if e.trained_s > 1.25 * e.horizon_s]
-    if stage2_s > share:
-        say(f"auto: the short runs trained {stage2_s:.1f} s, over their share ({share:.1f} s): a run "
-            f"stops at its next step or synchronization after its horizon" + (f"; longest past it: {', '.join(over)}"
-                                                                               if over else ""))
-    record.update(stage2_training_s=stage2_s, stage2_planned_s=share, past_horizon=over,
-                  stage1_wall_s=timed_at - began, stage2_wall_s=time.monotonic() - timed_at,
-                  entrants=[_row(e) for e in entrants], winner=winner.label,
-                  why=_why(winner, entrants, higher, timing["metric"]))
-    say(f"auto: {record['why']}; stage 2 took {stage2_s:.1f} s of training ({record['stage2_wall_s']:.0f} s here)")
-    final = _winner_config(cfg, ref, winner, stage2_s, len(plan))
+    return racing[0]
+
+
+def _train_on(cfg: RunConfig, ref: RunConfig, winner: Entrant, entrants: list[Entrant], rung_count: int, out: Path,
+              launch_one, record: dict[str, Any]) -> dict[str, Any]:
+    """Stage 3: the winner trains on in ``OUT/winner``; the job's record, summary and report."""
+    stage2_s = record["stage2_training_s"]
+    final = _winner_config(cfg, ref, winner, stage2_s, rung_count)
     (out / RECORD).write_text(json.dumps({**record, "winner_config": final.to_dict()}, indent=2, default=str) + "\n")
     summary = launch_one(final, out / WINNER)
     record["final"] = {k: summary.get(k) for k in ("final_metric", "time_to_target_s", "wall_time_s",
