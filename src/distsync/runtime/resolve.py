@@ -122,6 +122,7 @@ def resolve(cfg: RunConfig, *, world_size: int | None = None, steps_set: bool = 
     ``torchrun``, the number of processes; the workers are what the roles leave of it.
     ``steps_set``: ``cfg`` comes from a run folder, its steps already set from its budget or
     epochs (which are then kept as they are). ``launch``: what the launcher decided.
+    The job's own options first, then its solver's part (:func:`resolve_solver`).
     Raises :class:`ConfigError` with a one-line message.
     """
     if isinstance(cfg, ResolvedRun):
@@ -131,16 +132,10 @@ def resolve(cfg: RunConfig, *, world_size: int | None = None, steps_set: bool = 
     if cfg.epochs is not None and not steps_set and (cfg.steps is not None or cfg.budget is not None):
         other = "--steps" if cfg.steps is not None else "--budget"
         raise ConfigError(f"--epochs and {other} conflict: --epochs sets the steps per worker; give one")
-    cls = solver_class(cfg.solver)
-    options = make_options(cls, cfg.solver_options)
-    check_buffers(cls, cfg.buffers)
-    if Capability.SERVERS_APPLY_UPDATE in cls.capabilities:  # (servers step with the run's optimizer)
-        cls.check_server_optimizer(options, cfg.optimizer)
-    # The options as given, typed (config.json and labels keep what the user chose).
-    cfg = dataclasses.replace(cfg, solver_options={k: getattr(options, k) for k in cfg.solver_options})
     if world_size is not None:
         cfg, _ = _with_workload_defaults(cfg)
-        extra = sum(_roles(cfg, cls, options).values())
+        cls = solver_class(cfg.solver)  # (the workers are what the solver's roles leave: its options count them)
+        extra = sum(_roles(cfg, cls, make_options(cls, cfg.solver_options)).values())
         if cfg.workers is not None and cfg.workers != world_size - extra:
             raise ConfigError(f"--workers {cfg.workers} does not match WORLD_SIZE {world_size} minus "
                               f"{extra} extra role(s)")
@@ -148,22 +143,56 @@ def resolve(cfg: RunConfig, *, world_size: int | None = None, steps_set: bool = 
     cfg.validate()  # the values given, before anything is built from them
     cfg, workload = _with_workload_defaults(cfg)
     cfg.validate()  # and the workload's defaults, like the values given
-    if cfg.workers < cls.min_workers:
-        raise ConfigError(f"solver {cls.name} needs at least {cls.min_workers} workers, got --workers {cfg.workers} "
-                          f"(alone, a worker would train plain local SGD)")
-    group = getattr(options, "group_size", None)
-    if group is not None and group > cfg.workers and not steps_set:  # (a run folder's: said when it began)
-        sys.stderr.write(f"distsync: warning: solver {cls.name}: group_size {group} is more than the "
-                         f"{cfg.workers} workers; groups of {cfg.workers} instead\n")
-    threads = cls.Plan.training_threads(options)
+    run = resolve_solver(cfg, cfg.solver, cfg.solver_options, cfg.workers, steps_set=steps_set, launch=launch)
+    cfg, cls, threads = run.config, run.solver_cls, run.threads
+    # the steps the solver sets under a budget or epochs, and its threads' share of the training data
     if workload is not None:
         _check_shards(cfg, workload, threads, cls.min_workers)
     if cfg.budget is not None and cfg.task == "train" and not steps_set:
-        cfg = dataclasses.replace(cfg, steps=_budget_steps(cfg, cls.Plan.lockstep_lead(options, cfg.workers), threads))
+        cfg = dataclasses.replace(cfg, steps=_budget_steps(cfg, cls.Plan.lockstep_lead(run.options, cfg.workers),
+                                                           threads))
     if cfg.epochs is not None and cfg.task == "train" and not steps_set:
         cfg = dataclasses.replace(cfg, steps=epoch_steps(cfg, workload, threads))
     if workload is not None:
         _check_train_data(cfg, workload, threads)
+    if cfg.task == "train" and (cfg.device != "auto" or cfg.backend != "auto" or cfg.server_device != "cpu"):
+        from distsync.comm.devices import place
+
+        # (launched here: every worker on this node; under torchrun each process checks its node's)
+        place(cfg.device, cfg.backend, cfg.server_device, local_workers=cfg.workers if world_size is None else 1)
+    if cfg.tensorboard and cfg.task == "train":
+        from distsync.runtime.plugins.tensorboard import check_tensorboard
+
+        check_tensorboard()
+    return dataclasses.replace(run, config=cfg)
+
+
+def resolve_solver(cfg: RunConfig, solver: str, options: dict[str, Any], workers: int, *, steps_set: bool = False,
+                   launch: Launch = Launch()) -> ResolvedRun:
+    """The job ``cfg`` (its own options resolved: :func:`resolve`'s first part, or
+    :func:`~distsync.options.resolve_training`) with ``solver`` and its ``options`` on
+    ``workers`` workers: the options typed, every check of the solver against the job (the
+    buffers it keeps, the optimizer its servers apply, its workers, its training threads)
+    and the role of every rank. What the solver sets in a job with a budget or epochs (its
+    steps) and its threads' share of the training data are :func:`resolve`'s, after this.
+    ``steps_set`` and ``launch``: as :func:`resolve`'s. Advice checks each of its candidates
+    with this alone. Raises :class:`ConfigError` with a one-line message."""
+    cls = solver_class(solver)
+    typed = make_options(cls, options)
+    check_buffers(cls, cfg.buffers)
+    if Capability.SERVERS_APPLY_UPDATE in cls.capabilities:  # (servers step with the run's optimizer)
+        cls.check_server_optimizer(typed, cfg.optimizer)
+    # The options as given, typed (config.json and labels keep what the user chose).
+    cfg = dataclasses.replace(cfg, solver=solver, solver_options={k: getattr(typed, k) for k in options},
+                              workers=workers)
+    if workers < cls.min_workers:
+        raise ConfigError(f"solver {cls.name} needs at least {cls.min_workers} workers, got --workers {workers} "
+                          f"(alone, a worker would train plain local SGD)")
+    group = getattr(typed, "group_size", None)
+    if group is not None and group > workers and not steps_set:  # (a run folder's: said when it began)
+        sys.stderr.write(f"distsync: warning: solver {cls.name}: group_size {group} is more than the "
+                         f"{workers} workers; groups of {workers} instead\n")
+    threads = cls.Plan.training_threads(typed)
     if threads > 1 and cfg.device_backward:
         raise ConfigError(f"--device-backward needs one training thread per worker; {cls.name} trains with {threads}, "
                           f"whose backward passes share one model's gradients")
@@ -174,18 +203,10 @@ def resolve(cfg: RunConfig, *, world_size: int | None = None, steps_set: bool = 
         raise ConfigError(f"{cls.name} with {threads} threads steps with plain lock-free SGD (Hogwild): it takes "
                           f"--optimizer sgd without --momentum or --weight-decay; got --optimizer {cfg.optimizer} "
                           f"--momentum {cfg.momentum:g} --weight-decay {cfg.weight_decay:g}")
-    if cfg.task == "train" and threads > 1 and cfg.steps % threads:
+    # (steps set by a budget or epochs are made a multiple of the threads: resolve)
+    if cfg.task == "train" and threads > 1 and cfg.budget is None and cfg.epochs is None and cfg.steps % threads:
         raise ConfigError(f"--steps {cfg.steps} must be a multiple of the solver's {threads} threads")
-    if cfg.task == "train" and (cfg.device != "auto" or cfg.backend != "auto" or cfg.server_device != "cpu"):
-        from distsync.comm.devices import place
-
-        # (launched here: every worker on this node; under torchrun each process checks its node's)
-        place(cfg.device, cfg.backend, cfg.server_device, local_workers=cfg.workers if world_size is None else 1)
-    if cfg.tensorboard and cfg.task == "train":
-        from distsync.runtime.plugins.tensorboard import check_tensorboard
-
-        check_tensorboard()
-    return ResolvedRun(cfg, cls, options, tuple(assign_roles(cfg.workers, _roles(cfg, cls, options))), launch)
+    return ResolvedRun(cfg, cls, typed, tuple(assign_roles(workers, _roles(cfg, cls, typed))), launch)
 
 
 #: with a budget of seconds only, a cap no run reaches
