@@ -58,9 +58,9 @@ RUNTIME = ("src/distsync/comm", "src/distsync/runtime", "src/distsync/membership
            "src/distsync/solvers/rules.py", "src/distsync/solvers/flat.py", "src/distsync/solvers/hogwild_threads.py",
            "src/distsync/solvers/lars.py",
            "src/distsync/config.py", "src/distsync/worker.py", "src/distsync/supervise.py")
-#: recommend's code: the command, its train mode and staged search, its outputs
-RECOMMEND = ("src/distsync/experiments/recommend.py", "src/distsync/experiments/staged_search.py",
-             "src/distsync/experiments/recommend_outputs.py")
+#: recommend's code: the command, its candidates, its train mode and staged search, its outputs
+RECOMMEND = ("src/distsync/experiments/recommend.py", "src/distsync/experiments/proposal.py",
+             "src/distsync/experiments/staged_search.py", "src/distsync/experiments/recommend_outputs.py")
 
 
 @dataclass(frozen=True)

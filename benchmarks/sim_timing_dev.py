@@ -64,9 +64,10 @@ def setting_for(scenario: dict[str, Any], config: dict[str, Any], fit: Path | No
 
 def predict(scenario: dict[str, Any], config: dict[str, Any], fit: Path | None = None) -> float:
     """The configuration's throughput (samples/s) as this commit's timing mode predicts it."""
+    from distsync.experiments.proposal import propose
     from distsync.experiments.recommend import Candidate, _timing
 
-    cand = Candidate(config["solver"], dict(config["options"]))
+    cand = Candidate(propose(config["solver"], config["options"]))
     _timing(setting_for(scenario, config, fit), cand)
     return cand.throughput
 

@@ -8,22 +8,24 @@ import pytest
 import torch
 
 from distsync.experiments.auto import Entrant, better_half, judge, pick_entrants, rungs, standing, units
+from distsync.experiments.proposal import Proposal, propose
 from helpers import run_cli
 
 FAILING = "tests/fixtures/failing_solver.py:FailsAtStep2"
 
 
 def test_the_entrants_are_the_fastest_distinct_sets_over_three_families_with_the_reference():
-    timed = [("ripples", {"g": 3}, "decentralized", 1.0), ("ripples", {"g": 4}, "decentralized", 1.1),
-             ("ripples", {"g": 3}, "decentralized", 1.0),  # (the same set twice: once)
-             ("ad-psgd", {}, "decentralized", 1.2), ("ma", {"every": 4}, "model_averaging", 1.3),
-             ("shadow-ma", {}, "shadow", 1.4), ("allreduce", {}, "allreduce", 2.0)]
+    timed = [(Proposal(s, o, f, {}), step) for s, o, f, step in (
+        ("ripples", {"g": 3}, "decentralized", 1.0), ("ripples", {"g": 4}, "decentralized", 1.1),
+        ("ripples", {"g": 3}, "decentralized", 1.0),  # (the same set twice: once)
+        ("ad-psgd", {}, "decentralized", 1.2), ("ma", {"every": 4}, "model_averaging", 1.3),
+        ("shadow-ma", {}, "shadow", 1.4), ("allreduce", {}, "allreduce", 2.0))]
     got = [(e.solver, e.options) for e in pick_entrants(timed, n=4, families=3)]
     # the 4 fastest are 3 ripples/ad-psgd (one family) and ma: shadow-ma displaces the slowest
     # of the crowded family (ad-psgd); then the reference takes the slowest place (shadow-ma)
     assert got == [("ripples", {"g": 3}), ("ripples", {"g": 4}), ("ma", {"every": 4}), ("allreduce", {})]
     assert [e.solver for e in pick_entrants(timed[:2] + timed[-1:], n=4)] == ["ripples", "ripples", "allreduce"]
-    no_ref = [t for t in timed if t[0] != "allreduce"]
+    no_ref = [t for t in timed if t[0].solver != "allreduce"]
     assert [e.solver for e in pick_entrants(no_ref, n=4)] == ["ripples", "ripples", "ma", "shadow-ma"]
 
 
@@ -36,7 +38,7 @@ def test_the_rungs_halve_the_entrants_and_double_the_time_so_far():
 
 
 def _e(label, metric, reached=None, out=""):
-    e = Entrant(label, {}, "f", 0.1, metric=metric, reached_s=reached)
+    e = Entrant(Proposal(label, {}, "f", {}), 0.1, metric=metric, reached_s=reached)
     e.out = out
     return e
 
@@ -56,14 +58,15 @@ def test_an_entrant_is_judged_by_its_last_evaluation_by_the_horizon_and_its_firs
     """Its evaluations over two runs (the second from 4.4 s, the first having overrun a 4 s
     horizon): at 4 s the last by then is 0.6 (at 3.9 s), at 8 s 0.85 (7.5 s); the target 0.8
     was first met at 6.0 s, which counts from the 8 s horizon on. Lower is better: an error of 0.35 at 3.9 s meets a 0.4 target."""
-    e = Entrant("ma", {}, "f", 0.1, curve=[(1.0, 0.3), (3.9, 0.6), (4.4, 0.62), (6.0, 0.81), (7.5, 0.85), (8.2, 0.9)])
+    e = Entrant(Proposal("ma", {}, "f", {}), 0.1,
+                curve=[(1.0, 0.3), (3.9, 0.6), (4.4, 0.62), (6.0, 0.81), (7.5, 0.85), (8.2, 0.9)])
     judge(e, 4.0, 0.8, True)
     assert (e.metric, e.reached_s) == (0.6, None)  # (met at 6.0 s: after this horizon)
     judge(e, 8.0, 0.8, True)
     assert (e.metric, e.reached_s, e.horizon_s) == (0.85, 6.0, 8.0)  # (the horizon: what an overrun is against)
     judge(e, 0.5, None, True)
     assert (e.metric, e.reached_s) == (None, None)  # (no evaluation by then)
-    low = Entrant("ma", {}, "f", 0.1, curve=[(1.0, 0.5), (3.9, 0.35)])
+    low = Entrant(Proposal("ma", {}, "f", {}), 0.1, curve=[(1.0, 0.5), (3.9, 0.35)])
     judge(low, 4.0, 0.4, False)
     assert (low.metric, low.reached_s) == (0.35, 3.9)
 
@@ -72,7 +75,7 @@ def test_the_budget_the_share_is_of_is_the_jobs_seconds_or_its_steps_at_the_fast
     from distsync.config import RunConfig
     from distsync.experiments.auto import _budget_seconds
 
-    fast = Entrant("ripples", {}, "decentralized", 0.05)
+    fast = Entrant(Proposal("ripples", {}, "decentralized", {}), 0.05)
     assert _budget_seconds(RunConfig(budget="seconds=40"), 200, fast) == (40.0, "--budget seconds=40")
     seconds, said = _budget_seconds(RunConfig(steps=200), 200, fast)
     assert seconds == pytest.approx(10.0) and said.startswith("--steps (200) at the fastest entrant's predicted 50 ms")
@@ -90,7 +93,7 @@ def test_an_entrant_that_overran_the_next_horizon_too_is_not_run_again(tmp_path)
     from distsync.experiments.auto import _short_run
 
     launched = []
-    e = Entrant("diloco", {"every": 64}, "diloco", 0.02, trained_s=3.5, curve=[(3.4, 0.9)])
+    e = Entrant(Proposal("diloco", {"every": 64}, "diloco", {}), 0.02, trained_s=3.5, curve=[(3.4, 0.9)])
     _short_run(RunConfig(), e, 3.3, 0, tmp_path / "r", lambda cfg, out: launched.append(cfg))
     assert launched == [] and e.trained_s == 3.5 and e.curve == [(3.4, 0.9)]
 
@@ -123,7 +126,7 @@ class FakeCluster:
 
     def label_of(self, i):
         solver, options = json.loads(self.order[i])
-        return Entrant(solver, options, "", 0.0).label
+        return Entrant(Proposal(solver, options, "", {}), 0.0).label
 
 
 def _race(tmp_path, fake):
@@ -382,13 +385,13 @@ def test_under_torchrun_a_solver_with_servers_is_left_out_with_its_reason():
     from distsync.experiments.auto_torchrun import fits_world
 
     fits, said = fits_world(2, 2), []
-    why = fits("async-ps", {"servers": 1})
+    why = fits(propose("async-ps", {"servers": 1}))
     assert why == ("its servers would take processes of torchrun's fixed world (WORLD_SIZE 2), where every "
                    "candidate keeps the reference's 2 workers")
-    timed = [("allreduce", {}, "allreduce", 0.02), ("async-ps", {"servers": 1}, "parameter_server", 0.01),
-             ("async-ps", {"servers": 2}, "parameter_server", 0.01), ("local", {}, "model_averaging", 0.02)]
+    timed = [(propose(s, o), step) for s, o, step in (("allreduce", {}, 0.02), ("async-ps", {"servers": 1}, 0.01),
+                                                      ("async-ps", {"servers": 2}, 0.01), ("local", {}, 0.02))]
     kept, out = _fitting(timed, fits, said.append)
-    assert [t[0] for t in kept] == ["allreduce", "local"]
+    assert [t[0].solver for t in kept] == ["allreduce", "local"]
     assert out == [{"solver": "async-ps", "reason": why}] and said == [f"auto: left out async-ps: {why}"]
 
 

@@ -10,8 +10,14 @@ import pytest
 
 from distsync.errors import ConfigError
 from distsync.experiments.deadline import Deadline
+from distsync.experiments.proposal import Proposal
 from distsync.experiments.recommend import Candidate, Request, candidates, rank, recommend
 from helpers import REPO, assert_one_line, run_cli
+
+
+def _candidate(solver, options=None, **found):
+    """A candidate of a solver that need not be registered (its family and roles: none)."""
+    return Candidate(Proposal(solver, dict(options or {}), "", {}), **found)
 
 
 def test_every_solver_offers_its_search_space_and_baselines_stay_out():
@@ -26,7 +32,7 @@ def test_every_solver_offers_its_search_space_and_baselines_stay_out():
 
 
 def test_ranking_puts_predicted_times_first_then_throughput():
-    a, b, c, d = (Candidate(s, {}) for s in ("a", "b", "c", "d"))
+    a, b, c, d = (_candidate(s) for s in ("a", "b", "c", "d"))
     a.time_to_target_s, b.time_to_target_s = 3.0, 1.0
     c.throughput, d.throughput = 10.0, 20.0
     assert [x.solver for x in rank([a, c, b, d])] == ["b", "a", "d", "c"]
@@ -384,6 +390,75 @@ def test_a_candidate_train_would_refuse_with_the_training_options_is_left_out():
         recommend(Request(workers=4, device_ms=5, solvers=["allreduce", "async-msgd"], optimizer="adam"))
 
 
+#: hogwild's two threads with --momentum 0.9: train's one refusal of it
+_HOGWILD_MOMENTUM = ("hogwild with 2 threads steps with plain lock-free SGD (Hogwild): it takes --optimizer sgd "
+                     "without --momentum or --weight-decay; got --optimizer sgd --momentum 0.9 --weight-decay 0")
+
+
+def test_a_candidate_is_checked_by_the_solvers_part_of_trains_resolver_alone(monkeypatch):
+    """The request's training options are resolved once; each candidate is then checked by
+    the part of train's resolver its solver adds (resolve_solver), never by the whole
+    resolver again (the workload's defaults, the job's values, its placement)."""
+    from distsync.experiments.recommend import _resolve, _runnable
+    from distsync.runtime import resolve as resolving
+
+    def whole(*args, **kwargs):
+        raise AssertionError("a candidate resolved as a whole job")
+
+    monkeypatch.setattr(resolving, "resolve", whole)
+    request = Request(workers=4, momentum=0.9)
+    training, _ = _resolve(request)
+    assert {c.label for c in _runnable(request, training, candidates(request))} >= {"allreduce", "ma every=4"}
+    named = Request(workers=4, momentum=0.9, solvers=["allreduce", "hogwild"])
+    with pytest.raises(ConfigError, match=f"^{re.escape(_HOGWILD_MOMENTUM)}$"):
+        _runnable(named, training, candidates(named))
+
+
+def test_train_resolves_a_jobs_solver_with_the_one_function_advice_checks_candidates_with(monkeypatch):
+    """resolve() hands its solver's part to resolve_solver: the options typed, the roles at
+    the workers, the same refusals; steps that a budget sets are a multiple of the threads
+    (hogwild's 7 threads, samples=1000 in batches of 32: ceil(1000 / 32) = 32 steps, 35),
+    while the workload's 300 steps are not."""
+    from distsync.config import RunConfig
+    from distsync.options import resolve_training
+    from distsync.runtime import resolve as resolving
+
+    calls, real = [], resolving.resolve_solver
+    monkeypatch.setattr(resolving, "resolve_solver", lambda cfg, *a, **k: calls.append(a) or real(cfg, *a, **k))
+    run = resolving.resolve(RunConfig(workload="digits", solver="ripples", workers=4,
+                                      solver_options={"group_size": "3", "schedule": "random"}))
+    assert calls == [("ripples", {"group_size": "3", "schedule": "random"}, 4)]
+    assert run.config.solver_options == {"group_size": 3, "schedule": "random"}
+    assert run.role_of == ("worker",) * 4 + ("coordinator",)
+    training, _ = resolve_training("digits", {"momentum": 0.9})
+    with pytest.raises(ConfigError, match=f"^{re.escape(_HOGWILD_MOMENTUM)}$"):
+        resolving.resolve(RunConfig(workload="digits", solver="hogwild", workers=2, momentum=0.9))
+    with pytest.raises(ConfigError, match=f"^{re.escape(_HOGWILD_MOMENTUM)}$"):
+        real(training, "hogwild", {}, 2)
+    training, _ = resolve_training("digits", {})
+    with pytest.raises(ConfigError, match=r"^--steps 300 must be a multiple of the solver's 7 threads$"):
+        real(training, "hogwild", {"threads": 7}, 2)
+    budgeted = RunConfig(workload="digits", solver="hogwild", solver_options={"threads": 7}, budget="samples=1000")
+    assert resolving.resolve(budgeted).config.steps == 35
+
+
+def test_a_proposal_describes_a_candidate_once_for_recommend_and_auto():
+    """One description, two stages: recommend's label keeps the search space's order, auto's
+    spells the options by name; the family is the solver's module's, the roles its plan's."""
+    from distsync.experiments.auto import Entrant
+    from distsync.experiments.proposal import propose
+
+    p = propose("ripples", {"schedule": "smart", "group_size": 4, "overlap": True})
+    assert (p.solver, p.family, p.roles) == ("ripples", "decentralized", {"coordinator": 1})
+    assert Candidate(p).label == "ripples schedule=smart group_size=4 overlap=true"
+    assert Entrant(p, 0.1).label == "ripples group_size=4 overlap=true schedule=smart"
+    servers = propose("async-ps", {"servers": 2})
+    assert (servers.family, servers.roles, servers.label) == ("parameter_server", {"server": 2}, "async-ps servers=2")
+    assert propose("ripples", {"schedule": "static"}).roles == {}
+    with pytest.raises(ConfigError, match=r"^solver ripples: unknown option\(s\) nope; valid: group_size, "):
+        propose("ripples", {"nope": 1})
+
+
 def test_adpsgd_with_a_slow_worker_reaches_the_target_at_the_fast_workers_pace():
     """4 workers of 20 ms, one 3x slow: allreduce's every step waits for the slow one (60 ms a
     step); AD-PSGD's averagings run on the event loop, the three fast workers stepping every
@@ -491,7 +566,7 @@ def _race(monkeypatch, cut_after: int | None = None, cost: dict | None = None, c
     monkeypatch.setattr(train, "train_mode_cost", lambda *a, **k: cost or {"step_s": 0.0, "one_s": 0.0, "eval_s": 0.0})
     cands = []
     for name, (solver, options, step_s, _) in _RACE.items():
-        c = Candidate(solver, dict(options), step_s=step_s, throughput=1 / step_s)
+        c = _candidate(solver, options, step_s=step_s, throughput=1 / step_s)
         cands.append(c)
     workload = types.SimpleNamespace(metric_name="accuracy", higher_is_better=True)
     setting = rec._Setting(Request(workers=8), RunConfig(steps=900, eval_every=4), workload, 1e-3, 1e3)
@@ -561,7 +636,7 @@ def test_a_short_horizon_is_never_judged_by_the_evaluation_after_the_rules_finis
     res.curve = [{"step": 4, "t": 5.0, "metric": 0.5, "final": False},
                  {"step": 9, "t": 10.0, "metric": 0.95, "final": True}]
     res.steps_to_target = 10
-    r = staged_search._Racer(Candidate("ma", {}, step_s=0.1), False, ("ma", "{}"))
+    r = staged_search._Racer(_candidate("ma", step_s=0.1), False, ("ma", "{}"))
     staged_search._judge(r, res, 1.0, False, True)
     assert r.reached_s is None and r.score == 0.5 and r.horizon_s == 1.0
     assert not staged_search._reached_in_run(res)
@@ -571,7 +646,7 @@ def test_a_short_horizon_is_never_judged_by_the_evaluation_after_the_rules_finis
 
 
 def test_the_ranking_puts_horizons_after_targets_the_longest_first_then_timing():
-    a, b, c, d, e = (Candidate(s, {}) for s in "abcde")
+    a, b, c, d, e = (_candidate(s) for s in "abcde")
     a.time_to_target_s = 2.0
     b.trained, b.throughput = True, 5.0  # ran to its step cap without the target
     c.horizon_s, c.horizon_score = 0.2, 0.9
@@ -599,7 +674,7 @@ def test_the_first_pick_is_said_to_be_unsettled_when_another_is_within_the_uncer
         out = []
         for solver, options, ttt, grain in (("allreduce", {}, 1.0, 10), ("ma", {"every": 4}, 1.05, 1),
                                             ("ma", {"every": 16}, 3.0, 1)):
-            c = Candidate(solver, options, steps_to_target=100, time_to_target_s=ttt, grain_steps=grain)
+            c = _candidate(solver, options, steps_to_target=100, time_to_target_s=ttt, grain_steps=grain)
             rec._timing(setting(), c)
             out.append(c)
         return out

@@ -44,6 +44,7 @@ from typing import Any, Callable
 
 from distsync.config import Budget, Link, RunConfig, format_rate
 from distsync.errors import ConfigError, DistsyncError
+from distsync.experiments.proposal import Proposal, propose
 from distsync.experiments.report import markdown_table
 
 AUTO = "auto"
@@ -71,9 +72,7 @@ Say = Callable[[str], None]
 class Entrant:
     """An option set in the short runs and how it fared."""
 
-    solver: str
-    options: dict[str, Any]
-    family: str
+    proposal: Proposal
     #: seconds per step, timing mode
     predicted_step_s: float
     #: its model after its last run (None: the job's initial one)
@@ -93,39 +92,45 @@ class Entrant:
     reason: str = ""
 
     @property
+    def solver(self) -> str:
+        return self.proposal.solver
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return self.proposal.options
+
+    @property
     def label(self) -> str:
-        return self.solver + "".join(f" {k}={str(v).lower() if isinstance(v, bool) else v}"
-                                     for k, v in sorted(self.options.items()))
+        return self.proposal.sorted_label
 
 
-def pick_entrants(timed: list[tuple[str, dict[str, Any], str, float]], n: int = ENTRANTS,
-                  families: int = FAMILIES) -> list[Entrant]:
-    """The ``n`` fastest distinct option sets of ``timed`` (solver, options, family, seconds
-    per step), at least ``families`` families among them where there are so many (each new
-    family's fastest displaces the slowest of an over-represented one), and the reference
+def pick_entrants(timed: list[tuple[Proposal, float]], n: int = ENTRANTS, families: int = FAMILIES) -> list[Entrant]:
+    """The ``n`` fastest distinct option sets of ``timed`` (a proposal, its seconds per step),
+    at least ``families`` families among them where there are so many (each new family's
+    fastest displaces the slowest of an over-represented one), and the reference
     (:data:`REFERENCE`) always, in place of the slowest where it was not among them."""
-    order = sorted(timed, key=lambda t: t[3])
+    order = sorted(timed, key=lambda t: t[1])
     seen: set[str] = set()
     distinct = []
     for t in order:
-        key = json.dumps([t[0], t[1]], sort_keys=True)
+        key = json.dumps([t[0].solver, t[0].options], sort_keys=True)
         if key not in seen:
             seen.add(key)
             distinct.append(t)
     chosen = distinct[:n]
     for t in distinct[n:]:
-        fams = [c[2] for c in chosen]
-        if len(set(fams)) >= families or t[2] in fams:
+        fams = [c[0].family for c in chosen]
+        if len(set(fams)) >= families or t[0].family in fams:
             continue
-        crowded = [c for c in chosen if fams.count(c[2]) > 1]
+        crowded = [c for c in chosen if fams.count(c[0].family) > 1]
         if not crowded:
             break
         chosen.remove(crowded[-1])
         chosen.append(t)
-    ref = next((t for t in distinct if (t[0], t[1]) == REFERENCE), None)
+    ref = next((t for t in distinct if (t[0].solver, t[0].options) == REFERENCE), None)
     if ref is not None and ref not in chosen:
         chosen = chosen[:n - 1] + [ref] if len(chosen) >= n else chosen + [ref]
-    return [Entrant(s, dict(o), f, step) for s, o, f, step in sorted(chosen, key=lambda t: t[3])]
+    return [Entrant(p, step) for p, step in sorted(chosen, key=lambda t: t[1])]
 
 
 def fewer(entrants: list[Entrant], n: int) -> list[Entrant]:
@@ -204,7 +209,7 @@ def _reference_to_target(m: Any) -> tuple[int | None, str]:
     from distsync.experiments.recommend import Candidate
     from distsync.experiments.staged_search import steps_to_target
 
-    ref = Candidate(*REFERENCE)
+    ref = Candidate(propose(*REFERENCE))
     steps_to_target(m.setting, ref, ESTIMATE_S)
     if ref.steps_to_target is None:
         return None, f"the simulator's estimate: {ref.note or 'none'}"
@@ -237,8 +242,8 @@ def _measure_link(cfg: RunConfig, out: Path, launch_one: Callable[[RunConfig, Pa
         raise DistsyncError(f"auto: the link's measurement failed: {str(e).splitlines()[0]}") from None
 
 
-#: whether a job can run a candidate (solver, options): None, or why it cannot (``run_auto``'s ``fits``)
-Fits = Callable[[str, dict[str, Any]], "str | None"]
+#: whether a job can run a candidate: None, or why it cannot (``run_auto``'s ``fits``)
+Fits = Callable[[Proposal], "str | None"]
 
 
 def _timed(cfg: RunConfig, candidates: list[str] | None, say: Say, link: Link | None = None,
@@ -248,7 +253,6 @@ def _timed(cfg: RunConfig, candidates: list[str] | None, say: Say, link: Link | 
     in), what the record says of the timing, and the measurement (recommend's :class:`Measured`)."""
     from distsync.experiments.recommend import Request, measure_candidates
     from distsync.options import TRAINING_FIELDS
-    from distsync.solvers import solver_class
 
     slow = list(cfg.slow.values())
     request = Request(workload=cfg.workload, workers=cfg.workers, link=cfg.link or link or Link(10e9, 0.0, ASSUMED_LINK),
@@ -258,7 +262,7 @@ def _timed(cfg: RunConfig, candidates: list[str] | None, say: Say, link: Link | 
                       **{n: getattr(cfg, n) for n in TRAINING_FIELDS})
     request.check()
     m = measure_candidates(request)
-    timed = [(c.solver, c.options, solver_class(c.solver).__module__.rsplit(".", 1)[-1], c.step_s) for c in m.cands]
+    timed = [(c.proposal, c.step_s) for c in m.cands]
     timed, left_out = _fitting(timed, fits, say)
     if not timed:
         raise ConfigError("--solver auto: every candidate was left out: "
@@ -274,19 +278,19 @@ def _timed(cfg: RunConfig, candidates: list[str] | None, say: Say, link: Link | 
                       **({"left_out": left_out} if fits is not None else {})}, m
 
 
-def _fitting(timed: list[tuple[str, dict[str, Any], str, float]], fits: Fits | None,
-             say: Say) -> tuple[list[tuple[str, dict[str, Any], str, float]], list[dict[str, Any]]]:
+def _fitting(timed: list[tuple[Proposal, float]], fits: Fits | None,
+             say: Say) -> tuple[list[tuple[Proposal, float]], list[dict[str, Any]]]:
     """The candidates of ``timed`` that ``fits`` leaves in; and those it leaves out, by solver
     and reason, each said in a line."""
     if fits is None:
         return timed, []
     kept, out = [], {}
     for t in timed:
-        why = fits(t[0], t[1])
+        why = fits(t[0])
         if why is None:
             kept.append(t)
         else:
-            out.setdefault((t[0], why), {"solver": t[0], "reason": why})
+            out.setdefault((t[0].solver, why), {"solver": t[0].solver, "reason": why})
     for o in out.values():
         say(f"auto: left out {o['solver']}: {o['reason']}")
     return kept, list(out.values())
@@ -341,7 +345,7 @@ def run_auto(cfg: RunConfig, out: Path, launch_one: Callable[[RunConfig, Path], 
              explore: float = EXPLORE, candidates: list[str] | None = None, say: Say = print,
              fits: Fits | None = None) -> dict[str, Any]:
     """The three stages (module docstring) in ``out``; ``launch_one(cfg, run_dir)`` runs one
-    job and returns its summary; ``fits(solver, options)``: why the job cannot run a candidate
+    job and returns its summary; ``fits(proposal)``: why the job cannot run a candidate
     (None: it can), one that cannot left out of stage 1 (``auto.json``'s ``left_out``).
     Returns the winner's summary with the record (``auto``)."""
     from distsync.runtime.resolve import resolve
@@ -521,7 +525,7 @@ def _why(winner: Entrant, entrants: list[Entrant], higher: bool, metric: str) ->
 
 
 def _row(e: Entrant) -> dict[str, Any]:
-    return {"label": e.label, "solver": e.solver, "options": e.options, "family": e.family,
+    return {"label": e.label, "solver": e.solver, "options": e.options, "family": e.proposal.family,
             "predicted_step_s": e.predicted_step_s, "trained_s": e.trained_s, "metric": e.metric,
             "reached_s": e.reached_s, "throughput": e.throughput, "out": e.out, "reason": e.reason,
             "curve": e.curve}

@@ -35,6 +35,7 @@ from typing import Any, Callable
 from distsync.errors import (CommTimeout, ConfigError, DistsyncError, Excluded, PeerDied, PeerLost, PeerStalled,
                              exit_code)
 from distsync.experiments.auto import AUTO, EXPLORE, RECORD, REFERENCE, WINNER, check_auto, run_auto
+from distsync.experiments.proposal import Proposal
 
 #: the file whose token every rank reads back from the run folder (:func:`check_shared_folder`)
 SHARED_TOKEN = ".auto-shared"
@@ -243,14 +244,12 @@ def _follow(ranks: _Ranks) -> None:
         k += 1
 
 
-def fits_world(world: int, workers: int) -> Callable[[str, dict[str, Any]], str | None]:
+def fits_world(world: int, workers: int) -> Callable[[Proposal], str | None]:
     """``run_auto``'s ``fits`` under torchrun: a candidate whose solver has servers or
     coordinators cannot keep the ``workers`` in a world of ``world`` processes."""
-    from distsync.solvers import make_options, solver_class
 
-    def fits(solver: str, options: dict[str, Any]) -> str | None:
-        cls = solver_class(solver)
-        roles = sorted(role for role, n in cls.Plan.extra_roles(make_options(cls, options)).items() if n)
+    def fits(proposal: Proposal) -> str | None:
+        roles = sorted(role for role, n in proposal.roles.items() if n)
         if not roles:
             return None
         return (f"its {' and '.join(r + 's' for r in roles)} would take processes of torchrun's fixed world "

@@ -52,6 +52,7 @@ from typing import Any, Callable
 from distsync.config import Budget, Link, RunConfig, bounded, check_ranges, run_option
 from distsync.errors import ConfigError, DistsyncError
 from distsync.experiments.deadline import Deadline, Progress, unfinished_line
+from distsync.experiments.proposal import Proposal, propose, spelled
 from distsync.experiments.recommend_outputs import (  # noqa: F401 (the answer's outputs, re-exported)
     TIE_SHARE, TRAINING_HALF_COMMAND, first_lines, left_out_lines, tables_note, throughput_alone, uncertainty_line,
     write_outputs)
@@ -125,8 +126,9 @@ class Request(Training):
 
 @dataclass
 class Candidate:
-    solver: str
-    options: dict[str, Any]
+    """A proposal (:class:`~distsync.experiments.proposal.Proposal`) and what the search found of it."""
+
+    proposal: Proposal
     throughput: float = 0.0
     step_s: float = 0.0
     phase_share: dict[str, float] = field(default_factory=dict)
@@ -155,8 +157,16 @@ class Candidate:
     unfinished: str = ""
 
     @property
+    def solver(self) -> str:
+        return self.proposal.solver
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return self.proposal.options
+
+    @property
     def label(self) -> str:
-        return self.solver + "".join(f" {k}={_spelled(v)}" for k, v in self.options.items())
+        return self.proposal.label
 
     def as_dict(self) -> dict[str, Any]:
         return {"solver": self.solver, "options": self.options, "label": self.label,
@@ -201,7 +211,7 @@ def candidates(request: Request, max_servers: int | None = None) -> list[Candida
     """Every solver's option sets for this cluster (``--solvers`` restricts the solvers;
     each of those must be able to run on it); ``max_servers``: the model's parameter tensors
     (servers shard whole tensors, so more servers than that cannot run)."""
-    from distsync.solvers import make_options, solver_class, solver_names
+    from distsync.solvers import solver_class, solver_names
 
     names = request.solvers or solver_names()
     out = []
@@ -215,10 +225,10 @@ def candidates(request: Request, max_servers: int | None = None) -> list[Candida
         if request.solvers and not space:
             space = [{}]  # asked for by name: its defaults
         for options in space:
-            make_options(cls, options)  # a search space the solver itself refuses is a bug: loud
+            proposal = propose(name, options)  # a search space the solver itself refuses is a bug: loud
             if max_servers is not None and options.get("servers", 1) > max_servers:
                 continue
-            out.append(Candidate(name, dict(options)))
+            out.append(Candidate(proposal))
     if not out:
         raise ConfigError("no solver to recommend for this cluster")
     return out
@@ -268,14 +278,16 @@ class _Setting:
 
 
 def _resolve(request: Request) -> tuple[RunConfig, Any]:
-    """The request's training options resolved as `distsync train` resolves them, and its
-    workload built with its options (its target: ``--budget target=VALUE``'s, when given)."""
+    """The request's training options and seed resolved as `distsync train` resolves them (a
+    candidate's solver adds its part: :func:`_runnable`), and its workload built with its
+    options (its target: ``--budget target=VALUE``'s, when given)."""
     try:
         training, workload = resolve_training(request.workload, request.training())
     except DistsyncError:
         raise
     except Exception as e:  # a user's workload file that fails to build
         raise ConfigError(f"workload {request.workload!r} cannot be built: {type(e).__name__}: {e}") from None
+    training = dataclasses.replace(training, seed=request.seed).validate()  # (the job's seed, checked as train's)
     value = request.target_value()
     if value is not None:
         workload = copy.copy(workload)  # (the built workload, not the factory's, takes the target)
@@ -283,23 +295,24 @@ def _resolve(request: Request) -> tuple[RunConfig, Any]:
     return training, workload
 
 
-def _run_config(request: Request, training: RunConfig, cand: Candidate, workers: int, **more: Any) -> RunConfig:
-    """The `distsync train` job of ``cand`` on ``workers`` with the request's training options;
-    ``more``: RunConfig's other fields."""
+def _run_config(training: RunConfig, cand: Candidate, workers: int, **more: Any) -> RunConfig:
+    """The `distsync train` job of ``cand`` on ``workers`` with the request's training options
+    and seed (:func:`_resolve`); ``more``: RunConfig's other fields."""
     return dataclasses.replace(training, solver=cand.solver, solver_options=dict(cand.options), workers=workers,
-                               seed=request.seed, **more)
+                               **more)
 
 
 def _runnable(request: Request, training: RunConfig, cands: list[Candidate]) -> list[Candidate]:
     """The candidates `distsync train` accepts with the request's training options (a server
     that cannot apply the optimizer, Hogwild threads that take plain SGD), checked by its own
-    code; a solver asked for by name none of whose option sets is accepted is refused."""
-    from distsync.runtime.resolve import resolve
+    code (its solver's part: the training options are resolved once, :func:`_resolve`); a
+    solver asked for by name none of whose option sets is accepted is refused."""
+    from distsync.runtime.resolve import resolve_solver
 
     out, refused = [], {}
     for cand in cands:
         try:
-            resolve(_run_config(request, training, cand, request.workers))
+            resolve_solver(training, cand.solver, cand.options, request.workers)
         except ConfigError as e:
             refused.setdefault(cand.solver, str(e))
             continue
@@ -346,7 +359,7 @@ def uncertainty(s: _Setting, ranked: list[Candidate], spread: list[float] | None
         if spread:
             ends = []
             for compute in spread:
-                at = Candidate(c.solver, dict(c.options))
+                at = Candidate(c.proposal)
                 _timing(dataclasses.replace(s, compute_s=compute), at)
                 ends.append(c.time_to_target_s * at.step_s / c.step_s)
         steps = c.steps_to_target or 1
@@ -378,18 +391,13 @@ _TRAIN_FLAGS = (("batch_size", "--batch-size"), ("lr", "--lr"), ("optimizer", "-
                 ("eval_every", "--eval-every"), ("seed", "--seed"))
 
 
-def _spelled(value: Any) -> str:
-    """An option's value as the command line spells it (``overlap=true``)."""
-    return str(value).lower() if isinstance(value, bool) else str(value)
-
-
 def command(request: Request, cand: Candidate) -> str:
     """The `distsync train` command that runs this candidate on the user's cluster, with the
     request's training options: it trains what was simulated."""
     parts = ["distsync train", f"--workload {shlex.quote(request.workload)}"]
     parts += [f"-w {shlex.quote(f'{k}={v}')}" for k, v in request.workload_options.items()]
     parts.append(f"--solver {cand.solver}")
-    parts += [f"-o {k}={_spelled(v)}" for k, v in cand.options.items()]
+    parts += [f"-o {k}={spelled(v)}" for k, v in cand.options.items()]
     parts.append(f"--workers {request.workers}")
     defaults = RunConfig()
     for name, flag in _TRAIN_FLAGS:
@@ -610,7 +618,7 @@ def verify(request: Request, result: dict[str, Any], top: int, out: Path, worker
     rows = []
     with progress.beating():
         for i, r in enumerate(picks):
-            cand = Candidate(r["solver"], dict(r["options"]))
+            cand = Candidate(propose(r["solver"], r["options"]))
             ends = clock() + deadline.left_s() / (len(picks) - i)  # (this run's part of what is left)
             room = ends - clock() - VERIFY_START_S  # (for its prediction and its training)
             if room >= 2:
@@ -626,7 +634,7 @@ def verify(request: Request, result: dict[str, Any], top: int, out: Path, worker
             progress.stage(f"verify {i + 1}/{len(picks)}: {cand.label}: real run on {n} emulated devices (at most "
                            f"{seconds:.3g} s of training)", i, len(picks))
             # (steps: the budget's; the others as the workload says, as the printed command)
-            cfg = _run_config(small, training, cand, n, steps=None, embedding_servers=None, embedding_lr=None,
+            cfg = _run_config(training, cand, n, steps=None, embedding_servers=None, embedding_lr=None,
                               budget=_verify_budget(request, seconds), slow=slow, jitter=request.jitter,
                               device_ms=result["compute_s"] * 1000, link=request.link if _can_shape() else None,
                               timeout_s=120)
