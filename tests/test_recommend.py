@@ -415,10 +415,10 @@ def test_a_candidate_is_checked_by_the_solvers_part_of_trains_resolver_alone(mon
 
 
 def test_train_resolves_a_jobs_solver_with_the_one_function_advice_checks_candidates_with(monkeypatch):
-    """resolve() hands its solver's part to resolve_solver: the options typed, the roles at
-    the workers, the same refusals; steps that a budget sets are a multiple of the threads
-    (hogwild's 7 threads, samples=1000 in batches of 32: ceil(1000 / 32) = 32 steps, 35),
-    while the workload's 300 steps are not."""
+    """resolve() checks the job's own values, then hands its solver's part to resolve_solver:
+    the options typed, the roles at the workers, the same refusals; steps that a budget sets
+    are a multiple of the threads (hogwild's 7 threads, samples=1000 in batches of 32:
+    ceil(1000 / 32) = 32 steps, 35), while the workload's 300 steps are not."""
     from distsync.config import RunConfig
     from distsync.options import resolve_training
     from distsync.runtime import resolve as resolving
@@ -440,6 +440,9 @@ def test_train_resolves_a_jobs_solver_with_the_one_function_advice_checks_candid
         real(training, "hogwild", {"threads": 7}, 2)
     budgeted = RunConfig(workload="digits", solver="hogwild", solver_options={"threads": 7}, budget="samples=1000")
     assert resolving.resolve(budgeted).config.steps == 35
+    # the job's own values before its solver's part: an unknown optimizer, not one the servers cannot apply
+    with pytest.raises(ConfigError, match=r"^unknown --optimizer 'foo'; valid: sgd, adam, adamw, lars$"):
+        resolving.resolve(RunConfig(workload="digits", solver="async-msgd", optimizer="foo"))
 
 
 def test_a_proposal_describes_a_candidate_once_for_recommend_and_auto():
