@@ -41,10 +41,12 @@ def configs_3(ranked: list[dict[str, Any]], key) -> list[dict[str, Any]]:
     """The scenario's runs: the fixed defaults, `recommend`'s first row (marked ``recommended``;
     one of the defaults when it is them) and auto. ``key(solver, options)``: a configuration's
     resolved key."""
+    from distsync.experiments.proposal import propose
+
     out = []
     for solver, options in DEFAULTS:
-        label = solver + "".join(f" {k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in options.items())
-        out.append({"key": key(solver, options), "solver": solver, "options": dict(options), "label": label,
+        out.append({"key": key(solver, options), "solver": solver, "options": dict(options),
+                    "label": propose(solver, options).label,
                     "defaults": True, "recommended": False, "auto": False, "solver_rank": None, "answer_rank": None,
                     "predicted_time_to_target_s": None, "predicted_throughput": None})
     if ranked:

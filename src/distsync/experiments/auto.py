@@ -44,7 +44,7 @@ from typing import Any, Callable
 
 from distsync.config import Budget, Link, RunConfig, format_rate
 from distsync.errors import ConfigError, DistsyncError
-from distsync.experiments.proposal import Proposal, propose
+from distsync.experiments.proposal import HoldsProposal, Proposal, propose
 from distsync.experiments.report import markdown_table
 
 AUTO = "auto"
@@ -69,7 +69,7 @@ Say = Callable[[str], None]
 
 
 @dataclass
-class Entrant:
+class Entrant(HoldsProposal):
     """An option set in the short runs and how it fared."""
 
     proposal: Proposal
@@ -90,14 +90,6 @@ class Entrant:
     throughput: float | None = None
     out: str = ""  # "": racing; else the rung it went out in, or "failed"
     reason: str = ""
-
-    @property
-    def solver(self) -> str:
-        return self.proposal.solver
-
-    @property
-    def options(self) -> dict[str, Any]:
-        return self.proposal.options
 
     @property
     def label(self) -> str:

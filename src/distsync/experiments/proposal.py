@@ -36,6 +36,21 @@ class Proposal:
         return _label(self.solver, sorted(self.options.items()))
 
 
+class HoldsProposal:
+    """What a stage's record of a candidate reads through its :class:`Proposal` (its
+    ``proposal`` field): the solver and its options."""
+
+    proposal: Proposal
+
+    @property
+    def solver(self) -> str:
+        return self.proposal.solver
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return self.proposal.options
+
+
 def spelled(value: Any) -> str:
     """An option's value as the command line spells it (``overlap=true``)."""
     return str(value).lower() if isinstance(value, bool) else str(value)

@@ -52,7 +52,7 @@ from typing import Any, Callable
 from distsync.config import Budget, Link, RunConfig, bounded, check_ranges, run_option
 from distsync.errors import ConfigError, DistsyncError
 from distsync.experiments.deadline import Deadline, Progress, unfinished_line
-from distsync.experiments.proposal import Proposal, propose, spelled
+from distsync.experiments.proposal import HoldsProposal, Proposal, propose, spelled
 from distsync.experiments.recommend_outputs import (  # noqa: F401 (the answer's outputs, re-exported)
     TIE_SHARE, TRAINING_HALF_COMMAND, first_lines, left_out_lines, tables_note, throughput_alone, uncertainty_line,
     write_outputs)
@@ -125,7 +125,7 @@ class Request(Training):
 
 
 @dataclass
-class Candidate:
+class Candidate(HoldsProposal):
     """A proposal (:class:`~distsync.experiments.proposal.Proposal`) and what the search found of it."""
 
     proposal: Proposal
@@ -155,14 +155,6 @@ class Candidate:
     time_to_target_range_s: tuple[float, float] | None = None
     #: what of its train mode the time budget left undone ("not run", "cut after N steps")
     unfinished: str = ""
-
-    @property
-    def solver(self) -> str:
-        return self.proposal.solver
-
-    @property
-    def options(self) -> dict[str, Any]:
-        return self.proposal.options
 
     @property
     def label(self) -> str:
