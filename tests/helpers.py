@@ -439,12 +439,13 @@ def journal_step(out: Path, rank: int) -> int:
 class SignalRank(threading.Thread):
     """Sends ``sig`` to rank ``rank``'s process proper (``ds-ROLE-RANK``, not its supervising
     parent) from outside the job, once worker ``watch``'s journal shows step ``at``; then
-    :attr:`sent_at` is the ``time.time()`` it did."""
+    :attr:`sent_at` is the ``time.time()`` it did (:attr:`sending_at`: just before)."""
 
     def __init__(self, out: Path, rank: int, at: int, sig: int, watch: int = 0):
         super().__init__(daemon=True)
         self.out, self.rank, self.at, self.sig, self.watch = out, rank, at, sig, watch
         self.sent_at: float | None = None
+        self.sending_at: float | None = None
         self.stop = threading.Event()
 
     def run(self) -> None:
@@ -455,6 +456,7 @@ class SignalRank(threading.Thread):
             pid = rank_processes(os.getpid()).get(self.rank)
             if pid is None:
                 continue
+            self.sending_at = time.time()
             os.kill(pid, self.sig)
             self.sent_at = time.time()
             return

@@ -65,7 +65,9 @@ def test_a_killed_worker_is_left_behind_at_once(tmp_path, solver):
     assert proc.returncode == 0, proc.stderr
     [row] = [r for r in s["recovery"]["faults"] if r["rank"] == 1]
     assert row["cause"] == "SIGKILL" and row["dropped"], row
-    assert row["dropped_at"] - sender.sent_at < 1.0
+    # at once, not after the 10 s timeout (a killed process takes as long to end as its last system
+    # call under the host's load: up to 1.9 s seen beside the soak's busy loops)
+    assert row["dropped_at"] - sender.sent_at < 5.0
     assert _steps(tmp_path, 0)[-1] == 79 and _steps(tmp_path, 2)[-1] == 79
 
 
