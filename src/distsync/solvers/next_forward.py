@@ -1,0 +1,323 @@
+"""``allreduce``'s next-forward overlap: a step's front buckets stay on the wire into the next
+forward, and each module's forward waits only for its own parameters.
+
+The order every rank sends its buckets in is fixed, as collectives need:
+
+- **during backward**, the back of the model: buckets in backward's order, each as its last
+  gradient is ready (as without the overlap);
+- **as backward ends**, the rest, **front first**: the first layers' gradients are computed
+  last, and the next forward needs their parameters first.
+
+Where the two parts meet is how much the wire carries while backward runs: measured on the
+first :data:`MEASURED_STEPS` steps (the wire's pace over its busy time, each bucket's ready time
+and backward's end; rank 0's answer, broadcast), or given (``during_backward_mb``).
+
+The update the training loop asks for (``optimizer.step()``, then ``zero_grad()``) is held and
+applied bucket by bucket: when the next forward first needs a module's own parameters (a
+forward pre-hook on each module that has parameters of its own), that module's buckets are
+settled: the reduction waited for, divided into the mean, the optimizer stepped on those
+parameters alone at the hyper-parameters the step had (a learning rate set since does not reach
+it), their gradients zeroed. The model's forward settles the rest as it ends, so backward never
+adds into a buffer still on the wire; anything else that reads the model first calls
+``settle()`` (evaluation, checkpoints, a view change, close). The math is the step's, exactly:
+the same buckets, the same sums, the same optimizer on the same gradients (per-parameter
+optimizers only: :data:`PER_PARAMETER`).
+
+A parameter used by another module's forward before its own module's (a bare functional use)
+would be read before its update: the first forward is watched (every op's tensors against the
+modules whose pre-hooks have run), and any such parameter is settled before each forward starts.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+
+#: steps measured (without the overlap) before the split is fixed: the first warms up
+MEASURED_STEPS = 3
+#: optimizers whose update of a parameter reads only that parameter's gradient and state, so
+#: that stepping it bucket by bucket is the whole step's update (a step count of the optimizer's
+#: own, or a norm over all parameters, would not be)
+PER_PARAMETER = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+
+
+def split_from_timing(ready: list[float], nbytes: list[int], backward_end: float, bytes_per_s: float) -> int:
+    """How many buckets (in backward's order, from the back) to send during backward: as many
+    as a wire of ``bytes_per_s``, sending in that order each once it is ready (``ready``: seconds,
+    on the clock of ``backward_end``), has delivered by backward's end."""
+    end = float("-inf")
+    for i, (r, n) in enumerate(zip(ready, nbytes)):
+        end = max(r, end) + n / bytes_per_s
+        if end > backward_end:
+            return i
+    return len(nbytes)
+
+
+def split_from_bytes(nbytes: list[int], during_backward: float) -> int:
+    """How many buckets (from the back) fit in ``during_backward`` bytes."""
+    total = 0
+    for i, n in enumerate(nbytes):
+        total += n
+        if total > during_backward:
+            return i
+    return len(nbytes)
+
+
+def busy_seconds(intervals: list[tuple[float, float]]) -> float:
+    """The time covered by the union of ``(start, end)`` intervals."""
+    busy, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            busy += end - max(start, reach)
+            reach = end
+    return busy
+
+
+class StepTiming:
+    """One measured step: each bucket's launch and completion, and backward's end."""
+
+    def __init__(self, n: int) -> None:
+        self.launched = [0.0] * n
+        self.done = [0.0] * n
+        self.backward_end = 0.0
+
+
+class _Watch(TorchFunctionMode):
+    """The first forward's ops: a parameter used before its own module's pre-hook ran."""
+
+    def __init__(self, engine: "NextForward") -> None:
+        super().__init__()
+        self.engine = engine
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        owned, seen = self.engine.owned, self.engine._hooked
+        for a in (*args, *kwargs.values()):
+            for t in (a if isinstance(a, (list, tuple)) else (a,)):
+                if isinstance(t, nn.Parameter) and t in owned and t not in seen:
+                    self.engine.early.add(t)
+        return func(*args, **kwargs)
+
+
+class NextForward:
+    """The overlap of one attached :class:`~distsync.solvers.allreduce.AllReduce`: which buckets
+    go during backward, the update held until the next forward needs it, the first forward
+    watched. ``solver``: its buckets (``buckets``, in backward's order), ``comm`` and
+    ``optimizer``; ``during_backward``: bytes sent during backward, or None (measured)."""
+
+    def __init__(self, solver: Any, during_backward: float | None) -> None:
+        self.solver = solver
+        n = len(solver.buckets)
+        nbytes = [b.nbytes for b in solver.buckets]
+        #: buckets sent during backward (the rest front first as it ends); all until measured
+        self.during_backward = n if during_backward is None else split_from_bytes(nbytes, during_backward)
+        self.measuring = during_backward is None
+        self.decide_at: int | None = None  # (the step whose end fixes the split, the same on every rank)
+        self.timings: list[StepTiming] = []
+        self.timing: StepTiming | None = None
+        self.steps = 0  # steps whose update was held into the next forward
+        self.held_step: list[dict[str, Any]] | None = None  # the step's hyper-parameters, per group
+        self.held_zero = False
+        self.unsettled: set[int] = set()  # indexes of buckets whose update is held
+        self.forward_wait_s = 0.0  # seconds the forwards waited on the wire (all steps)
+        self._forward_wait_taken = 0.0
+        self.bytes_per_s: float | None = None
+        self.early: set[nn.Parameter] = set()  # parameters read before their module's pre-hook
+        self._hooked: set[nn.Parameter] = set()  # (the watched forward: parameters whose pre-hook ran)
+        self._watch: _Watch | None = None
+        self._watched = False
+        self.owned: dict[nn.Parameter, int] = {}
+        index = {id(p): i for i, b in enumerate(solver.buckets) for p in b.params}
+        for i, b in enumerate(solver.buckets):
+            for p in b.params:
+                self.owned[p] = i
+        self._handles: list[Any] = []
+        model = solver.model
+        for module in model.modules():
+            own = [index[id(p)] for p in module.parameters(recurse=False) if id(p) in index]
+            if own:
+                buckets, params = sorted(set(own)), [p for p in module.parameters(recurse=False) if id(p) in index]
+                self._handles.append(module.register_forward_pre_hook(self._pre_hook(buckets, params)))
+        self._handles.append(model.register_forward_pre_hook(self._forward_starts, prepend=True))
+        self._handles.append(model.register_forward_hook(self._forward_ends))
+        self._handles.append(model.register_forward_hook(self._unwatch, always_call=True))  # (a forward that failed too)
+
+    # ---- the forward --------------------------------------------------------------------
+    def _pre_hook(self, buckets: list[int], params: list[nn.Parameter]) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            if self.unsettled:
+                self._settle(buckets)
+            if self._watch is not None:
+                self._hooked.update(params)
+        return hook
+
+    def _forward_starts(self, module: nn.Module, args: Any) -> None:
+        if self.early and self.unsettled:
+            self._settle(sorted({self.owned[p] for p in self.early}))
+        if not self._watched and torch.is_grad_enabled():
+            self._watched = True
+            self._hooked = set()
+            self._watch = _Watch(self)
+            self._watch.__enter__()
+
+    def _unwatch(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._watch is not None:
+            watch, self._watch = self._watch, None
+            watch.__exit__(None, None, None)
+            self._hooked = set()
+
+    def _forward_ends(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._unwatch(module, args, output)
+        self.settle()
+        keep = self.solver.buffer_sync
+        if keep is not None and torch.is_grad_enabled():  # (the buffers' collective goes before the gradients)
+            keep.start_early()
+
+    def take_forward_wait(self) -> float:
+        """Seconds the forwards waited on the wire since the last call."""
+        wait = self.forward_wait_s - self._forward_wait_taken
+        self._forward_wait_taken = self.forward_wait_s
+        return wait
+
+    # ---- the step -----------------------------------------------------------------------
+    @property
+    def holding(self) -> bool:
+        """Whether this step's update is held into the next forward (the split is fixed)."""
+        return not self.measuring
+
+    def launch_order(self, first: int) -> list[int]:
+        """The buckets from ``first`` on, in the order they are sent as backward ends: the rest
+        of the back part in backward's order, then the front part, front first."""
+        n, a = len(self.solver.buckets), self.during_backward
+        return [*range(first, a), *range(n - 1, max(first, a) - 1, -1)]
+
+    def launched(self, i: int, pending: Any) -> None:
+        if self.timing is None:
+            return
+        timing = self.timing
+        timing.launched[i] = time.perf_counter()
+        on_done = getattr(pending, "on_done", None)
+        if on_done is not None:
+            on_done(lambda: timing.done.__setitem__(i, time.perf_counter()))
+
+    def begin_step(self) -> None:
+        """A step's backward begins (its first gradient is ready)."""
+        if self.measuring and self.timing is None:
+            self.timing = StepTiming(len(self.solver.buckets))
+
+    def backward_ended(self) -> None:
+        if self.timing is not None:
+            self.timing.backward_end = time.perf_counter()
+
+    def held(self) -> None:
+        """The step's buckets are all on the wire; their update is held."""
+        self.unsettled = set(range(len(self.solver.buckets)))
+        self.steps += 1
+
+    def hold_update(self) -> None:
+        """The loop's ``optimizer.step()``: applied bucket by bucket, at these hyper-parameters."""
+        self.held_step = [{k: v for k, v in g.items() if k != "params"} for g in self.solver.optimizer.param_groups]
+
+    def hold_zero(self) -> None:
+        self.held_zero = True
+
+    def measured(self, step: int) -> None:
+        """Step ``step``'s reductions are all waited for: at the :data:`MEASURED_STEPS`-th step
+        on, fix the split (the first live worker's, on every rank: a replacement that came in
+        meanwhile takes part with what it measured)."""
+        if self.timing is not None:
+            self.timings.append(self.timing)
+            self.timing = None
+        if self.decide_at is None:
+            self.decide_at = step + MEASURED_STEPS - 1
+        if step < self.decide_at:
+            return
+        split = torch.tensor([self._split()], dtype=torch.int64)
+        comm = self.solver.comm
+        if comm is not None and comm.num_workers > 1:
+            comm.broadcast(split, src=comm.live_workers[0], group=comm.worker_group)
+        self.during_backward = int(split.item())
+        self.measuring = False
+
+    def _split(self) -> int:
+        nbytes = [b.nbytes for b in self.solver.buckets]
+        measured = self.timings[1:] or self.timings  # (the first warms up)
+        if not measured:
+            return len(nbytes)
+        busy = sum(busy_seconds(list(zip(t.launched, t.done))) for t in measured)
+        if busy <= 0.0 or not all(t.done[i] for t in measured for i in range(len(nbytes))):
+            return len(nbytes)  # (no completion times: as without the overlap)
+        self.bytes_per_s = sum(nbytes) * len(measured) / busy
+        last = measured[-1]
+        ready = [t - last.backward_end for t in last.launched]
+        return split_from_timing(ready, nbytes, 0.0, self.bytes_per_s)
+
+    # ---- settling -----------------------------------------------------------------------
+    def settle(self) -> None:
+        """Every held bucket settled: the parameters are the step's result."""
+        if self.unsettled:
+            self._settle(sorted(self.unsettled))
+
+    def _settle(self, buckets: list[int]) -> None:
+        solver = self.solver
+        todo = [i for i in buckets if i in self.unsettled]
+        if not todo:
+            return
+        a = time.perf_counter()
+        for i in todo:
+            solver.finish_bucket(solver.buckets[i])
+        self.forward_wait_s += time.perf_counter() - a
+        params = [p for i in todo for p in solver.buckets[i].params]
+        if self.held_step is not None:
+            step_subset(solver.optimizer, params, self.held_step)
+        if self.held_zero:
+            for i in todo:
+                solver.zero_bucket(solver.buckets[i])
+        self.unsettled.difference_update(todo)
+        if not self.unsettled:
+            self.held_step, self.held_zero = None, False
+
+    def abandon(self) -> None:
+        """A worker was lost: the held update is dropped (its reductions were on the old group),
+        and a step being measured is measured again."""
+        self.unsettled.clear()
+        self.held_step, self.held_zero = None, False
+        self.timing = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a replacement, or a resumed run, takes: the split, or the step that fixes it."""
+        return {"during_backward": self.during_backward, "measuring": self.measuring, "decide_at": self.decide_at}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.during_backward, self.measuring = int(state["during_backward"]), bool(state["measuring"])
+        self.decide_at = state["decide_at"]
+
+    def stats(self) -> dict[str, Any]:
+        return {"buckets": len(self.solver.buckets), "during_backward": self.during_backward,
+                "held_steps": self.steps, "forward_wait_s": self.forward_wait_s,
+                "wire_bytes_per_s": self.bytes_per_s, "read_early": len(self.early)}
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def step_subset(optimizer: torch.optim.Optimizer, params: list[nn.Parameter], hyper: list[dict[str, Any]]) -> None:
+    """``optimizer.step()`` on ``params`` alone, each group at the hyper-parameters ``hyper``
+    held for it; the groups are as they were afterwards."""
+    keep = {id(p) for p in params}
+    saved = [dict(g) for g in optimizer.param_groups]
+    try:
+        for g, h in zip(optimizer.param_groups, hyper):
+            g.update(h)
+            g["params"] = [p for p in g["params"] if id(p) in keep]
+        optimizer.step()
+    finally:
+        for g, s in zip(optimizer.param_groups, saved):
+            g.clear()
+            g.update(s)
