@@ -26,7 +26,7 @@ from distsync.runtime.plugins import (Checkpointer, ComputeGate, DeviceStretch, 
                                       StepState, TrainClock)
 from distsync.membership.liveness import POLL_S, ExchangesWithPeers
 from distsync.membership.views import AdaptsToViews
-from distsync.solvers.next_forward import PER_PARAMETER
+from distsync.solvers.next_forward import next_forward_off
 from distsync.metrics.processes import peak_rss_mib
 from distsync.runtime.plugins.budget import JobBudget, ProgressReport
 from distsync.runtime.plugins.tensorboard import TensorBoardLog
@@ -92,24 +92,6 @@ def worker_plugins(cfg: RunConfig, workload: Workload, solver, comm, progress: P
     ]), runner
 
 
-def next_forward_off(cfg: RunConfig, comm: Any, optimizer: torch.optim.Optimizer,
-                     crossover: dict[str, Any] | None) -> str | None:
-    """Why a step's update may not run on into the next forward in this run (allreduce's
-    ``next_forward``: solvers/next_forward.py), or None where the math stays the step's."""
-    if cfg.clip_grad_norm is not None:
-        return "--clip-grad-norm needs every averaged gradient before the update (its norm is the whole model's)"
-    if cfg.precision == "fp16":
-        return "--precision fp16 unscales every averaged gradient, and skips a step that overflowed, before the update"
-    if cfg.accumulate > 1:
-        return "--accumulate adds each micro-batch's gradients into the buffers the last one sends"
-    if crossover:
-        return "distsync crossover passes the device on as a step's communication begins"
-    if type(optimizer) not in PER_PARAMETER:
-        return (f"optimizer {type(optimizer).__name__} keeps a count or a norm of the whole model's: it steps on every "
-                f"gradient at once")
-    return None
-
-
 def start_run(cfg: RunConfig, workload: Workload, solver, comm, device: torch.device, plugins: Plugins,
               runner: SingleThread, recovery: WorkerRecovery, crossover: dict[str, Any] | None = None) -> RunState:
     """Build the worker's model, optimizer and data (the order of random draws is part of
@@ -127,7 +109,7 @@ def start_run(cfg: RunConfig, workload: Workload, solver, comm, device: torch.de
     run.optimizer = make_optimizer(cfg, run.model.parameters(), cfg.lr)
     run.base_lrs = [g["lr"] for g in run.optimizer.param_groups]
     solver.same_start = False  # (every worker built the same model; a replacement is in no group yet)
-    solver.offer_next_forward(next_forward_off(cfg, comm, run.optimizer, crossover))
+    solver.offer_next_forward(next_forward_off(cfg, bool(crossover), run.optimizer))
     run.run_model = solver.attach(run.model, run.optimizer, comm)
     plugins.on_attach(run)
     batch_size = cfg.batch_size

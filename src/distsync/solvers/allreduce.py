@@ -22,7 +22,7 @@ import torch.nn as nn
 from distsync.config import bounded
 from distsync.errors import ConfigError, PeerLost
 from distsync.solvers.base import Capability, Solver, register_solver
-from distsync.solvers.next_forward import NextForward
+from distsync.solvers.next_forward import NextForward, next_forward_off
 from distsync.solvers.compression import WIRE_DTYPES, PowerSGD, refuse_idle_powersgd_options
 from distsync.solvers.rules import wire_mean_share
 
@@ -122,6 +122,11 @@ class AllReduce(Solver):
                                   f"the model's matrix shapes, which the simulator does not know (fp16 and bf16 have one)")
             share = 0.5 if compress in WIRE_DTYPES else 1.0
             return sim.meet_every(1, sim.allreduce_s(share=share))  # every step, an all-reduce of the gradients
+
+        @classmethod
+        def run_notes(cls, options, cfg, crossover):
+            off = next_forward_off(cfg, crossover) if options.next_forward and options.compress != "powersgd" else None
+            return [f"allreduce keeps each step's update inside its step (next_forward off): {off}"] if off else []
 
         @classmethod
         def simulate_rule(cls, options, sim):
@@ -305,7 +310,12 @@ class AllReduce(Solver):
 
     def stats(self):
         nf = self.overlap_next
-        return {"next_forward": nf.stats() if nf is not None else {"off": self.next_forward_off}}
+        if nf is not None:
+            return {"next_forward": nf.stats()}
+        o = self.options
+        off = ("next_forward=false" if not o.next_forward else "compress=powersgd" if o.compress == "powersgd"
+               else "overlap=false" if not o.overlap else self.next_forward_off or "one worker")
+        return {"next_forward": {"off": off}}
 
     def eval_model(self):
         self.settle_update()

@@ -45,6 +45,23 @@ MEASURED_STEPS = 3
 PER_PARAMETER = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 
 
+def next_forward_off(cfg: Any, crossover: bool, optimizer: Any = None) -> str | None:
+    """Why a run of distsync's training loop with config ``cfg`` keeps each step's update in its
+    step (None: the update may run on into the next forward, the math unchanged)."""
+    if cfg.clip_grad_norm is not None:
+        return "--clip-grad-norm needs every averaged gradient before the update (its norm is the whole model's)"
+    if cfg.precision == "fp16":
+        return "--precision fp16 unscales every averaged gradient, and skips a step that overflowed, before the update"
+    if cfg.accumulate > 1:
+        return "--accumulate adds each micro-batch's gradients into the buffers the last one sends"
+    if crossover:
+        return "distsync crossover hands the device on as a step's communication begins"
+    if cfg.optimizer == "lars" or (optimizer is not None and type(optimizer) not in PER_PARAMETER):
+        name = "lars" if optimizer is None else type(optimizer).__name__
+        return f"optimizer {name} counts the whole model's steps: it steps on every gradient at once"
+    return None
+
+
 def split_from_timing(ready: list[float], nbytes: list[int], backward_end: float, bytes_per_s: float) -> int:
     """How many buckets (in backward's order, from the back) to send during backward: as many
     as a wire of ``bytes_per_s``, sending in that order each once it is ready (``ready``: seconds,
@@ -123,6 +140,7 @@ class NextForward:
         self.held_step: list[dict[str, Any]] | None = None  # the step's hyper-parameters, per group
         self.held_zero = False
         self.unsettled: set[int] = set()  # indexes of buckets whose update is held
+        self._sent: dict[int, int] = {}  # (a held bucket's place in the order they were sent)
         self.forward_wait_s = 0.0  # seconds the forwards waited on the wire (all steps)
         self._forward_wait_taken = 0.0
         self.bytes_per_s: float | None = None
@@ -216,6 +234,7 @@ class NextForward:
     def held(self) -> None:
         """The step's buckets are all on the wire; their update is held."""
         self.unsettled = set(range(len(self.solver.buckets)))
+        self._sent = {i: position for position, i in enumerate(self.launch_order(0))}  # (waited for in that order)
         self.steps += 1
 
     def hold_update(self) -> None:
@@ -264,7 +283,7 @@ class NextForward:
 
     def _settle(self, buckets: list[int]) -> None:
         solver = self.solver
-        todo = [i for i in buckets if i in self.unsettled]
+        todo = sorted((i for i in buckets if i in self.unsettled), key=self._sent.__getitem__)
         if not todo:
             return
         a = time.perf_counter()
