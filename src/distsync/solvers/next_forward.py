@@ -38,7 +38,7 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
 #: steps measured (without the overlap) before the split is fixed: the first warms up
-MEASURED_STEPS = 3
+MEASURED_STEPS = 2
 #: optimizers whose update of a parameter reads only that parameter's gradient and state, so
 #: that stepping it bucket by bucket is the whole step's update (a step count of the optimizer's
 #: own, or a norm over all parameters, would not be)
