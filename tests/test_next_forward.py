@@ -261,7 +261,9 @@ def test_a_clipped_run_says_so_in_one_line_and_steps_inside_each_step(tmp_path):
 
 
 def test_a_split_for_an_overlap_that_is_off_is_refused():
-    with pytest.raises(ValueError, match="during_backward_mb splits the buckets for next_forward, which is off"):
+    from distsync.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="during_backward_mb splits the buckets for next_forward, which is off"):
         make_solver("allreduce", next_forward=False, during_backward_mb=1.0)
-    with pytest.raises(ValueError, match="compress=powersgd does without"):
+    with pytest.raises(ConfigError, match="compress=powersgd does without"):
         make_solver("allreduce", compress="powersgd", during_backward_mb=1.0)
