@@ -267,3 +267,43 @@ def test_a_split_for_an_overlap_that_is_off_is_refused():
         make_solver("allreduce", next_forward=False, during_backward_mb=1.0)
     with pytest.raises(ConfigError, match="compress=powersgd does without"):
         make_solver("allreduce", compress="powersgd", during_backward_mb=1.0)
+
+
+def test_after_a_loss_the_survivors_take_the_first_ones_state_and_go_on_from_the_furthest_step():
+    """Worker 1 of 2 survivors: its held update is dropped with the old group's buckets, and it
+    takes worker 0's model and optimizer state and the furthest step (worker 0's, one further)."""
+    (x, y), = _batches(1)
+    first = Net()
+    first_opt = torch.optim.SGD(first.parameters(), lr=0.1, momentum=0.9)
+    _reference(first, first_opt, _batches(2), [0.1, 0.1])  # (a momentum buffer in its state)
+    sent = {"model": first.state_dict(), "optimizer": first_opt.state_dict()}
+
+    class Survivor(TwoWorkers):
+        rank = worker_index = 1
+
+        def all_reduce(self, tensor, op="sum", group=None, async_op=False, key=None):
+            if op == "max":  # (the furthest step: worker 0 is one further)
+                tensor.fill_(max(int(tensor.item()), 8))
+                return None
+            return super().all_reduce(tensor, op, group, async_op, key)
+
+        def broadcast_object(self, obj, src, group=None):
+            assert src == 0 and obj is None
+            return copy.deepcopy(sent)
+
+    model = Net()
+    solver = make_solver("allreduce", bucket_mb=1e-5, during_backward_mb=0.0)
+    solver.offer_next_forward(None)
+    solver.same_start = False
+    solver.attach(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), Survivor({}))
+    F.cross_entropy(model(x), y).backward()
+    solver.after_backward(7)
+    solver.update(7)
+    solver.zero_grad()
+    solver.on_view_change("workers")  # (the loop, after the group re-formed without the dead)
+    assert not solver.overlap_next.unsettled
+    assert solver.realign_after_loss(7) == 8
+    for got, want in zip(model.parameters(), first.parameters()):
+        assert torch.equal(got, want)
+    assert torch.equal(solver.optimizer.state_dict()["state"][0]["momentum_buffer"],
+                       first_opt.state_dict()["state"][0]["momentum_buffer"])
