@@ -148,17 +148,14 @@ class NextForward:
         self._hooked: set[nn.Parameter] = set()  # (the watched forward: parameters whose pre-hook ran)
         self._watch: _Watch | None = None
         self._watched = False
-        self.owned: dict[nn.Parameter, int] = {}
-        index = {id(p): i for i, b in enumerate(solver.buckets) for p in b.params}
-        for i, b in enumerate(solver.buckets):
-            for p in b.params:
-                self.owned[p] = i
+        #: each trained parameter's bucket
+        self.owned: dict[nn.Parameter, int] = {p: i for i, b in enumerate(solver.buckets) for p in b.params}
         self._handles: list[Any] = []
         model = solver.model
         for module in model.modules():
-            own = [index[id(p)] for p in module.parameters(recurse=False) if id(p) in index]
-            if own:
-                buckets, params = sorted(set(own)), [p for p in module.parameters(recurse=False) if id(p) in index]
+            params = [p for p in module.parameters(recurse=False) if p in self.owned]
+            if params:
+                buckets = sorted({self.owned[p] for p in params})
                 self._handles.append(module.register_forward_pre_hook(self._pre_hook(buckets, params)))
         self._handles.append(model.register_forward_pre_hook(self._forward_starts, prepend=True))
         self._handles.append(model.register_forward_hook(self._forward_ends))
