@@ -306,7 +306,7 @@ def finish(path: Path | str, started: dict[str, Any], render: Any, payload: dict
             print_checks(found)
         payload = {**payload, "checks": found}
     write_record(path, started, regime=regime, seeds=seeds, payload=payload)
-    return 0 if all(ok for _, ok in found) else 1
+    return 0 if all(ok is not False for _, ok in found) else 1  # (None: not judged)
 
 
 def per_seed(by_seed: dict[str, dict[str, Any]], key: str) -> dict[str, Any]:
