@@ -375,7 +375,11 @@ NOT_MEASURED = "> Not measured yet: "
 
 def not_measured(fig: Figure) -> str | None:
     """The block of ``fig`` while it has no raw file: what to run (None: a missing raw file is a
-    failure, as for every figure that ``make figures`` runs)."""
+    failure, as for every figure that ``make figures`` runs, but for those run by name only or
+    on a GPU)."""
+    if fig.needs_gpu:  # (made only where a GPU is lent: docs/gpu.md)
+        return (f"{NOT_MEASURED}no raw results ({fig.raw_path().relative_to(REPO)}). It needs a CUDA GPU: "
+                f"`make gpu` runs it there.\n")
     if not fig.by_name_only:
         return None
     return (f"{NOT_MEASURED}no raw results ({fig.raw_path().relative_to(REPO)}). Run by name only "
