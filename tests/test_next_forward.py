@@ -307,3 +307,18 @@ def test_after_a_loss_the_survivors_take_the_first_ones_state_and_go_on_from_the
         assert torch.equal(got, want)
     assert torch.equal(solver.optimizer.state_dict()["state"][0]["momentum_buffer"],
                        first_opt.state_dict()["state"][0]["momentum_buffer"])
+
+
+def test_a_loop_of_your_own_keeps_each_steps_update_inside_its_step():
+    # (your code between steps may read the parameters; a closure-based optimizer and no_sync() work as without it)
+    model = Net()
+    solver = make_solver("allreduce", bucket_mb=1e-5)
+    solver.same_start = False
+    solver.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), TwoWorkers({}))
+    assert solver.overlap_next is None
+    assert solver.stats() == {"next_forward": {"off": "a loop of your own keeps the step boundary"}}
+    (x, y), = _batches(1)
+    before = [p.detach().clone() for p in model.parameters()]
+    with solver.step(0):
+        F.cross_entropy(model(x), y).backward()
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))  # (updated as the block ended)
