@@ -96,6 +96,8 @@ class BufferSync:
         if (not due or self._early is not None or self._local or self.ended or comm is None
                 or getattr(comm, "role", "worker") != "worker" or comm.num_workers < 2):
             return
+        if any(v.dtype == torch.bool or v.dtype.is_complex for v in self._views):
+            return  # (no sum carries them: the next forward broadcasts them, as without next_forward)
         with torch.no_grad():
             if self.policy == "broadcast":
                 first = comm.rank == comm.live_workers[0]
