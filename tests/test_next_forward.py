@@ -9,19 +9,25 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distsync.solvers import make_solver
-from distsync.solvers.next_forward import busy_seconds, split_from_bytes, split_from_timing, step_subset
+from distsync.solvers.next_forward import split_from_bytes, split_from_landings, step_subset
 
 
-def test_the_split_sends_during_backward_what_the_wire_delivers_by_its_end():
-    # four 100-byte buckets ready 0.75, 0.5, 0.25 and 0 s before backward's end
-    ready, nbytes = [-0.75, -0.5, -0.25, 0.0], [100] * 4
-    assert split_from_timing(ready, nbytes, 0.0, 400.0) == 3  # 0.25 s each: the third lands at the end
-    assert split_from_timing(ready, nbytes, 0.0, 200.0) == 1  # 0.5 s each: the second would land 0.25 s late
-    assert split_from_timing(ready, nbytes, 0.0, 1e9) == 3  # the front bucket is ready only at the end
-    assert split_from_timing([-1.0, -0.5], [100, 100], 0.0, 1e9) == 2
+def test_the_split_sends_during_backward_what_lands_by_its_end_and_the_bucket_the_wire_takes_up_before():
+    end = 100.0  # (backward's end)
+    went = [99.0, 99.2, 99.4, 99.6]
+    # landed 0.5 and 0.25 s before the end, at it; the fourth taken up at 100.0 (the wire busy till then)
+    assert split_from_landings(went, [99.5, 99.75, 100.0, 100.25], end) == 3
+    # the third taken up at 99.75 (the second's landing), landed after the end: sent during backward
+    assert split_from_landings(went, [99.5, 99.75, 100.5, 100.75], end) == 3
+    # the second landed after the end: the third was taken up only then
+    assert split_from_landings(went, [99.5, 100.1, 100.5, 100.75], end) == 2
+    # the first alone took past the end (a slow wire): it went at 99.0
+    assert split_from_landings(went, [100.5, 101.0, 101.5, 102.0], end) == 1
+    assert split_from_landings([99.0, 100.0], [100.5, 101.0], 100.0) == 1  # (the second went as backward ended)
+    assert split_from_landings(went, [99.5, 0.0, 99.9, 99.95], end) == 1  # (0.0: not seen to land)
+    assert split_from_landings(went, [0.0] * 4, end) == 4  # (no landing seen: all, as without the overlap)
     assert split_from_bytes([100, 100, 100], 250.0) == 2
     assert split_from_bytes([100, 100, 100], 0.0) == 0
-    assert busy_seconds([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0)]) == 3.0
 
 
 class Pending:

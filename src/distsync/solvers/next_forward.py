@@ -9,8 +9,11 @@ The order every rank sends its buckets in is fixed, as collectives need:
   last, and the next forward needs their parameters first.
 
 Where the two parts meet is how much the wire carries while backward runs: measured on the
-first :data:`MEASURED_STEPS` steps (the wire's pace over its busy time, each bucket's ready time
-and backward's end; rank 0's answer, broadcast), or given (``during_backward_mb``).
+first :data:`MEASURED_STEPS` steps, which send every bucket in backward's order as before (the
+back buckets that had landed when backward ended, sent first again in the same order at the same
+moments, land by then again; and the next one if the wire takes it up before then:
+:func:`split_from_landings`; the first live worker's answer, broadcast), or given
+(``during_backward_mb``).
 
 The update the training loop asks for (``optimizer.step()``, then ``zero_grad()``) is held and
 applied bucket by bucket: when the next forward first needs a module's own parameters (a
@@ -62,16 +65,24 @@ def next_forward_off(cfg: Any, crossover: bool, optimizer: Any = None) -> str | 
     return None
 
 
-def split_from_timing(ready: list[float], nbytes: list[int], backward_end: float, bytes_per_s: float) -> int:
-    """How many buckets (in backward's order, from the back) to send during backward: as many
-    as a wire of ``bytes_per_s``, sending in that order each once it is ready (``ready``: seconds,
-    on the clock of ``backward_end``), has delivered by backward's end."""
-    end = float("-inf")
-    for i, (r, n) in enumerate(zip(ready, nbytes)):
-        end = max(r, end) + n / bytes_per_s
-        if end > backward_end:
+def split_from_landings(launched: list[float], done: list[float], backward_end: float) -> int:
+    """How many buckets (in backward's order, from the back) to send during backward, from a step
+    that sent them all in that order (``launched``, ``done``: when each went and landed, on the
+    clock of ``backward_end``; done 0.0: not seen to land): the leading ones that landed by
+    backward's end, and the next one too if the wire took it up before then (left out, the wire
+    would idle for the rest of backward; sent alone, without the buckets behind it sharing the
+    wire as they did here, it lands sooner than it did). Without a landing seen at all (a backend
+    whose work tells no completion) all of them, as without the overlap."""
+    if not any(done):
+        return len(done)
+    free = float("-inf")  # (when the wire was done with the buckets before)
+    for i, (went, t) in enumerate(zip(launched, done)):
+        if not t:
             return i
-    return len(nbytes)
+        if t > backward_end:
+            return i + 1 if max(went, free) < backward_end else i
+        free = t
+    return len(done)
 
 
 def split_from_bytes(nbytes: list[int], during_backward: float) -> int:
@@ -84,18 +95,8 @@ def split_from_bytes(nbytes: list[int], during_backward: float) -> int:
     return len(nbytes)
 
 
-def busy_seconds(intervals: list[tuple[float, float]]) -> float:
-    """The time covered by the union of ``(start, end)`` intervals."""
-    busy, reach = 0.0, float("-inf")
-    for start, end in sorted(intervals):
-        if end > reach:
-            busy += end - max(start, reach)
-            reach = end
-    return busy
-
-
 class StepTiming:
-    """One measured step: each bucket's launch and completion, and backward's end."""
+    """One measured step: when each bucket went and landed (0.0: not seen to), and backward's end."""
 
     def __init__(self, n: int) -> None:
         self.launched = [0.0] * n
@@ -143,7 +144,6 @@ class NextForward:
         self._sent: dict[int, int] = {}  # (a held bucket's place in the order they were sent)
         self.forward_wait_s = 0.0  # seconds the forwards waited on the wire (all steps)
         self._forward_wait_taken = 0.0
-        self.bytes_per_s: float | None = None
         self.early: set[nn.Parameter] = set()  # parameters read before their module's pre-hook
         self._hooked: set[nn.Parameter] = set()  # (the watched forward: parameters whose pre-hook ran)
         self._watch: _Watch | None = None
@@ -260,17 +260,10 @@ class NextForward:
         self.measuring = False
 
     def _split(self) -> int:
-        nbytes = [b.nbytes for b in self.solver.buckets]
         measured = self.timings[1:] or self.timings  # (the first warms up)
         if not measured:
-            return len(nbytes)
-        busy = sum(busy_seconds(list(zip(t.launched, t.done))) for t in measured)
-        if busy <= 0.0 or not all(t.done[i] for t in measured for i in range(len(nbytes))):
-            return len(nbytes)  # (no completion times: as without the overlap)
-        self.bytes_per_s = sum(nbytes) * len(measured) / busy
-        last = measured[-1]
-        ready = [t - last.backward_end for t in last.launched]
-        return split_from_timing(ready, nbytes, 0.0, self.bytes_per_s)
+            return len(self.solver.buckets)
+        return min(split_from_landings(t.launched, t.done, t.backward_end) for t in measured)
 
     # ---- settling -----------------------------------------------------------------------
     def settle(self) -> None:
@@ -314,8 +307,7 @@ class NextForward:
 
     def stats(self) -> dict[str, Any]:
         return {"buckets": len(self.solver.buckets), "during_backward": self.during_backward,
-                "held_steps": self.steps, "forward_wait_s": self.forward_wait_s,
-                "wire_bytes_per_s": self.bytes_per_s, "read_early": len(self.early)}
+                "held_steps": self.steps, "forward_wait_s": self.forward_wait_s, "read_early": len(self.early)}
 
     def remove(self) -> None:
         for handle in self._handles:
