@@ -21,8 +21,8 @@ from common import argument_parser, finish, launch_or_exit, provenance
 from distsync.config import RunConfig
 
 REGIME = "real runs on this machine's cores (CPU-bound: equality does not depend on the pace)"
-#: the buckets small enough that every model has several (digits' 0.1 MB would be one)
-BUCKET_MB = {"digits": 0.02, "cnn": 0.2, "resnet50": 25.0}
+#: buckets small enough that every model has several (under the 25 MiB default, digits and cnn have one)
+BUCKET_MB = {"digits": 0.002, "cnn": 0.05, "resnet50": 25.0}
 
 
 def run(workload: str, workers: int, steps: int, next_forward: bool, out: Path) -> tuple[dict, dict[str, Any]]:
