@@ -167,6 +167,9 @@ class AllReduce(Solver):
                 and comm.num_workers > 1 and self.buckets:
             during = None if o.during_backward_mb is None else o.during_backward_mb * 2**20
             self.overlap_next = NextForward(self, during)
+            membership = getattr(comm, "membership", None)
+            if membership is not None:  # (survivors that left at different operations agree: realign_after_loss)
+                membership.reconciled.add("workers")
         return model
 
     def _make_buckets(self, plan: list[list[nn.Parameter]]) -> None:
