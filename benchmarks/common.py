@@ -84,7 +84,7 @@ def table_row(cells: Iterable[Any], flush: bool = False) -> None:
 def print_checks(checks: Iterable[tuple[str, bool]], met: str = "met   ", missed: str = "MISSED") -> None:
     """A line per target: ``MET_OR_MISSED TEXT``."""
     for text, ok in checks:
-        print(f"{met if ok else missed} {text}")
+        print(f"{'n/a   ' if ok is None else met if ok else missed} {text}")
 
 
 def write_results(path: Path | str, payload: dict[str, Any], announce: bool = True) -> Path:
@@ -306,7 +306,7 @@ def finish(path: Path | str, started: dict[str, Any], render: Any, payload: dict
             print_checks(found)
         payload = {**payload, "checks": found}
     write_record(path, started, regime=regime, seeds=seeds, payload=payload)
-    return 0 if all(ok for _, ok in found) else 1
+    return 0 if all(ok is not False for _, ok in found) else 1  # (None: not judged)
 
 
 def per_seed(by_seed: dict[str, dict[str, Any]], key: str) -> dict[str, Any]:
@@ -317,9 +317,10 @@ def per_seed(by_seed: dict[str, dict[str, Any]], key: str) -> dict[str, Any]:
 
 def checks_markdown(checks: Iterable[Any]) -> str:
     """A raw file's targets as a markdown list: ``- **met**: TEXT`` / ``- **missed**: TEXT``
-    (checks as ``[text, ok]`` pairs or ``{"check": text, "met": ok}``)."""
+    (checks as ``[text, ok]`` pairs or ``{"check": text, "met": ok}``; ok None: ``- **not judged**: TEXT``, a
+    target that does not apply to the row, the text says why)."""
     lines = []
     for c in checks:
         text, ok = (c["check"], c["met"]) if isinstance(c, dict) else c
-        lines.append(f"- **{'met' if ok else 'missed'}**: {text}")
+        lines.append(f"- **{'not judged' if ok is None else 'met' if ok else 'missed'}**: {text}")
     return "\n".join(lines)

@@ -53,11 +53,14 @@ PROVENANCE = ("command", "commit", "dirty", "date", "machine", "regime", "seeds"
 MIN_REPEATS = 3
 
 #: what every training run exercises: a figure that measures training declares these too
+#: allreduce's code: the solver and its next-forward overlap
+ALLREDUCE = ("src/distsync/solvers/allreduce.py", "src/distsync/solvers/next_forward.py")
 RUNTIME = ("src/distsync/comm", "src/distsync/runtime", "src/distsync/membership", "src/distsync/metrics",
            "src/distsync/workloads", "src/distsync/solvers/base.py", "src/distsync/solvers/__init__.py",
            "src/distsync/solvers/rules.py", "src/distsync/solvers/flat.py", "src/distsync/solvers/hogwild_threads.py",
-           "src/distsync/solvers/lars.py",
-           "src/distsync/config.py", "src/distsync/worker.py", "src/distsync/supervise.py")
+           "src/distsync/solvers/lars.py", "src/distsync/solvers/buffers.py", "src/distsync/solvers/plan.py",
+           "src/distsync/solvers/own_loop.py", "src/distsync/config.py", "src/distsync/worker.py",
+           "src/distsync/supervise.py")
 #: recommend's code: the command, its candidates, its train mode and staged search, its outputs
 RECOMMEND = ("src/distsync/experiments/recommend.py", "src/distsync/experiments/proposal.py",
              "src/distsync/experiments/staged_search.py", "src/distsync/experiments/recommend_outputs.py")
@@ -114,22 +117,34 @@ class Figure:
 
 
 #: what the heterogeneity figures' runs depend on beyond the runtime
-HETEROGENEITY = RUNTIME + ("src/distsync/solvers/allreduce.py", "src/distsync/solvers/decentralized.py",
+HETEROGENEITY = RUNTIME + (*ALLREDUCE, "src/distsync/solvers/decentralized.py",
                            "src/distsync/solvers/schedules.py", "src/distsync/solvers/parameter_server.py",
                            "src/distsync/solvers/elastic.py", "src/distsync/solvers/shard_service.py")
 
 FIGURES = [
-    Figure("real_sizes", "real_sizes", ("--parts", "ring", "--models", "resnet50", "--seeds", "1,2,3"),
+    Figure("real_sizes", "real_sizes", ("--parts", "ring", "--models", "resnet50", "--links", "1gbit",
+                                        "--workers", "4,8", "--seeds", "1,2,3"),
            ("--parts", "ring", "--models", "resnet50", "--links", "10gbit", "--workers", "2", "--seeds", "1",
-            "--solvers", "allreduce,ddp", "--steps", "3"),
-           RUNTIME + ("src/distsync/solvers/allreduce.py", "src/distsync/solvers/ddp.py",
+            "--steps", "4"),
+           RUNTIME + (*ALLREDUCE,
+                      "src/distsync/solvers/ddp.py",
                       "src/distsync/workloads/resnet50.py", "src/distsync/workloads/gpt2.py"),
            "docs/benchmarks/real_sizes.md"),
+    Figure("next_forward_equal", "next_forward_equal", (),
+           ("--workloads", "digits", "--workers", "2", "--steps", "5"),
+           RUNTIME + (*ALLREDUCE,), "docs/benchmarks/real_sizes.md", min_repeats=1),
+    Figure("next_forward_hooks", "next_forward_hooks", ("--batch", "8", "--steps", "12"),
+           ("--batch", "2", "--steps", "5", "--rounds", "1"), RUNTIME + (*ALLREDUCE,),
+           "docs/benchmarks/real_sizes.md"),
+    Figure("next_forward_hooks-gpu", "next_forward_hooks", ("--device", "cuda"),
+           ("--device", "cuda", "--steps", "5", "--rounds", "1"), RUNTIME + (*ALLREDUCE,), "docs/gpu.md",
+           needs_gpu=True),
     Figure("real_sizes_gpt2", "real_sizes", ("--parts", "ring", "--models", "gpt2", "--workers", "4,8", "--solvers",
                                            "allreduce,ddp", "--seeds", "1,2,3", "--steps", "4"),
            ("--parts", "ring", "--models", "gpt2", "--links", "10gbit", "--workers", "2", "--seeds", "1",
-            "--solvers", "allreduce,ddp", "--steps", "3"),
-           RUNTIME + ("src/distsync/solvers/allreduce.py", "src/distsync/solvers/ddp.py",
+            "--steps", "4"),
+           RUNTIME + (*ALLREDUCE,
+                      "src/distsync/solvers/ddp.py",
                       "src/distsync/workloads/gpt2.py", "src/distsync/workloads/lm.py"),
            "docs/benchmarks/real_sizes.md"),
     Figure("real_sizes_servers", "real_sizes",
@@ -142,15 +157,15 @@ FIGURES = [
            "docs/benchmarks/real_sizes.md"),
     Figure("allreduce_vs_ddp", "allreduce_vs_ddp", ("--rounds", "3"),
            ("--rounds", "1", "--rows", "digits:2"),
-           RUNTIME + ("src/distsync/solvers/allreduce.py", "src/distsync/solvers/ddp.py"),
+           RUNTIME + (*ALLREDUCE, "src/distsync/solvers/ddp.py"),
            "docs/benchmarks/allreduce_vs_ddp.md"),
     Figure("allreduce_vs_ddp-gpu", "allreduce_vs_ddp", ("--device", "cuda", "--rows", "digits:1,cnn:1"),
            ("--device", "cuda", "--rounds", "1", "--rows", "digits:1"),
-           RUNTIME + ("src/distsync/solvers/allreduce.py", "src/distsync/solvers/ddp.py"),
+           RUNTIME + (*ALLREDUCE, "src/distsync/solvers/ddp.py"),
            "docs/gpu.md", needs_gpu=True),
     Figure("peers", "peers", ("--seeds", "1,2,3"),
            ("--seeds", "1", "--pairs", "ma/torch-post-local-sgd", "--workers", "2", "--cap", "3"),
-           RUNTIME + ("src/distsync/solvers/allreduce.py", "src/distsync/solvers/ddp.py",
+           RUNTIME + (*ALLREDUCE, "src/distsync/solvers/ddp.py",
                       "src/distsync/solvers/model_averaging.py", "src/distsync/solvers/diloco.py",
                       "src/distsync/solvers/compression.py", "src/distsync/solvers/peers.py"),
            "docs/benchmarks/peers.md"),
@@ -175,7 +190,7 @@ FIGURES = [
               "allreduce,ad-psgd,ripples:smart:overlap=true", "--seeds", "1,2,3", "--cap", "40"),
              ("--workload", w, "--device", "cuda", "--workers", "2", "--cases", "one 3x slow", "--seeds", "1",
               "--solvers", "allreduce,ripples:smart", "--cap", "2"),
-             RUNTIME + ("src/distsync/solvers/allreduce.py", "src/distsync/solvers/decentralized.py",
+             RUNTIME + (*ALLREDUCE, "src/distsync/solvers/decentralized.py",
                         "src/distsync/solvers/schedules.py"),
              "docs/benchmarks/heterogeneity.md", needs_gpu=True) for w in ("cnn", "mnist")),
     Figure("heterogeneity_devices_16", "heterogeneity_devices",
@@ -190,18 +205,18 @@ FIGURES = [
             "allreduce,sync-easgd,async-measgd,ea-wild,ea-wild:tau=16,async-ps", "--seeds", "1,2,3"),
            ("--devices", "--workers", "2", "--settings", "wide", "--solvers", "allreduce,sync-easgd", "--seeds", "1",
             "--cap", "10"),
-           RUNTIME + ("src/distsync/solvers/allreduce.py", "src/distsync/solvers/elastic.py",
+           RUNTIME + (*ALLREDUCE, "src/distsync/solvers/elastic.py",
                       "src/distsync/solvers/parameter_server.py", "src/distsync/solvers/shard_service.py"),
            "docs/benchmarks/async_vs_sync.md"),
     Figure("shadowsync_devices", "shadowsync",
            ("--devices", "--trainers", "1,2,4", "--min-interval-ms", "0", "--seeds", "1,2,3"),
            ("--devices", "--trainers", "2", "--steps", "30", "--min-interval-ms", "0", "--seeds", "1"),
            RUNTIME + ("src/distsync/solvers/shadow.py", "src/distsync/solvers/model_averaging.py",
-                      "src/distsync/solvers/elastic.py", "src/distsync/solvers/allreduce.py", "src/distsync/sparse"),
+                      "src/distsync/solvers/elastic.py", *ALLREDUCE, "src/distsync/sparse"),
            "docs/benchmarks/shadowsync.md"),
     Figure("crossover", "crossover", ("--cases", "emulated-device,emulated-4,emulated-4-jitter", "--repeats", "3"),
            ("--cases", "emulated-device", "--device-steps", "6", "--repeats", "1"),
-           RUNTIME + ("src/distsync/solvers/allreduce.py", "src/distsync/experiments/crossover.py",
+           RUNTIME + (*ALLREDUCE, "src/distsync/experiments/crossover.py",
                       "src/distsync/runtime/token.py"),
            "docs/benchmarks/crossover.md"),
     # -- reliability: faults, kills, a lagging worker, startup --
@@ -222,7 +237,7 @@ FIGURES = [
     Figure("stopped_worker", "lagging_worker",
            ("--parts", "stop", "--families", "allreduce,bmuf,async-ps,ad-psgd,ripples", "--repeats", "3"),
            ("--parts", "stop", "--families", "allreduce", "--repeats", "1"),
-           RUNTIME + ("src/distsync/solvers/allreduce.py", "src/distsync/solvers/model_averaging.py",
+           RUNTIME + (*ALLREDUCE, "src/distsync/solvers/model_averaging.py",
                       "src/distsync/solvers/parameter_server.py", "src/distsync/solvers/shard_service.py",
                       "src/distsync/solvers/decentralized.py", "src/distsync/solvers/schedules.py",
                       "src/distsync/cli.py", "src/distsync/options.py"),
@@ -236,7 +251,7 @@ FIGURES = [
            ("--workers", "2", "--repeats", "1", "--warmup", "0"),
            RUNTIME + ("src/distsync/cli.py", "src/distsync/__init__.py", "src/distsync/imports.py",
                       "src/distsync/options.py", "src/distsync/errors.py", "src/distsync/torch_private.py",
-                      "src/distsync/solvers/allreduce.py", "src/distsync/experiments", "benchmarks/startup_profile"),
+                      *ALLREDUCE, "src/distsync/experiments", "benchmarks/startup_profile"),
            "docs/benchmarks/startup.md"),
     # -- the simulator, recommend, emulated devices, links --
     Figure("simulator", "simulator", ("--seeds", "1,2,3"),
@@ -301,7 +316,7 @@ FIGURES = [
     Figure("devices", "devices", ("--steps-scale", "0.5", "--seeds", "1,2,3"),
            ("--workloads", "digits", "--workers", "4", "--steps-scale", "0.25", "--seeds", "1",
             "--out", "benchmarks/results/quick/devices"),
-           RUNTIME + ("src/distsync/solvers/allreduce.py",),
+           RUNTIME + (*ALLREDUCE,),
            "docs/benchmarks/devices.md"),
     Figure("link_efficiency", "link_efficiency", ("--repeats", "3"),
            ("--repeats", "1", "--sizes", "1", "--links", "1gbit,unshaped"),
@@ -360,7 +375,11 @@ NOT_MEASURED = "> Not measured yet: "
 
 def not_measured(fig: Figure) -> str | None:
     """The block of ``fig`` while it has no raw file: what to run (None: a missing raw file is a
-    failure, as for every figure that ``make figures`` runs)."""
+    failure, as for every figure that ``make figures`` runs, but for those run by name only or
+    on a GPU)."""
+    if fig.needs_gpu:  # (made only where a GPU is lent: docs/gpu.md)
+        return (f"{NOT_MEASURED}no raw results ({fig.raw_path().relative_to(REPO)}). It needs a CUDA GPU: "
+                f"`make gpu` runs it there.\n")
     if not fig.by_name_only:
         return None
     return (f"{NOT_MEASURED}no raw results ({fig.raw_path().relative_to(REPO)}). Run by name only "

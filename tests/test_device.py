@@ -198,6 +198,43 @@ def test_a_forward_over_its_share_leaves_backward_less(monkeypatch):
     assert s.event_extra["device_math"] == pytest.approx(0.012)
 
 
+def test_forward_share_is_spent_module_by_module_from_when_each_could_start(monkeypatch):
+    """A 30 ms device, two thirds of it backward's: forward's 10 ms go to its modules by their
+    parameters' sizes (front Linear(3, 4): 16 of 26; back Linear(4, 2): 10 of 26), each done its
+    share after it could start; a solver's pre-hook that waits 5 ms for the back module's
+    parameters (allreduce's next_forward) delays that module's device time, not the front's."""
+    from types import SimpleNamespace
+
+    import torch
+
+    clock = FakeClock()
+    monkeypatch.setattr(stretch_module, "time", clock)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    model[1].register_forward_pre_hook(lambda m, a: setattr(clock, "now", clock.now + 0.005))  # (the wire)
+    plugin = DeviceStretch(1.0, 0.0, seeds=[0], device_ms=30.0, backward_share=2 / 3)
+    plugin.on_attach(SimpleNamespace(model=model, solver=SimpleNamespace(capabilities=frozenset())))
+    ends = {}  # (when each module's forward is done, device time included)
+    for name, module in model.named_children():
+        module.register_forward_hook(lambda m, a, out, name=name: ends.__setitem__(name, clock.now))
+    began = clock.now
+    s = step(0.0)
+    plugin.before_compute(None, s)
+    out = model(torch.ones(1, 3))
+    assert ends["0"] == pytest.approx(began + 0.010 * 16 / 26)
+    assert ends["1"] == pytest.approx(began + 0.010 * 16 / 26 + 0.005 + 0.010 * 10 / 26)
+    s.forward_end, s.aside_s = s.compute_from + (clock.now - began), 0.005  # (the loop counts the wait as comm)
+    plugin.after_forward(None, s)
+    assert sum(clock.slept) == pytest.approx(0.010)  # forward's share, all of it slept (the math took no time)
+    b = clock.now
+    out.sum().backward()
+    s.backward_s = clock.now - b
+    plugin.after_backward(None, s)
+    assert sum(clock.slept) == pytest.approx(0.030)  # the step's device time, none of it twice
+    assert s.event_extra["device_math"] == pytest.approx(0.0)
+    model(torch.ones(1, 3))  # an evaluation's forward (not armed by a step): no device time
+    assert sum(clock.slept) == pytest.approx(0.030)
+
+
 def test_device_backward_needs_a_device_and_one_training_thread(tmp_path):
     from distsync.config import RunConfig
     from distsync.errors import ConfigError

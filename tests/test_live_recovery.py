@@ -77,6 +77,14 @@ def test_members_that_left_at_different_operations_cannot_go_on():
         _membership(0, store, {2}).reform("workers")
 
 
+def test_members_that_left_at_different_operations_go_on_where_their_solver_makes_them_agree():
+    # (allreduce's next_forward: the survivors take the first one's state and the furthest step)
+    store = _in(_in({}, 1, 3), 1, 1, seq=8)
+    m = _membership(0, store, {2})
+    m.reconciled.add("workers")
+    assert m.reform("workers").members == (0, 1, 3)
+
+
 def test_a_view_made_by_some_and_given_up_by_others_leaves_the_count_of_operations_as_it_was():
     """A lost host: rank 3 dies while epoch 1's group (0, 1, 3) forms. Rank 1's formation
     completes, and it does nothing on it before it finds 3 dead; rank 0's is given up. Both

@@ -78,6 +78,7 @@ VALUES: dict[tuple[str, str], list] = {
     ("ripples", "schedule"): ["random"],  # (smart's groups follow readiness: the coordinator's tests)
     ("streaming-diloco", "fragments"): [1],
     ("streaming-diloco", "delay"): [0],
+    ("allreduce", "during_backward_mb"): [0.0],  # (every bucket after backward, front first)
 }
 
 _SMART = {"schedule": "smart", "max_wait_ms": 10_000, "wait_share": 10_000}  # (everyone waits for everyone)
@@ -100,6 +101,9 @@ _PACE = "the shadow thread's pace only (when it syncs, which the script fixes he
 SAME: dict[tuple[str, str], str] = {
     ("allreduce", "bucket_mb"): "the pieces the gradients travel in, not their sum",
     ("allreduce", "overlap"): "when the buckets travel, not their sum",
+    **{("allreduce", o): "when the buckets travel and their update lands, not the update (bit for bit: "
+                         "test_next_forward.py::test_models_are_bit_identical_to_the_step_bounded_all_reduce)"
+       for o in ("next_forward", "during_backward_mb")},
     ("ddp", "bucket_mb"): "the pieces the gradients travel in, not their sum",
     ("*", "servers"): "where the center's tensors live, not their values",
     ("ripples", "reduce"): "how a group's models travel; its mean is the same (to float rounding)",
@@ -434,6 +438,8 @@ SIM_WITH: dict[tuple[str, str], dict] = {
 SIM_SAME: dict[tuple[str, str], str] = {
     ("allreduce", "bucket_mb"): "an all-reduce is one message of the whole model after backward: buckets not modelled",
     ("allreduce", "overlap"): "an all-reduce is one message of the whole model after backward: overlap not modelled",
+    **{("allreduce", o): "an all-reduce is one message of the whole model after backward: the next forward's "
+                         "overlap not modelled" for o in ("next_forward", "during_backward_mb")},
     ("ddp", "bucket_mb"): "an all-reduce is one message of the whole model after backward: buckets not modelled",
     ("ripples", "buffer"): "the random schedule's coordinator round trips are not modelled",
 }

@@ -758,3 +758,48 @@ def test_no_gate_where_the_jobs_run_without_the_token():
     naive = {"address": "/nowhere", "job": 0, "token": False, "share": True}
     assert ComputeGate.for_worker(naive, cfg, FakeComm(), solver) is None
     assert isinstance(ComputeGate.for_worker({"address": "/nowhere", "job": 0}, cfg, FakeComm(), solver), ComputeGate)
+
+
+class LosesAPeer(Solver):
+    """A solver whose group loses a worker in step 2's after_backward; the survivors agreed to go
+    on from step 4 (realign_after_loss): steps 2 and 3 are dropped on this worker."""
+
+    name = "loses-a-peer"
+
+    def __init__(self):
+        super().__init__()
+        self.failed, self.realigned, self.backwards = False, [], []
+
+    def after_backward(self, step):
+        self.backwards.append(step)
+        if step == 2 and not self.failed:
+            from distsync.errors import PeerLost
+
+            self.failed = True
+            raise PeerLost("rank 0: all_reduce on the workers group (epoch 0) failed: a peer closed", "workers")
+
+    def realign_after_loss(self, step):
+        self.realigned.append(step)
+        return 4
+
+
+class OneSurvivor(FakeComm):
+    """A comm whose live view re-forms without rank 1."""
+
+    def __init__(self):
+        view = SimpleNamespace(tag="workers", epoch=1, members=(0,), reform_s=0.001, joined=())
+        self.membership = SimpleNamespace(take_lost=lambda tag="workers": None, reform=lambda tag: view,
+                                          hand_over=lambda view, state: None, history=[])
+
+
+def test_survivors_that_agreed_on_a_later_step_skip_the_steps_between():
+    from distsync.workloads import load_workload
+
+    cfg, workload = _digits_cfg(), load_workload("digits")
+    solver, comm = LosesAPeer(), OneSurvivor()
+    events = loop.train_worker(cfg, workload, solver, comm, torch.device("cpu"), Progress(None, 6))
+    assert solver.realigned == [2]
+    assert solver.backwards == [0, 1, 2, 4, 5]  # (step 2 failed; 3 skipped)
+    assert [e["step"] for e in events if e["kind"] == "step"] == [0, 1, 4, 5]
+    [view] = [e for e in events if e["kind"] == "view"]
+    assert view["step"] == 2 and view["went_on_from"] == 4 and view["members"] == [0]

@@ -625,3 +625,20 @@ def test_forgetting_a_checkpoint_whose_folder_another_rank_just_removed_is_no_er
     assert store.indices() == [1, 2] and store.check(1) is None
     for rank in range(len(ROLES)):
         assert torch.equal(_store(tmp_path, rank).load(1)["x"], torch.full((4,), 1.0))
+
+
+def test_the_first_worker_to_stop_the_run_is_the_cause_named(tmp_path):
+    # rank 1's loss went non-finite; rank 0's a step later, from rank 1's gradient
+    from types import SimpleNamespace
+
+    from distsync.runtime.launch import _failure_message
+    from distsync.runtime.recovery import read_stop, write_stop
+
+    write_stop(tmp_path, "worker rank 1: loss is nan at step 35; stopping")
+    write_stop(tmp_path, "worker rank 0: loss is nan at step 36; stopping")
+    assert read_stop(tmp_path) == "worker rank 1: loss is nan at step 35; stopping"
+    assert not list(tmp_path.glob("*.tmp"))
+    failures = {r: SimpleNamespace(message=f"DistsyncError: worker rank {r}: loss is nan at step {36 - r}; stopping",
+                                   exitcode=1, signal_name=lambda: "") for r in (0, 1)}
+    assert _failure_message(failures, ["worker"] * 2, read_stop(tmp_path))[0].startswith("worker rank 1: loss is nan")
+    assert _failure_message(failures, ["worker"] * 2)[0].startswith("worker rank 0: loss is nan")  # (without the mark)

@@ -372,7 +372,7 @@ def _run_with_progress(run, every_s: float = 5.0) -> Any:
 def _cmd_train(args: argparse.Namespace) -> int:
     from distsync.config import parse_key_values
     from distsync.options import config_from_args
-    from distsync.runtime.resolve import resolve
+    from distsync.runtime.resolve import resolve, run_notes
     from distsync.runtime.launch import launch
     from distsync.runtime.run_folder import train_folder
 
@@ -389,6 +389,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         cfg = config_from_args(args, args.solver, parse_key_values(_solver_option_items(args)))
         run = resolve(cfg)
     out = train_folder(run.config.out, cfg.workload, cfg.solver, resuming=bool(args.resume), overwrite=args.overwrite)
+    for line in run_notes(run):
+        console.print(f"note: {line}", markup=False, highlight=False, soft_wrap=True)
 
     def start(on_start, on_progress):
         on_start(cfg.solver, run.config)
@@ -542,6 +544,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     from distsync.config import parse_key_values
     from distsync.experiments.compare import check_repeats, compare, fixed_steps_note, resolve_comparison
     from distsync.options import config_from_args
+    from distsync.runtime.resolve import run_notes
     from distsync.runtime.run_folder import compare_folder
 
     solvers = [s.strip() for s in args.solvers.split(",") if s.strip()]
@@ -550,6 +553,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     base = runs[0].config
     check_repeats(args.repeats, base.seed)
     out = compare_folder(base.out, base.workload, solvers, args.overwrite)
+    for line in dict.fromkeys(line for run in runs for line in run_notes(run)):
+        console.print(f"note: {line}", markup=False, highlight=False, soft_wrap=True)
     groups = _run_with_progress(
         lambda on_start, on_progress: compare(runs, out, on_start, on_progress, repeats=args.repeats),
         args.progress_every)

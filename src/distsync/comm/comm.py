@@ -249,6 +249,14 @@ class Pending:
             time.sleep(remaining)
 
 
+    def on_done(self, callback: Callable[[], None]) -> None:
+        """``callback()``, from a thread of torch's, once the operation is done (its emulated
+        latency aside); never where the backend's work has no future."""
+        get_future = getattr(self._work, "get_future", None)
+        if get_future is not None:
+            get_future().add_done_callback(lambda _future: callback())
+
+
 def _op_name(op: Any) -> str:
     """A point-to-point op as its error names it: ``send to rank 2``, ``recv from rank 1``."""
     return f"{'recv from' if op.op is dist.irecv else 'send to'} rank {op.peer}"

@@ -23,7 +23,9 @@ epoch), the operation raises :class:`PeerLost`. Its caller then calls :meth:`Mem
    made over the members, and if they disagree (a worker died at the very end of an
    operation that some completed and others did not) the job cannot go on consistently and
    fails with that message (a restart from a checkpoint is the way on). Views whose
-   operations are each whole by themselves (a shadow thread's averages) skip this check.
+   operations are each whole by themselves (a shadow thread's averages) skip this check, and
+   so do those whose solver makes the survivors agree after a loss whatever each completed
+   (:attr:`Membership.reconciled`: allreduce's next_forward takes the first survivor's state).
 
 A replacement for a dead worker (:meth:`join`) asks to join once the others have gone on
 without the dead one; a worker at a step's end admits it (:meth:`admit`: the next view with
@@ -121,6 +123,10 @@ class Membership:
         self.found_marked: set[int] = set()
         self.last_lost: dict[str, PeerLost] = {}
         self.history: list[View] = []
+        #: tags whose solver makes the survivors agree after a loss whatever each completed
+        #: (allreduce's next_forward: :meth:`~distsync.solvers.allreduce.AllReduce.realign_after_loss`):
+        #: members that left such a view at different operations go on
+        self.reconciled: set[str] = set()
 
     # ---- views -------------------------------------------------------------------------
     def view(self, tag: str, ordered: bool = True) -> View:
@@ -266,7 +272,7 @@ class Membership:
             seqs = ({r: int(self.comm.store.get(f"{VIEW}{tag}/{epoch}/seq/{r}")) for r in members if r not in joined}
                     if old.ordered else {})
             new.reform_s = time.perf_counter() - t0
-            if len(set(seqs.values())) > 1:
+            if len(set(seqs.values())) > 1 and tag not in self.reconciled:
                 raise CommError(f"rank {self.comm.rank}: the workers left the {tag} group at different "
                                 f"operations ({seqs}): a worker died as one finished; restart from a checkpoint")
             new.seq = old.seq

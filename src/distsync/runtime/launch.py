@@ -29,6 +29,7 @@ from distsync.runtime.checkpoint import CheckpointStore, Choice, fingerprint
 from distsync.runtime.checkpoint import clear as clear_folder
 from distsync.runtime.network import EmulatedNetwork, can_admin_network
 from distsync.runtime.process import CHECKPOINTS, dropped_ranks, write_partial_results
+from distsync.runtime.recovery import read_stop, stop_mark
 from distsync.runtime.resolve import WORKLOAD_DEFAULTS, Launch, ResolvedRun, read_resolved, resolve
 from distsync.runtime.run_folder import holding
 from distsync.solvers import Capability
@@ -161,9 +162,11 @@ def _refusals() -> frozenset[str]:
     return frozenset(names)
 
 
-def _failure_message(failures: dict[int, Any], role_of: list[str]) -> tuple[str, bool]:
+def _failure_message(failures: dict[int, Any], role_of: list[str], stopped: str | None = None) -> tuple[str, bool]:
     """One line naming the rank that failed first, skipping ranks the agent stopped after it,
-    and whether that rank refused the user's input (its error a ConfigError)."""
+    and whether that rank refused the user's input (its error a ConfigError). ``stopped``: the
+    run's stop mark (the first rank that stopped it, e.g. on a non-finite loss), which goes
+    before others that failed the same way after it."""
     refusals = _refusals()
 
     def describe(rank: int, f: Any) -> tuple[int, str, bool]:
@@ -192,7 +195,7 @@ def _failure_message(failures: dict[int, Any], role_of: list[str]) -> tuple[str,
         return 0, f"{role} rank {rank} died (exit code {f.exitcode})", False
 
     failures = {**_reported_failures(failures), **failures}
-    ranked = sorted((describe(r, f) + (r,) for r, f in failures.items()), key=lambda x: (x[0], x[3]))
+    ranked = sorted((describe(r, f) + (r,) for r, f in failures.items()), key=lambda x: (x[0], x[1] != stopped, x[3]))
     return ranked[0][1], ranked[0][2]
 
 
@@ -610,10 +613,11 @@ def _run_agent(run: ResolvedRun, run_dir: Path, lc, entry: Any, args: tuple) -> 
     from torch.distributed.launcher.api import elastic_launch
 
     cfg = run.config
+    stop_mark(run_dir).unlink(missing_ok=True)  # (a stop of an earlier start, resumed since)
     try:
         elastic_launch(lc, entry)(*args)
     except ChildFailedError as e:
-        why, refused = _failure_message(e.failures, list(run.role_of))
+        why, refused = _failure_message(e.failures, list(run.role_of), read_stop(run_dir))
         # A process that refused the user's input (its workload's data, an option only a
         # worker can check) refuses the job: exit status 2, as a refusal at launch would.
         raise (ConfigError if refused else WorkerFailed)(

@@ -26,6 +26,7 @@ from distsync.runtime.plugins import (Checkpointer, ComputeGate, DeviceStretch, 
                                       StepState, TrainClock)
 from distsync.membership.liveness import POLL_S, ExchangesWithPeers
 from distsync.membership.views import AdaptsToViews
+from distsync.solvers.next_forward import next_forward_off
 from distsync.metrics.processes import peak_rss_mib
 from distsync.runtime.plugins.budget import JobBudget, ProgressReport
 from distsync.runtime.plugins.tensorboard import TensorBoardLog
@@ -62,7 +63,7 @@ def train_worker(cfg: RunConfig, workload: Workload, solver, comm, device: torch
     ``distsync crossover`` gave the job (:class:`~distsync.runtime.resolve.Launch`)."""
     recovery = recovery or WorkerRecovery()
     plugins, runner = worker_plugins(cfg, workload, solver, comm, progress, save_to, recovery, crossover)
-    run = start_run(cfg, workload, solver, comm, device, plugins, runner, recovery)
+    run = start_run(cfg, workload, solver, comm, device, plugins, runner, recovery, crossover)
     runner.run(run, train_thread)
     return finish_run(run)
 
@@ -92,7 +93,7 @@ def worker_plugins(cfg: RunConfig, workload: Workload, solver, comm, progress: P
 
 
 def start_run(cfg: RunConfig, workload: Workload, solver, comm, device: torch.device, plugins: Plugins,
-              runner: SingleThread, recovery: WorkerRecovery) -> RunState:
+              runner: SingleThread, recovery: WorkerRecovery, crossover: dict[str, Any] | None = None) -> RunState:
     """Build the worker's model, optimizer and data (the order of random draws is part of
     every run's reproducibility), let the plug-ins in, and start the clock once all workers
     are ready."""
@@ -108,6 +109,7 @@ def start_run(cfg: RunConfig, workload: Workload, solver, comm, device: torch.de
     run.optimizer = make_optimizer(cfg, run.model.parameters(), cfg.lr)
     run.base_lrs = [g["lr"] for g in run.optimizer.param_groups]
     solver.same_start = False  # (every worker built the same model; a replacement is in no group yet)
+    solver.offer_next_forward(next_forward_off(cfg, bool(crossover), run.optimizer))
     run.run_model = solver.attach(run.model, run.optimizer, comm)
     plugins.on_attach(run)
     batch_size = cfg.batch_size
@@ -150,6 +152,8 @@ def train_thread(run: RunState, t: int) -> None:
     exchanges = isinstance(solver, ExchangesWithPeers)
     for k in range(run.first_k, run.per_thread):
         s = StepState(thread=t, k=k, step=k * run.threads + t, done=(k + 1) * run.threads)
+        if s.step < run.skip_before:  # (the survivors of a lost worker went on from a later step)
+            continue
         if hooks.stop_before(run, s):  # the job's budget is spent
             break
         hooks.on_step_start(run, s)  # injected faults fire before the step's clock starts
@@ -163,6 +167,10 @@ def train_thread(run: RunState, t: int) -> None:
                 if lost is None:
                     raise
                 s.wait_s += _seconds(_go_on_without, run, s, lost)
+                if s.step < run.skip_before:
+                    break
+        if s.step < run.skip_before:
+            continue
         hooks.before_record(run, s)
         solver_wait_s = solver.clock.take_wait()
         meet = solver.clock.take_meeting()  # (a blocking collective's meeting: waiting beyond its fastest member's)
@@ -208,6 +216,7 @@ def _step_body(run: RunState, s: StepState, t: int) -> tuple[torch.Tensor, torch
                 loss = run.workload.loss_fn(runner.forward(run, s, x), y)
             loss = hooks.on_loss(run, s, loss)
             s.forward_end = perf()
+            s.aside_s += solver.take_forward_wait()  # (the last step's buckets, waited for in this forward)
             hooks.after_forward(run, s)
             b = perf()
             # backward: the mean over micro-batches (--precision fp16: of the scaled loss)
@@ -227,6 +236,8 @@ def _step_body(run: RunState, s: StepState, t: int) -> tuple[torch.Tensor, torch
     s.updated, s.loss_tensor, s.labels = True, loss, y
     s.comm_s += _seconds(solver.after_update, s.step)
     s.compute_s += _seconds(runner.zero_grad, run, s)
+    if run.plugins.sync_due(run, s.done):  # (evaluated or checkpointed next: the update in full, here,
+        s.comm_s += _seconds(solver.settle_update)  # where a worker lost meanwhile is gone on without)
     return loss, y
 
 
@@ -253,11 +264,16 @@ def _go_on_without(run: RunState, s: StepState, lost: PeerLost) -> None:
     start, on the same batch)."""
     view = run.comm.membership.reform(lost.tag)
     _adopt_view(run, view, s.step)
+    # (a view that admitted a replacement lost nobody: every member settled the same operations)
+    go_on = s.step if view.joined else run.solver.realign_after_loss(s.step)
+    if go_on > s.step:  # (this step's update, and the ones before go_on, are dropped here)
+        run.skip_before = go_on
     if not s.updated:
         run.runner.zero_grad(run, s)
     run.events.append({"kind": "view", "rank": run.rank, "step": s.step, "t": run.clock.now(), "unix": time.time(),
                        "tag": view.tag, "epoch": view.epoch, "members": list(view.members),
-                       "reform_s": view.reform_s, "during": "sync" if s.updated else "step", "cause": str(lost)})
+                       "reform_s": view.reform_s, "during": "sync" if s.updated else "step", "cause": str(lost),
+                       **({"went_on_from": go_on} if go_on != s.step else {})})
 
 
 def _adopt_view(run: RunState, view: Any, step: int) -> None:
@@ -275,6 +291,7 @@ def _adopt_view(run: RunState, view: Any, step: int) -> None:
 def peer_state(run: RunState, step: int) -> dict[str, Any]:
     """What a replacement needs to go on from ``step`` as this worker would: the state a
     checkpoint holds (runtime/plugins/checkpointer.py), without this worker's events."""
+    run.solver.settle_update()
     state: dict[str, Any] = {
         "index": 0, "step": step, "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
         "solver": run.solver.state_dict(), "rng": {"torch": torch.get_rng_state()}, "events": [],
@@ -295,6 +312,7 @@ def _admit_replacements(run: RunState, s: StepState) -> None:
     if not joiners:
         return
     a = time.perf_counter()
+    run.solver.settle_update()  # (the update still on the old group's wire lands first)
     view = membership.admit("workers", joiners)
     _adopt_view(run, view, s.done)
     run.events.append({"kind": "view", "rank": run.rank, "step": s.done, "t": run.clock.now(), "unix": time.time(),

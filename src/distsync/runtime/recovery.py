@@ -164,9 +164,25 @@ def stop_mark(run_dir: Path) -> Path:
 
 
 def write_stop(run_dir: Path, message: str) -> None:
+    """Say that the run stops with ``message`` (a restart would not cure it). The first to stop
+    is the cause, and its mark stays: a worker whose loss went non-finite a step later, from
+    the first one's gradient, does not write over it."""
     tmp = stop_mark(run_dir).with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps({"message": message, "unix": time.time()}))
-    os.replace(tmp, stop_mark(run_dir))
+    try:
+        os.link(tmp, stop_mark(run_dir))
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def read_stop(run_dir: Path) -> str | None:
+    """The message that stopped the run (:func:`write_stop`), or None."""
+    try:
+        return json.loads(stop_mark(run_dir).read_text())["message"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def raise_if_stopped(run_dir: Path) -> None:

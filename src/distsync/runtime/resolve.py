@@ -329,3 +329,8 @@ def resolved_from(d: dict[str, Any]) -> ResolvedRun:
     cls = solver_class(cfg.solver)
     options = cls.Options(**cfg.solver_options)
     return ResolvedRun(cfg, cls, options, tuple(assign_roles(cfg.workers, _roles(cfg, cls, options))), launch)
+
+
+def run_notes(run: ResolvedRun) -> list[str]:
+    """What a run of the training loop says as it starts, from its solver's plan."""
+    return run.solver_cls.Plan.run_notes(run.options, run.config, bool(run.launch.crossover))

@@ -6,6 +6,10 @@ the union of the batches. Gradients live in flat per-bucket buffers (``param.gra
 into them, so nothing is copied before or after communication); a bucket's all-reduce starts
 from a gradient hook as soon as its last gradient is accumulated, while backward goes on
 with the layers below. Buckets start in one fixed order on every rank, as collectives must.
+
+In distsync's training loop the front of the model's buckets go as backward ends, front first,
+and stay on the wire into the next forward, whose modules each wait only for their own
+parameters' update (``next_forward``: :mod:`~distsync.solvers.next_forward`).
 """
 
 from __future__ import annotations
@@ -16,10 +20,15 @@ import torch
 import torch.nn as nn
 
 from distsync.config import bounded
-from distsync.errors import ConfigError
+from distsync.errors import ConfigError, PeerLost
 from distsync.solvers.base import Capability, Solver, register_solver
+from distsync.solvers.next_forward import NextForward, next_forward_off
 from distsync.solvers.compression import WIRE_DTYPES, PowerSGD, refuse_idle_powersgd_options
 from distsync.solvers.rules import wire_mean_share
+
+
+#: the step a closed solver stands at, for survivors that agree on the furthest (realign_after_loss)
+CLOSED = 2**62
 
 
 @dataclass
@@ -29,7 +38,10 @@ class AllReduceOptions:
     compress: none, fp16 or bf16 (each worker's share of the mean on the wire in half
     precision), or powersgd (low-rank approximation of the mean, after the step's backward:
     :mod:`~distsync.solvers.compression`); powersgd_rank, warm_start, error_feedback,
-    powersgd_start (exact all-reduces before that step), seed (the first Q's)."""
+    powersgd_start (exact all-reduces before that step), seed (the first Q's). next_forward:
+    the front buckets' reductions and updates overlap the next forward (in distsync's training
+    loop, where the math is unchanged: :mod:`~distsync.solvers.next_forward`); during_backward_mb:
+    the bytes sent while backward runs (default: measured on the first steps)."""
 
     bucket_mb: float = bounded(25.0, gt=0)
     overlap: bool = True
@@ -39,9 +51,14 @@ class AllReduceOptions:
     error_feedback: bool = True
     powersgd_start: int = bounded(0, ge=0)
     seed: int = 0
+    next_forward: bool = True
+    during_backward_mb: float | None = bounded(None, ge=0)
 
     def __post_init__(self) -> None:
         refuse_idle_powersgd_options(self, "compress")
+        if self.during_backward_mb is not None and (not self.next_forward or self.compress == "powersgd"):
+            raise ValueError(f"during_backward_mb splits the buckets for next_forward, which "
+                             f"{'is off' if not self.next_forward else 'compress=powersgd does without'}: leave it out")
 
 
 class _Bucket:
@@ -107,11 +124,26 @@ class AllReduce(Solver):
             return sim.meet_every(1, sim.allreduce_s(share=share))  # every step, an all-reduce of the gradients
 
         @classmethod
+        def run_notes(cls, options, cfg, crossover):
+            off = next_forward_off(cfg, crossover) if options.next_forward and options.compress != "powersgd" else None
+            return [f"allreduce keeps each step's update inside its step (next_forward off): {off}"] if off else []
+
+        @classmethod
         def simulate_rule(cls, options, sim):
             compress = options.compress
             if compress == "powersgd":
                 return sim.powersgd_mean(options)
             return sim.mean_gradient(WIRE_DTYPES.get(compress))
+
+    #: why the next-forward overlap is off in this run (None: on, where the option allows it).
+    #: Off unless distsync's training loop turns it on (``offer_next_forward``): a user's own
+    #: loop may read the parameters between steps, and steps them itself.
+    next_forward_off: str | None = "a loop of your own keeps the step boundary"
+
+    def offer_next_forward(self, off: str | None) -> None:
+        """The training loop's word, before attach: None lets the overlap run; a reason keeps
+        every step's update inside it."""
+        self.next_forward_off = off
 
     def attach(self, model, optimizer, comm, **kw):
         super().attach(model, optimizer, comm, **kw)
@@ -122,13 +154,22 @@ class AllReduce(Solver):
         o = self.options
         self.wire_dtype = WIRE_DTYPES.get(o.compress)
         self.powersgd = None
+        self.overlap_next = None
         if o.compress == "powersgd":  # (its all-reduces follow the whole backward: no overlap)
             flat = [p for b in self.buckets for p in b.params]
             self.powersgd = PowerSGD([p.shape for p in flat], o.powersgd_rank, o.warm_start, o.error_feedback,
                                      o.seed, dtype=flat[0].dtype, device=flat[0].device)
-        elif o.overlap:
+            return model
+        if o.overlap:
             for p in params:
                 p.register_post_accumulate_grad_hook(self._grad_ready)
+        if o.next_forward and self.next_forward_off is None and o.overlap and comm is not None \
+                and comm.num_workers > 1 and self.buckets:
+            during = None if o.during_backward_mb is None else o.during_backward_mb * 2**20
+            self.overlap_next = NextForward(self, during)
+            membership = getattr(comm, "membership", None)
+            if membership is not None:  # (survivors that left at different operations agree: realign_after_loss)
+                membership.reconciled.add("workers")
         return model
 
     def _make_buckets(self, plan: list[list[nn.Parameter]]) -> None:
@@ -142,8 +183,34 @@ class AllReduce(Solver):
 
     def on_view_change(self, tag):
         # The step is done again, into new buffers: an all-reduce abandoned on the old group
-        # may still write into the old ones.
+        # may still write into the old ones. (next_forward: the update held into this forward
+        # is dropped with them; realign_after_loss makes the survivors agree.)
+        if self.overlap_next is not None:
+            self.overlap_next.abandon()
+            if self.buffer_sync is not None:
+                self.buffer_sync.drop_early()
         self._make_buckets([b.params for b in self.buckets])
+
+    def realign_after_loss(self, step: int) -> int:
+        """After a view change that lost a worker, on every survivor (the training loop's, at
+        ``step``). With next_forward a survivor may have settled some of the held buckets
+        before the loss showed, another none, and one may be a step further (its own buckets
+        on the wire): they all take the first survivor's model and optimizer state, and go on
+        from the furthest step. The update of the steps between is dropped (its view event
+        says from where)."""
+        comm = self.comm
+        if self.overlap_next is None or comm is None or comm.num_workers < 2:
+            return step
+        group = comm.worker_group
+        furthest = torch.tensor([step], dtype=torch.int64)
+        comm.all_reduce(furthest, op="max", group=group)
+        src = comm.live_workers[0]
+        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()} if comm.rank == src else None
+        state = comm.broadcast_object(state, src, group)
+        if comm.rank != src:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        return int(furthest.item())
 
     def _adopt_grad(self, p: nn.Parameter, b: _Bucket, i: int) -> None:
         # A loop that set grads to None (or replaced them) broke the view: copy back in.
@@ -159,44 +226,80 @@ class AllReduce(Solver):
         self._adopt_grad(p, b, i)
         if self._no_sync:  # (accumulating: the pass outside no_sync() launches the sum)
             return
+        nf = self.overlap_next
+        if nf is not None and self._next == 0:
+            nf.begin_step()
         b.waiting_for -= 1
-        while self._next < len(self.buckets) and self.buckets[self._next].waiting_for == 0:
-            self._launch(self.buckets[self._next])
+        during = len(self.buckets) if nf is None else nf.during_backward
+        while self._next < during and self.buckets[self._next].waiting_for == 0:
+            self._launch(self._next)
+            self._next += 1
 
-    def _launch(self, b: _Bucket) -> None:
+    def _launch(self, index: int) -> None:
         # (``key``, the bucket's index: buckets of one size in flight together each have a
         # host buffer of their own where they are staged through host memory)
+        b = self.buckets[index]
         group = self.comm.worker_group
         sent = b.flat
         if self.wire_dtype is not None:
             sent = b.wire = wire_mean_share(b.flat, self.comm.group_size(group), self.wire_dtype)
-        b.pending = self.comm.all_reduce(sent, group=group, async_op=True, key=self._next)
-        self._next += 1
+        b.pending = self.comm.all_reduce(sent, group=group, async_op=True, key=index)
+        if self.overlap_next is not None:
+            self.overlap_next.launched(index, b.pending)
 
     def after_backward(self, step: int) -> None:
         self.clock.meeting(str(step))  # every worker waits here for the step's all-reduce
+        nf = self.overlap_next
+        if nf is not None:
+            nf.backward_ended()
         # Parameters that took no part in this step's graph contribute zeros, as on the others.
-        for b in self.buckets[self._next :]:
+        rest = range(self._next, len(self.buckets)) if nf is None else nf.launch_order(self._next)
+        for index in rest:
+            b = self.buckets[index]
             if b.waiting_for:
                 for i, p in enumerate(b.params):
                     self._adopt_grad(p, b, i)
                 b.waiting_for = 0
             if self.powersgd is None or step < self.options.powersgd_start:
-                self._launch(b)
+                self._launch(index)
+        self._next = 0
         if self.powersgd is not None and step >= self.options.powersgd_start:
             self._powersgd_mean()
             return
-        live = self.comm.group_size(self.comm.worker_group)
+        if nf is not None and nf.holding:  # (each bucket settles as the next forward needs it)
+            nf.held()
+            return
         for b in self.buckets:
-            b.pending.wait()
-            b.pending = None
-            if b.wire is not None:  # (the sum of the shares: the mean)
-                b.flat.copy_(b.wire)
-                b.wire = None
-            else:
-                b.flat.div_(live)
-            b.waiting_for = len(b.params)
-        self._next = 0
+            self.finish_bucket(b)
+        if nf is not None:
+            nf.measured(step)
+
+    def finish_bucket(self, b: _Bucket) -> None:
+        """Wait for bucket ``b``'s all-reduce; its gradients are then the workers' mean."""
+        b.pending.wait()
+        b.pending = None
+        if b.wire is not None:  # (the sum of the shares: the mean)
+            b.flat.copy_(b.wire)
+            b.wire = None
+        else:
+            b.flat.div_(self.comm.group_size(self.comm.worker_group))
+        b.waiting_for = len(b.params)
+
+    def update(self, step: int) -> None:
+        nf = self.overlap_next
+        if nf is not None and nf.unsettled:
+            nf.hold_update()
+        else:
+            super().update(step)
+
+    def settle_update(self) -> None:
+        if self.overlap_next is not None:
+            self.overlap_next.settle()
+            if self.buffer_sync is not None:  # (and the buffers' collective started early)
+                self.buffer_sync.finish_early()
+
+    def take_forward_wait(self) -> float:
+        return 0.0 if self.overlap_next is None else self.overlap_next.take_forward_wait()
 
     def _powersgd_mean(self) -> None:
         """Every gradient replaced by PowerSGD's mean (the buckets' views, as one worker's
@@ -207,17 +310,64 @@ class AllReduce(Solver):
                            self.comm.group_size(group))
         for b in self.buckets:
             b.waiting_for = len(b.params)
-        self._next = 0
+
+    def stats(self):
+        nf = self.overlap_next
+        if nf is not None:
+            return {"next_forward": nf.stats()}
+        o = self.options
+        off = ("next_forward=false" if not o.next_forward else "compress=powersgd" if o.compress == "powersgd"
+               else "overlap=false" if not o.overlap else self.next_forward_off or "one worker")
+        return {"next_forward": {"off": off}}
+
+    def eval_model(self):
+        self.settle_update()
+        return super().eval_model()
 
     def state_dict(self):
-        return {"powersgd": self.powersgd.state_dict()} if self.powersgd is not None else {}
+        self.settle_update()
+        state = {"powersgd": self.powersgd.state_dict()} if self.powersgd is not None else {}
+        if self.overlap_next is not None:
+            state["next_forward"] = self.overlap_next.state_dict()
+        return state
 
     def load_state_dict(self, state):
         if self.powersgd is not None:
             self.powersgd.load_state_dict(state["powersgd"])
+        if self.overlap_next is not None and "next_forward" in state:
+            self.overlap_next.load_state_dict(state["next_forward"])
 
     def zero_grad(self) -> None:
+        nf = self.overlap_next
+        if nf is not None and nf.unsettled:
+            nf.hold_zero()
+            return
         for b in self.buckets:
-            b.flat.zero_()
-            for p, view in zip(b.params, b.views):
-                p.grad = view
+            self.zero_bucket(b)
+
+    def zero_bucket(self, b: _Bucket) -> None:
+        b.flat.zero_()
+        for p, view in zip(b.params, b.views):
+            p.grad = view
+
+    def close(self) -> None:
+        if self.overlap_next is not None:
+            self._settle_at_close()
+            self.overlap_next.remove()
+        super().close()
+
+    def _settle_at_close(self) -> None:
+        """The last step's held update; a worker lost meanwhile: the survivors agree as after
+        any loss (a survivor still training skips to the end: :meth:`realign_after_loss`)."""
+        membership = getattr(self.comm, "membership", None)
+        while True:
+            try:
+                self.settle_update()
+                return
+            except PeerLost as e:
+                if membership is None:
+                    raise
+                membership.take_lost(e.tag)
+                membership.reform(e.tag)
+                self.on_view_change(e.tag)
+                self.realign_after_loss(CLOSED)

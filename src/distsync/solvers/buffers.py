@@ -45,6 +45,7 @@ class BufferSync:
         self._local = False  # (inside local_forward(): no broadcast before a forward)
         self.ended = False  # (the solver is closed: the model's forwards meet nobody)
         self._sync_next_forward = True  # (DDP's require_forward_param_sync: see before_forward)
+        self._early: list[tuple[Any, torch.Tensor, Any]] | None = None  # (start_early's collectives)
         if self.at_forward:
             model.register_forward_pre_hook(_ForwardBufferSync(self))
 
@@ -70,6 +71,9 @@ class BufferSync:
         if comm is None or getattr(comm, "role", "worker") != "worker" or comm.num_workers < 2:
             return
         group = comm.worker_group
+        if self._early is not None:  # (started as the last forward ended)
+            self.finish_early()
+            return
         with torch.no_grad():
             if self.policy == "broadcast":
                 for view in self._views:
@@ -80,6 +84,41 @@ class BufferSync:
                 flat = self.float_buffers.flat()
                 comm.all_reduce(flat, group=group)
                 self.float_buffers.assign(flat.div_(comm.group_size(group)))
+
+    def start_early(self) -> None:
+        """As a training forward ends (allreduce's ``next_forward``): the collective the next
+        forward, or the next step's start, would make, started now on the same values (backward,
+        the update and an evaluation in eval mode leave the buffers as they are), so that it does
+        not queue behind the gradients the next forward finds still on the wire; :meth:`sync`
+        finishes it. Rank 0's buffers travel as a sum with the others' zeros (exactly theirs)."""
+        comm = self.comm
+        due = (self.at_forward and self._sync_next_forward) or self.at_step_start
+        if (not due or self._early is not None or self._local or self.ended or comm is None
+                or getattr(comm, "role", "worker") != "worker" or comm.num_workers < 2):
+            return
+        if any(v.dtype == torch.bool or v.dtype.is_complex for v in self._views):
+            return  # (no sum carries them: the next forward broadcasts them, as without next_forward)
+        with torch.no_grad():
+            if self.policy == "broadcast":
+                first = comm.rank == comm.live_workers[0]
+                parts = [(view, view.flat()) for view in self._views]
+                parts = [(view, flat if first else torch.zeros_like(flat)) for view, flat in parts]
+            else:
+                parts = [(self.float_buffers, self.float_buffers.flat())] if self.float_buffers.numel else []
+            self._early = [(view, flat, comm.all_reduce(flat, group=comm.worker_group, async_op=True))
+                           for view, flat in parts]
+
+    def finish_early(self) -> None:
+        """The collectives :meth:`start_early` started, waited for and their buffers taken."""
+        early, self._early = self._early, None
+        for view, flat, pending in early or ():
+            pending.wait()
+            with torch.no_grad():
+                view.assign(flat if self.policy == "broadcast" else flat.div_(self.comm.group_size(self.comm.worker_group)))
+
+    def drop_early(self) -> None:
+        """A worker was lost: the collectives started early were on the old group."""
+        self._early = None
 
     def settle(self) -> None:
         """At the solver's close (once, after its own): with :attr:`at_close`, every live worker

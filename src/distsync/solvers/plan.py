@@ -134,6 +134,12 @@ class Plan:
         return None
 
     @classmethod
+    def run_notes(cls, options: Any, cfg: Any, crossover: bool) -> list[str]:
+        """Lines a run of this solver with ``options`` and config ``cfg`` says as it starts
+        (what the run does otherwise than the options say, and why)."""
+        return []
+
+    @classmethod
     def simulate_rule(cls, options: Any, sim: Any) -> Any:
         """This solver's update on the stacked replicas of train mode with ``options``: a rule
         picked from the blocks of ``sim`` (a :class:`~distsync.sim.train_rules.TrainContext`),

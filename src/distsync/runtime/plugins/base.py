@@ -159,6 +159,7 @@ class RunState:
     clock: TrainClock = field(default_factory=TrainClock)
     start_at: float = 0.0  # the clock's reading at the start (a resumed run's)
     first_k: int = 0  # each thread's first step count (a resumed run's)
+    skip_before: int = 0  # steps before it are skipped (survivors that agreed to go on from it)
     events: list[dict[str, Any]] = field(default_factory=list)
     last_loss: float = float("nan")
     last_metric: float | None = None

@@ -80,6 +80,7 @@ class Checkpointer(Plugin):
         if index is None:
             return
         a = time.perf_counter()
+        run.solver.settle_update()  # (the last step's update, if it runs on into the next forward)
         if isinstance(run.solver, CheckpointsPeers):
             run.solver.checkpoint_peers(index, point.done)  # servers write their part
         run.plugins.on_checkpoint(run, index)

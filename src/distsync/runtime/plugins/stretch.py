@@ -14,11 +14,15 @@ Two ways, chosen by the run (``--device-ms``):
 By default the sleep falls between forward and backward, before any gradient is ready, so
 peers in a collective wait on this worker exactly as they would on a slower device
 (communication that starts in backward's gradient hooks does not hide behind it). With
-``--device-backward SHARE`` that share of the device time is backward's: forward's share is
-slept before backward, and backward's as the gradients become ready, each parameter's
-gradient due when the gradients computed so far (by their parameters' sizes) have had their
-share of it, so that communication started in backward overlaps the rest of it as on a real
-device. ``u`` is uniform in [0, 1), drawn per step from the worker's seed.
+``--device-backward SHARE`` that share of the device time is backward's, spent as the
+gradients become ready, each parameter's gradient due when the gradients computed so far (by
+their parameters' sizes) have had their share of it, so that communication started in
+backward overlaps the rest of it as on a real device; and forward's share is spent module by
+module, each module with parameters of its own done when it has had its parameters' share of
+it, counted from when it could start (the module before it done, its parameters there: a
+solver that waits for them in the module's forward pre-hook, allreduce's ``next_forward``,
+waits before that module's device time, as on a GPU). ``u`` is uniform in [0, 1), drawn per
+step from the worker's seed.
 
 A **shared device** (``distsync crossover``, mode ``naive``): several jobs' workers on one
 emulated device. The emulated part of each step (its device time less the real math) is
@@ -64,6 +68,12 @@ class ComputeStretch:
         self._due_s = 0.0  # this step's device time
         self._forward_s = 0.0
         self._worked_step = 0.0  # the emulated device time done in this step
+        self._device_at: float | None = None  # (forward module by module: when the device is free)
+        self._module_start: dict[int, float] = {}  # (id of a module in this forward: when it could start)
+        self._forward_emulated = 0.0  # seconds emulated inside this forward
+        self._forward_done = 0.0  # the share of forward's modules (by parameter size) done
+        self.armed = False  # (a training step's forward is next: an evaluation's spends no device time)
+        self._u = 0.0
         self.math_s = 0.0  # the last step's real forward and backward (with a device)
         self.slept_s = 0.0
 
@@ -82,17 +92,68 @@ class ComputeStretch:
             self.slept_s += self.shared.use(seconds)
         self._worked_step += seconds
 
-    def after_forward(self, forward_s: float) -> None:
+    def forward_begins(self) -> None:
+        """The model's forward begins (its forward pre-hook): with ``backward_share``, forward's
+        device time is spent module by module (:meth:`module_begins`, :meth:`module_ends`)."""
+        if not self.backward_share or not self.armed:
+            return
+        self.armed = False
+        self._draw_due()
+        self._worked_step, self._forward_emulated, self._forward_done = 0.0, 0.0, 0.0
+        self._device_at = time.perf_counter()
+        self._module_start = {}
+
+    def module_begins(self, module: Any) -> None:
+        """A module with parameters of its own begins its forward (its parameters are there)."""
+        if self._device_at is not None:
+            self._module_start.setdefault(id(module), time.perf_counter())
+
+    def module_ends(self, module: Any, share: float) -> None:
+        """A module whose parameters are ``share`` of the model's (by size) ended its forward:
+        it is done on the device once it has had that share of forward's device time, from when
+        it could start. A module's later calls in the same forward add nothing."""
+        start = self._module_start.get(id(module))
+        if self._device_at is None or start is None or start < 0:
+            return
+        self._module_start[id(module)] = -1.0  # (done)
+        self._forward_done += share
+        self._device_at = max(self._device_at, start) + share * self._due_s * (1.0 - self.backward_share)
+        self._forward_emulate(self._device_at - time.perf_counter())
+
+    def _forward_emulate(self, seconds: float) -> None:
+        if seconds > 0.0:
+            a = time.perf_counter()
+            self._emulate(seconds)
+            self._forward_emulated += time.perf_counter() - a
+
+    def _draw_due(self) -> None:
         u = self.jitter * self._rng.random() if self.jitter else 0.0
-        backward = self._backward_s if self._backward_s is not None else 2.0 * forward_s
-        self._forward_s, self._worked_step = forward_s, 0.0
+        self._u = u
         if self.device_s is not None:
             self._due_s = self.device_s * self.factor * (1.0 + u)
+
+    def after_forward(self, forward_s: float) -> None:
+        by_module = self._device_at is not None  # (the forward's modules spent its share)
+        if not by_module:
+            self._draw_due()
+            self._worked_step = 0.0
+        u = self._u
+        backward = self._backward_s if self._backward_s is not None else 2.0 * forward_s
+        self._forward_s = forward_s
+        if self.device_s is not None:
             if self.backward_share:
                 forward_share = self._due_s * (1.0 - self.backward_share)
-                self._emulate(forward_share - forward_s)
-                # (a forward over its share leaves backward's that much less)
-                self._backward_from = time.perf_counter() - max(0.0, forward_s - forward_share)
+                if by_module:  # (the share of modules not run: the forward's end; the math, without the sleeps)
+                    self._forward_s = forward_s = max(0.0, forward_s - self._forward_emulated)
+                    self._device_at += (1.0 - min(1.0, self._forward_done)) * forward_share
+                    self._forward_emulate(self._device_at - time.perf_counter())
+                    # (a forward past its device time leaves backward's that much less)
+                    self._backward_from = min(time.perf_counter(), self._device_at)
+                    self._device_at = None
+                else:
+                    self._emulate(forward_share - forward_s)
+                    # (a forward over its share leaves backward's that much less)
+                    self._backward_from = time.perf_counter() - max(0.0, forward_s - forward_share)
                 self._backward_done, self._backward_emulated = 0.0, 0.0
                 return
             self._emulate(self._due_s - forward_s - backward)  # backward's share comes after
@@ -192,6 +253,7 @@ class DeviceStretch(Plugin):
             total = float(sum(p.numel() for p in params)) or 1.0
             self._gradient_hooks = [p.register_hook(lambda grad, share=p.numel() / total: stretch.gradient_ready(share))
                                     for p in params]
+            self._gradient_hooks += self._forward_hooks(run.model, total)
         # A solver whose all-reduce ends inside backward (DDP) tells when the gradients are
         # all computed: the emulated device's math ends there, and the rest of backward is
         # communication, exposed after the device time as any other solver's (not absorbed
@@ -199,6 +261,22 @@ class DeviceStretch(Plugin):
         if (any(st.device_s is not None for st in self.stretches)
                 and Capability.SIGNALS_COMMUNICATION in run.solver.capabilities):
             run.solver.on_communication(self._math_done)
+
+    def _forward_hooks(self, model: Any, total: float) -> list[Any]:
+        """Forward's device time module by module (after the solver's own pre-hooks, registered
+        at attach: a module's device time begins once its parameters are there)."""
+        stretch = self.stretches[0]
+        hooks = [model.register_forward_pre_hook(lambda m, args: stretch.forward_begins())]
+        for module in model.modules():
+            own = sum(p.numel() for p in module.parameters(recurse=False) if p.requires_grad)
+            if own:
+                hooks.append(module.register_forward_pre_hook(lambda m, args: stretch.module_begins(m)))
+                hooks.append(module.register_forward_hook(
+                    lambda m, args, out, share=own / total: stretch.module_ends(m, share)))
+        return hooks
+
+    def before_compute(self, run: RunState, s: StepState) -> None:
+        self.stretches[s.thread].armed = True
 
     def _math_done(self) -> None:
         self._math_done_at = time.perf_counter()
