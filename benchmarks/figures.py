@@ -123,7 +123,9 @@ HETEROGENEITY = RUNTIME + (*ALLREDUCE, "src/distsync/solvers/decentralized.py",
 
 FIGURES = [
     Figure("real_sizes", "real_sizes", ("--parts", "ring", "--models", "resnet50", "--links", "1gbit",
-                                        "--workers", "4,8", "--seeds", "1,2,3"),
+                                        "--workers", "4,8", "--seeds", "1,2,3", "--solvers",
+                                        "allreduce,allreduce:next_forward=false,allreduce:bucket_mb=8,ddp,"
+                                        "ddp:bucket_mb=8"),
            ("--parts", "ring", "--models", "resnet50", "--links", "10gbit", "--workers", "2", "--seeds", "1",
             "--steps", "4"),
            RUNTIME + (*ALLREDUCE,
