@@ -782,6 +782,15 @@ class LosesAPeer(Solver):
         self.realigned.append(step)
         return 4
 
+    def offer_next_forward(self, off):
+        pass
+
+    def settle_update(self):
+        pass
+
+    def take_forward_wait(self):
+        return 0.0
+
 
 class OneSurvivor(FakeComm):
     """A comm whose live view re-forms without rank 1."""

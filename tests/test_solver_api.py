@@ -55,7 +55,8 @@ def test_solver_step_context_runs_hooks_in_order():
 def test_options_dataclass_defaults_are_listed():
     fields = {f.name: f.default for f in dataclasses.fields(solver_class("allreduce").Options)}
     assert fields == {"bucket_mb": 25.0, "overlap": True, "compress": "none", "powersgd_rank": 1, "warm_start": True,
-                      "error_feedback": True, "powersgd_start": 0, "seed": 0}
+                      "error_feedback": True, "powersgd_start": 0, "seed": 0, "next_forward": True,
+                      "during_backward_mb": None}
     assert make_options(solver_class("ddp"), {}).bucket_mb == 25.0
 
 

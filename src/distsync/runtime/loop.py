@@ -26,7 +26,7 @@ from distsync.runtime.plugins import (Checkpointer, ComputeGate, DeviceStretch, 
                                       StepState, TrainClock)
 from distsync.membership.liveness import POLL_S, ExchangesWithPeers
 from distsync.membership.views import AdaptsToViews
-from distsync.solvers.next_forward import next_forward_off
+from distsync.solvers.next_forward import HoldsUpdate, next_forward_off, settle_update
 from distsync.metrics.processes import peak_rss_mib
 from distsync.runtime.plugins.budget import JobBudget, ProgressReport
 from distsync.runtime.plugins.tensorboard import TensorBoardLog
@@ -109,7 +109,8 @@ def start_run(cfg: RunConfig, workload: Workload, solver, comm, device: torch.de
     run.optimizer = make_optimizer(cfg, run.model.parameters(), cfg.lr)
     run.base_lrs = [g["lr"] for g in run.optimizer.param_groups]
     solver.same_start = False  # (every worker built the same model; a replacement is in no group yet)
-    solver.offer_next_forward(next_forward_off(cfg, bool(crossover), run.optimizer))
+    if isinstance(solver, HoldsUpdate):
+        solver.offer_next_forward(next_forward_off(cfg, bool(crossover), run.optimizer))
     run.run_model = solver.attach(run.model, run.optimizer, comm)
     plugins.on_attach(run)
     batch_size = cfg.batch_size
@@ -216,7 +217,8 @@ def _step_body(run: RunState, s: StepState, t: int) -> tuple[torch.Tensor, torch
                 loss = run.workload.loss_fn(runner.forward(run, s, x), y)
             loss = hooks.on_loss(run, s, loss)
             s.forward_end = perf()
-            s.aside_s += solver.take_forward_wait()  # (the last step's buckets, waited for in this forward)
+            if isinstance(solver, HoldsUpdate):  # (the last step's buckets, waited for in this forward)
+                s.aside_s += solver.take_forward_wait()
             hooks.after_forward(run, s)
             b = perf()
             # backward: the mean over micro-batches (--precision fp16: of the scaled loss)
@@ -237,7 +239,7 @@ def _step_body(run: RunState, s: StepState, t: int) -> tuple[torch.Tensor, torch
     s.comm_s += _seconds(solver.after_update, s.step)
     s.compute_s += _seconds(runner.zero_grad, run, s)
     if run.plugins.sync_due(run, s.done):  # (evaluated or checkpointed next: the update in full, here,
-        s.comm_s += _seconds(solver.settle_update)  # where a worker lost meanwhile is gone on without)
+        s.comm_s += _seconds(settle_update, solver)  # where a worker lost meanwhile is gone on without)
     return loss, y
 
 
@@ -265,7 +267,8 @@ def _go_on_without(run: RunState, s: StepState, lost: PeerLost) -> None:
     view = run.comm.membership.reform(lost.tag)
     _adopt_view(run, view, s.step)
     # (a view that admitted a replacement lost nobody: every member settled the same operations)
-    go_on = s.step if view.joined else run.solver.realign_after_loss(s.step)
+    holds = isinstance(run.solver, HoldsUpdate)
+    go_on = run.solver.realign_after_loss(s.step) if holds and not view.joined else s.step
     if go_on > s.step:  # (this step's update, and the ones before go_on, are dropped here)
         run.skip_before = go_on
     if not s.updated:
@@ -291,7 +294,7 @@ def _adopt_view(run: RunState, view: Any, step: int) -> None:
 def peer_state(run: RunState, step: int) -> dict[str, Any]:
     """What a replacement needs to go on from ``step`` as this worker would: the state a
     checkpoint holds (runtime/plugins/checkpointer.py), without this worker's events."""
-    run.solver.settle_update()
+    settle_update(run.solver)
     state: dict[str, Any] = {
         "index": 0, "step": step, "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
         "solver": run.solver.state_dict(), "rng": {"torch": torch.get_rng_state()}, "events": [],
@@ -312,7 +315,7 @@ def _admit_replacements(run: RunState, s: StepState) -> None:
     if not joiners:
         return
     a = time.perf_counter()
-    run.solver.settle_update()  # (the update still on the old group's wire lands first)
+    settle_update(run.solver)  # (the update still on the old group's wire lands first)
     view = membership.admit("workers", joiners)
     _adopt_view(run, view, s.done)
     run.events.append({"kind": "view", "rank": run.rank, "step": s.done, "t": run.clock.now(), "unix": time.time(),

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from distsync.config import bounded
-from distsync.errors import ConfigError, PeerLost
+from distsync.errors import CommError, ConfigError, PeerLost
 from distsync.solvers.base import Capability, Solver, register_solver
 from distsync.solvers.next_forward import NextForward, next_forward_off
 from distsync.solvers.compression import WIRE_DTYPES, PowerSGD, refuse_idle_powersgd_options
@@ -201,6 +201,19 @@ class AllReduce(Solver):
         comm = self.comm
         if self.overlap_next is None or comm is None or comm.num_workers < 2:
             return step
+        membership = getattr(comm, "membership", None)
+        while True:
+            try:
+                return self._agree(step)
+            except CommError:  # (another worker lost meanwhile: re-form again, and agree among those left)
+                if membership is None:
+                    raise
+                membership.take_lost("workers")
+                membership.reform("workers")
+                self.on_view_change("workers")
+
+    def _agree(self, step: int) -> int:
+        comm = self.comm
         group = comm.worker_group
         furthest = torch.tensor([step], dtype=torch.int64)
         comm.all_reduce(furthest, op="max", group=group)

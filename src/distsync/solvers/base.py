@@ -269,26 +269,6 @@ class Solver:
         assert self.optimizer is not None, "attach() first"
         self.optimizer.zero_grad(set_to_none=True)
 
-    def offer_next_forward(self, off: str | None) -> None:
-        """distsync's training loop, before attach: whether a step's update may run on into the
-        next forward (None), or why not (allreduce's ``next_forward``; other solvers ignore it)."""
-
-    def settle_update(self) -> None:
-        """Finish what the last step's update left in flight (allreduce's ``next_forward``): after
-        it the model and the optimizer are the step's result. Whatever reads them outside the
-        next forward calls it first (evaluation, checkpoints, a peer's hand-over)."""
-
-    def realign_after_loss(self, step: int) -> int:
-        """After a view change that lost a worker (solvers that re-form their groups), on every
-        survivor at the training loop's ``step``: the step the survivors go on from (this one;
-        allreduce's ``next_forward`` may say a later one, after they agree on one state)."""
-        return step
-
-    def take_forward_wait(self) -> float:
-        """Seconds the forwards waited on the solver's communication since the last call (the
-        training loop counts them as communication, not compute)."""
-        return 0.0
-
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients locally, unsynchronized (as DDP's

@@ -34,7 +34,7 @@ modules whose pre-hooks have run), and any such parameter is settled before each
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 import torch.nn as nn
@@ -46,6 +46,33 @@ MEASURED_STEPS = 2
 #: that stepping it bucket by bucket is the whole step's update (a step count of the optimizer's
 #: own, or a norm over all parameters, would not be)
 PER_PARAMETER = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+
+
+@runtime_checkable
+class HoldsUpdate(Protocol):
+    """A solver whose step's update may run on into the next forward (allreduce's
+    ``next_forward``): what distsync's training loop asks of it."""
+
+    def offer_next_forward(self, off: str | None) -> None:
+        """Before attach: None lets the update run on into the next forward; a reason keeps it
+        inside each step."""
+
+    def settle_update(self) -> None:
+        """Finish what the last step's update left in flight: after it the model and the optimizer
+        are the step's result (whatever reads them outside the next forward calls it first)."""
+
+    def take_forward_wait(self) -> float:
+        """Seconds the forwards waited on the wire since the last call (communication, not compute)."""
+
+    def realign_after_loss(self, step: int) -> int:
+        """After a view change that lost a worker, on every survivor at the loop's ``step``: the
+        step the survivors go on from, once they agree on one state."""
+
+
+def settle_update(solver: Any) -> None:
+    """The update ``solver`` left in flight, finished (nothing for a solver that holds none)."""
+    if isinstance(solver, HoldsUpdate):
+        solver.settle_update()
 
 
 def next_forward_off(cfg: Any, crossover: bool, optimizer: Any = None) -> str | None:

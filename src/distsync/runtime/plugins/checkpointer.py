@@ -12,6 +12,7 @@ import torch
 from distsync.runtime.checkpoint import CheckpointsPeers
 from distsync.runtime.plugins.base import Plugin, RunState, SyncPoint
 from distsync.runtime.recovery import WorkerRecovery
+from distsync.solvers.next_forward import settle_update
 from distsync.workloads.base import workload_meta
 
 
@@ -80,7 +81,7 @@ class Checkpointer(Plugin):
         if index is None:
             return
         a = time.perf_counter()
-        run.solver.settle_update()  # (the last step's update, if it runs on into the next forward)
+        settle_update(run.solver)  # (the last step's update, if it runs on into the next forward)
         if isinstance(run.solver, CheckpointsPeers):
             run.solver.checkpoint_peers(index, point.done)  # servers write their part
         run.plugins.on_checkpoint(run, index)
