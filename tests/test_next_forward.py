@@ -284,20 +284,24 @@ def test_after_a_loss_the_survivors_take_the_first_ones_state_and_go_on_from_the
     first = Net()
     first_opt = torch.optim.SGD(first.parameters(), lr=0.1, momentum=0.9)
     _reference(first, first_opt, _batches(2), [0.1, 0.1])  # (a momentum buffer in its state)
-    sent = {"model": first.state_dict(), "optimizer": first_opt.state_dict()}
+    import io
+
+    buf = io.BytesIO()
+    torch.save({"model": first.state_dict(), "optimizer": first_opt.state_dict()}, buf)
+    sent = buf.getvalue()
 
     class Survivor(TwoWorkers):
         rank = worker_index = 1
 
         def all_reduce(self, tensor, op="sum", group=None, async_op=False, key=None):
-            if op == "max":  # (the furthest step: worker 0 is one further)
-                tensor.fill_(max(int(tensor.item()), 8))
+            if op == "max":  # (the furthest step: worker 0 is one further; its state's size)
+                tensor[0], tensor[1] = max(int(tensor[0]), 8), max(int(tensor[1]), len(sent))
                 return None
             return super().all_reduce(tensor, op, group, async_op, key)
 
-        def broadcast_object(self, obj, src, group=None):
-            assert src == 0 and obj is None
-            return copy.deepcopy(sent)
+        def broadcast(self, tensor, src, group=None):
+            assert src == 0
+            tensor.copy_(torch.frombuffer(bytearray(sent), dtype=torch.uint8))
 
     model = Net()
     solver = make_solver("allreduce", bucket_mb=1e-5, during_backward_mb=0.0)

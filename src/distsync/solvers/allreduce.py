@@ -14,6 +14,7 @@ parameters' update (``next_forward``: :mod:`~distsync.solvers.next_forward`).
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass
 
 import torch
@@ -213,17 +214,25 @@ class AllReduce(Solver):
                 self.on_view_change("workers")
 
     def _agree(self, step: int) -> int:
+        """The furthest step, and the first live worker's model and optimizer state on every
+        survivor; each collective waits as the view's do (a member lost meanwhile: PeerLost)."""
         comm = self.comm
-        group = comm.worker_group
-        furthest = torch.tensor([step], dtype=torch.int64)
-        comm.all_reduce(furthest, op="max", group=group)
-        src = comm.live_workers[0]
-        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()} if comm.rank == src else None
-        state = comm.broadcast_object(state, src, group)
+        group, src = comm.worker_group, comm.live_workers[0]
+        payload = b""
+        if comm.rank == src:
+            buf = io.BytesIO()
+            torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}, buf)
+            payload = buf.getvalue()
+        head = torch.tensor([step, len(payload)], dtype=torch.int64)
+        comm.all_reduce(head, op="max", group=group)
+        furthest, size = int(head[0]), int(head[1])
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.zeros(size, dtype=torch.uint8)
+        comm.broadcast(data, src=src, group=group)
         if comm.rank != src:
+            state = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
-        return int(furthest.item())
+        return furthest
 
     def _adopt_grad(self, p: nn.Parameter, b: _Bucket, i: int) -> None:
         # A loop that set grads to None (or replaced them) broke the view: copy back in.
