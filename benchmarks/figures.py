@@ -141,8 +141,10 @@ FIGURES = [
     Figure("next_forward_hooks-gpu", "next_forward_hooks", ("--device", "cuda"),
            ("--device", "cuda", "--steps", "5", "--rounds", "1"), RUNTIME + (*ALLREDUCE,), "docs/gpu.md",
            needs_gpu=True),
-    Figure("real_sizes_gpt2", "real_sizes", ("--parts", "ring", "--models", "gpt2", "--workers", "4,8", "--solvers",
-                                           "allreduce,ddp", "--seeds", "1,2,3", "--steps", "4"),
+    Figure("real_sizes_gpt2", "real_sizes", ("--parts", "ring", "--models", "gpt2", "--links", "1gbit,10gbit",
+                                           "--workers", "4", "--seeds", "1,2,3", "--steps", "4", "--solvers",
+                                           "allreduce,allreduce:next_forward=false,allreduce:bucket_mb=8,ddp,"
+                                           "ddp:bucket_mb=8"),
            ("--parts", "ring", "--models", "gpt2", "--links", "10gbit", "--workers", "2", "--seeds", "1",
             "--steps", "4"),
            RUNTIME + (*ALLREDUCE,

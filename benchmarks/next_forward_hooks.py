@@ -20,43 +20,12 @@ import torch.nn.functional as F
 from common import argument_parser, finish, provenance
 
 from distsync.comm.devices import synchronize
+from distsync.comm.mirror import MirroredPeer
 from distsync.metrics.repeats import shown
 from distsync.solvers import make_solver
 from distsync.workloads.resnet50 import ResNet50
 
 REGIME = "one process, real math, a comm of two workers whose all-reduce is done at once (no wire)"
-
-
-class Done:
-    def wait(self) -> None:
-        pass
-
-
-class NoWire:
-    """Two workers, the other one's gradients the same: the sum is twice this worker's."""
-
-    rank = worker_index = 0
-    num_workers = 2
-    worker_group = None
-    live_workers = [0, 1]
-    role = "worker"
-    membership = None
-
-    def ranks_with_role(self, role: str) -> list[int]:
-        return []
-
-    def group_size(self, group: Any = None) -> int:
-        return 2
-
-    def all_reduce(self, tensor, op="sum", group=None, async_op=False, key=None):
-        tensor.mul_(2)
-        return Done() if async_op else None
-
-    def broadcast(self, tensor, src, group=None) -> None:
-        pass
-
-    def barrier_while_alive(self, members: Any, what: str) -> None:
-        pass
 
 
 def step_times(next_forward: bool, device: torch.device, batch: int, steps: int) -> list[float]:
@@ -66,7 +35,7 @@ def step_times(next_forward: bool, device: torch.device, batch: int, steps: int)
     solver = make_solver("allreduce", next_forward=next_forward)
     solver.offer_next_forward(None)
     solver.same_start = False
-    solver.attach(model, opt, NoWire())
+    solver.attach(model, opt, MirroredPeer())
     x, y = torch.randn(batch, 3, 32, 32, device=device), torch.randint(0, 10, (batch,), device=device)
     times = []
     for step in range(steps):

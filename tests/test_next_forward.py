@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from distsync.comm.mirror import MirroredPeer
 from distsync.solvers import make_solver
 from distsync.solvers.next_forward import split_from_bytes, split_from_landings, step_subset
 
@@ -30,44 +31,6 @@ def test_the_split_sends_during_backward_what_lands_by_its_end_and_the_bucket_th
     assert split_from_bytes([100, 100, 100], 0.0) == 0
 
 
-class Pending:
-    def __init__(self, log, name):
-        self.log, self.name = log, name
-
-    def wait(self):
-        self.log.append(("wait", self.name))
-
-
-class TwoWorkers:
-    """A comm of two workers whose peer computed the same gradients: each all-reduce sums
-    this worker's with an equal one (the mean is this worker's), and says when it is waited for."""
-
-    rank = worker_index = 0
-    num_workers = 2
-    worker_group = None
-    live_workers = [0, 1]
-    role = "worker"
-    membership = None
-
-    def __init__(self, names):
-        self.log, self.names = [], names
-
-    def ranks_with_role(self, role):
-        return []
-
-    def group_size(self, group=None):
-        return 2
-
-    def all_reduce(self, tensor, op="sum", group=None, async_op=False, key=None):
-        tensor.mul_(2)
-        name = self.names.get(tensor.data_ptr(), "buffers")
-        self.log.append(("launch", name))
-        return Pending(self.log, name) if async_op else None
-
-    def broadcast(self, tensor, src, group=None):
-        pass
-
-
 class Net(nn.Module):
     def __init__(self, early_read=False):
         super().__init__()
@@ -86,7 +49,7 @@ def _attached(model, optimizer, during_backward_mb=0.0):
     solver.offer_next_forward(None)
     solver.same_start = False
     names = {}
-    comm = TwoWorkers(names)
+    comm = MirroredPeer(names)
     solver.attach(model, optimizer, comm)
     for b in solver.buckets:  # (each layer's weight and bias: a bucket each, named by their module)
         owner = next(n for n, m in model.named_modules() if any(p is b.params[0] for p in m.parameters(recurse=False)))
@@ -290,7 +253,7 @@ def test_after_a_loss_the_survivors_take_the_first_ones_state_and_go_on_from_the
     torch.save({"model": first.state_dict(), "optimizer": first_opt.state_dict()}, buf)
     sent = buf.getvalue()
 
-    class Survivor(TwoWorkers):
+    class Survivor(MirroredPeer):
         rank = worker_index = 1
 
         def all_reduce(self, tensor, op="sum", group=None, async_op=False, key=None):
@@ -326,7 +289,7 @@ def test_a_loop_of_your_own_keeps_each_steps_update_inside_its_step():
     model = Net()
     solver = make_solver("allreduce", bucket_mb=1e-5)
     solver.same_start = False
-    solver.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), TwoWorkers({}))
+    solver.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), MirroredPeer({}))
     assert solver.overlap_next is None
     assert solver.stats() == {"next_forward": {"off": "a loop of your own keeps the step boundary"}}
     (x, y), = _batches(1)
