@@ -53,6 +53,17 @@ def test_bad_input_gives_one_line_and_exit_2(args, expected):
     _one_line_error(run_cli(*args), expected)
 
 
+def test_version_is_the_installed_packages_and_the_sources():
+    from importlib.metadata import version
+
+    import distsync
+
+    proc = run_cli("--version")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"distsync {distsync.__version__}"
+    assert version("distsync") == distsync.__version__  # (pyproject's version is read from the sources)
+
+
 def test_port_in_use_is_named():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

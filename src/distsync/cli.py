@@ -17,6 +17,7 @@ from rich.measure import Measurement
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from distsync import __version__
 from distsync.errors import ConfigError, DistsyncError, Interrupted, exit_code
 from distsync.experiments.auto import AUTO, RECORD as AUTO_RECORD, WINNER as AUTO_WINNER
 
@@ -64,6 +65,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="distsync", description="Train PyTorch models with distributed synchronization solvers and compare them.")
+    p.add_argument("--version", action="version", version=f"distsync {__version__}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_run_commands(sub)
     _add_sim_commands(sub)
