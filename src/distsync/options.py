@@ -179,7 +179,8 @@ def _add_cluster_options(p: argparse.ArgumentParser) -> None:
                    help="emulate a cluster: every process on its own network host behind a link of this "
                         "rate (e.g. 200mbit, 1gbit,2ms); needs root")
     g.add_argument("--timeout", type=finite_float, default=run_default("timeout_s"), dest="timeout_s",
-                   help=f"seconds any blocking communication may take before the job fails "
+                   help=f"seconds a peer may stand still (neither its heartbeat nor its steps moving) before "
+                        f"it is taken for stalled, as if dead (--on-failure); a slow peer is waited for "
                         f"(default: {run_default('timeout_s'):g})")
     g.add_argument("--intra-op-threads", type=int, default=run_default("intra_op_threads"),
                    help=f"torch threads per process (default: {run_default('intra_op_threads')})")
