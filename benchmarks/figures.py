@@ -85,6 +85,8 @@ class Figure:
     #: why ``run`` without names leaves it out (a test set scored once per published result, at
     #: its measured commit): it runs when named
     by_name_only: str = ""
+    #: a test set scored once, at the commit it names: a release keeps it as it is (docs/release.md)
+    scored_once: bool = False
 
     @property
     def path(self) -> str:
@@ -141,10 +143,8 @@ FIGURES = [
     Figure("next_forward_hooks-gpu", "next_forward_hooks", ("--device", "cuda"),
            ("--device", "cuda", "--steps", "5", "--rounds", "1"), RUNTIME + (*ALLREDUCE,), "docs/gpu.md",
            needs_gpu=True),
-    Figure("real_sizes_gpt2", "real_sizes", ("--parts", "ring", "--models", "gpt2", "--links", "1gbit,10gbit",
-                                           "--workers", "4", "--seeds", "1,2,3", "--steps", "4", "--solvers",
-                                           "allreduce,allreduce:next_forward=false,allreduce:bucket_mb=8,ddp,"
-                                           "ddp:bucket_mb=8"),
+    Figure("real_sizes_gpt2", "real_sizes", ("--parts", "ring", "--models", "gpt2", "--workers", "4,8", "--solvers",
+                                           "allreduce,ddp", "--seeds", "1,2,3", "--steps", "4"),
            ("--parts", "ring", "--models", "gpt2", "--links", "10gbit", "--workers", "2", "--seeds", "1",
             "--steps", "4"),
            RUNTIME + (*ALLREDUCE,
@@ -159,6 +159,9 @@ FIGURES = [
            RUNTIME + ("src/distsync/solvers/parameter_server.py", "src/distsync/solvers/shard_service.py",
                       "src/distsync/workloads/resnet50.py"),
            "docs/benchmarks/real_sizes.md"),
+    Figure("release_check", "release_check", (), (),
+           ("benchmarks/release_check.py", "pyproject.toml", "README.md", "src/distsync/cli.py"), "docs/release.md",
+           min_repeats=1, by_name_only="the release check installs torch releases from PyPI: make release-check"),
     Figure("allreduce_vs_ddp", "allreduce_vs_ddp", ("--rounds", "3"),
            ("--rounds", "1", "--rows", "digits:2"),
            RUNTIME + (*ALLREDUCE, "src/distsync/solvers/ddp.py"),
@@ -305,18 +308,21 @@ FIGURES = [
            RUNTIME + ("src/distsync/sim", "src/distsync/solvers", *RECOMMEND,
                       "benchmarks/recommend_scenarios.py", "benchmarks/workloads"),
            "docs/benchmarks/recommend.md",
-           by_name_only="its test set is scored once per published result, at its measured commit, over hours"),
+           by_name_only="its test set is scored once per published result, at its measured commit, over hours",
+           scored_once=True),
     Figure("recommend_test2", "recommend", ("--set", "test2", "--fit", "--seeds", "1,2"), (),
            RUNTIME + ("src/distsync/sim", "src/distsync/solvers", *RECOMMEND,
                       "benchmarks/recommend_scenarios.py", "benchmarks/workloads"),
            "docs/benchmarks/recommend.md", min_repeats=2,
-           by_name_only="its test set is scored once per published result, at its measured commit, over hours"),
+           by_name_only="its test set is scored once per published result, at its measured commit, over hours",
+           scored_once=True),
     # (one seed: 8 scenarios x 7 runs to the target in at most 6 hours; the scenarios are the repeats)
     Figure("recommend_test3", "recommend", ("--set", "test3", "--seeds", "1"), (),
            RUNTIME + ("src/distsync/sim", "src/distsync/solvers", *RECOMMEND, "src/distsync/experiments/auto.py",
                       "benchmarks/recommend_scenarios.py", "benchmarks/recommend_auto.py", "benchmarks/workloads"),
            "docs/benchmarks/recommend.md", min_repeats=1,
-           by_name_only="its test set is scored once per published result, at its measured commit, over hours"),
+           by_name_only="its test set is scored once per published result, at its measured commit, over hours",
+           scored_once=True),
     Figure("devices", "devices", ("--steps-scale", "0.5", "--seeds", "1,2,3"),
            ("--workloads", "digits", "--workers", "4", "--steps-scale", "0.25", "--seeds", "1",
             "--out", "benchmarks/results/quick/devices"),

@@ -188,8 +188,8 @@ def _run(tmp_path, name, *args):
 @pytest.mark.slow
 @pytest.mark.parametrize("workload,workers,extra,split", [
     ("digits", 4, ["-o", "bucket_mb=0.002"], ["-o", "during_backward_mb=0"]),  # (every bucket front first)
-    ("cnn", 2, ["-o", "bucket_mb=0.05"], []),
-    ("resnet50", 4, ["-w", "width=8", "-w", "classes=10", "--batch-size", "4", "-o", "bucket_mb=0.05"], []),
+    ("cnn", 4, ["-o", "bucket_mb=0.05"], []),
+    ("resnet50", 2, ["-w", "width=8", "-w", "classes=10", "--batch-size", "4", "-o", "bucket_mb=0.05"], []),
 ], ids=lambda v: str(v))
 def test_models_are_bit_identical_to_the_step_bounded_all_reduce(tmp_path, workload, workers, extra, split):
     # (the buffers of resnet50's batch norms broadcast as each forward ends, its buckets settled in the next)

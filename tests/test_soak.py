@@ -57,12 +57,15 @@ def test_the_published_record_is_asked_for_as_figures_py_asks_and_keeps_its_logs
     for name in ("SOAK_RUNS", "SOAK_OUT", "SOAK_ARGS", "SOAK_BURNERS"):
         monkeypatch.delenv(name, raising=False)
     asked = []
-    monkeypatch.setattr(soak, "soak", lambda runs, burners, args, out, logs=None: asked.append((runs, out, logs)) or 0)
+    monkeypatch.setattr(soak, "soak", lambda runs, burners, args, out, logs=None, resume=False:
+                        asked.append((runs, out, logs, resume)) or 0)
     published = REPO / "docs" / "benchmarks" / "raw" / "soak.json"
     assert soak.main(["--runs", "3", "--json", str(published)]) == 0
     assert soak.main(["--out", "/tmp/soak-elsewhere.json"]) == 0
-    assert asked == [(3, published, REPO / "benchmarks" / "results" / "soak-logs"),
-                     (10, Path("/tmp/soak-elsewhere.json"), None)]
+    monkeypatch.setenv("SOAK_RESUME", "1")
+    assert soak.main(["--out", "/tmp/soak-elsewhere.json"]) == 0
+    assert asked == [(3, published, REPO / "benchmarks" / "results" / "soak-logs", False),
+                     (10, Path("/tmp/soak-elsewhere.json"), None, False), (10, Path("/tmp/soak-elsewhere.json"), None, True)]
 
 
 def test_the_record_rewriting_itself_is_no_change_to_the_working_tree(monkeypatch):
@@ -232,3 +235,42 @@ def test_the_record_is_published_when_the_soak_ends_not_under_the_suite_it_runs(
     with pytest.raises(KeyboardInterrupt):
         soak.soak(3, 0, [], tmp_path / "stopped.json", runner=stopped, say=lambda line: None, root=tmp_path)
     assert json.loads((tmp_path / "stopped.json").read_text())["repeats"] == 1
+
+
+def test_a_soak_resumed_at_its_own_commit_goes_on_from_its_last_run_and_elsewhere_is_refused(tmp_path, monkeypatch):
+    at = {"commit": "c" * 40, "dirty": False, "changed_files": [], "date": "d1", "machine": {"load_average_at_start": 1.0}}
+    monkeypatch.setattr(soak, "_provenance", lambda out: dict(at))
+    monkeypatch.setattr(soak, "_head", lambda: at["commit"])
+    out, calls, said = tmp_path / "soak.json", [], []
+    assert soak.soak(2, 0, ["tests/test_rules.py"], out, runner=_suite_that_fails({}, {}, calls),
+                     seeds=random.Random(1), say=said.append, root=tmp_path) == 0
+    first = json.loads(out.read_text())
+    # the next session: 3 more runs, the second of which fails, indexed after the first two
+    calls.clear()
+    at["date"] = "d2"
+    assert soak.soak(5, 0, ["tests/test_rules.py"], out, runner=_suite_that_fails({2: ["test_a"]}, {}, calls),
+                     seeds=random.Random(2), say=said.append, root=tmp_path, resume=True) == 1
+    record = json.loads(out.read_text())
+    assert len(calls) == 3 and [r["index"] for r in record["runs"]] == [1, 2, 3, 4, 5]
+    assert record["runs"][:2] == first["runs"] and record["seeds"][:2] == first["seeds"]
+    assert record["failures"]["tests/test_rules.py::test_a"]["runs"] == [4]
+    assert record["runs_asked"] == 5 and [(r["after_run"], r["date"]) for r in record["resumed"]] == [(2, "d2")]
+    assert "soak: going on after run 2 of " + str(out) in said
+    assert " Resumed after run 2 on d2." in soak.render({**record, "machine": {"cpu_count": 2, "torch": "t"}})
+    with pytest.raises(SystemExit, match="holds 5 runs already"):
+        soak.soak(5, 0, ["tests/test_rules.py"], out, runner=_suite_that_fails({}, {}, calls), root=tmp_path,
+                  resume=True)
+    with pytest.raises(SystemExit, match="ran 'tests/test_rules.py, pytest -n 2, beside 0 busy loops"):
+        soak.soak(9, 1, ["tests/test_rules.py"], out, runner=_suite_that_fails({}, {}, calls), root=tmp_path,
+                  resume=True)
+    at["commit"] = "e" * 40
+    with pytest.raises(SystemExit, match="was made at cccccccccc; this tree is eeeeeeeeee: a soak resumes only at"):
+        soak.soak(9, 0, ["tests/test_rules.py"], out, runner=_suite_that_fails({}, {}, calls), root=tmp_path,
+                  resume=True)
+    at["commit"], at["dirty"] = "c" * 40, True
+    with pytest.raises(SystemExit, match="this tree is cccccccccc with changes"):
+        soak.soak(9, 0, ["tests/test_rules.py"], out, runner=_suite_that_fails({}, {}, calls), root=tmp_path,
+                  resume=True)
+    with pytest.raises(SystemExit, match="nothing to resume: no record at"):
+        soak.soak(9, 0, [], tmp_path / "none.json", runner=_suite_that_fails({}, {}, calls), root=tmp_path,
+                  resume=True)

@@ -158,10 +158,11 @@ def regime(burner_count: int, pytest_args: list[str]) -> str:
 def soak(runs: int, burner_count: int, pytest_args: list[str], out: Path,
          runner: Callable[[list[str], dict[str, str], Path, Path], int] = run_suite,
          seeds: random.Random | None = None, say: Callable[[str], None] = print, root: Path = REPO,
-         logs: Path | None = None) -> int:
+         logs: Path | None = None, resume: bool = False) -> int:
     """Run the suite in ``root`` ``runs`` times beside ``burner_count`` busy loops; write the
     record to ``out`` after each run (with ``logs``, each run's output: by default beside it);
-    1 if any run failed, else 0."""
+    1 if any run failed, else 0. ``resume``: go on from the runs the record at ``out`` holds,
+    made at this commit (a soak longer than a machine is kept), up to ``runs`` in all."""
     seeds = seeds or random.SystemRandom()
     logs = logs or out.parent / f"{out.stem}-logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -173,6 +174,8 @@ def soak(runs: int, burner_count: int, pytest_args: list[str], out: Path,
                               "regime": regime(burner_count, pytest_args), "seeds": [], "repeats": 0,
                               "suite_command": suite_command, "runs_asked": runs, "burners": burner_count,
                               "runs": [], "failures": {}}
+    if resume:
+        record = resumed(out, started, runs, record["regime"], say)
     # (the record as it grows lies beside the logs: a suite under test that reads the published
     # path, its figure's raw file, must not see it change while it runs; it is published at the
     # end, however the soak ends)
@@ -194,7 +197,7 @@ def _soak_runs(runs: int, burner_count: int, pytest_args: list[str], runner, see
     """(:func:`soak`) The runs, each added to ``record``, which is written to ``working``
     after each."""
     with burners(burner_count):
-        for i in range(1, runs + 1):
+        for i in range(len(record["runs"]) + 1, runs + 1):
             shutil.rmtree(root / ".hypothesis", ignore_errors=True)
             hypothesis_seed, hash_seed = seeds.randrange(2**32), seeds.randrange(2**32)
             junit = logs / f"run-{i:02d}.xml"
@@ -226,6 +229,32 @@ def _soak_runs(runs: int, burner_count: int, pytest_args: list[str], runner, see
                 f"load {load_before[0]:.1f})")
             for test, message in failed.items():
                 say(f"  FAILED {test}: {short(message)}")
+
+
+def resumed(out: Path, started: dict[str, Any], runs: int, regime_now: str,
+            say: Callable[[str], None]) -> dict[str, Any]:
+    """The record at ``out`` to go on from: made at this commit, the tree the same but for the
+    record itself, the same tests beside the same load (what the earlier runs tested is what the
+    later ones test)."""
+    if not out.is_file():
+        raise SystemExit(f"soak: error: nothing to resume: no record at {out}")
+    record = json.loads(out.read_text())
+    if record.get("commit") != started["commit"] or started["dirty"] or record.get("dirty"):
+        raise SystemExit(f"soak: error: the record at {out} was made at {str(record.get('commit'))[:10]}"
+                         f"{' with changes' if record.get('dirty') else ''}; this tree is "
+                         f"{str(started['commit'])[:10]}{' with changes' if started['dirty'] else ''}: "
+                         f"a soak resumes only at its own commit, unchanged")
+    if record.get("regime") != regime_now:
+        raise SystemExit(f"soak: error: the record at {out} ran {record.get('regime')!r}; this soak would run "
+                         f"{regime_now!r}")
+    if len(record["runs"]) >= runs:
+        raise SystemExit(f"soak: error: the record at {out} holds {len(record['runs'])} runs already "
+                         f"(asked: {runs})")
+    record["runs_asked"] = runs
+    record.setdefault("resumed", []).append({"after_run": len(record["runs"]), "date": started["date"],
+                                             "machine": started["machine"]})
+    say(f"soak: going on after run {len(record['runs'])} of {out}")
+    return record
 
 
 def _provenance(out: Path) -> dict[str, Any]:
@@ -275,7 +304,9 @@ def render(raw: dict[str, Any]) -> str:
     dirty = ", with uncommitted changes" if raw.get("dirty") else ""
     lines = [f"`{raw['command']}` at commit {raw['commit'][:10]}{dirty}, {machine['cpu_count']} cores, "
              f"torch {machine['torch']}, {raw['date']}; {len(runs)} of {raw['runs_asked']} runs. "
-             f"Regime: {raw['regime']}.", "",
+             f"Regime: {raw['regime']}."
+             + "".join(f" Resumed after run {r['after_run']} on {r['date'][:16]}." for r in raw.get("resumed", [])),
+             "",
              "| run | commit | `--hypothesis-seed` | `PYTHONHASHSEED` | passed | failed | minutes | "
              "load before / after |", "|---|---|---|---|---|---|---|---|"]
     for r in runs:
@@ -323,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--burners", type=int, default=_env_int("SOAK_BURNERS", os.cpu_count() or 1))
     parser.add_argument("--out", "--json", type=Path,  # (--json: as figures.py runs a figure)
                         default=Path(os.environ.get("SOAK_OUT") or REPO / "benchmarks" / "results" / "soak.json"))
+    parser.add_argument("--resume", action="store_true", default=os.environ.get("SOAK_RESUME", "") not in ("", "0"),
+                        help="go on from the runs of the record at --out, made at this commit (default: SOAK_RESUME)")
     parser.add_argument("pytest_args", nargs="*", default=shlex.split(os.environ.get("SOAK_ARGS", "")),
                         help="passed on to pytest (default: SOAK_ARGS, else the whole suite)")
     args = parser.parse_args(argv)
@@ -341,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         out = args.out.resolve()
         # (the published record's logs stay out of the committed folder)
         logs = REPO / "benchmarks" / "results" / "soak-logs" if out == PUBLISHED else None
-        return soak(args.runs, args.burners, args.pytest_args, out, logs=logs)
+        return soak(args.runs, args.burners, args.pytest_args, out, logs=logs, resume=args.resume)
     except KeyboardInterrupt:
         print("soak: stopped; the record holds the runs that ended", file=sys.stderr)
         return 128 + stopped_by[0]
