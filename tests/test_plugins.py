@@ -662,10 +662,18 @@ def test_train_worker_stops_on_a_nan_loss(tmp_path):
 
     cfg, workload = _digits_cfg(), load_workload("digits")
     recovery = WorkerRecovery(faults=FaultInjector([parse_fault("nan:0@2")], tmp_path, 0, ["worker"]), run_dir=tmp_path)
+    backward = []
+
+    class Counts(Solver):
+        def after_backward(self, step):
+            backward.append(step)
+            return super().after_backward(step)
+
     with pytest.raises(DistsyncError, match=r"^worker rank 0: loss is nan at step 2; stopping \(try a lower --lr\)$"):
-        loop.train_worker(cfg, workload, Solver(), FakeComm(), torch.device("cpu"), Progress(None, 6),
+        loop.train_worker(cfg, workload, Counts(), FakeComm(), torch.device("cpu"), Progress(None, 6),
                           recovery=recovery)
     assert (tmp_path / "stop.json").exists()
+    assert backward == [0, 1]  # (step 2's non-finite gradients never went to the others)
 
 
 def test_a_forked_process_takes_the_launchers_environment_and_the_agents_settings(monkeypatch):

@@ -8,7 +8,7 @@ from typing import Any
 
 
 class MirroredPeer:
-    """Worker 0 of two. With ``names`` (a tensor's ``data_ptr()`` to a name), each all-reduce
+    """Worker 0 of two. With ``names`` (the address of a tensor's data to a name), each all-reduce
     launched and each one waited for is written to ``log`` as ``("launch"|"wait", name)``."""
 
     rank = worker_index = 0

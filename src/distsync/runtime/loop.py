@@ -216,6 +216,9 @@ def _step_body(run: RunState, s: StepState, t: int) -> tuple[torch.Tensor, torch
             with forward_precision(run.cfg.precision, run.device):  # forward (--precision bf16|fp16: autocast)
                 loss = run.workload.loss_fn(runner.forward(run, s, x), y)
             loss = hooks.on_loss(run, s, loss)
+            # (before backward: its gradients would reach the others' models, whose next loss
+            # would then say the run stopped there, a step after the cause, and maybe first)
+            _finite_loss(run, loss, s.step)
             s.forward_end = perf()
             if isinstance(solver, HoldsUpdate):  # (the last step's buckets, waited for in this forward)
                 s.aside_s += solver.take_forward_wait()
