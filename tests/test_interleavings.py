@@ -9,6 +9,7 @@ A worker's training-thread hooks run as sections named after them ("update",
 """
 
 import copy
+import time
 
 import pytest
 import torch
@@ -395,6 +396,8 @@ def _threads_rank(rank, world, solver, options, order, rounds):
                         grads = torch.autograd.grad(w.loss_fn(replica(x), y), list(replica.parameters()))
                     with script("update"):
                         s.hogwild_update(step, params, grads)
+                    if t == 0:  # (thread 0 comes late to its exchange: the order given still rules)
+                        time.sleep(0.05)
                     s.after_update(step)  # (an exchange here waits on the server: sections of its own)
 
             run_in_threads(thread, 2)

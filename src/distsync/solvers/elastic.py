@@ -24,6 +24,7 @@ towards them in turn (the elastic exchange, :func:`distsync.solvers.rules.elasti
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 from dataclasses import dataclass
@@ -225,8 +226,11 @@ class _ElasticServerSolver(ServerSolver):
 
     def _exchange(self, step):
         c = self.client
-        with self.client_lock:
+        # (the lock is taken inside the read's section, so that the order a test's forced
+        # interleaving gives the sections in is the order the threads' exchanges go in)
+        with contextlib.ExitStack() as held:
             with section("elastic.read"):
+                held.enter_context(self.client_lock)
                 mine = [v.flat() for v in c.views]
                 read = [x.clone() for x in mine] if self._live is not None else None
             centers = c.exchange(step, mine)
