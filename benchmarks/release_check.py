@@ -43,8 +43,9 @@ REGIME = "one machine, real CPU runs on loopback (the README's commands as they 
 
 
 def _run(cmd: list[str], cwd: Path, timeout: float = STEP_TIMEOUT_S,
-         env: dict[str, str] | None = None) -> dict[str, Any]:
-    """``cmd``'s exit status (124: timed out), its last lines of output and its seconds."""
+         env: dict[str, str] | None = None, whole: bool = False) -> dict[str, Any]:
+    """``cmd``'s exit status (124: timed out), its last lines of output and its seconds
+    (``whole``: its whole output too, as ``output``)."""
     t0 = time.monotonic()
     try:
         done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
@@ -54,7 +55,7 @@ def _run(cmd: list[str], cwd: Path, timeout: float = STEP_TIMEOUT_S,
     except OSError as e:
         rc, out = 127, str(e)
     return {"command": " ".join(shlex.quote(c) for c in cmd), "rc": rc, "seconds": round(time.monotonic() - t0, 1),
-            "tail": out.strip().splitlines()[-12:]}
+            "tail": out.strip().splitlines()[-12:], **({"output": out} if whole else {})}
 
 
 def source_version() -> str:
@@ -106,11 +107,12 @@ def install(torch: str, venv: Path, wheel: Path, reuse: bool) -> dict[str, Any]:
     else:
         _run([str(python), "-m", "pip", "uninstall", "--yes", "distsync"], WORK, 300)
     before = _torch_of(python)
-    got = _run([str(python), "-m", "pip", "install", f"{wheel}[workloads]"], WORK, INSTALL_TIMEOUT_S)
+    got = _run([str(python), "-m", "pip", "install", f"{wheel}[workloads]"], WORK, INSTALL_TIMEOUT_S, whole=True)
     after = _torch_of(python)
-    touched = [ln for ln in got["tail"] if re.search(r"(Uninstalling|Attempting uninstall): torch\b", ln)]
+    output = got.pop("output")
+    touched = [ln.strip() for ln in output.splitlines() if re.search(r"(Uninstalling|Attempting uninstall): torch\b", ln)]
     return {"ok": got["rc"] == 0 and before == after and not touched, "step": "pip install the wheel",
-            "torch_before": before, "torch_after": after, **got}
+            "torch_before": before, "torch_after": after, "pip_touched_torch": touched, **got}
 
 
 def outside(venv: Path, commands: dict[str, list[str]], version: str) -> list[dict[str, Any]]:
